@@ -1,0 +1,55 @@
+// kvtd/config/daemon_config.h - the daemon's configuration: command-line flags (CLI11), an
+// optional config file (--config, TOML or INI), and validation.
+//
+// Both kvtd's own flag names (--mp-num) and FastDeploy's cache-transfer names (--mp_num) are
+// accepted, so an engine that launched the Python manager can launch kvtd instead.
+//
+// Thread-safety: parse_daemon_flags is reentrant. DaemonConfig is a plain value.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvtd/proto/expected.h"
+#include "kvtd/proto/geometry.h"
+
+namespace kvtd::config {
+
+enum class ConfigErrc {
+  kHelp,          // --help or --version was asked for: message holds the text, exit 0
+  kParse,         // unknown flag, missing value, unreadable config file
+  kInvalidValue,  // a value failed validation; the message names the flag
+};
+
+enum class DeviceBackendKind { kHost, kCuda };
+
+struct DaemonConfig {
+  std::uint32_t rank = 0;
+  std::uint32_t mp_num = 1;
+  std::int32_t device_id = 0;
+  std::uint32_t num_layers = 1;
+  std::uint32_t num_host_blocks = 0;
+  std::int64_t key_cache_shape[4] = {0, 0, 0, 0};
+  std::int64_t value_cache_shape[4] = {0, 0, 0, 0};  // all zero: no value cache
+  proto::CacheDtype cache_dtype = proto::CacheDtype::kBFloat16;
+  std::string session_suffix;
+  DeviceBackendKind device_backend = DeviceBackendKind::kHost;
+  std::string log_dir;                 // empty: log to stderr only
+  std::string log_level = "info";
+  double engine_timeout_s = 5.0;       // engine heartbeat age after which we detach
+  double attach_timeout_s = 0.0;       // 0: wait for the session forever
+  double heartbeat_period_s = 0.1;
+  std::string model_id = "default";
+
+  proto::CacheGeometry geometry() const;
+};
+
+// Parses argv (argv[0] is the program name). Errors carry the text to print.
+[[nodiscard]] Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const* argv);
+
+// Parses "a,b,c,d" into exactly four positive integers.
+[[nodiscard]] Result<std::vector<std::int64_t>, ConfigErrc> parse_shape(const std::string& text,
+                                                                       const std::string& flag);
+
+}  // namespace kvtd::config

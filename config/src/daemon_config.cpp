@@ -1,0 +1,145 @@
+#include "kvtd/config/daemon_config.h"
+
+#include <CLI/CLI.hpp>
+#include <charconv>
+#include <sstream>
+
+namespace kvtd::config {
+
+proto::CacheGeometry DaemonConfig::geometry() const {
+  proto::CacheGeometry g{};
+  g.num_ranks = mp_num;
+  g.num_layers = num_layers;
+  g.dtype = static_cast<std::uint32_t>(cache_dtype);
+  g.num_host_blocks = num_host_blocks;
+  for (int i = 0; i < 4; ++i) {
+    g.key_shape[i] = key_cache_shape[i];
+    g.value_shape[i] = value_cache_shape[i];
+  }
+  return g;
+}
+
+Result<std::vector<std::int64_t>, ConfigErrc> parse_shape(const std::string& text, const std::string& flag) {
+  std::vector<std::int64_t> dims;
+  std::size_t pos = 0;
+  while (pos <= text.size()) {
+    const std::size_t comma = text.find(',', pos);
+    const std::string part = text.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    std::int64_t v = 0;
+    const auto* b = part.data();
+    const auto* e = part.data() + part.size();
+    auto [p, ec] = std::from_chars(b, e, v);
+    if (part.empty() || ec != std::errc() || p != e || v <= 0)
+      return make_error(ConfigErrc::kInvalidValue, flag + ": '" + text + "' must be four positive integers like 1000,8,64,128");
+    dims.push_back(v);
+    if (comma == std::string::npos) break;
+    pos = comma + 1;
+  }
+  if (dims.size() != 4)
+    return make_error(ConfigErrc::kInvalidValue, flag + ": '" + text + "' has " + std::to_string(dims.size()) +
+                                                     " dimensions; expected blocks,kv_heads,block_size,head_dim");
+  return dims;
+}
+
+Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const* argv) {
+  DaemonConfig c;
+  CLI::App app{"kvtd - KV-cache transfer daemon, one process per GPU rank", "kvtd"};
+  app.set_version_flag("--version", "kvtd 0.1.0");
+  app.set_config("--config", "", "Read flags from a TOML or INI file");
+  app.get_formatter()->column_width(40);
+
+  std::string key_shape, value_shape, dtype = "bfloat16", backend = "host", suffix;
+  std::int64_t rank = 0, mp_num = 1, num_layers = 1, host_blocks = 0, device_id = 0;
+  app.add_option("--rank", rank, "Tensor-parallel rank served by this process")->required();
+  app.add_option("--mp-num,--mp_num", mp_num, "Number of tensor-parallel ranks");
+  app.add_option("--device-id,--device_id", device_id, "CUDA device ordinal of this rank");
+  app.add_option("--num-layers,--num_layers", num_layers, "Transformer layers with a KV cache");
+  app.add_option("--num-host-blocks,--num_cpu_blocks", host_blocks, "Blocks in the pinned host pool");
+  app.add_option("--key-cache-shape,--key_cache_shape", key_shape, "blocks,kv_heads,block_size,head_dim")->required();
+  app.add_option("--value-cache-shape,--value_cache_shape", value_shape, "Same as key; omit for MLA (no value cache)");
+  app.add_option("--cache-dtype,--cache_dtype", dtype, "bfloat16 | float16 | uint8 | block_wise_fp8");
+  app.add_option("--session,--ipc-suffix,--ipc_suffix", suffix, "Session suffix shared with the engine")->required();
+  app.add_option("--device-backend", backend, "cuda | host");
+  app.add_option("--log-dir", c.log_dir, "Directory for the rotating per-rank log (default: stderr only)");
+  app.add_option("--log-level", c.log_level, "trace | debug | info | warn | error | critical | off");
+  app.add_option("--engine-timeout", c.engine_timeout_s, "Seconds of engine heartbeat silence before detaching");
+  app.add_option("--attach-timeout", c.attach_timeout_s, "Seconds to wait for the session (0 = forever)");
+  app.add_option("--heartbeat-period", c.heartbeat_period_s, "Seconds between rank heartbeats");
+  app.add_option("--model-id,--model_id", c.model_id, "Model id (namespaces storage keys)");
+
+  // FastDeploy cache-transfer flags that kvtd accepts and ignores, so launch lines carry over.
+  std::string ignored_s;
+  auto* compat = app.add_option_group("FastDeploy compatibility (accepted, ignored)");
+  for (const char* name : {"--splitwise_role", "--max_model_len", "--default_dtype", "--cache_queue_port",
+                           "--enable_splitwise", "--pod_ip", "--engine_worker_queue_port", "--protocol",
+                           "--local_data_parallel_id", "--rdma_port", "--speculative_config",
+                           "--kvcache_storage_backend", "--write_policy"}) {
+    compat->add_option(name, ignored_s, "ignored");
+  }
+  bool ignored_flag = false;
+  compat->add_flag("--create_cache_tensor", ignored_flag, "ignored");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success& e) {
+    std::ostringstream out;
+    app.exit(e, out, out);
+    return make_error(ConfigErrc::kHelp, out.str());
+  } catch (const CLI::ParseError& e) {
+    return make_error(ConfigErrc::kParse, std::string(e.what()) + " (run with --help for usage)");
+  }
+
+  auto bad = [](const std::string& m) { return make_error(ConfigErrc::kInvalidValue, m); };
+  if (mp_num < 1 || mp_num > 16) return bad("--mp-num: " + std::to_string(mp_num) + " must be in [1, 16]");
+  if (rank < 0 || rank >= mp_num)
+    return bad("--rank: " + std::to_string(rank) + " must be in [0, --mp-num=" + std::to_string(mp_num) + ")");
+  if (num_layers < 1 || num_layers > 512) return bad("--num-layers: " + std::to_string(num_layers) + " must be in [1, 512]");
+  if (host_blocks < 0 || host_blocks > INT32_MAX)
+    return bad("--num-host-blocks: " + std::to_string(host_blocks) + " must be in [0, 2^31)");
+  if (device_id < 0 || device_id > 1024) return bad("--device-id: " + std::to_string(device_id) + " must be >= 0");
+  c.rank = static_cast<std::uint32_t>(rank);
+  c.mp_num = static_cast<std::uint32_t>(mp_num);
+  c.num_layers = static_cast<std::uint32_t>(num_layers);
+  c.num_host_blocks = static_cast<std::uint32_t>(host_blocks);
+  c.device_id = static_cast<std::int32_t>(device_id);
+
+  auto ks = parse_shape(key_shape, "--key-cache-shape");
+  if (!ks.ok()) return std::move(ks).error();
+  for (int i = 0; i < 4; ++i) c.key_cache_shape[i] = (*ks)[static_cast<std::size_t>(i)];
+  if (c.key_cache_shape[0] > INT32_MAX) return bad("--key-cache-shape: block count must be < 2^31");
+  if (!value_shape.empty()) {
+    auto vs = parse_shape(value_shape, "--value-cache-shape");
+    if (!vs.ok()) return std::move(vs).error();
+    for (int i = 0; i < 4; ++i) c.value_cache_shape[i] = (*vs)[static_cast<std::size_t>(i)];
+    if (c.value_cache_shape[0] != c.key_cache_shape[0])
+      return bad("--value-cache-shape: block count " + std::to_string(c.value_cache_shape[0]) +
+                 " differs from --key-cache-shape's " + std::to_string(c.key_cache_shape[0]));
+  }
+
+  if (dtype == "bfloat16") c.cache_dtype = proto::CacheDtype::kBFloat16;
+  else if (dtype == "float16") c.cache_dtype = proto::CacheDtype::kFloat16;
+  else if (dtype == "uint8") c.cache_dtype = proto::CacheDtype::kUInt8;
+  else if (dtype == "block_wise_fp8") c.cache_dtype = proto::CacheDtype::kBlockWiseFp8;
+  else return bad("--cache-dtype: '" + dtype + "' is not one of bfloat16, float16, uint8, block_wise_fp8");
+
+  if (backend == "host") c.device_backend = DeviceBackendKind::kHost;
+  else if (backend == "cuda") c.device_backend = DeviceBackendKind::kCuda;
+  else return bad("--device-backend: '" + backend + "' is not one of cuda, host");
+
+  c.session_suffix = suffix;
+  if (suffix.empty() || suffix.size() > 64 ||
+      suffix.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") != std::string::npos)
+    return bad("--session: '" + suffix + "' must be 1-64 characters of [A-Za-z0-9_.-]");
+
+  static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
+  bool level_ok = false;
+  for (const char* l : kLevels) level_ok = level_ok || c.log_level == l;
+  if (!level_ok) return bad("--log-level: '" + c.log_level + "' is not one of trace, debug, info, warn, error, critical, off");
+  if (!(c.engine_timeout_s > 0)) return bad("--engine-timeout: must be positive seconds");
+  if (!(c.attach_timeout_s >= 0)) return bad("--attach-timeout: must be >= 0 seconds");
+  if (!(c.heartbeat_period_s > 0) || c.heartbeat_period_s * 2 >= c.engine_timeout_s)
+    return bad("--heartbeat-period: must be positive and under half of --engine-timeout");
+  return c;
+}
+
+}  // namespace kvtd::config

@@ -1,0 +1,18 @@
+// kvtd/daemon/log.h - thin logging macros over spdlog (rule 7). Never use in signal handlers.
+#pragma once
+
+#include <spdlog/spdlog.h>
+
+#define KVTD_TRACE(...) SPDLOG_TRACE(__VA_ARGS__)
+#define KVTD_DEBUG(...) ::spdlog::debug(__VA_ARGS__)
+#define KVTD_INFO(...) ::spdlog::info(__VA_ARGS__)
+#define KVTD_WARN(...) ::spdlog::warn(__VA_ARGS__)
+#define KVTD_ERROR(...) ::spdlog::error(__VA_ARGS__)
+
+namespace kvtd::daemon {
+
+// Installs the default logger: stderr plus, when log_dir is non-empty, a rotating file
+// <log_dir>/kvtd_rank<rank>.log (64 MiB x 5). Returns false with `error` set on failure.
+bool init_logging(const std::string& log_dir, std::uint32_t rank, const std::string& level, std::string* error);
+
+}  // namespace kvtd::daemon

@@ -1,0 +1,64 @@
+// kvtd/daemon/task_runner.h - serves one attached session: a dispatcher thread reads the task
+// ring, validates and plans each task, and hands it to the executor of its direction (one for
+// device->host, one for host->device), so an eviction never waits behind a load.
+//
+// Ordering: tasks of one direction run in submission order. A task that touches a host or
+// device block that a task of the other direction still has in flight (or that names such a
+// task in after_task_id) waits for it, so an evict followed by a load of the same block sees
+// the evicted bytes. Independent tasks of the two directions run concurrently.
+//
+// Every task gets exactly one completion: ok, or an error naming the problem. A malformed task
+// never stops the runner.
+//
+// Ownership: borrows the endpoint and backend, which must outlive it. Not copyable.
+// Thread-safety: run() once, from one thread; stats() from any thread.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "kvtd/daemon/device_backend.h"
+#include "kvtd/ipc/rank_endpoint.h"
+
+namespace kvtd::daemon {
+
+// The copy targets of one attached cache, built once per attach.
+struct AttachedCache {
+  std::vector<kernels::CopyTarget> to_host;    // every layer x present tensor: device -> host
+  std::vector<kernels::CopyTarget> to_device;  // the same pairs reversed
+  std::vector<std::uint64_t> block_bytes;      // per present tensor kind
+  std::int64_t device_blocks = 0;
+  std::int64_t host_blocks = 0;
+  std::uint32_t num_layers = 0;
+};
+
+struct RunnerStats {
+  std::uint64_t tasks_ok = 0;
+  std::uint64_t tasks_failed = 0;
+  std::uint64_t bytes_to_host = 0;
+  std::uint64_t bytes_to_device = 0;
+};
+
+class TaskRunner {
+ public:
+  enum class Exit { kStopped, kSessionLost, kRingCorrupt };
+
+  TaskRunner(ipc::RankEndpoint& endpoint, DeviceBackend& backend, AttachedCache cache);
+  ~TaskRunner();
+  TaskRunner(const TaskRunner&) = delete;
+  TaskRunner& operator=(const TaskRunner&) = delete;
+
+  // Serves until `stop` is set (tasks already dispatched are finished first) or the session is
+  // lost. Returns why it stopped.
+  Exit run(const std::atomic<bool>& stop);
+
+  RunnerStats stats() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvtd::daemon

@@ -1,0 +1,77 @@
+// Host device backend: "device" tensors are shared-memory objects created by the engine side.
+#include <sys/mman.h>
+
+#include <boost/interprocess/mapped_region.hpp>
+#include <boost/interprocess/shared_memory_object.hpp>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kvtd/daemon/device_backend.h"
+
+namespace kvtd::daemon {
+namespace {
+namespace bip = boost::interprocess;
+
+class HostBackend final : public DeviceBackend {
+ public:
+  ~HostBackend() override {
+    close_tensors();
+    for (auto& [p, n] : host_) munmap(p, n);
+  }
+
+  const char* name() const override { return "host"; }
+
+  Result<std::byte*, DeviceErrc> open_tensor(const proto::TensorDesc& d) override {
+    const auto* raw = reinterpret_cast<const char*>(d.handle);
+    const std::size_t len = strnlen(raw, sizeof d.handle);
+    if (len == 0 || len == sizeof d.handle)
+      return make_error(DeviceErrc::kOpenFailed, "tensor handle is not a shared-memory object name");
+    const std::string name(raw, len);
+    auto it = maps_.find(name);
+    if (it == maps_.end()) {
+      try {
+        bip::shared_memory_object shm(bip::open_only, name.c_str(), bip::read_write);
+        auto region = std::make_unique<bip::mapped_region>(shm, bip::read_write);
+        it = maps_.emplace(name, std::move(region)).first;
+      } catch (const bip::interprocess_exception& e) {
+        return make_error(DeviceErrc::kOpenFailed, "cannot open device tensor object " + name + ": " + e.what());
+      }
+    }
+    auto& region = *it->second;
+    if (d.offset > region.get_size() || d.bytes > region.get_size() - d.offset)
+      return make_error(DeviceErrc::kOpenFailed, "tensor at offset " + std::to_string(d.offset) + " of " +
+                                                     std::to_string(d.bytes) + " bytes exceeds object " + name +
+                                                     " of " + std::to_string(region.get_size()) + " bytes");
+    return static_cast<std::byte*>(region.get_address()) + d.offset;
+  }
+
+  void close_tensors() override { maps_.clear(); }
+
+  Result<std::byte*, DeviceErrc> alloc_host(std::size_t bytes) override {
+    if (bytes == 0) return static_cast<std::byte*>(nullptr);
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (p == MAP_FAILED)
+      return make_error(DeviceErrc::kAllocFailed, "cannot allocate " + std::to_string(bytes) +
+                                                      " bytes of host pool: " + std::strerror(errno));
+    host_.emplace_back(p, bytes);
+    return static_cast<std::byte*>(p);
+  }
+
+  Status<DeviceErrc> copy(Direction, const kernels::CopyPlan& plan,
+                          std::span<const kernels::CopyTarget> targets) override {
+    kernels::copy_all_host(plan, targets);
+    return {};
+  }
+
+ private:
+  std::map<std::string, std::unique_ptr<bip::mapped_region>> maps_;
+  std::vector<std::pair<void*, std::size_t>> host_;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceBackend> make_host_backend() { return std::make_unique<HostBackend>(); }
+
+}  // namespace kvtd::daemon

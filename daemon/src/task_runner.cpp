@@ -1,0 +1,295 @@
+#include "kvtd/daemon/task_runner.h"
+
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+
+#include "kvtd/daemon/log.h"
+#include "kvtd/ipc/clock.h"
+#include "kvtd/ipc/wait.h"
+
+namespace kvtd::daemon {
+
+using proto::TaskKind;
+using proto::TaskStatus;
+
+namespace {
+
+constexpr std::int64_t kPollSliceNs = 50'000'000;  // how often idle threads re-check stop flags
+
+struct Work {
+  proto::TaskRecordHeader header{};
+  kernels::CopyPlan plan;
+  std::vector<std::int32_t> host_ids;    // for in-flight block tracking
+  std::vector<std::int32_t> device_ids;
+};
+
+TaskStatus status_of(kernels::PlanErrc e) {
+  switch (e) {
+    case kernels::PlanErrc::kLengthMismatch: return TaskStatus::kLengthMismatch;
+    case kernels::PlanErrc::kSourceOutOfRange:
+    case kernels::PlanErrc::kDestinationOutOfRange: return TaskStatus::kIdOutOfRange;
+    case kernels::PlanErrc::kDuplicateDestination: return TaskStatus::kDuplicateDestination;
+    case kernels::PlanErrc::kSizeOverflow: return TaskStatus::kMalformed;
+  }
+  return TaskStatus::kInternal;
+}
+
+}  // namespace
+
+struct TaskRunner::Impl {
+  ipc::RankEndpoint& ep;
+  DeviceBackend& backend;
+  AttachedCache cache;
+
+  // In-flight block counts per direction, for cross-direction ordering. Guarded by track_mu.
+  std::mutex track_mu;
+  std::vector<std::uint16_t> busy_host[2];
+  std::vector<std::uint16_t> busy_device[2];
+  std::unordered_map<std::uint64_t, int> inflight_tasks;  // task id -> direction index
+  std::atomic<std::uint32_t> track_word{0};
+  std::atomic<std::uint32_t> track_waiters{0};
+
+  struct Lane {
+    std::mutex mu;
+    std::deque<Work> queue;
+    std::atomic<std::uint32_t> word{0};
+    std::atomic<std::uint32_t> waiters{0};
+    std::atomic<bool> closing{false};
+    std::thread thread;
+  } lanes[2];
+
+  mutable std::mutex stats_mu;
+  RunnerStats stats;
+
+  Impl(ipc::RankEndpoint& e, DeviceBackend& b, AttachedCache c) : ep(e), backend(b), cache(std::move(c)) {
+    for (int d = 0; d < 2; ++d) {
+      busy_host[d].assign(static_cast<std::size_t>(cache.host_blocks), 0);
+      busy_device[d].assign(static_cast<std::size_t>(cache.device_blocks), 0);
+    }
+  }
+
+  void complete(const proto::TaskRecordHeader& h, TaskStatus status, std::uint64_t blocks, std::uint32_t layers,
+                std::int64_t start_ns, const std::string& message) {
+    proto::CompletionRecord rec{};
+    rec.task_id = h.task_id;
+    rec.seq = h.seq;
+    rec.status = static_cast<std::int32_t>(status);
+    rec.rank = ep.rank();
+    rec.kind = h.kind;
+    rec.layers_done = layers;
+    rec.blocks_done = blocks;
+    rec.start_ns = start_ns;
+    rec.end_ns = ipc::monotonic_now_ns();
+    const std::size_t n = std::min(message.size(), sizeof rec.message - 1);
+    std::memcpy(rec.message, message.data(), n);
+    if (status != TaskStatus::kOk)
+      KVTD_WARN("task {} ({}) failed: {}: {}", h.task_id, proto::task_kind_name(static_cast<TaskKind>(h.kind)),
+                proto::task_status_name(status), message);
+    {
+      std::lock_guard<std::mutex> g(stats_mu);
+      if (status == TaskStatus::kOk) ++stats.tasks_ok;
+      else ++stats.tasks_failed;
+    }
+    if (auto st = ep.complete(rec); !st.ok()) KVTD_ERROR("lost completion of task {}: {}", h.task_id, st.error().message);
+  }
+
+  static int lane_of(TaskKind k) { return k == TaskKind::kSwapToHost ? 0 : 1; }
+
+  // Requires track_mu. True if `w` touches a block the other lane still has in flight, or names
+  // an after-task still in flight on the other lane.
+  bool conflicts(const Work& w, int lane) const {
+    const int other = 1 - lane;
+    if (w.header.after_task_id != 0) {
+      auto it = inflight_tasks.find(w.header.after_task_id);
+      if (it != inflight_tasks.end() && it->second == other) return true;
+    }
+    for (auto id : w.host_ids)
+      if (busy_host[other][static_cast<std::size_t>(id)]) return true;
+    for (auto id : w.device_ids)
+      if (busy_device[other][static_cast<std::size_t>(id)]) return true;
+    return false;
+  }
+
+  void track(const Work& w, int lane, int delta) {
+    for (auto id : w.host_ids) busy_host[lane][static_cast<std::size_t>(id)] = static_cast<std::uint16_t>(busy_host[lane][static_cast<std::size_t>(id)] + delta);
+    for (auto id : w.device_ids) busy_device[lane][static_cast<std::size_t>(id)] = static_cast<std::uint16_t>(busy_device[lane][static_cast<std::size_t>(id)] + delta);
+    if (delta > 0) inflight_tasks[w.header.task_id] = lane;
+    else inflight_tasks.erase(w.header.task_id);
+  }
+
+  // Decodes and validates one record; on failure sends the error completion and returns false.
+  bool decode(const std::vector<std::byte>& rec, Work& w) {
+    std::memcpy(&w.header, rec.data(), sizeof w.header);
+    const auto& h = w.header;
+    const std::int64_t now = ipc::monotonic_now_ns();
+    if (h.format_version != proto::kTaskFormatVersion) {
+      complete(h, TaskStatus::kBadVersion, 0, 0, now,
+               "task format version " + std::to_string(h.format_version) + " is not supported (daemon speaks " +
+                   std::to_string(proto::kTaskFormatVersion) + ")");
+      return false;
+    }
+    const auto kind = static_cast<TaskKind>(h.kind);
+    if (kind != TaskKind::kSwapToHost && kind != TaskKind::kSwapToDevice) {
+      complete(h, TaskStatus::kUnknownKind, 0, 0, now, "unknown task kind " + std::to_string(h.kind));
+      return false;
+    }
+    if (proto::task_record_bytes(h.num_src, h.num_dst) != h.record_bytes || h.record_bytes != rec.size()) {
+      complete(h, TaskStatus::kMalformed, 0, 0, now,
+               "record of " + std::to_string(rec.size()) + " bytes does not hold " + std::to_string(h.num_src) +
+                   " source and " + std::to_string(h.num_dst) + " destination ids");
+      return false;
+    }
+    const auto* ids = reinterpret_cast<const std::int32_t*>(rec.data() + sizeof(proto::TaskRecordHeader));
+    std::span<const std::int32_t> src(ids, h.num_src), dst(ids + h.num_src, h.num_dst);
+    const bool to_host = kind == TaskKind::kSwapToHost;
+    auto plan = kernels::plan_copy(src, dst, to_host ? cache.device_blocks : cache.host_blocks,
+                                   to_host ? cache.host_blocks : cache.device_blocks, cache.block_bytes);
+    if (!plan.ok()) {
+      const char* side_note = to_host ? " (source: device blocks, destination: host blocks)"
+                                      : " (source: host blocks, destination: device blocks)";
+      complete(h, status_of(plan.error().code), 0, 0, now, plan.error().message + side_note);
+      return false;
+    }
+    if (h.deadline_ns != 0 && now > h.deadline_ns) {
+      complete(h, TaskStatus::kDeadlineExceeded, 0, 0, now,
+               "deadline passed " + std::to_string((now - h.deadline_ns) / 1000) + " us before dispatch");
+      return false;
+    }
+    w.plan = std::move(plan).value();
+    w.device_ids.assign(to_host ? src.begin() : dst.begin(), to_host ? src.end() : dst.end());
+    w.host_ids.assign(to_host ? dst.begin() : src.begin(), to_host ? dst.end() : src.end());
+    return true;
+  }
+
+  // Waits while `w` conflicts with the other lane, then records it as in flight.
+  void admit(const Work& w, int lane) {
+    for (;;) {
+      const std::uint32_t seen = track_word.load(std::memory_order_acquire);
+      {
+        std::lock_guard<std::mutex> g(track_mu);
+        if (!conflicts(w, lane)) {
+          track(w, lane, +1);
+          return;
+        }
+      }
+      // The other lane always finishes its in-flight copies, so this wait ends; the slice only
+      // bounds each sleep.
+      (void)ipc::wait_on_word(track_word, seen, ipc::monotonic_now_ns() + kPollSliceNs, &track_waiters, 2'000);
+    }
+  }
+
+  void enqueue(Work&& w, int lane) {
+    auto& l = lanes[lane];
+    {
+      std::lock_guard<std::mutex> g(l.mu);
+      l.queue.push_back(std::move(w));
+    }
+    ipc::bump_and_wake(l.word, &l.waiters);
+  }
+
+  void execute(Work& w, int lane) {
+    const auto& h = w.header;
+    const std::int64_t start = ipc::monotonic_now_ns();
+    if (h.deadline_ns != 0 && start > h.deadline_ns) {
+      complete(h, TaskStatus::kDeadlineExceeded, 0, 0, start,
+               "deadline passed " + std::to_string((start - h.deadline_ns) / 1000) + " us before execution");
+      return;
+    }
+    const auto& targets = lane == 0 ? cache.to_host : cache.to_device;
+    auto st = backend.copy(lane == 0 ? Direction::kToHost : Direction::kToDevice, w.plan, targets);
+    if (!st.ok()) {
+      complete(h, TaskStatus::kDeviceError, 0, 0, start, st.error().message);
+      return;
+    }
+    std::uint64_t bytes = 0;
+    for (auto b : cache.block_bytes) bytes += b;
+    bytes *= cache.num_layers * static_cast<std::uint64_t>(w.plan.num_blocks);
+    {
+      std::lock_guard<std::mutex> g(stats_mu);
+      (lane == 0 ? stats.bytes_to_host : stats.bytes_to_device) += bytes;
+    }
+    complete(h, TaskStatus::kOk, static_cast<std::uint64_t>(w.plan.num_blocks), cache.num_layers, start, "");
+  }
+
+  void lane_loop(int lane) {
+    auto& l = lanes[lane];
+    for (;;) {
+      const std::uint32_t seen = l.word.load(std::memory_order_acquire);
+      Work w;
+      bool have = false;
+      {
+        std::lock_guard<std::mutex> g(l.mu);
+        if (!l.queue.empty()) {
+          w = std::move(l.queue.front());
+          l.queue.pop_front();
+          have = true;
+        }
+      }
+      if (!have) {
+        if (l.closing.load(std::memory_order_acquire)) return;  // queue drained
+        (void)ipc::wait_on_word(l.word, seen, ipc::monotonic_now_ns() + kPollSliceNs, &l.waiters, 20'000);
+        continue;
+      }
+      execute(w, lane);
+      {
+        std::lock_guard<std::mutex> g(track_mu);
+        track(w, lane, -1);
+      }
+      ipc::bump_and_wake(track_word, &track_waiters);
+    }
+  }
+};
+
+TaskRunner::TaskRunner(ipc::RankEndpoint& endpoint, DeviceBackend& backend, AttachedCache cache)
+    : impl_(std::make_unique<Impl>(endpoint, backend, std::move(cache))) {}
+
+TaskRunner::~TaskRunner() = default;
+
+RunnerStats TaskRunner::stats() const {
+  std::lock_guard<std::mutex> g(impl_->stats_mu);
+  return impl_->stats;
+}
+
+TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop) {
+  auto* impl = impl_.get();
+  for (int d = 0; d < 2; ++d) impl->lanes[d].thread = std::thread([impl, d] { impl->lane_loop(d); });
+
+  Exit exit = Exit::kStopped;
+  std::vector<std::byte> record;
+  record.reserve(4096);
+  while (!stop.load(std::memory_order_acquire)) {
+    const auto next = impl->ep.next_task(record, ipc::monotonic_now_ns() + kPollSliceNs);
+    if (next == ipc::RankEndpoint::Next::kTimeout) continue;
+    if (next == ipc::RankEndpoint::Next::kRegranted) {
+      KVTD_WARN("the engine had counted this rank as dead; re-attached as epoch {}", impl->ep.epoch());
+      continue;
+    }
+    if (next == ipc::RankEndpoint::Next::kLost) {
+      exit = Exit::kSessionLost;
+      break;
+    }
+    if (next == ipc::RankEndpoint::Next::kCorrupt) {
+      exit = Exit::kRingCorrupt;
+      break;
+    }
+    Work w;
+    if (!impl->decode(record, w)) continue;
+    const int lane = Impl::lane_of(static_cast<TaskKind>(w.header.kind));
+    impl->admit(w, lane);
+    impl->enqueue(std::move(w), lane);
+  }
+
+  for (auto& l : impl->lanes) {
+    l.closing.store(true, std::memory_order_release);
+    ipc::bump_and_wake(l.word, &l.waiters);
+  }
+  for (auto& l : impl->lanes)
+    if (l.thread.joinable()) l.thread.join();
+  return exit;
+}
+
+}  // namespace kvtd::daemon

@@ -1,0 +1,24 @@
+// kvtd/ipc/clock.h - time source behind an interface, so tests can inject a frozen or skewed clock.
+//
+// All deadlines and heartbeats in kvtd are CLOCK_MONOTONIC nanoseconds, which every process on
+// the machine shares. Thread-safety: implementations must be safe to call from any thread.
+#pragma once
+
+#include <cstdint>
+
+namespace kvtd::ipc {
+
+class Clock {
+ public:
+  virtual ~Clock() = default;
+  // CLOCK_MONOTONIC nanoseconds (or the test's idea of it).
+  virtual std::int64_t now_ns() const = 0;
+};
+
+// The real monotonic clock; a process-wide instance that is never destroyed.
+const Clock& monotonic_clock();
+
+// Reads CLOCK_MONOTONIC directly (for code that has no Clock injected, e.g. the hot path).
+std::int64_t monotonic_now_ns();
+
+}  // namespace kvtd::ipc

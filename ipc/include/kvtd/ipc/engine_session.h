@@ -1,0 +1,124 @@
+// kvtd/ipc/engine_session.h - the engine-side client library.
+//
+// The engine creates one session per data-parallel group: a shared-memory segment named
+// "kvtd_<uid>_<suffix>" (mode 0600) holding the cache geometry, the tensor registry, the task
+// ring and one completion ring per rank. Rank daemons attach to it. The engine registers its
+// tensors, publishes the session, submits tasks and waits for their merged completions: a task
+// is done when every rank reported, its status is the first failure (if any) and its block count
+// is the MIN over ranks.
+//
+// A background thread writes the engine heartbeat, grants rank attach requests and declares a
+// rank dead when its heartbeat is older than `rank_timeout_ns`; the dead rank's pending tasks
+// then complete with TaskStatus::kRankDead instead of hanging.
+//
+// Ownership: EngineSession owns the segment and unlinks it on destruction (attached daemons
+// notice the closed state and detach). Not copyable or movable.
+// Thread-safety: every method may be called from any thread. Waits never hold the internal
+// mutex while sleeping.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvtd/ipc/clock.h"
+#include "kvtd/ipc/errors.h"
+#include "kvtd/proto/expected.h"
+#include "kvtd/proto/session.h"
+
+namespace kvtd::ipc {
+
+struct SessionOptions {
+  std::string suffix;                    // [A-Za-z0-9_.-]{1,64}, e.g. the engine's ipc_suffix
+  proto::CacheGeometry geometry{};
+  std::uint64_t ring_bytes = 1u << 20;   // task ring size, power of two >= 4096
+  std::uint32_t completion_capacity = 4096;  // per rank; also the in-flight task limit
+  std::int64_t rank_timeout_ns = 3'000'000'000;   // heartbeat age that makes a rank dead
+  std::int64_t service_period_ns = 10'000'000;    // heartbeat / grant / liveness period
+  bool replace_stale = true;             // remove a leftover segment whose creator is dead
+  const Clock* clock = nullptr;          // defaults to monotonic_clock()
+};
+
+struct TaskRequest {
+  proto::TaskKind kind = proto::TaskKind::kSwapToHost;
+  std::span<const std::int32_t> src;  // SWAP_TO_HOST: device ids; SWAP_TO_DEVICE: host ids
+  std::span<const std::int32_t> dst;
+  std::int64_t submit_timeout_ns = 1'000'000'000;  // how long submit may wait for ring room
+  std::int64_t deadline_ns = 0;       // absolute CLOCK_MONOTONIC; 0 = none
+  std::uint64_t after_task_id = 0;    // run after this task (0 = no constraint)
+};
+
+struct RankFailure {
+  std::uint32_t rank;
+  proto::TaskStatus status;
+  std::string message;
+};
+
+struct TaskResult {
+  std::uint64_t task_id = 0;
+  proto::TaskStatus status = proto::TaskStatus::kOk;  // first failure by rank order, or kOk
+  std::uint64_t blocks_done = 0;                     // MIN over ranks
+  std::vector<RankFailure> failures;
+  std::int64_t submit_ns = 0;
+  std::int64_t complete_ns = 0;                      // when the last rank's report was merged
+  bool ok() const { return status == proto::TaskStatus::kOk; }
+};
+
+class EngineSession {
+ public:
+  // Creates and maps the segment, state kCreating. Fails with kInUse if a live engine owns it.
+  static Result<std::unique_ptr<EngineSession>, IpcErrc> create(const SessionOptions& options);
+  ~EngineSession();
+  EngineSession(const EngineSession&) = delete;
+  EngineSession& operator=(const EngineSession&) = delete;
+
+  // Registers one tensor (desc.rank/layer/kind select the slot). Only before publish().
+  Status<IpcErrc> register_tensor(const proto::TensorDesc& desc);
+
+  // Host device backend: creates one shared-memory "device" arena per rank, registers every
+  // tensor of the geometry inside it (handle = arena name, offset = position) and maps it here.
+  Status<IpcErrc> create_host_device_tensors();
+  // Address of a tensor made by create_host_device_tensors, or null.
+  std::byte* host_device_tensor(std::uint32_t rank, std::uint32_t layer, proto::TensorKind kind) const;
+
+  // Marks the session ready: daemons waiting on it validate and attach.
+  Status<IpcErrc> publish();
+
+  // Waits until every rank is attached with all ready flags set.
+  Status<IpcErrc> wait_ready(std::int64_t timeout_ns);
+
+  // Submits a task to every rank; returns its task id. Waits up to submit_timeout_ns for ring
+  // room (kRingFull after that) and for an in-flight slot (kTooManyInFlight). A rank that is not
+  // attached makes it fail fast with kNotReady.
+  Result<std::uint64_t, IpcErrc> submit(const TaskRequest& request);
+
+  // Test and tooling hook: writes `header` as given (kind, format_version, ids counts are NOT
+  // checked), so daemons' handling of malformed tasks can be exercised.
+  Result<std::uint64_t, IpcErrc> submit_raw(const proto::TaskRecordHeader& header,
+                                            std::span<const std::int32_t> src,
+                                            std::span<const std::int32_t> dst);
+
+  // The merged result if every rank reported; the result is handed out once.
+  std::optional<TaskResult> poll(std::uint64_t task_id);
+  // Waits up to timeout_ns for the merged result (kTimeout; kUnknownTask if never submitted).
+  Result<TaskResult, IpcErrc> wait(std::uint64_t task_id, std::int64_t timeout_ns);
+
+  // Whether rank r is attached and its heartbeat is fresh.
+  bool rank_alive(std::uint32_t rank) const;
+  std::size_t in_flight() const;
+
+  const proto::CacheGeometry& geometry() const;
+  const std::string& name() const;
+  std::uint64_t generation() const;
+
+ private:
+  struct Impl;
+  explicit EngineSession(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvtd::ipc

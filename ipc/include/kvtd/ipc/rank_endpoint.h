@@ -1,0 +1,78 @@
+// kvtd/ipc/rank_endpoint.h - the daemon's end of a session: attach, read tasks, report.
+//
+// attach() waits (bounded) for the engine's segment to appear and be published, refuses it
+// when it is owned by another user, is not a kvtd session, has another layout version or a
+// geometry that differs from the daemon's flags (the message names the field), then asks the
+// engine for an attach grant and waits for it. The grant places this rank's task-ring cursor at
+// the ring head: tasks submitted before the grant are not this epoch's.
+//
+// Ownership: RankEndpoint maps the segment and unmaps it on destruction, clearing its ready
+// flags first. Not copyable or movable.
+// Thread-safety: next_task() from one thread (the dispatcher); complete() from any thread
+// (serialised inside); heartbeat(), set_ready() and the queries from any thread.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvtd/ipc/errors.h"
+#include "kvtd/proto/expected.h"
+#include "kvtd/proto/session.h"
+
+namespace kvtd::ipc {
+
+struct EndpointOptions {
+  std::string suffix;
+  std::uint32_t rank = 0;
+  proto::CacheGeometry expected{};          // from the daemon's flags
+  std::int64_t attach_timeout_ns = 0;       // 0 = wait for the session forever
+  std::int64_t grant_timeout_ns = 5'000'000'000;
+  std::int64_t engine_timeout_ns = 5'000'000'000;  // engine heartbeat age that counts as gone
+  std::uint64_t skip_generation = 0;        // a session generation we just left: ignore it
+  const std::atomic<bool>* stop = nullptr;  // abandon waiting when set
+  std::function<void(const std::string&)> on_waiting;  // called every few seconds while waiting
+};
+
+class RankEndpoint {
+ public:
+  enum class Next { kTask, kTimeout, kRegranted, kLost, kCorrupt };
+
+  static Result<std::unique_ptr<RankEndpoint>, IpcErrc> attach(const EndpointOptions& options);
+  ~RankEndpoint();
+  RankEndpoint(const RankEndpoint&) = delete;
+  RankEndpoint& operator=(const RankEndpoint&) = delete;
+
+  // Waits until deadline for the next task record, copied into `record`.
+  //   kTask: a record is in `record` (not yet validated: the dispatcher does that).
+  //   kTimeout: none arrived. kRegranted: the engine had declared us dead; we asked for and got
+  //   a new grant (tasks in between are lost to us and were failed by the engine).
+  //   kLost: the engine closed the session or stopped heartbeating. kCorrupt: broken framing.
+  Next next_task(std::vector<std::byte>& record, std::int64_t deadline_ns);
+
+  // Publishes one completion record. Fails only if the engine stopped draining (ring full).
+  Status<IpcErrc> complete(const proto::CompletionRecord& record);
+
+  void heartbeat();                        // stores now into this rank's heartbeat slot
+  void set_ready(std::uint32_t flags);     // ReadyFlag bits
+  bool engine_alive() const;               // published, not closed, heartbeat fresh
+
+  const proto::SessionHeader& header() const;
+  const proto::CacheGeometry& geometry() const;
+  // The registered tensor of this rank, or null if the geometry has none of that kind.
+  const proto::TensorDesc* tensor(std::uint32_t layer, proto::TensorKind kind) const;
+  std::uint32_t rank() const;
+  std::uint64_t generation() const;
+  std::uint32_t epoch() const;
+
+ private:
+  struct Impl;
+  explicit RankEndpoint(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvtd::ipc

@@ -1,0 +1,529 @@
+#include "kvtd/ipc/engine_session.h"
+
+#include <signal.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <unordered_map>
+
+#include "kvtd/ipc/rings.h"
+#include "kvtd/ipc/wait.h"
+#include "segment.h"
+
+namespace kvtd::ipc {
+
+using proto::TaskStatus;
+
+const char* ipc_errc_name(IpcErrc e) {
+  switch (e) {
+    case IpcErrc::kInvalidArgument: return "invalid_argument";
+    case IpcErrc::kNotFound: return "not_found";
+    case IpcErrc::kPermission: return "permission";
+    case IpcErrc::kBadMagic: return "bad_magic";
+    case IpcErrc::kBadVersion: return "bad_version";
+    case IpcErrc::kGeometryMismatch: return "geometry_mismatch";
+    case IpcErrc::kInUse: return "in_use";
+    case IpcErrc::kTimeout: return "timeout";
+    case IpcErrc::kRingFull: return "ring_full";
+    case IpcErrc::kTooLarge: return "too_large";
+    case IpcErrc::kTooManyInFlight: return "too_many_in_flight";
+    case IpcErrc::kNotReady: return "not_ready";
+    case IpcErrc::kUnknownTask: return "unknown_task";
+    case IpcErrc::kClosed: return "closed";
+    case IpcErrc::kSystem: return "system";
+  }
+  return "unknown";
+}
+
+namespace {
+
+bool is_pow2(std::uint64_t v) { return v != 0 && (v & (v - 1)) == 0; }
+
+std::string check_geometry(const proto::CacheGeometry& g) {
+  if (g.num_ranks < 1 || g.num_ranks > proto::kMaxRanks)
+    return "num_ranks must be in [1, " + std::to_string(proto::kMaxRanks) + "]";
+  if (g.num_layers < 1 || g.num_layers > proto::kMaxLayers)
+    return "num_layers must be in [1, " + std::to_string(proto::kMaxLayers) + "]";
+  if (proto::dtype_bytes(g.cache_dtype()) == 0) return "dtype is not a known cache dtype";
+  for (int i = 0; i < 4; ++i)
+    if (g.key_shape[i] <= 0) return "key shape dimension " + std::to_string(i) + " must be positive";
+  if (g.key_shape[0] > INT32_MAX) return "device block count must be < 2^31";
+  if (g.has_value()) {
+    for (int i = 0; i < 4; ++i)
+      if (g.value_shape[i] <= 0) return "value shape dimension " + std::to_string(i) + " must be positive";
+    if (g.value_shape[0] != g.key_shape[0]) return "value and key shapes must have the same block count";
+  } else {
+    for (int i = 0; i < 4; ++i)
+      if (g.value_shape[i] != 0) return "value shape must be all zero or all positive";
+  }
+  if (g.num_host_blocks > INT32_MAX) return "host block count must be < 2^31";
+  return "";
+}
+
+struct Pending {
+  std::uint32_t expected = 0;  // rank bit mask
+  std::uint32_t reported = 0;
+  bool have_blocks = false;
+  TaskResult result;
+};
+
+}  // namespace
+
+struct EngineSession::Impl {
+  SessionOptions opts;
+  const Clock* clock = nullptr;
+  std::unique_ptr<detail::SharedMapping> mapping;
+  proto::SessionHeader* h = nullptr;
+  std::unique_ptr<TaskRingWriter> ring;
+  std::vector<CompletionRing> completions;
+  std::vector<std::unique_ptr<detail::SharedMapping>> arenas;  // host-backend device tensors
+  std::vector<std::byte*> arena_tensor;                      // by registry index
+  std::string name;
+
+  mutable std::mutex mu;
+  std::unordered_map<std::uint64_t, Pending> pending;
+  std::unordered_map<std::uint64_t, TaskResult> done;
+  std::uint64_t next_task_id = 1;
+
+  std::mutex stop_mu;
+  std::condition_variable stop_cv;
+  bool stopping = false;
+  std::thread service_thread;
+
+  std::uint32_t all_ranks_mask() const { return h->geometry.num_ranks >= 32 ? ~0u : (1u << h->geometry.num_ranks) - 1; }
+
+  void wake_completion_waiters() { bump_and_wake(h->completion_word, &h->completion_waiters); }
+
+  // Requires mu.
+  void finish_if_complete(std::uint64_t id, Pending& p) {
+    if (p.reported != p.expected) return;
+    p.result.complete_ns = clock->now_ns();
+    if (!p.have_blocks) p.result.blocks_done = 0;
+    done.emplace(id, std::move(p.result));
+    pending.erase(id);
+  }
+
+  // Requires mu.
+  void record_report(Pending& p, std::uint32_t rank, TaskStatus status, std::uint64_t blocks,
+                     std::string message) {
+    const std::uint32_t bit = 1u << rank;
+    if ((p.expected & bit) == 0 || (p.reported & bit) != 0) return;  // late or duplicate report
+    p.reported |= bit;
+    if (status != TaskStatus::kOk) {
+      if (p.result.status == TaskStatus::kOk) p.result.status = status;
+      p.result.failures.push_back(RankFailure{rank, status, std::move(message)});
+      blocks = 0;
+    }
+    if (!p.have_blocks || blocks < p.result.blocks_done) p.result.blocks_done = blocks;
+    p.have_blocks = true;
+  }
+
+  // Requires mu.
+  void merge(const proto::CompletionRecord& rec) {
+    auto it = pending.find(rec.task_id);
+    if (it == pending.end() || rec.rank >= h->geometry.num_ranks) return;
+    std::string msg(rec.message, strnlen(rec.message, sizeof rec.message));
+    record_report(it->second, rec.rank, static_cast<TaskStatus>(rec.status), rec.blocks_done,
+                  std::move(msg));
+    finish_if_complete(rec.task_id, it->second);
+  }
+
+  // Requires mu. Fails every task still waiting for `rank`.
+  void fail_rank(std::uint32_t rank, TaskStatus status, const std::string& why) {
+    std::vector<std::uint64_t> ids;
+    for (auto& [id, p] : pending) {
+      const std::uint32_t bit = 1u << rank;
+      if ((p.expected & bit) && !(p.reported & bit)) ids.push_back(id);
+    }
+    for (auto id : ids) {
+      auto& p = pending[id];
+      record_report(p, rank, status, 0, why);
+      finish_if_complete(id, p);
+    }
+    if (!ids.empty()) wake_completion_waiters();
+  }
+
+  // Requires mu: drain completions, grant attach requests, declare stale ranks dead.
+  void service(bool check_pids) {
+    proto::CompletionRecord rec;
+    for (auto& ring_r : completions)
+      while (ring_r.try_pop(rec)) merge(rec);
+
+    const std::int64_t now = clock->now_ns();
+    for (std::uint32_t r = 0; r < h->geometry.num_ranks; ++r) {
+      auto& s = h->ranks[r];
+      const std::uint32_t req = s.attach_request.load(std::memory_order_acquire);
+      const bool attached = s.attached.load(std::memory_order_relaxed) != 0;
+      if (req != 0 && req != s.attached_epoch.load(std::memory_order_relaxed)) {
+        if (attached) fail_rank(r, TaskStatus::kRankDead, "rank " + std::to_string(r) + " restarted");
+        s.consumed.store(h->ring_head.load(std::memory_order_relaxed), std::memory_order_relaxed);
+        s.start_seq.store(h->next_seq.load(std::memory_order_relaxed), std::memory_order_relaxed);
+        s.attached_epoch.store(req, std::memory_order_release);
+        s.attached.store(1, std::memory_order_release);
+        bump_and_wake(h->publish_word, &h->consumer_waiters);  // the daemon waits for its grant
+        continue;
+      }
+      if (!attached) continue;
+      const std::int64_t age = now - s.heartbeat_ns.load(std::memory_order_acquire);
+      std::string why;
+      if (age > opts.rank_timeout_ns) {
+        why = "rank " + std::to_string(r) + " heartbeat is " + std::to_string(age / 1'000'000) + " ms old";
+      } else if (check_pids) {
+        const auto pid = static_cast<pid_t>(s.pid.load(std::memory_order_relaxed));
+        if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH)
+          why = "rank " + std::to_string(r) + " process " + std::to_string(pid) + " exited";
+      }
+      if (!why.empty()) {
+        s.attached.store(0, std::memory_order_release);
+        fail_rank(r, TaskStatus::kRankDead, why);
+        bump_and_wake(h->space_word, &h->producer_waiters);  // its ring bytes are free now
+      }
+    }
+  }
+
+  void service_loop() {
+    std::unique_lock<std::mutex> lk(stop_mu);
+    while (!stopping) {
+      {
+        std::lock_guard<std::mutex> g(mu);
+        h->engine_heartbeat_ns.store(clock->now_ns(), std::memory_order_release);
+        service(true);
+      }
+      stop_cv.wait_for(lk, std::chrono::nanoseconds(opts.service_period_ns));
+    }
+  }
+};
+
+EngineSession::EngineSession(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+EngineSession::~EngineSession() {
+  {
+    std::lock_guard<std::mutex> g(impl_->stop_mu);
+    impl_->stopping = true;
+  }
+  impl_->stop_cv.notify_all();
+  if (impl_->service_thread.joinable()) impl_->service_thread.join();
+  impl_->h->state.store(static_cast<std::uint32_t>(proto::SessionState::kClosed), std::memory_order_release);
+  bump_and_wake(impl_->h->publish_word, nullptr);
+  bump_and_wake(impl_->h->completion_word, nullptr);
+}
+
+Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const SessionOptions& o) {
+  if (!detail::valid_suffix(o.suffix))
+    return make_error(IpcErrc::kInvalidArgument, "session suffix '" + o.suffix + "' must be 1-64 of [A-Za-z0-9_.-]");
+  if (auto why = check_geometry(o.geometry); !why.empty())
+    return make_error(IpcErrc::kInvalidArgument, "geometry: " + why);
+  if (!is_pow2(o.ring_bytes) || o.ring_bytes < 4096)
+    return make_error(IpcErrc::kInvalidArgument, "ring_bytes must be a power of two >= 4096");
+  if (!is_pow2(o.completion_capacity) || o.completion_capacity < 2)
+    return make_error(IpcErrc::kInvalidArgument, "completion_capacity must be a power of two >= 2");
+  if (o.rank_timeout_ns <= 0 || o.service_period_ns <= 0)
+    return make_error(IpcErrc::kInvalidArgument, "rank_timeout_ns and service_period_ns must be positive");
+
+  auto impl = std::make_unique<Impl>();
+  impl->opts = o;
+  impl->clock = o.clock ? o.clock : &monotonic_clock();
+  impl->name = detail::session_name(o.suffix);
+  const auto layout = detail::compute_layout(o.geometry, o.ring_bytes, o.completion_capacity);
+
+  auto m = detail::create_mapping(impl->name, layout.total_bytes);
+  if (!m.ok() && m.error().code == IpcErrc::kInUse) {
+    // A leftover segment: replace it only if its creator is gone.
+    auto old = detail::open_mapping(impl->name);
+    pid_t creator = 0;
+    if (old.ok() && (*old)->size >= sizeof(proto::SessionHeader))
+      creator = static_cast<pid_t>(reinterpret_cast<proto::SessionHeader*>((*old)->data)->creator_pid);
+    const bool alive = creator > 0 && (kill(creator, 0) == 0 || errno != ESRCH);
+    if (alive || !o.replace_stale)
+      return make_error(IpcErrc::kInUse, "session " + impl->name + " is owned by live process " + std::to_string(creator));
+    detail::remove_mapping(impl->name);
+    m = detail::create_mapping(impl->name, layout.total_bytes);
+  }
+  if (!m.ok()) return std::move(m).error();
+  impl->mapping = std::move(m).value();
+
+  auto* h = new (impl->mapping->data) proto::SessionHeader();  // zeroed memory; atomics start at 0
+  h->layout_version = proto::kSessionLayoutVersion;
+  h->header_bytes = sizeof(proto::SessionHeader);
+  h->generation = (std::uint64_t{std::random_device{}()} << 32) ^ std::random_device{}() ^
+                  static_cast<std::uint64_t>(monotonic_now_ns());
+  h->creator_pid = static_cast<std::uint32_t>(getpid());
+  h->creator_uid = static_cast<std::uint32_t>(getuid());
+  h->completion_capacity = o.completion_capacity;
+  h->geometry = o.geometry;
+  h->registry_offset = layout.registry_offset;
+  h->registry_count = layout.registry_count;
+  h->task_ring_offset = layout.ring_offset;
+  h->task_ring_bytes = layout.ring_bytes;
+  h->completion_offset = layout.completion_offset;
+  h->completion_stride = layout.completion_stride;
+  h->total_bytes = layout.total_bytes;
+  h->engine_pid.store(static_cast<std::uint32_t>(getpid()));
+  h->engine_heartbeat_ns.store(impl->clock->now_ns());
+  h->state.store(static_cast<std::uint32_t>(proto::SessionState::kCreating));
+  std::atomic_thread_fence(std::memory_order_release);
+  // Magic last: a daemon that maps a half-built segment sees 0 and keeps waiting.
+  reinterpret_cast<std::atomic<std::uint64_t>*>(&h->magic)->store(proto::kSessionMagic, std::memory_order_release);
+  impl->h = h;
+
+  impl->ring = std::make_unique<TaskRingWriter>(h, detail::ring_bytes(h), h->task_ring_bytes);
+  for (std::uint32_t r = 0; r < o.geometry.num_ranks; ++r)
+    impl->completions.emplace_back(detail::completion_control(h, r), detail::completion_records(h, r),
+                                   o.completion_capacity);
+  impl->arena_tensor.assign(layout.registry_count, nullptr);
+  auto* raw = impl.get();
+  impl->service_thread = std::thread([raw] { raw->service_loop(); });
+  return std::unique_ptr<EngineSession>(new EngineSession(std::move(impl)));
+}
+
+Status<IpcErrc> EngineSession::register_tensor(const proto::TensorDesc& d) {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  auto* h = impl_->h;
+  if (h->state.load() != static_cast<std::uint32_t>(proto::SessionState::kCreating))
+    return make_error(IpcErrc::kInvalidArgument, "tensors can only be registered before publish()");
+  if (d.rank >= h->geometry.num_ranks || d.layer >= h->geometry.num_layers || d.kind >= proto::kTensorKinds)
+    return make_error(IpcErrc::kInvalidArgument, "tensor rank " + std::to_string(d.rank) + " layer " +
+                                                     std::to_string(d.layer) + " kind " + std::to_string(d.kind) +
+                                                     " is outside the geometry");
+  const auto kind = static_cast<proto::TensorKind>(d.kind);
+  if (!h->geometry.has_tensor(kind))
+    return make_error(IpcErrc::kInvalidArgument,
+                      std::string("the geometry has no ") + proto::tensor_kind_name(kind) + " tensor");
+  const std::uint64_t need = h->geometry.block_bytes(kind) * static_cast<std::uint64_t>(h->geometry.num_device_blocks());
+  if (d.bytes < need)
+    return make_error(IpcErrc::kInvalidArgument, std::string(proto::tensor_kind_name(kind)) + " tensor of layer " +
+                                                     std::to_string(d.layer) + " has " + std::to_string(d.bytes) +
+                                                     " bytes, the geometry needs " + std::to_string(need));
+  auto& slot = detail::registry(h)[proto::registry_index(h->geometry, d.rank, d.layer, kind)];
+  slot = d;
+  slot.valid = 1;
+  return {};
+}
+
+Status<IpcErrc> EngineSession::create_host_device_tensors() {
+  const auto& g = impl_->h->geometry;
+  for (std::uint32_t r = 0; r < g.num_ranks; ++r) {
+    std::uint64_t total = 0;
+    for (std::uint32_t l = 0; l < g.num_layers; ++l)
+      for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
+        const auto bytes = g.block_bytes(static_cast<proto::TensorKind>(k)) * static_cast<std::uint64_t>(g.num_device_blocks());
+        total += (bytes + 255) / 256 * 256;
+      }
+    const std::string arena = impl_->name + "_dev" + std::to_string(r);
+    detail::remove_mapping(arena);
+    auto m = detail::create_mapping(arena, total);
+    if (!m.ok()) return std::move(m).error();
+    std::uint64_t offset = 0;
+    for (std::uint32_t l = 0; l < g.num_layers; ++l)
+      for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
+        const auto kind = static_cast<proto::TensorKind>(k);
+        if (!g.has_tensor(kind)) continue;
+        proto::TensorDesc d{};
+        d.rank = r;
+        d.layer = l;
+        d.kind = k;
+        d.dtype = (kind == proto::TensorKind::kKey || kind == proto::TensorKind::kValue) ? g.dtype : 0;
+        d.device_id = -1;
+        d.ndim = (kind == proto::TensorKind::kKey || kind == proto::TensorKind::kValue) ? 4 : 3;
+        const std::int64_t* s = (kind == proto::TensorKind::kKey || kind == proto::TensorKind::kKeyScale) ? g.key_shape : g.value_shape;
+        for (std::uint32_t i = 0; i < d.ndim; ++i) d.shape[i] = s[i];
+        d.bytes = g.block_bytes(kind) * static_cast<std::uint64_t>(g.num_device_blocks());
+        d.offset = offset;
+        std::memcpy(d.handle, arena.c_str(), arena.size() + 1);
+        if (auto st = register_tensor(d); !st.ok()) return st;
+        impl_->arena_tensor[proto::registry_index(g, r, l, kind)] = (*m)->data + offset;
+        offset += (d.bytes + 255) / 256 * 256;
+      }
+    impl_->arenas.push_back(std::move(m).value());
+  }
+  return {};
+}
+
+std::byte* EngineSession::host_device_tensor(std::uint32_t rank, std::uint32_t layer, proto::TensorKind kind) const {
+  const auto& g = impl_->h->geometry;
+  if (rank >= g.num_ranks || layer >= g.num_layers) return nullptr;
+  return impl_->arena_tensor[proto::registry_index(g, rank, layer, kind)];
+}
+
+Status<IpcErrc> EngineSession::publish() {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  auto* h = impl_->h;
+  const auto& geo = h->geometry;
+  const auto* reg = detail::registry(h);
+  for (std::uint32_t r = 0; r < geo.num_ranks; ++r)
+    for (std::uint32_t l = 0; l < geo.num_layers; ++l)
+      for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
+        const auto kind = static_cast<proto::TensorKind>(k);
+        if (geo.has_tensor(kind) && !reg[proto::registry_index(geo, r, l, kind)].valid)
+          return make_error(IpcErrc::kInvalidArgument, std::string("tensor ") + proto::tensor_kind_name(kind) +
+                                                           " of rank " + std::to_string(r) + " layer " +
+                                                           std::to_string(l) + " is not registered");
+      }
+  h->state.store(static_cast<std::uint32_t>(proto::SessionState::kReady), std::memory_order_release);
+  bump_and_wake(h->publish_word, nullptr);
+  return {};
+}
+
+Status<IpcErrc> EngineSession::wait_ready(std::int64_t timeout_ns) {
+  const std::int64_t deadline = impl_->clock->now_ns() + timeout_ns;
+  const std::uint32_t want = proto::kReadyCacheAttached | proto::kReadyHostPool;
+  for (;;) {
+    std::uint32_t missing = proto::kMaxRanks;
+    for (std::uint32_t r = 0; r < impl_->h->geometry.num_ranks; ++r) {
+      const auto& s = impl_->h->ranks[r];
+      if (!s.attached.load() || (s.ready_flags.load() & want) != want) {
+        missing = r;
+        break;
+      }
+    }
+    if (missing == proto::kMaxRanks) return {};
+    if (impl_->clock->now_ns() >= deadline)
+      return make_error(IpcErrc::kTimeout, "rank " + std::to_string(missing) + " is not attached and ready after " +
+                                               std::to_string(timeout_ns / 1'000'000) + " ms");
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
+  proto::TaskRecordHeader hdr{};
+  hdr.kind = static_cast<std::uint16_t>(req.kind);
+  hdr.format_version = proto::kTaskFormatVersion;
+  hdr.after_task_id = req.after_task_id;
+  hdr.deadline_ns = req.deadline_ns;
+  auto* impl = impl_.get();
+  auto* h = impl->h;
+  if (!impl->ring->fits(req.src.size(), req.dst.size()))
+    return make_error(IpcErrc::kTooLarge, "a task of " + std::to_string(req.src.size()) + "+" +
+                                              std::to_string(req.dst.size()) + " block ids cannot fit in a " +
+                                              std::to_string(h->task_ring_bytes) + "-byte task ring");
+  const std::int64_t deadline = impl->clock->now_ns() + req.submit_timeout_ns;
+  for (;;) {
+    const std::uint32_t space_seen = h->space_word.load(std::memory_order_acquire);
+    const std::uint32_t done_seen = h->completion_word.load(std::memory_order_acquire);
+    bool wait_space = false;
+    {
+      std::lock_guard<std::mutex> g(impl->mu);
+      impl->service(false);
+      for (std::uint32_t r = 0; r < h->geometry.num_ranks; ++r) {
+        if (!h->ranks[r].attached.load(std::memory_order_acquire))
+          return make_error(IpcErrc::kNotReady, "rank " + std::to_string(r) + " is not attached to session " + impl->name);
+      }
+      if (impl->pending.size() < impl->opts.completion_capacity) {
+        hdr.task_id = impl->next_task_id;
+        hdr.submit_ns = impl->clock->now_ns();
+        std::uint64_t seq = 0;
+        if (impl->ring->try_push(hdr, req.src, req.dst, &seq)) {
+          ++impl->next_task_id;
+          Pending p;
+          p.expected = impl->all_ranks_mask();
+          p.result.task_id = hdr.task_id;
+          p.result.submit_ns = hdr.submit_ns;
+          impl->pending.emplace(hdr.task_id, std::move(p));
+          bump_and_wake(h->publish_word, &h->consumer_waiters);
+          return hdr.task_id;
+        }
+        wait_space = true;
+      }
+      const std::int64_t now = impl->clock->now_ns();
+      if (now >= deadline) {
+        if (wait_space)
+          return make_error(IpcErrc::kRingFull, "task ring full: " + std::to_string(impl->ring->free_bytes()) +
+                                                    " bytes free, task needs " +
+                                                    std::to_string(proto::task_record_bytes(
+                                                        static_cast<std::uint32_t>(req.src.size()),
+                                                        static_cast<std::uint32_t>(req.dst.size()))) +
+                                                    "; ranks did not consume within " +
+                                                    std::to_string(req.submit_timeout_ns / 1'000'000) + " ms");
+        return make_error(IpcErrc::kTooManyInFlight, std::to_string(impl->pending.size()) +
+                                                         " tasks in flight, the completion capacity");
+      }
+    }
+    const std::int64_t slice = std::min(deadline, monotonic_now_ns() + impl->opts.service_period_ns);
+    if (wait_space)
+      (void)wait_on_word(h->space_word, space_seen, slice, &h->producer_waiters, 5'000);
+    else
+      (void)wait_on_word(h->completion_word, done_seen, slice, &h->completion_waiters, 5'000);
+  }
+}
+
+Result<std::uint64_t, IpcErrc> EngineSession::submit_raw(const proto::TaskRecordHeader& header,
+                                                         std::span<const std::int32_t> src,
+                                                         std::span<const std::int32_t> dst) {
+  auto* impl = impl_.get();
+  std::lock_guard<std::mutex> g(impl->mu);
+  impl->service(false);
+  if (!impl->ring->fits(src.size(), dst.size())) return make_error(IpcErrc::kTooLarge, "raw task too large");
+  proto::TaskRecordHeader hdr = header;
+  hdr.task_id = impl->next_task_id;
+  hdr.submit_ns = impl->clock->now_ns();
+  if (!impl->ring->try_push(hdr, src, dst, nullptr)) return make_error(IpcErrc::kRingFull, "task ring full");
+  ++impl->next_task_id;
+  Pending p;
+  p.expected = impl->all_ranks_mask();
+  p.result.task_id = hdr.task_id;
+  p.result.submit_ns = hdr.submit_ns;
+  impl->pending.emplace(hdr.task_id, std::move(p));
+  bump_and_wake(impl->h->publish_word, &impl->h->consumer_waiters);
+  return hdr.task_id;
+}
+
+std::optional<TaskResult> EngineSession::poll(std::uint64_t task_id) {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  impl_->service(false);
+  auto it = impl_->done.find(task_id);
+  if (it == impl_->done.end()) return std::nullopt;
+  TaskResult r = std::move(it->second);
+  impl_->done.erase(it);
+  return r;
+}
+
+Result<TaskResult, IpcErrc> EngineSession::wait(std::uint64_t task_id, std::int64_t timeout_ns) {
+  auto* impl = impl_.get();
+  auto* h = impl->h;
+  const std::int64_t deadline = impl->clock->now_ns() + timeout_ns;
+  for (;;) {
+    const std::uint32_t seen = h->completion_word.load(std::memory_order_acquire);
+    {
+      std::lock_guard<std::mutex> g(impl->mu);
+      impl->service(false);
+      auto it = impl->done.find(task_id);
+      if (it != impl->done.end()) {
+        TaskResult r = std::move(it->second);
+        impl->done.erase(it);
+        return r;
+      }
+      if (!impl->pending.count(task_id))
+        return make_error(IpcErrc::kUnknownTask, "task " + std::to_string(task_id) + " is not pending");
+    }
+    const std::int64_t now = impl->clock->now_ns();
+    if (now >= deadline)
+      return make_error(IpcErrc::kTimeout, "task " + std::to_string(task_id) + " not complete after " +
+                                               std::to_string(timeout_ns / 1'000'000) + " ms");
+    (void)wait_on_word(h->completion_word, seen, std::min(deadline, monotonic_now_ns() + impl->opts.service_period_ns),
+                       &h->completion_waiters);
+  }
+}
+
+bool EngineSession::rank_alive(std::uint32_t rank) const {
+  if (rank >= impl_->h->geometry.num_ranks) return false;
+  const auto& s = impl_->h->ranks[rank];
+  return s.attached.load() != 0 && impl_->clock->now_ns() - s.heartbeat_ns.load() <= impl_->opts.rank_timeout_ns;
+}
+
+std::size_t EngineSession::in_flight() const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  return impl_->pending.size();
+}
+
+const proto::CacheGeometry& EngineSession::geometry() const { return impl_->h->geometry; }
+const std::string& EngineSession::name() const { return impl_->name; }
+std::uint64_t EngineSession::generation() const { return impl_->h->generation; }
+
+}  // namespace kvtd::ipc

@@ -1,0 +1,107 @@
+// kvtd/proto/geometry.h - the KV cache geometry shared by the engine and every rank daemon.
+//
+// A cache tensor is layer-first and paged: per layer, key and value are
+// [num_blocks, kv_heads, block_size, head_dim] of `dtype`; block_wise_fp8 adds key and value
+// scale tensors [num_blocks, kv_heads, block_size] of 2-byte elements (the engine's default
+// dtype). Models without a separate value cache (MLA) have an all-zero value shape.
+//
+// Plain fixed-width values, standard layout: safe to place in shared memory and to copy.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+namespace kvtd::proto {
+
+inline constexpr std::uint32_t kMaxRanks = 16;
+inline constexpr std::uint32_t kMaxLayers = 512;
+inline constexpr std::uint32_t kTensorKinds = 4;
+inline constexpr std::size_t kHandleBytes = 64;
+inline constexpr std::uint32_t kScaleElementBytes = 2;
+
+enum class CacheDtype : std::uint32_t {
+  kInvalid = 0,
+  kBFloat16 = 1,
+  kFloat16 = 2,
+  kUInt8 = 3,
+  kBlockWiseFp8 = 4,  // 1-byte elements plus per-token scale tensors
+};
+
+enum class TensorKind : std::uint32_t { kKey = 0, kValue = 1, kKeyScale = 2, kValueScale = 3 };
+
+constexpr std::uint32_t dtype_bytes(CacheDtype d) {
+  switch (d) {
+    case CacheDtype::kBFloat16:
+    case CacheDtype::kFloat16: return 2;
+    case CacheDtype::kUInt8:
+    case CacheDtype::kBlockWiseFp8: return 1;
+    default: return 0;
+  }
+}
+
+constexpr const char* dtype_name(CacheDtype d) {
+  switch (d) {
+    case CacheDtype::kBFloat16: return "bfloat16";
+    case CacheDtype::kFloat16: return "float16";
+    case CacheDtype::kUInt8: return "uint8";
+    case CacheDtype::kBlockWiseFp8: return "block_wise_fp8";
+    default: return "invalid";
+  }
+}
+
+constexpr const char* tensor_kind_name(TensorKind k) {
+  switch (k) {
+    case TensorKind::kKey: return "key";
+    case TensorKind::kValue: return "value";
+    case TensorKind::kKeyScale: return "key_scale";
+    case TensorKind::kValueScale: return "value_scale";
+  }
+  return "?";
+}
+
+struct CacheGeometry {
+  std::uint32_t num_ranks;
+  std::uint32_t num_layers;
+  std::uint32_t dtype;            // CacheDtype
+  std::uint32_t num_host_blocks;  // host pool blocks per rank
+  std::int64_t key_shape[4];      // device blocks, kv heads, block size, head dim
+  std::int64_t value_shape[4];    // all zero when there is no value cache
+
+  constexpr CacheDtype cache_dtype() const { return static_cast<CacheDtype>(dtype); }
+  constexpr std::int64_t num_device_blocks() const { return key_shape[0]; }
+  constexpr bool has_value() const { return value_shape[0] != 0; }
+  constexpr bool has_scales() const { return cache_dtype() == CacheDtype::kBlockWiseFp8; }
+
+  constexpr bool has_tensor(TensorKind k) const {
+    switch (k) {
+      case TensorKind::kKey: return true;
+      case TensorKind::kValue: return has_value();
+      case TensorKind::kKeyScale: return has_scales();
+      case TensorKind::kValueScale: return has_scales() && has_value();
+    }
+    return false;
+  }
+
+  // Bytes of one block of one layer of tensor `k`; 0 if the tensor does not exist.
+  constexpr std::uint64_t block_bytes(TensorKind k) const {
+    if (!has_tensor(k)) return 0;
+    const std::int64_t* s = (k == TensorKind::kKey || k == TensorKind::kKeyScale) ? key_shape
+                                                                                  : value_shape;
+    const auto tokens = static_cast<std::uint64_t>(s[1]) * static_cast<std::uint64_t>(s[2]);
+    if (k == TensorKind::kKeyScale || k == TensorKind::kValueScale) return tokens * kScaleElementBytes;
+    return tokens * static_cast<std::uint64_t>(s[3]) * dtype_bytes(cache_dtype());
+  }
+
+  // Bytes of one block across every layer and tensor: what one swapped block moves per rank.
+  constexpr std::uint64_t bytes_per_block_all_layers() const {
+    std::uint64_t sum = 0;
+    for (std::uint32_t k = 0; k < kTensorKinds; ++k) sum += block_bytes(static_cast<TensorKind>(k));
+    return sum * num_layers;
+  }
+};
+static_assert(std::is_standard_layout_v<CacheGeometry>);
+static_assert(std::is_trivially_copyable_v<CacheGeometry>);
+static_assert(sizeof(CacheGeometry) == 80);
+
+}  // namespace kvtd::proto

@@ -1,0 +1,137 @@
+// kvtd/proto/session.h - layout of the shared-memory session segment.
+//
+//   [SessionHeader][TensorDesc registry][task ring bytes][completion rings, one per rank]
+//
+// Every region is addressed by a byte offset from the segment start (never a pointer), so each
+// process may map the segment at a different address. Synchronisation is by the atomics below
+// (lock-free, address-free on the platforms we build for) and futex words; there is no lock in
+// shared memory, so a process that dies cannot wedge the others.
+//
+// Who writes what:
+//   engine (single producer): header fields, registry, task ring bytes, ring_head, next_seq,
+//     rank attach grants (attached_epoch, start_seq, consumed reset), engine heartbeat.
+//   rank r daemon: ranks[r].{attach_request, pid, heartbeat_ns, ready_flags, consumed},
+//     its completion ring head.
+//   engine: completion ring tails.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "kvtd/proto/geometry.h"
+#include "kvtd/proto/task.h"
+
+namespace kvtd::proto {
+
+inline constexpr std::uint64_t kSessionMagic = 0x5353455344545640ULL;  // "@VTDSESS"
+inline constexpr std::uint32_t kSessionLayoutVersion = 1;
+
+static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
+static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
+
+enum class SessionState : std::uint32_t { kCreating = 0, kReady = 1, kClosed = 2 };
+
+enum ReadyFlag : std::uint32_t {
+  kReadyCacheAttached = 1u << 0,  // rank mapped every tensor of its rank
+  kReadyHostPool = 1u << 1,       // rank allocated its host pool
+};
+
+// One registered cache tensor of one rank and layer.
+struct TensorDesc {
+  std::uint32_t valid;         // 1 once registered
+  std::uint32_t rank;
+  std::uint32_t layer;
+  std::uint32_t kind;          // TensorKind
+  std::uint32_t dtype;         // CacheDtype of the elements (scales: 0, 2-byte elements)
+  std::int32_t device_id;      // CUDA ordinal; -1 for host-backend tensors
+  std::uint32_t ndim;
+  std::uint32_t reserved;
+  std::int64_t shape[4];
+  std::uint64_t bytes;         // bytes of this tensor
+  std::uint64_t offset;        // byte offset of the tensor inside the allocation `handle` names
+  std::uint8_t handle[kHandleBytes];  // opaque: cudaIpcMemHandle_t, or a shm object name
+};
+static_assert(std::is_standard_layout_v<TensorDesc>);
+static_assert(sizeof(TensorDesc) == 144);
+static_assert(offsetof(TensorDesc, handle) == 80);
+
+struct alignas(64) RankSlot {
+  // Written by the daemon.
+  std::atomic<std::uint32_t> attach_request;  // epoch the daemon asks for (bumped per attach)
+  std::atomic<std::uint32_t> pid;
+  std::atomic<std::uint32_t> ready_flags;     // ReadyFlag bits
+  std::atomic<std::uint32_t> reserved0;
+  std::atomic<std::int64_t> heartbeat_ns;     // CLOCK_MONOTONIC
+  // Written by the engine.
+  std::atomic<std::uint32_t> attached_epoch;  // epoch granted; 0 = never
+  std::atomic<std::uint32_t> attached;        // 1 while the engine counts this rank as live
+  std::atomic<std::uint64_t> start_seq;       // first task seq the granted epoch will see
+  std::uint8_t pad0[64 - 40];
+  // Task ring read cursor (bytes consumed): written by the daemon, reset by the engine on grant.
+  alignas(64) std::atomic<std::uint64_t> consumed;
+  std::uint8_t pad1[56];
+};
+static_assert(std::is_standard_layout_v<RankSlot>);
+static_assert(sizeof(RankSlot) == 128);
+static_assert(offsetof(RankSlot, consumed) == 64);
+
+// Control block of one rank's completion ring (single producer: the daemon; single consumer:
+// the engine). Records follow it.
+struct alignas(64) CompletionRingControl {
+  std::atomic<std::uint64_t> head;  // records written
+  std::uint8_t pad0[56];
+  std::atomic<std::uint64_t> tail;  // records consumed
+  std::uint8_t pad1[56];
+};
+static_assert(sizeof(CompletionRingControl) == 128);
+
+struct alignas(64) SessionHeader {
+  std::uint64_t magic;
+  std::uint32_t layout_version;
+  std::uint32_t header_bytes;       // sizeof(SessionHeader) of the writer
+  std::uint64_t generation;         // random per session
+  std::uint32_t creator_pid;
+  std::uint32_t creator_uid;
+  std::atomic<std::uint32_t> state; // SessionState
+  std::uint32_t completion_capacity;  // records per rank ring, power of two
+  CacheGeometry geometry;
+  std::uint64_t registry_offset;
+  std::uint64_t registry_count;     // num_ranks * num_layers * kTensorKinds
+  std::uint64_t task_ring_offset;
+  std::uint64_t task_ring_bytes;    // power of two
+  std::uint64_t completion_offset;  // first rank's CompletionRingControl
+  std::uint64_t completion_stride;  // bytes per rank ring (control + records)
+  std::uint64_t total_bytes;
+
+  alignas(64) std::atomic<std::int64_t> engine_heartbeat_ns;
+  std::atomic<std::uint32_t> engine_pid;
+
+  // Task ring producer side.
+  alignas(64) std::atomic<std::uint64_t> ring_head;   // bytes published
+  std::atomic<std::uint64_t> next_seq;                // seq of the next task
+  std::atomic<std::uint32_t> publish_word;            // futex: bumped per publish
+  std::atomic<std::uint32_t> consumer_waiters;
+  // Producer waits here for ring space; consumers bump it after consuming.
+  alignas(64) std::atomic<std::uint32_t> space_word;
+  std::atomic<std::uint32_t> producer_waiters;
+  // Engine waits here for completions; every rank bumps it after writing one.
+  alignas(64) std::atomic<std::uint32_t> completion_word;
+  std::atomic<std::uint32_t> completion_waiters;
+
+  RankSlot ranks[kMaxRanks];
+};
+static_assert(std::is_standard_layout_v<SessionHeader>);
+static_assert(offsetof(SessionHeader, geometry) == 40);
+static_assert(offsetof(SessionHeader, engine_heartbeat_ns) == 192);
+static_assert(offsetof(SessionHeader, ranks) % 64 == 0);
+static_assert(sizeof(SessionHeader) == 448 + kMaxRanks * sizeof(RankSlot));
+
+constexpr std::size_t registry_index(const CacheGeometry& g, std::uint32_t rank, std::uint32_t layer,
+                                     TensorKind k) {
+  return (static_cast<std::size_t>(rank) * g.num_layers + layer) * kTensorKinds +
+         static_cast<std::size_t>(k);
+}
+
+}  // namespace kvtd::proto

@@ -1,0 +1,111 @@
+// kvtd/proto/task.h - task and completion records carried by the shared-memory rings.
+//
+// A task record is a fixed header followed by its payload in the task ring itself:
+// `num_src` int32 source block ids, then `num_dst` int32 destination block ids. Records are
+// padded to kRecordAlign bytes. A completion record has a fixed size.
+//
+// Standard layout, fixed width, no pointers: safe in shared memory and across processes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+namespace kvtd::proto {
+
+inline constexpr std::uint32_t kTaskFormatVersion = 1;
+inline constexpr std::uint32_t kRecordAlign = 16;
+inline constexpr std::size_t kMessageBytes = 176;
+
+enum class TaskKind : std::uint16_t {
+  kPadding = 0,  // ring filler before a wrap; never a task
+  kSwapToHost = 1,
+  kSwapToDevice = 2,
+};
+
+constexpr const char* task_kind_name(TaskKind k) {
+  switch (k) {
+    case TaskKind::kPadding: return "padding";
+    case TaskKind::kSwapToHost: return "SWAP_TO_HOST";
+    case TaskKind::kSwapToDevice: return "SWAP_TO_DEVICE";
+  }
+  return "unknown";
+}
+
+// Outcome of one task on one rank; also the merged outcome seen by the engine.
+enum class TaskStatus : std::int32_t {
+  kOk = 0,
+  kUnknownKind = 1,
+  kBadVersion = 2,
+  kLengthMismatch = 3,
+  kIdOutOfRange = 4,
+  kDuplicateDestination = 5,
+  kDeadlineExceeded = 6,
+  kRankDead = 7,
+  kRankNotAttached = 8,
+  kDeviceError = 9,
+  kMalformed = 10,
+  kShuttingDown = 11,
+  kInternal = 12,
+};
+
+constexpr const char* task_status_name(TaskStatus s) {
+  switch (s) {
+    case TaskStatus::kOk: return "ok";
+    case TaskStatus::kUnknownKind: return "unknown_kind";
+    case TaskStatus::kBadVersion: return "bad_version";
+    case TaskStatus::kLengthMismatch: return "length_mismatch";
+    case TaskStatus::kIdOutOfRange: return "id_out_of_range";
+    case TaskStatus::kDuplicateDestination: return "duplicate_destination";
+    case TaskStatus::kDeadlineExceeded: return "deadline_exceeded";
+    case TaskStatus::kRankDead: return "rank_dead";
+    case TaskStatus::kRankNotAttached: return "rank_not_attached";
+    case TaskStatus::kDeviceError: return "device_error";
+    case TaskStatus::kMalformed: return "malformed";
+    case TaskStatus::kShuttingDown: return "shutting_down";
+    case TaskStatus::kInternal: return "internal";
+  }
+  return "unknown_status";
+}
+
+struct TaskRecordHeader {
+  std::uint32_t record_bytes;    // header + payload + padding, multiple of kRecordAlign
+  std::uint16_t kind;            // TaskKind (raw: an unknown value must survive decoding)
+  std::uint16_t flags;           // reserved, 0
+  std::uint32_t format_version;  // kTaskFormatVersion
+  std::uint32_t num_src;
+  std::uint32_t num_dst;
+  std::uint32_t reserved;
+  std::uint64_t task_id;         // chosen by the engine, unique per session
+  std::uint64_t seq;             // ring sequence number, assigned by the producer
+  std::uint64_t after_task_id;   // 0, or a task this one must run after
+  std::int64_t deadline_ns;      // CLOCK_MONOTONIC; 0 = none
+  std::int64_t submit_ns;        // CLOCK_MONOTONIC at submit
+};
+static_assert(std::is_standard_layout_v<TaskRecordHeader>);
+static_assert(sizeof(TaskRecordHeader) == 64);
+static_assert(offsetof(TaskRecordHeader, task_id) == 24);
+static_assert(sizeof(TaskRecordHeader) % kRecordAlign == 0);
+
+constexpr std::uint32_t task_record_bytes(std::uint32_t num_src, std::uint32_t num_dst) {
+  const std::uint64_t raw = sizeof(TaskRecordHeader) + 4ull * (std::uint64_t{num_src} + num_dst);
+  return static_cast<std::uint32_t>((raw + kRecordAlign - 1) / kRecordAlign * kRecordAlign);
+}
+
+struct CompletionRecord {
+  std::uint64_t task_id;
+  std::uint64_t seq;
+  std::int32_t status;         // TaskStatus
+  std::uint32_t rank;
+  std::uint32_t kind;          // TaskKind as received
+  std::uint32_t layers_done;
+  std::uint64_t blocks_done;
+  std::int64_t start_ns;       // CLOCK_MONOTONIC when execution began
+  std::int64_t end_ns;         // CLOCK_MONOTONIC when the record was written
+  char message[kMessageBytes]; // NUL-terminated; empty on success
+};
+static_assert(std::is_standard_layout_v<CompletionRecord>);
+static_assert(sizeof(CompletionRecord) == 232);
+static_assert(offsetof(CompletionRecord, message) == 56);
+
+}  // namespace kvtd::proto
