@@ -19,6 +19,10 @@ using proto::TaskStatus;
 namespace {
 
 constexpr std::int64_t kPollSliceNs = 50'000'000;  // how often idle threads re-check stop flags
+// A task that moves at most this many bytes (per rank) runs on the dispatcher thread itself
+// when its lane is idle: a thread hand-off costs more than such a copy, and an idle lane means
+// nothing of that direction is queued ahead of it, so submission order is kept.
+constexpr std::uint64_t kInlineMaxBytes = 256 * 1024;
 
 struct Work {
   proto::TaskRecordHeader header{};
@@ -59,6 +63,7 @@ struct TaskRunner::Impl {
     std::atomic<std::uint32_t> word{0};
     std::atomic<std::uint32_t> waiters{0};
     std::atomic<bool> closing{false};
+    std::atomic<std::uint32_t> outstanding{0};  // queued or executing on the lane thread
     std::thread thread;
   } lanes[2];
 
@@ -184,6 +189,7 @@ struct TaskRunner::Impl {
 
   void enqueue(Work&& w, int lane) {
     auto& l = lanes[lane];
+    l.outstanding.fetch_add(1, std::memory_order_acq_rel);
     {
       std::lock_guard<std::mutex> g(l.mu);
       l.queue.push_back(std::move(w));
@@ -205,9 +211,7 @@ struct TaskRunner::Impl {
       complete(h, TaskStatus::kDeviceError, 0, 0, start, st.error().message);
       return;
     }
-    std::uint64_t bytes = 0;
-    for (auto b : cache.block_bytes) bytes += b;
-    bytes *= cache.num_layers * static_cast<std::uint64_t>(w.plan.num_blocks);
+    const std::uint64_t bytes = task_bytes(w);
     {
       std::lock_guard<std::mutex> g(stats_mu);
       (lane == 0 ? stats.bytes_to_host : stats.bytes_to_device) += bytes;
@@ -234,13 +238,24 @@ struct TaskRunner::Impl {
         (void)ipc::wait_on_word(l.word, seen, ipc::monotonic_now_ns() + kPollSliceNs, &l.waiters, 20'000);
         continue;
       }
-      execute(w, lane);
-      {
-        std::lock_guard<std::mutex> g(track_mu);
-        track(w, lane, -1);
-      }
-      ipc::bump_and_wake(track_word, &track_waiters);
+      execute_and_release(w, lane);
+      l.outstanding.fetch_sub(1, std::memory_order_acq_rel);
     }
+  }
+
+  void execute_and_release(Work& w, int lane) {
+    execute(w, lane);
+    {
+      std::lock_guard<std::mutex> g(track_mu);
+      track(w, lane, -1);
+    }
+    ipc::bump_and_wake(track_word, &track_waiters);
+  }
+
+  std::uint64_t task_bytes(const Work& w) const {
+    std::uint64_t per_block = 0;
+    for (auto b : cache.block_bytes) per_block += b;
+    return per_block * cache.num_layers * static_cast<std::uint64_t>(w.plan.num_blocks);
   }
 };
 
@@ -280,7 +295,11 @@ TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop) {
     if (!impl->decode(record, w)) continue;
     const int lane = Impl::lane_of(static_cast<TaskKind>(w.header.kind));
     impl->admit(w, lane);
-    impl->enqueue(std::move(w), lane);
+    if (impl->lanes[lane].outstanding.load(std::memory_order_acquire) == 0 && impl->task_bytes(w) <= kInlineMaxBytes) {
+      impl->execute_and_release(w, lane);
+    } else {
+      impl->enqueue(std::move(w), lane);
+    }
   }
 
   for (auto& l : impl->lanes) {

@@ -5,6 +5,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <sched.h>
+
+#include <algorithm>
 #include <cerrno>
 
 #include "kvtd/ipc/clock.h"
@@ -49,12 +52,17 @@ WaitResult wait_on_word(const std::atomic<std::uint32_t>& word, std::uint32_t se
   static_assert(sizeof(std::atomic<std::uint32_t>) == sizeof(std::uint32_t));
   std::int64_t now = monotonic_now_ns();
   const std::int64_t spin_until = now + spin_ns;
+  const std::int64_t busy_until = now + std::min<std::int64_t>(spin_ns, 2'000);
+  // Busy-spin for at most 2 us, then keep polling but yield the core between polls: on a
+  // machine with fewer cores than busy threads, the thread that will change the word may be
+  // the one waiting for this core.
   for (unsigned i = 0;; ++i) {
     if (word.load(std::memory_order_acquire) != seen) return WaitResult::kChanged;
-    if ((i & 63u) == 63u) {
+    if ((i & 15u) == 15u) {
       now = monotonic_now_ns();
       if (now >= deadline_ns) return WaitResult::kTimedOut;
       if (now >= spin_until) break;
+      if (now >= busy_until) sched_yield();
     }
     cpu_relax();
   }

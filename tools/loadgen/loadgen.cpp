@@ -1,0 +1,328 @@
+// kvtd-loadgen: an engine stand-in built on the client library. It creates a session with a
+// realistic geometry, fills the "device" tensors (host backend) with a pattern that encodes
+// (rank, layer, tensor, block, offset), swaps random block sets out, overwrites the device
+// blocks, swaps them back to other blocks and verifies every byte; it also measures task round
+// trip latency and swap throughput against a plain memcpy of the same bytes.
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kv_pattern.h"
+#include "kvtd/ipc/engine_session.h"
+
+namespace {
+
+using kvtd::ipc::EngineSession;
+using kvtd::proto::TaskKind;
+using kvtd::proto::TensorKind;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::string session = "loadgen";
+  std::string mode = "verify";
+  std::uint32_t ranks = 2, layers = 32, kv_heads = 8, block_size = 64, head_dim = 128;
+  std::string dtype = "bfloat16";
+  std::int64_t device_blocks = 128, host_blocks = 96;
+  std::uint32_t iterations = 40, blocks_per_task = 8;
+  std::uint32_t latency_samples = 20000;
+  double ready_timeout_s = 30, task_timeout_s = 30, seconds = 3;
+  std::uint64_t seed = 42;
+  bool wait_enter = false;
+};
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+class Progress {
+ public:
+  Progress(const char* what, std::uint64_t total) : what_(what), total_(total), tty_(isatty(STDERR_FILENO) != 0) {}
+  void update(std::uint64_t done, const std::string& extra) {
+    const auto now = Clock::now();
+    if (done < total_ && now - last_ < std::chrono::milliseconds(tty_ ? 100 : 2000)) return;
+    last_ = now;
+    const int width = 30;
+    const int filled = total_ ? static_cast<int>(width * done / total_) : width;
+    std::string bar(static_cast<std::size_t>(filled), '#');
+    bar.resize(width, '.');
+    std::fprintf(stderr, "%s%-10s [%s] %3d%% %s%s", tty_ ? "\r" : "", what_, bar.c_str(),
+                 total_ ? static_cast<int>(100 * done / total_) : 100, extra.c_str(), tty_ ? "   " : "\n");
+    if (tty_ && done >= total_) std::fputc('\n', stderr);
+  }
+
+ private:
+  const char* what_;
+  std::uint64_t total_;
+  bool tty_;
+  Clock::time_point last_{};
+};
+
+struct Cache {
+  EngineSession* s;
+  const kvtd::proto::CacheGeometry* g;
+  std::vector<std::int64_t> device_owner;  // pattern block held by each device block, -1 = garbage
+  std::vector<std::int64_t> host_owner;
+
+  template <typename F>
+  void for_each_tensor(F&& f) {
+    for (std::uint32_t r = 0; r < g->num_ranks; ++r)
+      for (std::uint32_t l = 0; l < g->num_layers; ++l)
+        for (std::uint32_t k = 0; k < kvtd::proto::kTensorKinds; ++k) {
+          const auto kind = static_cast<TensorKind>(k);
+          if (!g->has_tensor(kind)) continue;
+          f(r, l, k, s->host_device_tensor(r, l, kind), g->block_bytes(kind));
+        }
+  }
+};
+
+bool run_task(EngineSession& s, TaskKind kind, const std::vector<std::int32_t>& src,
+              const std::vector<std::int32_t>& dst, double timeout_s, std::int64_t* latency_ns = nullptr) {
+  kvtd::ipc::TaskRequest req;
+  req.kind = kind;
+  req.src = src;
+  req.dst = dst;
+  const auto t0 = Clock::now();
+  auto id = s.submit(req);
+  if (!id.ok()) {
+    std::fprintf(stderr, "\nsubmit failed: %s\n", id.error().message.c_str());
+    return false;
+  }
+  auto r = s.wait(*id, static_cast<std::int64_t>(timeout_s * 1e9));
+  if (latency_ns) *latency_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+  if (!r.ok()) {
+    std::fprintf(stderr, "\nwait failed: %s\n", r.error().message.c_str());
+    return false;
+  }
+  if (!r->ok()) {
+    for (const auto& f : r->failures)
+      std::fprintf(stderr, "\ntask %llu failed on rank %u: %s: %s\n", static_cast<unsigned long long>(r->task_id),
+                   f.rank, kvtd::proto::task_status_name(f.status), f.message.c_str());
+    return false;
+  }
+  if (r->blocks_done != src.size()) {
+    std::fprintf(stderr, "\ntask reported %llu blocks, expected %zu\n", static_cast<unsigned long long>(r->blocks_done),
+                 src.size());
+    return false;
+  }
+  return true;
+}
+
+std::vector<std::int32_t> pick(std::mt19937_64& rng, const std::vector<std::int32_t>& pool, std::size_t n,
+                               bool consecutive) {
+  std::vector<std::int32_t> out;
+  if (consecutive) {
+    std::vector<std::int32_t> sorted = pool;
+    std::sort(sorted.begin(), sorted.end());
+    // a consecutive window if one exists, else fall back to random
+    for (std::size_t tries = 0; tries < 16 && sorted.size() >= n; ++tries) {
+      const std::size_t at = std::uniform_int_distribution<std::size_t>(0, sorted.size() - n)(rng);
+      if (sorted[at + n - 1] - sorted[at] == static_cast<std::int32_t>(n - 1))
+        return {sorted.begin() + static_cast<std::ptrdiff_t>(at), sorted.begin() + static_cast<std::ptrdiff_t>(at + n)};
+    }
+  }
+  std::sample(pool.begin(), pool.end(), std::back_inserter(out), static_cast<std::ptrdiff_t>(n), rng);
+  std::shuffle(out.begin(), out.end(), rng);
+  return out;
+}
+
+int run_verify(EngineSession& s, const Options& o) {
+  const auto& g = s.geometry();
+  Cache c{&s, &g, {}, {}};
+  c.device_owner.resize(static_cast<std::size_t>(g.num_device_blocks()));
+  std::iota(c.device_owner.begin(), c.device_owner.end(), 0);
+  c.host_owner.assign(g.num_host_blocks, -1);
+  c.for_each_tensor([&](std::uint32_t r, std::uint32_t l, std::uint32_t k, std::byte* base, std::uint64_t bb) {
+    for (std::int64_t b = 0; b < g.num_device_blocks(); ++b)
+      kvtd::loadgen::fill_block(base + static_cast<std::uint64_t>(b) * bb, bb, r, l, k, static_cast<std::uint32_t>(b));
+  });
+
+  std::mt19937_64 rng(o.seed);
+  std::vector<std::int32_t> all_host(g.num_host_blocks);
+  std::iota(all_host.begin(), all_host.end(), 0);
+  std::uint64_t verified = 0;
+  Progress bar("verify", o.iterations);
+  const auto t0 = Clock::now();
+  for (std::uint32_t it = 0; it < o.iterations; ++it) {
+    std::vector<std::int32_t> known, all_dev;
+    for (std::int32_t b = 0; b < static_cast<std::int32_t>(c.device_owner.size()); ++b) {
+      all_dev.push_back(b);
+      if (c.device_owner[static_cast<std::size_t>(b)] >= 0) known.push_back(b);
+    }
+    const std::size_t n = std::min<std::size_t>({o.blocks_per_task, known.size(), all_host.size()});
+    const bool runs = (it % 2) == 1;
+    auto d = pick(rng, known, n, runs);
+    auto h = pick(rng, all_host, n, runs);
+    if (!run_task(s, TaskKind::kSwapToHost, d, h, o.task_timeout_s)) return 1;
+    for (std::size_t i = 0; i < n; ++i)
+      c.host_owner[static_cast<std::size_t>(h[i])] = c.device_owner[static_cast<std::size_t>(d[i])];
+    // Overwrite the evicted device blocks, as the engine would reuse them.
+    c.for_each_tensor([&](std::uint32_t, std::uint32_t, std::uint32_t, std::byte* base, std::uint64_t bb) {
+      for (auto b : d) std::memset(base + static_cast<std::uint64_t>(b) * bb, 0xdd, bb);
+    });
+    for (auto b : d) c.device_owner[static_cast<std::size_t>(b)] = -1;
+    auto d2 = pick(rng, all_dev, n, runs);
+    if (!run_task(s, TaskKind::kSwapToDevice, h, d2, o.task_timeout_s)) return 1;
+    for (std::size_t i = 0; i < n; ++i)
+      c.device_owner[static_cast<std::size_t>(d2[i])] = c.host_owner[static_cast<std::size_t>(h[i])];
+    bool bad = false;
+    c.for_each_tensor([&](std::uint32_t r, std::uint32_t l, std::uint32_t k, std::byte* base, std::uint64_t bb) {
+      for (auto b : d2) {
+        const auto owner = static_cast<std::uint32_t>(c.device_owner[static_cast<std::size_t>(b)]);
+        const auto off = kvtd::loadgen::check_block(base + static_cast<std::uint64_t>(b) * bb, bb, r, l, k, owner);
+        if (off >= 0 && !bad) {
+          std::fprintf(stderr, "\nMISMATCH rank %u layer %u %s device block %d (should hold block %u) at byte %lld\n",
+                       r, l, kvtd::proto::tensor_kind_name(static_cast<TensorKind>(k)), b, owner,
+                       static_cast<long long>(off));
+          bad = true;
+        }
+        verified += bb;
+      }
+    });
+    if (bad) return 1;
+    bar.update(it + 1, std::to_string(2 * (it + 1)) + " tasks, " + std::to_string(verified >> 20) + " MiB verified");
+  }
+  std::printf("verify: %u round trips of %u blocks on %u ranks, %.1f MiB verified byte for byte in %.2f s: OK\n",
+              o.iterations, o.blocks_per_task, g.num_ranks, static_cast<double>(verified) / (1 << 20), seconds_since(t0));
+  return 0;
+}
+
+int run_latency(EngineSession& s, const Options& o) {
+  const auto& g = s.geometry();
+  std::vector<std::int32_t> one{0}, one_h{0};
+  std::vector<std::int64_t> samples;
+  samples.reserve(o.latency_samples);
+  const std::uint32_t warmup = std::min<std::uint32_t>(1000, o.latency_samples / 10 + 1);
+  Progress bar("latency", o.latency_samples);
+  for (std::uint32_t i = 0; i < warmup + o.latency_samples; ++i) {
+    std::int64_t ns = 0;
+    if (!run_task(s, TaskKind::kSwapToHost, one, one_h, o.task_timeout_s, &ns)) return 1;
+    if (i >= warmup) samples.push_back(ns);
+    if (i >= warmup) bar.update(i - warmup + 1, "");
+  }
+  std::sort(samples.begin(), samples.end());
+  auto q = [&](double p) { return static_cast<double>(samples[static_cast<std::size_t>(p * static_cast<double>(samples.size() - 1))]) / 1000.0; };
+  std::printf("latency: one-block SWAP_TO_HOST (%llu bytes per rank) round trip, %u ranks, %zu samples: "
+              "p50 %.1f us  p90 %.1f us  p99 %.1f us  max %.1f us\n",
+              static_cast<unsigned long long>(g.bytes_per_block_all_layers()), g.num_ranks, samples.size(), q(0.5),
+              q(0.9), q(0.99), q(1.0));
+  return 0;
+}
+
+int run_throughput(EngineSession& s, const Options& o) {
+  const auto& g = s.geometry();
+  std::mt19937_64 rng(o.seed);
+  std::vector<std::int32_t> all_dev(static_cast<std::size_t>(g.num_device_blocks())), all_host(g.num_host_blocks);
+  std::iota(all_dev.begin(), all_dev.end(), 0);
+  std::iota(all_host.begin(), all_host.end(), 0);
+  const std::size_t n = std::min<std::size_t>({o.blocks_per_task, all_dev.size(), all_host.size()});
+  const std::uint64_t bytes_per_task = g.bytes_per_block_all_layers() * n;  // per rank
+
+  std::uint64_t tasks = 0;
+  double busy = 0;
+  const auto t_end = Clock::now() + std::chrono::duration<double>(o.seconds);
+  while (Clock::now() < t_end || tasks < 4) {
+    auto d = pick(rng, all_dev, n, false);
+    auto h = pick(rng, all_host, n, false);
+    const auto t0 = Clock::now();
+    if (!run_task(s, (tasks % 2) ? TaskKind::kSwapToDevice : TaskKind::kSwapToHost, (tasks % 2) ? h : d,
+                  (tasks % 2) ? d : h, o.task_timeout_s))
+      return 1;
+    busy += seconds_since(t0);
+    ++tasks;
+  }
+  const double swap_gbs = static_cast<double>(bytes_per_task * tasks) / busy / 1e9;
+
+  // Reference: plain memcpy of the same number of bytes, in chunks of one block of one tensor,
+  // between two buffers larger than the caches, measured now in this process.
+  const std::uint64_t chunk = g.block_bytes(TensorKind::kKey);
+  const std::uint64_t buf_bytes = std::max<std::uint64_t>(256ull << 20, chunk * 64);
+  std::vector<std::byte> a(buf_bytes, std::byte{1}), b(buf_bytes, std::byte{2});
+  const std::uint64_t total = bytes_per_task * tasks;
+  std::uint64_t copied = 0, off = 0;
+  const auto t0 = Clock::now();
+  while (copied < total) {
+    if (off + chunk > buf_bytes) off = 0;
+    std::memcpy(b.data() + off, a.data() + off, chunk);
+    off += chunk;
+    copied += chunk;
+  }
+  const double memcpy_gbs = static_cast<double>(copied) / seconds_since(t0) / 1e9;
+  std::printf("throughput: %zu random blocks per task, %llu-byte blocks x %u layers x %zu tensors, %u ranks, %llu tasks: "
+              "swap %.2f GB/s per rank (%.2f GB/s all ranks), plain memcpy %.2f GB/s, ratio %.2f\n",
+              n, static_cast<unsigned long long>(chunk), g.num_layers,
+              static_cast<std::size_t>(g.has_value() ? 2 : 1) + (g.has_scales() ? 2 : 0), g.num_ranks,
+              static_cast<unsigned long long>(tasks), swap_gbs, swap_gbs * g.num_ranks, memcpy_gbs, swap_gbs / memcpy_gbs);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"kvtd-loadgen - engine stand-in: swaps KV blocks through kvtd and checks every byte"};
+  app.add_option("--session", o.session, "Session suffix (kvtd --session)");
+  app.add_option("--mode", o.mode, "verify | latency | throughput | all")
+      ->check(CLI::IsMember({"verify", "latency", "throughput", "all"}));
+  app.add_option("--ranks", o.ranks, "Tensor-parallel ranks (kvtd --mp-num)");
+  app.add_option("--layers", o.layers, "Layers");
+  app.add_option("--kv-heads", o.kv_heads, "KV heads per rank");
+  app.add_option("--block-size", o.block_size, "Tokens per block");
+  app.add_option("--head-dim", o.head_dim, "Head dimension");
+  app.add_option("--dtype", o.dtype, "bfloat16 | float16 | uint8 | block_wise_fp8")
+      ->check(CLI::IsMember({"bfloat16", "float16", "uint8", "block_wise_fp8"}));
+  app.add_option("--device-blocks", o.device_blocks, "Device blocks per rank");
+  app.add_option("--host-blocks", o.host_blocks, "Host blocks per rank (kvtd --num-host-blocks)");
+  app.add_option("--iterations", o.iterations, "verify: swap-out/swap-in round trips");
+  app.add_option("--blocks-per-task", o.blocks_per_task, "Blocks per task (verify, throughput)");
+  app.add_option("--latency-samples", o.latency_samples, "latency: measured one-block tasks");
+  app.add_option("--seconds", o.seconds, "throughput: measuring time");
+  app.add_option("--ready-timeout", o.ready_timeout_s, "Seconds to wait for every rank");
+  app.add_option("--task-timeout", o.task_timeout_s, "Seconds to wait for one task");
+  app.add_option("--seed", o.seed, "Random seed");
+  CLI11_PARSE(app, argc, argv);
+
+  kvtd::ipc::SessionOptions so;
+  so.suffix = o.session;
+  auto& g = so.geometry;
+  g.num_ranks = o.ranks;
+  g.num_layers = o.layers;
+  g.dtype = static_cast<std::uint32_t>(o.dtype == "bfloat16"  ? kvtd::proto::CacheDtype::kBFloat16
+                                       : o.dtype == "float16" ? kvtd::proto::CacheDtype::kFloat16
+                                       : o.dtype == "uint8"   ? kvtd::proto::CacheDtype::kUInt8
+                                                              : kvtd::proto::CacheDtype::kBlockWiseFp8);
+  g.num_host_blocks = static_cast<std::uint32_t>(o.host_blocks);
+  const std::int64_t shape[4] = {o.device_blocks, o.kv_heads, o.block_size, o.head_dim};
+  for (int i = 0; i < 4; ++i) g.key_shape[i] = g.value_shape[i] = shape[i];
+
+  auto created = EngineSession::create(so);
+  if (!created.ok()) {
+    std::fprintf(stderr, "kvtd-loadgen: %s\n", created.error().message.c_str());
+    return 2;
+  }
+  auto& s = **created;
+  if (auto st = s.create_host_device_tensors(); !st.ok()) {
+    std::fprintf(stderr, "kvtd-loadgen: %s\n", st.error().message.c_str());
+    return 2;
+  }
+  if (auto st = s.publish(); !st.ok()) {
+    std::fprintf(stderr, "kvtd-loadgen: %s\n", st.error().message.c_str());
+    return 2;
+  }
+  std::fprintf(stderr, "kvtd-loadgen: session %s published (%u ranks, %u layers, %llu bytes per block per rank); waiting for ranks\n",
+               s.name().c_str(), g.num_ranks, g.num_layers, static_cast<unsigned long long>(g.bytes_per_block_all_layers()));
+  if (auto st = s.wait_ready(static_cast<std::int64_t>(o.ready_timeout_s * 1e9)); !st.ok()) {
+    std::fprintf(stderr, "kvtd-loadgen: %s\n", st.error().message.c_str());
+    return 3;
+  }
+  int rc = 0;
+  if (o.mode == "verify" || o.mode == "all") rc = rc ? rc : run_verify(s, o);
+  if (o.mode == "latency" || o.mode == "all") rc = rc ? rc : run_latency(s, o);
+  if (o.mode == "throughput" || o.mode == "all") rc = rc ? rc : run_throughput(s, o);
+  return rc;
+}
