@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <random>
@@ -316,7 +317,11 @@ Status<IpcErrc> EngineSession::create_host_device_tensors() {
         const auto bytes = g.block_bytes(static_cast<proto::TensorKind>(k)) * static_cast<std::uint64_t>(g.num_device_blocks());
         total += (bytes + 255) / 256 * 256;
       }
-    const std::string arena = impl_->name + "_dev" + std::to_string(r);
+    // Named by uid and generation, not by suffix, so the name always fits the 64-byte handle.
+    char arena_name[64];
+    std::snprintf(arena_name, sizeof arena_name, "kvtd_%u_%016llx_dev%u", static_cast<unsigned>(getuid()),
+                  static_cast<unsigned long long>(impl_->h->generation), r);
+    const std::string arena = arena_name;
     detail::remove_mapping(arena);
     auto m = detail::create_mapping(arena, total);
     if (!m.ok()) return std::move(m).error();

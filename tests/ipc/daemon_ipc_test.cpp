@@ -1,0 +1,393 @@
+// Multi-process tests: this process is the engine; every rank daemon is a real `kvtd` process.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <numeric>
+#include <random>
+
+#include "kv_pattern.h"
+#include "kvtd/ipc/engine_session.h"
+#include "test_support.h"
+
+namespace kvtd {
+namespace {
+
+using ipc::EngineSession;
+using ipc::IpcErrc;
+using ipc::TaskRequest;
+using proto::TaskKind;
+using proto::TaskStatus;
+using test::Child;
+
+std::string shape(const std::int64_t* s) {
+  return std::to_string(s[0]) + "," + std::to_string(s[1]) + "," + std::to_string(s[2]) + "," + std::to_string(s[3]);
+}
+
+class DaemonTest : public ::testing::Test {
+ protected:
+  test::Watchdog dog_{90};
+  std::string suffix_ = test::unique_suffix(::testing::UnitTest::GetInstance()->current_test_info()->name());
+  proto::CacheGeometry g_ = test::small_geometry(2);
+  std::unique_ptr<EngineSession> engine_;
+  std::vector<Child> daemons_;
+
+  std::string log_path(std::uint32_t rank, int incarnation = 0) const {
+    return ::testing::TempDir() + "/" + suffix_ + "_rank" + std::to_string(rank) + "_" + std::to_string(incarnation) + ".log";
+  }
+
+  std::vector<std::string> daemon_args(std::uint32_t rank, const proto::CacheGeometry& g) const {
+    std::vector<std::string> a{KVTD_BINARY, "--rank", std::to_string(rank), "--mp-num", std::to_string(g.num_ranks),
+                               "--num-layers", std::to_string(g.num_layers), "--num-host-blocks",
+                               std::to_string(g.num_host_blocks), "--key-cache-shape", shape(g.key_shape),
+                               "--session", suffix_, "--device-backend", "host", "--engine-timeout", "1",
+                               "--heartbeat-period", "0.02", "--log-level", "debug",
+                               "--cache-dtype", proto::dtype_name(g.cache_dtype())};
+    if (g.has_value()) {
+      a.push_back("--value-cache-shape");
+      a.push_back(shape(g.value_shape));
+    }
+    return a;
+  }
+
+  Child start_daemon(std::uint32_t rank, int incarnation = 0) {
+    return Child(daemon_args(rank, g_), log_path(rank, incarnation));
+  }
+
+  void start_engine(std::uint64_t ring_bytes = 1u << 16, std::int64_t rank_timeout_ns = 3'000'000'000) {
+    ipc::SessionOptions o;
+    o.suffix = suffix_;
+    o.geometry = g_;
+    o.ring_bytes = ring_bytes;
+    o.rank_timeout_ns = rank_timeout_ns;
+    o.service_period_ns = 5'000'000;
+    auto s = EngineSession::create(o);
+    ASSERT_TRUE(s.ok()) << s.error().message;
+    engine_ = std::move(s).value();
+    ASSERT_TRUE(engine_->create_host_device_tensors().ok());
+    fill_device();
+    ASSERT_TRUE(engine_->publish().ok());
+  }
+
+  void start_all(std::uint64_t ring_bytes = 1u << 16, std::int64_t rank_timeout_ns = 3'000'000'000) {
+    for (std::uint32_t r = 0; r < g_.num_ranks; ++r) daemons_.push_back(start_daemon(r));
+    ASSERT_NO_FATAL_FAILURE(start_engine(ring_bytes, rank_timeout_ns));
+    auto st = engine_->wait_ready(20'000'000'000);
+    ASSERT_TRUE(st.ok()) << st.error().message << "\n" << test::read_file(log_path(0));
+  }
+
+  template <typename F>
+  void for_each_tensor(F&& f) {
+    for (std::uint32_t r = 0; r < g_.num_ranks; ++r)
+      for (std::uint32_t l = 0; l < g_.num_layers; ++l)
+        for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
+          const auto kind = static_cast<proto::TensorKind>(k);
+          if (g_.has_tensor(kind)) f(r, l, k, engine_->host_device_tensor(r, l, kind), g_.block_bytes(kind));
+        }
+  }
+
+  void fill_device() {
+    for_each_tensor([&](std::uint32_t r, std::uint32_t l, std::uint32_t k, std::byte* base, std::uint64_t bb) {
+      for (std::int64_t b = 0; b < g_.num_device_blocks(); ++b)
+        loadgen::fill_block(base + static_cast<std::uint64_t>(b) * bb, bb, r, l, k, static_cast<std::uint32_t>(b));
+    });
+  }
+
+  ipc::TaskResult run(TaskKind kind, const std::vector<std::int32_t>& src, const std::vector<std::int32_t>& dst) {
+    TaskRequest req;
+    req.kind = kind;
+    req.src = src;
+    req.dst = dst;
+    auto id = engine_->submit(req);
+    EXPECT_TRUE(id.ok()) << id.error().message;
+    if (!id.ok()) return {};
+    auto r = engine_->wait(*id, 10'000'000'000);
+    EXPECT_TRUE(r.ok()) << r.error().message;
+    return r.ok() ? *r : ipc::TaskResult{};
+  }
+
+  // Swaps `dev` out to `host`, scribbles over them, swaps back into `dev2`, checks every byte.
+  void round_trip(const std::vector<std::int32_t>& dev, const std::vector<std::int32_t>& host,
+                  const std::vector<std::int32_t>& dev2) {
+    std::vector<std::int32_t> owner(dev.size());
+    auto out = run(TaskKind::kSwapToHost, dev, host);
+    ASSERT_TRUE(out.ok()) << (out.failures.empty() ? "" : out.failures[0].message);
+    EXPECT_EQ(out.blocks_done, dev.size());
+    for_each_tensor([&](std::uint32_t, std::uint32_t, std::uint32_t, std::byte* base, std::uint64_t bb) {
+      for (auto b : dev) std::memset(base + static_cast<std::uint64_t>(b) * bb, 0xee, bb);
+    });
+    auto in = run(TaskKind::kSwapToDevice, host, dev2);
+    ASSERT_TRUE(in.ok()) << (in.failures.empty() ? "" : in.failures[0].message);
+    for_each_tensor([&](std::uint32_t r, std::uint32_t l, std::uint32_t k, std::byte* base, std::uint64_t bb) {
+      for (std::size_t i = 0; i < dev2.size(); ++i) {
+        const auto off = loadgen::check_block(base + static_cast<std::uint64_t>(dev2[i]) * bb, bb, r, l, k,
+                                              static_cast<std::uint32_t>(dev[i]));
+        ASSERT_EQ(off, -1) << "rank " << r << " layer " << l << " kind " << k << " block " << dev2[i];
+      }
+    });
+    // The device blocks now hold the pattern of the swapped blocks; restore for later checks.
+    fill_device();
+  }
+};
+
+TEST_F(DaemonTest, TwoRanksRoundTripRandomBlockSetsByteExact) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  std::mt19937 rng(3);
+  for (int it = 0; it < 30; ++it) {
+    std::vector<std::int32_t> dev(32), host(24), dev2(32);
+    std::iota(dev.begin(), dev.end(), 0);
+    std::iota(host.begin(), host.end(), 0);
+    std::iota(dev2.begin(), dev2.end(), 0);
+    std::shuffle(dev.begin(), dev.end(), rng);
+    std::shuffle(host.begin(), host.end(), rng);
+    std::shuffle(dev2.begin(), dev2.end(), rng);
+    const std::size_t n = 1 + rng() % 20;
+    dev.resize(n);
+    host.resize(n);
+    dev2.resize(n);
+    if (it % 3 == 0) {  // consecutive runs on both sides
+      std::iota(dev.begin(), dev.end(), 2);
+      std::iota(host.begin(), host.end(), 1);
+    }
+    round_trip(dev, host, dev2);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST_F(DaemonTest, Fp8WithScalesAndNoValueCacheRoundTrips) {
+  g_ = test::small_geometry(2, proto::CacheDtype::kBlockWiseFp8, /*with_value=*/false);
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  round_trip({5, 6, 7, 20}, {0, 1, 2, 9}, {9, 10, 11, 0});
+}
+
+TEST_F(DaemonTest, MalformedTasksGetErrorsAndTheNextTaskSucceeds) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  auto expect_failure = [&](std::uint64_t id, TaskStatus want, const char* words) {
+    auto r = engine_->wait(id, 10'000'000'000);
+    ASSERT_TRUE(r.ok()) << r.error().message;
+    EXPECT_EQ(r->status, want) << proto::task_status_name(r->status);
+    ASSERT_EQ(r->failures.size(), 2u) << "every rank reports the error";
+    EXPECT_NE(r->failures[0].message.find(words), std::string::npos) << r->failures[0].message;
+  };
+  std::vector<std::int32_t> one{1}, two{1, 2};
+  proto::TaskRecordHeader raw{};
+  raw.kind = 77;
+  raw.format_version = proto::kTaskFormatVersion;
+  auto id = engine_->submit_raw(raw, one, one);
+  ASSERT_TRUE(id.ok());
+  expect_failure(*id, TaskStatus::kUnknownKind, "unknown task kind 77");
+
+  raw.kind = static_cast<std::uint16_t>(TaskKind::kSwapToHost);
+  raw.format_version = 99;
+  id = engine_->submit_raw(raw, one, one);
+  ASSERT_TRUE(id.ok());
+  expect_failure(*id, TaskStatus::kBadVersion, "version 99");
+
+  TaskRequest req;
+  req.kind = TaskKind::kSwapToHost;
+  req.src = two;
+  req.dst = one;
+  id = engine_->submit(req);
+  ASSERT_TRUE(id.ok());
+  expect_failure(*id, TaskStatus::kLengthMismatch, "2 ids");
+
+  std::vector<std::int32_t> far{1000};
+  req.src = far;
+  req.dst = one;
+  id = engine_->submit(req);
+  ASSERT_TRUE(id.ok());
+  expect_failure(*id, TaskStatus::kIdOutOfRange, "1000");
+
+  std::vector<std::int32_t> dup{3, 3};
+  req.src = two;
+  req.dst = dup;
+  id = engine_->submit(req);
+  ASSERT_TRUE(id.ok());
+  expect_failure(*id, TaskStatus::kDuplicateDestination, "destination");
+
+  round_trip({4, 8}, {2, 3}, {4, 8});  // the daemons still serve
+  EXPECT_TRUE(daemons_[0].running() && daemons_[1].running());
+}
+
+TEST_F(DaemonTest, EvictThenLoadOfTheSameHostBlockSeesTheEvictedBytes) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  // Submitted back to back without waiting: the load must run after the eviction it depends on.
+  for (int it = 0; it < 20; ++it) {
+    std::vector<std::int32_t> dev{it % 8, 10 + it % 8}, host{it % 5, 6 + it % 5}, dev2{20, 21};
+    TaskRequest out, in;
+    out.kind = TaskKind::kSwapToHost;
+    out.src = dev;
+    out.dst = host;
+    in.kind = TaskKind::kSwapToDevice;
+    in.src = host;
+    in.dst = dev2;
+    auto a = engine_->submit(out);
+    auto b = engine_->submit(in);
+    ASSERT_TRUE(a.ok() && b.ok());
+    ASSERT_TRUE(engine_->wait(*a, 10'000'000'000)->ok());
+    ASSERT_TRUE(engine_->wait(*b, 10'000'000'000)->ok());
+    for_each_tensor([&](std::uint32_t r, std::uint32_t l, std::uint32_t k, std::byte* base, std::uint64_t bb) {
+      for (std::size_t i = 0; i < 2; ++i)
+        ASSERT_EQ(loadgen::check_block(base + static_cast<std::uint64_t>(dev2[i]) * bb, bb, r, l, k,
+                                       static_cast<std::uint32_t>(dev[i])),
+                  -1);
+    });
+    fill_device();
+  }
+}
+
+TEST_F(DaemonTest, FlagsThatDisagreeWithTheSessionExitNonZeroNamingTheField) {
+  ASSERT_NO_FATAL_FAILURE(start_engine());
+  auto g = g_;
+  g.num_layers = 5;
+  Child bad(daemon_args(0, g), log_path(0));
+  EXPECT_EQ(bad.wait_exit(std::chrono::seconds(20)), 3);
+  const auto log = test::read_file(log_path(0));
+  EXPECT_NE(log.find("num_layers"), std::string::npos) << log;
+}
+
+TEST_F(DaemonTest, BadFlagStopsStartupWithAMessage) {
+  auto args = daemon_args(0, g_);
+  args.push_back("--cache-dtype");
+  args.push_back("fp4");
+  Child bad(args, log_path(0));
+  EXPECT_EQ(bad.wait_exit(std::chrono::seconds(20)), 2);
+  EXPECT_NE(test::read_file(log_path(0)).find("--cache-dtype"), std::string::npos);
+}
+
+TEST_F(DaemonTest, DaemonStartedBeforeTheEngineAttachesWhenTheSessionAppears) {
+  for (std::uint32_t r = 0; r < g_.num_ranks; ++r) daemons_.push_back(start_daemon(r));
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ASSERT_TRUE(daemons_[0].running());
+  ASSERT_NO_FATAL_FAILURE(start_engine());
+  ASSERT_TRUE(engine_->wait_ready(20'000'000'000).ok());
+  round_trip({1, 2, 3}, {4, 5, 6}, {7, 8, 9});
+}
+
+TEST_F(DaemonTest, FullRingFailsSubmitAfterItsDeadline) {
+  ASSERT_NO_FATAL_FAILURE(start_all(4096, 60'000'000'000));
+  for (auto& d : daemons_) d.signal(SIGSTOP);  // ranks stop consuming but are not declared dead
+  std::vector<std::int32_t> ids(100);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::vector<std::int32_t> host(ids.begin(), ids.begin() + 20), dev(ids.begin(), ids.begin() + 20);
+  TaskRequest req;
+  req.kind = TaskKind::kSwapToHost;
+  req.src = dev;
+  req.dst = host;
+  req.submit_timeout_ns = 100'000'000;
+  std::vector<std::uint64_t> accepted;
+  Result<std::uint64_t, IpcErrc> r = std::uint64_t{0};
+  for (int i = 0; i < 1000; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    r = engine_->submit(req);
+    if (!r.ok()) {
+      EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(100));
+      break;
+    }
+    accepted.push_back(*r);
+  }
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().code, IpcErrc::kRingFull);
+  EXPECT_NE(r.error().message.find("task ring full"), std::string::npos) << r.error().message;
+  EXPECT_FALSE(accepted.empty());
+  for (auto& d : daemons_) d.signal(SIGCONT);
+  for (auto id : accepted) {
+    auto res = engine_->wait(id, 10'000'000'000);
+    ASSERT_TRUE(res.ok()) << res.error().message;
+    EXPECT_TRUE(res->ok());
+  }
+}
+
+TEST_F(DaemonTest, KilledRankIsReportedDeadAndItsPendingTasksFail) {
+  ASSERT_NO_FATAL_FAILURE(start_all(1u << 16, 500'000'000));
+  daemons_[1].signal(SIGSTOP);
+  std::vector<std::int32_t> dev{1, 2}, host{3, 4};
+  TaskRequest req;
+  req.kind = TaskKind::kSwapToHost;
+  req.src = dev;
+  req.dst = host;
+  auto id = engine_->submit(req);
+  ASSERT_TRUE(id.ok());
+  daemons_[1].signal(SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = engine_->wait(*id, 10'000'000'000);
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  ASSERT_TRUE(r.ok()) << r.error().message;
+  EXPECT_EQ(r->status, TaskStatus::kRankDead);
+  ASSERT_EQ(r->failures.size(), 1u);
+  EXPECT_EQ(r->failures[0].rank, 1u);
+  EXPECT_LT(waited, std::chrono::seconds(3));
+  EXPECT_FALSE(engine_->rank_alive(1));
+  EXPECT_TRUE(engine_->rank_alive(0));
+  auto refused = engine_->submit(req);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().code, IpcErrc::kNotReady);
+  // A restarted rank attaches under a new epoch and serves again.
+  daemons_[1] = start_daemon(1, 1);
+  ASSERT_TRUE(engine_->wait_ready(20'000'000'000).ok());
+  round_trip({5, 6}, {7, 8}, {9, 10});
+}
+
+TEST_F(DaemonTest, SigtermFinishesTheTaskInFlightThenExitsZero) {
+  g_.num_layers = 8;
+  g_.key_shape[0] = g_.value_shape[0] = 256;
+  g_.key_shape[1] = g_.value_shape[1] = 8;
+  g_.key_shape[2] = g_.value_shape[2] = 64;
+  g_.key_shape[3] = g_.value_shape[3] = 128;  // 128 KiB blocks
+  g_.num_host_blocks = 256;
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  std::vector<std::int32_t> ids(256);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), std::mt19937(1));
+  TaskRequest req;
+  req.kind = TaskKind::kSwapToHost;
+  req.src = ids;
+  req.dst = ids;
+  auto id = engine_->submit(req);  // 512 MiB per rank: long enough to be in flight
+  ASSERT_TRUE(id.ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  for (auto& d : daemons_) d.signal(SIGTERM);
+  auto r = engine_->wait(*id, 30'000'000'000);
+  ASSERT_TRUE(r.ok()) << r.error().message;
+  EXPECT_TRUE(r->ok()) << (r->failures.empty() ? "" : r->failures[0].message);
+  EXPECT_EQ(r->blocks_done, 256u);
+  for (auto& d : daemons_) EXPECT_EQ(d.wait_exit(std::chrono::seconds(20)), 0);
+}
+
+TEST_F(DaemonTest, EngineThatLeavesIsFollowedByTheNextSession) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  round_trip({1}, {2}, {3});
+  engine_.reset();  // the engine exits: the session is closed
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_TRUE(daemons_[0].running() && daemons_[1].running()) << "daemons must wait, not exit";
+  ASSERT_NO_FATAL_FAILURE(start_engine());
+  ASSERT_TRUE(engine_->wait_ready(20'000'000'000).ok());
+  round_trip({4, 5}, {6, 7}, {8, 9});
+  EXPECT_NE(test::read_file(log_path(0)).find("waiting for a new session"), std::string::npos);
+}
+
+TEST_F(DaemonTest, StaleEngineHeartbeatMakesTheDaemonDetach) {
+  g_ = test::small_geometry(1);
+  daemons_.push_back(start_daemon(0));
+  // A separate engine process that we can freeze: the load generator in verify mode.
+  Child engine({KVTD_LOADGEN, "--session", suffix_, "--ranks", "1", "--layers", "3", "--kv-heads", "2",
+                "--block-size", "4", "--head-dim", "8", "--device-blocks", "32", "--host-blocks", "24",
+                "--iterations", "100000", "--blocks-per-task", "2"},
+               log_path(9));
+  ASSERT_TRUE(test::eventually([&] { return test::read_file(log_path(0)).find("serving") != std::string::npos; },
+                               std::chrono::seconds(20)));
+  engine.signal(SIGSTOP);  // heartbeat goes stale; --engine-timeout is 1 s
+  ASSERT_TRUE(test::eventually(
+      [&] { return test::read_file(log_path(0)).find("stopped heartbeating") != std::string::npos; },
+      std::chrono::seconds(10)))
+      << test::read_file(log_path(0));
+  engine.signal(SIGKILL);
+  EXPECT_EQ(engine.wait_exit(std::chrono::seconds(5)), 128 + SIGKILL);
+  // The dead engine left its segment behind; a new engine replaces it and the daemon follows.
+  ASSERT_NO_FATAL_FAILURE(start_engine());
+  ASSERT_TRUE(engine_->wait_ready(20'000'000'000).ok()) << test::read_file(log_path(0));
+  round_trip({1, 2}, {3, 4}, {5, 6});
+  EXPECT_TRUE(daemons_[0].running());
+}
+
+}  // namespace
+}  // namespace kvtd

@@ -1,0 +1,133 @@
+// test_support.h - helpers shared by kvtd tests: child processes that die with the test,
+// a watchdog that fails a hung test, small geometries, and polling with a deadline.
+#pragma once
+
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvtd/proto/geometry.h"
+
+namespace kvtd::test {
+
+// Aborts the whole test binary (and, through PDEATHSIG, its children) if it runs too long.
+class Watchdog {
+ public:
+  explicit Watchdog(int seconds) { alarm(static_cast<unsigned>(seconds)); }
+  ~Watchdog() { alarm(0); }
+};
+
+// A child process started with fork/exec. It receives SIGKILL if the test process dies, and is
+// killed and reaped on destruction if still running.
+class Child {
+ public:
+  Child() = default;
+  Child(const std::vector<std::string>& argv, const std::string& log_path) {
+    pid_ = fork();
+    if (pid_ == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (!log_path.empty()) {
+        FILE* f = std::freopen(log_path.c_str(), "w", stderr);
+        (void)f;
+        dup2(STDERR_FILENO, STDOUT_FILENO);
+      }
+      std::vector<char*> args;
+      for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+      args.push_back(nullptr);
+      execv(args[0], args.data());
+      _exit(127);
+    }
+  }
+  Child(Child&& o) noexcept : pid_(o.pid_), status_(o.status_), reaped_(o.reaped_) { o.pid_ = -1; }
+  Child& operator=(Child&& o) noexcept {
+    std::swap(pid_, o.pid_);
+    std::swap(status_, o.status_);
+    std::swap(reaped_, o.reaped_);
+    return *this;
+  }
+  ~Child() {
+    if (pid_ > 0 && !reaped_) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+  pid_t pid() const { return pid_; }
+  void signal(int sig) const { kill(pid_, sig); }
+
+  // Waits up to `timeout` for exit; returns the exit code, 128+signal, or -1 on timeout.
+  int wait_exit(std::chrono::milliseconds timeout) {
+    if (reaped_) return code();
+    const auto end = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < end) {
+      const pid_t r = waitpid(pid_, &status_, WNOHANG);
+      if (r == pid_) {
+        reaped_ = true;
+        return code();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return -1;
+  }
+  bool running() {
+    if (reaped_) return false;
+    const pid_t r = waitpid(pid_, &status_, WNOHANG);
+    if (r == pid_) reaped_ = true;
+    return !reaped_;
+  }
+
+ private:
+  int code() const { return WIFEXITED(status_) ? WEXITSTATUS(status_) : 128 + WTERMSIG(status_); }
+  pid_t pid_ = -1;
+  int status_ = 0;
+  bool reaped_ = false;
+};
+
+inline bool eventually(const std::function<bool()>& cond, std::chrono::milliseconds timeout) {
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < end) {
+    if (cond()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return cond();
+}
+
+inline std::string read_file(const std::string& path) {
+  std::string out;
+  if (FILE* f = std::fopen(path.c_str(), "r")) {
+    char buf[4096];
+    std::size_t n;
+    while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) out.append(buf, n);
+    std::fclose(f);
+  }
+  return out;
+}
+
+inline std::string unique_suffix(const std::string& name) {
+  return "t" + std::to_string(getpid()) + "_" + name;
+}
+
+inline proto::CacheGeometry small_geometry(std::uint32_t ranks, proto::CacheDtype dtype = proto::CacheDtype::kBFloat16,
+                                           bool with_value = true) {
+  proto::CacheGeometry g{};
+  g.num_ranks = ranks;
+  g.num_layers = 3;
+  g.dtype = static_cast<std::uint32_t>(dtype);
+  g.num_host_blocks = 24;
+  const std::int64_t shape[4] = {32, 2, 4, 8};  // 32 device blocks of 2 heads x 4 tokens x 8 dims
+  for (int i = 0; i < 4; ++i) {
+    g.key_shape[i] = shape[i];
+    g.value_shape[i] = with_value ? shape[i] : 0;
+  }
+  return g;
+}
+
+}  // namespace kvtd::test

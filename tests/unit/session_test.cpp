@@ -1,0 +1,266 @@
+// In-process tests of the session protocol: the engine-side client and rank endpoints in one
+// process, talking through real shared memory.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "kvtd/daemon/device_backend.h"
+#include "kvtd/ipc/engine_session.h"
+#include "kvtd/ipc/kvtd_client.h"
+#include "kvtd/ipc/rank_endpoint.h"
+#include "test_support.h"
+
+namespace kvtd::ipc {
+namespace {
+
+using proto::TaskKind;
+using proto::TaskStatus;
+
+struct Engine {
+  std::unique_ptr<EngineSession> s;
+  explicit Engine(const std::string& suffix, proto::CacheGeometry g = test::small_geometry(1),
+                  std::uint64_t ring_bytes = 1u << 16, std::int64_t rank_timeout_ns = 3'000'000'000) {
+    SessionOptions o;
+    o.suffix = suffix;
+    o.geometry = g;
+    o.ring_bytes = ring_bytes;
+    o.rank_timeout_ns = rank_timeout_ns;
+    o.service_period_ns = 2'000'000;
+    auto r = EngineSession::create(o);
+    EXPECT_TRUE(r.ok()) << r.error().message;
+    s = std::move(r).value();
+    EXPECT_TRUE(s->create_host_device_tensors().ok());
+    EXPECT_TRUE(s->publish().ok());
+  }
+};
+
+EndpointOptions endpoint_options(const std::string& suffix, std::uint32_t rank, proto::CacheGeometry g) {
+  EndpointOptions o;
+  o.suffix = suffix;
+  o.rank = rank;
+  o.expected = g;
+  o.attach_timeout_ns = 2'000'000'000;
+  return o;
+}
+
+TEST(Session, GeometryMismatchNamesTheField) {
+  const auto suffix = test::unique_suffix("geom");
+  Engine e(suffix);
+  auto want = test::small_geometry(1);
+  want.num_layers = 7;
+  auto ep = RankEndpoint::attach(endpoint_options(suffix, 0, want));
+  ASSERT_FALSE(ep.ok());
+  EXPECT_EQ(ep.error().code, IpcErrc::kGeometryMismatch);
+  EXPECT_NE(ep.error().message.find("num_layers"), std::string::npos) << ep.error().message;
+
+  want = test::small_geometry(1);
+  want.key_shape[2] = 16;
+  ep = RankEndpoint::attach(endpoint_options(suffix, 0, want));
+  ASSERT_FALSE(ep.ok());
+  EXPECT_NE(ep.error().message.find("key_cache_shape"), std::string::npos) << ep.error().message;
+
+  ep = RankEndpoint::attach(endpoint_options(suffix, 3, test::small_geometry(1)));
+  ASSERT_FALSE(ep.ok());
+  EXPECT_NE(ep.error().message.find("rank"), std::string::npos) << ep.error().message;
+}
+
+TEST(Session, RefusesAForeignObjectAndAnOpenMode) {
+  const auto suffix = test::unique_suffix("foreign");
+  const std::string name = "/kvtd_" + std::to_string(getuid()) + "_" + suffix;
+  int fd = shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 8192), 0);
+  void* p = mmap(nullptr, 8192, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  std::memset(p, 0x5a, 8192);  // nonzero magic that is not ours
+  auto ep = RankEndpoint::attach(endpoint_options(suffix, 0, test::small_geometry(1)));
+  ASSERT_FALSE(ep.ok());
+  EXPECT_EQ(ep.error().code, IpcErrc::kBadMagic) << ep.error().message;
+  ASSERT_EQ(fchmod(fd, 0644), 0);
+  ep = RankEndpoint::attach(endpoint_options(suffix, 0, test::small_geometry(1)));
+  ASSERT_FALSE(ep.ok());
+  EXPECT_EQ(ep.error().code, IpcErrc::kPermission) << ep.error().message;
+  munmap(p, 8192);
+  close(fd);
+  shm_unlink(name.c_str());
+}
+
+TEST(Session, AttachTimesOutWhenNoSessionAppears) {
+  auto o = endpoint_options(test::unique_suffix("never"), 0, test::small_geometry(1));
+  o.attach_timeout_ns = 100'000'000;
+  auto ep = RankEndpoint::attach(o);
+  ASSERT_FALSE(ep.ok());
+  EXPECT_EQ(ep.error().code, IpcErrc::kTimeout);
+}
+
+TEST(Session, SubmitBeforeRanksAttachFailsFastNamingTheRank) {
+  const auto suffix = test::unique_suffix("notready");
+  Engine e(suffix, test::small_geometry(2));
+  auto ep = RankEndpoint::attach(endpoint_options(suffix, 0, test::small_geometry(2)));
+  ASSERT_TRUE(ep.ok()) << ep.error().message;
+  std::vector<std::int32_t> ids{1};
+  TaskRequest req;
+  req.src = ids;
+  req.dst = ids;
+  auto id = e.s->submit(req);
+  ASSERT_FALSE(id.ok());
+  EXPECT_EQ(id.error().code, IpcErrc::kNotReady);
+  EXPECT_NE(id.error().message.find("rank 1"), std::string::npos) << id.error().message;
+}
+
+TEST(Session, FullRingFailsSubmitAfterItsDeadline) {
+  test::Watchdog dog(30);
+  const auto suffix = test::unique_suffix("full");
+  Engine e(suffix, test::small_geometry(1), 4096);
+  auto ep = RankEndpoint::attach(endpoint_options(suffix, 0, test::small_geometry(1)));  // never reads
+  ASSERT_TRUE(ep.ok()) << ep.error().message;
+  std::vector<std::int32_t> ids(100, 0);
+  TaskRequest req;
+  req.src = ids;
+  req.dst = ids;
+  req.submit_timeout_ns = 50'000'000;
+  int accepted = 0;
+  Result<std::uint64_t, IpcErrc> r = std::uint64_t{0};
+  for (; accepted < 100; ++accepted) {
+    (*ep)->heartbeat();
+    r = e.s->submit(req);
+    if (!r.ok()) break;
+  }
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().code, IpcErrc::kRingFull) << r.error().message;
+  EXPECT_EQ(accepted, 4096 / 880);  // 64 + 800 bytes, padded to 880
+  // Nothing was overwritten: the rank reads the first record intact.
+  std::vector<std::byte> rec;
+  ASSERT_EQ((*ep)->next_task(rec, monotonic_now_ns() + 1'000'000'000), RankEndpoint::Next::kTask);
+  proto::TaskRecordHeader h;
+  std::memcpy(&h, rec.data(), sizeof h);
+  EXPECT_EQ(h.task_id, 1u);
+}
+
+TEST(Session, StaleRankIsDeclaredDeadAndItsTasksFail) {
+  test::Watchdog dog(30);
+  const auto suffix = test::unique_suffix("stale");
+  Engine e(suffix, test::small_geometry(1), 1u << 16, 200'000'000);
+  auto ep = RankEndpoint::attach(endpoint_options(suffix, 0, test::small_geometry(1)));
+  ASSERT_TRUE(ep.ok());
+  std::vector<std::int32_t> ids{1, 2};
+  TaskRequest req;
+  req.src = ids;
+  req.dst = ids;
+  auto id = e.s->submit(req);
+  ASSERT_TRUE(id.ok()) << id.error().message;
+  // The rank never heartbeats again: within the timeout the task completes as failed.
+  auto r = e.s->wait(*id, 5'000'000'000);
+  ASSERT_TRUE(r.ok()) << r.error().message;
+  EXPECT_EQ(r->status, TaskStatus::kRankDead);
+  ASSERT_EQ(r->failures.size(), 1u);
+  EXPECT_NE(r->failures[0].message.find("heartbeat"), std::string::npos) << r->failures[0].message;
+  EXPECT_FALSE(e.s->rank_alive(0));
+  // The endpoint notices and re-attaches under a new epoch.
+  std::vector<std::byte> rec;
+  EXPECT_EQ((*ep)->next_task(rec, monotonic_now_ns() + 2'000'000'000), RankEndpoint::Next::kRegranted);
+  EXPECT_TRUE(e.s->rank_alive(0));
+}
+
+TEST(Session, MergesCompletionsWithMinBlocksAndFirstFailure) {
+  const auto suffix = test::unique_suffix("merge");
+  Engine e(suffix, test::small_geometry(2));
+  auto ep0 = RankEndpoint::attach(endpoint_options(suffix, 0, test::small_geometry(2)));
+  auto ep1 = RankEndpoint::attach(endpoint_options(suffix, 1, test::small_geometry(2)));
+  ASSERT_TRUE(ep0.ok() && ep1.ok());
+  std::vector<std::int32_t> ids{3};
+  TaskRequest req;
+  req.src = ids;
+  req.dst = ids;
+  auto id = e.s->submit(req);
+  ASSERT_TRUE(id.ok());
+  EXPECT_FALSE(e.s->poll(*id).has_value());
+  proto::CompletionRecord rec{};
+  rec.task_id = *id;
+  rec.rank = 0;
+  rec.blocks_done = 1;
+  ASSERT_TRUE((*ep0)->complete(rec).ok());
+  EXPECT_FALSE(e.s->poll(*id).has_value()) << "done before every rank reported";
+  rec.rank = 1;
+  rec.status = static_cast<std::int32_t>(TaskStatus::kIdOutOfRange);
+  std::strcpy(rec.message, "pair 0 out of range");
+  ASSERT_TRUE((*ep1)->complete(rec).ok());
+  auto r = e.s->wait(*id, 1'000'000'000);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, TaskStatus::kIdOutOfRange);
+  EXPECT_EQ(r->blocks_done, 0u);
+  ASSERT_EQ(r->failures.size(), 1u);
+  EXPECT_EQ(r->failures[0].rank, 1u);
+  EXPECT_EQ(r->failures[0].message, "pair 0 out of range");
+  auto again = e.s->wait(*id, 1'000'000);
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.error().code, IpcErrc::kUnknownTask);
+}
+
+TEST(Session, ALiveEngineKeepsItsSessionName) {
+  const auto suffix = test::unique_suffix("inuse");
+  Engine e(suffix);
+  SessionOptions o;
+  o.suffix = suffix;
+  o.geometry = test::small_geometry(1);
+  auto second = EngineSession::create(o);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.error().code, IpcErrc::kInUse);
+}
+
+// Tensor handles are 64 bytes: a session suffix of the maximum length once made the host
+// backend's arena names overflow them, and daemons could not open their tensors.
+TEST(Session, LongestSuffixStillFitsTensorHandles) {
+  const std::string suffix = (test::unique_suffix("long") + std::string(64, 'x')).substr(0, 64);
+  Engine e(suffix);
+  auto ep = RankEndpoint::attach(endpoint_options(suffix, 0, test::small_geometry(1)));
+  ASSERT_TRUE(ep.ok()) << ep.error().message;
+  auto backend = daemon::make_host_backend();
+  for (std::uint32_t l = 0; l < 3; ++l) {
+    const auto* d = (*ep)->tensor(l, proto::TensorKind::kValue);
+    ASSERT_NE(d, nullptr);
+    auto p = backend->open_tensor(*d);
+    ASSERT_TRUE(p.ok()) << p.error().message;
+    // A second mapping of the same bytes: what the engine writes, the daemon reads.
+    auto* engine_view = e.s->host_device_tensor(0, l, proto::TensorKind::kValue);
+    engine_view[5] = std::byte{static_cast<unsigned char>(40 + l)};
+    EXPECT_EQ((*p)[5], engine_view[5]);
+  }
+}
+
+TEST(CApi, CreatePublishSubmitAndReportErrors) {
+  const auto suffix = test::unique_suffix("capi");
+  kvtd_geometry g{};
+  g.num_ranks = 1;
+  g.num_layers = 2;
+  g.dtype = KVTD_DTYPE_FLOAT16;
+  g.num_host_blocks = 4;
+  g.key_shape[0] = 8;
+  g.key_shape[1] = 1;
+  g.key_shape[2] = 4;
+  g.key_shape[3] = 8;
+  kvtd_session* s = nullptr;
+  char err[256] = {0};
+  ASSERT_EQ(kvtd_session_create(suffix.c_str(), &g, &s, err, sizeof err), KVTD_OK) << err;
+  ASSERT_EQ(kvtd_create_host_device_tensors(s, err, sizeof err), KVTD_OK) << err;
+  EXPECT_NE(kvtd_host_device_tensor(s, 0, 1, 0), nullptr);
+  EXPECT_EQ(kvtd_host_device_tensor(s, 0, 1, 1), nullptr);  // no value cache
+  ASSERT_EQ(kvtd_publish(s, err, sizeof err), KVTD_OK) << err;
+  int32_t src[1] = {0}, dst[1] = {0};
+  uint64_t id = 0;
+  EXPECT_EQ(kvtd_submit(s, KVTD_SWAP_TO_HOST, src, dst, 1, 10, &id, err, sizeof err), KVTD_E_NOT_READY);
+  EXPECT_NE(std::string(err).find("rank 0"), std::string::npos) << err;
+  EXPECT_EQ(kvtd_wait_ready(s, 20, err, sizeof err), KVTD_E_TIMEOUT);
+  EXPECT_EQ(kvtd_rank_alive(s, 0), 0);
+  kvtd_session_destroy(s);
+  kvtd_session* bad = nullptr;
+  EXPECT_EQ(kvtd_session_create("bad/name", &g, &bad, err, sizeof err), KVTD_E_INVALID);
+  EXPECT_NE(std::string(err).find("suffix"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvtd::ipc

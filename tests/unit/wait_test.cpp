@@ -1,0 +1,36 @@
+#include "kvtd/ipc/wait.h"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "kvtd/ipc/clock.h"
+
+namespace kvtd::ipc {
+namespace {
+
+TEST(WaitOnWord, TimesOutAtItsDeadline) {
+  std::atomic<std::uint32_t> word{0}, waiters{0};
+  const auto t0 = monotonic_now_ns();
+  EXPECT_EQ(wait_on_word(word, 0, t0 + 30'000'000, &waiters), WaitResult::kTimedOut);
+  EXPECT_GE(monotonic_now_ns() - t0, 30'000'000);
+  EXPECT_EQ(waiters.load(), 0u);
+}
+
+TEST(WaitOnWord, ReturnsAtOnceWhenTheWordAlreadyChanged) {
+  std::atomic<std::uint32_t> word{5};
+  EXPECT_EQ(wait_on_word(word, 4, monotonic_now_ns() + 1'000'000'000, nullptr), WaitResult::kChanged);
+}
+
+TEST(WaitOnWord, SleeperIsWokenByBump) {
+  std::atomic<std::uint32_t> word{0}, waiters{0};
+  std::thread t([&] {
+    while (waiters.load() == 0) std::this_thread::yield();  // the waiter is asleep in the kernel
+    bump_and_wake(word, &waiters);
+  });
+  EXPECT_EQ(wait_on_word(word, 0, monotonic_now_ns() + 10'000'000'000, &waiters, 0), WaitResult::kChanged);
+  t.join();
+}
+
+}  // namespace
+}  // namespace kvtd::ipc
