@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kvtd/daemon/device_backend.h"
+#include "kvtd/ipc/populate.h"
 
 namespace kvtd::daemon {
 namespace {
@@ -34,6 +35,7 @@ class HostBackend final : public DeviceBackend {
       try {
         bip::shared_memory_object shm(bip::open_only, name.c_str(), bip::read_write);
         auto region = std::make_unique<bip::mapped_region>(shm, bip::read_write);
+        ipc::populate_for_write(region->get_address(), region->get_size());
         it = maps_.emplace(name, std::move(region)).first;
       } catch (const bip::interprocess_exception& e) {
         return make_error(DeviceErrc::kOpenFailed, "cannot open device tensor object " + name + ": " + e.what());

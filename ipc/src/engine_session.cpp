@@ -14,6 +14,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "kvtd/ipc/populate.h"
 #include "kvtd/ipc/rings.h"
 #include "kvtd/ipc/wait.h"
 #include "segment.h"
@@ -346,6 +347,7 @@ Status<IpcErrc> EngineSession::create_host_device_tensors() {
         impl_->arena_tensor[proto::registry_index(g, r, l, kind)] = (*m)->data + offset;
         offset += (d.bytes + 255) / 256 * 256;
       }
+    populate_for_write((*m)->data, (*m)->size);  // like a real allocation: backed, not sparse
     impl_->arenas.push_back(std::move(m).value());
   }
   return {};

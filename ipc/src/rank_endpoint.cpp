@@ -175,7 +175,7 @@ RankEndpoint::Next RankEndpoint::next_task(std::vector<std::byte>& record, std::
     if (!impl->engine_alive()) return Next::kLost;
     const std::int64_t now = monotonic_now_ns();
     if (now >= deadline_ns) return Next::kTimeout;
-    (void)wait_on_word(h->publish_word, seen, deadline_ns, &h->consumer_waiters, 10'000);
+    (void)wait_on_word(h->publish_word, seen, deadline_ns, &h->consumer_waiters, 50'000);
   }
 }
 

@@ -1,8 +1,9 @@
 // kvtd/ipc/wait.h - bounded waits on 32-bit futex words in shared memory.
 //
 // Pattern: read the word, check the condition, then wait_on_word(word, seen, deadline). The
-// waiter spins briefly (cheap when the event is microseconds away), then sleeps in the kernel
-// with FUTEX_WAIT (shared, not PRIVATE: the word lives in a mapping shared by processes).
+// waiter first polls for up to `spin_ns`, yielding the core between polls (cheap when the event
+// is microseconds away), then sleeps in the kernel with FUTEX_WAIT (shared, not PRIVATE: the
+// word lives in a mapping shared by processes).
 // A waker bumps the word and calls wake_word only if the waiter count it maintains is nonzero.
 // There is no lock anywhere, so a dead process cannot wedge the others.
 //
@@ -18,7 +19,7 @@ enum class WaitResult { kChanged, kTimedOut };
 
 // Returns kChanged once *word != seen (or on a spurious wake-up, which callers treat the same:
 // they re-check their condition), kTimedOut once CLOCK_MONOTONIC passes deadline_ns.
-// `spin_ns` bounds the busy-wait before sleeping. `waiters` (may be null) is incremented while
+// `spin_ns` bounds the polling before sleeping. `waiters` (may be null) is incremented while
 // this call sleeps, so wakers can skip the system call when nobody sleeps.
 WaitResult wait_on_word(const std::atomic<std::uint32_t>& word, std::uint32_t seen,
                         std::int64_t deadline_ns, std::atomic<std::uint32_t>* waiters,

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Benchmarks behind the README figures: task round trip (1 and 2 ranks), swap throughput next
+# to memcpy (1 and 2 ranks), and planning cost per block. Prints figures; asserts nothing.
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+bash "$KVTD_ROOT/scripts/setup.sh"
+kvtd_build
+
+kvtd=$KVTD_BUILD_DIR/daemon/kvtd
+loadgen=$KVTD_BUILD_DIR/tools/loadgen/kvtd-loadgen
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; }
+trap cleanup EXIT
+
+# with_daemons RANKS LAYERS HEADS BLOCK DIM DEVBLOCKS HOSTBLOCKS -- loadgen args...
+with_daemons() {
+  local ranks=$1 layers=$2 heads=$3 bs=$4 dim=$5 dev=$6 host=$7; shift 8
+  local suffix="bench$$_$RANDOM" shape="$dev,$heads,$bs,$dim"
+  for ((r = 0; r < ranks; r++)); do
+    "$kvtd" --rank $r --mp-num "$ranks" --num-layers "$layers" --num-host-blocks "$host" \
+      --key-cache-shape "$shape" --value-cache-shape "$shape" --session "$suffix" --log-level warn &
+    pids+=($!)
+  done
+  "$loadgen" --session "$suffix" --ranks "$ranks" --layers "$layers" --kv-heads "$heads" --block-size "$bs" \
+    --head-dim "$dim" --device-blocks "$dev" --host-blocks "$host" "$@" 2>/dev/null
+  for p in "${pids[@]}"; do kill -TERM "$p"; wait "$p" || true; done
+  pids=()
+}
+
+echo "== task round trip, one-block SWAP_TO_HOST (1 layer, 2 KiB key + 2 KiB value per block)"
+for ranks in 1 2; do
+  with_daemons "$ranks" 1 1 16 64 16 16 -- --mode latency --latency-samples 20000
+done
+echo "== swap throughput, 128 KiB blocks, random ids, 32 layers x K+V, 16 blocks per task"
+for ranks in 1 2; do
+  with_daemons "$ranks" 32 8 64 128 128 96 -- --mode throughput --blocks-per-task 16 --seconds 4
+done
+echo "== copy planning cost"
+"$KVTD_BUILD_DIR/tests/copy_plan_bench" --benchmark_min_time=0.2

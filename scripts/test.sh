@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Runs every test: unit, ipc (real processes), chaos; gpu tests skip without a GPU.
+# Then the same suites again under AddressSanitizer + UndefinedBehaviorSanitizer.
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+bash "$KVTD_ROOT/scripts/setup.sh"
+kvtd_build
+
+echo "== tests (build: $KVTD_BUILD_DIR)"
+ctest --test-dir "$KVTD_BUILD_DIR" --output-on-failure -j 2 --timeout 900
+
+if [ "${KVTD_SKIP_SANITIZERS:-0}" != 1 ]; then
+  echo "== tests under address,undefined sanitizers"
+  KVTD_BUILD_DIR=$KVTD_ROOT/build-asan kvtd_build -DKVTD_SANITIZE=address,undefined -DKVTD_WITH_CUDA=OFF
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+    ctest --test-dir "$KVTD_ROOT/build-asan" --output-on-failure -j 2 --timeout 900
+fi
