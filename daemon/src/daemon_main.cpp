@@ -61,7 +61,6 @@ class Heartbeat {
     std::unique_lock<std::mutex> lk(mu_);
     while (!stop_) {
       ep_.heartbeat();
-      notify_watchdog();
       cv_.wait_for(lk, std::chrono::nanoseconds(period_ns_));
     }
   }
@@ -108,6 +107,7 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
     eo.skip_generation = last_generation;
     eo.stop = &stop;
     eo.on_waiting = [](const std::string& what) { KVTD_INFO("{}", what); };
+    eo.on_poll = [] { notify_watchdog(); };
     notify_status("waiting for session");
     KVTD_INFO("waiting for session suffix '{}'", cfg.session_suffix);
     auto ep = ipc::RankEndpoint::attach(eo);

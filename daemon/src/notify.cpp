@@ -1,6 +1,10 @@
 #include "kvtd/daemon/notify.h"
 
+#include <atomic>
+#include <cstdint>
 #include <cstdlib>
+
+#include "kvtd/ipc/clock.h"
 
 #ifdef KVTD_HAVE_SYSTEMD
 #include <systemd/sd-daemon.h>
@@ -14,7 +18,13 @@ void notify_status(const std::string& status) { sd_notify(0, ("STATUS=" + status
 void notify_stopping() { sd_notify(0, "STOPPING=1"); }
 void notify_watchdog() {
   static const bool enabled = std::getenv("WATCHDOG_USEC") != nullptr;
-  if (enabled) sd_notify(0, "WATCHDOG=1");
+  if (!enabled) return;
+  // Called from hot loops: send at most one ping per second.
+  static std::atomic<std::int64_t> last_ns{0};
+  const std::int64_t now = ipc::monotonic_now_ns();
+  std::int64_t prev = last_ns.load(std::memory_order_relaxed);
+  if (now - prev < 1'000'000'000 || !last_ns.compare_exchange_strong(prev, now)) return;
+  sd_notify(0, "WATCHDOG=1");
 }
 #else
 void notify_ready() {}

@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "kvtd/daemon/log.h"
+#include "kvtd/daemon/notify.h"
 #include "kvtd/ipc/clock.h"
 #include "kvtd/ipc/wait.h"
 
@@ -277,6 +278,7 @@ TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop) {
   std::vector<std::byte> record;
   record.reserve(4096);
   while (!stop.load(std::memory_order_acquire)) {
+    notify_watchdog();
     const auto next = impl->ep.next_task(record, ipc::monotonic_now_ns() + kPollSliceNs);
     if (next == ipc::RankEndpoint::Next::kTimeout) continue;
     if (next == ipc::RankEndpoint::Next::kRegranted) {

@@ -76,8 +76,9 @@ Result<std::unique_ptr<RankEndpoint>, IpcErrc> RankEndpoint::attach(const Endpoi
     const std::int64_t now = monotonic_now_ns();
     if (o.stop && o.stop->load()) return make_error(IpcErrc::kClosed, "stopped while waiting for " + waiting_for);
     if (o.attach_timeout_ns > 0 && now - start >= o.attach_timeout_ns)
-      return make_error(IpcErrc::kTimeout, "gave up after " + std::to_string((now - start) / 1'000'000'000) +
-                                               " s waiting for " + waiting_for);
+      return make_error(IpcErrc::kTimeout, "gave up after " + std::to_string((now - start) / 1'000'000) +
+                                               " ms waiting for " + waiting_for);
+    if (o.on_poll) o.on_poll();
     if (o.on_waiting && now - last_note >= 5'000'000'000) {
       o.on_waiting("waiting for " + waiting_for);
       last_note = now;

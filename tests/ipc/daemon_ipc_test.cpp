@@ -391,3 +391,21 @@ TEST_F(DaemonTest, StaleEngineHeartbeatMakesTheDaemonDetach) {
 
 }  // namespace
 }  // namespace kvtd
+
+namespace kvtd {
+namespace {
+
+TEST(DaemonBinary, CudaBackendWithoutAGpuStopsWithAClearMessage) {
+  const std::string log = ::testing::TempDir() + "/kvtd_cuda_nogpu.log";
+  test::Child d({KVTD_BINARY, "--rank", "0", "--key-cache-shape", "8,1,4,8", "--session",
+                 test::unique_suffix("nogpu"), "--device-backend", "cuda", "--attach-timeout", "1"},
+                log);
+  const int code = d.wait_exit(std::chrono::seconds(20));
+  const auto text = test::read_file(log);
+  if (code == 4) GTEST_SKIP() << "a GPU is present: the backend started and waited for a session";
+  EXPECT_EQ(code, 5) << text;
+  EXPECT_NE(text.find("--device-backend cuda"), std::string::npos) << text;
+}
+
+}  // namespace
+}  // namespace kvtd

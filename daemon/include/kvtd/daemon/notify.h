@@ -7,5 +7,7 @@ namespace kvtd::daemon {
 void notify_ready();
 void notify_status(const std::string& status);
 void notify_stopping();
-void notify_watchdog();  // sends WATCHDOG=1 when the unit has WatchdogSec set
+// Sends WATCHDOG=1 when the unit has WatchdogSec set, at most once a second. Called from the
+// dispatcher loop and the attach wait, so a wedged dispatcher stops the pings.
+void notify_watchdog();
 }  // namespace kvtd::daemon

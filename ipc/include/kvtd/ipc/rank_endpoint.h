@@ -36,6 +36,7 @@ struct EndpointOptions {
   std::uint64_t skip_generation = 0;        // a session generation we just left: ignore it
   const std::atomic<bool>* stop = nullptr;  // abandon waiting when set
   std::function<void(const std::string&)> on_waiting;  // called every few seconds while waiting
+  std::function<void()> on_poll;            // called on every poll of the wait (>= 50 Hz)
 };
 
 class RankEndpoint {
