@@ -34,7 +34,7 @@ std::vector<std::int32_t> ids_of(const std::vector<std::byte>& rec, bool dst) {
   proto::TaskRecordHeader h;
   std::memcpy(&h, rec.data(), sizeof h);
   std::vector<std::int32_t> out(dst ? h.num_dst : h.num_src);
-  std::memcpy(out.data(), rec.data() + sizeof h + (dst ? 4 * h.num_src : 0), 4 * out.size());
+  if (!out.empty()) std::memcpy(out.data(), rec.data() + sizeof h + (dst ? 4 * h.num_src : 0), 4 * out.size());
   return out;
 }
 
