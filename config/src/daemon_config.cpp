@@ -19,6 +19,26 @@ proto::CacheGeometry DaemonConfig::geometry() const {
   return g;
 }
 
+const char* scatter_mode_name(ScatterMode m) {
+  switch (m) {
+    case ScatterMode::kKernelAllLayers: return "kernel";
+    case ScatterMode::kKernelPerLayer: return "kernel-per-layer";
+    case ScatterMode::kBatch: return "batch";
+    case ScatterMode::kMemcpy: return "memcpy";
+  }
+  return "?";
+}
+
+bool parse_scatter_mode(const std::string& text, ScatterMode* out) {
+  for (auto m : {ScatterMode::kKernelAllLayers, ScatterMode::kKernelPerLayer, ScatterMode::kBatch, ScatterMode::kMemcpy}) {
+    if (text == scatter_mode_name(m)) {
+      *out = m;
+      return true;
+    }
+  }
+  return false;
+}
+
 Result<std::vector<std::int64_t>, ConfigErrc> parse_shape(const std::string& text, const std::string& flag) {
   std::vector<std::int64_t> dims;
   std::size_t pos = 0;
@@ -48,7 +68,7 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   app.set_config("--config", "", "Read flags from a TOML or INI file");
   app.get_formatter()->column_width(40);
 
-  std::string key_shape, value_shape, dtype = "bfloat16", backend = "host", suffix;
+  std::string key_shape, value_shape, dtype = "bfloat16", backend = "host", suffix, scatter = "kernel";
   std::int64_t rank = 0, mp_num = 1, num_layers = 1, host_blocks = 0, device_id = 0;
   app.add_option("--rank", rank, "Tensor-parallel rank served by this process")->required();
   app.add_option("--mp-num,--mp_num", mp_num, "Number of tensor-parallel ranks");
@@ -60,6 +80,7 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   app.add_option("--cache-dtype,--cache_dtype", dtype, "bfloat16 | float16 | uint8 | block_wise_fp8");
   app.add_option("--session,--ipc-suffix,--ipc_suffix", suffix, "Session suffix shared with the engine")->required();
   app.add_option("--device-backend", backend, "cuda | host");
+  app.add_option("--scatter-mode", scatter, "CUDA: kernel | kernel-per-layer | batch | memcpy (scattered blocks)");
   app.add_option("--log-dir", c.log_dir, "Directory for the rotating per-rank log (default: stderr only)");
   app.add_option("--log-level", c.log_level, "trace | debug | info | warn | error | critical | off");
   app.add_option("--engine-timeout", c.engine_timeout_s, "Seconds of engine heartbeat silence before detaching");
@@ -125,6 +146,9 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   if (backend == "host") c.device_backend = DeviceBackendKind::kHost;
   else if (backend == "cuda") c.device_backend = DeviceBackendKind::kCuda;
   else return bad("--device-backend: '" + backend + "' is not one of cuda, host");
+
+  if (!parse_scatter_mode(scatter, &c.scatter_mode))
+    return bad("--scatter-mode: '" + scatter + "' is not one of kernel, kernel-per-layer, batch, memcpy");
 
   c.session_suffix = suffix;
   if (suffix.empty() || suffix.size() > 64 ||

@@ -20,7 +20,7 @@ namespace kvtd::daemon {
 
 bool cuda_compiled_in() { return false; }
 
-Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int) {
+Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int, ScatterMode) {
   return make_error(DeviceErrc::kUnavailable, "this kvtd was built without the CUDA toolkit; use --device-backend host");
 }
 
@@ -30,23 +30,63 @@ bool cuda_compiled_in() { return true; }
 
 namespace {
 
+constexpr bool kHaveBatchCopy = CUDART_VERSION >= 13000;
+
 std::string cuda_text(const char* what, cudaError_t e) {
   return std::string(what) + ": " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
 }
 
+#define KVTD_CUDA_TRY(call)                                                              \
+  do {                                                                                   \
+    if (const cudaError_t kvtd_e_ = (call); kvtd_e_ != cudaSuccess)                      \
+      return make_error(DeviceErrc::kCopyFailed, cuda_text(#call, kvtd_e_));             \
+  } while (0)
+
+// A growable pair of buffers: pinned host staging and its device copy.
+struct Mirror {
+  void* host = nullptr;
+  void* dev = nullptr;
+  std::size_t bytes = 0;
+
+  Status<DeviceErrc> reserve(std::size_t want) {
+    if (want <= bytes) return {};
+    release();
+    const std::size_t cap = want < 65536 ? 65536 : want;
+    KVTD_CUDA_TRY(cudaHostAlloc(&host, cap, cudaHostAllocDefault));
+    KVTD_CUDA_TRY(cudaMalloc(&dev, cap));
+    bytes = cap;
+    return {};
+  }
+  void release() {
+    if (host) cudaFreeHost(host);
+    if (dev) cudaFree(dev);
+    host = dev = nullptr;
+    bytes = 0;
+  }
+  // Uploads the first `n` bytes of `host` on `stream`. The previous user of this mirror on this
+  // lane synchronised the stream, so the pinned staging is free to overwrite.
+  Status<DeviceErrc> upload(std::size_t n, cudaStream_t stream) {
+    KVTD_CUDA_TRY(cudaMemcpyAsync(dev, host, n, cudaMemcpyHostToDevice, stream));
+    return {};
+  }
+};
+
 class CudaBackend final : public DeviceBackend {
  public:
-  explicit CudaBackend(int device) : device_(device) {}
+  CudaBackend(int device, ScatterMode mode) : device_(device), mode_(mode) {}
 
   ~CudaBackend() override {
     close_tensors();
     cudaSetDevice(device_);
     for (auto& lane : lanes_) {
+      lane.ids.release();
+      lane.table.release();
+      lane.offsets.release();
+      for (auto ev : lane.events) cudaEventDestroy(ev);
       if (lane.stream) cudaStreamDestroy(lane.stream);
-      if (lane.d_ids) cudaFree(lane.d_ids);
-      if (lane.h_ids) cudaFreeHost(lane.h_ids);
     }
     for (void* p : host_) cudaFreeHost(p);
+    for (void* p : device_allocs_) cudaFree(p);
   }
 
   Status<DeviceErrc> init() {
@@ -78,6 +118,7 @@ class CudaBackend final : public DeviceBackend {
         return make_error(DeviceErrc::kOpenFailed, cuda_text("cudaIpcOpenMemHandle", e));
       it = opened_.emplace(key, p).first;
     }
+    // Caching allocators hand out sub-allocations: the handle names the base, plus an offset.
     return static_cast<std::byte*>(it->second) + d.offset;
   }
 
@@ -99,86 +140,226 @@ class CudaBackend final : public DeviceBackend {
     return static_cast<std::byte*>(p);
   }
 
+  Result<std::byte*, DeviceErrc> alloc_device(std::size_t bytes) override {
+    void* p = nullptr;
+    cudaSetDevice(device_);
+    if (auto e = cudaMalloc(&p, bytes); e != cudaSuccess)
+      return make_error(DeviceErrc::kAllocFailed, cuda_text("cudaMalloc", e));
+    device_allocs_.push_back(p);
+    return static_cast<std::byte*>(p);
+  }
+
+  Status<DeviceErrc> write_device(std::byte* dst, const std::byte* src, std::size_t bytes) override {
+    cudaSetDevice(device_);
+    KVTD_CUDA_TRY(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
+    return {};
+  }
+
+  Status<DeviceErrc> read_device(std::byte* dst, const std::byte* src, std::size_t bytes) override {
+    cudaSetDevice(device_);
+    KVTD_CUDA_TRY(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
+    return {};
+  }
+
   Status<DeviceErrc> copy(Direction dir, const kernels::CopyPlan& plan,
                           std::span<const kernels::CopyTarget> targets) override {
-    Lane& lane = lanes_[dir == Direction::kToHost ? 0 : 1];
+    Lane& lane = lane_of(dir);
     std::lock_guard<std::mutex> g(lane.mu);
-    if (auto e = cudaSetDevice(device_); e != cudaSuccess)
-      return make_error(DeviceErrc::kCopyFailed, cuda_text("cudaSetDevice", e));
-    const std::size_t singles = plan.single_src.size();
-    if (singles > 0) {
-      if (auto st = stage_ids(lane, plan); !st.ok()) return st;
-    }
-    for (const auto& t : targets) {
-      for (const auto& r : plan.runs) {
-        const auto e = cudaMemcpyAsync(t.dst + static_cast<std::uint64_t>(r.dst) * t.block_bytes,
-                                       t.src + static_cast<std::uint64_t>(r.src) * t.block_bytes,
-                                       static_cast<std::uint64_t>(r.count) * t.block_bytes, cudaMemcpyDefault,
-                                       lane.stream);
-        if (e != cudaSuccess) return make_error(DeviceErrc::kCopyFailed, cuda_text("cudaMemcpyAsync", e));
-      }
-      if (singles > 0) {
-        const int e = kernels::launch_scattered_copy(t, lane.d_ids, lane.d_ids + singles,
-                                                     static_cast<std::int64_t>(singles), lane.stream);
-        if (e != 0)
-          return make_error(DeviceErrc::kCopyFailed, std::string("scattered copy kernel: ") + kernels::cuda_error_text(e));
-      }
-    }
-    if (auto e = cudaStreamSynchronize(lane.stream); e != cudaSuccess)
-      return make_error(DeviceErrc::kCopyFailed, cuda_text("cudaStreamSynchronize", e));
+    KVTD_CUDA_TRY(cudaSetDevice(device_));
+    if (auto st = stage_plan(lane, plan, targets); !st.ok()) return st;
+    if (auto st = enqueue(lane, plan, targets, /*all_layers=*/true); !st.ok()) return st;
+    KVTD_CUDA_TRY(cudaStreamSynchronize(lane.stream));
     return {};
+  }
+
+  Status<DeviceErrc> copy_layerwise(Direction dir, const kernels::CopyPlan& plan,
+                                    std::span<const kernels::CopyTarget> targets, std::size_t per_layer,
+                                    const std::function<void(std::uint32_t)>& on_layer_done) override {
+    if (per_layer == 0) return {};
+    Lane& lane = lane_of(dir);
+    std::lock_guard<std::mutex> g(lane.mu);
+    KVTD_CUDA_TRY(cudaSetDevice(device_));
+    if (auto st = stage_plan(lane, plan, targets); !st.ok()) return st;
+    const std::size_t layers = (targets.size() + per_layer - 1) / per_layer;
+    while (lane.events.size() < layers) {
+      cudaEvent_t ev{};
+      KVTD_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+      lane.events.push_back(ev);
+    }
+    // Enqueue every layer with an event after it, then report layers as their events fire, so
+    // the copy of layer l+1 overlaps the engine's use of layer l.
+    for (std::size_t l = 0; l < layers; ++l) {
+      const std::size_t first = l * per_layer;
+      const auto layer_targets = targets.subspan(first, std::min(per_layer, targets.size() - first));
+      if (auto st = enqueue(lane, plan, layer_targets, /*all_layers=*/false, first); !st.ok()) return st;
+      KVTD_CUDA_TRY(cudaEventRecord(lane.events[l], lane.stream));
+    }
+    for (std::size_t l = 0; l < layers; ++l) {
+      KVTD_CUDA_TRY(cudaEventSynchronize(lane.events[l]));
+      if (on_layer_done) on_layer_done(static_cast<std::uint32_t>(l));
+    }
+    return {};
+  }
+
+  Status<DeviceErrc> gather_to_staging(std::span<const kernels::LayerTensor> tensors,
+                                       std::span<const std::int32_t> ids, std::byte* staging) override {
+    return transform(lane_of(Direction::kToHost), tensors, ids, staging, true);
+  }
+
+  Status<DeviceErrc> scatter_from_staging(std::span<const kernels::LayerTensor> tensors,
+                                          std::span<const std::int32_t> ids, const std::byte* staging) override {
+    return transform(lane_of(Direction::kToDevice), tensors, ids, const_cast<std::byte*>(staging), false);
   }
 
  private:
   struct Lane {
     std::mutex mu;
     cudaStream_t stream = nullptr;
-    std::int32_t* d_ids = nullptr;  // device copy of [single_src..., single_dst...]
-    std::int32_t* h_ids = nullptr;  // pinned staging for the upload
-    std::size_t capacity = 0;       // ids each buffer holds
+    Mirror ids;      // [single_src..., single_dst...] (int32) or staging ids
+    Mirror table;    // CopyTarget or LayerTensor table for the one-launch kernels
+    Mirror offsets;  // staging offsets per tensor
+    std::vector<cudaEvent_t> events;
+    std::vector<void*> batch_dst, batch_src;
+    std::vector<std::size_t> batch_size;
   };
 
-  Status<DeviceErrc> stage_ids(Lane& lane, const kernels::CopyPlan& plan) {
+  Lane& lane_of(Direction d) { return lanes_[d == Direction::kToHost ? 0 : 1]; }
+
+  // Uploads the scattered ids (and the target table for the all-layers kernel).
+  Status<DeviceErrc> stage_plan(Lane& lane, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets) {
     const std::size_t n = plan.single_src.size();
-    if (2 * n > lane.capacity) {
-      if (lane.d_ids) cudaFree(lane.d_ids);
-      if (lane.h_ids) cudaFreeHost(lane.h_ids);
-      lane.d_ids = nullptr;
-      lane.h_ids = nullptr;
-      lane.capacity = 0;
-      const std::size_t cap = 2 * n < 8192 ? 8192 : 2 * n;
-      if (auto e = cudaMalloc(reinterpret_cast<void**>(&lane.d_ids), cap * sizeof(std::int32_t)); e != cudaSuccess)
-        return make_error(DeviceErrc::kCopyFailed, cuda_text("cudaMalloc (block ids)", e));
-      if (auto e = cudaHostAlloc(reinterpret_cast<void**>(&lane.h_ids), cap * sizeof(std::int32_t), cudaHostAllocDefault); e != cudaSuccess)
-        return make_error(DeviceErrc::kCopyFailed, cuda_text("cudaHostAlloc (block ids)", e));
-      lane.capacity = cap;
+    if (n == 0 || mode_ == ScatterMode::kBatch || mode_ == ScatterMode::kMemcpy) return {};
+    if (auto st = lane.ids.reserve(2 * n * sizeof(std::int32_t)); !st.ok()) return st;
+    std::memcpy(lane.ids.host, plan.single_src.data(), n * sizeof(std::int32_t));
+    std::memcpy(static_cast<std::int32_t*>(lane.ids.host) + n, plan.single_dst.data(), n * sizeof(std::int32_t));
+    if (auto st = lane.ids.upload(2 * n * sizeof(std::int32_t), lane.stream); !st.ok()) return st;
+    if (auto st = lane.table.reserve(targets.size() * sizeof(kernels::CopyTarget)); !st.ok()) return st;
+    std::memcpy(lane.table.host, targets.data(), targets.size() * sizeof(kernels::CopyTarget));
+    return lane.table.upload(targets.size() * sizeof(kernels::CopyTarget), lane.stream);
+  }
+
+  // Enqueues runs and scattered blocks of `targets` (which start at index `first` of the staged
+  // table). `all_layers` lets the all-layers kernel cover every target in one launch.
+  Status<DeviceErrc> enqueue(Lane& lane, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets,
+                             bool all_layers, std::size_t first = 0) {
+    for (const auto& t : targets)
+      for (const auto& r : plan.runs)
+        KVTD_CUDA_TRY(cudaMemcpyAsync(t.dst + static_cast<std::uint64_t>(r.dst) * t.block_bytes,
+                                      t.src + static_cast<std::uint64_t>(r.src) * t.block_bytes,
+                                      static_cast<std::uint64_t>(r.count) * t.block_bytes, cudaMemcpyDefault,
+                                      lane.stream));
+    const std::size_t n = plan.single_src.size();
+    if (n == 0) return {};
+    const auto* d_src = static_cast<const std::int32_t*>(lane.ids.dev);
+    const auto* d_dst = d_src + n;
+    switch (mode_) {
+      case ScatterMode::kKernelAllLayers:
+        if (all_layers || targets.size() > 1) {
+          const auto* table = static_cast<const kernels::CopyTarget*>(lane.table.dev) + first;
+          const int e = kernels::launch_scattered_copy_all(table, static_cast<std::uint32_t>(targets.size()), d_src,
+                                                           d_dst, static_cast<std::int64_t>(n), lane.stream);
+          if (e != 0) return make_error(DeviceErrc::kCopyFailed, std::string("copy kernel: ") + kernels::cuda_error_text(e));
+          return {};
+        }
+        [[fallthrough]];
+      case ScatterMode::kKernelPerLayer:
+        for (const auto& t : targets) {
+          const int e = kernels::launch_scattered_copy(t, d_src, d_dst, static_cast<std::int64_t>(n), lane.stream);
+          if (e != 0) return make_error(DeviceErrc::kCopyFailed, std::string("copy kernel: ") + kernels::cuda_error_text(e));
+        }
+        return {};
+      case ScatterMode::kMemcpy:
+        for (const auto& t : targets)
+          for (std::size_t i = 0; i < n; ++i)
+            KVTD_CUDA_TRY(cudaMemcpyAsync(t.dst + static_cast<std::uint64_t>(plan.single_dst[i]) * t.block_bytes,
+                                          t.src + static_cast<std::uint64_t>(plan.single_src[i]) * t.block_bytes,
+                                          t.block_bytes, cudaMemcpyDefault, lane.stream));
+        return {};
+      case ScatterMode::kBatch:
+        return enqueue_batch(lane, plan, targets);
     }
-    // The previous task on this lane synchronised its stream, so the staging buffer is free.
-    std::memcpy(lane.h_ids, plan.single_src.data(), n * sizeof(std::int32_t));
-    std::memcpy(lane.h_ids + n, plan.single_dst.data(), n * sizeof(std::int32_t));
-    if (auto e = cudaMemcpyAsync(lane.d_ids, lane.h_ids, 2 * n * sizeof(std::int32_t), cudaMemcpyHostToDevice,
-                                 lane.stream);
-        e != cudaSuccess)
-      return make_error(DeviceErrc::kCopyFailed, cuda_text("cudaMemcpyAsync (block ids)", e));
+    return {};
+  }
+
+  Status<DeviceErrc> enqueue_batch(Lane& lane, const kernels::CopyPlan& plan,
+                                   std::span<const kernels::CopyTarget> targets) {
+#if CUDART_VERSION >= 13000
+    const std::size_t n = plan.single_src.size();
+    lane.batch_dst.clear();
+    lane.batch_src.clear();
+    lane.batch_size.clear();
+    for (const auto& t : targets)
+      for (std::size_t i = 0; i < n; ++i) {
+        lane.batch_dst.push_back(t.dst + static_cast<std::uint64_t>(plan.single_dst[i]) * t.block_bytes);
+        lane.batch_src.push_back(const_cast<std::byte*>(t.src) + static_cast<std::uint64_t>(plan.single_src[i]) * t.block_bytes);
+        lane.batch_size.push_back(t.block_bytes);
+      }
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    std::size_t attr_index = 0;
+    KVTD_CUDA_TRY(cudaMemcpyBatchAsync(lane.batch_dst.data(), lane.batch_src.data(), lane.batch_size.data(),
+                                       lane.batch_dst.size(), &attr, &attr_index, 1, lane.stream));
+    return {};
+#else
+    (void)lane;
+    (void)plan;
+    (void)targets;
+    return make_error(DeviceErrc::kCopyFailed, "cudaMemcpyBatchAsync needs CUDA 13");
+#endif
+  }
+
+  Status<DeviceErrc> transform(Lane& lane, std::span<const kernels::LayerTensor> tensors,
+                               std::span<const std::int32_t> ids, std::byte* staging, bool gather) {
+    if (ids.empty() || tensors.empty()) return {};
+    std::lock_guard<std::mutex> g(lane.mu);
+    KVTD_CUDA_TRY(cudaSetDevice(device_));
+    if (auto st = lane.ids.reserve(ids.size_bytes()); !st.ok()) return st;
+    std::memcpy(lane.ids.host, ids.data(), ids.size_bytes());
+    if (auto st = lane.ids.upload(ids.size_bytes(), lane.stream); !st.ok()) return st;
+    if (auto st = lane.table.reserve(tensors.size_bytes()); !st.ok()) return st;
+    std::memcpy(lane.table.host, tensors.data(), tensors.size_bytes());
+    if (auto st = lane.table.upload(tensors.size_bytes(), lane.stream); !st.ok()) return st;
+    if (auto st = lane.offsets.reserve(tensors.size() * sizeof(std::uint64_t)); !st.ok()) return st;
+    auto* off = static_cast<std::uint64_t*>(lane.offsets.host);
+    std::uint64_t object = 0;
+    for (std::size_t t = 0; t < tensors.size(); ++t) {
+      off[t] = object;
+      object += tensors[t].block_bytes;
+    }
+    if (auto st = lane.offsets.upload(tensors.size() * sizeof(std::uint64_t), lane.stream); !st.ok()) return st;
+    const auto* table = static_cast<const kernels::LayerTensor*>(lane.table.dev);
+    const auto* offsets = static_cast<const std::uint64_t*>(lane.offsets.dev);
+    const auto* d_ids = static_cast<const std::int32_t*>(lane.ids.dev);
+    const auto count = static_cast<std::int64_t>(ids.size());
+    const auto nt = static_cast<std::uint32_t>(tensors.size());
+    const int e = gather ? kernels::launch_gather_to_staging(table, offsets, nt, d_ids, count, staging, object, lane.stream)
+                         : kernels::launch_scatter_from_staging(table, offsets, nt, d_ids, count, staging, object, lane.stream);
+    if (e != 0) return make_error(DeviceErrc::kCopyFailed, std::string("layout kernel: ") + kernels::cuda_error_text(e));
+    KVTD_CUDA_TRY(cudaStreamSynchronize(lane.stream));
     return {};
   }
 
   int device_;
+  ScatterMode mode_;
   std::array<Lane, 2> lanes_;
   std::map<std::array<std::uint8_t, proto::kHandleBytes>, void*> opened_;
   std::vector<void*> host_;
+  std::vector<void*> device_allocs_;
 };
 
 }  // namespace
 
-Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int device_id) {
+Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int device_id, ScatterMode mode) {
+  if (mode == ScatterMode::kBatch && !kHaveBatchCopy)
+    return make_error(DeviceErrc::kUnavailable, "--scatter-mode batch needs cudaMemcpyBatchAsync (CUDA 13 or newer)");
   int count = 0;
   if (auto e = cudaGetDeviceCount(&count); e != cudaSuccess)
     return make_error(DeviceErrc::kUnavailable, cuda_text("no usable CUDA driver or device (cudaGetDeviceCount)", e));
   if (device_id < 0 || device_id >= count)
     return make_error(DeviceErrc::kUnavailable, "--device-id " + std::to_string(device_id) + " but only " +
                                                     std::to_string(count) + " CUDA devices are visible");
-  auto b = std::make_unique<CudaBackend>(device_id);
+  auto b = std::make_unique<CudaBackend>(device_id, mode);
   if (auto st = b->init(); !st.ok()) return st.error();
   return std::unique_ptr<DeviceBackend>(std::move(b));
 }

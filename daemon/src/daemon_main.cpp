@@ -77,7 +77,7 @@ class Heartbeat {
 int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
   std::unique_ptr<DeviceBackend> backend;
   if (cfg.device_backend == config::DeviceBackendKind::kCuda) {
-    auto b = make_cuda_backend(cfg.device_id);
+    auto b = make_cuda_backend(cfg.device_id, cfg.scatter_mode);
     if (!b.ok()) {
       KVTD_ERROR("--device-backend cuda: {}", b.error().message);
       return kExitBackend;

@@ -67,6 +67,38 @@ class HostBackend final : public DeviceBackend {
     return {};
   }
 
+  Status<DeviceErrc> copy_layerwise(Direction, const kernels::CopyPlan& plan,
+                                    std::span<const kernels::CopyTarget> targets, std::size_t targets_per_layer,
+                                    const std::function<void(std::uint32_t)>& on_layer_done) override {
+    kernels::copy_layerwise_host(plan, targets, targets_per_layer, on_layer_done);
+    return {};
+  }
+
+  Status<DeviceErrc> gather_to_staging(std::span<const kernels::LayerTensor> tensors,
+                                       std::span<const std::int32_t> ids, std::byte* staging) override {
+    kernels::gather_to_staging_host(tensors, ids, staging);
+    return {};
+  }
+
+  Status<DeviceErrc> scatter_from_staging(std::span<const kernels::LayerTensor> tensors,
+                                          std::span<const std::int32_t> ids, const std::byte* staging) override {
+    kernels::scatter_from_staging_host(tensors, ids, staging);
+    return {};
+  }
+
+  // "Device" memory of the host backend is host memory.
+  Result<std::byte*, DeviceErrc> alloc_device(std::size_t bytes) override { return alloc_host(bytes); }
+
+  Status<DeviceErrc> write_device(std::byte* dst, const std::byte* src, std::size_t bytes) override {
+    std::memcpy(dst, src, bytes);
+    return {};
+  }
+
+  Status<DeviceErrc> read_device(std::byte* dst, const std::byte* src, std::size_t bytes) override {
+    std::memcpy(dst, src, bytes);
+    return {};
+  }
+
  private:
   std::map<std::string, std::unique_ptr<bip::mapped_region>> maps_;
   std::vector<std::pair<void*, std::size_t>> host_;

@@ -4,14 +4,17 @@
 
 #include <atomic>
 #include <cstdio>
+#include <string>
 #include <thread>
 
 #include "kvtd/config/daemon_config.h"
 #include "kvtd/daemon/daemon_main.h"
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/notify.h"
+#include "kvtd/daemon/selftest.h"
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "selftest") return kvtd::daemon::run_selftest(argc - 1, argv + 1);
   auto cfg = kvtd::config::parse_daemon_flags(argc, argv);
   if (!cfg.ok()) {
     if (cfg.error().code == kvtd::config::ConfigErrc::kHelp) {

@@ -6,49 +6,108 @@ namespace kvtd::kernels {
 namespace {
 
 constexpr int kWarpsPerCta = 8;
+constexpr int kThreads = kWarpsPerCta * 32;
 
-template <typename Vec>
-__global__ void scattered_copy_kernel(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
-                                      std::uint64_t block_bytes, const std::int32_t* __restrict__ src_ids,
-                                      const std::int32_t* __restrict__ dst_ids, std::int64_t count) {
-  const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
-  const unsigned lane = threadIdx.x % 32;
-  if (warp >= count) return;
-  const auto* s = reinterpret_cast<const Vec*>(src + static_cast<std::uint64_t>(src_ids[warp]) * block_bytes);
-  auto* d = reinterpret_cast<Vec*>(dst + static_cast<std::uint64_t>(dst_ids[warp]) * block_bytes);
-  const std::uint64_t n = block_bytes / sizeof(Vec);
-  for (std::uint64_t i = lane; i < n; i += 32) __stcs(d + i, __ldcs(s + i));
+__device__ __forceinline__ bool aligned_to(const void* p, std::uint64_t a) {
+  return reinterpret_cast<std::uintptr_t>(p) % a == 0;
 }
 
-__global__ void scattered_copy_bytes(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
-                                     std::uint64_t block_bytes, const std::int32_t* __restrict__ src_ids,
-                                     const std::int32_t* __restrict__ dst_ids, std::int64_t count) {
-  const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
-  const unsigned lane = threadIdx.x % 32;
-  if (warp >= count) return;
-  const unsigned char* s = src + static_cast<std::uint64_t>(src_ids[warp]) * block_bytes;
-  unsigned char* d = dst + static_cast<std::uint64_t>(dst_ids[warp]) * block_bytes;
-  for (std::uint64_t i = lane; i < block_bytes; i += 32) d[i] = s[i];
+// One warp copies `bytes` from s to d with the widest access both allow.
+__device__ __forceinline__ void warp_copy(unsigned char* __restrict__ d, const unsigned char* __restrict__ s,
+                                          std::uint64_t bytes, unsigned lane) {
+  if (bytes % 16 == 0 && aligned_to(s, 16) && aligned_to(d, 16)) {
+    const auto* sv = reinterpret_cast<const int4*>(s);
+    auto* dv = reinterpret_cast<int4*>(d);
+    for (std::uint64_t i = lane; i < bytes / 16; i += 32) __stcs(dv + i, __ldcs(sv + i));
+  } else if (bytes % 8 == 0 && aligned_to(s, 8) && aligned_to(d, 8)) {
+    const auto* sv = reinterpret_cast<const long long*>(s);
+    auto* dv = reinterpret_cast<long long*>(d);
+    for (std::uint64_t i = lane; i < bytes / 8; i += 32) __stcs(dv + i, __ldcs(sv + i));
+  } else {
+    for (std::uint64_t i = lane; i < bytes; i += 32) d[i] = s[i];
+  }
 }
 
-bool aligned(const void* p, std::uint64_t a) { return reinterpret_cast<std::uintptr_t>(p) % a == 0; }
+__device__ __forceinline__ std::int64_t global_warp() {
+  return static_cast<std::int64_t>(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
+}
+
+__global__ void scattered_one(CopyTarget t, const std::int32_t* __restrict__ src_ids,
+                              const std::int32_t* __restrict__ dst_ids, std::int64_t count) {
+  const std::int64_t w = global_warp();
+  if (w >= count) return;
+  warp_copy(reinterpret_cast<unsigned char*>(t.dst) + static_cast<std::uint64_t>(dst_ids[w]) * t.block_bytes,
+            reinterpret_cast<const unsigned char*>(t.src) + static_cast<std::uint64_t>(src_ids[w]) * t.block_bytes,
+            t.block_bytes, threadIdx.x % 32);
+}
+
+// Warp w handles block (w % count) of target (w / count).
+__global__ void scattered_all(const CopyTarget* __restrict__ targets, std::uint32_t num_targets,
+                              const std::int32_t* __restrict__ src_ids, const std::int32_t* __restrict__ dst_ids,
+                              std::int64_t count) {
+  const std::int64_t w = global_warp();
+  if (w >= count * num_targets) return;
+  const CopyTarget t = targets[w / count];
+  const std::int64_t i = w % count;
+  warp_copy(reinterpret_cast<unsigned char*>(t.dst) + static_cast<std::uint64_t>(dst_ids[i]) * t.block_bytes,
+            reinterpret_cast<const unsigned char*>(t.src) + static_cast<std::uint64_t>(src_ids[i]) * t.block_bytes,
+            t.block_bytes, threadIdx.x % 32);
+}
+
+// Warp w handles staged object (w / num_tensors), tensor (w % num_tensors).
+template <bool kGather>
+__global__ void staging_transform(const LayerTensor* __restrict__ tensors, const std::uint64_t* __restrict__ offsets,
+                                  std::uint32_t num_tensors, const std::int32_t* __restrict__ ids, std::int64_t count,
+                                  unsigned char* staging, std::uint64_t object_bytes) {
+  const std::int64_t w = global_warp();
+  if (w >= count * num_tensors) return;
+  const std::int64_t i = w / num_tensors;
+  const auto t = static_cast<std::uint32_t>(w % num_tensors);
+  const LayerTensor lt = tensors[t];
+  unsigned char* block = reinterpret_cast<unsigned char*>(lt.base) + static_cast<std::uint64_t>(ids[i]) * lt.block_bytes;
+  unsigned char* object = staging + static_cast<std::uint64_t>(i) * object_bytes + offsets[t];
+  if (kGather) {
+    warp_copy(object, block, lt.block_bytes, threadIdx.x % 32);
+  } else {
+    warp_copy(block, object, lt.block_bytes, threadIdx.x % 32);
+  }
+}
+
+unsigned ctas_for(std::int64_t warps) { return static_cast<unsigned>((warps + kWarpsPerCta - 1) / kWarpsPerCta); }
 
 }  // namespace
 
 int launch_scattered_copy(const CopyTarget& t, const std::int32_t* d_src_ids, const std::int32_t* d_dst_ids,
                           std::int64_t count, void* stream) {
   if (count <= 0 || t.block_bytes == 0) return 0;
-  const auto ctas = static_cast<unsigned>((count + kWarpsPerCta - 1) / kWarpsPerCta);
-  auto* st = static_cast<cudaStream_t>(stream);
-  const auto* src = reinterpret_cast<const unsigned char*>(t.src);
-  auto* dst = reinterpret_cast<unsigned char*>(t.dst);
-  if (t.block_bytes % 16 == 0 && aligned(src, 16) && aligned(dst, 16)) {
-    scattered_copy_kernel<int4><<<ctas, kWarpsPerCta * 32, 0, st>>>(src, dst, t.block_bytes, d_src_ids, d_dst_ids, count);
-  } else if (t.block_bytes % 8 == 0 && aligned(src, 8) && aligned(dst, 8)) {
-    scattered_copy_kernel<long long><<<ctas, kWarpsPerCta * 32, 0, st>>>(src, dst, t.block_bytes, d_src_ids, d_dst_ids, count);
-  } else {
-    scattered_copy_bytes<<<ctas, kWarpsPerCta * 32, 0, st>>>(src, dst, t.block_bytes, d_src_ids, d_dst_ids, count);
-  }
+  scattered_one<<<ctas_for(count), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(t, d_src_ids, d_dst_ids, count);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int launch_scattered_copy_all(const CopyTarget* d_targets, std::uint32_t num_targets, const std::int32_t* d_src_ids,
+                              const std::int32_t* d_dst_ids, std::int64_t count, void* stream) {
+  if (count <= 0 || num_targets == 0) return 0;
+  scattered_all<<<ctas_for(count * num_targets), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      d_targets, num_targets, d_src_ids, d_dst_ids, count);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int launch_gather_to_staging(const LayerTensor* d_tensors, const std::uint64_t* d_offsets, std::uint32_t num_tensors,
+                             const std::int32_t* d_ids, std::int64_t count, std::byte* staging,
+                             std::uint64_t object_bytes, void* stream) {
+  if (count <= 0 || num_tensors == 0) return 0;
+  staging_transform<true><<<ctas_for(count * num_tensors), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      d_tensors, d_offsets, num_tensors, d_ids, count, reinterpret_cast<unsigned char*>(staging), object_bytes);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int launch_scatter_from_staging(const LayerTensor* d_tensors, const std::uint64_t* d_offsets,
+                                std::uint32_t num_tensors, const std::int32_t* d_ids, std::int64_t count,
+                                const std::byte* staging, std::uint64_t object_bytes, void* stream) {
+  if (count <= 0 || num_tensors == 0) return 0;
+  staging_transform<false><<<ctas_for(count * num_tensors), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      d_tensors, d_offsets, num_tensors, d_ids, count,
+      const_cast<unsigned char*>(reinterpret_cast<const unsigned char*>(staging)), object_bytes);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -58,6 +58,7 @@ TEST(DaemonFlags, BadValuesNameTheFlag) {
   expect_rejected({"--value-cache-shape", "99,8,64,128"}, "--value-cache-shape");
   expect_rejected({"--cache-dtype", "fp4"}, "--cache-dtype");
   expect_rejected({"--device-backend", "rocm"}, "--device-backend");
+  expect_rejected({"--scatter-mode", "dma"}, "--scatter-mode");
   expect_rejected({"--log-level", "loud"}, "--log-level");
   expect_rejected({"--session", "a/b"}, "--session");
   expect_rejected({"--engine-timeout", "0"}, "--engine-timeout");

@@ -24,6 +24,17 @@ enum class ConfigErrc {
 
 enum class DeviceBackendKind { kHost, kCuda };
 
+// How the CUDA backend moves scattered (non-run) blocks; runs are always one cudaMemcpyAsync.
+enum class ScatterMode {
+  kKernelAllLayers,  // "kernel": one warp-per-block launch for every layer and tensor (default)
+  kKernelPerLayer,   // "kernel-per-layer": one launch per layer and tensor
+  kBatch,            // "batch": cudaMemcpyBatchAsync, copy engines instead of SMs
+  kMemcpy,           // "memcpy": one cudaMemcpyAsync per block (reference; slow for small blocks)
+};
+const char* scatter_mode_name(ScatterMode m);
+// Parses a scatter_mode_name; false for anything else.
+bool parse_scatter_mode(const std::string& text, ScatterMode* out);
+
 struct DaemonConfig {
   std::uint32_t rank = 0;
   std::uint32_t mp_num = 1;
@@ -35,6 +46,7 @@ struct DaemonConfig {
   proto::CacheDtype cache_dtype = proto::CacheDtype::kBFloat16;
   std::string session_suffix;
   DeviceBackendKind device_backend = DeviceBackendKind::kHost;
+  ScatterMode scatter_mode = ScatterMode::kKernelAllLayers;
   std::string log_dir;                 // empty: log to stderr only
   std::string log_level = "info";
   double engine_timeout_s = 5.0;       // engine heartbeat age after which we detach

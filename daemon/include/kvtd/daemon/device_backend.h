@@ -13,11 +13,15 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
+#include <string>
 
+#include "kvtd/config/daemon_config.h"
 #include "kvtd/kernels/copy_plan.h"
 #include "kvtd/kernels/host_copy.h"
+#include "kvtd/kernels/layout.h"
 #include "kvtd/proto/expected.h"
 #include "kvtd/proto/session.h"
 
@@ -31,6 +35,8 @@ enum class DeviceErrc {
 };
 
 enum class Direction { kToHost, kToDevice };
+
+using config::ScatterMode;
 
 class DeviceBackend {
  public:
@@ -49,11 +55,32 @@ class DeviceBackend {
   // Carries out `plan` for every target, in the direction's stream, and returns when done.
   virtual Status<DeviceErrc> copy(Direction dir, const kernels::CopyPlan& plan,
                                   std::span<const kernels::CopyTarget> targets) = 0;
+
+  // Layer by layer: `targets_per_layer` consecutive targets form a layer; on_layer_done(l) is
+  // called once layer l's copies have completed (on CUDA: its event fired), in layer order.
+  virtual Status<DeviceErrc> copy_layerwise(Direction dir, const kernels::CopyPlan& plan,
+                                            std::span<const kernels::CopyTarget> targets,
+                                            std::size_t targets_per_layer,
+                                            const std::function<void(std::uint32_t)>& on_layer_done) = 0;
+
+  // Layout transform for the storage tier (see kvtd/kernels/layout.h): device tensors <-> a
+  // block-first staging buffer in host memory from alloc_host.
+  virtual Status<DeviceErrc> gather_to_staging(std::span<const kernels::LayerTensor> tensors,
+                                               std::span<const std::int32_t> ids, std::byte* staging) = 0;
+  virtual Status<DeviceErrc> scatter_from_staging(std::span<const kernels::LayerTensor> tensors,
+                                                  std::span<const std::int32_t> ids, const std::byte* staging) = 0;
+
+  // Device memory owned by the backend, and plain transfers to and from it (self-test use).
+  virtual Result<std::byte*, DeviceErrc> alloc_device(std::size_t bytes) = 0;
+  virtual Status<DeviceErrc> write_device(std::byte* dst, const std::byte* src, std::size_t bytes) = 0;
+  virtual Status<DeviceErrc> read_device(std::byte* dst, const std::byte* src, std::size_t bytes) = 0;
 };
 
 std::unique_ptr<DeviceBackend> make_host_backend();
-// Fails with kUnavailable and the reason when CUDA is not compiled in or no device/driver exists.
-Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int device_id);
+// Fails with kUnavailable and the reason when CUDA is not compiled in or no device/driver exists,
+// or when `mode` is kBatch and this toolkit has no cudaMemcpyBatchAsync.
+Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int device_id,
+                                                                     ScatterMode mode = ScatterMode::kKernelAllLayers);
 bool cuda_compiled_in();
 
 }  // namespace kvtd::daemon

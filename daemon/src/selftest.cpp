@@ -1,0 +1,327 @@
+#include "kvtd/daemon/selftest.h"
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvtd/daemon/device_backend.h"
+
+namespace kvtd::daemon {
+namespace {
+
+using kernels::CopyPlan;
+using kernels::CopyTarget;
+
+struct Tally {
+  int passed = 0;
+  int failed = 0;
+  void check(bool ok, const std::string& what, const std::string& detail = "") {
+    (ok ? passed : failed)++;
+    std::printf("%s  %s%s%s\n", ok ? "PASS" : "FAIL", what.c_str(), detail.empty() ? "" : ": ", detail.c_str());
+  }
+};
+
+// One tensor on both sides: a device allocation and a host-pool allocation, each mirrored in
+// ordinary memory so the host executor can compute the expected bytes.
+struct TensorPair {
+  std::byte* dev = nullptr;
+  std::byte* host = nullptr;
+  std::uint64_t block_bytes = 0;
+  std::vector<std::byte> dev_mirror, host_mirror;
+};
+
+struct Fixture {
+  DeviceBackend& backend;
+  std::int64_t dev_blocks, host_blocks;
+  std::uint32_t layers;
+  std::vector<std::uint64_t> bytes_per_tensor;  // per tensor within a layer
+  std::vector<TensorPair> tensors;              // layers x tensors, layer-major
+  std::mt19937_64 rng{17};
+
+  std::string error;
+
+  bool allocate() {
+    for (std::uint32_t l = 0; l < layers; ++l)
+      for (auto bb : bytes_per_tensor) {
+        TensorPair t;
+        t.block_bytes = bb;
+        auto d = backend.alloc_device(static_cast<std::size_t>(bb * static_cast<std::uint64_t>(dev_blocks)));
+        auto h = backend.alloc_host(static_cast<std::size_t>(bb * static_cast<std::uint64_t>(host_blocks)));
+        if (!d.ok() || !h.ok()) {
+          error = !d.ok() ? d.error().message : h.error().message;
+          return false;
+        }
+        t.dev = *d;
+        t.host = *h;
+        t.dev_mirror.resize(static_cast<std::size_t>(bb * static_cast<std::uint64_t>(dev_blocks)));
+        t.host_mirror.resize(static_cast<std::size_t>(bb * static_cast<std::uint64_t>(host_blocks)));
+        tensors.push_back(std::move(t));
+      }
+    return true;
+  }
+
+  // Random bytes everywhere, mirrors included.
+  bool randomize() {
+    for (auto& t : tensors) {
+      for (auto& b : t.dev_mirror) b = static_cast<std::byte>(rng());
+      for (auto& b : t.host_mirror) b = static_cast<std::byte>(rng());
+      if (auto st = backend.write_device(t.dev, t.dev_mirror.data(), t.dev_mirror.size()); !st.ok()) {
+        error = st.error().message;
+        return false;
+      }
+      std::memcpy(t.host, t.host_mirror.data(), t.host_mirror.size());
+    }
+    return true;
+  }
+
+  std::vector<CopyTarget> targets(Direction dir, bool mirrors) {
+    std::vector<CopyTarget> out;
+    for (auto& t : tensors) {
+      std::byte* d = mirrors ? t.dev_mirror.data() : t.dev;
+      std::byte* h = mirrors ? t.host_mirror.data() : t.host;
+      out.push_back(dir == Direction::kToHost ? CopyTarget{d, h, t.block_bytes} : CopyTarget{h, d, t.block_bytes});
+    }
+    return out;
+  }
+
+  // Compares both sides with their mirrors; returns a description of the first difference.
+  std::string compare() {
+    std::vector<std::byte> readback;
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      auto& t = tensors[i];
+      readback.resize(t.dev_mirror.size());
+      if (auto st = backend.read_device(readback.data(), t.dev, readback.size()); !st.ok()) return st.error().message;
+      if (readback != t.dev_mirror) return "device tensor " + std::to_string(i) + " differs";
+      if (std::memcmp(t.host, t.host_mirror.data(), t.host_mirror.size()) != 0)
+        return "host tensor " + std::to_string(i) + " differs";
+    }
+    return "";
+  }
+};
+
+struct Shape {
+  const char* name;
+  std::vector<std::int32_t> src, dst;
+};
+
+std::vector<Shape> shapes(std::int64_t dev_blocks, std::int64_t host_blocks, std::mt19937_64& rng, bool to_host) {
+  const std::int64_t src_blocks = to_host ? dev_blocks : host_blocks;
+  const std::int64_t dst_blocks = to_host ? host_blocks : dev_blocks;
+  std::vector<Shape> out;
+  Shape runs{"runs-only", {}, {}};
+  for (std::int32_t i = 0; i < 12; ++i) {
+    runs.src.push_back(3 + i);
+    runs.dst.push_back(20 + i);
+  }
+  for (std::int32_t i = 0; i < 5; ++i) {
+    runs.src.push_back(40 + i);
+    runs.dst.push_back(2 + i);
+  }
+  out.push_back(runs);
+  std::vector<std::int32_t> s(static_cast<std::size_t>(src_blocks)), d(static_cast<std::size_t>(dst_blocks));
+  std::iota(s.begin(), s.end(), 0);
+  std::iota(d.begin(), d.end(), 0);
+  std::shuffle(s.begin(), s.end(), rng);
+  std::shuffle(d.begin(), d.end(), rng);
+  Shape scattered{"scattered-only", {}, {}};
+  for (std::size_t i = 0; i < 24; ++i) {
+    // Avoid accidental runs so the shape really is scattered only.
+    if (!scattered.src.empty() && s[i] == scattered.src.back() + 1 && d[i] == scattered.dst.back() + 1) continue;
+    scattered.src.push_back(s[i]);
+    scattered.dst.push_back(d[i]);
+  }
+  out.push_back(scattered);
+  Shape mixed{"mixed", {}, {}};
+  for (std::int32_t i = 0; i < 6; ++i) {
+    mixed.src.push_back(50 + i);
+    mixed.dst.push_back(30 + i);
+  }
+  for (std::size_t i = 0; i < 10; ++i) {
+    if (d[i] >= 30 && d[i] < 36) continue;  // keep destinations unique
+    mixed.src.push_back(s[i]);
+    mixed.dst.push_back(d[i]);
+  }
+  out.push_back(mixed);
+  return out;
+}
+
+void check_copies(Fixture& f, Tally& tally, const std::string& mode) {
+  for (Direction dir : {Direction::kToHost, Direction::kToDevice}) {
+    const bool to_host = dir == Direction::kToHost;
+    for (const auto& shape : shapes(f.dev_blocks, f.host_blocks, f.rng, to_host)) {
+      for (bool layerwise : {false, true}) {
+        const std::string what = std::string(shape.name) + (to_host ? " to-host " : " to-device ") +
+                                 (layerwise ? "layer-by-layer" : "all-layers") + " [" + mode + "]";
+        auto plan = kernels::plan_copy(shape.src, shape.dst, to_host ? f.dev_blocks : f.host_blocks,
+                                       to_host ? f.host_blocks : f.dev_blocks, f.bytes_per_tensor);
+        if (!plan.ok()) {
+          tally.check(false, what, plan.error().message);
+          continue;
+        }
+        if (!f.randomize()) {
+          tally.check(false, what, f.error);
+          continue;
+        }
+        const auto real = f.targets(dir, false);
+        const auto mirror = f.targets(dir, true);
+        kernels::copy_all_host(*plan, mirror);
+        Status<DeviceErrc> st;
+        std::vector<std::uint32_t> order;
+        if (layerwise) {
+          st = f.backend.copy_layerwise(dir, *plan, real, f.bytes_per_tensor.size(),
+                                        [&](std::uint32_t l) { order.push_back(l); });
+        } else {
+          st = f.backend.copy(dir, *plan, real);
+        }
+        if (!st.ok()) {
+          tally.check(false, what, st.error().message);
+          continue;
+        }
+        std::string diff = f.compare();
+        if (diff.empty() && layerwise) {
+          std::vector<std::uint32_t> want(f.layers);
+          std::iota(want.begin(), want.end(), 0u);
+          if (order != want) diff = "layer progress out of order or incomplete";
+        }
+        tally.check(diff.empty(), what, diff);
+      }
+    }
+  }
+}
+
+void check_layout(Fixture& f, Tally& tally, const std::string& mode) {
+  const std::string what = "layout transform gather+scatter [" + mode + "]";
+  if (!f.randomize()) return tally.check(false, what, f.error);
+  std::vector<kernels::LayerTensor> real, mirror;
+  for (auto& t : f.tensors) {
+    real.push_back({t.dev, t.block_bytes});
+    mirror.push_back({t.dev_mirror.data(), t.block_bytes});
+  }
+  const std::vector<std::int32_t> ids{7, 3, 9, 10, 11, 0, 31};
+  const std::vector<std::int32_t> back{1, 2, 3, 40, 41, 42, 60};
+  const std::uint64_t object = kernels::staging_object_bytes(real);
+  auto staging = f.backend.alloc_host(static_cast<std::size_t>(object * ids.size()));
+  if (!staging.ok()) return tally.check(false, what, staging.error().message);
+  std::vector<std::byte> expect(static_cast<std::size_t>(object * ids.size()));
+  kernels::gather_to_staging_host(mirror, ids, expect.data());
+  if (auto st = f.backend.gather_to_staging(real, ids, *staging); !st.ok()) return tally.check(false, what, st.error().message);
+  if (std::memcmp(*staging, expect.data(), expect.size()) != 0) return tally.check(false, what, "staged objects differ");
+  kernels::scatter_from_staging_host(mirror, back, expect.data());
+  if (auto st = f.backend.scatter_from_staging(real, back, *staging); !st.ok())
+    return tally.check(false, what, st.error().message);
+  tally.check(f.compare().empty(), what, f.compare());
+}
+
+// GB/s of one direction: random ids, 16-token bf16 blocks (8 heads x 16 x 128 x 2 = 32 KiB).
+void measure(DeviceBackend& backend, const std::string& mode, std::uint32_t layers) {
+  const std::int64_t blocks = 512;
+  const std::uint64_t bb = 8ull * 16 * 128 * 2;
+  std::vector<TensorPair> ts;
+  std::vector<CopyTarget> to_host, to_dev;
+  for (std::uint32_t i = 0; i < layers * 2; ++i) {
+    auto d = backend.alloc_device(static_cast<std::size_t>(bb * blocks));
+    auto h = backend.alloc_host(static_cast<std::size_t>(bb * blocks));
+    if (!d.ok() || !h.ok()) {
+      std::printf("bandwidth [%s]: allocation failed\n", mode.c_str());
+      return;
+    }
+    to_host.push_back({*d, *h, bb});
+    to_dev.push_back({*h, *d, bb});
+  }
+  std::vector<std::int32_t> src(blocks), dst(blocks);
+  std::iota(src.begin(), src.end(), 0);
+  std::iota(dst.begin(), dst.end(), 0);
+  std::mt19937 rng(3);
+  std::shuffle(src.begin(), src.end(), rng);
+  std::shuffle(dst.begin(), dst.end(), rng);
+  src.resize(256);
+  dst.resize(256);
+  auto plan = kernels::plan_copy(src, dst, blocks, blocks, std::vector<std::uint64_t>{bb});
+  if (!plan.ok()) return;
+  for (Direction dir : {Direction::kToHost, Direction::kToDevice}) {
+    const auto& t = dir == Direction::kToHost ? to_host : to_dev;
+    (void)backend.copy(dir, *plan, t);  // warm-up
+    const int reps = 8;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < reps; ++i) (void)backend.copy(dir, *plan, t);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double gb = static_cast<double>(bb) * 256.0 * static_cast<double>(t.size()) * reps / 1e9;
+    std::printf("bandwidth %-9s [%s]: %.2f GB/s (256 random 32 KiB blocks x %zu tensors)\n",
+                dir == Direction::kToHost ? "to-host" : "to-device", mode.c_str(), gb / s, t.size());
+  }
+}
+
+}  // namespace
+
+int run_selftest(int argc, char** argv) {
+  CLI::App app{"kvtd selftest - check a device backend's bytes against the host executor"};
+  std::string backend_name = "host", mode_name;
+  int device_id = 0;
+  std::uint32_t bench_layers = 8;
+  app.add_option("--device-backend", backend_name, "cuda | host")->check(CLI::IsMember({"cuda", "host"}));
+  app.add_option("--device-id,--device_id", device_id, "CUDA device ordinal");
+  app.add_option("--scatter-mode", mode_name, "Only this scatter mode (default: every mode)");
+  app.add_option("--bench-layers", bench_layers, "Layers in the bandwidth measurement (0 = skip)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+
+  std::vector<config::ScatterMode> modes;
+  if (!mode_name.empty()) {
+    config::ScatterMode m{};
+    if (!config::parse_scatter_mode(mode_name, &m)) {
+      std::fprintf(stderr, "kvtd selftest: --scatter-mode '%s' is not one of kernel, kernel-per-layer, batch, memcpy\n",
+                   mode_name.c_str());
+      return 2;
+    }
+    modes.push_back(m);
+  } else {
+    modes = {config::ScatterMode::kKernelAllLayers, config::ScatterMode::kKernelPerLayer, config::ScatterMode::kBatch,
+             config::ScatterMode::kMemcpy};
+  }
+
+  Tally tally;
+  // The host backend has one way to copy; the CUDA backend is checked in every mode.
+  const std::size_t runs = backend_name == "host" ? 1 : modes.size();
+  for (std::size_t m = 0; m < runs; ++m) {
+    std::unique_ptr<DeviceBackend> backend;
+    std::string label = "host";
+    if (backend_name == "cuda") {
+      label = config::scatter_mode_name(modes[m]);
+      auto b = make_cuda_backend(device_id, modes[m]);
+      if (!b.ok()) {
+        if (modes[m] == config::ScatterMode::kBatch && cuda_compiled_in() && modes.size() > 1 &&
+            b.error().message.find("CUDA 13") != std::string::npos) {
+          std::printf("SKIP  mode batch: %s\n", b.error().message.c_str());
+          continue;
+        }
+        std::fprintf(stderr, "kvtd selftest: no usable GPU for --device-backend cuda: %s\n", b.error().message.c_str());
+        return kSelftestUnavailable;
+      }
+      backend = std::move(b).value();
+    } else {
+      backend = make_host_backend();
+    }
+    // 3 layers of key, value (4 KiB blocks) and fp8-style scales (24-byte blocks: exercises the
+    // 8-byte and byte paths of the kernels).
+    Fixture f{*backend, 64, 64, 3, {4096, 4096, 24, 24}, {}, std::mt19937_64{17}, {}};
+    if (!f.allocate()) {
+      tally.check(false, "allocate test tensors [" + label + "]", f.error);
+      continue;
+    }
+    check_copies(f, tally, label);
+    check_layout(f, tally, label);
+    if (bench_layers > 0) measure(*backend, label, bench_layers);
+  }
+  std::printf("selftest (%s): %d passed, %d failed\n", backend_name.c_str(), tally.passed, tally.failed);
+  return tally.failed == 0 ? 0 : 1;
+}
+
+}  // namespace kvtd::daemon
