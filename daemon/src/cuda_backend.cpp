@@ -174,18 +174,14 @@ class CudaBackend final : public DeviceBackend {
 
   Status<DeviceErrc> copy_layerwise(Direction dir, const kernels::CopyPlan& plan,
                                     std::span<const kernels::CopyTarget> targets, std::size_t per_layer,
-                                    const std::function<void(std::uint32_t)>& on_layer_done) override {
+                                    const LayerCallback& on_layer_enqueued, const LayerCallback& on_layer_done) override {
     if (per_layer == 0) return {};
     Lane& lane = lane_of(dir);
     std::lock_guard<std::mutex> g(lane.mu);
     KVTD_CUDA_TRY(cudaSetDevice(device_));
     if (auto st = stage_plan(lane, plan, targets); !st.ok()) return st;
     const std::size_t layers = (targets.size() + per_layer - 1) / per_layer;
-    while (lane.events.size() < layers) {
-      cudaEvent_t ev{};
-      KVTD_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-      lane.events.push_back(ev);
-    }
+    if (auto st = ensure_events(lane, layers); !st.ok()) return st;
     // Enqueue every layer with an event after it, then report layers as their events fire, so
     // the copy of layer l+1 overlaps the engine's use of layer l.
     for (std::size_t l = 0; l < layers; ++l) {
@@ -193,12 +189,30 @@ class CudaBackend final : public DeviceBackend {
       const auto layer_targets = targets.subspan(first, std::min(per_layer, targets.size() - first));
       if (auto st = enqueue(lane, plan, layer_targets, /*all_layers=*/false, first); !st.ok()) return st;
       KVTD_CUDA_TRY(cudaEventRecord(lane.events[l], lane.stream));
+      if (on_layer_enqueued) on_layer_enqueued(static_cast<std::uint32_t>(l));
     }
     for (std::size_t l = 0; l < layers; ++l) {
       KVTD_CUDA_TRY(cudaEventSynchronize(lane.events[l]));
       if (on_layer_done) on_layer_done(static_cast<std::uint32_t>(l));
     }
     return {};
+  }
+
+  Result<std::vector<std::array<std::uint8_t, proto::kHandleBytes>>, DeviceErrc> export_layer_events(
+      std::uint32_t layers) override {
+    Lane& lane = lane_of(Direction::kToDevice);
+    std::lock_guard<std::mutex> g(lane.mu);
+    if (auto e = cudaSetDevice(device_); e != cudaSuccess) return make_error(DeviceErrc::kCopyFailed, cuda_text("cudaSetDevice", e));
+    if (auto st = ensure_events(lane, layers); !st.ok()) return st.error();
+    std::vector<std::array<std::uint8_t, proto::kHandleBytes>> out(layers);
+    for (std::uint32_t l = 0; l < layers; ++l) {
+      cudaIpcEventHandle_t h{};
+      static_assert(sizeof h == proto::kHandleBytes);
+      if (auto e = cudaIpcGetEventHandle(&h, lane.events[l]); e != cudaSuccess)
+        return make_error(DeviceErrc::kCopyFailed, cuda_text("cudaIpcGetEventHandle", e));
+      std::memcpy(out[l].data(), &h, sizeof h);
+    }
+    return out;
   }
 
   Status<DeviceErrc> gather_to_staging(std::span<const kernels::LayerTensor> tensors,
@@ -224,6 +238,16 @@ class CudaBackend final : public DeviceBackend {
   };
 
   Lane& lane_of(Direction d) { return lanes_[d == Direction::kToHost ? 0 : 1]; }
+
+  // Per-layer events, interprocess so the engine can open them (which requires no timing).
+  Status<DeviceErrc> ensure_events(Lane& lane, std::size_t layers) {
+    while (lane.events.size() < layers) {
+      cudaEvent_t ev{};
+      KVTD_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventInterprocess));
+      lane.events.push_back(ev);
+    }
+    return {};
+  }
 
   // Uploads the scattered ids (and the target table for the all-layers kernel).
   Status<DeviceErrc> stage_plan(Lane& lane, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets) {

@@ -126,6 +126,13 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
       backend->close_tensors();
       return kExitBackend;
     }
+    auto events = backend->export_layer_events(geometry.num_layers);
+    if (!events.ok()) {
+      KVTD_ERROR("cannot create the per-layer events: {}", events.error().message);
+      backend->close_tensors();
+      return kExitBackend;
+    }
+    endpoint.publish_layer_events(*events);
     TaskRunner runner(endpoint, *backend, std::move(cache).value());
     Heartbeat heartbeat(endpoint, static_cast<std::int64_t>(cfg.heartbeat_period_s * 1e9));
     endpoint.set_ready(proto::kReadyCacheAttached | proto::kReadyHostPool);

@@ -69,9 +69,18 @@ class HostBackend final : public DeviceBackend {
 
   Status<DeviceErrc> copy_layerwise(Direction, const kernels::CopyPlan& plan,
                                     std::span<const kernels::CopyTarget> targets, std::size_t targets_per_layer,
-                                    const std::function<void(std::uint32_t)>& on_layer_done) override {
-    kernels::copy_layerwise_host(plan, targets, targets_per_layer, on_layer_done);
+                                    const LayerCallback& on_layer_enqueued, const LayerCallback& on_layer_done) override {
+    // memcpy is synchronous: a layer is queued and complete at the same moment.
+    kernels::copy_layerwise_host(plan, targets, targets_per_layer, [&](std::uint32_t layer) {
+      if (on_layer_enqueued) on_layer_enqueued(layer);
+      if (on_layer_done) on_layer_done(layer);
+    });
     return {};
+  }
+
+  Result<std::vector<std::array<std::uint8_t, proto::kHandleBytes>>, DeviceErrc> export_layer_events(
+      std::uint32_t) override {
+    return std::vector<std::array<std::uint8_t, proto::kHandleBytes>>{};
   }
 
   Status<DeviceErrc> gather_to_staging(std::span<const kernels::LayerTensor> tensors,

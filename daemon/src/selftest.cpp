@@ -173,8 +173,13 @@ void check_copies(Fixture& f, Tally& tally, const std::string& mode) {
         Status<DeviceErrc> st;
         std::vector<std::uint32_t> order;
         if (layerwise) {
-          st = f.backend.copy_layerwise(dir, *plan, real, f.bytes_per_tensor.size(),
-                                        [&](std::uint32_t l) { order.push_back(l); });
+          std::vector<std::uint32_t> queued;
+          st = f.backend.copy_layerwise(
+              dir, *plan, real, f.bytes_per_tensor.size(), [&](std::uint32_t l) { queued.push_back(l); },
+              [&](std::uint32_t l) {
+                // A layer is reported done only after it was reported queued.
+                order.push_back(queued.size() > l ? l : 1000 + l);
+              });
         } else {
           st = f.backend.copy(dir, *plan, real);
         }

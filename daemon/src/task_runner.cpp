@@ -143,6 +143,14 @@ struct TaskRunner::Impl {
       complete(h, TaskStatus::kUnknownKind, 0, 0, now, "unknown task kind " + std::to_string(h.kind));
       return false;
     }
+    if ((h.flags & proto::kTaskFlagLayerwise) && kind != TaskKind::kSwapToDevice) {
+      complete(h, TaskStatus::kMalformed, 0, 0, now, "the layer-by-layer flag is only valid on SWAP_TO_DEVICE");
+      return false;
+    }
+    if ((h.flags & ~proto::kTaskFlagLayerwise) != 0) {
+      complete(h, TaskStatus::kMalformed, 0, 0, now, "unknown task flags " + std::to_string(h.flags));
+      return false;
+    }
     if (proto::task_record_bytes(h.num_src, h.num_dst) != h.record_bytes || h.record_bytes != rec.size()) {
       complete(h, TaskStatus::kMalformed, 0, 0, now,
                "record of " + std::to_string(rec.size()) + " bytes does not hold " + std::to_string(h.num_src) +
@@ -207,7 +215,17 @@ struct TaskRunner::Impl {
       return;
     }
     const auto& targets = lane == 0 ? cache.to_host : cache.to_device;
-    auto st = backend.copy(lane == 0 ? Direction::kToHost : Direction::kToDevice, w.plan, targets);
+    Status<DeviceErrc> st;
+    if (h.flags & proto::kTaskFlagLayerwise) {
+      ep.progress_begin(h);
+      std::uint32_t queued = 0;
+      st = backend.copy_layerwise(
+          Direction::kToDevice, w.plan, targets, targets.size() / cache.num_layers,
+          [&](std::uint32_t layer) { queued = layer + 1; },
+          [&](std::uint32_t layer) { ep.progress_update(h, queued, layer + 1); });
+    } else {
+      st = backend.copy(lane == 0 ? Direction::kToHost : Direction::kToDevice, w.plan, targets);
+    }
     if (!st.ok()) {
       complete(h, TaskStatus::kDeviceError, 0, 0, start, st.error().message);
       return;
@@ -297,7 +315,9 @@ TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop) {
     if (!impl->decode(record, w)) continue;
     const int lane = Impl::lane_of(static_cast<TaskKind>(w.header.kind));
     impl->admit(w, lane);
-    if (impl->lanes[lane].outstanding.load(std::memory_order_acquire) == 0 && impl->task_bytes(w) <= kInlineMaxBytes) {
+    const bool layerwise = (w.header.flags & proto::kTaskFlagLayerwise) != 0;
+    if (!layerwise && impl->lanes[lane].outstanding.load(std::memory_order_acquire) == 0 &&
+        impl->task_bytes(w) <= kInlineMaxBytes) {
       impl->execute_and_release(w, lane);
     } else {
       impl->enqueue(std::move(w), lane);

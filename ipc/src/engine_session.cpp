@@ -38,6 +38,7 @@ const char* ipc_errc_name(IpcErrc e) {
     case IpcErrc::kTooManyInFlight: return "too_many_in_flight";
     case IpcErrc::kNotReady: return "not_ready";
     case IpcErrc::kUnknownTask: return "unknown_task";
+    case IpcErrc::kTaskFailed: return "task_failed";
     case IpcErrc::kClosed: return "closed";
     case IpcErrc::kSystem: return "system";
   }
@@ -70,6 +71,7 @@ std::string check_geometry(const proto::CacheGeometry& g) {
 }
 
 struct Pending {
+  std::uint64_t seq = 0;       // ring sequence number: locates the layer progress slot
   std::uint32_t expected = 0;  // rank bit mask
   std::uint32_t reported = 0;
   bool have_blocks = false;
@@ -266,6 +268,8 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
   h->task_ring_bytes = layout.ring_bytes;
   h->completion_offset = layout.completion_offset;
   h->completion_stride = layout.completion_stride;
+  h->progress_offset = layout.progress_offset;
+  h->progress_stride = layout.progress_stride;
   h->total_bytes = layout.total_bytes;
   h->engine_pid.store(static_cast<std::uint32_t>(getpid()));
   h->engine_heartbeat_ns.store(impl->clock->now_ns());
@@ -404,6 +408,11 @@ Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
   hdr.format_version = proto::kTaskFormatVersion;
   hdr.after_task_id = req.after_task_id;
   hdr.deadline_ns = req.deadline_ns;
+  if (req.layerwise) {
+    if (req.kind != proto::TaskKind::kSwapToDevice)
+      return make_error(IpcErrc::kInvalidArgument, "layer-by-layer is only for SWAP_TO_DEVICE tasks");
+    hdr.flags = proto::kTaskFlagLayerwise;
+  }
   auto* impl = impl_.get();
   auto* h = impl->h;
   if (!impl->ring->fits(req.src.size(), req.dst.size()))
@@ -429,6 +438,7 @@ Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
         if (impl->ring->try_push(hdr, req.src, req.dst, &seq)) {
           ++impl->next_task_id;
           Pending p;
+          p.seq = seq;
           p.expected = impl->all_ranks_mask();
           p.result.task_id = hdr.task_id;
           p.result.submit_ns = hdr.submit_ns;
@@ -470,9 +480,11 @@ Result<std::uint64_t, IpcErrc> EngineSession::submit_raw(const proto::TaskRecord
   proto::TaskRecordHeader hdr = header;
   hdr.task_id = impl->next_task_id;
   hdr.submit_ns = impl->clock->now_ns();
-  if (!impl->ring->try_push(hdr, src, dst, nullptr)) return make_error(IpcErrc::kRingFull, "task ring full");
+  std::uint64_t seq = 0;
+  if (!impl->ring->try_push(hdr, src, dst, &seq)) return make_error(IpcErrc::kRingFull, "task ring full");
   ++impl->next_task_id;
   Pending p;
+  p.seq = seq;
   p.expected = impl->all_ranks_mask();
   p.result.task_id = hdr.task_id;
   p.result.submit_ns = hdr.submit_ns;
@@ -516,6 +528,57 @@ Result<TaskResult, IpcErrc> EngineSession::wait(std::uint64_t task_id, std::int6
     (void)wait_on_word(h->completion_word, seen, std::min(deadline, monotonic_now_ns() + impl->opts.service_period_ns),
                        &h->completion_waiters);
   }
+}
+
+Status<IpcErrc> EngineSession::wait_layer(std::uint64_t task_id, std::uint32_t layer, std::int64_t timeout_ns) {
+  auto* impl = impl_.get();
+  auto* h = impl->h;
+  const std::int64_t deadline = impl->clock->now_ns() + timeout_ns;
+  for (;;) {
+    const std::uint32_t progress_seen = h->progress_word.load(std::memory_order_acquire);
+    const std::uint32_t done_seen = h->completion_word.load(std::memory_order_acquire);
+    {
+      std::lock_guard<std::mutex> g(impl->mu);
+      impl->service(false);
+      if (auto it = impl->done.find(task_id); it != impl->done.end()) {
+        if (it->second.ok()) return {};
+        const auto& f = it->second.failures.front();
+        return make_error(IpcErrc::kTaskFailed, "task " + std::to_string(task_id) + " failed on rank " +
+                                                    std::to_string(f.rank) + ": " + f.message);
+      }
+      auto it = impl->pending.find(task_id);
+      if (it == impl->pending.end())
+        return make_error(IpcErrc::kUnknownTask, "task " + std::to_string(task_id) + " is not pending");
+      bool all = true;
+      for (std::uint32_t r = 0; r < h->geometry.num_ranks && all; ++r) {
+        if (it->second.reported & (1u << r)) continue;  // that rank finished the whole task
+        auto* slot = detail::progress_slot(h, r, it->second.seq);
+        const std::uint64_t before = slot->task_id.load(std::memory_order_acquire);
+        const std::uint32_t done = slot->layers_done.load(std::memory_order_acquire);
+        const std::uint64_t after = slot->task_id.load(std::memory_order_acquire);
+        all = before == task_id && after == task_id && done > layer;
+      }
+      if (all) return {};
+    }
+    const std::int64_t now = impl->clock->now_ns();
+    if (now >= deadline)
+      return make_error(IpcErrc::kTimeout, "layer " + std::to_string(layer) + " of task " + std::to_string(task_id) +
+                                               " not complete after " + std::to_string(timeout_ns / 1'000'000) + " ms");
+    const std::int64_t slice = std::min(deadline, monotonic_now_ns() + impl->opts.service_period_ns);
+    // Progress and completions both end this wait; watch progress, re-check completions per slice.
+    if (h->completion_word.load(std::memory_order_acquire) == done_seen)
+      (void)wait_on_word(h->progress_word, progress_seen, slice, &h->progress_waiters);
+  }
+}
+
+std::optional<std::array<std::uint8_t, proto::kHandleBytes>> EngineSession::layer_event_handle(
+    std::uint32_t rank, std::uint32_t layer) const {
+  auto* h = impl_->h;
+  if (rank >= h->geometry.num_ranks || layer >= h->geometry.num_layers) return std::nullopt;
+  if (detail::progress_control(h, rank)->events_published.load(std::memory_order_acquire) <= layer) return std::nullopt;
+  std::array<std::uint8_t, proto::kHandleBytes> out{};
+  std::memcpy(out.data(), detail::event_handle(h, rank, layer), out.size());
+  return out;
 }
 
 bool EngineSession::rank_alive(std::uint32_t rank) const {

@@ -2,7 +2,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <mutex>
 #include <thread>
 
@@ -188,7 +190,32 @@ Status<IpcErrc> RankEndpoint::complete(const proto::CompletionRecord& record) {
                                                 " is full: the engine is not draining it");
   }
   bump_and_wake(impl_->h->completion_word, &impl_->h->completion_waiters);
+  bump_and_wake(impl_->h->progress_word, &impl_->h->progress_waiters);  // ends wait_layer on failures too
   return {};
+}
+
+void RankEndpoint::progress_begin(const proto::TaskRecordHeader& task) {
+  auto* slot = detail::progress_slot(impl_->h, impl_->opts.rank, task.seq);
+  slot->task_id.store(0, std::memory_order_release);
+  slot->layers_enqueued.store(0, std::memory_order_release);
+  slot->layers_done.store(0, std::memory_order_release);
+  slot->task_id.store(task.task_id, std::memory_order_release);
+}
+
+void RankEndpoint::progress_update(const proto::TaskRecordHeader& task, std::uint32_t layers_enqueued,
+                                   std::uint32_t layers_done) {
+  auto* slot = detail::progress_slot(impl_->h, impl_->opts.rank, task.seq);
+  slot->layers_enqueued.store(layers_enqueued, std::memory_order_release);
+  slot->layers_done.store(layers_done, std::memory_order_release);
+  bump_and_wake(impl_->h->progress_word, &impl_->h->progress_waiters);
+}
+
+void RankEndpoint::publish_layer_events(const std::vector<std::array<std::uint8_t, proto::kHandleBytes>>& handles) {
+  auto* h = impl_->h;
+  const auto n = static_cast<std::uint32_t>(std::min<std::size_t>(handles.size(), h->geometry.num_layers));
+  for (std::uint32_t l = 0; l < n; ++l)
+    std::memcpy(detail::event_handle(h, impl_->opts.rank, l), handles[l].data(), proto::kHandleBytes);
+  detail::progress_control(h, impl_->opts.rank)->events_published.store(n, std::memory_order_release);
 }
 
 void RankEndpoint::heartbeat() { impl_->slot().heartbeat_ns.store(monotonic_now_ns(), std::memory_order_release); }

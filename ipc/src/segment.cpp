@@ -80,7 +80,11 @@ SessionLayout compute_layout(const proto::CacheGeometry& g, std::uint64_t ring_b
   l.completion_capacity = completion_capacity;
   l.completion_stride =
       align_up(sizeof(proto::CompletionRingControl) + std::uint64_t{completion_capacity} * sizeof(proto::CompletionRecord), 4096);
-  l.total_bytes = l.completion_offset + l.completion_stride * g.num_ranks;
+  l.progress_offset = l.completion_offset + l.completion_stride * g.num_ranks;
+  l.progress_stride = align_up(sizeof(proto::ProgressControl) + proto::kProgressSlots * sizeof(proto::LayerProgressSlot) +
+                                   std::uint64_t{g.num_layers} * proto::kHandleBytes,
+                               4096);
+  l.total_bytes = l.progress_offset + l.progress_stride * g.num_ranks;
   return l;
 }
 

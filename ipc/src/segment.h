@@ -42,6 +42,7 @@ struct SessionLayout {
   std::uint64_t ring_offset, ring_bytes;
   std::uint64_t completion_offset, completion_stride;
   std::uint32_t completion_capacity;
+  std::uint64_t progress_offset, progress_stride;
   std::uint64_t total_bytes;
 };
 SessionLayout compute_layout(const proto::CacheGeometry& g, std::uint64_t ring_bytes,
@@ -65,6 +66,19 @@ inline proto::CompletionRingControl* completion_control(proto::SessionHeader* h,
 inline proto::CompletionRecord* completion_records(proto::SessionHeader* h, std::uint32_t rank) {
   return reinterpret_cast<proto::CompletionRecord*>(reinterpret_cast<std::byte*>(completion_control(h, rank)) +
                                                     sizeof(proto::CompletionRingControl));
+}
+
+inline proto::ProgressControl* progress_control(proto::SessionHeader* h, std::uint32_t rank) {
+  return reinterpret_cast<proto::ProgressControl*>(reinterpret_cast<std::byte*>(h) + h->progress_offset +
+                                                   rank * h->progress_stride);
+}
+inline proto::LayerProgressSlot* progress_slot(proto::SessionHeader* h, std::uint32_t rank, std::uint64_t seq) {
+  return reinterpret_cast<proto::LayerProgressSlot*>(progress_control(h, rank) + 1) + seq % proto::kProgressSlots;
+}
+inline std::uint8_t* event_handle(proto::SessionHeader* h, std::uint32_t rank, std::uint32_t layer) {
+  return reinterpret_cast<std::uint8_t*>(reinterpret_cast<proto::LayerProgressSlot*>(progress_control(h, rank) + 1) +
+                                         proto::kProgressSlots) +
+         std::size_t{layer} * proto::kHandleBytes;
 }
 
 // Names the first geometry field on which `have` and `want` differ, or "" when equal.

@@ -235,6 +235,55 @@ TEST_F(DaemonTest, EvictThenLoadOfTheSameHostBlockSeesTheEvictedBytes) {
   }
 }
 
+TEST_F(DaemonTest, LayerByLayerLoadReportsEveryLayerThenCompletes) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  std::vector<std::int32_t> dev{3, 4, 9}, host{0, 1, 2}, dev2{20, 5, 6};
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, dev, host).ok());
+  for_each_tensor([&](std::uint32_t, std::uint32_t, std::uint32_t, std::byte* base, std::uint64_t bb) {
+    for (auto b : dev) std::memset(base + static_cast<std::uint64_t>(b) * bb, 0xee, bb);
+  });
+  TaskRequest req;
+  req.kind = TaskKind::kSwapToDevice;
+  req.src = host;
+  req.dst = dev2;
+  req.layerwise = true;
+  auto id = engine_->submit(req);
+  ASSERT_TRUE(id.ok()) << id.error().message;
+  for (std::uint32_t l = 0; l < g_.num_layers; ++l) {
+    auto st = engine_->wait_layer(*id, l, 10'000'000'000);
+    ASSERT_TRUE(st.ok()) << st.error().message;
+    // Layer l is in place on every rank as soon as wait_layer says so.
+    for (std::uint32_t r = 0; r < g_.num_ranks; ++r) {
+      const auto bb = g_.block_bytes(proto::TensorKind::kKey);
+      auto* base = engine_->host_device_tensor(r, l, proto::TensorKind::kKey);
+      for (std::size_t i = 0; i < dev2.size(); ++i)
+        ASSERT_EQ(loadgen::check_block(base + static_cast<std::uint64_t>(dev2[i]) * bb, bb, r, l, 0,
+                                       static_cast<std::uint32_t>(dev[i])),
+                  -1);
+    }
+  }
+  auto r = engine_->wait(*id, 10'000'000'000);
+  ASSERT_TRUE(r.ok() && r->ok());
+  EXPECT_EQ(engine_->wait_layer(*id, 0, 1'000'000).error().code, IpcErrc::kUnknownTask);
+  EXPECT_FALSE(engine_->layer_event_handle(0, 0).has_value()) << "the host backend has no CUDA events";
+
+  req.kind = TaskKind::kSwapToHost;
+  auto refused = engine_->submit(req);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().code, IpcErrc::kInvalidArgument);
+
+  proto::TaskRecordHeader raw{};
+  raw.kind = static_cast<std::uint16_t>(TaskKind::kSwapToHost);
+  raw.format_version = proto::kTaskFormatVersion;
+  raw.flags = proto::kTaskFlagLayerwise;
+  auto bad = engine_->submit_raw(raw, dev, host);
+  ASSERT_TRUE(bad.ok());
+  auto failed = engine_->wait_layer(*bad, 0, 10'000'000'000);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.error().code, IpcErrc::kTaskFailed);
+  EXPECT_NE(failed.error().message.find("only valid on SWAP_TO_DEVICE"), std::string::npos) << failed.error().message;
+}
+
 TEST_F(DaemonTest, FlagsThatDisagreeWithTheSessionExitNonZeroNamingTheField) {
   ASSERT_NO_FATAL_FAILURE(start_engine());
   auto g = g_;

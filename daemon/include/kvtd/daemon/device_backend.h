@@ -11,12 +11,14 @@
 // open/close/alloc are called from one thread while no copy runs.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "kvtd/config/daemon_config.h"
 #include "kvtd/kernels/copy_plan.h"
@@ -56,12 +58,19 @@ class DeviceBackend {
   virtual Status<DeviceErrc> copy(Direction dir, const kernels::CopyPlan& plan,
                                   std::span<const kernels::CopyTarget> targets) = 0;
 
-  // Layer by layer: `targets_per_layer` consecutive targets form a layer; on_layer_done(l) is
-  // called once layer l's copies have completed (on CUDA: its event fired), in layer order.
+  // Layer by layer: `targets_per_layer` consecutive targets form a layer. on_layer_enqueued(l)
+  // is called once layer l's copies are queued and its event recorded, on_layer_done(l) once
+  // they completed (on CUDA: the event fired); both in layer order. Either may be empty.
+  using LayerCallback = std::function<void(std::uint32_t layer)>;
   virtual Status<DeviceErrc> copy_layerwise(Direction dir, const kernels::CopyPlan& plan,
                                             std::span<const kernels::CopyTarget> targets,
-                                            std::size_t targets_per_layer,
-                                            const std::function<void(std::uint32_t)>& on_layer_done) = 0;
+                                            std::size_t targets_per_layer, const LayerCallback& on_layer_enqueued,
+                                            const LayerCallback& on_layer_done) = 0;
+
+  // Interprocess handles (cudaIpcEventHandle_t) of the events recorded after each layer of a
+  // layer-by-layer copy to the device, for the engine's compute stream; empty on the host backend.
+  virtual Result<std::vector<std::array<std::uint8_t, proto::kHandleBytes>>, DeviceErrc> export_layer_events(
+      std::uint32_t layers) = 0;
 
   // Layout transform for the storage tier (see kvtd/kernels/layout.h): device tensors <-> a
   // block-first staging buffer in host memory from alloc_host.

@@ -17,6 +17,7 @@
 // mutex while sleeping.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -50,6 +51,7 @@ struct TaskRequest {
   std::int64_t submit_timeout_ns = 1'000'000'000;  // how long submit may wait for ring room
   std::int64_t deadline_ns = 0;       // absolute CLOCK_MONOTONIC; 0 = none
   std::uint64_t after_task_id = 0;    // run after this task (0 = no constraint)
+  bool layerwise = false;             // SWAP_TO_DEVICE only: copy layer by layer, with progress
 };
 
 struct RankFailure {
@@ -106,6 +108,18 @@ class EngineSession {
   std::optional<TaskResult> poll(std::uint64_t task_id);
   // Waits up to timeout_ns for the merged result (kTimeout; kUnknownTask if never submitted).
   Result<TaskResult, IpcErrc> wait(std::uint64_t task_id, std::int64_t timeout_ns);
+
+  // Layer-by-layer loads: waits until layer `layer` of task `task_id` is complete on every rank
+  // (true as well once the whole task completed ok). kTaskFailed if the task failed, kTimeout,
+  // kUnknownTask if it was never submitted or its result was already taken by wait()/poll().
+  Status<IpcErrc> wait_layer(std::uint64_t task_id, std::uint32_t layer, std::int64_t timeout_ns);
+
+  // The interprocess CUDA event rank `rank` records after enqueueing each layer's copies of a
+  // layer-by-layer task (cudaIpcEventHandle_t bytes), or nullopt when that rank publishes none
+  // (host backend). To let a compute stream wait on the GPU: wait until the layer is enqueued
+  // (layers_enqueued), then cudaStreamWaitEvent on the opened event.
+  std::optional<std::array<std::uint8_t, proto::kHandleBytes>> layer_event_handle(std::uint32_t rank,
+                                                                                  std::uint32_t layer) const;
 
   // Whether rank r is attached and its heartbeat is fresh.
   bool rank_alive(std::uint32_t rank) const;

@@ -17,6 +17,7 @@ enum class IpcErrc {
   kTooManyInFlight,   // every completion slot is taken by unfinished tasks
   kNotReady,          // a rank is not attached, so the task cannot be delivered
   kUnknownTask,       // no such task id pending
+  kTaskFailed,        // the task completed with a failure (message names the rank and cause)
   kClosed,            // the session was closed or the engine is gone
   kSystem,            // an OS call failed (message has errno text)
 };

@@ -12,6 +12,7 @@
 // (serialised inside); heartbeat(), set_ready() and the queries from any thread.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -57,6 +58,13 @@ class RankEndpoint {
 
   // Publishes one completion record. Fails only if the engine stopped draining (ring full).
   Status<IpcErrc> complete(const proto::CompletionRecord& record);
+
+  // Layer progress of a layer-by-layer task (see proto::LayerProgressSlot): begin once, then
+  // update after each layer; every update wakes an engine waiting in wait_layer().
+  void progress_begin(const proto::TaskRecordHeader& task);
+  void progress_update(const proto::TaskRecordHeader& task, std::uint32_t layers_enqueued, std::uint32_t layers_done);
+  // Publishes this rank's per-layer interprocess event handles (at most num_layers).
+  void publish_layer_events(const std::vector<std::array<std::uint8_t, proto::kHandleBytes>>& handles);
 
   void heartbeat();                        // stores now into this rank's heartbeat slot
   void set_ready(std::uint32_t flags);     // ReadyFlag bits

@@ -1,6 +1,7 @@
 // kvtd/proto/session.h - layout of the shared-memory session segment.
 //
 //   [SessionHeader][TensorDesc registry][task ring bytes][completion rings, one per rank]
+//   [layer progress, one block per rank: control, progress slots, per-layer CUDA IPC events]
 //
 // Every region is addressed by a byte offset from the segment start (never a pointer), so each
 // process may map the segment at a different address. Synchronisation is by the atomics below
@@ -87,6 +88,28 @@ struct alignas(64) CompletionRingControl {
 };
 static_assert(sizeof(CompletionRingControl) == 128);
 
+// Per-layer progress of layer-by-layer tasks, written by the rank, read by the engine. A task
+// with ring sequence number `seq` uses slot seq % kProgressSlots. The rank writes task_id = 0,
+// the counters, then the real task_id (release); a reader trusts the counters only if it reads
+// the same task_id before and after them.
+inline constexpr std::uint32_t kProgressSlots = 64;
+
+struct alignas(64) LayerProgressSlot {
+  std::atomic<std::uint64_t> task_id;
+  std::atomic<std::uint32_t> layers_enqueued;  // layer copies queued and their event recorded
+  std::atomic<std::uint32_t> layers_done;      // layer copies complete
+  std::uint8_t pad[48];
+};
+static_assert(sizeof(LayerProgressSlot) == 64);
+
+// Head of a rank's progress block; followed by kProgressSlots slots and then num_layers
+// 64-byte interprocess event handles (cudaIpcEventHandle_t), one per layer.
+struct alignas(64) ProgressControl {
+  std::atomic<std::uint32_t> events_published;  // number of valid event handles (0: none, host backend)
+  std::uint8_t pad[60];
+};
+static_assert(sizeof(ProgressControl) == 64);
+
 struct alignas(64) SessionHeader {
   std::uint64_t magic;
   std::uint32_t layout_version;
@@ -104,6 +127,8 @@ struct alignas(64) SessionHeader {
   std::uint64_t completion_offset;  // first rank's CompletionRingControl
   std::uint64_t completion_stride;  // bytes per rank ring (control + records)
   std::uint64_t total_bytes;
+  std::uint64_t progress_offset;    // first rank's ProgressControl
+  std::uint64_t progress_stride;    // bytes per rank progress block
 
   alignas(64) std::atomic<std::int64_t> engine_heartbeat_ns;
   std::atomic<std::uint32_t> engine_pid;
@@ -119,6 +144,9 @@ struct alignas(64) SessionHeader {
   // Engine waits here for completions; every rank bumps it after writing one.
   alignas(64) std::atomic<std::uint32_t> completion_word;
   std::atomic<std::uint32_t> completion_waiters;
+  // Engine waits here for layer progress; ranks bump it after each layer.
+  std::atomic<std::uint32_t> progress_word;
+  std::atomic<std::uint32_t> progress_waiters;
 
   RankSlot ranks[kMaxRanks];
 };

@@ -17,6 +17,9 @@ inline constexpr std::uint32_t kTaskFormatVersion = 1;
 inline constexpr std::uint32_t kRecordAlign = 16;
 inline constexpr std::size_t kMessageBytes = 176;
 
+// TaskRecordHeader::flags bits.
+inline constexpr std::uint16_t kTaskFlagLayerwise = 1u << 0;  // SWAP_TO_DEVICE layer by layer, with progress
+
 enum class TaskKind : std::uint16_t {
   kPadding = 0,  // ring filler before a wrap; never a task
   kSwapToHost = 1,
@@ -71,7 +74,7 @@ constexpr const char* task_status_name(TaskStatus s) {
 struct TaskRecordHeader {
   std::uint32_t record_bytes;    // header + payload + padding, multiple of kRecordAlign
   std::uint16_t kind;            // TaskKind (raw: an unknown value must survive decoding)
-  std::uint16_t flags;           // reserved, 0
+  std::uint16_t flags;           // kTaskFlag* bits
   std::uint32_t format_version;  // kTaskFormatVersion
   std::uint32_t num_src;
   std::uint32_t num_dst;
