@@ -11,6 +11,10 @@
 #include <mutex>
 #include <vector>
 
+#include <sys/mman.h>
+
+#include "kvtd/daemon/log.h"
+#include "kvtd/daemon/numa.h"
 #include "kvtd/kernels/cuda_copy.h"
 #endif
 
@@ -86,6 +90,10 @@ class CudaBackend final : public DeviceBackend {
       if (lane.stream) cudaStreamDestroy(lane.stream);
     }
     for (void* p : host_) cudaFreeHost(p);
+    for (auto [p, n] : registered_) {
+      cudaHostUnregister(p);
+      munmap(p, n);
+    }
     for (void* p : device_allocs_) cudaFree(p);
   }
 
@@ -96,6 +104,9 @@ class CudaBackend final : public DeviceBackend {
       if (auto e = cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking); e != cudaSuccess)
         return make_error(DeviceErrc::kUnavailable, cuda_text("cudaStreamCreateWithFlags", e));
     }
+    char bus_id[32] = {0};
+    if (cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, device_) == cudaSuccess) numa_node_ = numa_node_of_pci_device(bus_id);
+    KVTD_INFO("cuda device {} (PCI {}) is on NUMA node {}", device_, bus_id, numa_node_);
     return {};
   }
 
@@ -133,6 +144,23 @@ class CudaBackend final : public DeviceBackend {
     if (bytes == 0) return static_cast<std::byte*>(nullptr);
     void* p = nullptr;
     cudaSetDevice(device_);
+    if (numa_node_ >= 0) {
+      // Placed memory: map, bind to the GPU's node, fault it in there, then pin it for DMA.
+      p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      std::string why;
+      if (p != MAP_FAILED && bind_to_numa_node(p, bytes, numa_node_, &why)) {
+        std::memset(p, 0, bytes);
+        if (auto e = cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped); e == cudaSuccess) {
+          registered_.emplace_back(p, bytes);
+          return static_cast<std::byte*>(p);
+        } else {
+          why = cuda_text("cudaHostRegister", e);
+        }
+      }
+      if (p != MAP_FAILED) munmap(p, bytes);
+      KVTD_WARN("host memory not placed on NUMA node {} ({}); using cudaHostAlloc", numa_node_, why);
+      p = nullptr;
+    }
     if (auto e = cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped); e != cudaSuccess)
       return make_error(DeviceErrc::kAllocFailed, cuda_text("cudaHostAlloc", e));
     std::memset(p, 0, bytes);
@@ -370,6 +398,8 @@ class CudaBackend final : public DeviceBackend {
   std::map<std::array<std::uint8_t, proto::kHandleBytes>, void*> opened_;
   std::vector<void*> host_;
   std::vector<void*> device_allocs_;
+  std::vector<std::pair<void*, std::size_t>> registered_;  // NUMA-placed, cudaHostRegister'ed
+  int numa_node_ = -1;
 };
 
 }  // namespace
