@@ -6,6 +6,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config ccache
   libboost-dev libcli11-dev libspdlog-dev libfmt-dev libzmq3-dev cppzmq-dev libsystemd-dev libnuma-dev
+  libxxhash-dev libhiredis-dev redis-server redis-tools
   libgtest-dev libgmock-dev libbenchmark-dev
 )
 

@@ -1,0 +1,46 @@
+// kvtd/storage/object_format.h - the header every stored object starts with.
+//
+//   [ObjectHeader][payload: object_bytes]
+//
+// checksum = XXH3-64 of the payload; key_hash = XXH3-64 of the namespaced key, so an object
+// copied or renamed under another key (or another model's namespace) is detected as foreign.
+// Fixed width, little-endian (the only byte order we build for).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <type_traits>
+
+#include "kvtd/storage/object_store.h"
+
+namespace kvtd::storage {
+
+inline constexpr std::uint32_t kObjectMagic = 0x4f445456;  // "VTDO"
+inline constexpr std::uint16_t kObjectFormatVersion = 1;
+
+struct ObjectHeader {
+  std::uint32_t magic;
+  std::uint16_t version;
+  std::uint16_t reserved;
+  std::uint64_t layout_fingerprint;
+  std::uint64_t key_hash;
+  std::uint64_t payload_bytes;
+  std::uint64_t checksum;
+};
+static_assert(std::is_standard_layout_v<ObjectHeader>);
+static_assert(sizeof(ObjectHeader) == 40);
+
+// "<model_id>/<fingerprint hex>/<key>": the name under which an object is stored.
+std::string namespaced_key(const StoreOptions& o, const std::string& key);
+
+ObjectHeader make_header(const StoreOptions& o, const std::string& namespaced, std::span<const std::byte> payload);
+
+// kOk if `header` and `payload` are a whole, uncorrupted object for this key; kCorrupt otherwise.
+ObjectResult verify_object(const StoreOptions& o, const std::string& namespaced, const ObjectHeader& header,
+                           std::span<const std::byte> payload);
+
+std::uint64_t hash_bytes(const void* data, std::size_t bytes);
+
+}  // namespace kvtd::storage

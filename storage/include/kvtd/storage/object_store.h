@@ -1,0 +1,73 @@
+// kvtd/storage/object_store.h - the storage tier: fixed-size objects (one block of one rank:
+// every layer's K, V and scales) under string keys, in batches.
+//
+// Keys are namespaced by the model id and layout fingerprint given at open, so two models or two
+// layouts never read each other's bytes. Every stored object carries a header (magic, format
+// version, fingerprint, key hash, length, xxh3 checksum) that get() verifies: a corrupt,
+// truncated or foreign object is reported as kCorrupt (a miss, counted), never handed back.
+//
+// Buffers are caller-owned (pinned staging chunks in the daemon): get() writes each object's
+// payload straight into its destination, put() reads straight from its source.
+//
+// Thread-safety: every method may be called from several threads; each call is one batch.
+// Ownership: stores are created by the factories below and owned by the caller.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvtd/proto/expected.h"
+
+namespace kvtd::storage {
+
+enum class StorageErrc {
+  kInvalidArgument,  // bad key, buffer count, option (message names it)
+  kUnavailable,      // the backend cannot be reached (server down) within the deadline
+  kIo,               // a local I/O error that affects the whole call
+  kProtocol,         // the server answered something unexpected
+};
+
+enum class ObjectResult : std::uint8_t {
+  kOk,
+  kMissing,  // not stored
+  kCorrupt,  // stored but failed verification (bad checksum, truncated, foreign): a miss
+  kFailed,   // this key's I/O failed (ENOSPC, EACCES, server error); existing objects intact
+};
+const char* object_result_name(ObjectResult r);
+
+struct StoreOptions {
+  std::string model_id;              // [A-Za-z0-9_.-]{1,64}
+  std::uint64_t layout_fingerprint;  // of the cache geometry; part of every key
+  std::uint64_t object_bytes;        // payload bytes of every object
+};
+
+struct StoreStats {
+  std::uint64_t puts = 0, put_failures = 0;
+  std::uint64_t gets = 0, hits = 0, misses = 0, corrupt = 0;
+  std::uint64_t evictions = 0;
+  std::uint64_t bytes_stored = 0;  // file backend: bytes on disk under its namespace
+};
+
+class ObjectStore {
+ public:
+  virtual ~ObjectStore() = default;
+  // How many of `keys`, from the first, are stored (stops at the first hole).
+  virtual Result<std::size_t, StorageErrc> exists(std::span<const std::string> keys) = 0;
+  // Reads each key into its destination (object_bytes each). Per-key results.
+  virtual Result<std::vector<ObjectResult>, StorageErrc> get(std::span<const std::string> keys,
+                                                             std::span<std::byte* const> destinations) = 0;
+  // Writes each key from its source (object_bytes each), replacing what was there. Per-key results.
+  virtual Result<std::vector<ObjectResult>, StorageErrc> put(std::span<const std::string> keys,
+                                                             std::span<const std::byte* const> sources) = 0;
+  virtual Status<StorageErrc> remove(std::span<const std::string> keys) = 0;
+  virtual StoreStats stats() const = 0;
+};
+
+// Keys: 1..200 characters of [A-Za-z0-9_.:-] (block hashes, hex or base64url-ish).
+bool valid_key(const std::string& key);
+
+}  // namespace kvtd::storage

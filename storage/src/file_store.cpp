@@ -1,0 +1,248 @@
+#include "kvtd/storage/file_store.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <list>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "kvtd/storage/object_format.h"
+
+namespace kvtd::storage {
+namespace {
+
+constexpr const char* kSuffix = ".kvo";
+constexpr const char* kTmpPrefix = ".tmp-";
+
+bool valid_model_id(const std::string& m) {
+  if (m.empty() || m.size() > 64) return false;
+  for (char c : m)
+    if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-' || c == '.'))
+      return false;
+  return m != "." && m != "..";
+}
+
+class FileStore final : public ObjectStore {
+ public:
+  FileStore(const FileStoreOptions& o, std::unique_ptr<FileSystem> owned)
+      : opts_(o), owned_fs_(std::move(owned)), fs_(o.fs ? o.fs : owned_fs_.get()) {
+    char fp[17];
+    std::snprintf(fp, sizeof fp, "%016llx", static_cast<unsigned long long>(o.store.layout_fingerprint));
+    dir_ = o.root + "/" + o.store.model_id + "/" + fp;
+  }
+
+  Status<StorageErrc> load_index() {
+    std::vector<FileEntry> files;
+    if (int e = fs_->list_files(dir_, &files); e != 0)
+      return make_error(StorageErrc::kIo, "cannot list " + dir_ + ": " + std::strerror(e));
+    std::sort(files.begin(), files.end(), [](const FileEntry& a, const FileEntry& b) { return a.mtime_ns < b.mtime_ns; });
+    for (const auto& f : files) {
+      const auto slash = f.path.rfind('/');
+      const std::string base = f.path.substr(slash + 1);
+      if (base.rfind(kTmpPrefix, 0) == 0) {
+        fs_->remove(f.path);  // left behind by a crash mid-put
+        continue;
+      }
+      if (base.size() < 4 || base.compare(base.size() - 4, 4, kSuffix) != 0) continue;
+      touch_locked(f.path, f.bytes);
+    }
+    evict_locked();
+    return {};
+  }
+
+  Result<std::size_t, StorageErrc> exists(std::span<const std::string> keys) override {
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      if (!valid_key(keys[i])) return make_error(StorageErrc::kInvalidArgument, "invalid key '" + keys[i] + "'");
+      bool present = false;
+      if (int e = fs_->exists(path_of(keys[i]), &present); e != 0)
+        return make_error(StorageErrc::kIo, "stat " + path_of(keys[i]) + ": " + std::strerror(e));
+      if (!present) return i;
+    }
+    return keys.size();
+  }
+
+  Result<std::vector<ObjectResult>, StorageErrc> get(std::span<const std::string> keys,
+                                                     std::span<std::byte* const> dsts) override {
+    if (keys.size() != dsts.size())
+      return make_error(StorageErrc::kInvalidArgument, std::to_string(keys.size()) + " keys but " +
+                                                           std::to_string(dsts.size()) + " destinations");
+    for (const auto& k : keys)
+      if (!valid_key(k)) return make_error(StorageErrc::kInvalidArgument, "invalid key '" + k + "'");
+    std::vector<ObjectResult> out(keys.size(), ObjectResult::kMissing);
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      const std::string path = path_of(keys[i]);
+      ObjectHeader h{};
+      std::span<std::byte> payload(dsts[i], opts_.store.object_bytes);
+      const std::span<std::byte> parts[2] = {{reinterpret_cast<std::byte*>(&h), sizeof h}, payload};
+      std::size_t read = 0;
+      const int e = fs_->read_file(path, parts, &read);
+      gets_.fetch_add(1, std::memory_order_relaxed);
+      if (e == ENOENT) {
+        out[i] = ObjectResult::kMissing;
+      } else if (e != 0) {
+        out[i] = ObjectResult::kFailed;
+      } else if (read != sizeof h + payload.size()) {
+        out[i] = ObjectResult::kCorrupt;
+      } else {
+        out[i] = verify_object(opts_.store, namespaced_key(opts_.store, keys[i]), h, payload);
+      }
+      if (out[i] == ObjectResult::kOk) {
+        hits_.fetch_add(1, std::memory_order_relaxed);
+        std::lock_guard<std::mutex> g(mu_);
+        touch_locked(path, sizeof h + payload.size());
+      } else {
+        misses_.fetch_add(1, std::memory_order_relaxed);
+        if (out[i] == ObjectResult::kCorrupt) corrupt_.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+    return out;
+  }
+
+  Result<std::vector<ObjectResult>, StorageErrc> put(std::span<const std::string> keys,
+                                                     std::span<const std::byte* const> srcs) override {
+    if (keys.size() != srcs.size())
+      return make_error(StorageErrc::kInvalidArgument, std::to_string(keys.size()) + " keys but " +
+                                                           std::to_string(srcs.size()) + " sources");
+    for (const auto& k : keys)
+      if (!valid_key(k)) return make_error(StorageErrc::kInvalidArgument, "invalid key '" + k + "'");
+    std::vector<ObjectResult> out(keys.size(), ObjectResult::kOk);
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      puts_.fetch_add(1, std::memory_order_relaxed);
+      const std::string path = path_of(keys[i]);
+      const std::string dir = path.substr(0, path.rfind('/'));
+      if (int e = fs_->make_dirs(dir); e != 0) {
+        out[i] = ObjectResult::kFailed;
+        put_failures_.fetch_add(1, std::memory_order_relaxed);
+        continue;
+      }
+      std::span<const std::byte> payload(srcs[i], opts_.store.object_bytes);
+      const ObjectHeader h = make_header(opts_.store, namespaced_key(opts_.store, keys[i]), payload);
+      const std::span<const std::byte> parts[2] = {{reinterpret_cast<const std::byte*>(&h), sizeof h}, payload};
+      const std::string tmp = dir + "/" + kTmpPrefix + keys[i] + "-" + unique_suffix();
+      int e = fs_->write_file(tmp, parts, opts_.sync != SyncPolicy::kNone);
+      if (e == 0) e = fs_->rename(tmp, path);
+      if (e == 0 && opts_.sync == SyncPolicy::kFull) e = fs_->sync_dir(dir);
+      if (e != 0) {
+        fs_->remove(tmp);  // the previous object under this key, if any, is untouched
+        out[i] = ObjectResult::kFailed;
+        put_failures_.fetch_add(1, std::memory_order_relaxed);
+        continue;
+      }
+      std::lock_guard<std::mutex> g(mu_);
+      touch_locked(path, sizeof h + payload.size());
+      evict_locked();
+    }
+    return out;
+  }
+
+  Status<StorageErrc> remove(std::span<const std::string> keys) override {
+    for (const auto& k : keys) {
+      if (!valid_key(k)) return make_error(StorageErrc::kInvalidArgument, "invalid key '" + k + "'");
+      const std::string path = path_of(k);
+      if (int e = fs_->remove(path); e != 0)
+        return make_error(StorageErrc::kIo, "remove " + path + ": " + std::strerror(e));
+      std::lock_guard<std::mutex> g(mu_);
+      forget_locked(path);
+    }
+    return {};
+  }
+
+  StoreStats stats() const override {
+    StoreStats s;
+    s.puts = puts_.load();
+    s.put_failures = put_failures_.load();
+    s.gets = gets_.load();
+    s.hits = hits_.load();
+    s.misses = misses_.load();
+    s.corrupt = corrupt_.load();
+    std::lock_guard<std::mutex> g(mu_);
+    s.evictions = evictions_;
+    s.bytes_stored = total_;
+    return s;
+  }
+
+ private:
+  struct Entry {
+    std::uint64_t bytes;
+    std::list<std::string>::iterator lru;
+  };
+
+  std::string path_of(const std::string& key) const {
+    const std::uint64_t h = hash_bytes(key.data(), key.size());
+    char fan[3];
+    std::snprintf(fan, sizeof fan, "%02x", static_cast<unsigned>(h & 0xff));
+    return dir_ + "/" + fan + "/" + key + kSuffix;
+  }
+
+  std::string unique_suffix() {
+    static std::atomic<std::uint64_t> counter{0};
+    return std::to_string(::getpid()) + "-" + std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id())) +
+           "-" + std::to_string(counter.fetch_add(1));
+  }
+
+  void touch_locked(const std::string& path, std::uint64_t bytes) {
+    auto it = index_.find(path);
+    if (it != index_.end()) {
+      total_ -= it->second.bytes;
+      lru_.erase(it->second.lru);
+      index_.erase(it);
+    }
+    lru_.push_front(path);
+    index_.emplace(path, Entry{bytes, lru_.begin()});
+    total_ += bytes;
+  }
+
+  void forget_locked(const std::string& path) {
+    auto it = index_.find(path);
+    if (it == index_.end()) return;
+    total_ -= it->second.bytes;
+    lru_.erase(it->second.lru);
+    index_.erase(it);
+  }
+
+  // Removes least-recently-used objects until the total fits the capacity (the most recent
+  // object always stays, even if it alone is larger).
+  void evict_locked() {
+    if (opts_.capacity_bytes == 0) return;
+    while (total_ > opts_.capacity_bytes && lru_.size() > 1) {
+      const std::string victim = lru_.back();
+      fs_->remove(victim);
+      forget_locked(victim);
+      ++evictions_;
+    }
+  }
+
+  FileStoreOptions opts_;
+  std::unique_ptr<FileSystem> owned_fs_;
+  FileSystem* fs_;
+  std::string dir_;
+
+  mutable std::mutex mu_;
+  std::list<std::string> lru_;  // front: most recently used
+  std::unordered_map<std::string, Entry> index_;
+  std::uint64_t total_ = 0;
+  std::uint64_t evictions_ = 0;
+
+  std::atomic<std::uint64_t> puts_{0}, put_failures_{0}, gets_{0}, hits_{0}, misses_{0}, corrupt_{0};
+};
+
+}  // namespace
+
+Result<std::unique_ptr<ObjectStore>, StorageErrc> open_file_store(const FileStoreOptions& o) {
+  if (!valid_model_id(o.store.model_id))
+    return make_error(StorageErrc::kInvalidArgument, "model id '" + o.store.model_id + "' must be 1-64 of [A-Za-z0-9_.-]");
+  if (o.store.object_bytes == 0) return make_error(StorageErrc::kInvalidArgument, "object_bytes must be positive");
+  if (o.root.empty()) return make_error(StorageErrc::kInvalidArgument, "file store root directory is empty");
+  auto owned = o.fs ? nullptr : make_posix_file_system();
+  auto store = std::make_unique<FileStore>(o, std::move(owned));
+  if (auto st = store->load_index(); !st.ok()) return st.error();
+  return std::unique_ptr<ObjectStore>(std::move(store));
+}
+
+}  // namespace kvtd::storage

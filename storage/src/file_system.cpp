@@ -1,0 +1,109 @@
+#include "kvtd/storage/file_system.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <filesystem>
+#include <system_error>
+
+namespace kvtd::storage {
+namespace {
+
+class PosixFileSystem final : public FileSystem {
+ public:
+  int write_file(const std::string& path, std::span<const std::span<const std::byte>> parts, bool sync) override {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) return errno;
+    int err = 0;
+    for (auto part : parts) {
+      std::size_t done = 0;
+      while (done < part.size()) {
+        const ssize_t n = ::write(fd, part.data() + done, part.size() - done);
+        if (n < 0) {
+          if (errno == EINTR) continue;
+          err = errno;
+          break;
+        }
+        done += static_cast<std::size_t>(n);
+      }
+      if (err) break;
+    }
+    if (!err && sync && ::fsync(fd) != 0) err = errno;
+    if (::close(fd) != 0 && !err) err = errno;
+    return err;
+  }
+
+  int read_file(const std::string& path, std::span<const std::span<std::byte>> parts, std::size_t* read) override {
+    *read = 0;
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return errno;
+    int err = 0;
+    for (auto part : parts) {
+      std::size_t done = 0;
+      while (done < part.size()) {
+        const ssize_t n = ::read(fd, part.data() + done, part.size() - done);
+        if (n < 0) {
+          if (errno == EINTR) continue;
+          err = errno;
+          break;
+        }
+        if (n == 0) break;  // end of file: truncated object
+        done += static_cast<std::size_t>(n);
+      }
+      *read += done;
+      if (err || done < part.size()) break;
+    }
+    ::close(fd);
+    return err;
+  }
+
+  int rename(const std::string& from, const std::string& to) override {
+    return ::rename(from.c_str(), to.c_str()) == 0 ? 0 : errno;
+  }
+  int remove(const std::string& path) override {
+    return ::unlink(path.c_str()) == 0 || errno == ENOENT ? 0 : errno;
+  }
+  int exists(const std::string& path, bool* present) override {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) == 0) {
+      *present = true;
+      return 0;
+    }
+    *present = false;
+    return errno == ENOENT || errno == ENOTDIR ? 0 : errno;
+  }
+  int make_dirs(const std::string& path) override {
+    std::error_code ec;
+    std::filesystem::create_directories(path, ec);
+    return ec ? ec.value() : 0;
+  }
+  int sync_dir(const std::string& path) override {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return errno;
+    const int rc = ::fsync(fd) == 0 ? 0 : errno;
+    ::close(fd);
+    return rc;
+  }
+  int list_files(const std::string& root, std::vector<FileEntry>* out) override {
+    std::error_code ec;
+    if (!std::filesystem::exists(root, ec)) return 0;
+    for (auto it = std::filesystem::recursive_directory_iterator(root, ec);
+         !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec)) {
+      if (!it->is_regular_file(ec)) continue;
+      struct stat st {};
+      if (::stat(it->path().c_str(), &st) != 0) continue;
+      out->push_back(FileEntry{it->path().string(), static_cast<std::uint64_t>(st.st_size),
+                               static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec});
+    }
+    return ec ? ec.value() : 0;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<FileSystem> make_posix_file_system() { return std::make_unique<PosixFileSystem>(); }
+
+}  // namespace kvtd::storage

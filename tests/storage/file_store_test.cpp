@@ -1,0 +1,254 @@
+#include "kvtd/storage/file_store.h"
+
+#include <gtest/gtest.h>
+
+#include <cerrno>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "kvtd/storage/object_format.h"
+
+namespace kvtd::storage {
+namespace {
+
+namespace fs = std::filesystem;
+constexpr std::uint64_t kObject = 4096 + 24;  // not a multiple of anything convenient
+
+// Wraps the real file system and fails chosen operations, like a full or read-only disk.
+class FaultyFileSystem final : public FileSystem {
+ public:
+  std::unique_ptr<FileSystem> real = make_posix_file_system();
+  std::atomic<int> write_error{0};   // errno returned by write_file (after writing half)
+  std::atomic<int> rename_error{0};
+
+  int write_file(const std::string& p, std::span<const std::span<const std::byte>> parts, bool sync) override {
+    if (int e = write_error.load()) {
+      // A partial temporary file is left behind, as a real ENOSPC would.
+      const std::span<const std::byte> half[1] = {parts[0]};
+      real->write_file(p, half, false);
+      return e;
+    }
+    return real->write_file(p, parts, sync);
+  }
+  int read_file(const std::string& p, std::span<const std::span<std::byte>> parts, std::size_t* n) override {
+    return real->read_file(p, parts, n);
+  }
+  int rename(const std::string& a, const std::string& b) override {
+    if (int e = rename_error.load()) return e;
+    return real->rename(a, b);
+  }
+  int remove(const std::string& p) override { return real->remove(p); }
+  int exists(const std::string& p, bool* present) override { return real->exists(p, present); }
+  int make_dirs(const std::string& p) override { return real->make_dirs(p); }
+  int sync_dir(const std::string& p) override { return real->sync_dir(p); }
+  int list_files(const std::string& r, std::vector<FileEntry>* out) override { return real->list_files(r, out); }
+};
+
+class FileStoreTest : public ::testing::Test {
+ protected:
+  std::string root_ = (fs::path(::testing::TempDir()) / ("kvtd_fs_" + std::to_string(::getpid()) + "_" +
+                                                        ::testing::UnitTest::GetInstance()->current_test_info()->name()))
+                          .string();
+  void SetUp() override { fs::remove_all(root_); }
+  void TearDown() override { fs::remove_all(root_); }
+
+  FileStoreOptions options(std::uint64_t capacity = 0, FileSystem* f = nullptr, std::string model = "llama",
+                           std::uint64_t fp = 0xabcdef) {
+    FileStoreOptions o;
+    o.store = StoreOptions{std::move(model), fp, kObject};
+    o.root = root_;
+    o.capacity_bytes = capacity;
+    o.fs = f;
+    return o;
+  }
+  std::unique_ptr<ObjectStore> open(const FileStoreOptions& o) {
+    auto s = open_file_store(o);
+    EXPECT_TRUE(s.ok()) << s.error().message;
+    return s.ok() ? std::move(s).value() : nullptr;
+  }
+  static std::vector<std::byte> object(std::uint32_t seed) {
+    std::vector<std::byte> v(kObject);
+    std::mt19937 rng(seed);
+    for (auto& b : v) b = static_cast<std::byte>(rng());
+    return v;
+  }
+  static void put_one(ObjectStore& s, const std::string& key, const std::vector<std::byte>& bytes,
+                      ObjectResult want = ObjectResult::kOk) {
+    const std::string keys[1] = {key};
+    const std::byte* srcs[1] = {bytes.data()};
+    auto r = s.put(keys, srcs);
+    ASSERT_TRUE(r.ok()) << r.error().message;
+    EXPECT_EQ((*r)[0], want) << object_result_name((*r)[0]);
+  }
+  static ObjectResult get_one(ObjectStore& s, const std::string& key, std::vector<std::byte>* out) {
+    out->assign(kObject, std::byte{0});
+    const std::string keys[1] = {key};
+    std::byte* dsts[1] = {out->data()};
+    auto r = s.get(keys, dsts);
+    EXPECT_TRUE(r.ok());
+    return r.ok() ? (*r)[0] : ObjectResult::kFailed;
+  }
+  std::vector<std::string> object_files() const {
+    std::vector<std::string> out;
+    for (auto& e : fs::recursive_directory_iterator(root_))
+      if (e.is_regular_file()) out.push_back(e.path().string());
+    return out;
+  }
+};
+
+TEST_F(FileStoreTest, BatchRoundTripAndLeadingExists) {
+  auto s = open(options());
+  std::vector<std::string> keys;
+  std::vector<std::vector<std::byte>> data;
+  std::vector<const std::byte*> srcs;
+  for (std::uint32_t i = 0; i < 16; ++i) {
+    keys.push_back("blk" + std::to_string(i));
+    data.push_back(object(i));
+  }
+  for (auto& d : data) srcs.push_back(d.data());
+  auto put = s->put(keys, srcs);
+  ASSERT_TRUE(put.ok());
+  for (auto r : *put) EXPECT_EQ(r, ObjectResult::kOk);
+  std::vector<std::vector<std::byte>> back(16, std::vector<std::byte>(kObject));
+  std::vector<std::byte*> dsts;
+  for (auto& b : back) dsts.push_back(b.data());
+  auto got = s->get(keys, dsts);
+  ASSERT_TRUE(got.ok());
+  for (std::size_t i = 0; i < 16; ++i) {
+    EXPECT_EQ((*got)[i], ObjectResult::kOk);
+    EXPECT_EQ(back[i], data[i]) << i;
+  }
+  EXPECT_EQ(*s->exists(keys), 16u);
+  const std::string gone[1] = {"blk5"};
+  ASSERT_TRUE(s->remove(gone).ok());
+  EXPECT_EQ(*s->exists(keys), 5u) << "leading count stops at the first hole";
+  std::vector<std::byte> tmp;
+  EXPECT_EQ(get_one(*s, "blk5", &tmp), ObjectResult::kMissing);
+  const std::string bad[1] = {"../etc"};
+  EXPECT_FALSE(s->exists(bad).ok());
+}
+
+TEST_F(FileStoreTest, CorruptAndTruncatedObjectsAreCountedMisses) {
+  auto s = open(options());
+  put_one(*s, "a", object(1));
+  put_one(*s, "b", object(2));
+  auto files = object_files();
+  ASSERT_EQ(files.size(), 2u);
+  for (const auto& f : files) {
+    if (f.find("/a.kvo") != std::string::npos) {  // flip one payload byte
+      std::fstream io(f, std::ios::in | std::ios::out | std::ios::binary);
+      io.seekp(100);
+      char c = 0;
+      io.seekg(100);
+      io.read(&c, 1);
+      c = static_cast<char>(c ^ 0x40);
+      io.seekp(100);
+      io.write(&c, 1);
+    } else {
+      fs::resize_file(f, sizeof(ObjectHeader) + kObject / 2);
+    }
+  }
+  std::vector<std::byte> out;
+  EXPECT_EQ(get_one(*s, "a", &out), ObjectResult::kCorrupt);
+  EXPECT_EQ(get_one(*s, "b", &out), ObjectResult::kCorrupt);
+  EXPECT_EQ(s->stats().corrupt, 2u);
+  EXPECT_EQ(s->stats().hits, 0u);
+}
+
+TEST_F(FileStoreTest, AnotherNamespaceNeverReadsTheBytes) {
+  auto llama = open(options(0, nullptr, "llama", 1));
+  put_one(*llama, "k", object(9));
+  auto other_layout = open(options(0, nullptr, "llama", 2));
+  auto other_model = open(options(0, nullptr, "qwen", 1));
+  std::vector<std::byte> out;
+  EXPECT_EQ(get_one(*other_layout, "k", &out), ObjectResult::kMissing);
+  EXPECT_EQ(get_one(*other_model, "k", &out), ObjectResult::kMissing);
+  // Even a file copied into the other namespace is refused: its header names the first one.
+  for (const auto& f : object_files()) {
+    const auto target = fs::path(f.substr(0, f.find("/llama/")) + "/qwen/" + f.substr(f.find("/llama/") + 7));
+    fs::create_directories(target.parent_path());
+    fs::copy_file(f, target);
+  }
+  EXPECT_EQ(get_one(*other_model, "k", &out), ObjectResult::kCorrupt);
+}
+
+TEST_F(FileStoreTest, CapacityEvictsLeastRecentlyUsed) {
+  const std::uint64_t per = sizeof(ObjectHeader) + kObject;
+  auto s = open(options(3 * per));
+  put_one(*s, "k0", object(0));
+  put_one(*s, "k1", object(1));
+  put_one(*s, "k2", object(2));
+  std::vector<std::byte> out;
+  ASSERT_EQ(get_one(*s, "k0", &out), ObjectResult::kOk);  // k0 is now more recent than k1
+  put_one(*s, "k3", object(3));
+  EXPECT_EQ(get_one(*s, "k1", &out), ObjectResult::kMissing);
+  EXPECT_EQ(get_one(*s, "k0", &out), ObjectResult::kOk);
+  EXPECT_EQ(get_one(*s, "k3", &out), ObjectResult::kOk);
+  EXPECT_EQ(s->stats().evictions, 1u);
+  EXPECT_LE(s->stats().bytes_stored, 3 * per);
+  // A reopened store rebuilds its index from the directory and keeps the limit.
+  s.reset();
+  auto again = open(options(2 * per));
+  EXPECT_EQ(object_files().size(), 2u);
+  EXPECT_EQ(again->stats().evictions, 1u);
+}
+
+TEST_F(FileStoreTest, NoSpaceFailsThatPutAndKeepsTheOldObject) {
+  FaultyFileSystem faulty;
+  auto s = open(options(0, &faulty));
+  const auto old = object(1);
+  put_one(*s, "k", old);
+  faulty.write_error = ENOSPC;
+  put_one(*s, "k", object(2), ObjectResult::kFailed);
+  put_one(*s, "new", object(3), ObjectResult::kFailed);
+  faulty.write_error = 0;
+  std::vector<std::byte> out;
+  EXPECT_EQ(get_one(*s, "k", &out), ObjectResult::kOk);
+  EXPECT_EQ(out, old);
+  EXPECT_EQ(get_one(*s, "new", &out), ObjectResult::kMissing);
+  EXPECT_EQ(s->stats().put_failures, 2u);
+  for (const auto& f : object_files()) EXPECT_EQ(f.find(".tmp-"), std::string::npos) << "temporary left: " << f;
+}
+
+TEST_F(FileStoreTest, PermissionErrorOnRenameFailsCleanly) {
+  FaultyFileSystem faulty;
+  auto s = open(options(0, &faulty));
+  faulty.rename_error = EACCES;
+  put_one(*s, "k", object(1), ObjectResult::kFailed);
+  faulty.rename_error = 0;
+  std::vector<std::byte> out;
+  EXPECT_EQ(get_one(*s, "k", &out), ObjectResult::kMissing);
+  EXPECT_TRUE(object_files().empty());
+}
+
+TEST_F(FileStoreTest, ConcurrentPutsOfOneKeyLeaveOneWholeObject) {
+  auto s = open(options());
+  std::vector<std::vector<std::byte>> versions;
+  for (std::uint32_t i = 0; i < 4; ++i) versions.push_back(object(100 + i));
+  std::vector<std::thread> threads;
+  for (std::uint32_t t = 0; t < 4; ++t)
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 50; ++i) put_one(*s, "hot", versions[t]);
+    });
+  for (auto& th : threads) th.join();
+  std::vector<std::byte> out;
+  ASSERT_EQ(get_one(*s, "hot", &out), ObjectResult::kOk);
+  EXPECT_NE(std::find(versions.begin(), versions.end(), out), versions.end());
+  EXPECT_EQ(object_files().size(), 1u);
+}
+
+TEST_F(FileStoreTest, TemporaryFilesLeftByACrashAreRemovedAtOpen) {
+  { auto s = open(options()); put_one(*s, "k", object(1)); }
+  const auto f = object_files().at(0);
+  const auto tmp = fs::path(f).parent_path() / ".tmp-k-999-1-1";
+  std::ofstream(tmp) << "torn";
+  auto s = open(options());
+  EXPECT_FALSE(fs::exists(tmp));
+  std::vector<std::byte> out;
+  EXPECT_EQ(get_one(*s, "k", &out), ObjectResult::kOk);
+}
+
+}  // namespace
+}  // namespace kvtd::storage
