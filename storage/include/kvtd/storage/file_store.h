@@ -27,6 +27,7 @@ struct FileStoreOptions {
   std::string root;
   std::uint64_t capacity_bytes = 0;  // 0: unlimited
   SyncPolicy sync = SyncPolicy::kNone;
+  unsigned io_threads = 2;           // threads one batch is spread over (object creation is CPU-bound)
   FileSystem* fs = nullptr;          // not owned; null: the real POSIX file system
 };
 

@@ -1,0 +1,33 @@
+// kvtd/storage/redis_store.h - the shared storage tier for many nodes: Redis, standalone or
+// Redis Cluster, through hiredis.
+//
+// Each batch is pipelined: one round trip per server touched, not per key. In cluster mode the
+// slot map comes from CLUSTER SLOTS (CRC16 hashing of the key), MOVED updates the map and
+// retries, ASK retries once on the named node behind ASKING. The password is read from a file or
+// an environment variable, never from the command line. A server that is down fails the call's
+// keys (kFailed) or the call (kUnavailable) within `timeout_ms`; connections are re-made on
+// later calls with exponential backoff. Nothing blocks past the call's deadline.
+//
+// Thread-safety: calls are serialised inside (one set of connections per store).
+#pragma once
+
+#include "kvtd/storage/object_store.h"
+
+namespace kvtd::storage {
+
+struct RedisStoreOptions {
+  StoreOptions store;
+  std::vector<std::string> endpoints;  // "host:port"; in cluster mode any subset of the nodes
+  bool cluster = false;
+  std::string password_file;           // first line is the password
+  std::string password_env;            // name of an environment variable holding it
+  std::int64_t timeout_ms = 2000;      // connect and per-reply deadline
+  std::int64_t max_backoff_ms = 1000;  // reconnect backoff cap
+};
+
+Result<std::unique_ptr<ObjectStore>, StorageErrc> open_redis_store(const RedisStoreOptions& options);
+
+// CRC16-XMODEM of the key modulo 16384, as Redis Cluster assigns slots (honours {hash tags}).
+std::uint16_t redis_cluster_slot(const std::string& key);
+
+}  // namespace kvtd::storage

@@ -1,0 +1,384 @@
+#include "kvtd/storage/redis_store.h"
+
+#include <hiredis/hiredis.h>
+
+#include <array>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "kvtd/storage/object_format.h"
+
+namespace kvtd::storage {
+
+std::uint16_t redis_cluster_slot(const std::string& key) {
+  std::size_t begin = 0, len = key.size();
+  const auto open = key.find('{');
+  if (open != std::string::npos) {
+    const auto close = key.find('}', open + 1);
+    if (close != std::string::npos && close > open + 1) {
+      begin = open + 1;
+      len = close - open - 1;
+    }
+  }
+  std::uint16_t crc = 0;
+  for (std::size_t i = begin; i < begin + len; ++i) {
+    crc = static_cast<std::uint16_t>(crc ^ (static_cast<std::uint8_t>(key[i]) << 8));
+    for (int b = 0; b < 8; ++b)
+      crc = static_cast<std::uint16_t>((crc & 0x8000) ? (crc << 1) ^ 0x1021 : crc << 1);
+  }
+  return static_cast<std::uint16_t>(crc % 16384);
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct ReplyDeleter {
+  void operator()(redisReply* r) const { freeReplyObject(r); }
+};
+using Reply = std::unique_ptr<redisReply, ReplyDeleter>;
+
+// One server connection with reconnect backoff.
+struct Node {
+  std::string host;
+  int port = 0;
+  redisContext* ctx = nullptr;
+  Clock::time_point retry_at{};
+  std::int64_t backoff_ms = 0;
+
+  ~Node() { drop(); }
+  void drop() {
+    if (ctx) redisFree(ctx);
+    ctx = nullptr;
+  }
+};
+
+bool parse_endpoint(const std::string& e, std::string* host, int* port) {
+  const auto colon = e.rfind(':');
+  if (colon == std::string::npos || colon == 0) return false;
+  *host = e.substr(0, colon);
+  char* end = nullptr;
+  const long p = std::strtol(e.c_str() + colon + 1, &end, 10);
+  if (*end != '\0' || p <= 0 || p > 65535) return false;
+  *port = static_cast<int>(p);
+  return true;
+}
+
+enum class Op { kGet, kSet, kExists, kDel };
+
+class RedisStore final : public ObjectStore {
+ public:
+  explicit RedisStore(RedisStoreOptions o) : o_(std::move(o)) {}
+
+  Status<StorageErrc> init() {
+    if (!o_.password_file.empty()) {
+      std::ifstream in(o_.password_file);
+      if (!in || !std::getline(in, password_))
+        return make_error(StorageErrc::kInvalidArgument, "cannot read the Redis password file " + o_.password_file);
+    } else if (!o_.password_env.empty()) {
+      const char* v = std::getenv(o_.password_env.c_str());
+      if (!v) return make_error(StorageErrc::kInvalidArgument, "environment variable " + o_.password_env + " is not set");
+      password_ = v;
+    }
+    for (const auto& e : o_.endpoints) {
+      std::string host;
+      int port = 0;
+      if (!parse_endpoint(e, &host, &port))
+        return make_error(StorageErrc::kInvalidArgument, "Redis endpoint '" + e + "' is not host:port");
+      node(host, port);
+    }
+    if (o_.endpoints.empty()) return make_error(StorageErrc::kInvalidArgument, "no Redis endpoint given");
+    if (o_.cluster) {
+      std::lock_guard<std::mutex> g(mu_);
+      if (auto st = refresh_slots(deadline()); !st.ok()) return st;
+    }
+    return {};
+  }
+
+  Result<std::size_t, StorageErrc> exists(std::span<const std::string> keys) override {
+    std::vector<ObjectResult> r;
+    std::vector<std::byte*> none(keys.size(), nullptr);
+    if (auto st = run(Op::kExists, keys, none, {}, &r); !st.ok()) return st.error();
+    for (std::size_t i = 0; i < r.size(); ++i) {
+      if (r[i] == ObjectResult::kFailed)
+        return make_error(StorageErrc::kUnavailable, "Redis did not answer EXISTS for key " + keys[i]);
+      if (r[i] != ObjectResult::kOk) return i;
+    }
+    return keys.size();
+  }
+
+  Result<std::vector<ObjectResult>, StorageErrc> get(std::span<const std::string> keys,
+                                                     std::span<std::byte* const> dsts) override {
+    if (keys.size() != dsts.size()) return make_error(StorageErrc::kInvalidArgument, "keys and destinations differ in count");
+    std::vector<ObjectResult> r;
+    if (auto st = run(Op::kGet, keys, dsts, {}, &r); !st.ok()) return st.error();
+    for (auto x : r) {
+      gets_.fetch_add(1);
+      (x == ObjectResult::kOk ? hits_ : misses_).fetch_add(1);
+      if (x == ObjectResult::kCorrupt) corrupt_.fetch_add(1);
+    }
+    return r;
+  }
+
+  Result<std::vector<ObjectResult>, StorageErrc> put(std::span<const std::string> keys,
+                                                     std::span<const std::byte* const> srcs) override {
+    if (keys.size() != srcs.size()) return make_error(StorageErrc::kInvalidArgument, "keys and sources differ in count");
+    std::vector<ObjectResult> r;
+    std::vector<std::byte*> none(keys.size(), nullptr);
+    if (auto st = run(Op::kSet, keys, none, srcs, &r); !st.ok()) return st.error();
+    for (auto x : r) {
+      puts_.fetch_add(1);
+      if (x != ObjectResult::kOk) put_failures_.fetch_add(1);
+    }
+    return r;
+  }
+
+  Status<StorageErrc> remove(std::span<const std::string> keys) override {
+    std::vector<ObjectResult> r;
+    std::vector<std::byte*> none(keys.size(), nullptr);
+    if (auto st = run(Op::kDel, keys, none, {}, &r); !st.ok()) return st;
+    for (std::size_t i = 0; i < r.size(); ++i)
+      if (r[i] == ObjectResult::kFailed) return make_error(StorageErrc::kUnavailable, "DEL of " + keys[i] + " failed");
+    return {};
+  }
+
+  StoreStats stats() const override {
+    StoreStats s;
+    s.puts = puts_.load();
+    s.put_failures = put_failures_.load();
+    s.gets = gets_.load();
+    s.hits = hits_.load();
+    s.misses = misses_.load();
+    s.corrupt = corrupt_.load();
+    return s;
+  }
+
+ private:
+  Clock::time_point deadline() const { return Clock::now() + std::chrono::milliseconds(o_.timeout_ms); }
+
+  Node* node(const std::string& host, int port) {
+    const std::string id = host + ":" + std::to_string(port);
+    auto& n = nodes_[id];
+    if (!n) {
+      n = std::make_unique<Node>();
+      n->host = host;
+      n->port = port;
+    }
+    return n.get();
+  }
+
+  // A live connection to `n`, or null (down, or still backing off).
+  redisContext* connect(Node& n, Clock::time_point deadline) {
+    if (n.ctx && n.ctx->err == 0) return n.ctx;
+    n.drop();
+    const auto now = Clock::now();
+    if (now < n.retry_at || now >= deadline) return nullptr;
+    const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - now).count();
+    timeval tv{static_cast<time_t>(left / 1'000'000), static_cast<suseconds_t>(left % 1'000'000)};
+    redisContext* c = redisConnectWithTimeout(n.host.c_str(), n.port, tv);
+    bool ok = c != nullptr && c->err == 0;
+    if (ok) {
+      const auto per_reply = std::chrono::microseconds(o_.timeout_ms * 1000);
+      timeval rtv{static_cast<time_t>(per_reply.count() / 1'000'000),
+                  static_cast<suseconds_t>(per_reply.count() % 1'000'000)};
+      redisSetTimeout(c, rtv);
+      if (!password_.empty()) {
+        Reply r(static_cast<redisReply*>(redisCommand(c, "AUTH %b", password_.data(), password_.size())));
+        ok = r && r->type != REDIS_REPLY_ERROR;
+        if (!ok) last_error_ = r ? std::string(r->str, r->len) : "AUTH got no reply";
+      }
+    } else {
+      last_error_ = c ? c->errstr : "cannot allocate a Redis context";
+    }
+    if (!ok) {
+      if (c) redisFree(c);
+      n.backoff_ms = n.backoff_ms == 0 ? 50 : std::min(n.backoff_ms * 2, o_.max_backoff_ms);
+      n.retry_at = Clock::now() + std::chrono::milliseconds(n.backoff_ms);
+      return nullptr;
+    }
+    n.backoff_ms = 0;
+    n.ctx = c;
+    return c;
+  }
+
+  Status<StorageErrc> refresh_slots(Clock::time_point deadline) {
+    for (auto& [id, n] : nodes_) {
+      redisContext* c = connect(*n, deadline);
+      if (!c) continue;
+      Reply r(static_cast<redisReply*>(redisCommand(c, "CLUSTER SLOTS")));
+      if (!r || r->type != REDIS_REPLY_ARRAY) {
+        if (!r) n->drop();
+        continue;
+      }
+      slots_.fill(nullptr);
+      for (std::size_t i = 0; i < r->elements; ++i) {
+        const redisReply* e = r->element[i];
+        if (e->type != REDIS_REPLY_ARRAY || e->elements < 3) continue;
+        const redisReply* master = e->element[2];
+        if (master->type != REDIS_REPLY_ARRAY || master->elements < 2) continue;
+        Node* owner = node(std::string(master->element[0]->str, master->element[0]->len),
+                           static_cast<int>(master->element[1]->integer));
+        for (long long s = e->element[0]->integer; s <= e->element[1]->integer && s < 16384; ++s)
+          slots_[static_cast<std::size_t>(s)] = owner;
+      }
+      refresh_needed_ = false;
+      return {};
+    }
+    return make_error(StorageErrc::kUnavailable, "no Redis Cluster node answered CLUSTER SLOTS: " + last_error_);
+  }
+
+  Node* owner_of(const std::string& key) {
+    if (!o_.cluster) return nodes_.begin()->second.get();
+    Node* n = slots_[redis_cluster_slot(key)];
+    return n ? n : nodes_.begin()->second.get();
+  }
+
+  // Runs one operation over a batch: groups keys by node, pipelines each group, follows
+  // MOVED/ASK redirects a few times. results[i] is per key.
+  Status<StorageErrc> run(Op op, std::span<const std::string> keys, std::span<std::byte* const> dsts,
+                          std::span<const std::byte* const> srcs, std::vector<ObjectResult>* results) {
+    for (const auto& k : keys)
+      if (!valid_key(k)) return make_error(StorageErrc::kInvalidArgument, "invalid key '" + k + "'");
+    std::lock_guard<std::mutex> g(mu_);
+    const auto dl = deadline();
+    if (o_.cluster && refresh_needed_) (void)refresh_slots(dl);
+    results->assign(keys.size(), ObjectResult::kFailed);
+    std::vector<std::string> names(keys.size());
+    for (std::size_t i = 0; i < keys.size(); ++i) names[i] = "kvtd:" + namespaced_key(o_.store, keys[i]);
+
+    std::vector<std::size_t> todo(keys.size());
+    for (std::size_t i = 0; i < todo.size(); ++i) todo[i] = i;
+    std::map<std::size_t, Node*> ask;  // key index -> node named by ASK
+    for (int attempt = 0; attempt < 5 && !todo.empty(); ++attempt) {
+      std::map<Node*, std::vector<std::size_t>> groups;
+      for (auto i : todo) {
+        auto a = ask.find(i);
+        groups[a != ask.end() ? a->second : owner_of(names[i])].push_back(i);
+      }
+      todo.clear();
+      for (auto& [n, idx] : groups) pipeline(*n, op, idx, names, dsts, srcs, dl, results, &todo, &ask);
+      if (!todo.empty() && o_.cluster && refresh_needed_) (void)refresh_slots(dl);
+    }
+    return {};
+  }
+
+  void pipeline(Node& n, Op op, const std::vector<std::size_t>& idx, const std::vector<std::string>& names,
+                std::span<std::byte* const> dsts, std::span<const std::byte* const> srcs, Clock::time_point dl,
+                std::vector<ObjectResult>* results, std::vector<std::size_t>* retry, std::map<std::size_t, Node*>* ask) {
+    redisContext* c = connect(n, dl);
+    if (!c) return;  // results stay kFailed
+    std::vector<std::byte> value;
+    std::vector<bool> asking(idx.size(), false);
+    for (std::size_t j = 0; j < idx.size(); ++j) {
+      const std::size_t i = idx[j];
+      if (ask->count(i)) {
+        redisAppendCommand(c, "ASKING");
+        asking[j] = true;
+        ask->erase(i);
+      }
+      const std::string& key = names[i];
+      switch (op) {
+        case Op::kGet: redisAppendCommand(c, "GET %b", key.data(), key.size()); break;
+        case Op::kExists: redisAppendCommand(c, "EXISTS %b", key.data(), key.size()); break;
+        case Op::kDel: redisAppendCommand(c, "DEL %b", key.data(), key.size()); break;
+        case Op::kSet: {
+          std::span<const std::byte> payload(srcs[i], o_.store.object_bytes);
+          const ObjectHeader h = make_header(o_.store, names[i].substr(5), payload);
+          value.resize(sizeof h + payload.size());
+          std::memcpy(value.data(), &h, sizeof h);
+          std::memcpy(value.data() + sizeof h, payload.data(), payload.size());
+          redisAppendCommand(c, "SET %b %b", key.data(), key.size(), value.data(), value.size());
+          break;
+        }
+      }
+    }
+    for (std::size_t j = 0; j < idx.size(); ++j) {
+      const std::size_t i = idx[j];
+      if (asking[j]) {
+        void* raw = nullptr;
+        if (redisGetReply(c, &raw) != REDIS_OK) return fail_connection(n);
+        freeReplyObject(raw);
+      }
+      void* raw = nullptr;
+      if (redisGetReply(c, &raw) != REDIS_OK) return fail_connection(n);
+      Reply r(static_cast<redisReply*>(raw));
+      if (r->type == REDIS_REPLY_ERROR) {
+        const std::string err(r->str, r->len);
+        if (o_.cluster && (err.rfind("MOVED ", 0) == 0 || err.rfind("ASK ", 0) == 0)) {
+          // "MOVED <slot> <host>:<port>" / "ASK <slot> <host>:<port>"
+          const auto sp = err.rfind(' ');
+          std::string host;
+          int port = 0;
+          if (parse_endpoint(err.substr(sp + 1), &host, &port)) {
+            Node* target = node(host, port);
+            if (err[0] == 'M') {
+              slots_[redis_cluster_slot(names[i])] = target;
+              refresh_needed_ = true;
+            } else {
+              (*ask)[i] = target;
+            }
+            retry->push_back(i);
+            continue;
+          }
+        }
+        last_error_ = err;
+        (*results)[i] = ObjectResult::kFailed;
+        continue;
+      }
+      switch (op) {
+        case Op::kGet:
+          if (r->type == REDIS_REPLY_NIL) {
+            (*results)[i] = ObjectResult::kMissing;
+          } else if (r->type != REDIS_REPLY_STRING || static_cast<std::size_t>(r->len) != sizeof(ObjectHeader) + o_.store.object_bytes) {
+            (*results)[i] = ObjectResult::kCorrupt;  // truncated, padded or not ours
+          } else {
+            ObjectHeader h{};
+            std::memcpy(&h, r->str, sizeof h);
+            std::span<const std::byte> payload(reinterpret_cast<const std::byte*>(r->str) + sizeof h, o_.store.object_bytes);
+            (*results)[i] = verify_object(o_.store, names[i].substr(5), h, payload);
+            if ((*results)[i] == ObjectResult::kOk) std::memcpy(dsts[i], payload.data(), payload.size());
+          }
+          break;
+        case Op::kExists:
+          (*results)[i] = r->type == REDIS_REPLY_INTEGER && r->integer > 0 ? ObjectResult::kOk : ObjectResult::kMissing;
+          break;
+        case Op::kSet:
+        case Op::kDel: (*results)[i] = ObjectResult::kOk; break;
+      }
+    }
+  }
+
+  void fail_connection(Node& n) {
+    last_error_ = n.ctx && n.ctx->errstr[0] ? n.ctx->errstr : "connection lost";
+    n.drop();
+    n.backoff_ms = 50;
+    n.retry_at = Clock::now() + std::chrono::milliseconds(n.backoff_ms);
+    if (o_.cluster) refresh_needed_ = true;
+  }
+
+  RedisStoreOptions o_;
+  std::string password_;
+  std::mutex mu_;
+  std::map<std::string, std::unique_ptr<Node>> nodes_;
+  std::array<Node*, 16384> slots_{};
+  bool refresh_needed_ = false;
+  std::string last_error_;
+  std::atomic<std::uint64_t> puts_{0}, put_failures_{0}, gets_{0}, hits_{0}, misses_{0}, corrupt_{0};
+};
+
+}  // namespace
+
+Result<std::unique_ptr<ObjectStore>, StorageErrc> open_redis_store(const RedisStoreOptions& o) {
+  if (o.store.object_bytes == 0) return make_error(StorageErrc::kInvalidArgument, "object_bytes must be positive");
+  if (o.store.model_id.empty()) return make_error(StorageErrc::kInvalidArgument, "model id is empty");
+  auto s = std::make_unique<RedisStore>(o);
+  if (auto st = s->init(); !st.ok()) return st.error();
+  return std::unique_ptr<ObjectStore>(std::move(s));
+}
+
+}  // namespace kvtd::storage

@@ -1,0 +1,334 @@
+// Redis store against real redis-server processes on loopback (no mocks): one standalone server
+// and a three-master cluster made with `redis-cli --cluster create`, all started and stopped here.
+#include "kvtd/storage/redis_store.h"
+
+#include <hiredis/hiredis.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "kvtd/storage/object_format.h"
+#include "test_support.h"
+
+namespace kvtd::storage {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+constexpr std::uint64_t kObject = 64 * 1024;
+
+int base_port() {
+  static const int p = 21000 + static_cast<int>(::getpid() % 1000) * 8;
+  return p;
+}
+
+// A redis-server child on 127.0.0.1:port; killed with the test.
+class RedisServer {
+ public:
+  RedisServer(int port, std::vector<std::string> extra, const std::string& dir) : port_(port), dir_(dir) {
+    fs::create_directories(dir);
+    args_ = {"/usr/bin/redis-server", "--port", std::to_string(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", dir, "--protected-mode", "no"};
+    args_.insert(args_.end(), extra.begin(), extra.end());
+    start();
+  }
+  void start() {
+    proc_ = test::Child(args_, dir_ + "/redis-" + std::to_string(port_) + ".log");
+    ready_ = test::eventually([&] { return ping(); }, 10s);
+  }
+  void kill9() {
+    proc_.signal(SIGKILL);
+    proc_.wait_exit(5s);
+  }
+  bool ready() const { return ready_; }
+  int port() const { return port_; }
+  std::string endpoint() const { return "127.0.0.1:" + std::to_string(port_); }
+
+  // Runs one command (argv) and returns the reply as text ("" on connection failure).
+  std::string command(const std::vector<std::string>& argv, const std::string& password = "") const {
+    timeval tv{2, 0};
+    redisContext* c = redisConnectWithTimeout("127.0.0.1", port_, tv);
+    if (!c || c->err) {
+      if (c) redisFree(c);
+      return "";
+    }
+    if (!password.empty()) freeReplyObject(redisCommand(c, "AUTH %s", password.c_str()));
+    std::vector<const char*> a;
+    std::vector<size_t> l;
+    for (const auto& s : argv) {
+      a.push_back(s.data());
+      l.push_back(s.size());
+    }
+    auto* r = static_cast<redisReply*>(redisCommandArgv(c, static_cast<int>(a.size()), a.data(), l.data()));
+    std::string out;
+    if (r) {
+      if (r->type == REDIS_REPLY_STRING || r->type == REDIS_REPLY_STATUS || r->type == REDIS_REPLY_ERROR)
+        out.assign(r->str, r->len);
+      else if (r->type == REDIS_REPLY_INTEGER)
+        out = std::to_string(r->integer);
+      freeReplyObject(r);
+    }
+    redisFree(c);
+    return out;
+  }
+
+ private:
+  bool ping() const {
+    const auto r = command({"PING"});
+    return r == "PONG" || r.find("NOAUTH") != std::string::npos;
+  }
+  int port_;
+  std::string dir_;
+  std::vector<std::string> args_;
+  test::Child proc_;
+  bool ready_ = false;
+};
+
+std::string temp_dir(const std::string& name) {
+  return (fs::path(::testing::TempDir()) / ("kvtd_redis_" + std::to_string(::getpid()) + "_" + name)).string();
+}
+
+std::vector<std::byte> object(std::uint32_t seed) {
+  std::vector<std::byte> v(kObject);
+  std::mt19937 rng(seed);
+  for (auto& b : v) b = static_cast<std::byte>(rng());
+  return v;
+}
+
+struct Batch {
+  std::vector<std::string> keys;
+  std::vector<std::vector<std::byte>> data, back;
+  std::vector<const std::byte*> srcs;
+  std::vector<std::byte*> dsts;
+  explicit Batch(std::size_t n, const std::string& prefix = "blk") {
+    for (std::size_t i = 0; i < n; ++i) {
+      keys.push_back(prefix + std::to_string(i));
+      data.push_back(object(static_cast<std::uint32_t>(i + 1)));
+      back.emplace_back(kObject);
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      srcs.push_back(data[i].data());
+      dsts.push_back(back[i].data());
+    }
+  }
+};
+
+RedisStoreOptions options(std::vector<std::string> endpoints, bool cluster = false, std::string model = "llama") {
+  RedisStoreOptions o;
+  o.store = StoreOptions{std::move(model), 0x1234, kObject};
+  o.endpoints = std::move(endpoints);
+  o.cluster = cluster;
+  o.timeout_ms = 1000;
+  o.max_backoff_ms = 200;
+  return o;
+}
+
+class RedisStandalone : public ::testing::Test {
+ protected:
+  test::Watchdog dog_{120};
+  std::string dir_ = temp_dir(::testing::UnitTest::GetInstance()->current_test_info()->name());
+  RedisServer server_{base_port(), {}, dir_};
+  void TearDown() override { fs::remove_all(dir_); }
+  std::unique_ptr<ObjectStore> open(RedisStoreOptions o) {
+    auto s = open_redis_store(o);
+    EXPECT_TRUE(s.ok()) << s.error().message;
+    return s.ok() ? std::move(s).value() : nullptr;
+  }
+};
+
+TEST_F(RedisStandalone, PipelinedBatchRoundTripAndLeadingExists) {
+  ASSERT_TRUE(server_.ready());
+  auto s = open(options({server_.endpoint()}));
+  Batch b(32);
+  auto put = s->put(b.keys, b.srcs);
+  ASSERT_TRUE(put.ok()) << put.error().message;
+  for (auto r : *put) ASSERT_EQ(r, ObjectResult::kOk);
+  auto got = s->get(b.keys, b.dsts);
+  ASSERT_TRUE(got.ok());
+  for (std::size_t i = 0; i < 32; ++i) {
+    EXPECT_EQ((*got)[i], ObjectResult::kOk);
+    EXPECT_EQ(b.back[i], b.data[i]);
+  }
+  EXPECT_EQ(*s->exists(b.keys), 32u);
+  const std::string hole[1] = {"blk7"};
+  ASSERT_TRUE(s->remove(hole).ok());
+  EXPECT_EQ(*s->exists(b.keys), 7u);
+  EXPECT_EQ(s->stats().hits, 32u);
+}
+
+TEST_F(RedisStandalone, OverwrittenTruncatedAndForeignValuesAreMisses) {
+  ASSERT_TRUE(server_.ready());
+  auto s = open(options({server_.endpoint()}));
+  Batch b(3);
+  ASSERT_TRUE(s->put(b.keys, b.srcs).ok());
+  StoreOptions so{"llama", 0x1234, kObject};
+  const std::string k0 = "kvtd:" + namespaced_key(so, "blk0"), k1 = "kvtd:" + namespaced_key(so, "blk1"),
+                    k2 = "kvtd:" + namespaced_key(so, "blk2");
+  EXPECT_EQ(server_.command({"SETRANGE", k0, "100", "X"}), std::to_string(sizeof(ObjectHeader) + kObject));
+  EXPECT_EQ(server_.command({"SET", k1, "short"}), "OK");
+  const auto raw2 = server_.command({"GET", k2});
+  // The same bytes under another key are foreign: the header's key hash does not match.
+  EXPECT_EQ(server_.command({"SET", "kvtd:" + namespaced_key(so, "blk9"), raw2}), "OK");
+  const std::string keys[4] = {"blk0", "blk1", "blk2", "blk9"};
+  std::vector<std::byte> out(4 * kObject);
+  std::byte* dsts[4] = {out.data(), out.data() + kObject, out.data() + 2 * kObject, out.data() + 3 * kObject};
+  auto got = s->get(keys, dsts);
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ((*got)[0], ObjectResult::kCorrupt);
+  EXPECT_EQ((*got)[1], ObjectResult::kCorrupt);
+  EXPECT_EQ((*got)[2], ObjectResult::kOk);
+  EXPECT_EQ((*got)[3], ObjectResult::kCorrupt);
+  EXPECT_EQ(s->stats().corrupt, 3u);
+  // Another model's namespace does not see them at all.
+  auto other = open(options({server_.endpoint()}, false, "qwen"));
+  std::byte* one[1] = {out.data()};
+  EXPECT_EQ((*other->get(std::span<const std::string>(keys + 2, 1), one))[0], ObjectResult::kMissing);
+}
+
+TEST_F(RedisStandalone, KilledServerFailsFastAndTheStoreReconnectsAfterRestart) {
+  ASSERT_TRUE(server_.ready());
+  auto s = open(options({server_.endpoint()}));
+  Batch b(8);
+  ASSERT_TRUE(s->put(b.keys, b.srcs).ok());
+  server_.kill9();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto put = s->put(b.keys, b.srcs);
+  ASSERT_TRUE(put.ok());
+  for (auto r : *put) EXPECT_EQ(r, ObjectResult::kFailed);
+  auto ex = s->exists(b.keys);
+  ASSERT_FALSE(ex.ok());
+  EXPECT_EQ(ex.error().code, StorageErrc::kUnavailable);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s) << "a dead server must not hang the call";
+  server_.start();  // same port, empty (no persistence)
+  ASSERT_TRUE(server_.ready());
+  ASSERT_TRUE(test::eventually(
+      [&] {
+        auto r = s->put(b.keys, b.srcs);
+        return r.ok() && (*r)[0] == ObjectResult::kOk;
+      },
+      5s));
+  EXPECT_EQ(*s->exists(b.keys), 8u);
+}
+
+TEST(RedisPassword, ComesFromAnEnvironmentVariableOrAFile) {
+  test::Watchdog dog(60);
+  const auto dir = temp_dir("password");
+  RedisServer server(base_port() + 1, {"--requirepass", "s3cret"}, dir);
+  ASSERT_TRUE(server.ready());
+  Batch b(2);
+  auto o = options({server.endpoint()});
+  o.password_env = "KVTD_TEST_REDIS_PASSWORD";
+  ::unsetenv("KVTD_TEST_REDIS_PASSWORD");
+  auto missing = open_redis_store(o);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.error().message.find("KVTD_TEST_REDIS_PASSWORD"), std::string::npos);
+  ::setenv("KVTD_TEST_REDIS_PASSWORD", "s3cret", 1);
+  auto s = open_redis_store(o);
+  ASSERT_TRUE(s.ok());
+  auto r = (*s)->put(b.keys, b.srcs);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ((*r)[0], ObjectResult::kOk);
+
+  o.password_env.clear();
+  o.password_file = dir + "/pw";
+  std::ofstream(o.password_file) << "wrong\n";
+  auto bad = open_redis_store(o);
+  ASSERT_TRUE(bad.ok());
+  auto denied = (*bad)->get(b.keys, b.dsts);
+  ASSERT_TRUE(denied.ok());
+  EXPECT_EQ((*denied)[0], ObjectResult::kFailed);
+  fs::remove_all(dir);
+}
+
+class RedisClusterTest : public ::testing::Test {
+ protected:
+  test::Watchdog dog_{120};
+  std::string dir_ = temp_dir("cluster");
+  std::vector<std::unique_ptr<RedisServer>> nodes_;
+
+  void SetUp() override {
+    std::vector<std::string> create{"/usr/bin/redis-cli", "--cluster", "create"};
+    for (int i = 0; i < 3; ++i) {
+      const int port = base_port() + 2 + i;
+      nodes_.push_back(std::make_unique<RedisServer>(
+          port, std::vector<std::string>{"--cluster-enabled", "yes", "--cluster-config-file",
+                                         "nodes-" + std::to_string(port) + ".conf", "--cluster-node-timeout", "2000"},
+          dir_ + "/" + std::to_string(port)));
+      ASSERT_TRUE(nodes_.back()->ready());
+      create.push_back(nodes_.back()->endpoint());
+    }
+    create.insert(create.end(), {"--cluster-replicas", "0", "--cluster-yes"});
+    test::Child cli(create, dir_ + "/create.log");
+    ASSERT_EQ(cli.wait_exit(60s), 0) << test::read_file(dir_ + "/create.log");
+    ASSERT_TRUE(test::eventually(
+        [&] {
+          for (auto& n : nodes_)
+            if (n->command({"CLUSTER", "INFO"}).find("cluster_state:ok") == std::string::npos) return false;
+          return true;
+        },
+        30s));
+  }
+  void TearDown() override {
+    nodes_.clear();
+    fs::remove_all(dir_);
+  }
+  std::string node_id(RedisServer& n) { return n.command({"CLUSTER", "MYID"}); }
+};
+
+TEST_F(RedisClusterTest, BatchesSpanAllMastersAndMovedIsFollowedAfterASlotMigration) {
+  auto o = options({nodes_[0]->endpoint()}, true);
+  auto s = open_redis_store(o);
+  ASSERT_TRUE(s.ok()) << s.error().message;
+  Batch b(48);
+  auto put = (*s)->put(b.keys, b.srcs);
+  ASSERT_TRUE(put.ok());
+  for (auto r : *put) ASSERT_EQ(r, ObjectResult::kOk);
+  std::size_t on_each[3] = {0, 0, 0};
+  for (int i = 0; i < 3; ++i) on_each[i] = std::stoul(nodes_[static_cast<std::size_t>(i)]->command({"DBSIZE"}));
+  EXPECT_GT(on_each[0], 0u);
+  EXPECT_GT(on_each[1], 0u);
+  EXPECT_GT(on_each[2], 0u);
+
+  // Move the slot of blk3 to another master, keys included; the store's map is now stale.
+  StoreOptions so{"llama", 0x1234, kObject};
+  const std::string key = "kvtd:" + namespaced_key(so, "blk3");
+  const auto slot = redis_cluster_slot(key);
+  std::size_t from = 3;
+  for (std::size_t i = 0; i < 3; ++i)
+    if (nodes_[i]->command({"GET", key}).rfind("MOVED", 0) != 0) from = i;
+  ASSERT_LT(from, 3u);
+  const std::size_t to = (from + 1) % 3;
+  const auto to_id = node_id(*nodes_[to]), from_id = node_id(*nodes_[from]);
+  const auto slot_s = std::to_string(slot);
+  EXPECT_EQ(nodes_[to]->command({"CLUSTER", "SETSLOT", slot_s, "IMPORTING", from_id}), "OK");
+  EXPECT_EQ(nodes_[from]->command({"CLUSTER", "SETSLOT", slot_s, "MIGRATING", to_id}), "OK");
+  EXPECT_EQ(nodes_[from]->command({"MIGRATE", "127.0.0.1", std::to_string(nodes_[to]->port()), key, "0", "5000"}), "OK");
+
+  // Mid-migration the old owner answers ASK for the moved key.
+  {
+    const std::string k[1] = {"blk3"};
+    std::byte* d[1] = {b.back[3].data()};
+    auto got = (*s)->get(k, d);
+    ASSERT_TRUE(got.ok());
+    EXPECT_EQ((*got)[0], ObjectResult::kOk) << "ASK redirect not followed";
+    EXPECT_EQ(b.back[3], b.data[3]);
+  }
+  for (auto& n : nodes_) EXPECT_EQ(n->command({"CLUSTER", "SETSLOT", slot_s, "NODE", to_id}), "OK");
+
+  std::fill(b.back[3].begin(), b.back[3].end(), std::byte{0});
+  auto got = (*s)->get(b.keys, b.dsts);
+  ASSERT_TRUE(got.ok());
+  for (std::size_t i = 0; i < b.keys.size(); ++i) {
+    EXPECT_EQ((*got)[i], ObjectResult::kOk) << b.keys[i];
+    EXPECT_EQ(b.back[i], b.data[i]) << b.keys[i];
+  }
+  EXPECT_EQ(*(*s)->exists(b.keys), b.keys.size());
+}
+
+}  // namespace
+}  // namespace kvtd::storage

@@ -1,0 +1,116 @@
+// kvtd-storage-bench: put/get throughput of a storage backend for 1 MiB objects in batches of
+// 32, next to a plain reference measured in the same run (file: sequential write and read of
+// the same bytes in the same directory; redis: run redis-benchmark yourself, see bench.sh).
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <random>
+#include <vector>
+
+#include "kvtd/storage/file_store.h"
+#include "kvtd/storage/redis_store.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Sequential write then read of `bytes` in object-sized chunks, cycling through the same
+// buffers the store uses: the disk/page-cache ceiling for the same bytes.
+void plain_file_io(const std::string& dir, std::uint64_t bytes, std::vector<std::vector<std::byte>>& bufs,
+                   double* write_gbs, double* read_gbs) {
+  const std::string path = dir + "/plain.bin";
+  const std::size_t chunk = bufs[0].size();
+  auto t0 = Clock::now();
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  std::size_t i = 0;
+  for (std::uint64_t done = 0; done < bytes; done += chunk, i = (i + 1) % bufs.size())
+    if (::write(fd, bufs[i].data(), chunk) < 0) break;
+  ::close(fd);
+  *write_gbs = static_cast<double>(bytes) / since(t0) / 1e9;
+  t0 = Clock::now();
+  fd = ::open(path.c_str(), O_RDONLY);
+  i = 0;
+  for (std::uint64_t done = 0; done < bytes; done += chunk, i = (i + 1) % bufs.size())
+    if (::read(fd, bufs[i].data(), chunk) <= 0) break;
+  ::close(fd);
+  *read_gbs = static_cast<double>(bytes) / since(t0) / 1e9;
+  std::filesystem::remove(path);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvtd-storage-bench - storage backend throughput, 1 MiB objects in batches of 32"};
+  std::string backend = "file", dir = "/tmp/kvtd-storage-bench", endpoint = "127.0.0.1:6379";
+  int batches = 16, batch = 32;
+  std::uint64_t object = 1 << 20;
+  app.add_option("--backend", backend, "file | redis")->check(CLI::IsMember({"file", "redis"}));
+  app.add_option("--dir", dir, "file: directory");
+  app.add_option("--endpoint", endpoint, "redis: host:port");
+  app.add_option("--batches", batches, "Batches per direction");
+  app.add_option("--batch", batch, "Objects per batch");
+  app.add_option("--object-bytes", object, "Bytes per object");
+  CLI11_PARSE(app, argc, argv);
+
+  kvtd::storage::StoreOptions so{"bench", 0x42, object};
+  std::unique_ptr<kvtd::storage::ObjectStore> store;
+  if (backend == "file") {
+    std::filesystem::remove_all(dir);
+    kvtd::storage::FileStoreOptions fo;
+    fo.store = so;
+    fo.root = dir;
+    auto s = kvtd::storage::open_file_store(fo);
+    if (!s.ok()) return std::fprintf(stderr, "%s\n", s.error().message.c_str()), 1;
+    store = std::move(s).value();
+  } else {
+    kvtd::storage::RedisStoreOptions ro;
+    ro.store = so;
+    ro.endpoints = {endpoint};
+    ro.timeout_ms = 10000;
+    auto s = kvtd::storage::open_redis_store(ro);
+    if (!s.ok()) return std::fprintf(stderr, "%s\n", s.error().message.c_str()), 1;
+    store = std::move(s).value();
+  }
+  std::vector<std::vector<std::byte>> buf(static_cast<std::size_t>(batch), std::vector<std::byte>(object));
+  std::mt19937 rng(1);
+  for (auto& b : buf)
+    for (auto& x : b) x = static_cast<std::byte>(rng());
+  std::vector<const std::byte*> srcs;
+  std::vector<std::byte*> dsts;
+  for (auto& b : buf) {
+    srcs.push_back(b.data());
+    dsts.push_back(b.data());
+  }
+  std::vector<std::vector<std::string>> keys(static_cast<std::size_t>(batches));
+  for (int i = 0; i < batches; ++i)
+    for (int j = 0; j < batch; ++j) keys[static_cast<std::size_t>(i)].push_back("b" + std::to_string(i) + "_" + std::to_string(j));
+
+  const double total = static_cast<double>(object) * batch * batches;
+  auto t0 = Clock::now();
+  for (auto& k : keys) {
+    auto r = store->put(k, srcs);
+    if (!r.ok() || (*r)[0] != kvtd::storage::ObjectResult::kOk) return std::fprintf(stderr, "put failed\n"), 1;
+  }
+  const double put_gbs = total / since(t0) / 1e9;
+  t0 = Clock::now();
+  for (auto& k : keys) {
+    auto r = store->get(k, dsts);
+    if (!r.ok() || (*r)[0] != kvtd::storage::ObjectResult::kOk) return std::fprintf(stderr, "get failed\n"), 1;
+  }
+  const double get_gbs = total / since(t0) / 1e9;
+  std::printf("%s store: put %.2f GB/s, get %.2f GB/s (%d batches x %d objects x %llu bytes)\n", backend.c_str(),
+              put_gbs, get_gbs, batches, batch, static_cast<unsigned long long>(object));
+  if (backend == "file") {
+    double w = 0, r = 0;
+    plain_file_io(dir, static_cast<std::uint64_t>(total), buf, &w, &r);
+    std::printf("plain sequential file I/O, same bytes, same directory: write %.2f GB/s, read %.2f GB/s; "
+                "ratio put %.2f, get %.2f\n", w, r, put_gbs / w, get_gbs / r);
+    std::filesystem::remove_all(dir);
+  }
+  return 0;
+}
