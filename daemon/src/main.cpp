@@ -30,6 +30,9 @@ int main(int argc, char** argv) {
     return kvtd::daemon::kExitBadFlags;
   }
 
+  // A peer that closed a socket must fail that call, not kill the daemon.
+  signal(SIGPIPE, SIG_IGN);
+
   // SIGTERM/SIGINT are blocked in every thread and taken by sigwait in one thread, so no
   // handler runs at all: shutdown happens in ordinary code (rule 7).
   sigset_t set;

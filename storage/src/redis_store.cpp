@@ -1,6 +1,12 @@
 #include "kvtd/storage/redis_store.h"
 
 #include <hiredis/hiredis.h>
+#include <hiredis/sds.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
 
 #include <array>
 #include <chrono>
@@ -272,12 +278,11 @@ class RedisStore final : public ObjectStore {
                 std::vector<ObjectResult>* results, std::vector<std::size_t>* retry, std::map<std::size_t, Node*>* ask) {
     redisContext* c = connect(n, dl);
     if (!c) return;  // results stay kFailed
-    std::vector<std::byte> value;
     std::vector<bool> asking(idx.size(), false);
     for (std::size_t j = 0; j < idx.size(); ++j) {
       const std::size_t i = idx[j];
       if (ask->count(i)) {
-        redisAppendCommand(c, "ASKING");
+        if (op != Op::kSet) redisAppendCommand(c, "ASKING");  // write_set sends its own
         asking[j] = true;
         ask->erase(i);
       }
@@ -286,15 +291,9 @@ class RedisStore final : public ObjectStore {
         case Op::kGet: redisAppendCommand(c, "GET %b", key.data(), key.size()); break;
         case Op::kExists: redisAppendCommand(c, "EXISTS %b", key.data(), key.size()); break;
         case Op::kDel: redisAppendCommand(c, "DEL %b", key.data(), key.size()); break;
-        case Op::kSet: {
-          std::span<const std::byte> payload(srcs[i], o_.store.object_bytes);
-          const ObjectHeader h = make_header(o_.store, names[i].substr(5), payload);
-          value.resize(sizeof h + payload.size());
-          std::memcpy(value.data(), &h, sizeof h);
-          std::memcpy(value.data() + sizeof h, payload.data(), payload.size());
-          redisAppendCommand(c, "SET %b %b", key.data(), key.size(), value.data(), value.size());
+        case Op::kSet:
+          if (!write_set(c, key, names[i], srcs[i], asking[j])) return fail_connection(n);
           break;
-        }
       }
     }
     for (std::size_t j = 0; j < idx.size(); ++j) {
@@ -351,6 +350,48 @@ class RedisStore final : public ObjectStore {
         case Op::kDel: (*results)[i] = ObjectResult::kOk; break;
       }
     }
+  }
+
+  // Sends "[ASKING] SET key <header+payload>" straight to the socket (sendmsg, gathered), so the 1 MiB
+  // payload goes from the caller's buffer to the kernel without a copy (hiredis would format it
+  // into its output buffer). Only used while hiredis has nothing buffered, so order is kept.
+  bool write_set(redisContext* c, const std::string& key, const std::string& namespaced, const std::byte* src,
+                 bool asking) {
+    std::span<const std::byte> payload(src, o_.store.object_bytes);
+    const ObjectHeader h = make_header(o_.store, namespaced.substr(5), payload);
+    if (c->obuf && sdslen(c->obuf) > 0) {
+      // Something is queued in hiredis: flush it first so commands stay in order.
+      int done = 0;
+      while (!done)
+        if (redisBufferWrite(c, &done) != REDIS_OK) return false;
+    }
+    std::string prefix = asking ? "*1\r\n$6\r\nASKING\r\n" : "";
+    prefix += "*3\r\n$3\r\nSET\r\n$" + std::to_string(key.size()) + "\r\n" + key + "\r\n$" +
+              std::to_string(sizeof h + payload.size()) + "\r\n";
+    static const char kCrlf[2] = {'\r', '\n'};
+    iovec iov[4] = {{prefix.data(), prefix.size()},
+                    {const_cast<ObjectHeader*>(&h), sizeof h},
+                    {const_cast<std::byte*>(payload.data()), payload.size()},
+                    {const_cast<char*>(kCrlf), 2}};
+    int first = 0;
+    while (first < 4) {
+      msghdr msg{};
+      msg.msg_iov = iov + first;
+      msg.msg_iovlen = static_cast<std::size_t>(4 - first);
+      // MSG_NOSIGNAL: a server that died must fail this call, not kill the process with SIGPIPE.
+      const ssize_t w = ::sendmsg(c->fd, &msg, MSG_NOSIGNAL);
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        return false;  // includes the send timeout (EAGAIN)
+      }
+      auto left = static_cast<std::size_t>(w);
+      while (first < 4 && left >= iov[first].iov_len) left -= iov[first++].iov_len;
+      if (first < 4) {
+        iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + left;
+        iov[first].iov_len -= left;
+      }
+    }
+    return true;
   }
 
   void fail_connection(Node& n) {

@@ -2,6 +2,7 @@
 // 32, next to a plain reference measured in the same run (file: sequential write and read of
 // the same bytes in the same directory; redis: run redis-benchmark yourself, see bench.sh).
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -56,6 +57,7 @@ int main(int argc, char** argv) {
   app.add_option("--batch", batch, "Objects per batch");
   app.add_option("--object-bytes", object, "Bytes per object");
   CLI11_PARSE(app, argc, argv);
+  signal(SIGPIPE, SIG_IGN);  // hiredis writes to sockets with write(2)
 
   kvtd::storage::StoreOptions so{"bench", 0x42, object};
   std::unique_ptr<kvtd::storage::ObjectStore> store;

@@ -8,6 +8,10 @@
 // keys (kFailed) or the call (kUnavailable) within `timeout_ms`; connections are re-made on
 // later calls with exponential backoff. Nothing blocks past the call's deadline.
 //
+// Large SET payloads are sent straight from the caller's buffer (sendmsg, MSG_NOSIGNAL); hiredis
+// itself writes small commands with write(2), so a process using this store should ignore
+// SIGPIPE (kvtd does).
+//
 // Thread-safety: calls are serialised inside (one set of connections per store).
 #pragma once
 
