@@ -37,3 +37,21 @@ for ranks in 1 2; do
 done
 echo "== copy planning cost"
 "$KVTD_BUILD_DIR/tests/copy_plan_bench" --benchmark_min_time=0.2
+
+echo "== storage: 1 MiB objects in batches of 32"
+sbench=$KVTD_BUILD_DIR/tools/storage_bench/kvtd-storage-bench
+sdir=$(mktemp -d "$KVTD_ROOT/.bench-storage.XXXXXX")  # on the project's disk, like a local SSD tier
+"$sbench" --backend file --dir "$sdir/store" --batches 32
+rm -rf "$sdir"
+port=$((27000 + RANDOM % 1000))
+redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --daemonize no \
+  --logfile /dev/null &
+rpid=$!
+pids+=("$rpid")
+for _ in $(seq 50); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
+"$sbench" --backend redis --endpoint "127.0.0.1:$port" --batches 16
+rb=$(redis-benchmark -p "$port" -d 1048576 -P 32 -n 512 -t set,get -q 2>&1 | tr '\r' '\n' | grep "requests per second")
+echo "$rb" | sed 's/^/redis-benchmark -d 1048576 -P 32: /'
+echo "$rb" | awk '/^SET/ {printf "redis-benchmark SET = %.2f GB/s\n", $2 * 1048576 / 1e9} /^GET/ {printf "redis-benchmark GET = %.2f GB/s\n", $2 * 1048576 / 1e9}'
+kill "$rpid"; wait "$rpid" 2>/dev/null || true
+pids=()

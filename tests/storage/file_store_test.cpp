@@ -22,6 +22,7 @@ class FaultyFileSystem final : public FileSystem {
   std::unique_ptr<FileSystem> real = make_posix_file_system();
   std::atomic<int> write_error{0};   // errno returned by write_file (after writing half)
   std::atomic<int> rename_error{0};
+  std::atomic<int> synced_files{0}, synced_dirs{0};
 
   int write_file(const std::string& p, std::span<const std::span<const std::byte>> parts, bool sync) override {
     if (int e = write_error.load()) {
@@ -30,6 +31,7 @@ class FaultyFileSystem final : public FileSystem {
       real->write_file(p, half, false);
       return e;
     }
+    if (sync) ++synced_files;
     return real->write_file(p, parts, sync);
   }
   int read_file(const std::string& p, std::span<const std::span<std::byte>> parts, std::size_t* n) override {
@@ -42,7 +44,10 @@ class FaultyFileSystem final : public FileSystem {
   int remove(const std::string& p) override { return real->remove(p); }
   int exists(const std::string& p, bool* present) override { return real->exists(p, present); }
   int make_dirs(const std::string& p) override { return real->make_dirs(p); }
-  int sync_dir(const std::string& p) override { return real->sync_dir(p); }
+  int sync_dir(const std::string& p) override {
+    ++synced_dirs;
+    return real->sync_dir(p);
+  }
   int list_files(const std::string& r, std::vector<FileEntry>* out) override { return real->list_files(r, out); }
 };
 
@@ -221,6 +226,25 @@ TEST_F(FileStoreTest, PermissionErrorOnRenameFailsCleanly) {
   std::vector<std::byte> out;
   EXPECT_EQ(get_one(*s, "k", &out), ObjectResult::kMissing);
   EXPECT_TRUE(object_files().empty());
+}
+
+TEST_F(FileStoreTest, SyncPolicySyncsObjectsAndDirectories) {
+  FaultyFileSystem counting;
+  auto o = options(0, &counting);
+  o.sync = SyncPolicy::kNone;
+  put_one(*open(o), "a", object(1));
+  EXPECT_EQ(counting.synced_files, 0);
+  o.sync = SyncPolicy::kData;
+  put_one(*open(o), "b", object(2));
+  EXPECT_EQ(counting.synced_files, 1);
+  EXPECT_EQ(counting.synced_dirs, 0);
+  o.sync = SyncPolicy::kFull;
+  auto s = open(o);
+  put_one(*s, "c", object(3));
+  EXPECT_EQ(counting.synced_files, 2);
+  EXPECT_EQ(counting.synced_dirs, 1);
+  std::vector<std::byte> out;
+  EXPECT_EQ(get_one(*s, "c", &out), ObjectResult::kOk);
 }
 
 TEST_F(FileStoreTest, ConcurrentPutsOfOneKeyLeaveOneWholeObject) {

@@ -5,6 +5,8 @@
 #include <hiredis/hiredis.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -214,6 +216,37 @@ TEST_F(RedisStandalone, KilledServerFailsPutsWithoutSigpipeAndReconnectsAfterRes
       },
       5s));
   EXPECT_EQ(*s->exists(b.keys), 8u);
+}
+
+TEST_F(RedisStandalone, ServerKilledMidBatchFailsThatBatchWithinTheDeadline) {
+  ASSERT_TRUE(server_.ready());
+  auto o = options({server_.endpoint()});
+  auto s = open(o);
+  Batch big(256, "mid");  // 16 MiB in one pipelined batch
+  std::atomic<bool> started{false};
+  Result<std::vector<ObjectResult>, StorageErrc> put = std::vector<ObjectResult>{};
+  std::thread writer([&] {
+    started = true;
+    put = s->put(big.keys, big.srcs);
+  });
+  while (!started) std::this_thread::yield();
+  std::this_thread::sleep_for(2ms);
+  server_.kill9();
+  const auto t0 = std::chrono::steady_clock::now();
+  writer.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
+  ASSERT_TRUE(put.ok());  // per-key results: whatever was acknowledged is ok, the rest failed
+  server_.start();
+  ASSERT_TRUE(server_.ready());
+  ASSERT_TRUE(test::eventually(
+      [&] {
+        auto r = s->put(big.keys, big.srcs);
+        return r.ok() && std::all_of(r->begin(), r->end(), [](ObjectResult x) { return x == ObjectResult::kOk; });
+      },
+      5s));
+  auto got = s->get(big.keys, big.dsts);
+  ASSERT_TRUE(got.ok());
+  for (std::size_t i = 0; i < big.keys.size(); ++i) ASSERT_EQ(big.back[i], big.data[i]);
 }
 
 TEST(RedisPassword, ComesFromAnEnvironmentVariableOrAFile) {

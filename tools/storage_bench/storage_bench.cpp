@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -26,6 +27,7 @@ void plain_file_io(const std::string& dir, std::uint64_t bytes, std::vector<std:
                    double* write_gbs, double* read_gbs) {
   const std::string path = dir + "/plain.bin";
   const std::size_t chunk = bufs[0].size();
+  ::sync();  // start from clean page cache state, like the store's phases
   auto t0 = Clock::now();
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
   std::size_t i = 0;
@@ -49,6 +51,8 @@ int main(int argc, char** argv) {
   CLI::App app{"kvtd-storage-bench - storage backend throughput, 1 MiB objects in batches of 32"};
   std::string backend = "file", dir = "/tmp/kvtd-storage-bench", endpoint = "127.0.0.1:6379";
   int batches = 16, batch = 32;
+  unsigned io_threads = 2;
+  int rounds = 5;
   std::uint64_t object = 1 << 20;
   app.add_option("--backend", backend, "file | redis")->check(CLI::IsMember({"file", "redis"}));
   app.add_option("--dir", dir, "file: directory");
@@ -56,6 +60,8 @@ int main(int argc, char** argv) {
   app.add_option("--batches", batches, "Batches per direction");
   app.add_option("--batch", batch, "Objects per batch");
   app.add_option("--object-bytes", object, "Bytes per object");
+  app.add_option("--io-threads", io_threads, "file: threads per batch");
+  app.add_option("--rounds", rounds, "Measured rounds (median reported)");
   CLI11_PARSE(app, argc, argv);
   signal(SIGPIPE, SIG_IGN);  // hiredis writes to sockets with write(2)
 
@@ -66,6 +72,7 @@ int main(int argc, char** argv) {
     kvtd::storage::FileStoreOptions fo;
     fo.store = so;
     fo.root = dir;
+    fo.io_threads = io_threads;
     auto s = kvtd::storage::open_file_store(fo);
     if (!s.ok()) return std::fprintf(stderr, "%s\n", s.error().message.c_str()), 1;
     store = std::move(s).value();
@@ -88,30 +95,49 @@ int main(int argc, char** argv) {
     srcs.push_back(b.data());
     dsts.push_back(b.data());
   }
-  std::vector<std::vector<std::string>> keys(static_cast<std::size_t>(batches));
-  for (int i = 0; i < batches; ++i)
-    for (int j = 0; j < batch; ++j) keys[static_cast<std::size_t>(i)].push_back("b" + std::to_string(i) + "_" + std::to_string(j));
-
+  // Rounds alternate the store and the plain reference so both see the same machine state;
+  // medians are reported. Each round uses fresh keys and is removed afterwards (untimed).
   const double total = static_cast<double>(object) * batch * batches;
-  auto t0 = Clock::now();
-  for (auto& k : keys) {
-    auto r = store->put(k, srcs);
-    if (!r.ok() || (*r)[0] != kvtd::storage::ObjectResult::kOk) return std::fprintf(stderr, "put failed\n"), 1;
+  std::vector<double> put_gbs, get_gbs, write_gbs, read_gbs;
+  for (int round = 0; round < rounds; ++round) {
+    std::vector<std::vector<std::string>> keys(static_cast<std::size_t>(batches));
+    for (int i = 0; i < batches; ++i)
+      for (int j = 0; j < batch; ++j)
+        keys[static_cast<std::size_t>(i)].push_back("r" + std::to_string(round) + "b" + std::to_string(i) + "_" +
+                                                    std::to_string(j));
+    ::sync();  // every timed phase starts with no dirty pages left by the previous one
+    auto t0 = Clock::now();
+    for (auto& k : keys) {
+      auto r = store->put(k, srcs);
+      if (!r.ok() || (*r)[0] != kvtd::storage::ObjectResult::kOk) return std::fprintf(stderr, "put failed\n"), 1;
+    }
+    put_gbs.push_back(total / since(t0) / 1e9);
+    t0 = Clock::now();
+    for (auto& k : keys) {
+      auto r = store->get(k, dsts);
+      if (!r.ok() || (*r)[0] != kvtd::storage::ObjectResult::kOk) return std::fprintf(stderr, "get failed\n"), 1;
+    }
+    get_gbs.push_back(total / since(t0) / 1e9);
+    for (auto& k : keys) (void)store->remove(k);
+    if (backend == "file") {
+      double w = 0, r = 0;
+      plain_file_io(dir, static_cast<std::uint64_t>(total), buf, &w, &r);
+      write_gbs.push_back(w);
+      read_gbs.push_back(r);
+    }
   }
-  const double put_gbs = total / since(t0) / 1e9;
-  t0 = Clock::now();
-  for (auto& k : keys) {
-    auto r = store->get(k, dsts);
-    if (!r.ok() || (*r)[0] != kvtd::storage::ObjectResult::kOk) return std::fprintf(stderr, "get failed\n"), 1;
-  }
-  const double get_gbs = total / since(t0) / 1e9;
-  std::printf("%s store: put %.2f GB/s, get %.2f GB/s (%d batches x %d objects x %llu bytes)\n", backend.c_str(),
-              put_gbs, get_gbs, batches, batch, static_cast<unsigned long long>(object));
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  std::printf("%s store: put %.2f GB/s, get %.2f GB/s (median of %d rounds; %d batches x %d objects x %llu bytes)\n",
+              backend.c_str(), median(put_gbs), median(get_gbs), rounds, batches, batch,
+              static_cast<unsigned long long>(object));
   if (backend == "file") {
-    double w = 0, r = 0;
-    plain_file_io(dir, static_cast<std::uint64_t>(total), buf, &w, &r);
     std::printf("plain sequential file I/O, same bytes, same directory: write %.2f GB/s, read %.2f GB/s; "
-                "ratio put %.2f, get %.2f\n", w, r, put_gbs / w, get_gbs / r);
+                "ratio put %.2f, get %.2f\n",
+                median(write_gbs), median(read_gbs), median(put_gbs) / median(write_gbs),
+                median(get_gbs) / median(read_gbs));
     std::filesystem::remove_all(dir);
   }
   return 0;
