@@ -192,6 +192,25 @@ struct EngineSession::Impl {
     }
   }
 
+  // Requires mu. Appends the task (a fresh task id and submit time) and records it as pending
+  // for every rank; nullopt when the ring has no room now.
+  std::optional<std::uint64_t> push_locked(proto::TaskRecordHeader hdr, std::span<const std::int32_t> src,
+                                           std::span<const std::int32_t> dst) {
+    hdr.task_id = next_task_id;
+    hdr.submit_ns = clock->now_ns();
+    std::uint64_t seq = 0;
+    if (!ring->try_push(hdr, src, dst, &seq)) return std::nullopt;
+    ++next_task_id;
+    Pending p;
+    p.seq = seq;
+    p.expected = all_ranks_mask();
+    p.result.task_id = hdr.task_id;
+    p.result.submit_ns = hdr.submit_ns;
+    pending.emplace(hdr.task_id, std::move(p));
+    bump_and_wake(h->publish_word, &h->consumer_waiters);
+    return hdr.task_id;
+  }
+
   void service_loop() {
     std::unique_lock<std::mutex> lk(stop_mu);
     while (!stopping) {
@@ -432,20 +451,7 @@ Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
           return make_error(IpcErrc::kNotReady, "rank " + std::to_string(r) + " is not attached to session " + impl->name);
       }
       if (impl->pending.size() < impl->opts.completion_capacity) {
-        hdr.task_id = impl->next_task_id;
-        hdr.submit_ns = impl->clock->now_ns();
-        std::uint64_t seq = 0;
-        if (impl->ring->try_push(hdr, req.src, req.dst, &seq)) {
-          ++impl->next_task_id;
-          Pending p;
-          p.seq = seq;
-          p.expected = impl->all_ranks_mask();
-          p.result.task_id = hdr.task_id;
-          p.result.submit_ns = hdr.submit_ns;
-          impl->pending.emplace(hdr.task_id, std::move(p));
-          bump_and_wake(h->publish_word, &h->consumer_waiters);
-          return hdr.task_id;
-        }
+        if (auto id = impl->push_locked(hdr, req.src, req.dst)) return *id;
         wait_space = true;
       }
       const std::int64_t now = impl->clock->now_ns();
@@ -477,20 +483,8 @@ Result<std::uint64_t, IpcErrc> EngineSession::submit_raw(const proto::TaskRecord
   std::lock_guard<std::mutex> g(impl->mu);
   impl->service(false);
   if (!impl->ring->fits(src.size(), dst.size())) return make_error(IpcErrc::kTooLarge, "raw task too large");
-  proto::TaskRecordHeader hdr = header;
-  hdr.task_id = impl->next_task_id;
-  hdr.submit_ns = impl->clock->now_ns();
-  std::uint64_t seq = 0;
-  if (!impl->ring->try_push(hdr, src, dst, &seq)) return make_error(IpcErrc::kRingFull, "task ring full");
-  ++impl->next_task_id;
-  Pending p;
-  p.seq = seq;
-  p.expected = impl->all_ranks_mask();
-  p.result.task_id = hdr.task_id;
-  p.result.submit_ns = hdr.submit_ns;
-  impl->pending.emplace(hdr.task_id, std::move(p));
-  bump_and_wake(impl->h->publish_word, &impl->h->consumer_waiters);
-  return hdr.task_id;
+  if (auto id = impl->push_locked(header, src, dst)) return *id;
+  return make_error(IpcErrc::kRingFull, "task ring full");
 }
 
 std::optional<TaskResult> EngineSession::poll(std::uint64_t task_id) {

@@ -12,6 +12,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "counters.h"
 #include "kvtd/storage/object_format.h"
 
 namespace kvtd::storage {
@@ -112,7 +113,6 @@ class FileStore final : public ObjectStore {
       const std::span<std::byte> parts[2] = {{reinterpret_cast<std::byte*>(&h), sizeof h}, payload};
       std::size_t read = 0;
       const int e = fs_->read_file(path, parts, &read);
-      gets_.fetch_add(1, std::memory_order_relaxed);
       if (e == ENOENT) {
         out[i] = ObjectResult::kMissing;
       } else if (e != 0) {
@@ -122,13 +122,10 @@ class FileStore final : public ObjectStore {
       } else {
         out[i] = verify_object(opts_.store, namespaced_key(opts_.store, keys[i]), h, payload);
       }
+      counters_.count_get(out[i]);
       if (out[i] == ObjectResult::kOk) {
-        hits_.fetch_add(1, std::memory_order_relaxed);
         std::lock_guard<std::mutex> g(mu_);
         touch_locked(path, sizeof h + payload.size());
-      } else {
-        misses_.fetch_add(1, std::memory_order_relaxed);
-        if (out[i] == ObjectResult::kCorrupt) corrupt_.fetch_add(1, std::memory_order_relaxed);
       }
     });
     return out;
@@ -143,7 +140,6 @@ class FileStore final : public ObjectStore {
       if (!valid_key(k)) return make_error(StorageErrc::kInvalidArgument, "invalid key '" + k + "'");
     std::vector<ObjectResult> out(keys.size(), ObjectResult::kOk);
     parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
-      puts_.fetch_add(1, std::memory_order_relaxed);
       const std::string path = path_of(keys[i]);
       const std::string dir = path.substr(0, path.rfind('/'));
       std::span<const std::byte> payload(srcs[i], opts_.store.object_bytes);
@@ -156,9 +152,10 @@ class FileStore final : public ObjectStore {
       if (e != 0) {
         fs_->remove(tmp);  // the previous object under this key, if any, is untouched
         out[i] = ObjectResult::kFailed;
-        put_failures_.fetch_add(1, std::memory_order_relaxed);
+        counters_.count_put(out[i]);
         return;
       }
+      counters_.count_put(ObjectResult::kOk);
       std::lock_guard<std::mutex> g(mu_);
       touch_locked(path, sizeof h + payload.size());
       evict_locked();
@@ -179,13 +176,7 @@ class FileStore final : public ObjectStore {
   }
 
   StoreStats stats() const override {
-    StoreStats s;
-    s.puts = puts_.load();
-    s.put_failures = put_failures_.load();
-    s.gets = gets_.load();
-    s.hits = hits_.load();
-    s.misses = misses_.load();
-    s.corrupt = corrupt_.load();
+    StoreStats s = counters_.snapshot();
     std::lock_guard<std::mutex> g(mu_);
     s.evictions = evictions_;
     s.bytes_stored = total_;
@@ -254,7 +245,7 @@ class FileStore final : public ObjectStore {
   std::uint64_t total_ = 0;
   std::uint64_t evictions_ = 0;
 
-  std::atomic<std::uint64_t> puts_{0}, put_failures_{0}, gets_{0}, hits_{0}, misses_{0}, corrupt_{0};
+  detail::Counters counters_;
 };
 
 }  // namespace

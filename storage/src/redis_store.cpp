@@ -17,6 +17,7 @@
 #include <mutex>
 #include <thread>
 
+#include "counters.h"
 #include "kvtd/storage/object_format.h"
 
 namespace kvtd::storage {
@@ -123,11 +124,7 @@ class RedisStore final : public ObjectStore {
     if (keys.size() != dsts.size()) return make_error(StorageErrc::kInvalidArgument, "keys and destinations differ in count");
     std::vector<ObjectResult> r;
     if (auto st = run(Op::kGet, keys, dsts, {}, &r); !st.ok()) return st.error();
-    for (auto x : r) {
-      gets_.fetch_add(1);
-      (x == ObjectResult::kOk ? hits_ : misses_).fetch_add(1);
-      if (x == ObjectResult::kCorrupt) corrupt_.fetch_add(1);
-    }
+    for (auto x : r) counters_.count_get(x);
     return r;
   }
 
@@ -137,10 +134,7 @@ class RedisStore final : public ObjectStore {
     std::vector<ObjectResult> r;
     std::vector<std::byte*> none(keys.size(), nullptr);
     if (auto st = run(Op::kSet, keys, none, srcs, &r); !st.ok()) return st.error();
-    for (auto x : r) {
-      puts_.fetch_add(1);
-      if (x != ObjectResult::kOk) put_failures_.fetch_add(1);
-    }
+    for (auto x : r) counters_.count_put(x);
     return r;
   }
 
@@ -153,16 +147,7 @@ class RedisStore final : public ObjectStore {
     return {};
   }
 
-  StoreStats stats() const override {
-    StoreStats s;
-    s.puts = puts_.load();
-    s.put_failures = put_failures_.load();
-    s.gets = gets_.load();
-    s.hits = hits_.load();
-    s.misses = misses_.load();
-    s.corrupt = corrupt_.load();
-    return s;
-  }
+  StoreStats stats() const override { return counters_.snapshot(); }
 
  private:
   Clock::time_point deadline() const { return Clock::now() + std::chrono::milliseconds(o_.timeout_ms); }
@@ -409,7 +394,7 @@ class RedisStore final : public ObjectStore {
   std::array<Node*, 16384> slots_{};
   bool refresh_needed_ = false;
   std::string last_error_;
-  std::atomic<std::uint64_t> puts_{0}, put_failures_{0}, gets_{0}, hits_{0}, misses_{0}, corrupt_{0};
+  detail::Counters counters_;
 };
 
 }  // namespace
