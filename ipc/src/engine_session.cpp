@@ -524,7 +524,8 @@ Result<TaskResult, IpcErrc> EngineSession::wait(std::uint64_t task_id, std::int6
   }
 }
 
-Status<IpcErrc> EngineSession::wait_layer(std::uint64_t task_id, std::uint32_t layer, std::int64_t timeout_ns) {
+Status<IpcErrc> EngineSession::wait_layer(std::uint64_t task_id, std::uint32_t layer, std::int64_t timeout_ns,
+                                          LayerStage stage) {
   auto* impl = impl_.get();
   auto* h = impl->h;
   const std::int64_t deadline = impl->clock->now_ns() + timeout_ns;
@@ -548,9 +549,10 @@ Status<IpcErrc> EngineSession::wait_layer(std::uint64_t task_id, std::uint32_t l
         if (it->second.reported & (1u << r)) continue;  // that rank finished the whole task
         auto* slot = detail::progress_slot(h, r, it->second.seq);
         const std::uint64_t before = slot->task_id.load(std::memory_order_acquire);
-        const std::uint32_t done = slot->layers_done.load(std::memory_order_acquire);
+        const std::uint32_t reached = stage == LayerStage::kDone ? slot->layers_done.load(std::memory_order_acquire)
+                                                                 : slot->layers_enqueued.load(std::memory_order_acquire);
         const std::uint64_t after = slot->task_id.load(std::memory_order_acquire);
-        all = before == task_id && after == task_id && done > layer;
+        all = before == task_id && after == task_id && reached > layer;
       }
       if (all) return {};
     }

@@ -117,6 +117,7 @@ class FileStore final : public ObjectStore {
         out[i] = ObjectResult::kMissing;
       } else if (e != 0) {
         out[i] = ObjectResult::kFailed;
+        note_error("read " + path, e);
       } else if (read != sizeof h + payload.size()) {
         out[i] = ObjectResult::kCorrupt;
       } else {
@@ -146,10 +147,18 @@ class FileStore final : public ObjectStore {
       const ObjectHeader h = make_header(opts_.store, namespaced_key(opts_.store, keys[i]), payload);
       const std::span<const std::byte> parts[2] = {{reinterpret_cast<const std::byte*>(&h), sizeof h}, payload};
       const std::string tmp = dir + "/" + kTmpPrefix + keys[i] + "-" + unique_suffix();
+      const char* step = "write ";
       int e = fs_->write_file(tmp, parts, opts_.sync != SyncPolicy::kNone);
-      if (e == 0) e = fs_->rename(tmp, path);
-      if (e == 0 && opts_.sync == SyncPolicy::kFull) e = fs_->sync_dir(dir);
+      if (e == 0) {
+        step = "rename to ";
+        e = fs_->rename(tmp, path);
+      }
+      if (e == 0 && opts_.sync == SyncPolicy::kFull) {
+        step = "sync directory of ";
+        e = fs_->sync_dir(dir);
+      }
       if (e != 0) {
+        note_error(step + path, e);
         fs_->remove(tmp);  // the previous object under this key, if any, is untouched
         out[i] = ObjectResult::kFailed;
         counters_.count_put(out[i]);
@@ -175,6 +184,11 @@ class FileStore final : public ObjectStore {
     return {};
   }
 
+  std::string last_error() const override {
+    std::lock_guard<std::mutex> g(mu_);
+    return last_error_;
+  }
+
   StoreStats stats() const override {
     StoreStats s = counters_.snapshot();
     std::lock_guard<std::mutex> g(mu_);
@@ -188,6 +202,11 @@ class FileStore final : public ObjectStore {
     std::uint64_t bytes;
     std::list<std::string>::iterator lru;
   };
+
+  void note_error(const std::string& what, int e) {
+    std::lock_guard<std::mutex> g(mu_);
+    last_error_ = what + ": " + std::strerror(e);
+  }
 
   std::string path_of(const std::string& key) const {
     const std::uint64_t h = hash_bytes(key.data(), key.size());
@@ -244,6 +263,7 @@ class FileStore final : public ObjectStore {
   std::unordered_map<std::string, Entry> index_;
   std::uint64_t total_ = 0;
   std::uint64_t evictions_ = 0;
+  std::string last_error_;
 
   detail::Counters counters_;
 };

@@ -113,7 +113,7 @@ class RedisStore final : public ObjectStore {
     if (auto st = run(Op::kExists, keys, none, {}, &r); !st.ok()) return st.error();
     for (std::size_t i = 0; i < r.size(); ++i) {
       if (r[i] == ObjectResult::kFailed)
-        return make_error(StorageErrc::kUnavailable, "Redis did not answer EXISTS for key " + keys[i]);
+        return make_error(StorageErrc::kUnavailable, "Redis did not answer EXISTS for key " + keys[i] + ": " + last_error());
       if (r[i] != ObjectResult::kOk) return i;
     }
     return keys.size();
@@ -143,11 +143,17 @@ class RedisStore final : public ObjectStore {
     std::vector<std::byte*> none(keys.size(), nullptr);
     if (auto st = run(Op::kDel, keys, none, {}, &r); !st.ok()) return st;
     for (std::size_t i = 0; i < r.size(); ++i)
-      if (r[i] == ObjectResult::kFailed) return make_error(StorageErrc::kUnavailable, "DEL of " + keys[i] + " failed");
+      if (r[i] == ObjectResult::kFailed)
+        return make_error(StorageErrc::kUnavailable, "DEL of " + keys[i] + " failed: " + last_error());
     return {};
   }
 
   StoreStats stats() const override { return counters_.snapshot(); }
+
+  std::string last_error() const override {
+    std::lock_guard<std::mutex> g(mu_);
+    return last_error_;
+  }
 
  private:
   Clock::time_point deadline() const { return Clock::now() + std::chrono::milliseconds(o_.timeout_ms); }
@@ -389,7 +395,7 @@ class RedisStore final : public ObjectStore {
 
   RedisStoreOptions o_;
   std::string password_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::map<std::string, std::unique_ptr<Node>> nodes_;
   std::array<Node*, 16384> slots_{};
   bool refresh_needed_ = false;

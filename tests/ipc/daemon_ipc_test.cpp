@@ -250,6 +250,8 @@ TEST_F(DaemonTest, LayerByLayerLoadReportsEveryLayerThenCompletes) {
   auto id = engine_->submit(req);
   ASSERT_TRUE(id.ok()) << id.error().message;
   for (std::uint32_t l = 0; l < g_.num_layers; ++l) {
+    auto queued = engine_->wait_layer(*id, l, 10'000'000'000, EngineSession::LayerStage::kEnqueued);
+    ASSERT_TRUE(queued.ok()) << queued.error().message;
     auto st = engine_->wait_layer(*id, l, 10'000'000'000);
     ASSERT_TRUE(st.ok()) << st.error().message;
     // Layer l is in place on every rank as soon as wait_layer says so.

@@ -214,6 +214,7 @@ TEST_F(FileStoreTest, NoSpaceFailsThatPutAndKeepsTheOldObject) {
   EXPECT_EQ(out, old);
   EXPECT_EQ(get_one(*s, "new", &out), ObjectResult::kMissing);
   EXPECT_EQ(s->stats().put_failures, 2u);
+  EXPECT_NE(s->last_error().find("No space left on device"), std::string::npos) << s->last_error();
   for (const auto& f : object_files()) EXPECT_EQ(f.find(".tmp-"), std::string::npos) << "temporary left: " << f;
 }
 

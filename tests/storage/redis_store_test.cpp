@@ -203,6 +203,7 @@ TEST_F(RedisStandalone, KilledServerFailsPutsWithoutSigpipeAndReconnectsAfterRes
   auto put = s->put(b.keys, b.srcs);
   ASSERT_TRUE(put.ok());
   for (auto r : *put) EXPECT_EQ(r, ObjectResult::kFailed);
+  EXPECT_FALSE(s->last_error().empty());
   auto ex = s->exists(b.keys);
   ASSERT_FALSE(ex.ok());
   EXPECT_EQ(ex.error().code, StorageErrc::kUnavailable);

@@ -84,6 +84,13 @@ TEST(Session, RefusesAForeignObjectAndAnOpenMode) {
   ep = RankEndpoint::attach(endpoint_options(suffix, 0, test::small_geometry(1)));
   ASSERT_FALSE(ep.ok());
   EXPECT_EQ(ep.error().code, IpcErrc::kPermission) << ep.error().message;
+  ASSERT_EQ(fchmod(fd, 0600), 0);
+  if (getuid() == 0 && fchown(fd, 65534, 65534) == 0) {  // only root can give the object away
+    ep = RankEndpoint::attach(endpoint_options(suffix, 0, test::small_geometry(1)));
+    ASSERT_FALSE(ep.ok());
+    EXPECT_EQ(ep.error().code, IpcErrc::kPermission) << ep.error().message;
+    EXPECT_NE(ep.error().message.find("owned by uid 65534"), std::string::npos) << ep.error().message;
+  }
   munmap(p, 8192);
   close(fd);
   shm_unlink(name.c_str());

@@ -109,15 +109,24 @@ class EngineSession {
   // Waits up to timeout_ns for the merged result (kTimeout; kUnknownTask if never submitted).
   Result<TaskResult, IpcErrc> wait(std::uint64_t task_id, std::int64_t timeout_ns);
 
-  // Layer-by-layer loads: waits until layer `layer` of task `task_id` is complete on every rank
-  // (true as well once the whole task completed ok). kTaskFailed if the task failed, kTimeout,
-  // kUnknownTask if it was never submitted or its result was already taken by wait()/poll().
-  Status<IpcErrc> wait_layer(std::uint64_t task_id, std::uint32_t layer, std::int64_t timeout_ns);
+  // What wait_layer waits for.
+  enum class LayerStage {
+    kDone,      // the layer's copies completed on every rank (host-side wait)
+    kEnqueued,  // the layer's copies are queued and its event recorded on every rank: the
+                // engine may now cudaStreamWaitEvent on layer_event_handle(rank, layer)
+  };
+
+  // Layer-by-layer loads: waits until layer `layer` of task `task_id` reached `stage` on every
+  // rank (true as well once the whole task completed ok). kTaskFailed if the task failed,
+  // kTimeout, kUnknownTask if it was never submitted or its result was already taken by
+  // wait()/poll().
+  Status<IpcErrc> wait_layer(std::uint64_t task_id, std::uint32_t layer, std::int64_t timeout_ns,
+                             LayerStage stage = LayerStage::kDone);
 
   // The interprocess CUDA event rank `rank` records after enqueueing each layer's copies of a
   // layer-by-layer task (cudaIpcEventHandle_t bytes), or nullopt when that rank publishes none
-  // (host backend). To let a compute stream wait on the GPU: wait until the layer is enqueued
-  // (layers_enqueued), then cudaStreamWaitEvent on the opened event.
+  // (host backend). To let a compute stream wait on the GPU without a host round trip per copy:
+  // wait_layer(id, l, t, LayerStage::kEnqueued), then cudaStreamWaitEvent on the opened event.
   std::optional<std::array<std::uint8_t, proto::kHandleBytes>> layer_event_handle(std::uint32_t rank,
                                                                                   std::uint32_t layer) const;
 

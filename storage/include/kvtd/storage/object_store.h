@@ -65,6 +65,9 @@ class ObjectStore {
                                                              std::span<const std::byte* const> sources) = 0;
   virtual Status<StorageErrc> remove(std::span<const std::string> keys) = 0;
   virtual StoreStats stats() const = 0;
+  // The most recent per-key failure, in words (e.g. "write ...: No space left on device",
+  // "Connection refused"), or "" if none: the detail behind ObjectResult::kFailed.
+  virtual std::string last_error() const = 0;
 };
 
 // Keys: 1..200 characters of [A-Za-z0-9_.:-] (block hashes, hex or base64url-ish).
