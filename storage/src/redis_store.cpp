@@ -248,18 +248,18 @@ class RedisStore final : public ObjectStore {
     std::vector<std::string> names(keys.size());
     for (std::size_t i = 0; i < keys.size(); ++i) names[i] = "kvtd:" + namespaced_key(o_.store, keys[i]);
 
-    std::vector<std::size_t> todo(keys.size());
-    for (std::size_t i = 0; i < todo.size(); ++i) todo[i] = i;
+    std::vector<std::size_t> pending_keys(keys.size());
+    for (std::size_t i = 0; i < pending_keys.size(); ++i) pending_keys[i] = i;
     std::map<std::size_t, Node*> ask;  // key index -> node named by ASK
-    for (int attempt = 0; attempt < 5 && !todo.empty(); ++attempt) {
+    for (int attempt = 0; attempt < 5 && !pending_keys.empty(); ++attempt) {
       std::map<Node*, std::vector<std::size_t>> groups;
-      for (auto i : todo) {
+      for (auto i : pending_keys) {
         auto a = ask.find(i);
         groups[a != ask.end() ? a->second : owner_of(names[i])].push_back(i);
       }
-      todo.clear();
-      for (auto& [n, idx] : groups) pipeline(*n, op, idx, names, dsts, srcs, dl, results, &todo, &ask);
-      if (!todo.empty() && o_.cluster && refresh_needed_) (void)refresh_slots(dl);
+      pending_keys.clear();
+      for (auto& [n, idx] : groups) pipeline(*n, op, idx, names, dsts, srcs, dl, results, &pending_keys, &ask);
+      if (!pending_keys.empty() && o_.cluster && refresh_needed_) (void)refresh_slots(dl);
     }
     return {};
   }
