@@ -177,7 +177,9 @@ struct EngineSession::Impl {
       if (!attached) continue;
       const std::int64_t age = now - s.heartbeat_ns.load(std::memory_order_acquire);
       std::string why;
-      if (age > opts.rank_timeout_ns) {
+      if (s.leaving_epoch.load(std::memory_order_acquire) == s.attached_epoch.load(std::memory_order_relaxed)) {
+        why = "rank " + std::to_string(r) + " detached (daemon stopped or left the session)";
+      } else if (age > opts.rank_timeout_ns) {
         why = "rank " + std::to_string(r) + " heartbeat is " + std::to_string(age / 1'000'000) + " ms old";
       } else if (check_pids) {
         const auto pid = static_cast<pid_t>(s.pid.load(std::memory_order_relaxed));

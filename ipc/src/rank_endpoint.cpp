@@ -63,6 +63,9 @@ RankEndpoint::RankEndpoint(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) 
 RankEndpoint::~RankEndpoint() {
   auto& s = impl_->slot();
   s.ready_flags.store(0, std::memory_order_release);
+  // Tell the engine at once that this epoch is gone, so it fails what is still pending for us
+  // now instead of after the heartbeat timeout. Our completions were all written before this.
+  s.leaving_epoch.store(impl_->epoch, std::memory_order_release);
 }
 
 Result<std::unique_ptr<RankEndpoint>, IpcErrc> RankEndpoint::attach(const EndpointOptions& o) {

@@ -402,6 +402,12 @@ TEST_F(DaemonTest, SigtermFinishesTheTaskInFlightThenExitsZero) {
   EXPECT_TRUE(r->ok()) << (r->failures.empty() ? "" : r->failures[0].message);
   EXPECT_EQ(r->blocks_done, 256u);
   for (auto& d : daemons_) EXPECT_EQ(d.wait_exit(std::chrono::seconds(20)), 0);
+  // An orderly exit is noticed at once, not after the heartbeat timeout (3 s here).
+  EXPECT_TRUE(test::eventually([&] { return !engine_->rank_alive(0) && !engine_->rank_alive(1); },
+                               std::chrono::milliseconds(500)));
+  auto refused = engine_->submit(req);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().code, IpcErrc::kNotReady);
 }
 
 TEST_F(DaemonTest, EngineThatLeavesIsFollowedByTheNextSession) {

@@ -63,7 +63,7 @@ struct alignas(64) RankSlot {
   std::atomic<std::uint32_t> attach_request;  // epoch the daemon asks for (bumped per attach)
   std::atomic<std::uint32_t> pid;
   std::atomic<std::uint32_t> ready_flags;     // ReadyFlag bits
-  std::atomic<std::uint32_t> reserved0;
+  std::atomic<std::uint32_t> leaving_epoch;   // set on orderly detach: that epoch serves no more
   std::atomic<std::int64_t> heartbeat_ns;     // CLOCK_MONOTONIC
   // Written by the engine.
   std::atomic<std::uint32_t> attached_epoch;  // epoch granted; 0 = never
