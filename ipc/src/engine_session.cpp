@@ -295,7 +295,6 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
   h->engine_pid.store(static_cast<std::uint32_t>(getpid()));
   h->engine_heartbeat_ns.store(impl->clock->now_ns());
   h->state.store(static_cast<std::uint32_t>(proto::SessionState::kCreating));
-  std::atomic_thread_fence(std::memory_order_release);
   // Magic last: a daemon that maps a half-built segment sees 0 and keeps waiting.
   reinterpret_cast<std::atomic<std::uint64_t>*>(&h->magic)->store(proto::kSessionMagic, std::memory_order_release);
   impl->h = h;
