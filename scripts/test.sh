@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test: unit, ipc (real processes), chaos; gpu tests skip without a GPU.
-# Then the same suites again under AddressSanitizer + UndefinedBehaviorSanitizer.
+# Then the same suites again under AddressSanitizer + UndefinedBehaviorSanitizer, and under
+# ThreadSanitizer (KVTD_SKIP_SANITIZERS=1 skips both).
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 bash "$KVTD_ROOT/scripts/setup.sh"
@@ -14,4 +15,8 @@ if [ "${KVTD_SKIP_SANITIZERS:-0}" != 1 ]; then
   KVTD_BUILD_DIR=$KVTD_ROOT/build-asan kvtd_build -DKVTD_SANITIZE=address,undefined -DKVTD_WITH_CUDA=OFF
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
     ctest --test-dir "$KVTD_ROOT/build-asan" --output-on-failure -j 2 --timeout 900
+  echo "== tests under the thread sanitizer"
+  KVTD_BUILD_DIR=$KVTD_ROOT/build-tsan kvtd_build -DKVTD_SANITIZE=thread -DKVTD_WITH_CUDA=OFF
+  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+    ctest --test-dir "$KVTD_ROOT/build-tsan" --output-on-failure -j 2 --timeout 900
 fi

@@ -31,6 +31,14 @@ class DaemonTest : public ::testing::Test {
   std::unique_ptr<EngineSession> engine_;
   std::vector<Child> daemons_;
 
+  void TearDown() override {
+    daemons_.clear();
+    engine_.reset();
+    if (HasFailure()) return;  // keep the daemons' logs of a failed test for the reader
+    for (std::uint32_t r = 0; r < 10; ++r)
+      for (int i = 0; i < 2; ++i) std::remove(log_path(r, i).c_str());
+  }
+
   std::string log_path(std::uint32_t rank, int incarnation = 0) const {
     return ::testing::TempDir() + "/" + suffix_ + "_rank" + std::to_string(rank) + "_" + std::to_string(incarnation) + ".log";
   }
