@@ -146,7 +146,8 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
     backend->close_tensors();
     if (why == TaskRunner::Exit::kRingCorrupt) KVTD_ERROR("task ring framing is corrupt; detaching");
     if (why == TaskRunner::Exit::kSessionLost)
-      KVTD_WARN("engine closed the session or stopped heartbeating; detached, waiting for a new session");
+      KVTD_WARN("engine closed the session or stopped heartbeating; detached{}",
+                stop.load() ? "" : ", waiting for a new session");
   }
   KVTD_INFO("stopped");
   return kExitOk;
