@@ -223,38 +223,50 @@ int run_throughput(EngineSession& s, const Options& o) {
   const std::size_t n = std::min<std::size_t>({o.blocks_per_task, all_dev.size(), all_host.size()});
   const std::uint64_t bytes_per_task = g.bytes_per_block_all_layers() * n;  // per rank
 
-  std::uint64_t tasks = 0;
-  double busy = 0;
-  const auto t_end = Clock::now() + std::chrono::duration<double>(o.seconds);
-  while (Clock::now() < t_end || tasks < 4) {
-    auto d = pick(rng, all_dev, n, false);
-    auto h = pick(rng, all_host, n, false);
-    const auto t0 = Clock::now();
-    if (!run_task(s, (tasks % 2) ? TaskKind::kSwapToDevice : TaskKind::kSwapToHost, (tasks % 2) ? h : d,
-                  (tasks % 2) ? d : h, o.task_timeout_s))
-      return 1;
-    busy += seconds_since(t0);
-    ++tasks;
-  }
-  const double swap_gbs = static_cast<double>(bytes_per_task * tasks) / busy / 1e9;
-
-  // Reference: plain memcpy of the same number of bytes, in chunks of one block of one tensor,
-  // between two buffers larger than the caches, measured now in this process.
+  // Rounds alternate swap tasks and a plain memcpy of the same number of bytes (in chunks of
+  // one block of one tensor, between two buffers larger than the caches, in this process), so
+  // both see the same machine state; the medians are compared.
   const std::uint64_t chunk = g.block_bytes(TensorKind::kKey);
   const std::uint64_t buf_bytes = std::max<std::uint64_t>(256ull << 20, chunk * 64);
   std::vector<std::byte> a(buf_bytes, std::byte{1}), b(buf_bytes, std::byte{2});
-  const std::uint64_t total = bytes_per_task * tasks;
-  std::uint64_t copied = 0, off = 0;
-  const auto t0 = Clock::now();
-  while (copied < total) {
-    if (off + chunk > buf_bytes) off = 0;
-    std::memcpy(b.data() + off, a.data() + off, chunk);
-    off += chunk;
-    copied += chunk;
+  const int rounds = 5;
+  const auto round_time = std::chrono::duration<double>(o.seconds / rounds);
+  std::vector<double> swap_rates, memcpy_rates;
+  std::uint64_t tasks = 0;
+  for (int round = 0; round < rounds; ++round) {
+    std::uint64_t round_tasks = 0;
+    double busy = 0;
+    const auto t_end = Clock::now() + round_time;
+    while (Clock::now() < t_end || round_tasks < 2) {
+      auto d = pick(rng, all_dev, n, false);
+      auto h = pick(rng, all_host, n, false);
+      const bool in = (tasks % 2) != 0;
+      const auto t0 = Clock::now();
+      if (!run_task(s, in ? TaskKind::kSwapToDevice : TaskKind::kSwapToHost, in ? h : d, in ? d : h, o.task_timeout_s))
+        return 1;
+      busy += seconds_since(t0);
+      ++tasks;
+      ++round_tasks;
+    }
+    swap_rates.push_back(static_cast<double>(bytes_per_task * round_tasks) / busy / 1e9);
+    const std::uint64_t total = bytes_per_task * round_tasks;
+    std::uint64_t copied = 0, off = 0;
+    const auto t0 = Clock::now();
+    while (copied < total) {
+      if (off + chunk > buf_bytes) off = 0;
+      std::memcpy(b.data() + off, a.data() + off, chunk);
+      off += chunk;
+      copied += chunk;
+    }
+    memcpy_rates.push_back(static_cast<double>(copied) / seconds_since(t0) / 1e9);
   }
-  const double memcpy_gbs = static_cast<double>(copied) / seconds_since(t0) / 1e9;
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const double swap_gbs = median(swap_rates), memcpy_gbs = median(memcpy_rates);
   std::printf("throughput: %zu random blocks per task, %llu-byte blocks x %u layers x %zu tensors, %u ranks, %llu tasks: "
-              "swap %.2f GB/s per rank (%.2f GB/s all ranks), plain memcpy %.2f GB/s, ratio %.2f\n",
+              "swap %.2f GB/s per rank (%.2f GB/s all ranks), plain memcpy %.2f GB/s, ratio %.2f (medians of 5 rounds)\n",
               n, static_cast<unsigned long long>(chunk), g.num_layers,
               static_cast<std::size_t>(g.has_value() ? 2 : 1) + (g.has_scales() ? 2 : 0), g.num_ranks,
               static_cast<unsigned long long>(tasks), swap_gbs, swap_gbs * g.num_ranks, memcpy_gbs, swap_gbs / memcpy_gbs);
