@@ -35,6 +35,8 @@ echo "== swap throughput, 128 KiB blocks, random ids, 32 layers x K+V, 16 blocks
 for ranks in 1 2; do
   with_daemons "$ranks" 32 8 64 128 128 96 -- --mode throughput --blocks-per-task 16 --seconds 4
 done
+echo "== kvtd selftest, host backend (bandwidth through the device-backend interface)"
+"$kvtd" selftest --device-backend host | grep -E "bandwidth|selftest"
 echo "== copy planning cost"
 "$KVTD_BUILD_DIR/tests/copy_plan_bench" --benchmark_min_time=0.2
 
