@@ -3,14 +3,7 @@
 # to memcpy (1 and 2 ranks), and planning cost per block. Prints figures; asserts nothing.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
-bash "$KVTD_ROOT/scripts/setup.sh"
-kvtd_build
-
-kvtd=$KVTD_BUILD_DIR/daemon/kvtd
-loadgen=$KVTD_BUILD_DIR/tools/loadgen/kvtd-loadgen
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; }
-trap cleanup EXIT
+kvtd_prepare
 
 # with_daemons RANKS LAYERS HEADS BLOCK DIM DEVBLOCKS HOSTBLOCKS -- loadgen args...
 with_daemons() {

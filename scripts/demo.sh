@@ -5,16 +5,9 @@
 # verified, then swap throughput is measured and the daemons are stopped with SIGTERM.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
-bash "$KVTD_ROOT/scripts/setup.sh"
-kvtd_build
-
-kvtd=$KVTD_BUILD_DIR/daemon/kvtd
-loadgen=$KVTD_BUILD_DIR/tools/loadgen/kvtd-loadgen
+kvtd_prepare
 suffix="demo$$"
 logs=$(mktemp -d /tmp/kvtd-demo.XXXXXX)
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; }
-trap cleanup EXIT
 
 geometry=(--mp-num 2 --num-layers 32 --num-host-blocks 96 --cache-dtype bfloat16
           --key-cache-shape 128,8,64,128 --value-cache-shape 128,8,64,128)

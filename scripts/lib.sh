@@ -10,3 +10,14 @@ kvtd_build() {
   ninja -C "$KVTD_BUILD_DIR" -j "$(nproc)" | grep -v '^\[' || true
   test -x "$KVTD_BUILD_DIR/daemon/kvtd"
 }
+
+# Builds if needed and sets the tool paths; children started by the caller go in `pids` and are
+# killed if the script exits early.
+kvtd_prepare() {
+  bash "$KVTD_ROOT/scripts/setup.sh"
+  kvtd_build
+  kvtd=$KVTD_BUILD_DIR/daemon/kvtd
+  loadgen=$KVTD_BUILD_DIR/tools/loadgen/kvtd-loadgen
+  pids=()
+  trap 'for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done' EXIT
+}
