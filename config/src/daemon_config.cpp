@@ -4,6 +4,8 @@
 #include <charconv>
 #include <sstream>
 
+#include "kvtd/proto/names.h"
+
 namespace kvtd::config {
 
 proto::CacheGeometry DaemonConfig::geometry() const {
@@ -151,8 +153,7 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
     return bad("--scatter-mode: '" + scatter + "' is not one of kernel, kernel-per-layer, batch, memcpy");
 
   c.session_suffix = suffix;
-  if (suffix.empty() || suffix.size() > 64 ||
-      suffix.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") != std::string::npos)
+  if (!proto::valid_session_suffix(suffix))
     return bad("--session: '" + suffix + "' must be 1-64 characters of [A-Za-z0-9_.-]");
 
   static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};

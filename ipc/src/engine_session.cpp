@@ -17,6 +17,7 @@
 #include "kvtd/ipc/populate.h"
 #include "kvtd/ipc/rings.h"
 #include "kvtd/ipc/wait.h"
+#include "kvtd/proto/names.h"
 #include "segment.h"
 
 namespace kvtd::ipc {
@@ -241,7 +242,7 @@ EngineSession::~EngineSession() {
 }
 
 Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const SessionOptions& o) {
-  if (!detail::valid_suffix(o.suffix))
+  if (!proto::valid_session_suffix(o.suffix))
     return make_error(IpcErrc::kInvalidArgument, "session suffix '" + o.suffix + "' must be 1-64 of [A-Za-z0-9_.-]");
   if (auto why = check_geometry(o.geometry); !why.empty())
     return make_error(IpcErrc::kInvalidArgument, "geometry: " + why);

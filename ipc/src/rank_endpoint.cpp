@@ -11,6 +11,7 @@
 #include "kvtd/ipc/clock.h"
 #include "kvtd/ipc/rings.h"
 #include "kvtd/ipc/wait.h"
+#include "kvtd/proto/names.h"
 #include "segment.h"
 
 namespace kvtd::ipc {
@@ -69,7 +70,7 @@ RankEndpoint::~RankEndpoint() {
 }
 
 Result<std::unique_ptr<RankEndpoint>, IpcErrc> RankEndpoint::attach(const EndpointOptions& o) {
-  if (!detail::valid_suffix(o.suffix))
+  if (!proto::valid_session_suffix(o.suffix))
     return make_error(IpcErrc::kInvalidArgument, "session suffix '" + o.suffix + "' must be 1-64 of [A-Za-z0-9_.-]");
   if (o.rank >= proto::kMaxRanks) return make_error(IpcErrc::kInvalidArgument, "rank out of range");
   const std::string name = detail::session_name(o.suffix);

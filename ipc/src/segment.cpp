@@ -88,16 +88,6 @@ SessionLayout compute_layout(const proto::CacheGeometry& g, std::uint64_t ring_b
   return l;
 }
 
-bool valid_suffix(const std::string& s) {
-  if (s.empty() || s.size() > 64) return false;
-  for (char c : s) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
-                    c == '-' || c == '.';
-    if (!ok) return false;
-  }
-  return true;
-}
-
 std::string session_name(const std::string& suffix) { return "kvtd_" + std::to_string(getuid()) + "_" + suffix; }
 
 std::string geometry_mismatch(const proto::CacheGeometry& have, const proto::CacheGeometry& want) {

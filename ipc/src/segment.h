@@ -48,9 +48,8 @@ struct SessionLayout {
 SessionLayout compute_layout(const proto::CacheGeometry& g, std::uint64_t ring_bytes,
                              std::uint32_t completion_capacity);
 
-// "kvtd_<uid>_<suffix>"; the suffix is checked by valid_suffix.
+// "kvtd_<uid>_<suffix>"; the suffix is checked by proto::valid_session_suffix.
 std::string session_name(const std::string& suffix);
-bool valid_suffix(const std::string& suffix);
 
 // Pointers into a mapped session.
 inline proto::TensorDesc* registry(proto::SessionHeader* h) {

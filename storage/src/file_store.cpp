@@ -12,7 +12,8 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "counters.h"
+#include "store_common.h"
+#include "kvtd/proto/names.h"
 #include "kvtd/storage/object_format.h"
 
 namespace kvtd::storage {
@@ -20,14 +21,6 @@ namespace {
 
 constexpr const char* kSuffix = ".kvo";
 constexpr const char* kTmpPrefix = ".tmp-";
-
-bool valid_model_id(const std::string& m) {
-  if (m.empty() || m.size() > 64) return false;
-  for (char c : m)
-    if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-' || c == '.'))
-      return false;
-  return m != "." && m != "..";
-}
 
 // Runs fn(i) for i in [0, n) on up to `threads` threads (the caller's included). Per-key work
 // is independent, and object creation is mostly kernel CPU time, so a batch spreads over cores.
@@ -88,8 +81,8 @@ class FileStore final : public ObjectStore {
   }
 
   Result<std::size_t, StorageErrc> exists(std::span<const std::string> keys) override {
+    if (auto st = detail::check_keys(keys); !st.ok()) return st.error();
     for (std::size_t i = 0; i < keys.size(); ++i) {
-      if (!valid_key(keys[i])) return make_error(StorageErrc::kInvalidArgument, "invalid key '" + keys[i] + "'");
       bool present = false;
       if (int e = fs_->exists(path_of(keys[i]), &present); e != 0)
         return make_error(StorageErrc::kIo, "stat " + path_of(keys[i]) + ": " + std::strerror(e));
@@ -100,11 +93,7 @@ class FileStore final : public ObjectStore {
 
   Result<std::vector<ObjectResult>, StorageErrc> get(std::span<const std::string> keys,
                                                      std::span<std::byte* const> dsts) override {
-    if (keys.size() != dsts.size())
-      return make_error(StorageErrc::kInvalidArgument, std::to_string(keys.size()) + " keys but " +
-                                                           std::to_string(dsts.size()) + " destinations");
-    for (const auto& k : keys)
-      if (!valid_key(k)) return make_error(StorageErrc::kInvalidArgument, "invalid key '" + k + "'");
+    if (auto st = detail::check_batch(keys, dsts.size(), "destinations"); !st.ok()) return st.error();
     std::vector<ObjectResult> out(keys.size(), ObjectResult::kMissing);
     parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
       const std::string path = path_of(keys[i]);
@@ -134,11 +123,7 @@ class FileStore final : public ObjectStore {
 
   Result<std::vector<ObjectResult>, StorageErrc> put(std::span<const std::string> keys,
                                                      std::span<const std::byte* const> srcs) override {
-    if (keys.size() != srcs.size())
-      return make_error(StorageErrc::kInvalidArgument, std::to_string(keys.size()) + " keys but " +
-                                                           std::to_string(srcs.size()) + " sources");
-    for (const auto& k : keys)
-      if (!valid_key(k)) return make_error(StorageErrc::kInvalidArgument, "invalid key '" + k + "'");
+    if (auto st = detail::check_batch(keys, srcs.size(), "sources"); !st.ok()) return st.error();
     std::vector<ObjectResult> out(keys.size(), ObjectResult::kOk);
     parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
       const std::string path = path_of(keys[i]);
@@ -173,8 +158,8 @@ class FileStore final : public ObjectStore {
   }
 
   Status<StorageErrc> remove(std::span<const std::string> keys) override {
+    if (auto st = detail::check_keys(keys); !st.ok()) return st;
     for (const auto& k : keys) {
-      if (!valid_key(k)) return make_error(StorageErrc::kInvalidArgument, "invalid key '" + k + "'");
       const std::string path = path_of(k);
       if (int e = fs_->remove(path); e != 0)
         return make_error(StorageErrc::kIo, "remove " + path + ": " + std::strerror(e));
@@ -271,7 +256,7 @@ class FileStore final : public ObjectStore {
 }  // namespace
 
 Result<std::unique_ptr<ObjectStore>, StorageErrc> open_file_store(const FileStoreOptions& o) {
-  if (!valid_model_id(o.store.model_id))
+  if (!proto::valid_model_id(o.store.model_id))
     return make_error(StorageErrc::kInvalidArgument, "model id '" + o.store.model_id + "' must be 1-64 of [A-Za-z0-9_.-]");
   if (o.store.object_bytes == 0) return make_error(StorageErrc::kInvalidArgument, "object_bytes must be positive");
   if (o.root.empty()) return make_error(StorageErrc::kInvalidArgument, "file store root directory is empty");

@@ -4,6 +4,8 @@
 
 #include <cstdio>
 
+#include "kvtd/proto/names.h"
+
 namespace kvtd::storage {
 
 const char* object_result_name(ObjectResult r) {
@@ -16,15 +18,7 @@ const char* object_result_name(ObjectResult r) {
   return "?";
 }
 
-bool valid_key(const std::string& key) {
-  if (key.empty() || key.size() > 200) return false;
-  for (char c : key) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
-                    c == '-' || c == '.' || c == ':';
-    if (!ok) return false;
-  }
-  return key != "." && key != "..";
-}
+bool valid_key(const std::string& key) { return proto::valid_object_key(key); }
 
 std::uint64_t hash_bytes(const void* data, std::size_t bytes) { return XXH3_64bits(data, bytes); }
 

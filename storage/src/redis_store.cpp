@@ -17,7 +17,8 @@
 #include <mutex>
 #include <thread>
 
-#include "counters.h"
+#include "kvtd/proto/names.h"
+#include "store_common.h"
 #include "kvtd/storage/object_format.h"
 
 namespace kvtd::storage {
@@ -108,6 +109,7 @@ class RedisStore final : public ObjectStore {
   }
 
   Result<std::size_t, StorageErrc> exists(std::span<const std::string> keys) override {
+    if (auto st = detail::check_keys(keys); !st.ok()) return st.error();
     std::vector<ObjectResult> r;
     std::vector<std::byte*> none(keys.size(), nullptr);
     if (auto st = run(Op::kExists, keys, none, {}, &r); !st.ok()) return st.error();
@@ -121,7 +123,7 @@ class RedisStore final : public ObjectStore {
 
   Result<std::vector<ObjectResult>, StorageErrc> get(std::span<const std::string> keys,
                                                      std::span<std::byte* const> dsts) override {
-    if (keys.size() != dsts.size()) return make_error(StorageErrc::kInvalidArgument, "keys and destinations differ in count");
+    if (auto st = detail::check_batch(keys, dsts.size(), "destinations"); !st.ok()) return st.error();
     std::vector<ObjectResult> r;
     if (auto st = run(Op::kGet, keys, dsts, {}, &r); !st.ok()) return st.error();
     for (auto x : r) counters_.count_get(x);
@@ -130,7 +132,7 @@ class RedisStore final : public ObjectStore {
 
   Result<std::vector<ObjectResult>, StorageErrc> put(std::span<const std::string> keys,
                                                      std::span<const std::byte* const> srcs) override {
-    if (keys.size() != srcs.size()) return make_error(StorageErrc::kInvalidArgument, "keys and sources differ in count");
+    if (auto st = detail::check_batch(keys, srcs.size(), "sources"); !st.ok()) return st.error();
     std::vector<ObjectResult> r;
     std::vector<std::byte*> none(keys.size(), nullptr);
     if (auto st = run(Op::kSet, keys, none, srcs, &r); !st.ok()) return st.error();
@@ -139,6 +141,7 @@ class RedisStore final : public ObjectStore {
   }
 
   Status<StorageErrc> remove(std::span<const std::string> keys) override {
+    if (auto st = detail::check_keys(keys); !st.ok()) return st;
     std::vector<ObjectResult> r;
     std::vector<std::byte*> none(keys.size(), nullptr);
     if (auto st = run(Op::kDel, keys, none, {}, &r); !st.ok()) return st;
@@ -235,12 +238,10 @@ class RedisStore final : public ObjectStore {
     return n ? n : nodes_.begin()->second.get();
   }
 
-  // Runs one operation over a batch: groups keys by node, pipelines each group, follows
+  // Runs one operation over a batch of checked keys: groups keys by node, pipelines each group, follows
   // MOVED/ASK redirects a few times. results[i] is per key.
   Status<StorageErrc> run(Op op, std::span<const std::string> keys, std::span<std::byte* const> dsts,
                           std::span<const std::byte* const> srcs, std::vector<ObjectResult>* results) {
-    for (const auto& k : keys)
-      if (!valid_key(k)) return make_error(StorageErrc::kInvalidArgument, "invalid key '" + k + "'");
     std::lock_guard<std::mutex> g(mu_);
     const auto dl = deadline();
     if (o_.cluster && refresh_needed_) (void)refresh_slots(dl);
@@ -407,7 +408,8 @@ class RedisStore final : public ObjectStore {
 
 Result<std::unique_ptr<ObjectStore>, StorageErrc> open_redis_store(const RedisStoreOptions& o) {
   if (o.store.object_bytes == 0) return make_error(StorageErrc::kInvalidArgument, "object_bytes must be positive");
-  if (o.store.model_id.empty()) return make_error(StorageErrc::kInvalidArgument, "model id is empty");
+  if (!proto::valid_model_id(o.store.model_id))
+    return make_error(StorageErrc::kInvalidArgument, "model id '" + o.store.model_id + "' must be 1-64 of [A-Za-z0-9_.-]");
   auto s = std::make_unique<RedisStore>(o);
   if (auto st = s->init(); !st.ok()) return st.error();
   return std::unique_ptr<ObjectStore>(std::move(s));

@@ -250,6 +250,15 @@ TEST_F(RedisStandalone, ServerKilledMidBatchFailsThatBatchWithinTheDeadline) {
   for (std::size_t i = 0; i < big.keys.size(); ++i) ASSERT_EQ(big.back[i], big.data[i]);
 }
 
+// The Redis store once accepted any non-empty model id, unlike the file store.
+TEST(RedisOptions, ModelIdFollowsTheSameNameRuleAsTheFileStore) {
+  auto o = options({"127.0.0.1:1"}, false, "a/b");
+  auto s = open_redis_store(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.error().code, StorageErrc::kInvalidArgument);
+  EXPECT_NE(s.error().message.find("model id"), std::string::npos) << s.error().message;
+}
+
 TEST(RedisPassword, ComesFromAnEnvironmentVariableOrAFile) {
   test::Watchdog dog(60);
   const auto dir = temp_dir("password");

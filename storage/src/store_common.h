@@ -1,12 +1,26 @@
-// Internal: the call counters both stores keep, as relaxed atomics (stats are advisory).
+// Internal: what both stores share: argument checks for a batch, and the call counters
+// (relaxed atomics: stats are advisory).
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <span>
+#include <string>
 
 #include "kvtd/storage/object_store.h"
 
 namespace kvtd::storage::detail {
+
+// Every key valid, and `buffers` (destinations or sources, named by `noun`) one per key.
+inline Status<StorageErrc> check_batch(std::span<const std::string> keys, std::size_t buffers, const char* noun) {
+  if (keys.size() != buffers)
+    return make_error(StorageErrc::kInvalidArgument,
+                      std::to_string(keys.size()) + " keys but " + std::to_string(buffers) + " " + noun);
+  for (const auto& k : keys)
+    if (!valid_key(k)) return make_error(StorageErrc::kInvalidArgument, "invalid key '" + k + "'");
+  return {};
+}
+inline Status<StorageErrc> check_keys(std::span<const std::string> keys) { return check_batch(keys, keys.size(), ""); }
 
 struct Counters {
   std::atomic<std::uint64_t> puts{0}, put_failures{0}, gets{0}, hits{0}, misses{0}, corrupt{0};

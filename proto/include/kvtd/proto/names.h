@@ -1,0 +1,33 @@
+// kvtd/proto/names.h - the one rule for names that end up in shared-memory object names, file
+// paths and storage keys: a restricted character set, bounded length, never "." or "..".
+//
+// Pure functions, header-only, C++20.
+#pragma once
+
+#include <cstddef>
+#include <string_view>
+
+namespace kvtd::proto {
+
+// 1..max_len characters of [A-Za-z0-9_.-] (plus ':' if allow_colon), not "." or "..".
+constexpr bool valid_name(std::string_view s, std::size_t max_len, bool allow_colon = false) {
+  if (s.empty() || s.size() > max_len || s == "." || s == "..") return false;
+  for (char c : s) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
+                    c == '-' || c == '.' || (allow_colon && c == ':');
+    if (!ok) return false;
+  }
+  return true;
+}
+
+// Session suffix (the engine's ipc_suffix): part of /dev/shm names.
+constexpr bool valid_session_suffix(std::string_view s) { return valid_name(s, 64); }
+// Model id: a directory name in the file store and part of every storage key.
+constexpr bool valid_model_id(std::string_view s) { return valid_name(s, 64); }
+// Storage object key (a block hash): a file name in the file store.
+constexpr bool valid_object_key(std::string_view s) { return valid_name(s, 200, /*allow_colon=*/true); }
+
+static_assert(valid_session_suffix("9923") && !valid_session_suffix("a/b") && !valid_session_suffix(".."));
+static_assert(valid_object_key("abc:12") && !valid_model_id("abc:12"));
+
+}  // namespace kvtd::proto
