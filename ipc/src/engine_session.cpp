@@ -75,7 +75,6 @@ struct Pending {
   std::uint64_t seq = 0;       // ring sequence number: locates the layer progress slot
   std::uint32_t expected = 0;  // rank bit mask
   std::uint32_t reported = 0;
-  bool have_blocks = false;
   TaskResult result;
 };
 
@@ -110,7 +109,6 @@ struct EngineSession::Impl {
   void finish_if_complete(std::uint64_t id, Pending& p) {
     if (p.reported != p.expected) return;
     p.result.complete_ns = clock->now_ns();
-    if (!p.have_blocks) p.result.blocks_done = 0;
     done.emplace(id, std::move(p.result));
     pending.erase(id);
   }
@@ -120,14 +118,14 @@ struct EngineSession::Impl {
                      std::string message) {
     const std::uint32_t bit = 1u << rank;
     if ((p.expected & bit) == 0 || (p.reported & bit) != 0) return;  // late or duplicate report
+    const bool first = p.reported == 0;
     p.reported |= bit;
     if (status != TaskStatus::kOk) {
       if (p.result.status == TaskStatus::kOk) p.result.status = status;
       p.result.failures.push_back(RankFailure{rank, status, std::move(message)});
       blocks = 0;
     }
-    if (!p.have_blocks || blocks < p.result.blocks_done) p.result.blocks_done = blocks;
-    p.have_blocks = true;
+    if (first || blocks < p.result.blocks_done) p.result.blocks_done = blocks;  // MIN over ranks
   }
 
   // Requires mu.
@@ -169,7 +167,6 @@ struct EngineSession::Impl {
       if (req != 0 && req != s.attached_epoch.load(std::memory_order_relaxed)) {
         if (attached) fail_rank(r, TaskStatus::kRankDead, "rank " + std::to_string(r) + " restarted");
         s.consumed.store(h->ring_head.load(std::memory_order_relaxed), std::memory_order_relaxed);
-        s.start_seq.store(h->next_seq.load(std::memory_order_relaxed), std::memory_order_relaxed);
         s.attached_epoch.store(req, std::memory_order_release);
         s.attached.store(1, std::memory_order_release);
         bump_and_wake(h->publish_word, &h->consumer_waiters);  // the daemon waits for its grant

@@ -10,7 +10,7 @@
 //
 // Who writes what:
 //   engine (single producer): header fields, registry, task ring bytes, ring_head, next_seq,
-//     rank attach grants (attached_epoch, start_seq, consumed reset), engine heartbeat.
+//     rank attach grants (attached_epoch, consumed reset), engine heartbeat.
 //   rank r daemon: ranks[r].{attach_request, pid, heartbeat_ns, ready_flags, consumed},
 //     its completion ring head.
 //   engine: completion ring tails.
@@ -68,8 +68,7 @@ struct alignas(64) RankSlot {
   // Written by the engine.
   std::atomic<std::uint32_t> attached_epoch;  // epoch granted; 0 = never
   std::atomic<std::uint32_t> attached;        // 1 while the engine counts this rank as live
-  std::atomic<std::uint64_t> start_seq;       // first task seq the granted epoch will see
-  std::uint8_t pad0[64 - 40];
+  std::uint8_t pad0[64 - 32];
   // Task ring read cursor (bytes consumed): written by the daemon, reset by the engine on grant.
   alignas(64) std::atomic<std::uint64_t> consumed;
   std::uint8_t pad1[56];
