@@ -162,8 +162,9 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   if (!level_ok) return bad("--log-level: '" + c.log_level + "' is not one of trace, debug, info, warn, error, critical, off");
   if (!(c.engine_timeout_s > 0)) return bad("--engine-timeout: must be positive seconds");
   if (!(c.attach_timeout_s >= 0)) return bad("--attach-timeout: must be >= 0 seconds");
-  if (!(c.heartbeat_period_s > 0) || c.heartbeat_period_s * 2 >= c.engine_timeout_s)
-    return bad("--heartbeat-period: must be positive and under half of --engine-timeout");
+  // The engine declares a rank dead after its rank timeout (3 s by default) without a heartbeat.
+  if (!(c.heartbeat_period_s > 0) || c.heartbeat_period_s > 1.0)
+    return bad("--heartbeat-period: must be in (0, 1] seconds; the engine counts a rank dead after 3 s of silence");
   return c;
 }
 

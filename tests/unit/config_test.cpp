@@ -62,6 +62,7 @@ TEST(DaemonFlags, BadValuesNameTheFlag) {
   expect_rejected({"--log-level", "loud"}, "--log-level");
   expect_rejected({"--session", "a/b"}, "--session");
   expect_rejected({"--engine-timeout", "0"}, "--engine-timeout");
+  expect_rejected({"--heartbeat-period", "5"}, "--heartbeat-period");
   expect_rejected({"--num-host-blocks", "-1"}, "--num-host-blocks");
   expect_rejected({"--no-such-flag"}, "no-such-flag");
 }
