@@ -49,6 +49,7 @@ struct TaskRunner::Impl {
   ipc::RankEndpoint& ep;
   DeviceBackend& backend;
   AttachedCache cache;
+  std::uint64_t block_bytes_all_layers = 0;  // what one block of a task moves, every layer and tensor
 
   // In-flight block counts per direction, for cross-direction ordering. Guarded by track_mu.
   std::mutex track_mu;
@@ -72,6 +73,7 @@ struct TaskRunner::Impl {
   RunnerStats stats;
 
   Impl(ipc::RankEndpoint& e, DeviceBackend& b, AttachedCache c) : ep(e), backend(b), cache(std::move(c)) {
+    for (auto bytes : cache.block_bytes) block_bytes_all_layers += bytes * cache.num_layers;
     for (int d = 0; d < 2; ++d) {
       busy_host[d].assign(static_cast<std::size_t>(cache.host_blocks), 0);
       busy_device[d].assign(static_cast<std::size_t>(cache.device_blocks), 0);
@@ -272,9 +274,7 @@ struct TaskRunner::Impl {
   }
 
   std::uint64_t task_bytes(const Work& w) const {
-    std::uint64_t per_block = 0;
-    for (auto b : cache.block_bytes) per_block += b;
-    return per_block * cache.num_layers * static_cast<std::uint64_t>(w.plan.num_blocks);
+    return block_bytes_all_layers * static_cast<std::uint64_t>(w.plan.num_blocks);
   }
 };
 
