@@ -68,6 +68,7 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   CLI::App app{"kvtd - KV-cache transfer daemon, one process per GPU rank", "kvtd"};
   app.set_version_flag("--version", "kvtd 0.1.0");
   app.set_config("--config", "", "Read flags from a TOML or INI file");
+  app.allow_config_extras(CLI::config_extras_mode::error);  // a typo in a config file is an error
   app.get_formatter()->column_width(40);
 
   std::string key_shape, value_shape, dtype = "bfloat16", backend = "host", suffix, scatter = "kernel";
@@ -90,17 +91,22 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   app.add_option("--heartbeat-period", c.heartbeat_period_s, "Seconds between rank heartbeats");
   app.add_option("--model-id,--model_id", c.model_id, "Model id (namespaces storage keys)");
 
+  app.add_option("--kvcache-storage-backend,--kvcache_storage_backend", c.storage_backend,
+                 "Storage tier: none | file | redis (validated; storage tasks are a later release)");
+  app.add_option("--write-policy,--write_policy", c.write_policy,
+                 "write_through | write_through_selective | write_back (validated; storage tasks are a later release)");
+
   // FastDeploy cache-transfer flags that kvtd accepts and ignores, so launch lines carry over.
   std::string ignored_s;
   auto* compat = app.add_option_group("FastDeploy compatibility (accepted, ignored)");
+  std::vector<CLI::Option*> compat_opts;
   for (const char* name : {"--splitwise_role", "--max_model_len", "--default_dtype", "--cache_queue_port",
                            "--enable_splitwise", "--pod_ip", "--engine_worker_queue_port", "--protocol",
-                           "--local_data_parallel_id", "--rdma_port", "--speculative_config",
-                           "--kvcache_storage_backend", "--write_policy"}) {
-    compat->add_option(name, ignored_s, "ignored");
+                           "--local_data_parallel_id", "--rdma_port", "--speculative_config"}) {
+    compat_opts.push_back(compat->add_option(name, ignored_s, "ignored"));
   }
   bool ignored_flag = false;
-  compat->add_flag("--create_cache_tensor", ignored_flag, "ignored");
+  compat_opts.push_back(compat->add_flag("--create_cache_tensor", ignored_flag, "ignored"));
 
   try {
     app.parse(argc, argv);
@@ -110,7 +116,11 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
     return make_error(ConfigErrc::kHelp, out.str());
   } catch (const CLI::ParseError& e) {
     return make_error(ConfigErrc::kParse, std::string(e.what()) + " (run with --help for usage)");
+  } catch (const std::exception& e) {  // CLI11 throws more than ParseError on odd input
+    return make_error(ConfigErrc::kParse, std::string(e.what()) + " (run with --help for usage)");
   }
+  for (auto* o : compat_opts)
+    if (o->count() > 0) c.ignored_flags.push_back(o->get_name());
 
   auto bad = [](const std::string& m) { return make_error(ConfigErrc::kInvalidValue, m); };
   if (mp_num < 1 || mp_num > 16) return bad("--mp-num: " + std::to_string(mp_num) + " must be in [1, 16]");
@@ -119,7 +129,8 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   if (num_layers < 1 || num_layers > 512) return bad("--num-layers: " + std::to_string(num_layers) + " must be in [1, 512]");
   if (host_blocks < 0 || host_blocks > INT32_MAX)
     return bad("--num-host-blocks: " + std::to_string(host_blocks) + " must be in [0, 2^31)");
-  if (device_id < 0 || device_id > 1024) return bad("--device-id: " + std::to_string(device_id) + " must be >= 0");
+  if (device_id < 0 || device_id > kMaxDeviceId)
+    return bad("--device-id: " + std::to_string(device_id) + " must be in [0, " + std::to_string(kMaxDeviceId) + "]");
   c.rank = static_cast<std::uint32_t>(rank);
   c.mp_num = static_cast<std::uint32_t>(mp_num);
   c.num_layers = static_cast<std::uint32_t>(num_layers);
@@ -160,11 +171,29 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   bool level_ok = false;
   for (const char* l : kLevels) level_ok = level_ok || c.log_level == l;
   if (!level_ok) return bad("--log-level: '" + c.log_level + "' is not one of trace, debug, info, warn, error, critical, off");
-  if (!(c.engine_timeout_s > 0)) return bad("--engine-timeout: must be positive seconds");
-  if (!(c.attach_timeout_s >= 0)) return bad("--attach-timeout: must be >= 0 seconds");
+  // Written so that NaN fails every check.
+  auto seconds = [](double v) { return std::to_string(v); };
+  if (!(c.engine_timeout_s >= 0.001 && c.engine_timeout_s <= kMaxEngineTimeoutS))
+    return bad("--engine-timeout: " + seconds(c.engine_timeout_s) + " must be in [0.001, 3600] seconds");
+  if (!(c.attach_timeout_s == 0 || (c.attach_timeout_s >= 0.001 && c.attach_timeout_s <= kMaxAttachTimeoutS)))
+    return bad("--attach-timeout: " + seconds(c.attach_timeout_s) +
+               " must be 0 (wait forever) or in [0.001, 604800] seconds");
   // The engine declares a rank dead after its rank timeout (3 s by default) without a heartbeat.
-  if (!(c.heartbeat_period_s > 0) || c.heartbeat_period_s > 1.0)
-    return bad("--heartbeat-period: must be in (0, 1] seconds; the engine counts a rank dead after 3 s of silence");
+  if (!(c.heartbeat_period_s >= kMinHeartbeatPeriodS && c.heartbeat_period_s <= kMaxHeartbeatPeriodS))
+    return bad("--heartbeat-period: " + seconds(c.heartbeat_period_s) +
+               " must be in [0.001, 1] seconds; the engine counts a rank dead after 3 s of silence");
+
+  if (const auto sizes = proto::geometry_sizes(c.geometry()); sizes.problem != nullptr)
+    return bad(std::string("--key-cache-shape/--value-cache-shape/--num-layers/--num-host-blocks: ") + sizes.problem);
+
+  if (!c.storage_backend.empty() && c.storage_backend != "none" && c.storage_backend != "file" &&
+      c.storage_backend != "redis")
+    return bad("--kvcache-storage-backend: '" + c.storage_backend + "' is not one of none, file, redis");
+  if (!c.write_policy.empty() && c.write_policy != "write_through" && c.write_policy != "write_through_selective" &&
+      c.write_policy != "write_back")
+    return bad("--write-policy: '" + c.write_policy + "' is not one of write_through, write_through_selective, write_back");
+  if (!c.storage_backend.empty()) c.ignored_flags.push_back("--kvcache_storage_backend (storage tasks: later release)");
+  if (!c.write_policy.empty()) c.ignored_flags.push_back("--write_policy (storage tasks: later release)");
   return c;
 }
 

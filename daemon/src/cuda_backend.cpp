@@ -168,6 +168,21 @@ class CudaBackend final : public DeviceBackend {
     return static_cast<std::byte*>(p);
   }
 
+  Status<DeviceErrc> pin_host(std::byte* addr, std::size_t bytes) override {
+    KVTD_CUDA_TRY(cudaSetDevice(device_));
+    if (auto e = cudaHostRegister(addr, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped); e != cudaSuccess) {
+      (void)cudaGetLastError();  // clear it: a failed registration must not fail later healthy calls
+      return make_error(DeviceErrc::kAllocFailed, cuda_text("cudaHostRegister", e));
+    }
+    return {};
+  }
+
+  void unpin_host(std::byte* addr) override {
+    if (cudaSetDevice(device_) == cudaSuccess && cudaHostUnregister(addr) != cudaSuccess) (void)cudaGetLastError();
+  }
+
+  int numa_node() const override { return numa_node_; }
+
   Result<std::byte*, DeviceErrc> alloc_device(std::size_t bytes) override {
     void* p = nullptr;
     cudaSetDevice(device_);

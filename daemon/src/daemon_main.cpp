@@ -10,14 +10,16 @@
 #include "kvtd/daemon/notify.h"
 #include "kvtd/daemon/task_runner.h"
 #include "kvtd/ipc/rank_endpoint.h"
+#include "kvtd/ipc/shared_object.h"
 
 namespace kvtd::daemon {
 namespace {
 
 // Maps every tensor of this rank and pairs it with its host-pool region.
-Result<AttachedCache, DeviceErrc> attach_cache(ipc::RankEndpoint& ep, DeviceBackend& backend, const HostPool& pool) {
+Result<AttachedCache, DeviceErrc> attach_cache(ipc::RankEndpoint& ep, DeviceBackend& backend, HostPool& pool) {
   const auto& g = ep.geometry();
   AttachedCache c;
+  c.pool = &pool;
   c.device_blocks = g.num_device_blocks();
   c.host_blocks = g.num_host_blocks;
   c.num_layers = g.num_layers;
@@ -75,6 +77,7 @@ class Heartbeat {
 }  // namespace
 
 int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
+  for (const auto& n : ipc::sweep_stale_objects()) KVTD_INFO("removed stale shared-memory object {}", n);
   std::unique_ptr<DeviceBackend> backend;
   if (cfg.device_backend == config::DeviceBackendKind::kCuda) {
     auto b = make_cuda_backend(cfg.device_id, cfg.scatter_mode);
@@ -87,14 +90,18 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
     backend = make_host_backend();
   }
   const auto geometry = cfg.geometry();
-  auto pool = HostPool::allocate(*backend, geometry);
-  if (!pool.ok()) {
-    KVTD_ERROR("host pool: {}", pool.error().message);
+  const std::uint64_t pool_bytes = HostPool::object_bytes(geometry);
+  const std::int64_t shm_free = ipc::shm_free_bytes();
+  KVTD_INFO("kvtd rank {}/{} backend={} host pool {:.1f} MiB ({} blocks x {} bytes per block, all layers); /dev/shm "
+            "has {:.1f} MiB free",
+            cfg.rank, cfg.mp_num, backend->name(), static_cast<double>(pool_bytes) / (1 << 20), cfg.num_host_blocks,
+            geometry.bytes_per_block_all_layers(), static_cast<double>(shm_free) / (1 << 20));
+  if (shm_free >= 0 && static_cast<std::uint64_t>(shm_free) < pool_bytes) {
+    KVTD_ERROR("the host pool needs {:.1f} MiB in /dev/shm but only {:.1f} MiB are free; enlarge /dev/shm "
+               "(mount -o remount,size=... /dev/shm) or lower --num-host-blocks",
+               static_cast<double>(pool_bytes) / (1 << 20), static_cast<double>(shm_free) / (1 << 20));
     return kExitBackend;
   }
-  KVTD_INFO("kvtd rank {}/{} backend={} host pool {:.1f} MiB ({} blocks x {} bytes per block, all layers)", cfg.rank,
-            cfg.mp_num, backend->name(), static_cast<double>(pool->total_bytes()) / (1 << 20), cfg.num_host_blocks,
-            geometry.bytes_per_block_all_layers());
 
   std::uint64_t last_generation = 0;
   while (!stop.load()) {
@@ -102,8 +109,8 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
     eo.suffix = cfg.session_suffix;
     eo.rank = cfg.rank;
     eo.expected = geometry;
-    eo.attach_timeout_ns = static_cast<std::int64_t>(cfg.attach_timeout_s * 1e9);
-    eo.engine_timeout_ns = static_cast<std::int64_t>(cfg.engine_timeout_s * 1e9);
+    eo.attach_timeout_ns = cfg.attach_timeout_ns();
+    eo.engine_timeout_ns = cfg.engine_timeout_ns();
     eo.skip_generation = last_generation;
     eo.stop = &stop;
     eo.on_waiting = [](const std::string& what) { KVTD_INFO("{}", what); };
@@ -116,11 +123,21 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
       if (code == ipc::IpcErrc::kClosed) break;  // stop requested while waiting
       KVTD_ERROR("cannot attach: {}", ep.error().message);
       if (code == ipc::IpcErrc::kTimeout) return kExitAttachTimeout;
+      if (code == ipc::IpcErrc::kCorrupt) return kExitSessionCorrupt;
+      if (code == ipc::IpcErrc::kSystem || code == ipc::IpcErrc::kNoSpace) return kExitBackend;
       return kExitSessionRefused;
     }
     auto& endpoint = **ep;
     last_generation = endpoint.generation();
-    auto cache = attach_cache(endpoint, *backend, *pool);
+    auto pool = HostPool::open(*backend, geometry, endpoint.generation(), cfg.rank);
+    if (!pool.ok()) {
+      KVTD_ERROR("host pool: {}", pool.error().message);
+      return kExitBackend;
+    }
+    if ((*pool)->restored())
+      KVTD_INFO("host pool {} re-mapped from a previous daemon of this session: {} of {} blocks hold data",
+                (*pool)->name(), (*pool)->valid_blocks(), cfg.num_host_blocks);
+    auto cache = attach_cache(endpoint, *backend, **pool);
     if (!cache.ok()) {
       KVTD_ERROR("cannot map the cache tensors: {}", cache.error().message);
       backend->close_tensors();
@@ -134,17 +151,23 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
     }
     endpoint.publish_layer_events(*events);
     TaskRunner runner(endpoint, *backend, std::move(cache).value());
-    Heartbeat heartbeat(endpoint, static_cast<std::int64_t>(cfg.heartbeat_period_s * 1e9));
+    Heartbeat heartbeat(endpoint, cfg.heartbeat_period_ns());
     endpoint.set_ready(proto::kReadyCacheAttached | proto::kReadyHostPool);
     KVTD_INFO("attached to session generation {:016x} as epoch {}; serving", endpoint.generation(), endpoint.epoch());
     notify_ready();
     const auto why = runner.run(stop);
     const auto st = runner.stats();
-    KVTD_INFO("session done: {} tasks ok, {} failed, {} bytes to host, {} bytes to device", st.tasks_ok,
-              st.tasks_failed, st.bytes_to_host, st.bytes_to_device);
+    KVTD_INFO("session done: {} tasks ok, {} failed, {} dropped (revoked epoch), {} bytes to host, {} bytes to device",
+              st.tasks_ok, st.tasks_failed, st.tasks_dropped, st.bytes_to_host, st.bytes_to_device);
     endpoint.set_ready(0);
     backend->close_tensors();
-    if (why == TaskRunner::Exit::kRingCorrupt) KVTD_ERROR("task ring framing is corrupt; detaching");
+    if (why != TaskRunner::Exit::kStopped) {
+      // The session is over for us: nobody will read this pool again (a new session is a new
+      // generation with a new pool).
+      (*pool)->remove();
+    }
+    if (why == TaskRunner::Exit::kRingCorrupt)
+      KVTD_ERROR("task ring framing is corrupt; detached, waiting for a new session");
     if (why == TaskRunner::Exit::kSessionLost)
       KVTD_WARN("engine closed the session or stopped heartbeating; detached{}",
                 stop.load() ? "" : ", waiting for a new session");

@@ -61,6 +61,9 @@ class HostBackend final : public DeviceBackend {
     return static_cast<std::byte*>(p);
   }
 
+  Status<DeviceErrc> pin_host(std::byte*, std::size_t) override { return {}; }  // nothing to pin on the CPU
+  void unpin_host(std::byte*) override {}
+
   Status<DeviceErrc> copy(Direction, const kernels::CopyPlan& plan,
                           std::span<const kernels::CopyTarget> targets) override {
     kernels::copy_all_host(plan, targets);

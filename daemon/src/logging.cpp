@@ -1,4 +1,10 @@
+#include <fcntl.h>
 #include <spdlog/sinks/rotating_file_sink.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <spdlog/sinks/stdout_color_sinks.h>
 
 #include <filesystem>
@@ -14,7 +20,23 @@ bool init_logging(const std::string& log_dir, std::uint32_t rank, const std::str
     if (!log_dir.empty()) {
       std::filesystem::create_directories(log_dir);
       const auto path = (std::filesystem::path(log_dir) / ("kvtd_rank" + std::to_string(rank) + ".log")).string();
-      sinks.push_back(std::make_shared<spdlog::sinks::rotating_file_sink_mt>(path, 64u << 20, 5));
+      // Every open of a log file (the first and each rotation): create it 0640 without following
+      // a symlink (one planted at the log path would otherwise redirect our writes), then make
+      // sure the stream spdlog opened is that very file.
+      spdlog::file_event_handlers events;
+      events.before_open = [](const spdlog::filename_t& name) {
+        const int fd = ::open(name.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_NOFOLLOW | O_CLOEXEC, 0640);
+        if (fd < 0) throw spdlog::spdlog_ex("cannot open log file " + name + ": " + std::strerror(errno));
+        ::close(fd);
+      };
+      events.after_open = [](const spdlog::filename_t& name, std::FILE* f) {
+        struct stat link {}, opened {};
+        if (lstat(name.c_str(), &link) != 0 || S_ISLNK(link.st_mode) || fstat(fileno(f), &opened) != 0 ||
+            link.st_ino != opened.st_ino || link.st_dev != opened.st_dev)
+          throw spdlog::spdlog_ex("log file " + name + " was replaced by a symlink or another file while opening");
+        fchmod(fileno(f), 0640);
+      };
+      sinks.push_back(std::make_shared<spdlog::sinks::rotating_file_sink_mt>(path, 64u << 20, 5, false, events));
     }
     auto logger = std::make_shared<spdlog::logger>("kvtd", sinks.begin(), sinks.end());
     logger->set_pattern("%Y-%m-%dT%H:%M:%S.%e [rank " + std::to_string(rank) + "] [%l] %v");

@@ -30,31 +30,42 @@ int main(int argc, char** argv) {
     return kvtd::daemon::kExitBadFlags;
   }
 
+  if (!cfg->ignored_flags.empty()) {
+    std::string list;
+    for (const auto& f : cfg->ignored_flags) list += (list.empty() ? "" : ", ") + f;
+    KVTD_WARN("accepted and ignored: {}", list);
+  }
+
   // A peer that closed a socket must fail that call, not kill the daemon.
   signal(SIGPIPE, SIG_IGN);
 
-  // SIGTERM/SIGINT are blocked in every thread and taken by sigwait in one thread, so no
-  // handler runs at all: shutdown happens in ordinary code (rule 7).
-  sigset_t set;
+  // SIGTERM/SIGINT/SIGHUP (and SIGUSR2, our own "signal thread, exit") are blocked in every
+  // thread and taken by sigwait in one thread, so no handler runs at all: shutdown happens in
+  // ordinary code (rule 7). SIGHUP is acknowledged and ignored: nothing is reloadable, and a
+  // closed terminal must not kill a daemon that is serving.
+  static sigset_t set;
   sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
+  for (int s : {SIGTERM, SIGINT, SIGHUP, SIGUSR2}) sigaddset(&set, s);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
-  std::atomic<bool> stop{false};
-  std::thread signals([&set, &stop] {
+  // Static: the signal thread may outlive nothing it uses (it is joined before main returns).
+  static std::atomic<bool> stop{false};
+  std::thread signals([] {
     int sig = 0;
     while (sigwait(&set, &sig) == 0) {
-      if (sig == SIGTERM || sig == SIGINT) {
-        if (stop.exchange(true)) continue;  // a second signal changes nothing: we are draining
-        KVTD_INFO("signal {} received: finishing tasks in flight, then exiting", sig);
-        kvtd::daemon::notify_stopping();
-        return;
+      if (sig == SIGUSR2) return;  // main is done: stop before logging is shut down
+      if (sig == SIGHUP) {
+        KVTD_INFO("SIGHUP received: nothing to reload; ignored");
+        continue;
       }
+      if (stop.exchange(true)) continue;  // a second signal changes nothing: we are draining
+      KVTD_INFO("signal {} received: finishing tasks in flight, then exiting", sig);
+      kvtd::daemon::notify_stopping();
     }
   });
-  signals.detach();
 
   const int code = kvtd::daemon::run_daemon(*cfg, stop);
+  pthread_kill(signals.native_handle(), SIGUSR2);
+  signals.join();
   spdlog::shutdown();
   return code;
 }

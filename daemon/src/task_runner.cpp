@@ -27,6 +27,7 @@ constexpr std::uint64_t kInlineMaxBytes = 256 * 1024;
 
 struct Work {
   proto::TaskRecordHeader header{};
+  std::uint32_t epoch = 0;               // the grant under which the record was read
   kernels::CopyPlan plan;
   std::vector<std::int32_t> host_ids;    // for in-flight block tracking
   std::vector<std::int32_t> device_ids;
@@ -53,8 +54,9 @@ struct TaskRunner::Impl {
 
   // In-flight block counts per direction, for cross-direction ordering. Guarded by track_mu.
   std::mutex track_mu;
-  std::vector<std::uint16_t> busy_host[2];
-  std::vector<std::uint16_t> busy_device[2];
+  // Counts, not flags: one lane may hold many tasks on a block (32 bits: no realistic queue wraps).
+  std::vector<std::uint32_t> busy_host[2];
+  std::vector<std::uint32_t> busy_device[2];
   std::unordered_map<std::uint64_t, int> inflight_tasks;  // task id -> direction index
   std::atomic<std::uint32_t> track_word{0};
   std::atomic<std::uint32_t> track_waiters{0};
@@ -123,8 +125,8 @@ struct TaskRunner::Impl {
   }
 
   void track(const Work& w, int lane, int delta) {
-    for (auto id : w.host_ids) busy_host[lane][static_cast<std::size_t>(id)] = static_cast<std::uint16_t>(busy_host[lane][static_cast<std::size_t>(id)] + delta);
-    for (auto id : w.device_ids) busy_device[lane][static_cast<std::size_t>(id)] = static_cast<std::uint16_t>(busy_device[lane][static_cast<std::size_t>(id)] + delta);
+    for (auto id : w.host_ids) busy_host[lane][static_cast<std::size_t>(id)] += static_cast<std::uint32_t>(delta);
+    for (auto id : w.device_ids) busy_device[lane][static_cast<std::size_t>(id)] += static_cast<std::uint32_t>(delta);
     if (delta > 0) inflight_tasks[w.header.task_id] = lane;
     else inflight_tasks.erase(w.header.task_id);
   }
@@ -153,7 +155,8 @@ struct TaskRunner::Impl {
       complete(h, TaskStatus::kMalformed, 0, 0, now, "unknown task flags " + std::to_string(h.flags));
       return false;
     }
-    if (proto::task_record_bytes(h.num_src, h.num_dst) != h.record_bytes || h.record_bytes != rec.size()) {
+    // 64-bit: counts near 2^29 each must not wrap into a size that matches a short record.
+    if (proto::task_record_bytes(h.num_src, h.num_dst) != std::uint64_t{h.record_bytes} || h.record_bytes != rec.size()) {
       complete(h, TaskStatus::kMalformed, 0, 0, now,
                "record of " + std::to_string(rec.size()) + " bytes does not hold " + std::to_string(h.num_src) +
                    " source and " + std::to_string(h.num_dst) + " destination ids");
@@ -217,14 +220,30 @@ struct TaskRunner::Impl {
       return;
     }
     const auto& targets = lane == 0 ? cache.to_host : cache.to_device;
+    if (lane == 1 && cache.pool != nullptr) {
+      if (auto bad = cache.pool->first_invalid(w.host_ids)) {
+        complete(h, TaskStatus::kHostTierLost, 0, 0, start,
+                 "host block " + std::to_string(*bad) +
+                     " holds no data written in this session (the host pool was lost with a daemon restart, or the "
+                     "write into it failed or never happened)");
+        return;
+      }
+    }
+    if (lane == 0 && cache.pool != nullptr) cache.pool->mark_invalid(w.host_ids);
     Status<DeviceErrc> st;
     if (h.flags & proto::kTaskFlagLayerwise) {
       ep.progress_begin(h);
-      std::uint32_t queued = 0;
+      std::uint32_t queued = 0, done = 0;
       st = backend.copy_layerwise(
           Direction::kToDevice, w.plan, targets, targets.size() / cache.num_layers,
-          [&](std::uint32_t layer) { queued = layer + 1; },
-          [&](std::uint32_t layer) { ep.progress_update(h, queued, layer + 1); });
+          [&](std::uint32_t layer) {
+            queued = layer + 1;
+            ep.progress_update(h, queued, done);  // the engine may cudaStreamWaitEvent from here
+          },
+          [&](std::uint32_t layer) {
+            done = layer + 1;
+            ep.progress_update(h, queued, done);
+          });
     } else {
       st = backend.copy(lane == 0 ? Direction::kToHost : Direction::kToDevice, w.plan, targets);
     }
@@ -232,6 +251,7 @@ struct TaskRunner::Impl {
       complete(h, TaskStatus::kDeviceError, 0, 0, start, st.error().message);
       return;
     }
+    if (lane == 0 && cache.pool != nullptr) cache.pool->mark_valid(w.host_ids);
     const std::uint64_t bytes = task_bytes(w);
     {
       std::lock_guard<std::mutex> g(stats_mu);
@@ -265,12 +285,45 @@ struct TaskRunner::Impl {
   }
 
   void execute_and_release(Work& w, int lane) {
-    execute(w, lane);
+    // Checked right before touching memory: once the engine revoked the epoch this work was read
+    // under, it has failed the task and may reuse its blocks, so the work is dropped unrun.
+    if (w.epoch != ep.epoch() || !ep.granted()) {
+      std::lock_guard<std::mutex> g(stats_mu);
+      ++stats.tasks_dropped;
+    } else {
+      execute(w, lane);
+    }
     {
       std::lock_guard<std::mutex> g(track_mu);
       track(w, lane, -1);
     }
     ipc::bump_and_wake(track_word, &track_waiters);
+  }
+
+  // Removes every queued (not yet executing) task; they belong to a revoked epoch.
+  std::size_t drop_queued() {
+    std::size_t n = 0;
+    for (int lane = 0; lane < 2; ++lane) {
+      std::deque<Work> q;
+      {
+        std::lock_guard<std::mutex> g(lanes[lane].mu);
+        q.swap(lanes[lane].queue);
+      }
+      for (auto& w : q) {
+        {
+          std::lock_guard<std::mutex> g(track_mu);
+          track(w, lane, -1);
+        }
+        lanes[lane].outstanding.fetch_sub(1, std::memory_order_acq_rel);
+        ++n;
+      }
+    }
+    if (n != 0) {
+      ipc::bump_and_wake(track_word, &track_waiters);
+      std::lock_guard<std::mutex> g(stats_mu);
+      stats.tasks_dropped += n;
+    }
+    return n;
   }
 
   std::uint64_t task_bytes(const Work& w) const {
@@ -300,7 +353,10 @@ TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop) {
     const auto next = impl->ep.next_task(record, ipc::monotonic_now_ns() + kPollSliceNs);
     if (next == ipc::RankEndpoint::Next::kTimeout) continue;
     if (next == ipc::RankEndpoint::Next::kRegranted) {
-      KVTD_WARN("the engine had counted this rank as dead; re-attached as epoch {}", impl->ep.epoch());
+      const std::size_t dropped = impl->drop_queued();
+      KVTD_WARN("the engine had counted this rank as dead and failed its tasks; dropped {} queued tasks of the "
+                "revoked epoch unrun; re-attached as epoch {}",
+                dropped, impl->ep.epoch());
       continue;
     }
     if (next == ipc::RankEndpoint::Next::kLost) {
@@ -312,6 +368,7 @@ TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop) {
       break;
     }
     Work w;
+    w.epoch = impl->ep.epoch();
     if (!impl->decode(record, w)) continue;
     const int lane = Impl::lane_of(static_cast<TaskKind>(w.header.kind));
     impl->admit(w, lane);

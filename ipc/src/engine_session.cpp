@@ -12,9 +12,11 @@
 #include <mutex>
 #include <random>
 #include <thread>
+#include <map>
 #include <unordered_map>
 
 #include "kvtd/ipc/populate.h"
+#include "kvtd/ipc/process.h"
 #include "kvtd/ipc/rings.h"
 #include "kvtd/ipc/wait.h"
 #include "kvtd/proto/names.h"
@@ -41,35 +43,14 @@ const char* ipc_errc_name(IpcErrc e) {
     case IpcErrc::kUnknownTask: return "unknown_task";
     case IpcErrc::kTaskFailed: return "task_failed";
     case IpcErrc::kClosed: return "closed";
+    case IpcErrc::kNoSpace: return "no_space";
+    case IpcErrc::kCorrupt: return "corrupt";
     case IpcErrc::kSystem: return "system";
   }
   return "unknown";
 }
 
 namespace {
-
-bool is_pow2(std::uint64_t v) { return v != 0 && (v & (v - 1)) == 0; }
-
-std::string check_geometry(const proto::CacheGeometry& g) {
-  if (g.num_ranks < 1 || g.num_ranks > proto::kMaxRanks)
-    return "num_ranks must be in [1, " + std::to_string(proto::kMaxRanks) + "]";
-  if (g.num_layers < 1 || g.num_layers > proto::kMaxLayers)
-    return "num_layers must be in [1, " + std::to_string(proto::kMaxLayers) + "]";
-  if (proto::dtype_bytes(g.cache_dtype()) == 0) return "dtype is not a known cache dtype";
-  for (int i = 0; i < 4; ++i)
-    if (g.key_shape[i] <= 0) return "key shape dimension " + std::to_string(i) + " must be positive";
-  if (g.key_shape[0] > INT32_MAX) return "device block count must be < 2^31";
-  if (g.has_value()) {
-    for (int i = 0; i < 4; ++i)
-      if (g.value_shape[i] <= 0) return "value shape dimension " + std::to_string(i) + " must be positive";
-    if (g.value_shape[0] != g.key_shape[0]) return "value and key shapes must have the same block count";
-  } else {
-    for (int i = 0; i < 4; ++i)
-      if (g.value_shape[i] != 0) return "value shape must be all zero or all positive";
-  }
-  if (g.num_host_blocks > INT32_MAX) return "host block count must be < 2^31";
-  return "";
-}
 
 struct Pending {
   std::uint64_t seq = 0;       // ring sequence number: locates the layer progress slot
@@ -83,25 +64,38 @@ struct Pending {
 struct EngineSession::Impl {
   SessionOptions opts;
   const Clock* clock = nullptr;
-  std::unique_ptr<detail::SharedMapping> mapping;
-  proto::SessionHeader* h = nullptr;
+  std::unique_ptr<SharedObject> mapping;
+  proto::SessionHeader* h = nullptr;   // for the atomics only
+  detail::SessionView view;            // computed here, never read back from the header
+  proto::CacheGeometry geo{};          // private copy of the geometry
+  std::uint64_t generation = 0;
   std::unique_ptr<TaskRingWriter> ring;
   std::vector<CompletionRing> completions;
-  std::vector<std::unique_ptr<detail::SharedMapping>> arenas;  // host-backend device tensors
-  std::vector<std::byte*> arena_tensor;                      // by registry index
+  std::vector<std::unique_ptr<SharedObject>> arenas;  // host-backend device tensors
+  std::vector<std::byte*> arena_tensor;               // by registry index
   std::string name;
 
   mutable std::mutex mu;
   std::unordered_map<std::uint64_t, Pending> pending;
-  std::unordered_map<std::uint64_t, TaskResult> done;
+  std::map<std::uint64_t, TaskResult> done;  // ordered by id: the oldest is dropped first
   std::uint64_t next_task_id = 1;
+  std::uint64_t done_dropped = 0;
+
+  // Per rank, private (guarded by mu): who was granted, and a fence in progress.
+  struct RankState {
+    std::uint64_t owner = 0;  // owner word of the granted daemon
+    bool fencing = false;     // declared gone; tasks fail once the fence ends
+    std::string why;
+  };
+  std::vector<RankState> rank_state;
+  std::atomic<std::uint32_t> fences_wanted{0};
 
   std::mutex stop_mu;
   std::condition_variable stop_cv;
   bool stopping = false;
   std::thread service_thread;
 
-  std::uint32_t all_ranks_mask() const { return h->geometry.num_ranks >= 32 ? ~0u : (1u << h->geometry.num_ranks) - 1; }
+  std::uint32_t all_ranks_mask() const { return geo.num_ranks >= 32 ? ~0u : (1u << geo.num_ranks) - 1; }
 
   void wake_completion_waiters() { bump_and_wake(h->completion_word, &h->completion_waiters); }
 
@@ -109,8 +103,18 @@ struct EngineSession::Impl {
   void finish_if_complete(std::uint64_t id, Pending& p) {
     if (p.reported != p.expected) return;
     p.result.complete_ns = clock->now_ns();
+    // The merged status is the failure of the lowest-numbered failing rank, whatever the order
+    // in which reports arrived.
+    std::sort(p.result.failures.begin(), p.result.failures.end(),
+              [](const RankFailure& a, const RankFailure& b) { return a.rank < b.rank; });
+    p.result.status = p.result.failures.empty() ? TaskStatus::kOk : p.result.failures.front().status;
+    if (!p.result.failures.empty()) p.result.blocks_done = 0;
     done.emplace(id, std::move(p.result));
     pending.erase(id);
+    while (done.size() > opts.max_uncollected_results) {  // results nobody collects: bounded
+      done.erase(done.begin());
+      ++done_dropped;
+    }
   }
 
   // Requires mu.
@@ -121,7 +125,6 @@ struct EngineSession::Impl {
     const bool first = p.reported == 0;
     p.reported |= bit;
     if (status != TaskStatus::kOk) {
-      if (p.result.status == TaskStatus::kOk) p.result.status = status;
       p.result.failures.push_back(RankFailure{rank, status, std::move(message)});
       blocks = 0;
     }
@@ -131,7 +134,7 @@ struct EngineSession::Impl {
   // Requires mu.
   void merge(const proto::CompletionRecord& rec) {
     auto it = pending.find(rec.task_id);
-    if (it == pending.end() || rec.rank >= h->geometry.num_ranks) return;
+    if (it == pending.end() || rec.rank >= geo.num_ranks) return;
     std::string msg(rec.message, strnlen(rec.message, sizeof rec.message));
     record_report(it->second, rec.rank, static_cast<TaskStatus>(rec.status), rec.blocks_done,
                   std::move(msg));
@@ -153,19 +156,38 @@ struct EngineSession::Impl {
     if (!ids.empty()) wake_completion_waiters();
   }
 
-  // Requires mu: drain completions, grant attach requests, declare stale ranks dead.
+  // Requires mu. Stops routing tasks to rank r and hands it to the service thread to fence: its
+  // pending tasks fail only once it can no longer write (or, if it cannot be stopped, with
+  // kRankUnfenced so the engine keeps their destination blocks out of use).
+  void start_fence(std::uint32_t r, std::string why) {
+    auto& s = h->ranks[r];
+    s.attached.store(0, std::memory_order_release);
+    rank_state[r].fencing = true;
+    rank_state[r].why = std::move(why);
+    fences_wanted.fetch_add(1, std::memory_order_release);
+    bump_and_wake(h->space_word, &h->producer_waiters);  // its ring bytes are no longer reserved
+  }
+
+  // Requires mu: drain completions, grant attach requests, declare stale ranks gone.
   void service(bool check_pids) {
     proto::CompletionRecord rec;
     for (auto& ring_r : completions)
       while (ring_r.try_pop(rec)) merge(rec);
 
     const std::int64_t now = clock->now_ns();
-    for (std::uint32_t r = 0; r < h->geometry.num_ranks; ++r) {
+    for (std::uint32_t r = 0; r < geo.num_ranks; ++r) {
       auto& s = h->ranks[r];
+      if (rank_state[r].fencing) continue;  // no grant and no new verdict until the fence ends
       const std::uint32_t req = s.attach_request.load(std::memory_order_acquire);
       const bool attached = s.attached.load(std::memory_order_relaxed) != 0;
       if (req != 0 && req != s.attached_epoch.load(std::memory_order_relaxed)) {
-        if (attached) fail_rank(r, TaskStatus::kRankDead, "rank " + std::to_string(r) + " restarted");
+        if (attached) {
+          // A new epoch while the old one is attached: a restarted daemon. The old process must be
+          // gone before its tasks fail and the new one is granted.
+          start_fence(r, "rank " + std::to_string(r) + " restarted");
+          continue;
+        }
+        rank_state[r].owner = s.owner.load(std::memory_order_acquire);
         s.consumed.store(h->ring_head.load(std::memory_order_relaxed), std::memory_order_relaxed);
         s.attached_epoch.store(req, std::memory_order_release);
         s.attached.store(1, std::memory_order_release);
@@ -174,21 +196,46 @@ struct EngineSession::Impl {
       }
       if (!attached) continue;
       const std::int64_t age = now - s.heartbeat_ns.load(std::memory_order_acquire);
-      std::string why;
       if (s.leaving_epoch.load(std::memory_order_acquire) == s.attached_epoch.load(std::memory_order_relaxed)) {
-        why = "rank " + std::to_string(r) + " detached (daemon stopped or left the session)";
+        // An orderly exit: the daemon wrote every completion it will ever write before saying so.
+        s.attached.store(0, std::memory_order_release);
+        fail_rank(r, TaskStatus::kRankDead, "rank " + std::to_string(r) + " detached (daemon stopped or left the session)");
+        bump_and_wake(h->space_word, &h->producer_waiters);
       } else if (age > opts.rank_timeout_ns) {
-        why = "rank " + std::to_string(r) + " heartbeat is " + std::to_string(age / 1'000'000) + " ms old";
+        start_fence(r, "rank " + std::to_string(r) + " heartbeat is " + std::to_string(age / 1'000'000) + " ms old");
       } else if (check_pids) {
         const auto pid = static_cast<pid_t>(s.pid.load(std::memory_order_relaxed));
         if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH)
-          why = "rank " + std::to_string(r) + " process " + std::to_string(pid) + " exited";
+          start_fence(r, "rank " + std::to_string(r) + " process " + std::to_string(pid) + " exited");
       }
-      if (!why.empty()) {
-        s.attached.store(0, std::memory_order_release);
-        fail_rank(r, TaskStatus::kRankDead, why);
-        bump_and_wake(h->space_word, &h->producer_waiters);  // its ring bytes are free now
+    }
+  }
+
+  // Service thread, without mu: fences every rank waiting for it, then fails its tasks.
+  void run_fences() {
+    if (fences_wanted.load(std::memory_order_acquire) == 0) return;
+    std::vector<std::pair<std::uint32_t, std::uint64_t>> jobs;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      fences_wanted.store(0, std::memory_order_relaxed);
+      for (std::uint32_t r = 0; r < geo.num_ranks; ++r)
+        if (rank_state[r].fencing) jobs.emplace_back(r, rank_state[r].owner);
+    }
+    for (auto [r, owner] : jobs) {
+      const FenceResult f = opts.fencer ? opts.fencer(owner, opts.fence_timeout_ns)
+                                        : fence_process(owner, opts.fence_timeout_ns);
+      std::lock_guard<std::mutex> g(mu);
+      auto& st = rank_state[r];
+      if (f.outcome == FenceOutcome::kFenced) {
+        fail_rank(r, TaskStatus::kRankDead, st.why + "; " + f.detail);
+      } else {
+        fail_rank(r, TaskStatus::kRankUnfenced,
+                  st.why + "; it could not be stopped (" + f.detail +
+                      "), so it may still write this task's destination blocks: keep them out of use");
       }
+      st.fencing = false;
+      st.owner = 0;
+      bump_and_wake(h->publish_word, &h->consumer_waiters);  // a waiting successor may be granted now
     }
   }
 
@@ -214,11 +261,16 @@ struct EngineSession::Impl {
   void service_loop() {
     std::unique_lock<std::mutex> lk(stop_mu);
     while (!stopping) {
+      lk.unlock();
       {
         std::lock_guard<std::mutex> g(mu);
         h->engine_heartbeat_ns.store(clock->now_ns(), std::memory_order_release);
         service(true);
       }
+      run_fences();
+      h->engine_heartbeat_ns.store(clock->now_ns(), std::memory_order_release);
+      lk.lock();
+      if (stopping) break;
       stop_cv.wait_for(lk, std::chrono::nanoseconds(opts.service_period_ns));
     }
   }
@@ -236,47 +288,69 @@ EngineSession::~EngineSession() {
   impl_->h->state.store(static_cast<std::uint32_t>(proto::SessionState::kClosed), std::memory_order_release);
   bump_and_wake(impl_->h->publish_word, nullptr);
   bump_and_wake(impl_->h->completion_word, nullptr);
+  // The session's host pools end with it (a daemon restarted within the session re-maps its
+  // rank's pool; nothing can use it after).
+  for (std::uint32_t r = 0; r < impl_->geo.num_ranks; ++r)
+    SharedObject::remove(detail::session_object_name(impl_->generation, "host" + std::to_string(r)));
 }
 
 Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const SessionOptions& o) {
   if (!proto::valid_session_suffix(o.suffix))
     return make_error(IpcErrc::kInvalidArgument, "session suffix '" + o.suffix + "' must be 1-64 of [A-Za-z0-9_.-]");
-  if (auto why = check_geometry(o.geometry); !why.empty())
+  if (auto why = detail::check_geometry(o.geometry); !why.empty())
     return make_error(IpcErrc::kInvalidArgument, "geometry: " + why);
-  if (!is_pow2(o.ring_bytes) || o.ring_bytes < 4096)
-    return make_error(IpcErrc::kInvalidArgument, "ring_bytes must be a power of two >= 4096");
-  if (!is_pow2(o.completion_capacity) || o.completion_capacity < 2)
-    return make_error(IpcErrc::kInvalidArgument, "completion_capacity must be a power of two >= 2");
-  if (o.rank_timeout_ns <= 0 || o.service_period_ns <= 0)
-    return make_error(IpcErrc::kInvalidArgument, "rank_timeout_ns and service_period_ns must be positive");
+  if (auto why = detail::check_ring_sizes(o.ring_bytes, o.completion_capacity); !why.empty())
+    return make_error(IpcErrc::kInvalidArgument, why);
+  if (o.rank_timeout_ns <= 0 || o.service_period_ns <= 0 || o.fence_timeout_ns <= 0)
+    return make_error(IpcErrc::kInvalidArgument, "rank_timeout_ns, service_period_ns and fence_timeout_ns must be positive");
+  if (o.max_uncollected_results == 0) return make_error(IpcErrc::kInvalidArgument, "max_uncollected_results must be positive");
+
+  // Objects an engine killed with -9 left behind (its arenas, its daemons' host pools).
+  (void)sweep_stale_objects();
 
   auto impl = std::make_unique<Impl>();
   impl->opts = o;
   impl->clock = o.clock ? o.clock : &monotonic_clock();
   impl->name = detail::session_name(o.suffix);
+  impl->geo = o.geometry;
   const auto layout = detail::compute_layout(o.geometry, o.ring_bytes, o.completion_capacity);
 
-  auto m = detail::create_mapping(impl->name, layout.total_bytes);
+  auto m = SharedObject::create(impl->name, layout.total_bytes);
   if (!m.ok() && m.error().code == IpcErrc::kInUse) {
     // A leftover segment: replace it only if its creator is gone.
-    auto old = detail::open_mapping(impl->name);
+    auto old = SharedObject::open(impl->name);
     pid_t creator = 0;
-    if (old.ok() && (*old)->size >= sizeof(proto::SessionHeader))
-      creator = static_cast<pid_t>(reinterpret_cast<proto::SessionHeader*>((*old)->data)->creator_pid);
+    if (old.ok() && (*old)->size() >= sizeof(proto::SessionHeader))
+      creator = static_cast<pid_t>(reinterpret_cast<proto::SessionHeader*>((*old)->data())->creator_pid);
     const bool alive = creator > 0 && (kill(creator, 0) == 0 || errno != ESRCH);
     if (alive || !o.replace_stale)
       return make_error(IpcErrc::kInUse, "session " + impl->name + " is owned by live process " + std::to_string(creator));
-    detail::remove_mapping(impl->name);
-    m = detail::create_mapping(impl->name, layout.total_bytes);
+    SharedObject::remove(impl->name);
+    m = SharedObject::create(impl->name, layout.total_bytes);
   }
   if (!m.ok()) return std::move(m).error();
   impl->mapping = std::move(m).value();
+  impl->mapping->set_unlink_on_destroy(true);
 
-  auto* h = new (impl->mapping->data) proto::SessionHeader();  // zeroed memory; atomics start at 0
+  // Construct every control block in place (the memory is zero-filled by the kernel), so each
+  // atomic begins its life as an object.
+  std::byte* base = impl->mapping->data();
+  auto* h = new (base) proto::SessionHeader();
+  impl->view.base = base;
+  impl->view.layout = layout;
+  impl->view.num_ranks = o.geometry.num_ranks;
+  impl->view.num_layers = o.geometry.num_layers;
+  for (std::uint32_t r = 0; r < o.geometry.num_ranks; ++r) {
+    new (impl->view.completion_control(r)) proto::CompletionRingControl();
+    auto* pc = new (impl->view.progress_control(r)) proto::ProgressControl();
+    auto* slots = reinterpret_cast<proto::LayerProgressSlot*>(pc + 1);
+    for (std::uint32_t i = 0; i < proto::kProgressSlots; ++i) new (&slots[i]) proto::LayerProgressSlot();
+  }
   h->layout_version = proto::kSessionLayoutVersion;
   h->header_bytes = sizeof(proto::SessionHeader);
   h->generation = (std::uint64_t{std::random_device{}()} << 32) ^ std::random_device{}() ^
                   static_cast<std::uint64_t>(monotonic_now_ns());
+  impl->generation = h->generation;
   h->creator_pid = static_cast<std::uint32_t>(getpid());
   h->creator_uid = static_cast<std::uint32_t>(getuid());
   h->completion_capacity = o.completion_capacity;
@@ -293,15 +367,17 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
   h->engine_pid.store(static_cast<std::uint32_t>(getpid()));
   h->engine_heartbeat_ns.store(impl->clock->now_ns());
   h->state.store(static_cast<std::uint32_t>(proto::SessionState::kCreating));
-  // Magic last: a daemon that maps a half-built segment sees 0 and keeps waiting.
-  reinterpret_cast<std::atomic<std::uint64_t>*>(&h->magic)->store(proto::kSessionMagic, std::memory_order_release);
+  // Magic last, with release: a daemon that acquires a non-zero magic sees every field above; one
+  // that maps a half-built segment sees 0 and keeps waiting.
+  std::atomic_ref<std::uint64_t>(h->magic).store(proto::kSessionMagic, std::memory_order_release);
   impl->h = h;
 
-  impl->ring = std::make_unique<TaskRingWriter>(h, detail::ring_bytes(h), h->task_ring_bytes);
+  impl->ring = std::make_unique<TaskRingWriter>(h, impl->view.ring(), layout.ring_bytes, o.geometry.num_ranks);
   for (std::uint32_t r = 0; r < o.geometry.num_ranks; ++r)
-    impl->completions.emplace_back(detail::completion_control(h, r), detail::completion_records(h, r),
+    impl->completions.emplace_back(impl->view.completion_control(r), impl->view.completion_records(r),
                                    o.completion_capacity);
   impl->arena_tensor.assign(layout.registry_count, nullptr);
+  impl->rank_state.assign(o.geometry.num_ranks, Impl::RankState{});
   auto* raw = impl.get();
   impl->service_thread = std::thread([raw] { raw->service_loop(); });
   return std::unique_ptr<EngineSession>(new EngineSession(std::move(impl)));
@@ -310,29 +386,35 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
 Status<IpcErrc> EngineSession::register_tensor(const proto::TensorDesc& d) {
   std::lock_guard<std::mutex> g(impl_->mu);
   auto* h = impl_->h;
+  const auto& geo = impl_->geo;
   if (h->state.load() != static_cast<std::uint32_t>(proto::SessionState::kCreating))
     return make_error(IpcErrc::kInvalidArgument, "tensors can only be registered before publish()");
-  if (d.rank >= h->geometry.num_ranks || d.layer >= h->geometry.num_layers || d.kind >= proto::kTensorKinds)
+  if (d.rank >= geo.num_ranks || d.layer >= geo.num_layers || d.kind >= proto::kTensorKinds)
     return make_error(IpcErrc::kInvalidArgument, "tensor rank " + std::to_string(d.rank) + " layer " +
                                                      std::to_string(d.layer) + " kind " + std::to_string(d.kind) +
                                                      " is outside the geometry");
   const auto kind = static_cast<proto::TensorKind>(d.kind);
-  if (!h->geometry.has_tensor(kind))
+  if (!geo.has_tensor(kind))
     return make_error(IpcErrc::kInvalidArgument,
                       std::string("the geometry has no ") + proto::tensor_kind_name(kind) + " tensor");
-  const std::uint64_t need = h->geometry.block_bytes(kind) * static_cast<std::uint64_t>(h->geometry.num_device_blocks());
+  // check_geometry bounded this product below 2^56 at create().
+  const std::uint64_t need = geo.block_bytes(kind) * static_cast<std::uint64_t>(geo.num_device_blocks());
+  std::uint64_t end = 0;
+  if (!proto::checked_add(d.offset, d.bytes, &end))
+    return make_error(IpcErrc::kInvalidArgument, "tensor offset " + std::to_string(d.offset) + " plus " +
+                                                     std::to_string(d.bytes) + " bytes overflows");
   if (d.bytes < need)
     return make_error(IpcErrc::kInvalidArgument, std::string(proto::tensor_kind_name(kind)) + " tensor of layer " +
                                                      std::to_string(d.layer) + " has " + std::to_string(d.bytes) +
                                                      " bytes, the geometry needs " + std::to_string(need));
-  auto& slot = detail::registry(h)[proto::registry_index(h->geometry, d.rank, d.layer, kind)];
+  auto& slot = impl_->view.registry()[proto::registry_index(geo, d.rank, d.layer, kind)];
   slot = d;
   slot.valid = 1;
   return {};
 }
 
 Status<IpcErrc> EngineSession::create_host_device_tensors() {
-  const auto& g = impl_->h->geometry;
+  const auto& g = impl_->geo;
   for (std::uint32_t r = 0; r < g.num_ranks; ++r) {
     std::uint64_t total = 0;
     for (std::uint32_t l = 0; l < g.num_layers; ++l)
@@ -340,14 +422,13 @@ Status<IpcErrc> EngineSession::create_host_device_tensors() {
         const auto bytes = g.block_bytes(static_cast<proto::TensorKind>(k)) * static_cast<std::uint64_t>(g.num_device_blocks());
         total += (bytes + 255) / 256 * 256;
       }
-    // Named by uid and generation, not by suffix, so the name always fits the 64-byte handle.
-    char arena_name[64];
-    std::snprintf(arena_name, sizeof arena_name, "kvtd_%u_%016llx_dev%u", static_cast<unsigned>(getuid()),
-                  static_cast<unsigned long long>(impl_->h->generation), r);
-    const std::string arena = arena_name;
-    detail::remove_mapping(arena);
-    auto m = detail::create_mapping(arena, total);
+    // Named by uid and generation, not by suffix, so the name always fits the 64-byte handle
+    // and a sweep can tell whose session it belonged to.
+    const std::string arena = detail::session_object_name(impl_->generation, "dev" + std::to_string(r));
+    SharedObject::remove(arena);
+    auto m = SharedObject::create(arena, total);
     if (!m.ok()) return std::move(m).error();
+    (*m)->set_unlink_on_destroy(true);
     std::uint64_t offset = 0;
     for (std::uint32_t l = 0; l < g.num_layers; ++l)
       for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
@@ -366,17 +447,16 @@ Status<IpcErrc> EngineSession::create_host_device_tensors() {
         d.offset = offset;
         std::memcpy(d.handle, arena.c_str(), arena.size() + 1);
         if (auto st = register_tensor(d); !st.ok()) return st;
-        impl_->arena_tensor[proto::registry_index(g, r, l, kind)] = (*m)->data + offset;
+        impl_->arena_tensor[proto::registry_index(g, r, l, kind)] = (*m)->data() + offset;
         offset += (d.bytes + 255) / 256 * 256;
       }
-    populate_for_write((*m)->data, (*m)->size);  // like a real allocation: backed, not sparse
     impl_->arenas.push_back(std::move(m).value());
   }
   return {};
 }
 
 std::byte* EngineSession::host_device_tensor(std::uint32_t rank, std::uint32_t layer, proto::TensorKind kind) const {
-  const auto& g = impl_->h->geometry;
+  const auto& g = impl_->geo;
   if (rank >= g.num_ranks || layer >= g.num_layers) return nullptr;
   return impl_->arena_tensor[proto::registry_index(g, rank, layer, kind)];
 }
@@ -384,8 +464,8 @@ std::byte* EngineSession::host_device_tensor(std::uint32_t rank, std::uint32_t l
 Status<IpcErrc> EngineSession::publish() {
   std::lock_guard<std::mutex> g(impl_->mu);
   auto* h = impl_->h;
-  const auto& geo = h->geometry;
-  const auto* reg = detail::registry(h);
+  const auto& geo = impl_->geo;
+  const auto* reg = impl_->view.registry();
   for (std::uint32_t r = 0; r < geo.num_ranks; ++r)
     for (std::uint32_t l = 0; l < geo.num_layers; ++l)
       for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
@@ -401,11 +481,11 @@ Status<IpcErrc> EngineSession::publish() {
 }
 
 Status<IpcErrc> EngineSession::wait_ready(std::int64_t timeout_ns) {
-  const std::int64_t deadline = impl_->clock->now_ns() + timeout_ns;
+  const std::int64_t deadline = deadline_after(impl_->clock->now_ns(), timeout_ns);
   const std::uint32_t want = proto::kReadyCacheAttached | proto::kReadyHostPool;
   for (;;) {
     std::uint32_t missing = proto::kMaxRanks;
-    for (std::uint32_t r = 0; r < impl_->h->geometry.num_ranks; ++r) {
+    for (std::uint32_t r = 0; r < impl_->geo.num_ranks; ++r) {
       const auto& s = impl_->h->ranks[r];
       if (!s.attached.load() || (s.ready_flags.load() & want) != want) {
         missing = r;
@@ -421,6 +501,9 @@ Status<IpcErrc> EngineSession::wait_ready(std::int64_t timeout_ns) {
 }
 
 Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
+  if (req.kind != proto::TaskKind::kSwapToHost && req.kind != proto::TaskKind::kSwapToDevice)
+    return make_error(IpcErrc::kInvalidArgument, "task kind " + std::to_string(static_cast<unsigned>(req.kind)) +
+                                                     " is reserved or unknown; submit SWAP_TO_HOST or SWAP_TO_DEVICE");
   proto::TaskRecordHeader hdr{};
   hdr.kind = static_cast<std::uint16_t>(req.kind);
   hdr.format_version = proto::kTaskFormatVersion;
@@ -436,8 +519,8 @@ Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
   if (!impl->ring->fits(req.src.size(), req.dst.size()))
     return make_error(IpcErrc::kTooLarge, "a task of " + std::to_string(req.src.size()) + "+" +
                                               std::to_string(req.dst.size()) + " block ids cannot fit in a " +
-                                              std::to_string(h->task_ring_bytes) + "-byte task ring");
-  const std::int64_t deadline = impl->clock->now_ns() + req.submit_timeout_ns;
+                                              std::to_string(impl->view.layout.ring_bytes) + "-byte task ring");
+  const std::int64_t deadline = deadline_after(impl->clock->now_ns(), req.submit_timeout_ns);
   for (;;) {
     const std::uint32_t space_seen = h->space_word.load(std::memory_order_acquire);
     const std::uint32_t done_seen = h->completion_word.load(std::memory_order_acquire);
@@ -445,7 +528,7 @@ Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
     {
       std::lock_guard<std::mutex> g(impl->mu);
       impl->service(false);
-      for (std::uint32_t r = 0; r < h->geometry.num_ranks; ++r) {
+      for (std::uint32_t r = 0; r < impl->geo.num_ranks; ++r) {
         if (!h->ranks[r].attached.load(std::memory_order_acquire))
           return make_error(IpcErrc::kNotReady, "rank " + std::to_string(r) + " is not attached to session " + impl->name);
       }
@@ -478,6 +561,8 @@ Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
 Result<std::uint64_t, IpcErrc> EngineSession::submit_raw(const proto::TaskRecordHeader& header,
                                                          std::span<const std::int32_t> src,
                                                          std::span<const std::int32_t> dst) {
+  if (header.kind == static_cast<std::uint16_t>(proto::TaskKind::kPadding) && header.format_version == proto::kPaddingFormat)
+    return make_error(IpcErrc::kInvalidArgument, "a raw task may not carry the ring's padding marker");
   auto* impl = impl_.get();
   std::lock_guard<std::mutex> g(impl->mu);
   impl->service(false);
@@ -499,7 +584,7 @@ std::optional<TaskResult> EngineSession::poll(std::uint64_t task_id) {
 Result<TaskResult, IpcErrc> EngineSession::wait(std::uint64_t task_id, std::int64_t timeout_ns) {
   auto* impl = impl_.get();
   auto* h = impl->h;
-  const std::int64_t deadline = impl->clock->now_ns() + timeout_ns;
+  const std::int64_t deadline = deadline_after(impl->clock->now_ns(), timeout_ns);
   for (;;) {
     const std::uint32_t seen = h->completion_word.load(std::memory_order_acquire);
     {
@@ -512,7 +597,11 @@ Result<TaskResult, IpcErrc> EngineSession::wait(std::uint64_t task_id, std::int6
         return r;
       }
       if (!impl->pending.count(task_id))
-        return make_error(IpcErrc::kUnknownTask, "task " + std::to_string(task_id) + " is not pending");
+        return make_error(IpcErrc::kUnknownTask, "task " + std::to_string(task_id) +
+                                                     " is not pending (never submitted, already collected, or dropped "
+                                                     "as one of more than " +
+                                                     std::to_string(impl->opts.max_uncollected_results) +
+                                                     " uncollected results)");
     }
     const std::int64_t now = impl->clock->now_ns();
     if (now >= deadline)
@@ -527,7 +616,10 @@ Status<IpcErrc> EngineSession::wait_layer(std::uint64_t task_id, std::uint32_t l
                                           LayerStage stage) {
   auto* impl = impl_.get();
   auto* h = impl->h;
-  const std::int64_t deadline = impl->clock->now_ns() + timeout_ns;
+  if (layer >= impl->geo.num_layers)
+    return make_error(IpcErrc::kInvalidArgument, "layer " + std::to_string(layer) + " is out of range: the session has " +
+                                                     std::to_string(impl->geo.num_layers) + " layers");
+  const std::int64_t deadline = deadline_after(impl->clock->now_ns(), timeout_ns);
   for (;;) {
     const std::uint32_t progress_seen = h->progress_word.load(std::memory_order_acquire);
     const std::uint32_t done_seen = h->completion_word.load(std::memory_order_acquire);
@@ -544,9 +636,9 @@ Status<IpcErrc> EngineSession::wait_layer(std::uint64_t task_id, std::uint32_t l
       if (it == impl->pending.end())
         return make_error(IpcErrc::kUnknownTask, "task " + std::to_string(task_id) + " is not pending");
       bool all = true;
-      for (std::uint32_t r = 0; r < h->geometry.num_ranks && all; ++r) {
+      for (std::uint32_t r = 0; r < impl->geo.num_ranks && all; ++r) {
         if (it->second.reported & (1u << r)) continue;  // that rank finished the whole task
-        auto* slot = detail::progress_slot(h, r, it->second.seq);
+        auto* slot = impl->view.progress_slot(r, it->second.seq);
         const std::uint64_t before = slot->task_id.load(std::memory_order_acquire);
         const std::uint32_t reached = stage == LayerStage::kDone ? slot->layers_done.load(std::memory_order_acquire)
                                                                  : slot->layers_enqueued.load(std::memory_order_acquire);
@@ -568,16 +660,17 @@ Status<IpcErrc> EngineSession::wait_layer(std::uint64_t task_id, std::uint32_t l
 
 std::optional<std::array<std::uint8_t, proto::kHandleBytes>> EngineSession::layer_event_handle(
     std::uint32_t rank, std::uint32_t layer) const {
-  auto* h = impl_->h;
-  if (rank >= h->geometry.num_ranks || layer >= h->geometry.num_layers) return std::nullopt;
-  if (detail::progress_control(h, rank)->events_published.load(std::memory_order_acquire) <= layer) return std::nullopt;
+  const auto& v = impl_->view;
+  if (rank >= impl_->geo.num_ranks || layer >= impl_->geo.num_layers) return std::nullopt;
+  // Acquire pairs with the rank's release of events_published: the handle bytes are complete.
+  if (v.progress_control(rank)->events_published.load(std::memory_order_acquire) <= layer) return std::nullopt;
   std::array<std::uint8_t, proto::kHandleBytes> out{};
-  std::memcpy(out.data(), detail::event_handle(h, rank, layer), out.size());
+  std::memcpy(out.data(), v.event_handle(rank, layer), out.size());
   return out;
 }
 
 bool EngineSession::rank_alive(std::uint32_t rank) const {
-  if (rank >= impl_->h->geometry.num_ranks) return false;
+  if (rank >= impl_->geo.num_ranks) return false;
   const auto& s = impl_->h->ranks[rank];
   return s.attached.load() != 0 && impl_->clock->now_ns() - s.heartbeat_ns.load() <= impl_->opts.rank_timeout_ns;
 }
@@ -587,8 +680,8 @@ std::size_t EngineSession::in_flight() const {
   return impl_->pending.size();
 }
 
-const proto::CacheGeometry& EngineSession::geometry() const { return impl_->h->geometry; }
+const proto::CacheGeometry& EngineSession::geometry() const { return impl_->geo; }
 const std::string& EngineSession::name() const { return impl_->name; }
-std::uint64_t EngineSession::generation() const { return impl_->h->generation; }
+std::uint64_t EngineSession::generation() const { return impl_->generation; }
 
 }  // namespace kvtd::ipc

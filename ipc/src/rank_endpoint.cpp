@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "kvtd/ipc/clock.h"
+#include "kvtd/ipc/process.h"
 #include "kvtd/ipc/rings.h"
 #include "kvtd/ipc/wait.h"
 #include "kvtd/proto/names.h"
@@ -18,12 +19,17 @@ namespace kvtd::ipc {
 
 struct RankEndpoint::Impl {
   EndpointOptions opts;
-  std::unique_ptr<detail::SharedMapping> mapping;
-  proto::SessionHeader* h = nullptr;
+  std::unique_ptr<SharedObject> mapping;
+  detail::SessionView view;           // from the validated header: never re-read
+  proto::CacheGeometry geometry{};    // private copy
+  std::uint64_t generation = 0;       // private copy
+  proto::SessionHeader* h = nullptr;  // for the atomics only
+  std::vector<proto::TensorDesc> tensors;  // this rank's, by layer * kTensorKinds + kind
   std::unique_ptr<TaskRingReader> reader;
   std::unique_ptr<CompletionRing> completions;
   std::mutex complete_mu;
-  std::uint32_t epoch = 0;
+  std::atomic<std::uint32_t> epoch{0};  // written by the dispatcher, read by executor threads
+  std::uint64_t owner = 0;  // our owner word, once claimed
 
   proto::RankSlot& slot() { return h->ranks[opts.rank]; }
 
@@ -37,14 +43,33 @@ struct RankEndpoint::Impl {
     return monotonic_now_ns() - h->engine_heartbeat_ns.load(std::memory_order_acquire) <= opts.engine_timeout_ns;
   }
 
+  // Claims the rank for this process: kInUse naming the live owner, else ours.
+  Status<IpcErrc> claim() {
+    const std::uint64_t me = self_owner_word();
+    auto& word = slot().owner;
+    for (;;) {
+      std::uint64_t cur = word.load(std::memory_order_acquire);
+      if (cur == me) break;
+      if (cur != 0 && owner_alive(cur))
+        return make_error(IpcErrc::kInUse, "rank " + std::to_string(opts.rank) + " is already served by live kvtd pid " +
+                                               std::to_string(proto::owner_pid(cur)));
+      // The owner is gone (or there is none): take over. A racing newcomer loses the CAS, re-reads
+      // us as the live owner and is refused.
+      if (word.compare_exchange_strong(cur, me, std::memory_order_acq_rel)) break;
+    }
+    owner = me;
+    return {};
+  }
+
   // Asks the engine for a new epoch and waits for the grant.
   bool request_grant() {
     auto& s = slot();
-    epoch = s.attach_request.load() + 1;
-    if (epoch == 0) epoch = 1;
+    std::uint32_t next = s.attach_request.load() + 1;
+    if (next == 0) next = 1;
+    epoch.store(next, std::memory_order_release);
     s.pid.store(static_cast<std::uint32_t>(getpid()));
     s.heartbeat_ns.store(monotonic_now_ns(), std::memory_order_release);
-    s.attach_request.store(epoch, std::memory_order_release);
+    s.attach_request.store(next, std::memory_order_release);
     const std::int64_t deadline = monotonic_now_ns() + opts.grant_timeout_ns;
     for (;;) {
       const std::uint32_t seen = h->publish_word.load(std::memory_order_acquire);
@@ -57,6 +82,34 @@ struct RankEndpoint::Impl {
       (void)wait_on_word(h->publish_word, seen, std::min(deadline, now + 20'000'000), &h->consumer_waiters, 0);
     }
   }
+
+  // Copies and checks this rank's tensor descriptors.
+  Status<IpcErrc> copy_tensors() {
+    const auto& g = geometry;
+    tensors.assign(std::size_t{g.num_layers} * proto::kTensorKinds, proto::TensorDesc{});
+    for (std::uint32_t l = 0; l < g.num_layers; ++l)
+      for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
+        const auto kind = static_cast<proto::TensorKind>(k);
+        if (!g.has_tensor(kind)) continue;
+        proto::TensorDesc d;
+        std::memcpy(&d, &view.registry()[proto::registry_index(g, opts.rank, l, kind)], sizeof d);
+        if (!d.valid) continue;  // reported by the caller when it needs the tensor
+        const std::string what = std::string(proto::tensor_kind_name(kind)) + " tensor of rank " +
+                                 std::to_string(opts.rank) + " layer " + std::to_string(l);
+        if (d.rank != opts.rank || d.layer != l || d.kind != k)
+          return make_error(IpcErrc::kCorrupt, "registry entry of the " + what + " names rank " + std::to_string(d.rank) +
+                                                   " layer " + std::to_string(d.layer) + " kind " + std::to_string(d.kind));
+        std::uint64_t need = 0, end = 0;
+        (void)proto::checked_mul(g.block_bytes(kind), static_cast<std::uint64_t>(g.num_device_blocks()), &need);
+        if (d.bytes < need || !proto::checked_add(d.offset, d.bytes, &end))
+          return make_error(IpcErrc::kCorrupt, "registry entry of the " + what + " has " + std::to_string(d.bytes) +
+                                                   " bytes at offset " + std::to_string(d.offset) + "; the geometry needs " +
+                                                   std::to_string(need));
+        d.valid = 1;
+        tensors[std::size_t{l} * proto::kTensorKinds + k] = d;
+      }
+    return {};
+  }
 };
 
 RankEndpoint::RankEndpoint(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -66,7 +119,10 @@ RankEndpoint::~RankEndpoint() {
   s.ready_flags.store(0, std::memory_order_release);
   // Tell the engine at once that this epoch is gone, so it fails what is still pending for us
   // now instead of after the heartbeat timeout. Our completions were all written before this.
-  s.leaving_epoch.store(impl_->epoch, std::memory_order_release);
+  s.leaving_epoch.store(impl_->epoch.load(), std::memory_order_release);
+  // Give up the claim so a successor need not check that we are dead.
+  std::uint64_t mine = impl_->owner;
+  if (mine != 0) s.owner.compare_exchange_strong(mine, 0, std::memory_order_acq_rel);
 }
 
 Result<std::unique_ptr<RankEndpoint>, IpcErrc> RankEndpoint::attach(const EndpointOptions& o) {
@@ -90,27 +146,28 @@ Result<std::unique_ptr<RankEndpoint>, IpcErrc> RankEndpoint::attach(const Endpoi
       last_note = now;
     }
 
-    auto opened = detail::open_mapping(name);
+    auto opened = SharedObject::open(name);
     if (!opened.ok()) {
       if (opened.error().code != IpcErrc::kNotFound) return std::move(opened).error();
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
       continue;
     }
     auto m = std::move(opened).value();
-    if (m->owner_uid != getuid())
-      return make_error(IpcErrc::kPermission, "session " + name + " is owned by uid " + std::to_string(m->owner_uid) +
+    if (m->owner_uid() != getuid())
+      return make_error(IpcErrc::kPermission, "session " + name + " is owned by uid " + std::to_string(m->owner_uid()) +
                                                   ", not by this daemon's uid " + std::to_string(getuid()));
-    if ((m->mode & 077) != 0)
-      return make_error(IpcErrc::kPermission, "session " + name + " has mode 0" + std::to_string((m->mode >> 6) & 7) +
-                                                  std::to_string((m->mode >> 3) & 7) + std::to_string(m->mode & 7) +
+    if ((m->mode() & 077) != 0)
+      return make_error(IpcErrc::kPermission, "session " + name + " has mode 0" + std::to_string((m->mode() >> 6) & 7) +
+                                                  std::to_string((m->mode() >> 3) & 7) + std::to_string(m->mode() & 7) +
                                                   "; it must not be accessible to group or others");
-    auto* h = reinterpret_cast<proto::SessionHeader*>(m->data);
-    if (m->size < sizeof(proto::SessionHeader)) {  // still being sized by the engine
+    auto* h = reinterpret_cast<proto::SessionHeader*>(m->data());
+    if (m->size() < sizeof(proto::SessionHeader)) {  // still being sized by the engine
       waiting_for = "session " + name + " to be initialised";
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
       continue;
     }
-    const std::uint64_t magic = reinterpret_cast<std::atomic<std::uint64_t>*>(&h->magic)->load(std::memory_order_acquire);
+    // Acquire pairs with the engine's release store of the magic: the header fields are complete.
+    const std::uint64_t magic = std::atomic_ref<std::uint64_t>(h->magic).load(std::memory_order_acquire);
     if (magic == 0) {
       waiting_for = "session " + name + " to be initialised";
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -118,13 +175,14 @@ Result<std::unique_ptr<RankEndpoint>, IpcErrc> RankEndpoint::attach(const Endpoi
     }
     if (magic != proto::kSessionMagic)
       return make_error(IpcErrc::kBadMagic, "shared memory object " + name + " is not a kvtd session (bad magic)");
-    if (h->layout_version != proto::kSessionLayoutVersion || h->header_bytes != sizeof(proto::SessionHeader))
+    const detail::HeaderCopy copy = detail::copy_header(*h);
+    if (copy.layout_version != proto::kSessionLayoutVersion || copy.header_bytes != sizeof(proto::SessionHeader))
       return make_error(IpcErrc::kBadVersion, "session " + name + " has layout version " +
-                                                  std::to_string(h->layout_version) + ", this daemon speaks " +
+                                                  std::to_string(copy.layout_version) + ", this daemon speaks " +
                                                   std::to_string(proto::kSessionLayoutVersion));
     const auto state = static_cast<proto::SessionState>(h->state.load(std::memory_order_acquire));
     const bool stale = monotonic_now_ns() - h->engine_heartbeat_ns.load() > o.engine_timeout_ns;
-    if (h->generation == o.skip_generation || state == proto::SessionState::kClosed || stale) {
+    if (copy.generation == o.skip_generation || state == proto::SessionState::kClosed || stale) {
       waiting_for = "a new session " + name + " (the current one is closed or its engine is gone)";
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       continue;
@@ -134,23 +192,37 @@ Result<std::unique_ptr<RankEndpoint>, IpcErrc> RankEndpoint::attach(const Endpoi
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
       continue;
     }
-    if (m->size < h->total_bytes)
-      return make_error(IpcErrc::kBadMagic, "session " + name + " is truncated");
-    if (o.rank >= h->geometry.num_ranks)
+    // Published: the layout is final. Copy it once, check the copy against the mapping, and
+    // use only the copy from here on.
+    const detail::HeaderCopy fixed = detail::copy_header(*h);
+    auto layout = detail::validate_header(fixed, m->size());
+    if (!layout.ok()) return make_error(layout.error().code, "session " + name + ": " + layout.error().message);
+    if (o.rank >= fixed.geometry.num_ranks)
       return make_error(IpcErrc::kGeometryMismatch, "rank: this daemon is rank " + std::to_string(o.rank) +
                                                         " but the session has " +
-                                                        std::to_string(h->geometry.num_ranks) + " ranks");
-    if (auto diff = detail::geometry_mismatch(h->geometry, o.expected); !diff.empty())
+                                                        std::to_string(fixed.geometry.num_ranks) + " ranks");
+    if (auto diff = detail::geometry_mismatch(fixed.geometry, o.expected); !diff.empty())
       return make_error(IpcErrc::kGeometryMismatch, "session " + name + " disagrees on " + diff);
 
     auto impl = std::make_unique<Impl>();
     impl->opts = o;
     impl->h = h;
+    impl->geometry = fixed.geometry;
+    impl->generation = fixed.generation;
+    impl->view.base = m->data();
+    impl->view.layout = *layout;
+    impl->view.num_ranks = fixed.geometry.num_ranks;
+    impl->view.num_layers = fixed.geometry.num_layers;
     impl->mapping = std::move(m);
-    impl->reader = std::make_unique<TaskRingReader>(h, detail::ring_bytes(h), h->task_ring_bytes, o.rank);
-    impl->completions = std::make_unique<CompletionRing>(detail::completion_control(h, o.rank),
-                                                         detail::completion_records(h, o.rank), h->completion_capacity);
+    if (auto st = impl->copy_tensors(); !st.ok()) return make_error(st.error().code, "session " + name + ": " + st.error().message);
+    impl->reader = std::make_unique<TaskRingReader>(h, impl->view.ring(), layout->ring_bytes, o.rank);
+    impl->completions = std::make_unique<CompletionRing>(impl->view.completion_control(o.rank),
+                                                         impl->view.completion_records(o.rank), layout->completion_capacity);
+    if (auto st = impl->claim(); !st.ok()) return make_error(st.error().code, "session " + name + ": " + st.error().message);
     if (!impl->request_grant()) {
+      // Give the claim back: we are not serving.
+      std::uint64_t mine = impl->owner;
+      impl->slot().owner.compare_exchange_strong(mine, 0, std::memory_order_acq_rel);
       if (o.stop && o.stop->load()) return make_error(IpcErrc::kClosed, "stopped while waiting for the attach grant");
       if (!impl->engine_alive()) {
         waiting_for = "a new session " + name + " (the engine left during attach)";
@@ -175,6 +247,9 @@ RankEndpoint::Next RankEndpoint::next_task(std::vector<std::byte>& record, std::
     switch (impl->reader->try_pop(record)) {
       case TaskRingReader::Read::kRecord:
         bump_and_wake(h->space_word, &h->producer_waiters);
+        // Checked after the pop: the engine may have revoked us while we read, and then this
+        // record is one it already failed for us (and the grant reset our cursor anyway).
+        if (!impl->granted()) continue;
         return Next::kTask;
       case TaskRingReader::Read::kCorrupt: return Next::kCorrupt;
       case TaskRingReader::Read::kEmpty: break;
@@ -199,7 +274,8 @@ Status<IpcErrc> RankEndpoint::complete(const proto::CompletionRecord& record) {
 }
 
 void RankEndpoint::progress_begin(const proto::TaskRecordHeader& task) {
-  auto* slot = detail::progress_slot(impl_->h, impl_->opts.rank, task.seq);
+  auto* slot = impl_->view.progress_slot(impl_->opts.rank, task.seq);
+  // task_id 0 first: a reader that sees the counters change sees a task id that is not theirs.
   slot->task_id.store(0, std::memory_order_release);
   slot->layers_enqueued.store(0, std::memory_order_release);
   slot->layers_done.store(0, std::memory_order_release);
@@ -208,33 +284,33 @@ void RankEndpoint::progress_begin(const proto::TaskRecordHeader& task) {
 
 void RankEndpoint::progress_update(const proto::TaskRecordHeader& task, std::uint32_t layers_enqueued,
                                    std::uint32_t layers_done) {
-  auto* slot = detail::progress_slot(impl_->h, impl_->opts.rank, task.seq);
+  auto* slot = impl_->view.progress_slot(impl_->opts.rank, task.seq);
   slot->layers_enqueued.store(layers_enqueued, std::memory_order_release);
   slot->layers_done.store(layers_done, std::memory_order_release);
   bump_and_wake(impl_->h->progress_word, &impl_->h->progress_waiters);
 }
 
 void RankEndpoint::publish_layer_events(const std::vector<std::array<std::uint8_t, proto::kHandleBytes>>& handles) {
-  auto* h = impl_->h;
-  const auto n = static_cast<std::uint32_t>(std::min<std::size_t>(handles.size(), h->geometry.num_layers));
+  const auto n = static_cast<std::uint32_t>(std::min<std::size_t>(handles.size(), impl_->geometry.num_layers));
   for (std::uint32_t l = 0; l < n; ++l)
-    std::memcpy(detail::event_handle(h, impl_->opts.rank, l), handles[l].data(), proto::kHandleBytes);
-  detail::progress_control(h, impl_->opts.rank)->events_published.store(n, std::memory_order_release);
+    std::memcpy(impl_->view.event_handle(impl_->opts.rank, l), handles[l].data(), proto::kHandleBytes);
+  // Release publishes the handle bytes above to the engine's acquire of events_published.
+  impl_->view.progress_control(impl_->opts.rank)->events_published.store(n, std::memory_order_release);
 }
 
+bool RankEndpoint::granted() const { return impl_->granted(); }
 void RankEndpoint::heartbeat() { impl_->slot().heartbeat_ns.store(monotonic_now_ns(), std::memory_order_release); }
 void RankEndpoint::set_ready(std::uint32_t flags) { impl_->slot().ready_flags.store(flags, std::memory_order_release); }
 bool RankEndpoint::engine_alive() const { return impl_->engine_alive(); }
-const proto::SessionHeader& RankEndpoint::header() const { return *impl_->h; }
-const proto::CacheGeometry& RankEndpoint::geometry() const { return impl_->h->geometry; }
+const proto::CacheGeometry& RankEndpoint::geometry() const { return impl_->geometry; }
 std::uint32_t RankEndpoint::rank() const { return impl_->opts.rank; }
-std::uint64_t RankEndpoint::generation() const { return impl_->h->generation; }
-std::uint32_t RankEndpoint::epoch() const { return impl_->epoch; }
+std::uint64_t RankEndpoint::generation() const { return impl_->generation; }
+std::uint32_t RankEndpoint::epoch() const { return impl_->epoch.load(std::memory_order_acquire); }
 
 const proto::TensorDesc* RankEndpoint::tensor(std::uint32_t layer, proto::TensorKind kind) const {
-  const auto& g = impl_->h->geometry;
+  const auto& g = impl_->geometry;
   if (layer >= g.num_layers || !g.has_tensor(kind)) return nullptr;
-  const auto* d = &detail::registry(impl_->h)[proto::registry_index(g, impl_->opts.rank, layer, kind)];
+  const auto* d = &impl_->tensors[std::size_t{layer} * proto::kTensorKinds + static_cast<std::uint32_t>(kind)];
   return d->valid ? d : nullptr;
 }
 

@@ -5,17 +5,22 @@
 namespace kvtd::ipc {
 namespace {
 
-// The lowest cursor among ranks the engine counts as attached; the producer may not write past
-// it + capacity. With no attached rank, nothing is left to protect.
-std::uint64_t min_consumed(const proto::SessionHeader& h, std::uint64_t head) {
-  std::uint64_t lo = head;
-  const std::uint32_t n = h.geometry.num_ranks < proto::kMaxRanks ? h.geometry.num_ranks : proto::kMaxRanks;
-  for (std::uint32_t r = 0; r < n; ++r) {
+// Bytes the slowest attached rank has not consumed yet; the producer may not write past that
+// rank's cursor + capacity. With no attached rank, nothing is left to protect. A cursor is the
+// consumer's word: one ahead of head or more than a ring behind (a broken or hostile daemon)
+// counts as a full ring, so the producer refuses rather than overwrite unread bytes.
+std::uint64_t max_unconsumed(const proto::SessionHeader& h, std::uint32_t num_ranks, std::uint64_t head,
+                             std::uint64_t cap) {
+  std::uint64_t used = 0;
+  for (std::uint32_t r = 0; r < num_ranks && r < proto::kMaxRanks; ++r) {
     if (h.ranks[r].attached.load(std::memory_order_acquire) == 0) continue;
+    // Acquire pairs with the reader's release store of `consumed`: the reader copied the record
+    // out before publishing the cursor, so bytes below it may be overwritten now.
     const std::uint64_t c = h.ranks[r].consumed.load(std::memory_order_acquire);
-    if (c < lo) lo = c;
+    const std::uint64_t u = (c > head || head - c > cap) ? cap : head - c;
+    if (u > used) used = u;
   }
-  return lo;
+  return used;
 }
 
 }  // namespace
@@ -27,7 +32,7 @@ bool TaskRingWriter::fits(std::uint64_t num_src, std::uint64_t num_dst) const {
 
 std::uint64_t TaskRingWriter::free_bytes() const {
   const std::uint64_t head = h_->ring_head.load(std::memory_order_relaxed);
-  const std::uint64_t used = head - min_consumed(*h_, head);
+  const std::uint64_t used = max_unconsumed(*h_, num_ranks_, head, cap_);
   return used >= cap_ ? 0 : cap_ - used;
 }
 
@@ -35,7 +40,7 @@ bool TaskRingWriter::try_push(const proto::TaskRecordHeader& hdr_in, std::span<c
                               std::span<const std::int32_t> dst, std::uint64_t* seq_out) {
   const auto num_src = static_cast<std::uint32_t>(src.size());
   const auto num_dst = static_cast<std::uint32_t>(dst.size());
-  const std::uint32_t bytes = proto::task_record_bytes(num_src, num_dst);
+  const std::uint64_t bytes = proto::task_record_bytes(num_src, num_dst);  // <= cap/2: fits() held
   const std::uint64_t head = h_->ring_head.load(std::memory_order_relaxed);
   const std::uint64_t pos = head % cap_;
   const std::uint64_t contiguous = cap_ - pos;
@@ -46,15 +51,15 @@ bool TaskRingWriter::try_push(const proto::TaskRecordHeader& hdr_in, std::span<c
     proto::TaskRecordHeader filler{};
     filler.record_bytes = static_cast<std::uint32_t>(pad);
     filler.kind = static_cast<std::uint16_t>(proto::TaskKind::kPadding);
-    filler.format_version = proto::kTaskFormatVersion;
-    // A tail shorter than a header cannot occur: positions and sizes are multiples of 16 and the
-    // header is 64 bytes, but the tail can be 16..48 bytes. Only record_bytes and kind are read
-    // from a padding record, and both lie in its first 8 bytes.
+    filler.format_version = proto::kPaddingFormat;
+    // The tail can be 16..48 bytes (positions and sizes are multiples of 16, the header is 64):
+    // only record_bytes, kind and format_version are read from a padding record, and all three
+    // lie in its first 12 bytes.
     std::memcpy(ring_ + pos, &filler, pad < sizeof filler ? pad : sizeof filler);
   }
   std::byte* at = ring_ + (head + pad) % cap_;
   proto::TaskRecordHeader hdr = hdr_in;
-  hdr.record_bytes = bytes;
+  hdr.record_bytes = static_cast<std::uint32_t>(bytes);
   hdr.num_src = num_src;
   hdr.num_dst = num_dst;
   hdr.seq = h_->next_seq.load(std::memory_order_relaxed);
@@ -63,6 +68,8 @@ bool TaskRingWriter::try_push(const proto::TaskRecordHeader& hdr_in, std::span<c
   if (num_dst) std::memcpy(at + sizeof hdr + 4ull * num_src, dst.data(), 4ull * num_dst);
 
   h_->next_seq.store(hdr.seq + 1, std::memory_order_relaxed);
+  // Release publishes the padding and the record bytes written above to every reader that
+  // acquires ring_head.
   h_->ring_head.store(head + pad + bytes, std::memory_order_release);
   if (seq_out) *seq_out = hdr.seq;
   return true;
@@ -71,7 +78,8 @@ bool TaskRingWriter::try_push(const proto::TaskRecordHeader& hdr_in, std::span<c
 TaskRingReader::Read TaskRingReader::try_pop(std::vector<std::byte>& out) {
   auto& slot = h_->ranks[rank_];
   for (;;) {
-    const std::uint64_t tail = slot.consumed.load(std::memory_order_relaxed);
+    const std::uint64_t tail = slot.consumed.load(std::memory_order_relaxed);  // only we write it
+    // Acquire pairs with the writer's release of ring_head: the bytes below head are complete.
     const std::uint64_t head = h_->ring_head.load(std::memory_order_acquire);
     if (tail == head) return Read::kEmpty;
     if (head - tail > cap_ || tail % proto::kRecordAlign != 0) return Read::kCorrupt;
@@ -79,16 +87,23 @@ TaskRingReader::Read TaskRingReader::try_pop(std::vector<std::byte>& out) {
     const std::uint64_t contiguous = cap_ - pos;
     std::uint32_t rb = 0;
     std::uint16_t kind = 0;
+    std::uint32_t format = 0;
     std::memcpy(&rb, ring_ + pos, sizeof rb);
     std::memcpy(&kind, ring_ + pos + 4, sizeof kind);
+    std::memcpy(&format, ring_ + pos + 8, sizeof format);
     if (rb == 0 || rb % proto::kRecordAlign != 0 || rb > contiguous || rb > head - tail) return Read::kCorrupt;
-    if (kind == static_cast<std::uint16_t>(proto::TaskKind::kPadding) && rb == contiguous && pos != 0) {
+    if (kind == static_cast<std::uint16_t>(proto::TaskKind::kPadding) && format == proto::kPaddingFormat) {
+      // Padding only ever fills the rest of the buffer; anywhere else the framing is broken.
+      if (rb != contiguous || pos == 0) return Read::kCorrupt;
+      // Release: we read nothing of these bytes that the producer may not overwrite now.
       slot.consumed.store(tail + rb, std::memory_order_release);
       continue;
     }
     if (rb < sizeof(proto::TaskRecordHeader)) return Read::kCorrupt;
     out.resize(rb);
     std::memcpy(out.data(), ring_ + pos, rb);
+    // Release after the copy: the producer (acquire in min_consumed) may overwrite these bytes
+    // only once they are in `out`.
     slot.consumed.store(tail + rb, std::memory_order_release);
     return Read::kRecord;
   }
@@ -96,18 +111,28 @@ TaskRingReader::Read TaskRingReader::try_pop(std::vector<std::byte>& out) {
 
 bool CompletionRing::try_push(const proto::CompletionRecord& rec) {
   const std::uint64_t head = c_->head.load(std::memory_order_relaxed);
+  // Acquire pairs with the consumer's release of tail: the slot we are about to reuse was copied.
   const std::uint64_t tail = c_->tail.load(std::memory_order_acquire);
-  if (head - tail >= cap_) return false;
+  if (head - tail >= cap_) return false;  // also when a broken tail is ahead of head
   std::memcpy(&r_[head % cap_], &rec, sizeof rec);
+  // Release publishes the record written above to the consumer's acquire of head.
   c_->head.store(head + 1, std::memory_order_release);
   return true;
 }
 
 bool CompletionRing::try_pop(proto::CompletionRecord& rec) {
-  const std::uint64_t tail = c_->tail.load(std::memory_order_relaxed);
+  const std::uint64_t tail = c_->tail.load(std::memory_order_relaxed);  // only we write it
+  // Acquire pairs with the producer's release of head: the record below head is complete.
   const std::uint64_t head = c_->head.load(std::memory_order_acquire);
   if (tail == head) return false;
+  if (head - tail > cap_) {
+    // A producer that claims more records than the ring holds is broken or hostile: skip to its
+    // head rather than read slots twice. The lost reports fail by rank liveness, never silently.
+    c_->tail.store(head, std::memory_order_release);
+    return false;
+  }
   std::memcpy(&rec, &r_[tail % cap_], sizeof rec);
+  // Release after the copy: the producer may reuse the slot once we no longer read it.
   c_->tail.store(tail + 1, std::memory_order_release);
   return true;
 }

@@ -1,76 +1,227 @@
 #include "segment.h"
 
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
-#include <boost/interprocess/mapped_region.hpp>
-#include <boost/interprocess/shared_memory_object.hpp>
+#include <atomic>
 #include <cerrno>
+#include <cinttypes>
+#include <cstdio>
 #include <cstring>
+#include <set>
 
-namespace kvtd::ipc::detail {
-namespace bip = boost::interprocess;
+#include "kvtd/proto/checked.h"
+
+namespace kvtd::ipc {
 
 namespace {
-std::uint64_t align_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; }
 
-Result<std::unique_ptr<SharedMapping>, IpcErrc> map_object(bip::shared_memory_object& shm, const std::string& name,
-                                                           bool owner) {
-  auto m = std::make_unique<SharedMapping>();
-  struct stat st {};
-  if (fstat(shm.get_mapping_handle().handle, &st) != 0) return make_error(IpcErrc::kSystem, errno_text("fstat"));
-  m->owner_uid = st.st_uid;
-  m->mode = st.st_mode & 0777;
-  m->name = name;
-  m->owner = owner;
-  if (st.st_size == 0) return make_error(IpcErrc::kNotFound, "shared memory object " + name + " is empty");
-  auto region = std::make_shared<bip::mapped_region>(shm, bip::read_write);
-  m->data = static_cast<std::byte*>(region->get_address());
-  m->size = region->get_size();
-  m->region = std::move(region);  // the region unmaps when the mapping is destroyed
-  return m;
+
+std::string mib(std::uint64_t b) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(b) / (1 << 20));
+  return buf;
 }
+
 }  // namespace
+
+std::string session_object_name(std::uint64_t generation, const std::string& what) {
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "kvtd_%u_%016" PRIx64 "_%s", static_cast<unsigned>(getuid()), generation, what.c_str());
+  return buf;
+}
+
+std::int64_t shm_free_bytes() {
+  struct statvfs v {};
+  if (statvfs("/dev/shm", &v) != 0) return -1;
+  return static_cast<std::int64_t>(v.f_bavail) * static_cast<std::int64_t>(v.f_frsize);
+}
+
+SharedObject::~SharedObject() {
+  if (data_ != nullptr) munmap(data_, size_);
+  if (unlink_) remove(name_);
+}
+
+void SharedObject::remove(const std::string& name) { shm_unlink(name.c_str()); }
+
+Result<std::unique_ptr<SharedObject>, IpcErrc> SharedObject::create(const std::string& name, std::size_t bytes,
+                                                                    const BeforeAllocate& before) {
+  if (bytes == 0) return make_error(IpcErrc::kInvalidArgument, "shared memory object " + name + " of 0 bytes");
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    if (errno == EEXIST) return make_error(IpcErrc::kInUse, "shared memory object " + name + " already exists");
+    return make_error(IpcErrc::kSystem, detail::errno_text(("create " + name).c_str()));
+  }
+  std::unique_ptr<SharedObject> o(new SharedObject());
+  o->name_ = name;
+  o->created_ = true;
+  o->unlink_ = true;  // until it is complete: a failed create leaves nothing behind
+  o->owner_uid_ = getuid();
+  o->mode_ = 0600;
+  auto fail = [&](IpcErrc code, const std::string& msg) {
+    close(fd);
+    return make_error(code, msg);
+  };
+  fchmod(fd, 0600);  // never wider than 0600, whatever the umask
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0)
+    return fail(IpcErrc::kSystem, detail::errno_text(("size " + name).c_str()));
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) return fail(IpcErrc::kSystem, detail::errno_text(("map " + name).c_str()));
+  o->data_ = static_cast<std::byte*>(p);
+  o->size_ = bytes;
+  if (before) before(p, bytes);
+  // Every page now, so a full tmpfs is an error here and never a SIGBUS at some later write.
+  if (const int e = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); e != 0) {
+    const std::int64_t free_now = shm_free_bytes();
+    return fail(e == ENOSPC ? IpcErrc::kNoSpace : IpcErrc::kSystem,
+                "cannot allocate shared memory object " + name + " of " + mib(bytes) + " (" + std::to_string(bytes) +
+                    " bytes): " + std::strerror(e) + "; /dev/shm has " +
+                    (free_now < 0 ? std::string("unknown") : mib(static_cast<std::uint64_t>(free_now))) + " free");
+  }
+  close(fd);
+  o->unlink_ = false;
+  return o;
+}
+
+Result<std::unique_ptr<SharedObject>, IpcErrc> SharedObject::open(const std::string& name) {
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0);
+  if (fd < 0) {
+    if (errno == ENOENT) return make_error(IpcErrc::kNotFound, "shared memory object " + name + " does not exist");
+    if (errno == EACCES) return make_error(IpcErrc::kPermission, "no permission to open " + name);
+    return make_error(IpcErrc::kSystem, detail::errno_text(("open " + name).c_str()));
+  }
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    close(fd);
+    return make_error(IpcErrc::kSystem, detail::errno_text("fstat"));
+  }
+  std::unique_ptr<SharedObject> o(new SharedObject());
+  o->name_ = name;
+  o->owner_uid_ = st.st_uid;
+  o->mode_ = st.st_mode & 0777;
+  if (st.st_size <= 0) {
+    close(fd);
+    return make_error(IpcErrc::kNotFound, "shared memory object " + name + " is empty");
+  }
+  void* p = mmap(nullptr, static_cast<std::size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) return make_error(IpcErrc::kSystem, detail::errno_text(("map " + name).c_str()));
+  o->data_ = static_cast<std::byte*>(p);
+  o->size_ = static_cast<std::size_t>(st.st_size);
+  return o;
+}
+
+std::vector<std::string> sweep_stale_objects() {
+  std::vector<std::string> removed;
+  const std::string prefix = "kvtd_" + std::to_string(getuid()) + "_";
+  DIR* dir = opendir("/dev/shm");
+  if (dir == nullptr) return removed;
+  std::vector<std::string> names;
+  while (dirent* e = readdir(dir)) {
+    const std::string n = e->d_name;
+    if (n.compare(0, prefix.size(), prefix) == 0) names.push_back(n);
+  }
+  closedir(dir);
+
+  // Per-session objects: "<prefix><16 hex>_dev<digits>" or "_host<digits>".
+  auto session_object_generation = [&](const std::string& n, std::uint64_t* gen) {
+    const std::string rest = n.substr(prefix.size());
+    if (rest.size() < 18 || rest[16] != '_') return false;
+    const std::string tail = rest.substr(17);
+    std::size_t digits_at = 0;
+    if (tail.compare(0, 3, "dev") == 0) digits_at = 3;
+    else if (tail.compare(0, 4, "host") == 0) digits_at = 4;
+    else return false;
+    if (digits_at == tail.size()) return false;
+    for (std::size_t i = digits_at; i < tail.size(); ++i)
+      if (tail[i] < '0' || tail[i] > '9') return false;
+    char* end = nullptr;
+    const std::string hex = rest.substr(0, 16);
+    for (char c : hex)
+      if (!std::isxdigit(static_cast<unsigned char>(c))) return false;
+    *gen = std::strtoull(hex.c_str(), &end, 16);
+    return true;
+  };
+
+  std::set<std::uint64_t> live;
+  std::vector<std::string> dead_sessions;
+  for (const auto& n : names) {
+    std::uint64_t gen = 0;
+    if (session_object_generation(n, &gen)) continue;
+    auto o = SharedObject::open(n);
+    if (!o.ok()) continue;
+    if ((*o)->owner_uid() != getuid() || (*o)->size() < sizeof(proto::SessionHeader)) continue;
+    const auto* h = reinterpret_cast<const proto::SessionHeader*>((*o)->data());
+    const std::uint64_t magic =
+        std::atomic_ref<std::uint64_t>(const_cast<std::uint64_t&>(h->magic)).load(std::memory_order_acquire);
+    if (magic == 0) return removed;  // a session being created: its objects may not be visible yet
+    if (magic != proto::kSessionMagic) continue;
+    const auto creator = static_cast<pid_t>(h->creator_pid);
+    const bool alive = creator > 0 && (kill(creator, 0) == 0 || errno != ESRCH);
+    if (alive && h->state.load(std::memory_order_acquire) != static_cast<std::uint32_t>(proto::SessionState::kClosed))
+      live.insert(h->generation);
+    else if (!alive)
+      dead_sessions.push_back(n);
+  }
+  for (const auto& n : names) {
+    std::uint64_t gen = 0;
+    if (session_object_generation(n, &gen) && !live.count(gen)) {
+      SharedObject::remove(n);
+      removed.push_back(n);
+    }
+  }
+  for (const auto& n : dead_sessions) {
+    SharedObject::remove(n);
+    removed.push_back(n);
+  }
+  return removed;
+}
+
+namespace detail {
 
 std::string errno_text(const char* what) { return std::string(what) + ": " + std::strerror(errno); }
 
-SharedMapping::~SharedMapping() {
-  region.reset();
-  if (owner) remove_mapping(name);
-}
-
-Result<std::unique_ptr<SharedMapping>, IpcErrc> create_mapping(const std::string& name, std::size_t bytes) {
-  try {
-    bip::permissions perm(0600);
-    bip::shared_memory_object shm(bip::create_only, name.c_str(), bip::read_write, perm);
-    fchmod(shm.get_mapping_handle().handle, 0600);  // never wider than 0600, whatever the umask
-    shm.truncate(static_cast<bip::offset_t>(bytes));
-    return map_object(shm, name, true);
-  } catch (const bip::interprocess_exception& e) {
-    if (e.get_error_code() == bip::already_exists_error)
-      return make_error(IpcErrc::kInUse, "shared memory object " + name + " already exists");
-    return make_error(IpcErrc::kSystem, "create " + name + ": " + e.what());
+std::string check_geometry(const proto::CacheGeometry& g) {
+  if (g.num_ranks < 1 || g.num_ranks > proto::kMaxRanks)
+    return "num_ranks " + std::to_string(g.num_ranks) + " must be in [1, " + std::to_string(proto::kMaxRanks) + "]";
+  if (g.num_layers < 1 || g.num_layers > proto::kMaxLayers)
+    return "num_layers " + std::to_string(g.num_layers) + " must be in [1, " + std::to_string(proto::kMaxLayers) + "]";
+  if (proto::dtype_bytes(g.cache_dtype()) == 0) return "dtype " + std::to_string(g.dtype) + " is not a known cache dtype";
+  for (int i = 0; i < 4; ++i)
+    if (g.key_shape[i] <= 0) return "key shape dimension " + std::to_string(i) + " must be positive";
+  if (g.key_shape[0] > INT32_MAX) return "device block count must be < 2^31";
+  if (g.value_shape[0] != 0) {
+    for (int i = 0; i < 4; ++i)
+      if (g.value_shape[i] <= 0) return "value shape dimension " + std::to_string(i) + " must be positive";
+    if (g.value_shape[0] != g.key_shape[0]) return "value and key shapes must have the same block count";
+  } else {
+    for (int i = 0; i < 4; ++i)
+      if (g.value_shape[i] != 0) return "value shape must be all zero or all positive";
   }
+  if (g.num_host_blocks > INT32_MAX) return "host block count must be < 2^31";
+  if (const auto s = proto::geometry_sizes(g); s.problem != nullptr) return s.problem;
+  return "";
 }
 
-Result<std::unique_ptr<SharedMapping>, IpcErrc> open_mapping(const std::string& name) {
-  try {
-    bip::shared_memory_object shm(bip::open_only, name.c_str(), bip::read_write);
-    return map_object(shm, name, false);
-  } catch (const bip::interprocess_exception& e) {
-    if (e.get_error_code() == bip::not_found_error)
-      return make_error(IpcErrc::kNotFound, "shared memory object " + name + " does not exist");
-    if (e.get_error_code() == bip::security_error)
-      return make_error(IpcErrc::kPermission, "no permission to open " + name);
-    return make_error(IpcErrc::kSystem, "open " + name + ": " + e.what());
-  }
+std::string check_ring_sizes(std::uint64_t ring_bytes, std::uint32_t completion_capacity) {
+  auto pow2 = [](std::uint64_t v) { return v != 0 && (v & (v - 1)) == 0; };
+  if (!pow2(ring_bytes) || ring_bytes < kMinRingBytes || ring_bytes > kMaxRingBytes)
+    return "task ring bytes " + std::to_string(ring_bytes) + " must be a power of two in [4096, 2^30]";
+  if (!pow2(completion_capacity) || completion_capacity > kMaxCompletionCapacity)
+    return "completion capacity " + std::to_string(completion_capacity) + " must be a power of two in [1, 2^20]";
+  return "";
 }
-
-void remove_mapping(const std::string& name) { bip::shared_memory_object::remove(name.c_str()); }
 
 SessionLayout compute_layout(const proto::CacheGeometry& g, std::uint64_t ring_bytes,
                              std::uint32_t completion_capacity) {
+  // Inputs passed check_geometry and check_ring_sizes: ranks <= 16, layers <= 512, ring <= 2^30,
+  // capacity <= 2^20, so no term here comes near 2^64.
+  auto align_up = [](std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; };
   SessionLayout l{};
   l.registry_offset = align_up(sizeof(proto::SessionHeader), 64);
   l.registry_count = std::uint64_t{g.num_ranks} * g.num_layers * proto::kTensorKinds;
@@ -78,14 +229,64 @@ SessionLayout compute_layout(const proto::CacheGeometry& g, std::uint64_t ring_b
   l.ring_bytes = ring_bytes;
   l.completion_offset = align_up(l.ring_offset + ring_bytes, 4096);
   l.completion_capacity = completion_capacity;
-  l.completion_stride =
-      align_up(sizeof(proto::CompletionRingControl) + std::uint64_t{completion_capacity} * sizeof(proto::CompletionRecord), 4096);
+  l.completion_stride = align_up(
+      sizeof(proto::CompletionRingControl) + std::uint64_t{completion_capacity} * sizeof(proto::CompletionRecord), 4096);
   l.progress_offset = l.completion_offset + l.completion_stride * g.num_ranks;
   l.progress_stride = align_up(sizeof(proto::ProgressControl) + proto::kProgressSlots * sizeof(proto::LayerProgressSlot) +
                                    std::uint64_t{g.num_layers} * proto::kHandleBytes,
                                4096);
   l.total_bytes = l.progress_offset + l.progress_stride * g.num_ranks;
   return l;
+}
+
+HeaderCopy copy_header(const proto::SessionHeader& h) {
+  HeaderCopy c;
+  c.layout_version = h.layout_version;
+  c.header_bytes = h.header_bytes;
+  c.completion_capacity = h.completion_capacity;
+  c.generation = h.generation;
+  std::memcpy(&c.geometry, &h.geometry, sizeof c.geometry);
+  c.registry_offset = h.registry_offset;
+  c.registry_count = h.registry_count;
+  c.task_ring_offset = h.task_ring_offset;
+  c.task_ring_bytes = h.task_ring_bytes;
+  c.completion_offset = h.completion_offset;
+  c.completion_stride = h.completion_stride;
+  c.total_bytes = h.total_bytes;
+  c.progress_offset = h.progress_offset;
+  c.progress_stride = h.progress_stride;
+  return c;
+}
+
+Result<SessionLayout, IpcErrc> validate_header(const HeaderCopy& h, std::uint64_t mapping_bytes) {
+  if (h.layout_version != proto::kSessionLayoutVersion || h.header_bytes != sizeof(proto::SessionHeader))
+    return make_error(IpcErrc::kBadVersion, "layout version " + std::to_string(h.layout_version) +
+                                                " (header of " + std::to_string(h.header_bytes) +
+                                                " bytes); this build speaks " +
+                                                std::to_string(proto::kSessionLayoutVersion));
+  if (auto why = check_geometry(h.geometry); !why.empty())
+    return make_error(IpcErrc::kCorrupt, "corrupt session header: geometry: " + why);
+  if (auto why = check_ring_sizes(h.task_ring_bytes, h.completion_capacity); !why.empty())
+    return make_error(IpcErrc::kCorrupt, "corrupt session header: " + why);
+  const SessionLayout want = compute_layout(h.geometry, h.task_ring_bytes, h.completion_capacity);
+  auto field = [](const char* name, std::uint64_t have, std::uint64_t expect) -> std::string {
+    if (have == expect) return "";
+    return std::string(name) + " is " + std::to_string(have) + ", the geometry implies " + std::to_string(expect);
+  };
+  for (const auto& why : {field("registry_offset", h.registry_offset, want.registry_offset),
+                          field("registry_count", h.registry_count, want.registry_count),
+                          field("task_ring_offset", h.task_ring_offset, want.ring_offset),
+                          field("completion_offset", h.completion_offset, want.completion_offset),
+                          field("completion_stride", h.completion_stride, want.completion_stride),
+                          field("progress_offset", h.progress_offset, want.progress_offset),
+                          field("progress_stride", h.progress_stride, want.progress_stride),
+                          field("total_bytes", h.total_bytes, want.total_bytes)}) {
+    if (!why.empty()) return make_error(IpcErrc::kCorrupt, "corrupt session header: " + why);
+  }
+  if (want.total_bytes > mapping_bytes)
+    return make_error(IpcErrc::kCorrupt, "session is truncated: " + std::to_string(mapping_bytes) +
+                                              " bytes mapped, the layout needs " + std::to_string(want.total_bytes));
+  return want;
 }
 
 std::string session_name(const std::string& suffix) { return "kvtd_" + std::to_string(getuid()) + "_" + suffix; }
@@ -115,4 +316,5 @@ std::string geometry_mismatch(const proto::CacheGeometry& have, const proto::Cac
   return "";
 }
 
-}  // namespace kvtd::ipc::detail
+}  // namespace detail
+}  // namespace kvtd::ipc

@@ -1,84 +1,96 @@
-// Internal: a named POSIX shared-memory object mapped read-write (Boost.Interprocess), plus the
-// session layout arithmetic. Not part of the public API.
+// Internal: the session layout arithmetic, its validation against a mapping, and a view whose
+// pointers come from a validated private copy of the layout. Not part of the public API.
+//
+// Shared memory is hostile input (rule 9): a daemon validates the header once at attach, in
+// 64-bit checked arithmetic against the size of its mapping, keeps the result in private memory
+// and never re-reads an offset, size or count from the header again. The engine keeps the
+// layout it computed itself. Writing garbage over the header later therefore cannot move a
+// pointer of either side.
 #pragma once
-
-#include <sys/types.h>
 
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <string>
 
 #include "kvtd/ipc/errors.h"
+#include "kvtd/ipc/shared_object.h"
 #include "kvtd/proto/expected.h"
 #include "kvtd/proto/session.h"
 
 namespace kvtd::ipc::detail {
 
-struct SharedMapping {
-  SharedMapping() = default;
-  SharedMapping(const SharedMapping&) = delete;
-  SharedMapping& operator=(const SharedMapping&) = delete;
-  ~SharedMapping();
-
-  std::byte* data = nullptr;
-  std::size_t size = 0;
-  std::string name;
-  uid_t owner_uid = 0;
-  mode_t mode = 0;
-  bool owner = false;  // created by us: unlinked on destruction
-  std::shared_ptr<void> region;  // the Boost mapped_region, type-erased to keep Boost out
-};
-
-// Creates a new object of `bytes` (mode 0600), zero-filled, and maps it.
-Result<std::unique_ptr<SharedMapping>, IpcErrc> create_mapping(const std::string& name, std::size_t bytes);
-// Maps an existing object; records its owner and mode for the caller to check.
-Result<std::unique_ptr<SharedMapping>, IpcErrc> open_mapping(const std::string& name);
-// Unlinks a name (ignores a missing one).
-void remove_mapping(const std::string& name);
-
 struct SessionLayout {
-  std::uint64_t registry_offset, registry_count;
-  std::uint64_t ring_offset, ring_bytes;
-  std::uint64_t completion_offset, completion_stride;
-  std::uint32_t completion_capacity;
-  std::uint64_t progress_offset, progress_stride;
-  std::uint64_t total_bytes;
+  std::uint64_t registry_offset = 0, registry_count = 0;
+  std::uint64_t ring_offset = 0, ring_bytes = 0;
+  std::uint64_t completion_offset = 0, completion_stride = 0;
+  std::uint32_t completion_capacity = 0;
+  std::uint64_t progress_offset = 0, progress_stride = 0;
+  std::uint64_t total_bytes = 0;
 };
+
+inline constexpr std::uint64_t kMinRingBytes = 4096;
+inline constexpr std::uint64_t kMaxRingBytes = 1ull << 30;
+inline constexpr std::uint32_t kMaxCompletionCapacity = 1u << 20;
+
+// "" when the geometry is usable (ranks, layers, dtype, shapes, and every size product fits in
+// 64 bits with room to spare), else the problem in words.
+std::string check_geometry(const proto::CacheGeometry& g);
+// "" when ring and completion sizes are in range (powers of two), else the problem.
+std::string check_ring_sizes(std::uint64_t ring_bytes, std::uint32_t completion_capacity);
+// Layout of a session; only for values that passed check_geometry and check_ring_sizes.
 SessionLayout compute_layout(const proto::CacheGeometry& g, std::uint64_t ring_bytes,
                              std::uint32_t completion_capacity);
 
+// The fields of a header that define its layout, copied out of shared memory once.
+struct HeaderCopy {
+  std::uint32_t layout_version = 0, header_bytes = 0, completion_capacity = 0;
+  std::uint64_t generation = 0;
+  proto::CacheGeometry geometry{};
+  std::uint64_t registry_offset = 0, registry_count = 0, task_ring_offset = 0, task_ring_bytes = 0;
+  std::uint64_t completion_offset = 0, completion_stride = 0, total_bytes = 0;
+  std::uint64_t progress_offset = 0, progress_stride = 0;
+};
+HeaderCopy copy_header(const proto::SessionHeader& h);
+
+// Checks a copied header against a mapping of `mapping_bytes`: version, geometry, ring sizes,
+// and every offset, stride and count equal to what the geometry implies and inside the mapping.
+// Returns the layout to use from now on, or kBadMagic/kBadVersion naming the field.
+Result<SessionLayout, IpcErrc> validate_header(const HeaderCopy& h, std::uint64_t mapping_bytes);
+
+// Pointers into a mapped session, computed from a validated layout.
+struct SessionView {
+  std::byte* base = nullptr;
+  SessionLayout layout;
+  std::uint32_t num_ranks = 0;
+  std::uint32_t num_layers = 0;
+
+  proto::SessionHeader* header() const { return reinterpret_cast<proto::SessionHeader*>(base); }
+  proto::TensorDesc* registry() const { return reinterpret_cast<proto::TensorDesc*>(base + layout.registry_offset); }
+  std::byte* ring() const { return base + layout.ring_offset; }
+  proto::CompletionRingControl* completion_control(std::uint32_t rank) const {
+    return reinterpret_cast<proto::CompletionRingControl*>(base + layout.completion_offset +
+                                                           rank * layout.completion_stride);
+  }
+  proto::CompletionRecord* completion_records(std::uint32_t rank) const {
+    return reinterpret_cast<proto::CompletionRecord*>(reinterpret_cast<std::byte*>(completion_control(rank)) +
+                                                      sizeof(proto::CompletionRingControl));
+  }
+  proto::ProgressControl* progress_control(std::uint32_t rank) const {
+    return reinterpret_cast<proto::ProgressControl*>(base + layout.progress_offset + rank * layout.progress_stride);
+  }
+  proto::LayerProgressSlot* progress_slot(std::uint32_t rank, std::uint64_t seq) const {
+    return reinterpret_cast<proto::LayerProgressSlot*>(progress_control(rank) + 1) + seq % proto::kProgressSlots;
+  }
+  std::uint8_t* event_handle(std::uint32_t rank, std::uint32_t layer) const {
+    return reinterpret_cast<std::uint8_t*>(reinterpret_cast<proto::LayerProgressSlot*>(progress_control(rank) + 1) +
+                                           proto::kProgressSlots) +
+           std::size_t{layer} * proto::kHandleBytes;
+  }
+};
+
 // "kvtd_<uid>_<suffix>"; the suffix is checked by proto::valid_session_suffix.
 std::string session_name(const std::string& suffix);
-
-// Pointers into a mapped session.
-inline proto::TensorDesc* registry(proto::SessionHeader* h) {
-  return reinterpret_cast<proto::TensorDesc*>(reinterpret_cast<std::byte*>(h) + h->registry_offset);
-}
-inline std::byte* ring_bytes(proto::SessionHeader* h) {
-  return reinterpret_cast<std::byte*>(h) + h->task_ring_offset;
-}
-inline proto::CompletionRingControl* completion_control(proto::SessionHeader* h, std::uint32_t rank) {
-  return reinterpret_cast<proto::CompletionRingControl*>(reinterpret_cast<std::byte*>(h) + h->completion_offset +
-                                                         rank * h->completion_stride);
-}
-inline proto::CompletionRecord* completion_records(proto::SessionHeader* h, std::uint32_t rank) {
-  return reinterpret_cast<proto::CompletionRecord*>(reinterpret_cast<std::byte*>(completion_control(h, rank)) +
-                                                    sizeof(proto::CompletionRingControl));
-}
-
-inline proto::ProgressControl* progress_control(proto::SessionHeader* h, std::uint32_t rank) {
-  return reinterpret_cast<proto::ProgressControl*>(reinterpret_cast<std::byte*>(h) + h->progress_offset +
-                                                   rank * h->progress_stride);
-}
-inline proto::LayerProgressSlot* progress_slot(proto::SessionHeader* h, std::uint32_t rank, std::uint64_t seq) {
-  return reinterpret_cast<proto::LayerProgressSlot*>(progress_control(h, rank) + 1) + seq % proto::kProgressSlots;
-}
-inline std::uint8_t* event_handle(proto::SessionHeader* h, std::uint32_t rank, std::uint32_t layer) {
-  return reinterpret_cast<std::uint8_t*>(reinterpret_cast<proto::LayerProgressSlot*>(progress_control(h, rank) + 1) +
-                                         proto::kProgressSlots) +
-         std::size_t{layer} * proto::kHandleBytes;
-}
+using ipc::session_object_name;
 
 // Names the first geometry field on which `have` and `want` differ, or "" when equal.
 std::string geometry_mismatch(const proto::CacheGeometry& have, const proto::CacheGeometry& want);

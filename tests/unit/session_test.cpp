@@ -31,6 +31,9 @@ struct Engine {
     o.ring_bytes = ring_bytes;
     o.rank_timeout_ns = rank_timeout_ns;
     o.service_period_ns = 2'000'000;
+    // The ranks of these tests are endpoints inside this very process: "fence" them by
+    // declaring them stopped (they only act when the test calls them).
+    o.fencer = [](std::uint64_t, std::int64_t) { return FenceResult{FenceOutcome::kFenced, "in-process test rank"}; };
     auto r = EngineSession::create(o);
     EXPECT_TRUE(r.ok()) << r.error().message;
     s = std::move(r).value();

@@ -53,11 +53,26 @@ struct DaemonConfig {
   double attach_timeout_s = 0.0;       // 0: wait for the session forever
   double heartbeat_period_s = 0.1;
   std::string model_id = "default";
+  std::string write_policy;               // validated, not used yet (storage tasks: issue 8)
+  std::string storage_backend;            // validated, not used yet
+  std::vector<std::string> ignored_flags;  // FastDeploy flags given that kvtd accepts and ignores
 
   proto::CacheGeometry geometry() const;
+  // The durations in nanoseconds (validated ranges keep these far from overflow).
+  std::int64_t engine_timeout_ns() const { return static_cast<std::int64_t>(engine_timeout_s * 1e9); }
+  std::int64_t attach_timeout_ns() const { return static_cast<std::int64_t>(attach_timeout_s * 1e9); }
+  std::int64_t heartbeat_period_ns() const { return static_cast<std::int64_t>(heartbeat_period_s * 1e9); }
 };
 
-// Parses argv (argv[0] is the program name). Errors carry the text to print.
+// Ranges of the duration flags, in seconds.
+inline constexpr double kMaxEngineTimeoutS = 3600;
+inline constexpr double kMaxAttachTimeoutS = 7 * 86400;
+inline constexpr double kMinHeartbeatPeriodS = 0.001;
+inline constexpr double kMaxHeartbeatPeriodS = 1.0;
+inline constexpr std::int64_t kMaxDeviceId = 1023;
+
+// Parses argv (argv[0] is the program name). Errors carry the text to print. A config file
+// (--config) with an unknown key or a line that is not `key = value` is an error naming it.
 [[nodiscard]] Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const* argv);
 
 // Parses "a,b,c,d" into exactly four positive integers.

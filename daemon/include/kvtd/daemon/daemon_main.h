@@ -1,5 +1,9 @@
-// kvtd/daemon/daemon_main.h - the daemon's life: allocate the host pool, then attach to the
-// session, serve it, detach when the engine leaves and wait for the next one, until `stop`.
+// kvtd/daemon/daemon_main.h - the daemon's life: attach to the session, map (or create) the
+// rank's host pool of that session, serve it, detach when the engine leaves and wait for the
+// next one, until `stop`.
+//
+// Exit codes separate what an operator must fix (2, 3: systemd's RestartPreventExitStatus) from
+// what a restart can cure (4, 5, 6).
 #pragma once
 
 #include <atomic>
@@ -10,9 +14,11 @@ namespace kvtd::daemon {
 
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitBadFlags = 2;
-inline constexpr int kExitSessionRefused = 3;  // wrong owner, magic, version or geometry
+inline constexpr int kExitSessionRefused = 3;  // another uid, mode, magic, version, geometry, or a live daemon owns the rank
 inline constexpr int kExitAttachTimeout = 4;
-inline constexpr int kExitBackend = 5;         // device backend or host pool failure
+inline constexpr int kExitBackend = 5;         // device backend or host pool failure (e.g. /dev/shm full)
+inline constexpr int kExitSessionCorrupt = 6;  // the session's layout or ring framing is broken: transient
+                                               // (the engine recreates it), so systemd restarts us
 
 // Returns the process exit code. Thread-safety: call once.
 int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop);

@@ -51,8 +51,15 @@ class DeviceBackend {
   // Releases every mapping opened since the last call.
   virtual void close_tensors() = 0;
 
-  // Host memory for the host pool (pinned for DMA on CUDA), zero-filled; freed by the backend.
+  // Host memory (pinned for DMA on CUDA), zero-filled; freed by the backend. For staging and
+  // self-tests; the host pool is a shared object pinned with pin_host.
   virtual Result<std::byte*, DeviceErrc> alloc_host(std::size_t bytes) = 0;
+  // Pins memory the caller mapped (cudaHostRegister on CUDA; nothing on the host backend) until
+  // unpin_host(addr). The caller keeps it mapped until then.
+  virtual Status<DeviceErrc> pin_host(std::byte* addr, std::size_t bytes) = 0;
+  virtual void unpin_host(std::byte* addr) = 0;
+  // NUMA node of the device (host memory for it belongs there), or -1 when unknown.
+  virtual int numa_node() const { return -1; }
 
   // Carries out `plan` for every target, in the direction's stream, and returns when done.
   virtual Status<DeviceErrc> copy(Direction dir, const kernels::CopyPlan& plan,

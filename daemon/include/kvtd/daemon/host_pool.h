@@ -1,32 +1,85 @@
 // kvtd/daemon/host_pool.h - the rank's host tier: one region per (layer, tensor) holding
-// num_host_blocks blocks, carved from one backend allocation (pinned on CUDA).
+// num_host_blocks blocks, in a shared-memory object that outlives the daemon process.
 //
-// Ownership: the memory belongs to the backend that allocated it; the pool must not outlive it.
-// Thread-safety: immutable after construction; the block bytes are guarded by task ordering.
+// The object is named per session generation and rank ("kvtd_<uid>_<gen>_host<r>"), so a
+// daemon restarted within the same session (a crash under Restart=on-failure, a SIGTERM and
+// start) maps the same bytes again and loses nothing. The engine removes it when the session
+// ends; the daemon removes it when it learns the session is gone; sweep_stale_objects() removes
+// what a killed engine left. It is pinned for DMA (cudaHostRegister) by the CUDA backend and
+// placed on the GPU's NUMA node before its pages are allocated.
+//
+// Every host block has a validity byte in the object: cleared before a write into the block
+// starts, set once the write completed. A block that is not valid holds nothing this session
+// wrote (the pool was lost and recreated, or a write into it failed or was cut short by a
+// crash); reading it is a kHostTierLost failure, never stale bytes reported as ok.
+//
+// Ownership: HostPool owns its mapping and unpins it on destruction; the object itself stays
+// unless remove() was called. Not copyable or movable (held by unique_ptr).
+// Thread-safety: region() and the validity calls may be used from any thread; the block bytes
+// themselves are guarded by task ordering (the runner's block tracker).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
 #include <vector>
 
 #include "kvtd/daemon/device_backend.h"
 #include "kvtd/proto/geometry.h"
 
+namespace kvtd::ipc {
+class SharedObject;
+}
+
 namespace kvtd::daemon {
 
 class HostPool {
  public:
-  static Result<HostPool, DeviceErrc> allocate(DeviceBackend& backend, const proto::CacheGeometry& g);
+  // Maps the pool of (generation, rank) if a previous daemon of this session left a complete one
+  // with this geometry, else creates it (after checking /dev/shm has room: the error names the
+  // size and the free space).
+  static Result<std::unique_ptr<HostPool>, DeviceErrc> open(DeviceBackend& backend, const proto::CacheGeometry& g,
+                                                            std::uint64_t generation, std::uint32_t rank);
+  ~HostPool();
+  HostPool(const HostPool&) = delete;
+  HostPool& operator=(const HostPool&) = delete;
 
   // Base of the region of (layer, kind), or null when the geometry has no such tensor.
   std::byte* region(std::uint32_t layer, proto::TensorKind kind) const {
     return regions_[layer * proto::kTensorKinds + static_cast<std::uint32_t>(kind)];
   }
   std::size_t total_bytes() const { return total_; }
+  // True if open() found and re-mapped a previous daemon's pool.
+  bool restored() const { return restored_; }
+  std::size_t valid_blocks() const;
+  const std::string& name() const;
+
+  // Before writing blocks: they hold nothing valid until mark_valid.
+  void mark_invalid(std::span<const std::int32_t> ids);
+  // After a write into blocks completed.
+  void mark_valid(std::span<const std::int32_t> ids);
+  // The first of `ids` that holds no valid data, if any. Ids must be in range.
+  std::optional<std::int32_t> first_invalid(std::span<const std::int32_t> ids) const;
+
+  // Unlinks the object: the session is over and nobody will need these bytes again.
+  void remove();
+
+  // Bytes the pool object of this geometry needs (header, validity map, regions); 0 on overflow.
+  static std::uint64_t object_bytes(const proto::CacheGeometry& g);
 
  private:
+  HostPool() = default;
+  DeviceBackend* backend_ = nullptr;
+  std::unique_ptr<ipc::SharedObject> object_;
+  std::byte* pinned_ = nullptr;
+  std::uint8_t* valid_ = nullptr;
+  std::uint32_t blocks_ = 0;
   std::vector<std::byte*> regions_;
   std::size_t total_ = 0;
+  bool restored_ = false;
 };
 
 }  // namespace kvtd::daemon

@@ -8,7 +8,12 @@
 // the evicted bytes. Independent tasks of the two directions run concurrently.
 //
 // Every task gets exactly one completion: ok, or an error naming the problem. A malformed task
-// never stops the runner.
+// never stops the runner. Exception: work read under an epoch the engine has since revoked is
+// dropped without a completion and without touching memory: the engine already failed it and
+// may have reused its blocks.
+//
+// Host blocks: a SWAP_TO_HOST marks its destination blocks invalid before copying and valid
+// after; a SWAP_TO_DEVICE whose source holds an invalid block fails with kHostTierLost.
 //
 // Ownership: borrows the endpoint and backend, which must outlive it. Not copyable.
 // Thread-safety: run() once, from one thread; stats() from any thread.
@@ -20,6 +25,7 @@
 #include <vector>
 
 #include "kvtd/daemon/device_backend.h"
+#include "kvtd/daemon/host_pool.h"
 #include "kvtd/ipc/rank_endpoint.h"
 
 namespace kvtd::daemon {
@@ -32,11 +38,13 @@ struct AttachedCache {
   std::int64_t device_blocks = 0;
   std::int64_t host_blocks = 0;
   std::uint32_t num_layers = 0;
+  HostPool* pool = nullptr;  // validity of host blocks; borrowed, outlives the runner
 };
 
 struct RunnerStats {
   std::uint64_t tasks_ok = 0;
   std::uint64_t tasks_failed = 0;
+  std::uint64_t tasks_dropped = 0;  // read under a revoked epoch: neither run nor reported
   std::uint64_t bytes_to_host = 0;
   std::uint64_t bytes_to_device = 0;
 };

@@ -8,8 +8,13 @@
 // is the MIN over ranks.
 //
 // A background thread writes the engine heartbeat, grants rank attach requests and declares a
-// rank dead when its heartbeat is older than `rank_timeout_ns`; the dead rank's pending tasks
-// then complete with TaskStatus::kRankDead instead of hanging.
+// rank gone when its heartbeat is older than `rank_timeout_ns` or its process exited. Before a
+// silent rank's pending tasks fail, the engine fences it: SIGKILL through a pidfd to the exact
+// process that was granted, then a wait (fence_timeout_ns) until it has exited. So kRankDead
+// always means "that rank will write nothing more". A rank that cannot be stopped (another
+// uid, no pidfd, it did not exit in time) fails its tasks with kRankUnfenced instead: their
+// destination blocks may still be written and must stay out of use. A rank that detaches in
+// order (SIGTERM, session lost) wrote all its completions first and fails nothing that ran.
 //
 // Ownership: EngineSession owns the segment and unlinks it on destruction (attached daemons
 // notice the closed state and detach). Not copyable or movable.
@@ -28,6 +33,7 @@
 
 #include "kvtd/ipc/clock.h"
 #include "kvtd/ipc/errors.h"
+#include "kvtd/ipc/process.h"
 #include "kvtd/proto/expected.h"
 #include "kvtd/proto/session.h"
 
@@ -42,6 +48,9 @@ struct SessionOptions {
   std::int64_t service_period_ns = 10'000'000;    // heartbeat / grant / liveness period
   bool replace_stale = true;             // remove a leftover segment whose creator is dead
   const Clock* clock = nullptr;          // defaults to monotonic_clock()
+  std::int64_t fence_timeout_ns = 5'000'000'000;  // how long a killed rank may take to exit
+  Fencer fencer;                         // defaults to fence_process (tests inject failures)
+  std::size_t max_uncollected_results = 65536;  // finished results kept for poll/wait; oldest dropped
 };
 
 struct TaskRequest {
@@ -62,9 +71,9 @@ struct RankFailure {
 
 struct TaskResult {
   std::uint64_t task_id = 0;
-  proto::TaskStatus status = proto::TaskStatus::kOk;  // first failure by rank order, or kOk
+  proto::TaskStatus status = proto::TaskStatus::kOk;  // failure of the lowest failing rank, or kOk
   std::uint64_t blocks_done = 0;                     // MIN over ranks
-  std::vector<RankFailure> failures;
+  std::vector<RankFailure> failures;               // sorted by rank
   std::int64_t submit_ns = 0;
   std::int64_t complete_ns = 0;                      // when the last rank's report was merged
   bool ok() const { return status == proto::TaskStatus::kOk; }
@@ -93,7 +102,7 @@ class EngineSession {
   // Waits until every rank is attached with all ready flags set.
   Status<IpcErrc> wait_ready(std::int64_t timeout_ns);
 
-  // Submits a task to every rank; returns its task id. Waits up to submit_timeout_ns for ring
+  // Submits a task to every rank; returns its task id. Reserved kinds (0) are refused. Waits up to submit_timeout_ns for ring
   // room (kRingFull after that) and for an in-flight slot (kTooManyInFlight). A rank that is not
   // attached makes it fail fast with kNotReady.
   Result<std::uint64_t, IpcErrc> submit(const TaskRequest& request);
@@ -106,7 +115,8 @@ class EngineSession {
 
   // The merged result if every rank reported; the result is handed out once.
   std::optional<TaskResult> poll(std::uint64_t task_id);
-  // Waits up to timeout_ns for the merged result (kTimeout; kUnknownTask if never submitted).
+  // Waits up to timeout_ns for the merged result (kTimeout; kUnknownTask if never submitted,
+  // already collected, or dropped because more than max_uncollected_results were waiting).
   Result<TaskResult, IpcErrc> wait(std::uint64_t task_id, std::int64_t timeout_ns);
 
   // What wait_layer waits for.
@@ -119,7 +129,7 @@ class EngineSession {
   // Layer-by-layer loads: waits until layer `layer` of task `task_id` reached `stage` on every
   // rank (true as well once the whole task completed ok). kTaskFailed if the task failed,
   // kTimeout, kUnknownTask if it was never submitted or its result was already taken by
-  // wait()/poll().
+  // wait()/poll(), kInvalidArgument if layer >= num_layers.
   Status<IpcErrc> wait_layer(std::uint64_t task_id, std::uint32_t layer, std::int64_t timeout_ns,
                              LayerStage stage = LayerStage::kDone);
 

@@ -19,6 +19,8 @@ enum class IpcErrc {
   kUnknownTask,       // no such task id pending
   kTaskFailed,        // the task completed with a failure (message names the rank and cause)
   kClosed,            // the session was closed or the engine is gone
+  kNoSpace,           // the file system backing shared memory is full (message names size and free space)
+  kCorrupt,           // shared memory holds values that break its invariants (message names the field)
   kSystem,            // an OS call failed (message has errno text)
 };
 

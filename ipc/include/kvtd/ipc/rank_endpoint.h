@@ -1,10 +1,13 @@
 // kvtd/ipc/rank_endpoint.h - the daemon's end of a session: attach, read tasks, report.
 //
 // attach() waits (bounded) for the engine's segment to appear and be published, refuses it
-// when it is owned by another user, is not a kvtd session, has another layout version or a
-// geometry that differs from the daemon's flags (the message names the field), then asks the
-// engine for an attach grant and waits for it. The grant places this rank's task-ring cursor at
-// the ring head: tasks submitted before the grant are not this epoch's.
+// when it is owned by another user, is not a kvtd session, has another layout version, a
+// corrupt layout (every offset, stride and count is checked against the mapping in 64-bit
+// arithmetic, then kept in private memory) or a geometry that differs from the daemon's flags
+// (the message names the field). It then claims the rank (kInUse naming the pid when another
+// live daemon serves it; a dead owner's claim is taken over), asks the engine for an attach
+// grant and waits for it. The grant places this rank's task-ring cursor at the ring head: tasks
+// submitted before the grant are not this epoch's.
 //
 // Ownership: RankEndpoint maps the segment and unmaps it on destruction, clearing its ready
 // flags first. Not copyable or movable.
@@ -50,9 +53,11 @@ class RankEndpoint {
   RankEndpoint& operator=(const RankEndpoint&) = delete;
 
   // Waits until deadline for the next task record, copied into `record`.
-  //   kTask: a record is in `record` (not yet validated: the dispatcher does that).
+  //   kTask: a record is in `record` (not yet validated: the dispatcher does that); it was read
+  //   while this epoch was still granted.
   //   kTimeout: none arrived. kRegranted: the engine had declared us dead; we asked for and got
-  //   a new grant (tasks in between are lost to us and were failed by the engine).
+  //   a new grant (tasks in between are lost to us and were failed by the engine; the caller
+  //   must drop any work of the revoked epoch it still holds).
   //   kLost: the engine closed the session or stopped heartbeating. kCorrupt: broken framing.
   Next next_task(std::vector<std::byte>& record, std::int64_t deadline_ns);
 
@@ -66,13 +71,18 @@ class RankEndpoint {
   // Publishes this rank's per-layer interprocess event handles (at most num_layers).
   void publish_layer_events(const std::vector<std::array<std::uint8_t, proto::kHandleBytes>>& handles);
 
+  // Whether the engine still counts this epoch as live. Work read under an epoch that is no
+  // longer granted must be dropped: the engine has failed it and may reuse its blocks.
+  bool granted() const;
+
   void heartbeat();                        // stores now into this rank's heartbeat slot
   void set_ready(std::uint32_t flags);     // ReadyFlag bits
   bool engine_alive() const;               // published, not closed, heartbeat fresh
 
-  const proto::SessionHeader& header() const;
+  // The session's geometry, validated and copied at attach.
   const proto::CacheGeometry& geometry() const;
-  // The registered tensor of this rank, or null if the geometry has none of that kind.
+  // This rank's registered tensor (a private copy made at attach, checked for rank, layer, kind
+  // and size), or null if the geometry has none of that kind.
   const proto::TensorDesc* tensor(std::uint32_t layer, proto::TensorKind kind) const;
   std::uint32_t rank() const;
   std::uint64_t generation() const;

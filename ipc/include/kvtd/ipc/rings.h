@@ -3,8 +3,12 @@
 //
 // Task ring: a byte ring of variable-length records (header + block ids). The producer may
 // reuse bytes only after every attached rank's `consumed` cursor has passed them; a record
-// that does not fit before the end of the buffer is preceded by a padding record and written
-// at offset 0. A full ring is never overwritten: TaskRingWriter::try_push reports no room.
+// that does not fit before the end of the buffer is preceded by a padding record (kind 0 with
+// format_version kPaddingFormat) and written at offset 0. A full ring is never overwritten:
+// TaskRingWriter::try_push reports no room.
+//
+// Capacities and rank counts are given at construction from the caller's validated private
+// copy of the layout; nothing here re-reads sizes or offsets from shared memory.
 //
 // Thread-safety: TaskRingWriter has one user at a time (the engine serialises submits).
 // TaskRingReader is one per rank and used by one thread. CompletionRing has exactly one pushing
@@ -22,8 +26,8 @@ namespace kvtd::ipc {
 
 class TaskRingWriter {
  public:
-  TaskRingWriter(proto::SessionHeader* header, std::byte* ring, std::uint64_t capacity)
-      : h_(header), ring_(ring), cap_(capacity) {}
+  TaskRingWriter(proto::SessionHeader* header, std::byte* ring, std::uint64_t capacity, std::uint32_t num_ranks)
+      : h_(header), ring_(ring), cap_(capacity), num_ranks_(num_ranks) {}
 
   // Appends a record built from `hdr` (record_bytes, format_version and seq are filled here) and
   // the two id lists. Returns false if there is no room now; `seq_out` gets the record's seq.
@@ -41,6 +45,7 @@ class TaskRingWriter {
   proto::SessionHeader* h_;
   std::byte* ring_;
   std::uint64_t cap_;
+  std::uint32_t num_ranks_;
 };
 
 class TaskRingReader {

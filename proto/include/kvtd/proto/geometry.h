@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kvtd/proto/checked.h"
+
 namespace kvtd::proto {
 
 inline constexpr std::uint32_t kMaxRanks = 16;
@@ -100,6 +102,62 @@ struct CacheGeometry {
     return sum * num_layers;
   }
 };
+// Sizes a geometry implies, computed with overflow checks. `problem` is null when every size
+// fits (each below kMaxSizeBytes), else names the first that does not.
+inline constexpr std::uint64_t kMaxSizeBytes = 1ull << 56;  // 64 PiB: far above any real cache
+
+struct GeometrySizes {
+  const char* problem = nullptr;
+  std::uint64_t block_bytes_all_layers = 0;  // one block, every layer and tensor
+  std::uint64_t device_tensor_bytes = 0;     // largest single device tensor
+  std::uint64_t host_pool_bytes = 0;         // block_bytes_all_layers * num_host_blocks (unpadded)
+};
+
+constexpr GeometrySizes geometry_sizes(const CacheGeometry& g) {
+  GeometrySizes out;
+  std::uint64_t per_layer = 0;
+  for (std::uint32_t k = 0; k < kTensorKinds; ++k) {
+    const auto kind = static_cast<TensorKind>(k);
+    if (!g.has_tensor(kind)) continue;
+    const std::int64_t* s = (kind == TensorKind::kKey || kind == TensorKind::kKeyScale) ? g.key_shape : g.value_shape;
+    for (int i = 0; i < 4; ++i)
+      if (s[i] <= 0) {
+        out.problem = "a cache shape dimension is not positive";
+        return out;
+      }
+    const std::uint64_t elem = (kind == TensorKind::kKeyScale || kind == TensorKind::kValueScale)
+                                   ? kScaleElementBytes
+                                   : dtype_bytes(g.cache_dtype());
+    std::uint64_t b = 0, t = 0;
+    const bool scale = kind == TensorKind::kKeyScale || kind == TensorKind::kValueScale;
+    if (!checked_mul(static_cast<std::uint64_t>(s[1]), static_cast<std::uint64_t>(s[2]), &b) ||
+        (!scale && !checked_mul(b, static_cast<std::uint64_t>(s[3]), &b)) || !checked_mul(b, elem, &b) ||
+        b >= kMaxSizeBytes) {
+      out.problem = "bytes per block (kv_heads x block_size x head_dim x element size) overflow";
+      return out;
+    }
+    if (!checked_mul(b, static_cast<std::uint64_t>(s[0]), &t) || t >= kMaxSizeBytes) {
+      out.problem = "bytes per device tensor (blocks x bytes per block) overflow";
+      return out;
+    }
+    if (t > out.device_tensor_bytes) out.device_tensor_bytes = t;
+    if (!checked_add(per_layer, b, &per_layer)) {
+      out.problem = "bytes per block overflow";
+      return out;
+    }
+  }
+  if (!checked_mul(per_layer, g.num_layers, &out.block_bytes_all_layers) || out.block_bytes_all_layers >= kMaxSizeBytes) {
+    out.problem = "bytes per block across all layers overflow";
+    return out;
+  }
+  if (!checked_mul(out.block_bytes_all_layers, g.num_host_blocks, &out.host_pool_bytes) ||
+      out.host_pool_bytes >= kMaxSizeBytes) {
+    out.problem = "host pool bytes (host blocks x bytes per block across all layers) overflow";
+    return out;
+  }
+  return out;
+}
+
 static_assert(std::is_standard_layout_v<CacheGeometry>);
 static_assert(std::is_trivially_copyable_v<CacheGeometry>);
 static_assert(sizeof(CacheGeometry) == 80);

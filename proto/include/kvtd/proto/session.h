@@ -27,7 +27,7 @@
 namespace kvtd::proto {
 
 inline constexpr std::uint64_t kSessionMagic = 0x5353455344545640ULL;  // "@VTDSESS"
-inline constexpr std::uint32_t kSessionLayoutVersion = 1;
+inline constexpr std::uint32_t kSessionLayoutVersion = 2;  // 2: RankSlot::owner
 
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
@@ -68,7 +68,11 @@ struct alignas(64) RankSlot {
   // Written by the engine.
   std::atomic<std::uint32_t> attached_epoch;  // epoch granted; 0 = never
   std::atomic<std::uint32_t> attached;        // 1 while the engine counts this rank as live
-  std::uint8_t pad0[64 - 32];
+  // Written by the daemon that serves the rank (compare-and-swap): the one live owner, as
+  // owner_word(pid, start time). A newcomer refuses while the owner lives and takes over a dead
+  // owner's claim; the engine fences (kills) exactly this process before failing its tasks.
+  std::atomic<std::uint64_t> owner;
+  std::uint8_t pad0[64 - 40];
   // Task ring read cursor (bytes consumed): written by the daemon, reset by the engine on grant.
   alignas(64) std::atomic<std::uint64_t> consumed;
   std::uint8_t pad1[56];
@@ -76,6 +80,15 @@ struct alignas(64) RankSlot {
 static_assert(std::is_standard_layout_v<RankSlot>);
 static_assert(sizeof(RankSlot) == 128);
 static_assert(offsetof(RankSlot, consumed) == 64);
+static_assert(offsetof(RankSlot, owner) == 32);
+
+// A process identity that survives pid reuse: the pid plus the low 32 bits of its start time
+// (clock ticks since boot, /proc/<pid>/stat field 22).
+constexpr std::uint64_t owner_word(std::uint32_t pid, std::uint32_t start_ticks) {
+  return (std::uint64_t{start_ticks} << 32) | pid;
+}
+constexpr std::uint32_t owner_pid(std::uint64_t word) { return static_cast<std::uint32_t>(word); }
+constexpr std::uint32_t owner_start(std::uint64_t word) { return static_cast<std::uint32_t>(word >> 32); }
 
 // Control block of one rank's completion ring (single producer: the daemon; single consumer:
 // the engine). Records follow it.

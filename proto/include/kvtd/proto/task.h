@@ -20,8 +20,12 @@ inline constexpr std::size_t kMessageBytes = 176;
 // TaskRecordHeader::flags bits.
 inline constexpr std::uint16_t kTaskFlagLayerwise = 1u << 0;  // SWAP_TO_DEVICE layer by layer, with progress
 
+// A padding record (ring filler before a wrap) is kind 0 *and* this format_version; any other
+// kind-0 record is a task with a reserved kind and gets an error completion, never skipped.
+inline constexpr std::uint32_t kPaddingFormat = 0x50414444u;  // "PADD"
+
 enum class TaskKind : std::uint16_t {
-  kPadding = 0,  // ring filler before a wrap; never a task
+  kPadding = 0,  // reserved: ring filler (with kPaddingFormat); never submitted as a task
   kSwapToHost = 1,
   kSwapToDevice = 2,
 };
@@ -50,6 +54,8 @@ enum class TaskStatus : std::int32_t {
   kMalformed = 10,
   kShuttingDown = 11,
   kInternal = 12,
+  kHostTierLost = 13,   // a source host block holds no data written in this session (pool lost)
+  kRankUnfenced = 14,   // rank silent and could not be stopped: it may still write its destinations
 };
 
 constexpr const char* task_status_name(TaskStatus s) {
@@ -67,6 +73,8 @@ constexpr const char* task_status_name(TaskStatus s) {
     case TaskStatus::kMalformed: return "malformed";
     case TaskStatus::kShuttingDown: return "shutting_down";
     case TaskStatus::kInternal: return "internal";
+    case TaskStatus::kHostTierLost: return "host_tier_lost";
+    case TaskStatus::kRankUnfenced: return "rank_unfenced";
   }
   return "unknown_status";
 }
@@ -90,9 +98,11 @@ static_assert(sizeof(TaskRecordHeader) == 64);
 static_assert(offsetof(TaskRecordHeader, task_id) == 24);
 static_assert(sizeof(TaskRecordHeader) % kRecordAlign == 0);
 
-constexpr std::uint32_t task_record_bytes(std::uint32_t num_src, std::uint32_t num_dst) {
+// Bytes of a record with these id counts, in 64 bits: counts read from shared memory may be
+// anything, and a 32-bit result would wrap (2^29 + 2^29 ids is exactly 2^32 bytes).
+constexpr std::uint64_t task_record_bytes(std::uint32_t num_src, std::uint32_t num_dst) {
   const std::uint64_t raw = sizeof(TaskRecordHeader) + 4ull * (std::uint64_t{num_src} + num_dst);
-  return static_cast<std::uint32_t>((raw + kRecordAlign - 1) / kRecordAlign * kRecordAlign);
+  return (raw + kRecordAlign - 1) / kRecordAlign * kRecordAlign;
 }
 
 struct CompletionRecord {
