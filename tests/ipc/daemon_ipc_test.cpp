@@ -5,9 +5,7 @@
 #include <numeric>
 #include <random>
 
-#include "kv_pattern.h"
-#include "kvtd/ipc/engine_session.h"
-#include "test_support.h"
+#include "daemon_fixture.h"
 
 namespace kvtd {
 namespace {
@@ -18,124 +16,6 @@ using ipc::TaskRequest;
 using proto::TaskKind;
 using proto::TaskStatus;
 using test::Child;
-
-std::string shape(const std::int64_t* s) {
-  return std::to_string(s[0]) + "," + std::to_string(s[1]) + "," + std::to_string(s[2]) + "," + std::to_string(s[3]);
-}
-
-class DaemonTest : public ::testing::Test {
- protected:
-  test::Watchdog dog_{90};
-  std::string suffix_ = test::unique_suffix(::testing::UnitTest::GetInstance()->current_test_info()->name());
-  proto::CacheGeometry g_ = test::small_geometry(2);
-  std::unique_ptr<EngineSession> engine_;
-  std::vector<Child> daemons_;
-
-  void TearDown() override {
-    daemons_.clear();
-    engine_.reset();
-    if (HasFailure()) return;  // keep the daemons' logs of a failed test for the reader
-    for (std::uint32_t r = 0; r < 10; ++r)
-      for (int i = 0; i < 2; ++i) std::remove(log_path(r, i).c_str());
-  }
-
-  std::string log_path(std::uint32_t rank, int incarnation = 0) const {
-    return ::testing::TempDir() + "/" + suffix_ + "_rank" + std::to_string(rank) + "_" + std::to_string(incarnation) + ".log";
-  }
-
-  std::vector<std::string> daemon_args(std::uint32_t rank, const proto::CacheGeometry& g) const {
-    std::vector<std::string> a{KVTD_BINARY, "--rank", std::to_string(rank), "--mp-num", std::to_string(g.num_ranks),
-                               "--num-layers", std::to_string(g.num_layers), "--num-host-blocks",
-                               std::to_string(g.num_host_blocks), "--key-cache-shape", shape(g.key_shape),
-                               "--session", suffix_, "--device-backend", "host", "--engine-timeout", "1",
-                               "--heartbeat-period", "0.02", "--log-level", "debug",
-                               "--cache-dtype", proto::dtype_name(g.cache_dtype())};
-    if (g.has_value()) {
-      a.push_back("--value-cache-shape");
-      a.push_back(shape(g.value_shape));
-    }
-    return a;
-  }
-
-  Child start_daemon(std::uint32_t rank, int incarnation = 0) {
-    return Child(daemon_args(rank, g_), log_path(rank, incarnation));
-  }
-
-  void start_engine(std::uint64_t ring_bytes = 1u << 16, std::int64_t rank_timeout_ns = 3'000'000'000) {
-    ipc::SessionOptions o;
-    o.suffix = suffix_;
-    o.geometry = g_;
-    o.ring_bytes = ring_bytes;
-    o.rank_timeout_ns = rank_timeout_ns;
-    o.service_period_ns = 5'000'000;
-    auto s = EngineSession::create(o);
-    ASSERT_TRUE(s.ok()) << s.error().message;
-    engine_ = std::move(s).value();
-    ASSERT_TRUE(engine_->create_host_device_tensors().ok());
-    fill_device();
-    ASSERT_TRUE(engine_->publish().ok());
-  }
-
-  void start_all(std::uint64_t ring_bytes = 1u << 16, std::int64_t rank_timeout_ns = 3'000'000'000) {
-    for (std::uint32_t r = 0; r < g_.num_ranks; ++r) daemons_.push_back(start_daemon(r));
-    ASSERT_NO_FATAL_FAILURE(start_engine(ring_bytes, rank_timeout_ns));
-    auto st = engine_->wait_ready(20'000'000'000);
-    ASSERT_TRUE(st.ok()) << st.error().message << "\n" << test::read_file(log_path(0));
-  }
-
-  template <typename F>
-  void for_each_tensor(F&& f) {
-    for (std::uint32_t r = 0; r < g_.num_ranks; ++r)
-      for (std::uint32_t l = 0; l < g_.num_layers; ++l)
-        for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
-          const auto kind = static_cast<proto::TensorKind>(k);
-          if (g_.has_tensor(kind)) f(r, l, k, engine_->host_device_tensor(r, l, kind), g_.block_bytes(kind));
-        }
-  }
-
-  void fill_device() {
-    for_each_tensor([&](std::uint32_t r, std::uint32_t l, std::uint32_t k, std::byte* base, std::uint64_t bb) {
-      for (std::int64_t b = 0; b < g_.num_device_blocks(); ++b)
-        loadgen::fill_block(base + static_cast<std::uint64_t>(b) * bb, bb, r, l, k, static_cast<std::uint32_t>(b));
-    });
-  }
-
-  ipc::TaskResult run(TaskKind kind, const std::vector<std::int32_t>& src, const std::vector<std::int32_t>& dst) {
-    TaskRequest req;
-    req.kind = kind;
-    req.src = src;
-    req.dst = dst;
-    auto id = engine_->submit(req);
-    EXPECT_TRUE(id.ok()) << id.error().message;
-    if (!id.ok()) return {};
-    auto r = engine_->wait(*id, 10'000'000'000);
-    EXPECT_TRUE(r.ok()) << r.error().message;
-    return r.ok() ? *r : ipc::TaskResult{};
-  }
-
-  // Swaps `dev` out to `host`, scribbles over them, swaps back into `dev2`, checks every byte.
-  void round_trip(const std::vector<std::int32_t>& dev, const std::vector<std::int32_t>& host,
-                  const std::vector<std::int32_t>& dev2) {
-    std::vector<std::int32_t> owner(dev.size());
-    auto out = run(TaskKind::kSwapToHost, dev, host);
-    ASSERT_TRUE(out.ok()) << (out.failures.empty() ? "" : out.failures[0].message);
-    EXPECT_EQ(out.blocks_done, dev.size());
-    for_each_tensor([&](std::uint32_t, std::uint32_t, std::uint32_t, std::byte* base, std::uint64_t bb) {
-      for (auto b : dev) std::memset(base + static_cast<std::uint64_t>(b) * bb, 0xee, bb);
-    });
-    auto in = run(TaskKind::kSwapToDevice, host, dev2);
-    ASSERT_TRUE(in.ok()) << (in.failures.empty() ? "" : in.failures[0].message);
-    for_each_tensor([&](std::uint32_t r, std::uint32_t l, std::uint32_t k, std::byte* base, std::uint64_t bb) {
-      for (std::size_t i = 0; i < dev2.size(); ++i) {
-        const auto off = loadgen::check_block(base + static_cast<std::uint64_t>(dev2[i]) * bb, bb, r, l, k,
-                                              static_cast<std::uint32_t>(dev[i]));
-        ASSERT_EQ(off, -1) << "rank " << r << " layer " << l << " kind " << k << " block " << dev2[i];
-      }
-    });
-    // The device blocks now hold the pattern of the swapped blocks; restore for later checks.
-    fill_device();
-  }
-};
 
 TEST_F(DaemonTest, TwoRanksRoundTripRandomBlockSetsByteExact) {
   ASSERT_NO_FATAL_FAILURE(start_all());

@@ -1,0 +1,489 @@
+// The promise under faults and hostile input (issue 7): a task that completes ok moved exactly
+// the right bytes, and no daemon writes engine memory after the engine was told a task failed.
+// Each test is a reproduction that failed before the fix. This process is the engine; ranks are
+// real kvtd processes.
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "daemon_fixture.h"
+#include "kvtd/ipc/shared_object.h"
+
+namespace kvtd {
+namespace {
+
+class TrustTest : public DaemonTest {
+ protected:
+  // The issue's shape: 8 layers, 128 device and 96 host blocks of 8 x 64 x 128 bf16 (2 MiB per
+  // block across layers and K+V): large enough that a swap of 96 blocks is still running 15 ms in.
+  void use_large_geometry() {
+    g_.num_layers = 8;
+    g_.num_host_blocks = 96;
+    g_.key_shape[0] = g_.value_shape[0] = 128;
+    g_.key_shape[1] = g_.value_shape[1] = 8;
+    g_.key_shape[2] = g_.value_shape[2] = 64;
+    g_.key_shape[3] = g_.value_shape[3] = 128;
+  }
+
+  // The engine's session segment, mapped again: what a hostile or broken writer could touch.
+  std::unique_ptr<ipc::SharedObject> map_segment() {
+    auto o = ipc::SharedObject::open("kvtd_" + std::to_string(getuid()) + "_" + suffix_);
+    EXPECT_TRUE(o.ok());
+    return o.ok() ? std::move(o).value() : nullptr;
+  }
+
+  void fill_rank_blocks(std::uint32_t rank, const std::vector<std::int32_t>& blocks, std::uint8_t byte) {
+    for_each_tensor([&](std::uint32_t r, std::uint32_t, std::uint32_t, std::byte* base, std::uint64_t bb) {
+      if (r != rank) return;
+      for (auto b : blocks) std::memset(base + static_cast<std::uint64_t>(b) * bb, byte, bb);
+    });
+  }
+
+  // Block-tensors of `rank` among `blocks` that no longer hold only `byte`.
+  std::size_t changed_block_tensors(std::uint32_t rank, const std::vector<std::int32_t>& blocks, std::uint8_t byte) {
+    std::size_t n = 0;
+    for_each_tensor([&](std::uint32_t r, std::uint32_t, std::uint32_t, std::byte* base, std::uint64_t bb) {
+      if (r != rank) return;
+      for (auto b : blocks) {
+        const std::byte* p = base + static_cast<std::uint64_t>(b) * bb;
+        for (std::uint64_t i = 0; i < bb; ++i)
+          if (p[i] != static_cast<std::byte>(byte)) {
+            ++n;
+            break;
+          }
+      }
+    });
+    return n;
+  }
+
+  // Whether every byte of `dev` holds the pattern of the blocks in `pattern_of` on every rank.
+  void expect_pattern(const std::vector<std::int32_t>& dev, const std::vector<std::int32_t>& pattern_of) {
+    for_each_tensor([&](std::uint32_t r, std::uint32_t l, std::uint32_t k, std::byte* base, std::uint64_t bb) {
+      for (std::size_t i = 0; i < dev.size(); ++i) {
+        const auto off = loadgen::check_block(base + static_cast<std::uint64_t>(dev[i]) * bb, bb, r, l, k,
+                                              static_cast<std::uint32_t>(pattern_of[i]));
+        ASSERT_EQ(off, -1) << "rank " << r << " layer " << l << " kind " << k << " block " << dev[i];
+      }
+    });
+  }
+
+  ipc::TaskResult submit_and_wait(TaskKind kind, const std::vector<std::int32_t>& src,
+                                  const std::vector<std::int32_t>& dst) {
+    return run(kind, src, dst);
+  }
+};
+
+std::vector<std::int32_t> range(std::int32_t from, std::int32_t n) {
+  std::vector<std::int32_t> v(static_cast<std::size_t>(n));
+  std::iota(v.begin(), v.end(), from);
+  return v;
+}
+
+// Case 1: SIGSTOP a rank in the middle of a swap-in. Before the fix the engine failed the task
+// after 3 s while the rank still lived; on SIGCONT it re-attached and overwrote 871-1,343 of the
+// block-tensors the engine had reused. Now the engine kills the rank and waits for its exit
+// before it reports rank_dead.
+TEST_F(TrustTest, SilentRankIsFencedBeforeItsTaskFails) {
+  use_large_geometry();
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const auto host = range(0, 96);
+  auto dev = range(0, 96);
+  std::shuffle(dev.begin(), dev.end(), std::mt19937(7));
+  auto out = run(TaskKind::kSwapToHost, dev, host);
+  ASSERT_TRUE(out.ok());
+  const auto reuse = range(32, 96);  // the swap-in's destinations
+  TaskRequest req;
+  req.kind = TaskKind::kSwapToDevice;
+  req.src = host;
+  req.dst = reuse;
+  auto id = engine_->submit(req);
+  ASSERT_TRUE(id.ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(15));
+  daemons_[1].signal(SIGSTOP);
+  auto r = engine_->wait(*id, 30'000'000'000);
+  ASSERT_TRUE(r.ok()) << r.error().message;
+  if (r->ok()) GTEST_SKIP() << "rank 1 finished the 192 MiB swap-in within 15 ms; nothing was in flight";
+  ASSERT_EQ(r->status, TaskStatus::kRankDead) << r->failures[0].message;
+  // "failed" means "already gone": the process has exited by the time the engine says so.
+  EXPECT_FALSE(daemons_[1].running()) << "rank 1 still runs after its task was reported failed";
+  EXPECT_EQ(daemons_[1].wait_exit(std::chrono::seconds(1)), 128 + SIGKILL);
+  // The engine reuses the blocks; nothing may change them any more.
+  fill_rank_blocks(1, reuse, 0xab);
+  daemons_[1].signal(SIGCONT);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_EQ(changed_block_tensors(1, reuse, 0xab), 0u);
+}
+
+// Where the rank cannot be stopped, the failure says so with its own status.
+TEST_F(TrustTest, SilentRankThatCannotBeFencedFailsWithRankUnfenced) {
+  fencer_ = [](std::uint64_t, std::int64_t) {
+    return ipc::FenceResult{ipc::FenceOutcome::kUnfenced, "injected: no permission"};
+  };
+  ASSERT_NO_FATAL_FAILURE(start_all(1u << 16, 500'000'000));
+  daemons_[1].signal(SIGSTOP);
+  TaskRequest req;
+  req.kind = TaskKind::kSwapToHost;
+  std::vector<std::int32_t> ids{1, 2};
+  req.src = ids;
+  req.dst = ids;
+  auto id = engine_->submit(req);
+  ASSERT_TRUE(id.ok());
+  auto r = engine_->wait(*id, 10'000'000'000);
+  ASSERT_TRUE(r.ok()) << r.error().message;
+  EXPECT_EQ(r->status, TaskStatus::kRankUnfenced);
+  ASSERT_FALSE(r->failures.empty());
+  EXPECT_EQ(r->failures[0].rank, 1u);
+  EXPECT_NE(r->failures[0].message.find("out of use"), std::string::npos) << r->failures[0].message;
+  daemons_[1].signal(SIGKILL);
+}
+
+// A rank whose epoch was revoked drops the work it still had queued instead of running it.
+TEST_F(TrustTest, RevokedEpochDropsQueuedWorkUnrunAndReattaches) {
+  use_large_geometry();
+  fencer_ = [](std::uint64_t, std::int64_t) {
+    return ipc::FenceResult{ipc::FenceOutcome::kUnfenced, "injected: cannot kill"};
+  };
+  ASSERT_NO_FATAL_FAILURE(start_all(1u << 16, 500'000'000));
+  // Several large swaps queue on rank 1's lane; freeze it while they are queued.
+  std::vector<std::uint64_t> ids;
+  for (int i = 0; i < 4; ++i) {
+    TaskRequest req;
+    req.kind = TaskKind::kSwapToHost;
+    const auto src = range(i * 24, 24), dst = range(i * 24, 24);
+    req.src = src;
+    req.dst = dst;
+    auto id = engine_->submit(req);
+    ASSERT_TRUE(id.ok());
+    ids.push_back(*id);
+  }
+  daemons_[1].signal(SIGSTOP);
+  for (auto id : ids) {
+    auto r = engine_->wait(id, 10'000'000'000);
+    ASSERT_TRUE(r.ok());
+  }
+  fill_rank_blocks(1, range(0, 128), 0x5a);  // device blocks: a swap-to-host never writes them
+  daemons_[1].signal(SIGCONT);
+  ASSERT_TRUE(test::eventually([&] { return engine_->rank_alive(1); }, std::chrono::seconds(10)));
+  const auto log = test::read_file(log_path(1));
+  EXPECT_NE(log.find("re-attached as epoch"), std::string::npos) << log;
+  EXPECT_EQ(changed_block_tensors(1, range(0, 128), 0x5a), 0u);
+  fill_device();
+  round_trip({1, 2}, {3, 4}, {5, 6});
+}
+
+// Case 2: a restarted rank keeps its host tier: the pool is a shared object of the session.
+TEST_F(TrustTest, RankKilledAndRestartedStillHoldsItsHostBlocks) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const std::vector<std::int32_t> dev{3, 9, 14, 27}, host{0, 5, 6, 23};
+  auto out = run(TaskKind::kSwapToHost, dev, host);
+  ASSERT_TRUE(out.ok());
+  daemons_[1].signal(SIGKILL);
+  EXPECT_EQ(daemons_[1].wait_exit(std::chrono::seconds(5)), 128 + SIGKILL);
+  ASSERT_TRUE(test::eventually([&] { return !engine_->rank_alive(1); }, std::chrono::seconds(5)));
+  daemons_[1] = start_daemon(1, 1);
+  ASSERT_TRUE(engine_->wait_ready(20'000'000'000).ok());
+  const std::vector<std::int32_t> dev2{1, 2, 30, 31};
+  auto in = run(TaskKind::kSwapToDevice, host, dev2);
+  ASSERT_TRUE(in.ok()) << (in.failures.empty() ? "" : in.failures[0].message);
+  expect_pattern(dev2, dev);
+  EXPECT_NE(test::read_file(log_path(1, 1)).find("re-mapped from a previous daemon"), std::string::npos);
+}
+
+// Case 2, where the host contents are gone anyway: never ok, a status of its own.
+TEST_F(TrustTest, LostHostTierFailsSwapInsWithHostTierLost) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const std::vector<std::int32_t> dev{3, 9, 14, 27}, host{0, 5, 6, 23};
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, dev, host).ok());
+  daemons_[1].signal(SIGKILL);
+  EXPECT_EQ(daemons_[1].wait_exit(std::chrono::seconds(5)), 128 + SIGKILL);
+  ASSERT_TRUE(test::eventually([&] { return !engine_->rank_alive(1); }, std::chrono::seconds(5)));
+  ipc::SharedObject::remove(ipc::session_object_name(engine_->generation(), "host1"));  // e.g. /dev/shm wiped
+  daemons_[1] = start_daemon(1, 1);
+  ASSERT_TRUE(engine_->wait_ready(20'000'000'000).ok());
+  auto in = run(TaskKind::kSwapToDevice, host, {1, 2, 30, 31});
+  EXPECT_EQ(in.status, TaskStatus::kHostTierLost);
+  ASSERT_EQ(in.failures.size(), 1u);
+  EXPECT_EQ(in.failures[0].rank, 1u);
+  // Blocks written after the loss are fine again.
+  round_trip({4}, {7}, {8});
+}
+
+TEST_F(TrustTest, SwapInOfAHostBlockNeverWrittenFailsWithHostTierLost) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  auto in = run(TaskKind::kSwapToDevice, {11}, {2});
+  EXPECT_EQ(in.status, TaskStatus::kHostTierLost);
+  EXPECT_EQ(in.failures.size(), 2u);
+}
+
+TEST_F(TrustTest, SessionEndRemovesTheHostPools) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const auto pool0 = "/dev/shm/" + ipc::session_object_name(engine_->generation(), "host0");
+  EXPECT_TRUE(std::filesystem::exists(pool0));
+  engine_.reset();
+  EXPECT_FALSE(std::filesystem::exists(pool0));
+}
+
+// Case 3: a second daemon for a served rank is refused, naming the live owner; a dead owner's
+// claim is taken over.
+TEST_F(TrustTest, SecondDaemonForALiveRankIsRefusedNamingItsPid) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  Child second = start_daemon(0, 1);
+  EXPECT_EQ(second.wait_exit(std::chrono::seconds(20)), 3);
+  const auto log = test::read_file(log_path(0, 1));
+  EXPECT_NE(log.find("already served by live kvtd pid " + std::to_string(daemons_[0].pid())), std::string::npos)
+      << log;
+  round_trip({1, 2}, {3, 4}, {5, 6});
+  // The owner dies: a newcomer takes the rank over.
+  daemons_[0].signal(SIGKILL);
+  EXPECT_EQ(daemons_[0].wait_exit(std::chrono::seconds(5)), 128 + SIGKILL);
+  ASSERT_TRUE(test::eventually([&] { return !engine_->rank_alive(0); }, std::chrono::seconds(5)));
+  daemons_[0] = start_daemon(0, 1);
+  ASSERT_TRUE(engine_->wait_ready(20'000'000'000).ok()) << test::read_file(log_path(0, 1));
+  round_trip({7}, {8}, {9});
+}
+
+// Case 4: a record claiming 2^29 + 2^29 ids made task_record_bytes wrap to 64 and every rank
+// crashed in plan_copy. The record is written straight into the ring, as a hostile writer would.
+TEST_F(TrustTest, IdCountsThatWrap32BitsAreMalformed) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  auto seg = map_segment();
+  ASSERT_TRUE(seg);
+  auto* h = reinterpret_cast<proto::SessionHeader*>(seg->data());
+  proto::TaskRecordHeader rec{};
+  rec.record_bytes = 64;
+  rec.kind = static_cast<std::uint16_t>(TaskKind::kSwapToHost);
+  rec.format_version = proto::kTaskFormatVersion;
+  rec.num_src = rec.num_dst = 1u << 29;
+  rec.task_id = 999999;
+  const std::uint64_t head = h->ring_head.load();
+  rec.seq = h->next_seq.load();
+  std::memcpy(seg->data() + h->task_ring_offset + head % h->task_ring_bytes, &rec, sizeof rec);
+  h->next_seq.store(rec.seq + 1);
+  h->ring_head.store(head + 64);
+  ipc::SharedObject* keep = seg.get();
+  (void)keep;
+  // Wake the ranks through a normal task behind it, which must still succeed.
+  round_trip({1}, {2}, {3});
+  for (auto& d : daemons_) EXPECT_TRUE(d.running());
+  EXPECT_NE(test::read_file(log_path(0)).find("malformed"), std::string::npos);
+}
+
+// Case 5: header offsets are validated at attach, against the mapping.
+TEST_F(TrustTest, CorruptHeaderOffsetIsRefusedAtAttachWithATransientExitCode) {
+  ipc::SessionOptions o;
+  o.suffix = suffix_;
+  o.geometry = g_;
+  o.ring_bytes = 1u << 16;
+  auto s = EngineSession::create(o);
+  ASSERT_TRUE(s.ok());
+  engine_ = std::move(s).value();
+  ASSERT_TRUE(engine_->create_host_device_tensors().ok());
+  auto seg = map_segment();
+  reinterpret_cast<proto::SessionHeader*>(seg->data())->registry_offset = 0x7fff00000000ull;
+  ASSERT_TRUE(engine_->publish().ok());
+  Child d = start_daemon(0);
+  EXPECT_EQ(d.wait_exit(std::chrono::seconds(20)), 6);
+  const auto log = test::read_file(log_path(0));
+  EXPECT_NE(log.find("registry_offset"), std::string::npos) << log;
+}
+
+// Case 5: offsets are never re-read after attach.
+TEST_F(TrustTest, OffsetsOverwrittenAfterAttachAreNeverUsed) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  auto seg = map_segment();
+  auto* h = reinterpret_cast<proto::SessionHeader*>(seg->data());
+  h->registry_offset = 0x7fff00000000ull;
+  h->progress_offset = 0x100000000000ull;
+  h->completion_offset = 0x100000000000ull;
+  h->completion_stride = ~0ull;
+  h->task_ring_bytes = 3;
+  h->task_ring_offset = ~0ull >> 1;
+  h->geometry.num_ranks = 16;
+  h->geometry.num_layers = 100000;
+  h->completion_capacity = 7;
+  // A layer-by-layer load uses the progress slots and the completion rings.
+  const std::vector<std::int32_t> dev{1, 2, 3}, host{4, 5, 6}, dev2{7, 8, 9};
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, dev, host).ok());
+  TaskRequest req;
+  req.kind = TaskKind::kSwapToDevice;
+  req.src = host;
+  req.dst = dev2;
+  req.layerwise = true;
+  auto id = engine_->submit(req);
+  ASSERT_TRUE(id.ok()) << id.error().message;
+  for (std::uint32_t l = 0; l < g_.num_layers; ++l) ASSERT_TRUE(engine_->wait_layer(*id, l, 10'000'000'000).ok());
+  auto r = engine_->wait(*id, 10'000'000'000);
+  ASSERT_TRUE(r.ok() && r->ok());
+  expect_pattern(dev2, dev);
+  for (auto& d : daemons_) EXPECT_TRUE(d.running());
+}
+
+// Case 5: random bytes over the whole header while attached: nobody crashes. The daemons may
+// detach or exit with a code, or be fenced (SIGKILL) by the engine when their heartbeat words
+// turn to garbage; the engine's calls return errors or results. Never SIGSEGV, SIGBUS, abort.
+TEST_F(TrustTest, RandomBytesOverTheHeaderCrashNeitherTheEngineNorTheDaemons) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  auto seg = map_segment();
+  std::mt19937_64 rng(42);
+  for (int round = 0; round < 20; ++round) {
+    for (std::size_t i = 0; i < sizeof(proto::SessionHeader); i += 8) {
+      const std::uint64_t v = rng();
+      std::memcpy(seg->data() + i, &v, 8);
+    }
+    TaskRequest req;
+    req.kind = TaskKind::kSwapToHost;
+    std::vector<std::int32_t> ids{1};
+    req.src = ids;
+    req.dst = ids;
+    req.submit_timeout_ns = 20'000'000;
+    if (auto id = engine_->submit(req); id.ok()) (void)engine_->wait(*id, 20'000'000);
+    for (std::uint32_t r = 0; r < g_.num_ranks; ++r) (void)engine_->rank_alive(r);
+    (void)engine_->layer_event_handle(0, 0);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  for (auto& d : daemons_) {
+    const int code = d.running() ? 0 : d.wait_exit(std::chrono::seconds(1));
+    EXPECT_TRUE(code < 128 || code == 128 + SIGKILL) << "a daemon died of signal " << code - 128;
+  }
+}
+
+// Case 6: the client refuses reserved kinds; a kind-0 task is an error completion, not padding.
+TEST_F(TrustTest, ReservedKindIsRefusedBySubmitAndAnsweredByTheDaemon) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  TaskRequest req;
+  req.kind = TaskKind::kPadding;
+  auto refused = engine_->submit(req);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().code, IpcErrc::kInvalidArgument);
+  proto::TaskRecordHeader raw{};
+  raw.kind = 0;
+  raw.format_version = proto::kTaskFormatVersion;
+  std::vector<std::int32_t> ids{1};
+  auto id = engine_->submit_raw(raw, ids, ids);
+  ASSERT_TRUE(id.ok());
+  auto r = engine_->wait(*id, 10'000'000'000);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, TaskStatus::kUnknownKind);
+  EXPECT_EQ(engine_->in_flight(), 0u);
+}
+
+// Lifecycle: SIGHUP no longer kills a serving daemon.
+TEST_F(TrustTest, SighupIsLoggedAndIgnored) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  daemons_[0].signal(SIGHUP);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_TRUE(daemons_[0].running());
+  round_trip({1}, {2}, {3});
+  EXPECT_NE(test::read_file(log_path(0)).find("SIGHUP"), std::string::npos);
+}
+
+// Lifecycle: log files are 0640 and a symlink at the log path is refused, not followed.
+TEST(TrustBinary, LogFileIsPrivateAndASymlinkAtItsPathIsRefused) {
+  test::Watchdog dog(60);
+  const auto dir = ::testing::TempDir() + "/" + test::unique_suffix("logs");
+  std::filesystem::create_directories(dir);
+  const auto target = dir + "/victim";
+  { std::ofstream(target) << "keep"; }
+  std::filesystem::create_symlink(target, dir + "/kvtd_rank0.log");
+  Child d({KVTD_BINARY, "--rank", "0", "--key-cache-shape", "8,1,4,8", "--session", test::unique_suffix("logs"),
+           "--log-dir", dir, "--attach-timeout", "0.2"},
+          dir + "/stderr");
+  EXPECT_EQ(d.wait_exit(std::chrono::seconds(20)), 2);
+  EXPECT_EQ(test::read_file(target), "keep");
+  std::filesystem::remove(dir + "/kvtd_rank0.log");
+  Child d2({KVTD_BINARY, "--rank", "0", "--key-cache-shape", "8,1,4,8", "--session", test::unique_suffix("logs"),
+            "--log-dir", dir, "--attach-timeout", "0.2"},
+           dir + "/stderr2");
+  EXPECT_EQ(d2.wait_exit(std::chrono::seconds(20)), 4);
+  struct stat st {};
+  ASSERT_EQ(stat((dir + "/kvtd_rank0.log").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0640u);
+  std::filesystem::remove_all(dir);
+}
+
+// Exit code 4 (attach timeout) and a refused layout version (exit 3), both named.
+TEST(TrustBinary, AttachTimeoutExitsFour) {
+  test::Watchdog dog(60);
+  const auto log = ::testing::TempDir() + "/" + test::unique_suffix("timeout") + ".log";
+  Child d({KVTD_BINARY, "--rank", "0", "--key-cache-shape", "8,1,4,8", "--session", test::unique_suffix("timeout"),
+           "--attach-timeout", "0.3"},
+          log);
+  EXPECT_EQ(d.wait_exit(std::chrono::seconds(20)), 4);
+  EXPECT_NE(test::read_file(log).find("gave up after"), std::string::npos);
+}
+
+TEST_F(TrustTest, OtherLayoutVersionIsRefusedWithExitThree) {
+  ipc::SessionOptions o;
+  o.suffix = suffix_;
+  o.geometry = g_;
+  auto s = EngineSession::create(o);
+  ASSERT_TRUE(s.ok());
+  engine_ = std::move(s).value();
+  ASSERT_TRUE(engine_->create_host_device_tensors().ok());
+  auto seg = map_segment();
+  reinterpret_cast<proto::SessionHeader*>(seg->data())->layout_version = proto::kSessionLayoutVersion + 1;
+  ASSERT_TRUE(engine_->publish().ok());
+  Child d = start_daemon(0);
+  EXPECT_EQ(d.wait_exit(std::chrono::seconds(20)), 3);
+  EXPECT_NE(test::read_file(log_path(0)).find("layout version"), std::string::npos);
+}
+
+// Case 7: a full /dev/shm is an error at creation naming the size and the free space, never a
+// SIGBUS. Runs the engine and a daemon in a private mount namespace with a 64 MiB /dev/shm.
+TEST(TrustBinary, FullDevShmIsAnErrorAtStartNeverABusError) {
+  test::Watchdog dog(120);
+  if (geteuid() != 0 || std::system("unshare -m true 2>/dev/null") != 0)
+    GTEST_SKIP() << "needs root and unshare -m for a private /dev/shm";
+  const auto log = ::testing::TempDir() + "/" + test::unique_suffix("shmfull") + ".log";
+  const std::string suffix = test::unique_suffix("shmfull");
+  // Engine: a 256 MiB device arena per rank in 64 MiB of tmpfs.
+  const std::string engine_cmd = std::string(KVTD_LOADGEN) + " --session " + suffix +
+                                 " --ranks 1 --layers 8 --kv-heads 8 --block-size 64 --head-dim 128"
+                                 " --device-blocks 128 --host-blocks 8 --iterations 1 --blocks-per-task 1";
+  const std::string daemon_cmd = std::string(KVTD_BINARY) + " --rank 0 --num-layers 8 --num-host-blocks 96"
+                                 " --key-cache-shape 128,8,64,128 --value-cache-shape 128,8,64,128 --session " +
+                                 suffix + " --attach-timeout 1";
+  const std::string script = "mount -t tmpfs -o size=64m tmpfs /dev/shm && (" + engine_cmd + "; echo engine=$?; " +
+                             daemon_cmd + "; echo daemon=$?)";
+  const std::string cmd = "unshare -m sh -c '" + script + "' >" + log + " 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << test::read_file(log);
+  const auto out = test::read_file(log);
+  EXPECT_NE(out.find("engine=2"), std::string::npos) << out;  // an error exit, not 135 (SIGBUS)
+  EXPECT_NE(out.find("MiB free"), std::string::npos) << out;
+  EXPECT_NE(out.find("daemon=5"), std::string::npos) << out;
+  EXPECT_NE(out.find("only"), std::string::npos) << out;
+}
+
+// Case 7, second half: /dev/shm filled after attach. The session and the pool were allocated
+// whole at creation, so every later write lands in memory that exists: no SIGBUS, and the
+// engine (loadgen in verify mode) still gets every byte right.
+TEST(TrustBinary, DevShmFilledAfterAttachDoesNotStopServing) {
+  test::Watchdog dog(120);
+  if (geteuid() != 0 || std::system("unshare -m true 2>/dev/null") != 0)
+    GTEST_SKIP() << "needs root and unshare -m for a private /dev/shm";
+  const auto log = ::testing::TempDir() + "/" + test::unique_suffix("shmlate") + ".log";
+  const std::string suffix = test::unique_suffix("shmlate");
+  const std::string geo = " --layers 2 --kv-heads 2 --block-size 16 --head-dim 64 --device-blocks 64 --host-blocks 32";
+  const std::string daemon_cmd = std::string(KVTD_BINARY) + " --rank 0 --num-layers 2 --num-host-blocks 32"
+                                 " --key-cache-shape 64,2,16,64 --value-cache-shape 64,2,16,64 --session " +
+                                 suffix + " --attach-timeout 20";
+  const std::string engine_cmd = std::string(KVTD_LOADGEN) + " --session " + suffix + " --ranks 1" + geo +
+                                 " --iterations 60000 --blocks-per-task 4";
+  const std::string script =
+      "mount -t tmpfs -o size=64m tmpfs /dev/shm && (" + daemon_cmd + " & d=$!; " + engine_cmd +
+      " & e=$!; sleep 0.3; dd if=/dev/zero of=/dev/shm/filler bs=1M 2>/dev/null; echo filled; df -h /dev/shm; wait $e; "
+      "echo engine=$?; kill -TERM $d; wait $d; echo daemon=$?)";
+  const std::string cmd = "unshare -m sh -c '" + script + "' >" + log + " 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << test::read_file(log);
+  const auto out = test::read_file(log);
+  EXPECT_NE(out.find("filled"), std::string::npos) << out;
+  EXPECT_NE(out.find("engine=0"), std::string::npos) << out;
+  EXPECT_NE(out.find("daemon=0"), std::string::npos) << out;
+}
+
+}  // namespace
+}  // namespace kvtd
