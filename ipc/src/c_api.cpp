@@ -1,6 +1,8 @@
 #include "kvtd/ipc/kvtd_client.h"
 
+#include <cstdint>
 #include <cstring>
+#include <new>
 #include <memory>
 #include <string>
 
@@ -41,11 +43,40 @@ int report(const S& st, char* err, size_t len) {
   return code_of(st.error().code);
 }
 
+// Milliseconds to nanoseconds without overflow (a huge timeout saturates, it does not wrap).
+std::int64_t ms_to_ns(int64_t ms) {
+  if (ms <= 0) return 0;
+  return ms > INT64_MAX / 1'000'000 ? INT64_MAX : ms * 1'000'000;
+}
+
+// No exception may cross extern "C": every entry point runs its body through this.
+template <typename F>
+int guarded(char* err, size_t len, F&& body) noexcept {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    put_error(err, len, "out of memory");
+    return KVTD_E_SYSTEM;
+  } catch (const std::exception& e) {
+    put_error(err, len, std::string("internal error: ") + e.what());
+    return KVTD_E_SYSTEM;
+  } catch (...) {
+    put_error(err, len, "internal error");
+    return KVTD_E_SYSTEM;
+  }
+}
+
+int null_session(char* err, size_t len) {
+  put_error(err, len, "session must not be null");
+  return KVTD_E_INVALID;
+}
+
 }  // namespace
 
 extern "C" {
 
 int kvtd_session_create(const char* suffix, const kvtd_geometry* g, kvtd_session** out, char* err, size_t err_len) {
+  return guarded(err, err_len, [&]() -> int {
   if (!suffix || !g || !out) {
     put_error(err, err_len, "suffix, geometry and out must not be null");
     return KVTD_E_INVALID;
@@ -64,12 +95,19 @@ int kvtd_session_create(const char* suffix, const kvtd_geometry* g, kvtd_session
   if (!s.ok()) return report(s, err, err_len);
   *out = new kvtd_session{std::move(s).value()};
   return KVTD_OK;
+  });
 }
 
-void kvtd_session_destroy(kvtd_session* s) { delete s; }
+void kvtd_session_destroy(kvtd_session* s) {
+  (void)guarded(nullptr, 0, [&]() -> int {
+    delete s;
+    return KVTD_OK;
+  });
+}
 
 int kvtd_register_tensor(kvtd_session* s, uint32_t rank, uint32_t layer, uint32_t kind, int32_t device_id,
                          const uint8_t handle[64], uint64_t offset, uint64_t bytes, char* err, size_t err_len) {
+  return guarded(err, err_len, [&]() -> int {
   if (!s || !handle) {
     put_error(err, err_len, "session and handle must not be null");
     return KVTD_E_INVALID;
@@ -84,25 +122,32 @@ int kvtd_register_tensor(kvtd_session* s, uint32_t rank, uint32_t layer, uint32_
   d.bytes = bytes;
   std::memcpy(d.handle, handle, sizeof d.handle);
   return report(s->session->register_tensor(d), err, err_len);
+  });
 }
 
 int kvtd_create_host_device_tensors(kvtd_session* s, char* err, size_t err_len) {
-  return report(s->session->create_host_device_tensors(), err, err_len);
+  if (!s) return null_session(err, err_len);
+  return guarded(err, err_len, [&]() -> int { return report(s->session->create_host_device_tensors(), err, err_len); });
 }
 
 void* kvtd_host_device_tensor(kvtd_session* s, uint32_t rank, uint32_t layer, uint32_t kind) {
   if (!s || kind >= kvtd::proto::kTensorKinds) return nullptr;
-  return s->session->host_device_tensor(rank, layer, static_cast<kvtd::proto::TensorKind>(kind));
+  return s->session->host_device_tensor(rank, layer, static_cast<kvtd::proto::TensorKind>(kind));  // no-throw
 }
 
-int kvtd_publish(kvtd_session* s, char* err, size_t err_len) { return report(s->session->publish(), err, err_len); }
+int kvtd_publish(kvtd_session* s, char* err, size_t err_len) {
+  if (!s) return null_session(err, err_len);
+  return guarded(err, err_len, [&]() -> int { return report(s->session->publish(), err, err_len); });
+}
 
 int kvtd_wait_ready(kvtd_session* s, int64_t timeout_ms, char* err, size_t err_len) {
-  return report(s->session->wait_ready(timeout_ms * 1'000'000), err, err_len);
+  if (!s) return null_session(err, err_len);
+  return guarded(err, err_len, [&]() -> int { return report(s->session->wait_ready(ms_to_ns(timeout_ms)), err, err_len); });
 }
 
 int kvtd_submit(kvtd_session* s, int kind, const int32_t* src, const int32_t* dst, size_t n, int64_t timeout_ms,
                 uint64_t* task_id, char* err, size_t err_len) {
+  return guarded(err, err_len, [&]() -> int {
   if (!s || !task_id || (n > 0 && (!src || !dst))) {
     put_error(err, err_len, "session, task_id and id arrays must not be null");
     return KVTD_E_INVALID;
@@ -111,16 +156,19 @@ int kvtd_submit(kvtd_session* s, int kind, const int32_t* src, const int32_t* ds
   r.kind = static_cast<kvtd::proto::TaskKind>(kind);
   r.src = {src, n};
   r.dst = {dst, n};
-  r.submit_timeout_ns = timeout_ms * 1'000'000;
+  r.submit_timeout_ns = ms_to_ns(timeout_ms);
   auto id = s->session->submit(r);
   if (!id.ok()) return report(id, err, err_len);
   *task_id = *id;
   return KVTD_OK;
+  });
 }
 
 int kvtd_wait(kvtd_session* s, uint64_t task_id, int64_t timeout_ms, kvtd_completion* out, char* err,
               size_t err_len) {
-  auto r = s->session->wait(task_id, timeout_ms * 1'000'000);
+  if (!s) return null_session(err, err_len);
+  return guarded(err, err_len, [&]() -> int {
+  auto r = s->session->wait(task_id, ms_to_ns(timeout_ms));
   if (!r.ok()) return report(r, err, err_len);
   if (out) {
     out->task_id = r->task_id;
@@ -132,8 +180,12 @@ int kvtd_wait(kvtd_session* s, uint64_t task_id, int64_t timeout_ms, kvtd_comple
   if (r->ok()) return KVTD_OK;
   put_error(err, err_len, "rank " + std::to_string(r->failures.front().rank) + ": " + r->failures.front().message);
   return KVTD_E_TASK_FAILED;
+  });
 }
 
-int kvtd_rank_alive(kvtd_session* s, uint32_t rank) { return s->session->rank_alive(rank) ? 1 : 0; }
+int kvtd_rank_alive(kvtd_session* s, uint32_t rank) {
+  if (!s) return 0;
+  return guarded(nullptr, 0, [&]() -> int { return s->session->rank_alive(rank) ? 1 : 0; });
+}
 
 }  // extern "C"

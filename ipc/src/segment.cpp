@@ -13,6 +13,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <set>
 
 #include "kvtd/proto/checked.h"
@@ -168,9 +169,15 @@ std::vector<std::string> sweep_stale_objects() {
     else if (!alive)
       dead_sessions.push_back(n);
   }
+  // A directory listing is not a snapshot: one taken while another engine is creating its
+  // session may hold its new arena but not its segment. Objects touched in the last 30 s are
+  // therefore never swept; an orphan is always older than that by the next sweep.
+  const time_t fresh_after = time(nullptr) - 30;
   for (const auto& n : names) {
     std::uint64_t gen = 0;
-    if (session_object_generation(n, &gen) && !live.count(gen)) {
+    struct stat st {};
+    if (session_object_generation(n, &gen) && !live.count(gen) && stat(("/dev/shm/" + n).c_str(), &st) == 0 &&
+        st.st_mtime < fresh_after) {
       SharedObject::remove(n);
       removed.push_back(n);
     }

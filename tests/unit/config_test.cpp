@@ -81,6 +81,62 @@ TEST(DaemonFlags, ReadsAConfigFile) {
   EXPECT_EQ(c->session_suffix, "fromfile");
 }
 
+// Issue 7 case 8: size products used to wrap ("0 bytes per block", "host pool 0.0 MiB").
+TEST(DaemonFlags, ShapesWhoseSizeProductsOverflowAreRefused) {
+  auto c = parse({"--rank", "0", "--session", "s", "--key-cache-shape", "16,4294967296,4294967296,8"});
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.error().code, ConfigErrc::kInvalidValue);
+  EXPECT_NE(c.error().message.find("overflow"), std::string::npos) << c.error().message;
+  // 1,073,741,824 host blocks of 16 GiB each.
+  c = parse({"--rank", "0", "--session", "s", "--num-host-blocks", "1073741824", "--key-cache-shape",
+             "16,1024,1024,8192"});
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.error().message.find("overflow"), std::string::npos) << c.error().message;
+}
+
+// Issue 7 case 9: out-of-range durations and ids are refused naming the range.
+TEST(DaemonFlags, OutOfRangeDurationsAndDeviceIdsNameTheRange) {
+  expect_rejected({"--engine-timeout", "inf"}, "[0.001, 3600]");
+  expect_rejected({"--engine-timeout", "1e30"}, "[0.001, 3600]");
+  expect_rejected({"--engine-timeout", "nan"}, "--engine-timeout");
+  expect_rejected({"--heartbeat-period", "1e-9"}, "[0.001, 1]");
+  expect_rejected({"--attach-timeout", "1e-300"}, "--attach-timeout");
+  expect_rejected({"--attach-timeout", "-1"}, "--attach-timeout");
+  expect_rejected({"--device-id", "2000"}, "[0, 1023]");
+  auto c = parse(kBase);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->engine_timeout_ns(), 5'000'000'000);
+}
+
+TEST(DaemonFlags, StorageBackendAndWritePolicyAreValidatedAndListedAsIgnored) {
+  expect_rejected({"--write_policy", "sometimes"}, "--write-policy");
+  expect_rejected({"--kvcache_storage_backend", "tape"}, "--kvcache-storage-backend");
+  auto args = kBase;
+  for (const char* a : {"--write_policy", "write_through", "--kvcache_storage_backend", "file", "--pod_ip", "1.2.3.4"})
+    args.push_back(a);
+  auto c = parse(args);
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  std::string all;
+  for (const auto& f : c->ignored_flags) all += f + " ";
+  EXPECT_NE(all.find("--pod_ip"), std::string::npos) << all;
+  EXPECT_NE(all.find("--write_policy"), std::string::npos) << all;
+  EXPECT_NE(all.find("--kvcache_storage_backend"), std::string::npos) << all;
+}
+
+// Issue 7 case 9: a typo in a config file used to be ignored (the daemon ran with 0 host blocks).
+TEST(DaemonFlags, ConfigFileTypoOrGarbageIsAnErrorNamingIt) {
+  const std::string path = ::testing::TempDir() + "/kvtd_typo.toml";
+  std::ofstream(path) << "rank = 0\nkey-cache-shape = \"10,1,16,64\"\nsession = \"f\"\nnum-host-block = 4\n";
+  auto c = parse({"--config", path});
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.error().message.find("num-host-block"), std::string::npos) << c.error().message;
+  const std::string garbage = ::testing::TempDir() + "/kvtd_garbage.toml";
+  std::ofstream(garbage) << "rank = 0\nkey-cache-shape = \"10,1,16,64\"\nsession = \"f\"\n%%% not a setting %%%\n";
+  c = parse({"--config", garbage});
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.error().message.find("not a setting"), std::string::npos) << c.error().message;
+}
+
 TEST(DaemonFlags, HelpIsNotAnError) {
   auto c = parse({"--help"});
   ASSERT_FALSE(c.ok());

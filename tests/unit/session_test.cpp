@@ -7,12 +7,14 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "kvtd/daemon/device_backend.h"
 #include "kvtd/ipc/engine_session.h"
 #include "kvtd/ipc/kvtd_client.h"
 #include "kvtd/ipc/rank_endpoint.h"
+#include "kvtd/ipc/shared_object.h"
 #include "test_support.h"
 
 namespace kvtd::ipc {
@@ -211,6 +213,145 @@ TEST(Session, MergesCompletionsWithMinBlocksAndFirstFailure) {
   EXPECT_EQ(again.error().code, IpcErrc::kUnknownTask);
 }
 
+// A completion with this rank, status and block count.
+void report(RankEndpoint& ep, std::uint64_t id, std::uint32_t rank, TaskStatus st, std::uint64_t blocks) {
+  proto::CompletionRecord rec{};
+  rec.task_id = id;
+  rec.rank = rank;
+  rec.status = static_cast<std::int32_t>(st);
+  rec.blocks_done = blocks;
+  std::snprintf(rec.message, sizeof rec.message, "rank %u says %s", rank, proto::task_status_name(st));
+  ASSERT_TRUE(ep.complete(rec).ok());
+}
+
+// The merged block count is the MIN over ranks whatever the order of arrival (a merge that kept
+// the last report passed every earlier test).
+TEST(Session, MergedBlockCountIsTheMinimumWhateverTheArrivalOrder) {
+  const auto suffix = test::unique_suffix("min");
+  const auto g = test::small_geometry(3);
+  Engine e(suffix, g);
+  std::vector<std::unique_ptr<RankEndpoint>> eps;
+  for (std::uint32_t r = 0; r < 3; ++r) {
+    auto ep = RankEndpoint::attach(endpoint_options(suffix, r, g));
+    ASSERT_TRUE(ep.ok()) << ep.error().message;
+    eps.push_back(std::move(ep).value());
+  }
+  std::vector<std::int32_t> ids{3};
+  TaskRequest req;
+  req.src = ids;
+  req.dst = ids;
+  for (const auto& order : std::vector<std::vector<std::uint64_t>>{{5, 2, 7}, {2, 7, 5}, {7, 5, 2}}) {
+    auto id = e.s->submit(req);
+    ASSERT_TRUE(id.ok());
+    for (std::uint32_t r = 0; r < 3; ++r) report(*eps[r], *id, r, TaskStatus::kOk, order[r]);
+    auto res = e.s->wait(*id, 1'000'000'000);
+    ASSERT_TRUE(res.ok());
+    EXPECT_TRUE(res->ok());
+    EXPECT_EQ(res->blocks_done, 2u);
+  }
+}
+
+// Two failing ranks: the merged status is the lowest rank's, whichever reported first.
+TEST(Session, TwoFailingRanksMergeToTheLowestRanksFailure) {
+  const auto suffix = test::unique_suffix("twofail");
+  const auto g = test::small_geometry(2);
+  Engine e(suffix, g);
+  auto ep0 = RankEndpoint::attach(endpoint_options(suffix, 0, g));
+  auto ep1 = RankEndpoint::attach(endpoint_options(suffix, 1, g));
+  ASSERT_TRUE(ep0.ok() && ep1.ok());
+  std::vector<std::int32_t> ids{3};
+  TaskRequest req;
+  req.src = ids;
+  req.dst = ids;
+  auto id = e.s->submit(req);
+  ASSERT_TRUE(id.ok());
+  report(**ep1, *id, 1, TaskStatus::kIdOutOfRange, 0);
+  report(**ep0, *id, 0, TaskStatus::kDeviceError, 0);
+  auto r = e.s->wait(*id, 1'000'000'000);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, TaskStatus::kDeviceError);
+  ASSERT_EQ(r->failures.size(), 2u);
+  EXPECT_EQ(r->failures[0].rank, 0u);
+  EXPECT_EQ(r->failures[1].rank, 1u);
+  EXPECT_EQ(r->failures[1].status, TaskStatus::kIdOutOfRange);
+}
+
+// Results nobody collects used to pile up without bound.
+TEST(Session, UncollectedResultsAreBoundedOldestFirst) {
+  const auto suffix = test::unique_suffix("bound");
+  SessionOptions o;
+  o.suffix = suffix;
+  o.geometry = test::small_geometry(1);
+  o.max_uncollected_results = 4;
+  auto s = EngineSession::create(o);
+  ASSERT_TRUE(s.ok());
+  ASSERT_TRUE((*s)->create_host_device_tensors().ok());
+  ASSERT_TRUE((*s)->publish().ok());
+  auto ep = RankEndpoint::attach(endpoint_options(suffix, 0, o.geometry));
+  ASSERT_TRUE(ep.ok());
+  std::vector<std::int32_t> ids{1};
+  TaskRequest req;
+  req.src = ids;
+  req.dst = ids;
+  std::vector<std::uint64_t> done;
+  for (int i = 0; i < 10; ++i) {
+    auto id = (*s)->submit(req);
+    ASSERT_TRUE(id.ok());
+    report(**ep, *id, 0, TaskStatus::kOk, 1);
+    done.push_back(*id);
+  }
+  EXPECT_TRUE(test::eventually([&] { return (*s)->in_flight() == 0; }, std::chrono::seconds(2)));
+  auto old = (*s)->wait(done[0], 1'000'000);
+  ASSERT_FALSE(old.ok());
+  EXPECT_EQ(old.error().code, IpcErrc::kUnknownTask);
+  EXPECT_NE(old.error().message.find("uncollected"), std::string::npos);
+  auto recent = (*s)->wait(done.back(), 1'000'000);
+  ASSERT_TRUE(recent.ok());
+}
+
+TEST(Session, WaitLayerRefusesALayerOutsideTheGeometry) {
+  const auto suffix = test::unique_suffix("wlayer");
+  Engine e(suffix);
+  auto ep = RankEndpoint::attach(endpoint_options(suffix, 0, test::small_geometry(1)));
+  ASSERT_TRUE(ep.ok());
+  std::vector<std::int32_t> ids{1};
+  TaskRequest req;
+  req.kind = TaskKind::kSwapToDevice;
+  req.src = ids;
+  req.dst = ids;
+  req.layerwise = true;
+  auto id = e.s->submit(req);
+  ASSERT_TRUE(id.ok());
+  auto st = e.s->wait_layer(*id, 3, 1'000'000);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.error().code, IpcErrc::kInvalidArgument);
+}
+
+// An engine killed with -9 left its arenas (2 x 256 MiB seen) in /dev/shm: objects of a
+// session that no longer exists are swept; those of a live session are kept.
+TEST(Session, SweepRemovesObjectsOfDeadSessionsOnly) {
+  const auto suffix = test::unique_suffix("sweep");
+  Engine e(suffix);
+  const std::string orphan = session_object_name(0x0123456789abcdefull, "dev0");
+  const std::string orphan_pool = session_object_name(0x0123456789abcdefull, "host3");
+  for (const auto& n : {orphan, orphan_pool}) {
+    ASSERT_TRUE(SharedObject::create(n, 4096).ok());
+    // An hour old: objects touched in the last 30 s are never swept (they may be mid-creation).
+    const timespec hour_ago[2] = {{time(nullptr) - 3600, 0}, {time(nullptr) - 3600, 0}};
+    ASSERT_EQ(utimensat(AT_FDCWD, ("/dev/shm/" + n).c_str(), hour_ago, 0), 0);
+  }
+  const std::string fresh = session_object_name(0x0123456789abcdeeull, "dev0");
+  ASSERT_TRUE(SharedObject::create(fresh, 4096).ok());
+  auto removed = sweep_stale_objects();
+  EXPECT_TRUE(SharedObject::open(fresh).ok()) << "a fresh object may belong to a session being created";
+  SharedObject::remove(fresh);
+  EXPECT_NE(std::find(removed.begin(), removed.end(), orphan), removed.end());
+  EXPECT_NE(std::find(removed.begin(), removed.end(), orphan_pool), removed.end());
+  EXPECT_FALSE(SharedObject::open(orphan).ok());
+  // The live session's own arena survives.
+  EXPECT_TRUE(SharedObject::open(session_object_name(e.s->generation(), "dev0")).ok());
+}
+
 TEST(Session, ALiveEngineKeepsItsSessionName) {
   const auto suffix = test::unique_suffix("inuse");
   Engine e(suffix);
@@ -266,10 +407,68 @@ TEST(CApi, CreatePublishSubmitAndReportErrors) {
   EXPECT_NE(std::string(err).find("rank 0"), std::string::npos) << err;
   EXPECT_EQ(kvtd_wait_ready(s, 20, err, sizeof err), KVTD_E_TIMEOUT);
   EXPECT_EQ(kvtd_rank_alive(s, 0), 0);
+  // Null sessions and huge timeouts are errors or saturate; nothing crashes or wraps.
+  EXPECT_EQ(kvtd_publish(nullptr, err, sizeof err), KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_wait(nullptr, 1, 1, nullptr, err, sizeof err), KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_wait_ready(nullptr, 1, err, sizeof err), KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_create_host_device_tensors(nullptr, err, sizeof err), KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_rank_alive(nullptr, 0), 0);
+  EXPECT_EQ(kvtd_wait(s, 12345, INT64_MAX, nullptr, err, sizeof err), KVTD_E_UNKNOWN_TASK);
   kvtd_session_destroy(s);
   kvtd_session* bad = nullptr;
   EXPECT_EQ(kvtd_session_create("bad/name", &g, &bad, err, sizeof err), KVTD_E_INVALID);
   EXPECT_NE(std::string(err).find("suffix"), std::string::npos);
+}
+
+// The C ABI end to end: register tensors by handle, submit, and wait for the merged result.
+TEST(CApi, RegisterSubmitAndWaitWithAnAttachedRank) {
+  const auto suffix = test::unique_suffix("capi2");
+  kvtd_geometry g{};
+  g.num_ranks = 1;
+  g.num_layers = 1;
+  g.dtype = KVTD_DTYPE_FLOAT16;
+  g.num_host_blocks = 4;
+  g.key_shape[0] = 8;
+  g.key_shape[1] = 1;
+  g.key_shape[2] = 4;
+  g.key_shape[3] = 8;
+  kvtd_session* s = nullptr;
+  char err[256] = {0};
+  ASSERT_EQ(kvtd_session_create(suffix.c_str(), &g, &s, err, sizeof err), KVTD_OK) << err;
+  std::uint8_t handle[64] = {'x'};
+  EXPECT_EQ(kvtd_register_tensor(s, 0, 0, 0, -1, handle, 0, 8, err, sizeof err), KVTD_E_INVALID);  // too small
+  EXPECT_NE(std::string(err).find("needs"), std::string::npos) << err;
+  EXPECT_EQ(kvtd_register_tensor(s, 0, 0, 0, -1, handle, 0, 8 * 64, err, sizeof err), KVTD_OK) << err;
+  ASSERT_EQ(kvtd_publish(s, err, sizeof err), KVTD_OK) << err;
+  proto::CacheGeometry pg = test::small_geometry(1);
+  pg.num_layers = 1;
+  pg.num_host_blocks = 4;
+  pg.dtype = static_cast<std::uint32_t>(proto::CacheDtype::kFloat16);
+  const std::int64_t shape[4] = {8, 1, 4, 8};
+  for (int i = 0; i < 4; ++i) {
+    pg.key_shape[i] = shape[i];
+    pg.value_shape[i] = 0;
+  }
+  auto ep = RankEndpoint::attach(endpoint_options(suffix, 0, pg));
+  ASSERT_TRUE(ep.ok()) << ep.error().message;
+  ASSERT_NE((*ep)->tensor(0, proto::TensorKind::kKey), nullptr);
+  int32_t src[2] = {1, 2}, dst[2] = {3, 0};
+  uint64_t id = 0;
+  ASSERT_EQ(kvtd_submit(s, KVTD_SWAP_TO_HOST, src, dst, 2, 1000, &id, err, sizeof err), KVTD_OK) << err;
+  report(**ep, id, 0, TaskStatus::kOk, 2);
+  kvtd_completion c{};
+  ASSERT_EQ(kvtd_wait(s, id, 1000, &c, err, sizeof err), KVTD_OK) << err;
+  EXPECT_EQ(c.task_id, id);
+  EXPECT_EQ(c.blocks_done, 2u);
+  EXPECT_EQ(c.failed_rank, -1);
+  ASSERT_EQ(kvtd_submit(s, KVTD_SWAP_TO_HOST, src, dst, 2, 1000, &id, err, sizeof err), KVTD_OK) << err;
+  report(**ep, id, 0, TaskStatus::kIdOutOfRange, 0);
+  EXPECT_EQ(kvtd_wait(s, id, 1000, &c, err, sizeof err), KVTD_E_TASK_FAILED);
+  EXPECT_EQ(c.failed_rank, 0);
+  EXPECT_NE(std::string(err).find("rank 0"), std::string::npos) << err;
+  EXPECT_EQ(kvtd_submit(s, 0, src, dst, 2, 1000, &id, err, sizeof err), KVTD_E_INVALID);  // reserved kind
+  ep = make_error(IpcErrc::kClosed, "");  // detach before the session goes
+  kvtd_session_destroy(s);
 }
 
 }  // namespace
