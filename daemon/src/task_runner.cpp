@@ -348,10 +348,18 @@ TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop) {
   Exit exit = Exit::kStopped;
   std::vector<std::byte> record;
   record.reserve(4096);
-  while (!stop.load(std::memory_order_acquire)) {
+  // On stop, every task already in the ring is still read and finished (the ring is drained
+  // without waiting), so "submitted before SIGTERM" always means "completed"; what arrives later
+  // is failed by the engine when this epoch says it is leaving.
+  for (;;) {
     notify_watchdog();
-    const auto next = impl->ep.next_task(record, ipc::monotonic_now_ns() + kPollSliceNs);
-    if (next == ipc::RankEndpoint::Next::kTimeout) continue;
+    const bool stopping = stop.load(std::memory_order_acquire);
+    const std::int64_t now = ipc::monotonic_now_ns();
+    const auto next = impl->ep.next_task(record, stopping ? now : now + kPollSliceNs);
+    if (next == ipc::RankEndpoint::Next::kTimeout) {
+      if (stopping) break;
+      continue;
+    }
     if (next == ipc::RankEndpoint::Next::kRegranted) {
       const std::size_t dropped = impl->drop_queued();
       KVTD_WARN("the engine had counted this rank as dead and failed its tasks; dropped {} queued tasks of the "

@@ -123,6 +123,86 @@ TEST_F(DaemonTest, EvictThenLoadOfTheSameHostBlockSeesTheEvictedBytes) {
   }
 }
 
+// Same as above with blocks large enough (8 layers x K+V x 64 KiB = 1 MiB per block) that no
+// task runs inline on the dispatcher: the load waits for the eviction on the other lane only
+// through the block tracker (conflicts()). With small blocks that path was never exercised.
+TEST_F(DaemonTest, LargeEvictThenLoadOfTheSameHostBlocksCrossesLanesInOrder) {
+  g_.num_layers = 8;
+  g_.key_shape[0] = g_.value_shape[0] = 64;
+  g_.key_shape[1] = g_.value_shape[1] = 8;
+  g_.key_shape[2] = g_.value_shape[2] = 32;
+  g_.key_shape[3] = g_.value_shape[3] = 128;
+  g_.num_host_blocks = 32;
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  for (int it = 0; it < 6; ++it) {
+    std::vector<std::int32_t> dev(8), host(8), dev2(8);
+    for (int i = 0; i < 8; ++i) {
+      dev[i] = (it * 5 + i * 3) % 32;
+      host[i] = (it * 7 + i) % 32;
+      dev2[i] = 32 + i * 4 + it % 4;
+    }
+    TaskRequest out, in;
+    out.kind = TaskKind::kSwapToHost;
+    out.src = dev;
+    out.dst = host;
+    in.kind = TaskKind::kSwapToDevice;
+    in.src = host;
+    in.dst = dev2;
+    auto a = engine_->submit(out);
+    auto b = engine_->submit(in);
+    ASSERT_TRUE(a.ok() && b.ok());
+    auto ra = engine_->wait(*a, 20'000'000'000);
+    auto rb = engine_->wait(*b, 20'000'000'000);
+    ASSERT_TRUE(ra.ok() && ra->ok() && rb.ok() && rb->ok());
+    for_each_tensor([&](std::uint32_t r, std::uint32_t l, std::uint32_t k, std::byte* base, std::uint64_t bb) {
+      for (std::size_t i = 0; i < dev.size(); ++i)
+        ASSERT_EQ(loadgen::check_block(base + static_cast<std::uint64_t>(dev2[i]) * bb, bb, r, l, k,
+                                       static_cast<std::uint32_t>(dev[i])),
+                  -1)
+            << "iteration " << it << " block " << dev2[i];
+    });
+    fill_device();
+  }
+}
+
+// Within one direction tasks run in submission order: a small task (inline-sized) behind a
+// large queued one on the same lane must not overtake it. Two evictions into the same host
+// block: the later one's bytes must be what a load then finds.
+TEST_F(DaemonTest, SmallTaskNeverOvertakesALargeOneQueuedOnItsLane) {
+  g_.num_layers = 8;
+  g_.key_shape[0] = g_.value_shape[0] = 64;
+  g_.key_shape[1] = g_.value_shape[1] = 2;
+  g_.key_shape[2] = g_.value_shape[2] = 8;
+  g_.key_shape[3] = g_.value_shape[3] = 128;  // 4 KiB per block-tensor: 64 KiB per block
+  g_.num_host_blocks = 32;
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  std::vector<std::int32_t> big_ids(32);
+  std::iota(big_ids.begin(), big_ids.end(), 0);
+  for (int it = 0; it < 10; ++it) {
+    // 2 MiB: queued on the lane. Then a 64 KiB eviction (small enough to run inline on the
+    // dispatcher if its lane were idle) into the big one's last host block.
+    const std::vector<std::int32_t> small_dev{40 + it}, small_host{31};
+    TaskRequest big, small;
+    big.kind = small.kind = TaskKind::kSwapToHost;
+    big.src = big_ids;
+    big.dst = big_ids;
+    small.src = small_dev;
+    small.dst = small_host;
+    auto a = engine_->submit(big);
+    auto b = engine_->submit(small);
+    ASSERT_TRUE(a.ok() && b.ok());
+    ASSERT_TRUE(engine_->wait(*a, 20'000'000'000)->ok());
+    ASSERT_TRUE(engine_->wait(*b, 20'000'000'000)->ok());
+    auto in = run(TaskKind::kSwapToDevice, small_host, {63});
+    ASSERT_TRUE(in.ok());
+    for_each_tensor([&](std::uint32_t r, std::uint32_t l, std::uint32_t k, std::byte* base, std::uint64_t bb) {
+      ASSERT_EQ(loadgen::check_block(base + 63ull * bb, bb, r, l, k, static_cast<std::uint32_t>(40 + it)), -1)
+          << "the small eviction ran before the large one queued ahead of it (iteration " << it << ")";
+    });
+    fill_device();
+  }
+}
+
 TEST_F(DaemonTest, LayerByLayerLoadReportsEveryLayerThenCompletes) {
   ASSERT_NO_FATAL_FAILURE(start_all());
   std::vector<std::int32_t> dev{3, 4, 9}, host{0, 1, 2}, dev2{20, 5, 6};
@@ -281,9 +361,11 @@ TEST_F(DaemonTest, SigtermFinishesTheTaskInFlightThenExitsZero) {
   req.kind = TaskKind::kSwapToHost;
   req.src = ids;
   req.dst = ids;
-  auto id = engine_->submit(req);  // 512 MiB per rank: long enough to be in flight
+  auto id = engine_->submit(req);  // 512 MiB per rank
   ASSERT_TRUE(id.ok());
-  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  // At once: the task is in the ring, perhaps not yet read by either rank. A task submitted
+  // before SIGTERM is finished whether or not a rank had read it yet (this used to depend on
+  // the task being read within 5 ms, and failed under TSan on a busy machine).
   for (auto& d : daemons_) d.signal(SIGTERM);
   auto r = engine_->wait(*id, 30'000'000'000);
   ASSERT_TRUE(r.ok()) << r.error().message;

@@ -58,8 +58,8 @@ class TaskRunner {
   TaskRunner(const TaskRunner&) = delete;
   TaskRunner& operator=(const TaskRunner&) = delete;
 
-  // Serves until `stop` is set (tasks already dispatched are finished first) or the session is
-  // lost. Returns why it stopped.
+  // Serves until `stop` is set (every task already in the ring then is still read and finished)
+  // or the session is lost. Returns why it stopped.
   Exit run(const std::atomic<bool>& stop);
 
   RunnerStats stats() const;
