@@ -40,17 +40,28 @@ std::string cuda_text(const char* what, cudaError_t e) {
   return std::string(what) + ": " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
 }
 
+// One macro for every runtime call (NCCL's checks.h style): on failure it clears the runtime's
+// last error (cudaGetLastError) so the error of this task is not reported again by the launch
+// check of the next, healthy one, and returns it as a value. Callers that enqueued work first
+// drain their stream before passing the error on (see Lane::drain).
 #define KVTD_CUDA_TRY(call)                                                              \
   do {                                                                                   \
-    if (const cudaError_t kvtd_e_ = (call); kvtd_e_ != cudaSuccess)                      \
+    if (const cudaError_t kvtd_e_ = (call); kvtd_e_ != cudaSuccess) {                    \
+      (void)cudaGetLastError();                                                          \
       return make_error(DeviceErrc::kCopyFailed, cuda_text(#call, kvtd_e_));             \
+    }                                                                                    \
   } while (0)
 
-// A growable pair of buffers: pinned host staging and its device copy.
+// A growable pair of buffers: pinned host staging and its device copy. Owns both (RAII).
 struct Mirror {
   void* host = nullptr;
   void* dev = nullptr;
   std::size_t bytes = 0;
+
+  Mirror() = default;
+  Mirror(const Mirror&) = delete;
+  Mirror& operator=(const Mirror&) = delete;
+  ~Mirror() { release(); }
 
   Status<DeviceErrc> reserve(std::size_t want) {
     if (want <= bytes) return {};
@@ -62,13 +73,14 @@ struct Mirror {
     return {};
   }
   void release() {
-    if (host) cudaFreeHost(host);
-    if (dev) cudaFree(dev);
+    if (host && cudaFreeHost(host) != cudaSuccess) (void)cudaGetLastError();
+    if (dev && cudaFree(dev) != cudaSuccess) (void)cudaGetLastError();
     host = dev = nullptr;
     bytes = 0;
   }
-  // Uploads the first `n` bytes of `host` on `stream`. The previous user of this mirror on this
-  // lane synchronised the stream, so the pinned staging is free to overwrite.
+  // Uploads the first `n` bytes of `host` on `stream`. Every user of a lane leaves its stream
+  // idle when it returns (synchronised on success, drained on error), so the pinned staging is
+  // free to overwrite when the next task stages its plan.
   Status<DeviceErrc> upload(std::size_t n, cudaStream_t stream) {
     KVTD_CUDA_TRY(cudaMemcpyAsync(dev, host, n, cudaMemcpyHostToDevice, stream));
     return {};
@@ -76,19 +88,15 @@ struct Mirror {
 };
 
 class CudaBackend final : public DeviceBackend {
+  struct Lane;  // defined below; named early for the helpers' signatures
+
  public:
   CudaBackend(int device, ScatterMode mode) : device_(device), mode_(mode) {}
 
   ~CudaBackend() override {
     close_tensors();
-    cudaSetDevice(device_);
-    for (auto& lane : lanes_) {
-      lane.ids.release();
-      lane.table.release();
-      lane.offsets.release();
-      for (auto ev : lane.events) cudaEventDestroy(ev);
-      if (lane.stream) cudaStreamDestroy(lane.stream);
-    }
+    if (cudaSetDevice(device_) != cudaSuccess) (void)cudaGetLastError();
+    // Lanes release their mirrors, events and stream in their own destructors.
     for (void* p : host_) cudaFreeHost(p);
     for (auto [p, n] : registered_) {
       cudaHostUnregister(p);
@@ -112,6 +120,12 @@ class CudaBackend final : public DeviceBackend {
 
   const char* name() const override { return "cuda"; }
 
+  // Makes this backend's device current; every entry point calls it first.
+  Status<DeviceErrc> use_device() {
+    KVTD_CUDA_TRY(cudaSetDevice(device_));
+    return {};
+  }
+
   Result<std::byte*, DeviceErrc> open_tensor(const proto::TensorDesc& d) override {
     if (d.device_id != device_)
       return make_error(DeviceErrc::kOpenFailed, "tensor is on device " + std::to_string(d.device_id) +
@@ -124,9 +138,11 @@ class CudaBackend final : public DeviceBackend {
       static_assert(sizeof h == proto::kHandleBytes);
       std::memcpy(&h, d.handle, sizeof h);
       void* p = nullptr;
-      cudaSetDevice(device_);
-      if (auto e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess)
+      if (auto st = use_device(); !st.ok()) return make_error(DeviceErrc::kOpenFailed, st.error().message);
+      if (auto e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess) {
+        (void)cudaGetLastError();
         return make_error(DeviceErrc::kOpenFailed, cuda_text("cudaIpcOpenMemHandle", e));
+      }
       it = opened_.emplace(key, p).first;
     }
     // Caching allocators hand out sub-allocations: the handle names the base, plus an offset.
@@ -135,15 +151,16 @@ class CudaBackend final : public DeviceBackend {
 
   void close_tensors() override {
     if (opened_.empty()) return;
-    cudaSetDevice(device_);
-    for (auto& [key, p] : opened_) cudaIpcCloseMemHandle(p);  // each handle exactly once
+    if (!use_device().ok()) KVTD_WARN("cudaSetDevice failed while closing tensor handles");
+    for (auto& [key, p] : opened_)  // each handle exactly once
+      if (cudaIpcCloseMemHandle(p) != cudaSuccess) (void)cudaGetLastError();
     opened_.clear();
   }
 
   Result<std::byte*, DeviceErrc> alloc_host(std::size_t bytes) override {
     if (bytes == 0) return static_cast<std::byte*>(nullptr);
     void* p = nullptr;
-    cudaSetDevice(device_);
+    if (auto st = use_device(); !st.ok()) return make_error(DeviceErrc::kAllocFailed, st.error().message);
     if (numa_node_ >= 0) {
       // Placed memory: map, bind to the GPU's node, fault it in there, then pin it for DMA.
       p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -161,8 +178,10 @@ class CudaBackend final : public DeviceBackend {
       KVTD_WARN("host memory not placed on NUMA node {} ({}); using cudaHostAlloc", numa_node_, why);
       p = nullptr;
     }
-    if (auto e = cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped); e != cudaSuccess)
+    if (auto e = cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped); e != cudaSuccess) {
+      (void)cudaGetLastError();
       return make_error(DeviceErrc::kAllocFailed, cuda_text("cudaHostAlloc", e));
+    }
     std::memset(p, 0, bytes);
     host_.push_back(p);
     return static_cast<std::byte*>(p);
@@ -185,21 +204,23 @@ class CudaBackend final : public DeviceBackend {
 
   Result<std::byte*, DeviceErrc> alloc_device(std::size_t bytes) override {
     void* p = nullptr;
-    cudaSetDevice(device_);
-    if (auto e = cudaMalloc(&p, bytes); e != cudaSuccess)
+    if (auto st = use_device(); !st.ok()) return make_error(DeviceErrc::kAllocFailed, st.error().message);
+    if (auto e = cudaMalloc(&p, bytes); e != cudaSuccess) {
+      (void)cudaGetLastError();
       return make_error(DeviceErrc::kAllocFailed, cuda_text("cudaMalloc", e));
+    }
     device_allocs_.push_back(p);
     return static_cast<std::byte*>(p);
   }
 
   Status<DeviceErrc> write_device(std::byte* dst, const std::byte* src, std::size_t bytes) override {
-    cudaSetDevice(device_);
+    KVTD_CUDA_TRY(cudaSetDevice(device_));
     KVTD_CUDA_TRY(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
     return {};
   }
 
   Status<DeviceErrc> read_device(std::byte* dst, const std::byte* src, std::size_t bytes) override {
-    cudaSetDevice(device_);
+    KVTD_CUDA_TRY(cudaSetDevice(device_));
     KVTD_CUDA_TRY(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
     return {};
   }
@@ -209,10 +230,16 @@ class CudaBackend final : public DeviceBackend {
     Lane& lane = lane_of(dir);
     std::lock_guard<std::mutex> g(lane.mu);
     KVTD_CUDA_TRY(cudaSetDevice(device_));
-    if (auto st = stage_plan(lane, plan, targets); !st.ok()) return st;
-    if (auto st = enqueue(lane, plan, targets, /*all_layers=*/true); !st.ok()) return st;
-    KVTD_CUDA_TRY(cudaStreamSynchronize(lane.stream));
-    return {};
+    auto st = [&]() -> Status<DeviceErrc> {
+      if (auto s1 = stage_plan(lane, plan, targets); !s1.ok()) return s1;
+      if (auto s2 = enqueue(lane, plan, targets, /*all_layers=*/true); !s2.ok()) return s2;
+      KVTD_CUDA_TRY(cudaStreamSynchronize(lane.stream));
+      return {};
+    }();
+    // On failure, copies enqueued before the failing call may still be running: wait for them,
+    // because the runner releases this task's blocks (and the engine may reuse them) when we return.
+    if (!st.ok()) lane.drain();
+    return st;
   }
 
   Status<DeviceErrc> copy_layerwise(Direction dir, const kernels::CopyPlan& plan,
@@ -222,6 +249,14 @@ class CudaBackend final : public DeviceBackend {
     Lane& lane = lane_of(dir);
     std::lock_guard<std::mutex> g(lane.mu);
     KVTD_CUDA_TRY(cudaSetDevice(device_));
+    auto st = copy_layerwise_locked(lane, plan, targets, per_layer, on_layer_enqueued, on_layer_done);
+    if (!st.ok()) lane.drain();  // as in copy(): nothing may still write once we report failure
+    return st;
+  }
+
+  Status<DeviceErrc> copy_layerwise_locked(Lane& lane, const kernels::CopyPlan& plan,
+                                           std::span<const kernels::CopyTarget> targets, std::size_t per_layer,
+                                           const LayerCallback& on_layer_enqueued, const LayerCallback& on_layer_done) {
     if (auto st = stage_plan(lane, plan, targets); !st.ok()) return st;
     const std::size_t layers = (targets.size() + per_layer - 1) / per_layer;
     if (auto st = ensure_events(lane, layers); !st.ok()) return st;
@@ -269,6 +304,7 @@ class CudaBackend final : public DeviceBackend {
   }
 
  private:
+  // One direction's stream and staging. Owns its stream, events and mirrors (RAII).
   struct Lane {
     std::mutex mu;
     cudaStream_t stream = nullptr;
@@ -278,6 +314,21 @@ class CudaBackend final : public DeviceBackend {
     std::vector<cudaEvent_t> events;
     std::vector<void*> batch_dst, batch_src;
     std::vector<std::size_t> batch_size;
+
+    Lane() = default;
+    Lane(const Lane&) = delete;
+    Lane& operator=(const Lane&) = delete;
+    ~Lane() {
+      drain();
+      for (auto ev : events)
+        if (cudaEventDestroy(ev) != cudaSuccess) (void)cudaGetLastError();
+      if (stream && cudaStreamDestroy(stream) != cudaSuccess) (void)cudaGetLastError();
+    }
+    // Waits until nothing enqueued on the stream still runs; a failure (a broken context) is
+    // cleared from the last-error slot: the task that met it already failed.
+    void drain() {
+      if (stream && cudaStreamSynchronize(stream) != cudaSuccess) (void)cudaGetLastError();
+    }
   };
 
   Lane& lane_of(Direction d) { return lanes_[d == Direction::kToHost ? 0 : 1]; }
@@ -381,6 +432,13 @@ class CudaBackend final : public DeviceBackend {
     if (ids.empty() || tensors.empty()) return {};
     std::lock_guard<std::mutex> g(lane.mu);
     KVTD_CUDA_TRY(cudaSetDevice(device_));
+    auto st = transform_locked(lane, tensors, ids, staging, gather);
+    if (!st.ok()) lane.drain();
+    return st;
+  }
+
+  Status<DeviceErrc> transform_locked(Lane& lane, std::span<const kernels::LayerTensor> tensors,
+                                      std::span<const std::int32_t> ids, std::byte* staging, bool gather) {
     if (auto st = lane.ids.reserve(ids.size_bytes()); !st.ok()) return st;
     std::memcpy(lane.ids.host, ids.data(), ids.size_bytes());
     if (auto st = lane.ids.upload(ids.size_bytes(), lane.stream); !st.ok()) return st;

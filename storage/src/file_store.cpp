@@ -76,7 +76,7 @@ class FileStore final : public ObjectStore {
       if (base.size() < 4 || base.compare(base.size() - 4, 4, kSuffix) != 0) continue;
       touch_locked(f.path, f.bytes);
     }
-    evict_locked();
+    evict_locked(lru_.empty() ? std::string() : lru_.front());
     return {};
   }
 
@@ -98,8 +98,14 @@ class FileStore final : public ObjectStore {
     parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
       const std::string path = path_of(keys[i]);
       ObjectHeader h{};
-      std::span<std::byte> payload(dsts[i], opts_.store.object_bytes);
-      const std::span<std::byte> parts[2] = {{reinterpret_cast<std::byte*>(&h), sizeof h}, payload};
+      // Read into private scratch and verify there: the caller's buffer receives the payload only
+      // once it is known good, so a corrupt or foreign object never clobbers it. One byte past
+      // the payload is asked for: an object with trailing bytes is not ours.
+      thread_local std::vector<std::byte> scratch;
+      scratch.resize(opts_.store.object_bytes + 1);
+      std::span<std::byte> payload(scratch.data(), opts_.store.object_bytes);
+      const std::span<std::byte> parts[3] = {{reinterpret_cast<std::byte*>(&h), sizeof h}, payload,
+                                             {scratch.data() + opts_.store.object_bytes, 1}};
       std::size_t read = 0;
       const int e = fs_->read_file(path, parts, &read);
       if (e == ENOENT) {
@@ -108,9 +114,10 @@ class FileStore final : public ObjectStore {
         out[i] = ObjectResult::kFailed;
         note_error("read " + path, e);
       } else if (read != sizeof h + payload.size()) {
-        out[i] = ObjectResult::kCorrupt;
+        out[i] = ObjectResult::kCorrupt;  // truncated, or trailing bytes
       } else {
         out[i] = verify_object(opts_.store, namespaced_key(opts_.store, keys[i]), h, payload);
+        if (out[i] == ObjectResult::kOk) std::memcpy(dsts[i], payload.data(), payload.size());
       }
       counters_.count_get(out[i]);
       if (out[i] == ObjectResult::kOk) {
@@ -135,8 +142,16 @@ class FileStore final : public ObjectStore {
       const char* step = "write ";
       int e = fs_->write_file(tmp, parts, opts_.sync != SyncPolicy::kNone);
       if (e == 0) {
+        // Rename and index update under one lock: eviction (also under it) picks its victims from
+        // the index, so it can never delete an object that was just renamed in but not yet indexed
+        // as new (it used to remove a concurrent put's fresh object under an old LRU entry).
         step = "rename to ";
+        std::lock_guard<std::mutex> g(mu_);
         e = fs_->rename(tmp, path);
+        if (e == 0) {
+          touch_locked(path, sizeof h + payload.size());
+          evict_locked(path);
+        }
       }
       if (e == 0 && opts_.sync == SyncPolicy::kFull) {
         step = "sync directory of ";
@@ -150,9 +165,6 @@ class FileStore final : public ObjectStore {
         return;
       }
       counters_.count_put(ObjectResult::kOk);
-      std::lock_guard<std::mutex> g(mu_);
-      touch_locked(path, sizeof h + payload.size());
-      evict_locked();
     });
     return out;
   }
@@ -226,12 +238,13 @@ class FileStore final : public ObjectStore {
     index_.erase(it);
   }
 
-  // Removes least-recently-used objects until the total fits the capacity (the most recent
-  // object always stays, even if it alone is larger).
-  void evict_locked() {
+  // Removes least-recently-used objects until the total fits the capacity; `keep` (the object
+  // just written) always stays, even if it alone is larger.
+  void evict_locked(const std::string& keep) {
     if (opts_.capacity_bytes == 0) return;
     while (total_ > opts_.capacity_bytes && lru_.size() > 1) {
       const std::string victim = lru_.back();
+      if (victim == keep) break;
       fs_->remove(victim);
       forget_locked(victim);
       ++evictions_;
