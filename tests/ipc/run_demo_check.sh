@@ -1,22 +1,35 @@
 #!/usr/bin/env bash
 # Runs the load generator against two kvtd ranks (separate processes) in verify mode and
 # fails unless every byte checks out and both daemons exit 0 on SIGTERM.
+#
+# The daemons are started directly (not under `timeout`), so the pids recorded are theirs and
+# the cleanup kills them, not a wrapper that would leave them orphaned. A watchdog bounds the
+# whole check: it terminates this script, whose EXIT trap then kills every child.
 set -euo pipefail
 kvtd=$1 loadgen=$2
 suffix="ctest$$"
 dir=$(mktemp -d)
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; rm -rf "$dir"; }
+watchdog=""
+cleanup() {
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  [ -n "$watchdog" ] && kill "$watchdog" 2>/dev/null || true
+  rm -rf "$dir"
+}
 trap cleanup EXIT
+trap 'echo "demo check: watchdog expired" >&2; exit 1' TERM
+( sleep 240; kill -TERM $$ ) &
+watchdog=$!
 geo=(--mp-num 2 --num-layers 4 --num-host-blocks 48 --key-cache-shape 64,8,64,128 --value-cache-shape 64,8,64,128)
 for r in 0 1; do
-  timeout 240 "$kvtd" --rank $r "${geo[@]}" --session "$suffix" --log-dir "$dir" >"$dir/out$r" 2>&1 &
+  "$kvtd" --rank $r "${geo[@]}" --session "$suffix" --log-dir "$dir" --attach-timeout 60 >"$dir/out$r" 2>&1 &
   pids+=($!)
 done
-timeout 240 "$loadgen" --session "$suffix" --ranks 2 --layers 4 --device-blocks 64 --host-blocks 48 \
+"$loadgen" --session "$suffix" --ranks 2 --layers 4 --device-blocks 64 --host-blocks 48 \
   --iterations 30 --blocks-per-task 12
 for p in "${pids[@]}"; do kill -TERM "$p"; done
 for p in "${pids[@]}"; do wait "$p"; done
+pids=()
 grep -q "serving" "$dir/kvtd_rank0.log"
 grep -q "serving" "$dir/kvtd_rank1.log"
 echo "demo check passed"

@@ -46,14 +46,33 @@ TEST_P(HostCopyBytes, MatchesNaiveReferenceForEveryElementSizeWithScales) {
     const std::size_t n = rng() % 25;
     src.resize(n);
     dst.resize(n);
-    if (trial % 3 == 0 && n > 3) {  // force some runs
-      for (std::size_t i = 1; i < n / 2; ++i) {
-        src[i] = static_cast<std::int32_t>((src[0] + static_cast<std::int32_t>(i)) % dev_blocks);
+    // Every other trial starts with a run: consecutive sources AND destinations (a run needs
+    // both; the earlier version made only the sources consecutive and so rarely had one).
+    const bool forced = trial % 2 == 0 && n > 3;
+    if (forced) {
+      const std::size_t k = n / 2;
+      const auto a = static_cast<std::int32_t>(rng() % static_cast<std::uint32_t>(dev_blocks - static_cast<std::int64_t>(k)));
+      const auto b = static_cast<std::int32_t>(rng() % static_cast<std::uint32_t>(host_blocks - static_cast<std::int64_t>(k)));
+      std::vector<std::int32_t> rest;  // destinations outside the run, still unique
+      for (std::int32_t d = 0; d < host_blocks; ++d)
+        if (d < b || d >= b + static_cast<std::int32_t>(k)) rest.push_back(d);
+      std::shuffle(rest.begin(), rest.end(), rng);
+      for (std::size_t i = 0; i < n; ++i) {
+        if (i < k) {
+          src[i] = a + static_cast<std::int32_t>(i);
+          dst[i] = b + static_cast<std::int32_t>(i);
+        } else {
+          dst[i] = rest[i - k];
+        }
       }
     }
     // keep destinations unique, sources may repeat
     auto plan = plan_copy(src, dst, dev_blocks, host_blocks, bytes);
     ASSERT_TRUE(plan.ok()) << plan.error().message;
+    if (forced) {
+      ASSERT_FALSE(plan->runs.empty()) << "trial " << trial << " was meant to exercise a run";
+      EXPECT_GE(plan->runs.front().count, 2);
+    }
     std::vector<Tensor> dev, host, expect;
     std::vector<CopyTarget> targets;
     for (std::uint32_t l = 0; l < layers; ++l)
