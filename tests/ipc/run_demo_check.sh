@@ -13,12 +13,15 @@ pids=()
 watchdog=""
 cleanup() {
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  [ -n "$watchdog" ] && kill "$watchdog" 2>/dev/null || true
+  if [ -n "$watchdog" ]; then
+    pkill -P "$watchdog" 2>/dev/null || true
+    kill "$watchdog" 2>/dev/null || true
+  fi
   rm -rf "$dir"
 }
 trap cleanup EXIT
 trap 'echo "demo check: watchdog expired" >&2; exit 1' TERM
-( sleep 240; kill -TERM $$ ) &
+( sleep 240; kill -TERM $$ ) >/dev/null 2>&1 &  # no open pipe: ctest must not wait for it
 watchdog=$!
 geo=(--mp-num 2 --num-layers 4 --num-host-blocks 48 --key-cache-shape 64,8,64,128 --value-cache-shape 64,8,64,128)
 for r in 0 1; do

@@ -2,6 +2,7 @@
 // a watchdog that fails a hung test, small geometries, and polling with a deadline.
 #pragma once
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -11,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <string>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,18 +33,24 @@ class Watchdog {
 class Child {
  public:
   Child() = default;
+  // Fork-safe in a threaded parent (the engine session runs threads): everything the child
+  // needs is prepared before fork, and the child calls only async-signal-safe functions
+  // (no malloc, no stdio) until exec.
   Child(const std::vector<std::string>& argv, const std::string& log_path) {
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    const char* log = log_path.empty() ? nullptr : log_path.c_str();
     pid_ = fork();
     if (pid_ == 0) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (!log_path.empty()) {
-        FILE* f = std::freopen(log_path.c_str(), "w", stderr);
-        (void)f;
-        dup2(STDERR_FILENO, STDOUT_FILENO);
+      if (log != nullptr) {
+        const int fd = ::open(log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        if (fd >= 0) {
+          dup2(fd, STDERR_FILENO);
+          dup2(fd, STDOUT_FILENO);
+        }
       }
-      std::vector<char*> args;
-      for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-      args.push_back(nullptr);
       execv(args[0], args.data());
       _exit(127);
     }
@@ -111,8 +119,14 @@ inline std::string read_file(const std::string& path) {
   return out;
 }
 
+// "t<pid>_<name>", cut to the 64-character suffix limit (with a hash of the full name, so two
+// long names that share a prefix stay distinct): test names once pushed it over with 5-digit pids.
 inline std::string unique_suffix(const std::string& name) {
-  return "t" + std::to_string(getpid()) + "_" + name;
+  std::string s = "t" + std::to_string(getpid()) + "_" + name;
+  if (s.size() <= 64) return s;
+  char tail[10];
+  std::snprintf(tail, sizeof tail, "_%08zx", std::hash<std::string>{}(name) & 0xffffffffu);
+  return s.substr(0, 64 - 9) + tail;
 }
 
 inline proto::CacheGeometry small_geometry(std::uint32_t ranks, proto::CacheDtype dtype = proto::CacheDtype::kBFloat16,
