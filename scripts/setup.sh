@@ -8,6 +8,7 @@ packages=(
   libboost-dev libcli11-dev libspdlog-dev libfmt-dev libzmq3-dev cppzmq-dev libsystemd-dev libnuma-dev
   libxxhash-dev libhiredis-dev redis-server redis-tools
   libgtest-dev libgmock-dev libbenchmark-dev
+  clang-16 libfuzzer-16-dev libclang-rt-16-dev
 )
 
 missing=()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs every test: unit, ipc (real processes), chaos; gpu tests skip without a GPU.
+# Runs every test: unit, ipc (real processes), storage, chaos; gpu tests skip without a GPU.
 # Then the same suites again under AddressSanitizer + UndefinedBehaviorSanitizer, and under
-# ThreadSanitizer (KVTD_SKIP_SANITIZERS=1 skips both).
+# ThreadSanitizer (KVTD_SKIP_SANITIZERS=1 skips both), and every libFuzzer target for
+# KVTD_FUZZ_SECONDS each (default 20; KVTD_FUZZ_SECONDS=0 skips; scripts/fuzz.sh runs longer).
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 bash "$KVTD_ROOT/scripts/setup.sh"
@@ -19,4 +20,9 @@ if [ "${KVTD_SKIP_SANITIZERS:-0}" != 1 ]; then
   KVTD_BUILD_DIR=$KVTD_ROOT/build-tsan kvtd_build -DKVTD_SANITIZE=thread -DKVTD_WITH_CUDA=OFF
   TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
     ctest --test-dir "$KVTD_ROOT/build-tsan" --output-on-failure -j 2 --timeout 900
+fi
+
+if [ "${KVTD_FUZZ_SECONDS:-20}" != 0 ]; then
+  echo "== fuzz targets, ${KVTD_FUZZ_SECONDS:-20}s each"
+  bash "$KVTD_ROOT/scripts/fuzz.sh" "${KVTD_FUZZ_SECONDS:-20}"
 fi

@@ -97,16 +97,18 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
                  "write_through | write_through_selective | write_back (validated; storage tasks are a later release)");
 
   // FastDeploy cache-transfer flags that kvtd accepts and ignores, so launch lines carry over.
+  // A help group on the main app, not an option_group: CLI11 2.1.2 loops forever in an option
+  // group's nested parse when a positional argument is left over (found by fuzz_config).
+  const std::string compat_group = "FastDeploy compatibility (accepted, ignored)";
   std::string ignored_s;
-  auto* compat = app.add_option_group("FastDeploy compatibility (accepted, ignored)");
   std::vector<CLI::Option*> compat_opts;
   for (const char* name : {"--splitwise_role", "--max_model_len", "--default_dtype", "--cache_queue_port",
                            "--enable_splitwise", "--pod_ip", "--engine_worker_queue_port", "--protocol",
                            "--local_data_parallel_id", "--rdma_port", "--speculative_config"}) {
-    compat_opts.push_back(compat->add_option(name, ignored_s, "ignored"));
+    compat_opts.push_back(app.add_option(name, ignored_s, "ignored")->group(compat_group));
   }
   bool ignored_flag = false;
-  compat_opts.push_back(compat->add_flag("--create_cache_tensor", ignored_flag, "ignored"));
+  compat_opts.push_back(app.add_flag("--create_cache_tensor", ignored_flag, "ignored")->group(compat_group));
 
   try {
     app.parse(argc, argv);

@@ -10,6 +10,7 @@
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/notify.h"
 #include "kvtd/ipc/clock.h"
+#include "kvtd/ipc/task_codec.h"
 #include "kvtd/ipc/wait.h"
 
 namespace kvtd::daemon {
@@ -133,37 +134,15 @@ struct TaskRunner::Impl {
 
   // Decodes and validates one record; on failure sends the error completion and returns false.
   bool decode(const std::vector<std::byte>& rec, Work& w) {
-    std::memcpy(&w.header, rec.data(), sizeof w.header);
-    const auto& h = w.header;
     const std::int64_t now = ipc::monotonic_now_ns();
-    if (h.format_version != proto::kTaskFormatVersion) {
-      complete(h, TaskStatus::kBadVersion, 0, 0, now,
-               "task format version " + std::to_string(h.format_version) + " is not supported (daemon speaks " +
-                   std::to_string(proto::kTaskFormatVersion) + ")");
+    auto decoded = ipc::decode_task_record(rec, &w.header);
+    if (!decoded.ok()) {
+      complete(w.header, decoded.error().code, 0, 0, now, decoded.error().message);
       return false;
     }
+    const auto& h = w.header;
     const auto kind = static_cast<TaskKind>(h.kind);
-    if (kind != TaskKind::kSwapToHost && kind != TaskKind::kSwapToDevice) {
-      complete(h, TaskStatus::kUnknownKind, 0, 0, now, "unknown task kind " + std::to_string(h.kind));
-      return false;
-    }
-    if ((h.flags & proto::kTaskFlagLayerwise) && kind != TaskKind::kSwapToDevice) {
-      complete(h, TaskStatus::kMalformed, 0, 0, now, "the layer-by-layer flag is only valid on SWAP_TO_DEVICE");
-      return false;
-    }
-    if ((h.flags & ~proto::kTaskFlagLayerwise) != 0) {
-      complete(h, TaskStatus::kMalformed, 0, 0, now, "unknown task flags " + std::to_string(h.flags));
-      return false;
-    }
-    // 64-bit: counts near 2^29 each must not wrap into a size that matches a short record.
-    if (proto::task_record_bytes(h.num_src, h.num_dst) != std::uint64_t{h.record_bytes} || h.record_bytes != rec.size()) {
-      complete(h, TaskStatus::kMalformed, 0, 0, now,
-               "record of " + std::to_string(rec.size()) + " bytes does not hold " + std::to_string(h.num_src) +
-                   " source and " + std::to_string(h.num_dst) + " destination ids");
-      return false;
-    }
-    const auto* ids = reinterpret_cast<const std::int32_t*>(rec.data() + sizeof(proto::TaskRecordHeader));
-    std::span<const std::int32_t> src(ids, h.num_src), dst(ids + h.num_src, h.num_dst);
+    const auto src = decoded->src, dst = decoded->dst;
     const bool to_host = kind == TaskKind::kSwapToHost;
     auto plan = kernels::plan_copy(src, dst, to_host ? cache.device_blocks : cache.host_blocks,
                                    to_host ? cache.host_blocks : cache.device_blocks, cache.block_bytes);

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <fstream>
 
 namespace kvtd::config {
@@ -135,6 +137,16 @@ TEST(DaemonFlags, ConfigFileTypoOrGarbageIsAnErrorNamingIt) {
   c = parse({"--config", garbage});
   ASSERT_FALSE(c.ok());
   EXPECT_NE(c.error().message.find("not a setting"), std::string::npos) << c.error().message;
+}
+
+// Found by fuzz_config: a leftover positional argument sent CLI11 2.1.2 into an endless loop
+// inside the FastDeploy option group's nested parse; startup hung instead of failing.
+TEST(DaemonFlags, LeftoverPositionalArgumentDoesNotHangTheParser) {
+  alarm(10);  // a hang fails the test instead of blocking CI
+  auto c = parse({"--rank", "0", "--key-cache-shape", "10,1,16,64", "", "", "--sess16,64", "--session", "s"});
+  alarm(0);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.error().code, ConfigErrc::kParse);
 }
 
 TEST(DaemonFlags, HelpIsNotAnError) {

@@ -1,0 +1,33 @@
+// kvtd/ipc/task_codec.h - decoding one task record copied out of the task ring.
+//
+// The record is hostile input (rule 9): every count and size is checked in 64-bit arithmetic
+// against the record's actual length before any id is looked at. A record that fails gets the
+// status and message its error completion carries; the ids themselves are validated later by
+// the copy planner against the block counts.
+//
+// Thread-safety: pure functions. The spans in DecodedTask point into the caller's record.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "kvtd/proto/expected.h"
+#include "kvtd/proto/task.h"
+
+namespace kvtd::ipc {
+
+struct DecodedTask {
+  proto::TaskRecordHeader header{};
+  std::span<const std::int32_t> src;
+  std::span<const std::int32_t> dst;
+};
+
+// Checks format version, kind, flags and that the record holds exactly its id lists. The header
+// is copied out (so a misaligned record is fine); src/dst alias `record`, which must be 4-byte
+// aligned. On failure the error's code is the completion status (the header fields the
+// completion needs are still returned through `header_out` when the record has a full header).
+[[nodiscard]] Result<DecodedTask, proto::TaskStatus> decode_task_record(std::span<const std::byte> record,
+                                                                        proto::TaskRecordHeader* header_out);
+
+}  // namespace kvtd::ipc

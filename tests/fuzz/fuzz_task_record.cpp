@@ -1,0 +1,36 @@
+// libFuzzer target: one task record as copied out of the ring, through the daemon's decoder, the
+// copy planner and (when planning succeeds) the host executor over real buffers. Must never
+// crash, read or write out of bounds (ASan), or hit undefined behaviour (UBSan).
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kvtd/ipc/task_codec.h"
+#include "kvtd/kernels/copy_plan.h"
+#include "kvtd/kernels/host_copy.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  // The ring hands the decoder a 16-byte aligned copy; so do we.
+  std::vector<std::int32_t> aligned((size + 3) / 4 + 1);
+  std::memcpy(aligned.data(), data, size);
+  std::span<const std::byte> rec(reinterpret_cast<const std::byte*>(aligned.data()), size);
+  kvtd::proto::TaskRecordHeader h{};
+  auto t = kvtd::ipc::decode_task_record(rec, &h);
+  if (!t.ok()) return 0;
+  constexpr std::int64_t kDevice = 64, kHost = 48;
+  const std::vector<std::uint64_t> block_bytes{16, 8};
+  const bool to_host = h.kind == static_cast<std::uint16_t>(kvtd::proto::TaskKind::kSwapToHost);
+  auto plan = kvtd::kernels::plan_copy(t->src, t->dst, to_host ? kDevice : kHost, to_host ? kHost : kDevice, block_bytes);
+  if (!plan.ok()) return 0;
+  // A valid plan must stay inside both sides: run it over buffers of exactly the right size.
+  std::vector<std::vector<std::byte>> bufs;
+  std::vector<kvtd::kernels::CopyTarget> targets;
+  for (auto bb : block_bytes) {
+    bufs.emplace_back(bb * static_cast<std::uint64_t>(to_host ? kDevice : kHost), std::byte{1});
+    bufs.emplace_back(bb * static_cast<std::uint64_t>(to_host ? kHost : kDevice), std::byte{2});
+    targets.push_back({bufs[bufs.size() - 2].data(), bufs.back().data(), bb});
+  }
+  kvtd::kernels::copy_all_host(*plan, targets);
+  return 0;
+}
