@@ -4,7 +4,7 @@
 // "kvtd_<uid>_<suffix>" (mode 0600) holding the cache geometry, the tensor registry, the task
 // ring and one completion ring per rank. Rank daemons attach to it. The engine registers its
 // tensors, publishes the session, submits tasks and waits for their merged completions: a task
-// is done when every rank reported, its status is the first failure (if any) and its block count
+// is done when every rank reported, its status is the lowest failing rank's (if any) and its block count
 // is the MIN over ranks.
 //
 // A background thread writes the engine heartbeat, grants rank attach requests and declares a
