@@ -163,9 +163,10 @@ std::size_t HostPool::valid_blocks() const {
 }
 
 void HostPool::mark_invalid(std::span<const std::int32_t> ids) {
-  for (auto id : ids) std::atomic_ref<std::uint8_t>(valid_[id]).store(0, std::memory_order_release);
-  // Ordered before the copy that follows: a crash mid-copy leaves these blocks invalid.
-  std::atomic_thread_fence(std::memory_order_seq_cst);
+  // Sequentially consistent read-modify-writes (a locked instruction, a full barrier on x86; no
+  // fence, which TSan cannot model): the clears are in memory before the copy that follows
+  // writes a byte of these blocks, so a crash mid-copy leaves them invalid.
+  for (auto id : ids) (void)std::atomic_ref<std::uint8_t>(valid_[id]).exchange(0, std::memory_order_seq_cst);
 }
 
 void HostPool::mark_valid(std::span<const std::int32_t> ids) {
