@@ -18,6 +18,8 @@ namespace {
 
 class TrustTest : public DaemonTest {
  protected:
+  test::Watchdog long_dog_{240};  // re-arms the base's 90 s: large swaps are slow under sanitizers
+
   // The shape: 8 layers, 128 device and 96 host blocks of 8 x 64 x 128 bf16 (2 MiB per
   // block across layers and K+V): large enough that a swap of 96 blocks is still running 15 ms in.
   void use_large_geometry() {
