@@ -223,6 +223,17 @@ int run_throughput(EngineSession& s, const Options& o) {
   const std::size_t n = std::min<std::size_t>({o.blocks_per_task, all_dev.size(), all_host.size()});
   const std::uint64_t bytes_per_task = g.bytes_per_block_all_layers() * n;  // per rank
 
+  // A host block holds data only once something was swapped into it (the daemon fails a swap-in
+  // of any other with host_tier_lost): fill the whole host tier once, unmeasured, so every
+  // random swap-in below reads written blocks.
+  for (std::size_t i = 0; i < all_host.size(); i += n) {
+    const std::size_t m = std::min(n, all_host.size() - i);
+    std::vector<std::int32_t> h(all_host.begin() + static_cast<std::ptrdiff_t>(i),
+                                all_host.begin() + static_cast<std::ptrdiff_t>(i + m));
+    std::vector<std::int32_t> d(all_dev.begin(), all_dev.begin() + static_cast<std::ptrdiff_t>(m));
+    if (!run_task(s, TaskKind::kSwapToHost, d, h, o.task_timeout_s)) return 1;
+  }
+
   // Rounds alternate swap tasks and a plain memcpy of the same number of bytes (in chunks of
   // one block of one tensor, between two buffers larger than the caches, in this process), so
   // both see the same machine state; the medians are compared.
