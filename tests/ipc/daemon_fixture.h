@@ -65,6 +65,15 @@ class DaemonTest : public ::testing::Test {
 
   ipc::Fencer fencer_;  // empty: the real pidfd fence
 
+  // Replaces the geometry (K and V of the same shape, bf16) before the daemons start.
+  void set_geometry(std::uint32_t layers, std::int64_t device_blocks, std::int64_t kv_heads, std::int64_t block_size,
+                    std::int64_t head_dim, std::uint32_t host_blocks) {
+    g_.num_layers = layers;
+    g_.num_host_blocks = host_blocks;
+    const std::int64_t shape[4] = {device_blocks, kv_heads, block_size, head_dim};
+    for (int i = 0; i < 4; ++i) g_.key_shape[i] = g_.value_shape[i] = shape[i];
+  }
+
   void start_engine(std::uint64_t ring_bytes = 1u << 16, std::int64_t rank_timeout_ns = 3'000'000'000) {
     ipc::SessionOptions o;
     o.fencer = fencer_;
@@ -103,6 +112,32 @@ class DaemonTest : public ::testing::Test {
       for (std::int64_t b = 0; b < g_.num_device_blocks(); ++b)
         loadgen::fill_block(base + static_cast<std::uint64_t>(b) * bb, bb, r, l, k, static_cast<std::uint32_t>(b));
     });
+  }
+
+  // Submits without waiting; the task id (0 after a failed assertion).
+  std::uint64_t submit(TaskKind kind, const std::vector<std::int32_t>& src, const std::vector<std::int32_t>& dst,
+                       bool layerwise = false) {
+    TaskRequest req;
+    req.kind = kind;
+    req.src = src;
+    req.dst = dst;
+    req.layerwise = layerwise;
+    auto id = engine_->submit(req);
+    EXPECT_TRUE(id.ok()) << id.error().message;
+    return id.ok() ? *id : 0;
+  }
+
+  // An eviction of `dev` into `host` and, submitted right behind it without waiting, a load of
+  // `host` into `dev2`; both must complete ok.
+  void evict_then_load(const std::vector<std::int32_t>& dev, const std::vector<std::int32_t>& host,
+                       const std::vector<std::int32_t>& dev2) {
+    const auto a = submit(TaskKind::kSwapToHost, dev, host);
+    const auto b = submit(TaskKind::kSwapToDevice, host, dev2);
+    for (auto id : {a, b}) {
+      auto r = engine_->wait(id, 60'000'000'000);
+      ASSERT_TRUE(r.ok()) << r.error().message;
+      ASSERT_TRUE(r->ok()) << r->failures[0].message;
+    }
   }
 
   ipc::TaskResult run(TaskKind kind, const std::vector<std::int32_t>& src, const std::vector<std::int32_t>& dst) {

@@ -10,13 +10,6 @@
 namespace kvtd {
 namespace {
 
-using ipc::EngineSession;
-using ipc::IpcErrc;
-using ipc::TaskRequest;
-using proto::TaskKind;
-using proto::TaskStatus;
-using test::Child;
-
 TEST_F(DaemonTest, TwoRanksRoundTripRandomBlockSetsByteExact) {
   ASSERT_NO_FATAL_FAILURE(start_all());
   std::mt19937 rng(3);
@@ -101,18 +94,7 @@ TEST_F(DaemonTest, EvictThenLoadOfTheSameHostBlockSeesTheEvictedBytes) {
   // Submitted back to back without waiting: the load must run after the eviction it depends on.
   for (int it = 0; it < 20; ++it) {
     std::vector<std::int32_t> dev{it % 8, 10 + it % 8}, host{it % 5, 6 + it % 5}, dev2{20, 21};
-    TaskRequest out, in;
-    out.kind = TaskKind::kSwapToHost;
-    out.src = dev;
-    out.dst = host;
-    in.kind = TaskKind::kSwapToDevice;
-    in.src = host;
-    in.dst = dev2;
-    auto a = engine_->submit(out);
-    auto b = engine_->submit(in);
-    ASSERT_TRUE(a.ok() && b.ok());
-    ASSERT_TRUE(engine_->wait(*a, 10'000'000'000)->ok());
-    ASSERT_TRUE(engine_->wait(*b, 10'000'000'000)->ok());
+    ASSERT_NO_FATAL_FAILURE(evict_then_load(dev, host, dev2));
     for_each_tensor([&](std::uint32_t r, std::uint32_t l, std::uint32_t k, std::byte* base, std::uint64_t bb) {
       for (std::size_t i = 0; i < 2; ++i)
         ASSERT_EQ(loadgen::check_block(base + static_cast<std::uint64_t>(dev2[i]) * bb, bb, r, l, k,
@@ -127,12 +109,7 @@ TEST_F(DaemonTest, EvictThenLoadOfTheSameHostBlockSeesTheEvictedBytes) {
 // task runs inline on the dispatcher: the load waits for the eviction on the other lane only
 // through the block tracker (conflicts()). With small blocks that path was never exercised.
 TEST_F(DaemonTest, LargeEvictThenLoadOfTheSameHostBlocksCrossesLanesInOrder) {
-  g_.num_layers = 8;
-  g_.key_shape[0] = g_.value_shape[0] = 64;
-  g_.key_shape[1] = g_.value_shape[1] = 8;
-  g_.key_shape[2] = g_.value_shape[2] = 32;
-  g_.key_shape[3] = g_.value_shape[3] = 128;
-  g_.num_host_blocks = 32;
+  set_geometry(8, 64, 8, 32, 128, 32);
   ASSERT_NO_FATAL_FAILURE(start_all());
   for (int it = 0; it < 6; ++it) {
     std::vector<std::int32_t> dev(8), host(8), dev2(8);
@@ -141,19 +118,7 @@ TEST_F(DaemonTest, LargeEvictThenLoadOfTheSameHostBlocksCrossesLanesInOrder) {
       host[i] = (it * 7 + i) % 32;
       dev2[i] = 32 + i * 4 + it % 4;
     }
-    TaskRequest out, in;
-    out.kind = TaskKind::kSwapToHost;
-    out.src = dev;
-    out.dst = host;
-    in.kind = TaskKind::kSwapToDevice;
-    in.src = host;
-    in.dst = dev2;
-    auto a = engine_->submit(out);
-    auto b = engine_->submit(in);
-    ASSERT_TRUE(a.ok() && b.ok());
-    auto ra = engine_->wait(*a, 20'000'000'000);
-    auto rb = engine_->wait(*b, 20'000'000'000);
-    ASSERT_TRUE(ra.ok() && ra->ok() && rb.ok() && rb->ok());
+    ASSERT_NO_FATAL_FAILURE(evict_then_load(dev, host, dev2));
     for_each_tensor([&](std::uint32_t r, std::uint32_t l, std::uint32_t k, std::byte* base, std::uint64_t bb) {
       for (std::size_t i = 0; i < dev.size(); ++i)
         ASSERT_EQ(loadgen::check_block(base + static_cast<std::uint64_t>(dev2[i]) * bb, bb, r, l, k,
@@ -169,12 +134,7 @@ TEST_F(DaemonTest, LargeEvictThenLoadOfTheSameHostBlocksCrossesLanesInOrder) {
 // large queued one on the same lane must not overtake it. Two evictions into the same host
 // block: the later one's bytes must be what a load then finds.
 TEST_F(DaemonTest, SmallTaskNeverOvertakesALargeOneQueuedOnItsLane) {
-  g_.num_layers = 8;
-  g_.key_shape[0] = g_.value_shape[0] = 64;
-  g_.key_shape[1] = g_.value_shape[1] = 2;
-  g_.key_shape[2] = g_.value_shape[2] = 8;
-  g_.key_shape[3] = g_.value_shape[3] = 128;  // 4 KiB per block-tensor: 64 KiB per block
-  g_.num_host_blocks = 32;
+  set_geometry(8, 64, 2, 8, 128, 32);  // 4 KiB per block-tensor: 64 KiB per block
   ASSERT_NO_FATAL_FAILURE(start_all());
   std::vector<std::int32_t> big_ids(32);
   std::iota(big_ids.begin(), big_ids.end(), 0);
@@ -210,13 +170,9 @@ TEST_F(DaemonTest, LayerByLayerLoadReportsEveryLayerThenCompletes) {
   for_each_tensor([&](std::uint32_t, std::uint32_t, std::uint32_t, std::byte* base, std::uint64_t bb) {
     for (auto b : dev) std::memset(base + static_cast<std::uint64_t>(b) * bb, 0xee, bb);
   });
-  TaskRequest req;
-  req.kind = TaskKind::kSwapToDevice;
-  req.src = host;
-  req.dst = dev2;
-  req.layerwise = true;
-  auto id = engine_->submit(req);
-  ASSERT_TRUE(id.ok()) << id.error().message;
+  const std::uint64_t layered = submit(TaskKind::kSwapToDevice, host, dev2, /*layerwise=*/true);
+  ASSERT_NE(layered, 0u);
+  const auto* id = &layered;
   for (std::uint32_t l = 0; l < g_.num_layers; ++l) {
     auto queued = engine_->wait_layer(*id, l, 10'000'000'000, EngineSession::LayerStage::kEnqueued);
     ASSERT_TRUE(queued.ok()) << queued.error().message;
@@ -237,7 +193,11 @@ TEST_F(DaemonTest, LayerByLayerLoadReportsEveryLayerThenCompletes) {
   EXPECT_EQ(engine_->wait_layer(*id, 0, 1'000'000).error().code, IpcErrc::kUnknownTask);
   EXPECT_FALSE(engine_->layer_event_handle(0, 0).has_value()) << "the host backend has no CUDA events";
 
+  TaskRequest req;  // layer by layer is only for loads
   req.kind = TaskKind::kSwapToHost;
+  req.src = host;
+  req.dst = dev2;
+  req.layerwise = true;
   auto refused = engine_->submit(req);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.error().code, IpcErrc::kInvalidArgument);
@@ -347,12 +307,7 @@ TEST_F(DaemonTest, KilledRankIsReportedDeadAndItsPendingTasksFail) {
 }
 
 TEST_F(DaemonTest, SigtermFinishesTheTaskInFlightThenExitsZero) {
-  g_.num_layers = 8;
-  g_.key_shape[0] = g_.value_shape[0] = 256;
-  g_.key_shape[1] = g_.value_shape[1] = 8;
-  g_.key_shape[2] = g_.value_shape[2] = 64;
-  g_.key_shape[3] = g_.value_shape[3] = 128;  // 128 KiB blocks
-  g_.num_host_blocks = 256;
+  set_geometry(8, 256, 8, 64, 128, 256);  // 128 KiB block-tensors
   ASSERT_NO_FATAL_FAILURE(start_all());
   std::vector<std::int32_t> ids(256);
   std::iota(ids.begin(), ids.end(), 0);

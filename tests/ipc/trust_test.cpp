@@ -22,14 +22,7 @@ class TrustTest : public DaemonTest {
 
   // The shape: 8 layers, 128 device and 96 host blocks of 8 x 64 x 128 bf16 (2 MiB per
   // block across layers and K+V): large enough that a swap of 96 blocks is still running 15 ms in.
-  void use_large_geometry() {
-    g_.num_layers = 8;
-    g_.num_host_blocks = 96;
-    g_.key_shape[0] = g_.value_shape[0] = 128;
-    g_.key_shape[1] = g_.value_shape[1] = 8;
-    g_.key_shape[2] = g_.value_shape[2] = 64;
-    g_.key_shape[3] = g_.value_shape[3] = 128;
-  }
+  void use_large_geometry() { set_geometry(8, 128, 8, 64, 128, 96); }
 
   // The engine's session segment, mapped again: what a hostile or broken writer could touch.
   std::unique_ptr<ipc::SharedObject> map_segment() {
@@ -266,8 +259,6 @@ TEST_F(TrustTest, IdCountsThatWrap32BitsAreMalformed) {
   std::memcpy(seg->data() + h->task_ring_offset + head % h->task_ring_bytes, &rec, sizeof rec);
   h->next_seq.store(rec.seq + 1);
   h->ring_head.store(head + 64);
-  ipc::SharedObject* keep = seg.get();
-  (void)keep;
   // Wake the ranks through a normal task behind it, which must still succeed.
   round_trip({1}, {2}, {3});
   for (auto& d : daemons_) EXPECT_TRUE(d.running());
@@ -310,13 +301,9 @@ TEST_F(TrustTest, OffsetsOverwrittenAfterAttachAreNeverUsed) {
   // A layer-by-layer load uses the progress slots and the completion rings.
   const std::vector<std::int32_t> dev{1, 2, 3}, host{4, 5, 6}, dev2{7, 8, 9};
   ASSERT_TRUE(run(TaskKind::kSwapToHost, dev, host).ok());
-  TaskRequest req;
-  req.kind = TaskKind::kSwapToDevice;
-  req.src = host;
-  req.dst = dev2;
-  req.layerwise = true;
-  auto id = engine_->submit(req);
-  ASSERT_TRUE(id.ok()) << id.error().message;
+  const std::uint64_t layered = submit(TaskKind::kSwapToDevice, host, dev2, /*layerwise=*/true);
+  ASSERT_NE(layered, 0u);
+  const auto* id = &layered;
   for (std::uint32_t l = 0; l < g_.num_layers; ++l) ASSERT_TRUE(engine_->wait_layer(*id, l, 10'000'000'000).ok());
   auto r = engine_->wait(*id, 10'000'000'000);
   ASSERT_TRUE(r.ok() && r->ok());

@@ -383,17 +383,21 @@ TEST(Session, LongestSuffixStillFitsTensorHandles) {
   }
 }
 
-TEST(CApi, CreatePublishSubmitAndReportErrors) {
-  const auto suffix = test::unique_suffix("capi");
+// One rank, fp16, 8 device and 4 host blocks of 1 head x 4 tokens x 8 dims, no value cache.
+kvtd_geometry c_geometry(std::uint32_t layers) {
   kvtd_geometry g{};
   g.num_ranks = 1;
-  g.num_layers = 2;
+  g.num_layers = layers;
   g.dtype = KVTD_DTYPE_FLOAT16;
   g.num_host_blocks = 4;
-  g.key_shape[0] = 8;
-  g.key_shape[1] = 1;
-  g.key_shape[2] = 4;
-  g.key_shape[3] = 8;
+  const std::int64_t shape[4] = {8, 1, 4, 8};
+  for (int i = 0; i < 4; ++i) g.key_shape[i] = shape[i];
+  return g;
+}
+
+TEST(CApi, CreatePublishSubmitAndReportErrors) {
+  const auto suffix = test::unique_suffix("capi");
+  const kvtd_geometry g = c_geometry(2);
   kvtd_session* s = nullptr;
   char err[256] = {0};
   ASSERT_EQ(kvtd_session_create(suffix.c_str(), &g, &s, err, sizeof err), KVTD_OK) << err;
@@ -423,15 +427,7 @@ TEST(CApi, CreatePublishSubmitAndReportErrors) {
 // The C ABI end to end: register tensors by handle, submit, and wait for the merged result.
 TEST(CApi, RegisterSubmitAndWaitWithAnAttachedRank) {
   const auto suffix = test::unique_suffix("capi2");
-  kvtd_geometry g{};
-  g.num_ranks = 1;
-  g.num_layers = 1;
-  g.dtype = KVTD_DTYPE_FLOAT16;
-  g.num_host_blocks = 4;
-  g.key_shape[0] = 8;
-  g.key_shape[1] = 1;
-  g.key_shape[2] = 4;
-  g.key_shape[3] = 8;
+  const kvtd_geometry g = c_geometry(1);
   kvtd_session* s = nullptr;
   char err[256] = {0};
   ASSERT_EQ(kvtd_session_create(suffix.c_str(), &g, &s, err, sizeof err), KVTD_OK) << err;
