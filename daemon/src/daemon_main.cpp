@@ -96,12 +96,13 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
             "has {:.1f} MiB free",
             cfg.rank, cfg.mp_num, backend->name(), static_cast<double>(pool_bytes) / (1 << 20), cfg.num_host_blocks,
             geometry.bytes_per_block_all_layers(), static_cast<double>(shm_free) / (1 << 20));
-  if (shm_free >= 0 && static_cast<std::uint64_t>(shm_free) < pool_bytes) {
-    KVTD_ERROR("the host pool needs {:.1f} MiB in /dev/shm but only {:.1f} MiB are free; enlarge /dev/shm "
-               "(mount -o remount,size=... /dev/shm) or lower --num-host-blocks",
-               static_cast<double>(pool_bytes) / (1 << 20), static_cast<double>(shm_free) / (1 << 20));
-    return kExitBackend;
-  }
+  // Only a warning here: a daemon restarted within a session re-maps the pool it already has, which
+  // needs no new space. HostPool::open refuses (exit 5) when it must create a pool that does not fit.
+  if (shm_free >= 0 && static_cast<std::uint64_t>(shm_free) < pool_bytes)
+    KVTD_WARN("a new host pool needs {:.1f} MiB in /dev/shm but only {:.1f} MiB are free: unless this rank's "
+              "pool of the session exists already, attaching will fail; enlarge /dev/shm (mount -o "
+              "remount,size=... /dev/shm) or lower --num-host-blocks",
+              static_cast<double>(pool_bytes) / (1 << 20), static_cast<double>(shm_free) / (1 << 20));
 
   std::uint64_t last_generation = 0;
   while (!stop.load()) {
