@@ -130,6 +130,9 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
     }
     auto& endpoint = **ep;
     last_generation = endpoint.generation();
+    // Heartbeat from the grant on: mapping (or creating) the host pool and opening the tensors can
+    // take seconds for large caches, and a granted rank that is silent that long is fenced.
+    Heartbeat heartbeat(endpoint, cfg.heartbeat_period_ns());
     auto pool = HostPool::open(*backend, geometry, endpoint.generation(), cfg.rank);
     if (!pool.ok()) {
       KVTD_ERROR("host pool: {}", pool.error().message);
@@ -152,7 +155,6 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
     }
     endpoint.publish_layer_events(*events);
     TaskRunner runner(endpoint, *backend, std::move(cache).value());
-    Heartbeat heartbeat(endpoint, cfg.heartbeat_period_ns());
     endpoint.set_ready(proto::kReadyCacheAttached | proto::kReadyHostPool);
     KVTD_INFO("attached to session generation {:016x} as epoch {}; serving", endpoint.generation(), endpoint.epoch());
     notify_ready();

@@ -170,6 +170,17 @@ TEST_F(TrustTest, RevokedEpochDropsQueuedWorkUnrunAndReattaches) {
   round_trip({1, 2}, {3, 4}, {5, 6});
 }
 
+// Found running scripts/demo.sh: the host pool is created after the attach grant, and the
+// heartbeat only started once the cache was mapped, so a rank creating a large pool (or
+// populating large tensors) went silent for seconds and the engine fenced it. 2 GiB pools per
+// rank take about 0.6 s each to allocate here; the engine's rank timeout is 300 ms.
+TEST_F(TrustTest, LargeHostPoolCreationIsNotMistakenForASilentRank) {
+  set_geometry(8, 16, 8, 64, 128, 1024);  // 1,024 host blocks of 2 MiB per rank
+  ASSERT_NO_FATAL_FAILURE(start_all(1u << 16, 300'000'000));
+  round_trip({1, 2}, {3, 1000}, {5, 6});
+  for (auto& d : daemons_) EXPECT_TRUE(d.running()) << "a rank was fenced while it set up";
+}
+
 // Case 2: a restarted rank keeps its host tier: the pool is a shared object of the session.
 TEST_F(TrustTest, RankKilledAndRestartedStillHoldsItsHostBlocks) {
   ASSERT_NO_FATAL_FAILURE(start_all());
