@@ -3,6 +3,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -327,12 +328,16 @@ TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop) {
   Exit exit = Exit::kStopped;
   std::vector<std::byte> record;
   record.reserve(4096);
-  // On stop, every task already in the ring is still read and finished (the ring is drained
-  // without waiting), so "submitted before SIGTERM" always means "completed"; what arrives later
-  // is failed by the engine when this epoch says it is leaving.
+  // On stop, every task published before the stop was noticed is still read and finished, so
+  // "submitted before SIGTERM" means "completed"; what arrives later is failed by the engine when
+  // this epoch says it is leaving. Bounded by the head seen at that moment: an engine that keeps
+  // submitting cannot keep a stopping daemon alive.
+  std::optional<std::uint64_t> drain_until;
   for (;;) {
     notify_watchdog();
     const bool stopping = stop.load(std::memory_order_acquire);
+    if (stopping && !drain_until) drain_until = impl->ep.ring_published();
+    if (drain_until && impl->ep.ring_read() >= *drain_until) break;
     const std::int64_t now = ipc::monotonic_now_ns();
     const auto next = impl->ep.next_task(record, stopping ? now : now + kPollSliceNs);
     if (next == ipc::RankEndpoint::Next::kTimeout) {

@@ -79,7 +79,6 @@ struct EngineSession::Impl {
   std::unordered_map<std::uint64_t, Pending> pending;
   std::map<std::uint64_t, TaskResult> done;  // ordered by id: the oldest is dropped first
   std::uint64_t next_task_id = 1;
-  std::uint64_t done_dropped = 0;
 
   // Per rank, private (guarded by mu): who was granted, and a fence in progress.
   struct RankState {
@@ -111,10 +110,7 @@ struct EngineSession::Impl {
     if (!p.result.failures.empty()) p.result.blocks_done = 0;
     done.emplace(id, std::move(p.result));
     pending.erase(id);
-    while (done.size() > opts.max_uncollected_results) {  // results nobody collects: bounded
-      done.erase(done.begin());
-      ++done_dropped;
-    }
+    while (done.size() > opts.max_uncollected_results) done.erase(done.begin());  // nobody collects them
   }
 
   // Requires mu.

@@ -299,6 +299,8 @@ void RankEndpoint::publish_layer_events(const std::vector<std::array<std::uint8_
 }
 
 bool RankEndpoint::granted() const { return impl_->granted(); }
+std::uint64_t RankEndpoint::ring_published() const { return impl_->h->ring_head.load(std::memory_order_acquire); }
+std::uint64_t RankEndpoint::ring_read() const { return impl_->slot().consumed.load(std::memory_order_relaxed); }
 void RankEndpoint::heartbeat() { impl_->slot().heartbeat_ns.store(monotonic_now_ns(), std::memory_order_release); }
 void RankEndpoint::set_ready(std::uint32_t flags) { impl_->slot().ready_flags.store(flags, std::memory_order_release); }
 bool RankEndpoint::engine_alive() const { return impl_->engine_alive(); }

@@ -5,6 +5,9 @@
 #include <numeric>
 #include <random>
 
+#include <atomic>
+#include <thread>
+
 #include "daemon_fixture.h"
 
 namespace kvtd {
@@ -333,6 +336,33 @@ TEST_F(DaemonTest, SigtermFinishesTheTaskInFlightThenExitsZero) {
   auto refused = engine_->submit(req);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.error().code, IpcErrc::kNotReady);
+}
+
+// SIGTERM finishes what was published before it, not everything that keeps arriving: an engine
+// that never stops submitting must not keep a stopping daemon alive.
+TEST_F(DaemonTest, SigtermExitsWhileTheEngineKeepsSubmitting) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  std::atomic<bool> done{false};
+  std::atomic<std::uint64_t> submitted{0};
+  std::thread engine([&] {
+    const std::vector<std::int32_t> one{1}, one_h{2};
+    while (!done.load()) {
+      TaskRequest req;
+      req.kind = TaskKind::kSwapToHost;
+      req.src = one;
+      req.dst = one_h;
+      req.submit_timeout_ns = 10'000'000;
+      if (auto id = engine_->submit(req); id.ok()) {
+        ++submitted;
+        (void)engine_->poll(*id);
+      }
+    }
+  });
+  ASSERT_TRUE(test::eventually([&] { return submitted.load() > 1000; }, std::chrono::seconds(10)));
+  for (auto& d : daemons_) d.signal(SIGTERM);
+  for (auto& d : daemons_) EXPECT_EQ(d.wait_exit(std::chrono::seconds(20)), 0);
+  done = true;
+  engine.join();
 }
 
 TEST_F(DaemonTest, EngineThatLeavesIsFollowedByTheNextSession) {

@@ -71,6 +71,11 @@ class RankEndpoint {
   // Publishes this rank's per-layer interprocess event handles (at most num_layers).
   void publish_layer_events(const std::vector<std::array<std::uint8_t, proto::kHandleBytes>>& handles);
 
+  // Task-ring positions (bytes): what the engine has published, and what this rank has read.
+  // A stopping daemon finishes the records published before it stopped, and no more.
+  std::uint64_t ring_published() const;
+  std::uint64_t ring_read() const;
+
   // Whether the engine still counts this epoch as live. Work read under an epoch that is no
   // longer granted must be dropped: the engine has failed it and may reuse its blocks.
   bool granted() const;
