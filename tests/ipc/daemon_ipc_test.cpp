@@ -310,26 +310,27 @@ TEST_F(DaemonTest, KilledRankIsReportedDeadAndItsPendingTasksFail) {
 }
 
 TEST_F(DaemonTest, SigtermFinishesTheTaskInFlightThenExitsZero) {
-  set_geometry(8, 256, 8, 64, 128, 256);  // 128 KiB block-tensors
+  test::Watchdog dog(240);  // bounds below are for sanitizer builds on a busy machine
+  set_geometry(8, 64, 8, 64, 128, 64);  // 128 KiB block-tensors
   ASSERT_NO_FATAL_FAILURE(start_all());
-  std::vector<std::int32_t> ids(256);
+  std::vector<std::int32_t> ids(64);
   std::iota(ids.begin(), ids.end(), 0);
   std::shuffle(ids.begin(), ids.end(), std::mt19937(1));
   TaskRequest req;
   req.kind = TaskKind::kSwapToHost;
   req.src = ids;
   req.dst = ids;
-  auto id = engine_->submit(req);  // 512 MiB per rank
+  auto id = engine_->submit(req);  // 128 MiB per rank
   ASSERT_TRUE(id.ok());
   // At once: the task is in the ring, perhaps not yet read by either rank. A task submitted
   // before SIGTERM is finished whether or not a rank had read it yet (this used to depend on
   // the task being read within 5 ms, and failed under TSan on a busy machine).
   for (auto& d : daemons_) d.signal(SIGTERM);
-  auto r = engine_->wait(*id, 30'000'000'000);
+  auto r = engine_->wait(*id, 180'000'000'000);
   ASSERT_TRUE(r.ok()) << r.error().message;
   EXPECT_TRUE(r->ok()) << (r->failures.empty() ? "" : r->failures[0].message);
-  EXPECT_EQ(r->blocks_done, 256u);
-  for (auto& d : daemons_) EXPECT_EQ(d.wait_exit(std::chrono::seconds(20)), 0);
+  EXPECT_EQ(r->blocks_done, 64u);
+  for (auto& d : daemons_) EXPECT_EQ(d.wait_exit(std::chrono::seconds(30)), 0);
   // An orderly exit is noticed at once, not after the heartbeat timeout (3 s here).
   EXPECT_TRUE(test::eventually([&] { return !engine_->rank_alive(0) && !engine_->rank_alive(1); },
                                std::chrono::milliseconds(500)));
