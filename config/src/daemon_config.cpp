@@ -91,10 +91,23 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   app.add_option("--heartbeat-period", c.heartbeat_period_s, "Seconds between rank heartbeats");
   app.add_option("--model-id,--model_id", c.model_id, "Model id (namespaces storage keys)");
 
-  app.add_option("--kvcache-storage-backend,--kvcache_storage_backend", c.storage_backend,
-                 "Storage tier: none | file | redis (validated; storage tasks are a later release)");
-  app.add_option("--write-policy,--write_policy", c.write_policy,
-                 "write_through | write_through_selective | write_back (validated; storage tasks are a later release)");
+  std::string storage_backend = "none", write_policy, fsync = "none", redis_endpoints;
+  auto& st = c.storage;
+  app.add_option("--storage-backend,--kvcache-storage-backend,--kvcache_storage_backend", storage_backend,
+                 "Storage tier: none | file | redis");
+  app.add_option("--storage-path", st.path, "file: root directory of the store");
+  app.add_option("--redis-endpoints", redis_endpoints, "redis: host:port[,host:port...] (Cluster auto-detected)");
+  app.add_option("--redis-password-file", st.redis_password_file, "redis: file whose first line is the password");
+  app.add_option("--redis-password-env", st.redis_password_env, "redis: environment variable holding the password");
+  app.add_option("--redis-timeout", st.redis_timeout_s, "redis: connect and reply deadline in seconds");
+  app.add_option("--storage-capacity-gib", st.capacity_gib, "file: capacity in GiB, LRU eviction (0 = unlimited)");
+  app.add_option("--storage-fsync", fsync, "file: none | data | full");
+  app.add_option("--storage-io-threads", st.io_threads, "Storage worker threads (never the swap lanes)");
+  app.add_option("--storage-staging-mib", st.staging_mib, "Pinned staging for storage tasks, MiB (bounds RSS)");
+  app.add_option("--write-policy,--write_policy", write_policy,
+                 "Backups of swapped-out blocks: write_through | write_through_selective | write_back");
+  app.add_option("--write-threshold", st.write_threshold, "write_through_selective: times a key is seen before backup");
+  app.add_option("--weight-version", st.weight_version, "Weight version label of this deployment (namespaces keys)");
 
   // FastDeploy cache-transfer flags that kvtd accepts and ignores, so launch lines carry over.
   // A help group on the main app, not an option_group: CLI11 2.1.2 loops forever in an option
@@ -188,14 +201,45 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   if (const auto sizes = proto::geometry_sizes(c.geometry()); sizes.problem != nullptr)
     return bad(std::string("--key-cache-shape/--value-cache-shape/--num-layers/--num-host-blocks: ") + sizes.problem);
 
-  if (!c.storage_backend.empty() && c.storage_backend != "none" && c.storage_backend != "file" &&
-      c.storage_backend != "redis")
-    return bad("--kvcache-storage-backend: '" + c.storage_backend + "' is not one of none, file, redis");
-  if (!c.write_policy.empty() && c.write_policy != "write_through" && c.write_policy != "write_through_selective" &&
-      c.write_policy != "write_back")
-    return bad("--write-policy: '" + c.write_policy + "' is not one of write_through, write_through_selective, write_back");
-  if (!c.storage_backend.empty()) c.ignored_flags.push_back("--kvcache_storage_backend (storage tasks: later release)");
-  if (!c.write_policy.empty()) c.ignored_flags.push_back("--write_policy (storage tasks: later release)");
+  if (storage_backend == "none") st.backend = StorageBackendKind::kNone;
+  else if (storage_backend == "file") st.backend = StorageBackendKind::kFile;
+  else if (storage_backend == "redis") st.backend = StorageBackendKind::kRedis;
+  else
+    return bad("--storage-backend: '" + storage_backend + "' is not built into this kvtd (built: none, file, redis)");
+  if (write_policy.empty()) st.write_policy = WritePolicy::kNone;
+  else if (write_policy == "write_through") st.write_policy = WritePolicy::kWriteThrough;
+  else if (write_policy == "write_through_selective") st.write_policy = WritePolicy::kWriteThroughSelective;
+  else if (write_policy == "write_back") st.write_policy = WritePolicy::kWriteBack;
+  else return bad("--write-policy: '" + write_policy + "' is not one of write_through, write_through_selective, write_back");
+  if (fsync == "none") st.fsync = StorageFsync::kNone;
+  else if (fsync == "data") st.fsync = StorageFsync::kData;
+  else if (fsync == "full") st.fsync = StorageFsync::kFull;
+  else return bad("--storage-fsync: '" + fsync + "' is not one of none, data, full");
+  if (st.backend == StorageBackendKind::kFile && st.path.empty())
+    return bad("--storage-path: required with --storage-backend file (the store's root directory)");
+  if (!redis_endpoints.empty()) {
+    std::stringstream in(redis_endpoints);
+    for (std::string ep; std::getline(in, ep, ',');) {
+      const auto colon = ep.rfind(':');
+      const std::string port = colon == std::string::npos ? "" : ep.substr(colon + 1);
+      const bool port_ok = !port.empty() && port.size() <= 5 &&
+                           port.find_first_not_of("0123456789") == std::string::npos && std::stoi(port) > 0 &&
+                           std::stoi(port) < 65536;
+      if (colon == 0 || !port_ok) return bad("--redis-endpoints: '" + ep + "' is not host:port");
+      st.redis_endpoints.push_back(ep);
+    }
+  }
+  if (st.backend == StorageBackendKind::kRedis && st.redis_endpoints.empty())
+    return bad("--redis-endpoints: required with --storage-backend redis");
+  if (!(st.redis_timeout_s >= 0.001 && st.redis_timeout_s <= 600))
+    return bad("--redis-timeout: " + seconds(st.redis_timeout_s) + " must be in [0.001, 600] seconds");
+  if (!(st.capacity_gib >= 0 && st.capacity_gib <= 1 << 20))
+    return bad("--storage-capacity-gib: " + seconds(st.capacity_gib) + " must be in [0, 1048576]");
+  if (st.io_threads < 1 || st.io_threads > 64)
+    return bad("--storage-io-threads: " + std::to_string(st.io_threads) + " must be in [1, 64]");
+  if (st.staging_mib < 1 || st.staging_mib > 65536)
+    return bad("--storage-staging-mib: " + std::to_string(st.staging_mib) + " must be in [1, 65536]");
+  if (st.write_threshold < 1) return bad("--write-threshold: must be at least 1");
   return c;
 }
 

@@ -11,6 +11,8 @@
 #include "kvtd/daemon/task_runner.h"
 #include "kvtd/ipc/rank_endpoint.h"
 #include "kvtd/ipc/shared_object.h"
+#include "kvtd/storage/file_store.h"
+#include "kvtd/storage/redis_store.h"
 
 namespace kvtd::daemon {
 namespace {
@@ -40,8 +42,63 @@ Result<AttachedCache, DeviceErrc> attach_cache(ipc::RankEndpoint& ep, DeviceBack
       if (host == nullptr) host = *dev;  // no host blocks: every task fails validation anyway
       c.to_host.push_back(kernels::CopyTarget{*dev, host, bb});
       c.to_device.push_back(kernels::CopyTarget{host, *dev, bb});
+      c.storage.device_tensors.push_back(kernels::LayerTensor{*dev, bb});
+      c.storage.host_tensors.push_back(kernels::LayerTensor{host, bb});
     }
+  c.storage.object_bytes = g.bytes_per_block_all_layers();
+  c.storage.replicated = !g.has_value();
   return c;
+}
+
+// The storage tier named by the flags, or null for --storage-backend none. A store that cannot
+// be opened (unwritable path, bad password file) stops start-up; a Redis server that is down is
+// not an error here: its tasks fail with storage_unavailable until it is back.
+struct OpenedStore {
+  std::unique_ptr<storage::ObjectStore> store;
+  std::string name;
+};
+
+Result<OpenedStore, config::ConfigErrc> open_store(const config::DaemonConfig& cfg, const proto::CacheGeometry& g) {
+  const auto& sc = cfg.storage;
+  OpenedStore out;
+  if (sc.backend == config::StorageBackendKind::kNone) return out;
+  storage::StoreOptions so;
+  so.model_id = cfg.model_id;
+  so.layout_fingerprint = layout_fingerprint(g);
+  so.object_bytes = g.bytes_per_block_all_layers();
+  const std::uint64_t per_worker = (sc.staging_mib << 20) / sc.io_threads;
+  if (per_worker < so.object_bytes)
+    return make_error(config::ConfigErrc::kInvalidValue, std::string("--storage-staging-mib ") + std::to_string(sc.staging_mib) + " over " +
+           std::to_string(sc.io_threads) + " --storage-io-threads gives each worker " + std::to_string(per_worker) +
+           " bytes, less than one stored object (" + std::to_string(so.object_bytes) +
+           " bytes: one block, every layer)");
+  if (sc.backend == config::StorageBackendKind::kFile) {
+    storage::FileStoreOptions fo;
+    fo.store = so;
+    fo.root = sc.path;
+    fo.capacity_bytes = static_cast<std::uint64_t>(sc.capacity_gib * static_cast<double>(1ull << 30));
+    fo.sync = sc.fsync == config::StorageFsync::kNone   ? storage::SyncPolicy::kNone
+              : sc.fsync == config::StorageFsync::kData ? storage::SyncPolicy::kData
+                                                        : storage::SyncPolicy::kFull;
+    auto s = storage::open_file_store(fo);
+    if (!s.ok()) return make_error(config::ConfigErrc::kInvalidValue, "--storage-path " + sc.path + ": " + s.error().message);
+    out.store = std::move(s).value();
+    out.name = "file store " + sc.path;
+    return out;
+  }
+  storage::RedisStoreOptions ro;
+  ro.store = so;
+  ro.endpoints = sc.redis_endpoints;
+  ro.detect_cluster = true;
+  ro.password_file = sc.redis_password_file;
+  if (sc.redis_password_file.empty() && std::getenv(sc.redis_password_env.c_str()) != nullptr)
+    ro.password_env = sc.redis_password_env;
+  ro.timeout_ms = static_cast<std::int64_t>(sc.redis_timeout_s * 1000);
+  auto s = storage::open_redis_store(ro);
+  if (!s.ok()) return make_error(config::ConfigErrc::kInvalidValue, "--redis-endpoints: " + s.error().message);
+  out.store = std::move(s).value();
+  out.name = "redis " + sc.redis_endpoints.front() + (sc.redis_endpoints.size() > 1 ? " (+" + std::to_string(sc.redis_endpoints.size() - 1) + ")" : "");
+  return out;
 }
 
 class Heartbeat {
@@ -104,6 +161,17 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
               "remount,size=... /dev/shm) or lower --num-host-blocks",
               static_cast<double>(pool_bytes) / (1 << 20), static_cast<double>(shm_free) / (1 << 20));
 
+  auto store = open_store(cfg, geometry);
+  if (!store.ok()) {
+    KVTD_ERROR("storage: {}", store.error().message);
+    return kExitBadFlags;
+  }
+  if (store->store)
+    KVTD_INFO("storage: {} (model {}, layout fingerprint {:016x}, weight version {}), write policy {}, {} I/O "
+              "threads, {} MiB staging",
+              store->name, cfg.model_id, layout_fingerprint(geometry), cfg.storage.weight_version,
+              static_cast<int>(cfg.storage.write_policy), cfg.storage.io_threads, cfg.storage.staging_mib);
+
   std::uint64_t last_generation = 0;
   while (!stop.load()) {
     ipc::EndpointOptions eo;
@@ -147,6 +215,9 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
       backend->close_tensors();
       return kExitBackend;
     }
+    cache->storage.store = store->store.get();
+    cache->storage.store_name = store->name;
+    cache->storage.config = cfg.storage;
     auto events = backend->export_layer_events(geometry.num_layers);
     if (!events.ok()) {
       KVTD_ERROR("cannot create the per-layer events: {}", events.error().message);
@@ -160,8 +231,10 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
     notify_ready();
     const auto why = runner.run(stop);
     const auto st = runner.stats();
-    KVTD_INFO("session done: {} tasks ok, {} failed, {} dropped (revoked epoch), {} bytes to host, {} bytes to device",
-              st.tasks_ok, st.tasks_failed, st.tasks_dropped, st.bytes_to_host, st.bytes_to_device);
+    KVTD_INFO("session done: {} tasks ok, {} failed, {} dropped (revoked epoch), {} bytes to host, {} bytes to device; "
+              "storage: {} tasks, {} objects read ({} bytes), {} written ({} bytes)",
+              st.tasks_ok, st.tasks_failed, st.tasks_dropped, st.bytes_to_host, st.bytes_to_device, st.storage.tasks,
+              st.storage.objects_read, st.storage.bytes_read, st.storage.objects_written, st.storage.bytes_written);
     endpoint.set_ready(0);
     backend->close_tensors();
     if (why != TaskRunner::Exit::kStopped) {

@@ -27,12 +27,16 @@ constexpr std::int64_t kPollSliceNs = 50'000'000;  // how often idle threads re-
 // nothing of that direction is queued ahead of it, so submission order is kept.
 constexpr std::uint64_t kInlineMaxBytes = 256 * 1024;
 
+constexpr int kStorageLane = 2;  // tracking index of storage tasks (run by the StorageExecutor)
+
 struct Work {
   proto::TaskRecordHeader header{};
   std::uint32_t epoch = 0;               // the grant under which the record was read
   kernels::CopyPlan plan;
   std::vector<std::int32_t> host_ids;    // for in-flight block tracking
   std::vector<std::int32_t> device_ids;
+  bool storage = false;
+  StorageWork storage_work;              // when `storage`
 };
 
 TaskStatus status_of(kernels::PlanErrc e) {
@@ -57,9 +61,9 @@ struct TaskRunner::Impl {
   // In-flight block counts per direction, for cross-direction ordering. Guarded by track_mu.
   std::mutex track_mu;
   // Counts, not flags: one lane may hold many tasks on a block (32 bits: no realistic queue wraps).
-  std::vector<std::uint32_t> busy_host[2];
-  std::vector<std::uint32_t> busy_device[2];
-  std::unordered_map<std::uint64_t, int> inflight_tasks;  // task id -> direction index
+  std::vector<std::uint32_t> busy_host[3];   // by lane: to host, to device, storage
+  std::vector<std::uint32_t> busy_device[3];
+  std::unordered_map<std::uint64_t, int> inflight_tasks;  // task id -> lane
   std::atomic<std::uint32_t> track_word{0};
   std::atomic<std::uint32_t> track_waiters{0};
 
@@ -76,17 +80,35 @@ struct TaskRunner::Impl {
   mutable std::mutex stats_mu;
   RunnerStats stats;
 
+  std::unique_ptr<StorageExecutor> storage;
+
   Impl(ipc::RankEndpoint& e, DeviceBackend& b, AttachedCache c) : ep(e), backend(b), cache(std::move(c)) {
     for (auto bytes : cache.block_bytes) block_bytes_all_layers += bytes * cache.num_layers;
-    for (int d = 0; d < 2; ++d) {
+    auto complete_fn = [this](const proto::TaskRecordHeader& h, TaskStatus s, std::uint64_t blocks,
+                              std::uint64_t skipped, std::int64_t start, const std::string& msg) {
+      complete(h, s, blocks, 0, start, msg, skipped);
+    };
+    auto release_fn = [this](const StorageWork& sw) { release_storage(sw); };
+    auto ex = StorageExecutor::create(ep, backend, cache.pool, cache.storage, complete_fn, release_fn);
+    if (!ex.ok()) {
+      // Storage tasks then fail, naming why; swaps are unaffected.
+      KVTD_ERROR("storage tasks disabled: {}", ex.error().message);
+      StorageTargets none = cache.storage;
+      none.store = nullptr;
+      none.no_store_reason = "storage tasks are disabled on this rank: " + ex.error().message;
+      ex = StorageExecutor::create(ep, backend, cache.pool, none, complete_fn, release_fn);
+    }
+    if (ex.ok()) storage = std::move(ex).value();
+    for (int d = 0; d < 3; ++d) {
       busy_host[d].assign(static_cast<std::size_t>(cache.host_blocks), 0);
       busy_device[d].assign(static_cast<std::size_t>(cache.device_blocks), 0);
     }
   }
 
   void complete(const proto::TaskRecordHeader& h, TaskStatus status, std::uint64_t blocks, std::uint32_t layers,
-                std::int64_t start_ns, const std::string& message) {
+                std::int64_t start_ns, const std::string& message, std::uint64_t skipped = 0) {
     proto::CompletionRecord rec{};
+    rec.blocks_skipped = skipped;
     rec.task_id = h.task_id;
     rec.seq = h.seq;
     rec.status = static_cast<std::int32_t>(status);
@@ -111,19 +133,33 @@ struct TaskRunner::Impl {
 
   static int lane_of(TaskKind k) { return k == TaskKind::kSwapToHost ? 0 : 1; }
 
-  // Requires track_mu. True if `w` touches a block the other lane still has in flight, or names
-  // an after-task still in flight on the other lane.
+  // Requires track_mu. True if `w` touches a block another lane still has in flight, or names an
+  // after-task still in flight there. The storage lane also waits for itself: its worker pool
+  // keeps no order of its own.
   bool conflicts(const Work& w, int lane) const {
-    const int other = 1 - lane;
-    if (w.header.after_task_id != 0) {
-      auto it = inflight_tasks.find(w.header.after_task_id);
-      if (it != inflight_tasks.end() && it->second == other) return true;
+    for (int other = 0; other < 3; ++other) {
+      if (other == lane && lane != kStorageLane) continue;
+      if (w.header.after_task_id != 0) {
+        auto it = inflight_tasks.find(w.header.after_task_id);
+        if (it != inflight_tasks.end() && it->second == other) return true;
+      }
+      for (auto id : w.host_ids)
+        if (busy_host[other][static_cast<std::size_t>(id)]) return true;
+      for (auto id : w.device_ids)
+        if (busy_device[other][static_cast<std::size_t>(id)]) return true;
     }
-    for (auto id : w.host_ids)
-      if (busy_host[other][static_cast<std::size_t>(id)]) return true;
-    for (auto id : w.device_ids)
-      if (busy_device[other][static_cast<std::size_t>(id)]) return true;
     return false;
+  }
+
+  void release_storage(const StorageWork& sw) {
+    Work w;
+    w.header = sw.header;
+    ((sw.header.flags & proto::kTaskFlagHostBlocks) ? w.host_ids : w.device_ids) = sw.blocks;
+    {
+      std::lock_guard<std::mutex> g(track_mu);
+      track(w, kStorageLane, -1);
+    }
+    ipc::bump_and_wake(track_word, &track_waiters);
   }
 
   void track(const Work& w, int lane, int delta) {
@@ -144,6 +180,7 @@ struct TaskRunner::Impl {
     const auto& h = w.header;
     const auto kind = static_cast<TaskKind>(h.kind);
     const auto src = decoded->src, dst = decoded->dst;
+    if (proto::is_storage_kind(kind)) return decode_storage(w, src, dst, now);
     const bool to_host = kind == TaskKind::kSwapToHost;
     auto plan = kernels::plan_copy(src, dst, to_host ? cache.device_blocks : cache.host_blocks,
                                    to_host ? cache.host_blocks : cache.device_blocks, cache.block_bytes);
@@ -161,6 +198,54 @@ struct TaskRunner::Impl {
     w.plan = std::move(plan).value();
     w.device_ids.assign(to_host ? src.begin() : dst.begin(), to_host ? src.end() : dst.end());
     w.host_ids.assign(to_host ? dst.begin() : src.begin(), to_host ? dst.end() : src.end());
+    return true;
+  }
+
+  // A storage record: its section decoded, its blocks checked. CANCEL is answered here.
+  bool decode_storage(Work& w, std::span<const std::int32_t> section, std::span<const std::int32_t> ids, std::int64_t now) {
+    const auto& h = w.header;
+    const auto kind = static_cast<TaskKind>(h.kind);
+    auto fail = [&](TaskStatus s, const std::string& msg) {
+      if (kind != TaskKind::kCancel) ep.abort_agreement(h.seq);
+      complete(h, s, 0, 0, now, msg);
+      return false;
+    };
+    auto sec = ipc::decode_storage_section(section, h.num_keys);
+    if (!sec.ok()) return fail(sec.error().code, sec.error().message);
+    if (kind == TaskKind::kCancel) {
+      if (!ids.empty() || !sec->keys.empty()) return fail(TaskStatus::kMalformed, "CANCEL carries no keys or blocks");
+      const bool found = storage && storage->cancel(sec->args.cancel_task_id);
+      // blocks_done 1: the task was live here and will stop between objects; 0: nothing to stop.
+      complete(h, TaskStatus::kOk, found ? 1 : 0, 0, now, "");
+      return false;
+    }
+    if (kind == TaskKind::kStorageQuery) {
+      if (!ids.empty()) return fail(TaskStatus::kMalformed, "STORAGE_QUERY carries keys only");
+    } else if (ids.size() != sec->keys.size()) {
+      return fail(TaskStatus::kLengthMismatch, std::to_string(sec->keys.size()) + " keys for " +
+                                                   std::to_string(ids.size()) + " blocks");
+    }
+    const bool host = (h.flags & proto::kTaskFlagHostBlocks) != 0;
+    if (kind == TaskKind::kPrefetch && !host) return fail(TaskStatus::kMalformed, "PREFETCH loads into host blocks only");
+    const std::int64_t limit = host ? cache.host_blocks : cache.device_blocks;
+    const bool loads = kind == TaskKind::kStorageRead || kind == TaskKind::kPrefetch;
+    std::vector<std::uint8_t> seen(loads ? static_cast<std::size_t>(limit) : 0);
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] < 0 || ids[i] >= limit)
+        return fail(TaskStatus::kIdOutOfRange, std::string(host ? "host" : "device") + " block id " +
+                                                   std::to_string(ids[i]) + " at position " + std::to_string(i) +
+                                                   " is outside [0, " + std::to_string(limit) + ")");
+      if (loads && seen[static_cast<std::size_t>(ids[i])]++)
+        return fail(TaskStatus::kDuplicateDestination, "block id " + std::to_string(ids[i]) + " is loaded twice");
+    }
+    if (h.deadline_ns != 0 && now > h.deadline_ns)
+      return fail(TaskStatus::kDeadlineExceeded,
+                  "deadline passed " + std::to_string((now - h.deadline_ns) / 1000) + " us before dispatch");
+    w.storage = true;
+    w.storage_work.header = h;
+    w.storage_work.section = std::move(sec).value();
+    w.storage_work.blocks.assign(ids.begin(), ids.end());
+    (host ? w.host_ids : w.device_ids).assign(ids.begin(), ids.end());
     return true;
   }
 
@@ -298,6 +383,7 @@ struct TaskRunner::Impl {
         ++n;
       }
     }
+    if (storage) n += storage->drop_queued();
     if (n != 0) {
       ipc::bump_and_wake(track_word, &track_waiters);
       std::lock_guard<std::mutex> g(stats_mu);
@@ -317,8 +403,13 @@ TaskRunner::TaskRunner(ipc::RankEndpoint& endpoint, DeviceBackend& backend, Atta
 TaskRunner::~TaskRunner() = default;
 
 RunnerStats TaskRunner::stats() const {
-  std::lock_guard<std::mutex> g(impl_->stats_mu);
-  return impl_->stats;
+  RunnerStats s;
+  {
+    std::lock_guard<std::mutex> g(impl_->stats_mu);
+    s = impl_->stats;
+  }
+  if (impl_->storage) s.storage = impl_->storage->stats();
+  return s;
 }
 
 TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop) {
@@ -362,6 +453,18 @@ TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop) {
     Work w;
     w.epoch = impl->ep.epoch();
     if (!impl->decode(record, w)) continue;
+    if (w.storage) {
+      w.storage_work.epoch = w.epoch;
+      impl->admit(w, kStorageLane);
+      if (impl->storage) {
+        impl->storage->submit(std::move(w.storage_work));
+      } else {
+        impl->ep.abort_agreement(w.header.seq);
+        impl->complete(w.header, TaskStatus::kInternal, 0, 0, now, "storage executor could not start");
+        impl->release_storage(w.storage_work);
+      }
+      continue;
+    }
     const int lane = Impl::lane_of(static_cast<TaskKind>(w.header.kind));
     impl->admit(w, lane);
     const bool layerwise = (w.header.flags & proto::kTaskFlagLayerwise) != 0;
@@ -379,6 +482,7 @@ TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop) {
   }
   for (auto& l : impl->lanes)
     if (l.thread.joinable()) l.thread.join();
+  impl->storage.reset();  // finishes what it holds (or fails it, if the session is gone) and joins
   return exit;
 }
 

@@ -1,4 +1,5 @@
 #include "kvtd/ipc/engine_session.h"
+#include "kvtd/ipc/task_codec.h"
 
 #include <signal.h>
 #include <sys/types.h>
@@ -79,6 +80,7 @@ struct EngineSession::Impl {
   std::unordered_map<std::uint64_t, Pending> pending;
   std::map<std::uint64_t, TaskResult> done;  // ordered by id: the oldest is dropped first
   std::uint64_t next_task_id = 1;
+  std::atomic<std::uint64_t> weight_version{0};
 
   // Per rank, private (guarded by mu): who was granted, and a fence in progress.
   struct RankState {
@@ -107,7 +109,8 @@ struct EngineSession::Impl {
     std::sort(p.result.failures.begin(), p.result.failures.end(),
               [](const RankFailure& a, const RankFailure& b) { return a.rank < b.rank; });
     p.result.status = p.result.failures.empty() ? TaskStatus::kOk : p.result.failures.front().status;
-    if (!p.result.failures.empty()) p.result.blocks_done = 0;
+    // A cancelled task keeps how far it got (MIN over ranks); any other failure moved nothing usable.
+    if (!p.result.failures.empty() && p.result.status != TaskStatus::kCancelled) p.result.blocks_done = 0;
     done.emplace(id, std::move(p.result));
     pending.erase(id);
     while (done.size() > opts.max_uncollected_results) done.erase(done.begin());  // nobody collects them
@@ -115,16 +118,17 @@ struct EngineSession::Impl {
 
   // Requires mu.
   void record_report(Pending& p, std::uint32_t rank, TaskStatus status, std::uint64_t blocks,
-                     std::string message) {
+                     std::string message, std::uint64_t skipped = 0) {
     const std::uint32_t bit = 1u << rank;
     if ((p.expected & bit) == 0 || (p.reported & bit) != 0) return;  // late or duplicate report
     const bool first = p.reported == 0;
     p.reported |= bit;
     if (status != TaskStatus::kOk) {
       p.result.failures.push_back(RankFailure{rank, status, std::move(message)});
-      blocks = 0;
+      if (status != TaskStatus::kCancelled) blocks = 0;
     }
     if (first || blocks < p.result.blocks_done) p.result.blocks_done = blocks;  // MIN over ranks
+    if (first || skipped < p.result.blocks_skipped) p.result.blocks_skipped = skipped;
   }
 
   // Requires mu.
@@ -133,7 +137,7 @@ struct EngineSession::Impl {
     if (it == pending.end() || rec.rank >= geo.num_ranks) return;
     std::string msg(rec.message, strnlen(rec.message, sizeof rec.message));
     record_report(it->second, rec.rank, static_cast<TaskStatus>(rec.status), rec.blocks_done,
-                  std::move(msg));
+                  std::move(msg), rec.blocks_skipped);
     finish_if_complete(rec.task_id, it->second);
   }
 
@@ -342,6 +346,10 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
     auto* slots = reinterpret_cast<proto::LayerProgressSlot*>(pc + 1);
     for (std::uint32_t i = 0; i < proto::kProgressSlots; ++i) new (&slots[i]) proto::LayerProgressSlot();
   }
+  new (impl->view.agreement_control()) proto::AgreementControl();
+  for (std::uint32_t r = 0; r < o.geometry.num_ranks; ++r)
+    for (std::uint32_t i = 0; i < proto::kAgreementSlots; ++i) new (impl->view.agreement_slot(r, i)) std::atomic<std::uint64_t>(0);
+  impl->weight_version.store(o.weight_version);
   h->layout_version = proto::kSessionLayoutVersion;
   h->header_bytes = sizeof(proto::SessionHeader);
   h->generation = (std::uint64_t{std::random_device{}()} << 32) ^ std::random_device{}() ^
@@ -496,26 +504,135 @@ Status<IpcErrc> EngineSession::wait_ready(std::int64_t timeout_ns) {
   }
 }
 
-Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
-  if (req.kind != proto::TaskKind::kSwapToHost && req.kind != proto::TaskKind::kSwapToDevice)
-    return make_error(IpcErrc::kInvalidArgument, "task kind " + std::to_string(static_cast<unsigned>(req.kind)) +
-                                                     " is reserved or unknown; submit SWAP_TO_HOST or SWAP_TO_DEVICE");
+void EngineSession::set_weight_version(std::uint64_t version) { impl_->weight_version.store(version); }
+std::uint64_t EngineSession::weight_version() const { return impl_->weight_version.load(); }
+
+namespace {
+
+// One record to push: header plus its two word lists (owned).
+struct Encoded {
   proto::TaskRecordHeader hdr{};
-  hdr.kind = static_cast<std::uint16_t>(req.kind);
-  hdr.format_version = proto::kTaskFormatVersion;
-  hdr.after_task_id = req.after_task_id;
-  hdr.deadline_ns = req.deadline_ns;
-  if (req.layerwise) {
-    if (req.kind != proto::TaskKind::kSwapToDevice)
-      return make_error(IpcErrc::kInvalidArgument, "layer-by-layer is only for SWAP_TO_DEVICE tasks");
-    hdr.flags = proto::kTaskFlagLayerwise;
+  std::vector<std::int32_t> src, dst;
+};
+
+Status<IpcErrc> check_keys(std::span<const std::string> keys) {
+  if (keys.size() > proto::kMaxKeysPerTask)
+    return make_error(IpcErrc::kInvalidArgument, std::to_string(keys.size()) + " keys exceed the limit of " +
+                                                     std::to_string(proto::kMaxKeysPerTask) + " per task");
+  for (std::size_t i = 0; i < keys.size(); ++i)
+    if (!valid_engine_key(keys[i]))
+      return make_error(IpcErrc::kInvalidArgument, "key " + std::to_string(i) + " ('" + keys[i].substr(0, 40) +
+                                                       "') is not 1-" + std::to_string(proto::kMaxKeyBytes) +
+                                                       " characters of [A-Za-z0-9_.:-]");
+  return {};
+}
+
+Encoded encode_storage(proto::TaskKind kind, std::uint16_t flags, const TaskRequest& req,
+                       std::span<const std::string> keys, std::span<const std::int32_t> blocks,
+                       std::uint64_t weight_version) {
+  Encoded e;
+  e.hdr.kind = static_cast<std::uint16_t>(kind);
+  e.hdr.flags = flags;
+  e.hdr.format_version = proto::kTaskFormatVersion;
+  e.hdr.deadline_ns = req.deadline_ns;
+  e.hdr.after_task_id = req.after_task_id;
+  e.hdr.num_keys = static_cast<std::uint32_t>(keys.size());
+  proto::StorageTaskArgs args{};
+  args.weight_version = weight_version;
+  args.cancel_task_id = req.cancel_task_id;
+  args.min_hits = req.min_hits;
+  e.src = encode_storage_section(args, keys);
+  e.dst.assign(blocks.begin(), blocks.end());
+  return e;
+}
+
+// Turns a request into the records it submits (a swap with keys adds its backup), or an error.
+Result<std::vector<Encoded>, IpcErrc> encode_request(const TaskRequest& req, std::uint64_t weight_version) {
+  using proto::TaskKind;
+  std::vector<Encoded> out;
+  const auto kind = req.kind;
+  if (kind == TaskKind::kSwapToHost || kind == TaskKind::kSwapToDevice) {
+    Encoded e;
+    e.hdr.kind = static_cast<std::uint16_t>(kind);
+    e.hdr.format_version = proto::kTaskFormatVersion;
+    e.hdr.after_task_id = req.after_task_id;
+    e.hdr.deadline_ns = req.deadline_ns;
+    if (req.layerwise) {
+      if (kind != TaskKind::kSwapToDevice)
+        return make_error(IpcErrc::kInvalidArgument, "layer-by-layer is only for SWAP_TO_DEVICE tasks");
+      e.hdr.flags = proto::kTaskFlagLayerwise;
+    }
+    e.src.assign(req.src.begin(), req.src.end());
+    e.dst.assign(req.dst.begin(), req.dst.end());
+    out.push_back(std::move(e));
+    if (!req.keys.empty()) {
+      if (kind != TaskKind::kSwapToHost)
+        return make_error(IpcErrc::kInvalidArgument, "keys on a swap are only for SWAP_TO_HOST (its backup)");
+      if (req.keys.size() != req.dst.size())
+        return make_error(IpcErrc::kInvalidArgument, std::to_string(req.keys.size()) + " keys for " +
+                                                         std::to_string(req.dst.size()) + " destination host blocks");
+      if (auto st = check_keys(req.keys); !st.ok()) return std::move(st).error();
+      TaskRequest backup = req;
+      backup.after_task_id = 0;  // ordered after the swap by its blocks
+      out.push_back(encode_storage(TaskKind::kStorageWrite,
+                                   proto::kTaskFlagHostBlocks | proto::kTaskFlagPolicyBackup, backup, req.keys,
+                                   req.dst, weight_version));
+    }
+    return out;
   }
+  if (!proto::is_storage_kind(kind))
+    return make_error(IpcErrc::kInvalidArgument, "task kind " + std::to_string(static_cast<unsigned>(kind)) +
+                                                     " is reserved or unknown");
+  if (req.layerwise) return make_error(IpcErrc::kInvalidArgument, "layer-by-layer is only for SWAP_TO_DEVICE tasks");
+  if (!req.src.empty() || !req.dst.empty())
+    return make_error(IpcErrc::kInvalidArgument, std::string(proto::task_kind_name(kind)) +
+                                                     " takes keys and blocks, not src/dst");
+  if (auto st = check_keys(req.keys); !st.ok()) return std::move(st).error();
+  std::uint16_t flags = req.host_blocks ? proto::kTaskFlagHostBlocks : 0;
+  switch (kind) {
+    case TaskKind::kStorageQuery:
+      if (!req.blocks.empty()) return make_error(IpcErrc::kInvalidArgument, "STORAGE_QUERY takes keys only");
+      flags = 0;
+      break;
+    case TaskKind::kCancel:
+      if (!req.keys.empty() || !req.blocks.empty() || req.cancel_task_id == 0)
+        return make_error(IpcErrc::kInvalidArgument, "CANCEL takes only cancel_task_id (non-zero)");
+      flags = 0;
+      break;
+    case TaskKind::kPrefetch:
+      if (!req.host_blocks) return make_error(IpcErrc::kInvalidArgument, "PREFETCH loads into host blocks only");
+      [[fallthrough]];
+    default:
+      if (req.keys.size() != req.blocks.size())
+        return make_error(IpcErrc::kInvalidArgument, std::to_string(req.keys.size()) + " keys for " +
+                                                         std::to_string(req.blocks.size()) + " blocks");
+      if (req.evict_backup) {
+        if (kind != TaskKind::kStorageWrite || !req.host_blocks)
+          return make_error(IpcErrc::kInvalidArgument, "evict_backup is for STORAGE_WRITE of host blocks");
+        flags |= proto::kTaskFlagEvictBackup;
+      }
+  }
+  out.push_back(encode_storage(kind, flags, req, req.keys, req.blocks, weight_version));
+  return out;
+}
+
+}  // namespace
+
+Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
   auto* impl = impl_.get();
   auto* h = impl->h;
-  if (!impl->ring->fits(req.src.size(), req.dst.size()))
-    return make_error(IpcErrc::kTooLarge, "a task of " + std::to_string(req.src.size()) + "+" +
-                                              std::to_string(req.dst.size()) + " block ids cannot fit in a " +
-                                              std::to_string(impl->view.layout.ring_bytes) + "-byte task ring");
+  auto encoded = encode_request(req, impl->weight_version.load());
+  if (!encoded.ok()) return std::move(encoded).error();
+  auto& records = *encoded;
+  std::uint64_t need = 0;
+  for (const auto& e : records) need += proto::task_record_bytes(static_cast<std::uint32_t>(e.src.size()),
+                                                                 static_cast<std::uint32_t>(e.dst.size()));
+  for (const auto& e : records)
+    if (!impl->ring->fits(e.src.size(), e.dst.size()) || need > impl->view.layout.ring_bytes / 2)
+      return make_error(IpcErrc::kTooLarge, "a task of " + std::to_string(need) + " bytes (" +
+                                                std::to_string(e.src.size() + e.dst.size()) +
+                                                " words) cannot fit in a " +
+                                                std::to_string(impl->view.layout.ring_bytes) + "-byte task ring");
   const std::int64_t deadline = deadline_after(impl->clock->now_ns(), req.submit_timeout_ns);
   for (;;) {
     const std::uint32_t space_seen = h->space_word.load(std::memory_order_acquire);
@@ -528,18 +645,27 @@ Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
         if (!h->ranks[r].attached.load(std::memory_order_acquire))
           return make_error(IpcErrc::kNotReady, "rank " + std::to_string(r) + " is not attached to session " + impl->name);
       }
-      if (impl->pending.size() < impl->opts.completion_capacity) {
-        if (auto id = impl->push_locked(hdr, req.src, req.dst)) return *id;
+      if (impl->pending.size() + records.size() <= impl->opts.completion_capacity) {
+        // All records of a request go in together (a swap and its backup get consecutive ids):
+        // with 2 x need free, padding before a wrap (less than one record) cannot starve the second.
+        if (records.size() == 1 || impl->ring->free_bytes() >= 2 * need) {
+          std::uint64_t first = 0;
+          bool pushed = true;
+          for (std::size_t i = 0; i < records.size() && pushed; ++i) {
+            auto id = impl->push_locked(records[i].hdr, records[i].src, records[i].dst);
+            pushed = id.has_value();
+            if (pushed && i == 0) first = *id;
+          }
+          if (pushed) return first;
+          if (records.size() > 1) return make_error(IpcErrc::kSystem, "task ring refused a record it had room for");
+        }
         wait_space = true;
       }
       const std::int64_t now = impl->clock->now_ns();
       if (now >= deadline) {
         if (wait_space)
           return make_error(IpcErrc::kRingFull, "task ring full: " + std::to_string(impl->ring->free_bytes()) +
-                                                    " bytes free, task needs " +
-                                                    std::to_string(proto::task_record_bytes(
-                                                        static_cast<std::uint32_t>(req.src.size()),
-                                                        static_cast<std::uint32_t>(req.dst.size()))) +
+                                                    " bytes free, task needs " + std::to_string(need) +
                                                     "; ranks did not consume within " +
                                                     std::to_string(req.submit_timeout_ns / 1'000'000) + " ms");
         return make_error(IpcErrc::kTooManyInFlight, std::to_string(impl->pending.size()) +

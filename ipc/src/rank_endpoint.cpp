@@ -298,6 +298,70 @@ void RankEndpoint::publish_layer_events(const std::vector<std::array<std::uint8_
   impl_->view.progress_control(impl_->opts.rank)->events_published.store(n, std::memory_order_release);
 }
 
+void RankEndpoint::abort_agreement(std::uint64_t seq) {
+  // Release: publishes nothing but the word itself; a waiter acquires it.
+  impl_->view.agreement_slot(impl_->opts.rank, seq)->store(proto::agreement_word(seq, proto::kAgreementAbort),
+                                                            std::memory_order_release);
+  bump_and_wake(impl_->view.agreement_control()->word, &impl_->view.agreement_control()->waiters);
+}
+
+Result<std::uint32_t, proto::TaskStatus> RankEndpoint::agree(std::uint64_t seq, std::uint32_t count,
+                                                             std::int64_t deadline_ns) {
+  using proto::TaskStatus;
+  auto* impl = impl_.get();
+  auto* ctrl = impl->view.agreement_control();
+  const std::uint32_t me = impl->opts.rank;
+  const std::uint32_t n = impl->view.num_ranks;
+  const std::uint32_t want_tag = proto::agreement_tag(proto::agreement_word(seq, 0));
+  // The epochs the engine granted the peers now: a peer re-granted later was declared dead in
+  // between, and its new epoch never sees this task.
+  std::vector<std::uint32_t> peer_epoch(n);
+  for (std::uint32_t r = 0; r < n; ++r) peer_epoch[r] = impl->h->ranks[r].attached_epoch.load(std::memory_order_acquire);
+  // Release publishes our count to the peers' acquire loads below.
+  impl->view.agreement_slot(me, seq)->store(proto::agreement_word(seq, count), std::memory_order_release);
+  bump_and_wake(ctrl->word, &ctrl->waiters);
+  std::uint32_t agreed = count;
+  std::uint32_t pending_mask = 0;
+  for (std::uint32_t r = 0; r < n; ++r)
+    if (r != me) pending_mask |= 1u << r;
+  for (;;) {
+    const std::uint32_t seen = ctrl->word.load(std::memory_order_acquire);
+    for (std::uint32_t r = 0; r < n; ++r) {
+      if (!(pending_mask & (1u << r))) continue;
+      const std::uint64_t w = impl->view.agreement_slot(r, seq)->load(std::memory_order_acquire);
+      const std::uint32_t tag = proto::agreement_tag(w);
+      if (tag == want_tag) {
+        if (proto::agreement_value(w) == proto::kAgreementAbort)
+          return make_error(TaskStatus::kAgreementFailed, "rank " + std::to_string(r) + " failed this task before the ranks agreed");
+        agreed = std::min(agreed, proto::agreement_value(w));
+        pending_mask &= ~(1u << r);
+        continue;
+      }
+      // Newer (modulo 2^32) than ours: the slot was reused before we read it.
+      if (static_cast<std::int32_t>(tag - want_tag) > 0)
+        return make_error(TaskStatus::kAgreementFailed, "rank " + std::to_string(r) + " reused the agreement slot of this task (more than " +
+                                                            std::to_string(proto::kAgreementSlots) + " storage tasks apart)");
+      const auto& slot = impl->h->ranks[r];
+      if (!slot.attached.load(std::memory_order_acquire) || slot.attached_epoch.load(std::memory_order_acquire) != peer_epoch[r])
+        return make_error(TaskStatus::kRankDead, "rank " + std::to_string(r) +
+                                                     " was declared dead by the engine while the ranks were agreeing");
+    }
+    if (pending_mask == 0) return agreed;
+    if (!impl->granted() || !impl->engine_alive())
+      return make_error(TaskStatus::kShuttingDown, "this rank's epoch was revoked or the session ended during the agreement");
+    const std::int64_t now = monotonic_now_ns();
+    if (deadline_ns != 0 && now >= deadline_ns) {
+      std::string who;
+      for (std::uint32_t r = 0; r < n; ++r)
+        if (pending_mask & (1u << r)) who += (who.empty() ? "" : ",") + std::to_string(r);
+      return make_error(TaskStatus::kDeadlineExceeded, "deadline passed while waiting for rank(s) " + who + " to agree");
+    }
+    // Short slices: peer liveness is re-checked at least every 5 ms.
+    const std::int64_t slice = now + 5'000'000;
+    (void)wait_on_word(ctrl->word, seen, deadline_ns != 0 ? std::min(deadline_ns, slice) : slice, &ctrl->waiters, 20'000);
+  }
+}
+
 bool RankEndpoint::granted() const { return impl_->granted(); }
 std::uint64_t RankEndpoint::ring_published() const { return impl_->h->ring_head.load(std::memory_order_acquire); }
 std::uint64_t RankEndpoint::ring_read() const { return impl_->slot().consumed.load(std::memory_order_relaxed); }

@@ -242,7 +242,11 @@ SessionLayout compute_layout(const proto::CacheGeometry& g, std::uint64_t ring_b
   l.progress_stride = align_up(sizeof(proto::ProgressControl) + proto::kProgressSlots * sizeof(proto::LayerProgressSlot) +
                                    std::uint64_t{g.num_layers} * proto::kHandleBytes,
                                4096);
-  l.total_bytes = l.progress_offset + l.progress_stride * g.num_ranks;
+  // The agreement region is implied by the geometry alone; total_bytes (checked) covers it.
+  l.agreement_offset = l.progress_offset + l.progress_stride * g.num_ranks;
+  l.total_bytes = align_up(l.agreement_offset + sizeof(proto::AgreementControl) +
+                               std::uint64_t{g.num_ranks} * proto::kAgreementSlots * sizeof(std::uint64_t),
+                           4096);
   return l;
 }
 

@@ -25,6 +25,7 @@ struct SessionLayout {
   std::uint64_t completion_offset = 0, completion_stride = 0;
   std::uint32_t completion_capacity = 0;
   std::uint64_t progress_offset = 0, progress_stride = 0;
+  std::uint64_t agreement_offset = 0;
   std::uint64_t total_bytes = 0;
 };
 
@@ -85,6 +86,13 @@ struct SessionView {
     return reinterpret_cast<std::uint8_t*>(reinterpret_cast<proto::LayerProgressSlot*>(progress_control(rank) + 1) +
                                            proto::kProgressSlots) +
            std::size_t{layer} * proto::kHandleBytes;
+  }
+  proto::AgreementControl* agreement_control() const {
+    return reinterpret_cast<proto::AgreementControl*>(base + layout.agreement_offset);
+  }
+  std::atomic<std::uint64_t>* agreement_slot(std::uint32_t rank, std::uint64_t seq) const {
+    return reinterpret_cast<std::atomic<std::uint64_t>*>(agreement_control() + 1) +
+           std::size_t{rank} * proto::kAgreementSlots + seq % proto::kAgreementSlots;
   }
 };
 

@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <string>
+#include <string_view>
 
 namespace kvtd::ipc {
 
@@ -20,12 +21,19 @@ Result<DecodedTask, proto::TaskStatus> decode_task_record(std::span<const std::b
                                                    " is not supported (daemon speaks " +
                                                    std::to_string(proto::kTaskFormatVersion) + ")");
   const auto kind = static_cast<TaskKind>(h.kind);
-  if (kind != TaskKind::kSwapToHost && kind != TaskKind::kSwapToDevice)
+  if (h.kind == 0 || h.kind > proto::kMaxTaskKind)
     return make_error(TaskStatus::kUnknownKind, "unknown task kind " + std::to_string(h.kind));
+  if ((h.flags & ~proto::kTaskFlagsKnown) != 0)
+    return make_error(TaskStatus::kMalformed, "unknown task flags " + std::to_string(h.flags));
   if ((h.flags & proto::kTaskFlagLayerwise) && kind != TaskKind::kSwapToDevice)
     return make_error(TaskStatus::kMalformed, "the layer-by-layer flag is only valid on SWAP_TO_DEVICE");
-  if ((h.flags & ~proto::kTaskFlagLayerwise) != 0)
-    return make_error(TaskStatus::kMalformed, "unknown task flags " + std::to_string(h.flags));
+  if ((h.flags & proto::kTaskFlagHostBlocks) && !proto::is_storage_kind(kind))
+    return make_error(TaskStatus::kMalformed, "the host-blocks flag is only valid on storage tasks");
+  if ((h.flags & (proto::kTaskFlagPolicyBackup | proto::kTaskFlagEvictBackup)) &&
+      (kind != TaskKind::kStorageWrite || !(h.flags & proto::kTaskFlagHostBlocks)))
+    return make_error(TaskStatus::kMalformed, "the backup flags are only valid on STORAGE_WRITE of host blocks");
+  if (!proto::is_storage_kind(kind) && h.num_keys != 0)
+    return make_error(TaskStatus::kMalformed, "a swap task carries no keys (num_keys " + std::to_string(h.num_keys) + ")");
   // 64-bit: counts near 2^29 each must not wrap into a size that matches a short record.
   if (proto::task_record_bytes(h.num_src, h.num_dst) != std::uint64_t{h.record_bytes} || h.record_bytes != rec.size())
     return make_error(TaskStatus::kMalformed, "record of " + std::to_string(rec.size()) + " bytes does not hold " +
@@ -35,6 +43,78 @@ Result<DecodedTask, proto::TaskStatus> decode_task_record(std::span<const std::b
   t.src = {ids, h.num_src};
   t.dst = {ids + h.num_src, h.num_dst};
   return t;
+}
+
+bool valid_engine_key(std::string_view key) {
+  if (key.empty() || key.size() > proto::kMaxKeyBytes) return false;
+  for (char c : key) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
+                    c == '.' || c == ':' || c == '-';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+std::vector<std::int32_t> encode_storage_section(const proto::StorageTaskArgs& args_in,
+                                                 std::span<const std::string> keys) {
+  proto::StorageTaskArgs args = args_in;
+  std::uint64_t chars = 0;
+  for (const auto& k : keys) chars += k.size();
+  args.key_bytes = static_cast<std::uint32_t>(chars);
+  std::vector<std::int32_t> words(proto::storage_section_words(keys.size(), chars), 0);
+  auto* out = reinterpret_cast<std::byte*>(words.data());
+  std::memcpy(out, &args, sizeof args);
+  std::size_t pos = sizeof args;
+  for (const auto& k : keys) {
+    const auto len = static_cast<std::uint16_t>(k.size());
+    std::memcpy(out + pos, &len, sizeof len);
+    pos += sizeof len;
+  }
+  pos = sizeof args + (2 * keys.size() + 3) / 4 * 4;
+  for (const auto& k : keys) {
+    std::memcpy(out + pos, k.data(), k.size());
+    pos += k.size();
+  }
+  return words;
+}
+
+Result<StorageSection, proto::TaskStatus> decode_storage_section(std::span<const std::int32_t> words,
+                                                                 std::uint32_t num_keys) {
+  using proto::TaskStatus;
+  StorageSection s;
+  const std::uint64_t have = std::uint64_t{words.size()} * 4;
+  if (have < sizeof s.args)
+    return make_error(TaskStatus::kMalformed, "storage section of " + std::to_string(have) + " bytes has no arguments");
+  const auto* in = reinterpret_cast<const std::byte*>(words.data());
+  std::memcpy(&s.args, in, sizeof s.args);
+  if (num_keys > proto::kMaxKeysPerTask)
+    return make_error(TaskStatus::kMalformed, std::to_string(num_keys) + " keys exceed the limit of " +
+                                                  std::to_string(proto::kMaxKeysPerTask) + " per task");
+  // 64-bit: both counts come from shared memory.
+  if (proto::storage_section_words(num_keys, s.args.key_bytes) != words.size())
+    return make_error(TaskStatus::kMalformed, "storage section of " + std::to_string(words.size()) +
+                                                  " words does not hold " + std::to_string(num_keys) + " keys of " +
+                                                  std::to_string(s.args.key_bytes) + " characters");
+  std::vector<std::uint16_t> lens(num_keys);
+  std::memcpy(lens.data(), in + sizeof s.args, 2ull * num_keys);
+  std::uint64_t sum = 0;
+  for (auto l : lens) sum += l;
+  if (sum != s.args.key_bytes)
+    return make_error(TaskStatus::kMalformed, "key lengths add up to " + std::to_string(sum) + ", the section says " +
+                                                  std::to_string(s.args.key_bytes));
+  const auto* chars = reinterpret_cast<const char*>(in + sizeof s.args + (2ull * num_keys + 3) / 4 * 4);
+  s.keys.reserve(num_keys);
+  std::uint64_t pos = 0;
+  for (std::uint32_t i = 0; i < num_keys; ++i) {
+    std::string_view k(chars + pos, lens[i]);
+    pos += lens[i];
+    if (!valid_engine_key(k))
+      return make_error(TaskStatus::kMalformed,
+                        "key " + std::to_string(i) + " is not 1-" + std::to_string(proto::kMaxKeyBytes) +
+                            " characters of [A-Za-z0-9_.:-] (length " + std::to_string(k.size()) + ")");
+    s.keys.emplace_back(k);
+  }
+  return s;
 }
 
 }  // namespace kvtd::ipc

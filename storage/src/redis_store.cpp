@@ -101,6 +101,23 @@ class RedisStore final : public ObjectStore {
       node(host, port);
     }
     if (o_.endpoints.empty()) return make_error(StorageErrc::kInvalidArgument, "no Redis endpoint given");
+    if (!o_.cluster && o_.detect_cluster) {
+      std::lock_guard<std::mutex> g(mu_);
+      const auto dl = deadline();
+      for (auto& [id, n] : nodes_) {
+        redisContext* c = connect(*n, dl);
+        if (!c) continue;
+        Reply r(static_cast<redisReply*>(redisCommand(c, "CLUSTER INFO")));
+        if (!r) {
+          n->drop();
+          continue;
+        }
+        // A Cluster node answers a status text; a standalone server an error ("cluster support disabled").
+        o_.cluster = (r->type == REDIS_REPLY_STRING || r->type == REDIS_REPLY_STATUS) &&
+                     std::string_view(r->str, r->len).find("cluster_state:") != std::string_view::npos;
+        break;
+      }
+    }
     if (o_.cluster) {
       std::lock_guard<std::mutex> g(mu_);
       if (auto st = refresh_slots(deadline()); !st.ok()) return st;

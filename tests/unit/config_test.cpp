@@ -110,19 +110,34 @@ TEST(DaemonFlags, OutOfRangeDurationsAndDeviceIdsNameTheRange) {
   EXPECT_EQ(c->engine_timeout_ns(), 5'000'000'000);
 }
 
-TEST(DaemonFlags, StorageBackendAndWritePolicyAreValidatedAndListedAsIgnored) {
+TEST(DaemonFlags, StorageFlagsAreParsedAndBadOnesNamed) {
   expect_rejected({"--write_policy", "sometimes"}, "--write-policy");
-  expect_rejected({"--kvcache_storage_backend", "tape"}, "--kvcache-storage-backend");
+  expect_rejected({"--kvcache_storage_backend", "mooncake"}, "not built into this kvtd (built: none, file, redis)");
+  expect_rejected({"--storage-backend", "file"}, "--storage-path");
+  expect_rejected({"--storage-backend", "redis"}, "--redis-endpoints");
+  expect_rejected({"--storage-backend", "redis", "--redis-endpoints", "localhost"}, "'localhost' is not host:port");
+  expect_rejected({"--storage-backend", "redis", "--redis-endpoints", "a:1,b:99999"}, "'b:99999'");
+  expect_rejected({"--storage-io-threads", "0"}, "--storage-io-threads");
+  expect_rejected({"--storage-staging-mib", "0"}, "--storage-staging-mib");
+  expect_rejected({"--storage-fsync", "always"}, "--storage-fsync");
   auto args = kBase;
-  for (const char* a : {"--write_policy", "write_through", "--kvcache_storage_backend", "file", "--pod_ip", "1.2.3.4"})
+  for (const char* a : {"--write_policy", "write_through_selective", "--kvcache_storage_backend", "redis",
+                        "--redis-endpoints", "10.0.0.1:6379,h2:7000", "--pod_ip", "1.2.3.4", "--weight-version", "7",
+                        "--storage-staging-mib", "16", "--write-threshold", "3"})
     args.push_back(a);
   auto c = parse(args);
   ASSERT_TRUE(c.ok()) << c.error().message;
+  EXPECT_EQ(c->storage.backend, kvtd::config::StorageBackendKind::kRedis);
+  EXPECT_EQ(c->storage.write_policy, kvtd::config::WritePolicy::kWriteThroughSelective);
+  ASSERT_EQ(c->storage.redis_endpoints.size(), 2u);
+  EXPECT_EQ(c->storage.redis_endpoints[1], "h2:7000");
+  EXPECT_EQ(c->storage.weight_version, 7u);
+  EXPECT_EQ(c->storage.staging_mib, 16u);
+  EXPECT_EQ(c->storage.write_threshold, 3u);
   std::string all;
   for (const auto& f : c->ignored_flags) all += f + " ";
   EXPECT_NE(all.find("--pod_ip"), std::string::npos) << all;
-  EXPECT_NE(all.find("--write_policy"), std::string::npos) << all;
-  EXPECT_NE(all.find("--kvcache_storage_backend"), std::string::npos) << all;
+  EXPECT_EQ(all.find("--write_policy"), std::string::npos) << all;
 }
 
 // Issue 7 case 9: a typo in a config file used to be ignored (the daemon ran with 0 host blocks).

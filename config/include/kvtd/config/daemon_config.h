@@ -35,6 +35,31 @@ const char* scatter_mode_name(ScatterMode m);
 // Parses a scatter_mode_name; false for anything else.
 bool parse_scatter_mode(const std::string& text, ScatterMode* out);
 
+enum class StorageBackendKind { kNone, kFile, kRedis };
+enum class WritePolicy {
+  kNone,                   // no --write-policy: backups submitted with swaps are skipped
+  kWriteThrough,           // every SWAP_TO_HOST with keys is backed up
+  kWriteThroughSelective,  // only keys seen at least --write-threshold times
+  kWriteBack,              // backed up when the engine evicts them from host (evict_backup)
+};
+enum class StorageFsync { kNone, kData, kFull };
+
+struct StorageConfig {
+  StorageBackendKind backend = StorageBackendKind::kNone;
+  std::string path;                      // file: root directory
+  std::vector<std::string> redis_endpoints;  // host:port
+  std::string redis_password_file;
+  std::string redis_password_env = "KVTD_REDIS_PASSWORD";
+  double redis_timeout_s = 2.0;
+  double capacity_gib = 0;               // file: 0 = unlimited
+  StorageFsync fsync = StorageFsync::kNone;
+  std::uint32_t io_threads = 2;
+  std::uint64_t staging_mib = 64;
+  WritePolicy write_policy = WritePolicy::kNone;
+  std::uint32_t write_threshold = 2;
+  std::uint64_t weight_version = 0;      // deployment's weight label, part of every key
+};
+
 struct DaemonConfig {
   std::uint32_t rank = 0;
   std::uint32_t mp_num = 1;
@@ -53,8 +78,7 @@ struct DaemonConfig {
   double attach_timeout_s = 0.0;       // 0: wait for the session forever
   double heartbeat_period_s = 0.1;
   std::string model_id = "default";
-  std::string write_policy;               // validated, not used yet (storage tasks: issue 8)
-  std::string storage_backend;            // validated, not used yet
+  StorageConfig storage;
   std::vector<std::string> ignored_flags;  // FastDeploy flags given that kvtd accepts and ignores
 
   proto::CacheGeometry geometry() const;

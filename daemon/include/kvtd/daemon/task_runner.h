@@ -2,10 +2,14 @@
 // ring, validates and plans each task, and hands it to the executor of its direction (one for
 // device->host, one for host->device), so an eviction never waits behind a load.
 //
+// Storage tasks go to a StorageExecutor (its own worker pool, see storage_executor.h); CANCEL
+// is answered by the dispatcher.
+//
 // Ordering: tasks of one direction run in submission order. A task that touches a host or
-// device block that a task of the other direction still has in flight (or that names such a
-// task in after_task_id) waits for it, so an evict followed by a load of the same block sees
-// the evicted bytes. Independent tasks of the two directions run concurrently.
+// device block that a task of another lane still has in flight (or that names such a task in
+// after_task_id) waits for it, so an evict followed by a load of the same block sees the evicted
+// bytes; storage tasks also wait for earlier storage tasks on the same blocks (their pool runs
+// them in any order otherwise). Independent tasks run concurrently.
 //
 // Every task gets exactly one completion: ok, or an error naming the problem. A malformed task
 // never stops the runner. Exception: work read under an epoch the engine has since revoked is
@@ -26,6 +30,7 @@
 
 #include "kvtd/daemon/device_backend.h"
 #include "kvtd/daemon/host_pool.h"
+#include "kvtd/daemon/storage_executor.h"
 #include "kvtd/ipc/rank_endpoint.h"
 
 namespace kvtd::daemon {
@@ -39,6 +44,7 @@ struct AttachedCache {
   std::int64_t host_blocks = 0;
   std::uint32_t num_layers = 0;
   HostPool* pool = nullptr;  // validity of host blocks; borrowed, outlives the runner
+  StorageTargets storage;    // storage tasks (store null: they fail with storage_unavailable)
 };
 
 struct RunnerStats {
@@ -47,6 +53,7 @@ struct RunnerStats {
   std::uint64_t tasks_dropped = 0;  // read under a revoked epoch: neither run nor reported
   std::uint64_t bytes_to_host = 0;
   std::uint64_t bytes_to_device = 0;
+  StorageStats storage;
 };
 
 class TaskRunner {

@@ -51,12 +51,30 @@ struct SessionOptions {
   std::int64_t fence_timeout_ns = 5'000'000'000;  // how long a killed rank may take to exit
   Fencer fencer;                         // defaults to fence_process (tests inject failures)
   std::size_t max_uncollected_results = 65536;  // finished results kept for poll/wait; oldest dropped
+  std::uint64_t weight_version = 0;      // initial weight version (see set_weight_version)
 };
 
+// One task. Swaps use src/dst; storage tasks use keys, blocks and the fields after them:
+//   STORAGE_QUERY(keys)                  -> blocks_done = leading hits, MIN over ranks
+//   STORAGE_READ(keys, blocks)           -> blocks_done = blocks loaded (the agreed prefix)
+//   STORAGE_WRITE(keys, blocks)          -> blocks_done written, blocks_skipped not written
+//   PREFETCH(keys, host blocks, min_hits) -> like a read into host blocks; 0 when fewer hit
+//   CANCEL(cancel_task_id)               -> stops a PREFETCH or STORAGE_WRITE between objects;
+//                                           that task ends kCancelled with how far it got
+// Keys: 1..proto::kMaxKeyBytes of [A-Za-z0-9_.:-], one per block, at most kMaxKeysPerTask.
 struct TaskRequest {
   proto::TaskKind kind = proto::TaskKind::kSwapToHost;
   std::span<const std::int32_t> src;  // SWAP_TO_HOST: device ids; SWAP_TO_DEVICE: host ids
   std::span<const std::int32_t> dst;
+  // Storage tasks. With SWAP_TO_HOST, keys (one per dst block) also submit a backup task
+  // (STORAGE_WRITE of the dst host blocks, id = swap id + 1) that the daemons' --write-policy
+  // carries out or skips; free those host blocks only after the backup completed.
+  std::span<const std::string> keys;
+  std::span<const std::int32_t> blocks;  // one per key: device blocks, or host blocks (host_blocks)
+  bool host_blocks = false;
+  std::uint32_t min_hits = 0;            // PREFETCH
+  std::uint64_t cancel_task_id = 0;      // CANCEL
+  bool evict_backup = false;             // STORAGE_WRITE of host blocks being evicted (write_back)
   std::int64_t submit_timeout_ns = 1'000'000'000;  // how long submit may wait for ring room
   std::int64_t deadline_ns = 0;       // absolute CLOCK_MONOTONIC; 0 = none
   std::uint64_t after_task_id = 0;    // run after this task (0 = no constraint)
@@ -72,7 +90,8 @@ struct RankFailure {
 struct TaskResult {
   std::uint64_t task_id = 0;
   proto::TaskStatus status = proto::TaskStatus::kOk;  // failure of the lowest failing rank, or kOk
-  std::uint64_t blocks_done = 0;                     // MIN over ranks
+  std::uint64_t blocks_done = 0;                     // MIN over ranks (kCancelled: how far it got)
+  std::uint64_t blocks_skipped = 0;                  // STORAGE_WRITE: MIN over ranks
   std::vector<RankFailure> failures;               // sorted by rank
   std::int64_t submit_ns = 0;
   std::int64_t complete_ns = 0;                      // when the last rank's report was merged
@@ -101,6 +120,11 @@ class EngineSession {
 
   // Waits until every rank is attached with all ready flags set.
   Status<IpcErrc> wait_ready(std::int64_t timeout_ns);
+
+  // The weight version every later storage task carries: bump it when the model's weights change
+  // (an RL update), and no KV stored under other weights is ever loaded.
+  void set_weight_version(std::uint64_t version);
+  std::uint64_t weight_version() const;
 
   // Submits a task to every rank; returns its task id. Reserved kinds (0) are refused. Waits up to submit_timeout_ns for ring
   // room (kRingFull after that) and for an in-flight slot (kTooManyInFlight). A rank that is not

@@ -71,6 +71,16 @@ class RankEndpoint {
   // Publishes this rank's per-layer interprocess event handles (at most num_layers).
   void publish_layer_events(const std::vector<std::array<std::uint8_t, proto::kHandleBytes>>& handles);
 
+  // Agreement across ranks for the storage task with ring sequence number `seq` (see
+  // proto::AgreementControl): publishes `count`, waits until every rank published, returns the
+  // MIN. Never hangs: fails with kAgreementFailed when a rank aborted (or the slot was reused),
+  // kRankDead when the engine stopped counting a peer as live (dead, fenced, re-attached: it will
+  // never publish), kShuttingDown when this rank's own epoch was revoked or the session is lost,
+  // kDeadlineExceeded at `deadline_ns` (0 = none). The message names the rank. Any thread.
+  Result<std::uint32_t, proto::TaskStatus> agree(std::uint64_t seq, std::uint32_t count, std::int64_t deadline_ns);
+  // Tells the other ranks this rank failed task `seq` before agreeing: they stop waiting.
+  void abort_agreement(std::uint64_t seq);
+
   // Task-ring positions (bytes): what the engine has published, and what this rank has read.
   // A stopping daemon finishes the records published before it stopped, and no more.
   std::uint64_t ring_published() const;

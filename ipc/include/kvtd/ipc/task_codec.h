@@ -11,6 +11,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
+#include <string_view>
+#include <vector>
 
 #include "kvtd/proto/expected.h"
 #include "kvtd/proto/task.h"
@@ -29,5 +32,22 @@ struct DecodedTask {
 // completion needs are still returned through `header_out` when the record has a full header).
 [[nodiscard]] Result<DecodedTask, proto::TaskStatus> decode_task_record(std::span<const std::byte> record,
                                                                         proto::TaskRecordHeader* header_out);
+
+// A storage task's section (see proto/task.h), decoded into private memory.
+struct StorageSection {
+  proto::StorageTaskArgs args{};
+  std::vector<std::string> keys;
+};
+
+// Whether `key` is a valid engine key: 1..kMaxKeyBytes of [A-Za-z0-9_.:-].
+bool valid_engine_key(std::string_view key);
+
+// Builds the storage section words for `keys` (the caller checked them with valid_engine_key).
+std::vector<std::int32_t> encode_storage_section(const proto::StorageTaskArgs& args, std::span<const std::string> keys);
+
+// Decodes the section of a record whose header says `num_keys`: every length, the total and
+// each key's characters are checked (kMalformed naming the first bad key).
+[[nodiscard]] Result<StorageSection, proto::TaskStatus> decode_storage_section(std::span<const std::int32_t> words,
+                                                                             std::uint32_t num_keys);
 
 }  // namespace kvtd::ipc

@@ -2,6 +2,7 @@
 //
 //   [SessionHeader][TensorDesc registry][task ring bytes][completion rings, one per rank]
 //   [layer progress, one block per rank: control, progress slots, per-layer CUDA IPC events]
+//   [agreement: control, then kAgreementSlots words per rank]
 //
 // Every region is addressed by a byte offset from the segment start (never a pointer), so each
 // process may map the segment at a different address. Synchronisation is by the atomics below
@@ -27,7 +28,7 @@
 namespace kvtd::proto {
 
 inline constexpr std::uint64_t kSessionMagic = 0x5353455344545640ULL;  // "@VTDSESS"
-inline constexpr std::uint32_t kSessionLayoutVersion = 2;  // 2: RankSlot::owner
+inline constexpr std::uint32_t kSessionLayoutVersion = 3;  // 2: RankSlot::owner; 3: agreement region
 
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
@@ -121,6 +122,28 @@ struct alignas(64) ProgressControl {
   std::uint8_t pad[60];
 };
 static_assert(sizeof(ProgressControl) == 64);
+
+// Agreement across ranks for storage tasks: rank r publishes its local count for the task with
+// ring sequence number `seq` in its word at slot seq % kAgreementSlots as
+// agreement_word(seq, value), then bumps `word`; every rank waits (futex, deadline) until each
+// rank's word carries that seq and takes the MIN. kAgreementAbort says the rank failed the task
+// before agreeing, so the others stop waiting at once. A word whose seq is newer than the one
+// waited for means the slot was reused before it was read: the task fails, it never guesses.
+inline constexpr std::uint32_t kAgreementSlots = 1024;
+inline constexpr std::uint32_t kAgreementAbort = 0xFFFFFFFFu;
+
+struct alignas(64) AgreementControl {
+  std::atomic<std::uint32_t> word;     // futex: bumped after every publish
+  std::atomic<std::uint32_t> waiters;
+  std::uint8_t pad[56];
+};
+static_assert(sizeof(AgreementControl) == 64);
+
+constexpr std::uint64_t agreement_word(std::uint64_t seq, std::uint32_t value) {
+  return (static_cast<std::uint64_t>(static_cast<std::uint32_t>(seq + 1)) << 32) | value;
+}
+constexpr std::uint32_t agreement_tag(std::uint64_t word) { return static_cast<std::uint32_t>(word >> 32); }
+constexpr std::uint32_t agreement_value(std::uint64_t word) { return static_cast<std::uint32_t>(word); }
 
 struct alignas(64) SessionHeader {
   std::uint64_t magic;

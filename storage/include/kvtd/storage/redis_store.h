@@ -23,6 +23,9 @@ struct RedisStoreOptions {
   StoreOptions store;
   std::vector<std::string> endpoints;  // "host:port"; in cluster mode any subset of the nodes
   bool cluster = false;
+  // With cluster = false: ask the first reachable endpoint at open (CLUSTER INFO) and use
+  // cluster mode if it is a Cluster node. If none answers at open, standalone is assumed.
+  bool detect_cluster = false;
   std::string password_file;           // first line is the password
   std::string password_env;            // name of an environment variable holding it
   std::int64_t timeout_ms = 2000;      // connect and per-reply deadline

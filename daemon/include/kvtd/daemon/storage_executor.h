@@ -1,0 +1,101 @@
+// kvtd/daemon/storage_executor.h - runs a rank's storage tasks (STORAGE_QUERY, STORAGE_READ,
+// STORAGE_WRITE, PREFETCH) on its own worker pool, never on the swap lanes.
+//
+// Each task: the rank counts its leading stored keys, the ranks agree on the MIN through the
+// session (RankEndpoint::agree: bounded, fails when a peer dies), then the agreed prefix is
+// loaded (READ, PREFETCH) or the rest is written (WRITE). Objects move through this worker's
+// slice of a bounded pinned staging buffer in chunks, so memory is bounded whatever the task
+// size: storage -> staging -> scatter into device or host blocks, and the reverse for writes.
+// A chunk whose objects are missing or corrupt on this rank ends the load there (the engine's
+// merge takes the MIN over ranks). Reads and prefetches go before writes (priority), FIFO
+// within a priority. A CANCEL stops a write or load between chunks.
+//
+// Stored key: "<engine key>.w<deployment weight version>-<task weight version>.r<rank>" in the
+// store's namespace (model id + layout fingerprint), so KV from other weights, another layout or
+// another rank's slice is never loaded. MLA (no value cache, replicated): every rank reads
+// rank 0's objects and only rank 0 writes.
+//
+// Ownership: borrows the endpoint, backend, pool and store, which must outlive it; owns its
+// threads and staging. Not copyable. Thread-safety: submit/cancel/drop_queued from the
+// dispatcher thread; stats() from any thread; the destructor finishes queued work and joins.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvtd/config/daemon_config.h"
+#include "kvtd/daemon/device_backend.h"
+#include "kvtd/daemon/host_pool.h"
+#include "kvtd/ipc/rank_endpoint.h"
+#include "kvtd/ipc/task_codec.h"
+#include "kvtd/kernels/layout.h"
+#include "kvtd/proto/task.h"
+
+namespace kvtd::storage {
+class ObjectStore;
+}
+
+namespace kvtd::daemon {
+
+// The layout fingerprint of a geometry's stored objects: dtype, heads, block size, head dim,
+// layers, ranks and which tensors exist (not the block counts, which do not change an object).
+std::uint64_t layout_fingerprint(const proto::CacheGeometry& g);
+
+// What the executor needs from the attached cache.
+struct StorageTargets {
+  storage::ObjectStore* store = nullptr;  // null: storage tasks fail with no_store_reason
+  std::string no_store_reason = "no storage backend is configured on this rank (--storage-backend none)";
+  std::string store_name;                 // for messages: "file store /path", "redis host:port"
+  config::StorageConfig config;
+  std::vector<kernels::LayerTensor> device_tensors;  // layer-major, present kinds
+  std::vector<kernels::LayerTensor> host_tensors;    // the host pool's regions, same order
+  std::uint64_t object_bytes = 0;
+  bool replicated = false;                // MLA: one copy shared by every rank
+};
+
+// One decoded storage task, validated by the dispatcher (ids in range, no duplicates).
+struct StorageWork {
+  proto::TaskRecordHeader header{};
+  std::uint32_t epoch = 0;
+  ipc::StorageSection section;
+  std::vector<std::int32_t> blocks;
+};
+
+struct StorageStats {
+  std::uint64_t tasks = 0, objects_read = 0, objects_written = 0, bytes_read = 0, bytes_written = 0;
+};
+
+class StorageExecutor {
+ public:
+  // Reports one task's outcome: (header, status, blocks_done, blocks_skipped, start_ns, message).
+  using Complete = std::function<void(const proto::TaskRecordHeader&, proto::TaskStatus, std::uint64_t, std::uint64_t,
+                                      std::int64_t, const std::string&)>;
+  // Called after each task (completed or dropped), to release its blocks.
+  using Release = std::function<void(const StorageWork&)>;
+
+  // Fails when the staging cannot be allocated or a worker's slice holds no object.
+  static Result<std::unique_ptr<StorageExecutor>, DeviceErrc> create(ipc::RankEndpoint& ep, DeviceBackend& backend,
+                                                                      HostPool* pool, StorageTargets targets,
+                                                                      Complete complete, Release release);
+  ~StorageExecutor();
+  StorageExecutor(const StorageExecutor&) = delete;
+  StorageExecutor& operator=(const StorageExecutor&) = delete;
+
+  void submit(StorageWork&& work);
+  // Asks a queued or running task to stop between chunks; false if it is not live here.
+  bool cancel(std::uint64_t task_id);
+  // Removes queued work (a revoked epoch); returns how many were dropped (released, no completion).
+  std::size_t drop_queued();
+  StorageStats stats() const;
+
+ private:
+  struct Impl;
+  explicit StorageExecutor(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvtd::daemon

@@ -1,0 +1,433 @@
+#include "kvtd/daemon/storage_executor.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "kvtd/daemon/log.h"
+#include "kvtd/ipc/clock.h"
+#include "kvtd/storage/object_format.h"
+#include "kvtd/storage/object_store.h"
+
+namespace kvtd::daemon {
+
+using proto::TaskKind;
+using proto::TaskStatus;
+
+std::uint64_t layout_fingerprint(const proto::CacheGeometry& g) {
+  // Only what shapes an object's bytes; fixed-width fields hashed in a fixed order.
+  std::uint64_t f[12] = {g.dtype, g.num_layers, g.num_ranks, proto::kScaleElementBytes};
+  for (int i = 1; i < 4; ++i) {
+    f[3 + i] = static_cast<std::uint64_t>(g.key_shape[i]);
+    f[6 + i] = static_cast<std::uint64_t>(g.value_shape[i]);
+  }
+  f[11] = 0x6b767464u;  // "kvtd": a version of this recipe
+  return storage::hash_bytes(f, sizeof f);
+}
+
+namespace {
+
+// The most objects one per-key use count map holds before it starts over (bounds memory).
+constexpr std::size_t kMaxCountedKeys = 1u << 20;
+
+std::string key_list_note(const std::vector<std::string>& keys, std::size_t i) {
+  return i < keys.size() ? " (key " + std::to_string(i) + " '" + keys[i].substr(0, 48) + "')" : "";
+}
+
+}  // namespace
+
+struct StorageExecutor::Impl {
+  ipc::RankEndpoint& ep;
+  DeviceBackend& backend;
+  HostPool* pool;
+  StorageTargets t;
+  Complete complete;
+  Release release;
+  std::size_t chunk_objects = 0;   // objects per worker staging slice
+  std::vector<std::byte*> staging;  // one slice per worker
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<StorageWork> high, low;  // reads/queries/prefetches first, then writes
+  std::unordered_set<std::uint64_t> live;       // queued or running task ids
+  std::unordered_set<std::uint64_t> cancelled;  // subset of live
+  bool closing = false;
+  std::vector<std::thread> workers;
+
+  std::mutex count_mu;
+  std::unordered_map<std::string, std::uint32_t> uses;  // write_through_selective
+
+  mutable std::mutex stats_mu;
+  StorageStats st;
+
+  Impl(ipc::RankEndpoint& e, DeviceBackend& b, HostPool* p, StorageTargets targets, Complete c, Release r)
+      : ep(e), backend(b), pool(p), t(std::move(targets)), complete(std::move(c)), release(std::move(r)) {}
+
+  std::string stored_key(const std::string& key, std::uint64_t task_weight_version) const {
+    const std::uint32_t slice_rank = t.replicated ? 0 : ep.rank();
+    return key + ".w" + std::to_string(t.config.weight_version) + "-" + std::to_string(task_weight_version) + ".r" +
+           std::to_string(slice_rank);
+  }
+
+  bool is_cancelled(std::uint64_t id) {
+    std::lock_guard<std::mutex> g(mu);
+    return cancelled.count(id) != 0;
+  }
+
+  // Why this rank's work must stop without a completion: the engine revoked its epoch.
+  bool revoked(const StorageWork& w) const { return w.epoch != ep.epoch() || !ep.granted(); }
+
+  void count_uses(const std::vector<std::string>& keys) {
+    std::lock_guard<std::mutex> g(count_mu);
+    if (uses.size() + keys.size() > kMaxCountedKeys) uses.clear();
+    for (const auto& k : keys) ++uses[k];
+  }
+
+  std::string unavailable(const std::string& what) const { return t.store_name + ": " + what; }
+
+  void finish(const StorageWork& w, TaskStatus s, std::uint64_t blocks, std::uint64_t skipped, std::int64_t start,
+              const std::string& msg) {
+    complete(w.header, s, blocks, skipped, start, msg);
+  }
+
+  // Fails a task that has not agreed yet: the peers stop waiting at once.
+  void fail_before_agreement(const StorageWork& w, TaskStatus s, std::int64_t start, const std::string& msg) {
+    ep.abort_agreement(w.header.seq);
+    finish(w, s, 0, 0, start, msg);
+  }
+
+  // The leading stored count of `keys` on this rank, agreed across ranks. On failure the task
+  // has been completed (or dropped) and nullopt is returned.
+  std::optional<std::uint32_t> local_then_agree(const StorageWork& w, const std::vector<std::string>& keys,
+                                                std::int64_t start) {
+    auto local = t.store->exists(keys);
+    if (!local.ok()) {
+      const auto code = local.error().code;
+      fail_before_agreement(w, code == storage::StorageErrc::kUnavailable ? TaskStatus::kStorageUnavailable
+                                                                          : TaskStatus::kStorageError,
+                            start, unavailable(local.error().message));
+      return std::nullopt;
+    }
+    auto agreed = ep.agree(w.header.seq, static_cast<std::uint32_t>(*local), w.header.deadline_ns);
+    if (!agreed.ok()) {
+      if (revoked(w)) return std::nullopt;  // the engine failed it already
+      finish(w, agreed.error().code, 0, 0, start, agreed.error().message);
+      return std::nullopt;
+    }
+    return *agreed;
+  }
+
+  void run_query(const StorageWork& w, std::int64_t start) {
+    const auto& keys = w.section.keys;
+    count_uses(keys);
+    std::vector<std::string> stored;
+    stored.reserve(keys.size());
+    for (const auto& k : keys) stored.push_back(stored_key(k, w.section.args.weight_version));
+    auto agreed = local_then_agree(w, stored, start);
+    if (!agreed) return;
+    finish(w, TaskStatus::kOk, *agreed, 0, start, "");
+  }
+
+  // STORAGE_READ and PREFETCH: loads the agreed prefix chunk by chunk through `slice`.
+  void run_load(const StorageWork& w, std::byte* slice, std::int64_t start) {
+    const auto& keys = w.section.keys;
+    const bool host = (w.header.flags & proto::kTaskFlagHostBlocks) != 0;
+    count_uses(keys);
+    std::vector<std::string> stored;
+    stored.reserve(keys.size());
+    for (const auto& k : keys) stored.push_back(stored_key(k, w.section.args.weight_version));
+    auto agreed = local_then_agree(w, stored, start);
+    if (!agreed) return;
+    const auto kind = static_cast<TaskKind>(w.header.kind);
+    if (kind == TaskKind::kPrefetch && *agreed < w.section.args.min_hits) {
+      finish(w, TaskStatus::kOk, 0, 0, start, "");  // revoked: fewer hits than asked for, nothing kept
+      return;
+    }
+    const std::size_t n = *agreed;
+    const auto& tensors = host ? t.host_tensors : t.device_tensors;
+    std::size_t loaded = 0;
+    std::vector<std::byte*> dst(chunk_objects);
+    while (loaded < n) {
+      if (revoked(w)) return;
+      if (is_cancelled(w.header.task_id)) {
+        finish(w, TaskStatus::kCancelled, loaded, 0, start, "cancelled after " + std::to_string(loaded) + " of " +
+                                                                std::to_string(n) + " blocks");
+        return;
+      }
+      const std::size_t c = std::min(chunk_objects, n - loaded);
+      for (std::size_t i = 0; i < c; ++i) dst[i] = slice + i * t.object_bytes;
+      auto got = t.store->get(std::span(stored).subspan(loaded, c), std::span(dst).first(c));
+      if (!got.ok()) {
+        const auto code = got.error().code;
+        finish(w, code == storage::StorageErrc::kUnavailable ? TaskStatus::kStorageUnavailable : TaskStatus::kStorageError,
+               0, 0, start, unavailable(got.error().message));
+        return;
+      }
+      std::size_t ok = 0;
+      while (ok < c && (*got)[ok] == storage::ObjectResult::kOk) ++ok;
+      if (ok != 0) {
+        const auto ids = std::span(w.blocks).subspan(loaded, ok);
+        if (revoked(w)) return;  // checked right before writing engine memory
+        if (host) {
+          pool->mark_invalid(ids);
+          kernels::scatter_from_staging_host(tensors, ids, slice);
+          pool->mark_valid(ids);
+        } else if (auto s = backend.scatter_from_staging(tensors, ids, slice); !s.ok()) {
+          finish(w, TaskStatus::kDeviceError, 0, 0, start, s.error().message);
+          return;
+        }
+      }
+      loaded += ok;
+      {
+        std::lock_guard<std::mutex> g(stats_mu);
+        st.objects_read += ok;
+        st.bytes_read += ok * t.object_bytes;
+      }
+      if (ok < c) {
+        KVTD_INFO("task {}: {} of key {} on this rank; loaded {} of {} agreed blocks", w.header.task_id,
+                  storage::object_result_name((*got)[ok]), keys[loaded], loaded, n);
+        break;
+      }
+    }
+    finish(w, TaskStatus::kOk, loaded, 0, start, "");
+  }
+
+  // Which keys a write stores, by its flags and the write policy; the rest count as skipped.
+  bool selected_by_policy(const StorageWork& w, std::vector<std::size_t>* which) {
+    const auto policy = t.config.write_policy;
+    const auto& keys = w.section.keys;
+    which->clear();
+    if (w.header.flags & proto::kTaskFlagEvictBackup) {
+      if (policy != config::WritePolicy::kWriteBack) return true;
+    } else if (w.header.flags & proto::kTaskFlagPolicyBackup) {
+      count_uses(keys);
+      if (policy == config::WritePolicy::kNone || policy == config::WritePolicy::kWriteBack) return true;
+      if (policy == config::WritePolicy::kWriteThroughSelective) {
+        std::lock_guard<std::mutex> g(count_mu);
+        for (std::size_t i = 0; i < keys.size(); ++i) {
+          auto it = uses.find(keys[i]);
+          if (it != uses.end() && it->second >= t.config.write_threshold) which->push_back(i);
+        }
+        return true;
+      }
+    }
+    for (std::size_t i = 0; i < keys.size(); ++i) which->push_back(i);
+    return true;
+  }
+
+  void run_write(const StorageWork& w, std::byte* slice, std::int64_t start) {
+    const bool host = (w.header.flags & proto::kTaskFlagHostBlocks) != 0;
+    std::vector<std::size_t> which;
+    selected_by_policy(w, &which);
+    std::vector<std::string> stored;
+    std::vector<std::int32_t> ids;
+    for (auto i : which) {
+      stored.push_back(stored_key(w.section.keys[i], w.section.args.weight_version));
+      ids.push_back(w.blocks[i]);
+    }
+    const std::uint64_t not_selected = w.section.keys.size() - which.size();
+    auto agreed = local_then_agree(w, stored, start);
+    if (!agreed) return;
+    const std::size_t skip = *agreed;
+    const std::uint64_t skipped = not_selected + skip;
+    if (host && pool != nullptr) {
+      if (auto bad = pool->first_invalid(std::span(ids).subspan(skip))) {
+        finish(w, TaskStatus::kHostTierLost, 0, 0, start,
+               "host block " + std::to_string(*bad) + " holds no data written in this session; nothing stored");
+        return;
+      }
+    }
+    // MLA: the cache is replicated, one copy serves every rank; rank 0 writes it.
+    const bool writer = !t.replicated || ep.rank() == 0;
+    const auto& tensors = host ? t.host_tensors : t.device_tensors;
+    std::size_t written = skip;
+    std::vector<const std::byte*> src(chunk_objects);
+    while (written < stored.size()) {
+      if (revoked(w)) return;
+      if (is_cancelled(w.header.task_id)) {
+        finish(w, TaskStatus::kCancelled, written - skip, skipped, start,
+               "cancelled after writing " + std::to_string(written - skip) + " of " + std::to_string(stored.size() - skip) +
+                   " blocks");
+        return;
+      }
+      const std::size_t c = std::min(chunk_objects, stored.size() - written);
+      if (writer) {
+        const auto chunk_ids = std::span(ids).subspan(written, c);
+        if (host) {
+          kernels::gather_to_staging_host(tensors, chunk_ids, slice);
+        } else if (auto s = backend.gather_to_staging(tensors, chunk_ids, slice); !s.ok()) {
+          finish(w, TaskStatus::kDeviceError, 0, 0, start, s.error().message);
+          return;
+        }
+        for (std::size_t i = 0; i < c; ++i) src[i] = slice + i * t.object_bytes;
+        auto put = t.store->put(std::span(stored).subspan(written, c), std::span(src).first(c));
+        if (!put.ok()) {
+          const auto code = put.error().code;
+          finish(w, code == storage::StorageErrc::kUnavailable ? TaskStatus::kStorageUnavailable : TaskStatus::kStorageError,
+                 0, 0, start, unavailable(put.error().message));
+          return;
+        }
+        for (std::size_t i = 0; i < c; ++i) {
+          if ((*put)[i] != storage::ObjectResult::kOk) {
+            // Each object is whole or absent (the stores write then rename); the ones before it stand.
+            finish(w, TaskStatus::kStorageError, 0, 0, start,
+                   unavailable("write failed" + key_list_note(w.section.keys, which[written + i]) + ": " +
+                               t.store->last_error()));
+            return;
+          }
+        }
+        std::lock_guard<std::mutex> g(stats_mu);
+        st.objects_written += c;
+        st.bytes_written += c * t.object_bytes;
+      }
+      written += c;
+    }
+    finish(w, TaskStatus::kOk, written - skip, skipped, start, "");
+  }
+
+  void execute(const StorageWork& w, std::byte* slice) {
+    const std::int64_t start = ipc::monotonic_now_ns();
+    const auto kind = static_cast<TaskKind>(w.header.kind);
+    {
+      std::lock_guard<std::mutex> g(stats_mu);
+      ++st.tasks;
+    }
+    if (revoked(w)) return;
+    if (w.header.deadline_ns != 0 && start > w.header.deadline_ns) {
+      fail_before_agreement(w, TaskStatus::kDeadlineExceeded, start,
+                            "deadline passed " + std::to_string((start - w.header.deadline_ns) / 1000) +
+                                " us before execution");
+      return;
+    }
+    if (is_cancelled(w.header.task_id)) {
+      fail_before_agreement(w, TaskStatus::kCancelled, start, "cancelled before it started");
+      return;
+    }
+    if (t.store == nullptr) {
+      const bool backup = (w.header.flags & (proto::kTaskFlagPolicyBackup | proto::kTaskFlagEvictBackup)) != 0;
+      if (backup) {  // no storage tier: nothing to back up to, and that is not an error
+        finish(w, TaskStatus::kOk, 0, w.section.keys.size(), start, "");
+        return;
+      }
+      fail_before_agreement(w, TaskStatus::kStorageUnavailable, start, t.no_store_reason);
+      return;
+    }
+    switch (kind) {
+      case TaskKind::kStorageQuery: run_query(w, start); break;
+      case TaskKind::kStorageRead:
+      case TaskKind::kPrefetch: run_load(w, slice, start); break;
+      case TaskKind::kStorageWrite: run_write(w, slice, start); break;
+      default: fail_before_agreement(w, TaskStatus::kInternal, start, "not a storage task"); break;
+    }
+  }
+
+  void worker_loop(std::size_t index) {
+    std::byte* slice = staging[index];
+    for (;;) {
+      StorageWork w;
+      {
+        std::unique_lock<std::mutex> lk(mu);
+        cv.wait(lk, [&] { return closing || !high.empty() || !low.empty(); });
+        auto& q = !high.empty() ? high : low;
+        if (q.empty()) return;  // closing and drained
+        w = std::move(q.front());
+        q.pop_front();
+      }
+      execute(w, slice);
+      {
+        std::lock_guard<std::mutex> g(mu);
+        live.erase(w.header.task_id);
+        cancelled.erase(w.header.task_id);
+      }
+      release(w);
+    }
+  }
+};
+
+Result<std::unique_ptr<StorageExecutor>, DeviceErrc> StorageExecutor::create(ipc::RankEndpoint& ep, DeviceBackend& backend,
+                                                                              HostPool* pool, StorageTargets targets,
+                                                                              Complete complete, Release release) {
+  auto impl = std::make_unique<Impl>(ep, backend, pool, std::move(targets), std::move(complete), std::move(release));
+  auto& t = impl->t;
+  const std::uint64_t threads = t.config.io_threads;
+  const std::uint64_t staging_bytes = t.config.staging_mib << 20;
+  const std::uint64_t per_worker = staging_bytes / threads;
+  if (t.store != nullptr && (t.object_bytes == 0 || per_worker < t.object_bytes))
+    return make_error(DeviceErrc::kAllocFailed,
+                      "--storage-staging-mib " + std::to_string(t.config.staging_mib) + " over " + std::to_string(threads) +
+                          " --storage-io-threads gives each worker " + std::to_string(per_worker) +
+                          " bytes, less than one stored object (" + std::to_string(t.object_bytes) +
+                          " bytes: one block, every layer); raise the staging or lower the threads");
+  impl->chunk_objects = t.object_bytes == 0 ? 0 : static_cast<std::size_t>(per_worker / t.object_bytes);
+  // Staging exists only when there is a store to move objects through.
+  const std::size_t slice_bytes = t.store ? impl->chunk_objects * t.object_bytes : 0;
+  for (std::uint64_t i = 0; i < threads; ++i) {
+    std::byte* p = nullptr;
+    if (slice_bytes != 0) {
+      auto a = backend.alloc_host(slice_bytes);
+      if (!a.ok()) return std::move(a).error();
+      p = *a;
+    }
+    impl->staging.push_back(p);
+  }
+  auto* raw = impl.get();
+  for (std::uint64_t i = 0; i < threads; ++i) raw->workers.emplace_back([raw, i] { raw->worker_loop(i); });
+  return std::unique_ptr<StorageExecutor>(new StorageExecutor(std::move(impl)));
+}
+
+StorageExecutor::StorageExecutor(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+StorageExecutor::~StorageExecutor() {
+  {
+    std::lock_guard<std::mutex> g(impl_->mu);
+    impl_->closing = true;
+  }
+  impl_->cv.notify_all();
+  for (auto& th : impl_->workers) th.join();
+}
+
+void StorageExecutor::submit(StorageWork&& w) {
+  const auto kind = static_cast<TaskKind>(w.header.kind);
+  {
+    std::lock_guard<std::mutex> g(impl_->mu);
+    impl_->live.insert(w.header.task_id);
+    (kind == TaskKind::kStorageWrite ? impl_->low : impl_->high).push_back(std::move(w));
+  }
+  impl_->cv.notify_one();
+}
+
+bool StorageExecutor::cancel(std::uint64_t task_id) {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  if (!impl_->live.count(task_id)) return false;
+  impl_->cancelled.insert(task_id);
+  return true;
+}
+
+std::size_t StorageExecutor::drop_queued() {
+  std::deque<StorageWork> dropped;
+  {
+    std::lock_guard<std::mutex> g(impl_->mu);
+    for (auto* q : {&impl_->high, &impl_->low}) {
+      for (auto& w : *q) {
+        impl_->live.erase(w.header.task_id);
+        impl_->cancelled.erase(w.header.task_id);
+        dropped.push_back(std::move(w));
+      }
+      q->clear();
+    }
+  }
+  for (auto& w : dropped) impl_->release(w);
+  return dropped.size();
+}
+
+StorageStats StorageExecutor::stats() const {
+  std::lock_guard<std::mutex> g(impl_->stats_mu);
+  return impl_->st;
+}
+
+}  // namespace kvtd::daemon
