@@ -141,6 +141,11 @@ class FileStore final : public ObjectStore {
       const std::string tmp = dir + "/" + kTmpPrefix + keys[i] + "-" + unique_suffix();
       const char* step = "write ";
       int e = fs_->write_file(tmp, parts, opts_.sync != SyncPolicy::kNone);
+      if (e == ENOENT && fs_->make_dirs(dir) == 0) {
+        // The directory made at open was removed under us (an operator cleaning the store, a
+        // tmpfiles rule): make it again instead of failing every later put.
+        e = fs_->write_file(tmp, parts, opts_.sync != SyncPolicy::kNone);
+      }
       if (e == 0) {
         // Rename and index update under one lock: eviction (also under it) picks its victims from
         // the index, so it can never delete an object that was just renamed in but not yet indexed

@@ -56,6 +56,7 @@ class DaemonTest : public ::testing::Test {
       a.push_back("--value-cache-shape");
       a.push_back(shape(g.value_shape));
     }
+    a.insert(a.end(), extra_args_.begin(), extra_args_.end());
     return a;
   }
 
@@ -64,6 +65,7 @@ class DaemonTest : public ::testing::Test {
   }
 
   ipc::Fencer fencer_;  // empty: the real pidfd fence
+  std::vector<std::string> extra_args_;  // appended to every daemon's flags
 
   // Replaces the geometry (K and V of the same shape, bf16) before the daemons start.
   void set_geometry(std::uint32_t layers, std::int64_t device_blocks, std::int64_t kv_heads, std::int64_t block_size,

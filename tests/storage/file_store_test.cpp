@@ -135,6 +135,19 @@ TEST_F(FileStoreTest, BatchRoundTripAndLeadingExists) {
   EXPECT_FALSE(s->exists(bad).ok());
 }
 
+// Found by the daemon's storage tests: after the store's directories were removed under it, every
+// later put failed with ENOENT until the daemon restarted.
+TEST_F(FileStoreTest, DirectoriesRemovedUnderTheStoreAreMadeAgainOnPut) {
+  auto s = open(options());
+  put_one(*s, "before", object(1));
+  fs::remove_all(root_);
+  put_one(*s, "after", object(2));
+  std::vector<std::byte> back;
+  EXPECT_EQ(get_one(*s, "after", &back), ObjectResult::kOk);
+  EXPECT_EQ(back, object(2));
+  EXPECT_EQ(get_one(*s, "before", &back), ObjectResult::kMissing);
+}
+
 TEST_F(FileStoreTest, CorruptAndTruncatedObjectsAreCountedMisses) {
   auto s = open(options());
   put_one(*s, "a", object(1));

@@ -1,0 +1,525 @@
+// Storage tasks through real daemons (issue 8): this process is the engine, ranks are kvtd
+// processes with the embedded file store (or Redis, started here on loopback). Every load is
+// checked byte for byte against the pattern the blocks were filled with.
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+
+#include "daemon_fixture.h"
+#include "kvtd/ipc/task_codec.h"
+#include "redis_server.h"
+
+namespace kvtd {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+
+std::vector<std::int32_t> iota_ids(std::int32_t first, std::size_t n) {
+  std::vector<std::int32_t> v(n);
+  std::iota(v.begin(), v.end(), first);
+  return v;
+}
+
+std::vector<std::string> make_keys(const std::string& prefix, std::size_t n) {
+  std::vector<std::string> k;
+  for (std::size_t i = 0; i < n; ++i) k.push_back(prefix + std::to_string(i));
+  return k;
+}
+
+class StorageTaskTest : public DaemonTest {
+ protected:
+  std::string store_dir_ = ::testing::TempDir() + "/" + suffix_ + "_store";
+
+  void SetUp() override {
+    fs::remove_all(store_dir_);
+    extra_args_ = {"--storage-backend", "file", "--storage-path", store_dir_, "--model-id", "m1"};
+  }
+  void TearDown() override {
+    DaemonTest::TearDown();
+    if (!HasFailure()) fs::remove_all(store_dir_);
+  }
+
+  ipc::TaskResult storage(TaskKind kind, const std::vector<std::string>& keys, const std::vector<std::int32_t>& blocks,
+                          bool host = false, std::uint32_t min_hits = 0) {
+    TaskRequest req;
+    req.kind = kind;
+    req.keys = keys;
+    req.blocks = blocks;
+    req.host_blocks = host;
+    req.min_hits = min_hits;
+    auto id = engine_->submit(req);
+    EXPECT_TRUE(id.ok()) << id.error().message;
+    if (!id.ok()) return {};
+    auto r = engine_->wait(*id, 60'000'000'000);
+    EXPECT_TRUE(r.ok()) << r.error().message;
+    return r.ok() ? *r : ipc::TaskResult{};
+  }
+
+  static std::string why(const ipc::TaskResult& r) {
+    std::string s;
+    for (const auto& f : r.failures)
+      s += "rank " + std::to_string(f.rank) + ": " + proto::task_status_name(f.status) + ": " + f.message + "\n";
+    return s;
+  }
+
+  void wipe_device(const std::vector<std::int32_t>& blocks) {
+    for_each_tensor([&](std::uint32_t, std::uint32_t, std::uint32_t, std::byte* base, std::uint64_t bb) {
+      for (auto b : blocks) std::memset(base + static_cast<std::uint64_t>(b) * bb, 0xee, bb);
+    });
+  }
+
+  // Device blocks `dst[i]` of every rank hold what block `orig[i]` of rank `as_rank(r)` was filled with.
+  template <typename AsRank>
+  void expect_device_pattern(const std::vector<std::int32_t>& dst, const std::vector<std::int32_t>& orig, AsRank as_rank,
+                             std::size_t count) {
+    for_each_tensor([&](std::uint32_t r, std::uint32_t l, std::uint32_t k, std::byte* base, std::uint64_t bb) {
+      for (std::size_t i = 0; i < count; ++i) {
+        const auto off = loadgen::check_block(base + static_cast<std::uint64_t>(dst[i]) * bb, bb, as_rank(r), l, k,
+                                              static_cast<std::uint32_t>(orig[i]));
+        ASSERT_EQ(off, -1) << "rank " << r << " layer " << l << " kind " << k << " block " << dst[i];
+      }
+    });
+  }
+  void expect_device_pattern(const std::vector<std::int32_t>& dst, const std::vector<std::int32_t>& orig, std::size_t count) {
+    expect_device_pattern(dst, orig, [](std::uint32_t r) { return r; }, count);
+  }
+
+  // Stored object files of one rank's slice of key `key`.
+  std::vector<fs::path> object_files(const std::string& key, std::uint32_t rank) const {
+    std::vector<fs::path> out;
+    if (!fs::exists(store_dir_)) return out;
+    const std::string needle = key + ".w";
+    const std::string tail = ".r" + std::to_string(rank) + ".kvo";
+    for (const auto& e : fs::recursive_directory_iterator(store_dir_)) {
+      const std::string name = e.path().filename().string();
+      if (e.is_regular_file() && name.rfind(needle, 0) == 0 && name.size() > tail.size() &&
+          name.compare(name.size() - tail.size(), tail.size(), tail) == 0)
+        out.push_back(e.path());
+    }
+    return out;
+  }
+};
+
+TEST_F(StorageTaskTest, WriteQueryWipeReadMovesEveryByteAndSkipsWhatIsStored) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const auto keys = make_keys("p", 8);
+  const auto src = iota_ids(0, 8);
+  auto w = storage(TaskKind::kStorageWrite, keys, src);
+  ASSERT_TRUE(w.ok()) << why(w);
+  EXPECT_EQ(w.blocks_done, 8u);
+  EXPECT_EQ(w.blocks_skipped, 0u);
+  auto q = storage(TaskKind::kStorageQuery, keys, {});
+  ASSERT_TRUE(q.ok()) << why(q);
+  EXPECT_EQ(q.blocks_done, 8u);
+  const auto dst = iota_ids(16, 8);
+  wipe_device(dst);
+  auto rd = storage(TaskKind::kStorageRead, keys, dst);
+  ASSERT_TRUE(rd.ok()) << why(rd);
+  EXPECT_EQ(rd.blocks_done, 8u);
+  expect_device_pattern(dst, src, 8);
+  // Written again: everything is stored on every rank, so every key is skipped.
+  auto again = storage(TaskKind::kStorageWrite, keys, src);
+  ASSERT_TRUE(again.ok()) << why(again);
+  EXPECT_EQ(again.blocks_done, 0u);
+  EXPECT_EQ(again.blocks_skipped, 8u);
+  // A longer prefix: the stored 8 are skipped, the 4 new ones written.
+  auto more = storage(TaskKind::kStorageWrite, make_keys("p", 12), iota_ids(0, 12));
+  ASSERT_TRUE(more.ok()) << why(more);
+  EXPECT_EQ(more.blocks_done, 4u);
+  EXPECT_EQ(more.blocks_skipped, 8u);
+  // Keys never stored: no hits, nothing loaded, the destination untouched.
+  wipe_device(dst);
+  auto miss = storage(TaskKind::kStorageRead, make_keys("never", 3), iota_ids(16, 3));
+  ASSERT_TRUE(miss.ok()) << why(miss);
+  EXPECT_EQ(miss.blocks_done, 0u);
+}
+
+TEST_F(StorageTaskTest, HostBlocksWriteAndPrefetchRespectMinHits) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const auto dev = iota_ids(0, 6);
+  auto out = run(TaskKind::kSwapToHost, dev, iota_ids(0, 6));
+  ASSERT_TRUE(out.ok());
+  const auto keys = make_keys("h", 6);
+  auto w = storage(TaskKind::kStorageWrite, keys, iota_ids(0, 6), /*host=*/true);
+  ASSERT_TRUE(w.ok()) << why(w);
+  EXPECT_EQ(w.blocks_done, 6u);
+  // Too few hits for the prefetch: nothing kept.
+  auto few = storage(TaskKind::kPrefetch, make_keys("h", 8), iota_ids(10, 8), true, /*min_hits=*/7);
+  ASSERT_TRUE(few.ok()) << why(few);
+  EXPECT_EQ(few.blocks_done, 0u);
+  auto pf = storage(TaskKind::kPrefetch, make_keys("h", 8), iota_ids(10, 8), true, /*min_hits=*/4);
+  ASSERT_TRUE(pf.ok()) << why(pf);
+  EXPECT_EQ(pf.blocks_done, 6u);
+  wipe_device(iota_ids(20, 6));
+  auto in = run(TaskKind::kSwapToDevice, iota_ids(10, 6), iota_ids(20, 6));
+  ASSERT_TRUE(in.ok()) << why(in);
+  expect_device_pattern(iota_ids(20, 6), dev, 6);
+  // Host blocks 16, 17 were prefetch destinations that got nothing: not valid to swap in.
+  auto lost = run(TaskKind::kSwapToDevice, {16}, {30});
+  EXPECT_EQ(lost.status, TaskStatus::kHostTierLost) << why(lost);
+}
+
+TEST_F(StorageTaskTest, MissingObjectOnOneRankShrinksTheAgreedPrefix) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const auto keys = make_keys("m", 8);
+  ASSERT_TRUE(storage(TaskKind::kStorageWrite, keys, iota_ids(0, 8)).ok());
+  const auto files = object_files("m3", 1);
+  ASSERT_EQ(files.size(), 1u);
+  fs::remove(files[0]);
+  auto q = storage(TaskKind::kStorageQuery, keys, {});
+  ASSERT_TRUE(q.ok()) << why(q);
+  EXPECT_EQ(q.blocks_done, 3u);
+  const auto dst = iota_ids(16, 8);
+  wipe_device(dst);
+  auto rd = storage(TaskKind::kStorageRead, keys, dst);
+  ASSERT_TRUE(rd.ok()) << why(rd);
+  EXPECT_EQ(rd.blocks_done, 3u);
+  expect_device_pattern(dst, iota_ids(0, 8), 3);
+  // Rank 0 loaded no more than the agreed three either: block 19 is still wiped there.
+  auto* k0 = engine_->host_device_tensor(0, 0, proto::TensorKind::kKey);
+  EXPECT_EQ(k0[19 * g_.block_bytes(proto::TensorKind::kKey)], std::byte{0xee});
+  // A write of the same keys re-creates the hole (skips only the agreed three).
+  auto w = storage(TaskKind::kStorageWrite, keys, iota_ids(0, 8));
+  ASSERT_TRUE(w.ok()) << why(w);
+  EXPECT_EQ(w.blocks_skipped, 3u);
+  EXPECT_EQ(storage(TaskKind::kStorageQuery, keys, {}).blocks_done, 8u);
+}
+
+TEST_F(StorageTaskTest, CorruptObjectOnOneRankIsAMissAndNeverLoaded) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const auto keys = make_keys("c", 8);
+  ASSERT_TRUE(storage(TaskKind::kStorageWrite, keys, iota_ids(0, 8)).ok());
+  const auto files = object_files("c5", 1);
+  ASSERT_EQ(files.size(), 1u);
+  {
+    std::fstream f(files[0], std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x5a');
+  }
+  const auto dst = iota_ids(16, 8);
+  wipe_device(dst);
+  auto rd = storage(TaskKind::kStorageRead, keys, dst);
+  ASSERT_TRUE(rd.ok()) << why(rd);
+  EXPECT_EQ(rd.blocks_done, 5u);  // MIN: rank 1 stopped at its corrupt object
+  expect_device_pattern(dst, iota_ids(0, 8), 5);
+  // Rank 1's block 21 was never written with the corrupt bytes.
+  auto* k1 = engine_->host_device_tensor(1, 0, proto::TensorKind::kKey);
+  EXPECT_EQ(k1[21 * g_.block_bytes(proto::TensorKind::kKey)], std::byte{0xee});
+}
+
+TEST_F(StorageTaskTest, WeightVersionBumpMakesEveryKeyMiss) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const auto keys = make_keys("v", 4);
+  ASSERT_TRUE(storage(TaskKind::kStorageWrite, keys, iota_ids(0, 4)).ok());
+  EXPECT_EQ(storage(TaskKind::kStorageQuery, keys, {}).blocks_done, 4u);
+  engine_->set_weight_version(1);
+  EXPECT_EQ(storage(TaskKind::kStorageQuery, keys, {}).blocks_done, 0u);
+  wipe_device(iota_ids(16, 4));
+  EXPECT_EQ(storage(TaskKind::kStorageRead, keys, iota_ids(16, 4)).blocks_done, 0u);
+  engine_->set_weight_version(0);
+  EXPECT_EQ(storage(TaskKind::kStorageQuery, keys, {}).blocks_done, 4u);
+}
+
+TEST_F(StorageTaskTest, DeploymentWeightVersionFlagSeparatesNamespaces) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const auto keys = make_keys("d", 4);
+  ASSERT_TRUE(storage(TaskKind::kStorageWrite, keys, iota_ids(0, 4)).ok());
+  daemons_.clear();
+  engine_.reset();
+  extra_args_.insert(extra_args_.end(), {"--weight-version", "2"});
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  EXPECT_EQ(storage(TaskKind::kStorageQuery, keys, {}).blocks_done, 0u);
+}
+
+TEST_F(StorageTaskTest, MlaOnlyRankZeroWritesAndEveryRankReadsItsCopy) {
+  g_ = test::small_geometry(2, proto::CacheDtype::kBFloat16, /*with_value=*/false);
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const auto keys = make_keys("mla", 5);
+  auto w = storage(TaskKind::kStorageWrite, keys, iota_ids(0, 5));
+  ASSERT_TRUE(w.ok()) << why(w);
+  EXPECT_EQ(w.blocks_done, 5u);
+  EXPECT_EQ(object_files("mla0", 0).size(), 1u);
+  for (std::uint32_t r = 1; r < g_.num_ranks; ++r)
+    for (const auto& k : keys) EXPECT_TRUE(object_files(k, r).empty()) << "rank " << r << " wrote " << k;
+  const auto dst = iota_ids(10, 5);
+  wipe_device(dst);
+  auto rd = storage(TaskKind::kStorageRead, keys, dst);
+  ASSERT_TRUE(rd.ok()) << why(rd);
+  EXPECT_EQ(rd.blocks_done, 5u);
+  // Replicated KV: every rank now holds rank 0's copy.
+  expect_device_pattern(dst, iota_ids(0, 5), [](std::uint32_t) { return 0u; }, 5);
+}
+
+TEST_F(StorageTaskTest, WriteThroughBacksUpSwapsWithKeysAsTheirOwnCompletion) {
+  extra_args_.insert(extra_args_.end(), {"--write-policy", "write_through"});
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const auto keys = make_keys("wt", 4);
+  TaskRequest req;
+  req.kind = TaskKind::kSwapToHost;
+  const auto src = iota_ids(0, 4), dst = iota_ids(0, 4);
+  req.src = src;
+  req.dst = dst;
+  req.keys = keys;
+  auto id = engine_->submit(req);
+  ASSERT_TRUE(id.ok()) << id.error().message;
+  auto swap = engine_->wait(*id, 60'000'000'000);
+  ASSERT_TRUE(swap.ok() && swap->ok());
+  auto backup = engine_->wait(*id + 1, 60'000'000'000);
+  ASSERT_TRUE(backup.ok()) << backup.error().message;
+  ASSERT_TRUE(backup->ok()) << why(*backup);
+  EXPECT_EQ(backup->blocks_done, 4u);
+  EXPECT_EQ(storage(TaskKind::kStorageQuery, keys, {}).blocks_done, 4u);
+  wipe_device(iota_ids(20, 4));
+  auto rd = storage(TaskKind::kStorageRead, keys, iota_ids(20, 4));
+  ASSERT_TRUE(rd.ok()) << why(rd);
+  expect_device_pattern(iota_ids(20, 4), src, 4);
+}
+
+TEST_F(StorageTaskTest, WithoutAWritePolicyBackupsAreSkippedAndEvictBackupsOnlyUnderWriteBack) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const auto keys = make_keys("nb", 3);
+  TaskRequest req;
+  req.kind = TaskKind::kSwapToHost;
+  const auto ids = iota_ids(0, 3);
+  req.src = ids;
+  req.dst = ids;
+  req.keys = keys;
+  auto id = engine_->submit(req);
+  ASSERT_TRUE(id.ok());
+  auto backup = engine_->wait(*id + 1, 60'000'000'000);
+  ASSERT_TRUE(backup.ok() && backup->ok());
+  EXPECT_EQ(backup->blocks_done, 0u);
+  EXPECT_EQ(backup->blocks_skipped, 3u);
+  TaskRequest evict;
+  evict.kind = TaskKind::kStorageWrite;
+  evict.keys = keys;
+  evict.blocks = ids;
+  evict.host_blocks = true;
+  evict.evict_backup = true;
+  auto eid = engine_->submit(evict);
+  ASSERT_TRUE(eid.ok());
+  auto e = engine_->wait(*eid, 60'000'000'000);
+  ASSERT_TRUE(e.ok() && e->ok());
+  EXPECT_EQ(e->blocks_done, 0u);
+  EXPECT_EQ(storage(TaskKind::kStorageQuery, keys, {}).blocks_done, 0u);
+}
+
+TEST_F(StorageTaskTest, WriteBackStoresOnEviction) {
+  extra_args_.insert(extra_args_.end(), {"--write-policy", "write_back"});
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const auto keys = make_keys("wb", 3);
+  const auto ids = iota_ids(0, 3);
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, ids, ids).ok());
+  TaskRequest evict;
+  evict.kind = TaskKind::kStorageWrite;
+  evict.keys = keys;
+  evict.blocks = ids;
+  evict.host_blocks = true;
+  evict.evict_backup = true;
+  auto eid = engine_->submit(evict);
+  ASSERT_TRUE(eid.ok());
+  auto e = engine_->wait(*eid, 60'000'000'000);
+  ASSERT_TRUE(e.ok() && e->ok()) << (e.ok() ? why(*e) : e.error().message);
+  EXPECT_EQ(e->blocks_done, 3u);
+  EXPECT_EQ(storage(TaskKind::kStorageQuery, keys, {}).blocks_done, 3u);
+}
+
+TEST_F(StorageTaskTest, SelectiveWriteThroughWaitsForTheThreshold) {
+  extra_args_.insert(extra_args_.end(), {"--write-policy", "write_through_selective", "--write-threshold", "2"});
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const std::vector<std::string> keys{"s0"};
+  const std::vector<std::int32_t> ids{0};
+  for (int round = 0; round < 2; ++round) {
+    TaskRequest req;
+    req.kind = TaskKind::kSwapToHost;
+    req.src = ids;
+    req.dst = ids;
+    req.keys = keys;
+    auto id = engine_->submit(req);
+    ASSERT_TRUE(id.ok());
+    auto b = engine_->wait(*id + 1, 60'000'000'000);
+    ASSERT_TRUE(b.ok() && b->ok());
+    EXPECT_EQ(b->blocks_done, round == 0 ? 0u : 1u) << "round " << round;
+  }
+}
+
+TEST_F(StorageTaskTest, CancelStopsALargeWriteBetweenObjects) {
+  // 1 MiB objects through 1 MiB of staging: one object per chunk, 48 chunks.
+  set_geometry(8, 64, 4, 64, 128, 8);
+  extra_args_.insert(extra_args_.end(), {"--storage-staging-mib", "1", "--storage-io-threads", "1"});
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const auto keys = make_keys("big", 48);
+  TaskRequest w;
+  w.kind = TaskKind::kStorageWrite;
+  const auto ids = iota_ids(0, 48);
+  w.keys = keys;
+  w.blocks = ids;
+  auto wid = engine_->submit(w);
+  ASSERT_TRUE(wid.ok());
+  TaskRequest c;
+  c.kind = TaskKind::kCancel;
+  c.cancel_task_id = *wid;
+  auto cid = engine_->submit(c);
+  ASSERT_TRUE(cid.ok()) << cid.error().message;
+  auto cr = engine_->wait(*cid, 60'000'000'000);
+  ASSERT_TRUE(cr.ok() && cr->ok());
+  EXPECT_EQ(cr->blocks_done, 1u);  // live on every rank
+  auto wr = engine_->wait(*wid, 60'000'000'000);
+  ASSERT_TRUE(wr.ok());
+  EXPECT_EQ(wr->status, TaskStatus::kCancelled) << why(*wr);
+  EXPECT_LT(wr->blocks_done, 48u);
+  // What it says it wrote is stored, whole: a query agrees at least that far.
+  EXPECT_GE(storage(TaskKind::kStorageQuery, keys, {}).blocks_done, wr->blocks_done);
+  // Nothing to cancel any more.
+  auto again = engine_->submit(c);
+  ASSERT_TRUE(again.ok());
+  auto ar = engine_->wait(*again, 60'000'000'000);
+  ASSERT_TRUE(ar.ok() && ar->ok());
+  EXPECT_EQ(ar->blocks_done, 0u);
+}
+
+TEST_F(StorageTaskTest, BadKeysAndBlocksAreMalformedAndTheDaemonKeepsServing) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  // The client refuses a bad key outright.
+  TaskRequest bad;
+  bad.kind = TaskKind::kStorageQuery;
+  const std::vector<std::string> slash{"a/b"};
+  bad.keys = slash;
+  auto refused = engine_->submit(bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.error().code, IpcErrc::kInvalidArgument);
+  // A raw record with a key the client would refuse: every rank answers malformed.
+  proto::TaskRecordHeader h{};
+  h.kind = static_cast<std::uint16_t>(TaskKind::kStorageQuery);
+  h.format_version = proto::kTaskFormatVersion;
+  h.num_keys = 1;
+  const std::vector<std::string> ok_key{"abc"};
+  auto words = ipc::encode_storage_section(proto::StorageTaskArgs{}, ok_key);
+  reinterpret_cast<char*>(words.data())[sizeof(proto::StorageTaskArgs) + 4 + 1] = '/';  // "a/c"
+  auto raw = engine_->submit_raw(h, words, {});
+  ASSERT_TRUE(raw.ok());
+  auto r = engine_->wait(*raw, 60'000'000'000);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, TaskStatus::kMalformed) << why(*r);
+  // Lengths that do not add up.
+  h.num_keys = 2;
+  auto raw2 = engine_->submit_raw(h, words, {});
+  ASSERT_TRUE(raw2.ok());
+  auto r2 = engine_->wait(*raw2, 60'000'000'000);
+  ASSERT_TRUE(r2.ok());
+  EXPECT_EQ(r2->status, TaskStatus::kMalformed) << why(*r2);
+  // Out-of-range and duplicate destinations.
+  auto oor = storage(TaskKind::kStorageRead, make_keys("x", 1), {999});
+  EXPECT_EQ(oor.status, TaskStatus::kIdOutOfRange) << why(oor);
+  auto dup = storage(TaskKind::kStorageRead, make_keys("x", 2), {3, 3});
+  EXPECT_EQ(dup.status, TaskStatus::kDuplicateDestination) << why(dup);
+  round_trip({1, 2}, {3, 4}, {5, 6});
+  EXPECT_TRUE(storage(TaskKind::kStorageWrite, make_keys("y", 2), {1, 2}).ok());
+}
+
+TEST_F(StorageTaskTest, StorageWriteFailureFailsTheTaskAndTearsNothing) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  ASSERT_TRUE(storage(TaskKind::kStorageWrite, make_keys("ok", 2), {0, 1}).ok());
+  // Every fan-out directory of the namespace replaced by a file: creating an object fails.
+  std::vector<fs::path> dirs;
+  for (const auto& e : fs::recursive_directory_iterator(store_dir_))
+    if (e.is_directory() && e.path().filename().string().size() == 2) dirs.push_back(e.path());
+  ASSERT_FALSE(dirs.empty());
+  const auto fp_dir = dirs[0].parent_path();
+  fs::remove_all(fp_dir);
+  std::ofstream(fp_dir.string()) << "not a directory";
+  auto w = storage(TaskKind::kStorageWrite, make_keys("fail", 3), {2, 3, 4});
+  EXPECT_EQ(w.status, TaskStatus::kStorageError) << why(w);
+  ASSERT_FALSE(w.failures.empty());
+  EXPECT_NE(w.failures[0].message.find("file store"), std::string::npos) << why(w);
+  // Swaps go on.
+  round_trip({1, 2}, {3, 4}, {5, 6});
+  fs::remove(fp_dir);
+  auto w2 = storage(TaskKind::kStorageWrite, make_keys("fail", 3), {2, 3, 4});
+  EXPECT_TRUE(w2.ok()) << why(w2);
+}
+
+TEST_F(StorageTaskTest, NoStorageBackendFailsStorageTasksNamingTheFlag) {
+  extra_args_.clear();
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  auto q = storage(TaskKind::kStorageQuery, make_keys("n", 2), {});
+  EXPECT_EQ(q.status, TaskStatus::kStorageUnavailable);
+  ASSERT_FALSE(q.failures.empty());
+  EXPECT_NE(q.failures[0].message.find("--storage-backend none"), std::string::npos) << why(q);
+  round_trip({1, 2}, {3, 4}, {5, 6});
+}
+
+// Chaos: a rank that stops (SIGSTOP) or dies (kill -9) while the others wait in the agreement.
+// Seed 000's barriers wait forever here; every completion must fail within 2x the rank timeout.
+class StorageChaosTest : public StorageTaskTest {};
+
+void stopped_rank_fails_agreement(StorageTaskTest& t, int sig, std::unique_ptr<EngineSession>& engine,
+                                  std::vector<Child>& daemons) {
+  (void)t;
+  daemons[1].signal(sig);
+  const auto keys = make_keys("z", 4);
+  TaskRequest q;
+  q.kind = TaskKind::kStorageQuery;
+  q.keys = keys;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto id = engine->submit(q);
+  ASSERT_TRUE(id.ok()) << id.error().message;
+  auto r = engine->wait(*id, 30'000'000'000);
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(r.ok()) << r.error().message;
+  EXPECT_FALSE(r->ok());
+  EXPECT_EQ(r->failures.size(), 2u);  // rank 0 (its agreement failed) and rank 1 (dead)
+  for (const auto& f : r->failures)
+    EXPECT_TRUE(f.status == TaskStatus::kRankDead || f.status == TaskStatus::kAgreementFailed)
+        << f.rank << ": " << proto::task_status_name(f.status) << ": " << f.message;
+  EXPECT_LT(ms, 2 * 400 + 500) << "rank timeout 400 ms (+ fence)";
+}
+
+TEST_F(StorageChaosTest, StorageAgreementWithAStoppedRankFailsWithinTheBound) {
+  ASSERT_NO_FATAL_FAILURE(start_all(1u << 16, 400'000'000));
+  stopped_rank_fails_agreement(*this, SIGSTOP, engine_, daemons_);
+}
+
+TEST_F(StorageChaosTest, StorageAgreementWithAKilledRankFailsWithinTheBound) {
+  ASSERT_NO_FATAL_FAILURE(start_all(1u << 16, 400'000'000));
+  stopped_rank_fails_agreement(*this, SIGKILL, engine_, daemons_);
+}
+
+TEST_F(StorageChaosTest, RedisKilledMidWorkFailsWithStorageUnavailableThenRecovers) {
+  const int port = test::base_port() + 1;
+  const std::string dir = ::testing::TempDir() + "/" + suffix_ + "_redis";
+  auto server = std::make_unique<test::RedisServer>(port, std::vector<std::string>{}, dir);
+  ASSERT_TRUE(server->ready());
+  extra_args_ = {"--storage-backend", "redis", "--redis-endpoints", server->endpoint(), "--redis-timeout", "0.5"};
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const auto keys = make_keys("r", 6);
+  ASSERT_TRUE(storage(TaskKind::kStorageWrite, keys, iota_ids(0, 6)).ok());
+  server->kill9();
+  auto q = storage(TaskKind::kStorageRead, keys, iota_ids(10, 6));
+  EXPECT_EQ(q.status, TaskStatus::kStorageUnavailable) << why(q);
+  ASSERT_FALSE(q.failures.empty());
+  EXPECT_NE(q.failures[0].message.find(server->endpoint()), std::string::npos) << why(q);
+  round_trip({1, 2}, {3, 4}, {5, 6});  // swaps go on
+  server->start();  // an empty server (no persistence): the objects are gone, not corrupt
+  ASSERT_TRUE(server->ready());
+  bool recovered = test::eventually([&] { return storage(TaskKind::kStorageQuery, keys, {}).ok(); }, 10s);
+  EXPECT_TRUE(recovered);
+  ASSERT_TRUE(storage(TaskKind::kStorageWrite, keys, iota_ids(0, 6)).ok());
+  const auto dst = iota_ids(10, 6);
+  wipe_device(dst);
+  auto rd = storage(TaskKind::kStorageRead, keys, dst);
+  ASSERT_TRUE(rd.ok()) << why(rd);
+  EXPECT_EQ(rd.blocks_done, 6u);
+  expect_device_pattern(dst, iota_ids(0, 6), 6);
+  daemons_.clear();
+  engine_.reset();
+  server.reset();
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace kvtd
