@@ -28,7 +28,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::uint64_t ring_end = l.ring_offset + l.ring_bytes;
   const std::uint64_t completion_end = l.completion_offset + l.completion_stride * g.num_ranks;
   const std::uint64_t progress_end = l.progress_offset + l.progress_stride * g.num_ranks;
+  const std::uint64_t agreement_end = l.agreement_offset + sizeof(kvtd::proto::AgreementControl) +
+                                      std::uint64_t{g.num_ranks} * kvtd::proto::kAgreementSlots * 8;
   if (registry_end > mapping || ring_end > mapping || completion_end > mapping || progress_end > mapping ||
+      agreement_end > mapping || l.agreement_offset < progress_end ||
       l.total_bytes > mapping || l.completion_stride < sizeof(kvtd::proto::CompletionRingControl) +
                                                            std::uint64_t{l.completion_capacity} * sizeof(kvtd::proto::CompletionRecord))
     std::abort();

@@ -1,5 +1,6 @@
-// libFuzzer target: one task record as copied out of the ring, through the daemon's decoder, the
-// copy planner and (when planning succeeds) the host executor over real buffers. Must never
+// libFuzzer target: one task record as copied out of the ring, through the daemon's decoder, then
+// the storage-section decoder (storage kinds) or the copy planner and (when planning succeeds)
+// the host executor over real buffers. Must never
 // crash, read or write out of bounds (ASan), or hit undefined behaviour (UBSan).
 #include <cstddef>
 #include <cstdint>
@@ -18,6 +19,19 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   kvtd::proto::TaskRecordHeader h{};
   auto t = kvtd::ipc::decode_task_record(rec, &h);
   if (!t.ok()) return 0;
+  if (kvtd::proto::is_storage_kind(static_cast<kvtd::proto::TaskKind>(h.kind))) {
+    auto sec = kvtd::ipc::decode_storage_section(t->src, h.num_keys);
+    if (!sec.ok()) return 0;
+    // A decoded section re-encodes to a section of the same size with the same arguments (padding
+    // bytes may differ): the decoder read nothing from outside the section.
+    auto again = kvtd::ipc::encode_storage_section(sec->args, sec->keys);
+    if (again.size() != t->src.size() ||
+        std::memcmp(again.data(), t->src.data(), sizeof(kvtd::proto::StorageTaskArgs)) != 0)
+      __builtin_trap();
+    for (const auto& k : sec->keys)
+      if (!kvtd::ipc::valid_engine_key(k)) __builtin_trap();
+    return 0;
+  }
   constexpr std::int64_t kDevice = 64, kHost = 48;
   const std::vector<std::uint64_t> block_bytes{16, 8};
   const bool to_host = h.kind == static_cast<std::uint16_t>(kvtd::proto::TaskKind::kSwapToHost);
