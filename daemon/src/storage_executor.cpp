@@ -1,7 +1,6 @@
 #include "kvtd/daemon/storage_executor.h"
 
 #include <algorithm>
-#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -11,6 +10,7 @@
 
 #include "kvtd/daemon/log.h"
 #include "kvtd/ipc/clock.h"
+#include "kvtd/ipc/wait.h"
 #include "kvtd/storage/object_format.h"
 #include "kvtd/storage/object_store.h"
 
@@ -52,7 +52,10 @@ struct StorageExecutor::Impl {
   std::vector<std::byte*> staging;  // one slice per worker
 
   std::mutex mu;
-  std::condition_variable cv;
+  // Workers sleep on this word (spin, then futex): a condition variable's wake-up alone cost
+  // tens of microseconds per task, more than a whole swap round trip.
+  std::atomic<std::uint32_t> word{0};
+  std::atomic<std::uint32_t> waiters{0};
   std::deque<StorageWork> high, low;  // reads/queries/prefetches first, then writes
   std::unordered_set<std::uint64_t> live;       // queued or running task ids
   std::unordered_set<std::uint64_t> cancelled;  // subset of live
@@ -330,13 +333,22 @@ struct StorageExecutor::Impl {
     std::byte* slice = staging[index];
     for (;;) {
       StorageWork w;
+      bool have = false;
+      const std::uint32_t seen = word.load(std::memory_order_acquire);
       {
-        std::unique_lock<std::mutex> lk(mu);
-        cv.wait(lk, [&] { return closing || !high.empty() || !low.empty(); });
+        std::lock_guard<std::mutex> g(mu);
         auto& q = !high.empty() ? high : low;
-        if (q.empty()) return;  // closing and drained
-        w = std::move(q.front());
-        q.pop_front();
+        if (q.empty()) {
+          if (closing) return;  // drained
+        } else {
+          w = std::move(q.front());
+          q.pop_front();
+          have = true;
+        }
+      }
+      if (!have) {
+        (void)ipc::wait_on_word(word, seen, ipc::monotonic_now_ns() + 50'000'000, &waiters, 50'000);
+        continue;
       }
       execute(w, slice);
       {
@@ -387,7 +399,7 @@ StorageExecutor::~StorageExecutor() {
     std::lock_guard<std::mutex> g(impl_->mu);
     impl_->closing = true;
   }
-  impl_->cv.notify_all();
+  ipc::bump_and_wake(impl_->word, &impl_->waiters);
   for (auto& th : impl_->workers) th.join();
 }
 
@@ -398,7 +410,7 @@ void StorageExecutor::submit(StorageWork&& w) {
     impl_->live.insert(w.header.task_id);
     (kind == TaskKind::kStorageWrite ? impl_->low : impl_->high).push_back(std::move(w));
   }
-  impl_->cv.notify_one();
+  ipc::bump_and_wake(impl_->word, &impl_->waiters);
 }
 
 bool StorageExecutor::cancel(std::uint64_t task_id) {

@@ -1,0 +1,84 @@
+// loadgen_common.h - what kvtd-loadgen's modes share: options, progress bar, the pattern-filled
+// cache view and one synchronous task.
+#pragma once
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "kv_pattern.h"
+#include "kvtd/ipc/engine_session.h"
+
+namespace kvtd::loadgen {
+
+using kvtd::ipc::EngineSession;
+using kvtd::proto::TaskKind;
+using kvtd::proto::TensorKind;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::string storage = "file", storage_phase = "both", key_prefix = "lg";
+  std::uint32_t storage_blocks = 0;
+  std::string session = "loadgen";
+  std::string mode = "verify";
+  std::uint32_t ranks = 2, layers = 32, kv_heads = 8, block_size = 64, head_dim = 128;
+  std::string dtype = "bfloat16";
+  std::int64_t device_blocks = 128, host_blocks = 96;
+  std::uint32_t iterations = 40, blocks_per_task = 8;
+  std::uint32_t latency_samples = 20000;
+  double ready_timeout_s = 30, task_timeout_s = 30, seconds = 3;
+  std::uint64_t seed = 42;
+  bool wait_enter = false;
+};
+
+inline double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+class Progress {
+ public:
+  Progress(const char* what, std::uint64_t total) : what_(what), total_(total), tty_(isatty(STDERR_FILENO) != 0) {}
+  void update(std::uint64_t done, const std::string& extra) {
+    const auto now = Clock::now();
+    if (done < total_ && now - last_ < std::chrono::milliseconds(tty_ ? 100 : 2000)) return;
+    last_ = now;
+    const int width = 30;
+    const int filled = total_ ? static_cast<int>(width * done / total_) : width;
+    std::string bar(static_cast<std::size_t>(filled), '#');
+    bar.resize(width, '.');
+    std::fprintf(stderr, "%s%-10s [%s] %3d%% %s%s", tty_ ? "\r" : "", what_, bar.c_str(),
+                 total_ ? static_cast<int>(100 * done / total_) : 100, extra.c_str(), tty_ ? "   " : "\n");
+    if (tty_ && done >= total_) std::fputc('\n', stderr);
+  }
+
+ private:
+  const char* what_;
+  std::uint64_t total_;
+  bool tty_;
+  Clock::time_point last_{};
+};
+
+struct Cache {
+  EngineSession* s;
+  const kvtd::proto::CacheGeometry* g;
+  std::vector<std::int64_t> device_owner;  // pattern block held by each device block, -1 = garbage
+  std::vector<std::int64_t> host_owner;
+
+  template <typename F>
+  void for_each_tensor(F&& f) {
+    for (std::uint32_t r = 0; r < g->num_ranks; ++r)
+      for (std::uint32_t l = 0; l < g->num_layers; ++l)
+        for (std::uint32_t k = 0; k < kvtd::proto::kTensorKinds; ++k) {
+          const auto kind = static_cast<TensorKind>(k);
+          if (!g->has_tensor(kind)) continue;
+          f(r, l, k, s->host_device_tensor(r, l, kind), g->block_bytes(kind));
+        }
+  }
+};
+
+// Submits one swap and waits; prints why on failure. Checks every block was moved.
+bool run_task(kvtd::ipc::EngineSession& s, TaskKind kind, const std::vector<std::int32_t>& src,
+              const std::vector<std::int32_t>& dst, double timeout_s, std::int64_t* latency_ns = nullptr);
+
+}  // namespace kvtd::loadgen
