@@ -100,7 +100,7 @@ struct StorageExecutor::Impl {
 
   // Fails a task that has not agreed yet: the peers stop waiting at once.
   void fail_before_agreement(const StorageWork& w, TaskStatus s, std::int64_t start, const std::string& msg) {
-    ep.abort_agreement(w.header.seq);
+    ep.abort_agreement(w.header.seq, s);
     finish(w, s, 0, 0, start, msg);
   }
 
@@ -164,27 +164,37 @@ struct StorageExecutor::Impl {
       }
       const std::size_t c = std::min(chunk_objects, n - loaded);
       for (std::size_t i = 0; i < c; ++i) dst[i] = slice + i * t.object_bytes;
-      auto got = t.store->get(std::span(stored).subspan(loaded, c), std::span(dst).first(c));
+      const auto ids = std::span(w.blocks).subspan(loaded, c);
+      if (revoked(w)) return;  // checked right before writing engine memory
+      if (host) pool->mark_invalid(ids);
+      // Each verified object is scattered into its block on the store's I/O thread that read it,
+      // while later objects are still being read. An object after a miss on this rank may land
+      // in its (reserved) block too; only the leading blocks_done are reported loaded.
+      std::mutex err_mu;
+      std::string scatter_error;
+      auto got = t.store->get_each(std::span(stored).subspan(loaded, c), std::span(dst).first(c), /*scratch=*/true,
+                                   [&](std::size_t i) {
+                                     const auto one = ids.subspan(i, 1);
+                                     if (host) {
+                                       kernels::scatter_from_staging_host(tensors, one, dst[i]);
+                                     } else if (auto s2 = backend.scatter_from_staging(tensors, one, dst[i]); !s2.ok()) {
+                                       std::lock_guard<std::mutex> g(err_mu);
+                                       scatter_error = s2.error().message;
+                                     }
+                                   });
       if (!got.ok()) {
         const auto code = got.error().code;
         finish(w, code == storage::StorageErrc::kUnavailable ? TaskStatus::kStorageUnavailable : TaskStatus::kStorageError,
                0, 0, start, unavailable(got.error().message));
         return;
       }
+      if (!scatter_error.empty()) {
+        finish(w, TaskStatus::kDeviceError, 0, 0, start, scatter_error);
+        return;
+      }
       std::size_t ok = 0;
       while (ok < c && (*got)[ok] == storage::ObjectResult::kOk) ++ok;
-      if (ok != 0) {
-        const auto ids = std::span(w.blocks).subspan(loaded, ok);
-        if (revoked(w)) return;  // checked right before writing engine memory
-        if (host) {
-          pool->mark_invalid(ids);
-          kernels::scatter_from_staging_host(tensors, ids, slice);
-          pool->mark_valid(ids);
-        } else if (auto s = backend.scatter_from_staging(tensors, ids, slice); !s.ok()) {
-          finish(w, TaskStatus::kDeviceError, 0, 0, start, s.error().message);
-          return;
-        }
-      }
+      if (host) pool->mark_valid(ids.first(ok));
       loaded += ok;
       {
         std::lock_guard<std::mutex> g(stats_mu);
@@ -261,14 +271,27 @@ struct StorageExecutor::Impl {
       const std::size_t c = std::min(chunk_objects, stored.size() - written);
       if (writer) {
         const auto chunk_ids = std::span(ids).subspan(written, c);
-        if (host) {
-          kernels::gather_to_staging_host(tensors, chunk_ids, slice);
-        } else if (auto s = backend.gather_to_staging(tensors, chunk_ids, slice); !s.ok()) {
-          finish(w, TaskStatus::kDeviceError, 0, 0, start, s.error().message);
+        for (std::size_t i = 0; i < c; ++i) src[i] = slice + i * t.object_bytes;
+        // Each object is gathered into staging on the I/O thread that writes it next.
+        std::mutex err_mu;
+        std::string gather_error;
+        auto put = t.store->put_each(std::span(stored).subspan(written, c), std::span(src).first(c), [&](std::size_t i) {
+          const auto one = chunk_ids.subspan(i, 1);
+          auto* to = const_cast<std::byte*>(src[i]);
+          if (host) {
+            kernels::gather_to_staging_host(tensors, one, to);
+            return true;
+          }
+          auto s2 = backend.gather_to_staging(tensors, one, to);
+          if (s2.ok()) return true;
+          std::lock_guard<std::mutex> g(err_mu);
+          gather_error = s2.error().message;
+          return false;  // never store what a failed gather left in staging
+        });
+        if (!gather_error.empty()) {
+          finish(w, TaskStatus::kDeviceError, 0, 0, start, gather_error);
           return;
         }
-        for (std::size_t i = 0; i < c; ++i) src[i] = slice + i * t.object_bytes;
-        auto put = t.store->put(std::span(stored).subspan(written, c), std::span(src).first(c));
         if (!put.ok()) {
           const auto code = put.error().code;
           finish(w, code == storage::StorageErrc::kUnavailable ? TaskStatus::kStorageUnavailable : TaskStatus::kStorageError,

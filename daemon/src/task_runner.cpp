@@ -206,7 +206,7 @@ struct TaskRunner::Impl {
     const auto& h = w.header;
     const auto kind = static_cast<TaskKind>(h.kind);
     auto fail = [&](TaskStatus s, const std::string& msg) {
-      if (kind != TaskKind::kCancel) ep.abort_agreement(h.seq);
+      if (kind != TaskKind::kCancel) ep.abort_agreement(h.seq, s);
       complete(h, s, 0, 0, now, msg);
       return false;
     };

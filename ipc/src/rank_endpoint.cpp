@@ -298,10 +298,10 @@ void RankEndpoint::publish_layer_events(const std::vector<std::array<std::uint8_
   impl_->view.progress_control(impl_->opts.rank)->events_published.store(n, std::memory_order_release);
 }
 
-void RankEndpoint::abort_agreement(std::uint64_t seq) {
+void RankEndpoint::abort_agreement(std::uint64_t seq, proto::TaskStatus why) {
   // Release: publishes nothing but the word itself; a waiter acquires it.
-  impl_->view.agreement_slot(impl_->opts.rank, seq)->store(proto::agreement_word(seq, proto::kAgreementAbort),
-                                                            std::memory_order_release);
+  const std::uint32_t value = proto::kAgreementAbort | (static_cast<std::uint32_t>(why) & 0xFFFFu);
+  impl_->view.agreement_slot(impl_->opts.rank, seq)->store(proto::agreement_word(seq, value), std::memory_order_release);
   bump_and_wake(impl_->view.agreement_control()->word, &impl_->view.agreement_control()->waiters);
 }
 
@@ -331,8 +331,14 @@ Result<std::uint32_t, proto::TaskStatus> RankEndpoint::agree(std::uint64_t seq, 
       const std::uint64_t w = impl->view.agreement_slot(r, seq)->load(std::memory_order_acquire);
       const std::uint32_t tag = proto::agreement_tag(w);
       if (tag == want_tag) {
-        if (proto::agreement_value(w) == proto::kAgreementAbort)
-          return make_error(TaskStatus::kAgreementFailed, "rank " + std::to_string(r) + " failed this task before the ranks agreed");
+        const std::uint32_t v = proto::agreement_value(w);
+        if ((v & proto::kAgreementAbort) == proto::kAgreementAbort) {
+          const auto why = static_cast<TaskStatus>(v & 0xFFFFu);
+          if (why == TaskStatus::kCancelled)
+            return make_error(TaskStatus::kCancelled, "rank " + std::to_string(r) + " cancelled this task before the ranks agreed");
+          return make_error(TaskStatus::kAgreementFailed, "rank " + std::to_string(r) + " failed this task (" +
+                                                              proto::task_status_name(why) + ") before the ranks agreed");
+        }
         agreed = std::min(agreed, proto::agreement_value(w));
         pending_mask &= ~(1u << r);
         continue;

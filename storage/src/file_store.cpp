@@ -93,6 +93,12 @@ class FileStore final : public ObjectStore {
 
   Result<std::vector<ObjectResult>, StorageErrc> get(std::span<const std::string> keys,
                                                      std::span<std::byte* const> dsts) override {
+    return get_each(keys, dsts, false, {});
+  }
+
+  Result<std::vector<ObjectResult>, StorageErrc> get_each(std::span<const std::string> keys,
+                                                          std::span<std::byte* const> dsts, bool scratch_dsts,
+                                                          const ObjectHook& on_ok) override {
     if (auto st = detail::check_batch(keys, dsts.size(), "destinations"); !st.ok()) return st.error();
     std::vector<ObjectResult> out(keys.size(), ObjectResult::kMissing);
     parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
@@ -101,11 +107,12 @@ class FileStore final : public ObjectStore {
       // Read into private scratch and verify there: the caller's buffer receives the payload only
       // once it is known good, so a corrupt or foreign object never clobbers it. One byte past
       // the payload is asked for: an object with trailing bytes is not ours.
+      // (Unless the destination is the caller's scratch: then straight into it.)
       thread_local std::vector<std::byte> scratch;
-      scratch.resize(opts_.store.object_bytes + 1);
-      std::span<std::byte> payload(scratch.data(), opts_.store.object_bytes);
-      const std::span<std::byte> parts[3] = {{reinterpret_cast<std::byte*>(&h), sizeof h}, payload,
-                                             {scratch.data() + opts_.store.object_bytes, 1}};
+      std::byte trailing{};
+      if (!scratch_dsts) scratch.resize(opts_.store.object_bytes);
+      std::span<std::byte> payload(scratch_dsts ? dsts[i] : scratch.data(), opts_.store.object_bytes);
+      const std::span<std::byte> parts[3] = {{reinterpret_cast<std::byte*>(&h), sizeof h}, payload, {&trailing, 1}};
       std::size_t read = 0;
       const int e = fs_->read_file(path, parts, &read);
       if (e == ENOENT) {
@@ -117,8 +124,9 @@ class FileStore final : public ObjectStore {
         out[i] = ObjectResult::kCorrupt;  // truncated, or trailing bytes
       } else {
         out[i] = verify_object(opts_.store, namespaced_key(opts_.store, keys[i]), h, payload);
-        if (out[i] == ObjectResult::kOk) std::memcpy(dsts[i], payload.data(), payload.size());
+        if (out[i] == ObjectResult::kOk && !scratch_dsts) std::memcpy(dsts[i], payload.data(), payload.size());
       }
+      if (out[i] == ObjectResult::kOk && on_ok) on_ok(i);
       counters_.count_get(out[i]);
       if (out[i] == ObjectResult::kOk) {
         std::lock_guard<std::mutex> g(mu_);
@@ -130,9 +138,20 @@ class FileStore final : public ObjectStore {
 
   Result<std::vector<ObjectResult>, StorageErrc> put(std::span<const std::string> keys,
                                                      std::span<const std::byte* const> srcs) override {
+    return put_each(keys, srcs, {});
+  }
+
+  Result<std::vector<ObjectResult>, StorageErrc> put_each(std::span<const std::string> keys,
+                                                          std::span<const std::byte* const> srcs,
+                                                          const FillHook& before_put) override {
     if (auto st = detail::check_batch(keys, srcs.size(), "sources"); !st.ok()) return st.error();
     std::vector<ObjectResult> out(keys.size(), ObjectResult::kOk);
     parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
+      if (before_put && !before_put(i)) {
+        out[i] = ObjectResult::kFailed;
+        counters_.count_put(out[i]);
+        return;
+      }
       const std::string path = path_of(keys[i]);
       const std::string dir = path.substr(0, path.rfind('/'));
       std::span<const std::byte> payload(srcs[i], opts_.store.object_bytes);

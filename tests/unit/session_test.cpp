@@ -7,6 +7,8 @@
 
 #include <gtest/gtest.h>
 
+#include <thread>
+
 #include <algorithm>
 #include <cstring>
 
@@ -465,6 +467,91 @@ TEST(CApi, RegisterSubmitAndWaitWithAnAttachedRank) {
   EXPECT_EQ(kvtd_submit(s, 0, src, dst, 2, 1000, &id, err, sizeof err), KVTD_E_INVALID);  // reserved kind
   ep = make_error(IpcErrc::kClosed, "");  // detach before the session goes
   kvtd_session_destroy(s);
+}
+
+
+// Agreement across ranks (storage tasks): each rank publishes its count, every rank gets the MIN.
+TEST(Agreement, EveryRankGetsTheMinimum) {
+  const auto suffix = test::unique_suffix("agree");
+  Engine e(suffix, test::small_geometry(2));
+  auto ep0 = RankEndpoint::attach(endpoint_options(suffix, 0, test::small_geometry(2)));
+  auto ep1 = RankEndpoint::attach(endpoint_options(suffix, 1, test::small_geometry(2)));
+  ASSERT_TRUE(ep0.ok() && ep1.ok());
+  const std::int64_t deadline = monotonic_now_ns() + 5'000'000'000;
+  std::thread other([&] {
+    auto r1 = (*ep1)->agree(7, 3, deadline);
+    ASSERT_TRUE(r1.ok()) << r1.error().message;
+    EXPECT_EQ(*r1, 3u);
+  });
+  auto r0 = (*ep0)->agree(7, 9, deadline);
+  other.join();
+  ASSERT_TRUE(r0.ok()) << r0.error().message;
+  EXPECT_EQ(*r0, 3u);
+  // The next task in the same slot family is independent of the last.
+  std::thread again([&] { EXPECT_EQ(*(*ep1)->agree(8, 5, deadline), 5u); });
+  EXPECT_EQ(*(*ep0)->agree(8, 6, deadline), 5u);
+  again.join();
+}
+
+// A rank cancelled before it agreed: the others report kCancelled too (they used to report
+// agreement_failed, which as the lowest rank's failure hid the cancellation from the engine).
+TEST(Agreement, AbortReasonReachesThePeersAndCancelStaysACancel) {
+  const auto suffix = test::unique_suffix("abort");
+  Engine e(suffix, test::small_geometry(2));
+  auto ep0 = RankEndpoint::attach(endpoint_options(suffix, 0, test::small_geometry(2)));
+  auto ep1 = RankEndpoint::attach(endpoint_options(suffix, 1, test::small_geometry(2)));
+  ASSERT_TRUE(ep0.ok() && ep1.ok());
+  (*ep1)->abort_agreement(11, TaskStatus::kCancelled);
+  auto r = (*ep0)->agree(11, 4, monotonic_now_ns() + 5'000'000'000);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().code, TaskStatus::kCancelled);
+  (*ep1)->abort_agreement(12, TaskStatus::kStorageUnavailable);
+  r = (*ep0)->agree(12, 4, monotonic_now_ns() + 5'000'000'000);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().code, TaskStatus::kAgreementFailed);
+  EXPECT_NE(r.error().message.find("storage_unavailable"), std::string::npos) << r.error().message;
+}
+
+TEST(Agreement, SilentPeerFailsAtTheDeadlineAndADeadPeerAtOnce) {
+  const auto suffix = test::unique_suffix("silent");
+  Engine e(suffix, test::small_geometry(2), 1u << 16, 200'000'000);
+  auto ep0 = RankEndpoint::attach(endpoint_options(suffix, 0, test::small_geometry(2)));
+  auto ep1 = RankEndpoint::attach(endpoint_options(suffix, 1, test::small_geometry(2)));
+  ASSERT_TRUE(ep0.ok() && ep1.ok());
+  (*ep1)->heartbeat();
+  auto r = (*ep0)->agree(20, 1, monotonic_now_ns() + 20'000'000);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().code, TaskStatus::kDeadlineExceeded);
+  EXPECT_NE(r.error().message.find("rank(s) 1"), std::string::npos) << r.error().message;
+  // Without a deadline: rank 1 stops heartbeating, the engine declares it dead, the wait ends.
+  std::atomic<bool> beating{true};
+  std::thread hb([&] {
+    while (beating) {
+      (*ep0)->heartbeat();
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  r = (*ep0)->agree(21, 1, 0);
+  beating = false;
+  hb.join();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().code, TaskStatus::kRankDead) << r.error().message;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+}
+
+TEST(Agreement, AReusedSlotFailsInsteadOfGuessing) {
+  const auto suffix = test::unique_suffix("reuse");
+  Engine e(suffix, test::small_geometry(2));
+  auto ep0 = RankEndpoint::attach(endpoint_options(suffix, 0, test::small_geometry(2)));
+  auto ep1 = RankEndpoint::attach(endpoint_options(suffix, 1, test::small_geometry(2)));
+  ASSERT_TRUE(ep0.ok() && ep1.ok());
+  // Rank 1 already published for the task kAgreementSlots later in the same slot.
+  std::thread late([&] { (void)(*ep1)->agree(30 + proto::kAgreementSlots, 2, monotonic_now_ns() + 50'000'000); });
+  late.join();
+  auto r = (*ep0)->agree(30, 2, monotonic_now_ns() + 5'000'000'000);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error().code, TaskStatus::kAgreementFailed);
 }
 
 }  // namespace

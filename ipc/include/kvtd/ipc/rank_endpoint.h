@@ -78,8 +78,9 @@ class RankEndpoint {
   // never publish), kShuttingDown when this rank's own epoch was revoked or the session is lost,
   // kDeadlineExceeded at `deadline_ns` (0 = none). The message names the rank. Any thread.
   Result<std::uint32_t, proto::TaskStatus> agree(std::uint64_t seq, std::uint32_t count, std::int64_t deadline_ns);
-  // Tells the other ranks this rank failed task `seq` before agreeing: they stop waiting.
-  void abort_agreement(std::uint64_t seq);
+  // Tells the other ranks this rank failed task `seq` with `why` before agreeing: they stop
+  // waiting (kCancelled: they report kCancelled too; anything else: kAgreementFailed).
+  void abort_agreement(std::uint64_t seq, proto::TaskStatus why = proto::TaskStatus::kAgreementFailed);
 
   // Task-ring positions (bytes): what the engine has published, and what this rank has read.
   // A stopping daemon finishes the records published before it stopped, and no more.

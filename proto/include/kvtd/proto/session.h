@@ -126,11 +126,12 @@ static_assert(sizeof(ProgressControl) == 64);
 // Agreement across ranks for storage tasks: rank r publishes its local count for the task with
 // ring sequence number `seq` in its word at slot seq % kAgreementSlots as
 // agreement_word(seq, value), then bumps `word`; every rank waits (futex, deadline) until each
-// rank's word carries that seq and takes the MIN. kAgreementAbort says the rank failed the task
-// before agreeing, so the others stop waiting at once. A word whose seq is newer than the one
+// rank's word carries that seq and takes the MIN. A value of kAgreementAbort | status says the
+// rank failed the task with that TaskStatus before agreeing, so the others stop waiting at once
+// (and a cancellation reads as a cancellation on every rank). A word whose seq is newer than the one
 // waited for means the slot was reused before it was read: the task fails, it never guesses.
 inline constexpr std::uint32_t kAgreementSlots = 1024;
-inline constexpr std::uint32_t kAgreementAbort = 0xFFFFFFFFu;
+inline constexpr std::uint32_t kAgreementAbort = 0xFFFF0000u;  // counts never reach it (kMaxKeysPerTask)
 
 struct alignas(64) AgreementControl {
   std::atomic<std::uint32_t> word;     // futex: bumped after every publish

@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -64,6 +65,45 @@ class ObjectStore {
   virtual Result<std::vector<ObjectResult>, StorageErrc> put(std::span<const std::string> keys,
                                                              std::span<const std::byte* const> sources) = 0;
   virtual Status<StorageErrc> remove(std::span<const std::string> keys) = 0;
+
+  // Per-object hooks, so a caller can overlap its own work with the store's I/O. Hooks run on
+  // the store's I/O threads, concurrently for different objects; the defaults below run them
+  // around one whole-batch call.
+  using ObjectHook = std::function<void(std::size_t index)>;
+  // Like get(); then on_ok(i) once object i verified into destinations[i]. With
+  // scratch_destinations the payload is read straight into its destination and verified there:
+  // one copy fewer, but a corrupt object leaves garbage in it (only for caller-private staging).
+  virtual Result<std::vector<ObjectResult>, StorageErrc> get_each(std::span<const std::string> keys,
+                                                                  std::span<std::byte* const> destinations,
+                                                                  bool scratch_destinations, const ObjectHook& on_ok) {
+    (void)scratch_destinations;
+    auto r = get(keys, destinations);
+    if (r.ok() && on_ok)
+      for (std::size_t i = 0; i < r->size(); ++i)
+        if ((*r)[i] == ObjectResult::kOk) on_ok(i);
+    return r;
+  }
+  // Like put(); before_put(i) fills sources[i] right before object i is written. When it returns
+  // false the object is not written and its result is kFailed.
+  using FillHook = std::function<bool(std::size_t index)>;
+  virtual Result<std::vector<ObjectResult>, StorageErrc> put_each(std::span<const std::string> keys,
+                                                                  std::span<const std::byte* const> sources,
+                                                                  const FillHook& before_put) {
+    std::vector<std::string> ok_keys;
+    std::vector<const std::byte*> ok_sources;
+    std::vector<std::size_t> where;
+    for (std::size_t i = 0; i < keys.size(); ++i)
+      if (!before_put || before_put(i)) {
+        ok_keys.push_back(keys[i]);
+        ok_sources.push_back(sources[i]);
+        where.push_back(i);
+      }
+    auto r = put(ok_keys, ok_sources);
+    if (!r.ok()) return r;
+    std::vector<ObjectResult> out(keys.size(), ObjectResult::kFailed);
+    for (std::size_t j = 0; j < where.size(); ++j) out[where[j]] = (*r)[j];
+    return out;
+  }
   virtual StoreStats stats() const = 0;
   // The most recent per-key failure, in words (e.g. "write ...: No space left on device",
   // "Connection refused"), or "" if none: the detail behind ObjectResult::kFailed.
