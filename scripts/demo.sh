@@ -2,7 +2,9 @@
 # The main job, end to end: an engine stand-in (kvtd-loadgen) and two kvtd rank daemons, each a
 # separate process like a real deployment, swap KV blocks of a realistic geometry (32 layers,
 # 8 KV heads, 64-token blocks, head dim 128, bf16) through shared memory; every byte is
-# verified, then swap throughput is measured and the daemons are stopped with SIGTERM.
+# verified, then swap throughput is measured; then the storage tier (the embedded file store in a
+# temporary directory): blocks are written to storage, queried, read back and verified, and a
+# second engine process reads what the first one stored. The daemons are stopped with SIGTERM.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 kvtd_prepare
@@ -14,6 +16,7 @@ geometry=(--mp-num 2 --num-layers 32 --num-host-blocks 96 --cache-dtype bfloat16
 echo "== starting two kvtd ranks (logs in $logs)"
 for rank in 0 1; do
   "$kvtd" --rank $rank "${geometry[@]}" --session "$suffix" --device-backend host \
+    --storage-backend file --storage-path "$logs/store" --model-id demo-model \
     --log-dir "$logs" 2>"$logs/stderr$rank" &
   pids+=($!)
 done
@@ -26,6 +29,14 @@ echo "== a second session on the same daemons: throughput with random block ids"
 "$loadgen" --session "$suffix" --ranks 2 --layers 32 --kv-heads 8 --block-size 64 --head-dim 128 \
   --device-blocks 128 --host-blocks 96 --mode throughput --blocks-per-task 16 --seconds 3
 
+echo "== storage: swap out, write to storage, wipe, query (all hit), read back and prefetch, verify every byte"
+"$loadgen" --session "$suffix" --ranks 2 --layers 32 --kv-heads 8 --block-size 64 --head-dim 128 \
+  --device-blocks 128 --host-blocks 96 --mode storage-verify --storage file --key-prefix demo
+
+echo "== storage: a second engine process (new session, empty host and device blocks) reads what the first stored"
+"$loadgen" --session "$suffix" --ranks 2 --layers 32 --kv-heads 8 --block-size 64 --head-dim 128 \
+  --device-blocks 128 --host-blocks 96 --mode storage-verify --storage file --key-prefix demo --storage-phase read
+
 echo "== SIGTERM: the daemons finish what is in flight and exit"
 for p in "${pids[@]}"; do kill -TERM "$p"; done
 for i in "${!pids[@]}"; do
@@ -37,4 +48,5 @@ done
 pids=()
 echo "== last lines of rank 0's log"
 tail -n 6 "$logs/kvtd_rank0.log"
+rm -rf "$logs/store"  # 512 MiB of objects; the logs stay
 echo "demo OK"

@@ -417,13 +417,16 @@ Result<std::unique_ptr<StorageExecutor>, DeviceErrc> StorageExecutor::create(ipc
 
 StorageExecutor::StorageExecutor(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
-StorageExecutor::~StorageExecutor() {
+StorageExecutor::~StorageExecutor() { close(); }
+
+void StorageExecutor::close() {
   {
     std::lock_guard<std::mutex> g(impl_->mu);
     impl_->closing = true;
   }
   ipc::bump_and_wake(impl_->word, &impl_->waiters);
-  for (auto& th : impl_->workers) th.join();
+  for (auto& th : impl_->workers)
+    if (th.joinable()) th.join();
 }
 
 void StorageExecutor::submit(StorageWork&& w) {

@@ -80,7 +80,8 @@ struct TaskRunner::Impl {
   mutable std::mutex stats_mu;
   RunnerStats stats;
 
-  std::unique_ptr<StorageExecutor> storage;
+  std::unique_ptr<StorageExecutor> storage;  // set in the constructor; moved out under stats_mu by run()
+  StorageStats storage_final;  // the executor's figures once it is gone (guarded by stats_mu)
 
   Impl(ipc::RankEndpoint& e, DeviceBackend& b, AttachedCache c) : ep(e), backend(b), cache(std::move(c)) {
     for (auto bytes : cache.block_bytes) block_bytes_all_layers += bytes * cache.num_layers;
@@ -404,11 +405,9 @@ TaskRunner::~TaskRunner() = default;
 
 RunnerStats TaskRunner::stats() const {
   RunnerStats s;
-  {
-    std::lock_guard<std::mutex> g(impl_->stats_mu);
-    s = impl_->stats;
-  }
-  if (impl_->storage) s.storage = impl_->storage->stats();
+  std::lock_guard<std::mutex> g(impl_->stats_mu);
+  s = impl_->stats;
+  s.storage = impl_->storage ? impl_->storage->stats() : impl_->storage_final;
   return s;
 }
 
@@ -482,7 +481,18 @@ TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop) {
   }
   for (auto& l : impl->lanes)
     if (l.thread.joinable()) l.thread.join();
-  impl->storage.reset();  // finishes what it holds (or fails it, if the session is gone) and joins
+  // The executor finishes what it holds (or fails it, if the session is gone) and joins; its last
+  // figures stay readable through stats().
+  std::unique_ptr<StorageExecutor> executor;
+  {
+    std::lock_guard<std::mutex> g(impl->stats_mu);
+    executor = std::move(impl->storage);
+  }
+  if (executor) {
+    executor->close();
+    std::lock_guard<std::mutex> g(impl->stats_mu);
+    impl->storage_final = executor->stats();
+  }
   return exit;
 }
 

@@ -138,6 +138,20 @@ TEST_F(StorageTaskTest, WriteQueryWipeReadMovesEveryByteAndSkipsWhatIsStored) {
   EXPECT_EQ(miss.blocks_done, 0u);
 }
 
+// Found by scripts/demo.sh: the per-session summary said "storage: 0 tasks" after storage work,
+// because the runner read the executor's figures after it had destroyed it.
+TEST_F(StorageTaskTest, SessionSummaryCountsStorageTasksAndObjects) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  ASSERT_TRUE(storage(TaskKind::kStorageWrite, make_keys("s", 3), iota_ids(0, 3)).ok());
+  ASSERT_TRUE(storage(TaskKind::kStorageRead, make_keys("s", 3), iota_ids(10, 3)).ok());
+  engine_.reset();  // the daemons log their session summary when the session ends
+  ASSERT_TRUE(test::eventually(
+      [&] { return test::read_file(log_path(0)).find("session done") != std::string::npos; }, 10s));
+  const auto log = test::read_file(log_path(0));
+  EXPECT_NE(log.find("storage: 2 tasks, 3 objects read"), std::string::npos) << log;
+  EXPECT_NE(log.find("3 written"), std::string::npos) << log;
+}
+
 TEST_F(StorageTaskTest, HostBlocksWriteAndPrefetchRespectMinHits) {
   ASSERT_NO_FATAL_FAILURE(start_all());
   const auto dev = iota_ids(0, 6);

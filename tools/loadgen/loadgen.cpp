@@ -239,7 +239,8 @@ int main(int argc, char** argv) {
   app.add_option("--storage-phase", o.storage_phase,
                  "storage-verify: write | read | both (read: another engine process reads what a writer stored)");
   app.add_option("--key-prefix", o.key_prefix, "storage modes: prefix of the block keys");
-  app.add_option("--storage-blocks", o.storage_blocks, "storage-throughput: blocks per task (0: every device block)");
+  app.add_option("--storage-blocks", o.storage_blocks, "storage modes: blocks in all (verify: 32, throughput: 512)");
+  app.add_option("--in-flight", o.in_flight, "storage-throughput: tasks in flight at once")->check(CLI::Range(1u, 64u));
   app.add_option("--ranks", o.ranks, "Tensor-parallel ranks (kvtd --mp-num)");
   app.add_option("--layers", o.layers, "Layers");
   app.add_option("--kv-heads", o.kv_heads, "KV heads per rank");

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <numeric>
 
 namespace kvtd::loadgen {
@@ -155,29 +156,53 @@ int run_storage_throughput(EngineSession& s, const Options& o) {
   const std::string prefix = o.key_prefix + "-" + std::to_string(::getpid()) + "-" +
                              std::to_string(Clock::now().time_since_epoch().count() % 1000000007);
   const std::uint64_t object = g.bytes_per_block_all_layers();
+  // Up to --in-flight tasks at a time, like an engine serving several requests.
   auto phase = [&](TaskKind kind, double* secs) -> bool {
     const auto t0 = Clock::now();
+    std::deque<std::pair<std::uint64_t, std::size_t>> inflight;  // task id, blocks
+    auto collect = [&]() -> bool {
+      auto [id, m] = inflight.front();
+      inflight.pop_front();
+      auto r = s.wait(id, static_cast<std::int64_t>(o.task_timeout_s * 1e9));
+      if (!r.ok() || !r->ok() || r->blocks_done != m) {
+        std::fprintf(stderr, "%s: %s\n", proto::task_kind_name(kind),
+                     !r.ok() ? r.error().message.c_str()
+                             : (!r->ok() ? r->failures[0].message.c_str() : "moved fewer blocks than asked"));
+        return false;
+      }
+      return true;
+    };
     for (std::size_t done = 0; done < total; done += per_task) {
       const std::size_t m = std::min(per_task, total - done);
       std::vector<std::int32_t> ids(m);
-      for (std::size_t i = 0; i < m; ++i) ids[i] = static_cast<std::int32_t>((done + i) % per_task);
-      auto r = storage_task(s, kind, block_keys(prefix, done, m), ids, false, o.task_timeout_s);
-      if (!r) return false;
-      if (r->blocks_done != m) {
-        std::fprintf(stderr, "%s moved %llu of %zu blocks\n", proto::task_kind_name(kind),
-                     static_cast<unsigned long long>(r->blocks_done), m);
+      // Tasks in flight together use disjoint blocks, so they do not wait for each other.
+      const std::size_t base = (done / per_task % o.in_flight) * per_task % static_cast<std::size_t>(g.num_device_blocks());
+      for (std::size_t i = 0; i < m; ++i) ids[i] = static_cast<std::int32_t>((base + i) % static_cast<std::size_t>(g.num_device_blocks()));
+      const auto keys = block_keys(prefix, done, m);
+      ipc::TaskRequest req;
+      req.kind = kind;
+      req.keys = keys;
+      req.blocks = ids;
+      req.submit_timeout_ns = static_cast<std::int64_t>(o.task_timeout_s * 1e9);
+      auto id = s.submit(req);
+      if (!id.ok()) {
+        std::fprintf(stderr, "submit: %s\n", id.error().message.c_str());
         return false;
       }
+      inflight.emplace_back(*id, m);
+      if (inflight.size() >= o.in_flight && !collect()) return false;
     }
+    while (!inflight.empty())
+      if (!collect()) return false;
     *secs = seconds_since(t0);
     return true;
   };
   double write_s = 0, read_s = 0;
   if (!phase(TaskKind::kStorageWrite, &write_s) || !phase(TaskKind::kStorageRead, &read_s)) return 1;
   const double bytes = static_cast<double>(object) * static_cast<double>(total);
-  std::printf("storage-throughput [%s]: %zu objects of %llu bytes per rank in tasks of %zu, %u ranks: STORAGE_WRITE "
+  std::printf("storage-throughput [%s]: %zu objects of %llu bytes per rank in tasks of %zu (%u in flight), %u ranks: STORAGE_WRITE "
               "%.2f GB/s per rank (%.2f GB/s all ranks), STORAGE_READ %.2f GB/s per rank (%.2f GB/s all ranks)\n",
-              o.storage.c_str(), total, static_cast<unsigned long long>(object), per_task, g.num_ranks, bytes / write_s / 1e9,
+              o.storage.c_str(), total, static_cast<unsigned long long>(object), per_task, o.in_flight, g.num_ranks, bytes / write_s / 1e9,
               bytes * g.num_ranks / write_s / 1e9, bytes / read_s / 1e9, bytes * g.num_ranks / read_s / 1e9);
   return 0;
 }

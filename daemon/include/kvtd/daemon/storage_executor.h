@@ -91,6 +91,8 @@ class StorageExecutor {
   // Removes queued work (a revoked epoch); returns how many were dropped (released, no completion).
   std::size_t drop_queued();
   StorageStats stats() const;
+  // Finishes the queued work and joins the workers; idempotent (the destructor calls it).
+  void close();
 
  private:
   struct Impl;
