@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
 # Benchmarks behind the README figures: task round trip (1 and 2 ranks), swap throughput next
-# to memcpy (1 and 2 ranks), and planning cost per block. Prints figures; asserts nothing.
+# to memcpy (1 and 2 ranks), planning cost per block, the storage backends alone, storage tasks
+# through the daemons next to them, the agreement round trip, daemon memory during a large read,
+# and a Python peer of sglang's HiCacheFile mechanism. Prints figures; asserts nothing.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 kvtd_prepare
 
 # with_daemons RANKS LAYERS HEADS BLOCK DIM DEVBLOCKS HOSTBLOCKS -- loadgen args...
+# (daemon_extra: more kvtd flags, e.g. the storage backend)
+daemon_extra=()
 with_daemons() {
   local ranks=$1 layers=$2 heads=$3 bs=$4 dim=$5 dev=$6 host=$7; shift 8
   local suffix="bench$$_$RANDOM" shape="$dev,$heads,$bs,$dim"
+  local outer=("${pids[@]}")  # e.g. a redis-server: stopped by its own section, not here
+  pids=()
   for ((r = 0; r < ranks; r++)); do
     "$kvtd" --rank $r --mp-num "$ranks" --num-layers "$layers" --num-host-blocks "$host" \
-      --key-cache-shape "$shape" --value-cache-shape "$shape" --session "$suffix" --log-level warn &
+      --key-cache-shape "$shape" --value-cache-shape "$shape" --session "$suffix" --log-level warn \
+      "${daemon_extra[@]}" &
     pids+=($!)
   done
   "$loadgen" --session "$suffix" --ranks "$ranks" --layers "$layers" --kv-heads "$heads" --block-size "$bs" \
     --head-dim "$dim" --device-blocks "$dev" --host-blocks "$host" "$@" 2>/dev/null
   for p in "${pids[@]}"; do kill -TERM "$p"; wait "$p" || true; done
-  pids=()
+  pids=("${outer[@]}")
 }
 
 echo "== task round trip, one-block SWAP_TO_HOST (1 layer, 2 KiB key + 2 KiB value per block)"
@@ -37,6 +44,49 @@ echo "== storage: 1 MiB objects in batches of 32"
 sbench=$KVTD_BUILD_DIR/tools/storage_bench/kvtd-storage-bench
 sdir=$(mktemp -d "$KVTD_ROOT/.bench-storage.XXXXXX")  # on the project's disk, like a local SSD tier
 "$sbench" --backend file --dir "$sdir/store" --batches 32
+rm -rf "$sdir/store"
+
+# Storage tasks through the daemons (1 MiB objects: 8 layers x K+V x 4 heads x 64 tokens x 128
+# x bf16), 1024 objects per rank in tasks of 32, next to the store alone above.
+echo "== storage tasks through the daemons, file store (same disk, same object size)"
+for ranks in 1 2; do
+  rm -rf "$sdir/daemon"
+  daemon_extra=(--storage-backend file --storage-path "$sdir/daemon")
+  with_daemons "$ranks" 8 4 64 128 128 8 -- --mode storage-throughput --storage file --blocks-per-task 32 \
+    --storage-blocks 1024
+done
+rm -rf "$sdir/daemon"
+echo "== peer: the mechanism of sglang's HiCacheFile backend in Python (1 thread, no checksum), same disk"
+if /usr/bin/python3 -c "import numpy" 2>/dev/null; then
+  /usr/bin/python3 "$KVTD_ROOT/tools/bench/hicache_file_peer.py" --dir "$sdir" --objects 1024
+else
+  echo "(skipped: /usr/bin/python3 has no numpy; apt-get install python3-numpy)"
+fi
+echo "== storage agreement: STORAGE_QUERY of one stored key (file store), round trip"
+for ranks in 2 4; do
+  rm -rf "$sdir/lat"
+  daemon_extra=(--storage-backend file --storage-path "$sdir/lat")
+  with_daemons "$ranks" 1 1 16 64 16 16 -- --mode storage-latency --storage file --latency-samples 20000
+done
+echo "== daemon memory: one STORAGE_WRITE then one STORAGE_READ of 4 GiB (512 x 8 MiB) with 64 MiB staging"
+rm -rf "$sdir/rss"
+rss_suffix="benchrss$$"
+"$kvtd" --rank 0 --mp-num 1 --num-layers 32 --num-host-blocks 1 --key-cache-shape 520,8,64,128 \
+  --value-cache-shape 520,8,64,128 --session "$rss_suffix" --storage-backend file --storage-path "$sdir/rss" \
+  --storage-staging-mib 64 --log-level warn &
+rss_pid=$!
+pids+=("$rss_pid")
+( while kill -0 "$rss_pid" 2>/dev/null; do
+    awk '/RssAnon|RssShmem/ {printf "%s ", $2} END {print ""}' "/proc/$rss_pid/status" 2>/dev/null || true
+    sleep 0.05
+  done ) >"$sdir/rss.samples" &
+"$loadgen" --session "$rss_suffix" --ranks 1 --layers 32 --kv-heads 8 --block-size 64 --head-dim 128 \
+  --device-blocks 520 --host-blocks 1 --mode storage-throughput --blocks-per-task 512 --storage-blocks 512 \
+  --task-timeout 600 2>/dev/null
+kill -TERM "$rss_pid"; wait "$rss_pid" || true
+pids=()
+awk 'NF >= 2 { if ($1 > a) a = $1; if ($2 > s) s = $2 } END {
+  printf "daemon peak RssAnon %.1f MiB (target <= 64 MiB staging + 64 MiB = 128 MiB); peak RssShmem %.1f MiB (the engine'"'"'s device tensors and the host pool, mapped)\n", a / 1024, s / 1024 }' "$sdir/rss.samples"
 rm -rf "$sdir"
 port=$((27000 + RANDOM % 1000))
 redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --daemonize no \
@@ -45,6 +95,14 @@ rpid=$!
 pids+=("$rpid")
 for _ in $(seq 50); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
 "$sbench" --backend redis --endpoint "127.0.0.1:$port" --batches 16
+echo "== storage tasks through the daemons, Redis (same server)"
+for ranks in 1 2; do
+  redis-cli -p "$port" flushall >/dev/null
+  daemon_extra=(--storage-backend redis --redis-endpoints "127.0.0.1:$port")
+  with_daemons "$ranks" 8 4 64 128 128 8 -- --mode storage-throughput --storage redis --blocks-per-task 32 \
+    --storage-blocks 512
+done
+redis-cli -p "$port" flushall >/dev/null
 rb=$(redis-benchmark -p "$port" -d 1048576 -P 32 -n 512 -t set,get -q 2>&1 | tr '\r' '\n' | grep "requests per second")
 echo "$rb" | sed 's/^/redis-benchmark -d 1048576 -P 32: /'
 echo "$rb" | awk '/^SET/ {printf "redis-benchmark SET = %.2f GB/s\n", $2 * 1048576 / 1e9} /^GET/ {printf "redis-benchmark GET = %.2f GB/s\n", $2 * 1048576 / 1e9}'

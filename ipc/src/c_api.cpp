@@ -5,6 +5,7 @@
 #include <new>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "kvtd/ipc/engine_session.h"
 
@@ -164,6 +165,56 @@ int kvtd_submit(kvtd_session* s, int kind, const int32_t* src, const int32_t* ds
   });
 }
 
+int kvtd_submit_storage(kvtd_session* s, int kind, const char* const* keys, const int32_t* blocks, size_t n,
+                        uint32_t flags, uint32_t min_hits, uint64_t cancel_task_id, int64_t timeout_ms,
+                        uint64_t* task_id, char* err, size_t err_len) {
+  return guarded(err, err_len, [&]() -> int {
+  const bool query = kind == KVTD_STORAGE_QUERY;
+  if (!s || !task_id || (n > 0 && (!keys || (!query && !blocks)))) {
+    put_error(err, err_len, "session, task_id, keys and (except for a query) blocks must not be null");
+    return KVTD_E_INVALID;
+  }
+  if (n > kvtd::proto::kMaxKeysPerTask) {
+    put_error(err, err_len, std::to_string(n) + " keys exceed the limit of " + std::to_string(kvtd::proto::kMaxKeysPerTask));
+    return KVTD_E_INVALID;
+  }
+  if ((flags & ~uint32_t{KVTD_STORAGE_HOST_BLOCKS | KVTD_STORAGE_EVICT_BACKUP}) != 0) {
+    put_error(err, err_len, "unknown storage flags " + std::to_string(flags));
+    return KVTD_E_INVALID;
+  }
+  std::vector<std::string> key_list;
+  key_list.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (!keys[i]) {
+      put_error(err, err_len, "key " + std::to_string(i) + " is null");
+      return KVTD_E_INVALID;
+    }
+    key_list.emplace_back(keys[i], strnlen(keys[i], kvtd::proto::kMaxKeyBytes + 1));
+  }
+  kvtd::ipc::TaskRequest r;
+  r.kind = static_cast<kvtd::proto::TaskKind>(kind);
+  r.keys = key_list;
+  if (!query && n > 0) r.blocks = {blocks, n};
+  r.host_blocks = (flags & KVTD_STORAGE_HOST_BLOCKS) != 0;
+  r.evict_backup = (flags & KVTD_STORAGE_EVICT_BACKUP) != 0;
+  r.min_hits = min_hits;
+  r.cancel_task_id = cancel_task_id;
+  r.submit_timeout_ns = ms_to_ns(timeout_ms);
+  auto id = s->session->submit(r);
+  if (!id.ok()) return report(id, err, err_len);
+  *task_id = *id;
+  return KVTD_OK;
+  });
+}
+
+int kvtd_set_weight_version(kvtd_session* s, uint64_t version) {
+  if (!s) return KVTD_E_INVALID;
+  return guarded(nullptr, 0, [&]() -> int {
+    s->session->set_weight_version(version);
+    return KVTD_OK;
+  });
+}
+
 int kvtd_wait(kvtd_session* s, uint64_t task_id, int64_t timeout_ms, kvtd_completion* out, char* err,
               size_t err_len) {
   if (!s) return null_session(err, err_len);
@@ -175,6 +226,7 @@ int kvtd_wait(kvtd_session* s, uint64_t task_id, int64_t timeout_ms, kvtd_comple
     out->status = static_cast<int32_t>(r->status);
     out->failed_rank = r->failures.empty() ? -1 : static_cast<int32_t>(r->failures.front().rank);
     out->blocks_done = r->blocks_done;
+    out->blocks_skipped = r->blocks_skipped;
     out->latency_ns = r->complete_ns - r->submit_ns;
   }
   if (r->ok()) return KVTD_OK;

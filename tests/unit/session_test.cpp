@@ -15,6 +15,7 @@
 #include "kvtd/daemon/device_backend.h"
 #include "kvtd/ipc/engine_session.h"
 #include "kvtd/ipc/kvtd_client.h"
+#include "kvtd/ipc/task_codec.h"
 #include "kvtd/ipc/rank_endpoint.h"
 #include "kvtd/ipc/shared_object.h"
 #include "test_support.h"
@@ -469,6 +470,74 @@ TEST(CApi, RegisterSubmitAndWaitWithAnAttachedRank) {
   kvtd_session_destroy(s);
 }
 
+// Storage tasks through the C ABI: the record a rank reads carries exactly the keys, blocks and
+// arguments given; the completion carries written and skipped counts.
+TEST(CApi, StorageTasksCarryKeysBlocksAndSkippedCounts) {
+  kvtd_session* s = nullptr;
+  const auto csuffix = test::unique_suffix("capi3");
+  const kvtd_geometry g = c_geometry(1);
+  char err[256] = {0};
+  ASSERT_EQ(kvtd_session_create(csuffix.c_str(), &g, &s, err, sizeof err), KVTD_OK) << err;
+  ASSERT_EQ(kvtd_create_host_device_tensors(s, err, sizeof err), KVTD_OK) << err;
+  ASSERT_EQ(kvtd_publish(s, err, sizeof err), KVTD_OK) << err;
+  proto::CacheGeometry pg = test::small_geometry(1);
+  pg.num_layers = 1;
+  pg.num_host_blocks = 4;
+  pg.dtype = static_cast<std::uint32_t>(proto::CacheDtype::kFloat16);
+  const std::int64_t shape[4] = {8, 1, 4, 8};
+  for (int i = 0; i < 4; ++i) {
+    pg.key_shape[i] = shape[i];
+    pg.value_shape[i] = 0;
+  }
+  auto cep = RankEndpoint::attach(endpoint_options(csuffix, 0, pg));
+  ASSERT_TRUE(cep.ok()) << cep.error().message;
+  const char* keys[2] = {"pfx:00", "pfx:01"};
+  const int32_t blocks[2] = {3, 1};
+  uint64_t id = 0;
+  ASSERT_EQ(kvtd_set_weight_version(s, 9), KVTD_OK);
+  ASSERT_EQ(kvtd_submit_storage(s, KVTD_STORAGE_WRITE, keys, blocks, 2, KVTD_STORAGE_HOST_BLOCKS, 0, 0, 1000, &id, err,
+                                sizeof err),
+            KVTD_OK)
+      << err;
+  std::vector<std::byte> rec;
+  ASSERT_EQ((*cep)->next_task(rec, monotonic_now_ns() + 1'000'000'000), RankEndpoint::Next::kTask);
+  proto::TaskRecordHeader h{};
+  auto t = decode_task_record(rec, &h);
+  ASSERT_TRUE(t.ok()) << t.error().message;
+  EXPECT_EQ(h.kind, KVTD_STORAGE_WRITE);
+  EXPECT_EQ(h.flags, proto::kTaskFlagHostBlocks);
+  auto sec = decode_storage_section(t->src, h.num_keys);
+  ASSERT_TRUE(sec.ok()) << sec.error().message;
+  EXPECT_EQ(sec->keys, (std::vector<std::string>{"pfx:00", "pfx:01"}));
+  EXPECT_EQ(sec->args.weight_version, 9u);
+  EXPECT_EQ(std::vector<std::int32_t>(t->dst.begin(), t->dst.end()), (std::vector<std::int32_t>{3, 1}));
+  proto::CompletionRecord c{};
+  c.task_id = id;
+  c.blocks_done = 1;
+  c.blocks_skipped = 1;
+  ASSERT_TRUE((*cep)->complete(c).ok());
+  kvtd_completion out{};
+  ASSERT_EQ(kvtd_wait(s, id, 1000, &out, err, sizeof err), KVTD_OK) << err;
+  EXPECT_EQ(out.blocks_done, 1u);
+  EXPECT_EQ(out.blocks_skipped, 1u);
+  // Bad input is refused with a message, never crashes.
+  const char* bad_keys[1] = {"no/slash"};
+  EXPECT_EQ(kvtd_submit_storage(s, KVTD_STORAGE_QUERY, bad_keys, nullptr, 1, 0, 0, 0, 100, &id, err, sizeof err),
+            KVTD_E_INVALID);
+  EXPECT_NE(std::string(err).find("key 0"), std::string::npos) << err;
+  const char* null_key[1] = {nullptr};
+  EXPECT_EQ(kvtd_submit_storage(s, KVTD_STORAGE_QUERY, null_key, nullptr, 1, 0, 0, 0, 100, &id, err, sizeof err),
+            KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_submit_storage(s, KVTD_STORAGE_READ, keys, nullptr, 2, 0, 0, 0, 100, &id, err, sizeof err),
+            KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_submit_storage(s, KVTD_STORAGE_READ, keys, blocks, 2, 0x80, 0, 0, 100, &id, err, sizeof err),
+            KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_submit_storage(s, KVTD_CANCEL, nullptr, nullptr, 0, 0, 0, 0, 100, &id, err, sizeof err),
+            KVTD_E_INVALID);  // no task to cancel
+  EXPECT_EQ(kvtd_set_weight_version(nullptr, 1), KVTD_E_INVALID);
+  cep = make_error(IpcErrc::kClosed, "");
+  kvtd_session_destroy(s);
+}
 
 // Agreement across ranks (storage tasks): each rank publishes its count, every rank gets the MIN.
 TEST(Agreement, EveryRankGetsTheMinimum) {

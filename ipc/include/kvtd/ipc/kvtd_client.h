@@ -28,7 +28,17 @@ enum {
   KVTD_E_TASK_FAILED = 8 /* kvtd_wait: the task completed with a failure (see status) */
 };
 
-enum { KVTD_SWAP_TO_HOST = 1, KVTD_SWAP_TO_DEVICE = 2 };
+enum {
+  KVTD_SWAP_TO_HOST = 1,
+  KVTD_SWAP_TO_DEVICE = 2,
+  KVTD_STORAGE_QUERY = 3,
+  KVTD_STORAGE_READ = 4,
+  KVTD_STORAGE_WRITE = 5,
+  KVTD_PREFETCH = 6,
+  KVTD_CANCEL = 7
+};
+/* kvtd_submit_storage flags */
+enum { KVTD_STORAGE_HOST_BLOCKS = 1u << 0, KVTD_STORAGE_EVICT_BACKUP = 1u << 1 };
 enum { KVTD_DTYPE_BFLOAT16 = 1, KVTD_DTYPE_FLOAT16 = 2, KVTD_DTYPE_UINT8 = 3, KVTD_DTYPE_BLOCK_WISE_FP8 = 4 };
 
 typedef struct kvtd_geometry {
@@ -44,8 +54,9 @@ typedef struct kvtd_completion {
   uint64_t task_id;
   int32_t status;      /* 0 ok, else the first failing rank's TaskStatus */
   int32_t failed_rank; /* -1 if ok */
-  uint64_t blocks_done; /* MIN over ranks */
+  uint64_t blocks_done; /* MIN over ranks (cancelled: how far it got) */
   int64_t latency_ns;   /* submit to merged completion */
+  uint64_t blocks_skipped; /* STORAGE_WRITE: not written (stored already, or not selected by the policy) */
 } kvtd_completion;
 
 typedef struct kvtd_session kvtd_session;
@@ -65,6 +76,14 @@ int kvtd_wait_ready(kvtd_session* s, int64_t timeout_ms, char* err, size_t err_l
 
 int kvtd_submit(kvtd_session* s, int kind, const int32_t* src_ids, const int32_t* dst_ids, size_t n,
                 int64_t timeout_ms, uint64_t* task_id, char* err, size_t err_len);
+/* A storage task (see kvtd/ipc/engine_session.h for what each kind does): `keys` are n
+ * NUL-terminated engine keys (1..128 of [A-Za-z0-9_.:-]) and `blocks` n block ids (null for
+ * QUERY; device blocks unless KVTD_STORAGE_HOST_BLOCKS). CANCEL: n = 0, cancel_task_id set. */
+int kvtd_submit_storage(kvtd_session* s, int kind, const char* const* keys, const int32_t* blocks, size_t n,
+                        uint32_t flags, uint32_t min_hits, uint64_t cancel_task_id, int64_t timeout_ms,
+                        uint64_t* task_id, char* err, size_t err_len);
+/* The weight version later storage tasks carry (bump on a weight update: older KV then misses). */
+int kvtd_set_weight_version(kvtd_session* s, uint64_t version);
 /* Returns KVTD_OK (done, ok), KVTD_E_TASK_FAILED (done, failed: message in err) or KVTD_E_TIMEOUT. */
 int kvtd_wait(kvtd_session* s, uint64_t task_id, int64_t timeout_ms, kvtd_completion* out, char* err,
               size_t err_len);
