@@ -77,6 +77,13 @@ struct StorageExecutor::Impl {
            std::to_string(slice_rank);
   }
 
+  std::vector<std::string> stored_keys(const StorageWork& w) const {
+    std::vector<std::string> out;
+    out.reserve(w.section.keys.size());
+    for (const auto& k : w.section.keys) out.push_back(stored_key(k, w.section.args.weight_version));
+    return out;
+  }
+
   bool is_cancelled(std::uint64_t id) {
     std::lock_guard<std::mutex> g(mu);
     return cancelled.count(id) != 0;
@@ -128,9 +135,7 @@ struct StorageExecutor::Impl {
   void run_query(const StorageWork& w, std::int64_t start) {
     const auto& keys = w.section.keys;
     count_uses(keys);
-    std::vector<std::string> stored;
-    stored.reserve(keys.size());
-    for (const auto& k : keys) stored.push_back(stored_key(k, w.section.args.weight_version));
+    const auto stored = stored_keys(w);
     auto agreed = local_then_agree(w, stored, start);
     if (!agreed) return;
     finish(w, TaskStatus::kOk, *agreed, 0, start, "");
@@ -141,9 +146,7 @@ struct StorageExecutor::Impl {
     const auto& keys = w.section.keys;
     const bool host = (w.header.flags & proto::kTaskFlagHostBlocks) != 0;
     count_uses(keys);
-    std::vector<std::string> stored;
-    stored.reserve(keys.size());
-    for (const auto& k : keys) stored.push_back(stored_key(k, w.section.args.weight_version));
+    const auto stored = stored_keys(w);
     auto agreed = local_then_agree(w, stored, start);
     if (!agreed) return;
     const auto kind = static_cast<TaskKind>(w.header.kind);

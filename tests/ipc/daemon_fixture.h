@@ -142,11 +142,8 @@ class DaemonTest : public ::testing::Test {
     }
   }
 
-  ipc::TaskResult run(TaskKind kind, const std::vector<std::int32_t>& src, const std::vector<std::int32_t>& dst) {
-    TaskRequest req;
-    req.kind = kind;
-    req.src = src;
-    req.dst = dst;
+  // Submits and waits for the merged result (empty after a failed assertion).
+  ipc::TaskResult submit_and_wait(const TaskRequest& req) {
     auto id = engine_->submit(req);
     EXPECT_TRUE(id.ok()) << id.error().message;
     if (!id.ok()) return {};
@@ -154,6 +151,14 @@ class DaemonTest : public ::testing::Test {
     auto r = engine_->wait(*id, 60'000'000'000);
     EXPECT_TRUE(r.ok()) << r.error().message;
     return r.ok() ? *r : ipc::TaskResult{};
+  }
+
+  ipc::TaskResult run(TaskKind kind, const std::vector<std::int32_t>& src, const std::vector<std::int32_t>& dst) {
+    TaskRequest req;
+    req.kind = kind;
+    req.src = src;
+    req.dst = dst;
+    return submit_and_wait(req);
   }
 
   // Swaps `dev` out to `host`, scribbles over them, swaps back into `dev2`, checks every byte.

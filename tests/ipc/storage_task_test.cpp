@@ -51,12 +51,36 @@ class StorageTaskTest : public DaemonTest {
     req.blocks = blocks;
     req.host_blocks = host;
     req.min_hits = min_hits;
+    return submit_and_wait(req);
+  }
+
+  // A STORAGE_WRITE of host blocks the engine is evicting (written under write_back).
+  ipc::TaskResult evict_backup(const std::vector<std::string>& keys, const std::vector<std::int32_t>& host_ids) {
+    TaskRequest evict;
+    evict.kind = TaskKind::kStorageWrite;
+    evict.keys = keys;
+    evict.blocks = host_ids;
+    evict.host_blocks = true;
+    evict.evict_backup = true;
+    return submit_and_wait(evict);
+  }
+
+  // A SWAP_TO_HOST with keys; returns its backup's result (the swap must succeed).
+  ipc::TaskResult swap_out_with_keys(const std::vector<std::int32_t>& dev, const std::vector<std::int32_t>& host,
+                                     const std::vector<std::string>& keys) {
+    TaskRequest req;
+    req.kind = TaskKind::kSwapToHost;
+    req.src = dev;
+    req.dst = host;
+    req.keys = keys;
     auto id = engine_->submit(req);
     EXPECT_TRUE(id.ok()) << id.error().message;
     if (!id.ok()) return {};
-    auto r = engine_->wait(*id, 60'000'000'000);
-    EXPECT_TRUE(r.ok()) << r.error().message;
-    return r.ok() ? *r : ipc::TaskResult{};
+    auto swap = engine_->wait(*id, 60'000'000'000);
+    EXPECT_TRUE(swap.ok() && swap->ok());
+    auto backup = engine_->wait(*id + 1, 60'000'000'000);
+    EXPECT_TRUE(backup.ok()) << backup.error().message;
+    return backup.ok() ? *backup : ipc::TaskResult{};
   }
 
   static std::string why(const ipc::TaskResult& r) {
@@ -272,20 +296,10 @@ TEST_F(StorageTaskTest, WriteThroughBacksUpSwapsWithKeysAsTheirOwnCompletion) {
   extra_args_.insert(extra_args_.end(), {"--write-policy", "write_through"});
   ASSERT_NO_FATAL_FAILURE(start_all());
   const auto keys = make_keys("wt", 4);
-  TaskRequest req;
-  req.kind = TaskKind::kSwapToHost;
-  const auto src = iota_ids(0, 4), dst = iota_ids(0, 4);
-  req.src = src;
-  req.dst = dst;
-  req.keys = keys;
-  auto id = engine_->submit(req);
-  ASSERT_TRUE(id.ok()) << id.error().message;
-  auto swap = engine_->wait(*id, 60'000'000'000);
-  ASSERT_TRUE(swap.ok() && swap->ok());
-  auto backup = engine_->wait(*id + 1, 60'000'000'000);
-  ASSERT_TRUE(backup.ok()) << backup.error().message;
-  ASSERT_TRUE(backup->ok()) << why(*backup);
-  EXPECT_EQ(backup->blocks_done, 4u);
+  const auto src = iota_ids(0, 4);
+  auto backup = swap_out_with_keys(src, iota_ids(0, 4), keys);
+  ASSERT_TRUE(backup.ok()) << why(backup);
+  EXPECT_EQ(backup.blocks_done, 4u);
   EXPECT_EQ(storage(TaskKind::kStorageQuery, keys, {}).blocks_done, 4u);
   wipe_device(iota_ids(20, 4));
   auto rd = storage(TaskKind::kStorageRead, keys, iota_ids(20, 4));
@@ -296,29 +310,14 @@ TEST_F(StorageTaskTest, WriteThroughBacksUpSwapsWithKeysAsTheirOwnCompletion) {
 TEST_F(StorageTaskTest, WithoutAWritePolicyBackupsAreSkippedAndEvictBackupsOnlyUnderWriteBack) {
   ASSERT_NO_FATAL_FAILURE(start_all());
   const auto keys = make_keys("nb", 3);
-  TaskRequest req;
-  req.kind = TaskKind::kSwapToHost;
   const auto ids = iota_ids(0, 3);
-  req.src = ids;
-  req.dst = ids;
-  req.keys = keys;
-  auto id = engine_->submit(req);
-  ASSERT_TRUE(id.ok());
-  auto backup = engine_->wait(*id + 1, 60'000'000'000);
-  ASSERT_TRUE(backup.ok() && backup->ok());
-  EXPECT_EQ(backup->blocks_done, 0u);
-  EXPECT_EQ(backup->blocks_skipped, 3u);
-  TaskRequest evict;
-  evict.kind = TaskKind::kStorageWrite;
-  evict.keys = keys;
-  evict.blocks = ids;
-  evict.host_blocks = true;
-  evict.evict_backup = true;
-  auto eid = engine_->submit(evict);
-  ASSERT_TRUE(eid.ok());
-  auto e = engine_->wait(*eid, 60'000'000'000);
-  ASSERT_TRUE(e.ok() && e->ok());
-  EXPECT_EQ(e->blocks_done, 0u);
+  auto backup = swap_out_with_keys(ids, ids, keys);
+  ASSERT_TRUE(backup.ok()) << why(backup);
+  EXPECT_EQ(backup.blocks_done, 0u);
+  EXPECT_EQ(backup.blocks_skipped, 3u);
+  auto e = evict_backup(keys, ids);
+  ASSERT_TRUE(e.ok()) << why(e);
+  EXPECT_EQ(e.blocks_done, 0u);
   EXPECT_EQ(storage(TaskKind::kStorageQuery, keys, {}).blocks_done, 0u);
 }
 
@@ -327,37 +326,21 @@ TEST_F(StorageTaskTest, WriteBackStoresOnEviction) {
   ASSERT_NO_FATAL_FAILURE(start_all());
   const auto keys = make_keys("wb", 3);
   const auto ids = iota_ids(0, 3);
-  ASSERT_TRUE(run(TaskKind::kSwapToHost, ids, ids).ok());
-  TaskRequest evict;
-  evict.kind = TaskKind::kStorageWrite;
-  evict.keys = keys;
-  evict.blocks = ids;
-  evict.host_blocks = true;
-  evict.evict_backup = true;
-  auto eid = engine_->submit(evict);
-  ASSERT_TRUE(eid.ok());
-  auto e = engine_->wait(*eid, 60'000'000'000);
-  ASSERT_TRUE(e.ok() && e->ok()) << (e.ok() ? why(*e) : e.error().message);
-  EXPECT_EQ(e->blocks_done, 3u);
+  auto backup = swap_out_with_keys(ids, ids, keys);
+  EXPECT_EQ(backup.blocks_done, 0u);  // write_back: not at swap-out time
+  auto e = evict_backup(keys, ids);
+  ASSERT_TRUE(e.ok()) << why(e);
+  EXPECT_EQ(e.blocks_done, 3u);
   EXPECT_EQ(storage(TaskKind::kStorageQuery, keys, {}).blocks_done, 3u);
 }
 
 TEST_F(StorageTaskTest, SelectiveWriteThroughWaitsForTheThreshold) {
   extra_args_.insert(extra_args_.end(), {"--write-policy", "write_through_selective", "--write-threshold", "2"});
   ASSERT_NO_FATAL_FAILURE(start_all());
-  const std::vector<std::string> keys{"s0"};
-  const std::vector<std::int32_t> ids{0};
   for (int round = 0; round < 2; ++round) {
-    TaskRequest req;
-    req.kind = TaskKind::kSwapToHost;
-    req.src = ids;
-    req.dst = ids;
-    req.keys = keys;
-    auto id = engine_->submit(req);
-    ASSERT_TRUE(id.ok());
-    auto b = engine_->wait(*id + 1, 60'000'000'000);
-    ASSERT_TRUE(b.ok() && b->ok());
-    EXPECT_EQ(b->blocks_done, round == 0 ? 0u : 1u) << "round " << round;
+    auto b = swap_out_with_keys({0}, {0}, {"s0"});
+    ASSERT_TRUE(b.ok()) << why(b);
+    EXPECT_EQ(b.blocks_done, round == 0 ? 0u : 1u) << "round " << round;
   }
 }
 

@@ -398,6 +398,20 @@ kvtd_geometry c_geometry(std::uint32_t layers) {
   return g;
 }
 
+// c_geometry(1) as the daemon side sees it.
+proto::CacheGeometry c_geometry_as_proto() {
+  proto::CacheGeometry pg = test::small_geometry(1);
+  pg.num_layers = 1;
+  pg.num_host_blocks = 4;
+  pg.dtype = static_cast<std::uint32_t>(proto::CacheDtype::kFloat16);
+  const std::int64_t shape[4] = {8, 1, 4, 8};
+  for (int i = 0; i < 4; ++i) {
+    pg.key_shape[i] = shape[i];
+    pg.value_shape[i] = 0;
+  }
+  return pg;
+}
+
 TEST(CApi, CreatePublishSubmitAndReportErrors) {
   const auto suffix = test::unique_suffix("capi");
   const kvtd_geometry g = c_geometry(2);
@@ -439,15 +453,7 @@ TEST(CApi, RegisterSubmitAndWaitWithAnAttachedRank) {
   EXPECT_NE(std::string(err).find("needs"), std::string::npos) << err;
   EXPECT_EQ(kvtd_register_tensor(s, 0, 0, 0, -1, handle, 0, 8 * 64, err, sizeof err), KVTD_OK) << err;
   ASSERT_EQ(kvtd_publish(s, err, sizeof err), KVTD_OK) << err;
-  proto::CacheGeometry pg = test::small_geometry(1);
-  pg.num_layers = 1;
-  pg.num_host_blocks = 4;
-  pg.dtype = static_cast<std::uint32_t>(proto::CacheDtype::kFloat16);
-  const std::int64_t shape[4] = {8, 1, 4, 8};
-  for (int i = 0; i < 4; ++i) {
-    pg.key_shape[i] = shape[i];
-    pg.value_shape[i] = 0;
-  }
+  const proto::CacheGeometry pg = c_geometry_as_proto();
   auto ep = RankEndpoint::attach(endpoint_options(suffix, 0, pg));
   ASSERT_TRUE(ep.ok()) << ep.error().message;
   ASSERT_NE((*ep)->tensor(0, proto::TensorKind::kKey), nullptr);
@@ -480,15 +486,7 @@ TEST(CApi, StorageTasksCarryKeysBlocksAndSkippedCounts) {
   ASSERT_EQ(kvtd_session_create(csuffix.c_str(), &g, &s, err, sizeof err), KVTD_OK) << err;
   ASSERT_EQ(kvtd_create_host_device_tensors(s, err, sizeof err), KVTD_OK) << err;
   ASSERT_EQ(kvtd_publish(s, err, sizeof err), KVTD_OK) << err;
-  proto::CacheGeometry pg = test::small_geometry(1);
-  pg.num_layers = 1;
-  pg.num_host_blocks = 4;
-  pg.dtype = static_cast<std::uint32_t>(proto::CacheDtype::kFloat16);
-  const std::int64_t shape[4] = {8, 1, 4, 8};
-  for (int i = 0; i < 4; ++i) {
-    pg.key_shape[i] = shape[i];
-    pg.value_shape[i] = 0;
-  }
+  const proto::CacheGeometry pg = c_geometry_as_proto();
   auto cep = RankEndpoint::attach(endpoint_options(csuffix, 0, pg));
   ASSERT_TRUE(cep.ok()) << cep.error().message;
   const char* keys[2] = {"pfx:00", "pfx:01"};
