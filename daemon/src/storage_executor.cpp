@@ -4,6 +4,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <numeric>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -41,6 +42,16 @@ std::string key_list_note(const std::vector<std::string>& keys, std::size_t i) {
 
 }  // namespace
 
+// A task through phase 1: the keys it stores or loads, their blocks, the agreed count.
+struct Prepared {
+  StorageWork work;
+  std::int64_t start = 0;
+  std::vector<std::size_t> which;   // indices into work.section.keys that take part
+  std::vector<std::string> stored;  // their stored names
+  std::vector<std::int32_t> ids;    // their blocks
+  std::uint32_t agreed = 0;
+};
+
 struct StorageExecutor::Impl {
   ipc::RankEndpoint& ep;
   DeviceBackend& backend;
@@ -56,11 +67,14 @@ struct StorageExecutor::Impl {
   // tens of microseconds per task, more than a whole swap round trip.
   std::atomic<std::uint32_t> word{0};
   std::atomic<std::uint32_t> waiters{0};
-  std::deque<StorageWork> high, low;  // reads/queries/prefetches first, then writes
+  std::deque<StorageWork> agreeing;   // phase 1, ring order
+  std::deque<Prepared> high, low;     // phase 2: loads first, then writes
+  bool agree_done = false;            // the agreement thread has exited (after closing)
   std::unordered_set<std::uint64_t> live;       // queued or running task ids
   std::unordered_set<std::uint64_t> cancelled;  // subset of live
   bool closing = false;
   std::vector<std::thread> workers;
+  std::thread agreement;
 
   std::mutex count_mu;
   std::unordered_map<std::string, std::uint32_t> uses;  // write_through_selective
@@ -132,34 +146,121 @@ struct StorageExecutor::Impl {
     return *agreed;
   }
 
-  void run_query(const StorageWork& w, std::int64_t start) {
+  // ---- Phase 1, on the agreement thread, in ring order: checks, local count, agreement. ----
+
+  // Which keys a write stores, by its flags and the write policy; the rest count as skipped.
+  std::vector<std::size_t> selected_by_policy(const StorageWork& w) {
+    const auto policy = t.config.write_policy;
     const auto& keys = w.section.keys;
-    count_uses(keys);
-    const auto stored = stored_keys(w);
-    auto agreed = local_then_agree(w, stored, start);
-    if (!agreed) return;
-    finish(w, TaskStatus::kOk, *agreed, 0, start, "");
+    std::vector<std::size_t> which;
+    if (w.header.flags & proto::kTaskFlagEvictBackup) {
+      if (policy != config::WritePolicy::kWriteBack) return which;
+    } else if (w.header.flags & proto::kTaskFlagPolicyBackup) {
+      count_uses(keys);
+      if (policy == config::WritePolicy::kNone || policy == config::WritePolicy::kWriteBack) return which;
+      if (policy == config::WritePolicy::kWriteThroughSelective) {
+        std::lock_guard<std::mutex> g(count_mu);
+        for (std::size_t i = 0; i < keys.size(); ++i) {
+          auto it = uses.find(keys[i]);
+          if (it != uses.end() && it->second >= t.config.write_threshold) which.push_back(i);
+        }
+        return which;
+      }
+    }
+    for (std::size_t i = 0; i < keys.size(); ++i) which.push_back(i);
+    return which;
   }
 
-  // STORAGE_READ and PREFETCH: loads the agreed prefix chunk by chunk through `slice`.
-  void run_load(const StorageWork& w, std::byte* slice, std::int64_t start) {
-    const auto& keys = w.section.keys;
-    const bool host = (w.header.flags & proto::kTaskFlagHostBlocks) != 0;
-    count_uses(keys);
-    const auto stored = stored_keys(w);
-    auto agreed = local_then_agree(w, stored, start);
-    if (!agreed) return;
+  // Runs phase 1 of `p`. Returns true when p must go on to phase 2 (a load or a write with
+  // something to move); otherwise the task has been completed (or dropped, revoked).
+  bool agree_phase(Prepared& p) {
+    const auto& w = p.work;
+    p.start = ipc::monotonic_now_ns();
     const auto kind = static_cast<TaskKind>(w.header.kind);
-    if (kind == TaskKind::kPrefetch && *agreed < w.section.args.min_hits) {
-      finish(w, TaskStatus::kOk, 0, 0, start, "");  // revoked: fewer hits than asked for, nothing kept
-      return;
+    {
+      std::lock_guard<std::mutex> g(stats_mu);
+      ++st.tasks;
     }
-    const std::size_t n = *agreed;
+    if (revoked(w)) return false;
+    if (w.header.deadline_ns != 0 && p.start > w.header.deadline_ns) {
+      fail_before_agreement(w, TaskStatus::kDeadlineExceeded, p.start,
+                            "deadline passed " + std::to_string((p.start - w.header.deadline_ns) / 1000) +
+                                " us before execution");
+      return false;
+    }
+    if (is_cancelled(w.header.task_id)) {
+      fail_before_agreement(w, TaskStatus::kCancelled, p.start, "cancelled before it started");
+      return false;
+    }
+    const bool backup = (w.header.flags & (proto::kTaskFlagPolicyBackup | proto::kTaskFlagEvictBackup)) != 0;
+    if (t.store == nullptr) {
+      if (backup) {
+        // No storage tier here: nothing to back up to, not an error on this rank. The peers are
+        // told (they do have a store, or they would not wait): a mismatch is their failure.
+        ep.abort_agreement(w.header.seq, TaskStatus::kStorageUnavailable);
+        finish(w, TaskStatus::kOk, 0, w.section.keys.size(), p.start, "");
+        return false;
+      }
+      fail_before_agreement(w, TaskStatus::kStorageUnavailable, p.start, t.no_store_reason);
+      return false;
+    }
+    std::vector<std::size_t> which;
+    if (kind == TaskKind::kStorageWrite) {
+      which = selected_by_policy(w);
+    } else {
+      count_uses(w.section.keys);
+      which.resize(w.section.keys.size());
+      std::iota(which.begin(), which.end(), std::size_t{0});
+    }
+    for (auto i : which) {
+      p.stored.push_back(stored_key(w.section.keys[i], w.section.args.weight_version));
+      if (!w.blocks.empty()) p.ids.push_back(w.blocks[i]);
+    }
+    p.which = std::move(which);
+    auto agreed = local_then_agree(w, p.stored, p.start);
+    if (!agreed) return false;
+    p.agreed = *agreed;
+    switch (kind) {
+      case TaskKind::kStorageQuery:
+        finish(w, TaskStatus::kOk, p.agreed, 0, p.start, "");
+        return false;
+      case TaskKind::kPrefetch:
+        if (p.agreed < w.section.args.min_hits) {
+          finish(w, TaskStatus::kOk, 0, 0, p.start, "");  // revoked: fewer hits than asked for, nothing kept
+          return false;
+        }
+        [[fallthrough]];
+      case TaskKind::kStorageRead:
+        if (p.agreed == 0) {
+          finish(w, TaskStatus::kOk, 0, 0, p.start, "");
+          return false;
+        }
+        return true;
+      case TaskKind::kStorageWrite:
+        if (p.agreed == p.stored.size()) {
+          finish(w, TaskStatus::kOk, 0, w.section.keys.size(), p.start, "");
+          return false;
+        }
+        return true;
+      default:
+        finish(w, TaskStatus::kInternal, 0, 0, p.start, "not a storage task");
+        return false;
+    }
+  }
+
+  // ---- Phase 2, on a worker, by priority: move the objects. No cross-rank wait here, so the
+  // priority order (which may differ between ranks) can never deadlock the agreement. ----
+
+  // STORAGE_READ and PREFETCH: loads the agreed prefix chunk by chunk through `slice`.
+  void run_load(const Prepared& p, std::byte* slice) {
+    const auto& w = p.work;
+    const auto start = p.start;
+    const bool host = (w.header.flags & proto::kTaskFlagHostBlocks) != 0;
+    const std::size_t n = p.agreed;
     const auto& tensors = host ? t.host_tensors : t.device_tensors;
     std::size_t loaded = 0;
     std::vector<std::byte*> dst(chunk_objects);
     while (loaded < n) {
-      if (revoked(w)) return;
       if (is_cancelled(w.header.task_id)) {
         finish(w, TaskStatus::kCancelled, loaded, 0, start, "cancelled after " + std::to_string(loaded) + " of " +
                                                                 std::to_string(n) + " blocks");
@@ -167,7 +268,7 @@ struct StorageExecutor::Impl {
       }
       const std::size_t c = std::min(chunk_objects, n - loaded);
       for (std::size_t i = 0; i < c; ++i) dst[i] = slice + i * t.object_bytes;
-      const auto ids = std::span(w.blocks).subspan(loaded, c);
+      const auto ids = std::span(p.ids).subspan(loaded, c);
       if (revoked(w)) return;  // checked right before writing engine memory
       if (host) pool->mark_invalid(ids);
       // Each verified object is scattered into its block on the store's I/O thread that read it,
@@ -175,7 +276,7 @@ struct StorageExecutor::Impl {
       // in its (reserved) block too; only the leading blocks_done are reported loaded.
       std::mutex err_mu;
       std::string scatter_error;
-      auto got = t.store->get_each(std::span(stored).subspan(loaded, c), std::span(dst).first(c), /*scratch=*/true,
+      auto got = t.store->get_each(std::span(p.stored).subspan(loaded, c), std::span(dst).first(c), /*scratch=*/true,
                                    [&](std::size_t i) {
                                      const auto one = ids.subspan(i, 1);
                                      if (host) {
@@ -206,51 +307,21 @@ struct StorageExecutor::Impl {
       }
       if (ok < c) {
         KVTD_INFO("task {}: {} of key {} on this rank; loaded {} of {} agreed blocks", w.header.task_id,
-                  storage::object_result_name((*got)[ok]), keys[loaded], loaded, n);
+                  storage::object_result_name((*got)[ok]), w.section.keys[loaded], loaded, n);
         break;
       }
     }
     finish(w, TaskStatus::kOk, loaded, 0, start, "");
   }
 
-  // Which keys a write stores, by its flags and the write policy; the rest count as skipped.
-  bool selected_by_policy(const StorageWork& w, std::vector<std::size_t>* which) {
-    const auto policy = t.config.write_policy;
-    const auto& keys = w.section.keys;
-    which->clear();
-    if (w.header.flags & proto::kTaskFlagEvictBackup) {
-      if (policy != config::WritePolicy::kWriteBack) return true;
-    } else if (w.header.flags & proto::kTaskFlagPolicyBackup) {
-      count_uses(keys);
-      if (policy == config::WritePolicy::kNone || policy == config::WritePolicy::kWriteBack) return true;
-      if (policy == config::WritePolicy::kWriteThroughSelective) {
-        std::lock_guard<std::mutex> g(count_mu);
-        for (std::size_t i = 0; i < keys.size(); ++i) {
-          auto it = uses.find(keys[i]);
-          if (it != uses.end() && it->second >= t.config.write_threshold) which->push_back(i);
-        }
-        return true;
-      }
-    }
-    for (std::size_t i = 0; i < keys.size(); ++i) which->push_back(i);
-    return true;
-  }
-
-  void run_write(const StorageWork& w, std::byte* slice, std::int64_t start) {
+  void run_write(const Prepared& p, std::byte* slice) {
+    const auto& w = p.work;
+    const auto start = p.start;
     const bool host = (w.header.flags & proto::kTaskFlagHostBlocks) != 0;
-    std::vector<std::size_t> which;
-    selected_by_policy(w, &which);
-    std::vector<std::string> stored;
-    std::vector<std::int32_t> ids;
-    for (auto i : which) {
-      stored.push_back(stored_key(w.section.keys[i], w.section.args.weight_version));
-      ids.push_back(w.blocks[i]);
-    }
-    const std::uint64_t not_selected = w.section.keys.size() - which.size();
-    auto agreed = local_then_agree(w, stored, start);
-    if (!agreed) return;
-    const std::size_t skip = *agreed;
-    const std::uint64_t skipped = not_selected + skip;
+    const auto& stored = p.stored;
+    const auto& ids = p.ids;
+    const std::size_t skip = p.agreed;
+    const std::uint64_t skipped = (w.section.keys.size() - p.which.size()) + skip;
     if (host && pool != nullptr) {
       if (auto bad = pool->first_invalid(std::span(ids).subspan(skip))) {
         finish(w, TaskStatus::kHostTierLost, 0, 0, start,
@@ -305,7 +376,7 @@ struct StorageExecutor::Impl {
           if ((*put)[i] != storage::ObjectResult::kOk) {
             // Each object is whole or absent (the stores write then rename); the ones before it stand.
             finish(w, TaskStatus::kStorageError, 0, 0, start,
-                   unavailable("write failed" + key_list_note(w.section.keys, which[written + i]) + ": " +
+                   unavailable("write failed" + key_list_note(w.section.keys, p.which[written + i]) + ": " +
                                t.store->last_error()));
             return;
           }
@@ -319,70 +390,79 @@ struct StorageExecutor::Impl {
     finish(w, TaskStatus::kOk, written - skip, skipped, start, "");
   }
 
-  void execute(const StorageWork& w, std::byte* slice) {
-    const std::int64_t start = ipc::monotonic_now_ns();
-    const auto kind = static_cast<TaskKind>(w.header.kind);
+  void forget(const StorageWork& w) {
     {
-      std::lock_guard<std::mutex> g(stats_mu);
-      ++st.tasks;
+      std::lock_guard<std::mutex> g(mu);
+      live.erase(w.header.task_id);
+      cancelled.erase(w.header.task_id);
     }
-    if (revoked(w)) return;
-    if (w.header.deadline_ns != 0 && start > w.header.deadline_ns) {
-      fail_before_agreement(w, TaskStatus::kDeadlineExceeded, start,
-                            "deadline passed " + std::to_string((start - w.header.deadline_ns) / 1000) +
-                                " us before execution");
-      return;
-    }
-    if (is_cancelled(w.header.task_id)) {
-      fail_before_agreement(w, TaskStatus::kCancelled, start, "cancelled before it started");
-      return;
-    }
-    if (t.store == nullptr) {
-      const bool backup = (w.header.flags & (proto::kTaskFlagPolicyBackup | proto::kTaskFlagEvictBackup)) != 0;
-      if (backup) {  // no storage tier: nothing to back up to, and that is not an error
-        finish(w, TaskStatus::kOk, 0, w.section.keys.size(), start, "");
-        return;
+    release(w);
+  }
+
+  // Waits on `word` until take() (called under mu) hands something over or says to stop.
+  template <typename Take>
+  bool wait_for(Take&& take) {
+    for (;;) {
+      const std::uint32_t seen = word.load(std::memory_order_acquire);
+      {
+        std::lock_guard<std::mutex> g(mu);
+        if (auto r = take(); r.has_value()) return *r;
       }
-      fail_before_agreement(w, TaskStatus::kStorageUnavailable, start, t.no_store_reason);
-      return;
+      (void)ipc::wait_on_word(word, seen, ipc::monotonic_now_ns() + 50'000'000, &waiters, 50'000);
     }
-    switch (kind) {
-      case TaskKind::kStorageQuery: run_query(w, start); break;
-      case TaskKind::kStorageRead:
-      case TaskKind::kPrefetch: run_load(w, slice, start); break;
-      case TaskKind::kStorageWrite: run_write(w, slice, start); break;
-      default: fail_before_agreement(w, TaskStatus::kInternal, start, "not a storage task"); break;
+  }
+
+  void agreement_loop() {
+    for (;;) {
+      Prepared p;
+      const bool got = wait_for([&]() -> std::optional<bool> {
+        if (!agreeing.empty()) {
+          p.work = std::move(agreeing.front());
+          agreeing.pop_front();
+          return true;
+        }
+        if (closing) return false;
+        return std::nullopt;
+      });
+      if (!got) break;
+      if (!agree_phase(p)) {
+        forget(p.work);
+        continue;
+      }
+      const bool write = static_cast<TaskKind>(p.work.header.kind) == TaskKind::kStorageWrite;
+      {
+        std::lock_guard<std::mutex> g(mu);
+        (write ? low : high).push_back(std::move(p));
+      }
+      ipc::bump_and_wake(word, &waiters);
     }
+    {
+      std::lock_guard<std::mutex> g(mu);
+      agree_done = true;
+    }
+    ipc::bump_and_wake(word, &waiters);
   }
 
   void worker_loop(std::size_t index) {
     std::byte* slice = staging[index];
     for (;;) {
-      StorageWork w;
-      bool have = false;
-      const std::uint32_t seen = word.load(std::memory_order_acquire);
-      {
-        std::lock_guard<std::mutex> g(mu);
+      Prepared p;
+      const bool got = wait_for([&]() -> std::optional<bool> {
         auto& q = !high.empty() ? high : low;
-        if (q.empty()) {
-          if (closing) return;  // drained
-        } else {
-          w = std::move(q.front());
+        if (!q.empty()) {
+          p = std::move(q.front());
           q.pop_front();
-          have = true;
+          return true;
         }
+        if (agree_done) return false;  // closing, and nothing more can be handed over
+        return std::nullopt;
+      });
+      if (!got) return;
+      if (!revoked(p.work)) {
+        if (static_cast<TaskKind>(p.work.header.kind) == TaskKind::kStorageWrite) run_write(p, slice);
+        else run_load(p, slice);
       }
-      if (!have) {
-        (void)ipc::wait_on_word(word, seen, ipc::monotonic_now_ns() + 50'000'000, &waiters, 50'000);
-        continue;
-      }
-      execute(w, slice);
-      {
-        std::lock_guard<std::mutex> g(mu);
-        live.erase(w.header.task_id);
-        cancelled.erase(w.header.task_id);
-      }
-      release(w);
+      forget(p.work);
     }
   }
 };
@@ -414,6 +494,7 @@ Result<std::unique_ptr<StorageExecutor>, DeviceErrc> StorageExecutor::create(ipc
     impl->staging.push_back(p);
   }
   auto* raw = impl.get();
+  raw->agreement = std::thread([raw] { raw->agreement_loop(); });
   for (std::uint64_t i = 0; i < threads; ++i) raw->workers.emplace_back([raw, i] { raw->worker_loop(i); });
   return std::unique_ptr<StorageExecutor>(new StorageExecutor(std::move(impl)));
 }
@@ -428,16 +509,16 @@ void StorageExecutor::close() {
     impl_->closing = true;
   }
   ipc::bump_and_wake(impl_->word, &impl_->waiters);
+  if (impl_->agreement.joinable()) impl_->agreement.join();
   for (auto& th : impl_->workers)
     if (th.joinable()) th.join();
 }
 
 void StorageExecutor::submit(StorageWork&& w) {
-  const auto kind = static_cast<TaskKind>(w.header.kind);
   {
     std::lock_guard<std::mutex> g(impl_->mu);
     impl_->live.insert(w.header.task_id);
-    (kind == TaskKind::kStorageWrite ? impl_->low : impl_->high).push_back(std::move(w));
+    impl_->agreeing.push_back(std::move(w));
   }
   ipc::bump_and_wake(impl_->word, &impl_->waiters);
 }
@@ -453,12 +534,15 @@ std::size_t StorageExecutor::drop_queued() {
   std::deque<StorageWork> dropped;
   {
     std::lock_guard<std::mutex> g(impl_->mu);
+    auto take = [&](StorageWork&& w) {
+      impl_->live.erase(w.header.task_id);
+      impl_->cancelled.erase(w.header.task_id);
+      dropped.push_back(std::move(w));
+    };
+    for (auto& w : impl_->agreeing) take(std::move(w));
+    impl_->agreeing.clear();
     for (auto* q : {&impl_->high, &impl_->low}) {
-      for (auto& w : *q) {
-        impl_->live.erase(w.header.task_id);
-        impl_->cancelled.erase(w.header.task_id);
-        dropped.push_back(std::move(w));
-      }
+      for (auto& p : *q) take(std::move(p.work));
       q->clear();
     }
   }

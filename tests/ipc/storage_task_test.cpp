@@ -7,6 +7,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "daemon_fixture.h"
 #include "kvtd/ipc/task_codec.h"
@@ -341,6 +342,51 @@ TEST_F(StorageTaskTest, SelectiveWriteThroughWaitsForTheThreshold) {
     auto b = swap_out_with_keys({0}, {0}, {"s0"});
     ASSERT_TRUE(b.ok()) << why(b);
     EXPECT_EQ(b.blocks_done, round == 0 ? 0u : 1u) << "round " << round;
+  }
+}
+
+// Found on review: workers took agreed tasks by priority, so one rank could hold its only worker
+// in the agreement of a write while the other held its worker in the agreement of a read that
+// overtook that write there: each waited for the other forever. The agreement now runs in ring
+// order on its own thread; only the data moves by priority.
+TEST_F(StorageTaskTest, ReadsThatOvertakeAWriteOnOneRankNeverDeadlockTheAgreement) {
+  extra_args_.insert(extra_args_.end(), {"--storage-io-threads", "1"});
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  ASSERT_TRUE(storage(TaskKind::kStorageWrite, make_keys("o", 4), iota_ids(0, 4)).ok());
+  for (int round = 0; round < 5; ++round) {
+    daemons_[1].signal(SIGSTOP);  // rank 1 finds the write and the reads queued together
+    std::vector<std::uint64_t> ids;
+    const std::int64_t deadline = ipc::monotonic_now_ns() + 20'000'000'000;
+    TaskRequest w;
+    w.kind = TaskKind::kStorageWrite;
+    const auto wkeys = make_keys("ow" + std::to_string(round) + "-", 4);
+    const auto wblocks = iota_ids(0, 4);
+    w.keys = wkeys;
+    w.blocks = wblocks;
+    w.deadline_ns = deadline;
+    auto wid = engine_->submit(w);
+    ASSERT_TRUE(wid.ok());
+    ids.push_back(*wid);
+    const auto rkeys = make_keys("o", 4);
+    std::vector<std::vector<std::int32_t>> rblocks;
+    for (int r = 0; r < 3; ++r) rblocks.push_back(iota_ids(8 + 4 * r, 4));
+    for (int r = 0; r < 3; ++r) {
+      TaskRequest rd;
+      rd.kind = TaskKind::kStorageRead;
+      rd.keys = rkeys;
+      rd.blocks = rblocks[static_cast<std::size_t>(r)];
+      rd.deadline_ns = deadline;
+      auto rid = engine_->submit(rd);
+      ASSERT_TRUE(rid.ok());
+      ids.push_back(*rid);
+    }
+    std::this_thread::sleep_for(50ms);  // rank 0 starts the write's agreement
+    daemons_[1].signal(SIGCONT);
+    for (auto id : ids) {
+      auto r = engine_->wait(id, 60'000'000'000);
+      ASSERT_TRUE(r.ok()) << r.error().message;
+      EXPECT_TRUE(r->ok()) << "round " << round << ": " << why(*r);
+    }
   }
 }
 
