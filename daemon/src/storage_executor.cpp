@@ -36,9 +36,13 @@ namespace {
 // The most objects one per-key use count map holds before it starts over (bounds memory).
 constexpr std::size_t kMaxCountedKeys = 1u << 20;
 
-std::string key_list_note(const std::vector<std::string>& keys, std::size_t i) {
-  return i < keys.size() ? " (key " + std::to_string(i) + " '" + keys[i].substr(0, 48) + "')" : "";
+// "write /long/path/x.kvo: No space left on device" -> "No space left on device (write /long/...)".
+std::string cause_of(const std::string& error) {
+  const auto at = error.rfind(": ");
+  if (at == std::string::npos) return error;
+  return error.substr(at + 2) + " (" + error.substr(0, at) + ")";
 }
+
 
 }  // namespace
 
@@ -112,7 +116,9 @@ struct StorageExecutor::Impl {
     for (const auto& k : keys) ++uses[k];
   }
 
-  std::string unavailable(const std::string& what) const { return t.store_name + ": " + what; }
+  // The cause first, the store (whose name may hold a long path) last: completion messages are
+  // cut at 167 characters.
+  std::string unavailable(const std::string& what) const { return what + " (" + t.store_name + ")"; }
 
   void finish(const StorageWork& w, TaskStatus s, std::uint64_t blocks, std::uint64_t skipped, std::int64_t start,
               const std::string& msg) {
@@ -372,14 +378,14 @@ struct StorageExecutor::Impl {
                  0, 0, start, unavailable(put.error().message));
           return;
         }
-        for (std::size_t i = 0; i < c; ++i) {
-          if ((*put)[i] != storage::ObjectResult::kOk) {
-            // Each object is whole or absent (the stores write then rename); the ones before it stand.
-            finish(w, TaskStatus::kStorageError, 0, 0, start,
-                   unavailable("write failed" + key_list_note(w.section.keys, p.which[written + i]) + ": " +
-                               t.store->last_error()));
-            return;
-          }
+        std::size_t failed = 0;
+        for (std::size_t i = 0; i < c; ++i) failed += (*put)[i] != storage::ObjectResult::kOk;
+        if (failed != 0) {
+          // Each object is whole or absent (the stores write then rename); the others stand.
+          finish(w, TaskStatus::kStorageError, 0, 0, start,
+                 unavailable(std::to_string(failed) + " of " + std::to_string(c) +
+                             " objects not written: " + cause_of(t.store->last_error())));
+          return;
         }
         std::lock_guard<std::mutex> g(stats_mu);
         st.objects_written += c;
