@@ -267,6 +267,7 @@ struct StorageExecutor::Impl {
     std::size_t loaded = 0;
     std::vector<std::byte*> dst(chunk_objects);
     while (loaded < n) {
+      if (past_deadline(w, start, loaded, n)) return;
       if (is_cancelled(w.header.task_id)) {
         finish(w, TaskStatus::kCancelled, loaded, 0, start, "cancelled after " + std::to_string(loaded) + " of " +
                                                                 std::to_string(n) + " blocks");
@@ -342,6 +343,7 @@ struct StorageExecutor::Impl {
     std::vector<const std::byte*> src(chunk_objects);
     while (written < stored.size()) {
       if (revoked(w)) return;
+      if (past_deadline(w, start, written - skip, stored.size() - skip)) return;
       if (is_cancelled(w.header.task_id)) {
         finish(w, TaskStatus::kCancelled, written - skip, skipped, start,
                "cancelled after writing " + std::to_string(written - skip) + " of " + std::to_string(stored.size() - skip) +
@@ -394,6 +396,16 @@ struct StorageExecutor::Impl {
       written += c;
     }
     finish(w, TaskStatus::kOk, written - skip, skipped, start, "");
+  }
+
+  // The task's deadline, checked between chunks: past it, the task fails saying how far it got.
+  bool past_deadline(const StorageWork& w, std::int64_t start, std::size_t done, std::size_t of) {
+    if (w.header.deadline_ns == 0) return false;
+    const std::int64_t now = ipc::monotonic_now_ns();
+    if (now <= w.header.deadline_ns) return false;
+    finish(w, TaskStatus::kDeadlineExceeded, 0, 0, start,
+           "deadline passed after " + std::to_string(done) + " of " + std::to_string(of) + " blocks");
+    return true;
   }
 
   void forget(const StorageWork& w) {

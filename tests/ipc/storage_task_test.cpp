@@ -470,6 +470,24 @@ TEST_F(StorageTaskTest, CancelStopsALargeWriteBetweenObjects) {
   EXPECT_EQ(ar->blocks_done, 0u);
 }
 
+TEST_F(StorageTaskTest, DeadlinePassingMidTransferFailsTheTask) {
+  set_geometry(8, 64, 4, 64, 128, 8);  // 1 MiB objects, one per chunk
+  extra_args_.insert(extra_args_.end(), {"--storage-staging-mib", "1", "--storage-io-threads", "1"});
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const auto keys = make_keys("dl", 48);
+  ASSERT_TRUE(storage(TaskKind::kStorageWrite, keys, iota_ids(0, 48)).ok());
+  TaskRequest rd;
+  rd.kind = TaskKind::kStorageRead;
+  rd.keys = keys;
+  const auto dst = iota_ids(0, 48);
+  rd.blocks = dst;
+  rd.deadline_ns = ipc::monotonic_now_ns() + 3'000'000;  // far shorter than 48 MiB of reads
+  auto r = submit_and_wait(rd);
+  EXPECT_EQ(r.status, TaskStatus::kDeadlineExceeded) << why(r);
+  EXPECT_EQ(r.blocks_done, 0u);
+  EXPECT_TRUE(storage(TaskKind::kStorageQuery, keys, {}).ok());  // and the next task runs
+}
+
 TEST_F(StorageTaskTest, BadKeysAndBlocksAreMalformedAndTheDaemonKeepsServing) {
   ASSERT_NO_FATAL_FAILURE(start_all());
   // The client refuses a bad key outright.
