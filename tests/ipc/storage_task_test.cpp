@@ -604,7 +604,25 @@ TEST_F(StorageChaosTest, RedisKilledMidWorkFailsWithStorageUnavailableThenRecove
   ASSERT_NO_FATAL_FAILURE(start_all());
   const auto keys = make_keys("r", 6);
   ASSERT_TRUE(storage(TaskKind::kStorageWrite, keys, iota_ids(0, 6)).ok());
+  // Killed while a read is in flight: the read either finished before (then every byte is
+  // right) or fails with storage_unavailable naming the server; never ok with wrong bytes.
+  const auto mid = iota_ids(10, 6);
+  wipe_device(mid);
+  TaskRequest rd_req;
+  rd_req.kind = TaskKind::kStorageRead;
+  rd_req.keys = keys;
+  rd_req.blocks = mid;
+  auto mid_id = engine_->submit(rd_req);
+  ASSERT_TRUE(mid_id.ok());
   server->kill9();
+  auto mr = engine_->wait(*mid_id, 60'000'000'000);
+  ASSERT_TRUE(mr.ok());
+  if (mr->ok()) {
+    expect_device_pattern(mid, iota_ids(0, mr->blocks_done), mr->blocks_done);
+  } else {
+    EXPECT_EQ(mr->status, TaskStatus::kStorageUnavailable) << why(*mr);
+  }
+  // Down: the next task fails naming the endpoint.
   auto q = storage(TaskKind::kStorageRead, keys, iota_ids(10, 6));
   EXPECT_EQ(q.status, TaskStatus::kStorageUnavailable) << why(q);
   ASSERT_FALSE(q.failures.empty());
