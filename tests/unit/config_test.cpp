@@ -172,4 +172,13 @@ TEST(DaemonFlags, HelpIsNotAnError) {
 }
 
 }  // namespace
+// The shipped example must stay valid as flags change (storage flags were added by issue 8).
+TEST(DaemonFlags, ExampleConfigFileParses) {
+  const std::string path = std::string(KVTD_SOURCE_DIR) + "/systemd/kvtd.toml.example";
+  auto c = parse({"--config", path, "--rank", "0"});
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  EXPECT_EQ(c->model_id, "my-model");
+  EXPECT_EQ(c->mp_num, 2u);
+}
+
 }  // namespace kvtd::config
