@@ -277,7 +277,7 @@ struct StorageExecutor::Impl {
       for (std::size_t i = 0; i < c; ++i) dst[i] = slice + i * t.object_bytes;
       const auto ids = std::span(p.ids).subspan(loaded, c);
       if (revoked(w)) return;  // checked right before writing engine memory
-      if (host) pool->mark_invalid(ids);
+      if (host && pool != nullptr) pool->mark_invalid(ids);
       // Each verified object is scattered into its block on the store's I/O thread that read it,
       // while later objects are still being read. An object after a miss on this rank may land
       // in its (reserved) block too; only the leading blocks_done are reported loaded.
@@ -305,7 +305,7 @@ struct StorageExecutor::Impl {
       }
       std::size_t ok = 0;
       while (ok < c && (*got)[ok] == storage::ObjectResult::kOk) ++ok;
-      if (host) pool->mark_valid(ids.first(ok));
+      if (host && pool != nullptr) pool->mark_valid(ids.first(ok));
       loaded += ok;
       {
         std::lock_guard<std::mutex> g(stats_mu);
