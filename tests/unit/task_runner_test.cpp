@@ -7,11 +7,14 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
+#include <filesystem>
 #include <mutex>
 #include <thread>
 
 #include "kvtd/ipc/engine_session.h"
 #include "kvtd/ipc/rank_endpoint.h"
+#include "kvtd/storage/file_store.h"
 #include "test_support.h"
 
 namespace kvtd::daemon {
@@ -133,6 +136,128 @@ TEST(TaskRunner, LayerEnqueuedIsPublishedBeforeTheLayersCopyIsDone) {
   EXPECT_TRUE(r->ok());
   stop = true;
   serve.join();
+}
+
+
+// Fails every write_file after the first `ok_writes` with ENOSPC, leaving half a temporary
+// file behind as a real full disk would.
+class FillingFileSystem final : public storage::FileSystem {
+ public:
+  explicit FillingFileSystem(int ok_writes) : left_(ok_writes) {}
+  int write_file(const std::string& p, std::span<const std::span<const std::byte>> parts, bool sync) override {
+    if (left_.fetch_sub(1) <= 0) {
+      const std::span<const std::byte> half[1] = {parts[0]};
+      real_->write_file(p, half, false);
+      return ENOSPC;
+    }
+    return real_->write_file(p, parts, sync);
+  }
+  int read_file(const std::string& p, std::span<const std::span<std::byte>> parts, std::size_t* n) override {
+    return real_->read_file(p, parts, n);
+  }
+  int rename(const std::string& a, const std::string& b) override { return real_->rename(a, b); }
+  int remove(const std::string& p) override { return real_->remove(p); }
+  int exists(const std::string& p, bool* present) override { return real_->exists(p, present); }
+  int make_dirs(const std::string& p) override { return real_->make_dirs(p); }
+  int sync_dir(const std::string& p) override { return real_->sync_dir(p); }
+  int list_files(const std::string& root, std::vector<storage::FileEntry>* out) override {
+    return real_->list_files(root, out);
+  }
+
+ private:
+  std::unique_ptr<storage::FileSystem> real_ = storage::make_posix_file_system();
+  std::atomic<int> left_;
+};
+
+// ENOSPC through the FileSystem interface, in the daemon's own runner (no root needed): the
+// write fails with storage_error naming it, no temporary file stays, and the objects written
+// before it read back whole.
+TEST(TaskRunner, StorageWriteRunningOutOfSpaceFailsAndLeavesWholeObjects) {
+  test::Watchdog dog(60);
+  const auto g = test::small_geometry(1);
+  const auto suffix = test::unique_suffix("enospc");
+  ipc::SessionOptions o;
+  o.suffix = suffix;
+  o.geometry = g;
+  o.service_period_ns = 2'000'000;
+  auto engine = ipc::EngineSession::create(o);
+  ASSERT_TRUE(engine.ok()) << engine.error().message;
+  ASSERT_TRUE((*engine)->create_host_device_tensors().ok());
+  ASSERT_TRUE((*engine)->publish().ok());
+  ipc::EndpointOptions eo;
+  eo.suffix = suffix;
+  eo.expected = g;
+  eo.attach_timeout_ns = 5'000'000'000;
+  auto ep = ipc::RankEndpoint::attach(eo);
+  ASSERT_TRUE(ep.ok()) << ep.error().message;
+
+  auto backend = make_host_backend();
+  AttachedCache cache;
+  cache.device_blocks = g.num_device_blocks();
+  cache.host_blocks = g.num_host_blocks;
+  cache.num_layers = g.num_layers;
+  for (std::uint32_t l = 0; l < g.num_layers; ++l)
+    for (auto kind : {proto::TensorKind::kKey, proto::TensorKind::kValue}) {
+      auto dev = backend->open_tensor(*(*ep)->tensor(l, kind));
+      ASSERT_TRUE(dev.ok()) << dev.error().message;
+      cache.storage.device_tensors.push_back(kernels::LayerTensor{*dev, g.block_bytes(kind)});
+      // Each device block holds its block id in every byte, so what comes back can be checked.
+      for (std::int64_t b = 0; b < g.num_device_blocks(); ++b)
+        std::memset(*dev + b * g.block_bytes(kind), static_cast<int>(b), g.block_bytes(kind));
+    }
+  const std::string root = ::testing::TempDir() + "/" + suffix + "_store";
+  std::filesystem::remove_all(root);
+  FillingFileSystem fs(3);
+  storage::FileStoreOptions fo;
+  fo.store = {"m", layout_fingerprint(g), g.bytes_per_block_all_layers()};
+  fo.root = root;
+  fo.fs = &fs;
+  fo.io_threads = 1;
+  auto store = storage::open_file_store(fo);
+  ASSERT_TRUE(store.ok()) << store.error().message;
+  cache.storage.store = store->get();
+  cache.storage.store_name = "file store " + root;
+  cache.storage.object_bytes = g.bytes_per_block_all_layers();
+  cache.storage.config.io_threads = 1;
+  cache.storage.config.staging_mib = 1;
+  TaskRunner runner(**ep, *backend, std::move(cache));
+  std::atomic<bool> stop{false};
+  std::thread serve([&] { (void)runner.run(stop); });
+
+  auto submit = [&](proto::TaskKind kind, const std::vector<std::string>& keys, const std::vector<std::int32_t>& blocks) {
+    ipc::TaskRequest req;
+    req.kind = kind;
+    req.keys = keys;
+    req.blocks = blocks;
+    auto id = (*engine)->submit(req);
+    EXPECT_TRUE(id.ok()) << id.error().message;
+    auto r = (*engine)->wait(id.ok() ? *id : 0, 10'000'000'000);
+    EXPECT_TRUE(r.ok());
+    return r.ok() ? *r : ipc::TaskResult{};
+  };
+  const std::vector<std::string> keys{"a", "b", "c", "d", "e"};
+  auto w = submit(proto::TaskKind::kStorageWrite, keys, {1, 2, 3, 4, 5});
+  EXPECT_EQ(w.status, proto::TaskStatus::kStorageError);
+  ASSERT_FALSE(w.failures.empty());
+  EXPECT_NE(w.failures[0].message.find("No space left on device"), std::string::npos) << w.failures[0].message;
+  std::size_t temporaries = 0;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(root))
+    if (e.is_regular_file() && e.path().filename().string().find(".tmp") != std::string::npos) ++temporaries;
+  EXPECT_EQ(temporaries, 0u);
+  auto q = submit(proto::TaskKind::kStorageQuery, keys, {});
+  ASSERT_TRUE(q.ok());
+  EXPECT_EQ(q.blocks_done, 3u);  // the three that fitted, whole
+  auto rd = submit(proto::TaskKind::kStorageRead, keys, {20, 21, 22, 23, 24});
+  ASSERT_TRUE(rd.ok());
+  ASSERT_EQ(rd.blocks_done, 3u);
+  auto* k0 = (*engine)->host_device_tensor(0, 0, proto::TensorKind::kKey);
+  const auto bb = g.block_bytes(proto::TensorKind::kKey);
+  for (int i = 0; i < 3; ++i)
+    for (std::uint64_t off = 0; off < bb; ++off)
+      ASSERT_EQ(k0[static_cast<std::uint64_t>(20 + i) * bb + off], static_cast<std::byte>(1 + i)) << i;
+  stop = true;
+  serve.join();
+  std::filesystem::remove_all(root);
 }
 
 }  // namespace
