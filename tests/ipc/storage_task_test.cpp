@@ -8,6 +8,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <thread>
 
 #include "daemon_fixture.h"
@@ -468,6 +469,33 @@ TEST_F(StorageTaskTest, CancelStopsALargeWriteBetweenObjects) {
   auto ar = engine_->wait(*again, 60'000'000'000);
   ASSERT_TRUE(ar.ok() && ar->ok());
   EXPECT_EQ(ar->blocks_done, 0u);
+}
+
+// Priority: a read queued behind a backup (write) that has not started yet goes first.
+TEST_F(StorageTaskTest, ReadsGoBeforeQueuedWrites) {
+  set_geometry(8, 64, 4, 64, 128, 8);  // 1 MiB objects
+  extra_args_.insert(extra_args_.end(), {"--storage-io-threads", "1"});
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  ASSERT_TRUE(storage(TaskKind::kStorageWrite, make_keys("pr", 2), iota_ids(60, 2)).ok());
+  auto submit_storage = [&](TaskKind kind, const std::vector<std::string>& keys, const std::vector<std::int32_t>& blocks) {
+    TaskRequest req;
+    req.kind = kind;
+    req.keys = keys;
+    req.blocks = blocks;
+    auto id = engine_->submit(req);
+    EXPECT_TRUE(id.ok());
+    return id.ok() ? *id : 0;
+  };
+  const auto w1 = submit_storage(TaskKind::kStorageWrite, make_keys("w1-", 24), iota_ids(0, 24));
+  const auto w2 = submit_storage(TaskKind::kStorageWrite, make_keys("w2-", 24), iota_ids(24, 24));
+  const auto rd = submit_storage(TaskKind::kStorageRead, make_keys("pr", 2), iota_ids(50, 2));
+  std::map<std::uint64_t, std::int64_t> done;
+  for (auto id : {w1, w2, rd}) {
+    auto r = engine_->wait(id, 60'000'000'000);
+    ASSERT_TRUE(r.ok() && r->ok()) << (r.ok() ? why(*r) : r.error().message);
+    done[id] = r->complete_ns;
+  }
+  EXPECT_LT(done[rd], done[w2]) << "the read waited for a write submitted before it";
 }
 
 TEST_F(StorageTaskTest, DeadlinePassingMidTransferFailsTheTask) {
