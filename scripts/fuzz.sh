@@ -14,6 +14,9 @@ if [ ! -f "$build/build.ninja" ]; then
     -DKVTD_FUZZ=ON -DKVTD_WITH_CUDA=OFF -DKVTD_WARNINGS_AS_ERRORS=ON >/dev/null
 fi
 ninja -C "$build" -j "$(nproc)" | grep -v '^\[' || true
+# UBSan recovers by default: a finding would only be printed. Make it a crash the run fails on
+# (a null memcpy in the storage-section decoder was printed and passed unnoticed).
+export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 out=${KVTD_FUZZ_OUT:-/tmp/kvtd-fuzz}
 mkdir -p "$out"
 for target in fuzz_task_record fuzz_session_header fuzz_object_header fuzz_config; do

@@ -96,7 +96,7 @@ Result<StorageSection, proto::TaskStatus> decode_storage_section(std::span<const
                                                   " words does not hold " + std::to_string(num_keys) + " keys of " +
                                                   std::to_string(s.args.key_bytes) + " characters");
   std::vector<std::uint16_t> lens(num_keys);
-  std::memcpy(lens.data(), in + sizeof s.args, 2ull * num_keys);
+  if (num_keys != 0) std::memcpy(lens.data(), in + sizeof s.args, 2ull * num_keys);  // (no null memcpy: UB)
   std::uint64_t sum = 0;
   for (auto l : lens) sum += l;
   if (sum != s.args.key_bytes)
