@@ -456,7 +456,10 @@ TEST_F(StorageTaskTest, CancelStopsALargeWriteBetweenObjects) {
   ASSERT_TRUE(cid.ok()) << cid.error().message;
   auto cr = engine_->wait(*cid, 60'000'000'000);
   ASSERT_TRUE(cr.ok() && cr->ok());
-  EXPECT_EQ(cr->blocks_done, 1u);  // live on every rank
+  // 1 when the write was live on every rank as the CANCEL arrived; 0 when one rank had already
+  // ended it (a rank that cancels before agreeing makes the others end it too, and one of them
+  // can get there before its dispatcher reads the CANCEL: seen under ASan in CI).
+  EXPECT_LE(cr->blocks_done, 1u);
   auto wr = engine_->wait(*wid, 60'000'000'000);
   ASSERT_TRUE(wr.ok());
   EXPECT_EQ(wr->status, TaskStatus::kCancelled) << why(*wr);
