@@ -22,6 +22,7 @@ class HostBackend final : public DeviceBackend {
     for (auto& [p, n] : host_) munmap(p, n);
   }
 
+  bool tensors_host_accessible() const override { return true; }
   const char* name() const override { return "host"; }
 
   Result<std::byte*, DeviceErrc> open_tensor(const proto::TensorDesc& d) override {

@@ -338,6 +338,7 @@ struct StorageExecutor::Impl {
     }
     // MLA: the cache is replicated, one copy serves every rank; rank 0 writes it.
     const bool writer = !t.replicated || ep.rank() == 0;
+    const bool in_place = t.store->writes_parts() && (host || backend.tensors_host_accessible());
     const auto& tensors = host ? t.host_tensors : t.device_tensors;
     std::size_t written = skip;
     std::vector<const std::byte*> src(chunk_objects);
@@ -351,7 +352,20 @@ struct StorageExecutor::Impl {
         return;
       }
       const std::size_t c = std::min(chunk_objects, stored.size() - written);
-      if (writer) {
+      if (writer && in_place) {
+        // The blocks are readable where they are (host pool; host-backend tensors): each object
+        // is written straight from its layer-first pieces, no staging copy.
+        const auto chunk_ids = std::span(ids).subspan(written, c);
+        std::vector<storage::ObjectStore::Parts> objects(c);
+        for (std::size_t i = 0; i < c; ++i) {
+          objects[i].reserve(tensors.size());
+          for (const auto& tensor : tensors)
+            objects[i].emplace_back(tensor.base + static_cast<std::uint64_t>(chunk_ids[i]) * tensor.block_bytes,
+                                    tensor.block_bytes);
+        }
+        auto put = t.store->put_parts(std::span(stored).subspan(written, c), objects);
+        if (!check_put(w, put, c, start)) return;
+      } else if (writer) {
         const auto chunk_ids = std::span(ids).subspan(written, c);
         for (std::size_t i = 0; i < c; ++i) src[i] = slice + i * t.object_bytes;
         // Each object is gathered into staging on the I/O thread that writes it next.
@@ -374,24 +388,7 @@ struct StorageExecutor::Impl {
           finish(w, TaskStatus::kDeviceError, 0, 0, start, gather_error);
           return;
         }
-        if (!put.ok()) {
-          const auto code = put.error().code;
-          finish(w, code == storage::StorageErrc::kUnavailable ? TaskStatus::kStorageUnavailable : TaskStatus::kStorageError,
-                 0, 0, start, unavailable(put.error().message));
-          return;
-        }
-        std::size_t failed = 0;
-        for (std::size_t i = 0; i < c; ++i) failed += (*put)[i] != storage::ObjectResult::kOk;
-        if (failed != 0) {
-          // Each object is whole or absent (the stores write then rename); the others stand.
-          finish(w, TaskStatus::kStorageError, 0, 0, start,
-                 unavailable(std::to_string(failed) + " of " + std::to_string(c) +
-                             " objects not written: " + cause_of(t.store->last_error())));
-          return;
-        }
-        std::lock_guard<std::mutex> g(stats_mu);
-        st.objects_written += c;
-        st.bytes_written += c * t.object_bytes;
+        if (!check_put(w, put, c, start)) return;
       }
       written += c;
     }
@@ -405,6 +402,31 @@ struct StorageExecutor::Impl {
     if (now <= w.header.deadline_ns) return false;
     finish(w, TaskStatus::kDeadlineExceeded, 0, 0, start,
            "deadline passed after " + std::to_string(done) + " of " + std::to_string(of) + " blocks");
+    return true;
+  }
+
+  // The outcome of one chunk's put: false (the task completed as failed) unless every object
+  // was written.
+  bool check_put(const StorageWork& w, const Result<std::vector<storage::ObjectResult>, storage::StorageErrc>& put,
+                 std::size_t c, std::int64_t start) {
+    if (!put.ok()) {
+      const auto code = put.error().code;
+      finish(w, code == storage::StorageErrc::kUnavailable ? TaskStatus::kStorageUnavailable : TaskStatus::kStorageError, 0,
+             0, start, unavailable(put.error().message));
+      return false;
+    }
+    std::size_t failed = 0;
+    for (std::size_t i = 0; i < c; ++i) failed += (*put)[i] != storage::ObjectResult::kOk;
+    if (failed != 0) {
+      // Each object is whole or absent (the stores write then rename); the others stand.
+      finish(w, TaskStatus::kStorageError, 0, 0, start,
+             unavailable(std::to_string(failed) + " of " + std::to_string(c) +
+                         " objects not written: " + cause_of(t.store->last_error())));
+      return false;
+    }
+    std::lock_guard<std::mutex> g(stats_mu);
+    st.objects_written += c;
+    st.bytes_written += c * t.object_bytes;
     return true;
   }
 

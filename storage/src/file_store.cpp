@@ -152,45 +152,71 @@ class FileStore final : public ObjectStore {
         counters_.count_put(out[i]);
         return;
       }
-      const std::string path = path_of(keys[i]);
-      const std::string dir = path.substr(0, path.rfind('/'));
-      std::span<const std::byte> payload(srcs[i], opts_.store.object_bytes);
-      const ObjectHeader h = make_header(opts_.store, namespaced_key(opts_.store, keys[i]), payload);
-      const std::span<const std::byte> parts[2] = {{reinterpret_cast<const std::byte*>(&h), sizeof h}, payload};
-      const std::string tmp = dir + "/" + kTmpPrefix + keys[i] + "-" + unique_suffix();
-      const char* step = "write ";
-      int e = fs_->write_file(tmp, parts, opts_.sync != SyncPolicy::kNone);
-      if (e == ENOENT && fs_->make_dirs(dir) == 0) {
-        // The directory made at open was removed under us (an operator cleaning the store, a
-        // tmpfiles rule): make it again instead of failing every later put.
-        e = fs_->write_file(tmp, parts, opts_.sync != SyncPolicy::kNone);
-      }
-      if (e == 0) {
-        // Rename and index update under one lock: eviction (also under it) picks its victims from
-        // the index, so it can never delete an object that was just renamed in but not yet indexed
-        // as new (it used to remove a concurrent put's fresh object under an old LRU entry).
-        step = "rename to ";
-        std::lock_guard<std::mutex> g(mu_);
-        e = fs_->rename(tmp, path);
-        if (e == 0) {
-          touch_locked(path, sizeof h + payload.size());
-          evict_locked(path);
-        }
-      }
-      if (e == 0 && opts_.sync == SyncPolicy::kFull) {
-        step = "sync directory of ";
-        e = fs_->sync_dir(dir);
-      }
-      if (e != 0) {
-        note_error(step + path, e);
-        fs_->remove(tmp);  // the previous object under this key, if any, is untouched
-        out[i] = ObjectResult::kFailed;
-        counters_.count_put(out[i]);
-        return;
-      }
-      counters_.count_put(ObjectResult::kOk);
+      const std::span<const std::byte> payload[1] = {{srcs[i], opts_.store.object_bytes}};
+      out[i] = write_one(keys[i], payload);
     });
     return out;
+  }
+
+  bool writes_parts() const override { return true; }
+
+  Result<std::vector<ObjectResult>, StorageErrc> put_parts(std::span<const std::string> keys,
+                                                           std::span<const Parts> objects) override {
+    if (auto st = detail::check_batch(keys, objects.size(), "objects"); !st.ok()) return st.error();
+    for (std::size_t i = 0; i < objects.size(); ++i) {
+      std::uint64_t n = 0;
+      for (auto p : objects[i]) n += p.size();
+      if (n != opts_.store.object_bytes)
+        return make_error(StorageErrc::kInvalidArgument, "object " + std::to_string(i) + " has " + std::to_string(n) +
+                                                             " bytes in its parts, not " +
+                                                             std::to_string(opts_.store.object_bytes));
+    }
+    std::vector<ObjectResult> out(keys.size(), ObjectResult::kOk);
+    parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) { out[i] = write_one(keys[i], objects[i]); });
+    return out;
+  }
+
+  // Writes one object (header + payload parts) to a temporary file and renames it in place.
+  ObjectResult write_one(const std::string& key, std::span<const std::span<const std::byte>> payload) {
+    const std::string path = path_of(key);
+    const std::string dir = path.substr(0, path.rfind('/'));
+    const ObjectHeader h = make_header(opts_.store, namespaced_key(opts_.store, key), payload);
+    std::vector<std::span<const std::byte>> parts;
+    parts.reserve(payload.size() + 1);
+    parts.emplace_back(reinterpret_cast<const std::byte*>(&h), sizeof h);
+    parts.insert(parts.end(), payload.begin(), payload.end());
+    const std::string tmp = dir + "/" + kTmpPrefix + key + "-" + unique_suffix();
+    const char* step = "write ";
+    int e = fs_->write_file(tmp, parts, opts_.sync != SyncPolicy::kNone);
+    if (e == ENOENT && fs_->make_dirs(dir) == 0) {
+      // The directory made at open was removed under us (an operator cleaning the store, a
+      // tmpfiles rule): make it again instead of failing every later put.
+      e = fs_->write_file(tmp, parts, opts_.sync != SyncPolicy::kNone);
+    }
+    if (e == 0) {
+      // Rename and index update under one lock: eviction (also under it) picks its victims from
+      // the index, so it can never delete an object that was just renamed in but not yet indexed
+      // as new (it used to remove a concurrent put's fresh object under an old LRU entry).
+      step = "rename to ";
+      std::lock_guard<std::mutex> g(mu_);
+      e = fs_->rename(tmp, path);
+      if (e == 0) {
+        touch_locked(path, sizeof h + h.payload_bytes);
+        evict_locked(path);
+      }
+    }
+    if (e == 0 && opts_.sync == SyncPolicy::kFull) {
+      step = "sync directory of ";
+      e = fs_->sync_dir(dir);
+    }
+    if (e != 0) {
+      note_error(step + path, e);
+      fs_->remove(tmp);  // the previous object under this key, if any, is untouched
+      counters_.count_put(ObjectResult::kFailed);
+      return ObjectResult::kFailed;
+    }
+    counters_.count_put(ObjectResult::kOk);
+    return ObjectResult::kOk;
   }
 
   Status<StorageErrc> remove(std::span<const std::string> keys) override {

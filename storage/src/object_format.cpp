@@ -3,6 +3,8 @@
 #include <xxhash.h>
 
 #include <cstdio>
+#include <memory>
+#include <new>
 
 #include "kvtd/proto/names.h"
 
@@ -29,13 +31,31 @@ std::string namespaced_key(const StoreOptions& o, const std::string& key) {
 }
 
 ObjectHeader make_header(const StoreOptions& o, const std::string& namespaced, std::span<const std::byte> payload) {
+  const std::span<const std::byte> one[1] = {payload};
+  return make_header(o, namespaced, one);
+}
+
+ObjectHeader make_header(const StoreOptions& o, const std::string& namespaced,
+                         std::span<const std::span<const std::byte>> parts) {
   ObjectHeader h{};
   h.magic = kObjectMagic;
   h.version = kObjectFormatVersion;
   h.layout_fingerprint = o.layout_fingerprint;
   h.key_hash = hash_bytes(namespaced.data(), namespaced.size());
-  h.payload_bytes = payload.size();
-  h.checksum = hash_bytes(payload.data(), payload.size());
+  if (parts.size() == 1) {
+    h.payload_bytes = parts[0].size();
+    h.checksum = hash_bytes(parts[0].data(), parts[0].size());
+    return h;
+  }
+  // Streaming XXH3 over the parts equals XXH3 of their concatenation.
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> st(XXH3_createState(), &XXH3_freeState);
+  if (!st) throw std::bad_alloc();
+  XXH3_64bits_reset(st.get());
+  for (auto p : parts) {
+    XXH3_64bits_update(st.get(), p.data(), p.size());
+    h.payload_bytes += p.size();
+  }
+  h.checksum = XXH3_64bits_digest(st.get());
   return h;
 }
 

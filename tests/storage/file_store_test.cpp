@@ -148,6 +148,31 @@ TEST_F(FileStoreTest, DirectoriesRemovedUnderTheStoreAreMadeAgainOnPut) {
   EXPECT_EQ(get_one(*s, "before", &back), ObjectResult::kMissing);
 }
 
+// An object written from scattered parts is the object of their concatenation: same bytes on
+// disk, same checksum, read back whole.
+TEST_F(FileStoreTest, ObjectFromPartsEqualsObjectFromOneBuffer) {
+  auto s = open(options());
+  ASSERT_TRUE(s->writes_parts());
+  const auto whole = object(7);
+  put_one(*s, "one", whole);
+  ObjectStore::Parts parts;
+  for (std::size_t off = 0; off < kObject; off += kObject / 8) parts.emplace_back(whole.data() + off, kObject / 8);
+  const std::string keys[1] = {"parts"};
+  const ObjectStore::Parts objects[1] = {parts};
+  auto r = s->put_parts(keys, objects);
+  ASSERT_TRUE(r.ok()) << r.error().message;
+  EXPECT_EQ((*r)[0], ObjectResult::kOk);
+  std::vector<std::byte> back;
+  ASSERT_EQ(get_one(*s, "parts", &back), ObjectResult::kOk);
+  EXPECT_EQ(back, whole);
+  // Parts that do not add up to one object are refused before anything is written.
+  ObjectStore::Parts short_parts{parts.begin(), parts.end() - 1};
+  const ObjectStore::Parts bad[1] = {short_parts};
+  const std::string bad_key[1] = {"short"};
+  EXPECT_FALSE(s->put_parts(bad_key, bad).ok());
+  EXPECT_EQ(get_one(*s, "short", &back), ObjectResult::kMissing);
+}
+
 TEST_F(FileStoreTest, CorruptAndTruncatedObjectsAreCountedMisses) {
   auto s = open(options());
   put_one(*s, "a", object(1));

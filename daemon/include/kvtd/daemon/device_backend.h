@@ -58,6 +58,10 @@ class DeviceBackend {
   // unpin_host(addr). The caller keeps it mapped until then.
   virtual Status<DeviceErrc> pin_host(std::byte* addr, std::size_t bytes) = 0;
   virtual void unpin_host(std::byte* addr) = 0;
+  // Whether the CPU can read the mapped device tensors in place (the host backend: they are
+  // shared memory). Then storage writes take their bytes straight from the tensors; else they
+  // go through pinned staging (gather_to_staging).
+  virtual bool tensors_host_accessible() const { return false; }
   // NUMA node of the device (host memory for it belongs there), or -1 when unknown.
   virtual int numa_node() const { return -1; }
 

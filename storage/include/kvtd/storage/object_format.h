@@ -36,6 +36,9 @@ static_assert(sizeof(ObjectHeader) == 40);
 std::string namespaced_key(const StoreOptions& o, const std::string& key);
 
 ObjectHeader make_header(const StoreOptions& o, const std::string& namespaced, std::span<const std::byte> payload);
+// The same for a payload given as consecutive parts (hashed as one stream).
+ObjectHeader make_header(const StoreOptions& o, const std::string& namespaced,
+                         std::span<const std::span<const std::byte>> payload_parts);
 
 // kOk if `header` and `payload` are a whole, uncorrupted object for this key; kCorrupt otherwise.
 ObjectResult verify_object(const StoreOptions& o, const std::string& namespaced, const ObjectHeader& header,

@@ -83,6 +83,18 @@ class ObjectStore {
         if ((*r)[i] == ObjectResult::kOk) on_ok(i);
     return r;
   }
+  // Whether put_parts writes scattered parts without gathering them first (the file store's
+  // writev); when false, callers gather into their own staging and use put/put_each.
+  virtual bool writes_parts() const { return false; }
+  // Like put(), each object's payload given as consecutive parts (e.g. one block's K and V of
+  // every layer, in place): the stored object is their concatenation. Only where writes_parts().
+  using Parts = std::vector<std::span<const std::byte>>;
+  virtual Result<std::vector<ObjectResult>, StorageErrc> put_parts(std::span<const std::string> keys,
+                                                                   std::span<const Parts> objects) {
+    (void)objects;
+    return make_error(StorageErrc::kInvalidArgument, "this store cannot write scattered parts (" +
+                                                         std::to_string(keys.size()) + " objects)");
+  }
   // Like put(); before_put(i) fills sources[i] right before object i is written. When it returns
   // false the object is not written and its result is kFailed.
   using FillHook = std::function<bool(std::size_t index)>;
