@@ -69,8 +69,14 @@ struct StorageExecutor::Impl {
   std::mutex mu;
   // Workers sleep on this word (spin, then futex): a condition variable's wake-up alone cost
   // tens of microseconds per task, more than a whole swap round trip.
-  std::atomic<std::uint32_t> word{0};
-  std::atomic<std::uint32_t> waiters{0};
+  // One word per queue, so a new task wakes only the thread that takes it: waking the workers on
+  // every agreement cost several microseconds of a 2-core round trip.
+  struct Wake {
+    std::atomic<std::uint32_t> word{0};
+    std::atomic<std::uint32_t> waiters{0};
+    void bump() { ipc::bump_and_wake(word, &waiters); }
+  };
+  Wake agree_wake, work_wake;
   std::deque<StorageWork> agreeing;   // phase 1, ring order
   std::deque<Prepared> high, low;     // phase 2: loads first, then writes
   bool agree_done = false;            // the agreement thread has exited (after closing)
@@ -439,23 +445,23 @@ struct StorageExecutor::Impl {
     release(w);
   }
 
-  // Waits on `word` until take() (called under mu) hands something over or says to stop.
+  // Waits on `wake` until take() (called under mu) hands something over or says to stop.
   template <typename Take>
-  bool wait_for(Take&& take) {
+  bool wait_for(Wake& wake, Take&& take) {
     for (;;) {
-      const std::uint32_t seen = word.load(std::memory_order_acquire);
+      const std::uint32_t seen = wake.word.load(std::memory_order_acquire);
       {
         std::lock_guard<std::mutex> g(mu);
         if (auto r = take(); r.has_value()) return *r;
       }
-      (void)ipc::wait_on_word(word, seen, ipc::monotonic_now_ns() + 50'000'000, &waiters, 50'000);
+      (void)ipc::wait_on_word(wake.word, seen, ipc::monotonic_now_ns() + 50'000'000, &wake.waiters, 50'000);
     }
   }
 
   void agreement_loop() {
     for (;;) {
       Prepared p;
-      const bool got = wait_for([&]() -> std::optional<bool> {
+      const bool got = wait_for(agree_wake, [&]() -> std::optional<bool> {
         if (!agreeing.empty()) {
           p.work = std::move(agreeing.front());
           agreeing.pop_front();
@@ -474,20 +480,20 @@ struct StorageExecutor::Impl {
         std::lock_guard<std::mutex> g(mu);
         (write ? low : high).push_back(std::move(p));
       }
-      ipc::bump_and_wake(word, &waiters);
+      work_wake.bump();
     }
     {
       std::lock_guard<std::mutex> g(mu);
       agree_done = true;
     }
-    ipc::bump_and_wake(word, &waiters);
+    work_wake.bump();
   }
 
   void worker_loop(std::size_t index) {
     std::byte* slice = staging[index];
     for (;;) {
       Prepared p;
-      const bool got = wait_for([&]() -> std::optional<bool> {
+      const bool got = wait_for(work_wake, [&]() -> std::optional<bool> {
         auto& q = !high.empty() ? high : low;
         if (!q.empty()) {
           p = std::move(q.front());
@@ -548,7 +554,7 @@ void StorageExecutor::close() {
     std::lock_guard<std::mutex> g(impl_->mu);
     impl_->closing = true;
   }
-  ipc::bump_and_wake(impl_->word, &impl_->waiters);
+  impl_->agree_wake.bump();
   if (impl_->agreement.joinable()) impl_->agreement.join();
   for (auto& th : impl_->workers)
     if (th.joinable()) th.join();
@@ -560,7 +566,7 @@ void StorageExecutor::submit(StorageWork&& w) {
     impl_->live.insert(w.header.task_id);
     impl_->agreeing.push_back(std::move(w));
   }
-  ipc::bump_and_wake(impl_->word, &impl_->waiters);
+  impl_->agree_wake.bump();
 }
 
 bool StorageExecutor::cancel(std::uint64_t task_id) {
