@@ -286,19 +286,28 @@ struct StorageExecutor::Impl {
       if (host && pool != nullptr) pool->mark_invalid(ids);
       // Each verified object is scattered into its block on the store's I/O thread that read it,
       // while later objects are still being read. An object after a miss on this rank may land
-      // in its (reserved) block too; only the leading blocks_done are reported loaded.
+      // in its (reserved) block too; only the leading blocks_done are reported loaded. The file
+      // store lends each verified payload from its own cache-warm buffer; other stores verify
+      // into this worker's staging.
       std::mutex err_mu;
       std::string scatter_error;
-      auto got = t.store->get_each(std::span(p.stored).subspan(loaded, c), std::span(dst).first(c), /*scratch=*/true,
-                                   [&](std::size_t i) {
-                                     const auto one = ids.subspan(i, 1);
-                                     if (host) {
-                                       kernels::scatter_from_staging_host(tensors, one, dst[i]);
-                                     } else if (auto s2 = backend.scatter_from_staging(tensors, one, dst[i]); !s2.ok()) {
-                                       std::lock_guard<std::mutex> g(err_mu);
-                                       scatter_error = s2.error().message;
-                                     }
-                                   });
+      auto scatter = [&](std::size_t i, const std::byte* payload) {
+        const auto one = ids.subspan(i, 1);
+        if (host) {
+          kernels::scatter_from_staging_host(tensors, one, payload);
+        } else if (auto s2 = backend.scatter_from_staging(tensors, one, payload); !s2.ok()) {
+          std::lock_guard<std::mutex> g(err_mu);
+          scatter_error = s2.error().message;
+        }
+      };
+      const auto chunk_keys = std::span(p.stored).subspan(loaded, c);
+      // Lent payloads are pageable memory: only where the CPU does the scatter (host blocks, or
+      // a backend whose tensors it can write); a DMA to the device wants pinned staging.
+      auto got = t.store->lends_payloads() && (host || backend.tensors_host_accessible())
+                     ? t.store->get_lent(chunk_keys, [&](std::size_t i, std::span<const std::byte> payload) {
+                         scatter(i, payload.data());
+                       })
+                     : t.store->get_each(chunk_keys, std::span(dst).first(c), [&](std::size_t i) { scatter(i, dst[i]); });
       if (!got.ok()) {
         const auto code = got.error().code;
         finish(w, code == storage::StorageErrc::kUnavailable ? TaskStatus::kStorageUnavailable : TaskStatus::kStorageError,

@@ -93,45 +93,39 @@ class FileStore final : public ObjectStore {
 
   Result<std::vector<ObjectResult>, StorageErrc> get(std::span<const std::string> keys,
                                                      std::span<std::byte* const> dsts) override {
-    return get_each(keys, dsts, false, {});
+    return get_each(keys, dsts, {});
   }
 
   Result<std::vector<ObjectResult>, StorageErrc> get_each(std::span<const std::string> keys,
-                                                          std::span<std::byte* const> dsts, bool scratch_dsts,
+                                                          std::span<std::byte* const> dsts,
                                                           const ObjectHook& on_ok) override {
     if (auto st = detail::check_batch(keys, dsts.size(), "destinations"); !st.ok()) return st.error();
     std::vector<ObjectResult> out(keys.size(), ObjectResult::kMissing);
     parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
-      const std::string path = path_of(keys[i]);
-      ObjectHeader h{};
       // Read into private scratch and verify there: the caller's buffer receives the payload only
-      // once it is known good, so a corrupt or foreign object never clobbers it. One byte past
-      // the payload is asked for: an object with trailing bytes is not ours.
-      // (Unless the destination is the caller's scratch: then straight into it.)
-      thread_local std::vector<std::byte> scratch;
-      std::byte trailing{};
-      if (!scratch_dsts) scratch.resize(opts_.store.object_bytes);
-      std::span<std::byte> payload(scratch_dsts ? dsts[i] : scratch.data(), opts_.store.object_bytes);
-      const std::span<std::byte> parts[3] = {{reinterpret_cast<std::byte*>(&h), sizeof h}, payload, {&trailing, 1}};
-      std::size_t read = 0;
-      const int e = fs_->read_file(path, parts, &read);
-      if (e == ENOENT) {
-        out[i] = ObjectResult::kMissing;
-      } else if (e != 0) {
-        out[i] = ObjectResult::kFailed;
-        note_error("read " + path, e);
-      } else if (read != sizeof h + payload.size()) {
-        out[i] = ObjectResult::kCorrupt;  // truncated, or trailing bytes
-      } else {
-        out[i] = verify_object(opts_.store, namespaced_key(opts_.store, keys[i]), h, payload);
-        if (out[i] == ObjectResult::kOk && !scratch_dsts) std::memcpy(dsts[i], payload.data(), payload.size());
-      }
-      if (out[i] == ObjectResult::kOk && on_ok) on_ok(i);
-      counters_.count_get(out[i]);
+      // once it is known good, so a corrupt or foreign object never clobbers it.
+      Scratch scratch(*this);
+      const auto payload = scratch.span();
+      out[i] = read_one(keys[i], payload);
       if (out[i] == ObjectResult::kOk) {
-        std::lock_guard<std::mutex> g(mu_);
-        touch_locked(path, sizeof h + payload.size());
+        std::memcpy(dsts[i], payload.data(), payload.size());
+        if (on_ok) on_ok(i);
       }
+    });
+    return out;
+  }
+
+  bool lends_payloads() const override { return true; }
+
+  Result<std::vector<ObjectResult>, StorageErrc> get_lent(std::span<const std::string> keys,
+                                                          const LentHook& on_object) override {
+    if (auto st = detail::check_keys(keys); !st.ok()) return st.error();
+    std::vector<ObjectResult> out(keys.size(), ObjectResult::kMissing);
+    parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
+      Scratch scratch(*this);
+      const auto payload = scratch.span();
+      out[i] = read_one(keys[i], payload);
+      if (out[i] == ObjectResult::kOk && on_object) on_object(i, payload);
     });
     return out;
   }
@@ -174,6 +168,61 @@ class FileStore final : public ObjectStore {
     std::vector<ObjectResult> out(keys.size(), ObjectResult::kOk);
     parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) { out[i] = write_one(keys[i], objects[i]); });
     return out;
+  }
+
+  // An object-sized scratch buffer, borrowed from a free list for one object and given back:
+  // buffers outlive the per-call I/O threads, so they stay allocated and warm in cache (a
+  // thread_local one was allocated and faulted in again on every call). At most one per
+  // concurrent reader exists.
+  class Scratch {
+   public:
+    explicit Scratch(const FileStore& s) : s_(s) {
+      std::lock_guard<std::mutex> g(s_.scratch_mu_);
+      if (!s_.scratch_free_.empty()) {
+        buf_ = std::move(s_.scratch_free_.back());
+        s_.scratch_free_.pop_back();
+      }
+      if (!buf_) buf_ = std::make_unique<std::byte[]>(s_.opts_.store.object_bytes);
+    }
+    ~Scratch() {
+      std::lock_guard<std::mutex> g(s_.scratch_mu_);
+      s_.scratch_free_.push_back(std::move(buf_));
+    }
+    Scratch(const Scratch&) = delete;
+    Scratch& operator=(const Scratch&) = delete;
+    std::span<std::byte> span() const { return {buf_.get(), s_.opts_.store.object_bytes}; }
+
+   private:
+    const FileStore& s_;
+    std::unique_ptr<std::byte[]> buf_;
+  };
+
+  // Reads one object into `payload` (object_bytes) and verifies it there. One byte past the
+  // payload is asked for: an object with trailing bytes is not ours.
+  ObjectResult read_one(const std::string& key, std::span<std::byte> payload) {
+    const std::string path = path_of(key);
+    ObjectHeader h{};
+    std::byte trailing{};
+    const std::span<std::byte> parts[3] = {{reinterpret_cast<std::byte*>(&h), sizeof h}, payload, {&trailing, 1}};
+    std::size_t read = 0;
+    const int e = fs_->read_file(path, parts, &read);
+    ObjectResult r;
+    if (e == ENOENT) {
+      r = ObjectResult::kMissing;
+    } else if (e != 0) {
+      r = ObjectResult::kFailed;
+      note_error("read " + path, e);
+    } else if (read != sizeof h + payload.size()) {
+      r = ObjectResult::kCorrupt;  // truncated, or trailing bytes
+    } else {
+      r = verify_object(opts_.store, namespaced_key(opts_.store, key), h, payload);
+    }
+    counters_.count_get(r);
+    if (r == ObjectResult::kOk) {
+      std::lock_guard<std::mutex> g(mu_);
+      touch_locked(path, sizeof h + payload.size());
+    }
+    return r;
   }
 
   // Writes one object (header + payload parts) to a temporary file and renames it in place.
@@ -314,6 +363,8 @@ class FileStore final : public ObjectStore {
   std::string last_error_;
 
   detail::Counters counters_;
+  mutable std::mutex scratch_mu_;
+  mutable std::vector<std::unique_ptr<std::byte[]>> scratch_free_;  // guarded by scratch_mu_
 };
 
 }  // namespace

@@ -70,19 +70,29 @@ class ObjectStore {
   // the store's I/O threads, concurrently for different objects; the defaults below run them
   // around one whole-batch call.
   using ObjectHook = std::function<void(std::size_t index)>;
-  // Like get(); then on_ok(i) once object i verified into destinations[i]. With
-  // scratch_destinations the payload is read straight into its destination and verified there:
-  // one copy fewer, but a corrupt object leaves garbage in it (only for caller-private staging).
+  // Like get(); then on_ok(i) once object i verified into destinations[i].
   virtual Result<std::vector<ObjectResult>, StorageErrc> get_each(std::span<const std::string> keys,
                                                                   std::span<std::byte* const> destinations,
-                                                                  bool scratch_destinations, const ObjectHook& on_ok) {
-    (void)scratch_destinations;
+                                                                  const ObjectHook& on_ok) {
     auto r = get(keys, destinations);
     if (r.ok() && on_ok)
       for (std::size_t i = 0; i < r->size(); ++i)
         if ((*r)[i] == ObjectResult::kOk) on_ok(i);
     return r;
   }
+  // Whether get_lent works: the store reads each object into a buffer of its own (one per I/O
+  // thread, reused, so it stays in cache) and lends it out once verified.
+  virtual bool lends_payloads() const { return false; }
+  // Reads and verifies each key; on_object(i, payload) is called with a verified object's
+  // payload, valid only during that call, on the I/O thread that read it. Per-key results.
+  using LentHook = std::function<void(std::size_t index, std::span<const std::byte> payload)>;
+  virtual Result<std::vector<ObjectResult>, StorageErrc> get_lent(std::span<const std::string> keys,
+                                                                  const LentHook& on_object) {
+    (void)on_object;
+    return make_error(StorageErrc::kInvalidArgument, "this store does not lend payloads (" +
+                                                         std::to_string(keys.size()) + " objects)");
+  }
+
   // Whether put_parts writes scattered parts without gathering them first (the file store's
   // writev); when false, callers gather into their own staging and use put/put_each.
   virtual bool writes_parts() const { return false; }
