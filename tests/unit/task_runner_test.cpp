@@ -76,26 +76,38 @@ class HeldCopiesBackend final : public DeviceBackend {
   bool released_ = false;
 };
 
+// An engine (host-backend tensors) and the endpoint of its only rank, in this process.
+struct OneRankSession {
+  Result<std::unique_ptr<ipc::EngineSession>, ipc::IpcErrc> engine = make_error(ipc::IpcErrc::kNotReady, "");
+  Result<std::unique_ptr<ipc::RankEndpoint>, ipc::IpcErrc> ep = make_error(ipc::IpcErrc::kNotReady, "");
+  void start(const std::string& suffix, const proto::CacheGeometry& g) {
+    ipc::SessionOptions o;
+    o.suffix = suffix;
+    o.geometry = g;
+    o.service_period_ns = 2'000'000;
+    engine = ipc::EngineSession::create(o);
+    ASSERT_TRUE(engine.ok()) << engine.error().message;
+    ASSERT_TRUE((*engine)->create_host_device_tensors().ok());
+    ASSERT_TRUE((*engine)->publish().ok());
+    ipc::EndpointOptions eo;
+    eo.suffix = suffix;
+    eo.expected = g;
+    eo.attach_timeout_ns = 5'000'000'000;
+    ep = ipc::RankEndpoint::attach(eo);
+    ASSERT_TRUE(ep.ok()) << ep.error().message;
+  }
+};
+
 // The enqueued stage was published only together with the done stage, so an engine waiting to
 // cudaStreamWaitEvent on layer l's event waited for the copy itself instead.
 TEST(TaskRunner, LayerEnqueuedIsPublishedBeforeTheLayersCopyIsDone) {
   test::Watchdog dog(60);
   const auto g = test::small_geometry(1);
   const auto suffix = test::unique_suffix("enqueued");
-  ipc::SessionOptions o;
-  o.suffix = suffix;
-  o.geometry = g;
-  o.service_period_ns = 2'000'000;
-  auto engine = ipc::EngineSession::create(o);
-  ASSERT_TRUE(engine.ok()) << engine.error().message;
-  ASSERT_TRUE((*engine)->create_host_device_tensors().ok());
-  ASSERT_TRUE((*engine)->publish().ok());
-  ipc::EndpointOptions eo;
-  eo.suffix = suffix;
-  eo.expected = g;
-  eo.attach_timeout_ns = 5'000'000'000;
-  auto ep = ipc::RankEndpoint::attach(eo);
-  ASSERT_TRUE(ep.ok()) << ep.error().message;
+  OneRankSession session;
+  ASSERT_NO_FATAL_FAILURE(session.start(suffix, g));
+  auto& engine = session.engine;
+  auto& ep = session.ep;
 
   HeldCopiesBackend backend;
   std::vector<std::byte> dev(4096), host(4096);
@@ -176,20 +188,10 @@ TEST(TaskRunner, StorageWriteRunningOutOfSpaceFailsAndLeavesWholeObjects) {
   test::Watchdog dog(60);
   const auto g = test::small_geometry(1);
   const auto suffix = test::unique_suffix("enospc");
-  ipc::SessionOptions o;
-  o.suffix = suffix;
-  o.geometry = g;
-  o.service_period_ns = 2'000'000;
-  auto engine = ipc::EngineSession::create(o);
-  ASSERT_TRUE(engine.ok()) << engine.error().message;
-  ASSERT_TRUE((*engine)->create_host_device_tensors().ok());
-  ASSERT_TRUE((*engine)->publish().ok());
-  ipc::EndpointOptions eo;
-  eo.suffix = suffix;
-  eo.expected = g;
-  eo.attach_timeout_ns = 5'000'000'000;
-  auto ep = ipc::RankEndpoint::attach(eo);
-  ASSERT_TRUE(ep.ok()) << ep.error().message;
+  OneRankSession session;
+  ASSERT_NO_FATAL_FAILURE(session.start(suffix, g));
+  auto& engine = session.engine;
+  auto& ep = session.ep;
 
   auto backend = make_host_backend();
   AttachedCache cache;
