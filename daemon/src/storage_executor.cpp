@@ -43,7 +43,6 @@ std::string cause_of(const std::string& error) {
   return error.substr(at + 2) + " (" + error.substr(0, at) + ")";
 }
 
-
 }  // namespace
 
 // A task through phase 1: the keys it stores or loads, their blocks, the agreed count.
@@ -99,13 +98,6 @@ struct StorageExecutor::Impl {
     const std::uint32_t slice_rank = t.replicated ? 0 : ep.rank();
     return key + ".w" + std::to_string(t.config.weight_version) + "-" + std::to_string(task_weight_version) + ".r" +
            std::to_string(slice_rank);
-  }
-
-  std::vector<std::string> stored_keys(const StorageWork& w) const {
-    std::vector<std::string> out;
-    out.reserve(w.section.keys.size());
-    for (const auto& k : w.section.keys) out.push_back(stored_key(k, w.section.args.weight_version));
-    return out;
   }
 
   bool is_cancelled(std::uint64_t id) {

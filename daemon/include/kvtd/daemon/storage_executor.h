@@ -1,14 +1,17 @@
 // kvtd/daemon/storage_executor.h - runs a rank's storage tasks (STORAGE_QUERY, STORAGE_READ,
-// STORAGE_WRITE, PREFETCH) on its own worker pool, never on the swap lanes.
+// STORAGE_WRITE, PREFETCH) on threads of its own, never on the swap lanes.
 //
-// Each task: the rank counts its leading stored keys, the ranks agree on the MIN through the
-// session (RankEndpoint::agree: bounded, fails when a peer dies), then the agreed prefix is
-// loaded (READ, PREFETCH) or the rest is written (WRITE). Objects move through this worker's
-// slice of a bounded pinned staging buffer in chunks, so memory is bounded whatever the task
-// size: storage -> staging -> scatter into device or host blocks, and the reverse for writes.
-// A chunk whose objects are missing or corrupt on this rank ends the load there (the engine's
-// merge takes the MIN over ranks). Reads and prefetches go before writes (priority), FIFO
-// within a priority. A CANCEL stops a write or load between chunks.
+// Phase 1, on one agreement thread in ring order: the checks (epoch, deadline, cancel, store),
+// the write policy's selection, the rank's leading stored count, and the agreement on the MIN
+// across ranks (RankEndpoint::agree: bounded, fails when a peer dies). Ring order on every rank
+// means every rank waits on the same task at the same point, so no two tasks can deadlock.
+// Phase 2, on `--storage-io-threads` workers, reads and prefetches before writes: the agreed
+// prefix is loaded, or the rest written, chunk by chunk through the worker's slice of a bounded
+// pinned staging buffer, so memory is bounded whatever the task size. The layout transform runs
+// per object on the store's I/O thread that moves it; blocks the CPU can read in place are
+// written without staging (file store). A chunk whose objects are missing or corrupt on this
+// rank ends the load there (the engine's merge takes the MIN over ranks). A CANCEL or the
+// deadline stops a task between chunks.
 //
 // Stored key: "<engine key>.w<deployment weight version>-<task weight version>.r<rank>" in the
 // store's namespace (model id + layout fingerprint), so KV from other weights, another layout or
