@@ -333,11 +333,14 @@ Result<std::uint32_t, proto::TaskStatus> RankEndpoint::agree(std::uint64_t seq, 
       if (tag == want_tag) {
         const std::uint32_t v = proto::agreement_value(w);
         if ((v & proto::kAgreementAbort) == proto::kAgreementAbort) {
-          const auto why = static_cast<TaskStatus>(v & 0xFFFFu);
-          if (why == TaskStatus::kCancelled)
-            return make_error(TaskStatus::kCancelled, "rank " + std::to_string(r) + " cancelled this task before the ranks agreed");
-          return make_error(TaskStatus::kAgreementFailed, "rank " + std::to_string(r) + " failed this task (" +
-                                                              proto::task_status_name(why) + ") before the ranks agreed");
+          // Every rank reports the root cause, so the merged status (the lowest failing rank's) is
+          // that cause whichever rank hit it (it said agreement_failed when rank 0 was waiting).
+          const std::uint32_t code = v & 0xFFFFu;
+          const auto why = static_cast<TaskStatus>(code);
+          const bool known = code != 0 && code <= static_cast<std::uint32_t>(TaskStatus::kAgreementFailed);
+          return make_error(known ? why : TaskStatus::kAgreementFailed,
+                            "rank " + std::to_string(r) + " failed this task before the ranks agreed (" +
+                                proto::task_status_name(why) + ")");
         }
         agreed = std::min(agreed, proto::agreement_value(w));
         pending_mask &= ~(1u << r);

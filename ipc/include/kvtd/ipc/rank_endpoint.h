@@ -73,13 +73,14 @@ class RankEndpoint {
 
   // Agreement across ranks for the storage task with ring sequence number `seq` (see
   // proto::AgreementControl): publishes `count`, waits until every rank published, returns the
-  // MIN. Never hangs: fails with kAgreementFailed when a rank aborted (or the slot was reused),
+  // MIN. Never hangs: fails with the status a rank aborted with (naming that rank; the slot
+  // reused: kAgreementFailed),
   // kRankDead when the engine stopped counting a peer as live (dead, fenced, re-attached: it will
   // never publish), kShuttingDown when this rank's own epoch was revoked or the session is lost,
   // kDeadlineExceeded at `deadline_ns` (0 = none). The message names the rank. Any thread.
   Result<std::uint32_t, proto::TaskStatus> agree(std::uint64_t seq, std::uint32_t count, std::int64_t deadline_ns);
   // Tells the other ranks this rank failed task `seq` with `why` before agreeing: they stop
-  // waiting (kCancelled: they report kCancelled too; anything else: kAgreementFailed).
+  // waiting and report `why` too, naming this rank.
   void abort_agreement(std::uint64_t seq, proto::TaskStatus why = proto::TaskStatus::kAgreementFailed);
 
   // Task-ring positions (bytes): what the engine has published, and what this rank has read.

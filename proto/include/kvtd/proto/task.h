@@ -91,7 +91,7 @@ enum class TaskStatus : std::int32_t {
   kStorageUnavailable = 15,  // the storage backend could not be reached (message names the endpoint)
   kCancelled = 16,           // stopped by a CANCEL between objects; blocks_done says how far it got
   kStorageError = 17,        // the storage backend failed the write (ENOSPC, server error): nothing torn
-  kAgreementFailed = 18,     // another rank failed this task before the ranks agreed (message names it)
+  kAgreementFailed = 18,     // the ranks could not agree (an agreement slot was reused before it was read)
 };
 
 constexpr const char* task_status_name(TaskStatus s) {
