@@ -631,6 +631,30 @@ TEST_F(StorageChaosTest, StorageAgreementWithAKilledRankFailsWithinTheBound) {
   stopped_rank_fails_agreement(*this, SIGKILL, engine_, daemons_);
 }
 
+// The engine goes away while a rank waits in an agreement (its peer frozen): the waiting rank
+// stops waiting, detaches and waits for the next session instead of hanging in the agreement.
+TEST_F(StorageChaosTest, EngineGoneDuringAnAgreementReleasesTheWaitingRank) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  daemons_[1].signal(SIGSTOP);
+  TaskRequest q;
+  q.kind = TaskKind::kStorageQuery;
+  const auto keys = make_keys("gone", 2);
+  q.keys = keys;
+  ASSERT_TRUE(engine_->submit(q).ok());
+  std::this_thread::sleep_for(50ms);  // rank 0 is in the agreement now
+  engine_.reset();                    // the session closes
+  EXPECT_TRUE(test::eventually(
+      [&] { return test::read_file(log_path(0)).find("detached, waiting for a new session") != std::string::npos; },
+      10s))
+      << test::read_file(log_path(0));
+  daemons_[1].signal(SIGCONT);
+  // Rank 0 serves the next session.
+  ASSERT_NO_FATAL_FAILURE(start_engine());
+  auto st = engine_->wait_ready(20'000'000'000);
+  ASSERT_TRUE(st.ok()) << st.error().message;
+  EXPECT_TRUE(storage(TaskKind::kStorageQuery, keys, {}).ok());
+}
+
 TEST_F(StorageChaosTest, RedisKilledMidWorkFailsWithStorageUnavailableThenRecovers) {
   const int port = test::base_port() + 1;
   const std::string dir = ::testing::TempDir() + "/" + suffix_ + "_redis";
