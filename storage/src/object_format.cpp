@@ -61,7 +61,9 @@ ObjectHeader make_header(const StoreOptions& o, const std::string& namespaced,
 
 ObjectResult verify_object(const StoreOptions& o, const std::string& namespaced, const ObjectHeader& h,
                            std::span<const std::byte> payload) {
-  if (h.magic != kObjectMagic || h.version != kObjectFormatVersion) return ObjectResult::kCorrupt;
+  // reserved must be what this format writes (0): found by fuzz_object_header, an object with
+  // other bits there was accepted although no writer of this version makes it.
+  if (h.magic != kObjectMagic || h.version != kObjectFormatVersion || h.reserved != 0) return ObjectResult::kCorrupt;
   if (h.layout_fingerprint != o.layout_fingerprint) return ObjectResult::kCorrupt;
   if (h.key_hash != hash_bytes(namespaced.data(), namespaced.size())) return ObjectResult::kCorrupt;
   if (h.payload_bytes != o.object_bytes || payload.size() != o.object_bytes) return ObjectResult::kCorrupt;

@@ -200,6 +200,22 @@ TEST_F(FileStoreTest, CorruptAndTruncatedObjectsAreCountedMisses) {
   EXPECT_EQ(s->stats().hits, 0u);
 }
 
+// Found by fuzz_object_header: a header with bits set in its reserved field was accepted.
+TEST_F(FileStoreTest, ObjectWithReservedHeaderBitsIsCorrupt) {
+  auto s = open(options());
+  put_one(*s, "r", object(3));
+  const auto files = object_files();
+  ASSERT_EQ(files.size(), 1u);
+  {
+    std::fstream io(files[0], std::ios::in | std::ios::out | std::ios::binary);
+    io.seekp(offsetof(ObjectHeader, reserved));
+    const char bit = 4;
+    io.write(&bit, 1);
+  }
+  std::vector<std::byte> out;
+  EXPECT_EQ(get_one(*s, "r", &out), ObjectResult::kCorrupt);
+}
+
 // get used to read straight into the caller's buffer and verify afterwards: a corrupt object
 // clobbered bytes the caller still held. And an object with trailing bytes was accepted.
 TEST_F(FileStoreTest, CorruptObjectLeavesTheCallersBufferUntouchedAndTrailingBytesAreCorrupt) {
