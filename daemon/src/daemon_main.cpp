@@ -66,12 +66,8 @@ Result<OpenedStore, config::ConfigErrc> open_store(const config::DaemonConfig& c
   so.model_id = cfg.model_id;
   so.layout_fingerprint = layout_fingerprint(g);
   so.object_bytes = g.bytes_per_block_all_layers();
-  const std::uint64_t per_worker = (sc.staging_mib << 20) / sc.io_threads;
-  if (per_worker < so.object_bytes)
-    return make_error(config::ConfigErrc::kInvalidValue, std::string("--storage-staging-mib ") + std::to_string(sc.staging_mib) + " over " +
-           std::to_string(sc.io_threads) + " --storage-io-threads gives each worker " + std::to_string(per_worker) +
-           " bytes, less than one stored object (" + std::to_string(so.object_bytes) +
-           " bytes: one block, every layer)");
+  if (auto why = staging_problem(sc, so.object_bytes); !why.empty())
+    return make_error(config::ConfigErrc::kInvalidValue, why);
   if (sc.backend == config::StorageBackendKind::kFile) {
     storage::FileStoreOptions fo;
     fo.store = so;

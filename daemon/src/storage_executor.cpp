@@ -31,6 +31,15 @@ std::uint64_t layout_fingerprint(const proto::CacheGeometry& g) {
   return storage::hash_bytes(f, sizeof f);
 }
 
+std::string staging_problem(const config::StorageConfig& c, std::uint64_t object_bytes) {
+  const std::uint64_t per_worker = (c.staging_mib << 20) / c.io_threads;
+  if (object_bytes != 0 && per_worker >= object_bytes) return "";
+  return "--storage-staging-mib " + std::to_string(c.staging_mib) + " over " + std::to_string(c.io_threads) +
+         " --storage-io-threads gives each worker " + std::to_string(per_worker) +
+         " bytes, less than one stored object (" + std::to_string(object_bytes) +
+         " bytes: one block, every layer); raise the staging or lower the threads";
+}
+
 namespace {
 
 // The most objects one per-key use count map holds before it starts over (bounds memory).
@@ -522,12 +531,9 @@ Result<std::unique_ptr<StorageExecutor>, DeviceErrc> StorageExecutor::create(ipc
   const std::uint64_t threads = t.config.io_threads;
   const std::uint64_t staging_bytes = t.config.staging_mib << 20;
   const std::uint64_t per_worker = staging_bytes / threads;
-  if (t.store != nullptr && (t.object_bytes == 0 || per_worker < t.object_bytes))
-    return make_error(DeviceErrc::kAllocFailed,
-                      "--storage-staging-mib " + std::to_string(t.config.staging_mib) + " over " + std::to_string(threads) +
-                          " --storage-io-threads gives each worker " + std::to_string(per_worker) +
-                          " bytes, less than one stored object (" + std::to_string(t.object_bytes) +
-                          " bytes: one block, every layer); raise the staging or lower the threads");
+  if (t.store != nullptr) {
+    if (auto why = staging_problem(t.config, t.object_bytes); !why.empty()) return make_error(DeviceErrc::kAllocFailed, why);
+  }
   impl->chunk_objects = t.object_bytes == 0 ? 0 : static_cast<std::size_t>(per_worker / t.object_bytes);
   // Staging exists only when there is a store to move objects through.
   const std::size_t slice_bytes = t.store ? impl->chunk_objects * t.object_bytes : 0;

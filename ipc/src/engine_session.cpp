@@ -628,7 +628,10 @@ Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
   for (const auto& e : records) need += proto::task_record_bytes(static_cast<std::uint32_t>(e.src.size()),
                                                                  static_cast<std::uint32_t>(e.dst.size()));
   for (const auto& e : records)
-    if (!impl->ring->fits(e.src.size(), e.dst.size()) || need > impl->view.layout.ring_bytes / 2)
+    // fits() keeps one record within half the ring (room for wrap padding); a swap and its backup
+    // go in together, so they must fit there together.
+    if (!impl->ring->fits(e.src.size(), e.dst.size()) ||
+        (records.size() > 1 && need > impl->view.layout.ring_bytes / 2))
       return make_error(IpcErrc::kTooLarge, "a task of " + std::to_string(need) + " bytes (" +
                                                 std::to_string(e.src.size() + e.dst.size()) +
                                                 " words) cannot fit in a " +

@@ -48,6 +48,10 @@ namespace kvtd::daemon {
 // layers, ranks and which tensors exist (not the block counts, which do not change an object).
 std::uint64_t layout_fingerprint(const proto::CacheGeometry& g);
 
+// "" when --storage-staging-mib over --storage-io-threads gives each worker room for at least
+// one object of `object_bytes`, else the problem in words (start-up refuses it with exit 2).
+std::string staging_problem(const config::StorageConfig& c, std::uint64_t object_bytes);
+
 // What the executor needs from the attached cache.
 struct StorageTargets {
   storage::ObjectStore* store = nullptr;  // null: storage tasks fail with no_store_reason
