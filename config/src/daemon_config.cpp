@@ -1,6 +1,7 @@
 #include "kvtd/config/daemon_config.h"
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 #include <charconv>
 #include <sstream>
 
@@ -11,7 +12,10 @@ namespace kvtd::config {
 proto::CacheGeometry DaemonConfig::geometry() const {
   proto::CacheGeometry g{};
   g.num_ranks = mp_num;
-  g.num_layers = num_layers;
+  g.num_layers = num_layers + num_extra_layers;
+  g.num_extra_layers = num_extra_layers;
+  g.extra_device_blocks = num_extra_layers != 0 ? extra_device_blocks : 0;
+  g.scale_bytes = cache_dtype == proto::CacheDtype::kBlockWiseFp8 ? scale_bytes : 0;
   g.dtype = static_cast<std::uint32_t>(cache_dtype);
   g.num_host_blocks = num_host_blocks;
   for (int i = 0; i < 4; ++i) {
@@ -52,16 +56,67 @@ Result<std::vector<std::int64_t>, ConfigErrc> parse_shape(const std::string& tex
     const auto* e = part.data() + part.size();
     auto [p, ec] = std::from_chars(b, e, v);
     if (part.empty() || ec != std::errc() || p != e || v <= 0)
-      return make_error(ConfigErrc::kInvalidValue, flag + ": '" + text + "' must be four positive integers like 1000,8,64,128");
+      return make_error(ConfigErrc::kInvalidValue, flag + ": '" + text + "' must be 3 or 4 positive integers like 1000,8,64,128");
     dims.push_back(v);
     if (comma == std::string::npos) break;
     pos = comma + 1;
   }
-  if (dims.size() != 4)
+  if (dims.size() != 3 && dims.size() != 4)
     return make_error(ConfigErrc::kInvalidValue, flag + ": '" + text + "' has " + std::to_string(dims.size()) +
-                                                     " dimensions; expected blocks,kv_heads,block_size,head_dim");
+                                                     " dimensions; expected blocks,kv_heads,block_size[,head_dim]");
+  // A 3-D cache: the same bytes as head_dim 1 (a new vector: GCC 12 warns on push_back here).
+  if (dims.size() == 3) return std::vector<std::int64_t>{dims[0], dims[1], dims[2], 1};
   return dims;
 }
+
+namespace {
+
+// Extra (MTP) layers from --num-extra-layers/--extra-device-blocks, else from FastDeploy's
+// --speculative_config JSON (num_extra_cache_layer; device blocks = main blocks x
+// num_gpu_block_expand_ratio, truncated as FastDeploy does). The explicit flags win.
+Status<ConfigErrc> extra_layers_from(const std::string& json_text, std::int64_t layers, std::int64_t blocks,
+                                     std::int64_t main_blocks, DaemonConfig* c) {
+  auto bad = [](const std::string& m) { return make_error(ConfigErrc::kInvalidValue, m); };
+  std::int64_t json_layers = 0;
+  double ratio = 1.0;
+  if (!json_text.empty()) {
+    try {
+      const auto j = nlohmann::json::parse(json_text);
+      if (!j.is_object()) return bad("--speculative_config: '" + json_text + "' is not a JSON object");
+      if (auto it = j.find("num_extra_cache_layer"); it != j.end() && !it->is_null()) {
+        if (!it->is_number_integer()) return bad("--speculative_config: num_extra_cache_layer must be an integer");
+        json_layers = it->get<std::int64_t>();
+      }
+      if (auto it = j.find("num_gpu_block_expand_ratio"); it != j.end() && !it->is_null()) {
+        if (!it->is_number()) return bad("--speculative_config: num_gpu_block_expand_ratio must be a number");
+        ratio = it->get<double>();
+      }
+    } catch (const std::exception& e) {
+      return bad("--speculative_config: '" + json_text + "' is not valid JSON (" + e.what() + ")");
+    }
+  }
+  const std::int64_t n = layers >= 0 ? layers : json_layers;
+  if (n < 0 || n > static_cast<std::int64_t>(proto::kMaxLayers))
+    return bad("extra layers: " + std::to_string(n) + " must be in [0, " + std::to_string(proto::kMaxLayers) + "]");
+  c->num_extra_layers = static_cast<std::uint32_t>(n);
+  if (n == 0) {
+    if (blocks > 0) return bad("--extra-device-blocks needs --num-extra-layers");
+    return {};
+  }
+  if (blocks >= 0) {
+    c->extra_device_blocks = blocks;
+  } else {
+    // Written so that NaN and infinities fail.
+    if (!(ratio > 0 && ratio <= 64))
+      return bad("--speculative_config: num_gpu_block_expand_ratio " + std::to_string(ratio) + " must be in (0, 64]");
+    c->extra_device_blocks = static_cast<std::int64_t>(static_cast<double>(main_blocks) * ratio);
+  }
+  if (c->extra_device_blocks < 1 || c->extra_device_blocks > INT32_MAX)
+    return bad("extra layers' device blocks " + std::to_string(c->extra_device_blocks) + " must be in [1, 2^31)");
+  return {};
+}
+
+}  // namespace
 
 Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const* argv) {
   DaemonConfig c;
@@ -73,10 +128,18 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
 
   std::string key_shape, value_shape, dtype = "bfloat16", backend = "host", suffix, scatter = "kernel";
   std::int64_t rank = 0, mp_num = 1, num_layers = 1, host_blocks = 0, device_id = 0;
+  std::int64_t extra_layers = -1, extra_blocks = -1;
+  std::string default_dtype = "bfloat16", speculative_json;
   app.add_option("--rank", rank, "Tensor-parallel rank served by this process")->required();
   app.add_option("--mp-num,--mp_num", mp_num, "Number of tensor-parallel ranks");
   app.add_option("--device-id,--device_id", device_id, "CUDA device ordinal of this rank");
-  app.add_option("--num-layers,--num_layers", num_layers, "Transformer layers with a KV cache");
+  app.add_option("--num-layers,--num_layers", num_layers, "Model layers with a KV cache (extra MTP layers not counted)");
+  app.add_option("--num-extra-layers", extra_layers, "Extra (MTP / speculative) cache layers after the model's");
+  app.add_option("--extra-device-blocks", extra_blocks, "Device blocks of each extra layer (default: the key shape's)");
+  app.add_option("--speculative-config,--speculative_config", speculative_json,
+                 "FastDeploy JSON: num_extra_cache_layer, num_gpu_block_expand_ratio");
+  app.add_option("--default-dtype,--default_dtype", default_dtype,
+                 "block_wise_fp8 scale elements: bfloat16 | float16 (2 bytes) | float32 (4 bytes)");
   app.add_option("--num-host-blocks,--num_cpu_blocks", host_blocks, "Blocks in the pinned host pool");
   app.add_option("--key-cache-shape,--key_cache_shape", key_shape, "blocks,kv_heads,block_size,head_dim")->required();
   app.add_option("--value-cache-shape,--value_cache_shape", value_shape, "Same as key; omit for MLA (no value cache)");
@@ -115,9 +178,9 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   const std::string compat_group = "FastDeploy compatibility (accepted, ignored)";
   std::string ignored_s;
   std::vector<CLI::Option*> compat_opts;
-  for (const char* name : {"--splitwise_role", "--max_model_len", "--default_dtype", "--cache_queue_port",
+  for (const char* name : {"--splitwise_role", "--max_model_len", "--cache_queue_port",
                            "--enable_splitwise", "--pod_ip", "--engine_worker_queue_port", "--protocol",
-                           "--local_data_parallel_id", "--rdma_port", "--speculative_config"}) {
+                           "--local_data_parallel_id", "--rdma_port"}) {
     compat_opts.push_back(app.add_option(name, ignored_s, "ignored")->group(compat_group));
   }
   bool ignored_flag = false;
@@ -165,11 +228,24 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
                  " differs from --key-cache-shape's " + std::to_string(c.key_cache_shape[0]));
   }
 
+  if (auto st_extra = extra_layers_from(speculative_json, extra_layers, extra_blocks, c.key_cache_shape[0], &c); !st_extra.ok())
+    return std::move(st_extra).error();
+  if (c.num_layers + c.num_extra_layers > proto::kMaxLayers)
+    return bad("--num-layers " + std::to_string(c.num_layers) + " plus " + std::to_string(c.num_extra_layers) +
+               " extra layers exceed " + std::to_string(proto::kMaxLayers));
+
   if (dtype == "bfloat16") c.cache_dtype = proto::CacheDtype::kBFloat16;
   else if (dtype == "float16") c.cache_dtype = proto::CacheDtype::kFloat16;
   else if (dtype == "uint8") c.cache_dtype = proto::CacheDtype::kUInt8;
   else if (dtype == "block_wise_fp8") c.cache_dtype = proto::CacheDtype::kBlockWiseFp8;
   else return bad("--cache-dtype: '" + dtype + "' is not one of bfloat16, float16, uint8, block_wise_fp8");
+  // FastDeploy makes the fp8 scale tensors in its default dtype (cache manager v1: float32).
+  if (default_dtype == "bfloat16" || default_dtype == "float16") c.scale_bytes = 2;
+  else if (default_dtype == "float32") c.scale_bytes = 4;
+  else if (default_dtype == "uint8" && c.cache_dtype != proto::CacheDtype::kBlockWiseFp8) c.scale_bytes = 2;  // unused
+  else
+    return bad("--default-dtype: '" + default_dtype + "' is not one of bfloat16, float16, float32" +
+               (default_dtype == "uint8" ? " (uint8 scales are not supported with block_wise_fp8)" : ""));
 
   if (backend == "host") c.device_backend = DeviceBackendKind::kHost;
   else if (backend == "cuda") c.device_backend = DeviceBackendKind::kCuda;

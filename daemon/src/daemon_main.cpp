@@ -22,7 +22,7 @@ Result<AttachedCache, DeviceErrc> attach_cache(ipc::RankEndpoint& ep, DeviceBack
   const auto& g = ep.geometry();
   AttachedCache c;
   c.pool = &pool;
-  c.device_blocks = g.num_device_blocks();
+  c.device_blocks = g.usable_device_blocks();  // ids a swap may use: valid in every layer, extra ones too
   c.host_blocks = g.num_host_blocks;
   c.num_layers = g.num_layers;
   for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k)

@@ -22,7 +22,10 @@ using proto::TaskStatus;
 
 std::uint64_t layout_fingerprint(const proto::CacheGeometry& g) {
   // Only what shapes an object's bytes; fixed-width fields hashed in a fixed order.
-  std::uint64_t f[12] = {g.dtype, g.num_layers, g.num_ranks, proto::kScaleElementBytes};
+  // f[3] was a constant 2 before scale sizes varied and f[10] was 0 before extra layers: the
+  // fingerprint of every earlier geometry is unchanged, so what was stored stays readable.
+  std::uint64_t f[12] = {g.dtype, g.num_layers, g.num_ranks, g.has_scales() ? g.scale_element_bytes() : 2u};
+  f[10] = g.num_extra_layers;
   for (int i = 1; i < 4; ++i) {
     f[3 + i] = static_cast<std::uint64_t>(g.key_shape[i]);
     f[6 + i] = static_cast<std::uint64_t>(g.value_shape[i]);

@@ -402,7 +402,7 @@ Status<IpcErrc> EngineSession::register_tensor(const proto::TensorDesc& d) {
     return make_error(IpcErrc::kInvalidArgument,
                       std::string("the geometry has no ") + proto::tensor_kind_name(kind) + " tensor");
   // check_geometry bounded this product below 2^56 at create().
-  const std::uint64_t need = geo.block_bytes(kind) * static_cast<std::uint64_t>(geo.num_device_blocks());
+  const std::uint64_t need = geo.block_bytes(kind) * static_cast<std::uint64_t>(geo.device_blocks(d.layer));
   std::uint64_t end = 0;
   if (!proto::checked_add(d.offset, d.bytes, &end))
     return make_error(IpcErrc::kInvalidArgument, "tensor offset " + std::to_string(d.offset) + " plus " +
@@ -423,7 +423,7 @@ Status<IpcErrc> EngineSession::create_host_device_tensors() {
     std::uint64_t total = 0;
     for (std::uint32_t l = 0; l < g.num_layers; ++l)
       for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
-        const auto bytes = g.block_bytes(static_cast<proto::TensorKind>(k)) * static_cast<std::uint64_t>(g.num_device_blocks());
+        const auto bytes = g.block_bytes(static_cast<proto::TensorKind>(k)) * static_cast<std::uint64_t>(g.device_blocks(l));
         total += (bytes + 255) / 256 * 256;
       }
     // Named by uid and generation, not by suffix, so the name always fits the 64-byte handle
@@ -447,7 +447,8 @@ Status<IpcErrc> EngineSession::create_host_device_tensors() {
         d.ndim = (kind == proto::TensorKind::kKey || kind == proto::TensorKind::kValue) ? 4 : 3;
         const std::int64_t* s = (kind == proto::TensorKind::kKey || kind == proto::TensorKind::kKeyScale) ? g.key_shape : g.value_shape;
         for (std::uint32_t i = 0; i < d.ndim; ++i) d.shape[i] = s[i];
-        d.bytes = g.block_bytes(kind) * static_cast<std::uint64_t>(g.num_device_blocks());
+        d.shape[0] = g.device_blocks(l);
+        d.bytes = g.block_bytes(kind) * static_cast<std::uint64_t>(g.device_blocks(l));
         d.offset = offset;
         std::memcpy(d.handle, arena.c_str(), arena.size() + 1);
         if (auto st = register_tensor(d); !st.ok()) return st;

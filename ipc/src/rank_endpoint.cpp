@@ -100,7 +100,7 @@ struct RankEndpoint::Impl {
           return make_error(IpcErrc::kCorrupt, "registry entry of the " + what + " names rank " + std::to_string(d.rank) +
                                                    " layer " + std::to_string(d.layer) + " kind " + std::to_string(d.kind));
         std::uint64_t need = 0, end = 0;
-        (void)proto::checked_mul(g.block_bytes(kind), static_cast<std::uint64_t>(g.num_device_blocks()), &need);
+        (void)proto::checked_mul(g.block_bytes(kind), static_cast<std::uint64_t>(g.device_blocks(l)), &need);
         if (d.bytes < need || !proto::checked_add(d.offset, d.bytes, &end))
           return make_error(IpcErrc::kCorrupt, "registry entry of the " + what + " has " + std::to_string(d.bytes) +
                                                    " bytes at offset " + std::to_string(d.offset) + "; the geometry needs " +

@@ -211,6 +211,15 @@ std::string check_geometry(const proto::CacheGeometry& g) {
       if (g.value_shape[i] != 0) return "value shape must be all zero or all positive";
   }
   if (g.num_host_blocks > INT32_MAX) return "host block count must be < 2^31";
+  if (g.scale_bytes != 0 && g.scale_bytes != 2 && g.scale_bytes != 4)
+    return "scale element bytes " + std::to_string(g.scale_bytes) + " must be 2 or 4 (0 = 2)";
+  if (g.num_extra_layers >= g.num_layers)
+    return "num_extra_layers " + std::to_string(g.num_extra_layers) + " must be below num_layers " +
+           std::to_string(g.num_layers) + " (which counts the extra layers too)";
+  if (g.num_extra_layers == 0 && g.extra_device_blocks != 0)
+    return "extra_device_blocks must be 0 without extra layers";
+  if (g.num_extra_layers != 0 && (g.extra_device_blocks <= 0 || g.extra_device_blocks > INT32_MAX))
+    return "extra_device_blocks " + std::to_string(g.extra_device_blocks) + " must be in [1, 2^31)";
   if (const auto s = proto::geometry_sizes(g); s.problem != nullptr) return s.problem;
   return "";
 }
@@ -308,14 +317,22 @@ std::string geometry_mismatch(const proto::CacheGeometry& have, const proto::Cac
   };
   if (have.num_ranks != want.num_ranks)
     return "num_ranks (mp_num): session has " + std::to_string(have.num_ranks) + ", flags say " + std::to_string(want.num_ranks);
-  if (have.num_layers != want.num_layers)
-    return "num_layers: session has " + std::to_string(have.num_layers) + ", flags say " + std::to_string(want.num_layers);
+  if (have.num_layers != want.num_layers || have.num_extra_layers != want.num_extra_layers)
+    return "num_layers: session has " + std::to_string(have.num_layers - have.num_extra_layers) + " + " +
+           std::to_string(have.num_extra_layers) + " extra, flags say " + std::to_string(want.num_layers - want.num_extra_layers) +
+           " + " + std::to_string(want.num_extra_layers) + " extra";
+  if (have.extra_device_blocks != want.extra_device_blocks)
+    return "extra layers' device blocks: session has " + std::to_string(have.extra_device_blocks) + ", flags say " +
+           std::to_string(want.extra_device_blocks);
   if (have.dtype != want.dtype)
     return std::string("cache_dtype: session has ") + proto::dtype_name(have.cache_dtype()) + ", flags say " +
            proto::dtype_name(want.cache_dtype());
   if (have.num_host_blocks != want.num_host_blocks)
     return "num_host_blocks: session has " + std::to_string(have.num_host_blocks) + ", flags say " +
            std::to_string(want.num_host_blocks);
+  if (have.has_scales() && have.scale_element_bytes() != want.scale_element_bytes())
+    return "fp8 scale element bytes (default_dtype): session has " + std::to_string(have.scale_element_bytes()) +
+           ", flags say " + std::to_string(want.scale_element_bytes());
   for (int i = 0; i < 4; ++i) {
     if (have.key_shape[i] != want.key_shape[i])
       return "key_cache_shape: session has " + shape(have.key_shape) + ", flags say " + shape(want.key_shape);

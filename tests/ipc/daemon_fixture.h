@@ -47,7 +47,7 @@ class DaemonTest : public ::testing::Test {
 
   std::vector<std::string> daemon_args(std::uint32_t rank, const proto::CacheGeometry& g) const {
     std::vector<std::string> a{KVTD_BINARY, "--rank", std::to_string(rank), "--mp-num", std::to_string(g.num_ranks),
-                               "--num-layers", std::to_string(g.num_layers), "--num-host-blocks",
+                               "--num-layers", std::to_string(g.num_layers - g.num_extra_layers), "--num-host-blocks",
                                std::to_string(g.num_host_blocks), "--key-cache-shape", shape(g.key_shape),
                                "--session", suffix_, "--device-backend", "host", "--engine-timeout", "1",
                                "--heartbeat-period", "0.02", "--log-level", "debug",
@@ -56,6 +56,11 @@ class DaemonTest : public ::testing::Test {
       a.push_back("--value-cache-shape");
       a.push_back(shape(g.value_shape));
     }
+    if (g.num_extra_layers != 0) {
+      a.insert(a.end(), {"--num-extra-layers", std::to_string(g.num_extra_layers), "--extra-device-blocks",
+                         std::to_string(g.extra_device_blocks)});
+    }
+    if (g.has_scales() && g.scale_element_bytes() == 4) a.insert(a.end(), {"--default-dtype", "float32"});
     a.insert(a.end(), extra_args_.begin(), extra_args_.end());
     return a;
   }
@@ -111,7 +116,7 @@ class DaemonTest : public ::testing::Test {
 
   void fill_device() {
     for_each_tensor([&](std::uint32_t r, std::uint32_t l, std::uint32_t k, std::byte* base, std::uint64_t bb) {
-      for (std::int64_t b = 0; b < g_.num_device_blocks(); ++b)
+      for (std::int64_t b = 0; b < g_.device_blocks(l); ++b)
         loadgen::fill_block(base + static_cast<std::uint64_t>(b) * bb, bb, r, l, k, static_cast<std::uint32_t>(b));
     });
   }

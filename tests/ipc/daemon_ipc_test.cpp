@@ -43,6 +43,29 @@ TEST_F(DaemonTest, Fp8WithScalesAndNoValueCacheRoundTrips) {
   round_trip({5, 6, 7, 20}, {0, 1, 2, 9}, {9, 10, 11, 0});
 }
 
+// FastDeploy cache manager v1 makes fp8 scales in float32; the value-scale tensor is swapped too.
+TEST_F(DaemonTest, Fp8WithFourByteScalesAndAValueCacheRoundTrips) {
+  g_ = test::small_geometry(2, proto::CacheDtype::kBlockWiseFp8);
+  g_.scale_bytes = 4;
+  ASSERT_EQ(g_.block_bytes(proto::TensorKind::kValueScale), 2u * 4u * 4u);  // heads x tokens x 4 bytes
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  round_trip({5, 6, 7, 20}, {0, 1, 2, 9}, {9, 10, 11, 0});
+}
+
+// Seed 000's num_extra_cache_layer: MTP layers after the model's, with their own (here fewer)
+// device blocks, and a 3-D cache shape (head_dim 1, seed 004).
+TEST_F(DaemonTest, ExtraMtpLayersWithTheirOwnBlockCountAnd3dShapeRoundTrip) {
+  set_geometry(4, 32, 2, 4, 1, 24);
+  g_.num_extra_layers = 2;
+  g_.extra_device_blocks = 12;
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  round_trip({5, 6, 7, 11}, {0, 1, 2, 9}, {9, 10, 11, 0});
+  // Block 20 exists in the model's layers but not in the extra ones: refused, nothing written.
+  auto r = run(TaskKind::kSwapToHost, {20}, {3});
+  ASSERT_EQ(r.status, TaskStatus::kIdOutOfRange);
+  EXPECT_NE(r.failures[0].message.find("[0, 12)"), std::string::npos) << r.failures[0].message;
+}
+
 TEST_F(DaemonTest, MalformedTasksGetErrorsAndTheNextTaskSucceeds) {
   ASSERT_NO_FATAL_FAILURE(start_all());
   auto expect_failure = [&](std::uint64_t id, TaskStatus want, const char* words) {

@@ -44,6 +44,58 @@ TEST(DaemonFlags, AcceptsFastDeployNames) {
   EXPECT_TRUE(c->geometry().has_scales());
 }
 
+TEST(DaemonFlags, ThreeDimensionalShapesHaveHeadDimOne) {
+  auto c = parse({"--rank", "0", "--key-cache-shape", "10,4,16", "--value-cache-shape", "10,4,16", "--session", "s"});
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  EXPECT_EQ(c->key_cache_shape[3], 1);
+  EXPECT_EQ(c->geometry().block_bytes(proto::TensorKind::kValue), 4u * 16 * 2);
+}
+
+TEST(DaemonFlags, DefaultDtypeSetsTheFp8ScaleElementSize) {
+  const std::vector<std::string> fp8{"--rank", "0", "--key_cache_shape", "10,2,16,64", "--cache_dtype", "block_wise_fp8",
+                                     "--value_cache_shape", "10,2,16,64", "--ipc_suffix", "s"};
+  auto two = parse(fp8);
+  ASSERT_TRUE(two.ok()) << two.error().message;
+  EXPECT_EQ(two->geometry().block_bytes(proto::TensorKind::kValueScale), 2u * 16 * 2);
+  auto args = fp8;
+  args.insert(args.end(), {"--default_dtype", "float32"});
+  auto four = parse(args);
+  ASSERT_TRUE(four.ok()) << four.error().message;
+  EXPECT_EQ(four->geometry().scale_bytes, 4u);
+  EXPECT_EQ(four->geometry().block_bytes(proto::TensorKind::kKeyScale), 2u * 16 * 4);
+  EXPECT_TRUE(four->ignored_flags.empty());  // --default_dtype is used now, not ignored
+  args.back() = "uint8";
+  auto bad = parse(args);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.error().message.find("--default-dtype"), std::string::npos) << bad.error().message;
+  // Without fp8 the default dtype does not matter, and the geometry carries no scale size.
+  auto plain = parse({"--rank", "0", "--key-cache-shape", "10,2,16,64", "--session", "s", "--default_dtype", "uint8"});
+  ASSERT_TRUE(plain.ok()) << plain.error().message;
+  EXPECT_EQ(plain->geometry().scale_bytes, 0u);
+}
+
+TEST(DaemonFlags, ExtraLayersFromFlagsOrFastDeploySpeculativeConfig) {
+  auto json = parse({"--rank", "0", "--num_layers", "4", "--key_cache_shape", "100,2,16,64", "--ipc_suffix", "s",
+                     "--speculative_config", R"({"method": "mtp", "num_extra_cache_layer": 1, "num_gpu_block_expand_ratio": 0.5})"});
+  ASSERT_TRUE(json.ok()) << json.error().message;
+  auto g = json->geometry();
+  EXPECT_EQ(g.num_layers, 5u);
+  EXPECT_EQ(g.num_extra_layers, 1u);
+  EXPECT_EQ(g.extra_device_blocks, 50);
+  EXPECT_EQ(g.device_blocks(3), 100);
+  EXPECT_EQ(g.device_blocks(4), 50);
+  EXPECT_EQ(g.usable_device_blocks(), 50);
+  auto flags = parse({"--rank", "0", "--num-layers", "4", "--key-cache-shape", "100,2,16,64", "--session", "s",
+                      "--num-extra-layers", "2", "--extra-device-blocks", "150"});
+  ASSERT_TRUE(flags.ok()) << flags.error().message;
+  EXPECT_EQ(flags->geometry().num_layers, 6u);
+  EXPECT_EQ(flags->geometry().usable_device_blocks(), 100);
+  // No extra layers in the JSON: none.
+  auto none = parse({"--rank", "0", "--key-cache-shape", "100,2,16,64", "--session", "s", "--speculative_config", "{}"});
+  ASSERT_TRUE(none.ok()) << none.error().message;
+  EXPECT_EQ(none->geometry().num_extra_layers, 0u);
+}
+
 void expect_rejected(std::vector<std::string> extra, const std::string& names) {
   auto args = kBase;
   args.insert(args.end(), extra.begin(), extra.end());
@@ -55,7 +107,8 @@ void expect_rejected(std::vector<std::string> extra, const std::string& names) {
 TEST(DaemonFlags, BadValuesNameTheFlag) {
   expect_rejected({"--rank", "2"}, "--rank");
   expect_rejected({"--mp-num", "0"}, "--mp-num");
-  expect_rejected({"--key-cache-shape", "100,8,64"}, "--key-cache-shape");
+  expect_rejected({"--key-cache-shape", "100,8"}, "--key-cache-shape");
+  expect_rejected({"--key-cache-shape", "100,8,64,128,2"}, "--key-cache-shape");
   expect_rejected({"--key-cache-shape", "100,8,x,128"}, "--key-cache-shape");
   expect_rejected({"--value-cache-shape", "99,8,64,128"}, "--value-cache-shape");
   expect_rejected({"--cache-dtype", "fp4"}, "--cache-dtype");
@@ -67,6 +120,12 @@ TEST(DaemonFlags, BadValuesNameTheFlag) {
   expect_rejected({"--heartbeat-period", "5"}, "--heartbeat-period");
   expect_rejected({"--num-host-blocks", "-1"}, "--num-host-blocks");
   expect_rejected({"--no-such-flag"}, "no-such-flag");
+  expect_rejected({"--speculative_config", "{not json"}, "--speculative_config");
+  expect_rejected({"--speculative_config", R"({"num_extra_cache_layer": "two"})"}, "num_extra_cache_layer");
+  expect_rejected({"--speculative_config", R"({"num_extra_cache_layer": 1, "num_gpu_block_expand_ratio": 0})"},
+                  "num_gpu_block_expand_ratio");
+  expect_rejected({"--num-extra-layers", "600"}, "extra layers");
+  expect_rejected({"--extra-device-blocks", "5"}, "--num-extra-layers");
 }
 
 TEST(DaemonFlags, MissingRequiredFlagIsNamed) {

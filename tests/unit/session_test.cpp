@@ -77,6 +77,58 @@ TEST(Session, GeometryMismatchNamesTheField) {
   EXPECT_NE(ep.error().message.find("rank"), std::string::npos) << ep.error().message;
 }
 
+TEST(Session, ScaleSizeAndExtraLayerMismatchesNameTheField) {
+  const auto suffix = test::unique_suffix("geomx");
+  auto g = test::small_geometry(1, proto::CacheDtype::kBlockWiseFp8);
+  g.num_layers = 4;
+  g.num_extra_layers = 1;
+  g.extra_device_blocks = 16;
+  Engine e(suffix, g);  // scale_bytes 0: the 2-byte default
+  auto want = g;
+  want.scale_bytes = 2;  // the same size spelled out: attaches
+  EXPECT_TRUE(RankEndpoint::attach(endpoint_options(suffix, 0, want)).ok());
+  want.scale_bytes = 4;
+  auto ep = RankEndpoint::attach(endpoint_options(suffix, 0, want));
+  ASSERT_FALSE(ep.ok());
+  EXPECT_NE(ep.error().message.find("scale element bytes"), std::string::npos) << ep.error().message;
+  want = g;
+  want.extra_device_blocks = 32;
+  ep = RankEndpoint::attach(endpoint_options(suffix, 0, want));
+  ASSERT_FALSE(ep.ok());
+  EXPECT_NE(ep.error().message.find("extra layers' device blocks"), std::string::npos) << ep.error().message;
+  want = g;
+  want.num_extra_layers = 0;
+  want.extra_device_blocks = 0;
+  ep = RankEndpoint::attach(endpoint_options(suffix, 0, want));
+  ASSERT_FALSE(ep.ok());
+  EXPECT_NE(ep.error().message.find("extra"), std::string::npos) << ep.error().message;
+}
+
+TEST(Session, GeometriesWithBadScaleSizeOrExtraLayersAreRefusedAtCreate) {
+  auto make = [](proto::CacheGeometry g) {
+    SessionOptions o;
+    o.suffix = test::unique_suffix("geombad");
+    o.geometry = g;
+    return EngineSession::create(o);
+  };
+  auto g = test::small_geometry(1, proto::CacheDtype::kBlockWiseFp8);
+  g.scale_bytes = 3;
+  auto r = make(g);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message.find("scale element bytes"), std::string::npos) << r.error().message;
+  g = test::small_geometry(1);
+  g.num_extra_layers = 3;  // as many as num_layers: no model layer left
+  g.extra_device_blocks = 8;
+  r = make(g);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message.find("num_extra_layers"), std::string::npos) << r.error().message;
+  g.num_extra_layers = 1;
+  g.extra_device_blocks = 0;
+  r = make(g);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message.find("extra_device_blocks"), std::string::npos) << r.error().message;
+}
+
 TEST(Session, RefusesAForeignObjectAndAnOpenMode) {
   const auto suffix = test::unique_suffix("foreign");
   const std::string name = "/kvtd_" + std::to_string(getuid()) + "_" + suffix;

@@ -64,7 +64,10 @@ struct DaemonConfig {
   std::uint32_t rank = 0;
   std::uint32_t mp_num = 1;
   std::int32_t device_id = 0;
-  std::uint32_t num_layers = 1;
+  std::uint32_t num_layers = 1;        // the model's layers (--num-layers); geometry adds the extra ones
+  std::uint32_t num_extra_layers = 0;  // MTP / speculative layers after them
+  std::int64_t extra_device_blocks = 0;  // device blocks of each extra layer
+  std::uint32_t scale_bytes = 2;       // block_wise_fp8 scale element bytes (--default-dtype)
   std::uint32_t num_host_blocks = 0;
   std::int64_t key_cache_shape[4] = {0, 0, 0, 0};
   std::int64_t value_cache_shape[4] = {0, 0, 0, 0};  // all zero: no value cache
@@ -99,7 +102,7 @@ inline constexpr std::int64_t kMaxDeviceId = 1023;
 // (--config) with an unknown key or a line that is not `key = value` is an error naming it.
 [[nodiscard]] Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const* argv);
 
-// Parses "a,b,c,d" into exactly four positive integers.
+// Parses "a,b,c,d" (or a 3-D "a,b,c", returned with d = 1) into four positive integers.
 [[nodiscard]] Result<std::vector<std::int64_t>, ConfigErrc> parse_shape(const std::string& text,
                                                                        const std::string& flag);
 

@@ -1,9 +1,14 @@
 // kvtd/proto/geometry.h - the KV cache geometry shared by the engine and every rank daemon.
 //
 // A cache tensor is layer-first and paged: per layer, key and value are
-// [num_blocks, kv_heads, block_size, head_dim] of `dtype`; block_wise_fp8 adds key and value
-// scale tensors [num_blocks, kv_heads, block_size] of 2-byte elements (the engine's default
-// dtype). Models without a separate value cache (MLA) have an all-zero value shape.
+// [num_blocks, kv_heads, block_size, head_dim] of `dtype` (a 3-D cache [num_blocks, kv_heads,
+// block_size] is the same bytes with head_dim 1); block_wise_fp8 adds key and value scale
+// tensors [num_blocks, kv_heads, block_size] whose elements are the engine's default dtype
+// (2 bytes for float16/bfloat16, 4 for float32). Models without a separate value cache (MLA)
+// have an all-zero value shape.
+//
+// Extra layers (MTP / speculative decoding) are the last `num_extra_layers` of `num_layers`:
+// the same per-block shape, their own device block count. Host blocks are shared by all layers.
 //
 // Plain fixed-width values, standard layout: safe to place in shared memory and to copy.
 #pragma once
@@ -20,7 +25,7 @@ inline constexpr std::uint32_t kMaxRanks = 16;
 inline constexpr std::uint32_t kMaxLayers = 512;
 inline constexpr std::uint32_t kTensorKinds = 4;
 inline constexpr std::size_t kHandleBytes = 64;
-inline constexpr std::uint32_t kScaleElementBytes = 2;
+inline constexpr std::uint32_t kDefaultScaleBytes = 2;
 
 enum class CacheDtype : std::uint32_t {
   kInvalid = 0,
@@ -64,14 +69,28 @@ constexpr const char* tensor_kind_name(TensorKind k) {
 
 struct CacheGeometry {
   std::uint32_t num_ranks;
-  std::uint32_t num_layers;
+  std::uint32_t num_layers;       // every layer with a KV cache, extra layers included
   std::uint32_t dtype;            // CacheDtype
   std::uint32_t num_host_blocks;  // host pool blocks per rank
-  std::int64_t key_shape[4];      // device blocks, kv heads, block size, head dim
+  std::int64_t key_shape[4];      // device blocks (main layers), kv heads, block size, head dim
   std::int64_t value_shape[4];    // all zero when there is no value cache
+  std::uint32_t scale_bytes;      // fp8 scale element bytes: 2 or 4 (0 = 2)
+  std::uint32_t num_extra_layers; // the last num_extra_layers layers are extra (MTP) layers
+  std::int64_t extra_device_blocks;  // device blocks of each extra layer (0 without extra layers)
 
   constexpr CacheDtype cache_dtype() const { return static_cast<CacheDtype>(dtype); }
+  // Device blocks of the main layers.
   constexpr std::int64_t num_device_blocks() const { return key_shape[0]; }
+  constexpr bool is_extra_layer(std::uint32_t layer) const { return layer + num_extra_layers >= num_layers; }
+  // Device blocks of layer `layer` (its tensors hold this many blocks).
+  constexpr std::int64_t device_blocks(std::uint32_t layer) const {
+    return num_extra_layers != 0 && is_extra_layer(layer) ? extra_device_blocks : key_shape[0];
+  }
+  // Device block ids a task touching every layer may use: valid in every layer.
+  constexpr std::int64_t usable_device_blocks() const {
+    return num_extra_layers != 0 && extra_device_blocks < key_shape[0] ? extra_device_blocks : key_shape[0];
+  }
+  constexpr std::uint32_t scale_element_bytes() const { return scale_bytes == 0 ? kDefaultScaleBytes : scale_bytes; }
   constexpr bool has_value() const { return value_shape[0] != 0; }
   constexpr bool has_scales() const { return cache_dtype() == CacheDtype::kBlockWiseFp8; }
 
@@ -91,7 +110,7 @@ struct CacheGeometry {
     const std::int64_t* s = (k == TensorKind::kKey || k == TensorKind::kKeyScale) ? key_shape
                                                                                   : value_shape;
     const auto tokens = static_cast<std::uint64_t>(s[1]) * static_cast<std::uint64_t>(s[2]);
-    if (k == TensorKind::kKeyScale || k == TensorKind::kValueScale) return tokens * kScaleElementBytes;
+    if (k == TensorKind::kKeyScale || k == TensorKind::kValueScale) return tokens * scale_element_bytes();
     return tokens * static_cast<std::uint64_t>(s[3]) * dtype_bytes(cache_dtype());
   }
 
@@ -126,7 +145,7 @@ constexpr GeometrySizes geometry_sizes(const CacheGeometry& g) {
         return out;
       }
     const std::uint64_t elem = (kind == TensorKind::kKeyScale || kind == TensorKind::kValueScale)
-                                   ? kScaleElementBytes
+                                   ? g.scale_element_bytes()
                                    : dtype_bytes(g.cache_dtype());
     std::uint64_t b = 0, t = 0;
     const bool scale = kind == TensorKind::kKeyScale || kind == TensorKind::kValueScale;
@@ -136,7 +155,8 @@ constexpr GeometrySizes geometry_sizes(const CacheGeometry& g) {
       out.problem = "bytes per block (kv_heads x block_size x head_dim x element size) overflow";
       return out;
     }
-    if (!checked_mul(b, static_cast<std::uint64_t>(s[0]), &t) || t >= kMaxSizeBytes) {
+    const std::int64_t blocks = g.num_extra_layers != 0 && g.extra_device_blocks > s[0] ? g.extra_device_blocks : s[0];
+    if (!checked_mul(b, static_cast<std::uint64_t>(blocks), &t) || t >= kMaxSizeBytes) {
       out.problem = "bytes per device tensor (blocks x bytes per block) overflow";
       return out;
     }
@@ -160,6 +180,7 @@ constexpr GeometrySizes geometry_sizes(const CacheGeometry& g) {
 
 static_assert(std::is_standard_layout_v<CacheGeometry>);
 static_assert(std::is_trivially_copyable_v<CacheGeometry>);
-static_assert(sizeof(CacheGeometry) == 80);
+static_assert(sizeof(CacheGeometry) == 96);
+static_assert(offsetof(CacheGeometry, scale_bytes) == 80);
 
 }  // namespace kvtd::proto

@@ -28,7 +28,7 @@
 namespace kvtd::proto {
 
 inline constexpr std::uint64_t kSessionMagic = 0x5353455344545640ULL;  // "@VTDSESS"
-inline constexpr std::uint32_t kSessionLayoutVersion = 3;  // 2: RankSlot::owner; 3: agreement region
+inline constexpr std::uint32_t kSessionLayoutVersion = 4;  // 2: RankSlot::owner; 3: agreement region; 4: scale bytes, extra layers
 
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
@@ -188,9 +188,9 @@ struct alignas(64) SessionHeader {
 };
 static_assert(std::is_standard_layout_v<SessionHeader>);
 static_assert(offsetof(SessionHeader, geometry) == 40);
-static_assert(offsetof(SessionHeader, engine_heartbeat_ns) == 192);
+static_assert(offsetof(SessionHeader, engine_heartbeat_ns) == 256);
 static_assert(offsetof(SessionHeader, ranks) % 64 == 0);
-static_assert(sizeof(SessionHeader) == 448 + kMaxRanks * sizeof(RankSlot));
+static_assert(sizeof(SessionHeader) == 512 + kMaxRanks * sizeof(RankSlot));
 
 constexpr std::size_t registry_index(const CacheGeometry& g, std::uint32_t rank, std::uint32_t layer,
                                      TensorKind k) {
