@@ -14,10 +14,10 @@
 
 #include "kvtd/daemon/device_backend.h"
 #include "kvtd/ipc/engine_session.h"
-#include "kvtd/ipc/kvtd_client.h"
 #include "kvtd/ipc/task_codec.h"
 #include "kvtd/ipc/rank_endpoint.h"
 #include "kvtd/ipc/shared_object.h"
+#include "endpoint_helpers.h"
 #include "test_support.h"
 
 namespace kvtd::ipc {
@@ -47,14 +47,8 @@ struct Engine {
   }
 };
 
-EndpointOptions endpoint_options(const std::string& suffix, std::uint32_t rank, proto::CacheGeometry g) {
-  EndpointOptions o;
-  o.suffix = suffix;
-  o.rank = rank;
-  o.expected = g;
-  o.attach_timeout_ns = 2'000'000'000;
-  return o;
-}
+using test::endpoint_options;
+using test::report;
 
 TEST(Session, GeometryMismatchNamesTheField) {
   const auto suffix = test::unique_suffix("geom");
@@ -268,17 +262,6 @@ TEST(Session, MergesCompletionsWithMinBlocksAndFirstFailure) {
   EXPECT_EQ(again.error().code, IpcErrc::kUnknownTask);
 }
 
-// A completion with this rank, status and block count.
-void report(RankEndpoint& ep, std::uint64_t id, std::uint32_t rank, TaskStatus st, std::uint64_t blocks) {
-  proto::CompletionRecord rec{};
-  rec.task_id = id;
-  rec.rank = rank;
-  rec.status = static_cast<std::int32_t>(st);
-  rec.blocks_done = blocks;
-  std::snprintf(rec.message, sizeof rec.message, "rank %u says %s", rank, proto::task_status_name(st));
-  ASSERT_TRUE(ep.complete(rec).ok());
-}
-
 // The merged block count is the MIN over ranks whatever the order of arrival (a merge that kept
 // the last report passed every earlier test).
 TEST(Session, MergedBlockCountIsTheMinimumWhateverTheArrivalOrder) {
@@ -438,158 +421,6 @@ TEST(Session, LongestSuffixStillFitsTensorHandles) {
   }
 }
 
-// One rank, fp16, 8 device and 4 host blocks of 1 head x 4 tokens x 8 dims, no value cache.
-kvtd_geometry c_geometry(std::uint32_t layers) {
-  kvtd_geometry g{};
-  g.num_ranks = 1;
-  g.num_layers = layers;
-  g.dtype = KVTD_DTYPE_FLOAT16;
-  g.num_host_blocks = 4;
-  const std::int64_t shape[4] = {8, 1, 4, 8};
-  for (int i = 0; i < 4; ++i) g.key_shape[i] = shape[i];
-  return g;
-}
-
-// c_geometry(1) as the daemon side sees it.
-proto::CacheGeometry c_geometry_as_proto() {
-  proto::CacheGeometry pg = test::small_geometry(1);
-  pg.num_layers = 1;
-  pg.num_host_blocks = 4;
-  pg.dtype = static_cast<std::uint32_t>(proto::CacheDtype::kFloat16);
-  const std::int64_t shape[4] = {8, 1, 4, 8};
-  for (int i = 0; i < 4; ++i) {
-    pg.key_shape[i] = shape[i];
-    pg.value_shape[i] = 0;
-  }
-  return pg;
-}
-
-TEST(CApi, CreatePublishSubmitAndReportErrors) {
-  const auto suffix = test::unique_suffix("capi");
-  const kvtd_geometry g = c_geometry(2);
-  kvtd_session* s = nullptr;
-  char err[256] = {0};
-  ASSERT_EQ(kvtd_session_create(suffix.c_str(), &g, &s, err, sizeof err), KVTD_OK) << err;
-  ASSERT_EQ(kvtd_create_host_device_tensors(s, err, sizeof err), KVTD_OK) << err;
-  EXPECT_NE(kvtd_host_device_tensor(s, 0, 1, 0), nullptr);
-  EXPECT_EQ(kvtd_host_device_tensor(s, 0, 1, 1), nullptr);  // no value cache
-  ASSERT_EQ(kvtd_publish(s, err, sizeof err), KVTD_OK) << err;
-  int32_t src[1] = {0}, dst[1] = {0};
-  uint64_t id = 0;
-  EXPECT_EQ(kvtd_submit(s, KVTD_SWAP_TO_HOST, src, dst, 1, 10, &id, err, sizeof err), KVTD_E_NOT_READY);
-  EXPECT_NE(std::string(err).find("rank 0"), std::string::npos) << err;
-  EXPECT_EQ(kvtd_wait_ready(s, 20, err, sizeof err), KVTD_E_TIMEOUT);
-  EXPECT_EQ(kvtd_rank_alive(s, 0), 0);
-  // Null sessions and huge timeouts are errors or saturate; nothing crashes or wraps.
-  EXPECT_EQ(kvtd_publish(nullptr, err, sizeof err), KVTD_E_INVALID);
-  EXPECT_EQ(kvtd_wait(nullptr, 1, 1, nullptr, err, sizeof err), KVTD_E_INVALID);
-  EXPECT_EQ(kvtd_wait_ready(nullptr, 1, err, sizeof err), KVTD_E_INVALID);
-  EXPECT_EQ(kvtd_create_host_device_tensors(nullptr, err, sizeof err), KVTD_E_INVALID);
-  EXPECT_EQ(kvtd_rank_alive(nullptr, 0), 0);
-  EXPECT_EQ(kvtd_wait(s, 12345, INT64_MAX, nullptr, err, sizeof err), KVTD_E_UNKNOWN_TASK);
-  kvtd_session_destroy(s);
-  kvtd_session* bad = nullptr;
-  EXPECT_EQ(kvtd_session_create("bad/name", &g, &bad, err, sizeof err), KVTD_E_INVALID);
-  EXPECT_NE(std::string(err).find("suffix"), std::string::npos);
-}
-
-// The C ABI end to end: register tensors by handle, submit, and wait for the merged result.
-TEST(CApi, RegisterSubmitAndWaitWithAnAttachedRank) {
-  const auto suffix = test::unique_suffix("capi2");
-  const kvtd_geometry g = c_geometry(1);
-  kvtd_session* s = nullptr;
-  char err[256] = {0};
-  ASSERT_EQ(kvtd_session_create(suffix.c_str(), &g, &s, err, sizeof err), KVTD_OK) << err;
-  std::uint8_t handle[64] = {'x'};
-  EXPECT_EQ(kvtd_register_tensor(s, 0, 0, 0, -1, handle, 0, 8, err, sizeof err), KVTD_E_INVALID);  // too small
-  EXPECT_NE(std::string(err).find("needs"), std::string::npos) << err;
-  EXPECT_EQ(kvtd_register_tensor(s, 0, 0, 0, -1, handle, 0, 8 * 64, err, sizeof err), KVTD_OK) << err;
-  ASSERT_EQ(kvtd_publish(s, err, sizeof err), KVTD_OK) << err;
-  const proto::CacheGeometry pg = c_geometry_as_proto();
-  auto ep = RankEndpoint::attach(endpoint_options(suffix, 0, pg));
-  ASSERT_TRUE(ep.ok()) << ep.error().message;
-  ASSERT_NE((*ep)->tensor(0, proto::TensorKind::kKey), nullptr);
-  int32_t src[2] = {1, 2}, dst[2] = {3, 0};
-  uint64_t id = 0;
-  ASSERT_EQ(kvtd_submit(s, KVTD_SWAP_TO_HOST, src, dst, 2, 1000, &id, err, sizeof err), KVTD_OK) << err;
-  report(**ep, id, 0, TaskStatus::kOk, 2);
-  kvtd_completion c{};
-  ASSERT_EQ(kvtd_wait(s, id, 1000, &c, err, sizeof err), KVTD_OK) << err;
-  EXPECT_EQ(c.task_id, id);
-  EXPECT_EQ(c.blocks_done, 2u);
-  EXPECT_EQ(c.failed_rank, -1);
-  ASSERT_EQ(kvtd_submit(s, KVTD_SWAP_TO_HOST, src, dst, 2, 1000, &id, err, sizeof err), KVTD_OK) << err;
-  report(**ep, id, 0, TaskStatus::kIdOutOfRange, 0);
-  EXPECT_EQ(kvtd_wait(s, id, 1000, &c, err, sizeof err), KVTD_E_TASK_FAILED);
-  EXPECT_EQ(c.failed_rank, 0);
-  EXPECT_NE(std::string(err).find("rank 0"), std::string::npos) << err;
-  EXPECT_EQ(kvtd_submit(s, 0, src, dst, 2, 1000, &id, err, sizeof err), KVTD_E_INVALID);  // reserved kind
-  ep = make_error(IpcErrc::kClosed, "");  // detach before the session goes
-  kvtd_session_destroy(s);
-}
-
-// Storage tasks through the C ABI: the record a rank reads carries exactly the keys, blocks and
-// arguments given; the completion carries written and skipped counts.
-TEST(CApi, StorageTasksCarryKeysBlocksAndSkippedCounts) {
-  kvtd_session* s = nullptr;
-  const auto csuffix = test::unique_suffix("capi3");
-  const kvtd_geometry g = c_geometry(1);
-  char err[256] = {0};
-  ASSERT_EQ(kvtd_session_create(csuffix.c_str(), &g, &s, err, sizeof err), KVTD_OK) << err;
-  ASSERT_EQ(kvtd_create_host_device_tensors(s, err, sizeof err), KVTD_OK) << err;
-  ASSERT_EQ(kvtd_publish(s, err, sizeof err), KVTD_OK) << err;
-  const proto::CacheGeometry pg = c_geometry_as_proto();
-  auto cep = RankEndpoint::attach(endpoint_options(csuffix, 0, pg));
-  ASSERT_TRUE(cep.ok()) << cep.error().message;
-  const char* keys[2] = {"pfx:00", "pfx:01"};
-  const int32_t blocks[2] = {3, 1};
-  uint64_t id = 0;
-  ASSERT_EQ(kvtd_set_weight_version(s, 9), KVTD_OK);
-  ASSERT_EQ(kvtd_submit_storage(s, KVTD_STORAGE_WRITE, keys, blocks, 2, KVTD_STORAGE_HOST_BLOCKS, 0, 0, 1000, &id, err,
-                                sizeof err),
-            KVTD_OK)
-      << err;
-  std::vector<std::byte> rec;
-  ASSERT_EQ((*cep)->next_task(rec, monotonic_now_ns() + 1'000'000'000), RankEndpoint::Next::kTask);
-  proto::TaskRecordHeader h{};
-  auto t = decode_task_record(rec, &h);
-  ASSERT_TRUE(t.ok()) << t.error().message;
-  EXPECT_EQ(h.kind, KVTD_STORAGE_WRITE);
-  EXPECT_EQ(h.flags, proto::kTaskFlagHostBlocks);
-  auto sec = decode_storage_section(t->src, h.num_keys);
-  ASSERT_TRUE(sec.ok()) << sec.error().message;
-  EXPECT_EQ(sec->keys, (std::vector<std::string>{"pfx:00", "pfx:01"}));
-  EXPECT_EQ(sec->args.weight_version, 9u);
-  EXPECT_EQ(std::vector<std::int32_t>(t->dst.begin(), t->dst.end()), (std::vector<std::int32_t>{3, 1}));
-  proto::CompletionRecord c{};
-  c.task_id = id;
-  c.blocks_done = 1;
-  c.blocks_skipped = 1;
-  ASSERT_TRUE((*cep)->complete(c).ok());
-  kvtd_completion out{};
-  ASSERT_EQ(kvtd_wait(s, id, 1000, &out, err, sizeof err), KVTD_OK) << err;
-  EXPECT_EQ(out.blocks_done, 1u);
-  EXPECT_EQ(out.blocks_skipped, 1u);
-  // Bad input is refused with a message, never crashes.
-  const char* bad_keys[1] = {"no/slash"};
-  EXPECT_EQ(kvtd_submit_storage(s, KVTD_STORAGE_QUERY, bad_keys, nullptr, 1, 0, 0, 0, 100, &id, err, sizeof err),
-            KVTD_E_INVALID);
-  EXPECT_NE(std::string(err).find("key 0"), std::string::npos) << err;
-  const char* null_key[1] = {nullptr};
-  EXPECT_EQ(kvtd_submit_storage(s, KVTD_STORAGE_QUERY, null_key, nullptr, 1, 0, 0, 0, 100, &id, err, sizeof err),
-            KVTD_E_INVALID);
-  EXPECT_EQ(kvtd_submit_storage(s, KVTD_STORAGE_READ, keys, nullptr, 2, 0, 0, 0, 100, &id, err, sizeof err),
-            KVTD_E_INVALID);
-  EXPECT_EQ(kvtd_submit_storage(s, KVTD_STORAGE_READ, keys, blocks, 2, 0x80, 0, 0, 100, &id, err, sizeof err),
-            KVTD_E_INVALID);
-  EXPECT_EQ(kvtd_submit_storage(s, KVTD_CANCEL, nullptr, nullptr, 0, 0, 0, 0, 100, &id, err, sizeof err),
-            KVTD_E_INVALID);  // no task to cancel
-  EXPECT_EQ(kvtd_set_weight_version(nullptr, 1), KVTD_E_INVALID);
-  cep = make_error(IpcErrc::kClosed, "");
-  kvtd_session_destroy(s);
-}
-
-// Agreement across ranks (storage tasks): each rank publishes its count, every rank gets the MIN.
 TEST(Agreement, EveryRankGetsTheMinimum) {
   const auto suffix = test::unique_suffix("agree");
   Engine e(suffix, test::small_geometry(2));

@@ -1,0 +1,184 @@
+/* kvtd/kvtd_client.h - C ABI of the engine-side client library, libkvtd_client.so (for Python
+ * through ctypes and for engines in any language).
+ *
+ * An engine creates one session per data-parallel group, registers its KV tensors, publishes the
+ * session, waits until every rank daemon attached, then submits tasks and waits for their merged
+ * completions (a task is done when every rank reported; its status is the lowest failing rank's,
+ * its block count the MIN over ranks). See kvtd/ipc/engine_session.h for the full contract.
+ *
+ * Errors: every int-returning function returns KVTD_OK (0) or a positive KVTD_E_* code; when
+ * `err` is non-null a NUL-terminated message naming the problem is written to it (at most
+ * err_len bytes, truncated). No C++ exception crosses this interface; null pointers and
+ * out-of-range values are refused with KVTD_E_INVALID.
+ * Ownership: kvtd_session_create allocates the handle; kvtd_session_destroy frees it, unlinks
+ * the session and every shared object it made (attached daemons notice and detach).
+ * Thread-safety: a handle may be used from several threads at once, except that
+ * kvtd_session_destroy must not race any other call on the same handle. Waits never hold a lock
+ * while sleeping; a caller in Python (ctypes) waits with the GIL released.
+ * Versioning: the SONAME is libkvtd_client.so.<KVTD_CLIENT_ABI>; structs may only grow at the
+ * end in a new ABI version.
+ */
+#ifndef KVTD_KVTD_CLIENT_H_
+#define KVTD_KVTD_CLIENT_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVTD_CLIENT_ABI 1
+
+#if defined(__GNUC__)
+#define KVTD_API __attribute__((visibility("default")))
+#else
+#define KVTD_API
+#endif
+
+enum {
+  KVTD_OK = 0,
+  KVTD_E_INVALID = 1,
+  KVTD_E_TIMEOUT = 2,
+  KVTD_E_RING_FULL = 3,     /* no ring room or too many tasks in flight within the submit timeout */
+  KVTD_E_NOT_READY = 4,     /* a rank is not attached (or the session is not published) */
+  KVTD_E_UNKNOWN_TASK = 5,  /* never submitted, or its result was already taken */
+  KVTD_E_IN_USE = 6,        /* a live engine owns this session name */
+  KVTD_E_SYSTEM = 7,        /* an OS call failed (no memory, /dev/shm full, ...) */
+  KVTD_E_TASK_FAILED = 8,   /* the task completed with a failure (see kvtd_completion.status) */
+  KVTD_E_PENDING = 9,       /* kvtd_poll: not complete yet */
+  KVTD_E_NO_EVENT = 10      /* kvtd_layer_event_handle: that rank publishes no CUDA events */
+};
+
+enum {
+  KVTD_SWAP_TO_HOST = 1,
+  KVTD_SWAP_TO_DEVICE = 2,
+  KVTD_STORAGE_QUERY = 3,
+  KVTD_STORAGE_READ = 4,
+  KVTD_STORAGE_WRITE = 5,
+  KVTD_PREFETCH = 6,
+  KVTD_CANCEL = 7
+};
+/* kvtd_task.flags (and kvtd_submit_storage flags) */
+enum {
+  KVTD_STORAGE_HOST_BLOCKS = 1u << 0,  /* storage blocks are host-pool blocks, not device blocks */
+  KVTD_STORAGE_EVICT_BACKUP = 1u << 1, /* STORAGE_WRITE of host blocks being evicted (write_back) */
+  KVTD_TASK_LAYERWISE = 1u << 2        /* SWAP_TO_DEVICE: layer by layer, with per-layer progress */
+};
+enum { KVTD_DTYPE_BFLOAT16 = 1, KVTD_DTYPE_FLOAT16 = 2, KVTD_DTYPE_UINT8 = 3, KVTD_DTYPE_BLOCK_WISE_FP8 = 4 };
+enum { KVTD_KEY = 0, KVTD_VALUE = 1, KVTD_KEY_SCALE = 2, KVTD_VALUE_SCALE = 3 };
+/* kvtd_wait_layer stages */
+enum {
+  KVTD_LAYER_DONE = 0,     /* the layer's copies completed on every rank */
+  KVTD_LAYER_ENQUEUED = 1  /* queued and its CUDA event recorded on every rank (then cudaStreamWaitEvent) */
+};
+
+typedef struct kvtd_geometry {
+  uint32_t num_ranks;
+  uint32_t num_layers;        /* every layer with a KV cache, extra (MTP) layers included */
+  uint32_t dtype;             /* KVTD_DTYPE_* */
+  uint32_t num_host_blocks;   /* host pool blocks per rank */
+  int64_t key_shape[4];       /* device blocks, kv heads, block size, head dim (3-D caches: 1) */
+  int64_t value_shape[4];     /* all zero: no value cache (MLA) */
+  uint32_t scale_bytes;       /* block_wise_fp8 scale element bytes: 2 or 4 (0 = 2) */
+  uint32_t num_extra_layers;  /* the last num_extra_layers of num_layers are extra layers */
+  int64_t extra_device_blocks; /* device blocks of each extra layer (0 without extra layers) */
+} kvtd_geometry;
+
+typedef struct kvtd_completion {
+  uint64_t task_id;
+  int32_t status;          /* 0 ok, else the lowest failing rank's status (kvtd_status_name) */
+  int32_t failed_rank;     /* -1 if ok */
+  uint64_t blocks_done;    /* MIN over ranks (cancelled: how far it got) */
+  int64_t latency_ns;      /* submit to merged completion */
+  uint64_t blocks_skipped; /* STORAGE_WRITE: not written (stored already, or not selected by the policy) */
+} kvtd_completion;
+
+/* One task of any kind. Zero-initialise, then set what the kind uses:
+ *   swaps:   src, dst, n (device <-> host block ids; flags KVTD_TASK_LAYERWISE for a load);
+ *            SWAP_TO_HOST with keys (one per dst host block) also submits its backup
+ *            STORAGE_WRITE with id + 1, which the daemons' write policy carries out or skips.
+ *   storage: keys (num_keys NUL-terminated keys, 1..128 of [A-Za-z0-9_.:-]) and blocks (one per
+ *            key; null for STORAGE_QUERY); PREFETCH: min_hits; CANCEL: cancel_task_id only.
+ * Every kind: deadline_ns (absolute CLOCK_MONOTONIC, 0 = none), after_task_id (run after that
+ * task, 0 = none), submit_timeout_ms (how long submit may wait for ring room; 0 = do not wait). */
+typedef struct kvtd_task {
+  int32_t kind;            /* KVTD_SWAP_TO_HOST ... KVTD_CANCEL */
+  uint32_t flags;          /* KVTD_STORAGE_*, KVTD_TASK_LAYERWISE */
+  const int32_t* src;
+  const int32_t* dst;
+  size_t n;
+  const char* const* keys;
+  const int32_t* blocks;
+  size_t num_keys;
+  uint32_t min_hits;
+  uint32_t reserved;       /* must be 0 */
+  uint64_t cancel_task_id;
+  uint64_t after_task_id;
+  int64_t deadline_ns;
+  int64_t submit_timeout_ms;
+} kvtd_task;
+
+typedef struct kvtd_session kvtd_session;
+
+/* The ABI version this library implements (KVTD_CLIENT_ABI it was built with). */
+KVTD_API int kvtd_client_abi(void);
+/* Name of a task status ("ok", "id_out_of_range", ...) or of a KVTD_E_* code; never null. */
+KVTD_API const char* kvtd_status_name(int32_t status);
+KVTD_API const char* kvtd_error_name(int code);
+/* CLOCK_MONOTONIC in nanoseconds: the clock of kvtd_task.deadline_ns. */
+KVTD_API int64_t kvtd_now_ns(void);
+
+KVTD_API int kvtd_session_create(const char* suffix, const kvtd_geometry* geometry, kvtd_session** out, char* err,
+                                 size_t err_len);
+KVTD_API void kvtd_session_destroy(kvtd_session* s);
+/* The session's geometry as validated at create. */
+KVTD_API int kvtd_session_geometry(kvtd_session* s, kvtd_geometry* out);
+
+/* Registers one device tensor by its CUDA IPC handle (64 bytes) of the allocation's base plus the
+ * tensor's byte offset in it (caching allocators sub-allocate). Only before kvtd_publish. */
+KVTD_API int kvtd_register_tensor(kvtd_session* s, uint32_t rank, uint32_t layer, uint32_t kind, int32_t device_id,
+                                  const uint8_t handle[64], uint64_t offset, uint64_t bytes, char* err, size_t err_len);
+/* Host backend: creates shared-memory "device" tensors for every rank and layer (registered). */
+KVTD_API int kvtd_create_host_device_tensors(kvtd_session* s, char* err, size_t err_len);
+/* Address of a tensor made by kvtd_create_host_device_tensors, or null; *bytes (if non-null) gets its size. */
+KVTD_API void* kvtd_host_device_tensor(kvtd_session* s, uint32_t rank, uint32_t layer, uint32_t kind, uint64_t* bytes);
+KVTD_API int kvtd_publish(kvtd_session* s, char* err, size_t err_len);
+KVTD_API int kvtd_wait_ready(kvtd_session* s, int64_t timeout_ms, char* err, size_t err_len);
+
+/* Submits a task to every rank; *task_id gets its id. */
+KVTD_API int kvtd_submit_task(kvtd_session* s, const kvtd_task* task, uint64_t* task_id, char* err, size_t err_len);
+/* Shorthands: a swap without options; a storage task (see kvtd_task for the fields). */
+KVTD_API int kvtd_submit(kvtd_session* s, int kind, const int32_t* src_ids, const int32_t* dst_ids, size_t n,
+                         int64_t timeout_ms, uint64_t* task_id, char* err, size_t err_len);
+KVTD_API int kvtd_submit_storage(kvtd_session* s, int kind, const char* const* keys, const int32_t* blocks, size_t n,
+                                 uint32_t flags, uint32_t min_hits, uint64_t cancel_task_id, int64_t timeout_ms,
+                                 uint64_t* task_id, char* err, size_t err_len);
+/* The weight version later storage tasks carry (bump on a weight update: older KV then misses). */
+KVTD_API int kvtd_set_weight_version(kvtd_session* s, uint64_t version);
+
+/* Waits for the merged result: KVTD_OK (done, ok), KVTD_E_TASK_FAILED (done, failed: message in
+ * err), KVTD_E_TIMEOUT, KVTD_E_UNKNOWN_TASK. A result is handed out once (wait or poll). */
+KVTD_API int kvtd_wait(kvtd_session* s, uint64_t task_id, int64_t timeout_ms, kvtd_completion* out, char* err,
+                       size_t err_len);
+/* Like kvtd_wait without waiting: KVTD_E_PENDING while any rank has not reported. */
+KVTD_API int kvtd_poll(kvtd_session* s, uint64_t task_id, kvtd_completion* out, char* err, size_t err_len);
+/* Layer-by-layer loads: waits until `layer` of a KVTD_TASK_LAYERWISE task reached `stage`
+ * (KVTD_LAYER_*) on every rank. KVTD_E_TASK_FAILED if the task failed, KVTD_E_TIMEOUT,
+ * KVTD_E_UNKNOWN_TASK once its result was taken, KVTD_E_INVALID for a layer outside the geometry. */
+KVTD_API int kvtd_wait_layer(kvtd_session* s, uint64_t task_id, uint32_t layer, int64_t timeout_ms, int stage,
+                             char* err, size_t err_len);
+/* The interprocess CUDA event (cudaIpcEventHandle_t, 64 bytes) rank `rank` records after
+ * enqueueing each layer of a layer-by-layer load; KVTD_E_NO_EVENT when it publishes none (host
+ * backend, or not attached). */
+KVTD_API int kvtd_layer_event_handle(kvtd_session* s, uint32_t rank, uint32_t layer, uint8_t out[64]);
+/* 1 if rank is attached and its heartbeat is fresh, else 0. */
+KVTD_API int kvtd_rank_alive(kvtd_session* s, uint32_t rank);
+/* Tasks submitted and not yet collected. */
+KVTD_API size_t kvtd_in_flight(kvtd_session* s);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVTD_KVTD_CLIENT_H_ */

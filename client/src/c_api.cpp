@@ -1,0 +1,371 @@
+// The C ABI of kvtd/kvtd_client.h over ipc::EngineSession. Every entry point is noexcept in
+// effect: its body runs inside guarded(), so no C++ exception reaches a C or Python caller.
+#include "kvtd/kvtd_client.h"
+
+#include <time.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "kvtd/ipc/engine_session.h"
+#include "kvtd/proto/task.h"
+
+struct kvtd_session {
+  std::unique_ptr<kvtd::ipc::EngineSession> session;
+};
+
+namespace {
+
+using kvtd::ipc::IpcErrc;
+namespace proto = kvtd::proto;
+
+static_assert(sizeof(kvtd_geometry) == sizeof(proto::CacheGeometry), "kvtd_geometry mirrors proto::CacheGeometry");
+static_assert(sizeof(kvtd_task) == 96, "kvtd_task is part of the ABI");
+static_assert(sizeof(kvtd_completion) == 40, "kvtd_completion is part of the ABI");
+
+void put_error(char* err, size_t len, const std::string& msg) {
+  if (!err || len == 0) return;
+  const size_t n = msg.size() < len - 1 ? msg.size() : len - 1;
+  std::memcpy(err, msg.data(), n);
+  err[n] = '\0';
+}
+
+int code_of(IpcErrc e) {
+  switch (e) {
+    case IpcErrc::kTimeout: return KVTD_E_TIMEOUT;
+    case IpcErrc::kRingFull:
+    case IpcErrc::kTooManyInFlight: return KVTD_E_RING_FULL;
+    case IpcErrc::kNotReady:
+    case IpcErrc::kClosed: return KVTD_E_NOT_READY;
+    case IpcErrc::kUnknownTask: return KVTD_E_UNKNOWN_TASK;
+    case IpcErrc::kInUse: return KVTD_E_IN_USE;
+    case IpcErrc::kTaskFailed: return KVTD_E_TASK_FAILED;
+    case IpcErrc::kSystem:
+    case IpcErrc::kNoSpace:
+    case IpcErrc::kPermission: return KVTD_E_SYSTEM;
+    default: return KVTD_E_INVALID;
+  }
+}
+
+template <typename S>
+int report(const S& st, char* err, size_t len) {
+  if (st.ok()) return KVTD_OK;
+  put_error(err, len, st.error().message);
+  return code_of(st.error().code);
+}
+
+int invalid(char* err, size_t len, const std::string& msg) {
+  put_error(err, len, msg);
+  return KVTD_E_INVALID;
+}
+
+// Milliseconds to nanoseconds without overflow (a huge timeout saturates, it does not wrap).
+std::int64_t ms_to_ns(int64_t ms) {
+  if (ms <= 0) return 0;
+  return ms > INT64_MAX / 1'000'000 ? INT64_MAX : ms * 1'000'000;
+}
+
+// No exception may cross extern "C": every entry point runs its body through this.
+template <typename F>
+int guarded(char* err, size_t len, F&& body) noexcept {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    put_error(err, len, "out of memory");
+    return KVTD_E_SYSTEM;
+  } catch (const std::exception& e) {
+    put_error(err, len, std::string("internal error: ") + e.what());
+    return KVTD_E_SYSTEM;
+  } catch (...) {
+    put_error(err, len, "internal error");
+    return KVTD_E_SYSTEM;
+  }
+}
+
+void fill_completion(const kvtd::ipc::TaskResult& r, kvtd_completion* out) {
+  if (!out) return;
+  out->task_id = r.task_id;
+  out->status = static_cast<int32_t>(r.status);
+  out->failed_rank = r.failures.empty() ? -1 : static_cast<int32_t>(r.failures.front().rank);
+  out->blocks_done = r.blocks_done;
+  out->blocks_skipped = r.blocks_skipped;
+  out->latency_ns = r.complete_ns - r.submit_ns;
+}
+
+int finished(const kvtd::ipc::TaskResult& r, kvtd_completion* out, char* err, size_t len) {
+  fill_completion(r, out);
+  if (r.ok()) return KVTD_OK;
+  const auto& f = r.failures.front();
+  put_error(err, len, "rank " + std::to_string(f.rank) + ": " + proto::task_status_name(f.status) + ": " + f.message);
+  return KVTD_E_TASK_FAILED;
+}
+
+// Checks a kvtd_task and turns it into a TaskRequest; `keys` owns the key strings.
+int to_request(const kvtd_task& t, std::vector<std::string>* keys, kvtd::ipc::TaskRequest* r, char* err, size_t len) {
+  if (t.kind < 1 || t.kind > static_cast<int32_t>(proto::kMaxTaskKind))
+    return invalid(err, len, "task kind " + std::to_string(t.kind) + " is not one of KVTD_SWAP_TO_HOST..KVTD_CANCEL");
+  constexpr uint32_t kKnown = KVTD_STORAGE_HOST_BLOCKS | KVTD_STORAGE_EVICT_BACKUP | KVTD_TASK_LAYERWISE;
+  if ((t.flags & ~kKnown) != 0) return invalid(err, len, "unknown task flags " + std::to_string(t.flags & ~kKnown));
+  if (t.reserved != 0) return invalid(err, len, "kvtd_task.reserved must be 0");
+  if (t.n > 0 && (!t.src || !t.dst)) return invalid(err, len, "src and dst must not be null when n > 0");
+  const auto kind = static_cast<proto::TaskKind>(t.kind);
+  const bool swap = kind == proto::TaskKind::kSwapToHost || kind == proto::TaskKind::kSwapToDevice;
+  if (!swap && t.n > 0) return invalid(err, len, "src/dst are for swaps; storage tasks use keys and blocks");
+  if (t.num_keys > proto::kMaxKeysPerTask)
+    return invalid(err, len, std::to_string(t.num_keys) + " keys exceed the limit of " + std::to_string(proto::kMaxKeysPerTask));
+  if (t.num_keys > 0 && !t.keys) return invalid(err, len, "keys must not be null when num_keys > 0");
+  const bool needs_blocks = !swap && kind != proto::TaskKind::kStorageQuery && kind != proto::TaskKind::kCancel;
+  if (t.num_keys > 0 && needs_blocks && !t.blocks)
+    return invalid(err, len, "blocks must not be null for this storage task");
+  if ((t.flags & KVTD_TASK_LAYERWISE) != 0 && kind != proto::TaskKind::kSwapToDevice)
+    return invalid(err, len, "KVTD_TASK_LAYERWISE is for KVTD_SWAP_TO_DEVICE only");
+  if (t.deadline_ns < 0) return invalid(err, len, "deadline_ns must be 0 (none) or a CLOCK_MONOTONIC time");
+  keys->reserve(t.num_keys);
+  for (size_t i = 0; i < t.num_keys; ++i) {
+    if (!t.keys[i]) return invalid(err, len, "key " + std::to_string(i) + " is null");
+    keys->emplace_back(t.keys[i], strnlen(t.keys[i], proto::kMaxKeyBytes + 1));  // too long: refused by submit
+  }
+  r->kind = kind;
+  r->src = {t.src, t.n};
+  r->dst = {t.dst, t.n};
+  r->keys = *keys;
+  if (needs_blocks && t.num_keys > 0) r->blocks = {t.blocks, t.num_keys};
+  r->host_blocks = (t.flags & KVTD_STORAGE_HOST_BLOCKS) != 0;
+  r->evict_backup = (t.flags & KVTD_STORAGE_EVICT_BACKUP) != 0;
+  r->layerwise = (t.flags & KVTD_TASK_LAYERWISE) != 0;
+  r->min_hits = t.min_hits;
+  r->cancel_task_id = t.cancel_task_id;
+  r->after_task_id = t.after_task_id;
+  r->deadline_ns = t.deadline_ns;
+  r->submit_timeout_ns = ms_to_ns(t.submit_timeout_ms);
+  return KVTD_OK;
+}
+
+int submit_checked(kvtd_session* s, const kvtd_task& t, uint64_t* task_id, char* err, size_t len) {
+  if (!s || !task_id) return invalid(err, len, "session and task_id must not be null");
+  std::vector<std::string> keys;
+  kvtd::ipc::TaskRequest r;
+  if (int rc = to_request(t, &keys, &r, err, len); rc != KVTD_OK) return rc;
+  auto id = s->session->submit(r);
+  if (!id.ok()) return report(id, err, len);
+  *task_id = *id;
+  return KVTD_OK;
+}
+
+}  // namespace
+
+extern "C" {
+
+int kvtd_client_abi(void) { return KVTD_CLIENT_ABI; }
+
+const char* kvtd_status_name(int32_t status) {
+  return proto::task_status_name(static_cast<proto::TaskStatus>(status));  // "unknown_status" for others
+}
+
+const char* kvtd_error_name(int code) {
+  switch (code) {
+    case KVTD_OK: return "ok";
+    case KVTD_E_INVALID: return "invalid";
+    case KVTD_E_TIMEOUT: return "timeout";
+    case KVTD_E_RING_FULL: return "ring_full";
+    case KVTD_E_NOT_READY: return "not_ready";
+    case KVTD_E_UNKNOWN_TASK: return "unknown_task";
+    case KVTD_E_IN_USE: return "in_use";
+    case KVTD_E_SYSTEM: return "system";
+    case KVTD_E_TASK_FAILED: return "task_failed";
+    case KVTD_E_PENDING: return "pending";
+    case KVTD_E_NO_EVENT: return "no_event";
+    default: return "unknown_error";
+  }
+}
+
+int64_t kvtd_now_ns(void) {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+
+int kvtd_session_create(const char* suffix, const kvtd_geometry* g, kvtd_session** out, char* err, size_t err_len) {
+  return guarded(err, err_len, [&]() -> int {
+    if (!suffix || !g || !out) return invalid(err, err_len, "suffix, geometry and out must not be null");
+    *out = nullptr;
+    kvtd::ipc::SessionOptions o;
+    o.suffix = suffix;
+    std::memcpy(&o.geometry, g, sizeof o.geometry);  // same layout (static_assert above); validated by create
+    auto s = kvtd::ipc::EngineSession::create(o);
+    if (!s.ok()) return report(s, err, err_len);
+    *out = new kvtd_session{std::move(s).value()};
+    return KVTD_OK;
+  });
+}
+
+void kvtd_session_destroy(kvtd_session* s) {
+  (void)guarded(nullptr, 0, [&]() -> int {
+    delete s;
+    return KVTD_OK;
+  });
+}
+
+int kvtd_session_geometry(kvtd_session* s, kvtd_geometry* out) {
+  if (!s || !out) return KVTD_E_INVALID;
+  std::memcpy(out, &s->session->geometry(), sizeof *out);
+  return KVTD_OK;
+}
+
+int kvtd_register_tensor(kvtd_session* s, uint32_t rank, uint32_t layer, uint32_t kind, int32_t device_id,
+                         const uint8_t handle[64], uint64_t offset, uint64_t bytes, char* err, size_t err_len) {
+  return guarded(err, err_len, [&]() -> int {
+    if (!s || !handle) return invalid(err, err_len, "session and handle must not be null");
+    proto::TensorDesc d{};
+    d.rank = rank;
+    d.layer = layer;
+    d.kind = kind;
+    d.device_id = device_id;
+    d.dtype = s->session->geometry().dtype;
+    d.offset = offset;
+    d.bytes = bytes;
+    std::memcpy(d.handle, handle, sizeof d.handle);
+    return report(s->session->register_tensor(d), err, err_len);
+  });
+}
+
+int kvtd_create_host_device_tensors(kvtd_session* s, char* err, size_t err_len) {
+  if (!s) return invalid(err, err_len, "session must not be null");
+  return guarded(err, err_len, [&]() -> int { return report(s->session->create_host_device_tensors(), err, err_len); });
+}
+
+void* kvtd_host_device_tensor(kvtd_session* s, uint32_t rank, uint32_t layer, uint32_t kind, uint64_t* bytes) {
+  if (bytes) *bytes = 0;
+  if (!s || kind >= proto::kTensorKinds) return nullptr;
+  const auto& g = s->session->geometry();
+  const auto k = static_cast<proto::TensorKind>(kind);
+  std::byte* p = s->session->host_device_tensor(rank, layer, k);  // null outside the geometry; no-throw
+  if (p && bytes) *bytes = g.block_bytes(k) * static_cast<std::uint64_t>(g.device_blocks(layer));
+  return p;
+}
+
+int kvtd_publish(kvtd_session* s, char* err, size_t err_len) {
+  if (!s) return invalid(err, err_len, "session must not be null");
+  return guarded(err, err_len, [&]() -> int { return report(s->session->publish(), err, err_len); });
+}
+
+int kvtd_wait_ready(kvtd_session* s, int64_t timeout_ms, char* err, size_t err_len) {
+  if (!s) return invalid(err, err_len, "session must not be null");
+  return guarded(err, err_len,
+                 [&]() -> int { return report(s->session->wait_ready(ms_to_ns(timeout_ms)), err, err_len); });
+}
+
+int kvtd_submit_task(kvtd_session* s, const kvtd_task* task, uint64_t* task_id, char* err, size_t err_len) {
+  return guarded(err, err_len, [&]() -> int {
+    if (!task) return invalid(err, err_len, "task must not be null");
+    return submit_checked(s, *task, task_id, err, err_len);
+  });
+}
+
+int kvtd_submit(kvtd_session* s, int kind, const int32_t* src, const int32_t* dst, size_t n, int64_t timeout_ms,
+                uint64_t* task_id, char* err, size_t err_len) {
+  return guarded(err, err_len, [&]() -> int {
+    if (kind != KVTD_SWAP_TO_HOST && kind != KVTD_SWAP_TO_DEVICE)
+      return invalid(err, err_len, "kvtd_submit is for swaps; use kvtd_submit_task or kvtd_submit_storage");
+    kvtd_task t{};
+    t.kind = kind;
+    t.src = src;
+    t.dst = dst;
+    t.n = n;
+    t.submit_timeout_ms = timeout_ms;
+    return submit_checked(s, t, task_id, err, err_len);
+  });
+}
+
+int kvtd_submit_storage(kvtd_session* s, int kind, const char* const* keys, const int32_t* blocks, size_t n,
+                        uint32_t flags, uint32_t min_hits, uint64_t cancel_task_id, int64_t timeout_ms,
+                        uint64_t* task_id, char* err, size_t err_len) {
+  return guarded(err, err_len, [&]() -> int {
+    if (kind < KVTD_STORAGE_QUERY || kind > KVTD_CANCEL)
+      return invalid(err, err_len, "kvtd_submit_storage is for storage tasks (KVTD_STORAGE_QUERY..KVTD_CANCEL)");
+    if ((flags & ~uint32_t{KVTD_STORAGE_HOST_BLOCKS | KVTD_STORAGE_EVICT_BACKUP}) != 0)
+      return invalid(err, err_len, "unknown storage flags " + std::to_string(flags));
+    kvtd_task t{};
+    t.kind = kind;
+    t.flags = flags;
+    t.keys = keys;
+    t.blocks = blocks;
+    t.num_keys = n;
+    t.min_hits = min_hits;
+    t.cancel_task_id = cancel_task_id;
+    t.submit_timeout_ms = timeout_ms;
+    return submit_checked(s, t, task_id, err, err_len);
+  });
+}
+
+int kvtd_set_weight_version(kvtd_session* s, uint64_t version) {
+  if (!s) return KVTD_E_INVALID;
+  return guarded(nullptr, 0, [&]() -> int {
+    s->session->set_weight_version(version);
+    return KVTD_OK;
+  });
+}
+
+int kvtd_wait(kvtd_session* s, uint64_t task_id, int64_t timeout_ms, kvtd_completion* out, char* err,
+              size_t err_len) {
+  if (!s) return invalid(err, err_len, "session must not be null");
+  return guarded(err, err_len, [&]() -> int {
+    auto r = s->session->wait(task_id, ms_to_ns(timeout_ms));
+    if (!r.ok()) return report(r, err, err_len);
+    return finished(*r, out, err, err_len);
+  });
+}
+
+int kvtd_poll(kvtd_session* s, uint64_t task_id, kvtd_completion* out, char* err, size_t err_len) {
+  if (!s) return invalid(err, err_len, "session must not be null");
+  return guarded(err, err_len, [&]() -> int {
+    auto r = s->session->poll(task_id);
+    if (!r) {
+      put_error(err, err_len, "task " + std::to_string(task_id) + " has not completed (or its result was taken)");
+      return KVTD_E_PENDING;
+    }
+    return finished(*r, out, err, err_len);
+  });
+}
+
+int kvtd_wait_layer(kvtd_session* s, uint64_t task_id, uint32_t layer, int64_t timeout_ms, int stage, char* err,
+                    size_t err_len) {
+  if (!s) return invalid(err, err_len, "session must not be null");
+  return guarded(err, err_len, [&]() -> int {
+    if (stage != KVTD_LAYER_DONE && stage != KVTD_LAYER_ENQUEUED)
+      return invalid(err, err_len, "stage " + std::to_string(stage) + " is not KVTD_LAYER_DONE or KVTD_LAYER_ENQUEUED");
+    const auto st = stage == KVTD_LAYER_DONE ? kvtd::ipc::EngineSession::LayerStage::kDone
+                                             : kvtd::ipc::EngineSession::LayerStage::kEnqueued;
+    return report(s->session->wait_layer(task_id, layer, ms_to_ns(timeout_ms), st), err, err_len);
+  });
+}
+
+int kvtd_layer_event_handle(kvtd_session* s, uint32_t rank, uint32_t layer, uint8_t out[64]) {
+  if (!s || !out) return KVTD_E_INVALID;
+  return guarded(nullptr, 0, [&]() -> int {
+    auto h = s->session->layer_event_handle(rank, layer);
+    if (!h) return KVTD_E_NO_EVENT;
+    std::memcpy(out, h->data(), h->size());
+    return KVTD_OK;
+  });
+}
+
+int kvtd_rank_alive(kvtd_session* s, uint32_t rank) {
+  if (!s) return 0;
+  return guarded(nullptr, 0, [&]() -> int { return s->session->rank_alive(rank) ? 1 : 0; });
+}
+
+size_t kvtd_in_flight(kvtd_session* s) {
+  if (!s) return 0;
+  try {
+    return s->session->in_flight();
+  } catch (...) {
+    return 0;
+  }
+}
+
+}  // extern "C"

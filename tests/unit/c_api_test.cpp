@@ -1,0 +1,354 @@
+// The C ABI of libkvtd_client.so (kvtd/kvtd_client.h), linked as the shared library an engine
+// loads: every entry point with good and hostile input, against an in-process rank.
+#include "kvtd/kvtd_client.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "endpoint_helpers.h"
+#include "kvtd/ipc/clock.h"
+#include "kvtd/ipc/rank_endpoint.h"
+#include "kvtd/ipc/task_codec.h"
+#include "test_support.h"
+
+namespace kvtd::ipc {
+namespace {
+
+using proto::TaskStatus;
+using test::endpoint_options;
+using test::report;
+
+// One rank, fp16, 8 device and 4 host blocks of 1 head x 4 tokens x 8 dims, no value cache.
+kvtd_geometry c_geometry(std::uint32_t layers) {
+  kvtd_geometry g{};
+  g.num_ranks = 1;
+  g.num_layers = layers;
+  g.dtype = KVTD_DTYPE_FLOAT16;
+  g.num_host_blocks = 4;
+  const std::int64_t shape[4] = {8, 1, 4, 8};
+  for (int i = 0; i < 4; ++i) g.key_shape[i] = shape[i];
+  return g;
+}
+
+// c_geometry(1) as the daemon side sees it.
+proto::CacheGeometry c_geometry_as_proto() {
+  proto::CacheGeometry pg = test::small_geometry(1);
+  pg.num_layers = 1;
+  pg.num_host_blocks = 4;
+  pg.dtype = static_cast<std::uint32_t>(proto::CacheDtype::kFloat16);
+  const std::int64_t shape[4] = {8, 1, 4, 8};
+  for (int i = 0; i < 4; ++i) {
+    pg.key_shape[i] = shape[i];
+    pg.value_shape[i] = 0;
+  }
+  return pg;
+}
+
+TEST(CApi, CreatePublishSubmitAndReportErrors) {
+  const auto suffix = test::unique_suffix("capi");
+  const kvtd_geometry g = c_geometry(2);
+  kvtd_session* s = nullptr;
+  char err[256] = {0};
+  ASSERT_EQ(kvtd_session_create(suffix.c_str(), &g, &s, err, sizeof err), KVTD_OK) << err;
+  ASSERT_EQ(kvtd_create_host_device_tensors(s, err, sizeof err), KVTD_OK) << err;
+  EXPECT_NE(kvtd_host_device_tensor(s, 0, 1, 0, nullptr), nullptr);
+  EXPECT_EQ(kvtd_host_device_tensor(s, 0, 1, 1, nullptr), nullptr);  // no value cache
+  ASSERT_EQ(kvtd_publish(s, err, sizeof err), KVTD_OK) << err;
+  int32_t src[1] = {0}, dst[1] = {0};
+  uint64_t id = 0;
+  EXPECT_EQ(kvtd_submit(s, KVTD_SWAP_TO_HOST, src, dst, 1, 10, &id, err, sizeof err), KVTD_E_NOT_READY);
+  EXPECT_NE(std::string(err).find("rank 0"), std::string::npos) << err;
+  EXPECT_EQ(kvtd_wait_ready(s, 20, err, sizeof err), KVTD_E_TIMEOUT);
+  EXPECT_EQ(kvtd_rank_alive(s, 0), 0);
+  // Null sessions and huge timeouts are errors or saturate; nothing crashes or wraps.
+  EXPECT_EQ(kvtd_publish(nullptr, err, sizeof err), KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_wait(nullptr, 1, 1, nullptr, err, sizeof err), KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_wait_ready(nullptr, 1, err, sizeof err), KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_create_host_device_tensors(nullptr, err, sizeof err), KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_rank_alive(nullptr, 0), 0);
+  EXPECT_EQ(kvtd_wait(s, 12345, INT64_MAX, nullptr, err, sizeof err), KVTD_E_UNKNOWN_TASK);
+  kvtd_session_destroy(s);
+  kvtd_session* bad = nullptr;
+  EXPECT_EQ(kvtd_session_create("bad/name", &g, &bad, err, sizeof err), KVTD_E_INVALID);
+  EXPECT_NE(std::string(err).find("suffix"), std::string::npos);
+}
+
+// The C ABI end to end: register tensors by handle, submit, and wait for the merged result.
+TEST(CApi, RegisterSubmitAndWaitWithAnAttachedRank) {
+  const auto suffix = test::unique_suffix("capi2");
+  const kvtd_geometry g = c_geometry(1);
+  kvtd_session* s = nullptr;
+  char err[256] = {0};
+  ASSERT_EQ(kvtd_session_create(suffix.c_str(), &g, &s, err, sizeof err), KVTD_OK) << err;
+  std::uint8_t handle[64] = {'x'};
+  EXPECT_EQ(kvtd_register_tensor(s, 0, 0, 0, -1, handle, 0, 8, err, sizeof err), KVTD_E_INVALID);  // too small
+  EXPECT_NE(std::string(err).find("needs"), std::string::npos) << err;
+  EXPECT_EQ(kvtd_register_tensor(s, 0, 0, 0, -1, handle, 0, 8 * 64, err, sizeof err), KVTD_OK) << err;
+  ASSERT_EQ(kvtd_publish(s, err, sizeof err), KVTD_OK) << err;
+  const proto::CacheGeometry pg = c_geometry_as_proto();
+  auto ep = RankEndpoint::attach(endpoint_options(suffix, 0, pg));
+  ASSERT_TRUE(ep.ok()) << ep.error().message;
+  ASSERT_NE((*ep)->tensor(0, proto::TensorKind::kKey), nullptr);
+  int32_t src[2] = {1, 2}, dst[2] = {3, 0};
+  uint64_t id = 0;
+  ASSERT_EQ(kvtd_submit(s, KVTD_SWAP_TO_HOST, src, dst, 2, 1000, &id, err, sizeof err), KVTD_OK) << err;
+  report(**ep, id, 0, TaskStatus::kOk, 2);
+  kvtd_completion c{};
+  ASSERT_EQ(kvtd_wait(s, id, 1000, &c, err, sizeof err), KVTD_OK) << err;
+  EXPECT_EQ(c.task_id, id);
+  EXPECT_EQ(c.blocks_done, 2u);
+  EXPECT_EQ(c.failed_rank, -1);
+  ASSERT_EQ(kvtd_submit(s, KVTD_SWAP_TO_HOST, src, dst, 2, 1000, &id, err, sizeof err), KVTD_OK) << err;
+  report(**ep, id, 0, TaskStatus::kIdOutOfRange, 0);
+  EXPECT_EQ(kvtd_wait(s, id, 1000, &c, err, sizeof err), KVTD_E_TASK_FAILED);
+  EXPECT_EQ(c.failed_rank, 0);
+  EXPECT_NE(std::string(err).find("rank 0"), std::string::npos) << err;
+  EXPECT_EQ(kvtd_submit(s, 0, src, dst, 2, 1000, &id, err, sizeof err), KVTD_E_INVALID);  // reserved kind
+  ep = make_error(IpcErrc::kClosed, "");  // detach before the session goes
+  kvtd_session_destroy(s);
+}
+
+// Storage tasks through the C ABI: the record a rank reads carries exactly the keys, blocks and
+// arguments given; the completion carries written and skipped counts.
+TEST(CApi, StorageTasksCarryKeysBlocksAndSkippedCounts) {
+  kvtd_session* s = nullptr;
+  const auto csuffix = test::unique_suffix("capi3");
+  const kvtd_geometry g = c_geometry(1);
+  char err[256] = {0};
+  ASSERT_EQ(kvtd_session_create(csuffix.c_str(), &g, &s, err, sizeof err), KVTD_OK) << err;
+  ASSERT_EQ(kvtd_create_host_device_tensors(s, err, sizeof err), KVTD_OK) << err;
+  ASSERT_EQ(kvtd_publish(s, err, sizeof err), KVTD_OK) << err;
+  const proto::CacheGeometry pg = c_geometry_as_proto();
+  auto cep = RankEndpoint::attach(endpoint_options(csuffix, 0, pg));
+  ASSERT_TRUE(cep.ok()) << cep.error().message;
+  const char* keys[2] = {"pfx:00", "pfx:01"};
+  const int32_t blocks[2] = {3, 1};
+  uint64_t id = 0;
+  ASSERT_EQ(kvtd_set_weight_version(s, 9), KVTD_OK);
+  ASSERT_EQ(kvtd_submit_storage(s, KVTD_STORAGE_WRITE, keys, blocks, 2, KVTD_STORAGE_HOST_BLOCKS, 0, 0, 1000, &id, err,
+                                sizeof err),
+            KVTD_OK)
+      << err;
+  std::vector<std::byte> rec;
+  ASSERT_EQ((*cep)->next_task(rec, monotonic_now_ns() + 1'000'000'000), RankEndpoint::Next::kTask);
+  proto::TaskRecordHeader h{};
+  auto t = decode_task_record(rec, &h);
+  ASSERT_TRUE(t.ok()) << t.error().message;
+  EXPECT_EQ(h.kind, KVTD_STORAGE_WRITE);
+  EXPECT_EQ(h.flags, proto::kTaskFlagHostBlocks);
+  auto sec = decode_storage_section(t->src, h.num_keys);
+  ASSERT_TRUE(sec.ok()) << sec.error().message;
+  EXPECT_EQ(sec->keys, (std::vector<std::string>{"pfx:00", "pfx:01"}));
+  EXPECT_EQ(sec->args.weight_version, 9u);
+  EXPECT_EQ(std::vector<std::int32_t>(t->dst.begin(), t->dst.end()), (std::vector<std::int32_t>{3, 1}));
+  proto::CompletionRecord c{};
+  c.task_id = id;
+  c.blocks_done = 1;
+  c.blocks_skipped = 1;
+  ASSERT_TRUE((*cep)->complete(c).ok());
+  kvtd_completion out{};
+  ASSERT_EQ(kvtd_wait(s, id, 1000, &out, err, sizeof err), KVTD_OK) << err;
+  EXPECT_EQ(out.blocks_done, 1u);
+  EXPECT_EQ(out.blocks_skipped, 1u);
+  // Bad input is refused with a message, never crashes.
+  const char* bad_keys[1] = {"no/slash"};
+  EXPECT_EQ(kvtd_submit_storage(s, KVTD_STORAGE_QUERY, bad_keys, nullptr, 1, 0, 0, 0, 100, &id, err, sizeof err),
+            KVTD_E_INVALID);
+  EXPECT_NE(std::string(err).find("key 0"), std::string::npos) << err;
+  const char* null_key[1] = {nullptr};
+  EXPECT_EQ(kvtd_submit_storage(s, KVTD_STORAGE_QUERY, null_key, nullptr, 1, 0, 0, 0, 100, &id, err, sizeof err),
+            KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_submit_storage(s, KVTD_STORAGE_READ, keys, nullptr, 2, 0, 0, 0, 100, &id, err, sizeof err),
+            KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_submit_storage(s, KVTD_STORAGE_READ, keys, blocks, 2, 0x80, 0, 0, 100, &id, err, sizeof err),
+            KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_submit_storage(s, KVTD_CANCEL, nullptr, nullptr, 0, 0, 0, 0, 100, &id, err, sizeof err),
+            KVTD_E_INVALID);  // no task to cancel
+  EXPECT_EQ(kvtd_set_weight_version(nullptr, 1), KVTD_E_INVALID);
+  cep = make_error(IpcErrc::kClosed, "");
+  kvtd_session_destroy(s);
+}
+
+// Agreement across ranks (storage tasks): each rank publishes its count, every rank gets the MIN.
+// A published one-rank session (c_geometry(2)) with an in-process rank attached.
+struct CSession {
+  kvtd_session* s = nullptr;
+  std::unique_ptr<RankEndpoint> ep;
+  char err[512] = {0};
+  explicit CSession(const std::string& name) {
+    const auto suffix = test::unique_suffix(name);
+    const kvtd_geometry g = c_geometry(2);
+    EXPECT_EQ(kvtd_session_create(suffix.c_str(), &g, &s, err, sizeof err), KVTD_OK) << err;
+    EXPECT_EQ(kvtd_create_host_device_tensors(s, err, sizeof err), KVTD_OK) << err;
+    EXPECT_EQ(kvtd_publish(s, err, sizeof err), KVTD_OK) << err;
+    auto pg = c_geometry_as_proto();
+    pg.num_layers = 2;
+    auto e = RankEndpoint::attach(endpoint_options(suffix, 0, pg));
+    EXPECT_TRUE(e.ok()) << e.error().message;
+    if (e.ok()) ep = std::move(e).value();
+    EXPECT_EQ(kvtd_wait_ready(s, 0, err, sizeof err), KVTD_E_TIMEOUT);  // no ready flags yet: not ready
+  }
+  ~CSession() {
+    ep.reset();
+    kvtd_session_destroy(s);
+  }
+  // The header of the next task the rank reads.
+  proto::TaskRecordHeader next() {
+    std::vector<std::byte> rec;
+    proto::TaskRecordHeader h{};
+    EXPECT_EQ(ep->next_task(rec, monotonic_now_ns() + 1'000'000'000), RankEndpoint::Next::kTask);
+    EXPECT_TRUE(decode_task_record(rec, &h).ok());
+    return h;
+  }
+};
+
+TEST(CApi, SubmitTaskCarriesDeadlineOrderingAndLayerwiseAndPollReportsPending) {
+  CSession c("capi_task");
+  const int32_t src[2] = {0, 1}, dst[2] = {4, 5};
+  kvtd_task t{};
+  t.kind = KVTD_SWAP_TO_DEVICE;
+  t.flags = KVTD_TASK_LAYERWISE;
+  t.src = src;
+  t.dst = dst;
+  t.n = 2;
+  t.after_task_id = 77;
+  t.deadline_ns = kvtd_now_ns() + 5'000'000'000;
+  t.submit_timeout_ms = 100;
+  uint64_t id = 0;
+  ASSERT_EQ(kvtd_submit_task(c.s, &t, &id, c.err, sizeof c.err), KVTD_OK) << c.err;
+  const auto h = c.next();
+  EXPECT_EQ(h.task_id, id);
+  EXPECT_EQ(h.after_task_id, 77u);
+  EXPECT_EQ(h.deadline_ns, t.deadline_ns);
+  EXPECT_EQ(h.flags & proto::kTaskFlagLayerwise, proto::kTaskFlagLayerwise);
+  kvtd_completion out{};
+  EXPECT_EQ(kvtd_poll(c.s, id, &out, c.err, sizeof c.err), KVTD_E_PENDING);
+  EXPECT_EQ(kvtd_in_flight(c.s), 1u);
+  // Layer 0 done, layer 1 not yet: wait_layer(0) returns, wait_layer(1) times out.
+  c.ep->progress_begin(h);
+  c.ep->progress_update(h, 1, 1);
+  EXPECT_EQ(kvtd_wait_layer(c.s, id, 0, 1000, KVTD_LAYER_DONE, c.err, sizeof c.err), KVTD_OK) << c.err;
+  EXPECT_EQ(kvtd_wait_layer(c.s, id, 1, 20, KVTD_LAYER_DONE, c.err, sizeof c.err), KVTD_E_TIMEOUT);
+  EXPECT_EQ(kvtd_wait_layer(c.s, id, 1, 20, 7, c.err, sizeof c.err), KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_wait_layer(c.s, id, 2, 20, KVTD_LAYER_DONE, c.err, sizeof c.err), KVTD_E_INVALID);
+  report(*c.ep, id, 0, TaskStatus::kOk, 2);
+  ASSERT_TRUE(test::eventually([&] { return kvtd_poll(c.s, id, &out, c.err, sizeof c.err) == KVTD_OK; },
+                               std::chrono::seconds(5)));
+  EXPECT_EQ(out.blocks_done, 2u);
+  EXPECT_EQ(kvtd_poll(c.s, id, &out, c.err, sizeof c.err), KVTD_E_PENDING);  // handed out once
+  EXPECT_EQ(kvtd_wait(c.s, id, 10, &out, c.err, sizeof c.err), KVTD_E_UNKNOWN_TASK);
+  // The host backend publishes no CUDA events.
+  uint8_t handle[64];
+  EXPECT_EQ(kvtd_layer_event_handle(c.s, 0, 0, handle), KVTD_E_NO_EVENT);
+  EXPECT_EQ(kvtd_layer_event_handle(c.s, 5, 0, handle), KVTD_E_NO_EVENT);
+  EXPECT_EQ(kvtd_layer_event_handle(nullptr, 0, 0, handle), KVTD_E_INVALID);
+}
+
+TEST(CApi, FailedTaskNamesRankAndStatusInPollAndWait) {
+  CSession c("capi_fail");
+  const int32_t src[1] = {3}, dst[1] = {1};
+  uint64_t id = 0;
+  ASSERT_EQ(kvtd_submit(c.s, KVTD_SWAP_TO_HOST, src, dst, 1, 100, &id, c.err, sizeof c.err), KVTD_OK) << c.err;
+  (void)c.next();
+  report(*c.ep, id, 0, TaskStatus::kHostTierLost, 0);
+  kvtd_completion out{};
+  ASSERT_EQ(kvtd_wait(c.s, id, 2000, &out, c.err, sizeof c.err), KVTD_E_TASK_FAILED);
+  EXPECT_EQ(out.status, static_cast<int32_t>(TaskStatus::kHostTierLost));
+  EXPECT_STREQ(kvtd_status_name(out.status), "host_tier_lost");
+  EXPECT_NE(std::string(c.err).find("rank 0: host_tier_lost"), std::string::npos) << c.err;
+}
+
+// The hardening of the trust issue for every field of kvtd_task: each bad value is refused with
+// a message naming it, and nothing reaches the ring.
+TEST(CApi, SubmitTaskRefusesEveryBadFieldNamingIt) {
+  CSession c("capi_bad");
+  const int32_t ids[2] = {0, 1};
+  const char* keys[1] = {"k0"};
+  uint64_t id = 0;
+  auto expect_refused = [&](const kvtd_task& t, const std::string& says) {
+    EXPECT_EQ(kvtd_submit_task(c.s, &t, &id, c.err, sizeof c.err), KVTD_E_INVALID) << says;
+    EXPECT_NE(std::string(c.err).find(says), std::string::npos) << c.err;
+  };
+  kvtd_task t{};
+  t.kind = 0;
+  expect_refused(t, "task kind 0");
+  t.kind = 99;
+  expect_refused(t, "task kind 99");
+  t = {};
+  t.kind = KVTD_SWAP_TO_HOST;
+  t.flags = 1u << 9;
+  expect_refused(t, "unknown task flags");
+  t.flags = 0;
+  t.reserved = 1;
+  expect_refused(t, "reserved");
+  t.reserved = 0;
+  t.n = 2;
+  expect_refused(t, "src and dst must not be null");
+  t.src = ids;
+  t.dst = ids;
+  t.flags = KVTD_TASK_LAYERWISE;
+  expect_refused(t, "KVTD_TASK_LAYERWISE is for KVTD_SWAP_TO_DEVICE");
+  t.flags = 0;
+  t.deadline_ns = -5;
+  expect_refused(t, "deadline_ns");
+  t = {};
+  t.kind = KVTD_STORAGE_READ;
+  t.src = ids;
+  t.dst = ids;
+  t.n = 2;
+  expect_refused(t, "src/dst are for swaps");
+  t = {};
+  t.kind = KVTD_STORAGE_READ;
+  t.keys = keys;
+  t.num_keys = 1;
+  expect_refused(t, "blocks must not be null");
+  t.num_keys = 70000;
+  t.blocks = ids;
+  expect_refused(t, "exceed the limit");
+  t = {};
+  t.kind = KVTD_STORAGE_QUERY;
+  t.num_keys = 1;
+  expect_refused(t, "keys must not be null");
+  EXPECT_EQ(kvtd_submit_task(c.s, nullptr, &id, c.err, sizeof c.err), KVTD_E_INVALID);
+  t = {};
+  t.kind = KVTD_SWAP_TO_HOST;
+  EXPECT_EQ(kvtd_submit_task(c.s, &t, nullptr, c.err, sizeof c.err), KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_submit_task(nullptr, &t, &id, c.err, sizeof c.err), KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_submit(c.s, KVTD_STORAGE_QUERY, ids, ids, 1, 10, &id, c.err, sizeof c.err), KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_submit_storage(c.s, KVTD_SWAP_TO_HOST, keys, ids, 1, 0, 0, 0, 10, &id, c.err, sizeof c.err),
+            KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_in_flight(c.s), 0u);
+  // A message longer than the caller's buffer is truncated, still NUL-terminated.
+  char tiny[8];
+  std::memset(tiny, 'x', sizeof tiny);
+  t = {};
+  EXPECT_EQ(kvtd_submit_task(c.s, &t, &id, tiny, sizeof tiny), KVTD_E_INVALID);
+  EXPECT_EQ(tiny[7], '\0');
+}
+
+TEST(CApi, NamesVersionAndGeometry) {
+  EXPECT_EQ(kvtd_client_abi(), KVTD_CLIENT_ABI);
+  EXPECT_STREQ(kvtd_status_name(0), "ok");
+  EXPECT_STREQ(kvtd_status_name(12345), "unknown_status");
+  EXPECT_STREQ(kvtd_error_name(KVTD_E_PENDING), "pending");
+  EXPECT_STREQ(kvtd_error_name(-3), "unknown_error");
+  const std::int64_t a = kvtd_now_ns(), b = monotonic_now_ns();
+  EXPECT_LE(a, b);  // the same clock: deadlines made in C mean what the daemons read
+  CSession c("capi_geo");
+  kvtd_geometry g{};
+  ASSERT_EQ(kvtd_session_geometry(c.s, &g), KVTD_OK);
+  EXPECT_EQ(g.num_layers, 2u);
+  EXPECT_EQ(g.key_shape[0], 8);
+  uint64_t bytes = 0;
+  EXPECT_NE(kvtd_host_device_tensor(c.s, 0, 1, KVTD_KEY, &bytes), nullptr);
+  EXPECT_EQ(bytes, 8u * 1 * 4 * 8 * 2);
+  EXPECT_EQ(kvtd_host_device_tensor(c.s, 0, 9, KVTD_KEY, &bytes), nullptr);
+  EXPECT_EQ(bytes, 0u);
+  EXPECT_EQ(kvtd_session_geometry(nullptr, &g), KVTD_E_INVALID);
+}
+
+}  // namespace
+}  // namespace kvtd::ipc
