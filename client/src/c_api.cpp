@@ -359,6 +359,17 @@ int kvtd_rank_alive(kvtd_session* s, uint32_t rank) {
   return guarded(nullptr, 0, [&]() -> int { return s->session->rank_alive(rank) ? 1 : 0; });
 }
 
+uint32_t kvtd_rank_ready(kvtd_session* s, uint32_t rank) {
+  static_assert(uint32_t{KVTD_READY_CACHE} == uint32_t{proto::kReadyCacheAttached} &&
+                uint32_t{KVTD_READY_HOST_POOL} == uint32_t{proto::kReadyHostPool});
+  if (!s) return 0;
+  try {
+    return s->session->rank_ready_flags(rank);
+  } catch (...) {
+    return 0;
+  }
+}
+
 size_t kvtd_in_flight(kvtd_session* s) {
   if (!s) return 0;
   try {

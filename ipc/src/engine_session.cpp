@@ -801,6 +801,11 @@ bool EngineSession::rank_alive(std::uint32_t rank) const {
   return s.attached.load() != 0 && impl_->clock->now_ns() - s.heartbeat_ns.load() <= impl_->opts.rank_timeout_ns;
 }
 
+std::uint32_t EngineSession::rank_ready_flags(std::uint32_t rank) const {
+  if (!rank_alive(rank)) return 0;
+  return impl_->h->ranks[rank].ready_flags.load(std::memory_order_acquire);
+}
+
 std::size_t EngineSession::in_flight() const {
   std::lock_guard<std::mutex> g(impl_->mu);
   return impl_->pending.size();

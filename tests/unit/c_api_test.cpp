@@ -348,6 +348,15 @@ TEST(CApi, NamesVersionAndGeometry) {
   EXPECT_EQ(kvtd_host_device_tensor(c.s, 0, 9, KVTD_KEY, &bytes), nullptr);
   EXPECT_EQ(bytes, 0u);
   EXPECT_EQ(kvtd_session_geometry(nullptr, &g), KVTD_E_INVALID);
+  // Ready bits follow the rank's flags while it is alive (FastDeploy's ready signals).
+  EXPECT_EQ(kvtd_rank_ready(c.s, 0), 0u);
+  c.ep->heartbeat();
+  c.ep->set_ready(proto::kReadyCacheAttached);
+  EXPECT_EQ(kvtd_rank_ready(c.s, 0), uint32_t{KVTD_READY_CACHE});
+  c.ep->set_ready(proto::kReadyCacheAttached | proto::kReadyHostPool);
+  EXPECT_EQ(kvtd_rank_ready(c.s, 0), uint32_t{KVTD_READY_CACHE | KVTD_READY_HOST_POOL});
+  EXPECT_EQ(kvtd_rank_ready(c.s, 3), 0u);
+  EXPECT_EQ(kvtd_rank_ready(nullptr, 0), 0u);
 }
 
 }  // namespace

@@ -66,6 +66,7 @@ enum {
   KVTD_TASK_LAYERWISE = 1u << 2        /* SWAP_TO_DEVICE: layer by layer, with per-layer progress */
 };
 enum { KVTD_DTYPE_BFLOAT16 = 1, KVTD_DTYPE_FLOAT16 = 2, KVTD_DTYPE_UINT8 = 3, KVTD_DTYPE_BLOCK_WISE_FP8 = 4 };
+enum { KVTD_READY_CACHE = 1u << 0, KVTD_READY_HOST_POOL = 1u << 1 };
 enum { KVTD_KEY = 0, KVTD_VALUE = 1, KVTD_KEY_SCALE = 2, KVTD_VALUE_SCALE = 3 };
 /* kvtd_wait_layer stages */
 enum {
@@ -174,6 +175,8 @@ KVTD_API int kvtd_wait_layer(kvtd_session* s, uint64_t task_id, uint32_t layer, 
 KVTD_API int kvtd_layer_event_handle(kvtd_session* s, uint32_t rank, uint32_t layer, uint8_t out[64]);
 /* 1 if rank is attached and its heartbeat is fresh, else 0. */
 KVTD_API int kvtd_rank_alive(kvtd_session* s, uint32_t rank);
+/* While rank is alive, its KVTD_READY_* bits (cache tensors mapped, host pool made), else 0. */
+KVTD_API uint32_t kvtd_rank_ready(kvtd_session* s, uint32_t rank);
 /* Tasks submitted and not yet collected. */
 KVTD_API size_t kvtd_in_flight(kvtd_session* s);
 

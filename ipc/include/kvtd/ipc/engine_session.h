@@ -166,6 +166,9 @@ class EngineSession {
 
   // Whether rank r is attached and its heartbeat is fresh.
   bool rank_alive(std::uint32_t rank) const;
+  // The rank's proto::ReadyFlag bits (cache mapped, host pool made) while it is alive, else 0:
+  // what FastDeploy's cache_ready / swap_space_ready signals say per rank.
+  std::uint32_t rank_ready_flags(std::uint32_t rank) const;
   std::size_t in_flight() const;
 
   const proto::CacheGeometry& geometry() const;

@@ -1,0 +1,21 @@
+"""kvtd: the engine side of the KV-cache transfer daemon, for Python engines.
+
+Sessions, tasks and results over libkvtd_client.so (ctypes; waits release the GIL). See
+session.py for the API, fastdeploy.py for a drop-in for FastDeploy's cache task queue.
+"""
+
+from . import _native
+from .errors import (InUse, InvalidArgument, KvtdError, NotReady, RingFull, SystemFailure, TaskFailed, Timeout,
+                     UnknownTask)
+from .session import (CANCEL, KEY, KEY_SCALE, PREFETCH, STORAGE_QUERY, STORAGE_READ, STORAGE_WRITE, SWAP_TO_DEVICE,
+                      SWAP_TO_HOST, VALUE, VALUE_SCALE, Geometry, Session, TaskResult, now_ns)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Geometry", "Session", "TaskResult", "now_ns",
+    "KvtdError", "InvalidArgument", "Timeout", "RingFull", "NotReady", "UnknownTask", "InUse", "SystemFailure",
+    "TaskFailed",
+    "SWAP_TO_HOST", "SWAP_TO_DEVICE", "STORAGE_QUERY", "STORAGE_READ", "STORAGE_WRITE", "PREFETCH", "CANCEL",
+    "KEY", "VALUE", "KEY_SCALE", "VALUE_SCALE",
+]

@@ -1,0 +1,389 @@
+"""The engine side of kvtd in Python: one Session per data-parallel group.
+
+    geo = kvtd.Geometry(num_ranks=2, num_layers=4, dtype="bfloat16", num_host_blocks=256,
+                        key_shape=(1024, 8, 64, 128), value_shape=(1024, 8, 64, 128))
+    with kvtd.Session("9923", geo) as s:
+        s.create_host_device_tensors()          # host backend; CUDA: s.register_torch_tensor(...)
+        s.publish()
+        s.wait_ready(30)
+        tid = s.swap_to_host(device_blocks=[3, 4], host_blocks=[0, 1])
+        s.wait(tid)
+
+Thread-safety: every method may be called from any thread (the C library serialises what needs
+it); close() must not race other calls. Waits release the GIL.
+Lifetime: tensors returned by host_tensor()/host_array() view shared memory owned by the
+session; do not use them after close().
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from typing import Iterable, List, Optional, Sequence
+
+from . import _native as n
+from .errors import TaskFailed, raise_for
+
+DTYPES = {"bfloat16": 1, "float16": 2, "uint8": 3, "block_wise_fp8": 4}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "uint8": 1, "block_wise_fp8": 1}
+
+SWAP_TO_HOST = 1
+SWAP_TO_DEVICE = 2
+STORAGE_QUERY = 3
+STORAGE_READ = 4
+STORAGE_WRITE = 5
+PREFETCH = 6
+CANCEL = 7
+
+KEY, VALUE, KEY_SCALE, VALUE_SCALE = 0, 1, 2, 3
+_KIND_NAMES = {"key": KEY, "value": VALUE, "key_scale": KEY_SCALE, "value_scale": VALUE_SCALE}
+
+_ERR_LEN = 1024
+
+
+def _kind(kind) -> int:
+    if isinstance(kind, str):
+        if kind not in _KIND_NAMES:
+            raise ValueError(f"tensor kind {kind!r} is not one of {sorted(_KIND_NAMES)}")
+        return _KIND_NAMES[kind]
+    return int(kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """The KV cache every rank holds. Shapes are (blocks, kv_heads, block_size, head_dim), or
+    3-D (blocks, kv_heads, block_size). `num_layers` counts every layer with a cache, the
+    `num_extra_layers` MTP layers at the end included; those have `extra_device_blocks` blocks.
+    block_wise_fp8 adds key/value scale tensors of `scale_bytes` (2 or 4) per token."""
+
+    num_ranks: int
+    num_layers: int
+    key_shape: Sequence[int]
+    num_host_blocks: int = 0
+    dtype: str = "bfloat16"
+    value_shape: Optional[Sequence[int]] = None
+    scale_bytes: int = 2
+    num_extra_layers: int = 0
+    extra_device_blocks: int = 0
+
+    def to_native(self) -> n.Geometry:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        g = n.Geometry()
+        g.num_ranks = self.num_ranks
+        g.num_layers = self.num_layers
+        g.dtype = DTYPES[self.dtype]
+        g.num_host_blocks = self.num_host_blocks
+        for name, shape in (("key_shape", self.key_shape), ("value_shape", self.value_shape)):
+            if shape is None:
+                continue
+            if len(shape) not in (3, 4):
+                raise ValueError(f"{name} {tuple(shape)} must have 3 or 4 dimensions")
+            full = list(shape) + [1] * (4 - len(shape))
+            getattr(g, name)[:] = full
+        g.scale_bytes = self.scale_bytes if self.dtype == "block_wise_fp8" else 0
+        g.num_extra_layers = self.num_extra_layers
+        g.extra_device_blocks = self.extra_device_blocks
+        return g
+
+    def has_tensor(self, kind) -> bool:
+        k = _kind(kind)
+        fp8 = self.dtype == "block_wise_fp8"
+        return {KEY: True, VALUE: self.value_shape is not None, KEY_SCALE: fp8,
+                VALUE_SCALE: fp8 and self.value_shape is not None}[k]
+
+    def device_blocks(self, layer: int) -> int:
+        if self.num_extra_layers and layer >= self.num_layers - self.num_extra_layers:
+            return self.extra_device_blocks
+        return int(self.key_shape[0])
+
+    def tensor_shape(self, layer: int, kind) -> tuple:
+        """Shape of one device tensor (the scale tensors drop head_dim)."""
+        k = _kind(kind)
+        base = self.key_shape if k in (KEY, KEY_SCALE) else self.value_shape
+        shape = [self.device_blocks(layer)] + list(base[1:])
+        return tuple(shape[:3]) if k in (KEY_SCALE, VALUE_SCALE) else tuple(shape)
+
+    def element_bytes(self, kind) -> int:
+        k = _kind(kind)
+        return self.scale_bytes if k in (KEY_SCALE, VALUE_SCALE) else _ELEMENT_BYTES[self.dtype]
+
+    def block_bytes(self, kind) -> int:
+        """Bytes of one block of one layer of `kind` (0 if the geometry has no such tensor)."""
+        if not self.has_tensor(kind):
+            return 0
+        per = 1
+        for d in self.tensor_shape(0, kind)[1:]:
+            per *= int(d)
+        return per * self.element_bytes(kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskResult:
+    """The merged completion of a task: ok only if every rank succeeded; blocks_done is the MIN
+    over ranks; on failure, status/failed_rank/message are the lowest failing rank's."""
+
+    task_id: int
+    status: int
+    status_name: str
+    failed_rank: int
+    blocks_done: int
+    blocks_skipped: int
+    latency_ns: int
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 0
+
+    @staticmethod
+    def _from(c: n.Completion, message: str = "") -> "TaskResult":
+        return TaskResult(c.task_id, c.status, n.status_name(c.status), c.failed_rank, c.blocks_done,
+                          c.blocks_skipped, c.latency_ns, message)
+
+
+def _ids(values: Optional[Iterable[int]]):
+    if values is None:
+        return None, 0
+    seq = list(values)
+    return (ctypes.c_int32 * len(seq))(*seq), len(seq)
+
+
+def _ms(seconds: Optional[float]) -> int:
+    if seconds is None:
+        return 2**62  # saturates to "forever" in the library
+    return max(0, int(seconds * 1000))
+
+
+def now_ns() -> int:
+    """CLOCK_MONOTONIC in ns: the clock of `deadline_ns` (time.monotonic_ns() on Linux)."""
+    return n.lib.kvtd_now_ns()
+
+
+class Session:
+    """An engine session (see the module docstring). Creating it makes the shared-memory segment
+    "kvtd_<uid>_<suffix>"; close() (or leaving the `with` block) removes it and every object it
+    made, and attached daemons detach."""
+
+    def __init__(self, suffix: str, geometry: Geometry):
+        self.geometry = geometry
+        self._err = ctypes.create_string_buffer(_ERR_LEN)
+        self._h = ctypes.c_void_p()
+        native = geometry.to_native()
+        rc = n.lib.kvtd_session_create(suffix.encode(), ctypes.byref(native), ctypes.byref(self._h), self._err, _ERR_LEN)
+        self._check(rc, "create session " + suffix)
+        self.suffix = suffix
+        self._keepalive = []  # torch tensors registered by handle: kept alive with the session
+
+    # -- lifetime -------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._h:
+            n.lib.kvtd_session_destroy(self._h)
+            self._h = ctypes.c_void_p()
+            self._keepalive.clear()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != n.OK:
+            raise_for(rc, f"{what}: {self._err.value.decode(errors='replace')}")
+
+    def _handle(self):
+        if not self._h:
+            raise ValueError("session is closed")
+        return self._h
+
+    # -- tensors --------------------------------------------------------------------------
+    def register_tensor(self, rank: int, layer: int, kind, handle: bytes, offset: int, nbytes: int,
+                        device_id: int = -1) -> None:
+        """Registers one device tensor: the CUDA IPC handle (64 bytes) of the allocation's base,
+        the tensor's byte offset in it, its size. Only before publish()."""
+        if len(handle) != n.HANDLE_BYTES:
+            raise ValueError(f"an IPC handle has {n.HANDLE_BYTES} bytes, got {len(handle)}")
+        buf = (ctypes.c_uint8 * n.HANDLE_BYTES).from_buffer_copy(handle)
+        rc = n.lib.kvtd_register_tensor(self._handle(), rank, layer, _kind(kind), device_id, buf, offset, nbytes,
+                                        self._err, _ERR_LEN)
+        self._check(rc, f"register rank {rank} layer {layer} {kind}")
+
+    def register_torch_tensor(self, rank: int, layer: int, kind, tensor) -> None:
+        """Registers a CUDA torch tensor by its allocation's IPC handle plus offset (what torch's
+        own storage sharing uses, so sub-allocations of the caching allocator work)."""
+        from .tensors import cuda_ipc_handle
+
+        handle, offset, nbytes, device = cuda_ipc_handle(tensor)
+        self.register_tensor(rank, layer, kind, handle, offset, nbytes, device)
+        self._keepalive.append(tensor)
+
+    def create_host_device_tensors(self) -> None:
+        """Host backend: makes shared-memory "device" tensors for every rank and layer."""
+        self._check(n.lib.kvtd_create_host_device_tensors(self._handle(), self._err, _ERR_LEN),
+                    "create host device tensors")
+
+    def _host_buffer(self, rank: int, layer: int, kind):
+        size = ctypes.c_uint64()
+        ptr = n.lib.kvtd_host_device_tensor(self._handle(), rank, layer, _kind(kind), ctypes.byref(size))
+        if not ptr:
+            raise ValueError(f"no host device tensor for rank {rank} layer {layer} kind {kind} "
+                             "(outside the geometry, or create_host_device_tensors() not called)")
+        return (ctypes.c_uint8 * size.value).from_address(ptr)
+
+    def host_array(self, rank: int, layer: int, kind):
+        """The bytes of a host-backend tensor as a writable numpy uint8 array (a view)."""
+        import numpy as np
+
+        return np.frombuffer(self._host_buffer(rank, layer, kind), dtype=np.uint8)
+
+    def host_tensor(self, rank: int, layer: int, kind, dtype=None):
+        """A host-backend tensor as a torch tensor of its shape (a view of the shared memory).
+        dtype defaults to the cache dtype (uint8 for fp8 data; scales: bfloat16 or float32)."""
+        import torch
+
+        from .tensors import torch_dtype
+
+        k = _kind(kind)
+        if dtype is None:
+            dtype = torch_dtype(self.geometry, k)
+        flat = torch.frombuffer(self._host_buffer(rank, layer, k), dtype=dtype)
+        return flat.view(self.geometry.tensor_shape(layer, k))
+
+    def publish(self) -> None:
+        self._check(n.lib.kvtd_publish(self._handle(), self._err, _ERR_LEN), "publish")
+
+    def wait_ready(self, timeout: Optional[float] = 30.0) -> None:
+        """Waits until every rank daemon attached and is ready (TimeoutError-derived on timeout)."""
+        self._check(n.lib.kvtd_wait_ready(self._handle(), _ms(timeout), self._err, _ERR_LEN), "wait_ready")
+
+    # -- tasks ----------------------------------------------------------------------------
+    def submit(self, kind: int, src=None, dst=None, *, keys: Optional[Sequence[str]] = None, blocks=None,
+               host_blocks: bool = False, evict_backup: bool = False, layerwise: bool = False,
+               min_hits: int = 0, cancel_task_id: int = 0, after: int = 0, deadline_ns: int = 0,
+               submit_timeout: float = 1.0) -> int:
+        """Submits a task of any kind to every rank and returns its id. See the shorthands below
+        for what each kind uses. `after`: run after that task; `deadline_ns`: absolute
+        CLOCK_MONOTONIC (now_ns() + budget), 0 = none."""
+        t = n.Task()
+        t.kind = kind
+        t.flags = ((n.STORAGE_HOST_BLOCKS if host_blocks else 0) | (n.STORAGE_EVICT_BACKUP if evict_backup else 0)
+                   | (n.TASK_LAYERWISE if layerwise else 0))
+        src_arr, ns = _ids(src)
+        dst_arr, nd = _ids(dst)
+        if ns != nd:
+            raise ValueError(f"src has {ns} ids, dst {nd}")
+        t.src = ctypes.cast(src_arr, ctypes.POINTER(ctypes.c_int32)) if src_arr is not None else None
+        t.dst = ctypes.cast(dst_arr, ctypes.POINTER(ctypes.c_int32)) if dst_arr is not None else None
+        t.n = ns
+        key_arr = None
+        if keys is not None:
+            encoded = [k.encode() if isinstance(k, str) else bytes(k) for k in keys]
+            key_arr = (ctypes.c_char_p * len(encoded))(*encoded)
+            t.keys = ctypes.cast(key_arr, ctypes.POINTER(ctypes.c_char_p))
+            t.num_keys = len(encoded)
+        blk_arr, nb = _ids(blocks)
+        if blk_arr is not None:
+            if nb != t.num_keys:
+                raise ValueError(f"{t.num_keys} keys for {nb} blocks")
+            t.blocks = ctypes.cast(blk_arr, ctypes.POINTER(ctypes.c_int32))
+        t.min_hits = min_hits
+        t.cancel_task_id = cancel_task_id
+        t.after_task_id = after
+        t.deadline_ns = deadline_ns
+        t.submit_timeout_ms = _ms(submit_timeout)
+        tid = ctypes.c_uint64()
+        rc = n.lib.kvtd_submit_task(self._handle(), ctypes.byref(t), ctypes.byref(tid), self._err, _ERR_LEN)
+        self._check(rc, "submit")
+        return tid.value
+
+    def swap_to_host(self, device_blocks, host_blocks, *, keys=None, **kw) -> int:
+        """Evicts device blocks into host blocks. With keys (one per host block) it also submits
+        the backup STORAGE_WRITE (id + 1) that the daemons' write policy carries out or skips."""
+        return self.submit(SWAP_TO_HOST, device_blocks, host_blocks, keys=keys, **kw)
+
+    def swap_to_device(self, host_blocks, device_blocks, *, layerwise: bool = False, **kw) -> int:
+        """Loads host blocks into device blocks; layerwise=True reports each layer (wait_layer)."""
+        return self.submit(SWAP_TO_DEVICE, host_blocks, device_blocks, layerwise=layerwise, **kw)
+
+    def storage_query(self, keys, **kw) -> int:
+        """blocks_done = how many leading keys every rank has stored."""
+        return self.submit(STORAGE_QUERY, keys=keys, **kw)
+
+    def storage_read(self, keys, blocks, *, host_blocks: bool = False, **kw) -> int:
+        return self.submit(STORAGE_READ, keys=keys, blocks=blocks, host_blocks=host_blocks, **kw)
+
+    def storage_write(self, keys, blocks, *, host_blocks: bool = False, **kw) -> int:
+        return self.submit(STORAGE_WRITE, keys=keys, blocks=blocks, host_blocks=host_blocks, **kw)
+
+    def prefetch(self, keys, host_blocks, *, min_hits: int = 0, **kw) -> int:
+        return self.submit(PREFETCH, keys=keys, blocks=host_blocks, host_blocks=True, min_hits=min_hits, **kw)
+
+    def cancel(self, task_id: int, **kw) -> int:
+        return self.submit(CANCEL, cancel_task_id=task_id, **kw)
+
+    def set_weight_version(self, version: int) -> None:
+        n.lib.kvtd_set_weight_version(self._handle(), version)
+
+    def wait(self, task_id: int, timeout: Optional[float] = 60.0, *, check: bool = True) -> TaskResult:
+        """Waits for the merged result. A failed task raises TaskFailed (carrying the result)
+        unless check=False. TimeoutError-derived Timeout if it does not complete in time."""
+        c = n.Completion()
+        rc = n.lib.kvtd_wait(self._handle(), task_id, _ms(timeout), ctypes.byref(c), self._err, _ERR_LEN)
+        if rc == n.E_TASK_FAILED:
+            result = TaskResult._from(c, self._err.value.decode(errors="replace"))
+            if check:
+                raise TaskFailed(result)
+            return result
+        self._check(rc, f"wait for task {task_id}")
+        return TaskResult._from(c)
+
+    def poll(self, task_id: int, *, check: bool = True) -> Optional[TaskResult]:
+        """The merged result if every rank reported (handed out once), else None."""
+        c = n.Completion()
+        rc = n.lib.kvtd_poll(self._handle(), task_id, ctypes.byref(c), self._err, _ERR_LEN)
+        if rc == n.E_PENDING:
+            return None
+        if rc == n.E_TASK_FAILED:
+            result = TaskResult._from(c, self._err.value.decode(errors="replace"))
+            if check:
+                raise TaskFailed(result)
+            return result
+        self._check(rc, f"poll task {task_id}")
+        return TaskResult._from(c)
+
+    def wait_layer(self, task_id: int, layer: int, timeout: Optional[float] = 60.0, *, stage: str = "done") -> None:
+        """Layer-by-layer loads: returns once `layer` of the task is in place on every rank
+        (stage="done"), or queued with its CUDA event recorded (stage="enqueued")."""
+        st = {"done": n.LAYER_DONE, "enqueued": n.LAYER_ENQUEUED}.get(stage)
+        if st is None:
+            raise ValueError(f"stage {stage!r} is not 'done' or 'enqueued'")
+        rc = n.lib.kvtd_wait_layer(self._handle(), task_id, layer, _ms(timeout), st, self._err, _ERR_LEN)
+        self._check(rc, f"wait for layer {layer} of task {task_id}")
+
+    def layer_event_handle(self, rank: int, layer: int) -> Optional[bytes]:
+        """The cudaIpcEventHandle_t bytes rank `rank` records per layer, or None (host backend)."""
+        buf = (ctypes.c_uint8 * n.HANDLE_BYTES)()
+        rc = n.lib.kvtd_layer_event_handle(self._handle(), rank, layer, buf)
+        return bytes(buf) if rc == n.OK else None
+
+    def rank_alive(self, rank: int) -> bool:
+        return bool(n.lib.kvtd_rank_alive(self._handle(), rank))
+
+    def rank_ready(self, rank: int) -> int:
+        """While the rank is alive, its ready bits: 1 = cache tensors mapped, 2 = host pool made."""
+        return n.lib.kvtd_rank_ready(self._handle(), rank)
+
+    @property
+    def in_flight(self) -> int:
+        return n.lib.kvtd_in_flight(self._handle())
+
+    def wait_all(self, task_ids: Iterable[int], timeout: Optional[float] = 60.0) -> List[TaskResult]:
+        return [self.wait(t, timeout) for t in task_ids]

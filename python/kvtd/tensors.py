@@ -1,0 +1,38 @@
+"""Tensors from torch.
+
+CUDA tensors are registered by the IPC handle of the allocation that holds them plus the byte
+offset of the tensor inside it: torch's caching allocator sub-allocates, so a handle alone would
+name the wrong bytes. That is exactly what torch's own CUDA storage sharing exports
+(`UntypedStorage._share_cuda_()`: device, handle, storage size, storage offset, ...). This path is
+compiled and documented; no machine of this project has a GPU, so it has not run.
+
+CPU tensors for the host backend live in shared memory made by the session
+(Session.create_host_device_tensors); Session.host_tensor() maps them into torch without a copy.
+"""
+
+from __future__ import annotations
+
+
+def torch_dtype(geometry, kind: int):
+    import torch
+
+    if kind in (2, 3):  # scales: the engine's default dtype
+        return torch.float32 if geometry.scale_bytes == 4 else torch.bfloat16
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8,
+            "block_wise_fp8": torch.uint8}[geometry.dtype]
+
+
+def cuda_ipc_handle(tensor):
+    """(handle bytes, byte offset in the allocation, tensor bytes, device ordinal) of a
+    contiguous CUDA tensor."""
+    if not tensor.is_cuda:
+        raise ValueError("register_torch_tensor needs a CUDA tensor; the host backend uses "
+                         "create_host_device_tensors() and host_tensor()")
+    if not tensor.is_contiguous():
+        raise ValueError("a KV cache tensor must be contiguous")
+    storage = tensor.untyped_storage() if hasattr(tensor, "untyped_storage") else tensor.storage()._untyped()
+    shared = storage._share_cuda_()
+    device, handle, _storage_bytes, storage_offset = shared[0], shared[1], shared[2], shared[3]
+    offset = int(storage_offset) + tensor.storage_offset() * tensor.element_size()
+    nbytes = tensor.numel() * tensor.element_size()
+    return bytes(handle), offset, nbytes, int(device)
