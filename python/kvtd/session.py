@@ -252,10 +252,14 @@ class Session:
         from .tensors import torch_dtype
 
         k = _kind(kind)
+        natural = torch_dtype(self.geometry, k)
         if dtype is None:
-            dtype = torch_dtype(self.geometry, k)
+            dtype = natural
         flat = torch.frombuffer(self._host_buffer(rank, layer, k), dtype=dtype)
-        return flat.view(self.geometry.tensor_shape(layer, k))
+        shape = self.geometry.tensor_shape(layer, k)
+        if flat.element_size() != torch.empty((), dtype=natural).element_size():
+            return flat.view(shape[0], -1)  # another element size: [blocks, elements per block]
+        return flat.view(shape)
 
     def publish(self) -> None:
         self._check(n.lib.kvtd_publish(self._handle(), self._err, _ERR_LEN), "publish")

@@ -1,0 +1,104 @@
+"""Rank daemons for tests and examples: start one `kvtd` process per rank beside a Session.
+
+    with kvtd.testing.Daemons(binary, "mysession", geometry) as d:
+        ...  # d.procs[r] is rank r's process, d.log(r) its log
+
+Every daemon is started with PR_SET_PDEATHSIG=SIGKILL, so it dies with the process that started
+it even if that process is killed; on exit each one gets SIGTERM, then SIGKILL after a bound.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from .session import Geometry
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def find_binary() -> str:
+    """$KVTD_BINARY, else the in-tree build, else `kvtd` on PATH."""
+    env = os.environ.get("KVTD_BINARY")
+    if env:
+        return env
+    tree = Path(__file__).resolve().parent.parent.parent / "build" / "daemon" / "kvtd"
+    return str(tree) if tree.exists() else "kvtd"
+
+
+def daemon_args(binary: str, suffix: str, rank: int, g: Geometry, extra: Sequence[str] = ()) -> List[str]:
+    """The flags that make a daemon agree with `g` (host backend)."""
+    shape = ",".join(str(int(v)) for v in g.key_shape)
+    args = [binary, "--rank", str(rank), "--mp-num", str(g.num_ranks),
+            "--num-layers", str(g.num_layers - g.num_extra_layers), "--num-host-blocks", str(g.num_host_blocks),
+            "--key-cache-shape", shape, "--cache-dtype", g.dtype, "--session", suffix,
+            "--device-backend", "host", "--engine-timeout", "2", "--heartbeat-period", "0.02"]
+    if g.value_shape is not None:
+        args += ["--value-cache-shape", ",".join(str(int(v)) for v in g.value_shape)]
+    if g.num_extra_layers:
+        args += ["--num-extra-layers", str(g.num_extra_layers), "--extra-device-blocks", str(g.extra_device_blocks)]
+    if g.dtype == "block_wise_fp8" and g.scale_bytes == 4:
+        args += ["--default-dtype", "float32"]
+    return args + list(extra)
+
+
+class Daemons:
+    def __init__(self, binary: Optional[str], suffix: str, geometry: Geometry, extra: Sequence[str] = (),
+                 log_dir: Optional[str] = None):
+        self.binary = binary or find_binary()
+        self.suffix = suffix
+        self.geometry = geometry
+        self.extra = list(extra)
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="kvtd_logs_")
+        self.procs: List[subprocess.Popen] = []
+
+    def log(self, rank: int) -> str:
+        return os.path.join(self.log_dir, f"{self.suffix}_rank{rank}.log")
+
+    def start(self) -> "Daemons":
+        for r in range(self.geometry.num_ranks):
+            out = open(self.log(r), "ab")
+            self.procs.append(subprocess.Popen(daemon_args(self.binary, self.suffix, r, self.geometry, self.extra),
+                                               stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                               preexec_fn=_die_with_parent))
+            out.close()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> List[Optional[int]]:
+        codes = []
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                codes.append(p.wait(timeout))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes.append(p.wait())
+        self.procs = []
+        return codes
+
+    def logs(self) -> str:
+        text = []
+        for r in range(self.geometry.num_ranks):
+            try:
+                text.append(f"--- rank {r} ---\n" + Path(self.log(r)).read_text(errors="replace")[-4000:])
+            except OSError:
+                pass
+        return "\n".join(text)
+
+    def __enter__(self) -> "Daemons":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

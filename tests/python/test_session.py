@@ -1,0 +1,186 @@
+"""kvtd.Session against real kvtd daemons (host backend): every task kind, byte for byte."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import kvtd
+from conftest import small_geometry
+
+KINDS = ("key", "value")
+
+
+def fill_random(s, g, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    for r in range(g.num_ranks):
+        for layer in range(g.num_layers):
+            for k in ("key", "value", "key_scale", "value_scale"):
+                if g.has_tensor(k):
+                    t = s.host_tensor(r, layer, k, dtype=torch.uint8)
+                    t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
+
+
+def snapshot(s, g, blocks):
+    out = {}
+    for r in range(g.num_ranks):
+        for layer in range(g.num_layers):
+            for k in ("key", "value", "key_scale", "value_scale"):
+                if g.has_tensor(k):
+                    t = s.host_tensor(r, layer, k, dtype=torch.uint8)
+                    out[r, layer, k] = t[blocks].clone()
+    return out
+
+
+def test_swap_round_trip_layer_by_layer_is_byte_exact(cluster):
+    c = cluster()
+    s = c.ready()
+    g = c.geometry
+    fill_random(s, g)
+    src = [3, 7, 8, 9]
+    before = snapshot(s, g, src)
+    out = s.wait(s.swap_to_host(src, [0, 1, 2, 5]))
+    assert out.ok and out.blocks_done == 4 and out.status_name == "ok" and out.failed_rank == -1
+    assert out.latency_ns > 0
+    fill_random(s, g, seed=1)  # scribble over everything
+    dst = [10, 11, 12, 13]
+    tid = s.swap_to_device([0, 1, 2, 5], dst, layerwise=True)
+    for layer in range(g.num_layers):
+        s.wait_layer(tid, layer, timeout=30)
+        # Layer `layer` is in place on every rank now, whatever later layers are doing.
+        after = snapshot(s, g, dst)
+        for r in range(g.num_ranks):
+            for k in KINDS:
+                assert torch.equal(after[r, layer, k], before[r, layer, k]), (r, layer, k)
+    res = s.wait(tid)
+    assert res.ok and res.blocks_done == 4
+    assert s.layer_event_handle(0, 0) is None  # host backend: no CUDA events
+
+
+def test_failures_are_exceptions_carrying_code_and_status(cluster):
+    c = cluster()
+    s = c.ready()
+    with pytest.raises(kvtd.TaskFailed) as e:
+        s.wait(s.swap_to_host([40], [0]))  # 32 device blocks
+    assert e.value.code == kvtd._native.E_TASK_FAILED and e.value.code_name == "task_failed"
+    assert e.value.result.status_name == "id_out_of_range"
+    assert e.value.result.failed_rank == 0
+    assert "40" in e.value.result.message
+    # check=False hands the failed result back instead.
+    r = s.wait(s.swap_to_device([23], [0]), check=False)  # host block 23 never written
+    assert not r.ok and r.status_name == "host_tier_lost"
+    # A deadline already past when a rank reads it.
+    r = s.wait(s.swap_to_host([1], [1], deadline_ns=kvtd.now_ns() - 1), check=False)
+    assert r.status_name == "deadline_exceeded"
+    with pytest.raises(kvtd.UnknownTask) as u:
+        s.wait(123456, timeout=0.01)
+    assert u.value.code_name == "unknown_task"
+    with pytest.raises(kvtd.InvalidArgument):
+        s.storage_query(["bad/key"])
+    with pytest.raises(kvtd.InvalidArgument):
+        s.submit(42)
+    with pytest.raises(ValueError):
+        s.wait_layer(1, 0, stage="sometime")
+    # The daemons kept serving through all of it.
+    assert s.wait(s.swap_to_host([1], [1])).ok
+
+
+def test_poll_and_after_task_ordering(cluster):
+    c = cluster()
+    s = c.ready()
+    fill_random(s, c.geometry)
+    before = snapshot(s, c.geometry, [4])
+    evict = s.swap_to_host([4], [6])
+    load = s.swap_to_device([6], [20], after=evict)
+    done = None
+    for _ in range(20000):
+        done = s.poll(load)
+        if done is not None:
+            break
+    if done is None:
+        done = s.wait(load)
+    assert done.ok
+    assert s.poll(load) is None  # handed out once
+    assert s.wait(evict).ok
+    after = snapshot(s, c.geometry, [20])
+    assert all(torch.equal(after[r, l, k], before[r, l, k]) for (r, l, k) in before)
+    assert s.in_flight == 0
+
+
+def test_waits_release_the_gil():
+    g = small_geometry(ranks=1)
+    with kvtd.Session(f"py_gil_{threading.get_ident()}", g) as s:
+        s.create_host_device_tensors()
+        s.publish()
+        count = 0
+        stop = threading.Event()
+
+        def spin():
+            nonlocal count
+            while not stop.is_set():
+                count += 1
+
+        t = threading.Thread(target=spin)
+        t.start()
+        with pytest.raises(kvtd.Timeout):
+            s.wait_ready(0.3)  # no daemon: waits the whole 0.3 s in C
+        stop.set()
+        t.join()
+        # Holding the GIL for 0.3 s would leave the counter near zero.
+        assert count > 10000, count
+
+
+def test_storage_write_query_read_and_prefetch(cluster, tmp_path):
+    c = cluster(extra=["--storage-backend", "file", "--storage-path", str(tmp_path / "store")])
+    s = c.ready()
+    g = c.geometry
+    fill_random(s, g)
+    keys = [f"pfx:{i:02d}" for i in range(4)]
+    before = snapshot(s, g, [1, 2, 3, 4])
+    w = s.wait(s.storage_write(keys, [1, 2, 3, 4]))
+    assert w.ok and w.blocks_done == 4 and w.blocks_skipped == 0
+    assert s.wait(s.storage_query(keys + ["pfx:missing"])).blocks_done == 4
+    r = s.wait(s.storage_read(keys[:3], [20, 21, 22]))
+    assert r.blocks_done == 3
+    after = snapshot(s, g, [20, 21, 22])
+    for (rank, layer, k), t in before.items():
+        assert torch.equal(after[rank, layer, k], t[:3]), (rank, layer, k)
+    p = s.wait(s.prefetch(keys, [10, 11, 12, 13], min_hits=2))
+    assert p.blocks_done == 4
+    back = s.wait(s.swap_to_device([10, 11, 12, 13], [24, 25, 26, 27]))
+    assert back.ok
+    after = snapshot(s, g, [24, 25, 26, 27])
+    assert all(torch.equal(after[key], before[key]) for key in before)
+    # A bumped weight version misses what older weights stored.
+    s.set_weight_version(2)
+    assert s.wait(s.storage_query(keys)).blocks_done == 0
+
+
+def test_fp8_four_byte_scales_extra_layers_and_3d_shape(cluster):
+    g = kvtd.Geometry(num_ranks=2, num_layers=4, num_extra_layers=1, extra_device_blocks=16,
+                      key_shape=(32, 2, 8), value_shape=(32, 2, 8), dtype="block_wise_fp8", scale_bytes=4,
+                      num_host_blocks=24)
+    c = cluster(g)
+    s = c.ready()
+    assert s.host_tensor(0, 0, "key").shape == (32, 2, 8)
+    assert s.host_tensor(1, 3, "value_scale").shape == (16, 2, 8)  # extra layer: its own block count
+    assert s.host_tensor(1, 3, "value_scale").dtype == torch.float32
+    fill_random(s, g)
+    before = snapshot(s, g, [2, 9, 15])
+    assert s.wait(s.swap_to_host([2, 9, 15], [0, 1, 2])).ok
+    fill_random(s, g, seed=5)
+    assert s.wait(s.swap_to_device([0, 1, 2], [2, 9, 15], layerwise=True)).ok
+    after = snapshot(s, g, [2, 9, 15])
+    assert all(torch.equal(after[key], before[key]) for key in before)
+    r = s.wait(s.swap_to_host([20], [3]), check=False)  # exists in model layers, not in the extra one
+    assert r.status_name == "id_out_of_range" and "[0, 16)" in r.message
+
+
+def test_closed_session_refuses_calls():
+    s = kvtd.Session(f"py_closed_{threading.get_ident()}", small_geometry(ranks=1))
+    s.close()
+    with pytest.raises(ValueError):
+        s.publish()
+    s.close()  # twice is fine
