@@ -147,6 +147,9 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   app.add_option("--session,--ipc-suffix,--ipc_suffix", suffix, "Session suffix shared with the engine")->required();
   app.add_option("--device-backend", backend, "cuda | host");
   app.add_option("--scatter-mode", scatter, "CUDA: kernel | kernel-per-layer | batch | memcpy (scattered blocks)");
+  std::string host_layout = "layer_first";
+  app.add_option("--host-layout", host_layout,
+                 "Host pool: layer_first | page_first (all layers of a block contiguous, as stored)");
   app.add_option("--log-dir", c.log_dir, "Directory for the rotating per-rank log (default: stderr only)");
   app.add_option("--log-level", c.log_level, "trace | debug | info | warn | error | critical | off");
   app.add_option("--engine-timeout", c.engine_timeout_s, "Seconds of engine heartbeat silence before detaching");
@@ -253,6 +256,10 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
 
   if (!parse_scatter_mode(scatter, &c.scatter_mode))
     return bad("--scatter-mode: '" + scatter + "' is not one of kernel, kernel-per-layer, batch, memcpy");
+
+  if (host_layout == "layer_first") c.host_layout = HostLayout::kLayerFirst;
+  else if (host_layout == "page_first") c.host_layout = HostLayout::kPageFirst;
+  else return bad("--host-layout: '" + host_layout + "' is not one of layer_first, page_first");
 
   c.session_suffix = suffix;
   if (!proto::valid_session_suffix(suffix))

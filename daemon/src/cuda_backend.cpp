@@ -361,11 +361,17 @@ class CudaBackend final : public DeviceBackend {
   Status<DeviceErrc> enqueue(Lane& lane, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets,
                              bool all_layers, std::size_t first = 0) {
     for (const auto& t : targets)
-      for (const auto& r : plan.runs)
-        KVTD_CUDA_TRY(cudaMemcpyAsync(t.dst + static_cast<std::uint64_t>(r.dst) * t.block_bytes,
-                                      t.src + static_cast<std::uint64_t>(r.src) * t.block_bytes,
-                                      static_cast<std::uint64_t>(r.count) * t.block_bytes, cudaMemcpyDefault,
-                                      lane.stream));
+      for (const auto& r : plan.runs) {
+        std::byte* d = t.dst + static_cast<std::uint64_t>(r.dst) * t.dst_stride;
+        const std::byte* s = t.src + static_cast<std::uint64_t>(r.src) * t.src_stride;
+        if (t.src_stride == t.block_bytes && t.dst_stride == t.block_bytes) {
+          KVTD_CUDA_TRY(cudaMemcpyAsync(d, s, static_cast<std::uint64_t>(r.count) * t.block_bytes, cudaMemcpyDefault,
+                                        lane.stream));
+        } else {  // a page-first side: one 2-D copy, a row per block
+          KVTD_CUDA_TRY(cudaMemcpy2DAsync(d, t.dst_stride, s, t.src_stride, t.block_bytes,
+                                          static_cast<std::size_t>(r.count), cudaMemcpyDefault, lane.stream));
+        }
+      }
     const std::size_t n = plan.single_src.size();
     if (n == 0) return {};
     const auto* d_src = static_cast<const std::int32_t*>(lane.ids.dev);
@@ -389,8 +395,8 @@ class CudaBackend final : public DeviceBackend {
       case ScatterMode::kMemcpy:
         for (const auto& t : targets)
           for (std::size_t i = 0; i < n; ++i)
-            KVTD_CUDA_TRY(cudaMemcpyAsync(t.dst + static_cast<std::uint64_t>(plan.single_dst[i]) * t.block_bytes,
-                                          t.src + static_cast<std::uint64_t>(plan.single_src[i]) * t.block_bytes,
+            KVTD_CUDA_TRY(cudaMemcpyAsync(t.dst + static_cast<std::uint64_t>(plan.single_dst[i]) * t.dst_stride,
+                                          t.src + static_cast<std::uint64_t>(plan.single_src[i]) * t.src_stride,
                                           t.block_bytes, cudaMemcpyDefault, lane.stream));
         return {};
       case ScatterMode::kBatch:
@@ -408,8 +414,8 @@ class CudaBackend final : public DeviceBackend {
     lane.batch_size.clear();
     for (const auto& t : targets)
       for (std::size_t i = 0; i < n; ++i) {
-        lane.batch_dst.push_back(t.dst + static_cast<std::uint64_t>(plan.single_dst[i]) * t.block_bytes);
-        lane.batch_src.push_back(const_cast<std::byte*>(t.src) + static_cast<std::uint64_t>(plan.single_src[i]) * t.block_bytes);
+        lane.batch_dst.push_back(t.dst + static_cast<std::uint64_t>(plan.single_dst[i]) * t.dst_stride);
+        lane.batch_src.push_back(const_cast<std::byte*>(t.src) + static_cast<std::uint64_t>(plan.single_src[i]) * t.src_stride);
         lane.batch_size.push_back(t.block_bytes);
       }
     cudaMemcpyAttributes attr{};

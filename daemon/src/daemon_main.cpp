@@ -40,10 +40,12 @@ Result<AttachedCache, DeviceErrc> attach_cache(ipc::RankEndpoint& ep, DeviceBack
       std::byte* host = pool.region(l, kind);
       const auto bb = g.block_bytes(kind);
       if (host == nullptr) host = *dev;  // no host blocks: every task fails validation anyway
-      c.to_host.push_back(kernels::CopyTarget{*dev, host, bb});
-      c.to_device.push_back(kernels::CopyTarget{host, *dev, bb});
-      c.storage.device_tensors.push_back(kernels::LayerTensor{*dev, bb});
-      c.storage.host_tensors.push_back(kernels::LayerTensor{host, bb});
+      // Device tensors are packed; the host side strides by the pool's layout.
+      const std::uint64_t hs = host == *dev ? bb : pool.stride(kind);
+      c.to_host.push_back(kernels::CopyTarget{*dev, host, bb, bb, hs});
+      c.to_device.push_back(kernels::CopyTarget{host, *dev, bb, hs, bb});
+      c.storage.device_tensors.push_back(kernels::LayerTensor{*dev, bb, bb});
+      c.storage.host_tensors.push_back(kernels::LayerTensor{host, bb, hs});
     }
   c.storage.object_bytes = g.bytes_per_block_all_layers();
   c.storage.replicated = !g.has_value();
@@ -143,7 +145,7 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
     backend = make_host_backend();
   }
   const auto geometry = cfg.geometry();
-  const std::uint64_t pool_bytes = HostPool::object_bytes(geometry);
+  const std::uint64_t pool_bytes = HostPool::object_bytes(geometry, cfg.host_layout);
   const std::int64_t shm_free = ipc::shm_free_bytes();
   KVTD_INFO("kvtd rank {}/{} backend={} host pool {:.1f} MiB ({} blocks x {} bytes per block, all layers); /dev/shm "
             "has {:.1f} MiB free",
@@ -197,7 +199,7 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
     // Heartbeat from the grant on: mapping (or creating) the host pool and opening the tensors can
     // take seconds for large caches, and a granted rank that is silent that long is fenced.
     Heartbeat heartbeat(endpoint, cfg.heartbeat_period_ns());
-    auto pool = HostPool::open(*backend, geometry, endpoint.generation(), cfg.rank);
+    auto pool = HostPool::open(*backend, geometry, endpoint.generation(), cfg.rank, cfg.host_layout);
     if (!pool.ok()) {
       KVTD_ERROR("host pool: {}", pool.error().message);
       return kExitBackend;

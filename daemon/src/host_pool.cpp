@@ -15,7 +15,7 @@ namespace kvtd::daemon {
 namespace {
 
 constexpr std::uint64_t kPoolMagic = 0x4c4f4f5044545640ULL;  // "@VTDPOOL"
-constexpr std::uint32_t kPoolVersion = 1;
+constexpr std::uint32_t kPoolVersion = 2;  // 2: host layout
 constexpr std::uint64_t kPage = 4096;
 
 // The first page of the pool object. Written once by the creating daemon (magic last), then
@@ -29,6 +29,8 @@ struct PoolHeader {
   std::uint64_t valid_offset;  // one byte per host block
   std::uint64_t data_offset;   // first region
   std::uint64_t object_bytes;
+  std::uint32_t layout;  // config::HostLayout
+  std::uint32_t reserved;
 };
 static_assert(std::is_standard_layout_v<PoolHeader>);
 static_assert(sizeof(PoolHeader) <= kPage);
@@ -36,15 +38,37 @@ static_assert(sizeof(PoolHeader) <= kPage);
 struct PoolLayout {
   std::uint64_t valid_offset = kPage, data_offset = 0, total = 0;
   std::vector<std::uint64_t> region_offset;  // by layer * kinds + kind; ~0 = none
+  std::uint64_t page_stride = 0;             // page-first: bytes of one block, every layer
 };
 
-bool layout_of(const proto::CacheGeometry& g, PoolLayout* out) {
+bool layout_of(const proto::CacheGeometry& g, config::HostLayout layout, PoolLayout* out) {
   PoolLayout l;
   std::uint64_t v = 0;
   if (!proto::checked_align_up(g.num_host_blocks, kPage, &v)) return false;
   l.data_offset = kPage + v;
   std::uint64_t at = l.data_offset;
   l.region_offset.assign(std::size_t{g.num_layers} * proto::kTensorKinds, ~0ull);
+  if (layout == config::HostLayout::kPageFirst) {
+    // Block b of (layer, kind) at data + b * stride + the (layer, kind) offset inside a block:
+    // the order of a stored object (layer-major, then key, value, key scale, value scale).
+    const auto sizes = proto::geometry_sizes(g);
+    if (sizes.problem != nullptr) return false;
+    l.page_stride = sizes.block_bytes_all_layers;
+    std::uint64_t in_block = 0;
+    for (std::uint32_t layer = 0; layer < g.num_layers; ++layer)
+      for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
+        const std::uint64_t bb = g.block_bytes(static_cast<proto::TensorKind>(k));
+        if (bb == 0) continue;
+        l.region_offset[layer * proto::kTensorKinds + k] = at + in_block;
+        in_block += bb;
+      }
+    std::uint64_t bytes = 0, aligned = 0;
+    if (!proto::checked_mul(l.page_stride, g.num_host_blocks, &bytes) || !proto::checked_align_up(bytes, kPage, &aligned) ||
+        !proto::checked_add(at, aligned, &l.total))
+      return false;
+    *out = std::move(l);
+    return true;
+  }
   for (std::uint32_t layer = 0; layer < g.num_layers; ++layer)
     for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
       std::uint64_t bytes = 0, aligned = 0;
@@ -67,15 +91,16 @@ std::string mib(std::uint64_t b) {
 
 }  // namespace
 
-std::uint64_t HostPool::object_bytes(const proto::CacheGeometry& g) {
+std::uint64_t HostPool::object_bytes(const proto::CacheGeometry& g, config::HostLayout layout) {
   PoolLayout l;
-  return layout_of(g, &l) ? l.total : 0;
+  return layout_of(g, layout, &l) ? l.total : 0;
 }
 
 Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(DeviceBackend& backend, const proto::CacheGeometry& g,
-                                                             std::uint64_t generation, std::uint32_t rank) {
+                                                             std::uint64_t generation, std::uint32_t rank,
+                                                             config::HostLayout layout) {
   PoolLayout l;
-  if (!layout_of(g, &l) || l.total >= proto::kMaxSizeBytes)
+  if (!layout_of(g, layout, &l) || l.total >= proto::kMaxSizeBytes)
     return make_error(DeviceErrc::kAllocFailed, "host pool size overflows");
   const std::string name = ipc::session_object_name(generation, "host" + std::to_string(rank));
   PoolHeader want{};
@@ -87,6 +112,7 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(DeviceBackend& back
   want.valid_offset = l.valid_offset;
   want.data_offset = l.data_offset;
   want.object_bytes = l.total;
+  want.layout = static_cast<std::uint32_t>(layout);
 
   std::unique_ptr<HostPool> pool(new HostPool());
   pool->backend_ = &backend;
@@ -144,6 +170,8 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(DeviceBackend& back
   for (std::size_t i = 0; i < l.region_offset.size(); ++i)
     if (l.region_offset[i] != ~0ull) pool->regions_[i] = base + l.region_offset[i];
   pool->total_ = l.total;
+  pool->geometry_ = g;
+  pool->page_stride_ = l.page_stride;
   return pool;
 }
 
@@ -152,6 +180,10 @@ HostPool::~HostPool() {
 }
 
 const std::string& HostPool::name() const { return object_->name(); }
+
+std::uint64_t HostPool::stride(proto::TensorKind kind) const {
+  return page_stride_ != 0 ? page_stride_ : geometry_.block_bytes(kind);
+}
 
 void HostPool::remove() { ipc::SharedObject::remove(object_->name()); }
 

@@ -84,7 +84,8 @@ struct Fixture {
     for (auto& t : tensors) {
       std::byte* d = mirrors ? t.dev_mirror.data() : t.dev;
       std::byte* h = mirrors ? t.host_mirror.data() : t.host;
-      out.push_back(dir == Direction::kToHost ? CopyTarget{d, h, t.block_bytes} : CopyTarget{h, d, t.block_bytes});
+      out.push_back(dir == Direction::kToHost ? kernels::packed_target(d, h, t.block_bytes)
+                                              : kernels::packed_target(h, d, t.block_bytes));
     }
     return out;
   }
@@ -157,8 +158,8 @@ void naive_copy(const std::vector<std::int32_t>& src, const std::vector<std::int
                 const std::vector<CopyTarget>& targets) {
   for (const auto& t : targets)
     for (std::size_t i = 0; i < src.size(); ++i)
-      std::memcpy(t.dst + static_cast<std::uint64_t>(dst[i]) * t.block_bytes,
-                  t.src + static_cast<std::uint64_t>(src[i]) * t.block_bytes, t.block_bytes);
+      std::memcpy(t.dst + static_cast<std::uint64_t>(dst[i]) * t.dst_stride,
+                  t.src + static_cast<std::uint64_t>(src[i]) * t.src_stride, t.block_bytes);
 }
 
 void check_copies(Fixture& f, Tally& tally, const std::string& mode) {
@@ -215,8 +216,8 @@ void check_layout(Fixture& f, Tally& tally, const std::string& mode) {
   if (!f.randomize()) return tally.check(false, what, f.error);
   std::vector<kernels::LayerTensor> real, mirror;
   for (auto& t : f.tensors) {
-    real.push_back({t.dev, t.block_bytes});
-    mirror.push_back({t.dev_mirror.data(), t.block_bytes});
+    real.push_back({t.dev, t.block_bytes, t.block_bytes});
+    mirror.push_back({t.dev_mirror.data(), t.block_bytes, t.block_bytes});
   }
   const std::vector<std::int32_t> ids{7, 3, 9, 10, 11, 0, 31};
   const std::vector<std::int32_t> back{1, 2, 3, 40, 41, 42, 60};
@@ -246,8 +247,8 @@ void measure(DeviceBackend& backend, const std::string& mode, std::uint32_t laye
       std::printf("bandwidth [%s]: allocation failed\n", mode.c_str());
       return;
     }
-    to_host.push_back({*d, *h, bb});
-    to_dev.push_back({*h, *d, bb});
+    to_host.push_back(kernels::packed_target(*d, *h, bb));
+    to_dev.push_back(kernels::packed_target(*h, *d, bb));
   }
   std::vector<std::int32_t> src(blocks), dst(blocks);
   std::iota(src.begin(), src.end(), 0);

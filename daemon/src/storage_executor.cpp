@@ -373,14 +373,20 @@ struct StorageExecutor::Impl {
       const std::size_t c = std::min(chunk_objects, stored.size() - written);
       if (writer && in_place) {
         // The blocks are readable where they are (host pool; host-backend tensors): each object
-        // is written straight from its layer-first pieces, no staging copy.
+        // is written straight from its pieces, no staging copy. Adjacent pieces merge, so a
+        // page-first host block is one piece: the object exactly as it lies in the pool.
         const auto chunk_ids = std::span(ids).subspan(written, c);
         std::vector<storage::ObjectStore::Parts> objects(c);
         for (std::size_t i = 0; i < c; ++i) {
           objects[i].reserve(tensors.size());
-          for (const auto& tensor : tensors)
-            objects[i].emplace_back(tensor.base + static_cast<std::uint64_t>(chunk_ids[i]) * tensor.block_bytes,
-                                    tensor.block_bytes);
+          for (const auto& tensor : tensors) {
+            const std::byte* at = tensor.base + static_cast<std::uint64_t>(chunk_ids[i]) * tensor.stride;
+            auto& parts = objects[i];
+            if (!parts.empty() && parts.back().data() + parts.back().size() == at)
+              parts.back() = {parts.back().data(), parts.back().size() + tensor.block_bytes};
+            else
+              parts.emplace_back(at, tensor.block_bytes);
+          }
         }
         auto put = t.store->put_parts(std::span(stored).subspan(written, c), objects);
         if (!check_put(w, put, c, start)) return;

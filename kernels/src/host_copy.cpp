@@ -5,16 +5,22 @@
 namespace kvtd::kernels {
 
 void copy_blocks_host(const CopyPlan& plan, const CopyTarget& t) noexcept {
-  const std::uint64_t bb = t.block_bytes;
+  const std::uint64_t bb = t.block_bytes, ss = t.src_stride, ds = t.dst_stride;
   if (bb == 0) return;
+  const bool packed = ss == bb && ds == bb;
   for (const CopyRun& r : plan.runs) {
-    std::memcpy(t.dst + static_cast<std::uint64_t>(r.dst) * bb, t.src + static_cast<std::uint64_t>(r.src) * bb,
-                static_cast<std::uint64_t>(r.count) * bb);
+    const std::byte* s = t.src + static_cast<std::uint64_t>(r.src) * ss;
+    std::byte* d = t.dst + static_cast<std::uint64_t>(r.dst) * ds;
+    if (packed) {
+      std::memcpy(d, s, static_cast<std::uint64_t>(r.count) * bb);  // one copy per run
+      continue;
+    }
+    for (std::int32_t i = 0; i < r.count; ++i, s += ss, d += ds) std::memcpy(d, s, bb);
   }
   const std::size_t n = plan.single_src.size();
   for (std::size_t i = 0; i < n; ++i) {
-    std::memcpy(t.dst + static_cast<std::uint64_t>(plan.single_dst[i]) * bb,
-                t.src + static_cast<std::uint64_t>(plan.single_src[i]) * bb, bb);
+    std::memcpy(t.dst + static_cast<std::uint64_t>(plan.single_dst[i]) * ds,
+                t.src + static_cast<std::uint64_t>(plan.single_src[i]) * ss, bb);
   }
 }
 

@@ -14,7 +14,7 @@ void gather_to_staging_host(std::span<const LayerTensor> tensors, std::span<cons
                             std::byte* staging) {
   for (const std::int32_t id : ids) {
     for (const auto& t : tensors) {
-      std::memcpy(staging, t.base + static_cast<std::uint64_t>(id) * t.block_bytes, t.block_bytes);
+      std::memcpy(staging, t.base + static_cast<std::uint64_t>(id) * t.stride, t.block_bytes);
       staging += t.block_bytes;
     }
   }
@@ -24,7 +24,7 @@ void scatter_from_staging_host(std::span<const LayerTensor> tensors, std::span<c
                                const std::byte* staging) {
   for (const std::int32_t id : ids) {
     for (const auto& t : tensors) {
-      std::memcpy(t.base + static_cast<std::uint64_t>(id) * t.block_bytes, staging, t.block_bytes);
+      std::memcpy(t.base + static_cast<std::uint64_t>(id) * t.stride, staging, t.block_bytes);
       staging += t.block_bytes;
     }
   }

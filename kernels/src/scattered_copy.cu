@@ -36,8 +36,8 @@ __global__ void scattered_one(CopyTarget t, const std::int32_t* __restrict__ src
                               const std::int32_t* __restrict__ dst_ids, std::int64_t count) {
   const std::int64_t w = global_warp();
   if (w >= count) return;
-  warp_copy(reinterpret_cast<unsigned char*>(t.dst) + static_cast<std::uint64_t>(dst_ids[w]) * t.block_bytes,
-            reinterpret_cast<const unsigned char*>(t.src) + static_cast<std::uint64_t>(src_ids[w]) * t.block_bytes,
+  warp_copy(reinterpret_cast<unsigned char*>(t.dst) + static_cast<std::uint64_t>(dst_ids[w]) * t.dst_stride,
+            reinterpret_cast<const unsigned char*>(t.src) + static_cast<std::uint64_t>(src_ids[w]) * t.src_stride,
             t.block_bytes, threadIdx.x % 32);
 }
 
@@ -49,8 +49,8 @@ __global__ void scattered_all(const CopyTarget* __restrict__ targets, std::uint3
   if (w >= count * num_targets) return;
   const CopyTarget t = targets[w / count];
   const std::int64_t i = w % count;
-  warp_copy(reinterpret_cast<unsigned char*>(t.dst) + static_cast<std::uint64_t>(dst_ids[i]) * t.block_bytes,
-            reinterpret_cast<const unsigned char*>(t.src) + static_cast<std::uint64_t>(src_ids[i]) * t.block_bytes,
+  warp_copy(reinterpret_cast<unsigned char*>(t.dst) + static_cast<std::uint64_t>(dst_ids[i]) * t.dst_stride,
+            reinterpret_cast<const unsigned char*>(t.src) + static_cast<std::uint64_t>(src_ids[i]) * t.src_stride,
             t.block_bytes, threadIdx.x % 32);
 }
 
@@ -64,7 +64,7 @@ __global__ void staging_transform(const LayerTensor* __restrict__ tensors, const
   const std::int64_t i = w / num_tensors;
   const auto t = static_cast<std::uint32_t>(w % num_tensors);
   const LayerTensor lt = tensors[t];
-  unsigned char* block = reinterpret_cast<unsigned char*>(lt.base) + static_cast<std::uint64_t>(ids[i]) * lt.block_bytes;
+  unsigned char* block = reinterpret_cast<unsigned char*>(lt.base) + static_cast<std::uint64_t>(ids[i]) * lt.stride;
   unsigned char* object = staging + static_cast<std::uint64_t>(i) * object_bytes + offsets[t];
   if (kGather) {
     warp_copy(object, block, lt.block_bytes, threadIdx.x % 32);

@@ -43,7 +43,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   for (auto bb : block_bytes) {
     bufs.emplace_back(bb * static_cast<std::uint64_t>(to_host ? kDevice : kHost), std::byte{1});
     bufs.emplace_back(bb * static_cast<std::uint64_t>(to_host ? kHost : kDevice), std::byte{2});
-    targets.push_back({bufs[bufs.size() - 2].data(), bufs.back().data(), bb});
+    targets.push_back(kvtd::kernels::packed_target(bufs[bufs.size() - 2].data(), bufs.back().data(), bb));
   }
   kvtd::kernels::copy_all_host(*plan, targets);
   return 0;

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "daemon_fixture.h"
+#include "kvtd/ipc/shared_object.h"
 #include "kvtd/ipc/task_codec.h"
 #include "redis_server.h"
 
@@ -202,6 +203,49 @@ TEST_F(StorageTaskTest, HostBlocksWriteAndPrefetchRespectMinHits) {
   // Host blocks 16, 17 were prefetch destinations that got nothing: not valid to swap in.
   auto lost = run(TaskKind::kSwapToDevice, {16}, {30});
   EXPECT_EQ(lost.status, TaskStatus::kHostTierLost) << why(lost);
+}
+
+// --host-layout page_first: every layer of a host block lies contiguously in the pool (checked
+// in the pool object itself), swaps transform on the copy, and a block is stored in place as
+// one piece and loaded back byte for byte.
+TEST_F(StorageTaskTest, PageFirstHostPoolHoldsEachBlockContiguouslyAndStoresItInPlace) {
+  extra_args_.insert(extra_args_.end(), {"--host-layout", "page_first"});
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const auto dev = iota_ids(3, 6);
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, dev, iota_ids(0, 6)).ok());
+  const std::uint64_t object = g_.bytes_per_block_all_layers();
+  const std::uint64_t data_offset = 2 * 4096;  // header page + one page of validity bytes (24 blocks)
+  for (std::uint32_t r = 0; r < g_.num_ranks; ++r) {
+    auto pool = ipc::SharedObject::open(ipc::session_object_name(engine_->generation(), "host" + std::to_string(r)));
+    ASSERT_TRUE(pool.ok()) << pool.error().message;
+    for (std::size_t h = 0; h < dev.size(); ++h) {
+      std::uint64_t off = data_offset + h * object;
+      for (std::uint32_t l = 0; l < g_.num_layers; ++l)
+        for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
+          const auto bb = g_.block_bytes(static_cast<proto::TensorKind>(k));
+          if (bb == 0) continue;
+          ASSERT_EQ(loadgen::check_block((*pool)->data() + off, bb, r, l, k, static_cast<std::uint32_t>(dev[h])), -1)
+              << "rank " << r << " host block " << h << " layer " << l << " kind " << k;
+          off += bb;
+        }
+    }
+  }
+  const auto keys = make_keys("pf", 6);
+  auto w = storage(TaskKind::kStorageWrite, keys, iota_ids(0, 6), /*host=*/true);
+  ASSERT_TRUE(w.ok()) << why(w);
+  EXPECT_EQ(w.blocks_done, 6u);
+  auto pf = storage(TaskKind::kPrefetch, keys, iota_ids(10, 6), /*host=*/true);
+  ASSERT_TRUE(pf.ok()) << why(pf);
+  EXPECT_EQ(pf.blocks_done, 6u);
+  wipe_device(iota_ids(20, 6));
+  auto in = run(TaskKind::kSwapToDevice, iota_ids(10, 6), iota_ids(20, 6));
+  ASSERT_TRUE(in.ok()) << why(in);
+  expect_device_pattern(iota_ids(20, 6), dev, 6);
+  // Device blocks read straight from the store too.
+  wipe_device(iota_ids(26, 6));
+  auto rd = storage(TaskKind::kStorageRead, keys, iota_ids(26, 6));
+  ASSERT_TRUE(rd.ok()) << why(rd);
+  expect_device_pattern(iota_ids(26, 6), dev, 6);
 }
 
 TEST_F(StorageTaskTest, MissingObjectOnOneRankShrinksTheAgreedPrefix) {

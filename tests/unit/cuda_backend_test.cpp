@@ -32,9 +32,9 @@ TEST(CudaBackend, RunsAndScatteredBlocksMatchTheHostExecutor) {
     d.resize(40);
     auto plan = kernels::plan_copy(s, d, blocks, blocks, std::vector<std::uint64_t>{bb});
     ASSERT_TRUE(plan.ok()) << plan.error().message;
-    kernels::CopyTarget host_t{*src, expect.data(), bb};
+    kernels::CopyTarget host_t = kernels::packed_target(*src, expect.data(), bb);
     kernels::copy_blocks_host(*plan, host_t);
-    kernels::CopyTarget gpu_t{*src, *dst, bb};
+    kernels::CopyTarget gpu_t = kernels::packed_target(*src, *dst, bb);
     auto st = (*backend)->copy(Direction::kToHost, *plan, std::span<const kernels::CopyTarget>(&gpu_t, 1));
     ASSERT_TRUE(st.ok()) << st.error().message;
     ASSERT_EQ(0, std::memcmp(expect.data(), *dst, expect.size())) << "block bytes " << bb;

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <random>
 
@@ -83,7 +85,7 @@ TEST_P(HostCopyBytes, MatchesNaiveReferenceForEveryElementSizeWithScales) {
     expect = host;
     for (std::size_t t = 0; t < dev.size(); ++t) {
       reference_copy(src, dst, dev[t], expect[t]);
-      targets.push_back(CopyTarget{dev[t].bytes.data(), host[t].bytes.data(), dev[t].block_bytes});
+      targets.push_back(kernels::packed_target(dev[t].bytes.data(), host[t].bytes.data(), dev[t].block_bytes));
     }
     copy_all_host(*plan, targets);
     for (std::size_t t = 0; t < dev.size(); ++t) ASSERT_EQ(host[t].bytes, expect[t].bytes) << "tensor " << t;
@@ -100,7 +102,7 @@ TEST(HostCopy, LayerwiseReportsEachLayerAfterItsBytes) {
     dev.push_back(make(8, bb, static_cast<std::uint32_t>(t)));
     host.push_back(make(8, bb, static_cast<std::uint32_t>(100 + t)));
   }
-  for (int t = 0; t < 6; ++t) targets.push_back(CopyTarget{dev[t].bytes.data(), host[t].bytes.data(), bb});
+  for (int t = 0; t < 6; ++t) targets.push_back(kernels::packed_target(dev[t].bytes.data(), host[t].bytes.data(), bb));
   std::vector<std::int32_t> src{1, 2, 5}, dst{0, 1, 7};
   auto plan = plan_copy(src, dst, 8, 8, std::vector<std::uint64_t>{bb});
   ASSERT_TRUE(plan.ok());
@@ -115,6 +117,53 @@ TEST(HostCopy, LayerwiseReportsEachLayerAfterItsBytes) {
     seen.push_back(layer);
   });
   EXPECT_EQ(seen, (std::vector<std::uint32_t>{0, 1, 2}));
+}
+
+// A page-first host pool: block b holds every (layer, tensor) piece back to back, so each
+// target strides by the whole block. Evicting into it and loading back out of it (runs and
+// scattered blocks both) must give the device bytes, and touch nothing but the named pieces.
+TEST(HostCopy, PageFirstHostSideStridesByTheWholeBlock) {
+  const std::vector<std::uint64_t> piece{48, 48, 8, 8, 48, 48, 8, 8};  // 2 layers x K, V, Ks, Vs
+  const std::uint64_t object = std::accumulate(piece.begin(), piece.end(), std::uint64_t{0});
+  const std::int64_t dev_blocks = 16, host_blocks = 12;
+  std::vector<Tensor> dev;
+  for (std::size_t t = 0; t < piece.size(); ++t) dev.push_back(make(dev_blocks, piece[t], static_cast<std::uint32_t>(t)));
+  Tensor pool = make(host_blocks, object, 99);
+  const Tensor pool_before = pool;
+  std::vector<CopyTarget> out, in;
+  std::uint64_t offset = 0;
+  for (std::size_t t = 0; t < piece.size(); ++t) {
+    out.push_back({dev[t].bytes.data(), pool.bytes.data() + offset, piece[t], piece[t], object});
+    in.push_back({pool.bytes.data() + offset, dev[t].bytes.data(), piece[t], object, piece[t]});
+    offset += piece[t];
+  }
+  const std::vector<std::int32_t> src{3, 4, 5, 9, 0}, dst{6, 7, 8, 1, 11};  // a run of 3 and two singles
+  auto plan = plan_copy(src, dst, dev_blocks, host_blocks, piece);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_EQ(plan->runs.size(), 1u);
+  copy_all_host(*plan, out);
+  for (std::int64_t b = 0; b < host_blocks; ++b) {
+    const auto at = std::find(dst.begin(), dst.end(), static_cast<std::int32_t>(b));
+    std::uint64_t off = 0;
+    for (std::size_t t = 0; t < piece.size(); ++t) {
+      const auto* got = pool.bytes.data() + static_cast<std::uint64_t>(b) * object + off;
+      const auto* want = at == dst.end() ? pool_before.bytes.data() + static_cast<std::uint64_t>(b) * object + off
+                                         : dev[t].bytes.data() + static_cast<std::uint64_t>(src[at - dst.begin()]) * piece[t];
+      ASSERT_EQ(std::memcmp(got, want, piece[t]), 0) << "host block " << b << " piece " << t;
+      off += piece[t];
+    }
+  }
+  // Back to other device blocks.
+  const std::vector<std::int32_t> back{12, 13, 14, 2, 10};
+  auto plan_in = plan_copy(dst, back, host_blocks, dev_blocks, piece);
+  ASSERT_TRUE(plan_in.ok());
+  copy_all_host(*plan_in, in);
+  for (std::size_t t = 0; t < piece.size(); ++t)
+    for (std::size_t i = 0; i < src.size(); ++i)
+      ASSERT_EQ(std::memcmp(dev[t].bytes.data() + static_cast<std::uint64_t>(back[i]) * piece[t],
+                            dev[t].bytes.data() + static_cast<std::uint64_t>(src[i]) * piece[t], piece[t]),
+                0)
+          << "tensor " << t << " block " << back[i];
 }
 
 }  // namespace

@@ -118,8 +118,8 @@ TEST(TaskRunner, LayerEnqueuedIsPublishedBeforeTheLayersCopyIsDone) {
   cache.block_bytes = {g.block_bytes(proto::TensorKind::kKey), g.block_bytes(proto::TensorKind::kValue)};
   for (std::uint32_t l = 0; l < g.num_layers; ++l)
     for (int k = 0; k < 2; ++k) {
-      cache.to_host.push_back(kernels::CopyTarget{dev.data(), host.data(), cache.block_bytes[0]});
-      cache.to_device.push_back(kernels::CopyTarget{host.data(), dev.data(), cache.block_bytes[0]});
+      cache.to_host.push_back(kernels::packed_target(dev.data(), host.data(), cache.block_bytes[0]));
+      cache.to_device.push_back(kernels::packed_target(host.data(), dev.data(), cache.block_bytes[0]));
     }
   TaskRunner runner(**ep, backend, std::move(cache));
   std::atomic<bool> stop{false};
@@ -202,7 +202,7 @@ TEST(TaskRunner, StorageWriteRunningOutOfSpaceFailsAndLeavesWholeObjects) {
     for (auto kind : {proto::TensorKind::kKey, proto::TensorKind::kValue}) {
       auto dev = backend->open_tensor(*(*ep)->tensor(l, kind));
       ASSERT_TRUE(dev.ok()) << dev.error().message;
-      cache.storage.device_tensors.push_back(kernels::LayerTensor{*dev, g.block_bytes(kind)});
+      cache.storage.device_tensors.push_back(kernels::LayerTensor{*dev, g.block_bytes(kind), g.block_bytes(kind)});
       // Each device block holds its block id in every byte, so what comes back can be checked.
       for (std::int64_t b = 0; b < g.num_device_blocks(); ++b)
         std::memset(*dev + b * g.block_bytes(kind), static_cast<int>(b), g.block_bytes(kind));

@@ -22,6 +22,9 @@ enum class ConfigErrc {
   kInvalidValue,  // a value failed validation; the message names the flag
 };
 
+// How the host pool lays out its blocks (see daemon/host_pool.h).
+enum class HostLayout : std::uint32_t { kLayerFirst = 0, kPageFirst = 1 };
+
 enum class DeviceBackendKind { kHost, kCuda };
 
 // How the CUDA backend moves scattered (non-run) blocks; runs are always one cudaMemcpyAsync.
@@ -75,6 +78,7 @@ struct DaemonConfig {
   std::string session_suffix;
   DeviceBackendKind device_backend = DeviceBackendKind::kHost;
   ScatterMode scatter_mode = ScatterMode::kKernelAllLayers;
+  HostLayout host_layout = HostLayout::kLayerFirst;
   std::string log_dir;                 // empty: log to stderr only
   std::string log_level = "info";
   double engine_timeout_s = 5.0;       // engine heartbeat age after which we detach

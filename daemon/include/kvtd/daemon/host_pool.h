@@ -1,5 +1,8 @@
-// kvtd/daemon/host_pool.h - the rank's host tier: one region per (layer, tensor) holding
-// num_host_blocks blocks, in a shared-memory object that outlives the daemon process.
+// kvtd/daemon/host_pool.h - the rank's host tier: num_host_blocks blocks of every (layer,
+// tensor), in a shared-memory object that outlives the daemon process. Two layouts
+// (--host-layout): layer_first, one packed region per (layer, tensor) like the device cache;
+// page_first, every layer of one block contiguous (the stored-object order), so a block is one
+// piece for storage backends and the transform happens in the swap copy (stride()).
 //
 // The object is named per session generation and rank ("kvtd_<uid>_<gen>_host<r>"), so a
 // daemon restarted within the same session (a crash under Restart=on-failure, a SIGTERM and
@@ -27,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "kvtd/config/daemon_config.h"
 #include "kvtd/daemon/device_backend.h"
 #include "kvtd/proto/geometry.h"
 
@@ -42,15 +46,20 @@ class HostPool {
   // with this geometry, else creates it (after checking /dev/shm has room: the error names the
   // size and the free space).
   static Result<std::unique_ptr<HostPool>, DeviceErrc> open(DeviceBackend& backend, const proto::CacheGeometry& g,
-                                                            std::uint64_t generation, std::uint32_t rank);
+                                                            std::uint64_t generation, std::uint32_t rank,
+                                                            config::HostLayout layout = config::HostLayout::kLayerFirst);
   ~HostPool();
   HostPool(const HostPool&) = delete;
   HostPool& operator=(const HostPool&) = delete;
 
-  // Base of the region of (layer, kind), or null when the geometry has no such tensor.
+  // Block 0 of (layer, kind), or null when the geometry has no such tensor; block b is
+  // stride(kind) bytes further per block.
   std::byte* region(std::uint32_t layer, proto::TensorKind kind) const {
     return regions_[layer * proto::kTensorKinds + static_cast<std::uint32_t>(kind)];
   }
+  // Bytes from one block of `kind` to the next: its block bytes (layer_first), or one block
+  // across every layer and tensor (page_first).
+  std::uint64_t stride(proto::TensorKind kind) const;
   std::size_t total_bytes() const { return total_; }
   // True if open() found and re-mapped a previous daemon's pool.
   bool restored() const { return restored_; }
@@ -68,7 +77,8 @@ class HostPool {
   void remove();
 
   // Bytes the pool object of this geometry needs (header, validity map, regions); 0 on overflow.
-  static std::uint64_t object_bytes(const proto::CacheGeometry& g);
+  static std::uint64_t object_bytes(const proto::CacheGeometry& g,
+                                    config::HostLayout layout = config::HostLayout::kLayerFirst);
 
  private:
   HostPool() = default;
@@ -80,6 +90,8 @@ class HostPool {
   std::vector<std::byte*> regions_;
   std::size_t total_ = 0;
   bool restored_ = false;
+  proto::CacheGeometry geometry_{};
+  std::uint64_t page_stride_ = 0;  // 0: layer_first
 };
 
 }  // namespace kvtd::daemon

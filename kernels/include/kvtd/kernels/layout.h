@@ -20,6 +20,7 @@ namespace kvtd::kernels {
 struct LayerTensor {
   std::byte* base;            // first block of this layer's tensor
   std::uint64_t block_bytes;  // bytes of one block
+  std::uint64_t stride;       // bytes from one block to the next (block_bytes when packed)
 };
 
 // Bytes of one block-first object: the sum of every tensor's block bytes.
