@@ -147,7 +147,9 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   app.add_option("--session,--ipc-suffix,--ipc_suffix", suffix, "Session suffix shared with the engine")->required();
   app.add_option("--device-backend", backend, "cuda | host");
   app.add_option("--scatter-mode", scatter, "CUDA: kernel | kernel-per-layer | batch | memcpy (scattered blocks)");
-  std::string host_layout = "layer_first";
+  std::string host_layout = "layer_first", numa = "auto";
+  app.add_option("--numa-node", numa,
+                 "Host pool memory and copy threads: auto (the GPU's node from sysfs) | none | <node>");
   app.add_option("--host-layout", host_layout,
                  "Host pool: layer_first | page_first (all layers of a block contiguous, as stored)");
   app.add_option("--log-dir", c.log_dir, "Directory for the rotating per-rank log (default: stderr only)");
@@ -260,6 +262,18 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   if (host_layout == "layer_first") c.host_layout = HostLayout::kLayerFirst;
   else if (host_layout == "page_first") c.host_layout = HostLayout::kPageFirst;
   else return bad("--host-layout: '" + host_layout + "' is not one of layer_first, page_first");
+
+  if (numa == "auto") {
+    c.numa_node = kNumaAuto;
+  } else if (numa == "none") {
+    c.numa_node = -1;
+  } else {
+    int v = -1;
+    const auto [p, ec] = std::from_chars(numa.data(), numa.data() + numa.size(), v);
+    if (ec != std::errc() || p != numa.data() + numa.size() || v < 0 || v > 1023)
+      return bad("--numa-node: '" + numa + "' is not auto, none or a node number in [0, 1023]");
+    c.numa_node = v;
+  }
 
   c.session_suffix = suffix;
   if (!proto::valid_session_suffix(suffix))

@@ -113,8 +113,12 @@ class CudaBackend final : public DeviceBackend {
         return make_error(DeviceErrc::kUnavailable, cuda_text("cudaStreamCreateWithFlags", e));
     }
     char bus_id[32] = {0};
-    if (cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, device_) == cudaSuccess) numa_node_ = numa_node_of_pci_device(bus_id);
-    KVTD_INFO("cuda device {} (PCI {}) is on NUMA node {}", device_, bus_id, numa_node_);
+    if (cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, device_) != cudaSuccess) bus_id[0] = '\0';
+    (void)cudaGetLastError();  // a failed query must not fail the first task
+    std::string how;
+    numa_node_ = numa_node_of_gpu(bus_id, device_, "/sys", &how);
+    KVTD_INFO("cuda device {} (PCI {}) is on NUMA node {} ({})", device_, bus_id, numa_node_,
+              numa_node_ >= 0 ? how : std::string("sysfs does not say"));
     return {};
   }
 

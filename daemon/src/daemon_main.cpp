@@ -144,6 +144,10 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
   } else {
     backend = make_host_backend();
   }
+  const int numa_node = cfg.numa_node == config::kNumaAuto ? backend->numa_node() : cfg.numa_node;
+  KVTD_INFO("NUMA: {}", numa_node >= 0 ? "host pool and copy threads on node " + std::to_string(numa_node)
+                                        : std::string("no node to bind to (--numa-node ") +
+                                              (cfg.numa_node == -1 ? "none)" : "auto, and the backend knows none)"));
   const auto geometry = cfg.geometry();
   const std::uint64_t pool_bytes = HostPool::object_bytes(geometry, cfg.host_layout);
   const std::int64_t shm_free = ipc::shm_free_bytes();
@@ -199,7 +203,7 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
     // Heartbeat from the grant on: mapping (or creating) the host pool and opening the tensors can
     // take seconds for large caches, and a granted rank that is silent that long is fenced.
     Heartbeat heartbeat(endpoint, cfg.heartbeat_period_ns());
-    auto pool = HostPool::open(*backend, geometry, endpoint.generation(), cfg.rank, cfg.host_layout);
+    auto pool = HostPool::open(*backend, geometry, endpoint.generation(), cfg.rank, cfg.host_layout, numa_node);
     if (!pool.ok()) {
       KVTD_ERROR("host pool: {}", pool.error().message);
       return kExitBackend;
@@ -216,6 +220,8 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
     cache->storage.store = store->store.get();
     cache->storage.store_name = store->name;
     cache->storage.config = cfg.storage;
+    cache->numa_node = numa_node;
+    cache->storage.numa_node = numa_node;
     auto events = backend->export_layer_events(geometry.num_layers);
     if (!events.ok()) {
       KVTD_ERROR("cannot create the per-layer events: {}", events.error().message);

@@ -98,7 +98,7 @@ std::uint64_t HostPool::object_bytes(const proto::CacheGeometry& g, config::Host
 
 Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(DeviceBackend& backend, const proto::CacheGeometry& g,
                                                              std::uint64_t generation, std::uint32_t rank,
-                                                             config::HostLayout layout) {
+                                                             config::HostLayout layout, int numa_node) {
   PoolLayout l;
   if (!layout_of(g, layout, &l) || l.total >= proto::kMaxSizeBytes)
     return make_error(DeviceErrc::kAllocFailed, "host pool size overflows");
@@ -146,7 +146,7 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(DeviceBackend& back
                         "host pool needs " + mib(l.total) + " (" + std::to_string(g.num_host_blocks) +
                             " blocks) in /dev/shm, which has " + mib(static_cast<std::uint64_t>(free_now)) +
                             " free; enlarge it (mount -o remount,size=... /dev/shm) or lower --num-host-blocks");
-    const int node = backend.numa_node();
+    const int node = numa_node;
     auto created = ipc::SharedObject::create(name, l.total, [node](void* addr, std::size_t bytes) {
       std::string why;
       if (node >= 0 && !bind_to_numa_node(addr, bytes, node, &why))

@@ -10,6 +10,7 @@
 #include <unordered_set>
 
 #include "kvtd/daemon/log.h"
+#include "kvtd/daemon/numa.h"
 #include "kvtd/ipc/clock.h"
 #include "kvtd/ipc/wait.h"
 #include "kvtd/storage/object_format.h"
@@ -509,6 +510,7 @@ struct StorageExecutor::Impl {
   }
 
   void worker_loop(std::size_t index) {
+    start_copy_thread(("kvtd-io" + std::to_string(index)).c_str(), t.numa_node);
     std::byte* slice = staging[index];
     for (;;) {
       Prepared p;

@@ -10,6 +10,7 @@
 
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/notify.h"
+#include "kvtd/daemon/numa.h"
 #include "kvtd/ipc/clock.h"
 #include "kvtd/ipc/task_codec.h"
 #include "kvtd/ipc/wait.h"
@@ -327,6 +328,7 @@ struct TaskRunner::Impl {
   }
 
   void lane_loop(int lane) {
+    start_copy_thread(lane == 0 ? "kvtd-lane0" : "kvtd-lane1", cache.numa_node);
     auto& l = lanes[lane];
     for (;;) {
       const std::uint32_t seen = l.word.load(std::memory_order_acquire);

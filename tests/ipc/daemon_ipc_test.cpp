@@ -1,11 +1,13 @@
 // Multi-process tests: this process is the engine; every rank daemon is a real `kvtd` process.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
+#include <filesystem>
+#include <map>
 #include <numeric>
 #include <random>
-
-#include <atomic>
+#include <sstream>
 #include <thread>
 
 #include "daemon_fixture.h"
@@ -64,6 +66,43 @@ TEST_F(DaemonTest, ExtraMtpLayersWithTheirOwnBlockCountAnd3dShapeRoundTrip) {
   auto r = run(TaskKind::kSwapToHost, {20}, {3});
   ASSERT_EQ(r.status, TaskStatus::kIdOutOfRange);
   EXPECT_NE(r.failures[0].message.find("[0, 12)"), std::string::npos) << r.failures[0].message;
+}
+
+// The affinity list of each thread of `pid` whose name starts with `prefix`.
+std::map<std::string, std::string> thread_cpus(pid_t pid, const std::string& prefix) {
+  std::map<std::string, std::string> out;
+  const std::string dir = "/proc/" + std::to_string(pid) + "/task";
+  for (const auto& t : std::filesystem::directory_iterator(dir)) {
+    std::string comm = test::read_file(t.path().string() + "/comm");
+    while (!comm.empty() && comm.back() == '\n') comm.pop_back();
+    if (comm.rfind(prefix, 0) != 0) continue;
+    std::istringstream status(test::read_file(t.path().string() + "/status"));
+    for (std::string line; std::getline(status, line);)
+      if (line.rfind("Cpus_allowed_list:", 0) == 0) out[comm] = line.substr(line.find_first_not_of(" \t", 18));
+  }
+  return out;
+}
+
+// --numa-node: the swap lanes and storage workers are named and run on that node's CPUs; a node
+// that does not exist is a warning, and the daemon serves unbound.
+TEST_F(DaemonTest, CopyThreadsRunOnTheNumaNodeGivenAndAMissingNodeIsOnlyAWarning) {
+  std::string node0 = test::read_file("/sys/devices/system/node/node0/cpulist");
+  if (node0.empty()) GTEST_SKIP() << "no /sys/devices/system/node/node0 here";
+  while (!node0.empty() && node0.back() == '\n') node0.pop_back();
+  const std::string store = ::testing::TempDir() + "/" + suffix_ + "_numa_store";
+  extra_args_ = {"--numa-node", "0", "--storage-backend", "file", "--storage-path", store};
+  daemons_.push_back(start_daemon(0));
+  extra_args_ = {"--numa-node", "7"};
+  daemons_.push_back(start_daemon(1));
+  ASSERT_NO_FATAL_FAILURE(start_engine());
+  ASSERT_TRUE(engine_->wait_ready(20'000'000'000).ok());
+  round_trip({1, 2}, {3, 4}, {5, 6});
+  auto bound = thread_cpus(daemons_[0].pid(), "kvtd-");
+  EXPECT_EQ(bound.count("kvtd-lane0") + bound.count("kvtd-lane1") + bound.count("kvtd-io0"), 3u);
+  for (const auto& [name, cpus] : bound) EXPECT_EQ(cpus, node0) << name;
+  const auto log = test::read_file(log_path(1));
+  EXPECT_NE(log.find("not bound to NUMA node 7"), std::string::npos) << log;
+  std::filesystem::remove_all(store);
 }
 
 TEST_F(DaemonTest, MalformedTasksGetErrorsAndTheNextTaskSucceeds) {

@@ -22,6 +22,9 @@ enum class ConfigErrc {
   kInvalidValue,  // a value failed validation; the message names the flag
 };
 
+// --numa-node auto: the node sysfs gives for the rank's GPU (none on the host backend).
+inline constexpr int kNumaAuto = -2;
+
 // How the host pool lays out its blocks (see daemon/host_pool.h).
 enum class HostLayout : std::uint32_t { kLayerFirst = 0, kPageFirst = 1 };
 
@@ -79,6 +82,7 @@ struct DaemonConfig {
   DeviceBackendKind device_backend = DeviceBackendKind::kHost;
   ScatterMode scatter_mode = ScatterMode::kKernelAllLayers;
   HostLayout host_layout = HostLayout::kLayerFirst;
+  int numa_node = kNumaAuto;           // host pool and copy threads; kNumaAuto: the GPU's, -1: none
   std::string log_dir;                 // empty: log to stderr only
   std::string log_level = "info";
   double engine_timeout_s = 5.0;       // engine heartbeat age after which we detach

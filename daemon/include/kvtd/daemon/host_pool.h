@@ -43,11 +43,12 @@ namespace kvtd::daemon {
 class HostPool {
  public:
   // Maps the pool of (generation, rank) if a previous daemon of this session left a complete one
-  // with this geometry, else creates it (after checking /dev/shm has room: the error names the
-  // size and the free space).
+  // with this geometry and layout, else creates it (after checking /dev/shm has room: the error
+  // names the size and the free space), preferring `numa_node` for its pages (-1: anywhere).
   static Result<std::unique_ptr<HostPool>, DeviceErrc> open(DeviceBackend& backend, const proto::CacheGeometry& g,
                                                             std::uint64_t generation, std::uint32_t rank,
-                                                            config::HostLayout layout = config::HostLayout::kLayerFirst);
+                                                            config::HostLayout layout = config::HostLayout::kLayerFirst,
+                                                            int numa_node = -1);
   ~HostPool();
   HostPool(const HostPool&) = delete;
   HostPool& operator=(const HostPool&) = delete;

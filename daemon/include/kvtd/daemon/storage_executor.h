@@ -62,6 +62,7 @@ struct StorageTargets {
   std::vector<kernels::LayerTensor> host_tensors;    // the host pool's regions, same order
   std::uint64_t object_bytes = 0;
   bool replicated = false;                // MLA: one copy shared by every rank
+  int numa_node = -1;                     // the I/O workers run on this node's CPUs (-1: anywhere)
 };
 
 // One decoded storage task, validated by the dispatcher (ids in range, no duplicates).

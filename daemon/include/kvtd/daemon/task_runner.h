@@ -44,6 +44,7 @@ struct AttachedCache {
   std::int64_t host_blocks = 0;
   std::uint32_t num_layers = 0;
   HostPool* pool = nullptr;  // validity of host blocks; borrowed, outlives the runner
+  int numa_node = -1;        // the swap lanes run on this node's CPUs (-1: anywhere)
   StorageTargets storage;    // storage tasks (store null: they fail with storage_unavailable)
 };
 
