@@ -2,7 +2,8 @@
 # Benchmarks behind the README figures: task round trip (1 and 2 ranks), swap throughput next
 # to memcpy (1 and 2 ranks), planning cost per block, the storage backends alone, storage tasks
 # through the daemons next to them, the agreement round trip, daemon memory during a large read,
-# and a Python peer of sglang's HiCacheFile mechanism. Prints figures; asserts nothing.
+# a page-first host pool, the Python client's round trip, and a Python peer of sglang's
+# HiCacheFile mechanism. Prints figures; asserts nothing.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 kvtd_prepare
@@ -35,6 +36,21 @@ echo "== swap throughput, 128 KiB blocks, random ids, 32 layers x K+V, 16 blocks
 for ranks in 1 2; do
   with_daemons "$ranks" 32 8 64 128 128 96 -- --mode throughput --blocks-per-task 16 --seconds 4
 done
+echo "== swap throughput as above, page-first host pool (--host-layout page_first: the transform is in the copy)"
+daemon_extra=(--host-layout page_first)
+for ranks in 1 2; do
+  with_daemons "$ranks" 32 8 64 128 128 96 -- --mode throughput --blocks-per-task 16 --seconds 4
+done
+daemon_extra=()
+echo "== task round trip through the Python client (ctypes), same shape as the first section"
+if /usr/bin/python3 -c "import torch, numpy" 2>/dev/null; then
+  for ranks in 1 2; do
+    KVTD_BINARY=$kvtd KVTD_CLIENT_LIBRARY=$KVTD_BUILD_DIR/client/libkvtd_client.so.1 \
+      /usr/bin/python3 "$KVTD_ROOT/tools/bench/python_roundtrip.py" --ranks "$ranks"
+  done
+else
+  echo "(skipped: /usr/bin/python3 lacks torch or numpy; scripts/setup.sh installs them)"
+fi
 echo "== kvtd selftest, host backend (bandwidth through the device-backend interface)"
 "$kvtd" selftest --device-backend host | grep -E "bandwidth|selftest"
 echo "== copy planning cost"
