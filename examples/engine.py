@@ -212,6 +212,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     heads, bsize, hdim = (int(v) for v in args.block_shape.split(","))
+    if args.device_blocks < 12 or args.host_blocks < 12:
+        ap.error("--device-blocks and --host-blocks must each hold the largest request (12 blocks)")
     shape = (args.device_blocks, heads, bsize, hdim)
     g = kvtd.Geometry(num_ranks=args.ranks, num_layers=args.layers, key_shape=shape, value_shape=shape,
                       num_host_blocks=args.host_blocks, dtype="bfloat16")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import threading
 from typing import Iterable, List, Optional, Sequence
 
 from . import _native as n
@@ -168,10 +169,10 @@ class Session:
 
     def __init__(self, suffix: str, geometry: Geometry):
         self.geometry = geometry
-        self._err = ctypes.create_string_buffer(_ERR_LEN)
+        self._tls = threading.local()  # one error buffer per calling thread
         self._h = ctypes.c_void_p()
         native = geometry.to_native()
-        rc = n.lib.kvtd_session_create(suffix.encode(), ctypes.byref(native), ctypes.byref(self._h), self._err, _ERR_LEN)
+        rc = n.lib.kvtd_session_create(suffix.encode(), ctypes.byref(native), ctypes.byref(self._h), self._errbuf(), _ERR_LEN)
         self._check(rc, "create session " + suffix)
         self.suffix = suffix
         self._keepalive = []  # torch tensors registered by handle: kept alive with the session
@@ -195,9 +196,15 @@ class Session:
         except Exception:
             pass
 
+    def _errbuf(self):
+        buf = getattr(self._tls, "err", None)
+        if buf is None:
+            buf = self._tls.err = ctypes.create_string_buffer(_ERR_LEN)
+        return buf
+
     def _check(self, rc: int, what: str) -> None:
         if rc != n.OK:
-            raise_for(rc, f"{what}: {self._err.value.decode(errors='replace')}")
+            raise_for(rc, f"{what}: {self._errbuf().value.decode(errors='replace')}")
 
     def _handle(self):
         if not self._h:
@@ -213,7 +220,7 @@ class Session:
             raise ValueError(f"an IPC handle has {n.HANDLE_BYTES} bytes, got {len(handle)}")
         buf = (ctypes.c_uint8 * n.HANDLE_BYTES).from_buffer_copy(handle)
         rc = n.lib.kvtd_register_tensor(self._handle(), rank, layer, _kind(kind), device_id, buf, offset, nbytes,
-                                        self._err, _ERR_LEN)
+                                        self._errbuf(), _ERR_LEN)
         self._check(rc, f"register rank {rank} layer {layer} {kind}")
 
     def register_torch_tensor(self, rank: int, layer: int, kind, tensor) -> None:
@@ -227,7 +234,7 @@ class Session:
 
     def create_host_device_tensors(self) -> None:
         """Host backend: makes shared-memory "device" tensors for every rank and layer."""
-        self._check(n.lib.kvtd_create_host_device_tensors(self._handle(), self._err, _ERR_LEN),
+        self._check(n.lib.kvtd_create_host_device_tensors(self._handle(), self._errbuf(), _ERR_LEN),
                     "create host device tensors")
 
     def _host_buffer(self, rank: int, layer: int, kind):
@@ -262,11 +269,11 @@ class Session:
         return flat.view(shape)
 
     def publish(self) -> None:
-        self._check(n.lib.kvtd_publish(self._handle(), self._err, _ERR_LEN), "publish")
+        self._check(n.lib.kvtd_publish(self._handle(), self._errbuf(), _ERR_LEN), "publish")
 
     def wait_ready(self, timeout: Optional[float] = 30.0) -> None:
         """Waits until every rank daemon attached and is ready (TimeoutError-derived on timeout)."""
-        self._check(n.lib.kvtd_wait_ready(self._handle(), _ms(timeout), self._err, _ERR_LEN), "wait_ready")
+        self._check(n.lib.kvtd_wait_ready(self._handle(), _ms(timeout), self._errbuf(), _ERR_LEN), "wait_ready")
 
     # -- tasks ----------------------------------------------------------------------------
     def submit(self, kind: int, src=None, dst=None, *, keys: Optional[Sequence[str]] = None, blocks=None,
@@ -304,7 +311,7 @@ class Session:
         t.deadline_ns = deadline_ns
         t.submit_timeout_ms = _ms(submit_timeout)
         tid = ctypes.c_uint64()
-        rc = n.lib.kvtd_submit_task(self._handle(), ctypes.byref(t), ctypes.byref(tid), self._err, _ERR_LEN)
+        rc = n.lib.kvtd_submit_task(self._handle(), ctypes.byref(t), ctypes.byref(tid), self._errbuf(), _ERR_LEN)
         self._check(rc, "submit")
         return tid.value
 
@@ -340,9 +347,9 @@ class Session:
         """Waits for the merged result. A failed task raises TaskFailed (carrying the result)
         unless check=False. TimeoutError-derived Timeout if it does not complete in time."""
         c = n.Completion()
-        rc = n.lib.kvtd_wait(self._handle(), task_id, _ms(timeout), ctypes.byref(c), self._err, _ERR_LEN)
+        rc = n.lib.kvtd_wait(self._handle(), task_id, _ms(timeout), ctypes.byref(c), self._errbuf(), _ERR_LEN)
         if rc == n.E_TASK_FAILED:
-            result = TaskResult._from(c, self._err.value.decode(errors="replace"))
+            result = TaskResult._from(c, self._errbuf().value.decode(errors="replace"))
             if check:
                 raise TaskFailed(result)
             return result
@@ -352,11 +359,11 @@ class Session:
     def poll(self, task_id: int, *, check: bool = True) -> Optional[TaskResult]:
         """The merged result if every rank reported (handed out once), else None."""
         c = n.Completion()
-        rc = n.lib.kvtd_poll(self._handle(), task_id, ctypes.byref(c), self._err, _ERR_LEN)
+        rc = n.lib.kvtd_poll(self._handle(), task_id, ctypes.byref(c), self._errbuf(), _ERR_LEN)
         if rc == n.E_PENDING:
             return None
         if rc == n.E_TASK_FAILED:
-            result = TaskResult._from(c, self._err.value.decode(errors="replace"))
+            result = TaskResult._from(c, self._errbuf().value.decode(errors="replace"))
             if check:
                 raise TaskFailed(result)
             return result
@@ -369,7 +376,7 @@ class Session:
         st = {"done": n.LAYER_DONE, "enqueued": n.LAYER_ENQUEUED}.get(stage)
         if st is None:
             raise ValueError(f"stage {stage!r} is not 'done' or 'enqueued'")
-        rc = n.lib.kvtd_wait_layer(self._handle(), task_id, layer, _ms(timeout), st, self._err, _ERR_LEN)
+        rc = n.lib.kvtd_wait_layer(self._handle(), task_id, layer, _ms(timeout), st, self._errbuf(), _ERR_LEN)
         self._check(rc, f"wait for layer {layer} of task {task_id}")
 
     def layer_event_handle(self, rank: int, layer: int) -> Optional[bytes]:

@@ -231,3 +231,33 @@ def test_cuda_tensor_registers_by_allocation_handle_plus_offset():
             s.register_torch_tensor(0, 1, "key", _FakeCudaTensor(8))  # too small for 32 blocks
     with pytest.raises(ValueError, match="CUDA tensor"):
         cuda_ipc_handle(torch.zeros(4))
+
+
+def test_threads_share_a_session_and_each_gets_its_own_errors(cluster):
+    c = cluster()
+    s = c.ready()
+    failures = []
+
+    def worker(n):
+        try:
+            for i in range(40):
+                assert s.wait(s.swap_to_host([n * 4 + i % 4], [n * 4 + i % 4])).ok
+                with pytest.raises(kvtd.TaskFailed) as e:
+                    s.wait(s.swap_to_host([100 + n], [0]))  # out of range: the message names this id
+                assert str(100 + n) in e.value.result.message, e.value.result.message
+                with pytest.raises(kvtd.InvalidArgument) as bad:
+                    s.submit(SWAP_KIND_BASE + n)
+                assert f"task kind {SWAP_KIND_BASE + n}" in str(bad.value), str(bad.value)
+        except BaseException as e:  # reported by the main thread
+            failures.append(e)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    assert s.in_flight == 0
+
+
+SWAP_KIND_BASE = 50
