@@ -26,6 +26,19 @@ std::string normalize_bus_id(std::string id) {
   return id;
 }
 
+// NUMA is supported here and `node` exists; else false with `why`.
+bool usable_node(int node, std::string* why) {
+  if (numa_available() < 0) {
+    if (why) *why = "libnuma reports no NUMA support on this machine";
+    return false;
+  }
+  if (node < 0 || node > numa_max_node()) {
+    if (why) *why = "NUMA node " + std::to_string(node) + " does not exist (max " + std::to_string(numa_max_node()) + ")";
+    return false;
+  }
+  return true;
+}
+
 int read_node(const std::filesystem::path& file) {
   std::ifstream in(file);
   int node = -1;
@@ -69,14 +82,7 @@ int numa_node_of_gpu(const std::string& pci_bus_id, int ordinal, const std::stri
 }
 
 bool bind_to_numa_node(void* addr, std::size_t bytes, int node, std::string* why) {
-  if (numa_available() < 0) {
-    if (why) *why = "libnuma reports no NUMA support on this machine";
-    return false;
-  }
-  if (node < 0 || node > numa_max_node()) {
-    if (why) *why = "NUMA node " + std::to_string(node) + " does not exist (max " + std::to_string(numa_max_node()) + ")";
-    return false;
-  }
+  if (!usable_node(node, why)) return false;
   // mbind, not numa_tonode_memory: that returns void, so a refused bind would pass for done. A
   // preferred policy, not a strict bind: a full node falls back to another instead of the OOM
   // killer ending the daemon during the pool's first touch.
@@ -91,14 +97,7 @@ bool bind_to_numa_node(void* addr, std::size_t bytes, int node, std::string* why
 }
 
 bool bind_this_thread_to_numa_node(int node, std::string* why) {
-  if (numa_available() < 0) {
-    if (why) *why = "libnuma reports no NUMA support on this machine";
-    return false;
-  }
-  if (node < 0 || node > numa_max_node()) {
-    if (why) *why = "NUMA node " + std::to_string(node) + " does not exist (max " + std::to_string(numa_max_node()) + ")";
-    return false;
-  }
+  if (!usable_node(node, why)) return false;
   struct bitmask* cpus = numa_allocate_cpumask();
   if (numa_node_to_cpus(node, cpus) != 0) {
     numa_free_cpumask(cpus);

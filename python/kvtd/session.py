@@ -343,18 +343,23 @@ class Session:
     def set_weight_version(self, version: int) -> None:
         n.lib.kvtd_set_weight_version(self._handle(), version)
 
-    def wait(self, task_id: int, timeout: Optional[float] = 60.0, *, check: bool = True) -> TaskResult:
-        """Waits for the merged result. A failed task raises TaskFailed (carrying the result)
-        unless check=False. TimeoutError-derived Timeout if it does not complete in time."""
-        c = n.Completion()
-        rc = n.lib.kvtd_wait(self._handle(), task_id, _ms(timeout), ctypes.byref(c), self._errbuf(), _ERR_LEN)
+    def _result(self, rc: int, c: n.Completion, check: bool, what: str) -> TaskResult:
+        """The completion of a finished wait/poll: TaskFailed (or the failed result with
+        check=False) for a failed task, the code's exception for any other error."""
         if rc == n.E_TASK_FAILED:
             result = TaskResult._from(c, self._errbuf().value.decode(errors="replace"))
             if check:
                 raise TaskFailed(result)
             return result
-        self._check(rc, f"wait for task {task_id}")
+        self._check(rc, what)
         return TaskResult._from(c)
+
+    def wait(self, task_id: int, timeout: Optional[float] = 60.0, *, check: bool = True) -> TaskResult:
+        """Waits for the merged result. A failed task raises TaskFailed (carrying the result)
+        unless check=False. TimeoutError-derived Timeout if it does not complete in time."""
+        c = n.Completion()
+        rc = n.lib.kvtd_wait(self._handle(), task_id, _ms(timeout), ctypes.byref(c), self._errbuf(), _ERR_LEN)
+        return self._result(rc, c, check, f"wait for task {task_id}")
 
     def poll(self, task_id: int, *, check: bool = True) -> Optional[TaskResult]:
         """The merged result if every rank reported (handed out once), else None."""
@@ -362,13 +367,7 @@ class Session:
         rc = n.lib.kvtd_poll(self._handle(), task_id, ctypes.byref(c), self._errbuf(), _ERR_LEN)
         if rc == n.E_PENDING:
             return None
-        if rc == n.E_TASK_FAILED:
-            result = TaskResult._from(c, self._errbuf().value.decode(errors="replace"))
-            if check:
-                raise TaskFailed(result)
-            return result
-        self._check(rc, f"poll task {task_id}")
-        return TaskResult._from(c)
+        return self._result(rc, c, check, f"poll task {task_id}")
 
     def wait_layer(self, task_id: int, layer: int, timeout: Optional[float] = 60.0, *, stage: str = "done") -> None:
         """Layer-by-layer loads: returns once `layer` of the task is in place on every rank
