@@ -8,6 +8,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "kvtd/daemon/log.h"
@@ -26,7 +27,15 @@ std::string normalize_bus_id(std::string id) {
   return id;
 }
 
-// NUMA is supported here and `node` exists; else false with `why`.
+// libnuma builds its node-to-CPU table lazily on first use, without a lock: copy threads that
+// bind at once raced on it (ThreadSanitizer, in the daemon's storage workers). Every libnuma
+// call here holds this mutex.
+std::mutex& libnuma_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+// NUMA is supported here and `node` exists; else false with `why`. Caller holds libnuma_mutex.
 bool usable_node(int node, std::string* why) {
   if (numa_available() < 0) {
     if (why) *why = "libnuma reports no NUMA support on this machine";
@@ -82,7 +91,10 @@ int numa_node_of_gpu(const std::string& pci_bus_id, int ordinal, const std::stri
 }
 
 bool bind_to_numa_node(void* addr, std::size_t bytes, int node, std::string* why) {
-  if (!usable_node(node, why)) return false;
+  {
+    std::lock_guard<std::mutex> g(libnuma_mutex());
+    if (!usable_node(node, why)) return false;
+  }
   // mbind, not numa_tonode_memory: that returns void, so a refused bind would pass for done. A
   // preferred policy, not a strict bind: a full node falls back to another instead of the OOM
   // killer ending the daemon during the pool's first touch.
@@ -97,19 +109,22 @@ bool bind_to_numa_node(void* addr, std::size_t bytes, int node, std::string* why
 }
 
 bool bind_this_thread_to_numa_node(int node, std::string* why) {
-  if (!usable_node(node, why)) return false;
-  struct bitmask* cpus = numa_allocate_cpumask();
-  if (numa_node_to_cpus(node, cpus) != 0) {
-    numa_free_cpumask(cpus);
-    if (why) *why = "cannot read the CPUs of NUMA node " + std::to_string(node);
-    return false;
-  }
   cpu_set_t allowed, set;
   CPU_ZERO(&set);
   if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) CPU_ZERO(&allowed);
-  for (unsigned c = 0; c < cpus->size && c < CPU_SETSIZE; ++c)
-    if (numa_bitmask_isbitset(cpus, c) && CPU_ISSET(c, &allowed)) CPU_SET(c, &set);
-  numa_free_cpumask(cpus);
+  {
+    std::lock_guard<std::mutex> g(libnuma_mutex());
+    if (!usable_node(node, why)) return false;
+    struct bitmask* cpus = numa_allocate_cpumask();
+    if (numa_node_to_cpus(node, cpus) != 0) {
+      numa_free_cpumask(cpus);
+      if (why) *why = "cannot read the CPUs of NUMA node " + std::to_string(node);
+      return false;
+    }
+    for (unsigned c = 0; c < cpus->size && c < CPU_SETSIZE; ++c)
+      if (numa_bitmask_isbitset(cpus, c) && CPU_ISSET(c, &allowed)) CPU_SET(c, &set);
+    numa_free_cpumask(cpus);
+  }
   if (CPU_COUNT(&set) == 0) {
     if (why) *why = "none of NUMA node " + std::to_string(node) + "'s CPUs is allowed for this process";
     return false;
@@ -118,7 +133,10 @@ bool bind_this_thread_to_numa_node(int node, std::string* why) {
     if (why) *why = "sched_setaffinity failed";
     return false;
   }
-  numa_set_preferred(node);
+  {
+    std::lock_guard<std::mutex> g(libnuma_mutex());
+    numa_set_preferred(node);  // this thread's policy
+  }
   return true;
 }
 
