@@ -48,7 +48,7 @@ bool layout_of(const proto::CacheGeometry& g, config::HostLayout layout, PoolLay
   l.data_offset = kPage + v;
   std::uint64_t at = l.data_offset;
   l.region_offset.assign(std::size_t{g.num_layers} * proto::kTensorKinds, ~0ull);
-  if (layout == config::HostLayout::kPageFirst) {
+  if (layout == config::HostLayout::kPageFirst && g.num_host_blocks != 0) {  // no blocks: no regions
     // Block b of (layer, kind) at data + b * stride + the (layer, kind) offset inside a block:
     // the order of a stored object (layer-major, then key, value, key scale, value scale).
     const auto sizes = proto::geometry_sizes(g);
