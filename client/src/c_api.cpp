@@ -310,6 +310,12 @@ int kvtd_set_weight_version(kvtd_session* s, uint64_t version) {
   });
 }
 
+uint64_t kvtd_weight_version(kvtd_session* s) { return s ? s->session->weight_version() : 0; }
+
+const char* kvtd_session_name(kvtd_session* s) { return s ? s->session->name().c_str() : ""; }
+
+uint64_t kvtd_session_generation(kvtd_session* s) { return s ? s->session->generation() : 0; }
+
 int kvtd_wait(kvtd_session* s, uint64_t task_id, int64_t timeout_ms, kvtd_completion* out, char* err,
               size_t err_len) {
   if (!s) return invalid(err, err_len, "session must not be null");

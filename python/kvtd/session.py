@@ -341,7 +341,21 @@ class Session:
         return self.submit(CANCEL, cancel_task_id=task_id, **kw)
 
     def set_weight_version(self, version: int) -> None:
+        """Later storage tasks carry this version: KV stored under other weights is never loaded."""
         n.lib.kvtd_set_weight_version(self._handle(), version)
+
+    @property
+    def weight_version(self) -> int:
+        return n.lib.kvtd_weight_version(self._handle())
+
+    @property
+    def name(self) -> str:
+        """The shared-memory segment's name ("kvtd_<uid>_<suffix>")."""
+        return n.lib.kvtd_session_name(self._handle()).decode()
+
+    @property
+    def generation(self) -> int:
+        return n.lib.kvtd_session_generation(self._handle())
 
     def _result(self, rc: int, c: n.Completion, check: bool, what: str) -> TaskResult:
         """The completion of a finished wait/poll: TaskFailed (or the failed result with

@@ -155,6 +155,8 @@ def test_storage_write_query_read_and_prefetch(cluster, tmp_path):
     assert all(torch.equal(after[key], before[key]) for key in before)
     # A bumped weight version misses what older weights stored.
     s.set_weight_version(2)
+    assert s.weight_version == 2
+    assert s.name.endswith(c.suffix) and s.generation != 0
     assert s.wait(s.storage_query(keys)).blocks_done == 0
 
 

@@ -348,6 +348,12 @@ TEST(CApi, NamesVersionAndGeometry) {
   EXPECT_EQ(kvtd_host_device_tensor(c.s, 0, 9, KVTD_KEY, &bytes), nullptr);
   EXPECT_EQ(bytes, 0u);
   EXPECT_EQ(kvtd_session_geometry(nullptr, &g), KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_session_generation(c.s), c.ep->generation());
+  EXPECT_NE(std::string(kvtd_session_name(c.s)).find("capi_geo"), std::string::npos);
+  EXPECT_STREQ(kvtd_session_name(nullptr), "");
+  EXPECT_EQ(kvtd_weight_version(c.s), 0u);
+  ASSERT_EQ(kvtd_set_weight_version(c.s, 7), KVTD_OK);
+  EXPECT_EQ(kvtd_weight_version(c.s), 7u);
   // Ready bits follow the rank's flags while it is alive (FastDeploy's ready signals).
   EXPECT_EQ(kvtd_rank_ready(c.s, 0), 0u);
   c.ep->heartbeat();

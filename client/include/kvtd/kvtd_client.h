@@ -157,6 +157,10 @@ KVTD_API int kvtd_submit_storage(kvtd_session* s, int kind, const char* const* k
                                  uint64_t* task_id, char* err, size_t err_len);
 /* The weight version later storage tasks carry (bump on a weight update: older KV then misses). */
 KVTD_API int kvtd_set_weight_version(kvtd_session* s, uint64_t version);
+KVTD_API uint64_t kvtd_weight_version(kvtd_session* s);
+/* The segment's name ("kvtd_<uid>_<suffix>") and random generation; "" / 0 for a null session. */
+KVTD_API const char* kvtd_session_name(kvtd_session* s);
+KVTD_API uint64_t kvtd_session_generation(kvtd_session* s);
 
 /* Waits for the merged result: KVTD_OK (done, ok), KVTD_E_TASK_FAILED (done, failed: message in
  * err), KVTD_E_TIMEOUT, KVTD_E_UNKNOWN_TASK. A result is handed out once (wait or poll). */
