@@ -48,7 +48,7 @@ for i in "${!pids[@]}"; do
 done
 pids=()
 echo "== last lines of rank 0's log"
-tail -n 6 "$logs/kvtd_rank0.log"
+tail -n 6 "$logs/kvtd_dp0_rank0.log"
 rm -rf "$logs/store"  # 512 MiB of objects; the logs stay
 
 echo "== a Python engine (examples/engine.py over libkvtd_client.so): LRU prefix cache evicting to host and a"

@@ -132,6 +132,9 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   std::string default_dtype = "bfloat16", speculative_json;
   app.add_option("--rank", rank, "Tensor-parallel rank served by this process")->required();
   app.add_option("--mp-num,--mp_num", mp_num, "Number of tensor-parallel ranks");
+  std::int64_t dp_id = 0;
+  app.add_option("--local-data-parallel-id,--local_data_parallel_id", dp_id,
+                 "Data-parallel group of this rank (log file kvtd_dp<id>_rank<rank>.log)");
   app.add_option("--device-id,--device_id", device_id, "CUDA device ordinal of this rank");
   app.add_option("--num-layers,--num_layers", num_layers, "Model layers with a KV cache (extra MTP layers not counted)");
   app.add_option("--num-extra-layers", extra_layers, "Extra (MTP / speculative) cache layers after the model's");
@@ -185,7 +188,7 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   std::vector<CLI::Option*> compat_opts;
   for (const char* name : {"--splitwise_role", "--max_model_len", "--cache_queue_port",
                            "--enable_splitwise", "--pod_ip", "--engine_worker_queue_port", "--protocol",
-                           "--local_data_parallel_id", "--rdma_port"}) {
+                           "--rdma_port"}) {
     compat_opts.push_back(app.add_option(name, ignored_s, "ignored")->group(compat_group));
   }
   bool ignored_flag = false;
@@ -214,6 +217,9 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
     return bad("--num-host-blocks: " + std::to_string(host_blocks) + " must be in [0, 2^31)");
   if (device_id < 0 || device_id > kMaxDeviceId)
     return bad("--device-id: " + std::to_string(device_id) + " must be in [0, " + std::to_string(kMaxDeviceId) + "]");
+  if (dp_id < 0 || dp_id > 1023)
+    return bad("--local-data-parallel-id: " + std::to_string(dp_id) + " must be in [0, 1023]");
+  c.data_parallel_id = static_cast<std::uint32_t>(dp_id);
   c.rank = static_cast<std::uint32_t>(rank);
   c.mp_num = static_cast<std::uint32_t>(mp_num);
   c.num_layers = static_cast<std::uint32_t>(num_layers);

@@ -13,13 +13,15 @@
 
 namespace kvtd::daemon {
 
-bool init_logging(const std::string& log_dir, std::uint32_t rank, const std::string& level, std::string* error) {
+bool init_logging(const std::string& log_dir, std::uint32_t data_parallel_id, std::uint32_t rank,
+                  const std::string& level, std::string* error) {
+  const std::string who = "dp" + std::to_string(data_parallel_id) + "_rank" + std::to_string(rank);
   try {
     std::vector<spdlog::sink_ptr> sinks;
     sinks.push_back(std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
     if (!log_dir.empty()) {
       std::filesystem::create_directories(log_dir);
-      const auto path = (std::filesystem::path(log_dir) / ("kvtd_rank" + std::to_string(rank) + ".log")).string();
+      const auto path = (std::filesystem::path(log_dir) / ("kvtd_" + who + ".log")).string();
       // Every open of a log file (the first and each rotation): create it 0640 without following
       // a symlink (one planted at the log path would otherwise redirect our writes), then make
       // sure the stream spdlog opened is that very file.
@@ -39,7 +41,8 @@ bool init_logging(const std::string& log_dir, std::uint32_t rank, const std::str
       sinks.push_back(std::make_shared<spdlog::sinks::rotating_file_sink_mt>(path, 64u << 20, 5, false, events));
     }
     auto logger = std::make_shared<spdlog::logger>("kvtd", sinks.begin(), sinks.end());
-    logger->set_pattern("%Y-%m-%dT%H:%M:%S.%e [rank " + std::to_string(rank) + "] [%l] %v");
+    logger->set_pattern("%Y-%m-%dT%H:%M:%S.%e [dp " + std::to_string(data_parallel_id) + " rank " +
+                        std::to_string(rank) + "] [%l] %v");
     logger->set_level(spdlog::level::from_str(level));
     logger->flush_on(spdlog::level::info);
     spdlog::set_default_logger(logger);

@@ -392,20 +392,26 @@ TEST(TrustBinary, LogFileIsPrivateAndASymlinkAtItsPathIsRefused) {
   std::filesystem::create_directories(dir);
   const auto target = dir + "/victim";
   { std::ofstream(target) << "keep"; }
-  std::filesystem::create_symlink(target, dir + "/kvtd_rank0.log");
+  std::filesystem::create_symlink(target, dir + "/kvtd_dp0_rank0.log");
   Child d({KVTD_BINARY, "--rank", "0", "--key-cache-shape", "8,1,4,8", "--session", test::unique_suffix("logs"),
            "--log-dir", dir, "--attach-timeout", "0.2"},
           dir + "/stderr");
   EXPECT_EQ(d.wait_exit(std::chrono::seconds(20)), 2);
   EXPECT_EQ(test::read_file(target), "keep");
-  std::filesystem::remove(dir + "/kvtd_rank0.log");
+  std::filesystem::remove(dir + "/kvtd_dp0_rank0.log");
   Child d2({KVTD_BINARY, "--rank", "0", "--key-cache-shape", "8,1,4,8", "--session", test::unique_suffix("logs"),
             "--log-dir", dir, "--attach-timeout", "0.2"},
            dir + "/stderr2");
   EXPECT_EQ(d2.wait_exit(std::chrono::seconds(20)), 4);
   struct stat st {};
-  ASSERT_EQ(stat((dir + "/kvtd_rank0.log").c_str(), &st), 0);
+  ASSERT_EQ(stat((dir + "/kvtd_dp0_rank0.log").c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0640u);
+  // Two data-parallel groups share a log directory: rank 0 of group 1 has its own file.
+  Child d3({KVTD_BINARY, "--rank", "0", "--key-cache-shape", "8,1,4,8", "--session", test::unique_suffix("logs"),
+            "--log-dir", dir, "--attach-timeout", "0.2", "--local_data_parallel_id", "1"},
+           dir + "/stderr3");
+  EXPECT_EQ(d3.wait_exit(std::chrono::seconds(20)), 4);
+  EXPECT_NE(test::read_file(dir + "/kvtd_dp1_rank0.log").find("[dp 1 rank 0]"), std::string::npos);
   std::filesystem::remove_all(dir);
 }
 

@@ -35,9 +35,11 @@ TEST(DaemonFlags, ParsesKvtdNames) {
 TEST(DaemonFlags, AcceptsFastDeployNames) {
   auto c = parse({"--rank", "0", "--mp_num", "1", "--device_id", "3", "--num_layers", "2", "--num_cpu_blocks", "8",
                   "--key_cache_shape", "10,1,16,64", "--cache_dtype", "block_wise_fp8", "--ipc_suffix", "9923",
-                  "--engine_worker_queue_port", "9923", "--protocol", "ipc", "--create_cache_tensor"});
+                  "--engine_worker_queue_port", "9923", "--protocol", "ipc", "--create_cache_tensor",
+                  "--local_data_parallel_id", "2"});
   ASSERT_TRUE(c.ok()) << c.error().message;
   EXPECT_EQ(c->device_id, 3);
+  EXPECT_EQ(c->data_parallel_id, 2u);
   EXPECT_EQ(c->cache_dtype, proto::CacheDtype::kBlockWiseFp8);
   EXPECT_EQ(c->session_suffix, "9923");
   EXPECT_FALSE(c->geometry().has_value());
@@ -126,6 +128,9 @@ TEST(DaemonFlags, BadValuesNameTheFlag) {
                   "num_gpu_block_expand_ratio");
   expect_rejected({"--num-extra-layers", "600"}, "extra layers");
   expect_rejected({"--extra-device-blocks", "5"}, "--num-extra-layers");
+  expect_rejected({"--local-data-parallel-id", "-1"}, "--local-data-parallel-id");
+  expect_rejected({"--host-layout", "row_major"}, "--host-layout");
+  expect_rejected({"--numa-node", "near"}, "--numa-node");
 }
 
 TEST(DaemonFlags, MissingRequiredFlagIsNamed) {
