@@ -1,5 +1,6 @@
 #include "kvtd/daemon/daemon_main.h"
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -99,11 +100,15 @@ Result<OpenedStore, config::ConfigErrc> open_store(const config::DaemonConfig& c
   return out;
 }
 
+// The rank's heartbeat in the session from the grant on. Until serving() it also pings the
+// systemd watchdog: the set-up between grant and READY (mapping tensors, creating and pinning
+// the host pool) can outlast WatchdogSec. Once serving, only the dispatcher pings.
 class Heartbeat {
  public:
   Heartbeat(ipc::RankEndpoint& ep, std::int64_t period_ns) : ep_(ep), period_ns_(period_ns) {
     thread_ = std::thread([this] { loop(); });
   }
+  void serving() { setting_up_.store(false, std::memory_order_relaxed); }
   ~Heartbeat() {
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -118,6 +123,7 @@ class Heartbeat {
     std::unique_lock<std::mutex> lk(mu_);
     while (!stop_) {
       ep_.heartbeat();
+      if (setting_up_.load(std::memory_order_relaxed)) notify_watchdog();
       cv_.wait_for(lk, std::chrono::nanoseconds(period_ns_));
     }
   }
@@ -126,6 +132,7 @@ class Heartbeat {
   std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;
+  std::atomic<bool> setting_up_{true};
   std::thread thread_;
 };
 
@@ -203,6 +210,7 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
     // Heartbeat from the grant on: mapping (or creating) the host pool and opening the tensors can
     // take seconds for large caches, and a granted rank that is silent that long is fenced.
     Heartbeat heartbeat(endpoint, cfg.heartbeat_period_ns());
+    notify_status("attached to session " + cfg.session_suffix + "; mapping the cache and the host pool");
     auto pool = HostPool::open(*backend, geometry, endpoint.generation(), cfg.rank, cfg.host_layout, numa_node);
     if (!pool.ok()) {
       KVTD_ERROR("host pool: {}", pool.error().message);
@@ -233,6 +241,7 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
     endpoint.set_ready(proto::kReadyCacheAttached | proto::kReadyHostPool);
     KVTD_INFO("attached to session generation {:016x} as epoch {}; serving", endpoint.generation(), endpoint.epoch());
     notify_ready();
+    heartbeat.serving();
     const auto why = runner.run(stop);
     const auto st = runner.stats();
     KVTD_INFO("session done: {} tasks ok, {} failed, {} dropped (revoked epoch), {} bytes to host, {} bytes to device; "

@@ -2,7 +2,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 
 #include "kvtd/ipc/clock.h"
 
@@ -17,13 +16,20 @@ void notify_ready() { sd_notify(0, "READY=1\nSTATUS=serving"); }
 void notify_status(const std::string& status) { sd_notify(0, ("STATUS=" + status).c_str()); }
 void notify_stopping() { sd_notify(0, "STOPPING=1"); }
 void notify_watchdog() {
-  static const bool enabled = std::getenv("WATCHDOG_USEC") != nullptr;
-  if (!enabled) return;
-  // Called from hot loops: send at most one ping per second.
+  // Half the unit's WatchdogSec (as sd_watchdog_enabled(3) recommends), at most a second; 0 when
+  // systemd expects no pings from this process.
+  static const std::int64_t interval_ns = [] {
+    std::uint64_t usec = 0;
+    if (sd_watchdog_enabled(0, &usec) <= 0 || usec == 0) return std::int64_t{0};
+    const auto half = static_cast<std::int64_t>(usec / 2) * 1000;
+    return half < 1'000'000'000 ? half : std::int64_t{1'000'000'000};
+  }();
+  if (interval_ns == 0) return;
+  // Called from hot loops: one ping per interval, whichever thread gets there first.
   static std::atomic<std::int64_t> last_ns{0};
   const std::int64_t now = ipc::monotonic_now_ns();
   std::int64_t prev = last_ns.load(std::memory_order_relaxed);
-  if (now - prev < 1'000'000'000 || !last_ns.compare_exchange_strong(prev, now)) return;
+  if (now - prev < interval_ns || !last_ns.compare_exchange_strong(prev, now)) return;
   sd_notify(0, "WATCHDOG=1");
 }
 #else

@@ -7,7 +7,9 @@ namespace kvtd::daemon {
 void notify_ready();
 void notify_status(const std::string& status);
 void notify_stopping();
-// Sends WATCHDOG=1 when the unit has WatchdogSec set, at most once a second. Called from the
-// dispatcher loop and the attach wait, so a wedged dispatcher stops the pings.
+// Sends WATCHDOG=1 when the unit has WatchdogSec set, every half of it (at most a second apart
+// is enough). Called from the attach wait, from the set-up after a grant (mapping tensors,
+// creating and pinning a large host pool can take longer than WatchdogSec) and, once serving,
+// only from the dispatcher loop, so a wedged dispatcher stops the pings.
 void notify_watchdog();
 }  // namespace kvtd::daemon
