@@ -229,6 +229,7 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
     cache->storage.store_name = store->name;
     cache->storage.config = cfg.storage;
     cache->numa_node = numa_node;
+    cache->summary_period_ns = static_cast<std::int64_t>(cfg.log_summary_period_s * 1e9);
     cache->storage.numa_node = numa_node;
     auto events = backend->export_layer_events(geometry.num_layers);
     if (!events.ok()) {

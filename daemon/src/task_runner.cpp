@@ -122,15 +122,56 @@ struct TaskRunner::Impl {
     rec.end_ns = ipc::monotonic_now_ns();
     const std::size_t n = std::min(message.size(), sizeof rec.message - 1);
     std::memcpy(rec.message, message.data(), n);
+    const auto kind = static_cast<TaskKind>(h.kind);
     if (status != TaskStatus::kOk)
-      KVTD_WARN("task {} ({}) failed: {}: {}", h.task_id, proto::task_kind_name(static_cast<TaskKind>(h.kind)),
-                proto::task_status_name(status), message);
+      KVTD_WARN("task {} ({}) failed: {}: {}", h.task_id, proto::task_kind_name(kind), proto::task_status_name(status),
+                message);
+    // Queue wait: engine submit to the start of execution; run: start to this record (same
+    // CLOCK_MONOTONIC on both sides of the session).
+    const std::int64_t wait_ns = start_ns > h.submit_ns && h.submit_ns > 0 ? start_ns - h.submit_ns : 0;
+    const std::int64_t run_ns = rec.end_ns > start_ns ? rec.end_ns - start_ns : 0;
+    const bool moves = kind != TaskKind::kStorageQuery && kind != TaskKind::kCancel;
+    KVTD_DEBUG("task {} {} {}: {} blocks, {} bytes, queue wait {} us, run {} us", h.task_id, proto::task_kind_name(kind),
+               proto::task_status_name(status), blocks, moves ? blocks * block_bytes_all_layers : 0, wait_ns / 1000,
+               run_ns / 1000);
     {
       std::lock_guard<std::mutex> g(stats_mu);
       if (status == TaskStatus::kOk) ++stats.tasks_ok;
       else ++stats.tasks_failed;
+      stats.queue_wait_ns_max = std::max(stats.queue_wait_ns_max, wait_ns);
     }
     if (auto st = ep.complete(rec); !st.ok()) KVTD_ERROR("lost completion of task {}: {}", h.task_id, st.error().message);
+  }
+
+  // Every cache.summary_period_ns while tasks complete: one info line of what happened since the
+  // last one (a quiet rank logs nothing). Called from the dispatcher loop.
+  void maybe_summarize(RunnerStats& last, std::int64_t& at) {
+    if (cache.summary_period_ns <= 0) return;
+    const std::int64_t now = ipc::monotonic_now_ns();
+    if (now - at < cache.summary_period_ns) return;
+    RunnerStats cur;
+    {
+      std::lock_guard<std::mutex> g(stats_mu);
+      cur = stats;
+      stats.queue_wait_ns_max = 0;  // a maximum per period
+    }
+    if (storage) cur.storage = storage->stats();
+    const std::uint64_t tasks = cur.tasks_ok + cur.tasks_failed + cur.storage.tasks - last.tasks_ok - last.tasks_failed -
+                                last.storage.tasks;
+    if (tasks != 0) {
+      const double secs = static_cast<double>(now - at) / 1e9;
+      KVTD_INFO("last {:.0f} s: {} tasks ok, {} failed; {:.2f} GB to host, {:.2f} GB to device ({:.2f} / {:.2f} GB/s); "
+                "storage {} objects read, {} written; longest queue wait {} us",
+                secs, cur.tasks_ok - last.tasks_ok, cur.tasks_failed - last.tasks_failed,
+                static_cast<double>(cur.bytes_to_host - last.bytes_to_host) / 1e9,
+                static_cast<double>(cur.bytes_to_device - last.bytes_to_device) / 1e9,
+                static_cast<double>(cur.bytes_to_host - last.bytes_to_host) / 1e9 / secs,
+                static_cast<double>(cur.bytes_to_device - last.bytes_to_device) / 1e9 / secs,
+                cur.storage.objects_read - last.storage.objects_read,
+                cur.storage.objects_written - last.storage.objects_written, cur.queue_wait_ns_max / 1000);
+    }
+    last = cur;
+    at = now;
   }
 
   static int lane_of(TaskKind k) { return k == TaskKind::kSwapToHost ? 0 : 1; }
@@ -425,8 +466,11 @@ TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop) {
   // this epoch says it is leaving. Bounded by the head seen at that moment: an engine that keeps
   // submitting cannot keep a stopping daemon alive.
   std::optional<std::uint64_t> drain_until;
+  RunnerStats last_summary = stats();
+  std::int64_t summary_at = ipc::monotonic_now_ns();
   for (;;) {
     notify_watchdog();
+    impl->maybe_summarize(last_summary, summary_at);
     const bool stopping = stop.load(std::memory_order_acquire);
     if (stopping && !drain_until) drain_until = impl->ep.ring_published();
     if (drain_until && impl->ep.ring_read() >= *drain_until) break;

@@ -105,6 +105,28 @@ TEST_F(DaemonTest, CopyThreadsRunOnTheNumaNodeGivenAndAMissingNodeIsOnlyAWarning
   std::filesystem::remove_all(store);
 }
 
+// One debug line per task (kind, status, blocks, bytes, queue wait, run time) and an info
+// summary per period while tasks complete.
+TEST_F(DaemonTest, EveryTaskGetsADebugLineAndBusyPeriodsASummary) {
+  g_ = test::small_geometry(1);
+  extra_args_ = {"--log-summary-period", "0.2"};
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, {1, 2, 3}, {4, 5, 6}).ok());
+  const std::uint64_t bytes = 3 * g_.bytes_per_block_all_layers();
+  std::string log;
+  ASSERT_TRUE(test::eventually(
+      [&] {
+        log = test::read_file(log_path(0));
+        return log.find("last 0 s:") != std::string::npos || log.find("tasks ok, 0 failed") != std::string::npos;
+      },
+      std::chrono::seconds(10)))
+      << log;
+  EXPECT_NE(log.find("SWAP_TO_HOST ok: 3 blocks, " + std::to_string(bytes) + " bytes, queue wait "),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("1 tasks ok, 0 failed"), std::string::npos) << log;
+}
+
 TEST_F(DaemonTest, MalformedTasksGetErrorsAndTheNextTaskSucceeds) {
   ASSERT_NO_FATAL_FAILURE(start_all());
   auto expect_failure = [&](std::uint64_t id, TaskStatus want, const char* words) {

@@ -19,6 +19,9 @@
 // Host blocks: a SWAP_TO_HOST marks its destination blocks invalid before copying and valid
 // after; a SWAP_TO_DEVICE whose source holds an invalid block fails with kHostTierLost.
 //
+// Logging: one debug line per task (kind, status, blocks, bytes, queue wait, run time); an info
+// line every summary period while tasks complete.
+//
 // Ownership: borrows the endpoint and backend, which must outlive it. Not copyable.
 // Thread-safety: run() once, from one thread; stats() from any thread.
 #pragma once
@@ -45,6 +48,7 @@ struct AttachedCache {
   std::uint32_t num_layers = 0;
   HostPool* pool = nullptr;  // validity of host blocks; borrowed, outlives the runner
   int numa_node = -1;        // the swap lanes run on this node's CPUs (-1: anywhere)
+  std::int64_t summary_period_ns = 60'000'000'000;  // info summary while busy; 0 = none
   StorageTargets storage;    // storage tasks (store null: they fail with storage_unavailable)
 };
 
@@ -54,6 +58,7 @@ struct RunnerStats {
   std::uint64_t tasks_dropped = 0;  // read under a revoked epoch: neither run nor reported
   std::uint64_t bytes_to_host = 0;
   std::uint64_t bytes_to_device = 0;
+  std::int64_t queue_wait_ns_max = 0;  // longest submit-to-start wait since the last summary
   StorageStats storage;
 };
 
