@@ -2,7 +2,7 @@
 # Benchmarks behind the README figures: task round trip (1 and 2 ranks), swap throughput next
 # to memcpy (1 and 2 ranks), planning cost per block, the storage backends alone, storage tasks
 # through the daemons next to them, the agreement round trip, daemon memory during a large read,
-# a page-first host pool, the Python client's round trip, and a Python peer of sglang's
+# the cost of metrics on the round trip, a page-first host pool, the Python client's round trip, and a Python peer of sglang's
 # HiCacheFile mechanism. Prints figures; asserts nothing.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -32,6 +32,20 @@ echo "== task round trip, one-block SWAP_TO_HOST (1 layer, 2 KiB key + 2 KiB val
 for ranks in 1 2; do
   with_daemons "$ranks" 1 1 16 64 16 16 -- --mode latency --latency-samples 20000
 done
+echo "== metrics cost: the same round trip, 1 rank, without and with --metrics-port (scraped every second), alternating"
+for round in 1 2 3; do
+  daemon_extra=()
+  echo -n "without metrics: "
+  with_daemons 1 1 1 16 64 16 16 -- --mode latency --latency-samples 20000 | grep -o "p50.*"
+  mport=$((30000 + RANDOM % 20000))
+  daemon_extra=(--metrics-port "$mport")
+  ( while sleep 1; do curl -s "http://127.0.0.1:$mport/metrics" > /dev/null || true; done ) &
+  scraper=$!
+  echo -n "with metrics:    "
+  with_daemons 1 1 1 16 64 16 16 -- --mode latency --latency-samples 20000 | grep -o "p50.*"
+  kill "$scraper" 2>/dev/null; wait "$scraper" 2>/dev/null || true
+done
+daemon_extra=()
 echo "== swap throughput, 128 KiB blocks, random ids, 32 layers x K+V, 16 blocks per task"
 for ranks in 1 2; do
   with_daemons "$ranks" 32 8 64 128 128 96 -- --mode throughput --blocks-per-task 16 --seconds 4

@@ -157,6 +157,8 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
                  "Host pool: layer_first | page_first (all layers of a block contiguous, as stored)");
   app.add_option("--log-dir", c.log_dir, "Directory for the rotating per-rank log (default: stderr only)");
   app.add_option("--log-level", c.log_level, "trace | debug | info | warn | error | critical | off");
+  std::int64_t metrics_port = 0;
+  app.add_option("--metrics-port", metrics_port, "Prometheus metrics on 127.0.0.1:<port>/metrics (0 = off)");
   app.add_option("--log-summary-period", c.log_summary_period_s,
                  "Seconds between info summaries while tasks complete (0 = none; debug: one line per task)");
   app.add_option("--engine-timeout", c.engine_timeout_s, "Seconds of engine heartbeat silence before detaching");
@@ -298,6 +300,9 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   if (!(c.attach_timeout_s == 0 || (c.attach_timeout_s >= 0.001 && c.attach_timeout_s <= kMaxAttachTimeoutS)))
     return bad("--attach-timeout: " + seconds(c.attach_timeout_s) +
                " must be 0 (wait forever) or in [0.001, 604800] seconds");
+  if (metrics_port < 0 || metrics_port > 65535)
+    return bad("--metrics-port: " + std::to_string(metrics_port) + " must be 0 (off) or a TCP port in [1, 65535]");
+  c.metrics_port = static_cast<std::uint16_t>(metrics_port);
   if (!(c.log_summary_period_s == 0 || (c.log_summary_period_s >= 0.01 && c.log_summary_period_s <= 86400)))
     return bad("--log-summary-period: " + seconds(c.log_summary_period_s) + " must be 0 (none) or in [0.01, 86400] seconds");
   // The engine declares a rank dead after its rank timeout (3 s by default) without a heartbeat.

@@ -12,6 +12,7 @@
 #include "kvtd/daemon/task_runner.h"
 #include "kvtd/ipc/rank_endpoint.h"
 #include "kvtd/ipc/shared_object.h"
+#include "kvtd/metrics/http_server.h"
 #include "kvtd/storage/file_store.h"
 #include "kvtd/storage/redis_store.h"
 
@@ -181,6 +182,21 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
               store->name, cfg.model_id, layout_fingerprint(geometry), cfg.storage.weight_version,
               static_cast<int>(cfg.storage.write_policy), cfg.storage.io_threads, cfg.storage.staging_mib);
 
+  // Metrics live for the whole process (counters survive sessions); the server stops before the
+  // store it reads goes away (declared after it).
+  metrics::MetricsRegistry registry;
+  registry.set_store(store->store.get());
+  std::unique_ptr<metrics::MetricsServer> metrics_server;
+  if (cfg.metrics_port != 0) {
+    auto ms = metrics::MetricsServer::start(registry, cfg.metrics_port);
+    if (!ms.ok()) {
+      KVTD_ERROR("{}", ms.error().message);
+      return kExitBadFlags;
+    }
+    metrics_server = std::move(ms).value();
+    KVTD_INFO("Prometheus metrics on http://127.0.0.1:{}/metrics", metrics_server->port());
+  }
+
   std::uint64_t last_generation = 0;
   while (!stop.load()) {
     ipc::EndpointOptions eo;
@@ -229,6 +245,8 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
     cache->storage.store_name = store->name;
     cache->storage.config = cfg.storage;
     cache->numa_node = numa_node;
+    cache->metrics = &registry;
+    registry.set_host_pool_bytes((*pool)->total_bytes());
     cache->summary_period_ns = static_cast<std::int64_t>(cfg.log_summary_period_s * 1e9);
     cache->storage.numa_node = numa_node;
     auto events = backend->export_layer_events(geometry.num_layers);
@@ -243,6 +261,7 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
     KVTD_INFO("attached to session generation {:016x} as epoch {}; serving", endpoint.generation(), endpoint.epoch());
     notify_ready();
     heartbeat.serving();
+    registry.set_attached(true, endpoint.epoch());
     const auto why = runner.run(stop);
     const auto st = runner.stats();
     KVTD_INFO("session done: {} tasks ok, {} failed, {} dropped (revoked epoch), {} bytes to host, {} bytes to device; "
@@ -250,6 +269,7 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
               st.tasks_ok, st.tasks_failed, st.tasks_dropped, st.bytes_to_host, st.bytes_to_device, st.storage.tasks,
               st.storage.objects_read, st.storage.bytes_read, st.storage.objects_written, st.storage.bytes_written);
     endpoint.set_ready(0);
+    registry.set_attached(false, 0);
     backend->close_tensors();
     if (why != TaskRunner::Exit::kStopped) {
       // The session is over for us: nobody will read this pool again (a new session is a new

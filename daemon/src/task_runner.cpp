@@ -134,6 +134,13 @@ struct TaskRunner::Impl {
     KVTD_DEBUG("task {} {} {}: {} blocks, {} bytes, queue wait {} us, run {} us", h.task_id, proto::task_kind_name(kind),
                proto::task_status_name(status), blocks, moves ? blocks * block_bytes_all_layers : 0, wait_ns / 1000,
                run_ns / 1000);
+    if (cache.metrics) {
+      const auto dir = kind == TaskKind::kSwapToHost     ? metrics::Direction::kToHost
+                       : kind == TaskKind::kSwapToDevice ? metrics::Direction::kToDevice
+                       : kind == TaskKind::kStorageWrite ? metrics::Direction::kStorageWrite
+                                                         : metrics::Direction::kStorageRead;
+      cache.metrics->task_done(kind, status, dir, moves ? blocks * block_bytes_all_layers : 0, wait_ns, run_ns);
+    }
     {
       std::lock_guard<std::mutex> g(stats_mu);
       if (status == TaskStatus::kOk) ++stats.tasks_ok;
@@ -471,6 +478,7 @@ TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop) {
   for (;;) {
     notify_watchdog();
     impl->maybe_summarize(last_summary, summary_at);
+    if (impl->cache.metrics) impl->cache.metrics->set_ring_depth(impl->ep.ring_published() - impl->ep.ring_read());
     const bool stopping = stop.load(std::memory_order_acquire);
     if (stopping && !drain_until) drain_until = impl->ep.ring_published();
     if (drain_until && impl->ep.ring_read() >= *drain_until) break;

@@ -35,6 +35,7 @@
 #include "kvtd/daemon/host_pool.h"
 #include "kvtd/daemon/storage_executor.h"
 #include "kvtd/ipc/rank_endpoint.h"
+#include "kvtd/metrics/registry.h"
 
 namespace kvtd::daemon {
 
@@ -49,6 +50,7 @@ struct AttachedCache {
   HostPool* pool = nullptr;  // validity of host blocks; borrowed, outlives the runner
   int numa_node = -1;        // the swap lanes run on this node's CPUs (-1: anywhere)
   std::int64_t summary_period_ns = 60'000'000'000;  // info summary while busy; 0 = none
+  metrics::MetricsRegistry* metrics = nullptr;      // borrowed; null: no metrics
   StorageTargets storage;    // storage tasks (store null: they fail with storage_unavailable)
 };
 

@@ -1,0 +1,74 @@
+// kvtd/metrics/registry.h - the daemon's counters, histograms and gauges, and their Prometheus
+// text exposition.
+//
+// Recording is lock-free (relaxed atomics: each value is independent, a scrape may see one task
+// counted and its bytes not yet; the next scrape sees both), so the task path pays a few atomic
+// adds. Rendering reads every atomic once; the storage store's own counters and the ring depth
+// come from providers set by the daemon.
+//
+// Ownership: the daemon owns one MetricsRegistry for its whole life; the runner and the HTTP
+// server borrow it. Not copyable or movable.
+// Thread-safety: every method may be called from any thread; set_* providers before serving.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+
+#include "kvtd/proto/task.h"
+#include "kvtd/storage/object_store.h"
+
+namespace kvtd::metrics {
+
+enum class Direction { kToHost = 0, kToDevice = 1, kStorageRead = 2, kStorageWrite = 3 };
+
+// Cumulative histogram buckets in seconds (upper bounds), shared by queue wait and run time.
+inline constexpr std::array<double, 14> kBucketsS = {1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3,
+                                                     5e-3, 1e-2, 5e-2, 1e-1, 5e-1, 1.0,  5.0};
+
+class MetricsRegistry {
+ public:
+  MetricsRegistry() = default;
+  MetricsRegistry(const MetricsRegistry&) = delete;
+  MetricsRegistry& operator=(const MetricsRegistry&) = delete;
+
+  // One completed task (any rank-side outcome): its kind, status, the bytes it moved in
+  // `direction`, its queue wait (engine submit to start) and run time.
+  void task_done(proto::TaskKind kind, proto::TaskStatus status, Direction direction, std::uint64_t bytes,
+                 std::int64_t queue_wait_ns, std::int64_t run_ns);
+
+  void set_attached(bool attached, std::uint32_t epoch);
+  void set_host_pool_bytes(std::uint64_t bytes);
+  void set_ring_depth(std::uint64_t bytes);
+  // The storage tier whose StoreStats become kvtd_storage_operations_total (null: none). The store
+  // must outlive every render() (the daemon stops the server first).
+  void set_store(const storage::ObjectStore* store);
+
+  // Prometheus text format 0.0.4.
+  std::string render() const;
+
+ private:
+  static constexpr int kKinds = static_cast<int>(proto::kMaxTaskKind) + 1;
+  static constexpr int kStatuses = 32;
+  static constexpr int kBuckets = static_cast<int>(kBucketsS.size());
+  struct Histogram {
+    std::array<std::atomic<std::uint64_t>, kBuckets> buckets{};  // per bucket (not cumulative)
+    std::atomic<std::uint64_t> count{0};
+    std::atomic<std::uint64_t> sum_ns{0};
+    void observe(std::int64_t ns);
+  };
+  std::array<std::array<std::atomic<std::uint64_t>, kStatuses>, kKinds> tasks_{};
+  std::array<std::atomic<std::uint64_t>, 4> bytes_{};
+  std::array<Histogram, kKinds> queue_wait_{};
+  std::array<Histogram, kKinds> run_time_{};
+  std::atomic<std::uint32_t> attached_{0};
+  std::atomic<std::uint32_t> epoch_{0};
+  std::atomic<std::uint64_t> host_pool_bytes_{0};
+  std::atomic<std::uint64_t> ring_depth_{0};
+  std::atomic<const storage::ObjectStore*> store_{nullptr};
+};
+
+}  // namespace kvtd::metrics

@@ -1,0 +1,129 @@
+#include "kvtd/metrics/registry.h"
+
+#include <cstdio>
+
+namespace kvtd::metrics {
+namespace {
+
+const char* direction_name(int d) {
+  switch (d) {
+    case 0: return "to_host";
+    case 1: return "to_device";
+    case 2: return "storage_read";
+    default: return "storage_write";
+  }
+}
+
+void line(std::string& out, const char* fmt, auto... args) {
+  char buf[256];
+  const int n = std::snprintf(buf, sizeof buf, fmt, args...);
+  if (n > 0) out.append(buf, static_cast<std::size_t>(n) < sizeof buf ? static_cast<std::size_t>(n) : sizeof buf - 1);
+}
+
+}  // namespace
+
+void MetricsRegistry::Histogram::observe(std::int64_t ns) {
+  if (ns < 0) ns = 0;
+  const double s = static_cast<double>(ns) / 1e9;
+  int b = 0;
+  while (b < kBuckets && s > kBucketsS[static_cast<std::size_t>(b)]) ++b;
+  if (b < kBuckets) buckets[static_cast<std::size_t>(b)].fetch_add(1, std::memory_order_relaxed);
+  count.fetch_add(1, std::memory_order_relaxed);
+  sum_ns.fetch_add(static_cast<std::uint64_t>(ns), std::memory_order_relaxed);
+}
+
+void MetricsRegistry::task_done(proto::TaskKind kind, proto::TaskStatus status, Direction direction,
+                                std::uint64_t bytes, std::int64_t queue_wait_ns, std::int64_t run_ns) {
+  const auto k = static_cast<std::size_t>(kind);
+  const auto st = static_cast<std::size_t>(status);
+  if (k >= kKinds || st >= kStatuses) return;  // a kind or status this build does not know
+  tasks_[k][st].fetch_add(1, std::memory_order_relaxed);
+  if (bytes != 0) bytes_[static_cast<std::size_t>(direction)].fetch_add(bytes, std::memory_order_relaxed);
+  queue_wait_[k].observe(queue_wait_ns);
+  run_time_[k].observe(run_ns);
+}
+
+void MetricsRegistry::set_attached(bool attached, std::uint32_t epoch) {
+  attached_.store(attached ? 1 : 0, std::memory_order_relaxed);
+  epoch_.store(epoch, std::memory_order_relaxed);
+}
+void MetricsRegistry::set_host_pool_bytes(std::uint64_t bytes) { host_pool_bytes_.store(bytes, std::memory_order_relaxed); }
+void MetricsRegistry::set_ring_depth(std::uint64_t bytes) { ring_depth_.store(bytes, std::memory_order_relaxed); }
+void MetricsRegistry::set_store(const storage::ObjectStore* store) { store_.store(store, std::memory_order_release); }
+
+std::string MetricsRegistry::render() const {
+  std::string out;
+  out.reserve(16384);
+  out += "# HELP kvtd_tasks_total Tasks this rank completed, by kind and status.\n# TYPE kvtd_tasks_total counter\n";
+  for (int k = 1; k < kKinds; ++k)
+    for (int s = 0; s < kStatuses; ++s) {
+      const auto v = tasks_[static_cast<std::size_t>(k)][static_cast<std::size_t>(s)].load(std::memory_order_relaxed);
+      const char* status = proto::task_status_name(static_cast<proto::TaskStatus>(s));
+      // Every kind's ok series exists from the start (rates need a zero); others once seen.
+      if (v == 0 && s != 0) continue;
+      line(out, "kvtd_tasks_total{kind=\"%s\",status=\"%s\"} %llu\n",
+           proto::task_kind_name(static_cast<proto::TaskKind>(k)), status, static_cast<unsigned long long>(v));
+    }
+  out += "# HELP kvtd_bytes_total Bytes this rank moved, by direction.\n# TYPE kvtd_bytes_total counter\n";
+  for (int d = 0; d < 4; ++d)
+    line(out, "kvtd_bytes_total{direction=\"%s\"} %llu\n", direction_name(d),
+         static_cast<unsigned long long>(bytes_[static_cast<std::size_t>(d)].load(std::memory_order_relaxed)));
+  const struct {
+    const char* name;
+    const char* help;
+    const std::array<Histogram, kKinds>* h;
+  } hists[] = {{"kvtd_task_queue_seconds", "Time from the engine's submit to the start of execution.", &queue_wait_},
+               {"kvtd_task_seconds", "Execution time of a task on this rank.", &run_time_}};
+  for (const auto& hist : hists) {
+    line(out, "# HELP %s %s\n# TYPE %s histogram\n", hist.name, hist.help, hist.name);
+    for (int k = 1; k < kKinds; ++k) {
+      const auto& h = (*hist.h)[static_cast<std::size_t>(k)];
+      const char* kind = proto::task_kind_name(static_cast<proto::TaskKind>(k));
+      std::uint64_t cumulative = 0;
+      for (int b = 0; b < kBuckets; ++b) {
+        cumulative += h.buckets[static_cast<std::size_t>(b)].load(std::memory_order_relaxed);
+        line(out, "%s_bucket{kind=\"%s\",le=\"%g\"} %llu\n", hist.name, kind, kBucketsS[static_cast<std::size_t>(b)],
+             static_cast<unsigned long long>(cumulative));
+      }
+      // +Inf from the same read of count, so the series stays monotonic within one scrape.
+      const std::uint64_t count = std::max(cumulative, h.count.load(std::memory_order_relaxed));
+      line(out, "%s_bucket{kind=\"%s\",le=\"+Inf\"} %llu\n", hist.name, kind, static_cast<unsigned long long>(count));
+      line(out, "%s_sum{kind=\"%s\"} %.9f\n", hist.name, kind,
+           static_cast<double>(h.sum_ns.load(std::memory_order_relaxed)) / 1e9);
+      line(out, "%s_count{kind=\"%s\"} %llu\n", hist.name, kind, static_cast<unsigned long long>(count));
+    }
+  }
+  out += "# HELP kvtd_storage_operations_total Operations of the storage tier, by operation and result.\n"
+         "# TYPE kvtd_storage_operations_total counter\n";
+  if (const auto* store = store_.load(std::memory_order_acquire)) {
+    const auto st = store->stats();
+    const struct {
+      const char* op;
+      const char* result;
+      std::uint64_t v;
+    } ops[] = {{"put", "ok", st.puts >= st.put_failures ? st.puts - st.put_failures : 0},
+               {"put", "error", st.put_failures},
+               {"get", "hit", st.hits},
+               {"get", "miss", st.misses},
+               {"get", "corrupt", st.corrupt},
+               {"evict", "ok", st.evictions}};
+    for (const auto& o : ops)
+      line(out, "kvtd_storage_operations_total{op=\"%s\",result=\"%s\"} %llu\n", o.op, o.result,
+           static_cast<unsigned long long>(o.v));
+  }
+  const struct {
+    const char* name;
+    const char* help;
+    unsigned long long v;
+  } gauges[] = {
+      {"kvtd_ring_depth_bytes", "Task ring bytes published and not yet read by this rank.",
+       ring_depth_.load(std::memory_order_relaxed)},
+      {"kvtd_attached", "1 while this rank is attached to an engine session.", attached_.load(std::memory_order_relaxed)},
+      {"kvtd_epoch", "The epoch the engine granted this rank (0: none).", epoch_.load(std::memory_order_relaxed)},
+      {"kvtd_host_pool_bytes", "Bytes of this rank's host pool.", host_pool_bytes_.load(std::memory_order_relaxed)},
+  };
+  for (const auto& g : gauges) line(out, "# HELP %s %s\n# TYPE %s gauge\n%s %llu\n", g.name, g.help, g.name, g.name, g.v);
+  return out;
+}
+
+}  // namespace kvtd::metrics

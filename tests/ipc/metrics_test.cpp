@@ -1,0 +1,125 @@
+// Prometheus metrics of a real daemon (--metrics-port): the exposition after real tasks, checked
+// by value and by `promtool check metrics`; hostile HTTP never stops the endpoint.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "daemon_fixture.h"
+
+namespace kvtd {
+namespace {
+
+// A TCP port free right now on loopback (the kernel's choice; released for the daemon).
+std::uint16_t free_port() {
+  const int s = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(s);
+  return ntohs(a.sin_port);
+}
+
+// Sends `request` raw and returns everything the server answers until it closes.
+std::string http_exchange(std::uint16_t port, const std::string& request) {
+  const int s = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(s, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    ::close(s);
+    return "";
+  }
+  timeval tv{5, 0};
+  setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  (void)!write(s, request.data(), request.size());
+  std::string out;
+  char buf[8192];
+  for (ssize_t n; (n = read(s, buf, sizeof buf)) > 0;) out.append(buf, static_cast<std::size_t>(n));
+  ::close(s);
+  return out;
+}
+
+std::string get(std::uint16_t port, const std::string& path) {
+  return http_exchange(port, "GET " + path + " HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+}
+
+class MetricsTest : public DaemonTest {};
+
+TEST_F(MetricsTest, ExpositionCountsRealTasksAndPassesPromtool) {
+  g_ = test::small_geometry(1);
+  const std::uint16_t port = free_port();
+  extra_args_ = {"--metrics-port", std::to_string(port)};
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, {1, 2}, {3, 4}).ok());
+  ASSERT_TRUE(run(TaskKind::kSwapToDevice, {3, 4}, {5, 6}).ok());
+  EXPECT_EQ(run(TaskKind::kSwapToHost, {99}, {0}).status, TaskStatus::kIdOutOfRange);
+  const std::string reply = get(port, "/metrics");
+  ASSERT_NE(reply.find("HTTP/1.1 200"), std::string::npos) << reply << test::read_file(log_path(0));
+  EXPECT_NE(reply.find("text/plain; version=0.0.4"), std::string::npos) << reply;
+  const std::string body = reply.substr(reply.find("\r\n\r\n") + 4);
+  const auto bytes = 2 * g_.bytes_per_block_all_layers();
+  for (const std::string& want :
+       {std::string("kvtd_tasks_total{kind=\"SWAP_TO_HOST\",status=\"ok\"} 1\n"),
+        std::string("kvtd_tasks_total{kind=\"SWAP_TO_DEVICE\",status=\"ok\"} 1\n"),
+        std::string("kvtd_tasks_total{kind=\"SWAP_TO_HOST\",status=\"id_out_of_range\"} 1\n"),
+        "kvtd_bytes_total{direction=\"to_host\"} " + std::to_string(bytes) + "\n",
+        "kvtd_bytes_total{direction=\"to_device\"} " + std::to_string(bytes) + "\n",
+        std::string("kvtd_task_seconds_count{kind=\"SWAP_TO_HOST\"} 2\n"),
+        std::string("kvtd_task_queue_seconds_bucket{kind=\"SWAP_TO_DEVICE\",le=\"+Inf\"} 1\n"),
+        std::string("kvtd_attached 1\n"), std::string("kvtd_epoch 1\n"), std::string("kvtd_ring_depth_bytes 0\n")})
+    EXPECT_NE(body.find(want), std::string::npos) << "missing: " << want << body;
+  EXPECT_NE(body.find("kvtd_host_pool_bytes "), std::string::npos) << body;
+  // promtool (Debian's prometheus package) must accept the exposition as it is.
+  if (std::system("command -v promtool > /dev/null 2>&1") != 0) GTEST_SKIP() << "promtool is not installed";
+  const std::string file = ::testing::TempDir() + "/" + suffix_ + ".prom";
+  { std::ofstream(file) << body; }
+  const std::string out_file = file + ".out";
+  const int rc = std::system(("promtool check metrics < " + file + " > " + out_file + " 2>&1").c_str());
+  EXPECT_EQ(rc, 0) << test::read_file(out_file) << body;
+  std::remove(file.c_str());
+  std::remove(out_file.c_str());
+}
+
+TEST_F(MetricsTest, HostileRequestsGetErrorsAndTheEndpointKeepsServing) {
+  g_ = test::small_geometry(1);
+  const std::uint16_t port = free_port();
+  extra_args_ = {"--metrics-port", std::to_string(port)};
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  EXPECT_NE(get(port, "/").find("HTTP/1.1 404"), std::string::npos);
+  EXPECT_NE(http_exchange(port, "POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                .find("HTTP/1.1 405"),
+            std::string::npos);
+  EXPECT_NE(http_exchange(port, "GARBAGE\r\n\r\n").find("HTTP/1.1 400"), std::string::npos);
+  EXPECT_NE(http_exchange(port, "GET /metrics HTTP/1.1\r\nX-Big: " + std::string(20000, 'a') + "\r\n\r\n").find("HTTP/1.1 400"),
+            std::string::npos);
+  // A client that connects and says nothing is cut off by the deadline, not served forever.
+  EXPECT_EQ(http_exchange(port, ""), "");
+  EXPECT_NE(get(port, "/metrics").find("kvtd_attached 1"), std::string::npos);
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, {1}, {2}).ok());  // and the rank still serves
+}
+
+TEST_F(MetricsTest, APortInUseStopsStartUpNamingIt) {
+  const int s = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(listen(s, 1), 0);
+  socklen_t len = sizeof a;
+  getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
+  extra_args_ = {"--metrics-port", std::to_string(ntohs(a.sin_port))};
+  Child d = start_daemon(0);
+  EXPECT_EQ(d.wait_exit(std::chrono::seconds(20)), 2);
+  EXPECT_NE(test::read_file(log_path(0)).find("--metrics-port"), std::string::npos) << test::read_file(log_path(0));
+  ::close(s);
+}
+
+}  // namespace
+}  // namespace kvtd
