@@ -6,6 +6,7 @@
 #include <mutex>
 #include <thread>
 
+#include "kvtd/daemon/control_handler.h"
 #include "kvtd/daemon/host_pool.h"
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/notify.h"
@@ -139,7 +140,7 @@ class Heartbeat {
 
 }  // namespace
 
-int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
+int run_daemon(const config::DaemonConfig& cfg, std::atomic<bool>& stop) {
   for (const auto& n : ipc::sweep_stale_objects()) KVTD_INFO("removed stale shared-memory object {}", n);
   std::unique_ptr<DeviceBackend> backend;
   if (cfg.device_backend == config::DeviceBackendKind::kCuda) {
@@ -196,6 +197,19 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
     metrics_server = std::move(ms).value();
     KVTD_INFO("Prometheus metrics on http://127.0.0.1:{}/metrics", metrics_server->port());
   }
+
+  // The control socket: status, drain, log-level (daemon/src/control_handler.cpp).
+  ControlState control_state;
+  auto control = start_control(cfg, registry, store->name, control_state, stop);
+  if (!control.ok() && control.error().code != control::ControlErrc::kInUse) {
+    KVTD_ERROR("{}", control.error().message);
+    return kExitBadFlags;
+  }
+  if (control.ok())
+    KVTD_INFO("control socket {}{}", (*control)->endpoint(),
+              cfg.control_endpoint.empty() ? "" : " and " + cfg.control_endpoint);
+  else  // another daemon of this rank runs: attaching will refuse us (exit 3) naming it
+    KVTD_WARN("{}", control.error().message);
 
   std::uint64_t last_generation = 0;
   while (!stop.load()) {
@@ -262,6 +276,7 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
     notify_ready();
     heartbeat.serving();
     registry.set_attached(true, endpoint.epoch());
+    control_state.attached(endpoint.generation());
     const auto why = runner.run(stop);
     const auto st = runner.stats();
     KVTD_INFO("session done: {} tasks ok, {} failed, {} dropped (revoked epoch), {} bytes to host, {} bytes to device; "
@@ -270,6 +285,7 @@ int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop) {
               st.storage.objects_read, st.storage.bytes_read, st.storage.objects_written, st.storage.bytes_written);
     endpoint.set_ready(0);
     registry.set_attached(false, 0);
+    control_state.detached();
     backend->close_tensors();
     if (why != TaskRunner::Exit::kStopped) {
       // The session is over for us: nobody will read this pool again (a new session is a new

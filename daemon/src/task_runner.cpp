@@ -123,9 +123,13 @@ struct TaskRunner::Impl {
     const std::size_t n = std::min(message.size(), sizeof rec.message - 1);
     std::memcpy(rec.message, message.data(), n);
     const auto kind = static_cast<TaskKind>(h.kind);
-    if (status != TaskStatus::kOk)
+    if (status != TaskStatus::kOk) {
       KVTD_WARN("task {} ({}) failed: {}: {}", h.task_id, proto::task_kind_name(kind), proto::task_status_name(status),
                 message);
+      if (cache.metrics)
+        cache.metrics->note_error("task " + std::to_string(h.task_id) + " (" + proto::task_kind_name(kind) +
+                                  ") failed: " + proto::task_status_name(status) + ": " + message);
+    }
     // Queue wait: engine submit to the start of execution; run: start to this record (same
     // CLOCK_MONOTONIC on both sides of the session).
     const std::int64_t wait_ns = start_ns > h.submit_ns && h.submit_ns > 0 ? start_ns - h.submit_ns : 0;

@@ -51,6 +51,26 @@ void MetricsRegistry::set_host_pool_bytes(std::uint64_t bytes) { host_pool_bytes
 void MetricsRegistry::set_ring_depth(std::uint64_t bytes) { ring_depth_.store(bytes, std::memory_order_relaxed); }
 void MetricsRegistry::set_store(const storage::ObjectStore* store) { store_.store(store, std::memory_order_release); }
 
+std::vector<MetricsRegistry::TaskCount> MetricsRegistry::task_counts() const {
+  std::vector<TaskCount> out;
+  for (int k = 1; k < kKinds; ++k)
+    for (int s = 0; s < kStatuses; ++s)
+      if (const auto v = tasks_[static_cast<std::size_t>(k)][static_cast<std::size_t>(s)].load(std::memory_order_relaxed))
+        out.push_back({static_cast<proto::TaskKind>(k), static_cast<proto::TaskStatus>(s), v});
+  return out;
+}
+
+void MetricsRegistry::note_error(std::string message) {
+  std::lock_guard<std::mutex> g(errors_mu_);
+  if (errors_.size() == kLastErrors) errors_.erase(errors_.begin());
+  errors_.push_back(std::move(message));
+}
+
+std::vector<std::string> MetricsRegistry::last_errors() const {
+  std::lock_guard<std::mutex> g(errors_mu_);
+  return errors_;
+}
+
 std::string MetricsRegistry::render() const {
   std::string out;
   out.reserve(16384);

@@ -20,7 +20,11 @@ inline constexpr int kExitBackend = 5;         // device backend or host pool fa
 inline constexpr int kExitSessionCorrupt = 6;  // the session's layout or ring framing is broken: transient
                                                // (the engine recreates it), so systemd restarts us
 
-// Returns the process exit code. Thread-safety: call once.
-int run_daemon(const config::DaemonConfig& cfg, const std::atomic<bool>& stop);
+// Returns the process exit code. `stop` is set by the signal thread, or by `kvtd ctl drain`
+// through the control socket (the same orderly exit). Thread-safety: call once.
+int run_daemon(const config::DaemonConfig& cfg, std::atomic<bool>& stop);
+
+// `kvtd ctl ...`: asks running daemons over their control sockets; returns the exit code.
+int run_ctl(int argc, char** argv);
 
 }  // namespace kvtd::daemon

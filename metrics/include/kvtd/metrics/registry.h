@@ -17,6 +17,7 @@
 #include <functional>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "kvtd/proto/task.h"
 #include "kvtd/storage/object_store.h"
@@ -50,6 +51,23 @@ class MetricsRegistry {
   // Prometheus text format 0.0.4.
   std::string render() const;
 
+  // For `kvtd ctl status`: the non-zero task counters, bytes by direction, the gauges, and the
+  // last few failure messages (note_error keeps the newest kLastErrors).
+  struct TaskCount {
+    proto::TaskKind kind;
+    proto::TaskStatus status;
+    std::uint64_t count;
+  };
+  std::vector<TaskCount> task_counts() const;
+  std::uint64_t bytes(Direction d) const { return bytes_[static_cast<std::size_t>(d)].load(std::memory_order_relaxed); }
+  std::uint64_t ring_depth() const { return ring_depth_.load(std::memory_order_relaxed); }
+  std::uint32_t epoch() const { return epoch_.load(std::memory_order_relaxed); }
+  bool attached() const { return attached_.load(std::memory_order_relaxed) != 0; }
+  std::uint64_t host_pool_bytes() const { return host_pool_bytes_.load(std::memory_order_relaxed); }
+  static constexpr std::size_t kLastErrors = 8;
+  void note_error(std::string message);
+  std::vector<std::string> last_errors() const;
+
  private:
   static constexpr int kKinds = static_cast<int>(proto::kMaxTaskKind) + 1;
   static constexpr int kStatuses = 32;
@@ -69,6 +87,8 @@ class MetricsRegistry {
   std::atomic<std::uint64_t> host_pool_bytes_{0};
   std::atomic<std::uint64_t> ring_depth_{0};
   std::atomic<const storage::ObjectStore*> store_{nullptr};
+  mutable std::mutex errors_mu_;
+  std::vector<std::string> errors_;  // newest last, at most kLastErrors (guarded by errors_mu_)
 };
 
 }  // namespace kvtd::metrics

@@ -1,0 +1,79 @@
+// kvtd/control/control.h - the daemon's control plane: a ZeroMQ REP socket per daemon taking
+// JSON requests ({"command": "status" | "drain" | "log-level", "level": ...}) and answering
+// JSON ({"ok": true, "result": {...}} or {"ok": false, "error": "..."}), and the client side that
+// `kvtd ctl` uses.
+//
+// Where: ipc://<runtime dir>/kvtd_<uid>_<session>_dp<d>_r<rank>.sock, the runtime dir being
+// $RUNTIME_DIRECTORY (systemd's RuntimeDirectory=), else /run/kvtd when it is ours (the unit's
+// directory, seen from `kvtd ctl` run as the same user), else $XDG_RUNTIME_DIR/kvtd, else
+// /tmp/kvtd-<uid>; it must be a directory owned by this user with mode 0700 (made so when
+// missing, refused otherwise). Optionally also a TCP endpoint on loopback (--control-endpoint).
+//
+// Hostile input: a request over 64 KiB is dropped by ZeroMQ (ZMQ_MAXMSGSIZE); anything that is
+// not a JSON object with a known command gets an error reply; the socket always answers.
+//
+// Ownership: ControlServer owns its thread and sockets; the handler it calls must stay valid
+// until it is destroyed. Thread-safety: the handler runs on the server's thread only.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kvtd/proto/expected.h"
+
+namespace kvtd::control {
+
+enum class ControlErrc { kInvalidArgument, kRuntimeDir, kBind, kInUse, kTimeout, kBadReply };
+
+struct Request {
+  std::string command;  // status | drain | log-level
+  std::string level;    // log-level: trace | debug | info | warn | error | critical | off
+};
+
+// What the handler answers: `result_json` (a JSON object's text) when ok, else `error`.
+struct Reply {
+  bool ok = true;
+  std::string result_json = "{}";
+  std::string error;
+};
+
+using Handler = std::function<Reply(const Request&)>;
+
+// The runtime directory (checked or made 0700, owned by us), or an error naming the problem.
+Result<std::string, ControlErrc> runtime_dir();
+// The socket path of (session, data-parallel id, rank) in `dir`.
+std::string socket_path(const std::string& dir, const std::string& session, std::uint32_t dp, std::uint32_t rank);
+// Every daemon socket of `session` and `dp` in `dir`, by rank.
+std::vector<std::pair<std::uint32_t, std::string>> find_sockets(const std::string& dir, const std::string& session,
+                                                                std::uint32_t dp);
+
+class ControlServer {
+ public:
+  // Binds ipc://<socket_path> (replacing a stale socket file; kInUse when a live process still
+  // listens on it, e.g. the rank's running daemon) and, if not empty,
+  // `tcp_endpoint` (must be tcp://127.0.0.1:<port> or tcp://localhost:<port>).
+  static Result<std::unique_ptr<ControlServer>, ControlErrc> start(const std::string& socket_path,
+                                                                   const std::string& tcp_endpoint, Handler handler);
+  ~ControlServer();
+  ControlServer(const ControlServer&) = delete;
+  ControlServer& operator=(const ControlServer&) = delete;
+  const std::string& endpoint() const;
+
+ private:
+  struct Impl;
+  explicit ControlServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Client: sends one request to `endpoint` (ipc://... or tcp://...) and returns the reply's JSON
+// text, or kTimeout when nothing answered within timeout_ms.
+Result<std::string, ControlErrc> call(const std::string& endpoint, const Request& request, int timeout_ms);
+
+// Parses a request's JSON text (exposed for tests and fuzzing).
+Result<Request, ControlErrc> parse_request(const std::string& text);
+
+}  // namespace kvtd::control

@@ -1,0 +1,237 @@
+#include "kvtd/control/control.h"
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <thread>
+#include <zmq.hpp>
+
+namespace kvtd::control {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr std::int64_t kMaxRequestBytes = 64 * 1024;
+
+std::string error_reply(const std::string& why) { return json{{"ok", false}, {"error", why}}.dump(); }
+
+// A directory for sockets that only this user can reach: exists (or is made) 0700 and ours.
+Result<std::string, ControlErrc> private_dir(const std::string& dir) {
+  struct stat st {};
+  if (lstat(dir.c_str(), &st) != 0) {
+    if (errno != ENOENT)
+      return make_error(ControlErrc::kRuntimeDir, dir + ": " + std::strerror(errno));
+    std::error_code ec;
+    std::filesystem::create_directories(std::filesystem::path(dir).parent_path(), ec);
+    if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
+      return make_error(ControlErrc::kRuntimeDir, "cannot make " + dir + ": " + std::strerror(errno));
+    if (lstat(dir.c_str(), &st) != 0) return make_error(ControlErrc::kRuntimeDir, dir + ": " + std::strerror(errno));
+  }
+  if (!S_ISDIR(st.st_mode)) return make_error(ControlErrc::kRuntimeDir, dir + " is not a directory");
+  if (st.st_uid != getuid())
+    return make_error(ControlErrc::kRuntimeDir, dir + " belongs to uid " + std::to_string(st.st_uid) + ", not to us");
+  if ((st.st_mode & 077) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%03o", st.st_mode & 0777);
+    return make_error(ControlErrc::kRuntimeDir, dir + " has mode " + mode + "; control sockets need 0700");
+  }
+  return dir;
+}
+
+// True when a process accepts connections on the unix socket at `path` (a stale file refuses).
+bool socket_is_live(const std::string& path) {
+  sockaddr_un addr{};
+  if (path.size() >= sizeof addr.sun_path) return false;
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  const bool live = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+  ::close(fd);
+  return live;
+}
+
+bool loopback_tcp(const std::string& e) {
+  return e.rfind("tcp://127.0.0.1:", 0) == 0 || e.rfind("tcp://localhost:", 0) == 0;
+}
+
+}  // namespace
+
+Result<std::string, ControlErrc> runtime_dir() {
+  if (const char* d = std::getenv("RUNTIME_DIRECTORY"); d && *d) {
+    std::string first(d);
+    if (auto colon = first.find(':'); colon != std::string::npos) first.resize(colon);  // several: the first
+    return private_dir(first);
+  }
+  // The systemd unit's RuntimeDirectory, seen from a shell of the same user (`kvtd ctl`).
+  struct stat st {};
+  if (lstat("/run/kvtd", &st) == 0 && S_ISDIR(st.st_mode) && st.st_uid == getuid()) return private_dir("/run/kvtd");
+  if (const char* x = std::getenv("XDG_RUNTIME_DIR"); x && *x) return private_dir(std::string(x) + "/kvtd");
+  return private_dir("/tmp/kvtd-" + std::to_string(getuid()));
+}
+
+std::string socket_path(const std::string& dir, const std::string& session, std::uint32_t dp, std::uint32_t rank) {
+  return dir + "/kvtd_" + std::to_string(getuid()) + "_" + session + "_dp" + std::to_string(dp) + "_r" +
+         std::to_string(rank) + ".sock";
+}
+
+std::vector<std::pair<std::uint32_t, std::string>> find_sockets(const std::string& dir, const std::string& session,
+                                                                std::uint32_t dp) {
+  std::vector<std::pair<std::uint32_t, std::string>> out;
+  const std::string prefix = "kvtd_" + std::to_string(getuid()) + "_" + session + "_dp" + std::to_string(dp) + "_r";
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(prefix, 0) != 0 || name.size() <= prefix.size() + 5 || name.substr(name.size() - 5) != ".sock")
+      continue;
+    const std::string digits = name.substr(prefix.size(), name.size() - prefix.size() - 5);
+    if (digits.empty() || digits.size() > 2 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    out.emplace_back(static_cast<std::uint32_t>(std::stoul(digits)), e.path().string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+Result<Request, ControlErrc> parse_request(const std::string& text) {
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return make_error(ControlErrc::kInvalidArgument, "the request is not valid JSON");
+  if (!j.is_object()) return make_error(ControlErrc::kInvalidArgument, "the request must be a JSON object");
+  const auto cmd = j.find("command");
+  if (cmd == j.end() || !cmd->is_string())
+    return make_error(ControlErrc::kInvalidArgument, "the request needs \"command\": status, drain or log-level");
+  Request r;
+  r.command = cmd->get<std::string>();
+  if (r.command != "status" && r.command != "drain" && r.command != "log-level")
+    return make_error(ControlErrc::kInvalidArgument,
+                      "unknown command '" + r.command.substr(0, 64) + "': status, drain or log-level");
+  if (r.command == "log-level") {
+    const auto level = j.find("level");
+    if (level == j.end() || !level->is_string())
+      return make_error(ControlErrc::kInvalidArgument, "log-level needs \"level\"");
+    r.level = level->get<std::string>();
+    static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
+    bool known = false;
+    for (const char* l : kLevels) known = known || r.level == l;
+    if (!known)
+      return make_error(ControlErrc::kInvalidArgument,
+                        "level '" + r.level.substr(0, 32) + "' is not one of trace, debug, info, warn, error, critical, off");
+  }
+  return r;
+}
+
+struct ControlServer::Impl {
+  zmq::context_t context{1};
+  zmq::socket_t socket{context, zmq::socket_type::rep};
+  std::string endpoint;
+  std::string path;
+  Handler handler;
+  std::atomic<bool> stopping{false};
+  std::thread thread;
+
+  std::string answer(const std::string& text) {
+    auto req = parse_request(text);
+    if (!req.ok()) return error_reply(req.error().message);
+    Reply r;
+    try {
+      r = handler(*req);
+    } catch (const std::exception& e) {
+      return error_reply(std::string("internal error: ") + e.what());
+    }
+    if (!r.ok) return error_reply(r.error);
+    json result = json::parse(r.result_json, nullptr, false);
+    if (result.is_discarded()) return error_reply("internal error: the handler's result is not JSON");
+    return json{{"ok", true}, {"result", result}}.dump();
+  }
+
+  void loop() {
+    while (!stopping.load()) {
+      zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLIN, 0};
+      try {
+        if (zmq::poll(&item, 1, std::chrono::milliseconds(100)) <= 0) continue;
+        zmq::message_t msg;
+        if (!socket.recv(msg, zmq::recv_flags::dontwait)) continue;
+        // A multipart request: read the rest so the REP state machine stays in step; answer an error.
+        const bool multipart = msg.more();
+        while (msg.more())
+          if (!socket.recv(msg, zmq::recv_flags::none)) break;
+        const std::string reply = multipart ? error_reply("send the request as one message")
+                                            : answer(std::string(static_cast<const char*>(msg.data()), msg.size()));
+        socket.send(zmq::buffer(reply), zmq::send_flags::none);
+      } catch (const zmq::error_t&) {
+        // EINTR or a peer gone mid-exchange: the REP socket recovers on the next request.
+      }
+    }
+  }
+};
+
+ControlServer::ControlServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Result<std::unique_ptr<ControlServer>, ControlErrc> ControlServer::start(const std::string& path,
+                                                                        const std::string& tcp_endpoint,
+                                                                        Handler handler) {
+  if (!tcp_endpoint.empty() && !loopback_tcp(tcp_endpoint))
+    return make_error(ControlErrc::kInvalidArgument,
+                      "--control-endpoint " + tcp_endpoint + ": only tcp://127.0.0.1:<port> or tcp://localhost:<port>");
+  auto impl = std::make_unique<Impl>();
+  impl->handler = std::move(handler);
+  impl->path = path;
+  impl->endpoint = "ipc://" + path;
+  try {
+    impl->socket.set(zmq::sockopt::maxmsgsize, kMaxRequestBytes);
+    impl->socket.set(zmq::sockopt::linger, 0);
+    if (socket_is_live(path))
+      return make_error(ControlErrc::kInUse, "control socket " + path + " is served by another live process");
+    ::unlink(path.c_str());  // a socket file a killed daemon left: nobody listens on it
+    impl->socket.bind(impl->endpoint);
+    ::chmod(path.c_str(), 0600);
+    if (!tcp_endpoint.empty()) impl->socket.bind(tcp_endpoint);
+  } catch (const zmq::error_t& e) {
+    return make_error(ControlErrc::kBind, "control socket " + impl->endpoint +
+                                              (tcp_endpoint.empty() ? "" : " / " + tcp_endpoint) + ": " + e.what());
+  }
+  auto* raw = impl.get();
+  raw->thread = std::thread([raw] { raw->loop(); });
+  return std::unique_ptr<ControlServer>(new ControlServer(std::move(impl)));
+}
+
+ControlServer::~ControlServer() {
+  impl_->stopping.store(true);
+  if (impl_->thread.joinable()) impl_->thread.join();
+  impl_->socket.close();
+  ::unlink(impl_->path.c_str());
+}
+
+const std::string& ControlServer::endpoint() const { return impl_->endpoint; }
+
+Result<std::string, ControlErrc> call(const std::string& endpoint, const Request& request, int timeout_ms) {
+  try {
+    zmq::context_t context{1};
+    zmq::socket_t socket{context, zmq::socket_type::req};
+    socket.set(zmq::sockopt::linger, 0);
+    socket.set(zmq::sockopt::rcvtimeo, timeout_ms);
+    socket.set(zmq::sockopt::sndtimeo, timeout_ms);
+    socket.connect(endpoint);
+    json j{{"command", request.command}};
+    if (!request.level.empty()) j["level"] = request.level;
+    if (!socket.send(zmq::buffer(j.dump()), zmq::send_flags::none))
+      return make_error(ControlErrc::kTimeout, "no daemon took the request at " + endpoint);
+    zmq::message_t reply;
+    if (!socket.recv(reply, zmq::recv_flags::none))
+      return make_error(ControlErrc::kTimeout,
+                        "no daemon answered at " + endpoint + " within " + std::to_string(timeout_ms) + " ms");
+    return std::string(static_cast<const char*>(reply.data()), reply.size());
+  } catch (const zmq::error_t& e) {
+    return make_error(ControlErrc::kBadReply, endpoint + ": " + e.what());
+  }
+}
+
+}  // namespace kvtd::control

@@ -1,0 +1,93 @@
+#include "kvtd/daemon/control_handler.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <nlohmann/json.hpp>
+
+#include "kvtd/daemon/log.h"
+#include "kvtd/daemon/notify.h"
+
+namespace kvtd::daemon {
+namespace {
+
+using json = nlohmann::json;
+
+std::int64_t unix_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+json status_of(const config::DaemonConfig& cfg, const metrics::MetricsRegistry& reg, const std::string& store_name,
+               const ControlState& state) {
+  json tasks = json::array();
+  for (const auto& t : reg.task_counts())
+    tasks.push_back({{"kind", proto::task_kind_name(t.kind)}, {"status", proto::task_status_name(t.status)},
+                     {"count", t.count}});
+  const std::int64_t since = state.attached_since_ms.load();
+  json j{
+      {"version", "0.1.0"},
+      {"pid", static_cast<std::int64_t>(getpid())},
+      {"rank", cfg.rank},
+      {"data_parallel_id", cfg.data_parallel_id},
+      {"session", cfg.session_suffix},
+      {"attached", reg.attached()},
+      {"epoch", reg.epoch()},
+      {"generation", state.generation.load()},
+      {"attached_since_unix_ms", since},
+      {"attached_for_s", since > 0 ? static_cast<double>(unix_ms() - since) / 1000.0 : 0.0},
+      {"draining", state.draining.load()},
+      {"log_level", spdlog::level::to_string_view(spdlog::get_level()).data()},
+      {"tasks", tasks},
+      {"bytes",
+       {{"to_host", reg.bytes(metrics::Direction::kToHost)},
+        {"to_device", reg.bytes(metrics::Direction::kToDevice)},
+        {"storage_read", reg.bytes(metrics::Direction::kStorageRead)},
+        {"storage_write", reg.bytes(metrics::Direction::kStorageWrite)}}},
+      {"queue_depth_bytes", reg.ring_depth()},
+      {"host_pool_bytes", reg.host_pool_bytes()},
+      {"storage", {{"backend", store_name.empty() ? "none" : store_name}}},
+      {"last_errors", reg.last_errors()},
+  };
+  return j;
+}
+
+}  // namespace
+
+void ControlState::attached(std::uint64_t gen) {
+  generation.store(gen);
+  attached_since_ms.store(unix_ms());
+}
+
+void ControlState::detached() { attached_since_ms.store(0); }
+
+Result<std::unique_ptr<control::ControlServer>, control::ControlErrc> start_control(
+    const config::DaemonConfig& cfg, const metrics::MetricsRegistry& registry, const std::string& store_name,
+    ControlState& state, std::atomic<bool>& stop) {
+  auto dir = control::runtime_dir();
+  if (!dir.ok()) return make_error(dir.error().code, "control socket directory: " + dir.error().message);
+  const std::string path = control::socket_path(*dir, cfg.session_suffix, cfg.data_parallel_id, cfg.rank);
+  auto handler = [&cfg, &registry, store_name, &state, &stop](const control::Request& r) -> control::Reply {
+    control::Reply reply;
+    if (r.command == "status") {
+      reply.result_json = status_of(cfg, registry, store_name, state).dump();
+    } else if (r.command == "drain") {
+      // The orderly exit of SIGTERM: finish what is in the ring now, take nothing later, exit 0.
+      if (!state.draining.exchange(true)) {
+        KVTD_INFO("drain requested over the control socket: finishing tasks in flight, then exiting");
+        notify_stopping();
+      }
+      stop.store(true);
+      reply.result_json = json{{"draining", true}}.dump();
+    } else if (r.command == "log-level") {
+      const auto before = spdlog::level::to_string_view(spdlog::get_level());
+      spdlog::set_level(spdlog::level::from_str(r.level));
+      KVTD_WARN("log level {} -> {} (control socket)", std::string(before.data(), before.size()), r.level);
+      reply.result_json = json{{"log_level", r.level}}.dump();
+    }
+    return reply;
+  };
+  return control::ControlServer::start(path, cfg.control_endpoint, handler);
+}
+
+}  // namespace kvtd::daemon

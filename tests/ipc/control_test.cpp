@@ -1,0 +1,133 @@
+// The control plane through real processes: `kvtd ctl` against running daemons (status as a
+// table and as JSON, log-level, drain), hostile requests on the socket, and no daemon at all.
+#include <zmq.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include "daemon_fixture.h"
+#include "kvtd/control/control.h"
+
+namespace kvtd {
+namespace {
+
+using json = nlohmann::json;
+
+class ControlTest : public DaemonTest {
+ protected:
+  // Runs `kvtd ctl <args>`; returns (exit code, stdout + stderr).
+  std::pair<int, std::string> ctl(std::vector<std::string> args) {
+    args.insert(args.begin(), {KVTD_BINARY, "ctl"});
+    const std::string out = ::testing::TempDir() + "/" + suffix_ + "_ctl.out";
+    Child c(args, out);
+    const int code = c.wait_exit(std::chrono::seconds(30));
+    auto text = test::read_file(out);
+    std::remove(out.c_str());
+    return {code, text};
+  }
+  std::string socket_of(std::uint32_t rank) {
+    auto dir = control::runtime_dir();
+    EXPECT_TRUE(dir.ok());
+    return "ipc://" + control::socket_path(dir.ok() ? *dir : "", suffix_, 0, rank);
+  }
+};
+
+TEST_F(ControlTest, StatusOfEveryRankAsJsonAndAsATable) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, {1, 2}, {3, 4}).ok());
+  EXPECT_EQ(run(TaskKind::kSwapToHost, {99}, {0}).status, TaskStatus::kIdOutOfRange);
+  auto [code, out] = ctl({"--session", suffix_, "--json", "status"});
+  ASSERT_EQ(code, 0) << out;
+  const json replies = json::parse(out, nullptr, false);
+  ASSERT_TRUE(replies.is_array()) << out;
+  ASSERT_EQ(replies.size(), 2u) << out;
+  for (std::uint32_t r = 0; r < 2; ++r) {
+    const auto& rep = replies[r];
+    ASSERT_TRUE(rep["ok"].get<bool>()) << rep.dump();
+    const auto& s = rep["result"];
+    EXPECT_EQ(s["rank"].get<std::uint32_t>(), r);
+    EXPECT_EQ(s["session"].get<std::string>(), suffix_);
+    EXPECT_TRUE(s["attached"].get<bool>());
+    EXPECT_GE(s["epoch"].get<std::uint32_t>(), 1u);
+    EXPECT_EQ(s["bytes"]["to_host"].get<std::uint64_t>(), 2 * g_.bytes_per_block_all_layers());
+    EXPECT_EQ(s["pid"].get<std::int64_t>(), daemons_[r].pid());
+    bool saw_ok = false, saw_failed = false;
+    for (const auto& t : s["tasks"]) {
+      saw_ok = saw_ok || (t["kind"] == "SWAP_TO_HOST" && t["status"] == "ok" && t["count"] == 1);
+      saw_failed = saw_failed || (t["status"] == "id_out_of_range" && t["count"] == 1);
+    }
+    EXPECT_TRUE(saw_ok && saw_failed) << s.dump();
+    ASSERT_EQ(s["last_errors"].size(), 1u) << s.dump();
+    EXPECT_NE(s["last_errors"][0].get<std::string>().find("id_out_of_range"), std::string::npos);
+  }
+  auto [tcode, table] = ctl({"--session", suffix_, "status"});
+  EXPECT_EQ(tcode, 0) << table;
+  EXPECT_NE(table.find("rank 0"), std::string::npos) << table;
+  EXPECT_NE(table.find("rank 1"), std::string::npos) << table;
+  EXPECT_NE(table.find("attached"), std::string::npos) << table;
+  EXPECT_NE(table.find("last error: task"), std::string::npos) << table;
+}
+
+TEST_F(ControlTest, LogLevelChangesOneRankAndBadLevelsAreRefused) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  auto [code, out] = ctl({"--session", suffix_, "--rank", "1", "log-level", "warn"});
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("rank 1: log level warn"), std::string::npos) << out;
+  EXPECT_TRUE(test::eventually([&] { return test::read_file(log_path(1)).find("-> warn (control socket)") != std::string::npos; },
+                               std::chrono::seconds(5)));
+  EXPECT_EQ(test::read_file(log_path(0)).find("(control socket)"), std::string::npos);
+  auto [bad, why] = ctl({"--session", suffix_, "log-level", "loud"});
+  EXPECT_EQ(bad, 2) << why;
+  EXPECT_NE(why.find("'loud'"), std::string::npos) << why;
+  auto [unknown, msg] = ctl({"--session", suffix_, "reboot"});
+  EXPECT_EQ(unknown, 2) << msg;
+}
+
+TEST_F(ControlTest, HostileRequestsGetErrorRepliesAndTheSocketKeepsAnswering) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  zmq::context_t ctx{1};
+  auto ask = [&](const std::string& payload) -> std::string {
+    zmq::socket_t s{ctx, zmq::socket_type::req};
+    s.set(zmq::sockopt::linger, 0);
+    s.set(zmq::sockopt::rcvtimeo, 2000);
+    s.connect(socket_of(0));
+    s.send(zmq::buffer(payload), zmq::send_flags::none);
+    zmq::message_t m;
+    if (!s.recv(m, zmq::recv_flags::none)) return "(no reply)";
+    return std::string(static_cast<const char*>(m.data()), m.size());
+  };
+  for (const std::string& bad : {std::string("not json at all"), std::string("[1, 2, 3]"), std::string("{}"),
+                                 std::string(R"({"command": 7})"), std::string(R"({"command": "reboot"})"),
+                                 std::string(R"({"command": "log-level", "level": "loud"})"), std::string("\xff\xfe")}) {
+    const json r = json::parse(ask(bad), nullptr, false);
+    ASSERT_TRUE(r.is_object()) << bad;
+    EXPECT_FALSE(r["ok"].get<bool>()) << bad;
+    EXPECT_FALSE(r["error"].get<std::string>().empty()) << bad;
+  }
+  // Over the 64 KiB limit: ZeroMQ drops the connection, no reply; the daemon is unharmed.
+  EXPECT_EQ(ask(std::string(1 << 20, '{')), "(no reply)");
+  const json ok = json::parse(ask(R"({"command": "status"})"), nullptr, false);
+  ASSERT_TRUE(ok.is_object());
+  EXPECT_TRUE(ok["ok"].get<bool>()) << ok.dump();
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, {1}, {2}).ok());
+}
+
+TEST_F(ControlTest, DrainFinishesAndExitsAndNoDaemonIsAClearError) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, {1}, {2}).ok());
+  auto [code, out] = ctl({"--session", suffix_, "--rank", "0", "drain"});
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_EQ(daemons_[0].wait_exit(std::chrono::seconds(30)), 0);
+  EXPECT_NE(test::read_file(log_path(0)).find("drain requested over the control socket"), std::string::npos);
+  // Rank 0 is gone, rank 1 answers: --all reports the one that answers and exits 1 for the other.
+  auto [gone, msg] = ctl({"--session", suffix_, "--rank", "0", "--timeout", "0.5", "status"});
+  EXPECT_EQ(gone, 1) << msg;
+  EXPECT_NE(msg.find("rank 0"), std::string::npos) << msg;
+  auto [none, why] = ctl({"--session", "no_such_session_here", "status"});
+  EXPECT_EQ(none, 1) << why;
+  EXPECT_NE(why.find("no daemon of session 'no_such_session_here'"), std::string::npos) << why;
+  auto [missing, usage] = ctl({"status"});
+  EXPECT_EQ(missing, 2) << usage;
+}
+
+}  // namespace
+}  // namespace kvtd
