@@ -187,7 +187,9 @@ Result<std::unique_ptr<ControlServer>, ControlErrc> ControlServer::start(const s
   impl->endpoint = "ipc://" + path;
   try {
     impl->socket.set(zmq::sockopt::maxmsgsize, kMaxRequestBytes);
-    impl->socket.set(zmq::sockopt::linger, 0);
+    // Closing waits up to a second for replies still queued: the answer to `drain` must reach
+    // the client although the daemon exits right after sending it.
+    impl->socket.set(zmq::sockopt::linger, 1000);
     if (socket_is_live(path))
       return make_error(ControlErrc::kInUse, "control socket " + path + " is served by another live process");
     ::unlink(path.c_str());  // a socket file a killed daemon left: nobody listens on it

@@ -33,6 +33,6 @@ done
 for p in "${pids[@]}"; do kill -TERM "$p"; done
 for p in "${pids[@]}"; do wait "$p"; done
 pids=()
-grep -q "serving" "$dir/kvtd_rank0.log"
-grep -q "serving" "$dir/kvtd_rank1.log"
+grep -q "serving" "$dir/kvtd_dp0_rank0.log"
+grep -q "serving" "$dir/kvtd_dp0_rank1.log"
 echo "demo check passed"
