@@ -141,13 +141,15 @@ bool bind_this_thread_to_numa_node(int node, std::string* why) {
 }
 
 void start_copy_thread(const char* name, int node) {
+  if (node >= 0) {
+    std::string why;
+    if (bind_this_thread_to_numa_node(node, &why))
+      KVTD_DEBUG("thread {} runs on NUMA node {}", name, node);
+    else
+      KVTD_WARN("thread {} not bound to NUMA node {}: {}", name, node, why);
+  }
+  // Named last: a thread seen under its name has its final affinity.
   pthread_setname_np(pthread_self(), name);
-  if (node < 0) return;
-  std::string why;
-  if (bind_this_thread_to_numa_node(node, &why))
-    KVTD_DEBUG("thread {} runs on NUMA node {}", name, node);
-  else
-    KVTD_WARN("thread {} not bound to NUMA node {}: {}", name, node, why);
 }
 
 }  // namespace kvtd::daemon
