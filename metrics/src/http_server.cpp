@@ -27,17 +27,21 @@ struct MetricsServer::Impl {
 
   explicit Impl(const MetricsRegistry& r) : registry(r) {}
 
-  // One connection: requests until the client closes, an error, or the deadline.
+  // One connection: requests until the client closes, an error, or the deadline. Asynchronous
+  // operations run to completion on this thread's io_context, because only those honour the
+  // stream's expiry: a client that sends nothing (or reads nothing) is cut off after 2 s.
   void serve(tcp::socket socket) {
     beast::tcp_stream stream(std::move(socket));
     beast::flat_buffer buffer(8192);
     for (;;) {
-      stream.expires_after(std::chrono::seconds(2));
       http::request_parser<http::string_body> parser;
       parser.header_limit(8192);
       parser.body_limit(8192);
       beast::error_code ec;
-      http::read(stream, buffer, parser, ec);
+      stream.expires_after(std::chrono::seconds(2));
+      http::async_read(stream, buffer, parser, [&ec](beast::error_code e, std::size_t) { ec = e; });
+      io.restart();
+      io.run();
       if (ec == http::error::end_of_stream || ec == beast::error::timeout) break;
       http::response<http::string_body> res;
       res.version(11);
@@ -57,7 +61,6 @@ struct MetricsServer::Impl {
           res.body() = "kvtd serves /metrics\n";
         } else {
           res.result(http::status::ok);
-          res.set(http::field::content_type, "text/plain; version=0.0.4; charset=utf-8");
           res.body() = registry.render();
         }
       }
@@ -66,7 +69,10 @@ struct MetricsServer::Impl {
       res.keep_alive(keep_alive);
       res.prepare_payload();
       beast::error_code wec;
-      http::write(stream, res, wec);
+      stream.expires_after(std::chrono::seconds(2));
+      http::async_write(stream, res, [&wec](beast::error_code e, std::size_t) { wec = e; });
+      io.restart();
+      io.run();
       if (wec || !keep_alive || ec) break;
     }
     beast::error_code ignored;
