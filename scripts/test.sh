@@ -18,7 +18,7 @@ if [ "${KVTD_SKIP_SANITIZERS:-0}" != 1 ]; then
     ctest --test-dir "$KVTD_ROOT/build-asan" --output-on-failure -j 2 --timeout 900
   echo "== tests under the thread sanitizer"
   KVTD_BUILD_DIR=$KVTD_ROOT/build-tsan kvtd_build -DKVTD_SANITIZE=thread -DKVTD_WITH_CUDA=OFF
-  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:suppressions=$KVTD_ROOT/tests/tsan.supp \
     ctest --test-dir "$KVTD_ROOT/build-tsan" --output-on-failure -j 2 --timeout 900
 fi
 
