@@ -291,10 +291,8 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   if (!proto::valid_session_suffix(suffix))
     return bad("--session: '" + suffix + "' must be 1-64 characters of [A-Za-z0-9_.-]");
 
-  static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
-  bool level_ok = false;
-  for (const char* l : kLevels) level_ok = level_ok || c.log_level == l;
-  if (!level_ok) return bad("--log-level: '" + c.log_level + "' is not one of trace, debug, info, warn, error, critical, off");
+  if (!valid_log_level(c.log_level))
+    return bad("--log-level: '" + c.log_level + "' is not one of " + kLogLevelList);
   // Written so that NaN fails every check.
   auto seconds = [](double v) { return std::to_string(v); };
   if (!(c.engine_timeout_s >= 0.001 && c.engine_timeout_s <= kMaxEngineTimeoutS))

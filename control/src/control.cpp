@@ -1,5 +1,7 @@
 #include "kvtd/control/control.h"
 
+#include "kvtd/config/daemon_config.h"
+
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -118,12 +120,9 @@ Result<Request, ControlErrc> parse_request(const std::string& text) {
     if (level == j.end() || !level->is_string())
       return make_error(ControlErrc::kInvalidArgument, "log-level needs \"level\"");
     r.level = level->get<std::string>();
-    static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
-    bool known = false;
-    for (const char* l : kLevels) known = known || r.level == l;
-    if (!known)
+    if (!config::valid_log_level(r.level))
       return make_error(ControlErrc::kInvalidArgument,
-                        "level '" + r.level.substr(0, 32) + "' is not one of trace, debug, info, warn, error, critical, off");
+                        "level '" + r.level.substr(0, 32) + "' is not one of " + config::kLogLevelList);
   }
   return r;
 }

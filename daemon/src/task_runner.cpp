@@ -124,26 +124,25 @@ struct TaskRunner::Impl {
     std::memcpy(rec.message, message.data(), n);
     const auto kind = static_cast<TaskKind>(h.kind);
     if (status != TaskStatus::kOk) {
-      KVTD_WARN("task {} ({}) failed: {}: {}", h.task_id, proto::task_kind_name(kind), proto::task_status_name(status),
-                message);
-      if (cache.metrics)
-        cache.metrics->note_error("task " + std::to_string(h.task_id) + " (" + proto::task_kind_name(kind) +
-                                  ") failed: " + proto::task_status_name(status) + ": " + message);
+      std::string failed = "task " + std::to_string(h.task_id) + " (" + proto::task_kind_name(kind) +
+                           ") failed: " + proto::task_status_name(status) + ": " + message;
+      KVTD_WARN("{}", failed);
+      if (cache.metrics) cache.metrics->note_error(std::move(failed));
     }
     // Queue wait: engine submit to the start of execution; run: start to this record (same
     // CLOCK_MONOTONIC on both sides of the session).
     const std::int64_t wait_ns = start_ns > h.submit_ns && h.submit_ns > 0 ? start_ns - h.submit_ns : 0;
     const std::int64_t run_ns = rec.end_ns > start_ns ? rec.end_ns - start_ns : 0;
     const bool moves = kind != TaskKind::kStorageQuery && kind != TaskKind::kCancel;
+    const std::uint64_t bytes = moves ? blocks * block_bytes_all_layers : 0;
     KVTD_DEBUG("task {} {} {}: {} blocks, {} bytes, queue wait {} us, run {} us", h.task_id, proto::task_kind_name(kind),
-               proto::task_status_name(status), blocks, moves ? blocks * block_bytes_all_layers : 0, wait_ns / 1000,
-               run_ns / 1000);
+               proto::task_status_name(status), blocks, bytes, wait_ns / 1000, run_ns / 1000);
     if (cache.metrics) {
       const auto dir = kind == TaskKind::kSwapToHost     ? metrics::Direction::kToHost
                        : kind == TaskKind::kSwapToDevice ? metrics::Direction::kToDevice
                        : kind == TaskKind::kStorageWrite ? metrics::Direction::kStorageWrite
                                                          : metrics::Direction::kStorageRead;
-      cache.metrics->task_done(kind, status, dir, moves ? blocks * block_bytes_all_layers : 0, wait_ns, run_ns);
+      cache.metrics->task_done(kind, status, dir, bytes, wait_ns, run_ns);
     }
     {
       std::lock_guard<std::mutex> g(stats_mu);

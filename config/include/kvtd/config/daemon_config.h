@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvtd/proto/expected.h"
@@ -102,6 +103,14 @@ struct DaemonConfig {
   std::int64_t attach_timeout_ns() const { return static_cast<std::int64_t>(attach_timeout_s * 1e9); }
   std::int64_t heartbeat_period_ns() const { return static_cast<std::int64_t>(heartbeat_period_s * 1e9); }
 };
+
+// The log levels --log-level and the control socket's log-level accept (spdlog's names).
+inline constexpr const char* kLogLevelList = "trace, debug, info, warn, error, critical, off";
+constexpr bool valid_log_level(std::string_view level) {
+  for (std::string_view l : {"trace", "debug", "info", "warn", "error", "critical", "off"})
+    if (level == l) return true;
+  return false;
+}
 
 // Ranges of the duration flags, in seconds.
 inline constexpr double kMaxEngineTimeoutS = 3600;
