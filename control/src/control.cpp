@@ -109,12 +109,17 @@ Result<Request, ControlErrc> parse_request(const std::string& text) {
   if (!j.is_object()) return make_error(ControlErrc::kInvalidArgument, "the request must be a JSON object");
   const auto cmd = j.find("command");
   if (cmd == j.end() || !cmd->is_string())
-    return make_error(ControlErrc::kInvalidArgument, "the request needs \"command\": status, drain or log-level");
+    return make_error(ControlErrc::kInvalidArgument, std::string("the request needs \"command\": ") + kCommandList);
   Request r;
   r.command = cmd->get<std::string>();
-  if (r.command != "status" && r.command != "drain" && r.command != "log-level")
-    return make_error(ControlErrc::kInvalidArgument,
-                      "unknown command '" + r.command.substr(0, 64) + "': status, drain or log-level");
+  if (r.command != "status" && r.command != "drain" && r.command != "log-level" && r.command != "clear" &&
+      r.command != "restore")
+    return make_error(ControlErrc::kInvalidArgument, "unknown command '" + r.command.substr(0, 64) + "': " + kCommandList);
+  if (const auto drop = j.find("drop_host_tier"); drop != j.end()) {
+    if (r.command != "clear" || !drop->is_boolean())
+      return make_error(ControlErrc::kInvalidArgument, "\"drop_host_tier\" is a boolean of the clear command");
+    r.drop_host_tier = drop->get<bool>();
+  }
   if (r.command == "log-level") {
     const auto level = j.find("level");
     if (level == j.end() || !level->is_string())
@@ -223,6 +228,7 @@ Result<std::string, ControlErrc> call(const std::string& endpoint, const Request
     socket.connect(endpoint);
     json j{{"command", request.command}};
     if (!request.level.empty()) j["level"] = request.level;
+    if (request.drop_host_tier) j["drop_host_tier"] = true;
     if (!socket.send(zmq::buffer(j.dump()), zmq::send_flags::none))
       return make_error(ControlErrc::kTimeout, "no daemon took the request at " + endpoint);
     zmq::message_t reply;

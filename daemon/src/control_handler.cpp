@@ -18,6 +18,19 @@ std::int64_t unix_ms() {
       .count();
 }
 
+const char* cache_name(ControlState::Cache c) {
+  switch (c) {
+    case ControlState::Cache::kDetached: return "detached";
+    case ControlState::Cache::kLive: return "live";
+    case ControlState::Cache::kCleared: return "cleared";
+  }
+  return "unknown";
+}
+
+// How long `clear` / `restore` wait for the serving loop before answering: tasks in flight
+// finish first. The reply then says where it got to; `kvtd ctl status` shows the rest.
+constexpr std::int64_t kCacheWaitMs = 20'000;
+
 json status_of(const config::DaemonConfig& cfg, const metrics::MetricsRegistry& reg, const std::string& store_name,
                const ControlState& state) {
   json tasks = json::array();
@@ -37,6 +50,7 @@ json status_of(const config::DaemonConfig& cfg, const metrics::MetricsRegistry& 
       {"attached_since_unix_ms", since},
       {"attached_for_s", since > 0 ? static_cast<double>(unix_ms() - since) / 1000.0 : 0.0},
       {"draining", state.draining.load()},
+      {"cache", cache_name(state.cache())},
       {"log_level", spdlog::level::to_string_view(spdlog::get_level()).data()},
       {"tasks", tasks},
       {"bytes",
@@ -59,7 +73,28 @@ void ControlState::attached(std::uint64_t gen) {
   attached_since_ms.store(unix_ms());
 }
 
-void ControlState::detached() { attached_since_ms.store(0); }
+void ControlState::detached() {
+  attached_since_ms.store(0);
+  set_cache(Cache::kDetached);
+}
+
+void ControlState::set_cache(Cache c) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    cache_ = c;
+  }
+  cv_.notify_all();
+}
+
+ControlState::Cache ControlState::cache() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return cache_;
+}
+
+bool ControlState::wait_cache(Cache want, std::int64_t timeout_ms) {
+  std::unique_lock<std::mutex> lk(mu_);
+  return cv_.wait_for(lk, std::chrono::milliseconds(timeout_ms), [&] { return cache_ == want; });
+}
 
 Result<std::unique_ptr<control::ControlServer>, control::ControlErrc> start_control(
     const config::DaemonConfig& cfg, const metrics::MetricsRegistry& registry, const std::string& store_name,
@@ -84,6 +119,28 @@ Result<std::unique_ptr<control::ControlServer>, control::ControlErrc> start_cont
       spdlog::set_level(spdlog::level::from_str(r.level));
       KVTD_WARN("log level {} -> {} (control socket)", std::string(before.data(), before.size()), r.level);
       reply.result_json = json{{"log_level", r.level}}.dump();
+    } else if (r.command == "clear" || r.command == "restore") {
+      const bool clear = r.command == "clear";
+      const auto want = clear ? ControlState::Cache::kCleared : ControlState::Cache::kLive;
+      if (state.cache() == ControlState::Cache::kDetached) {
+        reply.ok = false;
+        reply.error = "not attached to a session: there is no cache to " + r.command;
+        return reply;
+      }
+      if (state.cache() != want) {
+        KVTD_WARN("{} requested over the control socket", clear ? "cache clear" : "cache restore");
+        if (clear) state.clear_drops_host_tier.store(r.drop_host_tier);
+        (clear ? state.clear_requested : state.restore_requested).store(true);
+      }
+      if (!state.wait_cache(want, kCacheWaitMs)) {
+        reply.ok = false;
+        reply.error = clear ? "still clearing after " + std::to_string(kCacheWaitMs / 1000) +
+                                  " s: tasks in flight have not finished (see `kvtd ctl status`)"
+                            : std::string("not restored: the engine has cleared its cache and restores it itself, or "
+                                          "the registry could not be re-opened (see the daemon's log)");
+        return reply;
+      }
+      reply.result_json = json{{"cache", cache_name(want)}}.dump();
     }
     return reply;
   };

@@ -1,12 +1,18 @@
 // `kvtd ctl`: asks running daemons what they are doing, over their control sockets.
 //
 //   kvtd ctl [--session S] [--dp D] [--rank R | --all] [--endpoint E] [--timeout SEC] [--json]
-//            status | drain | log-level LEVEL
+//            status | drain | log-level LEVEL | clear [--drop-host-tier] | restore
+//
+// clear / restore act on the daemon alone (the engine's clear_caches()/restore_caches() are the
+// engine-driven path): clear finishes the tasks in flight and closes every mapping of the
+// engine's KV tensors, failing later tasks with cache_cleared until restore re-reads the tensor
+// registry and re-opens it. Each daemon answers once it got there (up to 20 s).
 //
 // Default: every rank of the session found in the runtime directory (--all). A readable table
 // by default, the daemons' JSON with --json. Exit 0 when every asked daemon answered ok, 1 when
 // one did not answer in time or refused, 2 for bad arguments.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
@@ -37,18 +43,19 @@ void print_status(std::uint32_t rank, const json& r) {
               gb(r["bytes"]["to_device"].get<std::uint64_t>()).c_str(),
               static_cast<unsigned long long>(r["queue_depth_bytes"].get<std::uint64_t>()),
               gb(r["host_pool_bytes"].get<std::uint64_t>()).c_str(),
-              r["storage"]["backend"].get<std::string>().c_str(), r["draining"].get<bool>() ? "  DRAINING" : "",
+              r["storage"]["backend"].get<std::string>().c_str(),
+              r["draining"].get<bool>() ? "  DRAINING" : (r.value("cache", "") == "cleared" ? "  CACHE CLEARED" : ""),
               errors.empty() ? "" : ("\n         last error: " + errors.back().get<std::string>()).c_str());
 }
 
 }  // namespace
 
 int run_ctl(int argc, char** argv) {
-  CLI::App app{"kvtd ctl - ask running kvtd daemons (status, drain, log-level)", "kvtd ctl"};
+  CLI::App app{"kvtd ctl - ask running kvtd daemons (status, drain, log-level, clear, restore)", "kvtd ctl"};
   std::string session, endpoint, command, level;
   std::uint32_t dp = 0;
   std::int64_t rank = -1;
-  bool all = false, as_json = false;
+  bool all = false, as_json = false, drop_host_tier = false;
   double timeout_s = 2.0;
   app.add_option("--session,--ipc_suffix", session, "Session suffix of the daemons (required unless --endpoint)");
   app.add_option("--dp,--local_data_parallel_id", dp, "Data-parallel group (default 0)");
@@ -57,7 +64,8 @@ int run_ctl(int argc, char** argv) {
   app.add_option("--endpoint", endpoint, "One daemon by endpoint (ipc://... or tcp://127.0.0.1:port)");
   app.add_option("--timeout", timeout_s, "Seconds to wait for each daemon (default 2)");
   app.add_flag("--json", as_json, "Print the daemons' JSON replies");
-  app.add_option("command", command, "status | drain | log-level")->required();
+  app.add_flag("--drop-host-tier", drop_host_tier, "clear: also invalidate the host pool (its KV is the old weights')");
+  app.add_option("command", command, "status | drain | log-level | clear | restore")->required();
   app.add_option("level", level, "log-level: trace | debug | info | warn | error | critical | off");
   try {
     app.parse(argc, argv);
@@ -67,8 +75,10 @@ int run_ctl(int argc, char** argv) {
   control::Request req;
   req.command = command;
   req.level = level;
+  req.drop_host_tier = drop_host_tier;
   json probe{{"command", command}};
   if (!level.empty()) probe["level"] = level;
+  if (drop_host_tier) probe["drop_host_tier"] = true;
   if (auto checked = control::parse_request(probe.dump()); !checked.ok()) {
     std::fprintf(stderr, "kvtd ctl: %s\n", checked.error().message.c_str());
     return kExitBadFlags;
@@ -111,7 +121,9 @@ int run_ctl(int argc, char** argv) {
   int code = 0;
   json all_replies = json::array();
   for (const auto& [r, ep] : targets) {
-    auto reply = control::call(ep, req, static_cast<int>(timeout_s * 1000));
+    // A clear waits for the tasks in flight: the daemon answers within 20 s, so wait longer.
+    const double wait_s = command == "clear" || command == "restore" ? std::max(timeout_s, 25.0) : timeout_s;
+    auto reply = control::call(ep, req, static_cast<int>(wait_s * 1000));
     if (!reply.ok()) {
       std::fprintf(stderr, "kvtd ctl: rank %u: %s\n", r, reply.error().message.c_str());
       all_replies.push_back({{"rank", r}, {"ok", false}, {"error", reply.error().message}});
@@ -134,6 +146,8 @@ int run_ctl(int argc, char** argv) {
     if (as_json) continue;
     if (command == "status") print_status(r, j["result"]);
     else if (command == "drain") std::printf("rank %u: draining (finishes the tasks in flight, then exits)\n", r);
+    else if (command == "clear") std::printf("rank %u: cache cleared (mappings closed%s)\n", r, drop_host_tier ? ", host tier dropped" : "");
+    else if (command == "restore") std::printf("rank %u: cache restored (registry re-read and re-opened)\n", r);
     else std::printf("rank %u: log level %s\n", r, level.c_str());
   }
   if (as_json) std::printf("%s\n", all_replies.dump(2).c_str());

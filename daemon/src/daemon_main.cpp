@@ -4,8 +4,11 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
 #include <thread>
 
+#include "cleared_cache.h"
+#include "completion.h"
 #include "kvtd/daemon/control_handler.h"
 #include "kvtd/daemon/host_pool.h"
 #include "kvtd/daemon/log.h"
@@ -249,40 +252,104 @@ int run_daemon(const config::DaemonConfig& cfg, std::atomic<bool>& stop) {
     if ((*pool)->restored())
       KVTD_INFO("host pool {} re-mapped from a previous daemon of this session: {} of {} blocks hold data",
                 (*pool)->name(), (*pool)->valid_blocks(), cfg.num_host_blocks);
-    auto cache = attach_cache(endpoint, *backend, **pool);
-    if (!cache.ok()) {
-      KVTD_ERROR("cannot map the cache tensors: {}", cache.error().message);
+    // One pass per mapping of the engine's cache: a weight update (CLEAR_CACHE ... RESTORE_CACHE,
+    // or `kvtd ctl clear|restore`) closes it and later maps the re-registered tensors.
+    TaskRunner::Exit why = TaskRunner::Exit::kStopped;
+    std::optional<proto::TaskRecordHeader> restore_task;  // to complete once serving again
+    bool live = endpoint.tensors_loaded();
+    auto fail_restore = [&](const std::string& message) {
+      KVTD_ERROR("cannot restore the cache: {}", message);
+      if (!restore_task) return;
+      (void)endpoint.complete(completion_record(endpoint.rank(), *restore_task, proto::TaskStatus::kDeviceError, 0, 0,
+                                                ipc::monotonic_now_ns(), message));
+      restore_task.reset();
+    };
+    for (;;) {
+      if (!live) {
+        endpoint.set_ready(proto::kReadyHostPool);
+        registry.set_attached(true, endpoint.epoch());
+        control_state.attached(endpoint.generation());
+        control_state.set_cache(ControlState::Cache::kCleared);
+        notify_status("cache cleared for a weight update; waiting for restore");
+        KVTD_INFO("cache cleared: holding no mapping of the engine's tensors until restore");
+        heartbeat.serving();
+        notify_ready();
+        const auto out = serve_cleared(endpoint, **pool, stop, &control_state.restore_requested);
+        if (out.why == ClearedExit::Why::kStopped) break;
+        if (out.why == ClearedExit::Why::kSessionLost || out.why == ClearedExit::Why::kRingCorrupt) {
+          why = out.why == ClearedExit::Why::kSessionLost ? TaskRunner::Exit::kSessionLost
+                                                           : TaskRunner::Exit::kRingCorrupt;
+          break;
+        }
+        restore_task = out.restore_task;
+        auto loaded = endpoint.load_tensors();
+        if (!loaded.ok() || !*loaded) {
+          fail_restore(loaded.ok() ? "the engine's cache state is cleared: it registers its tensors and restores"
+                                   : "tensor registry: " + loaded.error().message);
+          continue;
+        }
+      }
+      auto cache = attach_cache(endpoint, *backend, **pool);
+      if (!cache.ok()) {
+        backend->close_tensors();
+        if (live) {  // the first mapping, right after attach
+          KVTD_ERROR("cannot map the cache tensors: {}", cache.error().message);
+          return kExitBackend;
+        }
+        fail_restore(cache.error().message);  // stay cleared; the engine clears and restores again
+        continue;
+      }
+      cache->storage.store = store->store.get();
+      cache->storage.store_name = store->name;
+      cache->storage.config = cfg.storage;
+      cache->numa_node = numa_node;
+      cache->metrics = &registry;
+      registry.set_host_pool_bytes((*pool)->total_bytes());
+      cache->summary_period_ns = static_cast<std::int64_t>(cfg.log_summary_period_s * 1e9);
+      cache->storage.numa_node = numa_node;
+      auto events = backend->export_layer_events(geometry.num_layers);
+      if (!events.ok()) {
+        KVTD_ERROR("cannot create the per-layer events: {}", events.error().message);
+        backend->close_tensors();
+        return kExitBackend;
+      }
+      endpoint.publish_layer_events(*events);
+      TaskRunner runner(endpoint, *backend, std::move(cache).value());
+      endpoint.set_ready(proto::kReadyCacheAttached | proto::kReadyHostPool);
+      if (restore_task) {
+        KVTD_INFO("cache restored (task {}): the re-registered tensors are mapped", restore_task->task_id);
+        (void)endpoint.complete(completion_record(endpoint.rank(), *restore_task, proto::TaskStatus::kOk, 0, 0,
+                                                  ipc::monotonic_now_ns(), "tensors re-opened"));
+        restore_task.reset();
+      }
+      live = true;
+      KVTD_INFO("attached to session generation {:016x} as epoch {}; serving", endpoint.generation(), endpoint.epoch());
+      notify_status("serving session " + cfg.session_suffix);
+      notify_ready();
+      heartbeat.serving();
+      registry.set_attached(true, endpoint.epoch());
+      control_state.attached(endpoint.generation());
+      control_state.set_cache(ControlState::Cache::kLive);
+      control_state.clear_requested.store(false);
+      why = runner.run(stop, &control_state.clear_requested);
+      const auto st = runner.stats();
+      KVTD_INFO("{}: {} tasks ok, {} failed, {} dropped (revoked epoch), {} bytes to host, {} bytes to device; "
+                "storage: {} tasks, {} objects read ({} bytes), {} written ({} bytes)",
+                why == TaskRunner::Exit::kCleared ? "mapping closed" : "session done", st.tasks_ok, st.tasks_failed,
+                st.tasks_dropped, st.bytes_to_host, st.bytes_to_device, st.storage.tasks, st.storage.objects_read,
+                st.storage.bytes_read, st.storage.objects_written, st.storage.bytes_written);
+      if (why != TaskRunner::Exit::kCleared) break;
+      // Every task before the clear has completed; nothing touches the tensors any more.
+      endpoint.set_ready(proto::kReadyHostPool);
       backend->close_tensors();
-      return kExitBackend;
+      if (auto clear = runner.clear_task()) {
+        finish_clear(endpoint, **pool, *clear);
+      } else if (control_state.clear_drops_host_tier.exchange(false)) {
+        (*pool)->mark_all_invalid();
+        KVTD_INFO("host tier dropped with the clear");
+      }
+      live = false;
     }
-    cache->storage.store = store->store.get();
-    cache->storage.store_name = store->name;
-    cache->storage.config = cfg.storage;
-    cache->numa_node = numa_node;
-    cache->metrics = &registry;
-    registry.set_host_pool_bytes((*pool)->total_bytes());
-    cache->summary_period_ns = static_cast<std::int64_t>(cfg.log_summary_period_s * 1e9);
-    cache->storage.numa_node = numa_node;
-    auto events = backend->export_layer_events(geometry.num_layers);
-    if (!events.ok()) {
-      KVTD_ERROR("cannot create the per-layer events: {}", events.error().message);
-      backend->close_tensors();
-      return kExitBackend;
-    }
-    endpoint.publish_layer_events(*events);
-    TaskRunner runner(endpoint, *backend, std::move(cache).value());
-    endpoint.set_ready(proto::kReadyCacheAttached | proto::kReadyHostPool);
-    KVTD_INFO("attached to session generation {:016x} as epoch {}; serving", endpoint.generation(), endpoint.epoch());
-    notify_ready();
-    heartbeat.serving();
-    registry.set_attached(true, endpoint.epoch());
-    control_state.attached(endpoint.generation());
-    const auto why = runner.run(stop);
-    const auto st = runner.stats();
-    KVTD_INFO("session done: {} tasks ok, {} failed, {} dropped (revoked epoch), {} bytes to host, {} bytes to device; "
-              "storage: {} tasks, {} objects read ({} bytes), {} written ({} bytes)",
-              st.tasks_ok, st.tasks_failed, st.tasks_dropped, st.bytes_to_host, st.bytes_to_device, st.storage.tasks,
-              st.storage.objects_read, st.storage.bytes_read, st.storage.objects_written, st.storage.bytes_written);
     endpoint.set_ready(0);
     registry.set_attached(false, 0);
     control_state.detached();

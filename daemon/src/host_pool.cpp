@@ -201,6 +201,11 @@ void HostPool::mark_invalid(std::span<const std::int32_t> ids) {
   for (auto id : ids) (void)std::atomic_ref<std::uint8_t>(valid_[id]).exchange(0, std::memory_order_seq_cst);
 }
 
+void HostPool::mark_all_invalid() {
+  for (std::uint32_t id = 0; id < blocks_; ++id)
+    (void)std::atomic_ref<std::uint8_t>(valid_[id]).exchange(0, std::memory_order_seq_cst);
+}
+
 void HostPool::mark_valid(std::span<const std::int32_t> ids) {
   for (auto id : ids) std::atomic_ref<std::uint8_t>(valid_[id]).store(1, std::memory_order_release);
 }

@@ -8,6 +8,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "completion.h"
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/notify.h"
 #include "kvtd/daemon/numa.h"
@@ -82,6 +83,7 @@ struct TaskRunner::Impl {
   RunnerStats stats;
 
   std::unique_ptr<StorageExecutor> storage;  // set in the constructor; moved out under stats_mu by run()
+  std::optional<proto::TaskRecordHeader> clear_task;  // the CLEAR_CACHE that ended run() (dispatcher only)
   StorageStats storage_final;  // the executor's figures once it is gone (guarded by stats_mu)
 
   Impl(ipc::RankEndpoint& e, DeviceBackend& b, AttachedCache c) : ep(e), backend(b), cache(std::move(c)) {
@@ -109,19 +111,7 @@ struct TaskRunner::Impl {
 
   void complete(const proto::TaskRecordHeader& h, TaskStatus status, std::uint64_t blocks, std::uint32_t layers,
                 std::int64_t start_ns, const std::string& message, std::uint64_t skipped = 0) {
-    proto::CompletionRecord rec{};
-    rec.blocks_skipped = skipped;
-    rec.task_id = h.task_id;
-    rec.seq = h.seq;
-    rec.status = static_cast<std::int32_t>(status);
-    rec.rank = ep.rank();
-    rec.kind = h.kind;
-    rec.layers_done = layers;
-    rec.blocks_done = blocks;
-    rec.start_ns = start_ns;
-    rec.end_ns = ipc::monotonic_now_ns();
-    const std::size_t n = std::min(message.size(), sizeof rec.message - 1);
-    std::memcpy(rec.message, message.data(), n);
+    const proto::CompletionRecord rec = completion_record(ep.rank(), h, status, blocks, layers, start_ns, message, skipped);
     const auto kind = static_cast<TaskKind>(h.kind);
     if (status != TaskStatus::kOk) {
       std::string failed = "task " + std::to_string(h.task_id) + " (" + proto::task_kind_name(kind) +
@@ -133,7 +123,7 @@ struct TaskRunner::Impl {
     // CLOCK_MONOTONIC on both sides of the session).
     const std::int64_t wait_ns = start_ns > h.submit_ns && h.submit_ns > 0 ? start_ns - h.submit_ns : 0;
     const std::int64_t run_ns = rec.end_ns > start_ns ? rec.end_ns - start_ns : 0;
-    const bool moves = kind != TaskKind::kStorageQuery && kind != TaskKind::kCancel;
+    const bool moves = kind != TaskKind::kStorageQuery && kind != TaskKind::kCancel && !proto::is_cache_control_kind(kind);
     const std::uint64_t bytes = moves ? blocks * block_bytes_all_layers : 0;
     KVTD_DEBUG("task {} {} {}: {} blocks, {} bytes, queue wait {} us, run {} us", h.task_id, proto::task_kind_name(kind),
                proto::task_status_name(status), blocks, bytes, wait_ns / 1000, run_ns / 1000);
@@ -233,6 +223,16 @@ struct TaskRunner::Impl {
     const auto& h = w.header;
     const auto kind = static_cast<TaskKind>(h.kind);
     const auto src = decoded->src, dst = decoded->dst;
+    if (kind == TaskKind::kClearCache) {
+      clear_task = h;  // run() drains and returns kCleared
+      return false;
+    }
+    if (kind == TaskKind::kRestoreCache) {
+      // Mapped from the registry as it is now: the engine made it live before this record, and
+      // this rank attached (and read it) after that.
+      complete(h, TaskStatus::kOk, 0, 0, now, "already serving the restored cache");
+      return false;
+    }
     if (proto::is_storage_kind(kind)) return decode_storage(w, src, dst, now);
     const bool to_host = kind == TaskKind::kSwapToHost;
     auto plan = kernels::plan_copy(src, dst, to_host ? cache.device_blocks : cache.host_blocks,
@@ -446,6 +446,23 @@ struct TaskRunner::Impl {
     return n;
   }
 
+  // Waits until every admitted task (both lanes and the storage executor) has completed or was
+  // dropped: what CLEAR_CACHE waits for before the mappings close. Tasks end on their own (each
+  // copy finishes, storage work is bounded by its deadline and the store's timeouts); the
+  // watchdog is fed meanwhile.
+  void wait_until_idle() {
+    for (;;) {
+      const std::uint32_t seen = track_word.load(std::memory_order_acquire);
+      {
+        std::lock_guard<std::mutex> g(track_mu);
+        if (inflight_tasks.empty()) return;
+      }
+      notify_watchdog();
+      // Every release bumps track_word (acquire/release on it publishes the erased entry).
+      (void)ipc::wait_on_word(track_word, seen, ipc::monotonic_now_ns() + kPollSliceNs, &track_waiters, 2'000);
+    }
+  }
+
   std::uint64_t task_bytes(const Work& w) const {
     return block_bytes_all_layers * static_cast<std::uint64_t>(w.plan.num_blocks);
   }
@@ -464,7 +481,9 @@ RunnerStats TaskRunner::stats() const {
   return s;
 }
 
-TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop) {
+std::optional<proto::TaskRecordHeader> TaskRunner::clear_task() const { return impl_->clear_task; }
+
+TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop, const std::atomic<bool>* clear_requested) {
   auto* impl = impl_.get();
   for (int d = 0; d < 2; ++d) impl->lanes[d].thread = std::thread([impl, d] { impl->lane_loop(d); });
 
@@ -483,6 +502,11 @@ TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop) {
     impl->maybe_summarize(last_summary, summary_at);
     if (impl->cache.metrics) impl->cache.metrics->set_ring_depth(impl->ep.ring_published() - impl->ep.ring_read());
     const bool stopping = stop.load(std::memory_order_acquire);
+    if (!stopping && clear_requested != nullptr && clear_requested->load(std::memory_order_acquire)) {
+      impl->wait_until_idle();
+      exit = Exit::kCleared;
+      break;
+    }
     if (stopping && !drain_until) drain_until = impl->ep.ring_published();
     if (drain_until && impl->ep.ring_read() >= *drain_until) break;
     const std::int64_t now = ipc::monotonic_now_ns();
@@ -496,6 +520,13 @@ TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop) {
       KVTD_WARN("the engine had counted this rank as dead and failed its tasks; dropped {} queued tasks of the "
                 "revoked epoch unrun; re-attached as epoch {}",
                 dropped, impl->ep.epoch());
+      if (!impl->ep.cache_live()) {
+        // The engine cleared its cache meanwhile (this rank's CLEAR_CACHE was failed for it):
+        // release the mappings before anything else.
+        impl->wait_until_idle();
+        exit = Exit::kCleared;
+        break;
+      }
       continue;
     }
     if (next == ipc::RankEndpoint::Next::kLost) {
@@ -508,7 +539,14 @@ TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop) {
     }
     Work w;
     w.epoch = impl->ep.epoch();
-    if (!impl->decode(record, w)) continue;
+    if (!impl->decode(record, w)) {
+      if (impl->clear_task) {  // CLEAR_CACHE: everything before it finishes first
+        impl->wait_until_idle();
+        exit = Exit::kCleared;
+        break;
+      }
+      continue;
+    }
     if (w.storage) {
       w.storage_work.epoch = w.epoch;
       impl->admit(w, kStorageLane);

@@ -47,6 +47,7 @@ const char* ipc_errc_name(IpcErrc e) {
     case IpcErrc::kNoSpace: return "no_space";
     case IpcErrc::kCorrupt: return "corrupt";
     case IpcErrc::kSystem: return "system";
+    case IpcErrc::kCacheCleared: return "cache_cleared";
   }
   return "unknown";
 }
@@ -58,6 +59,12 @@ struct Pending {
   std::uint32_t expected = 0;  // rank bit mask
   std::uint32_t reported = 0;
   TaskResult result;
+};
+
+// One record to push: header plus its two word lists (owned).
+struct Encoded {
+  proto::TaskRecordHeader hdr{};
+  std::vector<std::int32_t> src, dst;
 };
 
 }  // namespace
@@ -81,11 +88,17 @@ struct EngineSession::Impl {
   std::map<std::uint64_t, TaskResult> done;  // ordered by id: the oldest is dropped first
   std::uint64_t next_task_id = 1;
   std::atomic<std::uint64_t> weight_version{0};
+  // Weight updates (guarded by mu; mirrored to h->cache_state): tasks are refused while cleared;
+  // tensors may be registered again once every rank confirmed the clear.
+  bool cache_cleared = false;
+  bool clear_confirmed = false;
+  std::uint32_t arena_incarnation = 0;  // host-backend arenas made so far (new names after a clear)
 
   // Per rank, private (guarded by mu): who was granted, and a fence in progress.
   struct RankState {
     std::uint64_t owner = 0;  // owner word of the granted daemon
     bool fencing = false;     // declared gone; tasks fail once the fence ends
+    bool unfenced = false;    // its fence failed: the process may live on with the cache mapped
     std::string why;
   };
   std::vector<RankState> rank_state;
@@ -95,6 +108,26 @@ struct EngineSession::Impl {
   std::condition_variable stop_cv;
   bool stopping = false;
   std::thread service_thread;
+
+  // Requires mu. Whether no daemon may be reading the registry: before publish, or once every
+  // rank confirmed a clear.
+  bool registry_writable() const {
+    return h->state.load() == static_cast<std::uint32_t>(proto::SessionState::kCreating) ||
+           (cache_cleared && clear_confirmed);
+  }
+
+  // Requires mu. Sets the cache state, private and in the header (see proto::CacheState).
+  void set_cache_state(bool cleared) {
+    cache_cleared = cleared;
+    if (!cleared) clear_confirmed = false;
+    h->cache_state.store(static_cast<std::uint32_t>(cleared ? proto::CacheState::kCleared : proto::CacheState::kLive),
+                         std::memory_order_release);
+  }
+
+  Result<std::uint64_t, IpcErrc> submit_encoded(std::vector<Encoded>& records, std::int64_t timeout_ns,
+                                                bool cache_control);
+  Result<TaskResult, IpcErrc> wait_result(std::uint64_t task_id, std::int64_t timeout_ns);
+  Result<TaskResult, IpcErrc> run_cache_control(proto::TaskKind kind, std::uint16_t flags, std::int64_t timeout_ns);
 
   std::uint32_t all_ranks_mask() const { return geo.num_ranks >= 32 ? ~0u : (1u << geo.num_ranks) - 1; }
 
@@ -188,6 +221,7 @@ struct EngineSession::Impl {
           continue;
         }
         rank_state[r].owner = s.owner.load(std::memory_order_acquire);
+        rank_state[r].unfenced = false;
         s.consumed.store(h->ring_head.load(std::memory_order_relaxed), std::memory_order_relaxed);
         s.attached_epoch.store(req, std::memory_order_release);
         s.attached.store(1, std::memory_order_release);
@@ -229,6 +263,7 @@ struct EngineSession::Impl {
       if (f.outcome == FenceOutcome::kFenced) {
         fail_rank(r, TaskStatus::kRankDead, st.why + "; " + f.detail);
       } else {
+        st.unfenced = true;
         fail_rank(r, TaskStatus::kRankUnfenced,
                   st.why + "; it could not be stopped (" + f.detail +
                       "), so it may still write this task's destination blocks: keep them out of use");
@@ -240,9 +275,9 @@ struct EngineSession::Impl {
   }
 
   // Requires mu. Appends the task (a fresh task id and submit time) and records it as pending
-  // for every rank; nullopt when the ring has no room now.
+  // for the ranks in `expected` (default: every rank); nullopt when the ring has no room now.
   std::optional<std::uint64_t> push_locked(proto::TaskRecordHeader hdr, std::span<const std::int32_t> src,
-                                           std::span<const std::int32_t> dst) {
+                                           std::span<const std::int32_t> dst, std::uint32_t expected = 0) {
     hdr.task_id = next_task_id;
     hdr.submit_ns = clock->now_ns();
     std::uint64_t seq = 0;
@@ -250,7 +285,7 @@ struct EngineSession::Impl {
     ++next_task_id;
     Pending p;
     p.seq = seq;
-    p.expected = all_ranks_mask();
+    p.expected = expected != 0 ? expected : all_ranks_mask();
     p.result.task_id = hdr.task_id;
     p.result.submit_ns = hdr.submit_ns;
     pending.emplace(hdr.task_id, std::move(p));
@@ -389,10 +424,11 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
 
 Status<IpcErrc> EngineSession::register_tensor(const proto::TensorDesc& d) {
   std::lock_guard<std::mutex> g(impl_->mu);
-  auto* h = impl_->h;
   const auto& geo = impl_->geo;
-  if (h->state.load() != static_cast<std::uint32_t>(proto::SessionState::kCreating))
-    return make_error(IpcErrc::kInvalidArgument, "tensors can only be registered before publish()");
+  if (!impl_->registry_writable())
+    return make_error(IpcErrc::kInvalidArgument,
+                      "tensors can only be registered before publish(), or while clear_caches() has every rank's "
+                      "mappings released");
   if (d.rank >= geo.num_ranks || d.layer >= geo.num_layers || d.kind >= proto::kTensorKinds)
     return make_error(IpcErrc::kInvalidArgument, "tensor rank " + std::to_string(d.rank) + " layer " +
                                                      std::to_string(d.layer) + " kind " + std::to_string(d.kind) +
@@ -417,8 +453,26 @@ Status<IpcErrc> EngineSession::register_tensor(const proto::TensorDesc& d) {
   return {};
 }
 
+Status<IpcErrc> EngineSession::free_host_device_tensors() {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  if (!impl_->registry_writable())
+    return make_error(IpcErrc::kInvalidArgument,
+                      "the host-backend tensors can only be freed before publish(), or after clear_caches()");
+  auto* reg = impl_->view.registry();
+  for (std::size_t i = 0; i < impl_->arena_tensor.size(); ++i)
+    if (impl_->arena_tensor[i] != nullptr) {
+      reg[i].valid = 0;
+      impl_->arena_tensor[i] = nullptr;
+    }
+  impl_->arenas.clear();  // unmaps and unlinks each arena
+  return {};
+}
+
 Status<IpcErrc> EngineSession::create_host_device_tensors() {
   const auto& g = impl_->geo;
+  if (!impl_->arenas.empty())
+    if (auto st = free_host_device_tensors(); !st.ok()) return st;
+  const std::uint32_t incarnation = impl_->arena_incarnation++;
   for (std::uint32_t r = 0; r < g.num_ranks; ++r) {
     std::uint64_t total = 0;
     for (std::uint32_t l = 0; l < g.num_layers; ++l)
@@ -428,7 +482,10 @@ Status<IpcErrc> EngineSession::create_host_device_tensors() {
       }
     // Named by uid and generation, not by suffix, so the name always fits the 64-byte handle
     // and a sweep can tell whose session it belonged to.
-    const std::string arena = detail::session_object_name(impl_->generation, "dev" + std::to_string(r));
+    // After a clear the new arenas get new names (incarnation * 1000 + rank; kMaxRanks < 1000), so a
+    // daemon can never open a freed arena's successor by its old handle.
+    const std::string arena =
+        detail::session_object_name(impl_->generation, "dev" + std::to_string(incarnation * 1000 + r));
     SharedObject::remove(arena);
     auto m = SharedObject::create(arena, total);
     if (!m.ok()) return std::move(m).error();
@@ -510,12 +567,6 @@ std::uint64_t EngineSession::weight_version() const { return impl_->weight_versi
 
 namespace {
 
-// One record to push: header plus its two word lists (owned).
-struct Encoded {
-  proto::TaskRecordHeader hdr{};
-  std::vector<std::int32_t> src, dst;
-};
-
 Status<IpcErrc> check_keys(std::span<const std::string> keys) {
   if (keys.size() > proto::kMaxKeysPerTask)
     return make_error(IpcErrc::kInvalidArgument, std::to_string(keys.size()) + " keys exceed the limit of " +
@@ -581,6 +632,9 @@ Result<std::vector<Encoded>, IpcErrc> encode_request(const TaskRequest& req, std
     }
     return out;
   }
+  if (proto::is_cache_control_kind(kind))
+    return make_error(IpcErrc::kInvalidArgument, std::string(proto::task_kind_name(kind)) +
+                                                     " is submitted by clear_caches() / restore_caches()");
   if (!proto::is_storage_kind(kind))
     return make_error(IpcErrc::kInvalidArgument, "task kind " + std::to_string(static_cast<unsigned>(kind)) +
                                                      " is reserved or unknown");
@@ -620,11 +674,17 @@ Result<std::vector<Encoded>, IpcErrc> encode_request(const TaskRequest& req, std
 }  // namespace
 
 Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
-  auto* impl = impl_.get();
-  auto* h = impl->h;
-  auto encoded = encode_request(req, impl->weight_version.load());
+  auto encoded = encode_request(req, impl_->weight_version.load());
   if (!encoded.ok()) return std::move(encoded).error();
-  auto& records = *encoded;
+  return impl_->submit_encoded(*encoded, req.submit_timeout_ns, false);
+}
+
+// Cache-control tasks (CLEAR_CACHE / RESTORE_CACHE) go to the ranks attached now: one that is
+// not attached maps nothing, and reads the cache state after its grant. Every other task is
+// refused while the cache is cleared and needs every rank attached.
+Result<std::uint64_t, IpcErrc> EngineSession::Impl::submit_encoded(std::vector<Encoded>& records,
+                                                                   std::int64_t timeout_ns, bool cache_control) {
+  auto* impl = this;
   std::uint64_t need = 0;
   for (const auto& e : records) need += proto::task_record_bytes(static_cast<std::uint32_t>(e.src.size()),
                                                                  static_cast<std::uint32_t>(e.dst.size()));
@@ -637,7 +697,7 @@ Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
                                                 std::to_string(e.src.size() + e.dst.size()) +
                                                 " words) cannot fit in a " +
                                                 std::to_string(impl->view.layout.ring_bytes) + "-byte task ring");
-  const std::int64_t deadline = deadline_after(impl->clock->now_ns(), req.submit_timeout_ns);
+  const std::int64_t deadline = deadline_after(impl->clock->now_ns(), timeout_ns);
   for (;;) {
     const std::uint32_t space_seen = h->space_word.load(std::memory_order_acquire);
     const std::uint32_t done_seen = h->completion_word.load(std::memory_order_acquire);
@@ -645,10 +705,21 @@ Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
     {
       std::lock_guard<std::mutex> g(impl->mu);
       impl->service(false);
+      std::uint32_t expected = 0;
+      if (!cache_control && impl->cache_cleared)
+        return make_error(IpcErrc::kCacheCleared, "the KV cache of session " + impl->name +
+                                                      " is cleared for a weight update: restore_caches() first");
       for (std::uint32_t r = 0; r < impl->geo.num_ranks; ++r) {
-        if (!h->ranks[r].attached.load(std::memory_order_acquire))
+        if (cache_control && (impl->rank_state[r].fencing || impl->rank_state[r].unfenced))
+          return make_error(IpcErrc::kNotReady, "rank " + std::to_string(r) + " went silent and " +
+                                                    (impl->rank_state[r].fencing ? "is being stopped"
+                                                                                 : "could not be stopped") +
+                                                    ": it may still have the cache mapped");
+        if (h->ranks[r].attached.load(std::memory_order_acquire)) expected |= 1u << r;
+        else if (!cache_control)
           return make_error(IpcErrc::kNotReady, "rank " + std::to_string(r) + " is not attached to session " + impl->name);
       }
+      if (expected == 0) return std::uint64_t{0};  // cache control with no rank attached: nothing to tell
       if (impl->pending.size() + records.size() <= impl->opts.completion_capacity) {
         // All records of a request go in together (a swap and its backup get consecutive ids):
         // with 2 x need free, padding before a wrap (less than one record) cannot starve the second.
@@ -656,7 +727,7 @@ Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
           std::uint64_t first = 0;
           bool pushed = true;
           for (std::size_t i = 0; i < records.size() && pushed; ++i) {
-            auto id = impl->push_locked(records[i].hdr, records[i].src, records[i].dst);
+            auto id = impl->push_locked(records[i].hdr, records[i].src, records[i].dst, expected);
             pushed = id.has_value();
             if (pushed && i == 0) first = *id;
           }
@@ -671,7 +742,7 @@ Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
           return make_error(IpcErrc::kRingFull, "task ring full: " + std::to_string(impl->ring->free_bytes()) +
                                                     " bytes free, task needs " + std::to_string(need) +
                                                     "; ranks did not consume within " +
-                                                    std::to_string(req.submit_timeout_ns / 1'000'000) + " ms");
+                                                    std::to_string(timeout_ns / 1'000'000) + " ms");
         return make_error(IpcErrc::kTooManyInFlight, std::to_string(impl->pending.size()) +
                                                          " tasks in flight, the completion capacity");
       }
@@ -682,6 +753,107 @@ Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
     else
       (void)wait_on_word(h->completion_word, done_seen, slice, &h->completion_waiters, 5'000);
   }
+}
+
+// Submits one cache-control task and waits for its merged result. Ok when every rank that got
+// it reported ok, or left for good (kRankDead: fenced or detached in order, so it maps nothing).
+Result<TaskResult, IpcErrc> EngineSession::Impl::run_cache_control(proto::TaskKind kind, std::uint16_t flags,
+                                                                  std::int64_t timeout_ns) {
+  std::vector<Encoded> records(1);
+  records[0].hdr.kind = static_cast<std::uint16_t>(kind);
+  records[0].hdr.flags = flags;
+  records[0].hdr.format_version = proto::kTaskFormatVersion;
+  const std::int64_t deadline = deadline_after(clock->now_ns(), timeout_ns);
+  auto id = submit_encoded(records, timeout_ns, true);
+  if (!id.ok()) return std::move(id).error();
+  if (*id == 0) return TaskResult{};  // no rank attached
+  std::int64_t left = deadline - clock->now_ns();
+  auto r = wait_result(*id, left > 0 ? left : 0);
+  if (!r.ok()) return std::move(r).error();
+  for (const auto& f : r->failures)
+    if (f.status != TaskStatus::kRankDead)
+      return make_error(IpcErrc::kTaskFailed, std::string(proto::task_kind_name(kind)) + " failed on rank " +
+                                                  std::to_string(f.rank) + ": " + proto::task_status_name(f.status) +
+                                                  ": " + f.message);
+  return r;
+}
+
+Result<TaskResult, IpcErrc> EngineSession::clear_caches(const ClearOptions& options) {
+  auto* impl = impl_.get();
+  {
+    std::lock_guard<std::mutex> g(impl->mu);
+    if (impl->h->state.load() != static_cast<std::uint32_t>(proto::SessionState::kReady))
+      return make_error(IpcErrc::kInvalidArgument, "clear_caches() needs a published session");
+    impl->set_cache_state(true);
+    impl->clear_confirmed = false;
+  }
+  auto r = impl->run_cache_control(proto::TaskKind::kClearCache,
+                                   options.drop_host_tier ? proto::kTaskFlagDropHostTier : 0, options.timeout_ns);
+  // On failure the cache stays cleared but unconfirmed: tasks are refused, tensors must not be
+  // freed; clear again (or restore) once the cause is fixed.
+  if (!r.ok()) return r;
+  if (options.weight_version) impl->weight_version.store(*options.weight_version);
+  std::lock_guard<std::mutex> g(impl->mu);
+  if (impl->cache_cleared) impl->clear_confirmed = true;  // unless a restore raced us
+  return r;
+}
+
+Result<TaskResult, IpcErrc> EngineSession::restore_caches(std::int64_t timeout_ns) {
+  auto* impl = impl_.get();
+  {
+    std::lock_guard<std::mutex> g(impl->mu);
+    if (!impl->cache_cleared) return make_error(IpcErrc::kInvalidArgument, "the cache is not cleared: nothing to restore");
+    const auto& geo = impl->geo;
+    const auto* reg = impl->view.registry();
+    for (std::uint32_t r = 0; r < geo.num_ranks; ++r)
+      for (std::uint32_t l = 0; l < geo.num_layers; ++l)
+        for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
+          const auto kind = static_cast<proto::TensorKind>(k);
+          if (geo.has_tensor(kind) && !reg[proto::registry_index(geo, r, l, kind)].valid)
+            return make_error(IpcErrc::kInvalidArgument, std::string("tensor ") + proto::tensor_kind_name(kind) +
+                                                             " of rank " + std::to_string(r) + " layer " +
+                                                             std::to_string(l) + " is not registered");
+        }
+    // Live in the header before RESTORE_CACHE is in the ring: a rank granted from now on maps
+    // the new registry itself. Tasks stay refused here until RESTORE_CACHE is submitted, so none
+    // lands in the ring before it.
+    impl->h->cache_state.store(static_cast<std::uint32_t>(proto::CacheState::kLive), std::memory_order_release);
+    impl->clear_confirmed = false;
+  }
+  std::vector<Encoded> records(1);
+  records[0].hdr.kind = static_cast<std::uint16_t>(proto::TaskKind::kRestoreCache);
+  records[0].hdr.format_version = proto::kTaskFormatVersion;
+  const std::int64_t deadline = deadline_after(impl->clock->now_ns(), timeout_ns);
+  auto id = impl->submit_encoded(records, timeout_ns, true);
+  {
+    std::lock_guard<std::mutex> g(impl->mu);
+    impl->set_cache_state(!id.ok());
+  }
+  if (!id.ok()) return std::move(id).error();
+  if (*id == 0) return TaskResult{};
+  const std::int64_t left = deadline - impl->clock->now_ns();
+  auto r = impl->wait_result(*id, left > 0 ? left : 0);
+  std::string why;
+  if (!r.ok()) {
+    why = r.error().message;
+  } else {
+    for (const auto& f : r->failures)
+      if (f.status != TaskStatus::kRankDead && why.empty())
+        why = "RESTORE_CACHE failed on rank " + std::to_string(f.rank) + ": " + proto::task_status_name(f.status) +
+              ": " + f.message;
+  }
+  if (why.empty()) return r;
+  // A rank that could not re-open fails every task (cache_cleared): back to cleared, so the
+  // engine refuses tasks instead; clear_caches() then restore_caches() again after fixing it.
+  std::lock_guard<std::mutex> g(impl->mu);
+  impl->set_cache_state(true);
+  return make_error(r.ok() ? IpcErrc::kTaskFailed : r.error().code,
+                    why + "; the cache stays cleared: clear_caches() and restore_caches() again");
+}
+
+bool EngineSession::cache_cleared() const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  return impl_->cache_cleared;
 }
 
 Result<std::uint64_t, IpcErrc> EngineSession::submit_raw(const proto::TaskRecordHeader& header,
@@ -708,8 +880,11 @@ std::optional<TaskResult> EngineSession::poll(std::uint64_t task_id) {
 }
 
 Result<TaskResult, IpcErrc> EngineSession::wait(std::uint64_t task_id, std::int64_t timeout_ns) {
-  auto* impl = impl_.get();
-  auto* h = impl->h;
+  return impl_->wait_result(task_id, timeout_ns);
+}
+
+Result<TaskResult, IpcErrc> EngineSession::Impl::wait_result(std::uint64_t task_id, std::int64_t timeout_ns) {
+  auto* impl = this;
   const std::int64_t deadline = deadline_after(impl->clock->now_ns(), timeout_ns);
   for (;;) {
     const std::uint32_t seen = h->completion_word.load(std::memory_order_acquire);

@@ -25,6 +25,7 @@ struct RankEndpoint::Impl {
   std::uint64_t generation = 0;       // private copy
   proto::SessionHeader* h = nullptr;  // for the atomics only
   std::vector<proto::TensorDesc> tensors;  // this rank's, by layer * kTensorKinds + kind
+  bool loaded = false;                     // the last load_tensors() found the cache live
   std::unique_ptr<TaskRingReader> reader;
   std::unique_ptr<CompletionRing> completions;
   std::mutex complete_mu;
@@ -81,6 +82,23 @@ struct RankEndpoint::Impl {
       s.heartbeat_ns.store(now, std::memory_order_release);
       (void)wait_on_word(h->publish_word, seen, std::min(deadline, now + 20'000'000), &h->consumer_waiters, 0);
     }
+  }
+
+  bool cache_live() const {
+    // Acquire pairs with the engine's release store: the registry it wrote before is visible.
+    return h->cache_state.load(std::memory_order_acquire) == static_cast<std::uint32_t>(proto::CacheState::kLive);
+  }
+
+  // Copies and checks this rank's tensor descriptors if the cache is live; else forgets them.
+  Result<bool, IpcErrc> load_tensors() {
+    loaded = false;
+    if (!cache_live()) {
+      tensors.assign(std::size_t{geometry.num_layers} * proto::kTensorKinds, proto::TensorDesc{});
+      return false;
+    }
+    if (auto st = copy_tensors(); !st.ok()) return std::move(st).error();
+    loaded = true;
+    return true;
   }
 
   // Copies and checks this rank's tensor descriptors.
@@ -214,7 +232,6 @@ Result<std::unique_ptr<RankEndpoint>, IpcErrc> RankEndpoint::attach(const Endpoi
     impl->view.num_ranks = fixed.geometry.num_ranks;
     impl->view.num_layers = fixed.geometry.num_layers;
     impl->mapping = std::move(m);
-    if (auto st = impl->copy_tensors(); !st.ok()) return make_error(st.error().code, "session " + name + ": " + st.error().message);
     impl->reader = std::make_unique<TaskRingReader>(h, impl->view.ring(), layout->ring_bytes, o.rank);
     impl->completions = std::make_unique<CompletionRing>(impl->view.completion_control(o.rank),
                                                          impl->view.completion_records(o.rank), layout->completion_capacity);
@@ -231,9 +248,18 @@ Result<std::unique_ptr<RankEndpoint>, IpcErrc> RankEndpoint::attach(const Endpoi
       return make_error(IpcErrc::kTimeout, "engine did not grant rank " + std::to_string(o.rank) + " attach within " +
                                                std::to_string(o.grant_timeout_ns / 1'000'000) + " ms");
     }
-    return std::unique_ptr<RankEndpoint>(new RankEndpoint(std::move(impl)));
+    // The registry is read after the grant: from then on the engine tells this rank of every
+    // clear and restore through the ring (see proto::CacheState).
+    std::unique_ptr<RankEndpoint> ep(new RankEndpoint(std::move(impl)));
+    if (auto st = ep->impl_->load_tensors(); !st.ok())
+      return make_error(st.error().code, "session " + name + ": " + st.error().message);
+    return ep;
   }
 }
+
+Result<bool, IpcErrc> RankEndpoint::load_tensors() { return impl_->load_tensors(); }
+bool RankEndpoint::cache_live() const { return impl_->cache_live(); }
+bool RankEndpoint::tensors_loaded() const { return impl_->loaded; }
 
 RankEndpoint::Next RankEndpoint::next_task(std::vector<std::byte>& record, std::int64_t deadline_ns) {
   auto* impl = impl_.get();
@@ -337,7 +363,7 @@ Result<std::uint32_t, proto::TaskStatus> RankEndpoint::agree(std::uint64_t seq, 
           // that cause whichever rank hit it (it said agreement_failed when rank 0 was waiting).
           const std::uint32_t code = v & 0xFFFFu;
           const auto why = static_cast<TaskStatus>(code);
-          const bool known = code != 0 && code <= static_cast<std::uint32_t>(TaskStatus::kAgreementFailed);
+          const bool known = code != 0 && code <= static_cast<std::uint32_t>(TaskStatus::kCacheCleared);
           return make_error(known ? why : TaskStatus::kAgreementFailed,
                             "rank " + std::to_string(r) + " failed this task before the ranks agreed (" +
                                 proto::task_status_name(why) + ")");

@@ -32,6 +32,10 @@ Result<DecodedTask, proto::TaskStatus> decode_task_record(std::span<const std::b
   if ((h.flags & (proto::kTaskFlagPolicyBackup | proto::kTaskFlagEvictBackup)) &&
       (kind != TaskKind::kStorageWrite || !(h.flags & proto::kTaskFlagHostBlocks)))
     return make_error(TaskStatus::kMalformed, "the backup flags are only valid on STORAGE_WRITE of host blocks");
+  if ((h.flags & proto::kTaskFlagDropHostTier) && kind != TaskKind::kClearCache)
+    return make_error(TaskStatus::kMalformed, "the drop-host-tier flag is only valid on CLEAR_CACHE");
+  if (proto::is_cache_control_kind(kind) && (h.num_src != 0 || h.num_dst != 0 || h.num_keys != 0))
+    return make_error(TaskStatus::kMalformed, std::string(proto::task_kind_name(kind)) + " carries no ids or keys");
   if (!proto::is_storage_kind(kind) && h.num_keys != 0)
     return make_error(TaskStatus::kMalformed, "a swap task carries no keys (num_keys " + std::to_string(h.num_keys) + ")");
   // 64-bit: counts near 2^29 each must not wrap into a size that matches a short record.

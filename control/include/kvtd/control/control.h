@@ -1,5 +1,6 @@
 // kvtd/control/control.h - the daemon's control plane: a ZeroMQ REP socket per daemon taking
-// JSON requests ({"command": "status" | "drain" | "log-level", "level": ...}) and answering
+// JSON requests ({"command": "status" | "drain" | "log-level" | "clear" | "restore", "level": ...,
+// "drop_host_tier": bool}) and answering
 // JSON ({"ok": true, "result": {...}} or {"ok": false, "error": "..."}), and the client side that
 // `kvtd ctl` uses.
 //
@@ -29,9 +30,12 @@ namespace kvtd::control {
 
 enum class ControlErrc { kInvalidArgument, kRuntimeDir, kBind, kInUse, kTimeout, kBadReply };
 
+inline constexpr const char* kCommandList = "status, drain, log-level, clear or restore";
+
 struct Request {
-  std::string command;  // status | drain | log-level
+  std::string command;  // kCommandList
   std::string level;    // log-level: trace | debug | info | warn | error | critical | off
+  bool drop_host_tier = false;  // clear: also invalidate the host pool
 };
 
 // What the handler answers: `result_json` (a JSON object's text) when ok, else `error`.

@@ -1,13 +1,16 @@
 // kvtd/daemon/control_handler.h - what the daemon answers on its control socket (status, drain,
-// log-level; see kvtd/control/control.h for the transport).
+// log-level, clear, restore; see kvtd/control/control.h for the transport).
 //
 // Thread-safety: ControlState is written by the daemon's main thread and read by the control
-// thread (atomics); the handler reads the metrics registry (thread-safe) and sets `stop`.
+// thread (atomics; the cache state also under `mu` so the control thread can wait for a change);
+// the handler reads the metrics registry (thread-safe) and sets `stop` and the requests.
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "kvtd/config/daemon_config.h"
@@ -20,8 +23,23 @@ struct ControlState {
   std::atomic<std::int64_t> attached_since_ms{0};  // unix time of the current attach; 0 = detached
   std::atomic<std::uint64_t> generation{0};
   std::atomic<bool> draining{false};
+  // `kvtd ctl clear|restore`: set by the control thread, taken by the serving loop.
+  std::atomic<bool> clear_requested{false};
+  std::atomic<bool> restore_requested{false};
+  std::atomic<bool> clear_drops_host_tier{false};
+
+  enum class Cache { kDetached, kLive, kCleared };
   void attached(std::uint64_t gen);
   void detached();
+  void set_cache(Cache c);
+  Cache cache() const;
+  // Waits up to `timeout_ms` for the cache state to become `want`; false on timeout.
+  bool wait_cache(Cache want, std::int64_t timeout_ms);
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  Cache cache_ = Cache::kDetached;  // guarded by mu_
 };
 
 // Binds the rank's control socket in the runtime directory (and cfg.control_endpoint). The

@@ -71,6 +71,8 @@ class HostPool {
   void mark_invalid(std::span<const std::int32_t> ids);
   // After a write into blocks completed.
   void mark_valid(std::span<const std::int32_t> ids);
+  // Every block: a weight update made all of them stale (CLEAR_CACHE with drop-host-tier).
+  void mark_all_invalid();
   // The first of `ids` that holds no valid data, if any. Ids must be in range.
   std::optional<std::int32_t> first_invalid(std::span<const std::int32_t> ids) const;
 

@@ -29,6 +29,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "kvtd/daemon/device_backend.h"
@@ -66,16 +67,22 @@ struct RunnerStats {
 
 class TaskRunner {
  public:
-  enum class Exit { kStopped, kSessionLost, kRingCorrupt };
+  // kCleared: a CLEAR_CACHE record (clear_task()), an operator's clear, or a re-grant that found
+  // the cache cleared; every task read before it has completed. The caller closes the mappings
+  // and completes the CLEAR_CACHE.
+  enum class Exit { kStopped, kSessionLost, kRingCorrupt, kCleared };
 
   TaskRunner(ipc::RankEndpoint& endpoint, DeviceBackend& backend, AttachedCache cache);
   ~TaskRunner();
   TaskRunner(const TaskRunner&) = delete;
   TaskRunner& operator=(const TaskRunner&) = delete;
 
-  // Serves until `stop` is set (every task already in the ring then is still read and finished)
-  // or the session is lost. Returns why it stopped.
-  Exit run(const std::atomic<bool>& stop);
+  // Serves until `stop` is set (every task already in the ring then is still read and finished),
+  // the session is lost, or the cache is cleared (also when *clear_requested turns true).
+  // Returns why it stopped. RESTORE_CACHE while serving is answered ok (the mapping is current).
+  Exit run(const std::atomic<bool>& stop, const std::atomic<bool>* clear_requested = nullptr);
+  // The CLEAR_CACHE record that ended run() with kCleared, if one did.
+  std::optional<proto::TaskRecordHeader> clear_task() const;
 
   RunnerStats stats() const;
 

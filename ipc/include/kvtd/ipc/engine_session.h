@@ -81,6 +81,13 @@ struct TaskRequest {
   bool layerwise = false;             // SWAP_TO_DEVICE only: copy layer by layer, with progress
 };
 
+// Options of EngineSession::clear_caches.
+struct ClearOptions {
+  bool drop_host_tier = false;                  // the host pool's KV belongs to the old weights too
+  std::optional<std::uint64_t> weight_version;  // set once every rank released (storage keys carry it)
+  std::int64_t timeout_ns = 60'000'000'000;     // for tasks in flight to finish and every rank to answer
+};
+
 struct RankFailure {
   std::uint32_t rank;
   proto::TaskStatus status;
@@ -106,12 +113,17 @@ class EngineSession {
   EngineSession(const EngineSession&) = delete;
   EngineSession& operator=(const EngineSession&) = delete;
 
-  // Registers one tensor (desc.rank/layer/kind select the slot). Only before publish().
+  // Registers one tensor (desc.rank/layer/kind select the slot). Only before publish(), or
+  // after clear_caches() succeeded and before restore_caches() (new handles and offsets).
   Status<IpcErrc> register_tensor(const proto::TensorDesc& desc);
 
   // Host device backend: creates one shared-memory "device" arena per rank, registers every
   // tensor of the geometry inside it (handle = arena name, offset = position) and maps it here.
+  // Called again after clear_caches(), it frees the old arenas and makes new ones (new names).
   Status<IpcErrc> create_host_device_tensors();
+  // Unmaps and unlinks the arenas of create_host_device_tensors (their registry entries become
+  // unregistered). Only before publish() or after clear_caches() succeeded.
+  Status<IpcErrc> free_host_device_tensors();
   // Address of a tensor made by create_host_device_tensors, or null.
   std::byte* host_device_tensor(std::uint32_t rank, std::uint32_t layer, proto::TensorKind kind) const;
 
@@ -126,7 +138,22 @@ class EngineSession {
   void set_weight_version(std::uint64_t version);
   std::uint64_t weight_version() const;
 
-  // Submits a task to every rank; returns its task id. Reserved kinds (0) are refused. Waits up to submit_timeout_ns for ring
+  // Weight updates (an RL trainer swapping the model's weights under a live engine):
+  // clear_caches() refuses new tasks (kCacheCleared), sends CLEAR_CACHE to every attached rank
+  // and waits until each finished the tasks submitted before it and closed every mapping of the
+  // engine's KV tensors (a rank that is not attached maps nothing and will not until restore).
+  // Ok means every rank released: free the tensors, update the weights, allocate and
+  // register_tensor() the new ones, then restore_caches(): every rank re-reads the registry and
+  // re-opens it; ok means every rank serves again. kTaskFailed names the rank and the cause
+  // (e.g. a new handle it could not open); the cache then stays cleared (clear, fix, restore).
+  // kNotReady from clear_caches: a rank went silent and may still hold the mappings.
+  Result<TaskResult, IpcErrc> clear_caches(const ClearOptions& options = {});
+  Result<TaskResult, IpcErrc> restore_caches(std::int64_t timeout_ns = 60'000'000'000);
+  bool cache_cleared() const;
+
+  // Submits a task to every rank; returns its task id. Reserved kinds (0) and the cache-control
+  // kinds (use clear_caches / restore_caches) are refused; so is everything while the cache is
+  // cleared (kCacheCleared). Waits up to submit_timeout_ns for ring
   // room (kRingFull after that) and for an in-flight slot (kTooManyInFlight). A rank that is not
   // attached makes it fail fast with kNotReady.
   Result<std::uint64_t, IpcErrc> submit(const TaskRequest& request);

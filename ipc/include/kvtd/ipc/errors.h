@@ -22,6 +22,7 @@ enum class IpcErrc {
   kNoSpace,           // the file system backing shared memory is full (message names size and free space)
   kCorrupt,           // shared memory holds values that break its invariants (message names the field)
   kSystem,            // an OS call failed (message has errno text)
+  kCacheCleared,      // the KV cache is cleared for a weight update: restore_caches() first
 };
 
 const char* ipc_errc_name(IpcErrc e);

@@ -96,10 +96,19 @@ class RankEndpoint {
   void set_ready(std::uint32_t flags);     // ReadyFlag bits
   bool engine_alive() const;               // published, not closed, heartbeat fresh
 
+  // Weight updates (see proto::CacheState). cache_live(): the engine's cache state now.
+  // load_tensors(): re-reads and checks this rank's tensor registry if the cache is live (true),
+  // else forgets every descriptor (false); kCorrupt naming the entry. attach() calls it once
+  // after the grant; the daemon again for RESTORE_CACHE. Dispatcher thread only.
+  bool cache_live() const;
+  Result<bool, IpcErrc> load_tensors();
+  bool tensors_loaded() const;  // what the last load_tensors() returned
+
   // The session's geometry, validated and copied at attach.
   const proto::CacheGeometry& geometry() const;
-  // This rank's registered tensor (a private copy made at attach, checked for rank, layer, kind
-  // and size), or null if the geometry has none of that kind.
+  // This rank's registered tensor (a private copy made by load_tensors(), checked for rank,
+  // layer, kind and size), or null if the geometry has none of that kind or the cache was
+  // cleared when it was loaded.
   const proto::TensorDesc* tensor(std::uint32_t layer, proto::TensorKind kind) const;
   std::uint32_t rank() const;
   std::uint64_t generation() const;

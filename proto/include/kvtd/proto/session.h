@@ -11,7 +11,9 @@
 //
 // Who writes what:
 //   engine (single producer): header fields, registry, task ring bytes, ring_head, next_seq,
-//     rank attach grants (attached_epoch, consumed reset), engine heartbeat.
+//     rank attach grants (attached_epoch, consumed reset), engine heartbeat, cache_state. The
+//     registry is written only while no daemon may read it: before publish, or while the cache
+//     is cleared (cache_state kCleared, every rank confirmed).
 //   rank r daemon: ranks[r].{attach_request, pid, heartbeat_ns, ready_flags, consumed},
 //     its completion ring head.
 //   engine: completion ring tails.
@@ -28,12 +30,20 @@
 namespace kvtd::proto {
 
 inline constexpr std::uint64_t kSessionMagic = 0x5353455344545640ULL;  // "@VTDSESS"
-inline constexpr std::uint32_t kSessionLayoutVersion = 4;  // 2: RankSlot::owner; 3: agreement region; 4: scale bytes, extra layers
+// 2: RankSlot::owner; 3: agreement region; 4: scale bytes, extra layers; 5: cache_state
+inline constexpr std::uint32_t kSessionLayoutVersion = 5;
 
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
 
 enum class SessionState : std::uint32_t { kCreating = 0, kReady = 1, kClosed = 2 };
+
+// Whether the engine's KV tensors may be mapped (SessionHeader::cache_state). The engine sets
+// kCleared before it submits CLEAR_CACHE and kLive (after re-registering its tensors) before it
+// submits RESTORE_CACHE, both under the same lock as its attach grants: so a daemon that reads
+// the word after its grant either sees the state the task ring will bring it to, or reads that
+// task from the ring. A daemon maps the registry only while it reads kLive.
+enum class CacheState : std::uint32_t { kLive = 0, kCleared = 1 };
 
 enum ReadyFlag : std::uint32_t {
   kReadyCacheAttached = 1u << 0,  // rank mapped every tensor of its rank
@@ -165,6 +175,7 @@ struct alignas(64) SessionHeader {
   std::uint64_t total_bytes;
   std::uint64_t progress_offset;    // first rank's ProgressControl
   std::uint64_t progress_stride;    // bytes per rank progress block
+  std::atomic<std::uint32_t> cache_state;  // CacheState, written by the engine
 
   alignas(64) std::atomic<std::int64_t> engine_heartbeat_ns;
   std::atomic<std::uint32_t> engine_pid;
@@ -188,6 +199,7 @@ struct alignas(64) SessionHeader {
 };
 static_assert(std::is_standard_layout_v<SessionHeader>);
 static_assert(offsetof(SessionHeader, geometry) == 40);
+static_assert(offsetof(SessionHeader, cache_state) == 208);
 static_assert(offsetof(SessionHeader, engine_heartbeat_ns) == 256);
 static_assert(offsetof(SessionHeader, ranks) % 64 == 0);
 static_assert(sizeof(SessionHeader) == 512 + kMaxRanks * sizeof(RankSlot));

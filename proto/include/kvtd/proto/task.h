@@ -29,7 +29,9 @@ inline constexpr std::uint16_t kTaskFlagHostBlocks = 1u << 1;  // storage task: 
 inline constexpr std::uint16_t kTaskFlagPolicyBackup = 1u << 2;
 // STORAGE_WRITE of host blocks the engine is evicting: written under write_back, else skipped.
 inline constexpr std::uint16_t kTaskFlagEvictBackup = 1u << 3;
-inline constexpr std::uint16_t kTaskFlagsKnown = 0xF;
+// CLEAR_CACHE: also mark every host-pool block invalid (the KV there belongs to the old weights).
+inline constexpr std::uint16_t kTaskFlagDropHostTier = 1u << 4;
+inline constexpr std::uint16_t kTaskFlagsKnown = 0x1F;
 
 // Storage keys: the engine's per-block keys (rolling prefix hashes), 1..kMaxKeyBytes of
 // [A-Za-z0-9_.:-]. The daemon appends the weight versions and the rank before storing.
@@ -49,8 +51,13 @@ enum class TaskKind : std::uint16_t {
   kStorageWrite = 5,     // keys, blocks -> write what is not stored yet (agreed)
   kPrefetch = 6,         // keys, host blocks, min_hits -> storage to host pool, or nothing
   kCancel = 7,           // target task id -> stop a prefetch or write between objects
+  // Weight updates (submitted by EngineSession::clear_caches / restore_caches only; no words):
+  kClearCache = 8,       // finish what is in flight, close every device mapping; later tasks fail
+  kRestoreCache = 9,     // re-read the tensor registry, re-open, serve again
 };
-inline constexpr std::uint16_t kMaxTaskKind = 7;
+inline constexpr std::uint16_t kMaxTaskKind = 9;
+
+constexpr bool is_cache_control_kind(TaskKind k) { return k == TaskKind::kClearCache || k == TaskKind::kRestoreCache; }
 
 constexpr bool is_storage_kind(TaskKind k) {
   return k == TaskKind::kStorageQuery || k == TaskKind::kStorageRead || k == TaskKind::kStorageWrite ||
@@ -67,6 +74,8 @@ constexpr const char* task_kind_name(TaskKind k) {
     case TaskKind::kStorageWrite: return "STORAGE_WRITE";
     case TaskKind::kPrefetch: return "PREFETCH";
     case TaskKind::kCancel: return "CANCEL";
+    case TaskKind::kClearCache: return "CLEAR_CACHE";
+    case TaskKind::kRestoreCache: return "RESTORE_CACHE";
   }
   return "unknown";
 }
@@ -92,6 +101,7 @@ enum class TaskStatus : std::int32_t {
   kCancelled = 16,           // stopped by a CANCEL between objects; blocks_done says how far it got
   kStorageError = 17,        // the storage backend failed the write (ENOSPC, server error): nothing torn
   kAgreementFailed = 18,     // the ranks could not agree (an agreement slot was reused before it was read)
+  kCacheCleared = 19,        // the rank released the engine's KV tensors for a weight update (until restore)
 };
 
 constexpr const char* task_status_name(TaskStatus s) {
@@ -115,6 +125,7 @@ constexpr const char* task_status_name(TaskStatus s) {
     case TaskStatus::kCancelled: return "cancelled";
     case TaskStatus::kStorageError: return "storage_error";
     case TaskStatus::kAgreementFailed: return "agreement_failed";
+    case TaskStatus::kCacheCleared: return "cache_cleared";
   }
   return "unknown_status";
 }

@@ -1,0 +1,35 @@
+// completion.h (daemon-internal) - builds the one completion record a task gets, for the task
+// runner and for the cleared-cache loop alike.
+#pragma once
+
+#include <algorithm>
+#include <cstring>
+#include <string_view>
+
+#include "kvtd/ipc/clock.h"
+#include "kvtd/proto/task.h"
+
+namespace kvtd::daemon {
+
+// The record for task `h` on `rank`, ending now; `message` is cut to fit.
+inline proto::CompletionRecord completion_record(std::uint32_t rank, const proto::TaskRecordHeader& h,
+                                                 proto::TaskStatus status, std::uint64_t blocks, std::uint32_t layers,
+                                                 std::int64_t start_ns, std::string_view message,
+                                                 std::uint64_t skipped = 0) {
+  proto::CompletionRecord rec{};
+  rec.blocks_skipped = skipped;
+  rec.task_id = h.task_id;
+  rec.seq = h.seq;
+  rec.status = static_cast<std::int32_t>(status);
+  rec.rank = rank;
+  rec.kind = h.kind;
+  rec.layers_done = layers;
+  rec.blocks_done = blocks;
+  rec.start_ns = start_ns;
+  rec.end_ns = ipc::monotonic_now_ns();
+  const std::size_t n = std::min(message.size(), sizeof rec.message - 1);
+  std::memcpy(rec.message, message.data(), n);
+  return rec;
+}
+
+}  // namespace kvtd::daemon
