@@ -44,6 +44,7 @@ int code_of(IpcErrc e) {
     case IpcErrc::kUnknownTask: return KVTD_E_UNKNOWN_TASK;
     case IpcErrc::kInUse: return KVTD_E_IN_USE;
     case IpcErrc::kTaskFailed: return KVTD_E_TASK_FAILED;
+    case IpcErrc::kCacheCleared: return KVTD_E_CACHE_CLEARED;
     case IpcErrc::kSystem:
     case IpcErrc::kNoSpace:
     case IpcErrc::kPermission: return KVTD_E_SYSTEM;
@@ -179,6 +180,7 @@ const char* kvtd_error_name(int code) {
     case KVTD_E_TASK_FAILED: return "task_failed";
     case KVTD_E_PENDING: return "pending";
     case KVTD_E_NO_EVENT: return "no_event";
+    case KVTD_E_CACHE_CLEARED: return "cache_cleared";
     default: return "unknown_error";
   }
 }
@@ -300,6 +302,34 @@ int kvtd_submit_storage(kvtd_session* s, int kind, const char* const* keys, cons
     t.submit_timeout_ms = timeout_ms;
     return submit_checked(s, t, task_id, err, err_len);
   });
+}
+
+int kvtd_clear_caches(kvtd_session* s, uint32_t flags, uint64_t weight_version, int64_t timeout_ms, char* err,
+                      size_t err_len) {
+  if (!s) return invalid(err, err_len, "session must not be null");
+  if (flags & ~static_cast<uint32_t>(KVTD_CLEAR_DROP_HOST_TIER | KVTD_CLEAR_SET_WEIGHT_VERSION))
+    return invalid(err, err_len, "unknown clear flags " + std::to_string(flags));
+  if (timeout_ms <= 0) return invalid(err, err_len, "timeout_ms must be positive");
+  return guarded(err, err_len, [&]() -> int {
+    kvtd::ipc::ClearOptions o;
+    o.drop_host_tier = (flags & KVTD_CLEAR_DROP_HOST_TIER) != 0;
+    if (flags & KVTD_CLEAR_SET_WEIGHT_VERSION) o.weight_version = weight_version;
+    o.timeout_ns = ms_to_ns(timeout_ms);
+    return report(s->session->clear_caches(o), err, err_len);
+  });
+}
+
+int kvtd_restore_caches(kvtd_session* s, int64_t timeout_ms, char* err, size_t err_len) {
+  if (!s) return invalid(err, err_len, "session must not be null");
+  if (timeout_ms <= 0) return invalid(err, err_len, "timeout_ms must be positive");
+  return guarded(err, err_len, [&]() -> int { return report(s->session->restore_caches(ms_to_ns(timeout_ms)), err, err_len); });
+}
+
+int kvtd_cache_cleared(kvtd_session* s) { return s && s->session->cache_cleared() ? 1 : 0; }
+
+int kvtd_free_host_device_tensors(kvtd_session* s, char* err, size_t err_len) {
+  if (!s) return invalid(err, err_len, "session must not be null");
+  return guarded(err, err_len, [&]() -> int { return report(s->session->free_host_device_tensors(), err, err_len); });
 }
 
 int kvtd_set_weight_version(kvtd_session* s, uint64_t version) {

@@ -37,7 +37,7 @@ void finish_clear(ipc::RankEndpoint& ep, HostPool& pool, const proto::TaskRecord
 }
 
 ClearedExit serve_cleared(ipc::RankEndpoint& ep, HostPool& pool, const std::atomic<bool>& stop,
-                          std::atomic<bool>* restore_requested) {
+                          std::atomic<bool>* restore_requested, const std::function<void()>& on_restore_refused) {
   std::vector<std::byte> record;
   for (;;) {
     notify_watchdog();
@@ -46,6 +46,7 @@ ClearedExit serve_cleared(ipc::RankEndpoint& ep, HostPool& pool, const std::atom
       if (ep.cache_live()) return {ClearedExit::Why::kRestore, std::nullopt};
       KVTD_WARN("restore requested over the control socket, but the engine has cleared its cache: it restores it "
                 "(restore_caches) once its new tensors are registered");
+      if (on_restore_refused) on_restore_refused();
     }
     const auto next = ep.next_task(record, ipc::monotonic_now_ns() + kPollSliceNs);
     switch (next) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <optional>
 
 #include "kvtd/daemon/host_pool.h"
@@ -26,7 +27,8 @@ struct ClearedExit {
 // peer ranks stop waiting). Returns kRestore at a RESTORE_CACHE record, when *restore_requested
 // (an operator's `kvtd ctl restore`, reset here) finds the engine's state live, or after a
 // re-grant that finds it live; else at stop or when the session ends.
+// `on_restore_refused` is called when a requested restore is turned down.
 ClearedExit serve_cleared(ipc::RankEndpoint& ep, HostPool& pool, const std::atomic<bool>& stop,
-                          std::atomic<bool>* restore_requested);
+                          std::atomic<bool>* restore_requested, const std::function<void()>& on_restore_refused);
 
 }  // namespace kvtd::daemon

@@ -91,9 +91,21 @@ ControlState::Cache ControlState::cache() const {
   return cache_;
 }
 
-bool ControlState::wait_cache(Cache want, std::int64_t timeout_ms) {
+void ControlState::restore_refused() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    refused_ = true;
+  }
+  cv_.notify_all();
+}
+
+ControlState::Wait ControlState::wait_cache(Cache want, std::int64_t timeout_ms) {
   std::unique_lock<std::mutex> lk(mu_);
-  return cv_.wait_for(lk, std::chrono::milliseconds(timeout_ms), [&] { return cache_ == want; });
+  const bool done =
+      cv_.wait_for(lk, std::chrono::milliseconds(timeout_ms), [&] { return cache_ == want || refused_; });
+  const bool refused = refused_ && cache_ != want;
+  refused_ = false;
+  return !done ? Wait::kTimeout : refused ? Wait::kRefused : Wait::kReached;
 }
 
 Result<std::unique_ptr<control::ControlServer>, control::ControlErrc> start_control(
@@ -132,12 +144,16 @@ Result<std::unique_ptr<control::ControlServer>, control::ControlErrc> start_cont
         if (clear) state.clear_drops_host_tier.store(r.drop_host_tier);
         (clear ? state.clear_requested : state.restore_requested).store(true);
       }
-      if (!state.wait_cache(want, kCacheWaitMs)) {
+      const auto waited = state.wait_cache(want, kCacheWaitMs);
+      if (waited != ControlState::Wait::kReached) {
         reply.ok = false;
-        reply.error = clear ? "still clearing after " + std::to_string(kCacheWaitMs / 1000) +
-                                  " s: tasks in flight have not finished (see `kvtd ctl status`)"
-                            : std::string("not restored: the engine has cleared its cache and restores it itself, or "
-                                          "the registry could not be re-opened (see the daemon's log)");
+        reply.error = waited == ControlState::Wait::kRefused
+                          ? "not restored: the engine has cleared its cache; it restores it (restore_caches) once its "
+                            "new tensors are registered"
+                      : clear ? "still clearing after " + std::to_string(kCacheWaitMs / 1000) +
+                                    " s: tasks in flight have not finished (see `kvtd ctl status`)"
+                              : "not restored after " + std::to_string(kCacheWaitMs / 1000) +
+                                    " s: the registry could not be re-opened (see the daemon's log)";
         return reply;
       }
       reply.result_json = json{{"cache", cache_name(want)}}.dump();

@@ -274,7 +274,8 @@ int run_daemon(const config::DaemonConfig& cfg, std::atomic<bool>& stop) {
         KVTD_INFO("cache cleared: holding no mapping of the engine's tensors until restore");
         heartbeat.serving();
         notify_ready();
-        const auto out = serve_cleared(endpoint, **pool, stop, &control_state.restore_requested);
+        const auto out = serve_cleared(endpoint, **pool, stop, &control_state.restore_requested,
+                                       [&control_state] { control_state.restore_refused(); });
         if (out.why == ClearedExit::Why::kStopped) break;
         if (out.why == ClearedExit::Why::kSessionLost || out.why == ClearedExit::Why::kRingCorrupt) {
           why = out.why == ClearedExit::Why::kSessionLost ? TaskRunner::Exit::kSessionLost

@@ -31,6 +31,10 @@ E_SYSTEM = 7
 E_TASK_FAILED = 8
 E_PENDING = 9
 E_NO_EVENT = 10
+E_CACHE_CLEARED = 11
+
+CLEAR_DROP_HOST_TIER = 1 << 0
+CLEAR_SET_WEIGHT_VERSION = 1 << 1
 
 # kvtd_task.flags
 STORAGE_HOST_BLOCKS = 1 << 0
@@ -164,6 +168,10 @@ _sig("kvtd_layer_event_handle", _c.c_int, _sess, _c.c_uint32, _c.c_uint32, _c.PO
 _sig("kvtd_rank_alive", _c.c_int, _sess, _c.c_uint32)
 _sig("kvtd_rank_ready", _c.c_uint32, _sess, _c.c_uint32)
 _sig("kvtd_in_flight", _c.c_size_t, _sess)
+_sig("kvtd_clear_caches", _c.c_int, _sess, _c.c_uint32, _c.c_uint64, _c.c_int64, *_err)
+_sig("kvtd_restore_caches", _c.c_int, _sess, _c.c_int64, *_err)
+_sig("kvtd_cache_cleared", _c.c_int, _sess)
+_sig("kvtd_free_host_device_tensors", _c.c_int, _sess, *_err)
 
 if lib.kvtd_client_abi() != ABI_VERSION:
     raise ImportError(f"kvtd: {SONAME} reports ABI {lib.kvtd_client_abi()}, this module speaks {ABI_VERSION}")

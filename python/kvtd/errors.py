@@ -63,7 +63,21 @@ class TaskFailed(KvtdError):
         self.result = result
 
 
-_BY_CODE = {c.code: c for c in (InvalidArgument, Timeout, RingFull, NotReady, UnknownTask, InUse, SystemFailure)}
+class CacheCleared(KvtdError):
+    """The cache is cleared for a weight update: restore_caches() first."""
+
+    code = n.E_CACHE_CLEARED
+
+
+class CacheControlFailed(KvtdError):
+    """clear_caches() or restore_caches() failed on a rank (the message names it and the cause);
+    the cache stays cleared."""
+
+    code = n.E_TASK_FAILED
+
+
+_BY_CODE = {c.code: c for c in (InvalidArgument, Timeout, RingFull, NotReady, UnknownTask, InUse, SystemFailure,
+                                CacheCleared)}
 
 
 def raise_for(code: int, message: str):

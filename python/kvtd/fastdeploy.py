@@ -27,6 +27,13 @@ Failures. FastDeploy's tuples carry no status, and a swap reported done is trust
   * a failed GPU2STORAGE is reported done (nothing the engine reads changed) and kept in
     `failures`.
 
+Weight updates (RL). FastDeploy's trainer flips `kv_cache_status_signal.value[0]`: CLEARING (the
+manager frees the caches and answers CLEARED), then UPDATING (it re-creates them and answers
+NORMAL). check_cache_status() is one step of that loop done by kvtd: CLEARING -> clear_caches()
+(every rank finished its tasks and closed its mappings) -> CLEARED; the engine then frees its
+tensors, loads the new weights, registers the new tensors, sets UPDATING -> restore_caches() ->
+NORMAL. Statuses are matched by name, so FastDeploy's KVCacheStatus works unchanged.
+
 Thread-safety: put_transfer_task and get_transfer_done_signal may be called from different
 threads (FastDeploy uses one thread for each).
 """
@@ -50,6 +57,22 @@ class CacheStatus(enum.Enum):
     SWAP2GPU = "SWAP2GPU"
     STORAGE2GPU = "STORAGE2GPU"
     GPU2STORAGE = "GPU2STORAGE"
+
+
+class KVCacheStatus(enum.Enum):
+    """FastDeploy's kv_cache_status values (only the names matter to this adapter)."""
+
+    NORMAL = "NORMAL"
+    CLEARING = "CLEARING"
+    CLEARED = "CLEARED"
+    UPDATING = "UPDATING"
+
+
+class StatusSignal:
+    """Looks like FastDeploy's kv_cache_status IPCSignal: `.value[0]` is the status."""
+
+    def __init__(self, initial):
+        self.value = [initial]
 
 
 @dataclasses.dataclass
@@ -122,11 +145,31 @@ class KvtdCacheQueue:
         self.on_swap_failure = on_swap_failure
         self.cache_ready_signal = ReadySignal(session, 1)
         self.swap_space_ready_signal = ReadySignal(session, 2)
+        self.kv_cache_status_signal = StatusSignal(KVCacheStatus.NORMAL)
         self.failures: List[tuple] = []  # (fd_task, TaskResult) of tasks that failed
         self._pending: List[_Pending] = []  # put, not yet reported, in put order
         self._ready: List[tuple] = []       # completed, not yet handed out
         self._failed: List[SwapFailed] = []  # failed swaps to raise once _ready was handed out
         self._lock = threading.Lock()
+
+    # -- weight updates ---------------------------------------------------------------------
+    def check_cache_status(self, *, drop_host_tier: bool = False, weight_version: Optional[int] = None,
+                           statuses=KVCacheStatus, timeout: float = 60.0):
+        """One step of FastDeploy's clear/restore loop: CLEARING -> clear_caches() -> CLEARED,
+        UPDATING -> restore_caches() -> NORMAL; other statuses are left alone. `statuses` is the
+        enum to write back (FastDeploy's KVCacheStatus). drop_host_tier mirrors
+        FD_ENABLE_SWAP_SPACE_CLEARING; weight_version is set once every rank released. A failure
+        raises (CacheControlFailed naming the rank) and leaves the status unchanged. Returns the
+        status after the step."""
+        sig = self.kv_cache_status_signal
+        name = _name(sig.value[0])
+        if name == "CLEARING":
+            self.session.clear_caches(drop_host_tier=drop_host_tier, weight_version=weight_version, timeout=timeout)
+            sig.value[0] = statuses["CLEARED"] if isinstance(statuses, enum.EnumMeta) else statuses.CLEARED
+        elif name == "UPDATING":
+            self.session.restore_caches(timeout=timeout)
+            sig.value[0] = statuses["NORMAL"] if isinstance(statuses, enum.EnumMeta) else statuses.NORMAL
+        return sig.value[0]
 
     # -- engine -> transfer manager ---------------------------------------------------------
     def put_transfer_task(self, data) -> None:

@@ -23,7 +23,7 @@ import threading
 from typing import Iterable, List, Optional, Sequence
 
 from . import _native as n
-from .errors import TaskFailed, raise_for
+from .errors import CacheControlFailed, TaskFailed, raise_for
 
 DTYPES = {"bfloat16": 1, "float16": 2, "uint8": 3, "block_wise_fp8": 4}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -233,9 +233,48 @@ class Session:
         self._keepalive.append(tensor)
 
     def create_host_device_tensors(self) -> None:
-        """Host backend: makes shared-memory "device" tensors for every rank and layer."""
+        """Host backend: makes shared-memory "device" tensors for every rank and layer. After
+        clear_caches() it frees the old ones and makes new ones (views of the old are invalid)."""
         self._check(n.lib.kvtd_create_host_device_tensors(self._handle(), self._errbuf(), _ERR_LEN),
                     "create host device tensors")
+
+    def free_host_device_tensors(self) -> None:
+        """Host backend: unmaps and unlinks those tensors (before publish, or after clear_caches()).
+        Every host_array/host_tensor view of them is invalid from here on."""
+        self._check(n.lib.kvtd_free_host_device_tensors(self._handle(), self._errbuf(), _ERR_LEN),
+                    "free host device tensors")
+
+    # -- weight updates -------------------------------------------------------------------
+    def clear_caches(self, *, drop_host_tier: bool = False, weight_version: Optional[int] = None,
+                     timeout: Optional[float] = 60.0) -> None:
+        """For a weight update: refuses new tasks (CacheCleared), lets every rank finish what was
+        submitted before and close every mapping of the KV tensors. On return the tensors may be
+        freed; register the new ones, then restore_caches(). drop_host_tier: the host pool's KV is
+        the old weights' too. weight_version: set once every rank released. Raises
+        CacheControlFailed naming the rank (the cache stays cleared), NotReady when a rank went
+        silent and may still map them, Timeout."""
+        flags = n.CLEAR_DROP_HOST_TIER if drop_host_tier else 0
+        if weight_version is not None:
+            flags |= n.CLEAR_SET_WEIGHT_VERSION
+        rc = n.lib.kvtd_clear_caches(self._handle(), flags, weight_version or 0, _ms(timeout) or 1,
+                                     self._errbuf(), _ERR_LEN)
+        self._check_cache_control(rc, "clear_caches")
+
+    def restore_caches(self, *, timeout: Optional[float] = 60.0) -> None:
+        """Every rank re-reads the tensor registry and maps the (new) tensors; returns once all
+        serve again. Raises CacheControlFailed naming a rank that could not (the cache then stays
+        cleared: clear_caches(), fix the registration, restore_caches())."""
+        rc = n.lib.kvtd_restore_caches(self._handle(), _ms(timeout) or 1, self._errbuf(), _ERR_LEN)
+        self._check_cache_control(rc, "restore_caches")
+
+    @property
+    def cache_cleared(self) -> bool:
+        return bool(n.lib.kvtd_cache_cleared(self._handle()))
+
+    def _check_cache_control(self, rc: int, what: str) -> None:
+        if rc == n.E_TASK_FAILED:
+            raise CacheControlFailed(f"{what}: {self._errbuf().value.decode(errors='replace')}")
+        self._check(rc, what)
 
     def _host_buffer(self, rank: int, layer: int, kind):
         size = ctypes.c_uint64()

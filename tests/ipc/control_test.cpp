@@ -129,5 +129,37 @@ TEST_F(ControlTest, DrainFinishesAndExitsAndNoDaemonIsAClearError) {
   EXPECT_EQ(missing, 2) << usage;
 }
 
+TEST_F(ControlTest, CtlClearReleasesTheMappingsFailsTasksAndRestoreServesAgain) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, {1}, {2}).ok());
+  auto [code, out] = ctl({"--session", suffix_, "--drop-host-tier", "clear"});
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("rank 0: cache cleared (mappings closed, host tier dropped)"), std::string::npos) << out;
+  EXPECT_NE(out.find("rank 1: cache cleared"), std::string::npos) << out;
+  auto [scode, status] = ctl({"--session", suffix_, "--json", "status"});
+  ASSERT_EQ(scode, 0) << status;
+  for (const auto& rep : json::parse(status)) EXPECT_EQ(rep["result"]["cache"], "cleared") << rep.dump();
+  auto [tcode, table] = ctl({"--session", suffix_, "status"});
+  EXPECT_NE(table.find("CACHE CLEARED"), std::string::npos) << table;
+  // The engine did not clear: its tasks reach the daemons, which fail them naming why.
+  const auto failed = run(TaskKind::kSwapToHost, {3}, {4});
+  EXPECT_EQ(failed.status, TaskStatus::kCacheCleared);
+  ASSERT_FALSE(failed.failures.empty());
+  EXPECT_NE(failed.failures[0].message.find("weight update"), std::string::npos) << failed.failures[0].message;
+  auto [rcode, rout] = ctl({"--session", suffix_, "restore"});
+  ASSERT_EQ(rcode, 0) << rout;
+  EXPECT_NE(rout.find("rank 1: cache restored"), std::string::npos) << rout;
+  ASSERT_TRUE(engine_->wait_ready(10'000'000'000).ok());
+  EXPECT_EQ(run(TaskKind::kSwapToDevice, {2}, {5}).status, TaskStatus::kHostTierLost);  // dropped
+  round_trip({6, 7}, {8, 9}, {10, 11});
+  // An engine-driven clear is the engine's to restore: `kvtd ctl restore` says so.
+  ASSERT_TRUE(engine_->clear_caches().ok());
+  auto [refused, why] = ctl({"--session", suffix_, "--rank", "0", "restore"});
+  EXPECT_EQ(refused, 1) << why;
+  EXPECT_NE(why.find("the engine has cleared its cache"), std::string::npos) << why;
+  ASSERT_TRUE(engine_->restore_caches().ok());
+  round_trip({1}, {2}, {3});
+}
+
 }  // namespace
 }  // namespace kvtd

@@ -8,6 +8,7 @@ import enum
 import pytest
 import torch
 
+import kvtd.fastdeploy as fd
 from kvtd.fastdeploy import CacheStatus, KvtdCacheQueue, ReadStorageTask, SwapFailed, WriteStorageTask
 from test_session import fill_random, snapshot
 
@@ -101,3 +102,21 @@ def test_malformed_transfer_tasks_are_refused():
         KvtdCacheQueue.put_transfer_task(q, (CacheStatus.SWAP2CPU, 1, [], []))
     with pytest.raises(ValueError, match="gpu block ids"):
         KvtdCacheQueue.put_transfer_task(q, (CacheStatus.SWAP2CPU, 1, [], [1, 2], [1]))
+
+
+def test_kv_cache_status_clearing_then_updating_like_fastdeploy(cluster):
+    c = cluster()
+    s = c.ready()
+    q = KvtdCacheQueue(s)
+    assert q.check_cache_status() is fd.KVCacheStatus.NORMAL  # nothing to do
+    q.kv_cache_status_signal.value[0] = fd.KVCacheStatus.CLEARING
+    assert q.check_cache_status(weight_version=3) is fd.KVCacheStatus.CLEARED
+    assert list(q.cache_ready_signal.value) == [0] * c.geometry.num_ranks
+    assert list(q.swap_space_ready_signal.value) == [1] * c.geometry.num_ranks
+    s.create_host_device_tensors()  # the engine's new tensors
+    q.kv_cache_status_signal.value[0] = fd.KVCacheStatus.UPDATING
+    assert q.check_cache_status() is fd.KVCacheStatus.NORMAL
+    assert list(q.cache_ready_signal.value) == [1] * c.geometry.num_ranks
+    q.put_transfer_task((fd.CacheStatus.SWAP2CPU, 1, [0], [2], [3]))
+    done = q.wait_all(timeout=30)
+    assert [t[:2] for t in done] == [(fd.CacheStatus.SWAP2CPU, 1)]

@@ -263,3 +263,48 @@ def test_threads_share_a_session_and_each_gets_its_own_errors(cluster):
 
 
 SWAP_KIND_BASE = 50
+
+
+def test_clear_then_new_tensors_then_restore_is_byte_exact(cluster):
+    c = cluster()
+    s = c.ready()
+    g = c.geometry
+    fill_random(s, g)
+    before = snapshot(s, g, [3, 4])
+    s.wait(s.swap_to_host([3, 4], [0, 1]))
+    s.clear_caches(weight_version=5)
+    assert s.cache_cleared and s.weight_version == 5
+    assert all(s.rank_ready(r) == kvtd._native.READY_HOST_POOL for r in range(g.num_ranks))
+    with pytest.raises(kvtd.CacheCleared) as e:
+        s.swap_to_host([5], [2])
+    assert e.value.code_name == "cache_cleared"
+    s.free_host_device_tensors()
+    s.create_host_device_tensors()  # new arenas, zero-filled
+    s.restore_caches()
+    assert not s.cache_cleared
+    s.wait(s.swap_to_device([0, 1], [10, 11]))  # the host tier kept the old KV
+    after = snapshot(s, g, [10, 11])
+    for r in range(g.num_ranks):
+        for layer in range(g.num_layers):
+            for k in KINDS:
+                assert torch.equal(after[r, layer, k], before[r, layer, k]), (r, layer, k)
+    with pytest.raises(kvtd.InvalidArgument):
+        s.restore_caches()  # not cleared
+
+
+def test_restore_with_a_bad_handle_fails_naming_the_rank(cluster):
+    c = cluster()
+    s = c.ready()
+    g = c.geometry
+    s.clear_caches(drop_host_tier=True)
+    nbytes = g.block_bytes("key") * g.device_blocks(0)
+    s.register_tensor(1, 0, "key", b"kvtd_no_such_arena".ljust(64, b"\0"), 0, nbytes)
+    with pytest.raises(kvtd.CacheControlFailed) as e:
+        s.restore_caches()
+    assert "rank 1" in str(e.value)
+    assert s.cache_cleared
+    s.clear_caches()
+    s.create_host_device_tensors()
+    s.restore_caches()
+    r = s.wait(s.swap_to_device([0], [1]), check=False)
+    assert r.status_name == "host_tier_lost"  # dropped by the first clear

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <string>
 #include <vector>
+#include <thread>
+#include <atomic>
 
 #include "endpoint_helpers.h"
 #include "kvtd/ipc/clock.h"
@@ -108,6 +110,61 @@ TEST(CApi, RegisterSubmitAndWaitWithAnAttachedRank) {
   EXPECT_NE(std::string(err).find("rank 0"), std::string::npos) << err;
   EXPECT_EQ(kvtd_submit(s, 0, src, dst, 2, 1000, &id, err, sizeof err), KVTD_E_INVALID);  // reserved kind
   ep = make_error(IpcErrc::kClosed, "");  // detach before the session goes
+  kvtd_session_destroy(s);
+}
+
+// Weight updates through the C ABI: clear refuses tasks until restore; the rank (a thread here)
+// sees CLEAR_CACHE then RESTORE_CACHE, the second after the re-registered tensors.
+TEST(CApi, ClearRefusesTasksUntilRestoreAndTheRankSeesBothInOrder) {
+  const auto suffix = test::unique_suffix("capi_clear");
+  const kvtd_geometry g = c_geometry(1);
+  kvtd_session* s = nullptr;
+  char err[256] = {0};
+  ASSERT_EQ(kvtd_session_create(suffix.c_str(), &g, &s, err, sizeof err), KVTD_OK) << err;
+  ASSERT_EQ(kvtd_create_host_device_tensors(s, err, sizeof err), KVTD_OK) << err;
+  EXPECT_EQ(kvtd_clear_caches(s, 0, 0, 1000, err, sizeof err), KVTD_E_INVALID);  // not published
+  ASSERT_EQ(kvtd_publish(s, err, sizeof err), KVTD_OK) << err;
+  EXPECT_EQ(kvtd_free_host_device_tensors(s, err, sizeof err), KVTD_E_INVALID);  // mapped by ranks
+  auto ep = RankEndpoint::attach(endpoint_options(suffix, 0, c_geometry_as_proto()));
+  ASSERT_TRUE(ep.ok()) << ep.error().message;
+  std::vector<std::uint16_t> seen;
+  std::atomic<bool> done{false};
+  std::thread rank([&] {  // answers every task ok, noting its kind and flags
+    std::vector<std::byte> rec;
+    while (!done.load()) {
+      if ((*ep)->next_task(rec, monotonic_now_ns() + 20'000'000) != RankEndpoint::Next::kTask) continue;
+      proto::TaskRecordHeader h{};
+      std::memcpy(&h, rec.data(), sizeof h);
+      seen.push_back(static_cast<std::uint16_t>(h.kind | (h.flags << 8)));
+      report(**ep, h.task_id, 0, TaskStatus::kOk, 0);
+    }
+  });
+  EXPECT_EQ(kvtd_clear_caches(s, 1u << 5, 0, 1000, err, sizeof err), KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_clear_caches(s, KVTD_CLEAR_DROP_HOST_TIER | KVTD_CLEAR_SET_WEIGHT_VERSION, 42, 5000, err, sizeof err),
+            KVTD_OK)
+      << err;
+  EXPECT_EQ(kvtd_cache_cleared(s), 1);
+  EXPECT_EQ(kvtd_weight_version(s), 42u);
+  int32_t src[1] = {1}, dst[1] = {2};
+  uint64_t id = 0;
+  EXPECT_EQ(kvtd_submit(s, KVTD_SWAP_TO_HOST, src, dst, 1, 100, &id, err, sizeof err), KVTD_E_CACHE_CLEARED);
+  EXPECT_STREQ(kvtd_error_name(KVTD_E_CACHE_CLEARED), "cache_cleared");
+  EXPECT_STREQ(kvtd_status_name(19), "cache_cleared");
+  ASSERT_EQ(kvtd_free_host_device_tensors(s, err, sizeof err), KVTD_OK) << err;
+  EXPECT_EQ(kvtd_host_device_tensor(s, 0, 0, KVTD_KEY, nullptr), nullptr);
+  EXPECT_EQ(kvtd_restore_caches(s, 1000, err, sizeof err), KVTD_E_INVALID);  // nothing registered
+  EXPECT_NE(std::string(err).find("not registered"), std::string::npos) << err;
+  ASSERT_EQ(kvtd_create_host_device_tensors(s, err, sizeof err), KVTD_OK) << err;
+  ASSERT_EQ(kvtd_restore_caches(s, 5000, err, sizeof err), KVTD_OK) << err;
+  EXPECT_EQ(kvtd_cache_cleared(s), 0);
+  ASSERT_EQ(kvtd_submit(s, KVTD_SWAP_TO_HOST, src, dst, 1, 1000, &id, err, sizeof err), KVTD_OK) << err;
+  kvtd_completion c{};
+  EXPECT_EQ(kvtd_wait(s, id, 5000, &c, err, sizeof err), KVTD_OK) << err;
+  done.store(true);
+  rank.join();
+  const std::vector<std::uint16_t> want{static_cast<std::uint16_t>(8 | (proto::kTaskFlagDropHostTier << 8)), 9, 1};
+  EXPECT_EQ(seen, want);
+  ep = make_error(IpcErrc::kClosed, "");
   kvtd_session_destroy(s);
 }
 

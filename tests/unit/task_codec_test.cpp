@@ -87,5 +87,24 @@ TEST(TaskRecord, SwapRecordsCarryNoKeysAndFlagsMatchTheirKind) {
   EXPECT_EQ(decode_task_record(rec, nullptr).error().code, TaskStatus::kUnknownKind);
 }
 
+TEST(TaskRecord, CacheControlRecordsCarryNothingAndOnlyClearDropsTheHostTier) {
+  auto decode = [](proto::TaskKind kind, std::uint16_t flags, std::uint32_t ids) {
+    proto::TaskRecordHeader h{};
+    h.kind = static_cast<std::uint16_t>(kind);
+    h.flags = flags;
+    h.format_version = proto::kTaskFormatVersion;
+    h.num_dst = ids;
+    h.record_bytes = static_cast<std::uint32_t>(proto::task_record_bytes(0, ids));
+    std::vector<std::byte> rec(h.record_bytes);
+    std::memcpy(rec.data(), &h, sizeof h);
+    return decode_task_record(rec, nullptr);
+  };
+  EXPECT_TRUE(decode(proto::TaskKind::kClearCache, proto::kTaskFlagDropHostTier, 0).ok());
+  EXPECT_TRUE(decode(proto::TaskKind::kRestoreCache, 0, 0).ok());
+  EXPECT_EQ(decode(proto::TaskKind::kRestoreCache, proto::kTaskFlagDropHostTier, 0).error().code, TaskStatus::kMalformed);
+  EXPECT_EQ(decode(proto::TaskKind::kSwapToHost, proto::kTaskFlagDropHostTier, 0).error().code, TaskStatus::kMalformed);
+  EXPECT_EQ(decode(proto::TaskKind::kClearCache, 0, 2).error().code, TaskStatus::kMalformed);
+}
+
 }  // namespace
 }  // namespace kvtd::ipc

@@ -47,7 +47,8 @@ enum {
   KVTD_E_SYSTEM = 7,        /* an OS call failed (no memory, /dev/shm full, ...) */
   KVTD_E_TASK_FAILED = 8,   /* the task completed with a failure (see kvtd_completion.status) */
   KVTD_E_PENDING = 9,       /* kvtd_poll: not complete yet */
-  KVTD_E_NO_EVENT = 10      /* kvtd_layer_event_handle: that rank publishes no CUDA events */
+  KVTD_E_NO_EVENT = 10,     /* kvtd_layer_event_handle: that rank publishes no CUDA events */
+  KVTD_E_CACHE_CLEARED = 11 /* the cache is cleared for a weight update: kvtd_restore_caches first */
 };
 
 enum {
@@ -68,6 +69,11 @@ enum {
 enum { KVTD_DTYPE_BFLOAT16 = 1, KVTD_DTYPE_FLOAT16 = 2, KVTD_DTYPE_UINT8 = 3, KVTD_DTYPE_BLOCK_WISE_FP8 = 4 };
 enum { KVTD_READY_CACHE = 1u << 0, KVTD_READY_HOST_POOL = 1u << 1 };
 enum { KVTD_KEY = 0, KVTD_VALUE = 1, KVTD_KEY_SCALE = 2, KVTD_VALUE_SCALE = 3 };
+/* kvtd_clear_caches flags */
+enum {
+  KVTD_CLEAR_DROP_HOST_TIER = 1u << 0,      /* the host pool's KV is the old weights' too: invalidate it */
+  KVTD_CLEAR_SET_WEIGHT_VERSION = 1u << 1   /* then set the weight version to `weight_version` */
+};
 /* kvtd_wait_layer stages */
 enum {
   KVTD_LAYER_DONE = 0,     /* the layer's copies completed on every rank */
@@ -183,6 +189,21 @@ KVTD_API int kvtd_rank_alive(kvtd_session* s, uint32_t rank);
 KVTD_API uint32_t kvtd_rank_ready(kvtd_session* s, uint32_t rank);
 /* Tasks submitted and not yet collected. */
 KVTD_API size_t kvtd_in_flight(kvtd_session* s);
+
+/* Weight updates (an RL trainer swapping the weights under a live engine). kvtd_clear_caches
+ * refuses new tasks (KVTD_E_CACHE_CLEARED), and returns KVTD_OK once every rank finished the
+ * tasks submitted before it and closed every mapping of the KV tensors: then free them, update
+ * the weights, allocate and kvtd_register_tensor the new ones (kvtd_create_host_device_tensors
+ * on the host backend makes new arenas), and kvtd_restore_caches: KVTD_OK once every rank maps
+ * the new tensors. KVTD_E_TASK_FAILED names the rank and cause in err (the cache stays cleared:
+ * clear, fix, restore again); KVTD_E_NOT_READY: a rank went silent and may still map them. */
+KVTD_API int kvtd_clear_caches(kvtd_session* s, uint32_t flags, uint64_t weight_version, int64_t timeout_ms,
+                               char* err, size_t err_len);
+KVTD_API int kvtd_restore_caches(kvtd_session* s, int64_t timeout_ms, char* err, size_t err_len);
+/* 1 while cleared (between kvtd_clear_caches and a successful kvtd_restore_caches), else 0. */
+KVTD_API int kvtd_cache_cleared(kvtd_session* s);
+/* Unmaps and unlinks the arenas of kvtd_create_host_device_tensors (before publish, or cleared). */
+KVTD_API int kvtd_free_host_device_tensors(kvtd_session* s, char* err, size_t err_len);
 
 #ifdef __cplusplus
 }

@@ -33,13 +33,18 @@ struct ControlState {
   void detached();
   void set_cache(Cache c);
   Cache cache() const;
-  // Waits up to `timeout_ms` for the cache state to become `want`; false on timeout.
-  bool wait_cache(Cache want, std::int64_t timeout_ms);
+  // The serving loop turned down a requested restore (the engine's own clear is the engine's
+  // to restore): wakes the waiting control thread.
+  void restore_refused();
+  // Waits up to `timeout_ms` for the cache state to become `want`.
+  enum class Wait { kReached, kRefused, kTimeout };
+  Wait wait_cache(Cache want, std::int64_t timeout_ms);
 
  private:
   mutable std::mutex mu_;
   std::condition_variable cv_;
   Cache cache_ = Cache::kDetached;  // guarded by mu_
+  bool refused_ = false;            // guarded by mu_: since the last wait_cache
 };
 
 // Binds the rank's control socket in the runtime directory (and cfg.control_endpoint). The
