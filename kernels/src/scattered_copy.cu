@@ -2,6 +2,15 @@
 
 #include "kvtd/kernels/cuda_copy.h"
 
+// kernel<<<grid, block, 0, stream>>>(args); the stand-in build (KVTD_CUDA_SIM) compiles this
+// file as C++ and runs the grid on the stream's worker thread instead.
+#ifdef KVTD_CUDA_SIM
+#define KVTD_LAUNCH(kernel, grid, block, stream, ...) \
+  (void)::cudasim::launch(kernel, dim3(grid), dim3(block), 0, stream, __VA_ARGS__)
+#else
+#define KVTD_LAUNCH(kernel, grid, block, stream, ...) kernel<<<grid, block, 0, stream>>>(__VA_ARGS__)
+#endif
+
 namespace kvtd::kernels {
 namespace {
 
@@ -80,15 +89,15 @@ unsigned ctas_for(std::int64_t warps) { return static_cast<unsigned>((warps + kW
 int launch_scattered_copy(const CopyTarget& t, const std::int32_t* d_src_ids, const std::int32_t* d_dst_ids,
                           std::int64_t count, void* stream) {
   if (count <= 0 || t.block_bytes == 0) return 0;
-  scattered_one<<<ctas_for(count), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(t, d_src_ids, d_dst_ids, count);
+  KVTD_LAUNCH(scattered_one, ctas_for(count), kThreads, static_cast<cudaStream_t>(stream), t, d_src_ids, d_dst_ids, count);
   return static_cast<int>(cudaGetLastError());
 }
 
 int launch_scattered_copy_all(const CopyTarget* d_targets, std::uint32_t num_targets, const std::int32_t* d_src_ids,
                               const std::int32_t* d_dst_ids, std::int64_t count, void* stream) {
   if (count <= 0 || num_targets == 0) return 0;
-  scattered_all<<<ctas_for(count * num_targets), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      d_targets, num_targets, d_src_ids, d_dst_ids, count);
+  KVTD_LAUNCH(scattered_all, ctas_for(count * num_targets), kThreads, static_cast<cudaStream_t>(stream), d_targets,
+              num_targets, d_src_ids, d_dst_ids, count);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -96,8 +105,8 @@ int launch_gather_to_staging(const LayerTensor* d_tensors, const std::uint64_t* 
                              const std::int32_t* d_ids, std::int64_t count, std::byte* staging,
                              std::uint64_t object_bytes, void* stream) {
   if (count <= 0 || num_tensors == 0) return 0;
-  staging_transform<true><<<ctas_for(count * num_tensors), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      d_tensors, d_offsets, num_tensors, d_ids, count, reinterpret_cast<unsigned char*>(staging), object_bytes);
+  KVTD_LAUNCH(staging_transform<true>, ctas_for(count * num_tensors), kThreads, static_cast<cudaStream_t>(stream),
+              d_tensors, d_offsets, num_tensors, d_ids, count, reinterpret_cast<unsigned char*>(staging), object_bytes);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -105,9 +114,9 @@ int launch_scatter_from_staging(const LayerTensor* d_tensors, const std::uint64_
                                 std::uint32_t num_tensors, const std::int32_t* d_ids, std::int64_t count,
                                 const std::byte* staging, std::uint64_t object_bytes, void* stream) {
   if (count <= 0 || num_tensors == 0) return 0;
-  staging_transform<false><<<ctas_for(count * num_tensors), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      d_tensors, d_offsets, num_tensors, d_ids, count,
-      const_cast<unsigned char*>(reinterpret_cast<const unsigned char*>(staging)), object_bytes);
+  KVTD_LAUNCH(staging_transform<false>, ctas_for(count * num_tensors), kThreads, static_cast<cudaStream_t>(stream),
+              d_tensors, d_offsets, num_tensors, d_ids, count,
+              const_cast<unsigned char*>(reinterpret_cast<const unsigned char*>(staging)), object_bytes);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -1,0 +1,331 @@
+// The stand-in's memory: device allocations in shared memory files (memfd) that another process
+// opens through the 64-byte IPC handle (pid + descriptor + size: the allocation dies with its
+// process, as on a GPU), pinned host memory, and the copies (by kind, checked against what each
+// pointer really is; cudaMemcpyDefault for anything).
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "state.h"
+
+namespace cudasim {
+namespace {
+
+struct Range {
+  std::size_t bytes = 0;
+  Space space = Space::kUnknown;
+  int fd = -1;            // device memory: the memfd behind it
+  bool imported = false;  // opened from another process's handle
+  bool owned_map = false; // we mmap'ed it (device memory, cudaHostAlloc)
+  int refs = 1;           // imported: opens of the same handle
+  std::uint64_t id = 0;   // imported: the exporter's allocation id
+};
+
+std::mutex g_mu;
+std::map<std::uintptr_t, Range> g_ranges;  // by base address; guarded by g_mu
+std::uint64_t g_next_id = 1;               // guarded by g_mu
+
+constexpr std::uint32_t kMemHandleMagic = 0x4D454D43;  // "CMEM"
+
+struct MemHandleBytes {
+  std::uint32_t magic;
+  std::int32_t pid;
+  std::int32_t fd;
+  std::uint32_t reserved;
+  std::uint64_t bytes;
+  std::uint64_t id;
+};
+static_assert(sizeof(MemHandleBytes) <= sizeof(cudaIpcMemHandle_t));
+
+// Requires g_mu: the range holding [p, p + n), or end().
+std::map<std::uintptr_t, Range>::iterator find_locked(const void* p, std::size_t n) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  auto it = g_ranges.upper_bound(a);
+  if (it == g_ranges.begin()) return g_ranges.end();
+  --it;
+  if (a + n > it->first + it->second.bytes || a + n < a) return g_ranges.end();
+  return it;
+}
+
+cudaError_t check_kind(const void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind) {
+  const Space d = space_of(dst, bytes), s = space_of(src, bytes);
+  const bool dd = d == Space::kDevice, sd = s == Space::kDevice;
+  switch (kind) {
+    case cudaMemcpyHostToHost: return !dd && !sd ? cudaSuccess : cudaErrorInvalidValue;
+    case cudaMemcpyHostToDevice: return dd && !sd ? cudaSuccess : cudaErrorInvalidValue;
+    case cudaMemcpyDeviceToHost: return !dd && sd ? cudaSuccess : cudaErrorInvalidValue;
+    case cudaMemcpyDeviceToDevice: return dd && sd ? cudaSuccess : cudaErrorInvalidValue;
+    case cudaMemcpyDefault: return cudaSuccess;  // unified addressing: any pointers
+  }
+  return cudaErrorInvalidMemcpyDirection;
+}
+
+}  // namespace
+
+Space space_of(const void* p, std::size_t n) {
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = find_locked(p, n);
+  return it == g_ranges.end() ? Space::kUnknown : it->second.space;
+}
+
+}  // namespace cudasim
+
+using namespace cudasim;
+
+extern "C" {
+
+cudaError_t cudaMalloc(void** ptr, size_t bytes) {
+  if (const cudaError_t e = enter("cudaMalloc"); e != cudaSuccess) return e;
+  if (!ptr) return fail(cudaErrorInvalidValue);
+  if (bytes == 0) {
+    *ptr = nullptr;
+    return cudaSuccess;
+  }
+  const int fd = memfd_create("cudasim_device", MFD_CLOEXEC);
+  void* p = MAP_FAILED;
+  if (fd >= 0 && ftruncate(fd, static_cast<off_t>(bytes)) == 0)
+    p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    if (fd >= 0) close(fd);
+    return fail(cudaErrorMemoryAllocation);
+  }
+  std::lock_guard<std::mutex> g(g_mu);
+  Range r;
+  r.bytes = bytes;
+  r.space = Space::kDevice;
+  r.fd = fd;
+  r.owned_map = true;
+  r.id = g_next_id++;
+  g_ranges[reinterpret_cast<std::uintptr_t>(p)] = r;
+  *ptr = p;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFree(void* ptr) {
+  if (const cudaError_t e = enter("cudaFree"); e != cudaSuccess && e != sticky_error()) return e;
+  if (!ptr) return cudaSuccess;
+  drain_all_streams();  // cudaFree synchronises the device
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_ranges.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (it == g_ranges.end() || it->second.space != Space::kDevice || it->second.imported)
+    return fail(cudaErrorInvalidDevicePointer);
+  munmap(ptr, it->second.bytes);
+  close(it->second.fd);
+  g_ranges.erase(it);
+  return cudaSuccess;
+}
+
+cudaError_t cudaHostAlloc(void** ptr, size_t bytes, unsigned int flags) {
+  if (const cudaError_t e = enter("cudaHostAlloc"); e != cudaSuccess) return e;
+  const unsigned known = cudaHostAllocPortable | cudaHostAllocMapped | cudaHostAllocWriteCombined;
+  if (!ptr || (flags & ~known) != 0) return fail(cudaErrorInvalidValue);
+  void* p = mmap(nullptr, bytes ? bytes : 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return fail(cudaErrorMemoryAllocation);
+  std::lock_guard<std::mutex> g(g_mu);
+  Range r;
+  r.bytes = bytes ? bytes : 1;
+  r.space = Space::kPinnedHost;
+  r.owned_map = true;
+  g_ranges[reinterpret_cast<std::uintptr_t>(p)] = r;
+  *ptr = p;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFreeHost(void* ptr) {
+  if (const cudaError_t e = enter("cudaFreeHost"); e != cudaSuccess && e != sticky_error()) return e;
+  if (!ptr) return cudaSuccess;
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_ranges.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (it == g_ranges.end() || it->second.space != Space::kPinnedHost || !it->second.owned_map)
+    return fail(cudaErrorInvalidValue);
+  munmap(ptr, it->second.bytes);
+  g_ranges.erase(it);
+  return cudaSuccess;
+}
+
+cudaError_t cudaHostRegister(void* ptr, size_t bytes, unsigned int flags) {
+  if (const cudaError_t e = enter("cudaHostRegister"); e != cudaSuccess) return e;
+  const unsigned known = cudaHostRegisterPortable | cudaHostRegisterMapped | cudaHostRegisterIoMemory |
+                         cudaHostRegisterReadOnly;
+  if (!ptr || bytes == 0 || (flags & ~known) != 0) return fail(cudaErrorInvalidValue);
+  std::lock_guard<std::mutex> g(g_mu);
+  // Any overlap with a registered or device range is refused, as CUDA does.
+  const auto a = reinterpret_cast<std::uintptr_t>(ptr);
+  auto it = g_ranges.lower_bound(a);
+  if (it != g_ranges.end() && it->first < a + bytes) return fail(cudaErrorHostMemoryAlreadyRegistered);
+  if (it != g_ranges.begin() && std::prev(it)->first + std::prev(it)->second.bytes > a)
+    return fail(cudaErrorHostMemoryAlreadyRegistered);
+  Range r;
+  r.bytes = bytes;
+  r.space = Space::kPinnedHost;
+  g_ranges[a] = r;
+  return cudaSuccess;
+}
+
+cudaError_t cudaHostUnregister(void* ptr) {
+  if (const cudaError_t e = enter("cudaHostUnregister"); e != cudaSuccess && e != sticky_error()) return e;
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_ranges.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (it == g_ranges.end() || it->second.space != Space::kPinnedHost || it->second.owned_map)
+    return fail(cudaErrorHostMemoryNotRegistered);
+  g_ranges.erase(it);
+  return cudaSuccess;
+}
+
+cudaError_t cudaHostGetDevicePointer(void** dev, void* host, unsigned int flags) {
+  if (const cudaError_t e = enter("cudaHostGetDevicePointer"); e != cudaSuccess) return e;
+  if (!dev || flags != 0) return fail(cudaErrorInvalidValue);
+  if (space_of(host, 1) != Space::kPinnedHost) return fail(cudaErrorInvalidValue);
+  *dev = host;  // unified addressing: the same address
+  return cudaSuccess;
+}
+
+cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* dev) {
+  if (const cudaError_t e = enter("cudaIpcGetMemHandle"); e != cudaSuccess) return e;
+  if (!handle) return fail(cudaErrorInvalidValue);
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_ranges.find(reinterpret_cast<std::uintptr_t>(dev));  // the allocation's base only
+  if (it == g_ranges.end() || it->second.space != Space::kDevice || it->second.imported)
+    return fail(cudaErrorInvalidValue);
+  std::memset(handle, 0, sizeof *handle);
+  const MemHandleBytes b{kMemHandleMagic, static_cast<std::int32_t>(getpid()), it->second.fd, 0, it->second.bytes,
+                         it->second.id};
+  std::memcpy(handle, &b, sizeof b);
+  return cudaSuccess;
+}
+
+cudaError_t cudaIpcOpenMemHandle(void** ptr, cudaIpcMemHandle_t handle, unsigned int flags) {
+  if (const cudaError_t e = enter("cudaIpcOpenMemHandle"); e != cudaSuccess) return e;
+  if (!ptr || flags != cudaIpcMemLazyEnablePeerAccess) return fail(cudaErrorInvalidValue);
+  MemHandleBytes b{};
+  std::memcpy(&b, &handle, sizeof b);
+  if (b.magic != kMemHandleMagic || b.bytes == 0) return fail(cudaErrorInvalidResourceHandle);
+  if (b.pid == getpid()) return fail(cudaErrorInvalidResourceHandle);  // not from this process
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    for (auto& [base, r] : g_ranges)
+      if (r.imported && r.id == b.id && r.fd >= 0) {  // opened already: same pointer, one more reference
+        ++r.refs;
+        *ptr = reinterpret_cast<void*>(base);
+        return cudaSuccess;
+      }
+  }
+  const std::string path = "/proc/" + std::to_string(b.pid) + "/fd/" + std::to_string(b.fd);
+  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return fail(cudaErrorInvalidResourceHandle);  // the exporting process is gone
+  void* p = mmap(nullptr, b.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    close(fd);
+    return fail(cudaErrorMapBufferObjectFailed);
+  }
+  std::lock_guard<std::mutex> g(g_mu);
+  Range r;
+  r.bytes = b.bytes;
+  r.space = Space::kDevice;
+  r.fd = fd;
+  r.imported = true;
+  r.owned_map = true;
+  r.id = b.id;
+  g_ranges[reinterpret_cast<std::uintptr_t>(p)] = r;
+  *ptr = p;
+  return cudaSuccess;
+}
+
+cudaError_t cudaIpcCloseMemHandle(void* ptr) {
+  if (const cudaError_t e = enter("cudaIpcCloseMemHandle"); e != cudaSuccess && e != sticky_error()) return e;
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_ranges.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (it == g_ranges.end() || !it->second.imported) return fail(cudaErrorInvalidValue);
+  if (--it->second.refs > 0) return cudaSuccess;
+  munmap(ptr, it->second.bytes);
+  close(it->second.fd);
+  g_ranges.erase(it);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, enum cudaMemcpyKind kind) {
+  if (const cudaError_t e = enter("cudaMemcpy"); e != cudaSuccess) return e;
+  if (const cudaError_t e = check_kind(dst, src, bytes, kind); e != cudaSuccess) {
+    (void)take_async_fault();
+    return fail(e);
+  }
+  // The legacy default stream: after every blocking stream's earlier work; not ordered with
+  // cudaStreamNonBlocking streams (as on a GPU).
+  return submit(nullptr, [=] {
+    std::memmove(dst, src, bytes);
+    return cudaSuccess;
+  });
+}
+
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, enum cudaMemcpyKind kind, cudaStream_t s) {
+  if (const cudaError_t e = enter("cudaMemcpyAsync"); e != cudaSuccess) return e;
+  if (const cudaError_t e = check_kind(dst, src, bytes, kind); e != cudaSuccess) {
+    (void)take_async_fault();
+    return fail(e);
+  }
+  const cudaError_t e = submit(s, [=] {
+    std::memmove(dst, src, bytes);
+    return cudaSuccess;
+  });
+  return s == nullptr ? e : cudaSuccess;
+}
+
+cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
+                              enum cudaMemcpyKind kind, cudaStream_t s) {
+  if (const cudaError_t e = enter("cudaMemcpy2DAsync"); e != cudaSuccess) return e;
+  if (width > dpitch || width > spitch) {
+    (void)take_async_fault();
+    return fail(cudaErrorInvalidPitchValue);
+  }
+  const std::size_t dspan = height ? dpitch * (height - 1) + width : 0, sspan = height ? spitch * (height - 1) + width : 0;
+  if (height != 0) {
+    const cudaError_t e = check_kind(dst, src, std::min(dspan, sspan), kind);
+    if (e != cudaSuccess || check_kind(dst, src, width, kind) != cudaSuccess) {
+      (void)take_async_fault();
+      return fail(cudaErrorInvalidValue);
+    }
+  }
+  return submit(s, [=] {
+    for (std::size_t row = 0; row < height; ++row)
+      std::memmove(static_cast<char*>(dst) + row * dpitch, static_cast<const char*>(src) + row * spitch, width);
+    return cudaSuccess;
+  });
+}
+
+cudaError_t cudaMemcpyBatchAsync(void* const* dsts, const void* const* srcs, const size_t* sizes, size_t count,
+                                 struct cudaMemcpyAttributes* attrs, size_t* attrs_idxs, size_t num_attrs,
+                                 cudaStream_t s) {
+  if (const cudaError_t e = enter("cudaMemcpyBatchAsync"); e != cudaSuccess) return e;
+  auto bad = [] {
+    (void)take_async_fault();
+    return fail(cudaErrorInvalidValue);
+  };
+  // CUDA 13: not on the legacy stream; attribute i applies from attrs_idxs[i] (the first is 0,
+  // increasing, below count) to the next one.
+  if (s == nullptr || s == cudaStreamLegacy || count == 0 || !dsts || !srcs || !sizes || !attrs || !attrs_idxs ||
+      num_attrs == 0 || num_attrs > count || attrs_idxs[0] != 0)
+    return bad();
+  for (std::size_t i = 1; i < num_attrs; ++i)
+    if (attrs_idxs[i] <= attrs_idxs[i - 1] || attrs_idxs[i] >= count) return bad();
+  for (std::size_t i = 0; i < num_attrs; ++i)
+    if (attrs[i].srcAccessOrder == cudaMemcpySrcAccessOrderInvalid ||
+        (attrs[i].flags & ~static_cast<unsigned>(cudaMemcpyFlagPreferOverlapWithCompute)) != 0)
+      return bad();
+  std::vector<void*> d(dsts, dsts + count);
+  std::vector<const void*> sv(srcs, srcs + count);
+  std::vector<std::size_t> n(sizes, sizes + count);
+  // Copies within a batch have no order among themselves: run them back to front, so a caller
+  // that relied on an order would see it broken here first.
+  return submit(s, [d = std::move(d), sv = std::move(sv), n = std::move(n)] {
+    for (std::size_t i = d.size(); i-- > 0;) std::memmove(d[i], sv[i], n[i]);
+    return cudaSuccess;
+  });
+}
+
+}  // extern "C"

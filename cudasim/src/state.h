@@ -1,0 +1,66 @@
+// state.h (cudasim-internal) - what the stand-in runtime keeps: errors and faults, streams and
+// their worker threads, events, and the map of device and pinned memory ranges.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+namespace cudasim {
+
+// --- errors ------------------------------------------------------------------------------
+// Records `e` as the calling thread's last error (unless success) and returns it.
+cudaError_t fail(cudaError_t e);
+// The process's sticky error (cudaSuccess while the context is healthy).
+cudaError_t sticky_error();
+void set_sticky(cudaError_t e);
+// Starts an API call: the sticky error if the context is broken, else the injected fault of
+// this call of `function` (non-sticky faults only; see take_async_fault), else success.
+cudaError_t enter(const char* function);
+// For calls that enqueue work: a sticky fault injected into this call, to raise when it runs.
+cudaError_t take_async_fault();
+int current_device();
+int device_count();
+
+// --- streams -------------------------------------------------------------------------------
+// One operation on a stream: returns an error to poison the context (async faults).
+using Op = std::function<cudaError_t()>;
+
+}  // namespace cudasim
+
+// A stream: a FIFO of operations run in order by one worker thread. Nothing orders two streams
+// except events (cudaStreamWaitEvent); the legacy default stream (null) runs its operations in
+// the calling thread after waiting for every blocking stream.
+struct CUstream_st {
+  unsigned flags = 0;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<cudasim::Op> queue;  // guarded by mu
+  bool running = false;           // guarded by mu: the worker is inside an operation
+  bool stop = false;              // guarded by mu
+  std::thread worker;
+};
+
+namespace cudasim {
+
+// Enqueues `op` on `s` (null: runs it now, after the blocking streams drained). The operation
+// is skipped when the context is already broken; a failing operation breaks it.
+cudaError_t submit(cudaStream_t s, Op op);
+// Waits until everything enqueued on `s` before this call ran.
+void drain(cudaStream_t s);
+void drain_blocking_streams();
+void drain_all_streams();
+
+// --- memory --------------------------------------------------------------------------------
+enum class Space { kUnknown, kDevice, kPinnedHost };
+// What the byte range [p, p + n) is: device memory (cudaMalloc, an opened IPC handle), pinned
+// host memory (cudaHostAlloc, cudaHostRegister), or unknown (pageable host memory).
+Space space_of(const void* p, std::size_t n);
+
+}  // namespace cudasim
