@@ -84,6 +84,9 @@ class CudaBackendTest : public ::testing::TestWithParam<ScatterMode> {};
 TEST_P(CudaBackendTest, EveryModeMatchesTheHostExecutorByteForByte) {
   auto b = backend_or_skip(GetParam());
   if (!b) GTEST_SKIP() << "no usable GPU (and not the stand-in build)";
+#ifdef KVTD_CUDA_SIM
+  cudasim::reset_faults();  // call counts start here
+#endif
   std::mt19937 rng(5);
   const std::int32_t blocks = 64;
   for (std::uint64_t bb : {std::uint64_t{16}, std::uint64_t{24}, std::uint64_t{3}, std::uint64_t{4096}}) {
