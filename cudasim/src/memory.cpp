@@ -43,6 +43,8 @@ struct MemHandleBytes {
 };
 static_assert(sizeof(MemHandleBytes) <= sizeof(cudaIpcMemHandle_t));
 
+std::string memfd_name(std::uint64_t id) { return "cudasim_device_" + std::to_string(id); }
+
 // Requires g_mu: the range holding [p, p + n), or end().
 std::map<std::uintptr_t, Range>::iterator find_locked(const void* p, std::size_t n) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
@@ -87,7 +89,14 @@ cudaError_t cudaMalloc(void** ptr, size_t bytes) {
     *ptr = nullptr;
     return cudaSuccess;
   }
-  const int fd = memfd_create("cudasim_device", MFD_CLOEXEC);
+  std::uint64_t id = 0;
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    id = g_next_id++;
+  }
+  // The name carries the allocation id: an opener checks it, so a stale handle whose descriptor
+  // number was reused never maps another object.
+  const int fd = memfd_create(memfd_name(id).c_str(), MFD_CLOEXEC);
   void* p = MAP_FAILED;
   if (fd >= 0 && ftruncate(fd, static_cast<off_t>(bytes)) == 0)
     p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -101,7 +110,7 @@ cudaError_t cudaMalloc(void** ptr, size_t bytes) {
   r.space = Space::kDevice;
   r.fd = fd;
   r.owned_map = true;
-  r.id = g_next_id++;
+  r.id = id;
   g_ranges[reinterpret_cast<std::uintptr_t>(p)] = r;
   *ptr = p;
   return cudaSuccess;
@@ -217,8 +226,13 @@ cudaError_t cudaIpcOpenMemHandle(void** ptr, cudaIpcMemHandle_t handle, unsigned
       }
   }
   const std::string path = "/proc/" + std::to_string(b.pid) + "/fd/" + std::to_string(b.fd);
+  char target[256] = {0};
+  const ssize_t n = readlink(path.c_str(), target, sizeof target - 1);
+  const std::string want = "/memfd:" + memfd_name(b.id) + " ";
+  if (n <= 0 || std::string(target, static_cast<std::size_t>(n)).rfind(want, 0) != 0)
+    return fail(cudaErrorInvalidResourceHandle);  // the exporter is gone or freed it
   const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) return fail(cudaErrorInvalidResourceHandle);  // the exporting process is gone
+  if (fd < 0) return fail(cudaErrorInvalidResourceHandle);
   void* p = mmap(nullptr, b.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
     close(fd);

@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -73,7 +74,8 @@ void worker_loop(cudaStream_t s) {
     s->queue.pop_front();
     s->running = true;
     lk.unlock();
-    if (const auto us = g_op_delay_us.load()) std::this_thread::sleep_for(std::chrono::microseconds(us));
+    if (const auto us = std::max(g_op_delay_us.load(), s->delay_us.load()))
+      std::this_thread::sleep_for(std::chrono::microseconds(us));
     if (sticky_error() == cudaSuccess) {  // a broken context runs nothing more
       if (const cudaError_t e = op(); e != cudaSuccess) set_sticky(e);
     }
@@ -208,6 +210,10 @@ std::uint64_t calls(const std::string& function) {
 
 void set_op_delay_us(std::uint32_t us) { g_op_delay_us.store(us); }
 
+void set_stream_delay_us(void* stream, std::uint32_t us) {
+  if (stream != nullptr) static_cast<cudaStream_t>(stream)->delay_us.store(us);
+}
+
 cudaError_t enqueue_launch(cudaStream_t stream, dim3 grid, dim3 block, std::function<void()> body) {
   if (const cudaError_t e = enter("cudaLaunchKernel"); e != cudaSuccess) return e;
   const std::uint64_t threads = std::uint64_t{block.x} * block.y * block.z;
@@ -267,7 +273,8 @@ struct EventHandleBytes {
 static_assert(sizeof(EventHandleBytes) <= sizeof(cudaIpcEventHandle_t));
 
 void wait_generation(const EventCounters* c, std::uint64_t gen) {
-  while (c->completed.load(std::memory_order_acquire) < gen) std::this_thread::sleep_for(std::chrono::microseconds(20));
+  while (c->completed.load(std::memory_order_acquire) < gen && sticky_error() == cudaSuccess)
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
 }
 
 }  // namespace

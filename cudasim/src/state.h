@@ -39,6 +39,7 @@ using Op = std::function<cudaError_t()>;
 // the calling thread after waiting for every blocking stream.
 struct CUstream_st {
   unsigned flags = 0;
+  std::atomic<std::uint32_t> delay_us{0};  // cudasim::set_stream_delay_us
   std::mutex mu;
   std::condition_variable cv;
   std::deque<cudasim::Op> queue;  // guarded by mu

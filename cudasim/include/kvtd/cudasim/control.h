@@ -26,6 +26,8 @@ void reset_faults();  // forgets injected faults and call counts (not a sticky e
 std::uint64_t calls(const std::string& function);
 // Every stream operation sleeps this long before it runs (0: none).
 void set_op_delay_us(std::uint32_t us);
+// Only the operations of `stream` (a cudaStream_t) sleep this long first: a slow stream.
+void set_stream_delay_us(void* stream, std::uint32_t us);
 // Whether an error is sticky in CUDA (poisons the context for the rest of the process).
 bool is_sticky(int cuda_error);
 
