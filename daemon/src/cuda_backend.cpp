@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -23,6 +24,7 @@ namespace kvtd::daemon {
 #ifndef KVTD_HAVE_CUDA
 
 bool cuda_compiled_in() { return false; }
+bool cuda_stand_in() { return false; }
 
 Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int, ScatterMode) {
   return make_error(DeviceErrc::kUnavailable, "this kvtd was built without the CUDA toolkit; use --device-backend host");
@@ -31,6 +33,11 @@ Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int, Scatte
 #else
 
 bool cuda_compiled_in() { return true; }
+#ifdef KVTD_CUDA_SIM
+bool cuda_stand_in() { return true; }
+#else
+bool cuda_stand_in() { return false; }
+#endif
 
 namespace {
 
@@ -38,6 +45,33 @@ constexpr bool kHaveBatchCopy = CUDART_VERSION >= 13000;
 
 std::string cuda_text(const char* what, cudaError_t e) {
   return std::string(what) + ": " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
+}
+
+// Set once any call met a context-poisoning error: the CUDA context of this process is lost for
+// good (every later call returns the same error), so the daemon must exit and be restarted.
+std::atomic<bool> g_context_lost{false};
+
+bool sticky(cudaError_t e) {
+  switch (e) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchFailure:
+    case cudaErrorECCUncorrectable: return true;
+    default: return false;
+  }
+}
+
+// What a failed call means for the backend: a sticky error marks the context lost.
+DeviceErrc errc_of(cudaError_t e, DeviceErrc otherwise = DeviceErrc::kCopyFailed) {
+  if (!sticky(e)) return otherwise;
+  g_context_lost.store(true, std::memory_order_release);
+  return DeviceErrc::kContextLost;
 }
 
 // One macro for every runtime call (NCCL's checks.h style): on failure it clears the runtime's
@@ -48,7 +82,7 @@ std::string cuda_text(const char* what, cudaError_t e) {
   do {                                                                                   \
     if (const cudaError_t kvtd_e_ = (call); kvtd_e_ != cudaSuccess) {                    \
       (void)cudaGetLastError();                                                          \
-      return make_error(DeviceErrc::kCopyFailed, cuda_text(#call, kvtd_e_));             \
+      return make_error(errc_of(kvtd_e_), cuda_text(#call, kvtd_e_));                    \
     }                                                                                    \
   } while (0)
 
@@ -175,6 +209,8 @@ class CudaBackend final : public DeviceBackend {
           registered_.emplace_back(p, bytes);
           return static_cast<std::byte*>(p);
         } else {
+          // Cleared here: a stale error would fail the next kernel launch's check (a healthy task).
+          (void)cudaGetLastError();
           why = cuda_text("cudaHostRegister", e);
         }
       }
@@ -205,6 +241,7 @@ class CudaBackend final : public DeviceBackend {
   }
 
   int numa_node() const override { return numa_node_; }
+  bool broken() const override { return g_context_lost.load(std::memory_order_acquire); }
 
   Result<std::byte*, DeviceErrc> alloc_device(std::size_t bytes) override {
     void* p = nullptr;
@@ -386,14 +423,14 @@ class CudaBackend final : public DeviceBackend {
           const auto* table = static_cast<const kernels::CopyTarget*>(lane.table.dev) + first;
           const int e = kernels::launch_scattered_copy_all(table, static_cast<std::uint32_t>(targets.size()), d_src,
                                                            d_dst, static_cast<std::int64_t>(n), lane.stream);
-          if (e != 0) return make_error(DeviceErrc::kCopyFailed, std::string("copy kernel: ") + kernels::cuda_error_text(e));
+          if (e != 0) return make_error(errc_of(static_cast<cudaError_t>(e)), std::string("copy kernel: ") + kernels::cuda_error_text(e));
           return {};
         }
         [[fallthrough]];
       case ScatterMode::kKernelPerLayer:
         for (const auto& t : targets) {
           const int e = kernels::launch_scattered_copy(t, d_src, d_dst, static_cast<std::int64_t>(n), lane.stream);
-          if (e != 0) return make_error(DeviceErrc::kCopyFailed, std::string("copy kernel: ") + kernels::cuda_error_text(e));
+          if (e != 0) return make_error(errc_of(static_cast<cudaError_t>(e)), std::string("copy kernel: ") + kernels::cuda_error_text(e));
         }
         return {};
       case ScatterMode::kMemcpy:
@@ -470,7 +507,7 @@ class CudaBackend final : public DeviceBackend {
     const auto nt = static_cast<std::uint32_t>(tensors.size());
     const int e = gather ? kernels::launch_gather_to_staging(table, offsets, nt, d_ids, count, staging, object, lane.stream)
                          : kernels::launch_scatter_from_staging(table, offsets, nt, d_ids, count, staging, object, lane.stream);
-    if (e != 0) return make_error(DeviceErrc::kCopyFailed, std::string("layout kernel: ") + kernels::cuda_error_text(e));
+    if (e != 0) return make_error(errc_of(static_cast<cudaError_t>(e)), std::string("layout kernel: ") + kernels::cuda_error_text(e));
     KVTD_CUDA_TRY(cudaStreamSynchronize(lane.stream));
     return {};
   }

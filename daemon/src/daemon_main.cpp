@@ -339,6 +339,16 @@ int run_daemon(const config::DaemonConfig& cfg, std::atomic<bool>& stop) {
                 why == TaskRunner::Exit::kCleared ? "mapping closed" : "session done", st.tasks_ok, st.tasks_failed,
                 st.tasks_dropped, st.bytes_to_host, st.bytes_to_device, st.storage.tasks, st.storage.objects_read,
                 st.storage.bytes_read, st.storage.objects_written, st.storage.bytes_written);
+      if (why == TaskRunner::Exit::kDeviceLost) {
+        KVTD_ERROR("the device context is lost (a sticky CUDA error; see the failed task above): every later "
+                   "copy would fail. Exiting with code {} so the service restarts with a new context",
+                   kExitDeviceLost);
+        endpoint.set_ready(0);
+        registry.set_attached(false, 0);
+        control_state.detached();
+        notify_status("device context lost; exiting for a restart");
+        return kExitDeviceLost;
+      }
       if (why != TaskRunner::Exit::kCleared) break;
       // Every task before the clear has completed; nothing touches the tensors any more.
       endpoint.set_ready(proto::kReadyHostPool);

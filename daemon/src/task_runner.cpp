@@ -499,6 +499,12 @@ TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop, const std::atomi
   std::int64_t summary_at = ipc::monotonic_now_ns();
   for (;;) {
     notify_watchdog();
+    if (impl->backend.broken()) {
+      // The device context is gone: nothing enqueued from now on would run. Stop reading; the
+      // engine fails what is left in the ring when this epoch leaves.
+      exit = Exit::kDeviceLost;
+      break;
+    }
     impl->maybe_summarize(last_summary, summary_at);
     if (impl->cache.metrics) impl->cache.metrics->set_ring_depth(impl->ep.ring_published() - impl->ep.ring_read());
     const bool stopping = stop.load(std::memory_order_acquire);

@@ -13,6 +13,10 @@
 #include "kvtd/kernels/layout.h"
 
 #ifdef KVTD_CUDA_SIM
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "cuda_runtime_api.h"
 #include "kvtd/cudasim/control.h"
 #endif
 
@@ -195,6 +199,88 @@ INSTANTIATE_TEST_SUITE_P(Modes, CudaBackendTest, ::testing::ValuesIn(kModes),
                            std::replace(n.begin(), n.end(), '-', '_');
                            return n;
                          });
+
+#ifdef KVTD_CUDA_SIM
+// Faults through the stand-in: what the daemon relies on when a copy fails.
+struct FaultFixture {
+  std::unique_ptr<DeviceBackend> b;
+  std::vector<std::byte> shadow;
+  std::byte* dev = nullptr;
+  std::byte* host = nullptr;
+  kernels::CopyPlan plan;  // 3 runs and 4 scattered blocks, device -> host
+  static constexpr std::uint64_t kBlock = 256;
+  static constexpr std::int32_t kBlocks = 32;
+
+  explicit FaultFixture(ScatterMode mode) {
+    b = backend_or_skip(mode);
+    std::mt19937 rng(1);
+    shadow.resize(kBlock * kBlocks);
+    for (auto& x : shadow) x = static_cast<std::byte>(rng());
+    dev = *b->alloc_device(shadow.size());
+    host = *b->alloc_host(shadow.size());
+    EXPECT_TRUE(b->write_device(dev, shadow.data(), shadow.size()).ok());
+    const std::vector<std::int32_t> s{0, 1, 2, 10, 11, 20, 21, 5, 13, 27, 30};
+    const std::vector<std::int32_t> d{0, 1, 2, 10, 11, 20, 21, 7, 15, 25, 31};
+    plan = *kernels::plan_copy(s, d, kBlocks, kBlocks, std::vector<std::uint64_t>{kBlock});
+  }
+  Status<DeviceErrc> copy() {
+    const auto t = kernels::packed_target(dev, host, kBlock);
+    return b->copy(Direction::kToHost, plan, std::span<const kernels::CopyTarget>(&t, 1));
+  }
+  bool block_copied(std::int32_t from, std::int32_t to) const {
+    return std::memcmp(host + to * kBlock, shadow.data() + from * kBlock, kBlock) == 0;
+  }
+};
+
+TEST(CudaBackendFaults, AFailedCopyFailsOnlyItsTaskAndTheNextOneSucceeds) {
+  FaultFixture f(ScatterMode::kKernelAllLayers);
+  cudasim::reset_faults();
+  cudasim::inject_fault("cudaMemcpyAsync", 2, cudaErrorInvalidValue);  // the second run's copy
+  auto st = f.copy();
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.error().code, DeviceErrc::kCopyFailed);
+  EXPECT_NE(st.error().message.find("cudaErrorInvalidValue"), std::string::npos) << st.error().message;
+  EXPECT_FALSE(f.b->broken());
+  st = f.copy();
+  ASSERT_TRUE(st.ok()) << st.error().message << " (a stale error must not fail the next task)";
+  EXPECT_TRUE(f.block_copied(13, 15) && f.block_copied(20, 20));
+  cudasim::reset_faults();
+}
+
+TEST(CudaBackendFaults, NothingStillWritesOnceACopyReportsFailure) {
+  FaultFixture f(ScatterMode::kMemcpy);
+  cudasim::reset_faults();
+  // Every stream operation takes 30 ms: when the third copy call fails, the first two are still
+  // queued. The backend must wait for them before it reports the failure (the runner then
+  // releases the task's blocks and the engine may reuse them).
+  cudasim::set_op_delay_us(30'000);
+  cudasim::inject_fault("cudaMemcpyAsync", 3, cudaErrorInvalidValue);
+  auto st = f.copy();
+  cudasim::set_op_delay_us(0);
+  ASSERT_FALSE(st.ok());
+  EXPECT_TRUE(f.block_copied(0, 0) && f.block_copied(10, 10)) << "copies enqueued before the failure were not drained";
+  cudasim::reset_faults();
+}
+
+TEST(CudaBackendFaults, StickyErrorIsReportedAsALostContext) {
+  // Sticky errors poison the process for good: in a child.
+  const pid_t pid = fork();
+  if (pid == 0) {
+    FaultFixture f(ScatterMode::kKernelAllLayers);
+    cudasim::inject_fault("cudaLaunchKernel", cudasim::calls("cudaLaunchKernel") + 1, cudaErrorIllegalAddress);
+    auto st = f.copy();
+    if (st.ok() || st.error().code != DeviceErrc::kContextLost) _exit(1);
+    if (!f.b->broken()) _exit(2);
+    auto again = f.copy();
+    if (again.ok() || again.error().code != DeviceErrc::kContextLost) _exit(3);
+    _exit(0);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+#endif
 
 TEST(CudaBackend, UnavailableBackendSaysWhy) {
   auto backend = make_cuda_backend(0);

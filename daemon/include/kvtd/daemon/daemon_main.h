@@ -18,6 +18,7 @@ inline constexpr int kExitSessionRefused = 3;  // another uid, mode, magic, vers
 inline constexpr int kExitAttachTimeout = 4;
 inline constexpr int kExitBackend = 5;         // device backend or host pool failure (e.g. /dev/shm full)
 inline constexpr int kExitSessionCorrupt = 6;  // the session's layout or ring framing is broken: transient
+inline constexpr int kExitDeviceLost = 7;      // a sticky device error broke the CUDA context: restart
                                                // (the engine recreates it), so systemd restarts us
 
 // Returns the process exit code. `stop` is set by the signal thread, or by `kvtd ctl drain`

@@ -34,6 +34,8 @@ enum class DeviceErrc {
   kOpenFailed,   // a tensor handle could not be opened or is too small
   kAllocFailed,  // pinned host memory could not be allocated
   kCopyFailed,   // a copy failed (message carries the driver's error string)
+  kContextLost,  // a sticky device error (illegal address, launch failure, ...): every later call
+                 // fails; the process must exit so the device context is rebuilt
 };
 
 enum class Direction { kToHost, kToDevice };
@@ -64,6 +66,9 @@ class DeviceBackend {
   virtual bool tensors_host_accessible() const { return false; }
   // NUMA node of the device (host memory for it belongs there), or -1 when unknown.
   virtual int numa_node() const { return -1; }
+  // True once a call met a sticky (context-poisoning) error: nothing this process enqueues will
+  // run again. The daemon stops serving and exits for a restart. Any thread.
+  virtual bool broken() const { return false; }
 
   // Carries out `plan` for every target, in the direction's stream, and returns when done.
   virtual Status<DeviceErrc> copy(Direction dir, const kernels::CopyPlan& plan,
@@ -102,5 +107,7 @@ std::unique_ptr<DeviceBackend> make_host_backend();
 Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int device_id,
                                                                      ScatterMode mode = ScatterMode::kKernelAllLayers);
 bool cuda_compiled_in();
+// Whether the CUDA backend runs on cudasim, the CPU stand-in of the CUDA runtime (test builds).
+bool cuda_stand_in();
 
 }  // namespace kvtd::daemon

@@ -70,7 +70,8 @@ class TaskRunner {
   // kCleared: a CLEAR_CACHE record (clear_task()), an operator's clear, or a re-grant that found
   // the cache cleared; every task read before it has completed. The caller closes the mappings
   // and completes the CLEAR_CACHE.
-  enum class Exit { kStopped, kSessionLost, kRingCorrupt, kCleared };
+  // kDeviceLost: the backend is broken() (a sticky device error); the task that met it failed.
+  enum class Exit { kStopped, kSessionLost, kRingCorrupt, kCleared, kDeviceLost };
 
   TaskRunner(ipc::RankEndpoint& endpoint, DeviceBackend& backend, AttachedCache cache);
   ~TaskRunner();
