@@ -1,0 +1,218 @@
+// The daemon's CUDA path across processes, in the stand-in build (-DKVTD_CUDA_SIM=ON): this
+// process is the engine and owns its KV tensors as device memory (cudaMalloc, one arena per
+// rank, tensors at offsets in it); real `kvtd --device-backend cuda` processes open them through
+// the IPC handles (base plus offset), run every scatter mode, export per-layer events the engine
+// opens, and exit for a restart when the context is lost.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <map>
+#include <tuple>
+
+#include "cuda_runtime_api.h"
+#include "daemon_fixture.h"
+
+namespace kvtd {
+namespace {
+
+class CudaDaemonTest : public DaemonTest {
+ protected:
+  std::vector<void*> arenas_;
+  std::map<std::tuple<std::uint32_t, std::uint32_t, std::uint32_t>, std::byte*> dev_;
+
+  ~CudaDaemonTest() override {
+    daemons_.clear();
+    engine_.reset();
+    for (void* a : arenas_) cudaFree(a);
+  }
+
+  void start_cuda_engine() {
+    ipc::SessionOptions o;
+    o.suffix = suffix_;
+    o.geometry = g_;
+    o.ring_bytes = 1u << 16;
+    o.service_period_ns = 5'000'000;
+    auto s = EngineSession::create(o);
+    ASSERT_TRUE(s.ok()) << s.error().message;
+    engine_ = std::move(s).value();
+    for (std::uint32_t r = 0; r < g_.num_ranks; ++r) {
+      // A caching allocator's picture: one allocation per rank, tensors inside it at offsets
+      // (the first one not at 0), registered as the allocation's handle plus the offset.
+      std::uint64_t total = 512;
+      for (std::uint32_t l = 0; l < g_.num_layers; ++l)
+        for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k)
+          if (g_.has_tensor(static_cast<proto::TensorKind>(k)))
+            total += (tensor_bytes(l, k) + 255) / 256 * 256;
+      void* arena = nullptr;
+      ASSERT_EQ(cudaMalloc(&arena, total), cudaSuccess);
+      arenas_.push_back(arena);
+      cudaIpcMemHandle_t h{};
+      ASSERT_EQ(cudaIpcGetMemHandle(&h, arena), cudaSuccess);
+      std::uint64_t offset = 512;
+      for (std::uint32_t l = 0; l < g_.num_layers; ++l)
+        for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
+          const auto kind = static_cast<proto::TensorKind>(k);
+          if (!g_.has_tensor(kind)) continue;
+          proto::TensorDesc d{};
+          d.rank = r;
+          d.layer = l;
+          d.kind = k;
+          d.device_id = 0;
+          d.ndim = 4;
+          for (int i = 0; i < 4; ++i) d.shape[i] = g_.key_shape[i];
+          d.bytes = tensor_bytes(l, k);
+          d.offset = offset;
+          std::memcpy(d.handle, &h, sizeof h);
+          ASSERT_TRUE(engine_->register_tensor(d).ok());
+          dev_[{r, l, k}] = static_cast<std::byte*>(arena) + offset;
+          offset += (d.bytes + 255) / 256 * 256;
+        }
+    }
+    fill_cuda();
+    ASSERT_TRUE(engine_->publish().ok());
+  }
+
+  std::uint64_t tensor_bytes(std::uint32_t l, std::uint32_t k) const {
+    return g_.block_bytes(static_cast<proto::TensorKind>(k)) * static_cast<std::uint64_t>(g_.device_blocks(l));
+  }
+
+  void fill_cuda() {
+    for (auto& [key, p] : dev_) {
+      auto [r, l, k] = key;
+      const std::uint64_t bb = g_.block_bytes(static_cast<proto::TensorKind>(k));
+      std::vector<std::byte> v(tensor_bytes(l, k));
+      for (std::int64_t b = 0; b < g_.device_blocks(l); ++b)
+        loadgen::fill_block(v.data() + static_cast<std::uint64_t>(b) * bb, bb, r, l, k, static_cast<std::uint32_t>(b));
+      ASSERT_EQ(cudaMemcpy(p, v.data(), v.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    }
+  }
+
+  // -1 when device block `blk` of every tensor of (rank, layer) holds the pattern of block `from`.
+  bool holds(std::uint32_t r, std::uint32_t l, std::int32_t blk, std::int32_t from) {
+    for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
+      if (!g_.has_tensor(static_cast<proto::TensorKind>(k))) continue;
+      const std::uint64_t bb = g_.block_bytes(static_cast<proto::TensorKind>(k));
+      std::vector<std::byte> v(bb);
+      EXPECT_EQ(cudaMemcpy(v.data(), dev_[{r, l, k}] + static_cast<std::uint64_t>(blk) * bb, bb, cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      if (loadgen::check_block(v.data(), bb, r, l, k, static_cast<std::uint32_t>(from)) != -1) return false;
+    }
+    return true;
+  }
+
+  void scribble(const std::vector<std::int32_t>& blocks) {
+    for (auto& [key, p] : dev_) {
+      const std::uint64_t bb = g_.block_bytes(static_cast<proto::TensorKind>(std::get<2>(key)));
+      std::vector<std::byte> junk(bb, std::byte{0xee});
+      for (auto b : blocks)
+        ASSERT_EQ(cudaMemcpy(p + static_cast<std::uint64_t>(b) * bb, junk.data(), bb, cudaMemcpyHostToDevice), cudaSuccess);
+    }
+  }
+
+  Child start_cuda_daemon(std::uint32_t rank, const std::string& mode, int incarnation) {
+    auto args = daemon_args(rank, g_);
+    for (std::size_t i = 0; i + 1 < args.size(); ++i)
+      if (args[i] == "--device-backend") args[i + 1] = "cuda";
+    args.insert(args.end(), {"--scatter-mode", mode, "--numa-node", "none"});
+    return Child(args, log_path(rank, incarnation));
+  }
+
+  // Out to host, scribbled, back into other device blocks; every byte checked on every rank.
+  void cuda_round_trip(const std::vector<std::int32_t>& dev, const std::vector<std::int32_t>& host,
+                       const std::vector<std::int32_t>& dev2) {
+    auto out = run(TaskKind::kSwapToHost, dev, host);
+    ASSERT_TRUE(out.ok()) << (out.failures.empty() ? "" : out.failures[0].message);
+    ASSERT_NO_FATAL_FAILURE(scribble(dev));
+    auto in = run(TaskKind::kSwapToDevice, host, dev2);
+    ASSERT_TRUE(in.ok()) << (in.failures.empty() ? "" : in.failures[0].message);
+    for (std::uint32_t r = 0; r < g_.num_ranks; ++r)
+      for (std::uint32_t l = 0; l < g_.num_layers; ++l)
+        for (std::size_t i = 0; i < dev2.size(); ++i)
+          ASSERT_TRUE(holds(r, l, dev2[i], dev[i])) << "rank " << r << " layer " << l << " block " << dev2[i];
+    fill_cuda();
+  }
+
+  void round_trip_in_modes(std::initializer_list<const char*> modes) {
+    int incarnation = 0;
+    for (const char* mode : modes) {
+      SCOPED_TRACE(mode);
+      for (auto& d : daemons_) {  // the previous mode's daemons finish and leave in order
+        d.signal(SIGTERM);
+        ASSERT_EQ(d.wait_exit(std::chrono::seconds(30)), 0);
+      }
+      daemons_.clear();
+      ASSERT_TRUE(test::eventually([&] { return !engine_->rank_alive(0) && !engine_->rank_alive(1); },
+                                   std::chrono::seconds(10)));
+      for (std::uint32_t r = 0; r < g_.num_ranks; ++r) daemons_.push_back(start_cuda_daemon(r, mode, incarnation));
+      ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok()) << test::read_file(log_path(0, incarnation));
+      ASSERT_NO_FATAL_FAILURE(cuda_round_trip({1, 2, 3, 17, 9}, {4, 5, 6, 0, 11}, {20, 21, 22, 7, 30}));
+      ++incarnation;
+    }
+  }
+};
+
+// Every scatter mode (two per test: a test keeps two daemon incarnations' logs). A run (1, 2, 3
+// -> 4, 5, 6) and scattered blocks, out and back, byte for byte on every rank.
+TEST_F(CudaDaemonTest, KernelModesMoveTheEnginesTensorsThroughIpcHandles) {
+  ASSERT_NO_FATAL_FAILURE(start_cuda_engine());
+  ASSERT_NO_FATAL_FAILURE(round_trip_in_modes({"kernel", "kernel-per-layer"}));
+}
+
+TEST_F(CudaDaemonTest, CopyEngineModesMoveTheEnginesTensorsThroughIpcHandles) {
+  ASSERT_NO_FATAL_FAILURE(start_cuda_engine());
+  ASSERT_NO_FATAL_FAILURE(round_trip_in_modes({"batch", "memcpy"}));
+}
+
+TEST_F(CudaDaemonTest, LayerEventsOpenInTheEngineAndFireAfterTheirLayer) {
+  ASSERT_NO_FATAL_FAILURE(start_cuda_engine());
+  setenv("KVTD_CUDASIM_OP_DELAY_US", "3000", 1);  // slow streams: layers land one by one
+  for (std::uint32_t r = 0; r < g_.num_ranks; ++r) daemons_.push_back(start_cuda_daemon(r, "kernel", 0));
+  unsetenv("KVTD_CUDASIM_OP_DELAY_US");
+  ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok()) << test::read_file(log_path(0));
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, {1, 2, 9}, {3, 4, 5}).ok());
+  ASSERT_NO_FATAL_FAILURE(scribble({1, 2, 9}));
+  const auto id = submit(TaskKind::kSwapToDevice, {3, 4, 5}, {1, 2, 9}, /*layerwise=*/true);
+  std::vector<cudaEvent_t> opened;
+  for (std::uint32_t l = 0; l < g_.num_layers; ++l) {
+    ASSERT_TRUE(engine_->wait_layer(id, l, 30'000'000'000, EngineSession::LayerStage::kEnqueued).ok());
+    for (std::uint32_t r = 0; r < g_.num_ranks; ++r) {
+      auto h = engine_->layer_event_handle(r, l);
+      ASSERT_TRUE(h.has_value()) << "rank " << r << " published no event for layer " << l;
+      cudaIpcEventHandle_t eh{};
+      std::memcpy(&eh, h->data(), sizeof eh);
+      cudaEvent_t ev{};
+      ASSERT_EQ(cudaIpcOpenEventHandle(&ev, eh), cudaSuccess);
+      opened.push_back(ev);
+      // What the engine's compute stream would wait for: once the event fired, the layer is in.
+      ASSERT_EQ(cudaEventSynchronize(ev), cudaSuccess);
+      for (std::int32_t b : {1, 2, 9}) EXPECT_TRUE(holds(r, l, b, b)) << "rank " << r << " layer " << l;
+    }
+  }
+  auto res = engine_->wait(id, 30'000'000'000);
+  ASSERT_TRUE(res.ok() && res->ok());
+  for (auto ev : opened) cudaEventDestroy(ev);
+}
+
+TEST_F(CudaDaemonTest, StickyErrorFailsItsTaskAndTheDaemonExitsForARestart) {
+  ASSERT_NO_FATAL_FAILURE(start_cuda_engine());
+  daemons_.push_back(start_cuda_daemon(0, "kernel", 0));
+  setenv("KVTD_CUDASIM_FAULTS", "cudaLaunchKernel:1:700", 1);  // rank 1's first kernel faults
+  daemons_.push_back(start_cuda_daemon(1, "kernel", 0));
+  unsetenv("KVTD_CUDASIM_FAULTS");
+  ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok());
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, {1, 2, 3}, {4, 5, 6}).ok());  // a run: no kernel
+  const auto failed = run(TaskKind::kSwapToHost, {9, 17}, {0, 11});    // scattered: the kernel
+  EXPECT_EQ(failed.status, TaskStatus::kDeviceError);
+  ASSERT_FALSE(failed.failures.empty());
+  EXPECT_EQ(failed.failures[0].rank, 1u);
+  EXPECT_NE(failed.failures[0].message.find("cudaErrorIllegalAddress"), std::string::npos) << failed.failures[0].message;
+  EXPECT_EQ(daemons_[1].wait_exit(std::chrono::seconds(30)), 7) << test::read_file(log_path(1));
+  EXPECT_NE(test::read_file(log_path(1)).find("device context is lost"), std::string::npos);
+  // systemd restarts it: the session goes on with a new context.
+  daemons_[1] = start_cuda_daemon(1, "kernel", 1);
+  ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok()) << test::read_file(log_path(1, 1));
+  cuda_round_trip({9, 17}, {0, 11}, {20, 21});
+}
+
+}  // namespace
+}  // namespace kvtd
