@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every test: unit, ipc (real processes), storage, chaos; gpu tests skip without a GPU.
+# Runs every test: unit, ipc (real processes), storage, chaos; gpu tests skip without a GPU, and
+# run in the stand-in build against cudasim, the CPU stand-in of the CUDA runtime.
 # Then the same suites again under AddressSanitizer + UndefinedBehaviorSanitizer, and under
 # ThreadSanitizer (KVTD_SKIP_SANITIZERS=1 skips both), and every libFuzzer target for
 # KVTD_FUZZ_SECONDS each (default 20; KVTD_FUZZ_SECONDS=0 skips; scripts/fuzz.sh runs longer).
@@ -10,6 +11,12 @@ kvtd_build
 
 echo "== tests (build: $KVTD_BUILD_DIR)"
 ctest --test-dir "$KVTD_BUILD_DIR" --output-on-failure -j 2 --timeout 900
+
+# No machine of this project has a GPU: the CUDA backend, its kernels, IPC handles and events run
+# against cudasim, the CUDA runtime stand-in (-DKVTD_CUDA_SIM=ON; see cudasim/README.md).
+echo "== the CUDA path on the CUDA runtime stand-in (label gpu)"
+KVTD_BUILD_DIR=$KVTD_ROOT/build-sim kvtd_build -DKVTD_CUDA_SIM=ON
+ctest --test-dir "$KVTD_ROOT/build-sim" -L gpu --output-on-failure -j 2 --timeout 900
 
 if [ "${KVTD_SKIP_SANITIZERS:-0}" != 1 ]; then
   echo "== tests under address,undefined sanitizers"
