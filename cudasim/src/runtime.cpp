@@ -31,9 +31,7 @@ struct Faults {
   std::mutex mu;
   std::map<std::string, std::uint64_t> calls;                            // guarded by mu
   std::map<std::pair<std::string, std::uint64_t>, cudaError_t> planned;  // guarded by mu
-  int devices = 1;
   Faults() {
-    if (const char* d = std::getenv("KVTD_CUDASIM_DEVICES")) devices = std::atoi(d);
     if (const char* us = std::getenv("KVTD_CUDASIM_OP_DELAY_US")) g_op_delay_us = static_cast<std::uint32_t>(std::atoi(us));
     if (const char* spec = std::getenv("KVTD_CUDASIM_FAULTS")) {
       // function:nth:code[,function:nth:code...]
@@ -144,7 +142,11 @@ cudaError_t take_async_fault() {
 }
 
 int current_device() { return tl_device; }
-int device_count() { return faults().devices; }
+// Read on every call, so a test can take the devices away.
+int device_count() {
+  const char* d = std::getenv("KVTD_CUDASIM_DEVICES");
+  return d ? std::atoi(d) : 1;
+}
 
 cudaError_t submit(cudaStream_t s, Op op) {
   if (const cudaError_t fault = take_async_fault(); fault != cudaSuccess)
@@ -308,6 +310,17 @@ cudaError_t cudaSetDevice(int device) {
   return cudaSuccess;
 }
 
+cudaError_t cudaSetDeviceFlags(unsigned int flags) {
+  if (const cudaError_t e = enter("cudaSetDeviceFlags"); e != cudaSuccess) return e;
+  const unsigned known = cudaDeviceScheduleMask | cudaDeviceMapHost | cudaDeviceLmemResizeToMax;
+  if ((flags & ~known) != 0) return fail(cudaErrorInvalidValue);
+  const unsigned schedule = flags & cudaDeviceScheduleMask;
+  if (schedule != cudaDeviceScheduleAuto && schedule != cudaDeviceScheduleSpin && schedule != cudaDeviceScheduleYield &&
+      schedule != cudaDeviceScheduleBlockingSync)
+    return fail(cudaErrorInvalidValue);
+  return cudaSuccess;
+}
+
 cudaError_t cudaGetDevice(int* device) {
   if (!device) return fail(cudaErrorInvalidValue);
   *device = tl_device;
@@ -328,6 +341,9 @@ cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int dev
   if (device < 0 || device >= device_count()) return fail(cudaErrorInvalidDevice);
   switch (attr) {
     case cudaDevAttrCanUseHostPointerForRegisteredMem:
+      // KVTD_CUDASIM_NO_HOST_POINTERS=1: a device whose kernels need cudaHostGetDevicePointer.
+      *value = std::getenv("KVTD_CUDASIM_NO_HOST_POINTERS") ? 0 : 1;
+      return cudaSuccess;
     case cudaDevAttrUnifiedAddressing:
     case cudaDevAttrIpcEventSupport: *value = 1; return cudaSuccess;
     case cudaDevAttrMultiProcessorCount: *value = 108; return cudaSuccess;

@@ -142,6 +142,25 @@ class CudaBackend final : public DeviceBackend {
   Status<DeviceErrc> init() {
     if (auto e = cudaSetDevice(device_); e != cudaSuccess)
       return make_error(DeviceErrc::kUnavailable, cuda_text("cudaSetDevice", e));
+    // Threads waiting for a copy sleep in the driver instead of spinning a core each beside the
+    // engine (the default spins while it has spare cores).
+    if (auto e = cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync); e != cudaSuccess) {
+      (void)cudaGetLastError();
+      KVTD_WARN("cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync): {}; waits may spin", cuda_text("", e));
+    }
+    // The kernels dereference host-pool pointers directly: only valid where registered host
+    // memory is addressable by its host pointer. Elsewhere the copy engines must do it.
+    int host_pointers = 0;
+    if (cudaDeviceGetAttribute(&host_pointers, cudaDevAttrCanUseHostPointerForRegisteredMem, device_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      host_pointers = 0;
+    }
+    if (!host_pointers && (mode_ == ScatterMode::kKernelAllLayers || mode_ == ScatterMode::kKernelPerLayer))
+      return make_error(DeviceErrc::kUnavailable,
+                        "device " + std::to_string(device_) +
+                            " cannot use host pointers of registered memory in kernels "
+                            "(cudaDevAttrCanUseHostPointerForRegisteredMem is 0): use --scatter-mode batch or memcpy");
+    host_pointers_ = host_pointers != 0;
     for (auto& lane : lanes_) {
       if (auto e = cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking); e != cudaSuccess)
         return make_error(DeviceErrc::kUnavailable, cuda_text("cudaStreamCreateWithFlags", e));
@@ -254,16 +273,26 @@ class CudaBackend final : public DeviceBackend {
     return static_cast<std::byte*>(p);
   }
 
+  // On a lane's own stream, not cudaMemcpy: the legacy default stream does not wait for the
+  // lanes' non-blocking streams, so a plain cudaMemcpy could race a copy still in flight there.
   Status<DeviceErrc> write_device(std::byte* dst, const std::byte* src, std::size_t bytes) override {
-    KVTD_CUDA_TRY(cudaSetDevice(device_));
-    KVTD_CUDA_TRY(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
-    return {};
+    return plain_copy(lane_of(Direction::kToDevice), dst, src, bytes);
   }
 
   Status<DeviceErrc> read_device(std::byte* dst, const std::byte* src, std::size_t bytes) override {
+    return plain_copy(lane_of(Direction::kToHost), dst, src, bytes);
+  }
+
+  Status<DeviceErrc> plain_copy(Lane& lane, std::byte* dst, const std::byte* src, std::size_t bytes) {
+    std::lock_guard<std::mutex> g(lane.mu);
     KVTD_CUDA_TRY(cudaSetDevice(device_));
-    KVTD_CUDA_TRY(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
-    return {};
+    auto st = [&]() -> Status<DeviceErrc> {
+      KVTD_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, lane.stream));
+      KVTD_CUDA_TRY(cudaStreamSynchronize(lane.stream));
+      return {};
+    }();
+    if (!st.ok()) lane.drain();
+    return st;
   }
 
   Status<DeviceErrc> copy(Direction dir, const kernels::CopyPlan& plan,
@@ -505,6 +534,11 @@ class CudaBackend final : public DeviceBackend {
     const auto* d_ids = static_cast<const std::int32_t*>(lane.ids.dev);
     const auto count = static_cast<std::int64_t>(ids.size());
     const auto nt = static_cast<std::uint32_t>(tensors.size());
+    if (!host_pointers_) {  // the kernel addresses the mapped staging by its device pointer
+      void* mapped = nullptr;
+      KVTD_CUDA_TRY(cudaHostGetDevicePointer(&mapped, staging, 0));
+      staging = static_cast<std::byte*>(mapped);
+    }
     const int e = gather ? kernels::launch_gather_to_staging(table, offsets, nt, d_ids, count, staging, object, lane.stream)
                          : kernels::launch_scatter_from_staging(table, offsets, nt, d_ids, count, staging, object, lane.stream);
     if (e != 0) return make_error(errc_of(static_cast<cudaError_t>(e)), std::string("layout kernel: ") + kernels::cuda_error_text(e));
@@ -520,6 +554,7 @@ class CudaBackend final : public DeviceBackend {
   std::vector<void*> device_allocs_;
   std::vector<std::pair<void*, std::size_t>> registered_;  // NUMA-placed, cudaHostRegister'ed
   int numa_node_ = -1;
+  bool host_pointers_ = true;  // cudaDevAttrCanUseHostPointerForRegisteredMem
 };
 
 }  // namespace

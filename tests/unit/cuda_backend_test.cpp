@@ -232,6 +232,26 @@ struct FaultFixture {
   }
 };
 
+TEST(CudaBackendFaults, KernelModesNeedHostPointersUsableByKernels) {
+  setenv("KVTD_CUDASIM_NO_HOST_POINTERS", "1", 1);
+  auto kernel = make_cuda_backend(0, ScatterMode::kKernelAllLayers);
+  auto batch = make_cuda_backend(0, ScatterMode::kBatch);
+  unsetenv("KVTD_CUDASIM_NO_HOST_POINTERS");
+  ASSERT_FALSE(kernel.ok());
+  EXPECT_NE(kernel.error().message.find("cudaDevAttrCanUseHostPointerForRegisteredMem"), std::string::npos);
+  ASSERT_TRUE(batch.ok()) << batch.error().message;
+  // The staging transform still runs: its kernel gets the staging's mapped device pointer.
+  std::mt19937 rng(2);
+  auto t = make_device_tensor(**batch, 8 * 64, rng);
+  auto staging = (*batch)->alloc_host(2 * 64);
+  ASSERT_TRUE(staging.ok());
+  const kernels::LayerTensor lt{t.dev, 64, 64};
+  const std::vector<std::int32_t> ids{5, 2};
+  ASSERT_TRUE((*batch)->gather_to_staging(std::span<const kernels::LayerTensor>(&lt, 1), ids, *staging).ok());
+  EXPECT_EQ(0, std::memcmp(*staging, t.shadow.data() + 5 * 64, 64));
+  EXPECT_EQ(0, std::memcmp(*staging + 64, t.shadow.data() + 2 * 64, 64));
+}
+
 TEST(CudaBackendFaults, AFailedCopyFailsOnlyItsTaskAndTheNextOneSucceeds) {
   FaultFixture f(ScatterMode::kKernelAllLayers);
   cudasim::reset_faults();
@@ -283,7 +303,15 @@ TEST(CudaBackendFaults, StickyErrorIsReportedAsALostContext) {
 #endif
 
 TEST(CudaBackend, UnavailableBackendSaysWhy) {
+#ifdef KVTD_CUDA_SIM
+  setenv("KVTD_CUDASIM_DEVICES", "0", 1);  // the stand-in without a device
   auto backend = make_cuda_backend(0);
+  unsetenv("KVTD_CUDASIM_DEVICES");
+  ASSERT_FALSE(backend.ok());
+  EXPECT_NE(backend.error().message.find("cudaErrorNoDevice"), std::string::npos) << backend.error().message;
+#else
+  auto backend = make_cuda_backend(0);
+#endif
   if (backend.ok()) GTEST_SKIP() << "a GPU (or the stand-in) is present";
   EXPECT_EQ(backend.error().code, DeviceErrc::kUnavailable);
   EXPECT_FALSE(backend.error().message.empty());

@@ -10,7 +10,8 @@
 // does nothing. Also from the environment, read once at the first CUDA call:
 //   KVTD_CUDASIM_FAULTS="cudaMemcpyAsync:3:700,cudaLaunchKernel:1:719"
 //   KVTD_CUDASIM_OP_DELAY_US=200     every stream operation sleeps first (ordering, progress)
-//   KVTD_CUDASIM_DEVICES=2           visible devices (default 1; 0 = no device)
+//   KVTD_CUDASIM_DEVICES=2           visible devices (default 1; 0 = no device; read per call)
+//   KVTD_CUDASIM_NO_HOST_POINTERS=1  cudaDevAttrCanUseHostPointerForRegisteredMem is 0
 //
 // Thread-safety: every function may be called from any thread.
 #pragma once
