@@ -380,6 +380,8 @@ class CudaBackend final : public DeviceBackend {
     cudaStream_t stream = nullptr;
     Mirror ids;      // [single_src..., single_dst...] (int32) or staging ids
     Mirror table;    // CopyTarget or LayerTensor table for the one-launch kernels
+    std::vector<std::byte> table_contents;  // what table.dev holds (see upload_table)
+    void* table_dev = nullptr;              // table.dev when table_contents was uploaded
     Mirror offsets;  // staging offsets per tensor
     std::vector<cudaEvent_t> events;
     std::vector<void*> batch_dst, batch_src;
@@ -421,15 +423,31 @@ class CudaBackend final : public DeviceBackend {
     std::memcpy(lane.ids.host, plan.single_src.data(), n * sizeof(std::int32_t));
     std::memcpy(static_cast<std::int32_t*>(lane.ids.host) + n, plan.single_dst.data(), n * sizeof(std::int32_t));
     if (auto st = lane.ids.upload(2 * n * sizeof(std::int32_t), lane.stream); !st.ok()) return st;
-    if (auto st = lane.table.reserve(targets.size() * sizeof(kernels::CopyTarget)); !st.ok()) return st;
-    std::memcpy(lane.table.host, targets.data(), targets.size() * sizeof(kernels::CopyTarget));
-    return lane.table.upload(targets.size() * sizeof(kernels::CopyTarget), lane.stream);
+    return upload_table(lane, targets.data(), targets.size_bytes());
+  }
+
+  // Uploads a target table unless the device copy holds these bytes already: the swap targets of
+  // an attached cache never change, so steady-state tasks upload only their ids.
+  Status<DeviceErrc> upload_table(Lane& lane, const void* table, std::size_t bytes) {
+    const auto* p = static_cast<const std::byte*>(table);
+    if (lane.table.dev != nullptr && lane.table_dev == lane.table.dev && lane.table_contents.size() == bytes &&
+        std::memcmp(lane.table_contents.data(), p, bytes) == 0)
+      return {};
+    lane.table_contents.clear();  // unknown until the upload below is enqueued
+    if (auto st = lane.table.reserve(bytes); !st.ok()) return st;
+    std::memcpy(lane.table.host, p, bytes);
+    if (auto st = lane.table.upload(bytes, lane.stream); !st.ok()) return st;
+    lane.table_contents.assign(p, p + bytes);
+    lane.table_dev = lane.table.dev;
+    return {};
   }
 
   // Enqueues runs and scattered blocks of `targets` (which start at index `first` of the staged
   // table). `all_layers` lets the all-layers kernel cover every target in one launch.
   Status<DeviceErrc> enqueue(Lane& lane, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets,
                              bool all_layers, std::size_t first = 0) {
+    // Batch mode: runs and scattered blocks of every target in one cudaMemcpyBatchAsync.
+    if (mode_ == ScatterMode::kBatch) return enqueue_batch(lane, plan, targets);
     for (const auto& t : targets)
       for (const auto& r : plan.runs) {
         std::byte* d = t.dst + static_cast<std::uint64_t>(r.dst) * t.dst_stride;
@@ -469,8 +487,7 @@ class CudaBackend final : public DeviceBackend {
                                           t.src + static_cast<std::uint64_t>(plan.single_src[i]) * t.src_stride,
                                           t.block_bytes, cudaMemcpyDefault, lane.stream));
         return {};
-      case ScatterMode::kBatch:
-        return enqueue_batch(lane, plan, targets);
+      case ScatterMode::kBatch: return {};  // enqueued above
     }
     return {};
   }
@@ -482,12 +499,28 @@ class CudaBackend final : public DeviceBackend {
     lane.batch_dst.clear();
     lane.batch_src.clear();
     lane.batch_size.clear();
-    for (const auto& t : targets)
-      for (std::size_t i = 0; i < n; ++i) {
-        lane.batch_dst.push_back(t.dst + static_cast<std::uint64_t>(plan.single_dst[i]) * t.dst_stride);
-        lane.batch_src.push_back(const_cast<std::byte*>(t.src) + static_cast<std::uint64_t>(plan.single_src[i]) * t.src_stride);
-        lane.batch_size.push_back(t.block_bytes);
+    auto add = [&](std::byte* d, const std::byte* s, std::uint64_t bytes) {
+      lane.batch_dst.push_back(d);
+      lane.batch_src.push_back(const_cast<std::byte*>(s));
+      lane.batch_size.push_back(bytes);
+    };
+    for (const auto& t : targets) {
+      for (const auto& r : plan.runs) {
+        std::byte* d = t.dst + static_cast<std::uint64_t>(r.dst) * t.dst_stride;
+        const std::byte* s = t.src + static_cast<std::uint64_t>(r.src) * t.src_stride;
+        if (t.src_stride == t.block_bytes && t.dst_stride == t.block_bytes) {
+          add(d, s, static_cast<std::uint64_t>(r.count) * t.block_bytes);  // a packed run: one copy
+        } else {
+          for (std::int64_t b = 0; b < r.count; ++b)
+            add(d + static_cast<std::uint64_t>(b) * t.dst_stride, s + static_cast<std::uint64_t>(b) * t.src_stride,
+                t.block_bytes);
+        }
       }
+      for (std::size_t i = 0; i < n; ++i)
+        add(t.dst + static_cast<std::uint64_t>(plan.single_dst[i]) * t.dst_stride,
+            t.src + static_cast<std::uint64_t>(plan.single_src[i]) * t.src_stride, t.block_bytes);
+    }
+    if (lane.batch_dst.empty()) return {};
     cudaMemcpyAttributes attr{};
     attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
     attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
@@ -518,9 +551,7 @@ class CudaBackend final : public DeviceBackend {
     if (auto st = lane.ids.reserve(ids.size_bytes()); !st.ok()) return st;
     std::memcpy(lane.ids.host, ids.data(), ids.size_bytes());
     if (auto st = lane.ids.upload(ids.size_bytes(), lane.stream); !st.ok()) return st;
-    if (auto st = lane.table.reserve(tensors.size_bytes()); !st.ok()) return st;
-    std::memcpy(lane.table.host, tensors.data(), tensors.size_bytes());
-    if (auto st = lane.table.upload(tensors.size_bytes(), lane.stream); !st.ok()) return st;
+    if (auto st = upload_table(lane, tensors.data(), tensors.size_bytes()); !st.ok()) return st;
     if (auto st = lane.offsets.reserve(tensors.size() * sizeof(std::uint64_t)); !st.ok()) return st;
     auto* off = static_cast<std::uint64_t*>(lane.offsets.host);
     std::uint64_t object = 0;

@@ -252,6 +252,22 @@ TEST(CudaBackendFaults, KernelModesNeedHostPointersUsableByKernels) {
   EXPECT_EQ(0, std::memcmp(*staging + 64, t.shadow.data() + 2 * 64, 64));
 }
 
+TEST(CudaBackendFaults, AnUnchangedTargetTableIsNotUploadedAgain) {
+  FaultFixture f(ScatterMode::kKernelAllLayers);
+  cudasim::reset_faults();
+  ASSERT_TRUE(f.copy().ok());
+  const auto first = cudasim::calls("cudaMemcpyAsync");  // 3 runs + ids + table
+  ASSERT_TRUE(f.copy().ok());
+  EXPECT_EQ(cudasim::calls("cudaMemcpyAsync") - first, first - 1) << "the table went up again";
+  // Another table (another destination) is uploaded, and used.
+  std::byte* other = *f.b->alloc_host(f.shadow.size());
+  const auto t = kernels::packed_target(f.dev, other, FaultFixture::kBlock);
+  ASSERT_TRUE(f.b->copy(Direction::kToHost, f.plan, std::span<const kernels::CopyTarget>(&t, 1)).ok());
+  EXPECT_EQ(0, std::memcmp(other + 15 * FaultFixture::kBlock, f.shadow.data() + 13 * FaultFixture::kBlock,
+                           FaultFixture::kBlock));
+  cudasim::reset_faults();
+}
+
 TEST(CudaBackendFaults, AFailedCopyFailsOnlyItsTaskAndTheNextOneSucceeds) {
   FaultFixture f(ScatterMode::kKernelAllLayers);
   cudasim::reset_faults();
