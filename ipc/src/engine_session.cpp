@@ -963,10 +963,27 @@ std::optional<std::array<std::uint8_t, proto::kHandleBytes>> EngineSession::laye
     std::uint32_t rank, std::uint32_t layer) const {
   const auto& v = impl_->view;
   if (rank >= impl_->geo.num_ranks || layer >= impl_->geo.num_layers) return std::nullopt;
-  // Acquire pairs with the rank's release of events_published: the handle bytes are complete.
-  if (v.progress_control(rank)->events_published.load(std::memory_order_acquire) <= layer) return std::nullopt;
+  auto* control = v.progress_control(rank);
+  const auto& slot = impl_->h->ranks[rank];
+  // Acquire pairs with the rank's release of events_published: the handle words are complete.
+  const std::uint32_t n = control->events_published.load(std::memory_order_acquire);
+  const std::uint32_t epoch = control->events_epoch.load(std::memory_order_relaxed);
+  if (n <= layer) return std::nullopt;
+  // Only the live daemon's events: one exported by a process that has since died is undefined
+  // behaviour to open.
+  if (!slot.attached.load(std::memory_order_acquire) || slot.attached_epoch.load(std::memory_order_acquire) != epoch)
+    return std::nullopt;
   std::array<std::uint8_t, proto::kHandleBytes> out{};
-  std::memcpy(out.data(), v.event_handle(rank, layer), out.size());
+  auto* words = reinterpret_cast<std::uint64_t*>(v.event_handle(rank, layer));
+  for (std::size_t w = 0; w < proto::kHandleBytes / 8; ++w) {
+    const std::uint64_t x = std::atomic_ref<std::uint64_t>(words[w]).load(std::memory_order_relaxed);
+    std::memcpy(out.data() + 8 * w, &x, 8);
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);
+  // Overwritten while we copied (a restarted daemon): not a handle of any one exporter.
+  if (control->events_published.load(std::memory_order_relaxed) != n ||
+      control->events_epoch.load(std::memory_order_relaxed) != epoch)
+    return std::nullopt;
   return out;
 }
 

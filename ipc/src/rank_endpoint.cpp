@@ -26,6 +26,7 @@ struct RankEndpoint::Impl {
   proto::SessionHeader* h = nullptr;  // for the atomics only
   std::vector<proto::TensorDesc> tensors;  // this rank's, by layer * kTensorKinds + kind
   bool loaded = false;                     // the last load_tensors() found the cache live
+  std::vector<std::array<std::uint8_t, proto::kHandleBytes>> events;  // published; again after a re-grant
   std::unique_ptr<TaskRingReader> reader;
   std::unique_ptr<CompletionRing> completions;
   std::mutex complete_mu;
@@ -267,7 +268,10 @@ RankEndpoint::Next RankEndpoint::next_task(std::vector<std::byte>& record, std::
   for (;;) {
     if (!impl->granted()) {
       if (!impl->engine_alive()) return Next::kLost;
-      return impl->request_grant() ? Next::kRegranted : Next::kLost;
+      if (!impl->request_grant()) return Next::kLost;
+      // The engine trusts event handles of the granted epoch only: publish ours under the new one.
+      if (!impl->events.empty()) publish_layer_events(std::vector(impl->events));
+      return Next::kRegranted;
     }
     const std::uint32_t seen = h->publish_word.load(std::memory_order_acquire);
     switch (impl->reader->try_pop(record)) {
@@ -318,10 +322,21 @@ void RankEndpoint::progress_update(const proto::TaskRecordHeader& task, std::uin
 
 void RankEndpoint::publish_layer_events(const std::vector<std::array<std::uint8_t, proto::kHandleBytes>>& handles) {
   const auto n = static_cast<std::uint32_t>(std::min<std::size_t>(handles.size(), impl_->geometry.num_layers));
-  for (std::uint32_t l = 0; l < n; ++l)
-    std::memcpy(impl_->view.event_handle(impl_->opts.rank, l), handles[l].data(), proto::kHandleBytes);
-  // Release publishes the handle bytes above to the engine's acquire of events_published.
-  impl_->view.progress_control(impl_->opts.rank)->events_published.store(n, std::memory_order_release);
+  impl_->events = handles;
+  auto* control = impl_->view.progress_control(impl_->opts.rank);
+  // Withdrawn first: a reader that copies while we overwrite sees the count change.
+  control->events_published.store(0, std::memory_order_seq_cst);
+  for (std::uint32_t l = 0; l < n; ++l) {
+    auto* words = reinterpret_cast<std::uint64_t*>(impl_->view.event_handle(impl_->opts.rank, l));
+    for (std::size_t w = 0; w < proto::kHandleBytes / 8; ++w) {
+      std::uint64_t v = 0;
+      std::memcpy(&v, handles[l].data() + 8 * w, 8);
+      std::atomic_ref<std::uint64_t>(words[w]).store(v, std::memory_order_relaxed);
+    }
+  }
+  control->events_epoch.store(impl_->epoch.load(), std::memory_order_relaxed);
+  // Release publishes the handle words and the epoch above to the engine's acquire.
+  control->events_published.store(n, std::memory_order_release);
 }
 
 void RankEndpoint::abort_agreement(std::uint64_t seq, proto::TaskStatus why) {

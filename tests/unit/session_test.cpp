@@ -365,6 +365,35 @@ TEST(Session, WaitLayerRefusesALayerOutsideTheGeometry) {
   EXPECT_EQ(st.error().code, IpcErrc::kInvalidArgument);
 }
 
+// Per-layer event handles belong to the daemon that exported them: once its epoch is gone (a
+// restarted daemon, a re-grant), the engine hands none out until the new epoch publishes its own.
+TEST(Session, LayerEventHandlesAreOnlyTheLiveEpochs) {
+  const auto suffix = test::unique_suffix("events");
+  Engine e(suffix);
+  std::vector<std::array<std::uint8_t, proto::kHandleBytes>> handles(2);
+  handles[0].fill(0x11);
+  handles[1].fill(0x22);
+  {
+    auto ep = RankEndpoint::attach(endpoint_options(suffix, 0, test::small_geometry(1)));
+    ASSERT_TRUE(ep.ok());
+    (*ep)->publish_layer_events(handles);
+    auto h = e.s->layer_event_handle(0, 1);
+    ASSERT_TRUE(h.has_value());
+    EXPECT_EQ((*h)[63], 0x22);
+    EXPECT_FALSE(e.s->layer_event_handle(0, 2).has_value()) << "only what was published";
+  }  // the daemon leaves: its events die with it
+  ASSERT_TRUE(test::eventually([&] { return !e.s->rank_alive(0); }, std::chrono::seconds(5)));
+  EXPECT_FALSE(e.s->layer_event_handle(0, 0).has_value());
+  auto ep = RankEndpoint::attach(endpoint_options(suffix, 0, test::small_geometry(1)));
+  ASSERT_TRUE(ep.ok());
+  EXPECT_FALSE(e.s->layer_event_handle(0, 0).has_value()) << "the old daemon's handle, under the new epoch";
+  handles[0].fill(0x33);
+  (*ep)->publish_layer_events(handles);
+  auto h = e.s->layer_event_handle(0, 0);
+  ASSERT_TRUE(h.has_value());
+  EXPECT_EQ((*h)[0], 0x33);
+}
+
 // An engine killed with -9 left its arenas (2 x 256 MiB seen) in /dev/shm: objects of a
 // session that no longer exists are swept; those of a live session are kept.
 TEST(Session, SweepRemovesObjectsOfDeadSessionsOnly) {

@@ -30,8 +30,9 @@
 namespace kvtd::proto {
 
 inline constexpr std::uint64_t kSessionMagic = 0x5353455344545640ULL;  // "@VTDSESS"
-// 2: RankSlot::owner; 3: agreement region; 4: scale bytes, extra layers; 5: cache_state
-inline constexpr std::uint32_t kSessionLayoutVersion = 5;
+// 2: RankSlot::owner; 3: agreement region; 4: scale bytes, extra layers; 5: cache_state;
+// 6: ProgressControl::events_epoch
+inline constexpr std::uint32_t kSessionLayoutVersion = 6;
 
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
@@ -127,9 +128,15 @@ static_assert(sizeof(LayerProgressSlot) == 64);
 
 // Head of a rank's progress block; followed by kProgressSlots slots and then num_layers
 // 64-byte interprocess event handles (cudaIpcEventHandle_t), one per layer.
+// The handles belong to the daemon of `events_epoch`: one that restarts overwrites them, and an
+// event whose exporter died must not be opened. The daemon stores events_published = 0, writes
+// the handles (8-byte words) and events_epoch, then events_published = n (release); the engine
+// trusts a copy only if events_published and events_epoch read the same before and after it and
+// events_epoch is the rank's attached epoch.
 struct alignas(64) ProgressControl {
   std::atomic<std::uint32_t> events_published;  // number of valid event handles (0: none, host backend)
-  std::uint8_t pad[60];
+  std::atomic<std::uint32_t> events_epoch;      // the attach epoch whose daemon exported them
+  std::uint8_t pad[56];
 };
 static_assert(sizeof(ProgressControl) == 64);
 
