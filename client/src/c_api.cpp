@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kvtd/ipc/engine_session.h"
+#include "kvtd/proto/pci.h"
 #include "kvtd/proto/task.h"
 
 struct kvtd_session {
@@ -220,9 +221,22 @@ int kvtd_session_geometry(kvtd_session* s, kvtd_geometry* out) {
 
 int kvtd_register_tensor(kvtd_session* s, uint32_t rank, uint32_t layer, uint32_t kind, int32_t device_id,
                          const uint8_t handle[64], uint64_t offset, uint64_t bytes, char* err, size_t err_len) {
+  return kvtd_register_tensor_on(s, rank, layer, kind, device_id, nullptr, handle, offset, bytes, err, err_len);
+}
+
+int kvtd_register_tensor_on(kvtd_session* s, uint32_t rank, uint32_t layer, uint32_t kind, int32_t device_id,
+                            const char* pci_bus_id, const uint8_t handle[64], uint64_t offset, uint64_t bytes,
+                            char* err, size_t err_len) {
   return guarded(err, err_len, [&]() -> int {
     if (!s || !handle) return invalid(err, err_len, "session and handle must not be null");
     proto::TensorDesc d{};
+    if (pci_bus_id != nullptr) {
+      const auto packed = proto::parse_pci_bus_id(pci_bus_id);
+      if (!packed)
+        return invalid(err, err_len, "PCI bus id '" + std::string(pci_bus_id).substr(0, 32) +
+                                         "' is not DDDD:BB:DD.F (hex; e.g. 0000:3b:00.0)");
+      d.pci_bus_id = *packed;
+    }
     d.rank = rank;
     d.layer = layer;
     d.kind = kind;

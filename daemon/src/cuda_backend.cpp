@@ -17,6 +17,7 @@
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/numa.h"
 #include "kvtd/kernels/cuda_copy.h"
+#include "kvtd/proto/pci.h"
 #endif
 
 namespace kvtd::daemon {
@@ -168,6 +169,7 @@ class CudaBackend final : public DeviceBackend {
     char bus_id[32] = {0};
     if (cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, device_) != cudaSuccess) bus_id[0] = '\0';
     (void)cudaGetLastError();  // a failed query must not fail the first task
+    pci_bus_id_ = proto::parse_pci_bus_id(bus_id).value_or(0);
     std::string how;
     numa_node_ = numa_node_of_gpu(bus_id, device_, "/sys", &how);
     KVTD_INFO("cuda device {} (PCI {}) is on NUMA node {} ({})", device_, bus_id, numa_node_,
@@ -184,9 +186,19 @@ class CudaBackend final : public DeviceBackend {
   }
 
   Result<std::byte*, DeviceErrc> open_tensor(const proto::TensorDesc& d) override {
-    if (d.device_id != device_)
+    // The PCI address when the engine registered one: ordinals differ between processes under
+    // CUDA_VISIBLE_DEVICES, so an equal ordinal can be another GPU and a different one the same.
+    if (d.pci_bus_id != 0 && pci_bus_id_ != 0) {
+      if (d.pci_bus_id != pci_bus_id_)
+        return make_error(DeviceErrc::kOpenFailed, "tensor is on the GPU at PCI " + proto::pci_bus_id_string(d.pci_bus_id) +
+                                                       " but this rank serves device " + std::to_string(device_) +
+                                                       " at PCI " + proto::pci_bus_id_string(pci_bus_id_));
+    } else if (d.device_id != device_) {
       return make_error(DeviceErrc::kOpenFailed, "tensor is on device " + std::to_string(d.device_id) +
-                                                     " but this rank serves device " + std::to_string(device_));
+                                                     " but this rank serves device " + std::to_string(device_) +
+                                                     " (ordinals of the engine's process; register the PCI bus id "
+                                                     "when CUDA_VISIBLE_DEVICES differs)");
+    }
     std::array<std::uint8_t, proto::kHandleBytes> key{};
     std::memcpy(key.data(), d.handle, key.size());
     auto it = opened_.find(key);
@@ -586,6 +598,7 @@ class CudaBackend final : public DeviceBackend {
   std::vector<std::pair<void*, std::size_t>> registered_;  // NUMA-placed, cudaHostRegister'ed
   int numa_node_ = -1;
   bool host_pointers_ = true;  // cudaDevAttrCanUseHostPointerForRegisteredMem
+  std::uint32_t pci_bus_id_ = 0;  // proto/pci.h packing; 0 unknown
 };
 
 }  // namespace

@@ -152,6 +152,8 @@ _sig("kvtd_session_destroy", None, _sess)
 _sig("kvtd_session_geometry", _c.c_int, _sess, _c.POINTER(Geometry))
 _sig("kvtd_register_tensor", _c.c_int, _sess, _c.c_uint32, _c.c_uint32, _c.c_uint32, _c.c_int32,
      _c.POINTER(_c.c_uint8), _c.c_uint64, _c.c_uint64, *_err)
+_sig("kvtd_register_tensor_on", _c.c_int, _sess, _c.c_uint32, _c.c_uint32, _c.c_uint32, _c.c_int32, _c.c_char_p,
+     _c.POINTER(_c.c_uint8), _c.c_uint64, _c.c_uint64, *_err)
 _sig("kvtd_create_host_device_tensors", _c.c_int, _sess, *_err)
 _sig("kvtd_host_device_tensor", _c.c_void_p, _sess, _c.c_uint32, _c.c_uint32, _c.c_uint32, _c.POINTER(_c.c_uint64))
 _sig("kvtd_publish", _c.c_int, _sess, *_err)

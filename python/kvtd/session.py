@@ -213,23 +213,26 @@ class Session:
 
     # -- tensors --------------------------------------------------------------------------
     def register_tensor(self, rank: int, layer: int, kind, handle: bytes, offset: int, nbytes: int,
-                        device_id: int = -1) -> None:
+                        device_id: int = -1, pci_bus_id: Optional[str] = None) -> None:
         """Registers one device tensor: the CUDA IPC handle (64 bytes) of the allocation's base,
-        the tensor's byte offset in it, its size. Only before publish()."""
+        the tensor's byte offset in it, its size, and its GPU (the PCI bus id if known: it means
+        the same GPU in every process, an ordinal does not). Only before publish() or after
+        clear_caches()."""
         if len(handle) != n.HANDLE_BYTES:
             raise ValueError(f"an IPC handle has {n.HANDLE_BYTES} bytes, got {len(handle)}")
         buf = (ctypes.c_uint8 * n.HANDLE_BYTES).from_buffer_copy(handle)
-        rc = n.lib.kvtd_register_tensor(self._handle(), rank, layer, _kind(kind), device_id, buf, offset, nbytes,
-                                        self._errbuf(), _ERR_LEN)
+        rc = n.lib.kvtd_register_tensor_on(self._handle(), rank, layer, _kind(kind), device_id,
+                                           pci_bus_id.encode() if pci_bus_id else None, buf, offset, nbytes,
+                                           self._errbuf(), _ERR_LEN)
         self._check(rc, f"register rank {rank} layer {layer} {kind}")
 
     def register_torch_tensor(self, rank: int, layer: int, kind, tensor) -> None:
         """Registers a CUDA torch tensor by its allocation's IPC handle plus offset (what torch's
         own storage sharing uses, so sub-allocations of the caching allocator work)."""
-        from .tensors import cuda_ipc_handle
+        from .tensors import cuda_ipc_handle, pci_bus_id
 
         handle, offset, nbytes, device = cuda_ipc_handle(tensor)
-        self.register_tensor(rank, layer, kind, handle, offset, nbytes, device)
+        self.register_tensor(rank, layer, kind, handle, offset, nbytes, device, pci_bus_id(device))
         self._keepalive.append(tensor)
 
     def create_host_device_tensors(self) -> None:

@@ -12,6 +12,8 @@ CPU tensors for the host backend live in shared memory made by the session
 
 from __future__ import annotations
 
+from typing import Optional
+
 
 def torch_dtype(geometry, kind: int):
     import torch
@@ -20,6 +22,22 @@ def torch_dtype(geometry, kind: int):
         return torch.float32 if geometry.scale_bytes == 4 else torch.bfloat16
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8,
             "block_wise_fp8": torch.uint8}[geometry.dtype]
+
+
+def pci_bus_id(device: int) -> Optional[str]:
+    """The PCI address ("0000:3b:00.0") of CUDA device `device` as torch reports it, or None
+    where this torch does not say. Daemons match GPUs by it (ordinals differ per process under
+    CUDA_VISIBLE_DEVICES)."""
+    import torch
+
+    try:
+        props = torch.cuda.get_device_properties(device)
+    except (AssertionError, RuntimeError):  # a torch without CUDA
+        return None
+    bus = getattr(props, "pci_bus_id", None)
+    if bus is None:
+        return None
+    return f"{getattr(props, 'pci_domain_id', 0):04x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
 
 
 def cuda_ipc_handle(tensor):

@@ -11,6 +11,7 @@
 
 #include "cuda_runtime_api.h"
 #include "daemon_fixture.h"
+#include "kvtd/proto/pci.h"
 
 namespace kvtd {
 namespace {
@@ -26,7 +27,8 @@ class CudaDaemonTest : public DaemonTest {
     for (void* a : arenas_) cudaFree(a);
   }
 
-  void start_cuda_engine() {
+  // device_id: the ordinal in this (engine) process; pci: the GPU's PCI address (0: none).
+  void start_cuda_engine(std::int32_t device_id = 0, std::uint32_t pci = 0) {
     ipc::SessionOptions o;
     o.suffix = suffix_;
     o.geometry = g_;
@@ -57,7 +59,8 @@ class CudaDaemonTest : public DaemonTest {
           d.rank = r;
           d.layer = l;
           d.kind = k;
-          d.device_id = 0;
+          d.device_id = device_id;
+          d.pci_bus_id = pci;
           d.ndim = 4;
           for (int i = 0; i < 4; ++i) d.shape[i] = g_.key_shape[i];
           d.bytes = tensor_bytes(l, k);
@@ -161,6 +164,26 @@ TEST_F(CudaDaemonTest, KernelModesMoveTheEnginesTensorsThroughIpcHandles) {
 TEST_F(CudaDaemonTest, CopyEngineModesMoveTheEnginesTensorsThroughIpcHandles) {
   ASSERT_NO_FATAL_FAILURE(start_cuda_engine());
   ASSERT_NO_FATAL_FAILURE(round_trip_in_modes({"batch", "memcpy"}));
+}
+
+// Under CUDA_VISIBLE_DEVICES the engine's ordinal for a GPU is not the daemon's: the PCI address
+// decides. The stand-in's device 0 is at 0000:17:00.0.
+TEST_F(CudaDaemonTest, TheGpuIsMatchedByPciAddressNotByOrdinal) {
+  g_ = test::small_geometry(1);
+  ASSERT_NO_FATAL_FAILURE(start_cuda_engine(/*device_id=*/5, *proto::parse_pci_bus_id("0000:17:00.0")));
+  daemons_.push_back(start_cuda_daemon(0, "kernel", 0));
+  ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok()) << test::read_file(log_path(0));
+  ASSERT_NO_FATAL_FAILURE(cuda_round_trip({1, 2}, {3, 4}, {5, 6}));
+}
+
+TEST_F(CudaDaemonTest, ATensorOnAnotherGpuIsRefusedNamingBothAddresses) {
+  g_ = test::small_geometry(1);
+  ASSERT_NO_FATAL_FAILURE(start_cuda_engine(/*device_id=*/0, *proto::parse_pci_bus_id("0000:3b:00.0")));
+  daemons_.push_back(start_cuda_daemon(0, "kernel", 0));
+  EXPECT_EQ(daemons_[0].wait_exit(std::chrono::seconds(30)), 5);
+  const auto log = test::read_file(log_path(0));
+  EXPECT_NE(log.find("0000:3b:00.0"), std::string::npos) << log;
+  EXPECT_NE(log.find("0000:17:00.0"), std::string::npos) << log;
 }
 
 TEST_F(CudaDaemonTest, LayerEventsOpenInTheEngineAndFireAfterTheirLayer) {

@@ -231,6 +231,10 @@ def test_cuda_tensor_registers_by_allocation_handle_plus_offset():
         s.register_torch_tensor(0, 0, "key", _FakeCudaTensor(32 * 2 * 4 * 8))
         with pytest.raises(kvtd.InvalidArgument, match="needs"):
             s.register_torch_tensor(0, 1, "key", _FakeCudaTensor(8))  # too small for 32 blocks
+        nbytes = g.block_bytes("key") * 32
+        s.register_tensor(0, 1, "key", bytes(64), 0, nbytes, device_id=3, pci_bus_id="0000:3b:00.0")
+        with pytest.raises(kvtd.InvalidArgument, match="PCI bus id"):
+            s.register_tensor(0, 2, "key", bytes(64), 0, nbytes, device_id=3, pci_bus_id="3b:00")
     with pytest.raises(ValueError, match="CUDA tensor"):
         cuda_ipc_handle(torch.zeros(4))
 

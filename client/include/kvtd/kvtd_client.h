@@ -143,9 +143,15 @@ KVTD_API void kvtd_session_destroy(kvtd_session* s);
 KVTD_API int kvtd_session_geometry(kvtd_session* s, kvtd_geometry* out);
 
 /* Registers one device tensor by its CUDA IPC handle (64 bytes) of the allocation's base plus the
- * tensor's byte offset in it (caching allocators sub-allocate). Only before kvtd_publish. */
+ * tensor's byte offset in it (caching allocators sub-allocate). Only before kvtd_publish (or
+ * after kvtd_clear_caches). The daemon matches the GPU by device_id, an ordinal of the engine's
+ * process: kvtd_register_tensor_on also names the GPU by its PCI bus id ("0000:3b:00.0", CUDA's
+ * cudaDeviceGetPCIBusId or NVML's spelling), which holds whatever CUDA_VISIBLE_DEVICES says. */
 KVTD_API int kvtd_register_tensor(kvtd_session* s, uint32_t rank, uint32_t layer, uint32_t kind, int32_t device_id,
                                   const uint8_t handle[64], uint64_t offset, uint64_t bytes, char* err, size_t err_len);
+KVTD_API int kvtd_register_tensor_on(kvtd_session* s, uint32_t rank, uint32_t layer, uint32_t kind, int32_t device_id,
+                                     const char* pci_bus_id, const uint8_t handle[64], uint64_t offset, uint64_t bytes,
+                                     char* err, size_t err_len);
 /* Host backend: creates shared-memory "device" tensors for every rank and layer (registered). */
 KVTD_API int kvtd_create_host_device_tensors(kvtd_session* s, char* err, size_t err_len);
 /* Address of a tensor made by kvtd_create_host_device_tensors, or null; *bytes (if non-null) gets its size. */

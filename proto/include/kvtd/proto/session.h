@@ -58,9 +58,9 @@ struct TensorDesc {
   std::uint32_t layer;
   std::uint32_t kind;          // TensorKind
   std::uint32_t dtype;         // CacheDtype of the elements (scales: 0, 2-byte elements)
-  std::int32_t device_id;      // CUDA ordinal; -1 for host-backend tensors
+  std::int32_t device_id;      // CUDA ordinal in the engine's process; -1 for host-backend tensors
   std::uint32_t ndim;
-  std::uint32_t reserved;
+  std::uint32_t pci_bus_id;    // the GPU's PCI address (proto/pci.h), 0 = unknown: then the ordinal
   std::int64_t shape[4];
   std::uint64_t bytes;         // bytes of this tensor
   std::uint64_t offset;        // byte offset of the tensor inside the allocation `handle` names
