@@ -72,7 +72,7 @@ std::vector<std::int32_t> pick(std::mt19937_64& rng, const std::vector<std::int3
 
 int run_verify(EngineSession& s, const Options& o) {
   const auto& g = s.geometry();
-  Cache c{&s, &g, {}, {}};
+  Cache c{&s, &g, {}, {}, o.tensors};
   c.device_owner.resize(static_cast<std::size_t>(g.num_device_blocks()));
   std::iota(c.device_owner.begin(), c.device_owner.end(), 0);
   c.host_owner.assign(g.num_host_blocks, -1);
@@ -80,6 +80,7 @@ int run_verify(EngineSession& s, const Options& o) {
     for (std::int64_t b = 0; b < g.num_device_blocks(); ++b)
       kvtd::loadgen::fill_block(base + static_cast<std::uint64_t>(b) * bb, bb, r, l, k, static_cast<std::uint32_t>(b));
   });
+  if (!c.push()) return 1;
 
   std::mt19937_64 rng(o.seed);
   std::vector<std::int32_t> all_host(g.num_host_blocks);
@@ -104,12 +105,14 @@ int run_verify(EngineSession& s, const Options& o) {
     c.for_each_tensor([&](std::uint32_t, std::uint32_t, std::uint32_t, std::byte* base, std::uint64_t bb) {
       for (auto b : d) std::memset(base + static_cast<std::uint64_t>(b) * bb, 0xdd, bb);
     });
+    if (!c.push()) return 1;
     for (auto b : d) c.device_owner[static_cast<std::size_t>(b)] = -1;
     auto d2 = pick(rng, all_dev, n, runs);
     if (!run_task(s, TaskKind::kSwapToDevice, h, d2, o.task_timeout_s)) return 1;
     for (std::size_t i = 0; i < n; ++i)
       c.device_owner[static_cast<std::size_t>(d2[i])] = c.host_owner[static_cast<std::size_t>(h[i])];
     bool bad = false;
+    if (!c.pull()) return 1;
     c.for_each_tensor([&](std::uint32_t r, std::uint32_t l, std::uint32_t k, std::byte* base, std::uint64_t bb) {
       for (auto b : d2) {
         const auto owner = static_cast<std::uint32_t>(c.device_owner[static_cast<std::size_t>(b)]);
@@ -257,6 +260,10 @@ int main(int argc, char** argv) {
   app.add_option("--ready-timeout", o.ready_timeout_s, "Seconds to wait for every rank");
   app.add_option("--task-timeout", o.task_timeout_s, "Seconds to wait for one task");
   app.add_option("--seed", o.seed, "Random seed");
+  app.add_option("--device-tensors", o.device_tensors,
+                 "Where the KV tensors live: host (shared memory; daemons --device-backend host) or cuda (cudaMalloc, "
+                 "IPC handles; daemons --device-backend cuda)")
+      ->check(CLI::IsMember({"host", "cuda"}));
   CLI11_PARSE(app, argc, argv);
 
   kvtd::ipc::SessionOptions so;
@@ -278,10 +285,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   auto& s = **created;
-  if (auto st = s.create_host_device_tensors(); !st.ok()) {
-    std::fprintf(stderr, "kvtd-loadgen: %s\n", st.error().message.c_str());
+  std::string why;
+  auto tensors = kvtd::loadgen::DeviceTensors::create(s, o.device_tensors == "cuda", &why);
+  if (!tensors) {
+    std::fprintf(stderr, "kvtd-loadgen: %s\n", why.c_str());
     return 2;
   }
+  o.tensors = tensors.get();
   if (auto st = s.publish(); !st.ok()) {
     std::fprintf(stderr, "kvtd-loadgen: %s\n", st.error().message.c_str());
     return 2;

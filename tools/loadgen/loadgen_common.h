@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "device_tensors.h"
 #include "kv_pattern.h"
 #include "kvtd/ipc/engine_session.h"
 
@@ -32,6 +33,8 @@ struct Options {
   double ready_timeout_s = 30, task_timeout_s = 30, seconds = 3;
   std::uint64_t seed = 42;
   bool wait_enter = false;
+  std::string device_tensors = "host";  // host | cuda
+  DeviceTensors* tensors = nullptr;     // set by main
 };
 
 inline double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
@@ -59,11 +62,16 @@ class Progress {
   Clock::time_point last_{};
 };
 
+// The engine's view of its tensors: host memory to fill and check. With CUDA tensors these are
+// mirrors: push() after writing them, pull() before reading.
 struct Cache {
   EngineSession* s;
   const kvtd::proto::CacheGeometry* g;
   std::vector<std::int64_t> device_owner;  // pattern block held by each device block, -1 = garbage
   std::vector<std::int64_t> host_owner;
+  DeviceTensors* t = nullptr;
+  bool push() { return t->push(); }
+  bool pull() { return t->pull(); }
 
   template <typename F>
   void for_each_tensor(F&& f) {
@@ -72,7 +80,7 @@ struct Cache {
         for (std::uint32_t k = 0; k < kvtd::proto::kTensorKinds; ++k) {
           const auto kind = static_cast<TensorKind>(k);
           if (!g->has_tensor(kind)) continue;
-          f(r, l, k, s->host_device_tensor(r, l, kind), g->block_bytes(kind));
+          f(r, l, k, t->view(r, l, kind), g->block_bytes(kind));
         }
   }
 };

@@ -53,7 +53,7 @@ std::optional<ipc::TaskResult> storage_task(EngineSession& s, TaskKind kind, con
 // Checks that device blocks dst[i] hold the pattern of block orig[i] on every rank.
 bool verify_device(Cache& c, const std::vector<std::int32_t>& dst, const std::vector<std::int32_t>& orig,
                    std::uint64_t* verified) {
-  bool bad = false;
+  bool bad = !c.pull();
   c.for_each_tensor([&](std::uint32_t r, std::uint32_t l, std::uint32_t k, std::byte* base, std::uint64_t bb) {
     for (std::size_t i = 0; i < dst.size() && !bad; ++i) {
       const auto off = check_block(base + static_cast<std::uint64_t>(dst[i]) * bb, bb, r, l, k,
@@ -74,19 +74,21 @@ void fill_device(Cache& c) {
     for (std::int64_t b = 0; b < c.g->num_device_blocks(); ++b)
       fill_block(base + static_cast<std::uint64_t>(b) * bb, bb, r, l, k, static_cast<std::uint32_t>(b));
   });
+  (void)c.push();  // a failure says why on stderr; the check that follows then fails
 }
 
 void wipe_device(Cache& c, const std::vector<std::int32_t>& ids) {
   c.for_each_tensor([&](std::uint32_t, std::uint32_t, std::uint32_t, std::byte* base, std::uint64_t bb) {
     for (auto b : ids) std::memset(base + static_cast<std::uint64_t>(b) * bb, 0xdd, bb);
   });
+  (void)c.push();
 }
 
 }  // namespace
 
 int run_storage_verify(EngineSession& s, const Options& o) {
   const auto& g = s.geometry();
-  Cache c{&s, &g, {}, {}};
+  Cache c{&s, &g, {}, {}, o.tensors};
   fill_device(c);
   const std::size_t n = o.storage_blocks != 0 ? o.storage_blocks
                                               : std::min<std::size_t>(32, static_cast<std::size_t>(g.num_device_blocks() / 2));
@@ -148,7 +150,7 @@ int run_storage_verify(EngineSession& s, const Options& o) {
 
 int run_storage_throughput(EngineSession& s, const Options& o) {
   const auto& g = s.geometry();
-  Cache c{&s, &g, {}, {}};
+  Cache c{&s, &g, {}, {}, o.tensors};
   fill_device(c);
   const std::size_t per_task = std::min<std::size_t>(o.blocks_per_task, static_cast<std::size_t>(g.num_device_blocks()));
   const std::size_t total = o.storage_blocks != 0 ? o.storage_blocks : 512;
