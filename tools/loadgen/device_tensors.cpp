@@ -1,5 +1,7 @@
 #include "device_tensors.h"
 
+#include "kvtd/proto/pci.h"
+
 #include <cstdio>
 #include <cstring>
 
@@ -60,6 +62,7 @@ std::unique_ptr<DeviceTensors> DeviceTensors::create(ipc::EngineSession& s, bool
         d.layer = l;
         d.kind = k;
         d.device_id = device;
+        d.pci_bus_id = proto::parse_pci_bus_id(bus).value_or(0);
         d.ndim = 4;
         const std::int64_t* shape = (kind == proto::TensorKind::kKey || kind == proto::TensorKind::kKeyScale) ? g.key_shape : g.value_shape;
         for (int i = 0; i < 4; ++i) d.shape[i] = shape[i];
