@@ -126,7 +126,7 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   app.allow_config_extras(CLI::config_extras_mode::error);  // a typo in a config file is an error
   app.get_formatter()->column_width(40);
 
-  std::string key_shape, value_shape, dtype = "bfloat16", backend = "host", suffix, scatter = "kernel";
+  std::string key_shape, value_shape, dtype = "bfloat16", backend = "host", suffix, scatter = "batch";
   std::int64_t rank = 0, mp_num = 1, num_layers = 1, host_blocks = 0, device_id = 0;
   std::int64_t extra_layers = -1, extra_blocks = -1;
   std::string default_dtype = "bfloat16", speculative_json;
@@ -149,7 +149,9 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   app.add_option("--cache-dtype,--cache_dtype", dtype, "bfloat16 | float16 | uint8 | block_wise_fp8");
   app.add_option("--session,--ipc-suffix,--ipc_suffix", suffix, "Session suffix shared with the engine")->required();
   app.add_option("--device-backend", backend, "cuda | host");
-  app.add_option("--scatter-mode", scatter, "CUDA: kernel | kernel-per-layer | batch | memcpy (scattered blocks)");
+  auto* scatter_opt = app.add_option("--scatter-mode", scatter,
+                                     "CUDA: batch (default: copy engines) | kernel | kernel-per-layer | memcpy "
+                                     "(scattered blocks)");
   std::string host_layout = "layer_first", numa = "auto";
   app.add_option("--numa-node", numa,
                  "Host pool memory and copy threads: auto (the GPU's node from sysfs) | none | <node>");
@@ -268,6 +270,7 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   else if (backend == "cuda") c.device_backend = DeviceBackendKind::kCuda;
   else return bad("--device-backend: '" + backend + "' is not one of cuda, host");
 
+  c.scatter_mode_given = scatter_opt->count() > 0;
   if (!parse_scatter_mode(scatter, &c.scatter_mode))
     return bad("--scatter-mode: '" + scatter + "' is not one of kernel, kernel-per-layer, batch, memcpy");
 

@@ -148,6 +148,11 @@ int run_daemon(const config::DaemonConfig& cfg, std::atomic<bool>& stop) {
   std::unique_ptr<DeviceBackend> backend;
   if (cfg.device_backend == config::DeviceBackendKind::kCuda) {
     auto b = make_cuda_backend(cfg.device_id, cfg.scatter_mode);
+    if (!b.ok() && !cfg.scatter_mode_given && cfg.scatter_mode == config::ScatterMode::kBatch &&
+        b.error().message.find("cudaMemcpyBatchAsync") != std::string::npos) {
+      KVTD_INFO("this build has no cudaMemcpyBatchAsync: scattered blocks go through the copy kernel");
+      b = make_cuda_backend(cfg.device_id, config::ScatterMode::kKernelAllLayers);
+    }
     if (!b.ok()) {
       KVTD_ERROR("--device-backend cuda: {}", b.error().message);
       return kExitBackend;

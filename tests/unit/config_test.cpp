@@ -32,6 +32,19 @@ TEST(DaemonFlags, ParsesKvtdNames) {
   EXPECT_TRUE(g.has_value());
 }
 
+TEST(DaemonFlags, ScatterModeDefaultsToTheCopyEnginesAndKnowsWhenItWasAsked) {
+  auto c = parse(kBase);
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  EXPECT_EQ(c->scatter_mode, config::ScatterMode::kBatch);
+  EXPECT_FALSE(c->scatter_mode_given);
+  auto args = kBase;
+  args.insert(args.end(), {"--scatter-mode", "kernel"});
+  auto k = parse(args);
+  ASSERT_TRUE(k.ok()) << k.error().message;
+  EXPECT_EQ(k->scatter_mode, config::ScatterMode::kKernelAllLayers);
+  EXPECT_TRUE(k->scatter_mode_given);
+}
+
 TEST(DaemonFlags, AcceptsFastDeployNames) {
   auto c = parse({"--rank", "0", "--mp_num", "1", "--device_id", "3", "--num_layers", "2", "--num_cpu_blocks", "8",
                   "--key_cache_shape", "10,1,16,64", "--cache_dtype", "block_wise_fp8", "--ipc_suffix", "9923",

@@ -31,11 +31,19 @@ enum class HostLayout : std::uint32_t { kLayerFirst = 0, kPageFirst = 1 };
 
 enum class DeviceBackendKind { kHost, kCuda };
 
-// How the CUDA backend moves scattered (non-run) blocks; runs are always one cudaMemcpyAsync.
+// How the CUDA backend moves scattered (non-run) blocks; runs are one cudaMemcpyAsync each
+// (in batch mode they join the batch).
+//
+// Default: batch. kvtd is a process of its own, so without MPS its kernels run in their own
+// context and time-slice with the engine's on the SMs: a copy kernel stalls the model's compute
+// for its time slice. The copy engines are scheduled apart from the SMs, so a batch of DMA copies
+// overlaps the engine's kernels. With MPS (contexts share the SMs) `kernel` may move many small
+// blocks with less per-copy overhead; measure with `kvtd selftest` on the target GPU. Builds whose
+// toolkit has no cudaMemcpyBatchAsync (before CUDA 13) fall back to `kernel` unless the flag asks.
 enum class ScatterMode {
-  kKernelAllLayers,  // "kernel": one warp-per-block launch for every layer and tensor (default)
+  kKernelAllLayers,  // "kernel": one warp-per-block launch for every layer and tensor
   kKernelPerLayer,   // "kernel-per-layer": one launch per layer and tensor
-  kBatch,            // "batch": cudaMemcpyBatchAsync, copy engines instead of SMs
+  kBatch,            // "batch": cudaMemcpyBatchAsync, copy engines instead of SMs (default)
   kMemcpy,           // "memcpy": one cudaMemcpyAsync per block (reference; slow for small blocks)
 };
 const char* scatter_mode_name(ScatterMode m);
@@ -82,7 +90,8 @@ struct DaemonConfig {
   proto::CacheDtype cache_dtype = proto::CacheDtype::kBFloat16;
   std::string session_suffix;
   DeviceBackendKind device_backend = DeviceBackendKind::kHost;
-  ScatterMode scatter_mode = ScatterMode::kKernelAllLayers;
+  ScatterMode scatter_mode = ScatterMode::kBatch;
+  bool scatter_mode_given = false;     // --scatter-mode was on the command line
   HostLayout host_layout = HostLayout::kLayerFirst;
   int numa_node = kNumaAuto;           // host pool and copy threads; kNumaAuto: the GPU's, -1: none
   std::string log_dir;                 // empty: log to stderr only
