@@ -440,6 +440,19 @@ class Session:
         rc = n.lib.kvtd_layer_event_handle(self._handle(), rank, layer, buf)
         return bytes(buf) if rc == n.OK else None
 
+    def layer_event(self, rank: int, layer: int, device):
+        """Rank `rank`'s event for `layer` opened as a torch.cuda.Event on `device`, or None (host
+        backend, or no live daemon's events). After wait_layer(tid, layer, stage="enqueued"),
+        `torch.cuda.current_stream().wait_event(ev)` makes the compute stream wait on the GPU.
+        Open it once per daemon: a restarted daemon exports new events. (Written for a GPU; no
+        machine of this project has one, so this has not run.)"""
+        handle = self.layer_event_handle(rank, layer)
+        if handle is None:
+            return None
+        import torch
+
+        return torch.cuda.Event.from_ipc_handle(device, handle)
+
     def rank_alive(self, rank: int) -> bool:
         return bool(n.lib.kvtd_rank_alive(self._handle(), rank))
 
