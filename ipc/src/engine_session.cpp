@@ -975,11 +975,12 @@ std::optional<std::array<std::uint8_t, proto::kHandleBytes>> EngineSession::laye
     return std::nullopt;
   std::array<std::uint8_t, proto::kHandleBytes> out{};
   auto* words = reinterpret_cast<std::uint64_t*>(v.event_handle(rank, layer));
+  // Acquire on every word (no fence: TSan cannot model one): the re-check below cannot move
+  // before any of these loads.
   for (std::size_t w = 0; w < proto::kHandleBytes / 8; ++w) {
-    const std::uint64_t x = std::atomic_ref<std::uint64_t>(words[w]).load(std::memory_order_relaxed);
+    const std::uint64_t x = std::atomic_ref<std::uint64_t>(words[w]).load(std::memory_order_acquire);
     std::memcpy(out.data() + 8 * w, &x, 8);
   }
-  std::atomic_thread_fence(std::memory_order_acquire);
   // Overwritten while we copied (a restarted daemon): not a handle of any one exporter.
   if (control->events_published.load(std::memory_order_relaxed) != n ||
       control->events_epoch.load(std::memory_order_relaxed) != epoch)

@@ -331,7 +331,9 @@ void RankEndpoint::publish_layer_events(const std::vector<std::array<std::uint8_
     for (std::size_t w = 0; w < proto::kHandleBytes / 8; ++w) {
       std::uint64_t v = 0;
       std::memcpy(&v, handles[l].data() + 8 * w, 8);
-      std::atomic_ref<std::uint64_t>(words[w]).store(v, std::memory_order_relaxed);
+      // Release: an engine whose acquire load reads this word then sees events_published = 0 above
+      // (so its re-check fails instead of accepting a half-written handle).
+      std::atomic_ref<std::uint64_t>(words[w]).store(v, std::memory_order_release);
     }
   }
   control->events_epoch.store(impl_->epoch.load(), std::memory_order_relaxed);
