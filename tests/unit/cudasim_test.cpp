@@ -74,12 +74,18 @@ TEST(CudaSim, TwoStreamsAreUnorderedUntilAnEventOrdersThem) {
   ASSERT_EQ(cudaStreamCreateWithFlags(&slow, cudaStreamNonBlocking), cudaSuccess);
   ASSERT_EQ(cudaStreamCreateWithFlags(&fast, cudaStreamNonBlocking), cudaSuccess);
   cudasim::set_stream_delay_us(slow, 200'000);
-  // Without an event the fast stream does not wait: it copies b before the slow one wrote it.
+  // Without an event the fast stream does not wait: its copy is done while the slow stream's
+  // earlier one has not run (shown without touching the same bytes: that would be a race).
+  cudaEvent_t slow_done{};
+  ASSERT_EQ(cudaEventCreateWithFlags(&slow_done, cudaEventDisableTiming), cudaSuccess);
   ASSERT_EQ(cudaMemcpyAsync(m.b, m.a, Buffers::kBytes, cudaMemcpyDeviceToDevice, slow), cudaSuccess);
-  ASSERT_EQ(cudaMemcpyAsync(m.c, m.b, Buffers::kBytes, cudaMemcpyDeviceToDevice, fast), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(slow_done, slow), cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(m.c, m.a, Buffers::kBytes, cudaMemcpyDeviceToDevice, fast), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(fast), cudaSuccess);
-  EXPECT_EQ(m.first(m.c), 0xB0);
+  EXPECT_EQ(m.first(m.c), 0xA0);
+  EXPECT_EQ(cudaEventQuery(slow_done), cudaErrorNotReady) << "the fast stream waited for the slow one";
   ASSERT_EQ(cudaStreamSynchronize(slow), cudaSuccess);
+  cudaEventDestroy(slow_done);
   // With one, it does.
   std::vector<unsigned char> v(Buffers::kBytes, 0xB1);
   ASSERT_EQ(cudaMemcpy(m.b, v.data(), v.size(), cudaMemcpyHostToDevice), cudaSuccess);
