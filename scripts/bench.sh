@@ -65,6 +65,13 @@ if /usr/bin/python3 -c "import torch, numpy" 2>/dev/null; then
 else
   echo "(skipped: /usr/bin/python3 lacks torch or numpy; scripts/setup.sh installs them)"
 fi
+echo "== weight update: clear_caches + restore_caches (host backend: closing and re-mapping the arenas)"
+if /usr/bin/python3 -c "import torch, numpy" 2>/dev/null; then
+  for layers in 1 32; do
+    KVTD_BINARY=$kvtd KVTD_CLIENT_LIBRARY=$KVTD_BUILD_DIR/client/libkvtd_client.so.1 \
+      /usr/bin/python3 "$KVTD_ROOT/tools/bench/clear_restore.py" --ranks 2 --layers "$layers" --cycles 10
+  done
+fi
 echo "== kvtd selftest, host backend (bandwidth through the device-backend interface)"
 "$kvtd" selftest --device-backend host | grep -E "bandwidth|selftest"
 echo "== copy planning cost"

@@ -574,6 +574,7 @@ void StorageExecutor::close() {
   }
   impl_->agree_wake.bump();
   if (impl_->agreement.joinable()) impl_->agreement.join();
+  impl_->work_wake.bump();  // idle workers see `closing` now, not at the end of their wait slice
   for (auto& th : impl_->workers)
     if (th.joinable()) th.join();
 }
