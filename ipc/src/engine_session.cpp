@@ -116,6 +116,21 @@ struct EngineSession::Impl {
            (cache_cleared && clear_confirmed);
   }
 
+  // Requires mu. Every tensor of the geometry registered, or the first one missing named.
+  Status<IpcErrc> registry_complete() const {
+    const auto* reg = view.registry();
+    for (std::uint32_t r = 0; r < geo.num_ranks; ++r)
+      for (std::uint32_t l = 0; l < geo.num_layers; ++l)
+        for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
+          const auto kind = static_cast<proto::TensorKind>(k);
+          if (geo.has_tensor(kind) && !reg[proto::registry_index(geo, r, l, kind)].valid)
+            return make_error(IpcErrc::kInvalidArgument, std::string("tensor ") + proto::tensor_kind_name(kind) +
+                                                             " of rank " + std::to_string(r) + " layer " +
+                                                             std::to_string(l) + " is not registered");
+        }
+    return {};
+  }
+
   // Requires mu. Sets the cache state, private and in the header (see proto::CacheState).
   void set_cache_state(bool cleared) {
     cache_cleared = cleared;
@@ -495,17 +510,8 @@ Status<IpcErrc> EngineSession::create_host_device_tensors() {
       for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
         const auto kind = static_cast<proto::TensorKind>(k);
         if (!g.has_tensor(kind)) continue;
-        proto::TensorDesc d{};
-        d.rank = r;
-        d.layer = l;
-        d.kind = k;
-        d.dtype = (kind == proto::TensorKind::kKey || kind == proto::TensorKind::kValue) ? g.dtype : 0;
+        proto::TensorDesc d = describe_tensor(g, r, l, kind);
         d.device_id = -1;
-        d.ndim = (kind == proto::TensorKind::kKey || kind == proto::TensorKind::kValue) ? 4 : 3;
-        const std::int64_t* s = (kind == proto::TensorKind::kKey || kind == proto::TensorKind::kKeyScale) ? g.key_shape : g.value_shape;
-        for (std::uint32_t i = 0; i < d.ndim; ++i) d.shape[i] = s[i];
-        d.shape[0] = g.device_blocks(l);
-        d.bytes = g.block_bytes(kind) * static_cast<std::uint64_t>(g.device_blocks(l));
         d.offset = offset;
         std::memcpy(d.handle, arena.c_str(), arena.size() + 1);
         if (auto st = register_tensor(d); !st.ok()) return st;
@@ -523,20 +529,26 @@ std::byte* EngineSession::host_device_tensor(std::uint32_t rank, std::uint32_t l
   return impl_->arena_tensor[proto::registry_index(g, rank, layer, kind)];
 }
 
+proto::TensorDesc describe_tensor(const proto::CacheGeometry& g, std::uint32_t rank, std::uint32_t layer,
+                                  proto::TensorKind kind) {
+  proto::TensorDesc d{};
+  const bool data = kind == proto::TensorKind::kKey || kind == proto::TensorKind::kValue;
+  d.rank = rank;
+  d.layer = layer;
+  d.kind = static_cast<std::uint32_t>(kind);
+  d.dtype = data ? g.dtype : 0;
+  d.ndim = data ? 4 : 3;
+  const std::int64_t* s = (kind == proto::TensorKind::kKey || kind == proto::TensorKind::kKeyScale) ? g.key_shape : g.value_shape;
+  for (std::uint32_t i = 0; i < d.ndim; ++i) d.shape[i] = s[i];
+  d.shape[0] = g.device_blocks(layer);
+  d.bytes = g.block_bytes(kind) * static_cast<std::uint64_t>(g.device_blocks(layer));
+  return d;
+}
+
 Status<IpcErrc> EngineSession::publish() {
   std::lock_guard<std::mutex> g(impl_->mu);
   auto* h = impl_->h;
-  const auto& geo = impl_->geo;
-  const auto* reg = impl_->view.registry();
-  for (std::uint32_t r = 0; r < geo.num_ranks; ++r)
-    for (std::uint32_t l = 0; l < geo.num_layers; ++l)
-      for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
-        const auto kind = static_cast<proto::TensorKind>(k);
-        if (geo.has_tensor(kind) && !reg[proto::registry_index(geo, r, l, kind)].valid)
-          return make_error(IpcErrc::kInvalidArgument, std::string("tensor ") + proto::tensor_kind_name(kind) +
-                                                           " of rank " + std::to_string(r) + " layer " +
-                                                           std::to_string(l) + " is not registered");
-      }
+  if (auto st = impl_->registry_complete(); !st.ok()) return st;
   h->state.store(static_cast<std::uint32_t>(proto::SessionState::kReady), std::memory_order_release);
   bump_and_wake(h->publish_word, nullptr);
   return {};
@@ -803,17 +815,7 @@ Result<TaskResult, IpcErrc> EngineSession::restore_caches(std::int64_t timeout_n
   {
     std::lock_guard<std::mutex> g(impl->mu);
     if (!impl->cache_cleared) return make_error(IpcErrc::kInvalidArgument, "the cache is not cleared: nothing to restore");
-    const auto& geo = impl->geo;
-    const auto* reg = impl->view.registry();
-    for (std::uint32_t r = 0; r < geo.num_ranks; ++r)
-      for (std::uint32_t l = 0; l < geo.num_layers; ++l)
-        for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
-          const auto kind = static_cast<proto::TensorKind>(k);
-          if (geo.has_tensor(kind) && !reg[proto::registry_index(geo, r, l, kind)].valid)
-            return make_error(IpcErrc::kInvalidArgument, std::string("tensor ") + proto::tensor_kind_name(kind) +
-                                                             " of rank " + std::to_string(r) + " layer " +
-                                                             std::to_string(l) + " is not registered");
-        }
+    if (auto st = impl->registry_complete(); !st.ok()) return std::move(st).error();
     // Live in the header before RESTORE_CACHE is in the ring: a rank granted from now on maps
     // the new registry itself. Tasks stay refused here until RESTORE_CACHE is submitted, so none
     // lands in the ring before it.

@@ -55,15 +55,9 @@ class CudaDaemonTest : public DaemonTest {
         for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
           const auto kind = static_cast<proto::TensorKind>(k);
           if (!g_.has_tensor(kind)) continue;
-          proto::TensorDesc d{};
-          d.rank = r;
-          d.layer = l;
-          d.kind = k;
+          proto::TensorDesc d = ipc::describe_tensor(g_, r, l, kind);
           d.device_id = device_id;
           d.pci_bus_id = pci;
-          d.ndim = 4;
-          for (int i = 0; i < 4; ++i) d.shape[i] = g_.key_shape[i];
-          d.bytes = tensor_bytes(l, k);
           d.offset = offset;
           std::memcpy(d.handle, &h, sizeof h);
           ASSERT_TRUE(engine_->register_tensor(d).ok());

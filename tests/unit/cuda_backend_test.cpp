@@ -28,15 +28,7 @@ using config::ScatterMode;
 constexpr ScatterMode kModes[] = {ScatterMode::kKernelAllLayers, ScatterMode::kKernelPerLayer, ScatterMode::kBatch,
                                   ScatterMode::kMemcpy};
 
-const char* mode_name(ScatterMode m) {
-  switch (m) {
-    case ScatterMode::kKernelAllLayers: return "kernel";
-    case ScatterMode::kKernelPerLayer: return "kernel-per-layer";
-    case ScatterMode::kBatch: return "batch";
-    case ScatterMode::kMemcpy: return "memcpy";
-  }
-  return "?";
-}
+const char* mode_name(ScatterMode m) { return config::scatter_mode_name(m); }
 
 std::unique_ptr<DeviceBackend> backend_or_skip(ScatterMode mode) {
   auto b = make_cuda_backend(0, mode);

@@ -57,17 +57,9 @@ std::unique_ptr<DeviceTensors> DeviceTensors::create(ipc::EngineSession& s, bool
       for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
         const auto kind = static_cast<proto::TensorKind>(k);
         if (!g.has_tensor(kind)) continue;
-        proto::TensorDesc d{};
-        d.rank = r;
-        d.layer = l;
-        d.kind = k;
+        proto::TensorDesc d = ipc::describe_tensor(g, r, l, kind);
         d.device_id = device;
         d.pci_bus_id = proto::parse_pci_bus_id(bus).value_or(0);
-        d.ndim = 4;
-        const std::int64_t* shape = (kind == proto::TensorKind::kKey || kind == proto::TensorKind::kKeyScale) ? g.key_shape : g.value_shape;
-        for (int i = 0; i < 4; ++i) d.shape[i] = shape[i];
-        d.shape[0] = g.device_blocks(l);
-        d.bytes = g.block_bytes(kind) * static_cast<std::uint64_t>(g.device_blocks(l));
         d.offset = offset;
         std::memcpy(d.handle, &h, sizeof h);
         if (auto st = s.register_tensor(d); !st.ok()) {

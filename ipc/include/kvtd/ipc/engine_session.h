@@ -88,6 +88,12 @@ struct ClearOptions {
   std::int64_t timeout_ns = 60'000'000'000;     // for tasks in flight to finish and every rank to answer
 };
 
+// The descriptor of rank `rank`'s tensor of `kind` in `layer` as the geometry defines it (rank,
+// layer, kind, dtype, shape with its layer's device blocks, bytes); the caller adds device_id,
+// pci_bus_id, handle and offset. For engines that allocate their own tensors.
+proto::TensorDesc describe_tensor(const proto::CacheGeometry& g, std::uint32_t rank, std::uint32_t layer,
+                                  proto::TensorKind kind);
+
 struct RankFailure {
   std::uint32_t rank;
   proto::TaskStatus status;
