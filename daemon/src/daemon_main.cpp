@@ -245,6 +245,9 @@ int run_daemon(const config::DaemonConfig& cfg, std::atomic<bool>& stop) {
     }
     auto& endpoint = **ep;
     last_generation = endpoint.generation();
+    // An operator's clear or restore asked of the previous session is not this one's.
+    control_state.clear_requested.store(false);
+    control_state.restore_requested.store(false);
     // Heartbeat from the grant on: mapping (or creating) the host pool and opening the tensors can
     // take seconds for large caches, and a granted rank that is silent that long is fenced.
     Heartbeat heartbeat(endpoint, cfg.heartbeat_period_ns());
