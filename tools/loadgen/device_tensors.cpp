@@ -15,7 +15,6 @@ std::unique_ptr<DeviceTensors> DeviceTensors::create(ipc::EngineSession& s, bool
   std::unique_ptr<DeviceTensors> t(new DeviceTensors);
   t->s_ = &s;
   t->cuda_ = cuda;
-  const auto& g = s.geometry();
   if (!cuda) {
     if (auto st = s.create_host_device_tensors(); !st.ok()) {
       *why = st.error().message;
@@ -27,6 +26,7 @@ std::unique_ptr<DeviceTensors> DeviceTensors::create(ipc::EngineSession& s, bool
   *why = "--device-tensors cuda: this kvtd-loadgen was built without CUDA";
   return nullptr;
 #else
+  const auto& g = s.geometry();
   const std::size_t slots = std::size_t{g.num_ranks} * g.num_layers * proto::kTensorKinds;
   t->device_.assign(slots, nullptr);
   t->mirror_.resize(slots);
