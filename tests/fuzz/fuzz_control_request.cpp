@@ -15,7 +15,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     return 0;
   }
   const auto& c = r->command;
-  if (c != "status" && c != "drain" && c != "log-level") std::abort();
+  if (c != "status" && c != "drain" && c != "log-level" && c != "clear" && c != "restore") std::abort();
   if (c == "log-level" && r->level.empty()) std::abort();
+  if (r->drop_host_tier && c != "clear") std::abort();
   return 0;
 }
