@@ -482,14 +482,14 @@ class CudaBackend final : public DeviceBackend {
           const auto* table = static_cast<const kernels::CopyTarget*>(lane.table.dev) + first;
           const int e = kernels::launch_scattered_copy_all(table, static_cast<std::uint32_t>(targets.size()), d_src,
                                                            d_dst, static_cast<std::int64_t>(n), lane.stream);
-          if (e != 0) return make_error(errc_of(static_cast<cudaError_t>(e)), std::string("copy kernel: ") + kernels::cuda_error_text(e));
+          if (e != 0) return make_error(errc_of(static_cast<cudaError_t>(e)), cuda_text("copy kernel", static_cast<cudaError_t>(e)));
           return {};
         }
         [[fallthrough]];
       case ScatterMode::kKernelPerLayer:
         for (const auto& t : targets) {
           const int e = kernels::launch_scattered_copy(t, d_src, d_dst, static_cast<std::int64_t>(n), lane.stream);
-          if (e != 0) return make_error(errc_of(static_cast<cudaError_t>(e)), std::string("copy kernel: ") + kernels::cuda_error_text(e));
+          if (e != 0) return make_error(errc_of(static_cast<cudaError_t>(e)), cuda_text("copy kernel", static_cast<cudaError_t>(e)));
         }
         return {};
       case ScatterMode::kMemcpy:
@@ -584,7 +584,7 @@ class CudaBackend final : public DeviceBackend {
     }
     const int e = gather ? kernels::launch_gather_to_staging(table, offsets, nt, d_ids, count, staging, object, lane.stream)
                          : kernels::launch_scatter_from_staging(table, offsets, nt, d_ids, count, staging, object, lane.stream);
-    if (e != 0) return make_error(errc_of(static_cast<cudaError_t>(e)), std::string("layout kernel: ") + kernels::cuda_error_text(e));
+    if (e != 0) return make_error(errc_of(static_cast<cudaError_t>(e)), cuda_text("layout kernel", static_cast<cudaError_t>(e)));
     KVTD_CUDA_TRY(cudaStreamSynchronize(lane.stream));
     return {};
   }

@@ -131,6 +131,4 @@ int launch_scatter_from_staging(const LayerTensor* d_tensors, const std::uint64_
   return static_cast<int>(cudaGetLastError());
 }
 
-const char* cuda_error_text(int error) { return cudaGetErrorString(static_cast<cudaError_t>(error)); }
-
 }  // namespace kvtd::kernels

@@ -39,6 +39,4 @@ int launch_scatter_from_staging(const LayerTensor* d_tensors, const std::uint64_
                                 std::uint32_t num_tensors, const std::int32_t* d_ids, std::int64_t count,
                                 const std::byte* staging, std::uint64_t object_bytes, void* stream);
 
-const char* cuda_error_text(int error);
-
 }  // namespace kvtd::kernels
