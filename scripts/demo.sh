@@ -5,7 +5,9 @@
 # verified, then swap throughput is measured; then the storage tier (the embedded file store in a
 # temporary directory): blocks are written to storage, queried, read back and verified, and a
 # second engine process reads what the first one stored. The daemons are stopped with SIGTERM.
-# Last, a Python engine loop (examples/engine.py) drives two more ranks through the client library.
+# Then a Python engine loop (examples/engine.py) drives two more ranks through the client library.
+# Last, on a machine with a GPU, the same byte check with the tensors in GPU memory and the
+# daemons' CUDA backend (without one it says so; test.sh runs it on the CUDA stand-in).
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 kvtd_prepare
@@ -56,4 +58,17 @@ echo "   file store, layer-by-layer reloads, every byte checked; it starts its o
 KVTD_BINARY=$kvtd KVTD_CLIENT_LIBRARY=$KVTD_BUILD_DIR/client/libkvtd_client.so.1 PYTHONPATH=$KVTD_ROOT/python \
   /usr/bin/python3 "$KVTD_ROOT/examples/engine.py" --requests 300 --host-blocks 48 --storage-path "$logs/pystore"
 rm -rf "$logs/pystore"
+
+echo "== the CUDA path: the engine's tensors in GPU memory, two --device-backend cuda ranks opening its IPC handles"
+code=0
+"$kvtd" selftest --device-backend cuda --bench-layers 0 >"$logs/cuda-selftest" 2>&1 || code=$?
+if [ "$code" -eq 0 ]; then
+  bash "$KVTD_ROOT/tests/ipc/run_demo_check.sh" "$kvtd" "$loadgen" cuda
+elif [ "$code" -eq 77 ]; then
+  # No GPU here; scripts/test.sh runs this same check on the CUDA stand-in (build-sim).
+  echo "(skipped: $(tail -n 1 "$logs/cuda-selftest"))"
+else
+  cat "$logs/cuda-selftest"
+  exit 1
+fi
 echo "demo OK"
