@@ -141,6 +141,35 @@ TEST_F(CacheClearTest, DaemonThatAttachesWhileClearedMapsNothingUntilRestore) {
   round_trip({1, 2}, {3, 4}, {5, 6});
 }
 
+// kill -9 of a rank around the clear: a dead rank holds no mapping, so the clear completes for
+// the others (the engine fences the dead one first: until then clear says not_ready); the rank's
+// restarted daemon attaches to the cleared session and maps nothing until the restore.
+TEST_F(CacheClearTest, ARankKilledAroundTheClearCountsAsReleased) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  daemons_[1].signal(SIGKILL);
+  ipc::ClearOptions o;
+  o.timeout_ns = 20'000'000'000;
+  Result<ipc::TaskResult, IpcErrc> cleared = make_error(IpcErrc::kNotReady, "not tried");
+  ASSERT_TRUE(test::eventually(
+      [&] {
+        cleared = engine_->clear_caches(o);
+        return cleared.ok() || cleared.error().code != IpcErrc::kNotReady;
+      },
+      std::chrono::seconds(30)));
+  ASSERT_TRUE(cleared.ok()) << cleared.error().message;
+  EXPECT_FALSE(maps(daemons_[0], arena(0, 0)));
+  ASSERT_TRUE(engine_->create_host_device_tensors().ok());
+  fill_device();
+  daemons_[1] = start_daemon(1, 1);
+  ASSERT_TRUE(test::eventually([&] { return engine_->rank_ready_flags(1) == proto::kReadyHostPool; },
+                               std::chrono::seconds(30)))
+      << test::read_file(log_path(1, 1));
+  EXPECT_FALSE(maps(daemons_[1], arena(1, 1)));
+  auto restored = engine_->restore_caches();
+  ASSERT_TRUE(restored.ok()) << restored.error().message;
+  round_trip({1, 2}, {3, 4}, {5, 6});
+}
+
 TEST_F(CacheClearTest, RestoreThatCannotOpenTheNewTensorsFailsNamingTheRankAndStaysCleared) {
   ASSERT_NO_FATAL_FAILURE(start_all());
   ASSERT_TRUE(engine_->clear_caches().ok());
