@@ -26,6 +26,17 @@ class CacheClearTest : public DaemonTest {
   static bool maps(const Child& daemon, const std::string& object) {
     return test::read_file("/proc/" + std::to_string(daemon.pid()) + "/maps").find("/" + object) != std::string::npos;
   }
+  // While cleared: the engine makes new tensors, rank 1's daemon starts again, attaches (host
+  // pool ready, cache not) and maps none of them.
+  void new_tensors_then_restart_rank1() {
+    ASSERT_TRUE(engine_->create_host_device_tensors().ok());
+    fill_device();
+    daemons_[1] = start_daemon(1, 1);
+    ASSERT_TRUE(test::eventually([&] { return engine_->rank_ready_flags(1) == proto::kReadyHostPool; },
+                                 std::chrono::seconds(30)))
+        << test::read_file(log_path(1, 1));
+    EXPECT_FALSE(maps(daemons_[1], arena(1, 1)));
+  }
   void expect_status(const ipc::TaskResult& r, TaskStatus want) {
     EXPECT_EQ(r.status, want) << (r.failures.empty() ? std::string("ok") : r.failures[0].message);
   }
@@ -127,13 +138,7 @@ TEST_F(CacheClearTest, DaemonThatAttachesWhileClearedMapsNothingUntilRestore) {
   // Rank 1 restarts during the weight update.
   kill(daemons_[1].pid(), SIGTERM);
   ASSERT_EQ(daemons_[1].wait_exit(std::chrono::seconds(30)), 0);
-  ASSERT_TRUE(engine_->create_host_device_tensors().ok());
-  fill_device();
-  daemons_[1] = start_daemon(1, 1);
-  ASSERT_TRUE(test::eventually([&] { return engine_->rank_ready_flags(1) == proto::kReadyHostPool; },
-                               std::chrono::seconds(30)))
-      << test::read_file(log_path(1, 1));
-  EXPECT_FALSE(maps(daemons_[1], arena(1, 1)));
+  ASSERT_NO_FATAL_FAILURE(new_tensors_then_restart_rank1());
   EXPECT_FALSE(maps(daemons_[1], arena(1, 0)));
   auto restored = engine_->restore_caches();
   ASSERT_TRUE(restored.ok()) << restored.error().message;
@@ -158,13 +163,7 @@ TEST_F(CacheClearTest, ARankKilledAroundTheClearCountsAsReleased) {
       std::chrono::seconds(30)));
   ASSERT_TRUE(cleared.ok()) << cleared.error().message;
   EXPECT_FALSE(maps(daemons_[0], arena(0, 0)));
-  ASSERT_TRUE(engine_->create_host_device_tensors().ok());
-  fill_device();
-  daemons_[1] = start_daemon(1, 1);
-  ASSERT_TRUE(test::eventually([&] { return engine_->rank_ready_flags(1) == proto::kReadyHostPool; },
-                               std::chrono::seconds(30)))
-      << test::read_file(log_path(1, 1));
-  EXPECT_FALSE(maps(daemons_[1], arena(1, 1)));
+  ASSERT_NO_FATAL_FAILURE(new_tensors_then_restart_rank1());
   auto restored = engine_->restore_caches();
   ASSERT_TRUE(restored.ok()) << restored.error().message;
   round_trip({1, 2}, {3, 4}, {5, 6});
