@@ -2,7 +2,11 @@
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
+#include <cerrno>
 #include <charconv>
+#include <cstring>
+#include <fstream>
+#include <cstdlib>
 #include <sstream>
 
 #include "kvtd/proto/names.h"
@@ -43,6 +47,38 @@ bool parse_scatter_mode(const std::string& text, ScatterMode* out) {
     }
   }
   return false;
+}
+
+std::string fastdeploy_session_suffix(const std::string& engine_worker_queue_port) {
+  return "fastdeploy." + engine_worker_queue_port;
+}
+
+Result<std::string, ConfigErrc> fastdeploy_key_prefix(const std::string& model_path) {
+  const std::string file = model_path + "/version.yaml";
+  std::ifstream in(file);
+  if (!in) {
+    if (errno == ENOENT) return std::string();
+    return make_error(ConfigErrc::kInvalidValue, "--model_path: cannot read " + file + ": " + std::strerror(errno));
+  }
+  // The one top-level scalar FastDeploy reads (yaml.safe_load(f)["version"]); a YAML library
+  // for one line would be a dependency for nothing.
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("version:", 0) != 0) continue;
+    std::string v = line.substr(8);
+    const auto b = v.find_first_not_of(" \t");
+    const auto e = v.find_last_not_of(" \t\r");
+    v = b == std::string::npos ? "" : v.substr(b, e - b + 1);
+    if (v.size() >= 2 && (v.front() == '"' || v.front() == '\'') && v.back() == v.front()) v = v.substr(1, v.size() - 2);
+    if (v.empty()) break;
+    const auto first = v.find('-');
+    const auto second = first == std::string::npos ? std::string::npos : v.find('-', first + 1);
+    v = v.substr(0, second);
+    if (!proto::valid_session_suffix(v))
+      return make_error(ConfigErrc::kInvalidValue, "--model_path: " + file + ": version prefix '" + v +
+                                                       "' must be 1-64 characters of [A-Za-z0-9_.-]");
+    return v;
+  }
+  return make_error(ConfigErrc::kInvalidValue, "--model_path: " + file + " has no 'version: <RL-STEP..>' line");
 }
 
 Result<std::vector<std::int64_t>, ConfigErrc> parse_shape(const std::string& text, const std::string& flag) {
@@ -147,7 +183,9 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   app.add_option("--key-cache-shape,--key_cache_shape", key_shape, "blocks,kv_heads,block_size,head_dim")->required();
   app.add_option("--value-cache-shape,--value_cache_shape", value_shape, "Same as key; omit for MLA (no value cache)");
   app.add_option("--cache-dtype,--cache_dtype", dtype, "bfloat16 | float16 | uint8 | block_wise_fp8");
-  app.add_option("--session,--ipc-suffix,--ipc_suffix", suffix, "Session suffix shared with the engine")->required();
+  app.add_option("--session,--ipc-suffix,--ipc_suffix", suffix,
+                 "Session suffix shared with the engine (default with FastDeploy's flags: "
+                 "fastdeploy.<engine_worker_queue_port>)");
   app.add_option("--device-backend", backend, "cuda | host");
   auto* scatter_opt = app.add_option("--scatter-mode", scatter,
                                      "CUDA: batch (default: copy engines) | kernel | kernel-per-layer | memcpy "
@@ -168,7 +206,11 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   app.add_option("--engine-timeout", c.engine_timeout_s, "Seconds of engine heartbeat silence before detaching");
   app.add_option("--attach-timeout", c.attach_timeout_s, "Seconds to wait for the session (0 = forever)");
   app.add_option("--heartbeat-period", c.heartbeat_period_s, "Seconds between rank heartbeats");
-  app.add_option("--model-id,--model_id", c.model_id, "Model id (namespaces storage keys)");
+  auto* model_id_opt = app.add_option("--model-id,--model_id", c.model_id, "Model id (namespaces storage keys)");
+  app.add_option("--model_path", c.fastdeploy.model_path,
+                 "FastDeploy: the model directory (model id = its name; RL key prefix from its version.yaml)");
+  app.add_option("--engine_worker_queue_port", c.fastdeploy.engine_worker_queue_port,
+                 "FastDeploy: suffix of its shared-memory signals, and of the session when --session is absent");
 
   std::string storage_backend = "none", write_policy, fsync = "none", redis_endpoints;
   auto& st = c.storage;
@@ -195,8 +237,8 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   std::string ignored_s;
   std::vector<CLI::Option*> compat_opts;
   for (const char* name : {"--splitwise_role", "--max_model_len", "--cache_queue_port",
-                           "--enable_splitwise", "--pod_ip", "--engine_worker_queue_port", "--protocol",
-                           "--rdma_port"}) {
+                           "--enable_splitwise", "--pod_ip", "--protocol", "--rdma_port",
+                           "--engine_pid"}) {
     compat_opts.push_back(app.add_option(name, ignored_s, "ignored")->group(compat_group));
   }
   bool ignored_flag = false;
@@ -290,9 +332,25 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
     c.numa_node = v;
   }
 
+  const auto& fd_port = c.fastdeploy.engine_worker_queue_port;
+  if (!fd_port.empty() && (fd_port.size() > 32 || !proto::valid_session_suffix(fd_port)))
+    return bad("--engine_worker_queue_port: '" + fd_port + "' must be 1-32 characters of [A-Za-z0-9_.-]");
+  if (suffix.empty() && !fd_port.empty()) suffix = fastdeploy_session_suffix(fd_port);
+  if (suffix.empty())
+    return bad("--session: required (or FastDeploy's --engine_worker_queue_port, which names the session "
+               "fastdeploy.<port>)");
   c.session_suffix = suffix;
   if (!proto::valid_session_suffix(suffix))
     return bad("--session: '" + suffix + "' must be 1-64 characters of [A-Za-z0-9_.-]");
+  // FastDeploy's transfer manager names its store namespace after the model directory.
+  if (!c.fastdeploy.model_path.empty() && model_id_opt->count() == 0) {
+    std::string path = c.fastdeploy.model_path;
+    while (path.size() > 1 && path.back() == '/') path.pop_back();
+    const auto slash = path.rfind('/');
+    c.model_id = slash == std::string::npos ? path : path.substr(slash + 1);
+    if (c.model_id.empty() || c.model_id == "/")
+      return bad("--model_path: '" + c.fastdeploy.model_path + "' names no model directory");
+  }
 
   if (!valid_log_level(c.log_level))
     return bad("--log-level: '" + c.log_level + "' is not one of " + kLogLevelList);
@@ -333,6 +391,10 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   else if (fsync == "data") st.fsync = StorageFsync::kData;
   else if (fsync == "full") st.fsync = StorageFsync::kFull;
   else return bad("--storage-fsync: '" + fsync + "' is not one of none, data, full");
+  if (st.backend == StorageBackendKind::kFile && st.path.empty() && !fd_port.empty()) {
+    const char* env = std::getenv(kFastDeployStorageDirEnv);
+    st.path = env != nullptr && *env != '\0' ? env : kFastDeployStorageDirDefault;
+  }
   if (st.backend == StorageBackendKind::kFile && st.path.empty())
     return bad("--storage-path: required with --storage-backend file (the store's root directory)");
   if (!redis_endpoints.empty()) {
@@ -358,6 +420,11 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   if (st.staging_mib < 1 || st.staging_mib > 65536)
     return bad("--storage-staging-mib: " + std::to_string(st.staging_mib) + " must be in [1, 65536]");
   if (st.write_threshold < 1) return bad("--write-threshold: must be at least 1");
+  if (st.backend != StorageBackendKind::kNone && !c.fastdeploy.model_path.empty()) {
+    auto prefix = fastdeploy_key_prefix(c.fastdeploy.model_path);
+    if (!prefix.ok()) return std::move(prefix).error();
+    st.key_prefix = std::move(prefix).value();
+  }
   return c;
 }
 

@@ -9,6 +9,7 @@
 
 #include "cleared_cache.h"
 #include "completion.h"
+#include "fastdeploy_ipc.h"
 #include "kvtd/daemon/control_handler.h"
 #include "kvtd/daemon/host_pool.h"
 #include "kvtd/daemon/log.h"
@@ -23,8 +24,45 @@
 namespace kvtd::daemon {
 namespace {
 
-// Maps every tensor of this rank and pairs it with its host-pool region.
-Result<AttachedCache, DeviceErrc> attach_cache(ipc::RankEndpoint& ep, DeviceBackend& backend, HostPool& pool) {
+// Whether the engine registered no tensor of this rank: then FastDeploy's worker published them
+// by name (fastdeploy_ipc.h). A registry with some tensors but not all is the engine's error,
+// reported by attach_cache naming the first one missing.
+bool registered_none(const ipc::RankEndpoint& ep) {
+  const auto& g = ep.geometry();
+  for (std::uint32_t l = 0; l < g.num_layers; ++l)
+    for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k)
+      if (ep.tensor(l, static_cast<proto::TensorKind>(k)) != nullptr) return false;
+  return true;
+}
+
+// With FastDeploy's flags, waits until FastDeploy's worker says its KV cache exists
+// (cache_ready_signal.<port>[rank] == 1: worker/gpu_model_runner.py sets it after set_data_ipc of
+// every layer), as FastDeploy's own transfer manager does (_init_gpu_cache). The heartbeat runs
+// meanwhile. False when asked to stop or the engine went away.
+bool wait_for_fastdeploy_cache(const config::DaemonConfig& cfg, const ipc::RankEndpoint& ep,
+                               const std::atomic<bool>& stop) {
+  const auto& port = cfg.fastdeploy.engine_worker_queue_port;
+  if (port.empty()) return true;  // names without FastDeploy's signals: the engine said they exist
+  std::int64_t next_log = 0;
+  for (;;) {
+    auto sig = FastDeploySignal::open("cache_ready_signal", port, cfg.rank + 1);
+    if (sig.ok() && sig->load(cfg.rank) == 1) return true;
+    const std::int64_t now = ipc::monotonic_now_ns();
+    if (now >= next_log) {
+      KVTD_INFO("waiting for FastDeploy's worker to publish its KV cache ({})",
+                sig.ok() ? sig->name() + "[" + std::to_string(cfg.rank) + "] is 0" : sig.error().message);
+      next_log = now + 10'000'000'000;
+    }
+    if (stop.load() || !ep.engine_alive()) return false;
+    notify_watchdog();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+// Maps every tensor of this rank and pairs it with its host-pool region: the engine's registry,
+// or, when it registered none, the names FastDeploy's worker published them under.
+Result<AttachedCache, DeviceErrc> attach_cache(ipc::RankEndpoint& ep, DeviceBackend& backend, HostPool& pool,
+                                               std::int32_t device_id) {
   const auto& g = ep.geometry();
   AttachedCache c;
   c.pool = &pool;
@@ -33,11 +71,19 @@ Result<AttachedCache, DeviceErrc> attach_cache(ipc::RankEndpoint& ep, DeviceBack
   c.num_layers = g.num_layers;
   for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k)
     if (g.has_tensor(static_cast<proto::TensorKind>(k))) c.block_bytes.push_back(g.block_bytes(static_cast<proto::TensorKind>(k)));
+  const bool by_names = registered_none(ep);
   for (std::uint32_t l = 0; l < g.num_layers; ++l)
     for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
       const auto kind = static_cast<proto::TensorKind>(k);
       if (!g.has_tensor(kind)) continue;
       const proto::TensorDesc* d = ep.tensor(l, kind);
+      proto::TensorDesc named{};
+      if (by_names) {
+        auto r = read_fastdeploy_tensor(g, ep.rank(), l, kind, device_id);
+        if (!r.ok()) return std::move(r).error();
+        named = *r;
+        d = &named;
+      }
       if (!d)
         return make_error(DeviceErrc::kOpenFailed, std::string(proto::tensor_kind_name(kind)) + " tensor of layer " +
                                                        std::to_string(l) + " is not registered");
@@ -55,6 +101,9 @@ Result<AttachedCache, DeviceErrc> attach_cache(ipc::RankEndpoint& ep, DeviceBack
     }
   c.storage.object_bytes = g.bytes_per_block_all_layers();
   c.storage.replicated = !g.has_value();
+  if (by_names)
+    KVTD_INFO("the engine registered no tensors: opened the {} tensors FastDeploy's worker published by name "
+              "(e.g. {})", c.to_host.size(), fastdeploy_tensor_name(proto::TensorKind::kKey, 0, ep.rank(), device_id));
   return c;
 }
 
@@ -298,7 +347,11 @@ int run_daemon(const config::DaemonConfig& cfg, std::atomic<bool>& stop) {
           continue;
         }
       }
-      auto cache = attach_cache(endpoint, *backend, **pool);
+      if (registered_none(endpoint) && !wait_for_fastdeploy_cache(cfg, endpoint, stop)) {
+        why = stop.load() ? TaskRunner::Exit::kStopped : TaskRunner::Exit::kSessionLost;
+        break;
+      }
+      auto cache = attach_cache(endpoint, *backend, **pool, cfg.device_id);
       if (!cache.ok()) {
         backend->close_tensors();
         if (live) {  // the first mapping, right after attach

@@ -109,7 +109,10 @@ struct StorageExecutor::Impl {
 
   std::string stored_key(const std::string& key, std::uint64_t task_weight_version) const {
     const std::uint32_t slice_rank = t.replicated ? 0 : ep.rank();
-    return key + ".w" + std::to_string(t.config.weight_version) + "-" + std::to_string(task_weight_version) + ".r" +
+    // FastDeploy's RL prefix (from version.yaml) joins the weight version: KV of other weights
+    // is never found.
+    const std::string prefix = t.config.key_prefix.empty() ? "" : "." + t.config.key_prefix;
+    return key + prefix + ".w" + std::to_string(t.config.weight_version) + "-" + std::to_string(task_weight_version) + ".r" +
            std::to_string(slice_rank);
   }
 

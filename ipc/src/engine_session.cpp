@@ -116,9 +116,14 @@ struct EngineSession::Impl {
            (cache_cleared && clear_confirmed);
   }
 
-  // Requires mu. Every tensor of the geometry registered, or the first one missing named.
+  // Requires mu. Every tensor of the geometry registered, or none at all (the daemons then open
+  // the tensors FastDeploy's worker published by name: daemon/src/fastdeploy_ipc.h), or the
+  // first one missing named.
   Status<IpcErrc> registry_complete() const {
     const auto* reg = view.registry();
+    bool any = false;
+    for (std::uint64_t i = 0; i < view.layout.registry_count; ++i) any = any || reg[i].valid != 0;
+    if (!any) return {};
     for (std::uint32_t r = 0; r < geo.num_ranks; ++r)
       for (std::uint32_t l = 0; l < geo.num_layers; ++l)
         for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {

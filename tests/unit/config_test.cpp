@@ -2,7 +2,12 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 
 #include <fstream>
 
@@ -57,6 +62,66 @@ TEST(DaemonFlags, AcceptsFastDeployNames) {
   EXPECT_EQ(c->session_suffix, "9923");
   EXPECT_FALSE(c->geometry().has_value());
   EXPECT_TRUE(c->geometry().has_scales());
+}
+
+// FastDeploy's launch command, flag for flag as prefix_cache_manager.py launch_cache_manager
+// (~314-337, upstream develop c1b7c083) builds it, plus --engine_pid (FastDeploy 2.0/2.1) and no
+// --session: kvtd must start from it unchanged.
+std::vector<std::string> fastdeploy_launch(const std::string& model_path) {
+  return {"--device_id", "0", "--rank", "1", "--splitwise_role", "mixed", "--num_layers", "2", "--mp_num", "2",
+          "--cache_dtype", "bfloat16", "--key_cache_shape", "64,2,16,8", "--value_cache_shape", "64,2,16,8",
+          "--cache_queue_port", "8334", "--enable_splitwise", "0", "--pod_ip", "127.0.0.1",
+          "--engine_worker_queue_port", "8333", "--num_cpu_blocks", "16", "--protocol", "ipc",
+          "--local_data_parallel_id", "0", "--rdma_port", "0", "--speculative_config", "{}", "--default_dtype",
+          "bfloat16", "--kvcache_storage_backend", "file", "--create_cache_tensor", "--write_policy",
+          "write_through", "--max_model_len", "2048", "--model_path", model_path, "--engine_pid", "4242"};
+}
+
+TEST(DaemonFlags, FastDeploysLaunchLineNamesTheSessionModelStoreAndKeyPrefix) {
+  char dir[] = "/tmp/kvtd_fd_modelXXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string model = std::string(dir) + "/ERNIE-4.5-0.3B";
+  ASSERT_EQ(mkdir(model.c_str(), 0700), 0);
+  unsetenv(kFastDeployStorageDirEnv);
+  auto c = parse(fastdeploy_launch(model + "/"));
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  EXPECT_EQ(c->session_suffix, "fastdeploy.8333");
+  EXPECT_EQ(c->fastdeploy.engine_worker_queue_port, "8333");
+  EXPECT_EQ(c->model_id, "ERNIE-4.5-0.3B");
+  EXPECT_EQ(c->storage.path, kFastDeployStorageDirDefault);
+  EXPECT_EQ(c->storage.key_prefix, "");  // no version.yaml: FastDeploy uses no prefix either
+  for (const char* f : {"--engine_pid", "--create_cache_tensor", "--pod_ip"})
+    EXPECT_NE(std::find(c->ignored_flags.begin(), c->ignored_flags.end(), f), c->ignored_flags.end()) << f;
+
+  // RL: the key prefix is the version's first two parts (cache_transfer_manager.py
+  // get_key_prefix_from_version), and the store root comes from FastDeploy's variable.
+  std::ofstream(model + "/version.yaml") << "# trainer output\nversion: 'RL-STEP12-20251120-0f3a'\n";
+  setenv(kFastDeployStorageDirEnv, dir, 1);
+  c = parse(fastdeploy_launch(model));
+  unsetenv(kFastDeployStorageDirEnv);
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  EXPECT_EQ(c->storage.key_prefix, "RL-STEP12");
+  EXPECT_EQ(c->storage.path, dir);
+
+  std::ofstream(model + "/version.yaml") << "step: 12\n";
+  c = parse(fastdeploy_launch(model));
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.error().message.find("version.yaml has no 'version"), std::string::npos) << c.error().message;
+  std::remove((model + "/version.yaml").c_str());
+  rmdir(model.c_str());
+  rmdir(dir);
+}
+
+TEST(DaemonFlags, ASessionIsRequiredUnlessFastDeploysPortNamesIt) {
+  auto c = parse({"--rank", "0", "--key-cache-shape", "10,1,16,64"});
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.error().message.find("--engine_worker_queue_port"), std::string::npos) << c.error().message;
+  c = parse({"--rank", "0", "--key-cache-shape", "10,1,16,64", "--engine_worker_queue_port", "8333", "--session", "x"});
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  EXPECT_EQ(c->session_suffix, "x");  // an explicit session wins
+  c = parse({"--rank", "0", "--key-cache-shape", "10,1,16,64", "--engine_worker_queue_port", "../x"});
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.error().message.find("--engine_worker_queue_port"), std::string::npos) << c.error().message;
 }
 
 TEST(DaemonFlags, ThreeDimensionalShapesHaveHeadDimOne) {

@@ -73,7 +73,31 @@ struct StorageConfig {
   WritePolicy write_policy = WritePolicy::kNone;
   std::uint32_t write_threshold = 2;
   std::uint64_t weight_version = 0;      // deployment's weight label, part of every key
+  // FastDeploy's RL key prefix ("RL-STEP12", from <--model_path>/version.yaml), part of every
+  // key when set, so a weight update never loads KV of the old weights. Empty: not used.
+  std::string key_prefix;
 };
+
+// What a FastDeploy launch line says beyond kvtd's own flags.
+struct FastDeployLaunch {
+  std::string engine_worker_queue_port;  // suffix of FastDeploy's IPCSignals (cache_ready_signal.<port>)
+  std::string model_path;                // --model_path: the model id and version.yaml come from it
+};
+
+// The session suffix a FastDeploy deployment uses when kvtd is launched with FastDeploy's flags
+// and no --session: the adapter (python/kvtd/fastdeploy.py) creates the session by the same rule.
+std::string fastdeploy_session_suffix(const std::string& engine_worker_queue_port);
+
+// FastDeploy's file store root when --storage-path is absent: $FILE_BACKEND_STORAGE_DIR, else its
+// default (fastdeploy/envs.py: FILE_BACKEND_STORAGE_DIR, "/tmp/fastdeploy").
+// FastDeploy's RL key prefix of a model directory, as its cache transfer manager derives it: the
+// `version` of <model_path>/version.yaml ("RL-STEP12-<timestamp>-<uuid>") cut to its first two
+// dash-separated parts ("RL-STEP12"). No version.yaml: empty (FastDeploy then uses no prefix).
+// A version.yaml without a `version` line, or one kvtd cannot read, is an error naming the file.
+[[nodiscard]] Result<std::string, ConfigErrc> fastdeploy_key_prefix(const std::string& model_path);
+
+inline constexpr const char* kFastDeployStorageDirEnv = "FILE_BACKEND_STORAGE_DIR";
+inline constexpr const char* kFastDeployStorageDirDefault = "/tmp/fastdeploy";
 
 struct DaemonConfig {
   std::uint32_t rank = 0;
@@ -104,6 +128,7 @@ struct DaemonConfig {
   double heartbeat_period_s = 0.1;
   std::string model_id = "default";
   StorageConfig storage;
+  FastDeployLaunch fastdeploy;
   std::vector<std::string> ignored_flags;  // FastDeploy flags given that kvtd accepts and ignores
 
   proto::CacheGeometry geometry() const;
