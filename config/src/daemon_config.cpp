@@ -186,7 +186,9 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   app.add_option("--session,--ipc-suffix,--ipc_suffix", suffix,
                  "Session suffix shared with the engine (default with FastDeploy's flags: "
                  "fastdeploy.<engine_worker_queue_port>)");
-  app.add_option("--device-backend", backend, "cuda | host");
+  auto* backend_opt = app.add_option("--device-backend", backend,
+                                     "cuda | host (default: $KVTD_DEVICE_BACKEND, else cuda when launched with "
+                                     "FastDeploy's flags, else host)");
   auto* scatter_opt = app.add_option("--scatter-mode", scatter,
                                      "CUDA: batch (default: copy engines) | kernel | kernel-per-layer | memcpy "
                                      "(scattered blocks)");
@@ -308,6 +310,13 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
     return bad("--default-dtype: '" + default_dtype + "' is not one of bfloat16, float16, float32" +
                (default_dtype == "uint8" ? " (uint8 scales are not supported with block_wise_fp8)" : ""));
 
+  // A FastDeploy launch line names no backend: its cache lives on the GPU. The variable lets a
+  // test or a stand-in build run that same line on the host backend.
+  if (backend_opt->count() == 0) {
+    const char* env = std::getenv("KVTD_DEVICE_BACKEND");
+    if (env != nullptr && *env != '\0') backend = env;
+    else if (!c.fastdeploy.engine_worker_queue_port.empty()) backend = "cuda";
+  }
   if (backend == "host") c.device_backend = DeviceBackendKind::kHost;
   else if (backend == "cuda") c.device_backend = DeviceBackendKind::kCuda;
   else return bad("--device-backend: '" + backend + "' is not one of cuda, host");

@@ -1,126 +1,68 @@
-"""A drop-in for the engine side of FastDeploy's cache transfer manager.
+"""A drop-in for FastDeploy's cache transfer processes, driven by FastDeploy's own engine code.
 
-FastDeploy's engine (PrefixCacheManager) talks to its per-rank cache transfer processes through
-an EngineCacheQueue and two per-rank IPC signals:
+FastDeploy's PrefixCacheManager (fastdeploy/cache_manager/prefix_cache_manager.py, "pcm" below;
+upstream develop c1b7c083) talks to its per-rank cache_transfer_manager.py processes through an
+EngineCacheQueue and shared-memory IPCSignals. A deployment switches to kvtd by changing
+launch_cache_manager only (README "Using kvtd from FastDeploy" has the diff): it builds a
+KvtdCacheQueue (KvtdCacheQueue.for_fastdeploy) instead of the EngineCacheQueue client, and starts
+`kvtd` with FastDeploy's own launch flags instead of the Python manager. Its worker, scheduler
+and signals stay as they are: FastDeploy's worker publishes its KV tensors by name
+(set_data_ipc), and the daemons open those names (daemon/src/fastdeploy_ipc.h).
 
-  cache_task_queue.put_transfer_task((event_type, transfer_task_id, swap_node_ids,
-                                      gpu_block_ids, cpu_block_ids))       # SWAP2CPU / SWAP2GPU
-  cache_task_queue.put_transfer_task((event_type, read_or_write_storage_task))  # STORAGE2GPU / GPU2STORAGE
-  cache_task_queue.get_transfer_done_signal()   -> results, in the tuples the manager sends back:
-      swaps:   (event_type, transfer_task_id, swap_node_ids, gpu_block_ids, cpu_block_ids)
-      storage: (event_type, task_id, keys, gpu_block_ids that now hold the KV)
-  cache_ready_signal.value[rank] == 1          once the rank mapped the engine's cache
-  swap_space_ready_signal.value[rank] == 1     once the rank's host (swap) space exists
+The queue, with FastDeploy's semantics (inter_communicator/engine_cache_queue.py):
+  put_transfer_task((SWAP2CPU|SWAP2GPU, transfer_task_id, swap_node_ids, gpu_block_ids, cpu_block_ids))
+  put_transfer_task((STORAGE2GPU|GPU2STORAGE, ReadStorageTask|WriteStorageTask))
+  put_transfer_task((CTRL, ControlRequest))     # pause, resume, update_weights, sleep, wakeup
+  get_transfer_done_signal() -> one result tuple, or None when there is none (never a list)
+  result_queue_empty(), empty(), clear_transfer_task()
+Results are the tuples FastDeploy's transfer manager puts: a swap's own tuple once, after every
+rank finished; a STORAGE2GPU result once per tensor-parallel rank (pcm counts
+tensor_parallel_size of them and keeps the shortest: recv_data_transfer_result); one
+GPU2STORAGE result.
 
-KvtdCacheQueue has these call shapes and carries them out with kvtd tasks, so an engine switches
-by replacing its queue and signal objects with `q`, `q.cache_ready_signal` and
-`q.swap_space_ready_signal`. Event types are matched by name (`event_type.name`, or the string),
-so FastDeploy's own CacheStatus enum works unchanged; CacheStatus below mirrors its names.
+Failures never raise into FastDeploy's threads (pcm's result thread dies on any exception). A
+failed swap is logged with kvtd's status and never reported done, as FastDeploy's own manager
+does (its _transfer_data raises in a worker thread and puts no result): the blocks it named hold
+no valid KV. A failed STORAGE2GPU reports no blocks loaded, a failed GPU2STORAGE reports no
+blocks written (pcm waits for both). Failures are kept in `failures`.
 
-Failures. FastDeploy's tuples carry no status, and a swap reported done is trusted. So:
-  * a failed SWAP2CPU/SWAP2GPU is never reported as done: get_transfer_done_signal() raises
-    SwapFailed (carrying the FastDeploy tuple and the kvtd result) for it, once the results that
-    completed with it were returned; the blocks it named must not be used
-    (on_swap_failure="record" instead keeps it in `failures` and leaves the tuple out);
-  * a failed or partial STORAGE2GPU reports the gpu blocks that were really loaded (a prefix;
-    none on failure), which is what FastDeploy already does on a storage error;
-  * a failed GPU2STORAGE is reported done (nothing the engine reads changed) and kept in
-    `failures`.
+Signals (FastDeploy's IPCSignals, suffix engine_worker_queue_port; see fastdeploy_signals.py),
+written by a monitor thread from the daemons' state as FastDeploy's manager writes them:
+cache_transfer_inited_signal[r] and swap_space_ready_signal[r] once rank r's daemon mapped the
+cache and made its host pool; cache_task_inflight[r] (1 while serving, 0 once paused and
+drained) and cache_task_is_paused[0]; cache_ready_signal[r] = 0 once rank r released the
+worker's tensors for a weight update. kv_cache_status (ints: NORMAL 0, UPDATING 1, CLEARING -1,
+CLEARED -2) is polled: CLEARING -> pause, clear_caches() -> CLEARED; UPDATING -> wait for the
+worker's cache_ready_signal, restore_caches(), resume -> NORMAL.
 
-Weight updates (RL). FastDeploy's trainer flips `kv_cache_status_signal.value[0]`: CLEARING (the
-manager frees the caches and answers CLEARED), then UPDATING (it re-creates them and answers
-NORMAL). check_cache_status() is one step of that loop done by kvtd: CLEARING -> clear_caches()
-(every rank finished its tasks and closed its mappings) -> CLEARED; the engine then frees its
-tensors, loads the new weights, registers the new tensors, sets UPDATING -> restore_caches() ->
-NORMAL. Statuses are matched by name, so FastDeploy's KVCacheStatus works unchanged.
-
-Thread-safety: put_transfer_task and get_transfer_done_signal may be called from different
-threads (FastDeploy uses one thread for each).
+Thread-safety: every method may be called from any thread (FastDeploy calls put_transfer_task
+from its scheduler threads and get_transfer_done_signal from its result thread).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import enum
+import logging
+import os
 import threading
 import time
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, Deque, List, Optional, Sequence
 
+from . import fastdeploy_signals as fds
 from .errors import KvtdError
-from .session import Session, TaskResult, now_ns
+from .session import Geometry, Session, TaskResult, now_ns
+
+log = logging.getLogger("kvtd.fastdeploy")
+
+SWAPS = ("SWAP2CPU", "SWAP2GPU")
+STORAGE = ("STORAGE2GPU", "GPU2STORAGE")
 
 
-class CacheStatus(enum.Enum):
-    """FastDeploy's transfer event types (only the names matter to this adapter)."""
-
-    SWAP2CPU = "SWAP2CPU"
-    SWAP2GPU = "SWAP2GPU"
-    STORAGE2GPU = "STORAGE2GPU"
-    GPU2STORAGE = "GPU2STORAGE"
-
-
-class KVCacheStatus(enum.Enum):
-    """FastDeploy's kv_cache_status values (only the names matter to this adapter)."""
-
-    NORMAL = "NORMAL"
-    CLEARING = "CLEARING"
-    CLEARED = "CLEARED"
-    UPDATING = "UPDATING"
-
-
-class StatusSignal:
-    """Looks like FastDeploy's kv_cache_status IPCSignal: `.value[0]` is the status."""
-
-    def __init__(self, initial):
-        self.value = [initial]
-
-
-@dataclasses.dataclass
-class ReadStorageTask:
-    """FastDeploy's ReadStorageTask fields this adapter uses (its own objects work too)."""
-
-    task_id: Any
-    keys: Sequence[str]
-    gpu_block_ids: Sequence[int]
-    token_ids: Optional[Sequence[int]] = None
-    start_read_block_idx: int = 0
-    timeout: float = 30.0
-
-
-@dataclasses.dataclass
-class WriteStorageTask:
-    task_id: Any
-    keys: Sequence[str]
-    gpu_block_ids: Sequence[int]
-    token_ids: Optional[Sequence[int]] = None
-    start_write_block_idx: int = 0
-    timeout: float = 30.0
-
-
-class SwapFailed(KvtdError):
-    """A swap failed: `fd_task` is the FastDeploy tuple, `result` the kvtd TaskResult. Its
-    destination blocks hold no valid KV."""
-
-    def __init__(self, fd_task: tuple, result: TaskResult):
-        super().__init__(f"{_name(fd_task[0])} {fd_task[1]} failed: {result.status_name} ({result.message})")
-        self.fd_task = fd_task
-        self.result = result
-
-
-class ReadySignal:
-    """Looks like FastDeploy's IPCSignal: `.value[rank]` is 1 while that rank is ready."""
-
-    def __init__(self, session: Session, bit: int):
-        self._session = session
-        self._bit = bit
-
-    @property
-    def value(self):
-        import numpy as np
-
-        g = self._session.geometry
-        return np.array([1 if self._session.rank_ready(r) & self._bit else 0 for r in range(g.num_ranks)],
-                        dtype=np.int32)
+def session_suffix(engine_worker_queue_port) -> str:
+    """The session a daemon launched with FastDeploy's flags attaches to
+    (config::fastdeploy_session_suffix)."""
+    return f"fastdeploy.{engine_worker_queue_port}"
 
 
 def _name(event_type) -> str:
@@ -129,141 +71,381 @@ def _name(event_type) -> str:
 
 @dataclasses.dataclass
 class _Pending:
-    kvtd_id: int
+    kvtd_id: Optional[int]           # None: refused before it reached the daemons
     kind: str
     fd_task: tuple
+    refused: Optional[TaskResult] = None
 
 
 class KvtdCacheQueue:
-    """The engine's cache task queue and ready signals, backed by a kvtd Session (published,
-    daemons started by the caller, systemd or kvtd.testing.Daemons)."""
+    """FastDeploy's cache task queue over a published kvtd Session (daemons started beside it)."""
 
-    def __init__(self, session: Session, *, on_swap_failure: str = "raise"):
-        if on_swap_failure not in ("raise", "record"):
-            raise ValueError("on_swap_failure must be 'raise' or 'record'")
+    def __init__(self, session: Session, *, signal_suffix=None, control_responder: Optional[Callable] = None,
+                 drop_host_tier: Optional[bool] = None, monitor: bool = True, poll_s: float = 0.005,
+                 drain_timeout: float = 60.0):
         self.session = session
-        self.on_swap_failure = on_swap_failure
-        self.cache_ready_signal = ReadySignal(session, 1)
-        self.swap_space_ready_signal = ReadySignal(session, 2)
-        self.kv_cache_status_signal = StatusSignal(KVCacheStatus.NORMAL)
-        self.failures: List[tuple] = []  # (fd_task, TaskResult) of tasks that failed
-        self._pending: List[_Pending] = []  # put, not yet reported, in put order
-        self._ready: List[tuple] = []       # completed, not yet handed out
-        self._failed: List[SwapFailed] = []  # failed swaps to raise once _ready was handed out
+        self.tensor_parallel_size = session.geometry.num_ranks
+        self.signal_suffix = signal_suffix
+        self.control_responder = control_responder
+        if drop_host_tier is None:  # FastDeploy's manager frees its swap space on clear with this set
+            drop_host_tier = os.environ.get("FD_ENABLE_SWAP_SPACE_CLEARING", "0") not in ("", "0")
+        self.drop_host_tier = drop_host_tier
+        self.drain_timeout = drain_timeout
+        self.failures: List[tuple] = []       # (fastdeploy task, TaskResult) of every failed task
+        self._pending: List[_Pending] = []   # put, not yet complete, in put order
+        self._results: Deque[tuple] = collections.deque()  # complete, not yet handed out
         self._lock = threading.Lock()
+        self._paused = False
+        self._cleared = False
+        self._signals = {}
+        self._stop = threading.Event()
+        self._monitor = None
+        if monitor and signal_suffix is not None:
+            self._monitor = threading.Thread(target=self._monitor_loop, name="kvtd-fastdeploy", args=(poll_s,),
+                                             daemon=True)
+            self._monitor.start()
 
-    # -- weight updates ---------------------------------------------------------------------
-    def check_cache_status(self, *, drop_host_tier: bool = False, weight_version: Optional[int] = None,
-                           statuses=KVCacheStatus, timeout: float = 60.0):
-        """One step of FastDeploy's clear/restore loop: CLEARING -> clear_caches() -> CLEARED,
-        UPDATING -> restore_caches() -> NORMAL; other statuses are left alone. `statuses` is the
-        enum to write back (FastDeploy's KVCacheStatus). drop_host_tier mirrors
-        FD_ENABLE_SWAP_SPACE_CLEARING; weight_version is set once every rank released. A failure
-        raises (CacheControlFailed naming the rank) and leaves the status unchanged. Returns the
-        status after the step."""
-        sig = self.kv_cache_status_signal
-        name = _name(sig.value[0])
-        if name == "CLEARING":
-            self.session.clear_caches(drop_host_tier=drop_host_tier, weight_version=weight_version, timeout=timeout)
-            sig.value[0] = statuses["CLEARED"] if isinstance(statuses, enum.EnumMeta) else statuses.CLEARED
-        elif name == "UPDATING":
-            self.session.restore_caches(timeout=timeout)
-            sig.value[0] = statuses["NORMAL"] if isinstance(statuses, enum.EnumMeta) else statuses.NORMAL
-        return sig.value[0]
+    @classmethod
+    def for_fastdeploy(cls, cache_config, tensor_parallel_size: int, key_cache_shape: Sequence[int],
+                       val_cache_shape: Sequence[int], engine_worker_queue_port, *, speculative_config=None,
+                       default_dtype: str = "bfloat16", local_data_parallel_id: int = 0,
+                       engine_queue_address=None, **kw) -> "KvtdCacheQueue":
+        """Creates and publishes the session the daemons launched with FastDeploy's flags attach
+        to, with no tensors registered (the daemons open the worker's), and the queue over it.
+        The arguments are what launch_cache_manager has at hand. With engine_queue_address (the
+        EngineCacheQueue FastDeploy's engine serves), CTRL tasks the engine puts there
+        (common_engine.py pause/resume/update_weights/sleep/wakeup) reach this queue too."""
+        g = geometry_from_fastdeploy(cache_config, tensor_parallel_size, key_cache_shape, val_cache_shape,
+                                     speculative_config, default_dtype)
+        s = Session(session_suffix(engine_worker_queue_port), g)
+        s.publish()
+        if "control_responder" not in kw:
+            kw["control_responder"] = FmqControlResponder(cache_config.local_cache_queue_port, tensor_parallel_size,
+                                                          local_data_parallel_id)
+        q = cls(s, signal_suffix=engine_worker_queue_port, **kw)
+        if engine_queue_address is not None:
+            q.bridge_engine_queue(engine_queue_address)
+        return q
+
+    def bridge_engine_queue(self, address, authkey: bytes = b"cache_queue_service") -> None:
+        """Reads the tasks FastDeploy's engine puts in its own EngineCacheQueue (served at
+        `address`) as every rank's transfer manager would, and acts on them here: the engine
+        sends CTRL tasks there, not through the prefix cache manager."""
+        from fastdeploy.inter_communicator import EngineCacheQueue
+
+        clients = [EngineCacheQueue(address=address, authkey=authkey, is_server=False,
+                                    num_client=self.tensor_parallel_size, client_id=r, local_data_parallel_id=0)
+                   for r in range(self.tensor_parallel_size)]
+        t = threading.Thread(target=self._bridge_loop, args=(clients,), name="kvtd-fastdeploy-bridge", daemon=True)
+        t.start()
+        self._bridge = t
+
+    def _bridge_loop(self, clients) -> None:
+        while not self._stop.is_set():
+            try:
+                data, _ = clients[0].get_transfer_task()
+                if data is None:
+                    self._stop.wait(0.005)
+                    continue
+                # Every client reads it once, so the engine's next put_transfer_task may proceed.
+                for c in clients[1:]:
+                    while c.get_transfer_task()[0] is None and not self._stop.is_set():
+                        time.sleep(0.001)
+                self.put_transfer_task(data)
+            except (EOFError, ConnectionError, BrokenPipeError) as e:
+                log.warning("FastDeploy's engine queue closed: %s", e)
+                return
+            except Exception as e:  # a malformed task: named, the bridge keeps serving
+                log.error("task from FastDeploy's engine queue refused: %s", e)
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in (self._monitor, getattr(self, "_bridge", None)):
+            if t is not None and t is not threading.current_thread():
+                t.join(timeout=5)
 
     # -- engine -> transfer manager ---------------------------------------------------------
-    def put_transfer_task(self, data) -> None:
-        event_type = data[0]
-        name = _name(event_type)
-        s = self.session
-        if name in ("SWAP2CPU", "SWAP2GPU"):
-            if len(data) != 5:
-                raise ValueError(f"{name} task must be (event_type, transfer_task_id, swap_node_ids, "
-                                 f"gpu_block_ids, cpu_block_ids); got {len(data)} fields")
-            _, transfer_id, swap_node_ids, gpu_ids, cpu_ids = data
-            if len(gpu_ids) != len(cpu_ids):
-                raise ValueError(f"{name} {transfer_id}: {len(gpu_ids)} gpu block ids for {len(cpu_ids)} cpu block ids")
-            if name == "SWAP2CPU":
-                tid = s.swap_to_host(gpu_ids, cpu_ids)
-            else:
-                tid = s.swap_to_device(cpu_ids, gpu_ids)
-            pending = _Pending(tid, name, tuple(data))
-        elif name in ("STORAGE2GPU", "GPU2STORAGE"):
-            task = data[1]
-            keys = [str(k) for k in task.keys]
-            gpu_ids = list(task.gpu_block_ids)[: len(keys)]
-            deadline = now_ns() + int(float(getattr(task, "timeout", 30.0) or 30.0) * 1e9)
-            if name == "STORAGE2GPU":
-                tid = s.storage_read(keys, gpu_ids, deadline_ns=deadline)
-            else:
-                tid = s.storage_write(keys, gpu_ids, deadline_ns=deadline)
-            pending = _Pending(tid, name, (event_type, task.task_id, list(task.keys), gpu_ids))
-        else:
-            raise ValueError(f"unknown transfer event type {name!r}: expected SWAP2CPU, SWAP2GPU, STORAGE2GPU, "
-                             "GPU2STORAGE")
+    def put_transfer_task(self, item) -> None:
+        """Starts a transfer task (FastDeploy's tuples) or acts on a CTRL task. A malformed task
+        raises ValueError naming the problem: that is the caller's bug, not a transfer failure."""
+        name = _name(item[0])
+        if name == "CTRL":
+            threading.Thread(target=self._control, args=(item[1],), name="kvtd-fastdeploy-ctrl", daemon=True).start()
+            return
+        if self._paused:
+            # FastDeploy's manager skips every non-CTRL task it reads while paused (do_data_transfer).
+            log.warning("transfer manager paused: %s task %s dropped, as FastDeploy's manager does", name,
+                        _task_id(item))
+            return
+        pending = self._submit(name, item)
         with self._lock:
             self._pending.append(pending)
 
-    def empty(self) -> bool:
-        """True when every task put was reported."""
-        with self._lock:
-            return not (self._pending or self._ready or self._failed)
+    def _submit(self, name: str, item) -> _Pending:
+        s = self.session
+        if name in SWAPS:
+            if len(item) != 5:
+                raise ValueError(f"{name} task must be (event_type, transfer_task_id, swap_node_ids, gpu_block_ids, "
+                                 f"cpu_block_ids); got {len(item)} fields")
+            _, transfer_id, _, gpu_ids, cpu_ids = item
+            if len(gpu_ids) != len(cpu_ids):
+                raise ValueError(f"{name} {transfer_id}: {len(gpu_ids)} gpu block ids for {len(cpu_ids)} cpu block ids")
+            fd_task = tuple(item)
+            run = (lambda: s.swap_to_host(gpu_ids, cpu_ids)) if name == "SWAP2CPU" else \
+                (lambda: s.swap_to_device(cpu_ids, gpu_ids))
+        elif name in STORAGE:
+            if len(item) != 2:
+                raise ValueError(f"{name} task must be (event_type, storage task); got {len(item)} fields")
+            task = item[1]
+            keys = [str(k) for k in task.keys]
+            gpu_ids = list(task.gpu_block_ids)
+            if len(gpu_ids) < len(keys):
+                raise ValueError(f"{name} {task.task_id}: {len(keys)} keys for {len(gpu_ids)} gpu block ids")
+            gpu_ids = gpu_ids[: len(keys)]
+            deadline = now_ns() + int(float(getattr(task, "timeout", 30.0) or 30.0) * 1e9)
+            fd_task = (item[0], task.task_id, task.keys, gpu_ids)
+            run = (lambda: s.storage_read(keys, gpu_ids, deadline_ns=deadline)) if name == "STORAGE2GPU" else \
+                (lambda: s.storage_write(keys, gpu_ids, deadline_ns=deadline))
+        else:
+            raise ValueError(f"unknown transfer event type {name!r}: expected SWAP2CPU, SWAP2GPU, STORAGE2GPU, "
+                             "GPU2STORAGE or CTRL")
+        try:
+            return _Pending(run(), name, fd_task)
+        except KvtdError as e:  # a rank not ready, the cache cleared, ...: a failed task, not a crash
+            return _Pending(None, name, fd_task, refused=TaskResult(0, -1, type(e).__name__, -1, 0, 0, 0, str(e)))
 
     # -- transfer manager -> engine ---------------------------------------------------------
-    def get_transfer_done_signal(self, timeout: float = 0.0) -> List[tuple]:
-        """The FastDeploy result tuples of tasks that completed (in put order among those found
-        done together); waits up to `timeout` seconds for at least one. A failed swap raises
-        SwapFailed once the results that completed with it were returned."""
-        end = time.monotonic() + timeout
-        while True:
-            with self._lock:
-                self._collect_locked()
-                if self._ready:
-                    out, self._ready = self._ready, []
-                    return out
-                if self._failed:
-                    raise self._failed.pop(0)
-            if time.monotonic() >= end:
-                return []
-            time.sleep(0.0005)
+    def get_transfer_done_signal(self):
+        """One result tuple, or None (FastDeploy polls this; it never blocks)."""
+        with self._lock:
+            self._collect_locked()
+            return self._results.popleft() if self._results else None
+
+    def result_queue_empty(self) -> bool:
+        """No result waiting to be handed out and no task still running (pcm.reset waits for it)."""
+        with self._lock:
+            self._collect_locked()
+            return not self._results and not self._pending
+
+    def empty(self) -> bool:
+        """No task waiting to start: kvtd starts every task when it is put."""
+        return True
+
+    def clear_transfer_task(self) -> None:
+        """FastDeploy's engine drops queued tasks (clear_data). Tasks already with the daemons
+        cannot be taken back: storage tasks are cancelled, and nothing put before is reported."""
+        with self._lock:
+            dropped, self._pending = self._pending, []
+            self._results.clear()
+        for p in dropped:
+            if p.kvtd_id is not None and p.kind in STORAGE:
+                try:
+                    self.session.cancel(p.kvtd_id)
+                except KvtdError as e:
+                    log.warning("cannot cancel %s %s: %s", p.kind, p.fd_task[1], e)
+        if dropped:
+            log.info("clear_transfer_task: %d tasks in flight will not be reported", len(dropped))
 
     def _collect_locked(self) -> None:
-        # Every completed task, whatever its place: a long storage write never delays a load's
-        # report. A failed swap is queued and raised once what completed with it was handed out.
         keep = []
         for p in self._pending:
-            r = self.session.poll(p.kvtd_id, check=False)
+            r = p.refused or self.session.poll(p.kvtd_id, check=False)
             if r is None:
                 keep.append(p)
-                continue
-            done = self._result_tuple(p, r)
-            if done is SwapFailed:
-                self.failures.append((p.fd_task, r))
-                if self.on_swap_failure == "raise":
-                    self._failed.append(SwapFailed(p.fd_task, r))
-                continue
-            self._ready.append(done)
+            else:
+                self._results.extend(self._result_tuples(p, r))
         self._pending = keep
 
-    def _result_tuple(self, p: _Pending, r: TaskResult):
-        if p.kind in ("SWAP2CPU", "SWAP2GPU"):
-            return p.fd_task if r.ok else SwapFailed
-        event_type, task_id, keys, gpu_ids = p.fd_task
-        if p.kind == "STORAGE2GPU":
-            loaded = gpu_ids[: r.blocks_done] if r.ok else []
-            if not r.ok:
-                self.failures.append((p.fd_task, r))
-            return (event_type, task_id, keys, loaded)
+    def _result_tuples(self, p: _Pending, r: TaskResult) -> List[tuple]:
         if not r.ok:
             self.failures.append((p.fd_task, r))
-        return (event_type, task_id, keys, gpu_ids)
+            log.error("%s %s failed: %s (%s)", p.kind, p.fd_task[1], r.status_name, r.message)
+        if p.kind in SWAPS:
+            return [p.fd_task] if r.ok else []
+        event_type, task_id, keys, gpu_ids = p.fd_task
+        if p.kind == "STORAGE2GPU":
+            loaded = list(gpu_ids[: r.blocks_done]) if r.ok else []
+            return [(event_type, task_id, keys, loaded) for _ in range(self.tensor_parallel_size)]
+        return [(event_type, task_id, keys, list(gpu_ids) if r.ok else [])]
 
-    def wait_all(self, timeout: float = 60.0) -> List[tuple]:
-        """Every remaining result (a test and shutdown helper)."""
-        out = []
-        end = time.monotonic() + timeout
-        while not self.empty():
+    def _in_flight(self) -> int:
+        with self._lock:
+            self._collect_locked()
+            return len(self._pending)
+
+    def _drain(self) -> bool:
+        end = time.monotonic() + self.drain_timeout
+        while self._in_flight():
             if time.monotonic() >= end:
-                raise TimeoutError(f"{len(self._pending)} transfer tasks still pending after {timeout} s")
-            out += self.get_transfer_done_signal(timeout=0.05)
-        return out
+                return False
+            time.sleep(0.005)
+        return True
+
+    # -- control (CTRL tasks and kv_cache_status) --------------------------------------------
+    def _control(self, request) -> None:
+        method = request.get_method() if hasattr(request, "get_method") else getattr(request, "method", None)
+        handlers = {"pause": self.pause, "resume": self.resume, "update_weights": lambda: None,
+                    "sleep": self.sleep, "wakeup": self.wakeup}
+        code, message = 200, "Success"
+        handler = handlers.get(method)
+        if handler is None:
+            code, message = 400, f"Unknown control method: {method}"
+        else:
+            try:
+                handler()
+            except Exception as e:  # answered, never raised into FastDeploy
+                code, message = 500, f"Failed to execute {method}: {e}"
+        (log.info if code == 200 else log.error)("control %s (%s): %d %s", method,
+                                                 getattr(request, "request_id", "?"), code, message)
+        if self.control_responder is not None:
+            for rank in range(self.tensor_parallel_size):
+                self.control_responder(rank, request, code, message)
+
+    def pause(self) -> None:
+        """Stops taking transfer tasks and waits for those in flight (FastDeploy's pause)."""
+        self._paused = True
+        if not self._drain():
+            raise TimeoutError(f"{self._in_flight()} transfer tasks still in flight after {self.drain_timeout} s")
+
+    def resume(self) -> None:
+        self._paused = False
+
+    def sleep(self) -> None:
+        """Offload: every rank releases the worker's tensors (FastDeploy's sleep)."""
+        self.pause()
+        self._clear()
+
+    def wakeup(self) -> None:
+        self._restore()
+        self.resume()
+
+    def _clear(self) -> None:
+        if self._cleared:
+            return
+        self.session.clear_caches(drop_host_tier=self.drop_host_tier, timeout=self.drain_timeout)
+        self._cleared = True
+        ready = self._signal("cache_ready_signal")
+        if ready is not None:  # "the transfer manager closed its mappings": the worker may free
+            ready.value[:] = 0
+
+    def _restore(self) -> None:
+        if not self._cleared:
+            return
+        ready = self._signal("cache_ready_signal")
+        end = time.monotonic() + self.drain_timeout
+        while ready is not None and int(ready.value.sum()) != self.tensor_parallel_size:
+            if time.monotonic() >= end:
+                raise TimeoutError(f"FastDeploy's worker did not publish its new KV cache within {self.drain_timeout} s "
+                                   f"(cache_ready_signal {list(ready.value)})")
+            time.sleep(0.01)
+        self.session.restore_caches(timeout=self.drain_timeout)
+        self._cleared = False
+
+    def check_cache_status(self) -> Optional[int]:
+        """One step of FastDeploy's weight-update loop (cache_transfer_manager.py check_cache_status)
+        on kv_cache_status: CLEARING -> CLEARED, UPDATING -> NORMAL. The monitor thread calls it;
+        a failure is logged and the status left for the next try. Returns the status after."""
+        sig = self._signal("kv_cache_status", 1)
+        if sig is None:
+            return None
+        status = int(sig.value[0])
+        try:
+            if status == fds.CLEARING:
+                self.pause()
+                self._clear()
+                sig.value[0] = fds.CLEARED
+            elif status == fds.UPDATING:
+                self._restore()
+                self.resume()
+                sig.value[0] = fds.NORMAL
+        except Exception as e:
+            log.error("kv_cache_status %d: %s", status, e)
+            time.sleep(1.0)
+        return int(sig.value[0])
+
+    # -- signals ------------------------------------------------------------------------------
+    def _signal(self, name: str, length: Optional[int] = None):
+        if self.signal_suffix is None:
+            return None
+        sig = self._signals.get(name)
+        if sig is None:
+            sig = fds.Signal.open(name, self.signal_suffix, length or self.tensor_parallel_size)
+            if sig is not None:
+                self._signals[name] = sig
+        return sig
+
+    def _publish_signals(self) -> None:
+        s = self.session
+        inited = self._signal("cache_transfer_inited_signal")
+        swap = self._signal("swap_space_ready_signal")
+        inflight = self._signal("cache_task_inflight")
+        paused = self._signal("cache_task_is_paused", 1)
+        for r in range(self.tensor_parallel_size):
+            bits = s.rank_ready(r)
+            if inited is not None and bits & 3 == 3:
+                inited.value[r] = 1
+            if swap is not None and s.geometry.num_host_blocks > 0:
+                swap.value[r] = 1 if bits & 2 else 0
+            if inflight is not None:
+                inflight.value[r] = 0 if self._paused and not self._pending else 1
+        if paused is not None:
+            paused.value[0] = 1 if self._paused else 0
+
+    def _monitor_loop(self, poll_s: float) -> None:
+        while not self._stop.is_set():
+            try:
+                self._publish_signals()
+                self.check_cache_status()
+            except Exception as e:  # the session closed under us, a signal removed: keep serving
+                log.warning("fastdeploy signals: %s", e)
+            self._stop.wait(poll_s)
+
+
+def _task_id(item) -> Any:
+    return item[1] if _name(item[0]) in SWAPS else getattr(item[1], "task_id", None)
+
+
+def geometry_from_fastdeploy(cache_config, tensor_parallel_size, key_cache_shape, val_cache_shape,
+                             speculative_config=None, default_dtype: str = "bfloat16") -> Geometry:
+    """The kvtd geometry of FastDeploy's cache, as its launch flags describe it (the daemons
+    derive theirs from the same flags: config/src/daemon_config.cpp)."""
+    key = [int(v) for v in key_cache_shape]
+    val = [int(v) for v in val_cache_shape] if val_cache_shape else None
+    if len(key) == 3:
+        key = key + [1]
+    if val is not None and len(val) == 3:
+        val = val + [1]
+    extra_layers, extra_blocks = 0, 0
+    if speculative_config is not None:
+        extra_layers = int(getattr(speculative_config, "num_extra_cache_layer", 0) or 0)
+        ratio = float(getattr(speculative_config, "num_gpu_block_expand_ratio", 1) or 1)
+        extra_blocks = int(key[0] * ratio) if extra_layers else 0
+    layers = int(cache_config.model_cfg.num_hidden_layers)
+    return Geometry(num_ranks=int(tensor_parallel_size), num_layers=layers + extra_layers, key_shape=key,
+                    value_shape=val, num_host_blocks=int(cache_config.num_cpu_blocks),
+                    dtype=str(cache_config.cache_dtype), scale_bytes=4 if str(default_dtype) == "float32" else 2,
+                    num_extra_layers=extra_layers, extra_device_blocks=extra_blocks)
+
+
+class FmqControlResponder:
+    """Answers a CTRL task the way FastDeploy's engine waits for it: one ControlResponse per rank
+    on FMQ queue ctrl_c2e_rank<tp_rank + tp_size * dp>_<cache_queue_port>
+    (cache_transfer_manager.py _init_control and control_task; engine/common_engine.py
+    _wait_for_control_responses). FastDeploy's FMQ and ControlResponse are imported when first
+    needed: they exist wherever FastDeploy's engine runs."""
+
+    def __init__(self, cache_queue_port, tp_size: int, dp_rank: int = 0):
+        self.port, self.tp_size, self.dp_rank = cache_queue_port, tp_size, dp_rank
+        self._queues = {}
+
+    def __call__(self, rank: int, request, code: int, message: str) -> None:
+        import asyncio
+
+        from fastdeploy.engine.request import ControlResponse
+        from fastdeploy.inter_communicator.fmq import FMQ
+
+        name = f"ctrl_c2e_rank{rank + self.tp_size * self.dp_rank}_{self.port}"
+        q = self._queues.get(name)
+        if q is None:
+            q = self._queues[name] = FMQ().queue(name, "producer")
+        asyncio.run(q.put(ControlResponse(request.request_id, code, message)))
