@@ -90,8 +90,9 @@ TEST(DaemonFlags, FastDeploysLaunchLineNamesTheSessionModelStoreAndKeyPrefix) {
   EXPECT_EQ(c->model_id, "ERNIE-4.5-0.3B");
   EXPECT_EQ(c->storage.path, kFastDeployStorageDirDefault);
   EXPECT_EQ(c->storage.key_prefix, "");  // no version.yaml: FastDeploy uses no prefix either
-  if (std::getenv("KVTD_DEVICE_BACKEND") == nullptr)
+  if (std::getenv("KVTD_DEVICE_BACKEND") == nullptr) {
     EXPECT_EQ(c->device_backend, DeviceBackendKind::kCuda);  // FastDeploy's cache is on the GPU
+  }
   for (const char* f : {"--engine_pid", "--create_cache_tensor", "--pod_ip"})
     EXPECT_NE(std::find(c->ignored_flags.begin(), c->ignored_flags.end(), f), c->ignored_flags.end()) << f;
 
