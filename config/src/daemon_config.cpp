@@ -391,7 +391,8 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   else if (storage_backend == "redis") st.backend = StorageBackendKind::kRedis;
   else
     return bad("--storage-backend: '" + storage_backend + "' is not built into this kvtd (built: none, file, redis)");
-  if (write_policy.empty()) st.write_policy = WritePolicy::kNone;
+  // FastDeploy passes "--write_policy None" when its cache config has none.
+  if (write_policy.empty() || write_policy == "none" || write_policy == "None") st.write_policy = WritePolicy::kNone;
   else if (write_policy == "write_through") st.write_policy = WritePolicy::kWriteThrough;
   else if (write_policy == "write_through_selective") st.write_policy = WritePolicy::kWriteThroughSelective;
   else if (write_policy == "write_back") st.write_policy = WritePolicy::kWriteBack;

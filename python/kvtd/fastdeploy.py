@@ -217,12 +217,16 @@ class KvtdCacheQueue:
     # -- transfer manager -> engine ---------------------------------------------------------
     def get_transfer_done_signal(self):
         """One result tuple, or None (FastDeploy polls this; it never blocks)."""
+        if self._stop.is_set():  # closed: FastDeploy's result thread keeps polling until it exits
+            return None
         with self._lock:
             self._collect_locked()
             return self._results.popleft() if self._results else None
 
     def result_queue_empty(self) -> bool:
         """No result waiting to be handed out and no task still running (pcm.reset waits for it)."""
+        if self._stop.is_set():
+            return True
         with self._lock:
             self._collect_locked()
             return not self._results and not self._pending

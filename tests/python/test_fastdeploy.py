@@ -1,122 +1,182 @@
-"""The FastDeploy adapter driven with the call sequences of FastDeploy's engine (seeds 000/001):
-transfer tasks as tuples, done signals as tuples, per-rank ready signals."""
+"""KvtdCacheQueue's own contract, against real daemons (test_fastdeploy_engine.py drives it with
+FastDeploy's engine code). The shapes are FastDeploy's (inter_communicator/engine_cache_queue.py
+at upstream develop c1b7c083): get_transfer_done_signal() takes no argument and returns one tuple
+or None (prefix_cache_manager.py recv_data_transfer_result reads data[0]); a STORAGE2GPU result
+comes once per rank (ibid., it counts tensor_parallel_size of them)."""
 
 from __future__ import annotations
 
 import enum
+import time
+import uuid
 
 import pytest
-import torch
 
-import kvtd.fastdeploy as fd
-from kvtd.fastdeploy import CacheStatus, KvtdCacheQueue, ReadStorageTask, SwapFailed, WriteStorageTask
+from kvtd import fastdeploy_signals as fds
+from kvtd.fastdeploy import KvtdCacheQueue
 from test_session import fill_random, snapshot
 
 
-class FastDeployCacheStatus(enum.Enum):
-    """Stands for FastDeploy's own enum: other values, same names."""
+class CacheStatus(enum.Enum):
+    """FastDeploy's enum (cache_manager/cache_data.py): the adapter hands the caller's own
+    members back."""
 
-    SWAP2CPU = 7
-    SWAP2GPU = 8
-    STORAGE2GPU = 9
-    GPU2STORAGE = 10
+    GPU = 0
+    SWAP2CPU = 1
+    SWAP2GPU = 2
+    CPU = 3
+    GPU2STORAGE = 4
+    STORAGE2GPU = 5
+    CTRL = -1
 
 
-def test_ready_signals_then_swap_out_and_back_in(cluster):
+class Task:
+    def __init__(self, task_id, keys, gpu_block_ids, timeout=30.0):
+        self.task_id, self.keys, self.gpu_block_ids, self.timeout = task_id, keys, gpu_block_ids, timeout
+
+
+def results(q, n, timeout=30.0):
+    out, end = [], time.monotonic() + timeout
+    while len(out) < n:
+        assert time.monotonic() < end, f"only {len(out)} of {n} results after {timeout} s"
+        r = q.get_transfer_done_signal()
+        if r is None:
+            time.sleep(0.001)
+        else:
+            assert isinstance(r, tuple), f"a result is one tuple, got {type(r).__name__}"
+            out.append(r)
+    return out
+
+
+def test_one_tuple_or_none_and_the_bytes_come_back(cluster):
     c = cluster()
-    q = KvtdCacheQueue(c.session)
-    assert list(q.cache_ready_signal.value) == [0, 0]  # not published yet: nobody attached
     s = c.ready()
-    assert list(q.cache_ready_signal.value) == [1, 1]
-    assert list(q.swap_space_ready_signal.value) == [1, 1]
-    g = c.geometry
-    fill_random(s, g)
-    before = snapshot(s, g, [3, 4])
-    # The engine's eviction: (event_type, transfer_task_id, swap_node_ids, gpu_block_ids, cpu_block_ids).
-    q.put_transfer_task((FastDeployCacheStatus.SWAP2CPU, "t1", [101, 102], [3, 4], [0, 1]))
-    done = q.get_transfer_done_signal(timeout=30)
-    assert done == [(FastDeployCacheStatus.SWAP2CPU, "t1", [101, 102], [3, 4], [0, 1])]
-    fill_random(s, g, seed=9)
-    q.put_transfer_task((FastDeployCacheStatus.SWAP2GPU, "t2", [101, 102], [5, 6], [0, 1]))
-    assert q.get_transfer_done_signal(timeout=30) == [(FastDeployCacheStatus.SWAP2GPU, "t2", [101, 102], [5, 6], [0, 1])]
-    after = snapshot(s, g, [5, 6])
-    assert all(torch.equal(after[k], before[k]) for k in before)
-    assert q.empty()
+    q = KvtdCacheQueue(s, monitor=False)
+    assert q.get_transfer_done_signal() is None and q.result_queue_empty()
+    fill_random(s, c.geometry)
+    before = snapshot(s, c.geometry, [3, 4])
+    q.put_transfer_task((CacheStatus.SWAP2CPU, "t1", [101, 102], [3, 4], [0, 1]))
+    assert results(q, 1) == [(CacheStatus.SWAP2CPU, "t1", [101, 102], [3, 4], [0, 1])]
+    fill_random(s, c.geometry, seed=9)
+    q.put_transfer_task((CacheStatus.SWAP2GPU, "t2", [101, 102], [5, 6], [0, 1]))
+    assert results(q, 1) == [(CacheStatus.SWAP2GPU, "t2", [101, 102], [5, 6], [0, 1])]
+    after = snapshot(s, c.geometry, [5, 6])
+    assert all(after[k].equal(before[k]) for k in before)
+    assert q.get_transfer_done_signal() is None and q.result_queue_empty()
 
 
-def test_many_tasks_in_flight_all_reported_once(cluster):
-    c = cluster()
-    c.ready()
-    q = KvtdCacheQueue(c.session)
-    for i in range(8):
-        q.put_transfer_task((CacheStatus.SWAP2CPU, i, [i], [i], [i]))
-    done = q.wait_all(timeout=30)
-    assert sorted(d[1] for d in done) == list(range(8))
-    assert q.get_transfer_done_signal() == []
-
-
-def test_storage_write_then_partial_read_reports_loaded_blocks(cluster, tmp_path):
+def test_storage_read_is_reported_once_per_rank_write_once(cluster, tmp_path):
     c = cluster(extra=["--storage-backend", "file", "--storage-path", str(tmp_path / "store")])
     s = c.ready()
-    g = c.geometry
-    fill_random(s, g)
-    before = snapshot(s, g, [1, 2])
-    q = KvtdCacheQueue(s)
-    q.put_transfer_task((CacheStatus.GPU2STORAGE, WriteStorageTask("w1", ["h1", "h2"], [1, 2])))
-    assert q.get_transfer_done_signal(timeout=30) == [(CacheStatus.GPU2STORAGE, "w1", ["h1", "h2"], [1, 2])]
-    # A request whose prefix is h1, h2 and a block never stored: the first two are loaded.
-    q.put_transfer_task((CacheStatus.STORAGE2GPU, ReadStorageTask("r1", ["h1", "h2", "h3"], [20, 21, 22])))
-    assert q.get_transfer_done_signal(timeout=30) == [(CacheStatus.STORAGE2GPU, "r1", ["h1", "h2", "h3"], [20, 21])]
-    after = snapshot(s, g, [20, 21])
-    assert all(torch.equal(after[k], before[k]) for k in before)
+    fill_random(s, c.geometry)
+    q = KvtdCacheQueue(s, monitor=False)
+    q.put_transfer_task((CacheStatus.GPU2STORAGE, Task("w1", ["h1", "h2"], [1, 2])))
+    assert results(q, 1) == [(CacheStatus.GPU2STORAGE, "w1", ["h1", "h2"], [1, 2])]
+    q.put_transfer_task((CacheStatus.STORAGE2GPU, Task("r1", ["h1", "h2", "h3"], [20, 21, 22])))
+    got = results(q, c.geometry.num_ranks)
+    assert got == [(CacheStatus.STORAGE2GPU, "r1", ["h1", "h2", "h3"], [20, 21])] * c.geometry.num_ranks
+    assert q.get_transfer_done_signal() is None
 
 
-def test_failed_swap_is_never_reported_done(cluster):
-    c = cluster()
-    c.ready()
-    q = KvtdCacheQueue(c.session)
-    q.put_transfer_task((CacheStatus.SWAP2CPU, "ok", [1], [1], [1]))
-    q.put_transfer_task((CacheStatus.SWAP2GPU, "bad", [9], [9], [23]))  # host block 23 holds nothing
-    reported = []
-    with pytest.raises(SwapFailed) as e:
-        for _ in range(200):
-            reported += q.get_transfer_done_signal(timeout=0.1)
-    assert [r[1] for r in reported] == ["ok"]
-    assert e.value.fd_task[1] == "bad" and e.value.result.status_name == "host_tier_lost"
-    # "record": the failure is kept, never returned as done.
-    q2 = KvtdCacheQueue(c.session, on_swap_failure="record")
-    q2.put_transfer_task((CacheStatus.SWAP2GPU, "bad2", [9], [9], [22]))
-    assert q2.wait_all(timeout=30) == []
-    assert q2.failures[0][0][1] == "bad2"
-
-
-def test_malformed_transfer_tasks_are_refused():
-    class Dummy:
-        geometry = None
-
-    q = KvtdCacheQueue.__new__(KvtdCacheQueue)
-    q.session = Dummy()
-    with pytest.raises(ValueError, match="unknown transfer event type"):
-        KvtdCacheQueue.put_transfer_task(q, ("SWAP2NOWHERE", 1, [], [], []))
-    with pytest.raises(ValueError, match="5\\) fields|got 4 fields"):
-        KvtdCacheQueue.put_transfer_task(q, (CacheStatus.SWAP2CPU, 1, [], []))
-    with pytest.raises(ValueError, match="gpu block ids"):
-        KvtdCacheQueue.put_transfer_task(q, (CacheStatus.SWAP2CPU, 1, [], [1, 2], [1]))
-
-
-def test_kv_cache_status_clearing_then_updating_like_fastdeploy(cluster):
+def test_a_failed_swap_is_logged_never_reported_and_never_raised(cluster, caplog):
     c = cluster()
     s = c.ready()
-    q = KvtdCacheQueue(s)
-    assert q.check_cache_status() is fd.KVCacheStatus.NORMAL  # nothing to do
-    q.kv_cache_status_signal.value[0] = fd.KVCacheStatus.CLEARING
-    assert q.check_cache_status(weight_version=3) is fd.KVCacheStatus.CLEARED
-    assert list(q.cache_ready_signal.value) == [0] * c.geometry.num_ranks
-    assert list(q.swap_space_ready_signal.value) == [1] * c.geometry.num_ranks
-    s.create_host_device_tensors()  # the engine's new tensors
-    q.kv_cache_status_signal.value[0] = fd.KVCacheStatus.UPDATING
-    assert q.check_cache_status() is fd.KVCacheStatus.NORMAL
-    assert list(q.cache_ready_signal.value) == [1] * c.geometry.num_ranks
-    q.put_transfer_task((fd.CacheStatus.SWAP2CPU, 1, [0], [2], [3]))
-    done = q.wait_all(timeout=30)
-    assert [t[:2] for t in done] == [(fd.CacheStatus.SWAP2CPU, 1)]
+    q = KvtdCacheQueue(s, monitor=False)
+    q.put_transfer_task((CacheStatus.SWAP2GPU, "bad", [9], [9], [23]))  # host block 23 holds nothing
+    q.put_transfer_task((CacheStatus.SWAP2CPU, "ok", [1], [1], [1]))
+    assert [r[1] for r in results(q, 1)] == ["ok"]
+    end = time.monotonic() + 30
+    while not q.failures:
+        assert time.monotonic() < end
+        assert q.get_transfer_done_signal() is None
+    assert q.failures[0][0][1] == "bad" and q.failures[0][1].status_name == "host_tier_lost"
+    assert "host_tier_lost" in caplog.text
+    assert q.result_queue_empty()
+
+
+def test_a_task_the_daemons_cannot_take_is_a_failure_not_an_exception(cluster):
+    c = cluster()  # published but no rank attached yet: kvtd refuses with not_ready
+    s = c.session
+    q = KvtdCacheQueue(s, monitor=False)
+    s.publish()
+    q.put_transfer_task((CacheStatus.GPU2STORAGE, Task("w", ["k"], [1])))
+    # Refused write: answered with no blocks written (FastDeploy's engine waits for the answer).
+    assert results(q, 1) == [(CacheStatus.GPU2STORAGE, "w", ["k"], [])]
+    assert q.failures and q.failures[0][1].status_name in ("NotReady", "rank_dead", "not_ready")
+    s.wait_ready(30)  # the daemons attach and later stop cleanly
+
+
+def test_malformed_transfer_tasks_are_refused_naming_the_problem(cluster):
+    c = cluster()
+    q = KvtdCacheQueue(c.ready(), monitor=False)
+    with pytest.raises(ValueError, match="unknown transfer event type"):
+        q.put_transfer_task(("SWAP2NOWHERE", 1, [], [], []))
+    with pytest.raises(ValueError, match="got 4 fields"):
+        q.put_transfer_task((CacheStatus.SWAP2CPU, 1, [], []))
+    with pytest.raises(ValueError, match="gpu block ids"):
+        q.put_transfer_task((CacheStatus.SWAP2CPU, 1, [], [1, 2], [1]))
+    with pytest.raises(ValueError, match="2 keys for 1 gpu block ids"):
+        q.put_transfer_task((CacheStatus.STORAGE2GPU, Task("r", ["a", "b"], [1])))
+
+
+class Ctrl:
+    def __init__(self, method):
+        self.request_id, self.method = f"{method}-{uuid.uuid4().hex[:4]}", method
+
+    def get_method(self):
+        return self.method
+
+
+def test_ctrl_tasks_are_answered_for_every_rank_and_pause_drops_transfers(cluster):
+    c = cluster()
+    s = c.ready()
+    answers = []
+    q = KvtdCacheQueue(s, monitor=False, control_responder=lambda r, req, code, msg: answers.append((r, req.method, code)))
+
+    def ctrl(method):
+        q.put_transfer_task((CacheStatus.CTRL, Ctrl(method)))
+        end = time.monotonic() + 30
+        while sum(1 for a in answers if a[1] == method) < c.geometry.num_ranks:
+            assert time.monotonic() < end, answers
+            time.sleep(0.005)
+        return sorted(a for a in answers if a[1] == method)
+
+    assert ctrl("pause") == [(0, "pause", 200), (1, "pause", 200)]
+    q.put_transfer_task((CacheStatus.SWAP2CPU, "while-paused", [1], [1], [1]))  # dropped, as FastDeploy does
+    assert q.result_queue_empty()
+    assert ctrl("resume") == [(0, "resume", 200), (1, "resume", 200)]
+    assert ctrl("bogus") == [(0, "bogus", 400), (1, "bogus", 400)]
+
+
+def test_kv_cache_status_ints_in_fastdeploys_shared_memory_signal(cluster):
+    c = cluster()
+    s = c.ready()
+    port = f"kvtdtest{uuid.uuid4().hex[:6]}"
+    sigs = {n: fds.create_signal(n, port, k) for n, k in
+            (("kv_cache_status", 1), ("cache_ready_signal", 2), ("cache_transfer_inited_signal", 2),
+             ("swap_space_ready_signal", 2), ("cache_task_inflight", 2), ("cache_task_is_paused", 1))}
+    q = KvtdCacheQueue(s, signal_suffix=port)
+    try:
+        end = time.monotonic() + 30
+        while list(sigs["cache_transfer_inited_signal"].value) != [1, 1]:
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        assert list(sigs["swap_space_ready_signal"].value) == [1, 1]
+        sigs["cache_ready_signal"].value[:] = 1
+        sigs["kv_cache_status"].value[0] = fds.CLEARING
+        while sigs["kv_cache_status"].value[0] != fds.CLEARED:
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        assert list(sigs["cache_ready_signal"].value) == [0, 0] and s.cache_cleared
+        s.create_host_device_tensors()  # the engine's new tensors
+        sigs["cache_ready_signal"].value[:] = 1
+        sigs["kv_cache_status"].value[0] = fds.UPDATING
+        while sigs["kv_cache_status"].value[0] != fds.NORMAL:
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        q.put_transfer_task((CacheStatus.SWAP2CPU, 1, [0], [2], [3]))
+        assert results(q, 1)[0][:2] == (CacheStatus.SWAP2CPU, 1)
+    finally:
+        q.close()
+        for sig in sigs.values():
+            sig.clear()
