@@ -5,7 +5,12 @@
 // opens, and exit for a restart when the context is lost.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <chrono>
 #include <cstdlib>
+#include <fstream>
+#include <thread>
 #include <map>
 #include <tuple>
 
@@ -147,6 +152,90 @@ class CudaDaemonTest : public DaemonTest {
     }
   }
 };
+
+// FastDeploy's GPU worker, as worker/gpu_model_runner.py initialize_kv_cache does it (upstream
+// develop c1b7c083): one allocation per tensor (paddle.full), its handle published by set_data_ipc
+// (custom_ops/gpu_ops/set_data_ipc.cu: cudaIpcGetMemHandle of the data pointer into a
+// shared-memory `shmStruct { size_t nprocesses; cudaIpcMemHandle_t memHandle; }`,
+// cuda_multiprocess.h) under key_caches_<layer>_rank<rank>.device<device> and value_caches_...,
+// then cache_ready_signal.<port>[rank] = 1 (a numpy int32 IPCSignal). The engine registers nothing.
+struct FastDeployShmStruct {
+  std::size_t nprocesses;
+  cudaIpcMemHandle_t memHandle;
+};
+static_assert(sizeof(FastDeployShmStruct) == 72);
+
+class FastDeployWorker {
+ public:
+  FastDeployWorker(std::string port, std::uint32_t ranks) : port_(std::move(port)) {
+    signal_ = "/dev/shm/cache_ready_signal." + port_;
+    std::ofstream(signal_, std::ios::binary).write(std::string(4 * ranks, '\0').data(), 4 * ranks);
+  }
+  ~FastDeployWorker() {
+    for (const auto& n : names_) unlink(("/dev/shm/" + n).c_str());
+    unlink(signal_.c_str());
+  }
+  void publish(const std::string& name, void* data) {
+    FastDeployShmStruct s{};
+    ASSERT_EQ(cudaIpcGetMemHandle(&s.memHandle, data), cudaSuccess);
+    std::ofstream(std::string("/dev/shm/") + name, std::ios::binary).write(reinterpret_cast<const char*>(&s), sizeof s);
+    names_.push_back(name);
+  }
+  void cache_ready(std::uint32_t rank) {
+    std::fstream f(signal_, std::ios::binary | std::ios::in | std::ios::out);
+    const std::int32_t one = 1;
+    f.seekp(4 * rank);
+    f.write(reinterpret_cast<const char*>(&one), 4);
+  }
+  const std::string& port() const { return port_; }
+
+ private:
+  std::string port_, signal_;
+  std::vector<std::string> names_;
+};
+
+TEST_F(CudaDaemonTest, TheDaemonOpensTheTensorsFastDeploysWorkerPublishedByName) {
+  ipc::SessionOptions o;
+  o.suffix = suffix_;
+  o.geometry = g_;
+  o.ring_bytes = 1u << 16;
+  o.service_period_ns = 5'000'000;
+  auto s = EngineSession::create(o);
+  ASSERT_TRUE(s.ok()) << s.error().message;
+  engine_ = std::move(s).value();
+  ASSERT_TRUE(engine_->publish().ok());  // no tensor registered: FastDeploy's names are used
+  FastDeployWorker worker("kvtdsim" + std::to_string(getpid()), g_.num_ranks);
+  std::vector<std::string> extra = {"--engine_worker_queue_port", worker.port()};
+  for (std::uint32_t r = 0; r < g_.num_ranks; ++r) {
+    auto args = daemon_args(r, g_);
+    for (std::size_t i = 0; i + 1 < args.size(); ++i)
+      if (args[i] == "--device-backend") args[i + 1] = "cuda";
+    args.insert(args.end(), {"--scatter-mode", "batch", "--numa-node", "none", "--device-id", "0"});
+    args.insert(args.end(), extra.begin(), extra.end());
+    daemons_.push_back(Child(args, log_path(r)));
+  }
+  // The daemons wait for FastDeploy's cache_ready_signal before opening any name.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_FALSE(engine_->rank_alive(0) && (engine_->rank_ready_flags(0) & proto::kReadyCacheAttached));
+  for (std::uint32_t r = 0; r < g_.num_ranks; ++r) {
+    for (std::uint32_t l = 0; l < g_.num_layers; ++l)
+      for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
+        const auto kind = static_cast<proto::TensorKind>(k);
+        if (!g_.has_tensor(kind)) continue;
+        void* p = nullptr;
+        ASSERT_EQ(cudaMalloc(&p, tensor_bytes(l, k)), cudaSuccess);
+        arenas_.push_back(p);
+        dev_[{r, l, k}] = static_cast<std::byte*>(p);
+        const char* prefix = kind == proto::TensorKind::kKey ? "key_caches_" : "value_caches_";
+        ASSERT_NO_FATAL_FAILURE(worker.publish(prefix + std::to_string(l) + "_rank" + std::to_string(r) + ".device0", p));
+      }
+    worker.cache_ready(r);
+  }
+  fill_cuda();
+  ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok()) << test::read_file(log_path(0));
+  EXPECT_NE(test::read_file(log_path(0)).find("published by name"), std::string::npos);
+  ASSERT_NO_FATAL_FAILURE(cuda_round_trip({1, 2, 3, 17, 9}, {4, 5, 6, 0, 11}, {20, 21, 22, 7, 30}));
+}
 
 // Every scatter mode (two per test: a test keeps two daemon incarnations' logs). A run (1, 2, 3
 // -> 4, 5, 6) and scattered blocks, out and back, byte for byte on every rank.
