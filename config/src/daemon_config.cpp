@@ -243,8 +243,9 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
                            "--engine_pid"}) {
     compat_opts.push_back(app.add_option(name, ignored_s, "ignored")->group(compat_group));
   }
-  bool ignored_flag = false;
-  compat_opts.push_back(app.add_flag("--create_cache_tensor", ignored_flag, "ignored")->group(compat_group));
+  app.add_flag("--create_cache_tensor", c.fastdeploy.create_cache_tensor,
+               "FastDeploy: make this rank's KV cache and publish it by FastDeploy's names for its worker "
+               "(when the engine registers no tensors)");
 
   try {
     app.parse(argc, argv);

@@ -277,6 +277,17 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, enum cudaMemcpy
   });
 }
 
+// On the legacy default stream, like cudaMemcpy; only device memory (CUDA: invalid value else).
+cudaError_t cudaMemset(void* dst, int value, size_t bytes) {
+  if (const cudaError_t e = enter("cudaMemset"); e != cudaSuccess) return e;
+  if (bytes == 0) return cudaSuccess;
+  if (space_of(dst, bytes) != Space::kDevice) return fail(cudaErrorInvalidValue);
+  return submit(nullptr, [=] {
+    std::memset(dst, value, bytes);
+    return cudaSuccess;
+  });
+}
+
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, enum cudaMemcpyKind kind, cudaStream_t s) {
   if (const cudaError_t e = enter("cudaMemcpyAsync"); e != cudaSuccess) return e;
   if (const cudaError_t e = check_kind(dst, src, bytes, kind); e != cudaSuccess) {

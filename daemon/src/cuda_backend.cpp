@@ -138,6 +138,7 @@ class CudaBackend final : public DeviceBackend {
       munmap(p, n);
     }
     for (void* p : device_allocs_) cudaFree(p);
+    for (void* p : exported_) cudaFree(p);
   }
 
   Status<DeviceErrc> init() {
@@ -273,6 +274,39 @@ class CudaBackend final : public DeviceBackend {
 
   int numa_node() const override { return numa_node_; }
   bool broken() const override { return g_context_lost.load(std::memory_order_acquire); }
+
+  Result<ExportedTensor, DeviceErrc> create_exported(std::size_t bytes, const std::string&) override {
+    ExportedTensor t;
+    void* p = nullptr;
+    if (auto st = use_device(); !st.ok()) return make_error(DeviceErrc::kAllocFailed, st.error().message);
+    if (auto e = cudaMalloc(&p, bytes); e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return make_error(DeviceErrc::kAllocFailed, cuda_text("cudaMalloc", e));
+    }
+    exported_.push_back(p);
+    // Zero-filled like FastDeploy's paddle.full(0). cudaMemset runs on the legacy stream, which
+    // the lanes' non-blocking streams do not wait for: synchronise before any lane touches it.
+    cudaIpcMemHandle_t h{};
+    static_assert(sizeof h == proto::kHandleBytes);
+    cudaError_t e = cudaMemset(p, 0, bytes);
+    if (e == cudaSuccess) e = cudaDeviceSynchronize();
+    if (e == cudaSuccess) e = cudaIpcGetMemHandle(&h, p);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return make_error(DeviceErrc::kAllocFailed, cuda_text("exporting a cache tensor", e));
+    }
+    t.ptr = static_cast<std::byte*>(p);
+    std::memcpy(t.handle.data(), &h, sizeof h);
+    return t;
+  }
+
+  void free_exported() override {
+    if (exported_.empty()) return;
+    if (!use_device().ok()) KVTD_WARN("cudaSetDevice failed while freeing exported tensors");
+    for (void* p : exported_)
+      if (cudaFree(p) != cudaSuccess) (void)cudaGetLastError();
+    exported_.clear();
+  }
 
   Result<std::byte*, DeviceErrc> alloc_device(std::size_t bytes) override {
     void* p = nullptr;
@@ -595,6 +629,7 @@ class CudaBackend final : public DeviceBackend {
   std::map<std::array<std::uint8_t, proto::kHandleBytes>, void*> opened_;
   std::vector<void*> host_;
   std::vector<void*> device_allocs_;
+  std::vector<void*> exported_;  // create_exported: FastDeploy's worker maps these
   std::vector<std::pair<void*, std::size_t>> registered_;  // NUMA-placed, cudaHostRegister'ed
   int numa_node_ = -1;
   bool host_pointers_ = true;  // cudaDevAttrCanUseHostPointerForRegisteredMem

@@ -59,11 +59,51 @@ bool wait_for_fastdeploy_cache(const config::DaemonConfig& cfg, const ipc::RankE
   }
 }
 
-// Maps every tensor of this rank and pairs it with its host-pool region: the engine's registry,
-// or, when it registered none, the names FastDeploy's worker published them under.
-Result<AttachedCache, DeviceErrc> attach_cache(ipc::RankEndpoint& ep, DeviceBackend& backend, HostPool& pool,
-                                               std::int32_t device_id) {
-  const auto& g = ep.geometry();
+// Where this rank's tensors come from: the engine's registry; or, when the engine registered
+// none, FastDeploy's names: the tensors FastDeploy's worker published, or (--create_cache_tensor)
+// the cache this daemon made and published itself.
+class TensorSource {
+ public:
+  TensorSource(ipc::RankEndpoint& ep, DeviceBackend& backend, std::int32_t device_id,
+               const FastDeployOwnedCache* owned)
+      : ep_(ep), backend_(backend), device_id_(device_id), owned_(owned), by_names_(registered_none(ep)) {}
+
+  // The device address of the tensor's first byte.
+  Result<std::byte*, DeviceErrc> open(std::uint32_t l, proto::TensorKind kind) {
+    if (by_names_ && owned_ != nullptr) return owned_->tensor(l, kind);
+    const proto::TensorDesc* d = ep_.tensor(l, kind);
+    proto::TensorDesc named{};
+    if (by_names_) {
+      auto r = read_fastdeploy_tensor(ep_.geometry(), ep_.rank(), l, kind, device_id_);
+      if (!r.ok()) return std::move(r).error();
+      named = *r;
+      d = &named;
+    }
+    if (!d)
+      return make_error(DeviceErrc::kOpenFailed, std::string(proto::tensor_kind_name(kind)) + " tensor of layer " +
+                                                     std::to_string(l) + " is not registered");
+    return backend_.open_tensor(*d);
+  }
+
+  std::string describe(std::size_t tensors) const {
+    if (!by_names_) return "";
+    const auto example = fastdeploy_tensor_name(proto::TensorKind::kKey, 0, ep_.rank(), device_id_);
+    return owned_ != nullptr ? "made the " + std::to_string(tensors) + " tensors of this rank's cache and published " +
+                                   "them by FastDeploy's names for its worker (e.g. " + example + ")"
+                             : "the engine registered no tensors: opened the " + std::to_string(tensors) +
+                                   " tensors FastDeploy's worker published by name (e.g. " + example + ")";
+  }
+
+ private:
+  ipc::RankEndpoint& ep_;
+  DeviceBackend& backend_;
+  std::int32_t device_id_;
+  const FastDeployOwnedCache* owned_;
+  bool by_names_;
+};
+
+// Maps every tensor of this rank and pairs it with its host-pool region.
+Result<AttachedCache, DeviceErrc> attach_cache(const proto::CacheGeometry& g, TensorSource& source, HostPool& pool) {
   AttachedCache c;
   c.pool = &pool;
   c.device_blocks = g.usable_device_blocks();  // ids a swap may use: valid in every layer, extra ones too
@@ -71,23 +111,11 @@ Result<AttachedCache, DeviceErrc> attach_cache(ipc::RankEndpoint& ep, DeviceBack
   c.num_layers = g.num_layers;
   for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k)
     if (g.has_tensor(static_cast<proto::TensorKind>(k))) c.block_bytes.push_back(g.block_bytes(static_cast<proto::TensorKind>(k)));
-  const bool by_names = registered_none(ep);
   for (std::uint32_t l = 0; l < g.num_layers; ++l)
     for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
       const auto kind = static_cast<proto::TensorKind>(k);
       if (!g.has_tensor(kind)) continue;
-      const proto::TensorDesc* d = ep.tensor(l, kind);
-      proto::TensorDesc named{};
-      if (by_names) {
-        auto r = read_fastdeploy_tensor(g, ep.rank(), l, kind, device_id);
-        if (!r.ok()) return std::move(r).error();
-        named = *r;
-        d = &named;
-      }
-      if (!d)
-        return make_error(DeviceErrc::kOpenFailed, std::string(proto::tensor_kind_name(kind)) + " tensor of layer " +
-                                                       std::to_string(l) + " is not registered");
-      auto dev = backend.open_tensor(*d);
+      auto dev = source.open(l, kind);
       if (!dev.ok()) return std::move(dev).error();
       std::byte* host = pool.region(l, kind);
       const auto bb = g.block_bytes(kind);
@@ -101,10 +129,24 @@ Result<AttachedCache, DeviceErrc> attach_cache(ipc::RankEndpoint& ep, DeviceBack
     }
   c.storage.object_bytes = g.bytes_per_block_all_layers();
   c.storage.replicated = !g.has_value();
-  if (by_names)
-    KVTD_INFO("the engine registered no tensors: opened the {} tensors FastDeploy's worker published by name "
-              "(e.g. {})", c.to_host.size(), fastdeploy_tensor_name(proto::TensorKind::kKey, 0, ep.rank(), device_id));
+  if (auto what = source.describe(c.to_host.size()); !what.empty()) KVTD_INFO("{}", what);
   return c;
+}
+
+// FastDeploy's --create_cache_tensor: makes this rank's cache, publishes it by FastDeploy's names
+// and tells FastDeploy's worker (cache_ready_signal[rank] = 1), as its transfer manager does.
+Result<std::unique_ptr<FastDeployOwnedCache>, DeviceErrc> make_fastdeploy_cache(const config::DaemonConfig& cfg,
+                                                                               const ipc::RankEndpoint& ep,
+                                                                               DeviceBackend& backend) {
+  const auto generation = ep.generation();
+  auto owned = FastDeployOwnedCache::create(backend, ep.geometry(), cfg.rank, cfg.device_id, [&](std::size_t i) {
+    return ipc::session_object_name(generation, "fdcache" + std::to_string(cfg.rank * 4096 + i));
+  });
+  if (!owned.ok() || cfg.fastdeploy.engine_worker_queue_port.empty()) return owned;
+  auto sig = FastDeploySignal::open("cache_ready_signal", cfg.fastdeploy.engine_worker_queue_port, cfg.rank + 1);
+  if (!sig.ok()) return std::move(sig).error();
+  sig->store(cfg.rank, 1);
+  return owned;
 }
 
 // The storage tier named by the flags, or null for --storage-backend none. A store that cannot
@@ -313,6 +355,9 @@ int run_daemon(const config::DaemonConfig& cfg, std::atomic<bool>& stop) {
     // or `kvtd ctl clear|restore`) closes it and later maps the re-registered tensors.
     TaskRunner::Exit why = TaskRunner::Exit::kStopped;
     std::optional<proto::TaskRecordHeader> restore_task;  // to complete once serving again
+    // --create_cache_tensor: the cache this daemon made for FastDeploy's worker, for as long as
+    // it is mapped (freed when a weight update clears it, and when the session ends).
+    std::unique_ptr<FastDeployOwnedCache> owned;
     bool live = endpoint.tensors_loaded();
     auto fail_restore = [&](const std::string& message) {
       KVTD_ERROR("cannot restore the cache: {}", message);
@@ -347,11 +392,22 @@ int run_daemon(const config::DaemonConfig& cfg, std::atomic<bool>& stop) {
           continue;
         }
       }
-      if (registered_none(endpoint) && !wait_for_fastdeploy_cache(cfg, endpoint, stop)) {
+      if (registered_none(endpoint) && cfg.fastdeploy.create_cache_tensor && !owned) {
+        auto made = make_fastdeploy_cache(cfg, endpoint, *backend);
+        if (!made.ok()) {
+          KVTD_ERROR("cannot make the KV cache for FastDeploy's worker (--create_cache_tensor): {}",
+                     made.error().message);
+          if (live) return kExitBackend;
+          fail_restore(made.error().message);
+          continue;
+        }
+        owned = std::move(made).value();
+      } else if (registered_none(endpoint) && !owned && !wait_for_fastdeploy_cache(cfg, endpoint, stop)) {
         why = stop.load() ? TaskRunner::Exit::kStopped : TaskRunner::Exit::kSessionLost;
         break;
       }
-      auto cache = attach_cache(endpoint, *backend, **pool, cfg.device_id);
+      TensorSource source(endpoint, *backend, cfg.device_id, owned.get());
+      auto cache = attach_cache(geometry, source, **pool);
       if (!cache.ok()) {
         backend->close_tensors();
         if (live) {  // the first mapping, right after attach
@@ -414,6 +470,7 @@ int run_daemon(const config::DaemonConfig& cfg, std::atomic<bool>& stop) {
       // Every task before the clear has completed; nothing touches the tensors any more.
       endpoint.set_ready(proto::kReadyHostPool);
       backend->close_tensors();
+      owned.reset();  // FastDeploy's worker released it before the clear (the adapter waits for that)
       if (auto clear = runner.clear_task()) {
         finish_clear(endpoint, **pool, *clear);
       } else if (control_state.clear_drops_host_tier.exchange(false)) {
@@ -426,6 +483,7 @@ int run_daemon(const config::DaemonConfig& cfg, std::atomic<bool>& stop) {
     registry.set_attached(false, 0);
     control_state.detached();
     backend->close_tensors();
+    owned.reset();
     if (why != TaskRunner::Exit::kStopped) {
       // The session is over for us: nobody will read this pool again (a new session is a new
       // generation with a new pool).

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -60,6 +61,55 @@ Result<proto::TensorDesc, DeviceErrc> read_fastdeploy_tensor(const proto::CacheG
   d.offset = 0;
   std::memcpy(d.handle, raw + kFastDeployHandleOffset, proto::kHandleBytes);
   return d;
+}
+
+namespace {
+
+// Writes one set_data_ipc object: nprocesses = 0, then the handle (what FastDeploy's worker reads
+// with share_external_data). Mode 0600: FastDeploy's worker runs as the same user.
+Status<DeviceErrc> publish_name(const std::string& name, const std::array<std::uint8_t, proto::kHandleBytes>& handle) {
+  std::uint8_t raw[kFastDeployShmStructBytes] = {};
+  std::memcpy(raw + kFastDeployHandleOffset, handle.data(), handle.size());
+  const int fd = shm_open(shm_path(name).c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return make_error(DeviceErrc::kAllocFailed, "cannot create /dev/shm/" + name + ": " + std::strerror(errno));
+  const bool ok = pwrite(fd, raw, sizeof raw, 0) == static_cast<ssize_t>(sizeof raw);
+  const int err = errno;
+  close(fd);
+  if (!ok) return make_error(DeviceErrc::kAllocFailed, "cannot write /dev/shm/" + name + ": " + std::strerror(err));
+  return {};
+}
+
+}  // namespace
+
+Result<std::unique_ptr<FastDeployOwnedCache>, DeviceErrc> FastDeployOwnedCache::create(
+    DeviceBackend& backend, const proto::CacheGeometry& g, std::uint32_t rank, std::int32_t device_id,
+    const std::function<std::string(std::size_t)>& object_name) {
+  std::unique_ptr<FastDeployOwnedCache> c(new FastDeployOwnedCache(backend));
+  c->tensors_.assign(std::size_t{g.num_layers} * proto::kTensorKinds, nullptr);
+  for (std::uint32_t l = 0; l < g.num_layers; ++l)
+    for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
+      const auto kind = static_cast<proto::TensorKind>(k);
+      if (!g.has_tensor(kind)) continue;
+      const std::size_t i = std::size_t{l} * proto::kTensorKinds + k;
+      const auto bytes = ipc::describe_tensor(g, rank, l, kind).bytes;
+      auto t = backend.create_exported(bytes, object_name(i));
+      if (!t.ok()) return std::move(t).error();
+      const std::string name = fastdeploy_tensor_name(kind, l, rank, device_id);
+      if (auto st = publish_name(name, t->handle); !st.ok()) return std::move(st).error();
+      c->names_.push_back(name);
+      c->tensors_[i] = t->ptr;
+    }
+  return c;
+}
+
+FastDeployOwnedCache::~FastDeployOwnedCache() {
+  for (const auto& n : names_) shm_unlink(shm_path(n).c_str());
+  backend_.free_exported();
+}
+
+std::byte* FastDeployOwnedCache::tensor(std::uint32_t layer, proto::TensorKind kind) const {
+  const std::size_t i = std::size_t{layer} * proto::kTensorKinds + static_cast<std::size_t>(kind);
+  return i < tensors_.size() ? tensors_[i] : nullptr;
 }
 
 Result<FastDeploySignal, DeviceErrc> FastDeploySignal::open(const std::string& name, const std::string& suffix,

@@ -20,7 +20,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "kvtd/daemon/device_backend.h"
 #include "kvtd/proto/expected.h"
@@ -42,6 +45,35 @@ std::string fastdeploy_tensor_name(proto::TensorKind kind, std::uint32_t layer, 
 Result<proto::TensorDesc, DeviceErrc> read_fastdeploy_tensor(const proto::CacheGeometry& g, std::uint32_t rank,
                                                             std::uint32_t layer, proto::TensorKind kind,
                                                             std::int32_t device_id);
+
+// FastDeploy's --create_cache_tensor (cache_transfer_manager.py _init_gpu_cache, used when
+// FastDeploy runs with a storage backend): the transfer manager allocates its rank's KV cache
+// (every layer, the extra MTP layers too, zero-filled), publishes each tensor under FastDeploy's
+// name with set_data_ipc's struct, and sets cache_ready_signal[rank] = 1; FastDeploy's worker
+// then maps them by name (worker/gpu_model_runner.py: share_external_data). This object is that
+// cache. Ownership: it owns the memory (through the backend) and the names; destruction unlinks
+// the names and frees the memory, after which the worker's mappings must be gone (FastDeploy's
+// worker releases them before a weight update, and the adapter waits for that). Not copyable.
+class FastDeployOwnedCache {
+ public:
+  // Allocates through `backend` and publishes every name. `object_name(i)` names the i-th
+  // host-backend object (ignored by CUDA).
+  static Result<std::unique_ptr<FastDeployOwnedCache>, DeviceErrc> create(
+      DeviceBackend& backend, const proto::CacheGeometry& g, std::uint32_t rank, std::int32_t device_id,
+      const std::function<std::string(std::size_t)>& object_name);
+  ~FastDeployOwnedCache();
+  FastDeployOwnedCache(const FastDeployOwnedCache&) = delete;
+  FastDeployOwnedCache& operator=(const FastDeployOwnedCache&) = delete;
+
+  // The tensor's first byte in this process, or null if the geometry has none of that kind.
+  std::byte* tensor(std::uint32_t layer, proto::TensorKind kind) const;
+
+ private:
+  explicit FastDeployOwnedCache(DeviceBackend& backend) : backend_(backend) {}
+  DeviceBackend& backend_;
+  std::vector<std::string> names_;  // published set_data_ipc objects
+  std::vector<std::byte*> tensors_;  // layer * kTensorKinds + kind
+};
 
 // One int32 IPCSignal of FastDeploy, mapped read-write. Not copyable; movable.
 class FastDeploySignal {

@@ -10,6 +10,7 @@
 
 #include "kvtd/daemon/device_backend.h"
 #include "kvtd/ipc/populate.h"
+#include "kvtd/ipc/shared_object.h"
 
 namespace kvtd::daemon {
 namespace {
@@ -99,6 +100,24 @@ class HostBackend final : public DeviceBackend {
     return {};
   }
 
+  // A shared-memory object the other process opens by name, as the engine's arenas are.
+  Result<ExportedTensor, DeviceErrc> create_exported(std::size_t bytes, const std::string& object_name) override {
+    ExportedTensor t;
+    if (object_name.empty() || object_name.size() >= t.handle.size())
+      return make_error(DeviceErrc::kAllocFailed, "exported object name '" + object_name + "' must be 1-63 characters");
+    ipc::SharedObject::remove(object_name);  // a previous daemon's, not unlinked when it died
+    auto obj = ipc::SharedObject::create(object_name, bytes);
+    if (!obj.ok())
+      return make_error(DeviceErrc::kAllocFailed, "cannot create " + object_name + ": " + obj.error().message);
+    (*obj)->set_unlink_on_destroy(true);
+    t.ptr = (*obj)->data();
+    std::memcpy(t.handle.data(), object_name.data(), object_name.size());
+    exported_.push_back(std::move(obj).value());
+    return t;
+  }
+
+  void free_exported() override { exported_.clear(); }
+
   // "Device" memory of the host backend is host memory.
   Result<std::byte*, DeviceErrc> alloc_device(std::size_t bytes) override { return alloc_host(bytes); }
 
@@ -115,6 +134,7 @@ class HostBackend final : public DeviceBackend {
  private:
   std::map<std::string, std::unique_ptr<bip::mapped_region>> maps_;
   std::vector<std::pair<void*, std::size_t>> host_;
+  std::vector<std::unique_ptr<ipc::SharedObject>> exported_;
 };
 
 }  // namespace

@@ -129,7 +129,7 @@ std::vector<std::string> sweep_stale_objects() {
   }
   closedir(dir);
 
-  // Per-session objects: "<prefix><16 hex>_dev<digits>" or "_host<digits>".
+  // Per-session objects: "<prefix><16 hex>_dev<digits>", "_host<digits>" or "_fdcache<digits>".
   auto session_object_generation = [&](const std::string& n, std::uint64_t* gen) {
     const std::string rest = n.substr(prefix.size());
     if (rest.size() < 18 || rest[16] != '_') return false;
@@ -137,6 +137,7 @@ std::vector<std::string> sweep_stale_objects() {
     std::size_t digits_at = 0;
     if (tail.compare(0, 3, "dev") == 0) digits_at = 3;
     else if (tail.compare(0, 4, "host") == 0) digits_at = 4;
+    else if (tail.compare(0, 7, "fdcache") == 0) digits_at = 7;  // a daemon's exported cache
     else return false;
     if (digits_at == tail.size()) return false;
     for (std::size_t i = digits_at; i < tail.size(); ++i)

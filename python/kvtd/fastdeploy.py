@@ -82,8 +82,11 @@ class KvtdCacheQueue:
 
     def __init__(self, session: Session, *, signal_suffix=None, control_responder: Optional[Callable] = None,
                  drop_host_tier: Optional[bool] = None, monitor: bool = True, poll_s: float = 0.005,
-                 drain_timeout: float = 60.0):
+                 drain_timeout: float = 60.0, creates_cache: bool = False):
         self.session = session
+        # The daemons make the cache for FastDeploy's worker (--create_cache_tensor, which
+        # FastDeploy passes with a storage backend), instead of opening the worker's.
+        self.creates_cache = creates_cache
         self.tensor_parallel_size = session.geometry.num_ranks
         self.signal_suffix = signal_suffix
         self.control_responder = control_responder
@@ -122,6 +125,8 @@ class KvtdCacheQueue:
         if "control_responder" not in kw:
             kw["control_responder"] = FmqControlResponder(cache_config.local_cache_queue_port, tensor_parallel_size,
                                                           local_data_parallel_id)
+        # launch_cache_manager passes --create_cache_tensor exactly when a storage backend is set.
+        kw.setdefault("creates_cache", bool(getattr(cache_config, "kvcache_storage_backend", None)))
         q = cls(s, signal_suffix=engine_worker_queue_port, **kw)
         if engine_queue_address is not None:
             q.bridge_engine_queue(engine_queue_address)
@@ -323,19 +328,35 @@ class KvtdCacheQueue:
         self._restore()
         self.resume()
 
+    def _wait_cache_ready(self, want: int, what: str) -> None:
+        ready = self._signal("cache_ready_signal")
+        end = time.monotonic() + self.drain_timeout
+        while ready is not None and int(ready.value.sum()) != want:
+            if time.monotonic() >= end:
+                raise TimeoutError(f"FastDeploy's worker did not {what} within {self.drain_timeout} s "
+                                   f"(cache_ready_signal {list(ready.value)})")
+            time.sleep(0.01)
+
     def _clear(self) -> None:
+        """FastDeploy's _clear_gpu_cache. The worker's cache: every daemon closes its mappings, then
+        cache_ready_signal = 0 lets the worker free it. The daemons' cache (creates_cache): the
+        worker releases its mappings first (cache_ready_signal = 0), then the daemons free it."""
         if self._cleared:
             return
+        if self.creates_cache:
+            self._wait_cache_ready(0, "release the cache the daemons made")
         self.session.clear_caches(drop_host_tier=self.drop_host_tier, timeout=self.drain_timeout)
         self._cleared = True
         ready = self._signal("cache_ready_signal")
-        if ready is not None:  # "the transfer manager closed its mappings": the worker may free
+        if ready is not None and not self.creates_cache:
             ready.value[:] = 0
 
     def _restore(self) -> None:
+        """FastDeploy's _init_gpu_cache: the worker's new cache is opened once it says it exists;
+        or the daemons make a new one and set cache_ready_signal themselves."""
         if not self._cleared:
             return
-        ready = self._signal("cache_ready_signal")
+        ready = None if self.creates_cache else self._signal("cache_ready_signal")
         end = time.monotonic() + self.drain_timeout
         while ready is not None and int(ready.value.sum()) != self.tensor_parallel_size:
             if time.monotonic() >= end:

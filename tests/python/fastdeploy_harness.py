@@ -242,6 +242,35 @@ class WorkerStandIn:
         ready = fds.Signal("cache_ready_signal", self.port, g.tp)
         ready.value[rank] = 1
 
+    def attach(self, rank: int, timeout: float = 30.0) -> None:
+        """FastDeploy's worker when the transfer manager makes the cache (--create_cache_tensor,
+        FastDeploy with a storage backend): wait for cache_ready_signal[rank] == 1, then map every
+        tensor by name (share_external_data: the handle at offset 0)."""
+        import time
+
+        g = self.g
+        ready = fds.Signal("cache_ready_signal", self.port, g.tp)
+        end = time.monotonic() + timeout
+        while ready.value[rank] != 1:
+            assert time.monotonic() < end, f"the daemons made no cache for rank {rank} within {timeout} s"
+            time.sleep(0.01)
+        for layer in range(g.layers):
+            for kind in ("key", "value"):
+                name = fds.tensor_name(kind, layer, rank, self.device_ids[rank])
+                with open(f"/dev/shm/{name}", "rb") as f:
+                    raw = f.read()
+                assert len(raw) == fds.SHM_STRUCT_BYTES, f"{name}: {len(raw)} bytes, set_data_ipc writes 72"
+                obj = raw[8:].split(b"\0", 1)[0].decode()  # the host backend's handle: an object name
+                arr = np.memmap(f"/dev/shm/{obj}", dtype=np.uint8, mode="r+", shape=(g.blocks, g.block_bytes))
+                self.arrays[(rank, layer, kind)] = arr
+
+    def release(self, rank: int) -> None:
+        """FastDeploy's worker before a weight update, on a cache it did not make: drop its
+        mappings (unset_data_ipc, close only) and say so with cache_ready_signal[rank] = 0."""
+        for key in [k for k in self.arrays if k[0] == rank]:
+            del self.arrays[key]
+        fds.Signal("cache_ready_signal", self.port, self.g.tp).value[rank] = 0
+
     def fill(self, block_ids, seed: int) -> None:
         """The model's forward pass writing KV into these blocks on every rank."""
         rng = np.random.default_rng(seed)

@@ -112,7 +112,14 @@ class Deployment:
     def launch(self, worker_delay: float = 0.2):
         """launch_cache_manager as FastDeploy's engine calls it; the worker publishes its cache
         meanwhile, as FastDeploy's worker process does."""
-        threading.Timer(worker_delay, lambda: [self.worker.publish(r) for r in range(self.g.tp)]).start()
+        # With a storage backend FastDeploy passes --create_cache_tensor: the daemons make the cache
+        # and the worker maps it; else the worker makes it and the daemons map it.
+        if self.config.cache_config.kvcache_storage_backend:
+            start_worker = lambda: [self.worker.attach(r) for r in range(self.g.tp)]  # noqa: E731
+        else:
+            start_worker = lambda: [self.worker.publish(r) for r in range(self.g.tp)]  # noqa: E731
+        worker = threading.Timer(worker_delay, start_worker)
+        worker.start()
         done = {}
 
         def run():
@@ -125,6 +132,7 @@ class Deployment:
         if "procs" not in done:
             raise AssertionError("launch_cache_manager did not return within 60 s\n" + self.logs())
         self.procs = done["procs"]
+        worker.join(30)
         return self
 
     def close(self):
@@ -241,7 +249,7 @@ def test_storage_write_then_prefetch_on_every_rank(deployment, tp):
     common, matched = d.prefill(b, seed=4)  # STORAGE2GPU: one result per rank, the shortest kept
     assert matched == 4 * g.block_size and len(common) == 4
     assert d.worker.blocks(common) == kv, "KV bytes differ after the storage round trip"
-    assert "accepted and ignored" in d.logs() and "--create_cache_tensor" in d.logs()
+    assert "published them by FastDeploy's names for its worker" in d.logs()  # --create_cache_tensor
 
 
 def put_ctrl(d, method: str):
@@ -313,3 +321,30 @@ def test_a_failed_swap_is_never_reported_and_the_engine_keeps_working(deployment
     d.worker.fill(range(d.g.blocks), seed=96)
     common, _ = d.prefill(d.new_request(tokens(2 * d.g.block_size, start=80) + [1]), seed=9)
     assert d.worker.blocks(common[:2]) == kv  # the result thread survived the failure
+
+
+def test_rl_weight_update_when_the_daemons_make_the_cache(deployment):
+    """With a storage backend the daemons own the cache (--create_cache_tensor): the worker
+    releases it first, the daemons free it and make a new one on UPDATING."""
+    d = deployment(g=fh.Geometry(tp=2, cpu_blocks=0), storage="file").launch()
+    status, ready = d.signals["kv_cache_status"], d.signals["cache_ready_signal"]
+    put_ctrl(d, "pause")
+    status.value[0] = -1  # CLEARING
+    for r in range(d.g.tp):
+        d.worker.release(r)
+    wait_for(lambda: status.value[0] == -2, "CLEARED", logs=d.logs)
+    status.value[0] = 1  # UPDATING: the daemons make new tensors, the worker maps them
+    wait_for(lambda: status.value[0] == 0, "NORMAL", logs=d.logs)
+    assert list(ready.value) == [1, 1]
+    for r in range(d.g.tp):
+        d.worker.attach(r)
+    put_ctrl(d, "resume")
+    a = d.new_request(tokens(3 * d.g.block_size, start=30))
+    d.prefill(a, seed=10)
+    kv = d.worker.blocks(a.block_tables[:3])
+    d.call(lambda: d.pcm.write_cache_to_storage(a), "write_cache_to_storage")
+    d.pcm.release_block_ids(a)
+    d.pcm.reset()
+    d.worker.fill(range(d.g.blocks), seed=95)
+    common, matched = d.prefill(d.new_request(tokens(3 * d.g.block_size, start=30) + [2]), seed=11)
+    assert matched == 3 * d.g.block_size and d.worker.blocks(common) == kv

@@ -93,7 +93,8 @@ TEST(DaemonFlags, FastDeploysLaunchLineNamesTheSessionModelStoreAndKeyPrefix) {
   if (std::getenv("KVTD_DEVICE_BACKEND") == nullptr) {
     EXPECT_EQ(c->device_backend, DeviceBackendKind::kCuda);  // FastDeploy's cache is on the GPU
   }
-  for (const char* f : {"--engine_pid", "--create_cache_tensor", "--pod_ip"})
+  EXPECT_TRUE(c->fastdeploy.create_cache_tensor);
+  for (const char* f : {"--engine_pid", "--max_model_len", "--pod_ip"})
     EXPECT_NE(std::find(c->ignored_flags.begin(), c->ignored_flags.end(), f), c->ignored_flags.end()) << f;
 
   // RL: the key prefix is the version's first two parts (cache_transfer_manager.py

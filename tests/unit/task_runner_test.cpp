@@ -39,6 +39,10 @@ class HeldCopiesBackend final : public DeviceBackend {
   }
   void close_tensors() override {}
   Result<std::byte*, DeviceErrc> alloc_host(std::size_t) override { return make_error(DeviceErrc::kAllocFailed, "unused"); }
+  Result<ExportedTensor, DeviceErrc> create_exported(std::size_t, const std::string&) override {
+    return make_error(DeviceErrc::kAllocFailed, "unused");
+  }
+  void free_exported() override {}
   Status<DeviceErrc> pin_host(std::byte*, std::size_t) override { return {}; }
   void unpin_host(std::byte*) override {}
   Status<DeviceErrc> copy(Direction, const kernels::CopyPlan&, std::span<const kernels::CopyTarget>) override { return {}; }

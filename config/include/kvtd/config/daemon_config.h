@@ -82,6 +82,10 @@ struct StorageConfig {
 struct FastDeployLaunch {
   std::string engine_worker_queue_port;  // suffix of FastDeploy's IPCSignals (cache_ready_signal.<port>)
   std::string model_path;                // --model_path: the model id and version.yaml come from it
+  // --create_cache_tensor (FastDeploy with a storage backend): when the engine registers no
+  // tensors, the daemon allocates its rank's cache and publishes it by FastDeploy's names for
+  // FastDeploy's worker to map, as FastDeploy's transfer manager does.
+  bool create_cache_tensor = false;
 };
 
 // The session suffix a FastDeploy deployment uses when kvtd is launched with FastDeploy's flags

@@ -95,6 +95,19 @@ class DeviceBackend {
   virtual Status<DeviceErrc> scatter_from_staging(std::span<const kernels::LayerTensor> tensors,
                                                   std::span<const std::int32_t> ids, const std::byte* staging) = 0;
 
+  // Device memory this process allocates for another process to map (FastDeploy's
+  // --create_cache_tensor: the transfer manager makes the KV cache and FastDeploy's worker maps
+  // it by name). Zero-filled. `handle` is what the other process opens: a cudaIpcMemHandle_t, or
+  // on the host backend the name of the shared-memory object made for it (`object_name`, ignored
+  // by CUDA). This process uses `ptr` itself (CUDA cannot open its own handles). Freed by
+  // free_exported(), every one at once, and by the destructor.
+  struct ExportedTensor {
+    std::byte* ptr = nullptr;
+    std::array<std::uint8_t, proto::kHandleBytes> handle{};
+  };
+  virtual Result<ExportedTensor, DeviceErrc> create_exported(std::size_t bytes, const std::string& object_name) = 0;
+  virtual void free_exported() = 0;
+
   // Device memory owned by the backend, and plain transfers to and from it (self-test use).
   virtual Result<std::byte*, DeviceErrc> alloc_device(std::size_t bytes) = 0;
   virtual Status<DeviceErrc> write_device(std::byte* dst, const std::byte* src, std::size_t bytes) = 0;

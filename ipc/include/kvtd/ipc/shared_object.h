@@ -60,7 +60,8 @@ class SharedObject {
 };
 
 // "kvtd_<uid>_<generation as 16 hex>_<what>": objects that belong to one session (device arenas
-// "dev<r>", host pools "host<r>"), so a sweep can tell whose they are.
+// "dev<r>", host pools "host<r>", caches a daemon exports for FastDeploy's worker "fdcache<n>"),
+// so a sweep can tell whose they are.
 std::string session_object_name(std::uint64_t generation, const std::string& what);
 
 // Free bytes of the file system that backs POSIX shared memory (/dev/shm), or -1.
