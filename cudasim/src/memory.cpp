@@ -25,6 +25,7 @@ struct Range {
   bool owned_map = false; // we mmap'ed it (device memory, cudaHostAlloc)
   int refs = 1;           // imported: opens of the same handle
   std::uint64_t id = 0;   // imported: the exporter's allocation id
+  std::int32_t pid = 0;   // imported: the exporter (ids are per process: two exporters share them)
 };
 
 std::mutex g_mu;
@@ -219,7 +220,7 @@ cudaError_t cudaIpcOpenMemHandle(void** ptr, cudaIpcMemHandle_t handle, unsigned
   {
     std::lock_guard<std::mutex> g(g_mu);
     for (auto& [base, r] : g_ranges)
-      if (r.imported && r.id == b.id && r.fd >= 0) {  // opened already: same pointer, one more reference
+      if (r.imported && r.id == b.id && r.pid == b.pid && r.fd >= 0) {  // opened already: same pointer
         ++r.refs;
         *ptr = reinterpret_cast<void*>(base);
         return cudaSuccess;
@@ -246,6 +247,7 @@ cudaError_t cudaIpcOpenMemHandle(void** ptr, cudaIpcMemHandle_t handle, unsigned
   r.imported = true;
   r.owned_map = true;
   r.id = b.id;
+  r.pid = b.pid;
   g_ranges[reinterpret_cast<std::uintptr_t>(p)] = r;
   *ptr = p;
   return cudaSuccess;

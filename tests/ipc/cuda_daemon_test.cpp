@@ -187,6 +187,13 @@ class FastDeployWorker {
     f.seekp(4 * rank);
     f.write(reinterpret_cast<const char*>(&one), 4);
   }
+  bool ready(std::uint32_t rank) const {
+    std::int32_t v = 0;
+    std::ifstream f(signal_, std::ios::binary);
+    f.seekg(4 * rank);
+    f.read(reinterpret_cast<char*>(&v), 4);
+    return v == 1;
+  }
   const std::string& port() const { return port_; }
 
  private:
@@ -235,6 +242,58 @@ TEST_F(CudaDaemonTest, TheDaemonOpensTheTensorsFastDeploysWorkerPublishedByName)
   ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok()) << test::read_file(log_path(0));
   EXPECT_NE(test::read_file(log_path(0)).find("published by name"), std::string::npos);
   ASSERT_NO_FATAL_FAILURE(cuda_round_trip({1, 2, 3, 17, 9}, {4, 5, 6, 0, 11}, {20, 21, 22, 7, 30}));
+}
+
+// FastDeploy with a storage backend passes --create_cache_tensor: the transfer manager makes the
+// cache (cache_transfer_manager.py _init_gpu_cache) and FastDeploy's worker maps it by name
+// once cache_ready_signal says so (gpu_model_runner.py: share_external_data, which opens the
+// handle with cudaIpcOpenMemHandle at offset 0).
+TEST_F(CudaDaemonTest, TheDaemonMakesTheCacheFastDeploysWorkerMapsWithCreateCacheTensor) {
+  ipc::SessionOptions o;
+  o.suffix = suffix_;
+  o.geometry = g_;
+  o.ring_bytes = 1u << 16;
+  o.service_period_ns = 5'000'000;
+  auto s = EngineSession::create(o);
+  ASSERT_TRUE(s.ok()) << s.error().message;
+  engine_ = std::move(s).value();
+  ASSERT_TRUE(engine_->publish().ok());
+  FastDeployWorker worker("kvtdsimc" + std::to_string(getpid()), g_.num_ranks);
+  for (std::uint32_t r = 0; r < g_.num_ranks; ++r) {
+    auto args = daemon_args(r, g_);
+    for (std::size_t i = 0; i + 1 < args.size(); ++i)
+      if (args[i] == "--device-backend") args[i + 1] = "cuda";
+    args.insert(args.end(), {"--scatter-mode", "kernel", "--numa-node", "none", "--device-id", "0",
+                             "--engine_worker_queue_port", worker.port(), "--create_cache_tensor"});
+    daemons_.push_back(Child(args, log_path(r)));
+  }
+  ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok()) << test::read_file(log_path(0));
+  std::vector<void*> opened;
+  for (std::uint32_t r = 0; r < g_.num_ranks; ++r) {
+    ASSERT_TRUE(test::eventually([&] { return worker.ready(r); }, std::chrono::seconds(10)));
+    for (std::uint32_t l = 0; l < g_.num_layers; ++l)
+      for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
+        const auto kind = static_cast<proto::TensorKind>(k);
+        if (!g_.has_tensor(kind)) continue;
+        const char* prefix = kind == proto::TensorKind::kKey ? "key_caches_" : "value_caches_";
+        FastDeployShmStruct st{};
+        std::ifstream(std::string("/dev/shm/") + prefix + std::to_string(l) + "_rank" + std::to_string(r) + ".device0",
+                      std::ios::binary)
+            .read(reinterpret_cast<char*>(&st), sizeof st);
+        void* p = nullptr;
+        ASSERT_EQ(cudaIpcOpenMemHandle(&p, st.memHandle, cudaIpcMemLazyEnablePeerAccess), cudaSuccess);
+        opened.push_back(p);
+        dev_[{r, l, k}] = static_cast<std::byte*>(p);
+        std::vector<std::byte> zero(tensor_bytes(l, k)), got(zero.size(), std::byte{1});
+        ASSERT_EQ(cudaMemcpy(got.data(), p, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+        EXPECT_EQ(got, zero) << "FastDeploy's cache starts zero-filled (paddle.full)";
+      }
+  }
+  fill_cuda();
+  EXPECT_NE(test::read_file(log_path(0)).find("published them by FastDeploy's names"), std::string::npos);
+  ASSERT_NO_FATAL_FAILURE(cuda_round_trip({1, 2, 3, 17, 9}, {4, 5, 6, 0, 11}, {20, 21, 22, 7, 30}));
+  for (void* p : opened) EXPECT_EQ(cudaIpcCloseMemHandle(p), cudaSuccess);
+  dev_.clear();
 }
 
 // Every scatter mode (two per test: a test keeps two daemon incarnations' logs). A run (1, 2, 3

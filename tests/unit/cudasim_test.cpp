@@ -230,6 +230,58 @@ TEST(CudaSim, MemoryHandleOpensInAnotherProcessAtTheSameBytes) {
   cudaFree(other);
 }
 
+// Allocation ids are per process: two daemons (forked alike, or simply fresh) export handles with
+// the same id. The stand-in took the second for the first one already opened and mapped rank 0's
+// cache where rank 1's was asked for (found by CudaDaemonTest's --create_cache_tensor case, where
+// every rank's daemon exports its cache to one worker); CUDA's handles never collide.
+struct Exported {
+  char tag;
+  cudaIpcMemHandle_t h;
+};
+
+TEST(CudaSim, HandlesOfTwoExportersWithTheSameAllocationIdOpenTheirOwnMemory) {
+  int handles[2], done[2];
+  ASSERT_EQ(pipe(handles), 0);
+  ASSERT_EQ(pipe(done), 0);
+  pid_t kids[2];
+  for (int i = 0; i < 2; ++i) {
+    kids[i] = fork();
+    if (kids[i] == 0) {  // the same allocation counter in both: each gets the same next id
+      void* d = nullptr;
+      std::vector<unsigned char> v(1024, static_cast<unsigned char>(0x11 * (i + 1)));
+      cudaIpcMemHandle_t h{};
+      if (cudaMalloc(&d, v.size()) != cudaSuccess || cudaMemcpy(d, v.data(), v.size(), cudaMemcpyHostToDevice) != cudaSuccess ||
+          cudaIpcGetMemHandle(&h, d) != cudaSuccess)
+        _exit(1);
+      const Exported m{static_cast<char>(i), h};  // one write, below PIPE_BUF: never interleaved
+      if (write(handles[1], &m, sizeof m) != sizeof m) _exit(2);
+      char x = 0;
+      _exit(read(done[0], &x, 1) == 1 ? 0 : 3);
+    }
+  }
+  void* opened[2] = {nullptr, nullptr};  // both open at once: the second must not reuse the first
+  for (int n = 0; n < 2; ++n) {
+    Exported m{};
+    ASSERT_EQ(read(handles[0], &m, sizeof m), static_cast<ssize_t>(sizeof m));
+    ASSERT_TRUE(m.tag == 0 || m.tag == 1);
+    ASSERT_EQ(cudaIpcOpenMemHandle(&opened[static_cast<int>(m.tag)], m.h, cudaIpcMemLazyEnablePeerAccess), cudaSuccess);
+  }
+  EXPECT_NE(opened[0], opened[1]);
+  for (int i = 0; i < 2; ++i) {
+    unsigned char x = 0;
+    ASSERT_EQ(cudaMemcpy(&x, opened[i], 1, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(x, 0x11 * (i + 1)) << "exporter " << i << "'s handle mapped another exporter's memory";
+    EXPECT_EQ(cudaIpcCloseMemHandle(opened[i]), cudaSuccess);
+  }
+  const char go[2] = {1, 1};
+  ASSERT_EQ(write(done[1], go, 2), 2);
+  for (pid_t k : kids) {
+    int status = 0;
+    waitpid(k, &status, 0);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  }
+}
+
 TEST(CudaSim, InterprocessEventFiresInAnotherProcessAfterTheWorkBeforeIt) {
   int to_child[2], to_parent[2];
   ASSERT_EQ(pipe(to_child), 0);
