@@ -435,6 +435,7 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
     auto prefix = fastdeploy_key_prefix(c.fastdeploy.model_path);
     if (!prefix.ok()) return std::move(prefix).error();
     st.key_prefix = std::move(prefix).value();
+    st.key_prefix_source = c.fastdeploy.model_path;
   }
   return c;
 }

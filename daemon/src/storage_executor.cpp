@@ -98,6 +98,11 @@ struct StorageExecutor::Impl {
   std::vector<std::thread> workers;
   std::thread agreement;
 
+  std::mutex prefix_mu;           // guards the three below (agreement thread; any thread)
+  bool prefix_known = false;
+  std::uint64_t prefix_wv = 0;
+  std::string current_prefix;
+
   std::mutex count_mu;
   std::unordered_map<std::string, std::uint32_t> uses;  // write_through_selective
 
@@ -107,11 +112,29 @@ struct StorageExecutor::Impl {
   Impl(ipc::RankEndpoint& e, DeviceBackend& b, HostPool* p, StorageTargets targets, Complete c, Release r)
       : ep(e), backend(b), pool(p), t(std::move(targets)), complete(std::move(c)), release(std::move(r)) {}
 
-  std::string stored_key(const std::string& key, std::uint64_t task_weight_version) const {
+  // FastDeploy's RL key prefix for tasks of the engine's weight version `wv`: read from
+  // version.yaml again when the version changes (the engine changes it at FastDeploy's sync
+  // points only, so a version.yaml the trainer rewrites mid-serving is not picked up early).
+  // An unreadable file fails the task: a guessed prefix could load KV of other weights.
+  Result<std::string, config::ConfigErrc> key_prefix_for(std::uint64_t wv) {
+    if (t.config.key_prefix_source.empty()) return t.config.key_prefix;
+    std::lock_guard<std::mutex> g(prefix_mu);
+    if (prefix_known && wv == prefix_wv) return current_prefix;
+    auto p = config::fastdeploy_key_prefix(t.config.key_prefix_source);
+    if (!p.ok()) return std::move(p).error();
+    if (!prefix_known || *p != current_prefix)
+      KVTD_INFO("storage key prefix '{}' (weight version {}, from {}/version.yaml)", *p, wv, t.config.key_prefix_source);
+    current_prefix = *p;
+    prefix_wv = wv;
+    prefix_known = true;
+    return current_prefix;
+  }
+
+  std::string stored_key(const std::string& key, const std::string& key_prefix, std::uint64_t task_weight_version) const {
     const std::uint32_t slice_rank = t.replicated ? 0 : ep.rank();
     // FastDeploy's RL prefix (from version.yaml) joins the weight version: KV of other weights
     // is never found.
-    const std::string prefix = t.config.key_prefix.empty() ? "" : "." + t.config.key_prefix;
+    const std::string prefix = key_prefix.empty() ? "" : "." + key_prefix;
     return key + prefix + ".w" + std::to_string(t.config.weight_version) + "-" + std::to_string(task_weight_version) + ".r" +
            std::to_string(slice_rank);
   }
@@ -232,8 +255,13 @@ struct StorageExecutor::Impl {
       which.resize(w.section.keys.size());
       std::iota(which.begin(), which.end(), std::size_t{0});
     }
+    auto key_prefix = key_prefix_for(w.section.args.weight_version);
+    if (!key_prefix.ok()) {
+      fail_before_agreement(w, TaskStatus::kStorageUnavailable, p.start, "storage key prefix: " + key_prefix.error().message);
+      return false;
+    }
     for (auto i : which) {
-      p.stored.push_back(stored_key(w.section.keys[i], w.section.args.weight_version));
+      p.stored.push_back(stored_key(w.section.keys[i], *key_prefix, w.section.args.weight_version));
       if (!w.blocks.empty()) p.ids.push_back(w.blocks[i]);
     }
     p.which = std::move(which);

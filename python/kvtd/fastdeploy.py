@@ -82,8 +82,13 @@ class KvtdCacheQueue:
 
     def __init__(self, session: Session, *, signal_suffix=None, control_responder: Optional[Callable] = None,
                  drop_host_tier: Optional[bool] = None, monitor: bool = True, poll_s: float = 0.005,
-                 drain_timeout: float = 60.0, creates_cache: bool = False):
+                 drain_timeout: float = 60.0, creates_cache: bool = False, model_path: Optional[str] = None):
         self.session = session
+        # FastDeploy's RL key prefix comes from <model_path>/version.yaml and is refreshed at its
+        # sync points (a weight update, update_weights, resume); kvtd carries it as the session's
+        # weight version, which makes the daemons read the same file again (their stored keys hold
+        # the prefix and the version, so KV of other weights is never loaded).
+        self.model_path = model_path
         # The daemons make the cache for FastDeploy's worker (--create_cache_tensor, which
         # FastDeploy passes with a storage backend), instead of opening the worker's.
         self.creates_cache = creates_cache
@@ -102,6 +107,7 @@ class KvtdCacheQueue:
         self._cleared = False
         self._signals = {}
         self._stop = threading.Event()
+        self._refresh_key_prefix()
         self._monitor = None
         if monitor and signal_suffix is not None:
             self._monitor = threading.Thread(target=self._monitor_loop, name="kvtd-fastdeploy", args=(poll_s,),
@@ -293,7 +299,7 @@ class KvtdCacheQueue:
     # -- control (CTRL tasks and kv_cache_status) --------------------------------------------
     def _control(self, request) -> None:
         method = request.get_method() if hasattr(request, "get_method") else getattr(request, "method", None)
-        handlers = {"pause": self.pause, "resume": self.resume, "update_weights": lambda: None,
+        handlers = {"pause": self.pause, "resume": self.resume, "update_weights": self._refresh_key_prefix,
                     "sleep": self.sleep, "wakeup": self.wakeup}
         code, message = 200, "Success"
         handler = handlers.get(method)
@@ -317,7 +323,17 @@ class KvtdCacheQueue:
             raise TimeoutError(f"{self._in_flight()} transfer tasks still in flight after {self.drain_timeout} s")
 
     def resume(self) -> None:
+        self._refresh_key_prefix()
         self._paused = False
+
+    def _refresh_key_prefix(self) -> None:
+        if not self.model_path:
+            return
+        prefix = key_prefix_of(self.model_path)
+        version = weight_version_of(prefix)
+        if version != self.session.weight_version:
+            self.session.set_weight_version(version)
+            log.info("storage key prefix %r (weight version %d) from %s/version.yaml", prefix, version, self.model_path)
 
     def sleep(self) -> None:
         """Offload: every rank releases the worker's tensors (FastDeploy's sleep)."""
@@ -365,6 +381,7 @@ class KvtdCacheQueue:
             time.sleep(0.01)
         self.session.restore_caches(timeout=self.drain_timeout)
         self._cleared = False
+        self._refresh_key_prefix()
 
     def check_cache_status(self) -> Optional[int]:
         """One step of FastDeploy's weight-update loop (cache_transfer_manager.py check_cache_status)
@@ -424,6 +441,36 @@ class KvtdCacheQueue:
             except Exception as e:  # the session closed under us, a signal removed: keep serving
                 log.warning("fastdeploy signals: %s", e)
             self._stop.wait(poll_s)
+
+
+def key_prefix_of(model_path: str) -> str:
+    """FastDeploy's RL key prefix of a model directory (cache_transfer_manager.py
+    get_key_prefix_from_version): version.yaml's `version` cut to its first two dash-separated
+    parts; "" without the file. The daemon reads it the same way (config::fastdeploy_key_prefix)."""
+    path = os.path.join(model_path, "version.yaml")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return ""
+    for line in lines:
+        if line.startswith("version:"):
+            v = line[len("version:"):].strip()
+            if len(v) >= 2 and v[0] in "'\"" and v[-1] == v[0]:
+                v = v[1:-1]
+            return "-".join(v.split("-", 2)[:2])
+    raise ValueError(f"{path} has no 'version: <RL-STEP..>' line")
+
+
+def weight_version_of(prefix: str) -> int:
+    """A weight version every instance derives alike from the same prefix (FNV-1a, 64 bits), so
+    instances that share a store share keys; 0 for no prefix."""
+    if not prefix:
+        return 0
+    h = 0xCBF29CE484222325
+    for b in prefix.encode():
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h
 
 
 def _task_id(item) -> Any:

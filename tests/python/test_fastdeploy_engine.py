@@ -348,3 +348,25 @@ def test_rl_weight_update_when_the_daemons_make_the_cache(deployment):
     d.worker.fill(range(d.g.blocks), seed=95)
     common, matched = d.prefill(d.new_request(tokens(3 * d.g.block_size, start=30) + [2]), seed=11)
     assert matched == 3 * d.g.block_size and d.worker.blocks(common) == kv
+
+
+def test_update_weights_changes_the_key_prefix_so_old_kv_is_never_loaded(deployment, tmp_path):
+    """FastDeploy's RL flow names the weights in <model>/version.yaml; its manager re-reads the
+    prefix on update_weights (and resume, and after a weight update), and so does kvtd."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "version.yaml").write_text("version: RL-STEP1-20261124-aaaa\n")
+    d = deployment(g=fh.Geometry(tp=2, cpu_blocks=0), storage="file", model_dir=str(model)).launch()
+    a = d.new_request(tokens(2 * d.g.block_size, start=60))
+    d.prefill(a, seed=12)
+    d.call(lambda: d.pcm.write_cache_to_storage(a), "write_cache_to_storage")
+    d.pcm.release_block_ids(a)
+    d.pcm.reset()
+    _, matched = d.prefill(d.new_request(tokens(2 * d.g.block_size, start=60) + [1]), seed=13)
+    assert matched == 2 * d.g.block_size  # stored under step 1, found under step 1
+    d.pcm.reset()
+    (model / "version.yaml").write_text("version: RL-STEP2-20261124-bbbb\n")  # the trainer's new weights
+    assert [r.error_code for r in put_ctrl(d, "update_weights")] == [200, 200]
+    _, matched = d.prefill(d.new_request(tokens(2 * d.g.block_size, start=60) + [2]), seed=14)
+    assert matched == 0, "KV stored under the old weights was loaded after update_weights"
+    assert "RL-STEP2" in d.logs() and "RL-STEP1" in d.logs()

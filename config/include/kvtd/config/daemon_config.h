@@ -76,6 +76,10 @@ struct StorageConfig {
   // FastDeploy's RL key prefix ("RL-STEP12", from <--model_path>/version.yaml), part of every
   // key when set, so a weight update never loads KV of the old weights. Empty: not used.
   std::string key_prefix;
+  // The model directory key_prefix comes from (--model_path): read again whenever the engine's
+  // weight version changes (the engine bumps it at FastDeploy's sync points: a weight update,
+  // update_weights, resume), as FastDeploy's transfer manager refreshes its prefix there.
+  std::string key_prefix_source;
 };
 
 // What a FastDeploy launch line says beyond kvtd's own flags.
