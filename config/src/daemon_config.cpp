@@ -180,7 +180,14 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   app.add_option("--default-dtype,--default_dtype", default_dtype,
                  "block_wise_fp8 scale elements: bfloat16 | float16 (2 bytes) | float32 (4 bytes)");
   app.add_option("--num-host-blocks,--num_cpu_blocks", host_blocks, "Blocks in the pinned host pool");
-  app.add_option("--key-cache-shape,--key_cache_shape", key_shape, "blocks,kv_heads,block_size,head_dim")->required();
+  app.add_option("--key-cache-shape,--key_cache_shape", key_shape,
+                 "blocks,kv_heads,block_size,head_dim (required, or FastDeploy 2.0/2.1's four flags below)");
+  // FastDeploy 2.0/2.1 described the cache by these instead of the shapes (key and value alike).
+  std::int64_t fd_gpu_blocks = 0, fd_kv_heads = 0, fd_block_size = 0, fd_head_dim = 0;
+  auto* fd_blocks_opt = app.add_option("--num_gpu_blocks", fd_gpu_blocks, "FastDeploy 2.0/2.1: device blocks");
+  auto* fd_heads_opt = app.add_option("--kv_num_head", fd_kv_heads, "FastDeploy 2.0/2.1: KV heads per rank");
+  auto* fd_bs_opt = app.add_option("--block_size", fd_block_size, "FastDeploy 2.0/2.1: tokens per block");
+  auto* fd_hd_opt = app.add_option("--head_dim", fd_head_dim, "FastDeploy 2.0/2.1: head dimension");
   app.add_option("--value-cache-shape,--value_cache_shape", value_shape, "Same as key; omit for MLA (no value cache)");
   app.add_option("--cache-dtype,--cache_dtype", dtype, "bfloat16 | float16 | uint8 | block_wise_fp8");
   app.add_option("--session,--ipc-suffix,--ipc_suffix", suffix,
@@ -213,6 +220,9 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
                  "FastDeploy: the model directory (model id = its name; RL key prefix from its version.yaml)");
   app.add_option("--engine_worker_queue_port", c.fastdeploy.engine_worker_queue_port,
                  "FastDeploy: suffix of its shared-memory signals, and of the session when --session is absent");
+  std::string engine_pid;
+  app.add_option("--engine_pid", engine_pid,
+                 "FastDeploy 2.0/2.1: the suffix of its signals and of the session (instead of the port)");
 
   std::string storage_backend = "none", write_policy, fsync = "none", redis_endpoints;
   auto& st = c.storage;
@@ -240,7 +250,7 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   std::vector<CLI::Option*> compat_opts;
   for (const char* name : {"--splitwise_role", "--max_model_len", "--cache_queue_port",
                            "--enable_splitwise", "--pod_ip", "--protocol", "--rdma_port",
-                           "--engine_pid"}) {
+                           "--bytes_per_layer_per_block"}) {
     compat_opts.push_back(app.add_option(name, ignored_s, "ignored")->group(compat_group));
   }
   app.add_flag("--create_cache_tensor", c.fastdeploy.create_cache_tensor,
@@ -279,6 +289,17 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   c.num_host_blocks = static_cast<std::uint32_t>(host_blocks);
   c.device_id = static_cast<std::int32_t>(device_id);
 
+  const std::size_t fd_shape_flags =
+      fd_blocks_opt->count() + fd_heads_opt->count() + fd_bs_opt->count() + fd_hd_opt->count();
+  if (key_shape.empty() && fd_shape_flags == 4) {
+    key_shape = std::to_string(fd_gpu_blocks) + "," + std::to_string(fd_kv_heads) + "," +
+                std::to_string(fd_block_size) + "," + std::to_string(fd_head_dim);
+    if (value_shape.empty()) value_shape = key_shape;
+  } else if (key_shape.empty()) {
+    return bad(fd_shape_flags == 0 ? "--key-cache-shape: required"
+                                   : "--key-cache-shape: required (or all four of FastDeploy 2.0's --num_gpu_blocks, "
+                                     "--kv_num_head, --block_size, --head_dim)");
+  }
   auto ks = parse_shape(key_shape, "--key-cache-shape");
   if (!ks.ok()) return std::move(ks).error();
   for (int i = 0; i < 4; ++i) c.key_cache_shape[i] = (*ks)[static_cast<std::size_t>(i)];
@@ -342,9 +363,13 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
     c.numa_node = v;
   }
 
+  // FastDeploy 2.0/2.1 suffixed its IPCSignals with the engine's pid (--engine_pid); later
+  // releases pass no pid and use the engine worker queue port.
+  if (!engine_pid.empty()) c.fastdeploy.engine_worker_queue_port = engine_pid;
   const auto& fd_port = c.fastdeploy.engine_worker_queue_port;
   if (!fd_port.empty() && (fd_port.size() > 32 || !proto::valid_session_suffix(fd_port)))
-    return bad("--engine_worker_queue_port: '" + fd_port + "' must be 1-32 characters of [A-Za-z0-9_.-]");
+    return bad(std::string(engine_pid.empty() ? "--engine_worker_queue_port" : "--engine_pid") + ": '" + fd_port +
+               "' must be 1-32 characters of [A-Za-z0-9_.-]");
   if (suffix.empty() && !fd_port.empty()) suffix = fastdeploy_session_suffix(fd_port);
   if (suffix.empty())
     return bad("--session: required (or FastDeploy's --engine_worker_queue_port, which names the session "

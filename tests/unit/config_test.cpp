@@ -74,7 +74,7 @@ std::vector<std::string> fastdeploy_launch(const std::string& model_path) {
           "--engine_worker_queue_port", "8333", "--num_cpu_blocks", "16", "--protocol", "ipc",
           "--local_data_parallel_id", "0", "--rdma_port", "0", "--speculative_config", "{}", "--default_dtype",
           "bfloat16", "--kvcache_storage_backend", "file", "--create_cache_tensor", "--write_policy",
-          "write_through", "--max_model_len", "2048", "--model_path", model_path, "--engine_pid", "4242"};
+          "write_through", "--max_model_len", "2048", "--model_path", model_path};
 }
 
 TEST(DaemonFlags, FastDeploysLaunchLineNamesTheSessionModelStoreAndKeyPrefix) {
@@ -94,7 +94,7 @@ TEST(DaemonFlags, FastDeploysLaunchLineNamesTheSessionModelStoreAndKeyPrefix) {
     EXPECT_EQ(c->device_backend, DeviceBackendKind::kCuda);  // FastDeploy's cache is on the GPU
   }
   EXPECT_TRUE(c->fastdeploy.create_cache_tensor);
-  for (const char* f : {"--engine_pid", "--max_model_len", "--pod_ip"})
+  for (const char* f : {"--max_model_len", "--pod_ip", "--rdma_port"})
     EXPECT_NE(std::find(c->ignored_flags.begin(), c->ignored_flags.end(), f), c->ignored_flags.end()) << f;
 
   // RL: the key prefix is the version's first two parts (cache_transfer_manager.py
@@ -114,6 +114,29 @@ TEST(DaemonFlags, FastDeploysLaunchLineNamesTheSessionModelStoreAndKeyPrefix) {
   std::remove((model + "/version.yaml").c_str());
   rmdir(model.c_str());
   rmdir(dir);
+}
+
+// FastDeploy 2.0's launch line (release/2.0 prefix_cache_manager.py launch_cache_manager): the
+// cache described by --num_gpu_blocks/--kv_num_head/--block_size/--head_dim, the signals suffixed
+// by --engine_pid, no --key_cache_shape.
+TEST(DaemonFlags, FastDeploy20sLaunchLineDescribesTheCacheByItsOldFlags) {
+  auto c = parse({"--device_id", "0", "--rank", "0", "--splitwise_role", "mixed", "--num_layers", "2", "--head_dim",
+                  "128", "--kv_num_head", "4", "--mp_num", "2", "--cache_dtype", "bfloat16", "--cache_queue_port",
+                  "8334", "--enable_splitwise", "0", "--pod_ip", "0.0.0.0", "--engine_worker_queue_port", "8333",
+                  "--num_gpu_blocks", "100", "--num_cpu_blocks", "16", "--bytes_per_layer_per_block", "131072",
+                  "--block_size", "64", "--engine_pid", "31337", "--protocol", "ipc", "--local_data_parallel_id",
+                  "0", "--rdma_port", "0", "--speculative_config", "{}"});
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  EXPECT_EQ(c->session_suffix, "fastdeploy.31337");
+  EXPECT_EQ(c->fastdeploy.engine_worker_queue_port, "31337");  // the signals' suffix
+  const std::int64_t want[4] = {100, 4, 64, 128};
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(c->key_cache_shape[i], want[i]);
+    EXPECT_EQ(c->value_cache_shape[i], want[i]);
+  }
+  auto partial = parse({"--rank", "0", "--session", "s", "--num_gpu_blocks", "100", "--kv_num_head", "4"});
+  ASSERT_FALSE(partial.ok());
+  EXPECT_NE(partial.error().message.find("all four"), std::string::npos) << partial.error().message;
 }
 
 TEST(DaemonFlags, ASessionIsRequiredUnlessFastDeploysPortNamesIt) {

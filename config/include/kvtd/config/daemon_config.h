@@ -84,7 +84,9 @@ struct StorageConfig {
 
 // What a FastDeploy launch line says beyond kvtd's own flags.
 struct FastDeployLaunch {
-  std::string engine_worker_queue_port;  // suffix of FastDeploy's IPCSignals (cache_ready_signal.<port>)
+  // Suffix of FastDeploy's IPCSignals (cache_ready_signal.<suffix>): --engine_worker_queue_port,
+  // or FastDeploy 2.0/2.1's --engine_pid.
+  std::string engine_worker_queue_port;
   std::string model_path;                // --model_path: the model id and version.yaml come from it
   // --create_cache_tensor (FastDeploy with a storage backend): when the engine registers no
   // tensors, the daemon allocates its rank's cache and publishes it by FastDeploy's names for
