@@ -259,6 +259,24 @@ class CudaBackend final : public DeviceBackend {
     return static_cast<std::byte*>(p);
   }
 
+  void free_host(std::byte* ptr) override {
+    if (ptr == nullptr) return;
+    if (cudaSetDevice(device_) != cudaSuccess) (void)cudaGetLastError();
+    for (auto it = registered_.begin(); it != registered_.end(); ++it)
+      if (it->first == ptr) {
+        if (cudaHostUnregister(it->first) != cudaSuccess) (void)cudaGetLastError();
+        munmap(it->first, it->second);
+        registered_.erase(it);
+        return;
+      }
+    for (auto it = host_.begin(); it != host_.end(); ++it)
+      if (*it == ptr) {
+        if (cudaFreeHost(*it) != cudaSuccess) (void)cudaGetLastError();
+        host_.erase(it);
+        return;
+      }
+  }
+
   Status<DeviceErrc> pin_host(std::byte* addr, std::size_t bytes) override {
     KVTD_CUDA_TRY(cudaSetDevice(device_));
     if (auto e = cudaHostRegister(addr, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped); e != cudaSuccess) {

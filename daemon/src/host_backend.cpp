@@ -63,6 +63,15 @@ class HostBackend final : public DeviceBackend {
     return static_cast<std::byte*>(p);
   }
 
+  void free_host(std::byte* ptr) override {
+    for (auto it = host_.begin(); it != host_.end(); ++it)
+      if (it->first == ptr) {
+        munmap(it->first, it->second);
+        host_.erase(it);
+        return;
+      }
+  }
+
   Status<DeviceErrc> pin_host(std::byte*, std::size_t) override { return {}; }  // nothing to pin on the CPU
   void unpin_host(std::byte*) override {}
 

@@ -77,6 +77,7 @@ struct StorageExecutor::Impl {
   Release release;
   std::size_t chunk_objects = 0;   // objects per worker staging slice
   std::vector<std::byte*> staging;  // one slice per worker
+  std::vector<HostBuffer> staging_memory;  // owns the slices: returned when the executor ends
 
   std::mutex mu;
   // Workers sleep on this word (spin, then futex): a condition variable's wake-up alone cost
@@ -582,9 +583,10 @@ Result<std::unique_ptr<StorageExecutor>, DeviceErrc> StorageExecutor::create(ipc
   for (std::uint64_t i = 0; i < threads; ++i) {
     std::byte* p = nullptr;
     if (slice_bytes != 0) {
-      auto a = backend.alloc_host(slice_bytes);
+      auto a = HostBuffer::allocate(backend, slice_bytes);
       if (!a.ok()) return std::move(a).error();
-      p = *a;
+      p = a->data();
+      impl->staging_memory.push_back(std::move(a).value());  // returned when the executor ends
     }
     impl->staging.push_back(p);
   }

@@ -43,6 +43,7 @@ class HeldCopiesBackend final : public DeviceBackend {
     return make_error(DeviceErrc::kAllocFailed, "unused");
   }
   void free_exported() override {}
+  void free_host(std::byte*) override {}
   Status<DeviceErrc> pin_host(std::byte*, std::size_t) override { return {}; }
   void unpin_host(std::byte*) override {}
   Status<DeviceErrc> copy(Direction, const kernels::CopyPlan&, std::span<const kernels::CopyTarget>) override { return {}; }

@@ -53,9 +53,12 @@ class DeviceBackend {
   // Releases every mapping opened since the last call.
   virtual void close_tensors() = 0;
 
-  // Host memory (pinned for DMA on CUDA), zero-filled; freed by the backend. For staging and
-  // self-tests; the host pool is a shared object pinned with pin_host.
+  // Host memory (pinned for DMA on CUDA), zero-filled, until free_host(ptr) or the backend's end.
+  // For staging and self-tests; the host pool is a shared object pinned with pin_host. Callers
+  // that live shorter than the process hold it as a HostBuffer (below).
   virtual Result<std::byte*, DeviceErrc> alloc_host(std::size_t bytes) = 0;
+  // Returns memory from alloc_host; null or unknown pointers are ignored.
+  virtual void free_host(std::byte* ptr) = 0;
   // Pins memory the caller mapped (cudaHostRegister on CUDA; nothing on the host backend) until
   // unpin_host(addr). The caller keeps it mapped until then.
   virtual Status<DeviceErrc> pin_host(std::byte* addr, std::size_t bytes) = 0;
@@ -112,6 +115,47 @@ class DeviceBackend {
   virtual Result<std::byte*, DeviceErrc> alloc_device(std::size_t bytes) = 0;
   virtual Status<DeviceErrc> write_device(std::byte* dst, const std::byte* src, std::size_t bytes) = 0;
   virtual Status<DeviceErrc> read_device(std::byte* dst, const std::byte* src, std::size_t bytes) = 0;
+};
+
+// Host memory from DeviceBackend::alloc_host, returned to the backend when the buffer ends (a
+// task runner is made per session and per weight update: what it takes must go back, or a
+// daemon serving for weeks grows by its staging every time). Ownership: owns the memory; the
+// backend must outlive it. Movable, not copyable. Not thread-safe (a value).
+class HostBuffer {
+ public:
+  HostBuffer() = default;
+  static Result<HostBuffer, DeviceErrc> allocate(DeviceBackend& backend, std::size_t bytes) {
+    auto p = backend.alloc_host(bytes);
+    if (!p.ok()) return std::move(p).error();
+    return HostBuffer(&backend, *p, bytes);
+  }
+  HostBuffer(HostBuffer&& o) noexcept : backend_(o.backend_), data_(o.data_), size_(o.size_) { o.data_ = nullptr; }
+  HostBuffer& operator=(HostBuffer&& o) noexcept {
+    if (this != &o) {
+      reset();
+      backend_ = o.backend_;
+      data_ = o.data_;
+      size_ = o.size_;
+      o.data_ = nullptr;
+    }
+    return *this;
+  }
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+  ~HostBuffer() { reset(); }
+
+  std::byte* data() const { return data_; }
+  std::size_t size() const { return size_; }
+  void reset() {
+    if (data_ != nullptr) backend_->free_host(data_);
+    data_ = nullptr;
+  }
+
+ private:
+  HostBuffer(DeviceBackend* b, std::byte* p, std::size_t n) : backend_(b), data_(p), size_(n) {}
+  DeviceBackend* backend_ = nullptr;
+  std::byte* data_ = nullptr;
+  std::size_t size_ = 0;
 };
 
 std::unique_ptr<DeviceBackend> make_host_backend();
