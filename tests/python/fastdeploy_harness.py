@@ -5,7 +5,8 @@ envs, cache_data, cache_tasks, cache_metrics, inter_communicator's IPCSignal and
 is run unmodified, except for README's diff of launch_cache_manager
 (docs/fastdeploy/launch_cache_manager.diff), applied here with patch(1) to a copy, so the tests
 prove that diff. The source is $KVTD_FASTDEPLOY_SRC, else ../shared/reference/fastdeploy beside the
-checkout (upstream develop c1b7c083: see its PROVENANCE); without one the tests skip and say why.
+checkout, else /work/shared/reference/fastdeploy (upstream develop c1b7c083: see its PROVENANCE);
+without one the tests skip and say why.
 
 Stubbed, because they need paddle or are not in the reference copy, never FastDeploy's logic:
 fastdeploy.utils (loggers; get_hash_str is taken out of utils.py by its source), fastdeploy.config
@@ -49,6 +50,8 @@ def fastdeploy_source() -> Optional[Path]:
     env = os.environ.get("KVTD_FASTDEPLOY_SRC")
     candidates = [Path(env)] if env else []
     candidates.append(ROOT.parent / "shared" / "reference" / "fastdeploy")
+    # Where this project's machines keep the shared references, for clones made elsewhere (CI).
+    candidates.append(Path("/work/shared/reference/fastdeploy"))
     for c in candidates:
         if (c / "fastdeploy" / "cache_manager" / "prefix_cache_manager.py").exists():
             return c
