@@ -77,7 +77,10 @@ ClearedExit serve_cleared(ipc::RankEndpoint& ep, HostPool& pool, const std::atom
       send(ep, h, TaskStatus::kOk, 0, now, "");
       continue;
     }
-    if (proto::is_storage_kind(kind)) ep.abort_agreement(h.seq, TaskStatus::kCacheCleared);
+    if (proto::is_storage_kind(kind)) {
+      ep.abort_agreement(h.seq, TaskStatus::kCacheCleared);
+      ep.leave_agreements(h.seq + 1);  // nothing else on this rank agrees while cleared
+    }
     send(ep, h, TaskStatus::kCacheCleared, 0, now,
          "this rank released the KV cache for a weight update; tasks run again after the restore");
   }

@@ -166,6 +166,7 @@ struct StorageExecutor::Impl {
   // Fails a task that has not agreed yet: the peers stop waiting at once.
   void fail_before_agreement(const StorageWork& w, TaskStatus s, std::int64_t start, const std::string& msg) {
     ep.abort_agreement(w.header.seq, s);
+    ep.leave_agreements(w.header.seq + 1);  // the agreement thread runs tasks in ring order
     finish(w, s, 0, 0, start, msg);
   }
 
@@ -242,6 +243,7 @@ struct StorageExecutor::Impl {
         // No storage tier here: nothing to back up to, not an error on this rank. The peers are
         // told (they do have a store, or they would not wait): a mismatch is their failure.
         ep.abort_agreement(w.header.seq, TaskStatus::kStorageUnavailable);
+        ep.leave_agreements(w.header.seq + 1);
         finish(w, TaskStatus::kOk, 0, w.section.keys.size(), p.start, "");
         return false;
       }

@@ -560,6 +560,7 @@ TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop, const std::atomi
         impl->storage->submit(std::move(w.storage_work));
       } else {
         impl->ep.abort_agreement(w.header.seq);
+        impl->ep.leave_agreements(w.header.seq + 1);  // no executor: nothing else agrees here
         impl->complete(w.header, TaskStatus::kInternal, 0, 0, now, "storage executor could not start");
         impl->release_storage(w.storage_work);
       }

@@ -243,6 +243,8 @@ struct EngineSession::Impl {
         rank_state[r].owner = s.owner.load(std::memory_order_acquire);
         rank_state[r].unfenced = false;
         s.consumed.store(h->ring_head.load(std::memory_order_relaxed), std::memory_order_relaxed);
+        // The new epoch reads no task before the head, so it reads no agreement slot of one.
+        s.agreement_left.store(h->next_seq.load(std::memory_order_relaxed), std::memory_order_relaxed);
         s.attached_epoch.store(req, std::memory_order_release);
         s.attached.store(1, std::memory_order_release);
         bump_and_wake(h->publish_word, &h->consumer_waiters);  // the daemon waits for its grant

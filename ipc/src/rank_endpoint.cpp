@@ -35,6 +35,38 @@ struct RankEndpoint::Impl {
 
   proto::RankSlot& slot() { return h->ranks[opts.rank]; }
 
+  // Waits until every live peer has left the agreement slot's previous task (seq minus
+  // kAgreementSlots), so writing the slot never overwrites a word a peer has still to read.
+  Status<proto::TaskStatus> wait_slot_free(std::uint64_t seq, std::int64_t deadline_ns) {
+    using proto::TaskStatus;
+    if (seq < proto::kAgreementSlots) return {};
+    const std::uint64_t previous = seq - proto::kAgreementSlots;
+    auto* ctrl = view.agreement_control();
+    for (;;) {
+      const std::uint32_t seen = ctrl->word.load(std::memory_order_acquire);
+      std::string behind;
+      for (std::uint32_t r = 0; r < view.num_ranks; ++r) {
+        if (r == opts.rank) continue;
+        const auto& peer = h->ranks[r];
+        if (!peer.attached.load(std::memory_order_acquire)) continue;  // a rank not live reads nothing
+        // Acquire pairs with the peer's release in leave_agreements_below.
+        if (peer.agreement_left.load(std::memory_order_acquire) <= previous)
+          behind += (behind.empty() ? "" : ",") + std::to_string(r);
+      }
+      if (behind.empty()) return {};
+      if (!granted() || !engine_alive())
+        return make_error(TaskStatus::kShuttingDown, "this rank's epoch was revoked or the session ended during the agreement");
+      const std::int64_t now = monotonic_now_ns();
+      if (deadline_ns != 0 && now >= deadline_ns)
+        return make_error(TaskStatus::kDeadlineExceeded,
+                          "deadline passed while rank(s) " + behind + " still had to read the agreement of the task " +
+                              std::to_string(proto::kAgreementSlots) + " ring records before this one");
+      // Short slices: peer liveness is re-checked at least every 5 ms.
+      const std::int64_t slice = now + 5'000'000;
+      (void)wait_on_word(ctrl->word, seen, deadline_ns != 0 ? std::min(deadline_ns, slice) : slice, &ctrl->waiters, 20'000);
+    }
+  }
+
   bool granted() {
     return slot().attached.load(std::memory_order_acquire) != 0 &&
            slot().attached_epoch.load(std::memory_order_acquire) == epoch;
@@ -341,10 +373,35 @@ void RankEndpoint::publish_layer_events(const std::vector<std::array<std::uint8_
   control->events_published.store(n, std::memory_order_release);
 }
 
+namespace {
+
+// This rank reads no agreement slot of a task below `seq` any more. Release: a peer that acquires
+// the value may overwrite its slot of the older task. Monotonic (a late abort of an old task does
+// not move it back).
+void leave_agreements_below(std::atomic<std::uint64_t>& left, std::uint64_t seq) {
+  std::uint64_t cur = left.load(std::memory_order_relaxed);
+  while (cur < seq && !left.compare_exchange_weak(cur, seq, std::memory_order_release, std::memory_order_relaxed)) {
+  }
+}
+
+}  // namespace
+
 void RankEndpoint::abort_agreement(std::uint64_t seq, proto::TaskStatus why) {
-  // Release: publishes nothing but the word itself; a waiter acquires it.
+  // The slot is ours to write once the peers left its previous task. An abort may come from the
+  // dispatcher, which must not wait on a slow peer for long: it waits at most a second (a peer a
+  // whole slot cycle behind is rare) and then writes; a peer that still had to read the older
+  // word then fails that task naming the reuse, it never takes a wrong count. It does not move
+  // agreement_left: older tasks may still be agreeing on another thread (leave_agreements).
+  auto* impl = impl_.get();
   const std::uint32_t value = proto::kAgreementAbort | (static_cast<std::uint32_t>(why) & 0xFFFFu);
-  impl_->view.agreement_slot(impl_->opts.rank, seq)->store(proto::agreement_word(seq, value), std::memory_order_release);
+  (void)impl->wait_slot_free(seq, monotonic_now_ns() + 1'000'000'000);
+  // Release: publishes nothing but the word itself; a waiter acquires it.
+  impl->view.agreement_slot(impl->opts.rank, seq)->store(proto::agreement_word(seq, value), std::memory_order_release);
+  bump_and_wake(impl->view.agreement_control()->word, &impl->view.agreement_control()->waiters);
+}
+
+void RankEndpoint::leave_agreements(std::uint64_t below_seq) {
+  leave_agreements_below(impl_->slot().agreement_left, below_seq);
   bump_and_wake(impl_->view.agreement_control()->word, &impl_->view.agreement_control()->waiters);
 }
 
@@ -360,9 +417,27 @@ Result<std::uint32_t, proto::TaskStatus> RankEndpoint::agree(std::uint64_t seq, 
   // between, and its new epoch never sees this task.
   std::vector<std::uint32_t> peer_epoch(n);
   for (std::uint32_t r = 0; r < n; ++r) peer_epoch[r] = impl->h->ranks[r].attached_epoch.load(std::memory_order_acquire);
+  // Tasks run through here in ring order: every older one is behind us.
+  auto& left = impl->slot().agreement_left;
+  leave_agreements_below(left, seq);
+  if (auto st = impl->wait_slot_free(seq, deadline_ns); !st.ok()) {
+    leave_agreements_below(left, seq + 1);
+    return std::move(st).error();
+  }
   // Release publishes our count to the peers' acquire loads below.
   impl->view.agreement_slot(me, seq)->store(proto::agreement_word(seq, count), std::memory_order_release);
   bump_and_wake(ctrl->word, &ctrl->waiters);
+  if (impl->opts.on_agreement_published) impl->opts.on_agreement_published(seq);
+  // However the reading below ends, this rank reads this task's slots no more.
+  struct Leave {
+    std::atomic<std::uint64_t>& left;
+    std::uint64_t seq;
+    proto::AgreementControl* ctrl;
+    ~Leave() {
+      leave_agreements_below(left, seq + 1);
+      bump_and_wake(ctrl->word, &ctrl->waiters);
+    }
+  } leave{left, seq, ctrl};
   std::uint32_t agreed = count;
   std::uint32_t pending_mask = 0;
   for (std::uint32_t r = 0; r < n; ++r)

@@ -41,6 +41,9 @@ struct EndpointOptions {
   const std::atomic<bool>* stop = nullptr;  // abandon waiting when set
   std::function<void(const std::string&)> on_waiting;  // called every few seconds while waiting
   std::function<void()> on_poll;            // called on every poll of the wait (>= 50 Hz)
+  // Tests: called by agree() after this rank published its count and before it reads the peers'
+  // (a rank descheduled right there is how a slot reuse used to fail healthy tasks).
+  std::function<void(std::uint64_t seq)> on_agreement_published;
 };
 
 class RankEndpoint {
@@ -73,7 +76,9 @@ class RankEndpoint {
 
   // Agreement across ranks for the storage task with ring sequence number `seq` (see
   // proto::AgreementControl): publishes `count`, waits until every rank published, returns the
-  // MIN. Never hangs: fails with the status a rank aborted with (naming that rank; the slot
+  // MIN. Before writing the task's slot it waits until every live peer has left the slot's
+  // previous task (RankSlot::agreement_left), so no healthy task fails because a peer was slow.
+  // Never hangs: fails with the status a rank aborted with (naming that rank; the slot
   // reused: kAgreementFailed),
   // kRankDead when the engine stopped counting a peer as live (dead, fenced, re-attached: it will
   // never publish), kShuttingDown when this rank's own epoch was revoked or the session is lost,
@@ -82,6 +87,10 @@ class RankEndpoint {
   // Tells the other ranks this rank failed task `seq` with `why` before agreeing: they stop
   // waiting and report `why` too, naming this rank.
   void abort_agreement(std::uint64_t seq, proto::TaskStatus why = proto::TaskStatus::kAgreementFailed);
+  // Tells the peers this rank reads no agreement slot of a task below `below_seq` any more (agree()
+  // does it for the tasks it runs). For the thread that runs agreements in ring order, after
+  // tasks it failed without agreeing, or for a rank with no such thread at all.
+  void leave_agreements(std::uint64_t below_seq);
 
   // Task-ring positions (bytes): what the engine has published, and what this rank has read.
   // A stopping daemon finishes the records published before it stopped, and no more.

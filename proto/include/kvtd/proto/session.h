@@ -31,8 +31,8 @@ namespace kvtd::proto {
 
 inline constexpr std::uint64_t kSessionMagic = 0x5353455344545640ULL;  // "@VTDSESS"
 // 2: RankSlot::owner; 3: agreement region; 4: scale bytes, extra layers; 5: cache_state;
-// 6: ProgressControl::events_epoch
-inline constexpr std::uint32_t kSessionLayoutVersion = 6;
+// 6: ProgressControl::events_epoch; 7: RankSlot::agreement_left
+inline constexpr std::uint32_t kSessionLayoutVersion = 7;
 
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
@@ -84,7 +84,12 @@ struct alignas(64) RankSlot {
   // owner_word(pid, start time). A newcomer refuses while the owner lives and takes over a dead
   // owner's claim; the engine fences (kills) exactly this process before failing its tasks.
   std::atomic<std::uint64_t> owner;
-  std::uint8_t pad0[64 - 40];
+  // Agreement slots this rank has left (see AgreementControl): it will never again read a peer's
+  // slot for a task with ring seq below this. Written by the daemon; set by the engine at a grant
+  // (to the next seq: a new epoch never reads older tasks). A rank overwrites its slot for seq S
+  // only once every live peer's value passed S - kAgreementSlots, the slot's previous task.
+  std::atomic<std::uint64_t> agreement_left;
+  std::uint8_t pad0[64 - 48];
   // Task ring read cursor (bytes consumed): written by the daemon, reset by the engine on grant.
   alignas(64) std::atomic<std::uint64_t> consumed;
   std::uint8_t pad1[56];
@@ -93,6 +98,7 @@ static_assert(std::is_standard_layout_v<RankSlot>);
 static_assert(sizeof(RankSlot) == 128);
 static_assert(offsetof(RankSlot, consumed) == 64);
 static_assert(offsetof(RankSlot, owner) == 32);
+static_assert(offsetof(RankSlot, agreement_left) == 40);
 
 // A process identity that survives pid reuse: the pid plus the low 32 bits of its start time
 // (clock ticks since boot, /proc/<pid>/stat field 22).
@@ -145,8 +151,10 @@ static_assert(sizeof(ProgressControl) == 64);
 // agreement_word(seq, value), then bumps `word`; every rank waits (futex, deadline) until each
 // rank's word carries that seq and takes the MIN. A value of kAgreementAbort | status says the
 // rank failed the task with that TaskStatus before agreeing, so the others stop waiting at once
-// (and a cancellation reads as a cancellation on every rank). A word whose seq is newer than the one
-// waited for means the slot was reused before it was read: the task fails, it never guesses.
+// (and a cancellation reads as a cancellation on every rank). A rank writes a slot only after every
+// live peer left the slot's previous task (RankSlot::agreement_left), so a slow peer holds the
+// others back instead of being overtaken; a word whose seq is newer than the one waited for would
+// mean the slot was reused before it was read: the task fails, it never guesses.
 inline constexpr std::uint32_t kAgreementSlots = 1024;
 inline constexpr std::uint32_t kAgreementAbort = 0xFFFF0000u;  // counts never reach it (kMaxKeysPerTask)
 
