@@ -40,8 +40,9 @@ int code_of(IpcErrc e) {
     case IpcErrc::kTimeout: return KVTD_E_TIMEOUT;
     case IpcErrc::kRingFull:
     case IpcErrc::kTooManyInFlight: return KVTD_E_RING_FULL;
-    case IpcErrc::kNotReady:
-    case IpcErrc::kClosed: return KVTD_E_NOT_READY;
+    case IpcErrc::kNotReady: return KVTD_E_NOT_READY;
+    case IpcErrc::kClosed: return KVTD_E_CLOSED;
+    case IpcErrc::kWrongProcess: return KVTD_E_WRONG_PROCESS;
     case IpcErrc::kUnknownTask: return KVTD_E_UNKNOWN_TASK;
     case IpcErrc::kInUse: return KVTD_E_IN_USE;
     case IpcErrc::kTaskFailed: return KVTD_E_TASK_FAILED;
@@ -181,6 +182,8 @@ const char* kvtd_error_name(int code) {
     case KVTD_E_TASK_FAILED: return "task_failed";
     case KVTD_E_PENDING: return "pending";
     case KVTD_E_NO_EVENT: return "no_event";
+    case KVTD_E_CLOSED: return "closed";
+    case KVTD_E_WRONG_PROCESS: return "wrong_process";
     case KVTD_E_CACHE_CLEARED: return "cache_cleared";
     default: return "unknown_error";
   }
@@ -208,6 +211,8 @@ int kvtd_session_create(const char* suffix, const kvtd_geometry* g, kvtd_session
 
 void kvtd_session_destroy(kvtd_session* s) {
   (void)guarded(nullptr, 0, [&]() -> int {
+    if (s == nullptr) return KVTD_OK;
+    s->session->close();  // wakes calls waiting in it and returns once none is inside
     delete s;
     return KVTD_OK;
   });
@@ -375,6 +380,7 @@ int kvtd_poll(kvtd_session* s, uint64_t task_id, kvtd_completion* out, char* err
   return guarded(err, err_len, [&]() -> int {
     auto r = s->session->poll(task_id);
     if (!r) {
+      if (auto st = s->session->usable(); !st.ok()) return report(st, err, err_len);
       put_error(err, err_len, "task " + std::to_string(task_id) + " has not completed (or its result was taken)");
       return KVTD_E_PENDING;
     }

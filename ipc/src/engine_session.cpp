@@ -48,6 +48,7 @@ const char* ipc_errc_name(IpcErrc e) {
     case IpcErrc::kCorrupt: return "corrupt";
     case IpcErrc::kSystem: return "system";
     case IpcErrc::kCacheCleared: return "cache_cleared";
+    case IpcErrc::kWrongProcess: return "wrong_process";
   }
   return "unknown";
 }
@@ -108,6 +109,46 @@ struct EngineSession::Impl {
   std::condition_variable stop_cv;
   bool stopping = false;
   std::thread service_thread;
+
+  // Calls in flight, so that closing the session while another thread waits in it (ordinary
+  // engine shutdown: a completion thread in wait(), the main thread closing) wakes that call
+  // with kClosed and unmaps only once no call is inside. Both seq_cst: a call increments `calls`
+  // then reads `closing`, the destructor sets `closing` then reads `calls`; one sees the other.
+  std::atomic<std::uint32_t> calls{0};
+  std::atomic<bool> closing{false};
+  // The session belongs to the process that created it: a forked child shares the mapping but
+  // not the engine's private state, and the two would take each other's completions.
+  pid_t creator = getpid();
+
+  Error<IpcErrc> closing_error() const {
+    return make_error(IpcErrc::kClosed, "session " + name + " is being closed");
+  }
+
+  // Marks one public call in flight; check() refuses it in a forked child or while closing.
+  class Gate {
+   public:
+    explicit Gate(Impl* impl) : impl_(impl) { impl_->calls.fetch_add(1, std::memory_order_seq_cst); }
+    ~Gate() {
+      if (impl_->calls.fetch_sub(1, std::memory_order_seq_cst) == 1 && impl_->closing.load(std::memory_order_seq_cst))
+        impl_->calls.notify_all();
+    }
+    Gate(const Gate&) = delete;
+    Gate& operator=(const Gate&) = delete;
+
+    Status<IpcErrc> check() const {
+      if (getpid() != impl_->creator)
+        return make_error(IpcErrc::kWrongProcess, "session " + impl_->name + " was created by process " +
+                                                      std::to_string(impl_->creator) + ", not this one (" +
+                                                      std::to_string(getpid()) +
+                                                      "): a forked child must create its own session");
+      if (impl_->closing.load(std::memory_order_seq_cst)) return impl_->closing_error();
+      return {};
+    }
+    bool usable() const { return check().ok(); }
+
+   private:
+    Impl* impl_;
+  };
 
   // Requires mu. Whether no daemon may be reading the registry: before publish, or once every
   // rank confirmed a clear.
@@ -335,7 +376,41 @@ struct EngineSession::Impl {
 
 EngineSession::EngineSession(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
+void EngineSession::close() {
+  // Wake every call that waits in this session (it returns kClosed), then wait until none is
+  // inside: only then may the segment be unmapped under them. Each wait of theirs also re-checks
+  // `closing` at least every service period, so a wake lost between their check and their sleep
+  // only delays them. A forked child's copy closes nothing of its parent's (and its copy of the
+  // call count may include calls of threads that do not exist in the child).
+  if (getpid() != impl_->creator) return;
+  impl_->closing.store(true, std::memory_order_seq_cst);
+  for (std::uint32_t n = impl_->calls.load(std::memory_order_seq_cst); n != 0;
+       n = impl_->calls.load(std::memory_order_seq_cst)) {
+    bump_and_wake(impl_->h->completion_word, nullptr);
+    bump_and_wake(impl_->h->space_word, nullptr);
+    bump_and_wake(impl_->h->progress_word, nullptr);
+    impl_->calls.wait(n, std::memory_order_seq_cst);
+  }
+}
+
+Status<IpcErrc> EngineSession::usable() const {
+  const Impl::Gate gate(impl_.get());
+  return gate.check();
+}
+
 EngineSession::~EngineSession() {
+  if (getpid() != impl_->creator) {
+    // A forked child's copy: the session is its parent's. Unmap what the child inherited, unlink
+    // nothing, write nothing to the segment. The private state is leaked, not destroyed: its
+    // mutexes and condition variables may be held by parent threads that do not exist here.
+    impl_->mapping->set_unlink_on_destroy(false);
+    impl_->mapping.reset();
+    for (auto& a : impl_->arenas) a->set_unlink_on_destroy(false);
+    impl_->arenas.clear();
+    (void)impl_.release();
+    return;
+  }
+  close();
   {
     std::lock_guard<std::mutex> g(impl_->stop_mu);
     impl_->stopping = true;
@@ -445,6 +520,8 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
 }
 
 Status<IpcErrc> EngineSession::register_tensor(const proto::TensorDesc& d) {
+  const Impl::Gate gate(impl_.get());
+  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
   std::lock_guard<std::mutex> g(impl_->mu);
   const auto& geo = impl_->geo;
   if (!impl_->registry_writable())
@@ -469,6 +546,14 @@ Status<IpcErrc> EngineSession::register_tensor(const proto::TensorDesc& d) {
     return make_error(IpcErrc::kInvalidArgument, std::string(proto::tensor_kind_name(kind)) + " tensor of layer " +
                                                      std::to_string(d.layer) + " has " + std::to_string(d.bytes) +
                                                      " bytes, the geometry needs " + std::to_string(need));
+  // No device has 2^48 bytes (256 TiB): a size or offset beyond it is a caller's bug (a negative
+  // number through an unsigned type), not a tensor.
+  constexpr std::uint64_t kMaxTensorEnd = std::uint64_t{1} << 48;
+  if (end > kMaxTensorEnd)
+    return make_error(IpcErrc::kInvalidArgument, std::string(proto::tensor_kind_name(kind)) + " tensor of layer " +
+                                                     std::to_string(d.layer) + ": offset " + std::to_string(d.offset) +
+                                                     " plus " + std::to_string(d.bytes) +
+                                                     " bytes is beyond any device (2^48 bytes)");
   auto& slot = impl_->view.registry()[proto::registry_index(geo, d.rank, d.layer, kind)];
   slot = d;
   slot.valid = 1;
@@ -476,6 +561,8 @@ Status<IpcErrc> EngineSession::register_tensor(const proto::TensorDesc& d) {
 }
 
 Status<IpcErrc> EngineSession::free_host_device_tensors() {
+  const Impl::Gate gate(impl_.get());
+  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
   std::lock_guard<std::mutex> g(impl_->mu);
   if (!impl_->registry_writable())
     return make_error(IpcErrc::kInvalidArgument,
@@ -491,6 +578,8 @@ Status<IpcErrc> EngineSession::free_host_device_tensors() {
 }
 
 Status<IpcErrc> EngineSession::create_host_device_tensors() {
+  const Impl::Gate gate(impl_.get());
+  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
   const auto& g = impl_->geo;
   if (!impl_->arenas.empty())
     if (auto st = free_host_device_tensors(); !st.ok()) return st;
@@ -531,6 +620,8 @@ Status<IpcErrc> EngineSession::create_host_device_tensors() {
 }
 
 std::byte* EngineSession::host_device_tensor(std::uint32_t rank, std::uint32_t layer, proto::TensorKind kind) const {
+  const Impl::Gate gate(impl_.get());
+  if (!gate.usable()) return nullptr;
   const auto& g = impl_->geo;
   if (rank >= g.num_ranks || layer >= g.num_layers) return nullptr;
   return impl_->arena_tensor[proto::registry_index(g, rank, layer, kind)];
@@ -553,6 +644,8 @@ proto::TensorDesc describe_tensor(const proto::CacheGeometry& g, std::uint32_t r
 }
 
 Status<IpcErrc> EngineSession::publish() {
+  const Impl::Gate gate(impl_.get());
+  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
   std::lock_guard<std::mutex> g(impl_->mu);
   auto* h = impl_->h;
   if (auto st = impl_->registry_complete(); !st.ok()) return st;
@@ -562,9 +655,12 @@ Status<IpcErrc> EngineSession::publish() {
 }
 
 Status<IpcErrc> EngineSession::wait_ready(std::int64_t timeout_ns) {
+  const Impl::Gate gate(impl_.get());
+  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
   const std::int64_t deadline = deadline_after(impl_->clock->now_ns(), timeout_ns);
   const std::uint32_t want = proto::kReadyCacheAttached | proto::kReadyHostPool;
   for (;;) {
+    if (impl_->closing.load(std::memory_order_seq_cst)) return impl_->closing_error();
     std::uint32_t missing = proto::kMaxRanks;
     for (std::uint32_t r = 0; r < impl_->geo.num_ranks; ++r) {
       const auto& s = impl_->h->ranks[r];
@@ -693,6 +789,8 @@ Result<std::vector<Encoded>, IpcErrc> encode_request(const TaskRequest& req, std
 }  // namespace
 
 Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
+  const Impl::Gate gate(impl_.get());
+  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
   auto encoded = encode_request(req, impl_->weight_version.load());
   if (!encoded.ok()) return std::move(encoded).error();
   return impl_->submit_encoded(*encoded, req.submit_timeout_ns, false);
@@ -718,6 +816,7 @@ Result<std::uint64_t, IpcErrc> EngineSession::Impl::submit_encoded(std::vector<E
                                                 std::to_string(impl->view.layout.ring_bytes) + "-byte task ring");
   const std::int64_t deadline = deadline_after(impl->clock->now_ns(), timeout_ns);
   for (;;) {
+    if (closing.load(std::memory_order_seq_cst)) return closing_error();
     const std::uint32_t space_seen = h->space_word.load(std::memory_order_acquire);
     const std::uint32_t done_seen = h->completion_word.load(std::memory_order_acquire);
     bool wait_space = false;
@@ -798,6 +897,8 @@ Result<TaskResult, IpcErrc> EngineSession::Impl::run_cache_control(proto::TaskKi
 }
 
 Result<TaskResult, IpcErrc> EngineSession::clear_caches(const ClearOptions& options) {
+  const Impl::Gate gate(impl_.get());
+  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
   auto* impl = impl_.get();
   {
     std::lock_guard<std::mutex> g(impl->mu);
@@ -818,6 +919,8 @@ Result<TaskResult, IpcErrc> EngineSession::clear_caches(const ClearOptions& opti
 }
 
 Result<TaskResult, IpcErrc> EngineSession::restore_caches(std::int64_t timeout_ns) {
+  const Impl::Gate gate(impl_.get());
+  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
   auto* impl = impl_.get();
   {
     std::lock_guard<std::mutex> g(impl->mu);
@@ -868,6 +971,8 @@ bool EngineSession::cache_cleared() const {
 Result<std::uint64_t, IpcErrc> EngineSession::submit_raw(const proto::TaskRecordHeader& header,
                                                          std::span<const std::int32_t> src,
                                                          std::span<const std::int32_t> dst) {
+  const Impl::Gate gate(impl_.get());
+  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
   if (header.kind == static_cast<std::uint16_t>(proto::TaskKind::kPadding) && header.format_version == proto::kPaddingFormat)
     return make_error(IpcErrc::kInvalidArgument, "a raw task may not carry the ring's padding marker");
   auto* impl = impl_.get();
@@ -879,6 +984,8 @@ Result<std::uint64_t, IpcErrc> EngineSession::submit_raw(const proto::TaskRecord
 }
 
 std::optional<TaskResult> EngineSession::poll(std::uint64_t task_id) {
+  const Impl::Gate gate(impl_.get());
+  if (!gate.usable()) return std::nullopt;
   std::lock_guard<std::mutex> g(impl_->mu);
   impl_->service(false);
   auto it = impl_->done.find(task_id);
@@ -889,6 +996,8 @@ std::optional<TaskResult> EngineSession::poll(std::uint64_t task_id) {
 }
 
 Result<TaskResult, IpcErrc> EngineSession::wait(std::uint64_t task_id, std::int64_t timeout_ns) {
+  const Impl::Gate gate(impl_.get());
+  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
   return impl_->wait_result(task_id, timeout_ns);
 }
 
@@ -896,6 +1005,7 @@ Result<TaskResult, IpcErrc> EngineSession::Impl::wait_result(std::uint64_t task_
   auto* impl = this;
   const std::int64_t deadline = deadline_after(impl->clock->now_ns(), timeout_ns);
   for (;;) {
+    if (closing.load(std::memory_order_seq_cst)) return closing_error();
     const std::uint32_t seen = h->completion_word.load(std::memory_order_acquire);
     {
       std::lock_guard<std::mutex> g(impl->mu);
@@ -924,6 +1034,8 @@ Result<TaskResult, IpcErrc> EngineSession::Impl::wait_result(std::uint64_t task_
 
 Status<IpcErrc> EngineSession::wait_layer(std::uint64_t task_id, std::uint32_t layer, std::int64_t timeout_ns,
                                           LayerStage stage) {
+  const Impl::Gate gate(impl_.get());
+  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
   auto* impl = impl_.get();
   auto* h = impl->h;
   if (layer >= impl->geo.num_layers)
@@ -931,6 +1043,7 @@ Status<IpcErrc> EngineSession::wait_layer(std::uint64_t task_id, std::uint32_t l
                                                      std::to_string(impl->geo.num_layers) + " layers");
   const std::int64_t deadline = deadline_after(impl->clock->now_ns(), timeout_ns);
   for (;;) {
+    if (impl->closing.load(std::memory_order_seq_cst)) return impl->closing_error();
     const std::uint32_t progress_seen = h->progress_word.load(std::memory_order_acquire);
     const std::uint32_t done_seen = h->completion_word.load(std::memory_order_acquire);
     {
@@ -970,6 +1083,8 @@ Status<IpcErrc> EngineSession::wait_layer(std::uint64_t task_id, std::uint32_t l
 
 std::optional<std::array<std::uint8_t, proto::kHandleBytes>> EngineSession::layer_event_handle(
     std::uint32_t rank, std::uint32_t layer) const {
+  const Impl::Gate gate(impl_.get());
+  if (!gate.usable()) return std::nullopt;
   const auto& v = impl_->view;
   if (rank >= impl_->geo.num_ranks || layer >= impl_->geo.num_layers) return std::nullopt;
   auto* control = v.progress_control(rank);
@@ -998,17 +1113,23 @@ std::optional<std::array<std::uint8_t, proto::kHandleBytes>> EngineSession::laye
 }
 
 bool EngineSession::rank_alive(std::uint32_t rank) const {
+  const Impl::Gate gate(impl_.get());
+  if (!gate.usable()) return false;
   if (rank >= impl_->geo.num_ranks) return false;
   const auto& s = impl_->h->ranks[rank];
   return s.attached.load() != 0 && impl_->clock->now_ns() - s.heartbeat_ns.load() <= impl_->opts.rank_timeout_ns;
 }
 
 std::uint32_t EngineSession::rank_ready_flags(std::uint32_t rank) const {
+  const Impl::Gate gate(impl_.get());
+  if (!gate.usable()) return 0;
   if (!rank_alive(rank)) return 0;
   return impl_->h->ranks[rank].ready_flags.load(std::memory_order_acquire);
 }
 
 std::size_t EngineSession::in_flight() const {
+  const Impl::Gate gate(impl_.get());
+  if (!gate.usable()) return 0;
   std::lock_guard<std::mutex> g(impl_->mu);
   return impl_->pending.size();
 }

@@ -5,8 +5,8 @@ session.py for the API, fastdeploy.py for a drop-in for FastDeploy's cache task 
 """
 
 from . import _native
-from .errors import (CacheCleared, CacheControlFailed, InUse, InvalidArgument, KvtdError, NotReady, RingFull,
-                     SystemFailure, TaskFailed, Timeout, UnknownTask)
+from .errors import (CacheCleared, CacheControlFailed, Closed, InUse, InvalidArgument, KvtdError, NotReady, RingFull,
+                     SystemFailure, TaskFailed, Timeout, UnknownTask, WrongProcess)
 from .session import (CANCEL, KEY, KEY_SCALE, PREFETCH, STORAGE_QUERY, STORAGE_READ, STORAGE_WRITE, SWAP_TO_DEVICE,
                       SWAP_TO_HOST, VALUE, VALUE_SCALE, Geometry, Session, TaskResult, now_ns)
 
@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Geometry", "Session", "TaskResult", "now_ns",
     "KvtdError", "InvalidArgument", "Timeout", "RingFull", "NotReady", "UnknownTask", "InUse", "SystemFailure",
-    "TaskFailed", "CacheCleared", "CacheControlFailed",
+    "TaskFailed", "CacheCleared", "CacheControlFailed", "Closed", "WrongProcess",
     "SWAP_TO_HOST", "SWAP_TO_DEVICE", "STORAGE_QUERY", "STORAGE_READ", "STORAGE_WRITE", "PREFETCH", "CANCEL",
     "KEY", "VALUE", "KEY_SCALE", "VALUE_SCALE",
 ]

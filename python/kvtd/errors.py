@@ -76,8 +76,20 @@ class CacheControlFailed(KvtdError):
     code = n.E_TASK_FAILED
 
 
+class Closed(KvtdError):
+    """The session was closed while this call waited in it (another thread called close())."""
+
+    code = n.E_CLOSED
+
+
+class WrongProcess(KvtdError):
+    """The session belongs to the process that created it; a forked child must make its own."""
+
+    code = n.E_WRONG_PROCESS
+
+
 _BY_CODE = {c.code: c for c in (InvalidArgument, Timeout, RingFull, NotReady, UnknownTask, InUse, SystemFailure,
-                                CacheCleared)}
+                                CacheCleared, Closed, WrongProcess)}
 
 
 def raise_for(code: int, message: str):

@@ -18,6 +18,8 @@ session; do not use them after close().
 from __future__ import annotations
 
 import ctypes
+import math
+import mmap
 import dataclasses
 import threading
 from typing import Iterable, List, Optional, Sequence
@@ -151,15 +153,49 @@ def _ids(values: Optional[Iterable[int]]):
     return (ctypes.c_int32 * len(seq))(*seq), len(seq)
 
 
+_FOREVER_MS = 2**62  # the library saturates it to "forever"
+
+
 def _ms(seconds: Optional[float]) -> int:
+    """Seconds as the library's int64 milliseconds: None and inf wait forever, a huge value is
+    forever too (it used to wrap in ctypes' int64 and time out at once), NaN is refused."""
     if seconds is None:
-        return 2**62  # saturates to "forever" in the library
+        return _FOREVER_MS
+    seconds = float(seconds)
+    if math.isnan(seconds):
+        raise ValueError("a timeout must be a number of seconds (or None / inf for no limit), not NaN")
+    if seconds * 1000 >= _FOREVER_MS:
+        return _FOREVER_MS
     return max(0, int(seconds * 1000))
+
+
+def _u64(value: int, what: str, limit: int = 2**62) -> int:
+    """A non-negative integer below `limit` (ctypes would wrap a negative or huge one silently)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value >= limit:
+        raise ValueError(f"{what} must be an integer in [0, {limit}), got {value!r}")
+    return value
 
 
 def now_ns() -> int:
     """CLOCK_MONOTONIC in ns: the clock of `deadline_ns` (time.monotonic_ns() on Linux)."""
     return n.lib.kvtd_now_ns()
+
+
+def _mapped_file(address: int):
+    """The shared-memory file mapped at `address` in this process and the address's offset in it
+    (from /proc/self/maps: start-end perms offset dev inode path)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split(None, 5)
+            if len(parts) < 6:
+                continue
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            if start <= address < end:
+                path = parts[5].strip()
+                if path.endswith(" (deleted)") or not path.startswith("/dev/shm/"):
+                    raise ValueError(f"address {address:#x} is not in a live shared-memory object ({path!r})")
+                return path, address - start + int(parts[2], 16)
+    raise ValueError(f"address {address:#x} is not mapped")
 
 
 class Session:
@@ -176,6 +212,7 @@ class Session:
         self._check(rc, "create session " + suffix)
         self.suffix = suffix
         self._keepalive = []  # torch tensors registered by handle: kept alive with the session
+        self._arena_maps = {}  # host-backend arenas mapped by this object (see _host_buffer)
 
     # -- lifetime -------------------------------------------------------------------------
     def close(self) -> None:
@@ -220,6 +257,7 @@ class Session:
         clear_caches()."""
         if len(handle) != n.HANDLE_BYTES:
             raise ValueError(f"an IPC handle has {n.HANDLE_BYTES} bytes, got {len(handle)}")
+        offset, nbytes = _u64(offset, "offset"), _u64(nbytes, "nbytes")
         buf = (ctypes.c_uint8 * n.HANDLE_BYTES).from_buffer_copy(handle)
         rc = n.lib.kvtd_register_tensor_on(self._handle(), rank, layer, _kind(kind), device_id,
                                            pci_bus_id.encode() if pci_bus_id else None, buf, offset, nbytes,
@@ -237,13 +275,16 @@ class Session:
 
     def create_host_device_tensors(self) -> None:
         """Host backend: makes shared-memory "device" tensors for every rank and layer. After
-        clear_caches() it frees the old ones and makes new ones (views of the old are invalid)."""
+        clear_caches() it frees the old ones and makes new ones (views of the old ones keep the
+        old bytes, which nothing reads or writes any more)."""
+        self._arena_maps = {}
         self._check(n.lib.kvtd_create_host_device_tensors(self._handle(), self._errbuf(), _ERR_LEN),
                     "create host device tensors")
 
     def free_host_device_tensors(self) -> None:
         """Host backend: unmaps and unlinks those tensors (before publish, or after clear_caches()).
-        Every host_array/host_tensor view of them is invalid from here on."""
+        Views of them keep the old bytes, which nothing reads or writes any more."""
+        self._arena_maps = {}
         self._check(n.lib.kvtd_free_host_device_tensors(self._handle(), self._errbuf(), _ERR_LEN),
                     "free host device tensors")
 
@@ -280,12 +321,22 @@ class Session:
         self._check(rc, what)
 
     def _host_buffer(self, rank: int, layer: int, kind):
+        """The tensor's bytes in a mapping of its own: views of it stay valid after close() or a
+        clear (the library unmaps its mapping then; the shared object lives on while any of
+        ours does). A view of the library's own mapping killed the interpreter when read after
+        close()."""
         size = ctypes.c_uint64()
         ptr = n.lib.kvtd_host_device_tensor(self._handle(), rank, layer, _kind(kind), ctypes.byref(size))
         if not ptr:
             raise ValueError(f"no host device tensor for rank {rank} layer {layer} kind {kind} "
                              "(outside the geometry, or create_host_device_tensors() not called)")
-        return (ctypes.c_uint8 * size.value).from_address(ptr)
+        path, offset = _mapped_file(ptr)
+        m = self._arena_maps.get(path)
+        if m is None:
+            with open(path, "r+b") as f:
+                m = mmap.mmap(f.fileno(), 0)
+            self._arena_maps[path] = m
+        return memoryview(m)[offset: offset + size.value]
 
     def host_array(self, rank: int, layer: int, kind):
         """The bytes of a host-backend tensor as a writable numpy uint8 array (a view)."""

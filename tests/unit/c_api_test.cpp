@@ -3,6 +3,8 @@
 #include "kvtd/kvtd_client.h"
 
 #include <gtest/gtest.h>
+#include <chrono>
+#include <sys/wait.h>
 
 #include <cstring>
 #include <string>
@@ -79,6 +81,89 @@ TEST(CApi, CreatePublishSubmitAndReportErrors) {
 }
 
 // The C ABI end to end: register tensors by handle, submit, and wait for the merged result.
+// A published one-rank session with its rank attached in this process (it reports nothing
+// unless told to).
+struct AttachedCSession {
+  std::string suffix;
+  kvtd_session* s = nullptr;
+  Result<std::unique_ptr<RankEndpoint>, IpcErrc> ep = make_error(IpcErrc::kClosed, "");
+  explicit AttachedCSession(const std::string& name) : suffix(test::unique_suffix(name)) {
+    const kvtd_geometry g = c_geometry(1);
+    char err[256] = {0};
+    EXPECT_EQ(kvtd_session_create(suffix.c_str(), &g, &s, err, sizeof err), KVTD_OK) << err;
+    const std::uint8_t handle[64] = {'x'};
+    EXPECT_EQ(kvtd_register_tensor(s, 0, 0, 0, -1, handle, 0, 8 * 64, err, sizeof err), KVTD_OK) << err;
+    EXPECT_EQ(kvtd_publish(s, err, sizeof err), KVTD_OK) << err;
+    ep = RankEndpoint::attach(endpoint_options(suffix, 0, c_geometry_as_proto()));
+    EXPECT_TRUE(ep.ok());
+  }
+  std::uint64_t submit() {
+    int32_t src[1] = {1}, dst[1] = {2};
+    uint64_t id = 0;
+    char err[256] = {0};
+    EXPECT_EQ(kvtd_submit(s, KVTD_SWAP_TO_HOST, src, dst, 1, 1000, &id, err, sizeof err), KVTD_OK) << err;
+    return id;
+  }
+};
+
+// Issue 18 item 11: a completion thread waiting in kvtd_wait while the main thread destroys the
+// session at shutdown is ordinary engine code; destroy unmapped the segment under the waiter
+// (SIGSEGV 3 of 3). Now the waiter returns KVTD_E_CLOSED and destroy frees once it left.
+TEST(CApi, DestroyWhileAnotherThreadWaitsWakesItWithClosed) {
+  AttachedCSession a("capi_close");
+  const std::uint64_t id = a.submit();  // never reported: the waiter would wait 30 s
+  std::atomic<int> rc{-1};
+  std::string message;
+  std::thread waiter([&] {
+    char err[256] = {0};
+    kvtd_completion c{};
+    rc = kvtd_wait(a.s, id, 30'000, &c, err, sizeof err);
+    message = err;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const auto t0 = std::chrono::steady_clock::now();
+  kvtd_session_destroy(a.s);
+  waiter.join();
+  EXPECT_EQ(rc.load(), KVTD_E_CLOSED) << message;
+  EXPECT_STREQ(kvtd_error_name(KVTD_E_CLOSED), "closed");
+  EXPECT_NE(message.find("closed"), std::string::npos) << message;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+}
+
+// Issue 18 item 12: a forked child (FastDeploy uses multiprocessing) shared its parent's session
+// and the two took each other's completions (17-68% of waits never completed). The child is
+// refused on every call, and destroying its copy leaves the parent's session alone.
+TEST(CApi, AForkedChildCannotUseItsParentsSession) {
+  AttachedCSession a("capi_fork");
+  const pid_t pid = fork();
+  if (pid == 0) {
+    char err[256] = {0};
+    int32_t src[1] = {1}, dst[1] = {2};
+    uint64_t id = 0;
+    kvtd_completion c{};
+    int bad = 0;
+    if (kvtd_submit(a.s, KVTD_SWAP_TO_HOST, src, dst, 1, 1000, &id, err, sizeof err) != KVTD_E_WRONG_PROCESS) bad |= 1;
+    if (std::string(err).find("created by process") == std::string::npos) bad |= 2;
+    if (kvtd_poll(a.s, 1, &c, err, sizeof err) != KVTD_E_WRONG_PROCESS) bad |= 4;
+    if (kvtd_wait(a.s, 1, 10, &c, err, sizeof err) != KVTD_E_WRONG_PROCESS) bad |= 8;
+    if (kvtd_rank_alive(a.s, 0) != 0) bad |= 16;
+    kvtd_session_destroy(a.s);  // the child's copy: unmaps, unlinks nothing
+    _exit(bad);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "bits of the child's failed checks";
+  // The parent's session is intact: a task round trip works.
+  const std::uint64_t id = a.submit();
+  report(**a.ep, id, 0, TaskStatus::kOk, 1);
+  kvtd_completion c{};
+  char err[256] = {0};
+  EXPECT_EQ(kvtd_wait(a.s, id, 1000, &c, err, sizeof err), KVTD_OK) << err;
+  a.ep = make_error(IpcErrc::kClosed, "");
+  kvtd_session_destroy(a.s);
+}
+
 TEST(CApi, RegisterSubmitAndWaitWithAnAttachedRank) {
   const auto suffix = test::unique_suffix("capi2");
   const kvtd_geometry g = c_geometry(1);

@@ -12,9 +12,11 @@
  * out-of-range values are refused with KVTD_E_INVALID.
  * Ownership: kvtd_session_create allocates the handle; kvtd_session_destroy frees it, unlinks
  * the session and every shared object it made (attached daemons notice and detach).
- * Thread-safety: a handle may be used from several threads at once, except that
- * kvtd_session_destroy must not race any other call on the same handle. Waits never hold a lock
- * while sleeping; a caller in Python (ctypes) waits with the GIL released.
+ * Thread-safety: a handle may be used from several threads at once. kvtd_session_destroy wakes
+ * the calls waiting in the session on other threads (they return KVTD_E_CLOSED) and frees the
+ * handle once none is inside; no call may start after destroy began. A handle used in a process
+ * other than its creator (a forked child) is refused with KVTD_E_WRONG_PROCESS. Waits never hold
+ * a lock while sleeping; a caller in Python (ctypes) waits with the GIL released.
  * Versioning: the SONAME is libkvtd_client.so.<KVTD_CLIENT_ABI>; structs may only grow at the
  * end in a new ABI version.
  */
@@ -48,7 +50,9 @@ enum {
   KVTD_E_TASK_FAILED = 8,   /* the task completed with a failure (see kvtd_completion.status) */
   KVTD_E_PENDING = 9,       /* kvtd_poll: not complete yet */
   KVTD_E_NO_EVENT = 10,     /* kvtd_layer_event_handle: that rank publishes no CUDA events */
-  KVTD_E_CACHE_CLEARED = 11 /* the cache is cleared for a weight update: kvtd_restore_caches first */
+  KVTD_E_CACHE_CLEARED = 11, /* the cache is cleared for a weight update: kvtd_restore_caches first */
+  KVTD_E_CLOSED = 12,        /* the session is being destroyed (a call that was waiting in it) */
+  KVTD_E_WRONG_PROCESS = 13  /* the session was created by another process (a forked child) */
 };
 
 enum {

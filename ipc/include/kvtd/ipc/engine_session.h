@@ -111,11 +111,23 @@ struct TaskResult {
   bool ok() const { return status == proto::TaskStatus::kOk; }
 };
 
+// Thread-safety: every method may be called from any thread. Calls made in a process other
+// than the one that created the session (a forked child) are refused with kWrongProcess: the
+// child shares the mapping but not the engine's state, and the two would take each other's
+// completions.
 class EngineSession {
  public:
   // Creates and maps the segment, state kCreating. Fails with kInUse if a live engine owns it.
   static Result<std::unique_ptr<EngineSession>, IpcErrc> create(const SessionOptions& options);
+  // Closes the session: calls waiting in it on other threads return kClosed, later calls are
+  // refused with kClosed, and it returns once no call is inside. The destructor does it first,
+  // so destroying a session while another thread waits in it is safe; starting a call after the
+  // destructor began is not (the object is going away).
+  void close();
   ~EngineSession();
+  // Whether calls are accepted: kClosed once closing, kWrongProcess in a forked child. Calls
+  // that return a plain value (poll, rank_alive, ...) give an empty one then; this says why.
+  Status<IpcErrc> usable() const;
   EngineSession(const EngineSession&) = delete;
   EngineSession& operator=(const EngineSession&) = delete;
 

@@ -23,6 +23,7 @@ enum class IpcErrc {
   kCorrupt,           // shared memory holds values that break its invariants (message names the field)
   kSystem,            // an OS call failed (message has errno text)
   kCacheCleared,      // the KV cache is cleared for a weight update: restore_caches() first
+  kWrongProcess,      // the session was created by another process (e.g. used in a forked child)
 };
 
 const char* ipc_errc_name(IpcErrc e);
