@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     shape = (args.device_blocks, heads, bsize, hdim)
     g = kvtd.Geometry(num_ranks=args.ranks, num_layers=args.layers, key_shape=shape, value_shape=shape,
                       num_host_blocks=args.host_blocks, dtype="bfloat16")
-    extra = ["--storage-backend", "file", "--storage-path", args.storage_path,
+    extra = ["--storage-backend", "file", "--storage-path", args.storage_path, "--model-id", "engine-example",
              "--write-policy", "write_through"] if args.storage_path else []
     daemons = None if args.no_spawn else kvtd.testing.Daemons(args.kvtd, args.session, g, extra).start()
     try:

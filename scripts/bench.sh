@@ -88,7 +88,7 @@ rm -rf "$sdir/store"
 echo "== storage tasks through the daemons, file store (same disk, same object size)"
 for ranks in 1 2; do
   rm -rf "$sdir/daemon"
-  daemon_extra=(--storage-backend file --storage-path "$sdir/daemon")
+  daemon_extra=(--storage-backend file --storage-path "$sdir/daemon" --model-id bench)
   with_daemons "$ranks" 8 4 64 128 128 8 -- --mode storage-throughput --storage file --blocks-per-task 32 \
     --storage-blocks 1024
 done
@@ -102,14 +102,14 @@ fi
 echo "== storage agreement: STORAGE_QUERY of one stored key (file store), round trip"
 for ranks in 2 4; do
   rm -rf "$sdir/lat"
-  daemon_extra=(--storage-backend file --storage-path "$sdir/lat")
+  daemon_extra=(--storage-backend file --storage-path "$sdir/lat" --model-id bench)
   with_daemons "$ranks" 1 1 16 64 16 16 -- --mode storage-latency --storage file --latency-samples 20000
 done
 echo "== daemon memory: one STORAGE_WRITE then one STORAGE_READ of 4 GiB (512 x 8 MiB) with 64 MiB staging"
 rm -rf "$sdir/rss"
 rss_suffix="benchrss$$"
 "$kvtd" --rank 0 --mp-num 1 --num-layers 32 --num-host-blocks 1 --key-cache-shape 520,8,64,128 \
-  --value-cache-shape 520,8,64,128 --session "$rss_suffix" --storage-backend file --storage-path "$sdir/rss" \
+  --value-cache-shape 520,8,64,128 --session "$rss_suffix" --storage-backend file --storage-path "$sdir/rss" --model-id bench \
   --storage-staging-mib 64 --log-level warn &
 rss_pid=$!
 pids+=("$rss_pid")
@@ -135,7 +135,7 @@ for _ in $(seq 50); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep
 echo "== storage tasks through the daemons, Redis (same server)"
 for ranks in 1 2; do
   redis-cli -p "$port" flushall >/dev/null
-  daemon_extra=(--storage-backend redis --redis-endpoints "127.0.0.1:$port")
+  daemon_extra=(--storage-backend redis --redis-endpoints "127.0.0.1:$port" --model-id bench)
   with_daemons "$ranks" 8 4 64 128 128 8 -- --mode storage-throughput --storage redis --blocks-per-task 32 \
     --storage-blocks 512
 done

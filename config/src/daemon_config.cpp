@@ -456,6 +456,11 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   if (st.staging_mib < 1 || st.staging_mib > 65536)
     return bad("--storage-staging-mib: " + std::to_string(st.staging_mib) + " must be in [1, 65536]");
   if (st.write_threshold < 1) return bad("--write-threshold: must be at least 1");
+  // Every deployment that shares a store must say which model its KV belongs to: two fine-tunes of
+  // one shape under the default namespace would load each other's KV.
+  if (st.backend != StorageBackendKind::kNone && model_id_opt->count() == 0 && c.fastdeploy.model_path.empty())
+    return bad("--model-id: required with a storage backend (or FastDeploy's --model_path): deployments that share "
+               "a store under one id load each other's KV");
   if (st.backend != StorageBackendKind::kNone && !c.fastdeploy.model_path.empty()) {
     auto prefix = fastdeploy_key_prefix(c.fastdeploy.model_path);
     if (!prefix.ok()) return std::move(prefix).error();

@@ -1,6 +1,11 @@
 #include "kvtd/storage/file_store.h"
 
 #include <unistd.h>
+#include <filesystem>
+#include <cerrno>
+#include <ctime>
+#include <sys/stat.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <atomic>
@@ -70,7 +75,10 @@ class FileStore final : public ObjectStore {
       const auto slash = f.path.rfind('/');
       const std::string base = f.path.substr(slash + 1);
       if (base.rfind(kTmpPrefix, 0) == 0) {
-        fs_->remove(f.path);  // left behind by a crash mid-put
+        // Several daemons share a store: only a temporary whose writer is gone is garbage (a live
+        // writer's rename would fail). Gone: its pid (in the name) no longer runs here, or the
+        // file is older than any write takes (another pid namespace, a reused pid).
+        if (abandoned_temporary(base, f.mtime_ns)) fs_->remove(f.path);
         continue;
       }
       if (base.size() < 4 || base.compare(base.size() - 4, 4, kSuffix) != 0) continue;
@@ -311,6 +319,28 @@ class FileStore final : public ObjectStore {
     return dir_ + "/" + fan + "/" + key + kSuffix;
   }
 
+  // ".tmp-<key>-<pid>-<thread>-<n>" (unique_suffix): whether its writer can no longer rename it.
+  static bool abandoned_temporary(const std::string& base, std::int64_t mtime_ns) {
+    constexpr std::int64_t kMaxWriteNs = 600'000'000'000;  // 10 minutes
+    timespec now{};
+    clock_gettime(CLOCK_REALTIME, &now);
+    const std::int64_t now_ns = static_cast<std::int64_t>(now.tv_sec) * 1'000'000'000 + now.tv_nsec;
+    if (now_ns - mtime_ns > kMaxWriteNs) return true;
+    // The pid is the third field from the end (keys may hold '-').
+    std::size_t end = base.size();
+    for (int field = 0; field < 2; ++field) {
+      end = base.rfind('-', end - 1);
+      if (end == std::string::npos || end == 0) return false;
+    }
+    const std::size_t start = base.rfind('-', end - 1);
+    if (start == std::string::npos) return false;
+    const std::string pid_text = base.substr(start + 1, end - start - 1);
+    if (pid_text.empty() || pid_text.find_first_not_of("0123456789") != std::string::npos || pid_text.size() > 9)
+      return false;
+    const pid_t pid = static_cast<pid_t>(std::stol(pid_text));
+    return pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH;
+  }
+
   std::string unique_suffix() {
     static std::atomic<std::uint64_t> counter{0};
     return std::to_string(::getpid()) + "-" + std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id())) +
@@ -369,11 +399,48 @@ class FileStore final : public ObjectStore {
 
 }  // namespace
 
+namespace {
+
+// The store root must be this user's alone: anyone who can write it can plant objects (the
+// object format is public and its checksum only catches accidents), and anyone who can list it
+// learns the stored keys, which are prompt-prefix hashes. A missing root is made 0700.
+Status<StorageErrc> check_private_root(const std::string& root) {
+  struct stat st {};
+  if (::lstat(root.c_str(), &st) != 0) {
+    if (errno != ENOENT) return make_error(StorageErrc::kIo, "cannot stat " + root + ": " + std::strerror(errno));
+    std::error_code ec;
+    const auto parent = std::filesystem::path(root).parent_path();
+    if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+    if (::mkdir(root.c_str(), 0700) != 0 && errno != EEXIST)
+      return make_error(StorageErrc::kIo, "cannot create " + root + ": " + std::strerror(errno));
+    if (::lstat(root.c_str(), &st) != 0) return make_error(StorageErrc::kIo, "cannot stat " + root + ": " + std::strerror(errno));
+  }
+  char mode[8];
+  std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+  if (S_ISLNK(st.st_mode))
+    return make_error(StorageErrc::kInvalidArgument, "store root " + root + " is a symbolic link; name the directory itself");
+  if (!S_ISDIR(st.st_mode)) return make_error(StorageErrc::kInvalidArgument, "store root " + root + " is not a directory");
+  if (st.st_uid != ::geteuid())
+    return make_error(StorageErrc::kInvalidArgument, "store root " + root + " is owned by uid " + std::to_string(st.st_uid) +
+                                                         ", not this daemon's (" + std::to_string(::geteuid()) +
+                                                         "): another user could plant KV in it");
+  if ((st.st_mode & 077) != 0)
+    return make_error(StorageErrc::kInvalidArgument, "store root " + root + " has mode " + mode +
+                                                         ": other users can reach it (they could plant KV or list "
+                                                         "the stored prompt hashes); chmod 700 " + root);
+  return {};
+}
+
+}  // namespace
+
 Result<std::unique_ptr<ObjectStore>, StorageErrc> open_file_store(const FileStoreOptions& o) {
   if (!proto::valid_model_id(o.store.model_id))
     return make_error(StorageErrc::kInvalidArgument, "model id '" + o.store.model_id + "' must be 1-64 of [A-Za-z0-9_.-]");
   if (o.store.object_bytes == 0) return make_error(StorageErrc::kInvalidArgument, "object_bytes must be positive");
   if (o.root.empty()) return make_error(StorageErrc::kInvalidArgument, "file store root directory is empty");
+  if (!o.fs) {  // the real file system (tests that inject one have no owner or mode to check)
+    if (auto st = check_private_root(o.root); !st.ok()) return st.error();
+  }
   auto owned = o.fs ? nullptr : make_posix_file_system();
   auto store = std::make_unique<FileStore>(o, std::move(owned));
   if (auto st = store->make_fanout(); !st.ok()) return st.error();

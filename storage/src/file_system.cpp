@@ -75,10 +75,17 @@ class PosixFileSystem final : public FileSystem {
     *present = false;
     return errno == ENOENT || errno == ENOTDIR ? 0 : errno;
   }
+  // Directories the store makes are 0700 whatever the umask: keys are prompt-prefix hashes.
   int make_dirs(const std::string& path) override {
-    std::error_code ec;
-    std::filesystem::create_directories(path, ec);
-    return ec ? ec.value() : 0;
+    std::string part;
+    std::size_t pos = 0;
+    while (pos != std::string::npos) {
+      pos = path.find('/', pos + 1);
+      part = path.substr(0, pos);
+      if (part.empty()) continue;
+      if (::mkdir(part.c_str(), 0700) != 0 && errno != EEXIST) return errno;
+    }
+    return 0;
   }
   int sync_dir(const std::string& path) override {
     const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);

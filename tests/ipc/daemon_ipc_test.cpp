@@ -90,7 +90,7 @@ TEST_F(DaemonTest, CopyThreadsRunOnTheNumaNodeGivenAndAMissingNodeIsOnlyAWarning
   if (node0.empty()) GTEST_SKIP() << "no /sys/devices/system/node/node0 here";
   while (!node0.empty() && node0.back() == '\n') node0.pop_back();
   const std::string store = ::testing::TempDir() + "/" + suffix_ + "_numa_store";
-  extra_args_ = {"--numa-node", "0", "--storage-backend", "file", "--storage-path", store};
+  extra_args_ = {"--numa-node", "0", "--storage-backend", "file", "--storage-path", store, "--model-id", "m"};
   daemons_.push_back(start_daemon(0));
   extra_args_ = {"--numa-node", "7"};
   daemons_.push_back(start_daemon(1));

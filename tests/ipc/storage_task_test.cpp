@@ -704,7 +704,8 @@ TEST_F(StorageChaosTest, RedisKilledMidWorkFailsWithStorageUnavailableThenRecove
   const std::string dir = ::testing::TempDir() + "/" + suffix_ + "_redis";
   auto server = std::make_unique<test::RedisServer>(port, std::vector<std::string>{}, dir);
   ASSERT_TRUE(server->ready());
-  extra_args_ = {"--storage-backend", "redis", "--redis-endpoints", server->endpoint(), "--redis-timeout", "0.5"};
+  extra_args_ = {"--storage-backend", "redis", "--redis-endpoints", server->endpoint(), "--redis-timeout", "0.5",
+                 "--model-id", "m1"};
   ASSERT_NO_FATAL_FAILURE(start_all());
   const auto keys = make_keys("r", 6);
   ASSERT_TRUE(storage(TaskKind::kStorageWrite, keys, iota_ids(0, 6)).ok());
@@ -766,7 +767,7 @@ TEST_F(StorageChaosTest, NoSpaceOnTheStoreFailsTheWriteAndTearsNothing) {
       fs::remove(at);
     }
   } unmount{mnt};
-  extra_args_ = {"--storage-backend", "file", "--storage-path", mnt + "/store"};
+  extra_args_ = {"--storage-backend", "file", "--storage-path", mnt + "/store", "--model-id", "m1"};
   ASSERT_NO_FATAL_FAILURE(start_all());
   // Each 768-byte object takes a 4 KiB page: 2 ranks x 40 objects do not fit in 64 pages.
   const auto keys = make_keys("full", 40);

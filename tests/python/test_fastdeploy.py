@@ -66,7 +66,7 @@ def test_one_tuple_or_none_and_the_bytes_come_back(cluster):
 
 
 def test_storage_read_is_reported_once_per_rank_write_once(cluster, tmp_path):
-    c = cluster(extra=["--storage-backend", "file", "--storage-path", str(tmp_path / "store")])
+    c = cluster(extra=["--storage-backend", "file", "--storage-path", str(tmp_path / "store"), "--model-id", "t"])
     s = c.ready()
     fill_random(s, c.geometry)
     q = KvtdCacheQueue(s, monitor=False)

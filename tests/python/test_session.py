@@ -133,7 +133,7 @@ def test_waits_release_the_gil():
 
 
 def test_storage_write_query_read_and_prefetch(cluster, tmp_path):
-    c = cluster(extra=["--storage-backend", "file", "--storage-path", str(tmp_path / "store")])
+    c = cluster(extra=["--storage-backend", "file", "--storage-path", str(tmp_path / "store"), "--model-id", "t"])
     s = c.ready()
     g = c.geometry
     fill_random(s, g)

@@ -1,6 +1,10 @@
 #include "kvtd/storage/file_store.h"
 
 #include <gtest/gtest.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <filesystem>
@@ -379,6 +383,82 @@ TEST_F(FileStoreTest, TemporaryFilesLeftByACrashAreRemovedAtOpen) {
   EXPECT_FALSE(fs::exists(tmp));
   std::vector<std::byte> out;
   EXPECT_EQ(get_one(*s, "k", &out), ObjectResult::kOk);
+}
+
+}  // namespace
+}  // namespace kvtd::storage
+
+namespace kvtd::storage {
+namespace {
+
+// Issue 18 item 6: --storage-path was used whatever its owner and mode; another local user who
+// could write it planted an object (the format is public) and STORAGE_READ loaded it. Now the root
+// must be this user's alone (0700-like); a missing one is made 0700, and so is every directory below.
+TEST_F(FileStoreTest, AStoreRootOthersCanReachOrAnotherUserOwnsIsRefusedNamingPathAndMode) {
+  auto made = open_file_store(options());
+  ASSERT_TRUE(made.ok()) << made.error().message;
+  made.value().reset();
+  struct stat st {};
+  ASSERT_EQ(::stat(root_.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u) << "a missing root is made private";
+  for (auto& e : fs::recursive_directory_iterator(root_))
+    if (e.is_directory()) {
+      ASSERT_EQ(::stat(e.path().c_str(), &st), 0);
+      EXPECT_EQ(st.st_mode & 0777, 0700u) << e.path() << ": stored keys are prompt-prefix hashes";
+    }
+  for (mode_t mode : {0777, 0770, 0750, 0705}) {
+    ASSERT_EQ(::chmod(root_.c_str(), mode), 0);
+    auto s = open_file_store(options());
+    ASSERT_FALSE(s.ok()) << std::oct << mode;
+    EXPECT_NE(s.error().message.find(root_), std::string::npos) << s.error().message;
+    char text[8];
+    std::snprintf(text, sizeof text, "%04o", static_cast<unsigned>(mode));
+    EXPECT_NE(s.error().message.find(text), std::string::npos) << s.error().message;
+  }
+  ASSERT_EQ(::chmod(root_.c_str(), 0700), 0);
+  const std::string link = root_ + "_link";
+  fs::remove(link);
+  fs::create_directory_symlink(root_, link);
+  auto o = options();
+  o.root = link;
+  auto via_link = open_file_store(o);
+  fs::remove(link);
+  ASSERT_FALSE(via_link.ok());
+  EXPECT_NE(via_link.error().message.find("symbolic link"), std::string::npos) << via_link.error().message;
+  if (::geteuid() == 0) {  // only root can give the directory away
+    ASSERT_EQ(::chown(root_.c_str(), 65534, 65534), 0);
+    auto foreign = open_file_store(options());
+    ASSERT_FALSE(foreign.ok());
+    EXPECT_NE(foreign.error().message.find("owned by uid 65534"), std::string::npos) << foreign.error().message;
+    ASSERT_EQ(::chown(root_.c_str(), 0, 0), 0);
+  }
+  EXPECT_TRUE(open_file_store(options()).ok());
+}
+
+// Issue 18 item 7: opening a store removed every ".tmp-*" under the namespace, so a rank of
+// another group restarting made a live writer's rename fail. Only a dead writer's temporaries
+// (its pid in the name no longer runs) or ones older than any write takes are removed.
+TEST_F(FileStoreTest, OpeningAStoreRemovesOnlyTemporariesOfWritersThatAreGone) {
+  auto first = open(options());
+  ASSERT_NE(first, nullptr);
+  first.reset();
+  std::string ns;
+  for (auto& e : fs::directory_iterator(root_ + "/llama")) ns = e.path().string();  // <root>/<model>/<fingerprint>
+  ASSERT_FALSE(ns.empty());
+  const pid_t dead = fork();
+  if (dead == 0) _exit(0);
+  ASSERT_EQ(waitpid(dead, nullptr, 0), dead);
+  const std::string live_tmp = ns + "/00/.tmp-key-a-" + std::to_string(::getpid()) + "-77-1";
+  const std::string dead_tmp = ns + "/00/.tmp-key-b-" + std::to_string(dead) + "-77-2";
+  const std::string old_tmp = ns + "/00/.tmp-key-c-" + std::to_string(::getpid()) + "-77-3";
+  for (const auto& p : {live_tmp, dead_tmp, old_tmp}) std::ofstream(p) << "partial";
+  const timespec hour_ago[2] = {{::time(nullptr) - 3600, 0}, {::time(nullptr) - 3600, 0}};
+  ASSERT_EQ(::utimensat(AT_FDCWD, old_tmp.c_str(), hour_ago, 0), 0);
+  auto second = open(options());
+  ASSERT_NE(second, nullptr);
+  EXPECT_TRUE(fs::exists(live_tmp)) << "a live writer's temporary was removed under it";
+  EXPECT_FALSE(fs::exists(dead_tmp));
+  EXPECT_FALSE(fs::exists(old_tmp));
 }
 
 }  // namespace

@@ -289,10 +289,12 @@ TEST(DaemonFlags, StorageFlagsAreParsedAndBadOnesNamed) {
   expect_rejected({"--storage-io-threads", "0"}, "--storage-io-threads");
   expect_rejected({"--storage-staging-mib", "0"}, "--storage-staging-mib");
   expect_rejected({"--storage-fsync", "always"}, "--storage-fsync");
+  // Issue 18 item 8: a store without a model id shared one namespace with every deployment.
+  expect_rejected({"--storage-backend", "file", "--storage-path", "/tmp/s"}, "--model-id: required with a storage backend");
   auto args = kBase;
   for (const char* a : {"--write_policy", "write_through_selective", "--kvcache_storage_backend", "redis",
                         "--redis-endpoints", "10.0.0.1:6379,h2:7000", "--pod_ip", "1.2.3.4", "--weight-version", "7",
-                        "--storage-staging-mib", "16", "--write-threshold", "3"})
+                        "--storage-staging-mib", "16", "--write-threshold", "3", "--model-id", "m"})
     args.push_back(a);
   auto c = parse(args);
   ASSERT_TRUE(c.ok()) << c.error().message;
