@@ -95,6 +95,7 @@ struct StorageExecutor::Impl {
   bool agree_done = false;            // the agreement thread has exited (after closing)
   std::unordered_set<std::uint64_t> live;       // queued or running task ids
   std::unordered_set<std::uint64_t> cancelled;  // subset of live
+  std::unordered_set<std::uint64_t> committed;  // subset of live: past their last cancel check
   bool closing = false;
   std::vector<std::thread> workers;
   std::thread agreement;
@@ -143,6 +144,26 @@ struct StorageExecutor::Impl {
   bool is_cancelled(std::uint64_t id) {
     std::lock_guard<std::mutex> g(mu);
     return cancelled.count(id) != 0;
+  }
+
+  // A task's objects move in steps of at most ~4 MiB (one object when objects are larger, and
+  // at least one per I/O thread so a step keeps them busy), with a cancellation check between
+  // steps: a CANCEL stops a write of thousands of small objects promptly.
+  std::size_t cancel_step() const {
+    constexpr std::uint64_t kStepBytes = 4ull << 20;
+    const std::uint64_t by_bytes = t.object_bytes == 0 ? 1 : std::max<std::uint64_t>(1, kStepBytes / t.object_bytes);
+    const std::uint64_t step = std::max<std::uint64_t>(by_bytes, t.config.io_threads);
+    return static_cast<std::size_t>(std::max<std::uint64_t>(1, std::min<std::uint64_t>(step, chunk_objects)));
+  }
+
+  // Checks for a CANCEL before a step; before the last one, also marks the task committed, so
+  // a CANCEL that arrives later answers that it will not stop it (it is truthful: a task that
+  // CANCEL said would stop never completes ok). True: go on.
+  bool may_continue(std::uint64_t id, bool last_step) {
+    std::lock_guard<std::mutex> g(mu);
+    if (cancelled.count(id) != 0) return false;
+    if (last_step) committed.insert(id);
+    return true;
   }
 
   // Why this rank's work must stop without a completion: the engine revoked its epoch.
@@ -311,14 +332,15 @@ struct StorageExecutor::Impl {
     const auto& tensors = host ? t.host_tensors : t.device_tensors;
     std::size_t loaded = 0;
     std::vector<std::byte*> dst(chunk_objects);
+    const std::size_t step = cancel_step();
     while (loaded < n) {
       if (past_deadline(w, start, loaded, n)) return;
-      if (is_cancelled(w.header.task_id)) {
+      const std::size_t c = std::min(step, n - loaded);
+      if (!may_continue(w.header.task_id, loaded + c == n)) {
         finish(w, TaskStatus::kCancelled, loaded, 0, start, "cancelled after " + std::to_string(loaded) + " of " +
                                                                 std::to_string(n) + " blocks");
         return;
       }
-      const std::size_t c = std::min(chunk_objects, n - loaded);
       for (std::size_t i = 0; i < c; ++i) dst[i] = slice + i * t.object_bytes;
       const auto ids = std::span(p.ids).subspan(loaded, c);
       if (revoked(w)) return;  // checked right before writing engine memory
@@ -361,6 +383,19 @@ struct StorageExecutor::Impl {
       while (ok < c && (*got)[ok] == storage::ObjectResult::kOk) ++ok;
       if (host && pool != nullptr) pool->mark_valid(ids.first(ok));
       loaded += ok;
+      if (ok < c && (*got)[ok] == storage::ObjectResult::kFailed) {
+        // The store failed (a server that died, an I/O error), which is not a miss: the engine
+        // must be able to tell "not stored" from "store down". The blocks before it are loaded.
+        {
+          std::lock_guard<std::mutex> g(stats_mu);
+          st.objects_read += ok;
+          st.bytes_read += ok * t.object_bytes;
+        }
+        finish(w, TaskStatus::kStorageUnavailable, loaded, 0, start,
+               unavailable("the store failed reading key " + w.section.keys[loaded] + " after " +
+                           std::to_string(loaded) + " of " + std::to_string(n) + " blocks: " + t.store->last_error()));
+        return;
+      }
       {
         std::lock_guard<std::mutex> g(stats_mu);
         st.objects_read += ok;
@@ -396,16 +431,17 @@ struct StorageExecutor::Impl {
     const auto& tensors = host ? t.host_tensors : t.device_tensors;
     std::size_t written = skip;
     std::vector<const std::byte*> src(chunk_objects);
+    const std::size_t step = cancel_step();
     while (written < stored.size()) {
       if (revoked(w)) return;
       if (past_deadline(w, start, written - skip, stored.size() - skip)) return;
-      if (is_cancelled(w.header.task_id)) {
+      const std::size_t c = std::min(step, stored.size() - written);
+      if (!may_continue(w.header.task_id, written + c == stored.size())) {
         finish(w, TaskStatus::kCancelled, written - skip, skipped, start,
                "cancelled after writing " + std::to_string(written - skip) + " of " + std::to_string(stored.size() - skip) +
                    " blocks");
         return;
       }
-      const std::size_t c = std::min(chunk_objects, stored.size() - written);
       if (writer && in_place) {
         // The blocks are readable where they are (host pool; host-backend tensors): each object
         // is written straight from its pieces, no staging copy. Adjacent pieces merge, so a
@@ -495,6 +531,7 @@ struct StorageExecutor::Impl {
       std::lock_guard<std::mutex> g(mu);
       live.erase(w.header.task_id);
       cancelled.erase(w.header.task_id);
+      committed.erase(w.header.task_id);
     }
     release(w);
   }
@@ -625,7 +662,8 @@ void StorageExecutor::submit(StorageWork&& w) {
 
 bool StorageExecutor::cancel(std::uint64_t task_id) {
   std::lock_guard<std::mutex> g(impl_->mu);
-  if (!impl_->live.count(task_id)) return false;
+  // Past its last check the task will complete as it is: saying it stops would be a lie.
+  if (!impl_->live.count(task_id) || impl_->committed.count(task_id)) return false;
   impl_->cancelled.insert(task_id);
   return true;
 }
@@ -637,6 +675,7 @@ std::size_t StorageExecutor::drop_queued() {
     auto take = [&](StorageWork&& w) {
       impl_->live.erase(w.header.task_id);
       impl_->cancelled.erase(w.header.task_id);
+      impl_->committed.erase(w.header.task_id);
       dropped.push_back(std::move(w));
     };
     for (auto& w : impl_->agreeing) take(std::move(w));

@@ -189,8 +189,10 @@ class RedisStore final : public ObjectStore {
     return n.get();
   }
 
-  // A live connection to `n`, or null (down, or still backing off).
-  redisContext* connect(Node& n, Clock::time_point deadline) {
+  // A live connection to `n`, or null (down, or still backing off). *reused: it was made before
+  // this call (it may have gone stale while idle: a server restart is found only on use).
+  redisContext* connect(Node& n, Clock::time_point deadline, bool* reused = nullptr) {
+    if (reused) *reused = n.ctx && n.ctx->err == 0;
     if (n.ctx && n.ctx->err == 0) return n.ctx;
     n.drop();
     const auto now = Clock::now();
@@ -285,8 +287,19 @@ class RedisStore final : public ObjectStore {
   void pipeline(Node& n, Op op, const std::vector<std::size_t>& idx, const std::vector<std::string>& names,
                 std::span<std::byte* const> dsts, std::span<const std::byte* const> srcs, Clock::time_point dl,
                 std::vector<ObjectResult>* results, std::vector<std::size_t>* retry, std::map<std::size_t, Node*>* ask) {
-    redisContext* c = connect(n, dl);
+    bool reused = false;
+    redisContext* c = connect(n, dl, &reused);
     if (!c) return;  // results stay kFailed
+    // A connection made before this call that fails now was most likely left stale by a server
+    // restart: retry the group once on a fresh connection, without the reconnect backoff (the
+    // next tasks used to fail storage_unavailable). A fresh connection that fails is the server.
+    auto lost = [&] {
+      if (!reused) return fail_connection(n);
+      last_error_ = n.ctx && n.ctx->errstr[0] ? n.ctx->errstr : "connection lost";
+      n.drop();
+      for (auto i : idx) (*results)[i] = ObjectResult::kFailed;
+      retry->insert(retry->end(), idx.begin(), idx.end());
+    };
     std::vector<bool> asking(idx.size(), false);
     for (std::size_t j = 0; j < idx.size(); ++j) {
       const std::size_t i = idx[j];
@@ -301,7 +314,7 @@ class RedisStore final : public ObjectStore {
         case Op::kExists: redisAppendCommand(c, "EXISTS %b", key.data(), key.size()); break;
         case Op::kDel: redisAppendCommand(c, "DEL %b", key.data(), key.size()); break;
         case Op::kSet:
-          if (!write_set(c, key, names[i], srcs[i], asking[j])) return fail_connection(n);
+          if (!write_set(c, key, names[i], srcs[i], asking[j])) return lost();
           break;
       }
     }
@@ -309,11 +322,11 @@ class RedisStore final : public ObjectStore {
       const std::size_t i = idx[j];
       if (asking[j]) {
         void* raw = nullptr;
-        if (redisGetReply(c, &raw) != REDIS_OK) return fail_connection(n);
+        if (redisGetReply(c, &raw) != REDIS_OK) return lost();
         freeReplyObject(raw);
       }
       void* raw = nullptr;
-      if (redisGetReply(c, &raw) != REDIS_OK) return fail_connection(n);
+      if (redisGetReply(c, &raw) != REDIS_OK) return lost();
       Reply r(static_cast<redisReply*>(raw));
       if (r->type == REDIS_REPLY_ERROR) {
         const std::string err(r->str, r->len);

@@ -155,6 +155,31 @@ TEST_F(RedisStandalone, KilledServerFailsPutsWithoutSigpipeAndReconnectsAfterRes
   EXPECT_EQ(*s->exists(b.keys), 8u);
 }
 
+// Issue 18 item 3: after a Redis restart the next two storage tasks failed storage_unavailable:
+// the idle connection was found stale only on use, then a 50 ms backoff refused the next try.
+// A command that fails on a connection made before the call is retried once on a fresh one.
+TEST_F(RedisStandalone, TheFirstCallsAfterAServerRestartSucceed) {
+  ASSERT_TRUE(server_.ready());
+  auto s = open(options({server_.endpoint()}));
+  Batch b(4);
+  ASSERT_TRUE(s->put(b.keys, b.srcs).ok());
+  server_.kill9();
+  server_.start();  // restarted while the store's connection sat idle
+  ASSERT_TRUE(server_.ready());
+  auto put = s->put(b.keys, b.srcs);  // the very first call after the restart
+  ASSERT_TRUE(put.ok()) << put.error().message;
+  for (auto r : *put) EXPECT_EQ(r, ObjectResult::kOk) << s->last_error();
+  auto ex = s->exists(b.keys);
+  ASSERT_TRUE(ex.ok()) << ex.error().message;
+  EXPECT_EQ(*ex, 4u);
+  server_.kill9();
+  server_.start();
+  ASSERT_TRUE(server_.ready());
+  auto got = s->get(b.keys, b.dsts);  // a read after a restart: a miss (no persistence), not a failure
+  ASSERT_TRUE(got.ok());
+  for (auto r : *got) EXPECT_EQ(r, ObjectResult::kMissing) << s->last_error();
+}
+
 TEST_F(RedisStandalone, ServerKilledMidBatchFailsThatBatchWithinTheDeadline) {
   ASSERT_TRUE(server_.ready());
   auto o = options({server_.endpoint()});

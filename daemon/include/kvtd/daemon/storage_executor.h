@@ -10,8 +10,10 @@
 // pinned staging buffer, so memory is bounded whatever the task size. The layout transform runs
 // per object on the store's I/O thread that moves it; blocks the CPU can read in place are
 // written without staging (file store). A chunk whose objects are missing or corrupt on this
-// rank ends the load there (the engine's merge takes the MIN over ranks). A CANCEL or the
-// deadline stops a task between chunks.
+// rank ends the load there (the engine's merge takes the MIN over ranks); one the store failed
+// to read ends it with storage_unavailable (the blocks before it loaded). A CANCEL or the
+// deadline stops a task between steps of at most ~4 MiB; a CANCEL that arrives once the last
+// step began answers that it will not stop the task.
 //
 // Stored key: "<engine key>.w<deployment weight version>-<task weight version>.r<rank>" in the
 // store's namespace (model id + layout fingerprint), so KV from other weights, another layout or
@@ -94,7 +96,8 @@ class StorageExecutor {
   StorageExecutor& operator=(const StorageExecutor&) = delete;
 
   void submit(StorageWork&& work);
-  // Asks a queued or running task to stop between chunks; false if it is not live here.
+  // Asks a queued or running task to stop at its next step; false if it is not live here or
+  // already past its last step (it will then complete as it is).
   bool cancel(std::uint64_t task_id);
   // Removes queued work (a revoked epoch); returns how many were dropped (released, no completion).
   std::size_t drop_queued();
