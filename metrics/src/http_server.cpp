@@ -4,10 +4,10 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
-#include <poll.h>
-
 #include <atomic>
 #include <chrono>
+#include <memory>
+#include <optional>
 #include <thread>
 
 namespace kvtd::metrics {
@@ -17,83 +17,112 @@ namespace beast = boost::beast;
 namespace http = beast::http;
 using tcp = asio::ip::tcp;
 
+// Connections are served concurrently on one io_context thread, each with a total deadline and
+// an idle limit between keep-alive requests, and at most kMaxConnections at once (a newcomer
+// beyond that is closed): a client that holds its connection, sends half a request or reads
+// nothing delays nobody else's scrape.
+constexpr int kMaxConnections = 64;
+constexpr auto kConnectionDeadline = std::chrono::seconds(5);  // one connection, all its requests
+constexpr auto kIdleDeadline = std::chrono::seconds(2);        // waiting for the next request
+
+class Connection : public std::enable_shared_from_this<Connection> {
+ public:
+  Connection(tcp::socket socket, const MetricsRegistry& registry, std::atomic<int>& open)
+      : stream_(std::move(socket)), registry_(registry), open_(open),
+        end_(std::chrono::steady_clock::now() + kConnectionDeadline) {}
+  ~Connection() { open_.fetch_sub(1); }
+
+  void read() {
+    parser_.emplace();
+    parser_->header_limit(8192);
+    parser_->body_limit(8192);
+    stream_.expires_at(std::min(end_, std::chrono::steady_clock::now() + kIdleDeadline));
+    http::async_read(stream_, buffer_, *parser_,
+                     [self = shared_from_this()](beast::error_code ec, std::size_t) { self->answer(ec); });
+  }
+
+ private:
+  void answer(beast::error_code ec) {
+    if (ec == http::error::end_of_stream || ec == beast::error::timeout || ec == asio::error::operation_aborted)
+      return close();
+    auto res = std::make_shared<http::response<http::string_body>>();
+    res->version(11);
+    res->set(http::field::server, "kvtd");
+    bool keep_alive = false;
+    if (ec) {
+      res->result(http::status::bad_request);
+      res->body() = "bad request: " + ec.message() + "\n";
+    } else {
+      const auto& req = parser_->get();
+      keep_alive = req.keep_alive();
+      if (req.method() != http::verb::get) {
+        res->result(http::status::method_not_allowed);
+        res->body() = "only GET\n";
+      } else if (req.target() != "/metrics") {
+        res->result(http::status::not_found);
+        res->body() = "kvtd serves /metrics\n";
+      } else {
+        res->result(http::status::ok);
+        res->body() = registry_.render();
+      }
+    }
+    res->set(http::field::content_type, res->result() == http::status::ok ? "text/plain; version=0.0.4; charset=utf-8"
+                                                                          : "text/plain; charset=utf-8");
+    res->keep_alive(keep_alive);
+    res->prepare_payload();
+    const bool again = keep_alive && !ec;
+    stream_.expires_at(end_);
+    http::async_write(stream_, *res, [self = shared_from_this(), res, again](beast::error_code wec, std::size_t) {
+      if (wec || !again) return self->close();
+      self->read();
+    });
+  }
+
+  void close() {
+    beast::error_code ignored;
+    stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);
+    stream_.socket().close(ignored);
+  }
+
+  beast::tcp_stream stream_;
+  beast::flat_buffer buffer_{8192};
+  std::optional<http::request_parser<http::string_body>> parser_;
+  const MetricsRegistry& registry_;
+  std::atomic<int>& open_;
+  const std::chrono::steady_clock::time_point end_;
+};
+
 struct MetricsServer::Impl {
   const MetricsRegistry& registry;
   asio::io_context io;
   tcp::acceptor acceptor{io};
   std::thread thread;
-  std::atomic<bool> stopping{false};
+  std::atomic<int> open{0};
   std::uint16_t port = 0;
 
   explicit Impl(const MetricsRegistry& r) : registry(r) {}
 
-  // One connection: requests until the client closes, an error, or the deadline. Asynchronous
-  // operations run to completion on this thread's io_context, because only those honour the
-  // stream's expiry: a client that sends nothing (or reads nothing) is cut off after 2 s.
-  void serve(tcp::socket socket) {
-    beast::tcp_stream stream(std::move(socket));
-    beast::flat_buffer buffer(8192);
-    for (;;) {
-      http::request_parser<http::string_body> parser;
-      parser.header_limit(8192);
-      parser.body_limit(8192);
-      beast::error_code ec;
-      stream.expires_after(std::chrono::seconds(2));
-      http::async_read(stream, buffer, parser, [&ec](beast::error_code e, std::size_t) { ec = e; });
-      io.restart();
-      io.run();
-      if (ec == http::error::end_of_stream || ec == beast::error::timeout) break;
-      http::response<http::string_body> res;
-      res.version(11);
-      res.set(http::field::server, "kvtd");
-      bool keep_alive = false;
-      if (ec) {
-        res.result(http::status::bad_request);
-        res.body() = "bad request: " + ec.message() + "\n";
-      } else {
-        const auto& req = parser.get();
-        keep_alive = req.keep_alive();
-        if (req.method() != http::verb::get) {
-          res.result(http::status::method_not_allowed);
-          res.body() = "only GET\n";
-        } else if (req.target() != "/metrics") {
-          res.result(http::status::not_found);
-          res.body() = "kvtd serves /metrics\n";
+  void accept() {
+    acceptor.async_accept([this](beast::error_code ec, tcp::socket socket) {
+      if (ec == asio::error::operation_aborted) return;  // stopping
+      if (!ec) {
+        if (open.fetch_add(1) >= kMaxConnections) {
+          open.fetch_sub(1);
+          beast::error_code ignored;
+          socket.close(ignored);  // over the cap: the newcomer waits for its client's retry
         } else {
-          res.result(http::status::ok);
-          res.body() = registry.render();
+          std::make_shared<Connection>(std::move(socket), registry, open)->read();
         }
       }
-      res.set(http::field::content_type, res.result() == http::status::ok ? "text/plain; version=0.0.4; charset=utf-8"
-                                                                          : "text/plain; charset=utf-8");
-      res.keep_alive(keep_alive);
-      res.prepare_payload();
-      beast::error_code wec;
-      stream.expires_after(std::chrono::seconds(2));
-      http::async_write(stream, res, [&wec](beast::error_code e, std::size_t) { wec = e; });
-      io.restart();
-      io.run();
-      if (wec || !keep_alive || ec) break;
-    }
-    beast::error_code ignored;
-    stream.socket().shutdown(tcp::socket::shutdown_both, ignored);
+      accept();  // also after an error (e.g. out of descriptors: the next accept may work)
+    });
   }
 
-  // Only this thread touches the acceptor after start(): it polls with a short timeout, so the
-  // destructor stops it by setting `stopping` (no cross-thread close of a blocked accept).
   void loop() {
-    while (!stopping.load()) {
-      pollfd pfd{acceptor.native_handle(), POLLIN, 0};
-      if (::poll(&pfd, 1, 100) <= 0) continue;
-      beast::error_code ec;
-      tcp::socket socket(io);
-      acceptor.accept(socket, ec);
-      if (ec) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));  // e.g. out of descriptors
-        continue;
-      }
+    for (;;) {
       try {
-        serve(std::move(socket));
+        io.run();
+        return;  // stopped
       } catch (const std::exception&) {
         // A client that breaks the protocol ends its connection, never the server.
       }
@@ -117,13 +146,14 @@ Result<std::unique_ptr<MetricsServer>, MetricsErrc> MetricsServer::start(const M
                                               std::to_string(port) + ": " + ec.message());
   impl->port = impl->acceptor.local_endpoint(ec).port();
   auto* raw = impl.get();
+  raw->accept();
   raw->thread = std::thread([raw] { raw->loop(); });
   return std::unique_ptr<MetricsServer>(new MetricsServer(std::move(impl)));
 }
 
 MetricsServer::~MetricsServer() {
-  impl_->stopping.store(true);
-  if (impl_->thread.joinable()) impl_->thread.join();  // within one poll timeout or one connection
+  impl_->io.stop();  // thread-safe: run() returns; pending connections end with the io_context
+  if (impl_->thread.joinable()) impl_->thread.join();
   beast::error_code ec;
   impl_->acceptor.close(ec);
 }

@@ -3,8 +3,9 @@
 //
 // GET /metrics answers 200 with the exposition; any other path 404, any other method 405; a
 // request over 8 KiB or malformed is answered 400 (when possible) and the connection closed:
-// nothing a client sends can crash or stall the server (one connection at a time; every read
-// and write bounded by 2 s, so a silent or non-reading client is cut off).
+// nothing a client sends can crash or stall the server: connections are served concurrently (at
+// most 64 at once, a newcomer beyond that is closed), each within 5 s in all and 2 s idle
+// between keep-alive requests, so a silent, slow or non-reading client delays no other scrape.
 //
 // Ownership: borrows the registry, which must outlive the server. Not copyable or movable.
 // Thread-safety: start() once; the destructor stops and joins the serving thread.
