@@ -209,6 +209,9 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   std::int64_t metrics_port = 0;
   app.add_option("--control-endpoint", c.control_endpoint,
                  "Also serve the control socket on tcp://127.0.0.1:<port> (always on ipc:// in the runtime dir)");
+  app.add_option("--control-secret-file", c.control_secret_file,
+                 "The TCP control endpoint's shared secret: first line of a 0600 file of this user (required with "
+                 "--control-endpoint)");
   app.add_option("--metrics-port", metrics_port, "Prometheus metrics on 127.0.0.1:<port>/metrics (0 = off)");
   app.add_option("--log-summary-period", c.log_summary_period_s,
                  "Seconds between info summaries while tasks complete (0 = none; debug: one line per task)");
@@ -399,6 +402,9 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   if (!c.control_endpoint.empty() && c.control_endpoint.rfind("tcp://127.0.0.1:", 0) != 0 &&
       c.control_endpoint.rfind("tcp://localhost:", 0) != 0)
     return bad("--control-endpoint: '" + c.control_endpoint + "' must be tcp://127.0.0.1:<port> or tcp://localhost:<port>");
+  if (!c.control_endpoint.empty() && c.control_secret_file.empty())
+    return bad("--control-endpoint: needs --control-secret-file (any local user can reach a TCP port; the ipc "
+               "socket in the runtime directory is private to this user)");
   if (metrics_port < 0 || metrics_port > 65535)
     return bad("--metrics-port: " + std::to_string(metrics_port) + " must be 0 (off) or a TCP port in [1, 65535]");
   c.metrics_port = static_cast<std::uint16_t>(metrics_port);

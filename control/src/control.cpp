@@ -10,9 +10,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
 #include <zmq.hpp>
@@ -115,6 +117,10 @@ Result<Request, ControlErrc> parse_request(const std::string& text) {
   if (r.command != "status" && r.command != "drain" && r.command != "log-level" && r.command != "clear" &&
       r.command != "restore")
     return make_error(ControlErrc::kInvalidArgument, "unknown command '" + r.command.substr(0, 64) + "': " + kCommandList);
+  if (const auto token = j.find("token"); token != j.end()) {
+    if (!token->is_string()) return make_error(ControlErrc::kInvalidArgument, "\"token\" must be a string");
+    r.token = token->get<std::string>();
+  }
   if (const auto drop = j.find("drop_host_tier"); drop != j.end()) {
     if (r.command != "clear" || !drop->is_boolean())
       return make_error(ControlErrc::kInvalidArgument, "\"drop_host_tier\" is a boolean of the clear command");
@@ -132,17 +138,55 @@ Result<Request, ControlErrc> parse_request(const std::string& text) {
   return r;
 }
 
+Result<std::string, ControlErrc> read_secret_file(const std::string& path) {
+  auto bad = [&](const std::string& why) {
+    return make_error(ControlErrc::kInvalidArgument, "--control-secret-file " + path + ": " + why);
+  };
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return bad(std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) return bad("not a regular file (a symbolic link is refused)");
+  if (st.st_uid != ::geteuid()) return bad("owned by uid " + std::to_string(st.st_uid) + ", not this user");
+  if ((st.st_mode & 077) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    return bad(std::string("mode ") + mode + " lets other users read the secret; chmod 600 " + path);
+  }
+  std::ifstream in(path);
+  std::string secret;
+  std::getline(in, secret);
+  while (!secret.empty() && (secret.back() == '\r' || secret.back() == ' ')) secret.pop_back();
+  if (secret.size() < 16) return bad("the secret (its first line) must have at least 16 characters");
+  return secret;
+}
+
+namespace {
+
+// Compares in time independent of where they differ (no timing oracle for the secret).
+bool same_secret(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (std::size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
+  return diff == 0;
+}
+
+}  // namespace
+
 struct ControlServer::Impl {
   zmq::context_t context{1};
   zmq::socket_t socket{context, zmq::socket_type::rep};
+  zmq::socket_t tcp{context, zmq::socket_type::rep};  // bound only with a TCP endpoint
+  bool has_tcp = false;
+  std::string secret;
   std::string endpoint;
   std::string path;
   Handler handler;
   std::atomic<bool> stopping{false};
   std::thread thread;
 
-  std::string answer(const std::string& text) {
+  std::string answer(const std::string& text, bool from_tcp) {
     auto req = parse_request(text);
+    if (from_tcp && (!req.ok() || !same_secret(req->token, secret)))
+      return error_reply("unauthorized: the TCP control endpoint answers only requests with the secret of "
+                         "--control-secret-file");
     if (!req.ok()) return error_reply(req.error().message);
     Reply r;
     try {
@@ -156,20 +200,26 @@ struct ControlServer::Impl {
     return json{{"ok", true}, {"result", result}}.dump();
   }
 
+  // One request on `s`, if one is waiting.
+  void serve_one(zmq::socket_t& s, bool from_tcp) {
+    zmq::message_t msg;
+    if (!s.recv(msg, zmq::recv_flags::dontwait)) return;
+    // A multipart request: read the rest so the REP state machine stays in step; answer an error.
+    const bool multipart = msg.more();
+    while (msg.more())
+      if (!s.recv(msg, zmq::recv_flags::none)) break;
+    const std::string reply = multipart ? error_reply("send the request as one message")
+                                        : answer(std::string(static_cast<const char*>(msg.data()), msg.size()), from_tcp);
+    s.send(zmq::buffer(reply), zmq::send_flags::none);
+  }
+
   void loop() {
     while (!stopping.load()) {
-      zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLIN, 0};
+      zmq::pollitem_t items[2] = {{socket.handle(), 0, ZMQ_POLLIN, 0}, {tcp.handle(), 0, ZMQ_POLLIN, 0}};
       try {
-        if (zmq::poll(&item, 1, std::chrono::milliseconds(100)) <= 0) continue;
-        zmq::message_t msg;
-        if (!socket.recv(msg, zmq::recv_flags::dontwait)) continue;
-        // A multipart request: read the rest so the REP state machine stays in step; answer an error.
-        const bool multipart = msg.more();
-        while (msg.more())
-          if (!socket.recv(msg, zmq::recv_flags::none)) break;
-        const std::string reply = multipart ? error_reply("send the request as one message")
-                                            : answer(std::string(static_cast<const char*>(msg.data()), msg.size()));
-        socket.send(zmq::buffer(reply), zmq::send_flags::none);
+        if (zmq::poll(items, has_tcp ? 2 : 1, std::chrono::milliseconds(100)) <= 0) continue;
+        if (items[0].revents & ZMQ_POLLIN) serve_one(socket, false);
+        if (has_tcp && (items[1].revents & ZMQ_POLLIN)) serve_one(tcp, true);
       } catch (const zmq::error_t&) {
         // EINTR or a peer gone mid-exchange: the REP socket recovers on the next request.
       }
@@ -181,11 +231,19 @@ ControlServer::ControlServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)
 
 Result<std::unique_ptr<ControlServer>, ControlErrc> ControlServer::start(const std::string& path,
                                                                         const std::string& tcp_endpoint,
+                                                                        const std::string& tcp_secret,
                                                                         Handler handler) {
   if (!tcp_endpoint.empty() && !loopback_tcp(tcp_endpoint))
     return make_error(ControlErrc::kInvalidArgument,
                       "--control-endpoint " + tcp_endpoint + ": only tcp://127.0.0.1:<port> or tcp://localhost:<port>");
+  // Any local user can reach loopback: a TCP endpoint without a secret would let them stop the
+  // daemon or clear the engine's cache.
+  if (!tcp_endpoint.empty() && tcp_secret.size() < 16)
+    return make_error(ControlErrc::kInvalidArgument, "--control-endpoint " + tcp_endpoint +
+                                                         " needs --control-secret-file: any local user can reach a "
+                                                         "TCP port (the ipc socket is private to this user)");
   auto impl = std::make_unique<Impl>();
+  impl->secret = tcp_secret;
   impl->handler = std::move(handler);
   impl->path = path;
   impl->endpoint = "ipc://" + path;
@@ -199,7 +257,12 @@ Result<std::unique_ptr<ControlServer>, ControlErrc> ControlServer::start(const s
     ::unlink(path.c_str());  // a socket file a killed daemon left: nobody listens on it
     impl->socket.bind(impl->endpoint);
     ::chmod(path.c_str(), 0600);
-    if (!tcp_endpoint.empty()) impl->socket.bind(tcp_endpoint);
+    if (!tcp_endpoint.empty()) {
+      impl->tcp.set(zmq::sockopt::maxmsgsize, kMaxRequestBytes);
+      impl->tcp.set(zmq::sockopt::linger, 1000);
+      impl->tcp.bind(tcp_endpoint);
+      impl->has_tcp = true;
+    }
   } catch (const zmq::error_t& e) {
     return make_error(ControlErrc::kBind, "control socket " + impl->endpoint +
                                               (tcp_endpoint.empty() ? "" : " / " + tcp_endpoint) + ": " + e.what());
@@ -213,6 +276,7 @@ ControlServer::~ControlServer() {
   impl_->stopping.store(true);
   if (impl_->thread.joinable()) impl_->thread.join();
   impl_->socket.close();
+  impl_->tcp.close();
   ::unlink(impl_->path.c_str());
 }
 
@@ -229,6 +293,7 @@ Result<std::string, ControlErrc> call(const std::string& endpoint, const Request
     json j{{"command", request.command}};
     if (!request.level.empty()) j["level"] = request.level;
     if (request.drop_host_tier) j["drop_host_tier"] = true;
+    if (!request.token.empty()) j["token"] = request.token;
     if (!socket.send(zmq::buffer(j.dump()), zmq::send_flags::none))
       return make_error(ControlErrc::kTimeout, "no daemon took the request at " + endpoint);
     zmq::message_t reply;

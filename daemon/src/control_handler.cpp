@@ -160,7 +160,13 @@ Result<std::unique_ptr<control::ControlServer>, control::ControlErrc> start_cont
     }
     return reply;
   };
-  return control::ControlServer::start(path, cfg.control_endpoint, handler);
+  std::string secret;
+  if (!cfg.control_endpoint.empty()) {
+    auto s = control::read_secret_file(cfg.control_secret_file);
+    if (!s.ok()) return std::move(s).error();
+    secret = std::move(s).value();
+  }
+  return control::ControlServer::start(path, cfg.control_endpoint, secret, handler);
 }
 
 }  // namespace kvtd::daemon

@@ -62,6 +62,8 @@ int run_ctl(int argc, char** argv) {
   app.add_option("--rank", rank, "Only this rank");
   app.add_flag("--all", all, "Every rank of the session found in the runtime directory (the default)");
   app.add_option("--endpoint", endpoint, "One daemon by endpoint (ipc://... or tcp://127.0.0.1:port)");
+  std::string secret_file;
+  app.add_option("--secret-file", secret_file, "tcp:// endpoints: the daemon's --control-secret-file");
   app.add_option("--timeout", timeout_s, "Seconds to wait for each daemon (default 2)");
   app.add_flag("--json", as_json, "Print the daemons' JSON replies");
   app.add_flag("--drop-host-tier", drop_host_tier, "clear: also invalidate the host pool (its KV is the old weights')");
@@ -76,6 +78,14 @@ int run_ctl(int argc, char** argv) {
   req.command = command;
   req.level = level;
   req.drop_host_tier = drop_host_tier;
+  if (!secret_file.empty()) {
+    auto secret = control::read_secret_file(secret_file);
+    if (!secret.ok()) {
+      std::fprintf(stderr, "kvtd ctl: %s\n", secret.error().message.c_str());
+      return kExitBadFlags;
+    }
+    req.token = std::move(secret).value();
+  }
   json probe{{"command", command}};
   if (!level.empty()) probe["level"] = level;
   if (drop_host_tier) probe["drop_host_tier"] = true;

@@ -1,6 +1,12 @@
 // The control plane through real processes: `kvtd ctl` against running daemons (status as a
 // table and as JSON, log-level, drain), hostile requests on the socket, and no daemon at all.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <zmq.hpp>
+
+#include <fstream>
 
 #include <nlohmann/json.hpp>
 
@@ -30,6 +36,75 @@ class ControlTest : public DaemonTest {
     return "ipc://" + control::socket_path(dir.ok() ? *dir : "", suffix_, 0, rank);
   }
 };
+
+// Runs `kvtd ctl <args>` as uid/gid 65534 (another local user); (exit code, output). Root only.
+std::pair<int, std::string> ctl_as_nobody(const std::string& suffix, std::vector<std::string> args) {
+  const std::string out = ::testing::TempDir() + "/" + suffix + "_nobody.out";
+  std::remove(out.c_str());
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int fd = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0666);
+    if (fd >= 0) {
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+    }
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) _exit(99);
+    args.insert(args.begin(), {KVTD_BINARY, "ctl"});
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(KVTD_BINARY, argv.data());
+    _exit(98);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  auto text = test::read_file(out);
+  std::remove(out.c_str());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), text};
+}
+
+// Issue 18 item 9: with --control-endpoint tcp://127.0.0.1:P any local user ran status, log-level,
+// clear and drain. The TCP endpoint now needs a secret from a private file and answers nothing
+// else; the ipc socket stays private to the daemon's user.
+TEST_F(ControlTest, TheTcpEndpointAnswersOnlyRequestsWithTheSecretAndTheIpcSocketIsPrivate) {
+  g_ = test::small_geometry(1);
+  const std::string secret = ::testing::TempDir() + "/" + suffix_ + "_secret";
+  std::ofstream(secret) << "correct-horse-battery-staple\n";
+  ASSERT_EQ(::chmod(secret.c_str(), 0644), 0);
+  const std::uint16_t port = static_cast<std::uint16_t>(20000 + ::getpid() % 20000);
+  const std::string tcp = "tcp://127.0.0.1:" + std::to_string(port);
+  extra_args_ = {"--control-endpoint", tcp, "--control-secret-file", secret};
+  {  // a secret others can read is refused at start, naming the file and its mode
+    Child d = start_daemon(0);
+    EXPECT_EQ(d.wait_exit(std::chrono::seconds(20)), 2);
+    const auto log = test::read_file(log_path(0));
+    EXPECT_NE(log.find(secret), std::string::npos) << log;
+    EXPECT_NE(log.find("0644"), std::string::npos) << log;
+  }
+  ASSERT_EQ(::chmod(secret.c_str(), 0600), 0);
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  auto [no_secret, refused] = ctl({"--endpoint", tcp, "--json", "status"});
+  EXPECT_NE(no_secret, 0) << refused;
+  EXPECT_NE(refused.find("unauthorized"), std::string::npos) << refused;
+  EXPECT_EQ(refused.find("\"pid\""), std::string::npos) << "nothing about the daemon leaks: " << refused;
+  auto [with_secret, status] = ctl({"--endpoint", tcp, "--secret-file", secret, "--json", "status"});
+  EXPECT_EQ(with_secret, 0) << status;
+  const json replies = json::parse(status, nullptr, false);
+  ASSERT_TRUE(replies.is_array() && replies.size() == 1) << status;
+  EXPECT_TRUE(replies[0]["result"]["attached"].get<bool>()) << status;
+  if (::geteuid() == 0) {
+    // Another local user: drain over TCP without the secret is refused and the daemon serves on;
+    // the ipc socket (0600 in a 0700 directory) is out of its reach.
+    auto [tcp_code, tcp_out] = ctl_as_nobody(suffix_, {"--endpoint", tcp, "--timeout", "2", "drain"});
+    EXPECT_NE(tcp_code, 0) << tcp_out;
+    EXPECT_NE(tcp_out.find("unauthorized"), std::string::npos) << tcp_out;
+    auto [ipc_code, ipc_out] = ctl_as_nobody(suffix_, {"--endpoint", socket_of(0), "--timeout", "1", "drain"});
+    EXPECT_NE(ipc_code, 0) << ipc_out;
+    EXPECT_TRUE(daemons_[0].running()) << "another user stopped the daemon";
+    ASSERT_TRUE(run(TaskKind::kSwapToHost, {1}, {2}).ok());
+  }
+  std::remove(secret.c_str());
+}
 
 TEST_F(ControlTest, StatusOfEveryRankAsJsonAndAsATable) {
   ASSERT_NO_FATAL_FAILURE(start_all());

@@ -139,6 +139,13 @@ TEST(DaemonFlags, FastDeploy20sLaunchLineDescribesTheCacheByItsOldFlags) {
   EXPECT_NE(partial.error().message.find("all four"), std::string::npos) << partial.error().message;
 }
 
+TEST(DaemonFlags, ATcpControlEndpointNeedsASecretFile) {
+  auto c = parse({"--rank", "0", "--session", "s", "--key-cache-shape", "10,1,16,64", "--control-endpoint",
+                  "tcp://127.0.0.1:7000"});
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.error().message.find("--control-secret-file"), std::string::npos) << c.error().message;
+}
+
 TEST(DaemonFlags, ASessionIsRequiredUnlessFastDeploysPortNamesIt) {
   auto c = parse({"--rank", "0", "--key-cache-shape", "10,1,16,64"});
   ASSERT_FALSE(c.ok());

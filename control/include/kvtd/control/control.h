@@ -8,7 +8,9 @@
 // $RUNTIME_DIRECTORY (systemd's RuntimeDirectory=), else /run/kvtd when it is ours (the unit's
 // directory, seen from `kvtd ctl` run as the same user), else $XDG_RUNTIME_DIR/kvtd, else
 // /tmp/kvtd-<uid>; it must be a directory owned by this user with mode 0700 (made so when
-// missing, refused otherwise). Optionally also a TCP endpoint on loopback (--control-endpoint).
+// missing, refused otherwise). Optionally also a TCP endpoint on loopback (--control-endpoint),
+// on a socket of its own that answers only requests carrying the shared secret ("token", from
+// --control-secret-file: loopback is open to every local user, the ipc socket is not).
 //
 // Hostile input: a request over 64 KiB is dropped by ZeroMQ (ZMQ_MAXMSGSIZE); anything that is
 // not a JSON object with a known command gets an error reply; the socket always answers.
@@ -36,7 +38,12 @@ struct Request {
   std::string command;  // kCommandList
   std::string level;    // log-level: trace | debug | info | warn | error | critical | off
   bool drop_host_tier = false;  // clear: also invalidate the host pool
+  std::string token;            // the TCP endpoint's shared secret (ignored on the ipc socket)
 };
+
+// The shared secret in `path`: its first line, at least 16 characters, in a regular file owned by
+// this user that no one else may read (mode 0600-like). The error names the path and the problem.
+Result<std::string, ControlErrc> read_secret_file(const std::string& path);
 
 // What the handler answers: `result_json` (a JSON object's text) when ok, else `error`.
 struct Reply {
@@ -58,10 +65,11 @@ std::vector<std::pair<std::uint32_t, std::string>> find_sockets(const std::strin
 class ControlServer {
  public:
   // Binds ipc://<socket_path> (replacing a stale socket file; kInUse when a live process still
-  // listens on it, e.g. the rank's running daemon) and, if not empty,
-  // `tcp_endpoint` (must be tcp://127.0.0.1:<port> or tcp://localhost:<port>).
+  // listens on it, e.g. the rank's running daemon) and, if not empty, `tcp_endpoint` (must be
+  // tcp://127.0.0.1:<port> or tcp://localhost:<port>), which needs `tcp_secret` (refused without).
   static Result<std::unique_ptr<ControlServer>, ControlErrc> start(const std::string& socket_path,
-                                                                   const std::string& tcp_endpoint, Handler handler);
+                                                                   const std::string& tcp_endpoint,
+                                                                   const std::string& tcp_secret, Handler handler);
   ~ControlServer();
   ControlServer(const ControlServer&) = delete;
   ControlServer& operator=(const ControlServer&) = delete;
