@@ -1,6 +1,18 @@
 #include "kvtd/storage/object_format.h"
 
 #include <xxhash.h>
+#if defined(__x86_64__)
+// Debian's libxxhash picks the widest vector unit at run time (SSE2, AVX2, AVX-512) in the
+// *_dispatch entry points; the plain names run the build's baseline (SSE2). Same hash either way:
+// the object format does not change.
+#define XXH_DISPATCH_DISABLE_REPLACE 1
+#include <xxh_x86dispatch.h>
+#define KVTD_XXH3_64(p, n) XXH3_64bits_dispatch(p, n)
+#define KVTD_XXH3_UPDATE(s, p, n) XXH3_64bits_update_dispatch(s, p, n)
+#else
+#define KVTD_XXH3_64(p, n) XXH3_64bits(p, n)
+#define KVTD_XXH3_UPDATE(s, p, n) XXH3_64bits_update(s, p, n)
+#endif
 
 #include <cstdio>
 #include <memory>
@@ -22,7 +34,7 @@ const char* object_result_name(ObjectResult r) {
 
 bool valid_key(const std::string& key) { return proto::valid_object_key(key); }
 
-std::uint64_t hash_bytes(const void* data, std::size_t bytes) { return XXH3_64bits(data, bytes); }
+std::uint64_t hash_bytes(const void* data, std::size_t bytes) { return KVTD_XXH3_64(data, bytes); }
 
 std::string namespaced_key(const StoreOptions& o, const std::string& key) {
   char fp[17];
@@ -52,7 +64,7 @@ ObjectHeader make_header(const StoreOptions& o, const std::string& namespaced,
   if (!st) throw std::bad_alloc();
   XXH3_64bits_reset(st.get());
   for (auto p : parts) {
-    XXH3_64bits_update(st.get(), p.data(), p.size());
+    KVTD_XXH3_UPDATE(st.get(), p.data(), p.size());
     h.payload_bytes += p.size();
   }
   h.checksum = XXH3_64bits_digest(st.get());

@@ -71,7 +71,7 @@ TEST_F(ControlTest, TheTcpEndpointAnswersOnlyRequestsWithTheSecretAndTheIpcSocke
   const std::string secret = ::testing::TempDir() + "/" + suffix_ + "_secret";
   std::ofstream(secret) << "correct-horse-battery-staple\n";
   ASSERT_EQ(::chmod(secret.c_str(), 0644), 0);
-  const std::uint16_t port = static_cast<std::uint16_t>(20000 + ::getpid() % 20000);
+  const std::uint16_t port = test::free_tcp_port();
   const std::string tcp = "tcp://127.0.0.1:" + std::to_string(port);
   extra_args_ = {"--control-endpoint", tcp, "--control-secret-file", secret};
   {  // a secret others can read is refused at start, naming the file and its mode

@@ -12,18 +12,7 @@
 namespace kvtd {
 namespace {
 
-// A TCP port free right now on loopback (the kernel's choice; released for the daemon).
-std::uint16_t free_port() {
-  const int s = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(s);
-  return ntohs(a.sin_port);
-}
+std::uint16_t free_port() { return test::free_tcp_port(); }
 
 // Sends `request` raw and returns everything the server answers until it closes.
 std::string http_exchange(std::uint16_t port, const std::string& request) {

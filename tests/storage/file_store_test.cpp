@@ -463,3 +463,28 @@ TEST_F(FileStoreTest, OpeningAStoreRemovesOnlyTemporariesOfWritersThatAreGone) {
 
 }  // namespace
 }  // namespace kvtd::storage
+
+#include <xxhash.h>
+
+namespace kvtd::storage {
+namespace {
+
+// The checksum runs on the widest vector unit the CPU has (libxxhash's run-time dispatch); stored
+// objects must stay readable by every build, so it must equal the baseline XXH3 bit for bit, for
+// whole payloads and for payloads given in parts.
+TEST(ObjectFormat, TheChecksumIsPlainXxh3WhicheverVectorUnitComputesIt) {
+  std::mt19937 rng(7);
+  std::vector<std::byte> data(3 << 20);
+  for (auto& b : data) b = static_cast<std::byte>(rng());
+  const StoreOptions so{"m", 1, 0};
+  for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{17}, std::size_t{240}, std::size_t{241},
+                        std::size_t{4096}, std::size_t{1} << 20, data.size() - 3}) {
+    EXPECT_EQ(hash_bytes(data.data(), n), XXH3_64bits(data.data(), n)) << n;
+    const std::span<const std::byte> parts[3] = {std::span(data).first(n / 3), std::span(data).subspan(n / 3, n / 3),
+                                                 std::span(data).subspan(2 * (n / 3), n - 2 * (n / 3))};
+    EXPECT_EQ(make_header(so, "k", parts).checksum, XXH3_64bits(data.data(), n)) << n;
+  }
+}
+
+}  // namespace
+}  // namespace kvtd::storage

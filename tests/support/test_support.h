@@ -2,8 +2,11 @@
 // a watchdog that fails a hung test, small geometries, and polling with a deadline.
 #pragma once
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -106,6 +109,20 @@ inline bool eventually(const std::function<bool()>& cond, std::chrono::milliseco
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   return cond();
+}
+
+// A TCP port free on loopback right now (the kernel's choice, released for the caller): a fixed
+// or pid-derived port collides with other tests running beside this one.
+inline std::uint16_t free_tcp_port() {
+  const int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  (void)::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  (void)::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(s);
+  return ntohs(a.sin_port);
 }
 
 inline std::string read_file(const std::string& path) {
