@@ -114,6 +114,8 @@ struct EngineSession::Impl {
   // engine shutdown: a completion thread in wait(), the main thread closing) wakes that call
   // with kClosed and unmaps only once no call is inside. Both seq_cst: a call increments `calls`
   // then reads `closing`, the destructor sets `closing` then reads `calls`; one sees the other.
+  std::int64_t last_service_ns = 0;  // guarded by mu: when service() last ran (any thread)
+  std::int64_t watch_from_ns = 0;    // guarded by mu: heartbeat ages count from here at most
   std::atomic<std::uint32_t> calls{0};
   std::atomic<bool> closing{false};
   // The session belongs to the process that created it: a forked child shares the mapping but
@@ -269,6 +271,12 @@ struct EngineSession::Impl {
       while (ring_r.try_pop(rec)) merge(rec);
 
     const std::int64_t now = clock->now_ns();
+    // A rank is dead after rank_timeout of heartbeat silence that this engine was awake to see.
+    // When the engine itself did not run for a while (its process or the machine stalled: every
+    // heartbeat then looks old at once), it watches afresh from now instead of fencing ranks
+    // that were merely not observed.
+    if (last_service_ns != 0 && now - last_service_ns > opts.rank_timeout_ns / 2) watch_from_ns = now;
+    last_service_ns = now;
     for (std::uint32_t r = 0; r < geo.num_ranks; ++r) {
       auto& s = h->ranks[r];
       if (rank_state[r].fencing) continue;  // no grant and no new verdict until the fence ends
@@ -292,7 +300,7 @@ struct EngineSession::Impl {
         continue;
       }
       if (!attached) continue;
-      const std::int64_t age = now - s.heartbeat_ns.load(std::memory_order_acquire);
+      const std::int64_t age = now - std::max(s.heartbeat_ns.load(std::memory_order_acquire), watch_from_ns);
       if (s.leaving_epoch.load(std::memory_order_acquire) == s.attached_epoch.load(std::memory_order_relaxed)) {
         // An orderly exit: the daemon wrote every completion it will ever write before saying so.
         s.attached.store(0, std::memory_order_release);

@@ -111,11 +111,13 @@ class CudaDaemonTest : public DaemonTest {
     }
   }
 
-  Child start_cuda_daemon(std::uint32_t rank, const std::string& mode, int incarnation) {
+  Child start_cuda_daemon(std::uint32_t rank, const std::string& mode, int incarnation,
+                          const std::vector<std::string>& extra = {}) {
     auto args = daemon_args(rank, g_);
     for (std::size_t i = 0; i + 1 < args.size(); ++i)
       if (args[i] == "--device-backend") args[i + 1] = "cuda";
     args.insert(args.end(), {"--scatter-mode", mode, "--numa-node", "none"});
+    args.insert(args.end(), extra.begin(), extra.end());
     return Child(args, log_path(rank, incarnation));
   }
 
@@ -201,26 +203,33 @@ class FastDeployWorker {
   std::vector<std::string> names_;
 };
 
-TEST_F(CudaDaemonTest, TheDaemonOpensTheTensorsFastDeploysWorkerPublishedByName) {
-  ipc::SessionOptions o;
-  o.suffix = suffix_;
-  o.geometry = g_;
-  o.ring_bytes = 1u << 16;
-  o.service_period_ns = 5'000'000;
-  auto s = EngineSession::create(o);
-  ASSERT_TRUE(s.ok()) << s.error().message;
-  engine_ = std::move(s).value();
-  ASSERT_TRUE(engine_->publish().ok());  // no tensor registered: FastDeploy's names are used
-  FastDeployWorker worker("kvtdsim" + std::to_string(getpid()), g_.num_ranks);
-  std::vector<std::string> extra = {"--engine_worker_queue_port", worker.port()};
-  for (std::uint32_t r = 0; r < g_.num_ranks; ++r) {
-    auto args = daemon_args(r, g_);
-    for (std::size_t i = 0; i + 1 < args.size(); ++i)
-      if (args[i] == "--device-backend") args[i + 1] = "cuda";
-    args.insert(args.end(), {"--scatter-mode", "batch", "--numa-node", "none", "--device-id", "0"});
-    args.insert(args.end(), extra.begin(), extra.end());
-    daemons_.push_back(Child(args, log_path(r)));
+// A FastDeploy engine: its session publishes no tensor; its CUDA daemons run with FastDeploy's
+// signal suffix (and `extra` flags).
+class FastDeployCudaTest : public CudaDaemonTest {
+ protected:
+  void start_engine_and_daemons(const FastDeployWorker& worker, const std::string& mode,
+                                std::vector<std::string> extra = {}) {
+    ipc::SessionOptions o;
+    o.suffix = suffix_;
+    o.geometry = g_;
+    o.ring_bytes = 1u << 16;
+    o.service_period_ns = 5'000'000;
+    auto s = EngineSession::create(o);
+    ASSERT_TRUE(s.ok()) << s.error().message;
+    engine_ = std::move(s).value();
+    ASSERT_TRUE(engine_->publish().ok());  // no tensor registered: FastDeploy's names are used
+    extra.insert(extra.end(), {"--engine_worker_queue_port", worker.port()});
+    for (std::uint32_t r = 0; r < g_.num_ranks; ++r) daemons_.push_back(start_cuda_daemon(r, mode, 0, extra));
   }
+  static std::string name_of(proto::TensorKind kind, std::uint32_t l, std::uint32_t r) {
+    return (kind == proto::TensorKind::kKey ? "key_caches_" : "value_caches_") + std::to_string(l) + "_rank" +
+           std::to_string(r) + ".device0";
+  }
+};
+
+TEST_F(FastDeployCudaTest, TheDaemonOpensTheTensorsFastDeploysWorkerPublishedByName) {
+  FastDeployWorker worker("kvtdsim" + std::to_string(getpid()), g_.num_ranks);
+  ASSERT_NO_FATAL_FAILURE(start_engine_and_daemons(worker, "batch"));
   // The daemons wait for FastDeploy's cache_ready_signal before opening any name.
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   EXPECT_FALSE(engine_->rank_alive(0) && (engine_->rank_ready_flags(0) & proto::kReadyCacheAttached));
@@ -233,8 +242,7 @@ TEST_F(CudaDaemonTest, TheDaemonOpensTheTensorsFastDeploysWorkerPublishedByName)
         ASSERT_EQ(cudaMalloc(&p, tensor_bytes(l, k)), cudaSuccess);
         arenas_.push_back(p);
         dev_[{r, l, k}] = static_cast<std::byte*>(p);
-        const char* prefix = kind == proto::TensorKind::kKey ? "key_caches_" : "value_caches_";
-        ASSERT_NO_FATAL_FAILURE(worker.publish(prefix + std::to_string(l) + "_rank" + std::to_string(r) + ".device0", p));
+        ASSERT_NO_FATAL_FAILURE(worker.publish(name_of(kind, l, r), p));
       }
     worker.cache_ready(r);
   }
@@ -248,25 +256,9 @@ TEST_F(CudaDaemonTest, TheDaemonOpensTheTensorsFastDeploysWorkerPublishedByName)
 // cache (cache_transfer_manager.py _init_gpu_cache) and FastDeploy's worker maps it by name
 // once cache_ready_signal says so (gpu_model_runner.py: share_external_data, which opens the
 // handle with cudaIpcOpenMemHandle at offset 0).
-TEST_F(CudaDaemonTest, TheDaemonMakesTheCacheFastDeploysWorkerMapsWithCreateCacheTensor) {
-  ipc::SessionOptions o;
-  o.suffix = suffix_;
-  o.geometry = g_;
-  o.ring_bytes = 1u << 16;
-  o.service_period_ns = 5'000'000;
-  auto s = EngineSession::create(o);
-  ASSERT_TRUE(s.ok()) << s.error().message;
-  engine_ = std::move(s).value();
-  ASSERT_TRUE(engine_->publish().ok());
+TEST_F(FastDeployCudaTest, TheDaemonMakesTheCacheFastDeploysWorkerMapsWithCreateCacheTensor) {
   FastDeployWorker worker("kvtdsimc" + std::to_string(getpid()), g_.num_ranks);
-  for (std::uint32_t r = 0; r < g_.num_ranks; ++r) {
-    auto args = daemon_args(r, g_);
-    for (std::size_t i = 0; i + 1 < args.size(); ++i)
-      if (args[i] == "--device-backend") args[i + 1] = "cuda";
-    args.insert(args.end(), {"--scatter-mode", "kernel", "--numa-node", "none", "--device-id", "0",
-                             "--engine_worker_queue_port", worker.port(), "--create_cache_tensor"});
-    daemons_.push_back(Child(args, log_path(r)));
-  }
+  ASSERT_NO_FATAL_FAILURE(start_engine_and_daemons(worker, "kernel", {"--create_cache_tensor"}));
   ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok()) << test::read_file(log_path(0));
   std::vector<void*> opened;
   for (std::uint32_t r = 0; r < g_.num_ranks; ++r) {
@@ -275,11 +267,8 @@ TEST_F(CudaDaemonTest, TheDaemonMakesTheCacheFastDeploysWorkerMapsWithCreateCach
       for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
         const auto kind = static_cast<proto::TensorKind>(k);
         if (!g_.has_tensor(kind)) continue;
-        const char* prefix = kind == proto::TensorKind::kKey ? "key_caches_" : "value_caches_";
         FastDeployShmStruct st{};
-        std::ifstream(std::string("/dev/shm/") + prefix + std::to_string(l) + "_rank" + std::to_string(r) + ".device0",
-                      std::ios::binary)
-            .read(reinterpret_cast<char*>(&st), sizeof st);
+        std::ifstream("/dev/shm/" + name_of(kind, l, r), std::ios::binary).read(reinterpret_cast<char*>(&st), sizeof st);
         void* p = nullptr;
         ASSERT_EQ(cudaIpcOpenMemHandle(&p, st.memHandle, cudaIpcMemLazyEnablePeerAccess), cudaSuccess);
         opened.push_back(p);

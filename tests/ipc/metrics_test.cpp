@@ -14,8 +14,8 @@ namespace {
 
 std::uint16_t free_port() { return test::free_tcp_port(); }
 
-// Sends `request` raw and returns everything the server answers until it closes.
-std::string http_exchange(std::uint16_t port, const std::string& request) {
+// An open connection to the endpoint that sends `request` and keeps the socket (-1 on failure).
+int open_client(std::uint16_t port, const std::string& request) {
   const int s = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
@@ -23,11 +23,18 @@ std::string http_exchange(std::uint16_t port, const std::string& request) {
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   if (connect(s, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
     ::close(s);
-    return "";
+    return -1;
   }
+  (void)!write(s, request.data(), request.size());
+  return s;
+}
+
+// Sends `request` raw and returns everything the server answers until it closes.
+std::string http_exchange(std::uint16_t port, const std::string& request) {
+  const int s = open_client(port, request);
+  if (s < 0) return "";
   timeval tv{5, 0};
   setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  (void)!write(s, request.data(), request.size());
   std::string out;
   char buf[8192];
   for (ssize_t n; (n = read(s, buf, sizeof buf)) > 0;) out.append(buf, static_cast<std::size_t>(n));
@@ -95,21 +102,6 @@ TEST_F(MetricsTest, HostileRequestsGetErrorsAndTheEndpointKeepsServing) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(4500));
   EXPECT_NE(get(port, "/metrics").find("kvtd_attached 1"), std::string::npos);
   ASSERT_TRUE(run(TaskKind::kSwapToHost, {1}, {2}).ok());  // and the rank still serves
-}
-
-// An open connection to the endpoint that sends `request` and keeps the socket (-1 on failure).
-int open_client(std::uint16_t port, const std::string& request) {
-  const int s = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(port);
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(s, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
-    ::close(s);
-    return -1;
-  }
-  (void)!write(s, request.data(), request.size());
-  return s;
 }
 
 // Issue 18 item 10: the endpoint served one connection at a time: one keep-alive client delayed

@@ -179,6 +179,19 @@ class Deployment:
         self.pcm.update_cache_blocks(req, bs, len(req.prompt_token_ids))
         return common, matched
 
+    def swap_round_trip(self, first_token: int, seed: int):
+        """A two-block request computed, finished, evicted to the host tier under GPU pressure,
+        its GPU blocks reused, then matched again: its KV must come back byte for byte."""
+        n = 2 * self.g.block_size
+        a = self.new_request(tokens(n, start=first_token))
+        self.prefill(a, seed=seed)
+        kv = self.worker.blocks(a.block_tables[:2])
+        self.pcm.release_block_ids(a)
+        self.evict(2)
+        self.worker.fill(range(self.g.blocks), seed=seed + 1000)
+        common, _ = self.prefill(self.new_request(tokens(n, start=first_token) + [1]), seed=seed + 1)
+        assert self.worker.blocks(common[:2]) == kv, "KV bytes differ after the round trip"
+
     def call(self, fn, what: str):
         return bounded(fn, what, logs=self.logs)
 
@@ -295,15 +308,7 @@ def test_rl_weight_update_through_kv_cache_status(deployment):
     status.value[0] = 1  # KVCacheStatus.UPDATING
     wait_for(lambda: status.value[0] == 0, "NORMAL", logs=d.logs)
     put_ctrl(d, "resume")
-    test_rl_swap = d.new_request(tokens(2 * d.g.block_size, start=50))
-    d.prefill(test_rl_swap, seed=6)
-    kv = d.worker.blocks(test_rl_swap.block_tables[:2])
-    d.pcm.release_block_ids(test_rl_swap)
-    d.evict(2)
-    d.worker.fill(range(d.g.blocks), seed=97)
-    b = d.new_request(tokens(2 * d.g.block_size, start=50) + [3])
-    common, _ = d.prefill(b, seed=7)
-    assert d.worker.blocks(common[:2]) == kv
+    d.swap_round_trip(first_token=50, seed=6)  # on the worker's new tensors
 
 
 def test_a_failed_swap_is_never_reported_and_the_engine_keeps_working(deployment):
@@ -313,14 +318,7 @@ def test_a_failed_swap_is_never_reported_and_the_engine_keeps_working(deployment
     q.put_transfer_task((cs.SWAP2GPU, "bad", [0], [5], [9]))  # host block 9 holds nothing
     wait_for(lambda: q.failures, "the failure to be recorded", logs=d.logs)
     assert q.failures[0][0][1] == "bad" and q.failures[0][1].status_name == "host_tier_lost"
-    a = d.new_request(tokens(2 * d.g.block_size, start=80))
-    d.prefill(a, seed=8)
-    kv = d.worker.blocks(a.block_tables[:2])
-    d.pcm.release_block_ids(a)
-    d.evict(2)
-    d.worker.fill(range(d.g.blocks), seed=96)
-    common, _ = d.prefill(d.new_request(tokens(2 * d.g.block_size, start=80) + [1]), seed=9)
-    assert d.worker.blocks(common[:2]) == kv  # the result thread survived the failure
+    d.swap_round_trip(first_token=80, seed=8)  # FastDeploy's result thread survived the failure
 
 
 def test_rl_weight_update_when_the_daemons_make_the_cache(deployment):

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -13,6 +14,7 @@
 #include <thread>
 
 #include <algorithm>
+#include <csignal>
 #include <cstring>
 
 #include "kvtd/daemon/device_backend.h"
@@ -451,6 +453,65 @@ TEST(Session, LongestSuffixStillFitsTensorHandles) {
     engine_view[5] = std::byte{static_cast<unsigned char>(40 + l)};
     EXPECT_EQ((*p)[5], engine_view[5]);
   }
+}
+
+// Under a loaded CI machine every process once went unscheduled for seconds together: when the
+// engine's service thread ran again, every rank's heartbeat looked older than the rank timeout at
+// once, and healthy daemons were killed (fenced). A rank is now dead only after a timeout of
+// silence the engine itself was awake to observe. Here a child process is the engine and its
+// rank; stopping it (SIGSTOP) for twice the timeout stalls both, as the machine did.
+TEST(Session, AStalledEngineDoesNotFenceRanksItDidNotObserve) {
+  int to_parent[2], to_child[2];
+  ASSERT_EQ(pipe(to_parent), 0);
+  ASSERT_EQ(pipe(to_child), 0);
+  const pid_t child = fork();
+  if (child == 0) {
+    const auto suffix = test::unique_suffix("stall");
+    std::atomic<int> fenced{0};
+    SessionOptions o;
+    o.suffix = suffix;
+    o.geometry = test::small_geometry(1);
+    o.rank_timeout_ns = 500'000'000;
+    o.service_period_ns = 5'000'000;
+    o.fencer = [&](std::uint64_t, std::int64_t) {  // never the real fence: the "rank" is this process
+      ++fenced;
+      return FenceResult{FenceOutcome::kFenced, "test fence"};
+    };
+    auto s = EngineSession::create(o);
+    if (!s.ok() || !(*s)->create_host_device_tensors().ok() || !(*s)->publish().ok()) _exit(10);
+    auto ep = RankEndpoint::attach(endpoint_options(suffix, 0, test::small_geometry(1)));
+    if (!ep.ok()) _exit(11);
+    std::atomic<bool> beating{true};
+    std::thread hb([&] {
+      while (beating) {
+        (*ep)->heartbeat();
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    });
+    if (!test::eventually([&] { return (*s)->rank_alive(0); }, std::chrono::seconds(5))) _exit(12);
+    char c = 'R';
+    if (write(to_parent[1], &c, 1) != 1) _exit(13);
+    if (read(to_child[0], &c, 1) != 1) _exit(14);  // the parent stopped and resumed us meanwhile
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    const int after_stall = fenced.load();
+    beating = false;  // now the rank really goes silent: fenced after the timeout
+    hb.join();
+    const bool fenced_when_silent = test::eventually([&] { return fenced.load() == 1; }, std::chrono::seconds(5));
+    ep = make_error(IpcErrc::kClosed, "");
+    s->reset();
+    _exit(after_stall != 0 ? 20 : fenced_when_silent ? 0 : 21);
+  }
+  char c = 0;
+  ASSERT_EQ(read(to_parent[0], &c, 1), 1);
+  kill(child, SIGSTOP);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // twice the rank timeout
+  kill(child, SIGCONT);
+  ASSERT_EQ(write(to_child[1], &c, 1), 1);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_NE(WEXITSTATUS(status), 20) << "a healthy rank was fenced for the engine's own stall";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "exit code " << WEXITSTATUS(status);
 }
 
 TEST(Agreement, EveryRankGetsTheMinimum) {
