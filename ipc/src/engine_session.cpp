@@ -130,10 +130,10 @@ struct EngineSession::Impl {
   class Gate {
    public:
     explicit Gate(Impl* impl) : impl_(impl) { impl_->calls.fetch_add(1, std::memory_order_seq_cst); }
-    ~Gate() {
-      if (impl_->calls.fetch_sub(1, std::memory_order_seq_cst) == 1 && impl_->closing.load(std::memory_order_seq_cst))
-        impl_->calls.notify_all();
-    }
+    // The decrement is the call's last touch of the session: once the count reaches zero the
+    // closing thread may free it (so no notify here; close() polls). Release: everything the call
+    // did happens before the closer's acquire load that sees it gone.
+    ~Gate() { impl_->calls.fetch_sub(1, std::memory_order_release); }
     Gate(const Gate&) = delete;
     Gate& operator=(const Gate&) = delete;
 
@@ -392,12 +392,12 @@ void EngineSession::close() {
   // call count may include calls of threads that do not exist in the child).
   if (getpid() != impl_->creator) return;
   impl_->closing.store(true, std::memory_order_seq_cst);
-  for (std::uint32_t n = impl_->calls.load(std::memory_order_seq_cst); n != 0;
-       n = impl_->calls.load(std::memory_order_seq_cst)) {
+  // Polled, not notified: a leaving call must not touch the session after its decrement.
+  while (impl_->calls.load(std::memory_order_seq_cst) != 0) {
     bump_and_wake(impl_->h->completion_word, nullptr);
     bump_and_wake(impl_->h->space_word, nullptr);
     bump_and_wake(impl_->h->progress_word, nullptr);
-    impl_->calls.wait(n, std::memory_order_seq_cst);
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
 }
 
