@@ -44,8 +44,9 @@ bool wait_for_fastdeploy_cache(const config::DaemonConfig& cfg, const ipc::RankE
   const auto& port = cfg.fastdeploy.engine_worker_queue_port;
   if (port.empty()) return true;  // names without FastDeploy's signals: the engine said they exist
   std::int64_t next_log = 0;
+  auto sig = FastDeploySignal::open("cache_ready_signal", port, cfg.rank + 1);
   for (;;) {
-    auto sig = FastDeploySignal::open("cache_ready_signal", port, cfg.rank + 1);
+    if (!sig.ok()) sig = FastDeploySignal::open("cache_ready_signal", port, cfg.rank + 1);  // not made yet
     if (sig.ok() && sig->load(cfg.rank) == 1) return true;
     const std::int64_t now = ipc::monotonic_now_ns();
     if (now >= next_log) {
@@ -64,9 +65,9 @@ bool wait_for_fastdeploy_cache(const config::DaemonConfig& cfg, const ipc::RankE
 // the cache this daemon made and published itself.
 class TensorSource {
  public:
-  TensorSource(ipc::RankEndpoint& ep, DeviceBackend& backend, std::int32_t device_id,
+  TensorSource(ipc::RankEndpoint& ep, DeviceBackend& backend, std::int32_t device_id, bool by_names,
                const FastDeployOwnedCache* owned)
-      : ep_(ep), backend_(backend), device_id_(device_id), owned_(owned), by_names_(registered_none(ep)) {}
+      : ep_(ep), backend_(backend), device_id_(device_id), owned_(owned), by_names_(by_names) {}
 
   // The device address of the tensor's first byte.
   Result<std::byte*, DeviceErrc> open(std::uint32_t l, proto::TensorKind kind) {
@@ -392,7 +393,8 @@ int run_daemon(const config::DaemonConfig& cfg, std::atomic<bool>& stop) {
           continue;
         }
       }
-      if (registered_none(endpoint) && cfg.fastdeploy.create_cache_tensor && !owned) {
+      const bool by_names = registered_none(endpoint);
+      if (by_names && cfg.fastdeploy.create_cache_tensor && !owned) {
         auto made = make_fastdeploy_cache(cfg, endpoint, *backend);
         if (!made.ok()) {
           KVTD_ERROR("cannot make the KV cache for FastDeploy's worker (--create_cache_tensor): {}",
@@ -402,11 +404,11 @@ int run_daemon(const config::DaemonConfig& cfg, std::atomic<bool>& stop) {
           continue;
         }
         owned = std::move(made).value();
-      } else if (registered_none(endpoint) && !owned && !wait_for_fastdeploy_cache(cfg, endpoint, stop)) {
+      } else if (by_names && !owned && !wait_for_fastdeploy_cache(cfg, endpoint, stop)) {
         why = stop.load() ? TaskRunner::Exit::kStopped : TaskRunner::Exit::kSessionLost;
         break;
       }
-      TensorSource source(endpoint, *backend, cfg.device_id, owned.get());
+      TensorSource source(endpoint, *backend, cfg.device_id, by_names, owned.get());
       auto cache = attach_cache(geometry, source, **pool);
       if (!cache.ok()) {
         backend->close_tensors();

@@ -139,6 +139,17 @@ FastDeploySignal::FastDeploySignal(FastDeploySignal&& o) noexcept
   o.base_ = nullptr;
 }
 
+FastDeploySignal& FastDeploySignal::operator=(FastDeploySignal&& o) noexcept {
+  if (this != &o) {
+    if (base_ != nullptr) munmap(base_, bytes_);
+    name_ = std::move(o.name_);
+    base_ = o.base_;
+    bytes_ = o.bytes_;
+    o.base_ = nullptr;
+  }
+  return *this;
+}
+
 FastDeploySignal::~FastDeploySignal() {
   if (base_ != nullptr) munmap(base_, bytes_);
 }

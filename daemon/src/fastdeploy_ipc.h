@@ -75,7 +75,8 @@ class FastDeployOwnedCache {
   std::vector<std::byte*> tensors_;  // layer * kTensorKinds + kind
 };
 
-// One int32 IPCSignal of FastDeploy, mapped read-write. Not copyable; movable.
+// One int32 IPCSignal of FastDeploy, mapped read-write. Not copyable; movable (a moved-from one
+// maps nothing).
 class FastDeploySignal {
  public:
   // Opens `<name>.<suffix>`, which must hold at least `min_elements` int32 values. The message
@@ -83,7 +84,7 @@ class FastDeploySignal {
   static Result<FastDeploySignal, DeviceErrc> open(const std::string& name, const std::string& suffix,
                                                    std::size_t min_elements);
   FastDeploySignal(FastDeploySignal&& o) noexcept;
-  FastDeploySignal& operator=(FastDeploySignal&&) = delete;
+  FastDeploySignal& operator=(FastDeploySignal&& o) noexcept;
   FastDeploySignal(const FastDeploySignal&) = delete;
   ~FastDeploySignal();
 

@@ -223,7 +223,7 @@ class KvtdCacheQueue:
         try:
             return _Pending(run(), name, fd_task)
         except KvtdError as e:  # a rank not ready, the cache cleared, ...: a failed task, not a crash
-            return _Pending(None, name, fd_task, refused=TaskResult(0, -1, type(e).__name__, -1, 0, 0, 0, str(e)))
+            return _Pending(None, name, fd_task, refused=TaskResult(0, -1, e.code_name, -1, 0, 0, 0, str(e)))
 
     # -- transfer manager -> engine ---------------------------------------------------------
     def get_transfer_done_signal(self):

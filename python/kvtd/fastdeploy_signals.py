@@ -103,6 +103,15 @@ def publish_tensor_name(name: str, handle: bytes) -> None:
         os.close(fd)
 
 
+def read_tensor_name(name: str) -> bytes:
+    """The 64 handle bytes of a set_data_ipc object (what share_external_data opens)."""
+    with open(os.path.join(SHM_DIR, name), "rb") as f:
+        raw = f.read()
+    if len(raw) != SHM_STRUCT_BYTES:
+        raise ValueError(f"{name} holds {len(raw)} bytes; set_data_ipc writes {SHM_STRUCT_BYTES}")
+    return raw[8:]
+
+
 def unlink_tensor_name(name: str) -> None:
     """What unset_data_ipc(..., unlink_shm=True) does to the name."""
     try:

@@ -32,8 +32,7 @@ class CudaDaemonTest : public DaemonTest {
     for (void* a : arenas_) cudaFree(a);
   }
 
-  // device_id: the ordinal in this (engine) process; pci: the GPU's PCI address (0: none).
-  void start_cuda_engine(std::int32_t device_id = 0, std::uint32_t pci = 0) {
+  void create_engine() {
     ipc::SessionOptions o;
     o.suffix = suffix_;
     o.geometry = g_;
@@ -42,6 +41,11 @@ class CudaDaemonTest : public DaemonTest {
     auto s = EngineSession::create(o);
     ASSERT_TRUE(s.ok()) << s.error().message;
     engine_ = std::move(s).value();
+  }
+
+  // device_id: the ordinal in this (engine) process; pci: the GPU's PCI address (0: none).
+  void start_cuda_engine(std::int32_t device_id = 0, std::uint32_t pci = 0) {
+    ASSERT_NO_FATAL_FAILURE(create_engine());
     for (std::uint32_t r = 0; r < g_.num_ranks; ++r) {
       // A caching allocator's picture: one allocation per rank, tensors inside it at offsets
       // (the first one not at 0), registered as the allocation's handle plus the offset.
@@ -209,14 +213,7 @@ class FastDeployCudaTest : public CudaDaemonTest {
  protected:
   void start_engine_and_daemons(const FastDeployWorker& worker, const std::string& mode,
                                 std::vector<std::string> extra = {}) {
-    ipc::SessionOptions o;
-    o.suffix = suffix_;
-    o.geometry = g_;
-    o.ring_bytes = 1u << 16;
-    o.service_period_ns = 5'000'000;
-    auto s = EngineSession::create(o);
-    ASSERT_TRUE(s.ok()) << s.error().message;
-    engine_ = std::move(s).value();
+    ASSERT_NO_FATAL_FAILURE(create_engine());
     ASSERT_TRUE(engine_->publish().ok());  // no tensor registered: FastDeploy's names are used
     extra.insert(extra.end(), {"--engine_worker_queue_port", worker.port()});
     for (std::uint32_t r = 0; r < g_.num_ranks; ++r) daemons_.push_back(start_cuda_daemon(r, mode, 0, extra));

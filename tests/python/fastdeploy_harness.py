@@ -8,7 +8,8 @@ prove that diff. The source is $KVTD_FASTDEPLOY_SRC, else ../shared/reference/fa
 checkout, else /work/shared/reference/fastdeploy (upstream develop c1b7c083: see its PROVENANCE);
 without one the tests skip and say why.
 
-Stubbed, because they need paddle or are not in the reference copy, never FastDeploy's logic:
+Replaced by plain stand-ins, because they need paddle or are not in the reference copy (none of them
+is FastDeploy's cache logic):
 fastdeploy.utils (loggers; get_hash_str is taken out of utils.py by its source), fastdeploy.config
 (a type name), fastdeploy.engine.request (Request, ControlRequest, ControlResponse: plain records),
 fastdeploy.cache_manager.ops (get_all_visible_devices), fastdeploy.metrics.metrics (gauges that
@@ -260,10 +261,8 @@ class WorkerStandIn:
         for layer in range(g.layers):
             for kind in ("key", "value"):
                 name = fds.tensor_name(kind, layer, rank, self.device_ids[rank])
-                with open(f"/dev/shm/{name}", "rb") as f:
-                    raw = f.read()
-                assert len(raw) == fds.SHM_STRUCT_BYTES, f"{name}: {len(raw)} bytes, set_data_ipc writes 72"
-                obj = raw[8:].split(b"\0", 1)[0].decode()  # the host backend's handle: an object name
+                # The host backend's handle is an object name.
+                obj = fds.read_tensor_name(name).split(b"\0", 1)[0].decode()
                 arr = np.memmap(f"/dev/shm/{obj}", dtype=np.uint8, mode="r+", shape=(g.blocks, g.block_bytes))
                 self.arrays[(rank, layer, kind)] = arr
 
