@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every test: unit, ipc (real processes), storage, chaos; gpu tests skip without a GPU, and
+# Builds the tree with clang's thread-safety analysis as errors, then runs every test: unit, ipc
+# (real processes), storage, chaos; gpu tests skip without a GPU, and
 # run in the stand-in build against cudasim, the CPU stand-in of the CUDA runtime.
 # Then the same suites again under AddressSanitizer + UndefinedBehaviorSanitizer, and under
 # ThreadSanitizer (KVTD_SKIP_SANITIZERS=1 skips both), and every libFuzzer target for
@@ -8,6 +9,11 @@ set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 bash "$KVTD_ROOT/scripts/setup.sh"
 kvtd_build
+
+# Every mutex-guarded field carries GUARDED_BY (kvtd/base/thread_annotations.h): clang checks each
+# access. The whole tree (tests and the CUDA backend against the stand-in included), as errors.
+echo "== clang thread-safety build (-Wthread-safety -Werror)"
+CC=clang-16 CXX=clang++-16 KVTD_BUILD_DIR=$KVTD_ROOT/build-clang kvtd_build -DKVTD_THREAD_SAFETY=ON -DKVTD_CUDA_SIM=ON
 
 echo "== tests (build: $KVTD_BUILD_DIR)"
 ctest --test-dir "$KVTD_BUILD_DIR" --output-on-failure -j 2 --timeout 900

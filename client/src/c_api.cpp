@@ -4,6 +4,7 @@
 
 #include <time.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -25,6 +26,39 @@ using kvtd::ipc::IpcErrc;
 namespace proto = kvtd::proto;
 
 static_assert(sizeof(kvtd_geometry) == sizeof(proto::CacheGeometry), "kvtd_geometry mirrors proto::CacheGeometry");
+// The C header's constants are the internal enums' values (the C ABI passes them through with a
+// cast); a renumbering on either side fails here, not as a wrong kind on the wire.
+#define KVTD_SAME(c, e) static_assert(static_cast<long long>(c) == static_cast<long long>(e), #c " != " #e)
+KVTD_SAME(KVTD_SWAP_TO_HOST, proto::TaskKind::kSwapToHost);
+KVTD_SAME(KVTD_SWAP_TO_DEVICE, proto::TaskKind::kSwapToDevice);
+KVTD_SAME(KVTD_STORAGE_QUERY, proto::TaskKind::kStorageQuery);
+KVTD_SAME(KVTD_STORAGE_READ, proto::TaskKind::kStorageRead);
+KVTD_SAME(KVTD_STORAGE_WRITE, proto::TaskKind::kStorageWrite);
+KVTD_SAME(KVTD_PREFETCH, proto::TaskKind::kPrefetch);
+KVTD_SAME(KVTD_CANCEL, proto::TaskKind::kCancel);
+KVTD_SAME(KVTD_DTYPE_BFLOAT16, proto::CacheDtype::kBFloat16);
+KVTD_SAME(KVTD_DTYPE_FLOAT16, proto::CacheDtype::kFloat16);
+KVTD_SAME(KVTD_DTYPE_UINT8, proto::CacheDtype::kUInt8);
+KVTD_SAME(KVTD_DTYPE_BLOCK_WISE_FP8, proto::CacheDtype::kBlockWiseFp8);
+KVTD_SAME(KVTD_KEY, proto::TensorKind::kKey);
+KVTD_SAME(KVTD_VALUE, proto::TensorKind::kValue);
+KVTD_SAME(KVTD_KEY_SCALE, proto::TensorKind::kKeyScale);
+KVTD_SAME(KVTD_VALUE_SCALE, proto::TensorKind::kValueScale);
+KVTD_SAME(KVTD_READY_CACHE, proto::kReadyCacheAttached);
+KVTD_SAME(KVTD_READY_HOST_POOL, proto::kReadyHostPool);
+#undef KVTD_SAME
+// kvtd_geometry is copied into proto::CacheGeometry with memcpy: every field at the same offset.
+#define KVTD_SAME_FIELD(f) static_assert(offsetof(kvtd_geometry, f) == offsetof(proto::CacheGeometry, f), #f)
+KVTD_SAME_FIELD(num_ranks);
+KVTD_SAME_FIELD(num_layers);
+KVTD_SAME_FIELD(dtype);
+KVTD_SAME_FIELD(num_host_blocks);
+KVTD_SAME_FIELD(key_shape);
+KVTD_SAME_FIELD(value_shape);
+KVTD_SAME_FIELD(scale_bytes);
+KVTD_SAME_FIELD(num_extra_layers);
+KVTD_SAME_FIELD(extra_device_blocks);
+#undef KVTD_SAME_FIELD
 static_assert(sizeof(kvtd_task) == 96, "kvtd_task is part of the ABI");
 static_assert(sizeof(kvtd_completion) == 40, "kvtd_completion is part of the ABI");
 
@@ -416,8 +450,6 @@ int kvtd_rank_alive(kvtd_session* s, uint32_t rank) {
 }
 
 uint32_t kvtd_rank_ready(kvtd_session* s, uint32_t rank) {
-  static_assert(uint32_t{KVTD_READY_CACHE} == uint32_t{proto::kReadyCacheAttached} &&
-                uint32_t{KVTD_READY_HOST_POOL} == uint32_t{proto::kReadyHostPool});
   if (!s) return 0;
   try {
     return s->session->rank_ready_flags(rank);

@@ -28,9 +28,9 @@ struct Range {
   std::int32_t pid = 0;   // imported: the exporter (ids are per process: two exporters share them)
 };
 
-std::mutex g_mu;
-std::map<std::uintptr_t, Range> g_ranges;  // by base address; guarded by g_mu
-std::uint64_t g_next_id = 1;               // guarded by g_mu
+Mutex g_mu;
+std::map<std::uintptr_t, Range> g_ranges GUARDED_BY(g_mu);  // by base address
+std::uint64_t g_next_id GUARDED_BY(g_mu) = 1;
 
 constexpr std::uint32_t kMemHandleMagic = 0x4D454D43;  // "CMEM"
 
@@ -46,8 +46,8 @@ static_assert(sizeof(MemHandleBytes) <= sizeof(cudaIpcMemHandle_t));
 
 std::string memfd_name(std::uint64_t id) { return "cudasim_device_" + std::to_string(id); }
 
-// Requires g_mu: the range holding [p, p + n), or end().
-std::map<std::uintptr_t, Range>::iterator find_locked(const void* p, std::size_t n) {
+// The range holding [p, p + n), or end().
+std::map<std::uintptr_t, Range>::iterator find_locked(const void* p, std::size_t n) REQUIRES(g_mu) {
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   auto it = g_ranges.upper_bound(a);
   if (it == g_ranges.begin()) return g_ranges.end();
@@ -72,7 +72,7 @@ cudaError_t check_kind(const void* dst, const void* src, std::size_t bytes, cuda
 }  // namespace
 
 Space space_of(const void* p, std::size_t n) {
-  std::lock_guard<std::mutex> g(g_mu);
+  MutexLock g(g_mu);
   auto it = find_locked(p, n);
   return it == g_ranges.end() ? Space::kUnknown : it->second.space;
 }
@@ -92,7 +92,7 @@ cudaError_t cudaMalloc(void** ptr, size_t bytes) {
   }
   std::uint64_t id = 0;
   {
-    std::lock_guard<std::mutex> g(g_mu);
+    MutexLock g(g_mu);
     id = g_next_id++;
   }
   // The name carries the allocation id: an opener checks it, so a stale handle whose descriptor
@@ -105,7 +105,7 @@ cudaError_t cudaMalloc(void** ptr, size_t bytes) {
     if (fd >= 0) close(fd);
     return fail(cudaErrorMemoryAllocation);
   }
-  std::lock_guard<std::mutex> g(g_mu);
+  MutexLock g(g_mu);
   Range r;
   r.bytes = bytes;
   r.space = Space::kDevice;
@@ -121,7 +121,7 @@ cudaError_t cudaFree(void* ptr) {
   if (const cudaError_t e = enter("cudaFree"); e != cudaSuccess && e != sticky_error()) return e;
   if (!ptr) return cudaSuccess;
   drain_all_streams();  // cudaFree synchronises the device
-  std::lock_guard<std::mutex> g(g_mu);
+  MutexLock g(g_mu);
   auto it = g_ranges.find(reinterpret_cast<std::uintptr_t>(ptr));
   if (it == g_ranges.end() || it->second.space != Space::kDevice || it->second.imported)
     return fail(cudaErrorInvalidDevicePointer);
@@ -137,7 +137,7 @@ cudaError_t cudaHostAlloc(void** ptr, size_t bytes, unsigned int flags) {
   if (!ptr || (flags & ~known) != 0) return fail(cudaErrorInvalidValue);
   void* p = mmap(nullptr, bytes ? bytes : 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) return fail(cudaErrorMemoryAllocation);
-  std::lock_guard<std::mutex> g(g_mu);
+  MutexLock g(g_mu);
   Range r;
   r.bytes = bytes ? bytes : 1;
   r.space = Space::kPinnedHost;
@@ -150,7 +150,7 @@ cudaError_t cudaHostAlloc(void** ptr, size_t bytes, unsigned int flags) {
 cudaError_t cudaFreeHost(void* ptr) {
   if (const cudaError_t e = enter("cudaFreeHost"); e != cudaSuccess && e != sticky_error()) return e;
   if (!ptr) return cudaSuccess;
-  std::lock_guard<std::mutex> g(g_mu);
+  MutexLock g(g_mu);
   auto it = g_ranges.find(reinterpret_cast<std::uintptr_t>(ptr));
   if (it == g_ranges.end() || it->second.space != Space::kPinnedHost || !it->second.owned_map)
     return fail(cudaErrorInvalidValue);
@@ -164,7 +164,7 @@ cudaError_t cudaHostRegister(void* ptr, size_t bytes, unsigned int flags) {
   const unsigned known = cudaHostRegisterPortable | cudaHostRegisterMapped | cudaHostRegisterIoMemory |
                          cudaHostRegisterReadOnly;
   if (!ptr || bytes == 0 || (flags & ~known) != 0) return fail(cudaErrorInvalidValue);
-  std::lock_guard<std::mutex> g(g_mu);
+  MutexLock g(g_mu);
   // Any overlap with a registered or device range is refused, as CUDA does.
   const auto a = reinterpret_cast<std::uintptr_t>(ptr);
   auto it = g_ranges.lower_bound(a);
@@ -180,7 +180,7 @@ cudaError_t cudaHostRegister(void* ptr, size_t bytes, unsigned int flags) {
 
 cudaError_t cudaHostUnregister(void* ptr) {
   if (const cudaError_t e = enter("cudaHostUnregister"); e != cudaSuccess && e != sticky_error()) return e;
-  std::lock_guard<std::mutex> g(g_mu);
+  MutexLock g(g_mu);
   auto it = g_ranges.find(reinterpret_cast<std::uintptr_t>(ptr));
   if (it == g_ranges.end() || it->second.space != Space::kPinnedHost || it->second.owned_map)
     return fail(cudaErrorHostMemoryNotRegistered);
@@ -199,7 +199,7 @@ cudaError_t cudaHostGetDevicePointer(void** dev, void* host, unsigned int flags)
 cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* dev) {
   if (const cudaError_t e = enter("cudaIpcGetMemHandle"); e != cudaSuccess) return e;
   if (!handle) return fail(cudaErrorInvalidValue);
-  std::lock_guard<std::mutex> g(g_mu);
+  MutexLock g(g_mu);
   auto it = g_ranges.find(reinterpret_cast<std::uintptr_t>(dev));  // the allocation's base only
   if (it == g_ranges.end() || it->second.space != Space::kDevice || it->second.imported)
     return fail(cudaErrorInvalidValue);
@@ -218,7 +218,7 @@ cudaError_t cudaIpcOpenMemHandle(void** ptr, cudaIpcMemHandle_t handle, unsigned
   if (b.magic != kMemHandleMagic || b.bytes == 0) return fail(cudaErrorInvalidResourceHandle);
   if (b.pid == getpid()) return fail(cudaErrorInvalidResourceHandle);  // not from this process
   {
-    std::lock_guard<std::mutex> g(g_mu);
+    MutexLock g(g_mu);
     for (auto& [base, r] : g_ranges)
       if (r.imported && r.id == b.id && r.pid == b.pid && r.fd >= 0) {  // opened already: same pointer
         ++r.refs;
@@ -239,7 +239,7 @@ cudaError_t cudaIpcOpenMemHandle(void** ptr, cudaIpcMemHandle_t handle, unsigned
     close(fd);
     return fail(cudaErrorMapBufferObjectFailed);
   }
-  std::lock_guard<std::mutex> g(g_mu);
+  MutexLock g(g_mu);
   Range r;
   r.bytes = b.bytes;
   r.space = Space::kDevice;
@@ -255,7 +255,7 @@ cudaError_t cudaIpcOpenMemHandle(void** ptr, cudaIpcMemHandle_t handle, unsigned
 
 cudaError_t cudaIpcCloseMemHandle(void* ptr) {
   if (const cudaError_t e = enter("cudaIpcCloseMemHandle"); e != cudaSuccess && e != sticky_error()) return e;
-  std::lock_guard<std::mutex> g(g_mu);
+  MutexLock g(g_mu);
   auto it = g_ranges.find(reinterpret_cast<std::uintptr_t>(ptr));
   if (it == g_ranges.end() || !it->second.imported) return fail(cudaErrorInvalidValue);
   if (--it->second.refs > 0) return cudaSuccess;

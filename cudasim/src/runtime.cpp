@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cuda_runtime.h"
+#include "kvtd/base/mutex.h"
 #include "kvtd/cudasim/control.h"
 #include "state.h"
 
@@ -28,9 +29,9 @@ std::atomic<int> g_sticky{cudaSuccess};
 std::atomic<std::uint32_t> g_op_delay_us{0};
 
 struct Faults {
-  std::mutex mu;
-  std::map<std::string, std::uint64_t> calls;                            // guarded by mu
-  std::map<std::pair<std::string, std::uint64_t>, cudaError_t> planned;  // guarded by mu
+  Mutex mu;
+  std::map<std::string, std::uint64_t> calls GUARDED_BY(mu);
+  std::map<std::pair<std::string, std::uint64_t>, cudaError_t> planned GUARDED_BY(mu);
   Faults() {
     if (const char* us = std::getenv("KVTD_CUDASIM_OP_DELAY_US")) g_op_delay_us = static_cast<std::uint32_t>(std::atoi(us));
     if (const char* spec = std::getenv("KVTD_CUDASIM_FAULTS")) {
@@ -60,13 +61,13 @@ Faults& faults() {
 }
 
 // Streams that exist (for the legacy stream's implicit synchronisation and cudaDeviceSynchronize).
-std::mutex g_streams_mu;
-std::set<cudaStream_t> g_streams;  // guarded by g_streams_mu
+Mutex g_streams_mu;
+std::set<cudaStream_t> g_streams GUARDED_BY(g_streams_mu);
 
 void worker_loop(cudaStream_t s) {
-  std::unique_lock<std::mutex> lk(s->mu);
+  MutexLock lk(s->mu);
   for (;;) {
-    s->cv.wait(lk, [s] { return s->stop || !s->queue.empty(); });
+    s->cv.wait(lk, [s]() REQUIRES(s->mu) { return s->stop || !s->queue.empty(); });
     if (s->queue.empty()) return;  // stopping and drained
     Op op = std::move(s->queue.front());
     s->queue.pop_front();
@@ -122,7 +123,7 @@ cudaError_t enter(const char* function) {
   auto& f = faults();
   cudaError_t planned = cudaSuccess;
   {
-    std::lock_guard<std::mutex> g(f.mu);
+    MutexLock g(f.mu);
     const std::uint64_t n = ++f.calls[function];
     if (auto it = f.planned.find({function, n}); it != f.planned.end()) planned = it->second;
   }
@@ -158,7 +159,7 @@ cudaError_t submit(cudaStream_t s, Op op) {
     return fail(sticky_error());
   }
   {
-    std::lock_guard<std::mutex> g(s->mu);
+    MutexLock g(s->mu);
     s->queue.push_back(std::move(op));
   }
   s->cv.notify_all();
@@ -167,14 +168,14 @@ cudaError_t submit(cudaStream_t s, Op op) {
 
 void drain(cudaStream_t s) {
   if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) return drain_blocking_streams();
-  std::unique_lock<std::mutex> lk(s->mu);
-  s->cv.wait(lk, [s] { return s->queue.empty() && !s->running; });
+  MutexLock lk(s->mu);
+  s->cv.wait(lk, [s]() REQUIRES(s->mu) { return s->queue.empty() && !s->running; });
 }
 
 void drain_blocking_streams() {
   std::vector<cudaStream_t> all;
   {
-    std::lock_guard<std::mutex> g(g_streams_mu);
+    MutexLock g(g_streams_mu);
     for (auto s : g_streams)
       if (!(s->flags & cudaStreamNonBlocking)) all.push_back(s);
   }
@@ -184,7 +185,7 @@ void drain_blocking_streams() {
 void drain_all_streams() {
   std::vector<cudaStream_t> all;
   {
-    std::lock_guard<std::mutex> g(g_streams_mu);
+    MutexLock g(g_streams_mu);
     all.assign(g_streams.begin(), g_streams.end());
   }
   for (auto s : all) drain(s);
@@ -192,20 +193,20 @@ void drain_all_streams() {
 
 void inject_fault(const std::string& function, std::uint64_t nth_call, int cuda_error) {
   auto& f = faults();
-  std::lock_guard<std::mutex> g(f.mu);
+  MutexLock g(f.mu);
   f.planned[{function, nth_call}] = static_cast<cudaError_t>(cuda_error);
 }
 
 void reset_faults() {
   auto& f = faults();
-  std::lock_guard<std::mutex> g(f.mu);
+  MutexLock g(f.mu);
   f.planned.clear();
   f.calls.clear();
 }
 
 std::uint64_t calls(const std::string& function) {
   auto& f = faults();
-  std::lock_guard<std::mutex> g(f.mu);
+  MutexLock g(f.mu);
   auto it = f.calls.find(function);
   return it == f.calls.end() ? 0 : it->second;
 }
@@ -364,7 +365,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags) 
   s->flags = flags;
   s->worker = std::thread(worker_loop, s);
   {
-    std::lock_guard<std::mutex> g(g_streams_mu);
+    MutexLock g(g_streams_mu);
     g_streams.insert(s);
   }
   *stream = s;
@@ -375,13 +376,13 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
   if (const cudaError_t e = enter("cudaStreamDestroy"); e != cudaSuccess && e != sticky_error()) return e;
   if (s == nullptr) return fail(cudaErrorInvalidResourceHandle);
   {
-    std::lock_guard<std::mutex> g(g_streams_mu);
+    MutexLock g(g_streams_mu);
     if (!g_streams.erase(s)) return fail(cudaErrorInvalidResourceHandle);
   }
   // CUDA returns at once and releases the stream once its work completed; the worker finishes
   // the queue before it exits, so joining here keeps that order.
   {
-    std::lock_guard<std::mutex> g(s->mu);
+    MutexLock g(s->mu);
     s->stop = true;
   }
   s->cv.notify_all();

@@ -12,7 +12,13 @@
 #include <mutex>
 #include <thread>
 
+#include "kvtd/base/mutex.h"
+
 namespace cudasim {
+
+using kvtd::CondVar;
+using kvtd::Mutex;
+using kvtd::MutexLock;
 
 // --- errors ------------------------------------------------------------------------------
 // Records `e` as the calling thread's last error (unless success) and returns it.
@@ -40,11 +46,11 @@ using Op = std::function<cudaError_t()>;
 struct CUstream_st {
   unsigned flags = 0;
   std::atomic<std::uint32_t> delay_us{0};  // cudasim::set_stream_delay_us
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<cudasim::Op> queue;  // guarded by mu
-  bool running = false;           // guarded by mu: the worker is inside an operation
-  bool stop = false;              // guarded by mu
+  kvtd::Mutex mu;
+  kvtd::CondVar cv;
+  std::deque<cudasim::Op> queue GUARDED_BY(mu);
+  bool running GUARDED_BY(mu) = false;  // the worker is inside an operation
+  bool stop GUARDED_BY(mu) = false;
   std::thread worker;
 };
 

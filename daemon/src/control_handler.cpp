@@ -1,3 +1,4 @@
+#include "kvtd/base/mutex.h"
 #include "kvtd/daemon/control_handler.h"
 
 #include <unistd.h>
@@ -80,29 +81,38 @@ void ControlState::detached() {
 
 void ControlState::set_cache(Cache c) {
   {
-    std::lock_guard<std::mutex> g(mu_);
+    MutexLock g(mu_);
     cache_ = c;
+    if (c != Cache::kLive) clear_requested.store(false);
   }
   cv_.notify_all();
 }
 
+bool ControlState::request_clear(bool drop_host_tier) {
+  MutexLock g(mu_);
+  if (cache_ != Cache::kLive) return false;
+  clear_drops_host_tier.store(drop_host_tier);
+  clear_requested.store(true);
+  return true;
+}
+
 ControlState::Cache ControlState::cache() const {
-  std::lock_guard<std::mutex> g(mu_);
+  MutexLock g(mu_);
   return cache_;
 }
 
 void ControlState::restore_refused() {
   {
-    std::lock_guard<std::mutex> g(mu_);
+    MutexLock g(mu_);
     refused_ = true;
   }
   cv_.notify_all();
 }
 
 ControlState::Wait ControlState::wait_cache(Cache want, std::int64_t timeout_ms) {
-  std::unique_lock<std::mutex> lk(mu_);
+  MutexLock lk(mu_);
   const bool done =
-      cv_.wait_for(lk, std::chrono::milliseconds(timeout_ms), [&] { return cache_ == want || refused_; });
+      cv_.wait_for(lk, std::chrono::milliseconds(timeout_ms), [&]() REQUIRES(mu_) { return cache_ == want || refused_; });
   const bool refused = refused_ && cache_ != want;
   refused_ = false;
   return !done ? Wait::kTimeout : refused ? Wait::kRefused : Wait::kReached;
@@ -141,8 +151,10 @@ Result<std::unique_ptr<control::ControlServer>, control::ControlErrc> start_cont
       }
       if (state.cache() != want) {
         KVTD_WARN("{} requested over the control socket", clear ? "cache clear" : "cache restore");
-        if (clear) state.clear_drops_host_tier.store(r.drop_host_tier);
-        (clear ? state.clear_requested : state.restore_requested).store(true);
+        if (clear)
+          (void)state.request_clear(r.drop_host_tier);  // not live any more: the wait below says how it ended
+        else
+          state.restore_requested.store(true);
       }
       const auto waited = state.wait_cache(want, kCacheWaitMs);
       if (waited != ControlState::Wait::kReached) {

@@ -1,5 +1,6 @@
 // CUDA device backend: opens the engine's tensors through CUDA IPC handles, keeps the host pool
 // in pinned memory, and carries out copy plans on one stream per direction.
+#include "kvtd/base/mutex.h"
 #include "kvtd/daemon/device_backend.h"
 
 #ifdef KVTD_HAVE_CUDA
@@ -348,7 +349,7 @@ class CudaBackend final : public DeviceBackend {
   }
 
   Status<DeviceErrc> plain_copy(Lane& lane, std::byte* dst, const std::byte* src, std::size_t bytes) {
-    std::lock_guard<std::mutex> g(lane.mu);
+    MutexLock g(lane.mu);
     KVTD_CUDA_TRY(cudaSetDevice(device_));
     auto st = [&]() -> Status<DeviceErrc> {
       KVTD_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, lane.stream));
@@ -362,9 +363,9 @@ class CudaBackend final : public DeviceBackend {
   Status<DeviceErrc> copy(Direction dir, const kernels::CopyPlan& plan,
                           std::span<const kernels::CopyTarget> targets) override {
     Lane& lane = lane_of(dir);
-    std::lock_guard<std::mutex> g(lane.mu);
+    MutexLock g(lane.mu);
     KVTD_CUDA_TRY(cudaSetDevice(device_));
-    auto st = [&]() -> Status<DeviceErrc> {
+    auto st = [&]() REQUIRES(lane.mu) -> Status<DeviceErrc> {
       if (auto s1 = stage_plan(lane, plan, targets); !s1.ok()) return s1;
       if (auto s2 = enqueue(lane, plan, targets, /*all_layers=*/true); !s2.ok()) return s2;
       KVTD_CUDA_TRY(cudaStreamSynchronize(lane.stream));
@@ -381,7 +382,7 @@ class CudaBackend final : public DeviceBackend {
                                     const LayerCallback& on_layer_enqueued, const LayerCallback& on_layer_done) override {
     if (per_layer == 0) return {};
     Lane& lane = lane_of(dir);
-    std::lock_guard<std::mutex> g(lane.mu);
+    MutexLock g(lane.mu);
     KVTD_CUDA_TRY(cudaSetDevice(device_));
     auto st = copy_layerwise_locked(lane, plan, targets, per_layer, on_layer_enqueued, on_layer_done);
     if (!st.ok()) lane.drain();  // as in copy(): nothing may still write once we report failure
@@ -390,7 +391,7 @@ class CudaBackend final : public DeviceBackend {
 
   Status<DeviceErrc> copy_layerwise_locked(Lane& lane, const kernels::CopyPlan& plan,
                                            std::span<const kernels::CopyTarget> targets, std::size_t per_layer,
-                                           const LayerCallback& on_layer_enqueued, const LayerCallback& on_layer_done) {
+                                           const LayerCallback& on_layer_enqueued, const LayerCallback& on_layer_done) REQUIRES(lane.mu) {
     if (auto st = stage_plan(lane, plan, targets); !st.ok()) return st;
     const std::size_t layers = (targets.size() + per_layer - 1) / per_layer;
     if (auto st = ensure_events(lane, layers); !st.ok()) return st;
@@ -413,7 +414,7 @@ class CudaBackend final : public DeviceBackend {
   Result<std::vector<std::array<std::uint8_t, proto::kHandleBytes>>, DeviceErrc> export_layer_events(
       std::uint32_t layers) override {
     Lane& lane = lane_of(Direction::kToDevice);
-    std::lock_guard<std::mutex> g(lane.mu);
+    MutexLock g(lane.mu);
     if (auto e = cudaSetDevice(device_); e != cudaSuccess) return make_error(DeviceErrc::kCopyFailed, cuda_text("cudaSetDevice", e));
     if (auto st = ensure_events(lane, layers); !st.ok()) return st.error();
     std::vector<std::array<std::uint8_t, proto::kHandleBytes>> out(layers);
@@ -440,16 +441,18 @@ class CudaBackend final : public DeviceBackend {
  private:
   // One direction's stream and staging. Owns its stream, events and mirrors (RAII).
   struct Lane {
-    std::mutex mu;
-    cudaStream_t stream = nullptr;
-    Mirror ids;      // [single_src..., single_dst...] (int32) or staging ids
-    Mirror table;    // CopyTarget or LayerTensor table for the one-launch kernels
-    std::vector<std::byte> table_contents;  // what table.dev holds (see upload_table)
-    void* table_dev = nullptr;              // table.dev when table_contents was uploaded
-    Mirror offsets;  // staging offsets per tensor
-    std::vector<cudaEvent_t> events;
-    std::vector<void*> batch_dst, batch_src;
-    std::vector<std::size_t> batch_size;
+    // One copy at a time per direction: the mirrors and the batch arrays are rewritten by each.
+    Mutex mu;
+    cudaStream_t stream = nullptr;  // set once when the backend is made
+    Mirror ids GUARDED_BY(mu);      // [single_src..., single_dst...] (int32) or staging ids
+    Mirror table GUARDED_BY(mu);    // CopyTarget or LayerTensor table for the one-launch kernels
+    std::vector<std::byte> table_contents GUARDED_BY(mu);  // what table.dev holds (see upload_table)
+    void* table_dev GUARDED_BY(mu) = nullptr;              // table.dev when table_contents was uploaded
+    Mirror offsets GUARDED_BY(mu);  // staging offsets per tensor
+    std::vector<cudaEvent_t> events GUARDED_BY(mu);
+    std::vector<void*> batch_dst GUARDED_BY(mu);
+    std::vector<void*> batch_src GUARDED_BY(mu);
+    std::vector<std::size_t> batch_size GUARDED_BY(mu);
 
     Lane() = default;
     Lane(const Lane&) = delete;
@@ -470,7 +473,7 @@ class CudaBackend final : public DeviceBackend {
   Lane& lane_of(Direction d) { return lanes_[d == Direction::kToHost ? 0 : 1]; }
 
   // Per-layer events, interprocess so the engine can open them (which requires no timing).
-  Status<DeviceErrc> ensure_events(Lane& lane, std::size_t layers) {
+  Status<DeviceErrc> ensure_events(Lane& lane, std::size_t layers) REQUIRES(lane.mu) {
     while (lane.events.size() < layers) {
       cudaEvent_t ev{};
       KVTD_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventInterprocess));
@@ -480,7 +483,7 @@ class CudaBackend final : public DeviceBackend {
   }
 
   // Uploads the scattered ids (and the target table for the all-layers kernel).
-  Status<DeviceErrc> stage_plan(Lane& lane, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets) {
+  Status<DeviceErrc> stage_plan(Lane& lane, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets) REQUIRES(lane.mu) {
     const std::size_t n = plan.single_src.size();
     if (n == 0 || mode_ == ScatterMode::kBatch || mode_ == ScatterMode::kMemcpy) return {};
     if (auto st = lane.ids.reserve(2 * n * sizeof(std::int32_t)); !st.ok()) return st;
@@ -492,7 +495,7 @@ class CudaBackend final : public DeviceBackend {
 
   // Uploads a target table unless the device copy holds these bytes already: the swap targets of
   // an attached cache never change, so steady-state tasks upload only their ids.
-  Status<DeviceErrc> upload_table(Lane& lane, const void* table, std::size_t bytes) {
+  Status<DeviceErrc> upload_table(Lane& lane, const void* table, std::size_t bytes) REQUIRES(lane.mu) {
     const auto* p = static_cast<const std::byte*>(table);
     if (lane.table.dev != nullptr && lane.table_dev == lane.table.dev && lane.table_contents.size() == bytes &&
         std::memcmp(lane.table_contents.data(), p, bytes) == 0)
@@ -509,7 +512,7 @@ class CudaBackend final : public DeviceBackend {
   // Enqueues runs and scattered blocks of `targets` (which start at index `first` of the staged
   // table). `all_layers` lets the all-layers kernel cover every target in one launch.
   Status<DeviceErrc> enqueue(Lane& lane, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets,
-                             bool all_layers, std::size_t first = 0) {
+                             bool all_layers, std::size_t first = 0) REQUIRES(lane.mu) {
     // Batch mode: runs and scattered blocks of every target in one cudaMemcpyBatchAsync.
     if (mode_ == ScatterMode::kBatch) return enqueue_batch(lane, plan, targets);
     for (const auto& t : targets)
@@ -557,13 +560,13 @@ class CudaBackend final : public DeviceBackend {
   }
 
   Status<DeviceErrc> enqueue_batch(Lane& lane, const kernels::CopyPlan& plan,
-                                   std::span<const kernels::CopyTarget> targets) {
+                                   std::span<const kernels::CopyTarget> targets) REQUIRES(lane.mu) {
 #if CUDART_VERSION >= 13000
     const std::size_t n = plan.single_src.size();
     lane.batch_dst.clear();
     lane.batch_src.clear();
     lane.batch_size.clear();
-    auto add = [&](std::byte* d, const std::byte* s, std::uint64_t bytes) {
+    auto add = [&](std::byte* d, const std::byte* s, std::uint64_t bytes) REQUIRES(lane.mu) {
       lane.batch_dst.push_back(d);
       lane.batch_src.push_back(const_cast<std::byte*>(s));
       lane.batch_size.push_back(bytes);
@@ -603,7 +606,7 @@ class CudaBackend final : public DeviceBackend {
   Status<DeviceErrc> transform(Lane& lane, std::span<const kernels::LayerTensor> tensors,
                                std::span<const std::int32_t> ids, std::byte* staging, bool gather) {
     if (ids.empty() || tensors.empty()) return {};
-    std::lock_guard<std::mutex> g(lane.mu);
+    MutexLock g(lane.mu);
     KVTD_CUDA_TRY(cudaSetDevice(device_));
     auto st = transform_locked(lane, tensors, ids, staging, gather);
     if (!st.ok()) lane.drain();
@@ -611,7 +614,7 @@ class CudaBackend final : public DeviceBackend {
   }
 
   Status<DeviceErrc> transform_locked(Lane& lane, std::span<const kernels::LayerTensor> tensors,
-                                      std::span<const std::int32_t> ids, std::byte* staging, bool gather) {
+                                      std::span<const std::int32_t> ids, std::byte* staging, bool gather) REQUIRES(lane.mu) {
     if (auto st = lane.ids.reserve(ids.size_bytes()); !st.ok()) return st;
     std::memcpy(lane.ids.host, ids.data(), ids.size_bytes());
     if (auto st = lane.ids.upload(ids.size_bytes(), lane.stream); !st.ok()) return st;

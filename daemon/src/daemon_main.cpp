@@ -1,3 +1,4 @@
+#include "kvtd/base/mutex.h"
 #include "kvtd/daemon/daemon_main.h"
 
 #include <atomic>
@@ -208,7 +209,7 @@ class Heartbeat {
   void serving() { setting_up_.store(false, std::memory_order_relaxed); }
   ~Heartbeat() {
     {
-      std::lock_guard<std::mutex> g(mu_);
+      MutexLock g(mu_);
       stop_ = true;
     }
     cv_.notify_all();
@@ -217,7 +218,7 @@ class Heartbeat {
 
  private:
   void loop() {
-    std::unique_lock<std::mutex> lk(mu_);
+    MutexLock lk(mu_);
     while (!stop_) {
       ep_.heartbeat();
       if (setting_up_.load(std::memory_order_relaxed)) notify_watchdog();
@@ -226,9 +227,9 @@ class Heartbeat {
   }
   ipc::RankEndpoint& ep_;
   std::int64_t period_ns_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;
+  Mutex mu_;
+  CondVar cv_;
+  bool stop_ GUARDED_BY(mu_) = false;
   std::atomic<bool> setting_up_{true};
   std::thread thread_;
 };
@@ -449,8 +450,7 @@ int run_daemon(const config::DaemonConfig& cfg, std::atomic<bool>& stop) {
       heartbeat.serving();
       registry.set_attached(true, endpoint.epoch());
       control_state.attached(endpoint.generation());
-      control_state.set_cache(ControlState::Cache::kLive);
-      control_state.clear_requested.store(false);
+      control_state.set_cache(ControlState::Cache::kLive);  // a clear accepted from here on is kept
       why = runner.run(stop, &control_state.clear_requested);
       const auto st = runner.stats();
       KVTD_INFO("{}: {} tasks ok, {} failed, {} dropped (revoked epoch), {} bytes to host, {} bytes to device; "

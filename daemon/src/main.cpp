@@ -40,20 +40,26 @@ int main(int argc, char** argv) {
   // A peer that closed a socket must fail that call, not kill the daemon.
   signal(SIGPIPE, SIG_IGN);
 
-  // SIGTERM/SIGINT/SIGHUP (and SIGUSR2, our own "signal thread, exit") are blocked in every
-  // thread and taken by sigwait in one thread, so no handler runs at all: shutdown happens in
-  // ordinary code (rule 7). SIGHUP is acknowledged and ignored: nothing is reloadable, and a
-  // closed terminal must not kill a daemon that is serving.
+  // SIGTERM/SIGINT/SIGHUP (and SIGUSR2, main's "signal thread, exit" once `main_done` is set)
+  // are blocked in every thread and taken by sigwait in one thread, so no handler runs at all:
+  // shutdown happens in ordinary code (rule 7). SIGHUP is acknowledged and ignored: nothing is
+  // reloadable, and a closed terminal must not kill a daemon that is serving. A SIGUSR2 from
+  // anyone else is ignored too: ending the thread on it left SIGTERM blocked and unhandled.
   static sigset_t set;
   sigemptyset(&set);
   for (int s : {SIGTERM, SIGINT, SIGHUP, SIGUSR2}) sigaddset(&set, s);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   // Static: the signal thread may outlive nothing it uses (it is joined before main returns).
   static std::atomic<bool> stop{false};
+  static std::atomic<bool> main_done{false};
   std::thread signals([] {
     int sig = 0;
     while (sigwait(&set, &sig) == 0) {
-      if (sig == SIGUSR2) return;  // main is done: stop before logging is shut down
+      if (sig == SIGUSR2) {
+        if (main_done.load()) return;  // main is done: stop before logging is shut down
+        KVTD_INFO("SIGUSR2 received: kvtd gives it no meaning; ignored");
+        continue;
+      }
       if (sig == SIGHUP) {
         KVTD_INFO("SIGHUP received: nothing to reload; ignored");
         continue;
@@ -65,6 +71,7 @@ int main(int argc, char** argv) {
   });
 
   const int code = kvtd::daemon::run_daemon(*cfg, stop);
+  main_done.store(true);
   pthread_kill(signals.native_handle(), SIGUSR2);
   signals.join();
   spdlog::shutdown();

@@ -1,3 +1,4 @@
+#include "kvtd/base/mutex.h"
 #include "kvtd/daemon/numa.h"
 
 #include <numa.h>
@@ -30,8 +31,8 @@ std::string normalize_bus_id(std::string id) {
 // libnuma builds its node-to-CPU table lazily on first use, without a lock: copy threads that
 // bind at once raced on it (ThreadSanitizer, in the daemon's storage workers). Every libnuma
 // call here holds this mutex.
-std::mutex& libnuma_mutex() {
-  static std::mutex m;
+Mutex& libnuma_mutex() {
+  static Mutex m;
   return m;
 }
 
@@ -92,7 +93,7 @@ int numa_node_of_gpu(const std::string& pci_bus_id, int ordinal, const std::stri
 
 bool bind_to_numa_node(void* addr, std::size_t bytes, int node, std::string* why) {
   {
-    std::lock_guard<std::mutex> g(libnuma_mutex());
+    MutexLock g(libnuma_mutex());
     if (!usable_node(node, why)) return false;
   }
   // mbind, not numa_tonode_memory: that returns void, so a refused bind would pass for done. A
@@ -113,7 +114,7 @@ bool bind_this_thread_to_numa_node(int node, std::string* why) {
   CPU_ZERO(&set);
   if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) CPU_ZERO(&allowed);
   {
-    std::lock_guard<std::mutex> g(libnuma_mutex());
+    MutexLock g(libnuma_mutex());
     if (!usable_node(node, why)) return false;
     struct bitmask* cpus = numa_allocate_cpumask();
     if (numa_node_to_cpus(node, cpus) != 0) {
@@ -134,7 +135,7 @@ bool bind_this_thread_to_numa_node(int node, std::string* why) {
     return false;
   }
   {
-    std::lock_guard<std::mutex> g(libnuma_mutex());
+    MutexLock g(libnuma_mutex());
     numa_set_preferred(node);  // this thread's policy
   }
   return true;

@@ -1,3 +1,4 @@
+#include "kvtd/base/mutex.h"
 #include "kvtd/daemon/storage_executor.h"
 
 #include <algorithm>
@@ -79,7 +80,8 @@ struct StorageExecutor::Impl {
   std::vector<std::byte*> staging;  // one slice per worker
   std::vector<HostBuffer> staging_memory;  // owns the slices: returned when the executor ends
 
-  std::mutex mu;
+  // The queues and the task sets. Never held across I/O, a wait or another of these mutexes.
+  Mutex mu;
   // Workers sleep on this word (spin, then futex): a condition variable's wake-up alone cost
   // tens of microseconds per task, more than a whole swap round trip.
   // One word per queue, so a new task wakes only the thread that takes it: waking the workers on
@@ -90,26 +92,27 @@ struct StorageExecutor::Impl {
     void bump() { ipc::bump_and_wake(word, &waiters); }
   };
   Wake agree_wake, work_wake;
-  std::deque<StorageWork> agreeing;   // phase 1, ring order
-  std::deque<Prepared> high, low;     // phase 2: loads first, then writes
-  bool agree_done = false;            // the agreement thread has exited (after closing)
-  std::unordered_set<std::uint64_t> live;       // queued or running task ids
-  std::unordered_set<std::uint64_t> cancelled;  // subset of live
-  std::unordered_set<std::uint64_t> committed;  // subset of live: past their last cancel check
-  bool closing = false;
+  std::deque<StorageWork> agreeing GUARDED_BY(mu);  // phase 1, ring order
+  std::deque<Prepared> high GUARDED_BY(mu);         // phase 2: loads first,
+  std::deque<Prepared> low GUARDED_BY(mu);          // then writes
+  bool agree_done GUARDED_BY(mu) = false;           // the agreement thread has exited (after closing)
+  std::unordered_set<std::uint64_t> live GUARDED_BY(mu);       // queued or running task ids
+  std::unordered_set<std::uint64_t> cancelled GUARDED_BY(mu);  // subset of live
+  std::unordered_set<std::uint64_t> committed GUARDED_BY(mu);  // subset of live: past their last cancel check
+  bool closing GUARDED_BY(mu) = false;
   std::vector<std::thread> workers;
   std::thread agreement;
 
-  std::mutex prefix_mu;           // guards the three below (agreement thread; any thread)
-  bool prefix_known = false;
-  std::uint64_t prefix_wv = 0;
-  std::string current_prefix;
+  Mutex prefix_mu;  // the RL key prefix cache (agreement thread; any thread)
+  bool prefix_known GUARDED_BY(prefix_mu) = false;
+  std::uint64_t prefix_wv GUARDED_BY(prefix_mu) = 0;
+  std::string current_prefix GUARDED_BY(prefix_mu);
 
-  std::mutex count_mu;
-  std::unordered_map<std::string, std::uint32_t> uses;  // write_through_selective
+  Mutex count_mu;
+  std::unordered_map<std::string, std::uint32_t> uses GUARDED_BY(count_mu);  // write_through_selective
 
-  mutable std::mutex stats_mu;
-  StorageStats st;
+  mutable Mutex stats_mu;
+  StorageStats st GUARDED_BY(stats_mu);
 
   Impl(ipc::RankEndpoint& e, DeviceBackend& b, HostPool* p, StorageTargets targets, Complete c, Release r)
       : ep(e), backend(b), pool(p), t(std::move(targets)), complete(std::move(c)), release(std::move(r)) {}
@@ -120,7 +123,7 @@ struct StorageExecutor::Impl {
   // An unreadable file fails the task: a guessed prefix could load KV of other weights.
   Result<std::string, config::ConfigErrc> key_prefix_for(std::uint64_t wv) {
     if (t.config.key_prefix_source.empty()) return t.config.key_prefix;
-    std::lock_guard<std::mutex> g(prefix_mu);
+    MutexLock g(prefix_mu);
     if (prefix_known && wv == prefix_wv) return current_prefix;
     auto p = config::fastdeploy_key_prefix(t.config.key_prefix_source);
     if (!p.ok()) return std::move(p).error();
@@ -142,7 +145,7 @@ struct StorageExecutor::Impl {
   }
 
   bool is_cancelled(std::uint64_t id) {
-    std::lock_guard<std::mutex> g(mu);
+    MutexLock g(mu);
     return cancelled.count(id) != 0;
   }
 
@@ -160,7 +163,7 @@ struct StorageExecutor::Impl {
   // a CANCEL that arrives later answers that it will not stop it (it is truthful: a task that
   // CANCEL said would stop never completes ok). True: go on.
   bool may_continue(std::uint64_t id, bool last_step) {
-    std::lock_guard<std::mutex> g(mu);
+    MutexLock g(mu);
     if (cancelled.count(id) != 0) return false;
     if (last_step) committed.insert(id);
     return true;
@@ -170,7 +173,7 @@ struct StorageExecutor::Impl {
   bool revoked(const StorageWork& w) const { return w.epoch != ep.epoch() || !ep.granted(); }
 
   void count_uses(const std::vector<std::string>& keys) {
-    std::lock_guard<std::mutex> g(count_mu);
+    MutexLock g(count_mu);
     if (uses.size() + keys.size() > kMaxCountedKeys) uses.clear();
     for (const auto& k : keys) ++uses[k];
   }
@@ -225,7 +228,7 @@ struct StorageExecutor::Impl {
       count_uses(keys);
       if (policy == config::WritePolicy::kNone || policy == config::WritePolicy::kWriteBack) return which;
       if (policy == config::WritePolicy::kWriteThroughSelective) {
-        std::lock_guard<std::mutex> g(count_mu);
+        MutexLock g(count_mu);
         for (std::size_t i = 0; i < keys.size(); ++i) {
           auto it = uses.find(keys[i]);
           if (it != uses.end() && it->second >= t.config.write_threshold) which.push_back(i);
@@ -244,7 +247,7 @@ struct StorageExecutor::Impl {
     p.start = ipc::monotonic_now_ns();
     const auto kind = static_cast<TaskKind>(w.header.kind);
     {
-      std::lock_guard<std::mutex> g(stats_mu);
+      MutexLock g(stats_mu);
       ++st.tasks;
     }
     if (revoked(w)) return false;
@@ -350,14 +353,14 @@ struct StorageExecutor::Impl {
       // in its (reserved) block too; only the leading blocks_done are reported loaded. The file
       // store lends each verified payload from its own cache-warm buffer; other stores verify
       // into this worker's staging.
-      std::mutex err_mu;
+      Mutex err_mu;
       std::string scatter_error;
       auto scatter = [&](std::size_t i, const std::byte* payload) {
         const auto one = ids.subspan(i, 1);
         if (host) {
           kernels::scatter_from_staging_host(tensors, one, payload);
         } else if (auto s2 = backend.scatter_from_staging(tensors, one, payload); !s2.ok()) {
-          std::lock_guard<std::mutex> g(err_mu);
+          MutexLock g(err_mu);
           scatter_error = s2.error().message;
         }
       };
@@ -387,7 +390,7 @@ struct StorageExecutor::Impl {
         // The store failed (a server that died, an I/O error), which is not a miss: the engine
         // must be able to tell "not stored" from "store down". The blocks before it are loaded.
         {
-          std::lock_guard<std::mutex> g(stats_mu);
+          MutexLock g(stats_mu);
           st.objects_read += ok;
           st.bytes_read += ok * t.object_bytes;
         }
@@ -397,7 +400,7 @@ struct StorageExecutor::Impl {
         return;
       }
       {
-        std::lock_guard<std::mutex> g(stats_mu);
+        MutexLock g(stats_mu);
         st.objects_read += ok;
         st.bytes_read += ok * t.object_bytes;
       }
@@ -465,7 +468,7 @@ struct StorageExecutor::Impl {
         const auto chunk_ids = std::span(ids).subspan(written, c);
         for (std::size_t i = 0; i < c; ++i) src[i] = slice + i * t.object_bytes;
         // Each object is gathered into staging on the I/O thread that writes it next.
-        std::mutex err_mu;
+        Mutex err_mu;
         std::string gather_error;
         auto put = t.store->put_each(std::span(stored).subspan(written, c), std::span(src).first(c), [&](std::size_t i) {
           const auto one = chunk_ids.subspan(i, 1);
@@ -476,7 +479,7 @@ struct StorageExecutor::Impl {
           }
           auto s2 = backend.gather_to_staging(tensors, one, to);
           if (s2.ok()) return true;
-          std::lock_guard<std::mutex> g(err_mu);
+          MutexLock g(err_mu);
           gather_error = s2.error().message;
           return false;  // never store what a failed gather left in staging
         });
@@ -520,7 +523,7 @@ struct StorageExecutor::Impl {
                          " objects not written: " + cause_of(t.store->last_error())));
       return false;
     }
-    std::lock_guard<std::mutex> g(stats_mu);
+    MutexLock g(stats_mu);
     st.objects_written += c;
     st.bytes_written += c * t.object_bytes;
     return true;
@@ -528,7 +531,7 @@ struct StorageExecutor::Impl {
 
   void forget(const StorageWork& w) {
     {
-      std::lock_guard<std::mutex> g(mu);
+      MutexLock g(mu);
       live.erase(w.header.task_id);
       cancelled.erase(w.header.task_id);
       committed.erase(w.header.task_id);
@@ -542,7 +545,7 @@ struct StorageExecutor::Impl {
     for (;;) {
       const std::uint32_t seen = wake.word.load(std::memory_order_acquire);
       {
-        std::lock_guard<std::mutex> g(mu);
+        MutexLock g(mu);
         if (auto r = take(); r.has_value()) return *r;
       }
       (void)ipc::wait_on_word(wake.word, seen, ipc::monotonic_now_ns() + 50'000'000, &wake.waiters, 50'000);
@@ -552,7 +555,7 @@ struct StorageExecutor::Impl {
   void agreement_loop() {
     for (;;) {
       Prepared p;
-      const bool got = wait_for(agree_wake, [&]() -> std::optional<bool> {
+      const bool got = wait_for(agree_wake, [&]() REQUIRES(mu) -> std::optional<bool> {
         if (!agreeing.empty()) {
           p.work = std::move(agreeing.front());
           agreeing.pop_front();
@@ -568,13 +571,13 @@ struct StorageExecutor::Impl {
       }
       const bool write = static_cast<TaskKind>(p.work.header.kind) == TaskKind::kStorageWrite;
       {
-        std::lock_guard<std::mutex> g(mu);
+        MutexLock g(mu);
         (write ? low : high).push_back(std::move(p));
       }
       work_wake.bump();
     }
     {
-      std::lock_guard<std::mutex> g(mu);
+      MutexLock g(mu);
       agree_done = true;
     }
     work_wake.bump();
@@ -585,7 +588,7 @@ struct StorageExecutor::Impl {
     std::byte* slice = staging[index];
     for (;;) {
       Prepared p;
-      const bool got = wait_for(work_wake, [&]() -> std::optional<bool> {
+      const bool got = wait_for(work_wake, [&]() REQUIRES(mu) -> std::optional<bool> {
         auto& q = !high.empty() ? high : low;
         if (!q.empty()) {
           p = std::move(q.front());
@@ -641,7 +644,7 @@ StorageExecutor::~StorageExecutor() { close(); }
 
 void StorageExecutor::close() {
   {
-    std::lock_guard<std::mutex> g(impl_->mu);
+    MutexLock g(impl_->mu);
     impl_->closing = true;
   }
   impl_->agree_wake.bump();
@@ -653,7 +656,7 @@ void StorageExecutor::close() {
 
 void StorageExecutor::submit(StorageWork&& w) {
   {
-    std::lock_guard<std::mutex> g(impl_->mu);
+    MutexLock g(impl_->mu);
     impl_->live.insert(w.header.task_id);
     impl_->agreeing.push_back(std::move(w));
   }
@@ -661,7 +664,7 @@ void StorageExecutor::submit(StorageWork&& w) {
 }
 
 bool StorageExecutor::cancel(std::uint64_t task_id) {
-  std::lock_guard<std::mutex> g(impl_->mu);
+  MutexLock g(impl_->mu);
   // Past its last check the task will complete as it is: saying it stops would be a lie.
   if (!impl_->live.count(task_id) || impl_->committed.count(task_id)) return false;
   impl_->cancelled.insert(task_id);
@@ -671,8 +674,8 @@ bool StorageExecutor::cancel(std::uint64_t task_id) {
 std::size_t StorageExecutor::drop_queued() {
   std::deque<StorageWork> dropped;
   {
-    std::lock_guard<std::mutex> g(impl_->mu);
-    auto take = [&](StorageWork&& w) {
+    MutexLock g(impl_->mu);
+    auto take = [&](StorageWork&& w) REQUIRES(impl_->mu) {
       impl_->live.erase(w.header.task_id);
       impl_->cancelled.erase(w.header.task_id);
       impl_->committed.erase(w.header.task_id);
@@ -690,7 +693,7 @@ std::size_t StorageExecutor::drop_queued() {
 }
 
 StorageStats StorageExecutor::stats() const {
-  std::lock_guard<std::mutex> g(impl_->stats_mu);
+  MutexLock g(impl_->stats_mu);
   return impl_->st;
 }
 

@@ -1,3 +1,4 @@
+#include "kvtd/base/mutex.h"
 #include "kvtd/daemon/task_runner.h"
 
 #include <cstring>
@@ -60,18 +61,19 @@ struct TaskRunner::Impl {
   AttachedCache cache;
   std::uint64_t block_bytes_all_layers = 0;  // what one block of a task moves, every layer and tensor
 
-  // In-flight block counts per direction, for cross-direction ordering. Guarded by track_mu.
-  std::mutex track_mu;
+  // In-flight block counts per direction, for cross-direction ordering. Lock order: a lane's mu
+  // before track_mu (a lane thread records a finished task under both).
+  Mutex track_mu;
   // Counts, not flags: one lane may hold many tasks on a block (32 bits: no realistic queue wraps).
-  std::vector<std::uint32_t> busy_host[3];   // by lane: to host, to device, storage
-  std::vector<std::uint32_t> busy_device[3];
-  std::unordered_map<std::uint64_t, int> inflight_tasks;  // task id -> lane
+  std::vector<std::uint32_t> busy_host[3] GUARDED_BY(track_mu);  // by lane: to host, to device, storage
+  std::vector<std::uint32_t> busy_device[3] GUARDED_BY(track_mu);
+  std::unordered_map<std::uint64_t, int> inflight_tasks GUARDED_BY(track_mu);  // task id -> lane
   std::atomic<std::uint32_t> track_word{0};
   std::atomic<std::uint32_t> track_waiters{0};
 
   struct Lane {
-    std::mutex mu;
-    std::deque<Work> queue;
+    Mutex mu ACQUIRED_BEFORE(track_mu);
+    std::deque<Work> queue GUARDED_BY(mu);
     std::atomic<std::uint32_t> word{0};
     std::atomic<std::uint32_t> waiters{0};
     std::atomic<bool> closing{false};
@@ -79,12 +81,15 @@ struct TaskRunner::Impl {
     std::thread thread;
   } lanes[2];
 
-  mutable std::mutex stats_mu;
-  RunnerStats stats;
+  mutable Mutex stats_mu;
+  RunnerStats stats GUARDED_BY(stats_mu);
 
-  std::unique_ptr<StorageExecutor> storage;  // set in the constructor; moved out under stats_mu by run()
+  // The executor, owned under stats_mu (stats() reads it from any thread) and moved out by run();
+  // `storage` is the dispatcher thread's view of it: only that thread sets or clears it.
+  std::unique_ptr<StorageExecutor> storage_owned GUARDED_BY(stats_mu);
+  StorageExecutor* storage = nullptr;
   std::optional<proto::TaskRecordHeader> clear_task;  // the CLEAR_CACHE that ended run() (dispatcher only)
-  StorageStats storage_final;  // the executor's figures once it is gone (guarded by stats_mu)
+  StorageStats storage_final GUARDED_BY(stats_mu);  // the executor's figures once it is gone
 
   Impl(ipc::RankEndpoint& e, DeviceBackend& b, AttachedCache c) : ep(e), backend(b), cache(std::move(c)) {
     for (auto bytes : cache.block_bytes) block_bytes_all_layers += bytes * cache.num_layers;
@@ -102,7 +107,12 @@ struct TaskRunner::Impl {
       none.no_store_reason = "storage tasks are disabled on this rank: " + ex.error().message;
       ex = StorageExecutor::create(ep, backend, cache.pool, none, complete_fn, release_fn);
     }
-    if (ex.ok()) storage = std::move(ex).value();
+    MutexLock g(stats_mu);  // no other thread yet; the locks keep the analysis whole
+    if (ex.ok()) {
+      storage_owned = std::move(ex).value();
+      storage = storage_owned.get();
+    }
+    MutexLock t(track_mu);
     for (int d = 0; d < 3; ++d) {
       busy_host[d].assign(static_cast<std::size_t>(cache.host_blocks), 0);
       busy_device[d].assign(static_cast<std::size_t>(cache.device_blocks), 0);
@@ -135,7 +145,7 @@ struct TaskRunner::Impl {
       cache.metrics->task_done(kind, status, dir, bytes, wait_ns, run_ns);
     }
     {
-      std::lock_guard<std::mutex> g(stats_mu);
+      MutexLock g(stats_mu);
       if (status == TaskStatus::kOk) ++stats.tasks_ok;
       else ++stats.tasks_failed;
       stats.queue_wait_ns_max = std::max(stats.queue_wait_ns_max, wait_ns);
@@ -151,7 +161,7 @@ struct TaskRunner::Impl {
     if (now - at < cache.summary_period_ns) return;
     RunnerStats cur;
     {
-      std::lock_guard<std::mutex> g(stats_mu);
+      MutexLock g(stats_mu);
       cur = stats;
       stats.queue_wait_ns_max = 0;  // a maximum per period
     }
@@ -176,10 +186,10 @@ struct TaskRunner::Impl {
 
   static int lane_of(TaskKind k) { return k == TaskKind::kSwapToHost ? 0 : 1; }
 
-  // Requires track_mu. True if `w` touches a block another lane still has in flight, or names an
+  // True if `w` touches a block another lane still has in flight, or names an
   // after-task still in flight there. The storage lane also waits for itself: its worker pool
   // keeps no order of its own.
-  bool conflicts(const Work& w, int lane) const {
+  bool conflicts(const Work& w, int lane) const REQUIRES(track_mu) {
     for (int other = 0; other < 3; ++other) {
       if (other == lane && lane != kStorageLane) continue;
       if (w.header.after_task_id != 0) {
@@ -199,13 +209,13 @@ struct TaskRunner::Impl {
     w.header = sw.header;
     ((sw.header.flags & proto::kTaskFlagHostBlocks) ? w.host_ids : w.device_ids) = sw.blocks;
     {
-      std::lock_guard<std::mutex> g(track_mu);
+      MutexLock g(track_mu);
       track(w, kStorageLane, -1);
     }
     ipc::bump_and_wake(track_word, &track_waiters);
   }
 
-  void track(const Work& w, int lane, int delta) {
+  void track(const Work& w, int lane, int delta) REQUIRES(track_mu) {
     for (auto id : w.host_ids) busy_host[lane][static_cast<std::size_t>(id)] += static_cast<std::uint32_t>(delta);
     for (auto id : w.device_ids) busy_device[lane][static_cast<std::size_t>(id)] += static_cast<std::uint32_t>(delta);
     if (delta > 0) inflight_tasks[w.header.task_id] = lane;
@@ -307,7 +317,7 @@ struct TaskRunner::Impl {
     for (;;) {
       const std::uint32_t seen = track_word.load(std::memory_order_acquire);
       {
-        std::lock_guard<std::mutex> g(track_mu);
+        MutexLock g(track_mu);
         if (!conflicts(w, lane)) {
           track(w, lane, +1);
           return;
@@ -323,7 +333,7 @@ struct TaskRunner::Impl {
     auto& l = lanes[lane];
     l.outstanding.fetch_add(1, std::memory_order_acq_rel);
     {
-      std::lock_guard<std::mutex> g(l.mu);
+      MutexLock g(l.mu);
       l.queue.push_back(std::move(w));
     }
     ipc::bump_and_wake(l.word, &l.waiters);
@@ -372,7 +382,7 @@ struct TaskRunner::Impl {
     if (lane == 0 && cache.pool != nullptr) cache.pool->mark_valid(w.host_ids);
     const std::uint64_t bytes = task_bytes(w);
     {
-      std::lock_guard<std::mutex> g(stats_mu);
+      MutexLock g(stats_mu);
       (lane == 0 ? stats.bytes_to_host : stats.bytes_to_device) += bytes;
     }
     complete(h, TaskStatus::kOk, static_cast<std::uint64_t>(w.plan.num_blocks), cache.num_layers, start, "");
@@ -386,7 +396,7 @@ struct TaskRunner::Impl {
       Work w;
       bool have = false;
       {
-        std::lock_guard<std::mutex> g(l.mu);
+        MutexLock g(l.mu);
         if (!l.queue.empty()) {
           w = std::move(l.queue.front());
           l.queue.pop_front();
@@ -407,13 +417,13 @@ struct TaskRunner::Impl {
     // Checked right before touching memory: once the engine revoked the epoch this work was read
     // under, it has failed the task and may reuse its blocks, so the work is dropped unrun.
     if (w.epoch != ep.epoch() || !ep.granted()) {
-      std::lock_guard<std::mutex> g(stats_mu);
+      MutexLock g(stats_mu);
       ++stats.tasks_dropped;
     } else {
       execute(w, lane);
     }
     {
-      std::lock_guard<std::mutex> g(track_mu);
+      MutexLock g(track_mu);
       track(w, lane, -1);
     }
     ipc::bump_and_wake(track_word, &track_waiters);
@@ -425,12 +435,12 @@ struct TaskRunner::Impl {
     for (int lane = 0; lane < 2; ++lane) {
       std::deque<Work> q;
       {
-        std::lock_guard<std::mutex> g(lanes[lane].mu);
+        MutexLock g(lanes[lane].mu);
         q.swap(lanes[lane].queue);
       }
       for (auto& w : q) {
         {
-          std::lock_guard<std::mutex> g(track_mu);
+          MutexLock g(track_mu);
           track(w, lane, -1);
         }
         lanes[lane].outstanding.fetch_sub(1, std::memory_order_acq_rel);
@@ -440,7 +450,7 @@ struct TaskRunner::Impl {
     if (storage) n += storage->drop_queued();
     if (n != 0) {
       ipc::bump_and_wake(track_word, &track_waiters);
-      std::lock_guard<std::mutex> g(stats_mu);
+      MutexLock g(stats_mu);
       stats.tasks_dropped += n;
     }
     return n;
@@ -454,7 +464,7 @@ struct TaskRunner::Impl {
     for (;;) {
       const std::uint32_t seen = track_word.load(std::memory_order_acquire);
       {
-        std::lock_guard<std::mutex> g(track_mu);
+        MutexLock g(track_mu);
         if (inflight_tasks.empty()) return;
       }
       notify_watchdog();
@@ -475,9 +485,9 @@ TaskRunner::~TaskRunner() = default;
 
 RunnerStats TaskRunner::stats() const {
   RunnerStats s;
-  std::lock_guard<std::mutex> g(impl_->stats_mu);
+  MutexLock g(impl_->stats_mu);
   s = impl_->stats;
-  s.storage = impl_->storage ? impl_->storage->stats() : impl_->storage_final;
+  s.storage = impl_->storage_owned ? impl_->storage_owned->stats() : impl_->storage_final;
   return s;
 }
 
@@ -587,12 +597,13 @@ TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop, const std::atomi
   // figures stay readable through stats().
   std::unique_ptr<StorageExecutor> executor;
   {
-    std::lock_guard<std::mutex> g(impl->stats_mu);
-    executor = std::move(impl->storage);
+    MutexLock g(impl->stats_mu);
+    executor = std::move(impl->storage_owned);
+    impl->storage = nullptr;
   }
   if (executor) {
     executor->close();
-    std::lock_guard<std::mutex> g(impl->stats_mu);
+    MutexLock g(impl->stats_mu);
     impl->storage_final = executor->stats();
   }
   return exit;

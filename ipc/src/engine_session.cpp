@@ -1,3 +1,4 @@
+#include "kvtd/base/mutex.h"
 #include "kvtd/ipc/engine_session.h"
 #include "kvtd/ipc/task_codec.h"
 
@@ -80,42 +81,43 @@ struct EngineSession::Impl {
   std::uint64_t generation = 0;
   std::unique_ptr<TaskRingWriter> ring;
   std::vector<CompletionRing> completions;
-  std::vector<std::unique_ptr<SharedObject>> arenas;  // host-backend device tensors
-  std::vector<std::byte*> arena_tensor;               // by registry index
+  std::vector<std::unique_ptr<SharedObject>> arenas GUARDED_BY(mu);  // host-backend device tensors
+  std::vector<std::byte*> arena_tensor GUARDED_BY(mu);               // by registry index
   std::string name;
 
-  mutable std::mutex mu;
-  std::unordered_map<std::uint64_t, Pending> pending;
-  std::map<std::uint64_t, TaskResult> done;  // ordered by id: the oldest is dropped first
-  std::uint64_t next_task_id = 1;
+  // Lock order: stop_mu before mu (the service loop takes mu inside stop_mu's scope).
+  mutable Mutex mu;
+  std::unordered_map<std::uint64_t, Pending> pending GUARDED_BY(mu);
+  std::map<std::uint64_t, TaskResult> done GUARDED_BY(mu);  // ordered by id: the oldest is dropped first
+  std::uint64_t next_task_id GUARDED_BY(mu) = 1;
   std::atomic<std::uint64_t> weight_version{0};
-  // Weight updates (guarded by mu; mirrored to h->cache_state): tasks are refused while cleared;
+  // Weight updates (mirrored to h->cache_state): tasks are refused while cleared;
   // tensors may be registered again once every rank confirmed the clear.
-  bool cache_cleared = false;
-  bool clear_confirmed = false;
-  std::uint32_t arena_incarnation = 0;  // host-backend arenas made so far (new names after a clear)
+  bool cache_cleared GUARDED_BY(mu) = false;
+  bool clear_confirmed GUARDED_BY(mu) = false;
+  std::uint32_t arena_incarnation GUARDED_BY(mu) = 0;  // host-backend arenas made so far (new names after a clear)
 
-  // Per rank, private (guarded by mu): who was granted, and a fence in progress.
+  // Per rank, private: who was granted, and a fence in progress.
   struct RankState {
     std::uint64_t owner = 0;  // owner word of the granted daemon
     bool fencing = false;     // declared gone; tasks fail once the fence ends
     bool unfenced = false;    // its fence failed: the process may live on with the cache mapped
     std::string why;
   };
-  std::vector<RankState> rank_state;
+  std::vector<RankState> rank_state GUARDED_BY(mu);
   std::atomic<std::uint32_t> fences_wanted{0};
 
-  std::mutex stop_mu;
-  std::condition_variable stop_cv;
-  bool stopping = false;
+  Mutex stop_mu ACQUIRED_BEFORE(mu);
+  CondVar stop_cv;
+  bool stopping GUARDED_BY(stop_mu) = false;
   std::thread service_thread;
 
   // Calls in flight, so that closing the session while another thread waits in it (ordinary
   // engine shutdown: a completion thread in wait(), the main thread closing) wakes that call
   // with kClosed and unmaps only once no call is inside. Both seq_cst: a call increments `calls`
   // then reads `closing`, the destructor sets `closing` then reads `calls`; one sees the other.
-  std::int64_t last_service_ns = 0;  // guarded by mu: when service() last ran (any thread)
-  std::int64_t watch_from_ns = 0;    // guarded by mu: heartbeat ages count from here at most
+  std::int64_t last_service_ns GUARDED_BY(mu) = 0;  // when service() last ran (any thread)
+  std::int64_t watch_from_ns GUARDED_BY(mu) = 0;    // heartbeat ages count from here at most
   std::atomic<std::uint32_t> calls{0};
   std::atomic<bool> closing{false};
   // The session belongs to the process that created it: a forked child shares the mapping but
@@ -152,17 +154,17 @@ struct EngineSession::Impl {
     Impl* impl_;
   };
 
-  // Requires mu. Whether no daemon may be reading the registry: before publish, or once every
+  // Whether no daemon may be reading the registry: before publish, or once every
   // rank confirmed a clear.
-  bool registry_writable() const {
+  bool registry_writable() const REQUIRES(mu) {
     return h->state.load() == static_cast<std::uint32_t>(proto::SessionState::kCreating) ||
            (cache_cleared && clear_confirmed);
   }
 
-  // Requires mu. Every tensor of the geometry registered, or none at all (the daemons then open
+  // Every tensor of the geometry registered, or none at all (the daemons then open
   // the tensors FastDeploy's worker published by name: daemon/src/fastdeploy_ipc.h), or the
   // first one missing named.
-  Status<IpcErrc> registry_complete() const {
+  Status<IpcErrc> registry_complete() const REQUIRES(mu) {
     const auto* reg = view.registry();
     bool any = false;
     for (std::uint64_t i = 0; i < view.layout.registry_count; ++i) any = any || reg[i].valid != 0;
@@ -179,13 +181,18 @@ struct EngineSession::Impl {
     return {};
   }
 
-  // Requires mu. Sets the cache state, private and in the header (see proto::CacheState).
-  void set_cache_state(bool cleared) {
+  // Sets the cache state, private and in the header (see proto::CacheState).
+  void set_cache_state(bool cleared) REQUIRES(mu) {
     cache_cleared = cleared;
     if (!cleared) clear_confirmed = false;
     h->cache_state.store(static_cast<std::uint32_t>(cleared ? proto::CacheState::kCleared : proto::CacheState::kLive),
                          std::memory_order_release);
   }
+
+  // Validates and records one tensor in the registry (register_tensor's body).
+  Status<IpcErrc> register_tensor(const proto::TensorDesc& d) REQUIRES(mu);
+  // Unregisters and frees the host-backend arenas (free_host_device_tensors' body).
+  Status<IpcErrc> free_arenas() REQUIRES(mu);
 
   Result<std::uint64_t, IpcErrc> submit_encoded(std::vector<Encoded>& records, std::int64_t timeout_ns,
                                                 bool cache_control);
@@ -196,8 +203,7 @@ struct EngineSession::Impl {
 
   void wake_completion_waiters() { bump_and_wake(h->completion_word, &h->completion_waiters); }
 
-  // Requires mu.
-  void finish_if_complete(std::uint64_t id, Pending& p) {
+  void finish_if_complete(std::uint64_t id, Pending& p) REQUIRES(mu) {
     if (p.reported != p.expected) return;
     p.result.complete_ns = clock->now_ns();
     // The merged status is the failure of the lowest-numbered failing rank, whatever the order
@@ -212,9 +218,8 @@ struct EngineSession::Impl {
     while (done.size() > opts.max_uncollected_results) done.erase(done.begin());  // nobody collects them
   }
 
-  // Requires mu.
   void record_report(Pending& p, std::uint32_t rank, TaskStatus status, std::uint64_t blocks,
-                     std::string message, std::uint64_t skipped = 0) {
+                     std::string message, std::uint64_t skipped = 0) REQUIRES(mu) {
     const std::uint32_t bit = 1u << rank;
     if ((p.expected & bit) == 0 || (p.reported & bit) != 0) return;  // late or duplicate report
     const bool first = p.reported == 0;
@@ -227,8 +232,7 @@ struct EngineSession::Impl {
     if (first || skipped < p.result.blocks_skipped) p.result.blocks_skipped = skipped;
   }
 
-  // Requires mu.
-  void merge(const proto::CompletionRecord& rec) {
+  void merge(const proto::CompletionRecord& rec) REQUIRES(mu) {
     auto it = pending.find(rec.task_id);
     if (it == pending.end() || rec.rank >= geo.num_ranks) return;
     std::string msg(rec.message, strnlen(rec.message, sizeof rec.message));
@@ -237,8 +241,8 @@ struct EngineSession::Impl {
     finish_if_complete(rec.task_id, it->second);
   }
 
-  // Requires mu. Fails every task still waiting for `rank`.
-  void fail_rank(std::uint32_t rank, TaskStatus status, const std::string& why) {
+  // Fails every task still waiting for `rank`.
+  void fail_rank(std::uint32_t rank, TaskStatus status, const std::string& why) REQUIRES(mu) {
     std::vector<std::uint64_t> ids;
     for (auto& [id, p] : pending) {
       const std::uint32_t bit = 1u << rank;
@@ -252,10 +256,10 @@ struct EngineSession::Impl {
     if (!ids.empty()) wake_completion_waiters();
   }
 
-  // Requires mu. Stops routing tasks to rank r and hands it to the service thread to fence: its
+  // Stops routing tasks to rank r and hands it to the service thread to fence: its
   // pending tasks fail only once it can no longer write (or, if it cannot be stopped, with
   // kRankUnfenced so the engine keeps their destination blocks out of use).
-  void start_fence(std::uint32_t r, std::string why) {
+  void start_fence(std::uint32_t r, std::string why) REQUIRES(mu) {
     auto& s = h->ranks[r];
     s.attached.store(0, std::memory_order_release);
     rank_state[r].fencing = true;
@@ -264,8 +268,8 @@ struct EngineSession::Impl {
     bump_and_wake(h->space_word, &h->producer_waiters);  // its ring bytes are no longer reserved
   }
 
-  // Requires mu: drain completions, grant attach requests, declare stale ranks gone.
-  void service(bool check_pids) {
+  // drain completions, grant attach requests, declare stale ranks gone.
+  void service(bool check_pids) REQUIRES(mu) {
     proto::CompletionRecord rec;
     for (auto& ring_r : completions)
       while (ring_r.try_pop(rec)) merge(rec);
@@ -317,11 +321,11 @@ struct EngineSession::Impl {
   }
 
   // Service thread, without mu: fences every rank waiting for it, then fails its tasks.
-  void run_fences() {
+  void run_fences() EXCLUDES(mu) {
     if (fences_wanted.load(std::memory_order_acquire) == 0) return;
     std::vector<std::pair<std::uint32_t, std::uint64_t>> jobs;
     {
-      std::lock_guard<std::mutex> g(mu);
+      MutexLock g(mu);
       fences_wanted.store(0, std::memory_order_relaxed);
       for (std::uint32_t r = 0; r < geo.num_ranks; ++r)
         if (rank_state[r].fencing) jobs.emplace_back(r, rank_state[r].owner);
@@ -329,7 +333,7 @@ struct EngineSession::Impl {
     for (auto [r, owner] : jobs) {
       const FenceResult f = opts.fencer ? opts.fencer(owner, opts.fence_timeout_ns)
                                         : fence_process(owner, opts.fence_timeout_ns);
-      std::lock_guard<std::mutex> g(mu);
+      MutexLock g(mu);
       auto& st = rank_state[r];
       if (f.outcome == FenceOutcome::kFenced) {
         fail_rank(r, TaskStatus::kRankDead, st.why + "; " + f.detail);
@@ -345,10 +349,10 @@ struct EngineSession::Impl {
     }
   }
 
-  // Requires mu. Appends the task (a fresh task id and submit time) and records it as pending
+  // Appends the task (a fresh task id and submit time) and records it as pending
   // for the ranks in `expected` (default: every rank); nullopt when the ring has no room now.
   std::optional<std::uint64_t> push_locked(proto::TaskRecordHeader hdr, std::span<const std::int32_t> src,
-                                           std::span<const std::int32_t> dst, std::uint32_t expected = 0) {
+                                           std::span<const std::int32_t> dst, std::uint32_t expected = 0) REQUIRES(mu) {
     hdr.task_id = next_task_id;
     hdr.submit_ns = clock->now_ns();
     std::uint64_t seq = 0;
@@ -365,11 +369,11 @@ struct EngineSession::Impl {
   }
 
   void service_loop() {
-    std::unique_lock<std::mutex> lk(stop_mu);
+    MutexLock lk(stop_mu);
     while (!stopping) {
       lk.unlock();
       {
-        std::lock_guard<std::mutex> g(mu);
+        MutexLock g(mu);
         h->engine_heartbeat_ns.store(clock->now_ns(), std::memory_order_release);
         service(true);
       }
@@ -420,7 +424,7 @@ EngineSession::~EngineSession() {
   }
   close();
   {
-    std::lock_guard<std::mutex> g(impl_->stop_mu);
+    MutexLock g(impl_->stop_mu);
     impl_->stopping = true;
   }
   impl_->stop_cv.notify_all();
@@ -520,8 +524,11 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
   for (std::uint32_t r = 0; r < o.geometry.num_ranks; ++r)
     impl->completions.emplace_back(impl->view.completion_control(r), impl->view.completion_records(r),
                                    o.completion_capacity);
-  impl->arena_tensor.assign(layout.registry_count, nullptr);
-  impl->rank_state.assign(o.geometry.num_ranks, Impl::RankState{});
+  {
+    MutexLock g(impl->mu);  // no other thread yet; the lock keeps the analysis whole
+    impl->arena_tensor.assign(layout.registry_count, nullptr);
+    impl->rank_state.assign(o.geometry.num_ranks, Impl::RankState{});
+  }
   auto* raw = impl.get();
   impl->service_thread = std::thread([raw] { raw->service_loop(); });
   return std::unique_ptr<EngineSession>(new EngineSession(std::move(impl)));
@@ -530,9 +537,12 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
 Status<IpcErrc> EngineSession::register_tensor(const proto::TensorDesc& d) {
   const Impl::Gate gate(impl_.get());
   if (auto st = gate.check(); !st.ok()) return std::move(st).error();
-  std::lock_guard<std::mutex> g(impl_->mu);
-  const auto& geo = impl_->geo;
-  if (!impl_->registry_writable())
+  MutexLock g(impl_->mu);
+  return impl_->register_tensor(d);
+}
+
+Status<IpcErrc> EngineSession::Impl::register_tensor(const proto::TensorDesc& d) {
+  if (!registry_writable())
     return make_error(IpcErrc::kInvalidArgument,
                       "tensors can only be registered before publish(), or while clear_caches() has every rank's "
                       "mappings released");
@@ -562,7 +572,7 @@ Status<IpcErrc> EngineSession::register_tensor(const proto::TensorDesc& d) {
                                                      std::to_string(d.layer) + ": offset " + std::to_string(d.offset) +
                                                      " plus " + std::to_string(d.bytes) +
                                                      " bytes is beyond any device (2^48 bytes)");
-  auto& slot = impl_->view.registry()[proto::registry_index(geo, d.rank, d.layer, kind)];
+  auto& slot = view.registry()[proto::registry_index(geo, d.rank, d.layer, kind)];
   slot = d;
   slot.valid = 1;
   return {};
@@ -571,26 +581,33 @@ Status<IpcErrc> EngineSession::register_tensor(const proto::TensorDesc& d) {
 Status<IpcErrc> EngineSession::free_host_device_tensors() {
   const Impl::Gate gate(impl_.get());
   if (auto st = gate.check(); !st.ok()) return std::move(st).error();
-  std::lock_guard<std::mutex> g(impl_->mu);
-  if (!impl_->registry_writable())
+  MutexLock g(impl_->mu);
+  return impl_->free_arenas();
+}
+
+Status<IpcErrc> EngineSession::Impl::free_arenas() {
+  if (!registry_writable())
     return make_error(IpcErrc::kInvalidArgument,
                       "the host-backend tensors can only be freed before publish(), or after clear_caches()");
-  auto* reg = impl_->view.registry();
-  for (std::size_t i = 0; i < impl_->arena_tensor.size(); ++i)
-    if (impl_->arena_tensor[i] != nullptr) {
+  auto* reg = view.registry();
+  for (std::size_t i = 0; i < arena_tensor.size(); ++i)
+    if (arena_tensor[i] != nullptr) {
       reg[i].valid = 0;
-      impl_->arena_tensor[i] = nullptr;
+      arena_tensor[i] = nullptr;
     }
-  impl_->arenas.clear();  // unmaps and unlinks each arena
+  arenas.clear();  // unmaps and unlinks each arena
   return {};
 }
 
+// Under mu throughout: the arenas, their tensor addresses and the registry change together (an
+// engine thread reading host_device_tensor meanwhile used to race with this).
 Status<IpcErrc> EngineSession::create_host_device_tensors() {
   const Impl::Gate gate(impl_.get());
   if (auto st = gate.check(); !st.ok()) return std::move(st).error();
+  MutexLock lock(impl_->mu);
   const auto& g = impl_->geo;
   if (!impl_->arenas.empty())
-    if (auto st = free_host_device_tensors(); !st.ok()) return st;
+    if (auto st = impl_->free_arenas(); !st.ok()) return st;
   const std::uint32_t incarnation = impl_->arena_incarnation++;
   for (std::uint32_t r = 0; r < g.num_ranks; ++r) {
     std::uint64_t total = 0;
@@ -618,7 +635,7 @@ Status<IpcErrc> EngineSession::create_host_device_tensors() {
         d.device_id = -1;
         d.offset = offset;
         std::memcpy(d.handle, arena.c_str(), arena.size() + 1);
-        if (auto st = register_tensor(d); !st.ok()) return st;
+        if (auto st = impl_->register_tensor(d); !st.ok()) return st;
         impl_->arena_tensor[proto::registry_index(g, r, l, kind)] = (*m)->data() + offset;
         offset += (d.bytes + 255) / 256 * 256;
       }
@@ -632,6 +649,7 @@ std::byte* EngineSession::host_device_tensor(std::uint32_t rank, std::uint32_t l
   if (!gate.usable()) return nullptr;
   const auto& g = impl_->geo;
   if (rank >= g.num_ranks || layer >= g.num_layers) return nullptr;
+  MutexLock lock(impl_->mu);
   return impl_->arena_tensor[proto::registry_index(g, rank, layer, kind)];
 }
 
@@ -654,7 +672,7 @@ proto::TensorDesc describe_tensor(const proto::CacheGeometry& g, std::uint32_t r
 Status<IpcErrc> EngineSession::publish() {
   const Impl::Gate gate(impl_.get());
   if (auto st = gate.check(); !st.ok()) return std::move(st).error();
-  std::lock_guard<std::mutex> g(impl_->mu);
+  MutexLock g(impl_->mu);
   auto* h = impl_->h;
   if (auto st = impl_->registry_complete(); !st.ok()) return st;
   h->state.store(static_cast<std::uint32_t>(proto::SessionState::kReady), std::memory_order_release);
@@ -829,7 +847,7 @@ Result<std::uint64_t, IpcErrc> EngineSession::Impl::submit_encoded(std::vector<E
     const std::uint32_t done_seen = h->completion_word.load(std::memory_order_acquire);
     bool wait_space = false;
     {
-      std::lock_guard<std::mutex> g(impl->mu);
+      MutexLock g(impl->mu);
       impl->service(false);
       std::uint32_t expected = 0;
       if (!cache_control && impl->cache_cleared)
@@ -909,7 +927,7 @@ Result<TaskResult, IpcErrc> EngineSession::clear_caches(const ClearOptions& opti
   if (auto st = gate.check(); !st.ok()) return std::move(st).error();
   auto* impl = impl_.get();
   {
-    std::lock_guard<std::mutex> g(impl->mu);
+    MutexLock g(impl->mu);
     if (impl->h->state.load() != static_cast<std::uint32_t>(proto::SessionState::kReady))
       return make_error(IpcErrc::kInvalidArgument, "clear_caches() needs a published session");
     impl->set_cache_state(true);
@@ -921,7 +939,7 @@ Result<TaskResult, IpcErrc> EngineSession::clear_caches(const ClearOptions& opti
   // freed; clear again (or restore) once the cause is fixed.
   if (!r.ok()) return r;
   if (options.weight_version) impl->weight_version.store(*options.weight_version);
-  std::lock_guard<std::mutex> g(impl->mu);
+  MutexLock g(impl->mu);
   if (impl->cache_cleared) impl->clear_confirmed = true;  // unless a restore raced us
   return r;
 }
@@ -931,7 +949,7 @@ Result<TaskResult, IpcErrc> EngineSession::restore_caches(std::int64_t timeout_n
   if (auto st = gate.check(); !st.ok()) return std::move(st).error();
   auto* impl = impl_.get();
   {
-    std::lock_guard<std::mutex> g(impl->mu);
+    MutexLock g(impl->mu);
     if (!impl->cache_cleared) return make_error(IpcErrc::kInvalidArgument, "the cache is not cleared: nothing to restore");
     if (auto st = impl->registry_complete(); !st.ok()) return std::move(st).error();
     // Live in the header before RESTORE_CACHE is in the ring: a rank granted from now on maps
@@ -946,7 +964,7 @@ Result<TaskResult, IpcErrc> EngineSession::restore_caches(std::int64_t timeout_n
   const std::int64_t deadline = deadline_after(impl->clock->now_ns(), timeout_ns);
   auto id = impl->submit_encoded(records, timeout_ns, true);
   {
-    std::lock_guard<std::mutex> g(impl->mu);
+    MutexLock g(impl->mu);
     impl->set_cache_state(!id.ok());
   }
   if (!id.ok()) return std::move(id).error();
@@ -965,14 +983,14 @@ Result<TaskResult, IpcErrc> EngineSession::restore_caches(std::int64_t timeout_n
   if (why.empty()) return r;
   // A rank that could not re-open fails every task (cache_cleared): back to cleared, so the
   // engine refuses tasks instead; clear_caches() then restore_caches() again after fixing it.
-  std::lock_guard<std::mutex> g(impl->mu);
+  MutexLock g(impl->mu);
   impl->set_cache_state(true);
   return make_error(r.ok() ? IpcErrc::kTaskFailed : r.error().code,
                     why + "; the cache stays cleared: clear_caches() and restore_caches() again");
 }
 
 bool EngineSession::cache_cleared() const {
-  std::lock_guard<std::mutex> g(impl_->mu);
+  MutexLock g(impl_->mu);
   return impl_->cache_cleared;
 }
 
@@ -984,7 +1002,7 @@ Result<std::uint64_t, IpcErrc> EngineSession::submit_raw(const proto::TaskRecord
   if (header.kind == static_cast<std::uint16_t>(proto::TaskKind::kPadding) && header.format_version == proto::kPaddingFormat)
     return make_error(IpcErrc::kInvalidArgument, "a raw task may not carry the ring's padding marker");
   auto* impl = impl_.get();
-  std::lock_guard<std::mutex> g(impl->mu);
+  MutexLock g(impl->mu);
   impl->service(false);
   if (!impl->ring->fits(src.size(), dst.size())) return make_error(IpcErrc::kTooLarge, "raw task too large");
   if (auto id = impl->push_locked(header, src, dst)) return *id;
@@ -994,7 +1012,7 @@ Result<std::uint64_t, IpcErrc> EngineSession::submit_raw(const proto::TaskRecord
 std::optional<TaskResult> EngineSession::poll(std::uint64_t task_id) {
   const Impl::Gate gate(impl_.get());
   if (!gate.usable()) return std::nullopt;
-  std::lock_guard<std::mutex> g(impl_->mu);
+  MutexLock g(impl_->mu);
   impl_->service(false);
   auto it = impl_->done.find(task_id);
   if (it == impl_->done.end()) return std::nullopt;
@@ -1016,7 +1034,7 @@ Result<TaskResult, IpcErrc> EngineSession::Impl::wait_result(std::uint64_t task_
     if (closing.load(std::memory_order_seq_cst)) return closing_error();
     const std::uint32_t seen = h->completion_word.load(std::memory_order_acquire);
     {
-      std::lock_guard<std::mutex> g(impl->mu);
+      MutexLock g(impl->mu);
       impl->service(false);
       auto it = impl->done.find(task_id);
       if (it != impl->done.end()) {
@@ -1055,7 +1073,7 @@ Status<IpcErrc> EngineSession::wait_layer(std::uint64_t task_id, std::uint32_t l
     const std::uint32_t progress_seen = h->progress_word.load(std::memory_order_acquire);
     const std::uint32_t done_seen = h->completion_word.load(std::memory_order_acquire);
     {
-      std::lock_guard<std::mutex> g(impl->mu);
+      MutexLock g(impl->mu);
       impl->service(false);
       if (auto it = impl->done.find(task_id); it != impl->done.end()) {
         if (it->second.ok()) return {};
@@ -1138,7 +1156,7 @@ std::uint32_t EngineSession::rank_ready_flags(std::uint32_t rank) const {
 std::size_t EngineSession::in_flight() const {
   const Impl::Gate gate(impl_.get());
   if (!gate.usable()) return 0;
-  std::lock_guard<std::mutex> g(impl_->mu);
+  MutexLock g(impl_->mu);
   return impl_->pending.size();
 }
 

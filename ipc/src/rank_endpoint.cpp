@@ -1,3 +1,4 @@
+#include "kvtd/base/mutex.h"
 #include "kvtd/ipc/rank_endpoint.h"
 
 #include <unistd.h>
@@ -28,8 +29,8 @@ struct RankEndpoint::Impl {
   bool loaded = false;                     // the last load_tensors() found the cache live
   std::vector<std::array<std::uint8_t, proto::kHandleBytes>> events;  // published; again after a re-grant
   std::unique_ptr<TaskRingReader> reader;
-  std::unique_ptr<CompletionRing> completions;
-  std::mutex complete_mu;
+  Mutex complete_mu;  // the ring has one producer: the threads that complete tasks take turns
+  std::unique_ptr<CompletionRing> completions PT_GUARDED_BY(complete_mu);
   std::atomic<std::uint32_t> epoch{0};  // written by the dispatcher, read by executor threads
   std::uint64_t owner = 0;  // our owner word, once claimed
 
@@ -325,7 +326,7 @@ RankEndpoint::Next RankEndpoint::next_task(std::vector<std::byte>& record, std::
 
 Status<IpcErrc> RankEndpoint::complete(const proto::CompletionRecord& record) {
   {
-    std::lock_guard<std::mutex> g(impl_->complete_mu);
+    MutexLock g(impl_->complete_mu);
     if (!impl_->completions->try_push(record))
       return make_error(IpcErrc::kRingFull, "completion ring of rank " + std::to_string(impl_->opts.rank) +
                                                 " is full: the engine is not draining it");

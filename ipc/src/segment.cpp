@@ -68,7 +68,8 @@ Result<std::unique_ptr<SharedObject>, IpcErrc> SharedObject::create(const std::s
     close(fd);
     return make_error(code, msg);
   };
-  fchmod(fd, 0600);  // never wider than 0600, whatever the umask
+  // Never wider than 0600, whatever the umask; an object whose mode cannot be set is not used.
+  if (fchmod(fd, 0600) != 0) return fail(IpcErrc::kSystem, detail::errno_text(("set the mode of " + name).c_str()));
   if (ftruncate(fd, static_cast<off_t>(bytes)) != 0)
     return fail(IpcErrc::kSystem, detail::errno_text(("size " + name).c_str()));
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);

@@ -1,3 +1,4 @@
+#include "kvtd/base/mutex.h"
 #include "kvtd/metrics/registry.h"
 
 #include <cstdio>
@@ -61,13 +62,13 @@ std::vector<MetricsRegistry::TaskCount> MetricsRegistry::task_counts() const {
 }
 
 void MetricsRegistry::note_error(std::string message) {
-  std::lock_guard<std::mutex> g(errors_mu_);
+  MutexLock g(errors_mu_);
   if (errors_.size() == kLastErrors) errors_.erase(errors_.begin());
   errors_.push_back(std::move(message));
 }
 
 std::vector<std::string> MetricsRegistry::last_errors() const {
-  std::lock_guard<std::mutex> g(errors_mu_);
+  MutexLock g(errors_mu_);
   return errors_;
 }
 

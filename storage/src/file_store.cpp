@@ -1,3 +1,4 @@
+#include "kvtd/base/mutex.h"
 #include "kvtd/storage/file_store.h"
 
 #include <unistd.h>
@@ -66,7 +67,7 @@ class FileStore final : public ObjectStore {
     return {};
   }
 
-  Status<StorageErrc> load_index() {
+  Status<StorageErrc> load_index() EXCLUDES(mu_) {
     std::vector<FileEntry> files;
     if (int e = fs_->list_files(dir_, &files); e != 0)
       return make_error(StorageErrc::kIo, "cannot list " + dir_ + ": " + std::strerror(e));
@@ -82,8 +83,10 @@ class FileStore final : public ObjectStore {
         continue;
       }
       if (base.size() < 4 || base.compare(base.size() - 4, 4, kSuffix) != 0) continue;
+      MutexLock g(mu_);
       touch_locked(f.path, f.bytes);
     }
+    MutexLock g(mu_);
     evict_locked(lru_.empty() ? std::string() : lru_.front());
     return {};
   }
@@ -185,7 +188,7 @@ class FileStore final : public ObjectStore {
   class Scratch {
    public:
     explicit Scratch(const FileStore& s) : s_(s) {
-      std::lock_guard<std::mutex> g(s_.scratch_mu_);
+      MutexLock g(s_.scratch_mu_);
       if (!s_.scratch_free_.empty()) {
         buf_ = std::move(s_.scratch_free_.back());
         s_.scratch_free_.pop_back();
@@ -193,7 +196,7 @@ class FileStore final : public ObjectStore {
       if (!buf_) buf_ = std::make_unique<std::byte[]>(s_.opts_.store.object_bytes);
     }
     ~Scratch() {
-      std::lock_guard<std::mutex> g(s_.scratch_mu_);
+      MutexLock g(s_.scratch_mu_);
       s_.scratch_free_.push_back(std::move(buf_));
     }
     Scratch(const Scratch&) = delete;
@@ -227,7 +230,7 @@ class FileStore final : public ObjectStore {
     }
     counters_.count_get(r);
     if (r == ObjectResult::kOk) {
-      std::lock_guard<std::mutex> g(mu_);
+      MutexLock g(mu_);
       touch_locked(path, sizeof h + payload.size());
     }
     return r;
@@ -255,7 +258,7 @@ class FileStore final : public ObjectStore {
       // the index, so it can never delete an object that was just renamed in but not yet indexed
       // as new (it used to remove a concurrent put's fresh object under an old LRU entry).
       step = "rename to ";
-      std::lock_guard<std::mutex> g(mu_);
+      MutexLock g(mu_);
       e = fs_->rename(tmp, path);
       if (e == 0) {
         touch_locked(path, sizeof h + h.payload_bytes);
@@ -282,20 +285,20 @@ class FileStore final : public ObjectStore {
       const std::string path = path_of(k);
       if (int e = fs_->remove(path); e != 0)
         return make_error(StorageErrc::kIo, "remove " + path + ": " + std::strerror(e));
-      std::lock_guard<std::mutex> g(mu_);
+      MutexLock g(mu_);
       forget_locked(path);
     }
     return {};
   }
 
   std::string last_error() const override {
-    std::lock_guard<std::mutex> g(mu_);
+    MutexLock g(mu_);
     return last_error_;
   }
 
   StoreStats stats() const override {
     StoreStats s = counters_.snapshot();
-    std::lock_guard<std::mutex> g(mu_);
+    MutexLock g(mu_);
     s.evictions = evictions_;
     s.bytes_stored = total_;
     return s;
@@ -308,7 +311,7 @@ class FileStore final : public ObjectStore {
   };
 
   void note_error(const std::string& what, int e) {
-    std::lock_guard<std::mutex> g(mu_);
+    MutexLock g(mu_);
     last_error_ = what + ": " + std::strerror(e);
   }
 
@@ -347,7 +350,7 @@ class FileStore final : public ObjectStore {
            "-" + std::to_string(counter.fetch_add(1));
   }
 
-  void touch_locked(const std::string& path, std::uint64_t bytes) {
+  void touch_locked(const std::string& path, std::uint64_t bytes) REQUIRES(mu_) {
     auto it = index_.find(path);
     if (it != index_.end()) {
       total_ -= it->second.bytes;
@@ -359,7 +362,7 @@ class FileStore final : public ObjectStore {
     total_ += bytes;
   }
 
-  void forget_locked(const std::string& path) {
+  void forget_locked(const std::string& path) REQUIRES(mu_) {
     auto it = index_.find(path);
     if (it == index_.end()) return;
     total_ -= it->second.bytes;
@@ -369,7 +372,7 @@ class FileStore final : public ObjectStore {
 
   // Removes least-recently-used objects until the total fits the capacity; `keep` (the object
   // just written) always stays, even if it alone is larger.
-  void evict_locked(const std::string& keep) {
+  void evict_locked(const std::string& keep) REQUIRES(mu_) {
     if (opts_.capacity_bytes == 0) return;
     while (total_ > opts_.capacity_bytes && lru_.size() > 1) {
       const std::string victim = lru_.back();
@@ -385,16 +388,16 @@ class FileStore final : public ObjectStore {
   FileSystem* fs_;
   std::string dir_;
 
-  mutable std::mutex mu_;
-  std::list<std::string> lru_;  // front: most recently used
-  std::unordered_map<std::string, Entry> index_;
-  std::uint64_t total_ = 0;
-  std::uint64_t evictions_ = 0;
-  std::string last_error_;
+  mutable Mutex mu_;  // the index; never held across file I/O
+  std::list<std::string> lru_ GUARDED_BY(mu_);  // front: most recently used
+  std::unordered_map<std::string, Entry> index_ GUARDED_BY(mu_);
+  std::uint64_t total_ GUARDED_BY(mu_) = 0;
+  std::uint64_t evictions_ GUARDED_BY(mu_) = 0;
+  std::string last_error_ GUARDED_BY(mu_);
 
   detail::Counters counters_;
-  mutable std::mutex scratch_mu_;
-  mutable std::vector<std::unique_ptr<std::byte[]>> scratch_free_;  // guarded by scratch_mu_
+  mutable Mutex scratch_mu_;
+  mutable std::vector<std::unique_ptr<std::byte[]>> scratch_free_ GUARDED_BY(scratch_mu_);
 };
 
 }  // namespace

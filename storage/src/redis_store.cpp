@@ -1,3 +1,4 @@
+#include "kvtd/base/mutex.h"
 #include "kvtd/storage/redis_store.h"
 
 #include <hiredis/hiredis.h>
@@ -98,11 +99,12 @@ class RedisStore final : public ObjectStore {
       int port = 0;
       if (!parse_endpoint(e, &host, &port))
         return make_error(StorageErrc::kInvalidArgument, "Redis endpoint '" + e + "' is not host:port");
+      MutexLock g(mu_);
       node(host, port);
     }
     if (o_.endpoints.empty()) return make_error(StorageErrc::kInvalidArgument, "no Redis endpoint given");
     if (!o_.cluster && o_.detect_cluster) {
-      std::lock_guard<std::mutex> g(mu_);
+      MutexLock g(mu_);
       const auto dl = deadline();
       for (auto& [id, n] : nodes_) {
         redisContext* c = connect(*n, dl);
@@ -119,7 +121,7 @@ class RedisStore final : public ObjectStore {
       }
     }
     if (o_.cluster) {
-      std::lock_guard<std::mutex> g(mu_);
+      MutexLock g(mu_);
       if (auto st = refresh_slots(deadline()); !st.ok()) return st;
     }
     return {};
@@ -171,14 +173,14 @@ class RedisStore final : public ObjectStore {
   StoreStats stats() const override { return counters_.snapshot(); }
 
   std::string last_error() const override {
-    std::lock_guard<std::mutex> g(mu_);
+    MutexLock g(mu_);
     return last_error_;
   }
 
  private:
   Clock::time_point deadline() const { return Clock::now() + std::chrono::milliseconds(o_.timeout_ms); }
 
-  Node* node(const std::string& host, int port) {
+  Node* node(const std::string& host, int port) REQUIRES(mu_) {
     const std::string id = host + ":" + std::to_string(port);
     auto& n = nodes_[id];
     if (!n) {
@@ -191,7 +193,7 @@ class RedisStore final : public ObjectStore {
 
   // A live connection to `n`, or null (down, or still backing off). *reused: it was made before
   // this call (it may have gone stale while idle: a server restart is found only on use).
-  redisContext* connect(Node& n, Clock::time_point deadline, bool* reused = nullptr) {
+  redisContext* connect(Node& n, Clock::time_point deadline, bool* reused = nullptr) REQUIRES(mu_) {
     if (reused) *reused = n.ctx && n.ctx->err == 0;
     if (n.ctx && n.ctx->err == 0) return n.ctx;
     n.drop();
@@ -225,7 +227,7 @@ class RedisStore final : public ObjectStore {
     return c;
   }
 
-  Status<StorageErrc> refresh_slots(Clock::time_point deadline) {
+  Status<StorageErrc> refresh_slots(Clock::time_point deadline) REQUIRES(mu_) {
     for (auto& [id, n] : nodes_) {
       redisContext* c = connect(*n, deadline);
       if (!c) continue;
@@ -251,7 +253,7 @@ class RedisStore final : public ObjectStore {
     return make_error(StorageErrc::kUnavailable, "no Redis Cluster node answered CLUSTER SLOTS: " + last_error_);
   }
 
-  Node* owner_of(const std::string& key) {
+  Node* owner_of(const std::string& key) REQUIRES(mu_) {
     if (!o_.cluster) return nodes_.begin()->second.get();
     Node* n = slots_[redis_cluster_slot(key)];
     return n ? n : nodes_.begin()->second.get();
@@ -261,7 +263,7 @@ class RedisStore final : public ObjectStore {
   // MOVED/ASK redirects a few times. results[i] is per key.
   Status<StorageErrc> run(Op op, std::span<const std::string> keys, std::span<std::byte* const> dsts,
                           std::span<const std::byte* const> srcs, std::vector<ObjectResult>* results) {
-    std::lock_guard<std::mutex> g(mu_);
+    MutexLock g(mu_);
     const auto dl = deadline();
     if (o_.cluster && refresh_needed_) (void)refresh_slots(dl);
     results->assign(keys.size(), ObjectResult::kFailed);
@@ -286,14 +288,14 @@ class RedisStore final : public ObjectStore {
 
   void pipeline(Node& n, Op op, const std::vector<std::size_t>& idx, const std::vector<std::string>& names,
                 std::span<std::byte* const> dsts, std::span<const std::byte* const> srcs, Clock::time_point dl,
-                std::vector<ObjectResult>* results, std::vector<std::size_t>* retry, std::map<std::size_t, Node*>* ask) {
+                std::vector<ObjectResult>* results, std::vector<std::size_t>* retry, std::map<std::size_t, Node*>* ask) REQUIRES(mu_) {
     bool reused = false;
     redisContext* c = connect(n, dl, &reused);
     if (!c) return;  // results stay kFailed
     // A connection made before this call that fails now was most likely left stale by a server
     // restart: retry the group once on a fresh connection, without the reconnect backoff (the
     // next tasks used to fail storage_unavailable). A fresh connection that fails is the server.
-    auto lost = [&] {
+    auto lost = [&]() REQUIRES(mu_) {
       if (!reused) return fail_connection(n);
       last_error_ = n.ctx && n.ctx->errstr[0] ? n.ctx->errstr : "connection lost";
       n.drop();
@@ -416,7 +418,7 @@ class RedisStore final : public ObjectStore {
     return true;
   }
 
-  void fail_connection(Node& n) {
+  void fail_connection(Node& n) REQUIRES(mu_) {
     last_error_ = n.ctx && n.ctx->errstr[0] ? n.ctx->errstr : "connection lost";
     n.drop();
     n.backoff_ms = 50;
@@ -426,11 +428,11 @@ class RedisStore final : public ObjectStore {
 
   RedisStoreOptions o_;
   std::string password_;
-  mutable std::mutex mu_;
-  std::map<std::string, std::unique_ptr<Node>> nodes_;
-  std::array<Node*, 16384> slots_{};
-  bool refresh_needed_ = false;
-  std::string last_error_;
+  mutable Mutex mu_;  // held for a whole command: one connection per node, used by one thread at a time
+  std::map<std::string, std::unique_ptr<Node>> nodes_ GUARDED_BY(mu_);
+  std::array<Node*, 16384> slots_ GUARDED_BY(mu_){};
+  bool refresh_needed_ GUARDED_BY(mu_) = false;
+  std::string last_error_ GUARDED_BY(mu_);
   detail::Counters counters_;
 };
 

@@ -158,6 +158,20 @@ TEST_F(DaemonTest, RestartWithAnotherHostLayoutLosesThePoolInsteadOfMisreadingIt
   round_trip({6, 7}, {8, 9}, {10, 11});
 }
 
+// A stray SIGUSR2 (the daemon's private "signal thread, exit" word) ended the signal thread, and
+// the SIGTERM after it was never taken: the daemon served on until the service manager killed it.
+TEST_F(DaemonTest, StraySigusr2DoesNotStopSigtermFromBeingHandled) {
+  g_ = test::small_geometry(1);
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  daemons_[0].signal(SIGUSR2);
+  ASSERT_TRUE(test::eventually([&] { return test::read_file(log_path(0)).find("SIGUSR2 received") != std::string::npos; },
+                             std::chrono::seconds(10)))
+      << test::read_file(log_path(0));
+  round_trip({1, 2}, {3, 4}, {5, 6});  // still serving
+  daemons_[0].signal(SIGTERM);
+  EXPECT_EQ(daemons_[0].wait_exit(std::chrono::seconds(20)), 0) << test::read_file(log_path(0));
+}
+
 TEST_F(DaemonTest, MalformedTasksGetErrorsAndTheNextTaskSucceeds) {
   ASSERT_NO_FATAL_FAILURE(start_all());
   auto expect_failure = [&](std::uint64_t id, TaskStatus want, const char* words) {

@@ -650,3 +650,30 @@ TEST(Agreement, ASlowPeerHoldsTheSlotInsteadOfBeingOvertaken) {
 
 }  // namespace
 }  // namespace kvtd::ipc
+
+namespace kvtd::ipc {
+namespace {
+
+// The host-backend arenas, their tensor addresses and the registry were changed by
+// create_host_device_tensors without the session's lock, while host_device_tensor read them from
+// any thread: a data race (ThreadSanitizer reports it on the old code; clang's thread-safety build
+// refuses it since the fields are GUARDED_BY).
+TEST(Session, HostDeviceTensorReadWhileTheArenasAreRemadeIsNotARace) {
+  test::Watchdog dog(60);
+  SessionOptions o;
+  o.suffix = test::unique_suffix("arena_race");
+  o.geometry = test::small_geometry(1);
+  auto s = EngineSession::create(o);
+  ASSERT_TRUE(s.ok()) << s.error().message;
+  std::atomic<bool> done{false};
+  std::thread reader([&] {
+    while (!done.load()) (void)(*s)->host_device_tensor(0, 0, proto::TensorKind::kKey);
+  });
+  for (int i = 0; i < 50; ++i) ASSERT_TRUE((*s)->create_host_device_tensors().ok());
+  done.store(true);
+  reader.join();
+  EXPECT_NE((*s)->host_device_tensor(0, 0, proto::TensorKind::kKey), nullptr);
+}
+
+}  // namespace
+}  // namespace kvtd::ipc

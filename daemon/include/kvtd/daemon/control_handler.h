@@ -13,6 +13,7 @@
 #include <mutex>
 #include <string>
 
+#include "kvtd/base/mutex.h"
 #include "kvtd/config/daemon_config.h"
 #include "kvtd/control/control.h"
 #include "kvtd/metrics/registry.h"
@@ -23,7 +24,10 @@ struct ControlState {
   std::atomic<std::int64_t> attached_since_ms{0};  // unix time of the current attach; 0 = detached
   std::atomic<std::uint64_t> generation{0};
   std::atomic<bool> draining{false};
-  // `kvtd ctl clear|restore`: set by the control thread, taken by the serving loop.
+  // `kvtd ctl clear|restore`: set by the control thread, taken by the serving loop. The clear
+  // request is written only under `mu_` together with the cache state (request_clear,
+  // set_cache), so a request accepted while live is kept until the cache leaves the live state;
+  // the serving loop reads it lock-free.
   std::atomic<bool> clear_requested{false};
   std::atomic<bool> restore_requested{false};
   std::atomic<bool> clear_drops_host_tier{false};
@@ -31,7 +35,11 @@ struct ControlState {
   enum class Cache { kDetached, kLive, kCleared };
   void attached(std::uint64_t gen);
   void detached();
+  // Sets the cache state; leaving the live state ends a pending clear request (satisfied by the
+  // clear, or moot once detached).
   void set_cache(Cache c);
+  // A clear asked while the cache is live: true when it was recorded (false when not live).
+  bool request_clear(bool drop_host_tier);
   Cache cache() const;
   // The serving loop turned down a requested restore (the engine's own clear is the engine's
   // to restore): wakes the waiting control thread.
@@ -41,10 +49,10 @@ struct ControlState {
   Wait wait_cache(Cache want, std::int64_t timeout_ms);
 
  private:
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  Cache cache_ = Cache::kDetached;  // guarded by mu_
-  bool refused_ = false;            // guarded by mu_: since the last wait_cache
+  mutable Mutex mu_;
+  CondVar cv_;
+  Cache cache_ GUARDED_BY(mu_) = Cache::kDetached;
+  bool refused_ GUARDED_BY(mu_) = false;  // since the last wait_cache
 };
 
 // Binds the rank's control socket in the runtime directory (and cfg.control_endpoint). The

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "kvtd/base/mutex.h"
 #include "kvtd/proto/task.h"
 #include "kvtd/storage/object_store.h"
 
@@ -87,8 +88,8 @@ class MetricsRegistry {
   std::atomic<std::uint64_t> host_pool_bytes_{0};
   std::atomic<std::uint64_t> ring_depth_{0};
   std::atomic<const storage::ObjectStore*> store_{nullptr};
-  mutable std::mutex errors_mu_;
-  std::vector<std::string> errors_;  // newest last, at most kLastErrors (guarded by errors_mu_)
+  mutable Mutex errors_mu_;
+  std::vector<std::string> errors_ GUARDED_BY(errors_mu_);  // newest last, at most kLastErrors
 };
 
 }  // namespace kvtd::metrics
