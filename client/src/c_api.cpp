@@ -1,4 +1,4 @@
-// The C ABI of kvtd/kvtd_client.h over ipc::EngineSession. Every entry point is noexcept in
+// The C ABI of kvtd/kvtd_client.h over engine::EngineSession. Every entry point is noexcept in
 // effect: its body runs inside guarded(), so no C++ exception reaches a C or Python caller.
 #include "kvtd/kvtd_client.h"
 
@@ -12,12 +12,12 @@
 #include <string>
 #include <vector>
 
-#include "kvtd/ipc/engine_session.h"
+#include "kvtd/engine/engine_session.h"
 #include "kvtd/proto/pci.h"
 #include "kvtd/proto/task.h"
 
 struct kvtd_session {
-  std::unique_ptr<kvtd::ipc::EngineSession> session;
+  std::unique_ptr<kvtd::engine::EngineSession> session;
 };
 
 namespace {
@@ -123,7 +123,7 @@ int guarded(char* err, size_t len, F&& body) noexcept {
   }
 }
 
-void fill_completion(const kvtd::ipc::TaskResult& r, kvtd_completion* out) {
+void fill_completion(const kvtd::engine::TaskResult& r, kvtd_completion* out) {
   if (!out) return;
   out->task_id = r.task_id;
   out->status = static_cast<int32_t>(r.status);
@@ -133,7 +133,7 @@ void fill_completion(const kvtd::ipc::TaskResult& r, kvtd_completion* out) {
   out->latency_ns = r.complete_ns - r.submit_ns;
 }
 
-int finished(const kvtd::ipc::TaskResult& r, kvtd_completion* out, char* err, size_t len) {
+int finished(const kvtd::engine::TaskResult& r, kvtd_completion* out, char* err, size_t len) {
   fill_completion(r, out);
   if (r.ok()) return KVTD_OK;
   const auto& f = r.failures.front();
@@ -142,7 +142,7 @@ int finished(const kvtd::ipc::TaskResult& r, kvtd_completion* out, char* err, si
 }
 
 // Checks a kvtd_task and turns it into a TaskRequest; `keys` owns the key strings.
-int to_request(const kvtd_task& t, std::vector<std::string>* keys, kvtd::ipc::TaskRequest* r, char* err, size_t len) {
+int to_request(const kvtd_task& t, std::vector<std::string>* keys, kvtd::engine::TaskRequest* r, char* err, size_t len) {
   if (t.kind < 1 || t.kind > static_cast<int32_t>(proto::kMaxTaskKind))
     return invalid(err, len, "task kind " + std::to_string(t.kind) + " is not one of KVTD_SWAP_TO_HOST..KVTD_CANCEL");
   constexpr uint32_t kKnown = KVTD_STORAGE_HOST_BLOCKS | KVTD_STORAGE_EVICT_BACKUP | KVTD_TASK_LAYERWISE;
@@ -185,7 +185,7 @@ int to_request(const kvtd_task& t, std::vector<std::string>* keys, kvtd::ipc::Ta
 int submit_checked(kvtd_session* s, const kvtd_task& t, uint64_t* task_id, char* err, size_t len) {
   if (!s || !task_id) return invalid(err, len, "session and task_id must not be null");
   std::vector<std::string> keys;
-  kvtd::ipc::TaskRequest r;
+  kvtd::engine::TaskRequest r;
   if (int rc = to_request(t, &keys, &r, err, len); rc != KVTD_OK) return rc;
   auto id = s->session->submit(r);
   if (!id.ok()) return report(id, err, len);
@@ -233,10 +233,10 @@ int kvtd_session_create(const char* suffix, const kvtd_geometry* g, kvtd_session
   return guarded(err, err_len, [&]() -> int {
     if (!suffix || !g || !out) return invalid(err, err_len, "suffix, geometry and out must not be null");
     *out = nullptr;
-    kvtd::ipc::SessionOptions o;
+    kvtd::engine::SessionOptions o;
     o.suffix = suffix;
     std::memcpy(&o.geometry, g, sizeof o.geometry);  // same layout (static_assert above); validated by create
-    auto s = kvtd::ipc::EngineSession::create(o);
+    auto s = kvtd::engine::EngineSession::create(o);
     if (!s.ok()) return report(s, err, err_len);
     *out = new kvtd_session{std::move(s).value()};
     return KVTD_OK;
@@ -364,7 +364,7 @@ int kvtd_clear_caches(kvtd_session* s, uint32_t flags, uint64_t weight_version, 
     return invalid(err, err_len, "unknown clear flags " + std::to_string(flags));
   if (timeout_ms <= 0) return invalid(err, err_len, "timeout_ms must be positive");
   return guarded(err, err_len, [&]() -> int {
-    kvtd::ipc::ClearOptions o;
+    kvtd::engine::ClearOptions o;
     o.drop_host_tier = (flags & KVTD_CLEAR_DROP_HOST_TIER) != 0;
     if (flags & KVTD_CLEAR_SET_WEIGHT_VERSION) o.weight_version = weight_version;
     o.timeout_ns = ms_to_ns(timeout_ms);
@@ -428,8 +428,8 @@ int kvtd_wait_layer(kvtd_session* s, uint64_t task_id, uint32_t layer, int64_t t
   return guarded(err, err_len, [&]() -> int {
     if (stage != KVTD_LAYER_DONE && stage != KVTD_LAYER_ENQUEUED)
       return invalid(err, err_len, "stage " + std::to_string(stage) + " is not KVTD_LAYER_DONE or KVTD_LAYER_ENQUEUED");
-    const auto st = stage == KVTD_LAYER_DONE ? kvtd::ipc::EngineSession::LayerStage::kDone
-                                             : kvtd::ipc::EngineSession::LayerStage::kEnqueued;
+    const auto st = stage == KVTD_LAYER_DONE ? kvtd::engine::EngineSession::LayerStage::kDone
+                                             : kvtd::engine::EngineSession::LayerStage::kEnqueued;
     return report(s->session->wait_layer(task_id, layer, ms_to_ns(timeout_ms), st), err, err_len);
   });
 }

@@ -16,7 +16,7 @@ using proto::TaskStatus;
 
 constexpr std::int64_t kPollSliceNs = 50'000'000;  // how often the loop re-checks stop and requests
 
-void send(ipc::RankEndpoint& ep, const proto::TaskRecordHeader& h, TaskStatus status, std::uint64_t blocks,
+void send(endpoint::RankEndpoint& ep, const proto::TaskRecordHeader& h, TaskStatus status, std::uint64_t blocks,
           std::int64_t start_ns, const std::string& message) {
   if (status != TaskStatus::kOk)
     KVTD_WARN("task {} ({}) failed: {}: {}", h.task_id, proto::task_kind_name(static_cast<TaskKind>(h.kind)),
@@ -27,7 +27,7 @@ void send(ipc::RankEndpoint& ep, const proto::TaskRecordHeader& h, TaskStatus st
 
 }  // namespace
 
-void finish_clear(ipc::RankEndpoint& ep, HostPool& pool, const proto::TaskRecordHeader& clear) {
+void finish_clear(endpoint::RankEndpoint& ep, HostPool& pool, const proto::TaskRecordHeader& clear) {
   const std::int64_t start = ipc::monotonic_now_ns();
   const bool drop = (clear.flags & proto::kTaskFlagDropHostTier) != 0;
   if (drop) pool.mark_all_invalid();
@@ -36,7 +36,7 @@ void finish_clear(ipc::RankEndpoint& ep, HostPool& pool, const proto::TaskRecord
   send(ep, clear, TaskStatus::kOk, 0, start, drop ? "mappings closed, host tier dropped" : "mappings closed");
 }
 
-ClearedExit serve_cleared(ipc::RankEndpoint& ep, HostPool& pool, const std::atomic<bool>& stop,
+ClearedExit serve_cleared(endpoint::RankEndpoint& ep, HostPool& pool, const std::atomic<bool>& stop,
                           std::atomic<bool>* restore_requested, const std::function<void()>& on_restore_refused) {
   std::vector<std::byte> record;
   for (;;) {
@@ -50,15 +50,15 @@ ClearedExit serve_cleared(ipc::RankEndpoint& ep, HostPool& pool, const std::atom
     }
     const auto next = ep.next_task(record, ipc::monotonic_now_ns() + kPollSliceNs);
     switch (next) {
-      case ipc::RankEndpoint::Next::kTimeout: continue;
-      case ipc::RankEndpoint::Next::kLost: return {ClearedExit::Why::kSessionLost, std::nullopt};
-      case ipc::RankEndpoint::Next::kCorrupt: return {ClearedExit::Why::kRingCorrupt, std::nullopt};
-      case ipc::RankEndpoint::Next::kRegranted:
+      case endpoint::RankEndpoint::Next::kTimeout: continue;
+      case endpoint::RankEndpoint::Next::kLost: return {ClearedExit::Why::kSessionLost, std::nullopt};
+      case endpoint::RankEndpoint::Next::kCorrupt: return {ClearedExit::Why::kRingCorrupt, std::nullopt};
+      case endpoint::RankEndpoint::Next::kRegranted:
         // Whatever CLEAR/RESTORE the engine failed for us meanwhile, its state word says where
         // it stands now.
         if (ep.cache_live()) return {ClearedExit::Why::kRestore, std::nullopt};
         continue;
-      case ipc::RankEndpoint::Next::kTask: break;
+      case endpoint::RankEndpoint::Next::kTask: break;
     }
     const std::int64_t now = ipc::monotonic_now_ns();
     proto::TaskRecordHeader h{};

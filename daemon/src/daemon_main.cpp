@@ -16,7 +16,7 @@
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/notify.h"
 #include "kvtd/daemon/task_runner.h"
-#include "kvtd/ipc/rank_endpoint.h"
+#include "kvtd/endpoint/rank_endpoint.h"
 #include "kvtd/ipc/shared_object.h"
 #include "kvtd/metrics/http_server.h"
 #include "kvtd/storage/file_store.h"
@@ -28,7 +28,7 @@ namespace {
 // Whether the engine registered no tensor of this rank: then FastDeploy's worker published them
 // by name (fastdeploy_ipc.h). A registry with some tensors but not all is the engine's error,
 // reported by attach_cache naming the first one missing.
-bool registered_none(const ipc::RankEndpoint& ep) {
+bool registered_none(const endpoint::RankEndpoint& ep) {
   const auto& g = ep.geometry();
   for (std::uint32_t l = 0; l < g.num_layers; ++l)
     for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k)
@@ -40,7 +40,7 @@ bool registered_none(const ipc::RankEndpoint& ep) {
 // (cache_ready_signal.<port>[rank] == 1: worker/gpu_model_runner.py sets it after set_data_ipc of
 // every layer), as FastDeploy's own transfer manager does (_init_gpu_cache). The heartbeat runs
 // meanwhile. False when asked to stop or the engine went away.
-bool wait_for_fastdeploy_cache(const config::DaemonConfig& cfg, const ipc::RankEndpoint& ep,
+bool wait_for_fastdeploy_cache(const config::DaemonConfig& cfg, const endpoint::RankEndpoint& ep,
                                const std::atomic<bool>& stop) {
   const auto& port = cfg.fastdeploy.engine_worker_queue_port;
   if (port.empty()) return true;  // names without FastDeploy's signals: the engine said they exist
@@ -66,7 +66,7 @@ bool wait_for_fastdeploy_cache(const config::DaemonConfig& cfg, const ipc::RankE
 // the cache this daemon made and published itself.
 class TensorSource {
  public:
-  TensorSource(ipc::RankEndpoint& ep, DeviceBackend& backend, std::int32_t device_id, bool by_names,
+  TensorSource(endpoint::RankEndpoint& ep, DeviceBackend& backend, std::int32_t device_id, bool by_names,
                const FastDeployOwnedCache* owned)
       : ep_(ep), backend_(backend), device_id_(device_id), owned_(owned), by_names_(by_names) {}
 
@@ -97,7 +97,7 @@ class TensorSource {
   }
 
  private:
-  ipc::RankEndpoint& ep_;
+  endpoint::RankEndpoint& ep_;
   DeviceBackend& backend_;
   std::int32_t device_id_;
   const FastDeployOwnedCache* owned_;
@@ -138,7 +138,7 @@ Result<AttachedCache, DeviceErrc> attach_cache(const proto::CacheGeometry& g, Te
 // FastDeploy's --create_cache_tensor: makes this rank's cache, publishes it by FastDeploy's names
 // and tells FastDeploy's worker (cache_ready_signal[rank] = 1), as its transfer manager does.
 Result<std::unique_ptr<FastDeployOwnedCache>, DeviceErrc> make_fastdeploy_cache(const config::DaemonConfig& cfg,
-                                                                               const ipc::RankEndpoint& ep,
+                                                                               const endpoint::RankEndpoint& ep,
                                                                                DeviceBackend& backend) {
   const auto generation = ep.generation();
   auto owned = FastDeployOwnedCache::create(backend, ep.geometry(), cfg.rank, cfg.device_id, [&](std::size_t i) {
@@ -203,7 +203,7 @@ Result<OpenedStore, config::ConfigErrc> open_store(const config::DaemonConfig& c
 // the host pool) can outlast WatchdogSec. Once serving, only the dispatcher pings.
 class Heartbeat {
  public:
-  Heartbeat(ipc::RankEndpoint& ep, std::int64_t period_ns) : ep_(ep), period_ns_(period_ns) {
+  Heartbeat(endpoint::RankEndpoint& ep, std::int64_t period_ns) : ep_(ep), period_ns_(period_ns) {
     thread_ = std::thread([this] { loop(); });
   }
   void serving() { setting_up_.store(false, std::memory_order_relaxed); }
@@ -225,7 +225,7 @@ class Heartbeat {
       cv_.wait_for(lk, std::chrono::nanoseconds(period_ns_));
     }
   }
-  ipc::RankEndpoint& ep_;
+  endpoint::RankEndpoint& ep_;
   std::int64_t period_ns_;
   Mutex mu_;
   CondVar cv_;
@@ -314,7 +314,7 @@ int run_daemon(const config::DaemonConfig& cfg, std::atomic<bool>& stop) {
 
   std::uint64_t last_generation = 0;
   while (!stop.load()) {
-    ipc::EndpointOptions eo;
+    endpoint::EndpointOptions eo;
     eo.suffix = cfg.session_suffix;
     eo.rank = cfg.rank;
     eo.expected = geometry;
@@ -326,7 +326,7 @@ int run_daemon(const config::DaemonConfig& cfg, std::atomic<bool>& stop) {
     eo.on_poll = [] { notify_watchdog(); };
     notify_status("waiting for session");
     KVTD_INFO("waiting for session suffix '{}'", cfg.session_suffix);
-    auto ep = ipc::RankEndpoint::attach(eo);
+    auto ep = endpoint::RankEndpoint::attach(eo);
     if (!ep.ok()) {
       const auto code = ep.error().code;
       if (code == ipc::IpcErrc::kClosed) break;  // stop requested while waiting

@@ -10,7 +10,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "kvtd/ipc/engine_session.h"
+#include "kvtd/proto/session.h"
 
 namespace kvtd::daemon {
 namespace {
@@ -56,7 +56,7 @@ Result<proto::TensorDesc, DeviceErrc> read_fastdeploy_tensor(const proto::CacheG
                                                    std::to_string(sizeof raw));
   if (got != static_cast<ssize_t>(sizeof raw))
     return make_error(DeviceErrc::kOpenFailed, "cannot read /dev/shm/" + name + ": " + std::strerror(err));
-  proto::TensorDesc d = ipc::describe_tensor(g, rank, layer, kind);
+  proto::TensorDesc d = proto::describe_tensor(g, rank, layer, kind);
   d.device_id = device_id;
   d.offset = 0;
   std::memcpy(d.handle, raw + kFastDeployHandleOffset, proto::kHandleBytes);
@@ -91,7 +91,7 @@ Result<std::unique_ptr<FastDeployOwnedCache>, DeviceErrc> FastDeployOwnedCache::
       const auto kind = static_cast<proto::TensorKind>(k);
       if (!g.has_tensor(kind)) continue;
       const std::size_t i = std::size_t{l} * proto::kTensorKinds + k;
-      const auto bytes = ipc::describe_tensor(g, rank, l, kind).bytes;
+      const auto bytes = proto::describe_tensor(g, rank, l, kind).bytes;
       auto t = backend.create_exported(bytes, object_name(i));
       if (!t.ok()) return std::move(t).error();
       const std::string name = fastdeploy_tensor_name(kind, l, rank, device_id);

@@ -70,7 +70,7 @@ struct Prepared {
 };
 
 struct StorageExecutor::Impl {
-  ipc::RankEndpoint& ep;
+  endpoint::RankEndpoint& ep;
   DeviceBackend& backend;
   HostPool* pool;
   StorageTargets t;
@@ -114,7 +114,7 @@ struct StorageExecutor::Impl {
   mutable Mutex stats_mu;
   StorageStats st GUARDED_BY(stats_mu);
 
-  Impl(ipc::RankEndpoint& e, DeviceBackend& b, HostPool* p, StorageTargets targets, Complete c, Release r)
+  Impl(endpoint::RankEndpoint& e, DeviceBackend& b, HostPool* p, StorageTargets targets, Complete c, Release r)
       : ep(e), backend(b), pool(p), t(std::move(targets)), complete(std::move(c)), release(std::move(r)) {}
 
   // FastDeploy's RL key prefix for tasks of the engine's weight version `wv`: read from
@@ -608,7 +608,7 @@ struct StorageExecutor::Impl {
   }
 };
 
-Result<std::unique_ptr<StorageExecutor>, DeviceErrc> StorageExecutor::create(ipc::RankEndpoint& ep, DeviceBackend& backend,
+Result<std::unique_ptr<StorageExecutor>, DeviceErrc> StorageExecutor::create(endpoint::RankEndpoint& ep, DeviceBackend& backend,
                                                                               HostPool* pool, StorageTargets targets,
                                                                               Complete complete, Release release) {
   auto impl = std::make_unique<Impl>(ep, backend, pool, std::move(targets), std::move(complete), std::move(release));

@@ -56,7 +56,7 @@ TaskStatus status_of(kernels::PlanErrc e) {
 }  // namespace
 
 struct TaskRunner::Impl {
-  ipc::RankEndpoint& ep;
+  endpoint::RankEndpoint& ep;
   DeviceBackend& backend;
   AttachedCache cache;
   std::uint64_t block_bytes_all_layers = 0;  // what one block of a task moves, every layer and tensor
@@ -91,7 +91,7 @@ struct TaskRunner::Impl {
   std::optional<proto::TaskRecordHeader> clear_task;  // the CLEAR_CACHE that ended run() (dispatcher only)
   StorageStats storage_final GUARDED_BY(stats_mu);  // the executor's figures once it is gone
 
-  Impl(ipc::RankEndpoint& e, DeviceBackend& b, AttachedCache c) : ep(e), backend(b), cache(std::move(c)) {
+  Impl(endpoint::RankEndpoint& e, DeviceBackend& b, AttachedCache c) : ep(e), backend(b), cache(std::move(c)) {
     for (auto bytes : cache.block_bytes) block_bytes_all_layers += bytes * cache.num_layers;
     auto complete_fn = [this](const proto::TaskRecordHeader& h, TaskStatus s, std::uint64_t blocks,
                               std::uint64_t skipped, std::int64_t start, const std::string& msg) {
@@ -478,7 +478,7 @@ struct TaskRunner::Impl {
   }
 };
 
-TaskRunner::TaskRunner(ipc::RankEndpoint& endpoint, DeviceBackend& backend, AttachedCache cache)
+TaskRunner::TaskRunner(endpoint::RankEndpoint& endpoint, DeviceBackend& backend, AttachedCache cache)
     : impl_(std::make_unique<Impl>(endpoint, backend, std::move(cache))) {}
 
 TaskRunner::~TaskRunner() = default;
@@ -527,11 +527,11 @@ TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop, const std::atomi
     if (drain_until && impl->ep.ring_read() >= *drain_until) break;
     const std::int64_t now = ipc::monotonic_now_ns();
     const auto next = impl->ep.next_task(record, stopping ? now : now + kPollSliceNs);
-    if (next == ipc::RankEndpoint::Next::kTimeout) {
+    if (next == endpoint::RankEndpoint::Next::kTimeout) {
       if (stopping) break;
       continue;
     }
-    if (next == ipc::RankEndpoint::Next::kRegranted) {
+    if (next == endpoint::RankEndpoint::Next::kRegranted) {
       const std::size_t dropped = impl->drop_queued();
       KVTD_WARN("the engine had counted this rank as dead and failed its tasks; dropped {} queued tasks of the "
                 "revoked epoch unrun; re-attached as epoch {}",
@@ -545,11 +545,11 @@ TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop, const std::atomi
       }
       continue;
     }
-    if (next == ipc::RankEndpoint::Next::kLost) {
+    if (next == endpoint::RankEndpoint::Next::kLost) {
       exit = Exit::kSessionLost;
       break;
     }
-    if (next == ipc::RankEndpoint::Next::kCorrupt) {
+    if (next == endpoint::RankEndpoint::Next::kCorrupt) {
       exit = Exit::kRingCorrupt;
       break;
     }

@@ -1,4 +1,4 @@
-#include "segment.h"
+#include "kvtd/ipc/segment.h"
 
 #include <dirent.h>
 #include <fcntl.h>

@@ -7,7 +7,7 @@
 #include <cstring>
 #include <new>
 
-#include "segment.h"
+#include "kvtd/ipc/segment.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using kvtd::proto::SessionHeader;

@@ -37,7 +37,7 @@ class CacheClearTest : public DaemonTest {
         << test::read_file(log_path(1, 1));
     EXPECT_FALSE(maps(daemons_[1], arena(1, 1)));
   }
-  void expect_status(const ipc::TaskResult& r, TaskStatus want) {
+  void expect_status(const engine::TaskResult& r, TaskStatus want) {
     EXPECT_EQ(r.status, want) << (r.failures.empty() ? std::string("ok") : r.failures[0].message);
   }
 };
@@ -114,7 +114,7 @@ TEST_F(CacheClearTest, ClearReleasesEveryMappingAndRestoreServesTheNewTensorsByt
 TEST_F(CacheClearTest, DroppedHostTierIsLostAfterRestoreAndTheWeightVersionMoves) {
   ASSERT_NO_FATAL_FAILURE(start_all());
   ASSERT_TRUE(run(TaskKind::kSwapToHost, {1}, {2}).ok());
-  ipc::ClearOptions o;
+  engine::ClearOptions o;
   o.drop_host_tier = true;
   o.weight_version = 7;
   auto cleared = engine_->clear_caches(o);
@@ -152,9 +152,9 @@ TEST_F(CacheClearTest, DaemonThatAttachesWhileClearedMapsNothingUntilRestore) {
 TEST_F(CacheClearTest, ARankKilledAroundTheClearCountsAsReleased) {
   ASSERT_NO_FATAL_FAILURE(start_all());
   daemons_[1].signal(SIGKILL);
-  ipc::ClearOptions o;
+  engine::ClearOptions o;
   o.timeout_ns = 20'000'000'000;
-  Result<ipc::TaskResult, IpcErrc> cleared = make_error(IpcErrc::kNotReady, "not tried");
+  Result<engine::TaskResult, IpcErrc> cleared = make_error(IpcErrc::kNotReady, "not tried");
   ASSERT_TRUE(test::eventually(
       [&] {
         cleared = engine_->clear_caches(o);

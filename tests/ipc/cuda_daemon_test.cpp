@@ -33,7 +33,7 @@ class CudaDaemonTest : public DaemonTest {
   }
 
   void create_engine() {
-    ipc::SessionOptions o;
+    engine::SessionOptions o;
     o.suffix = suffix_;
     o.geometry = g_;
     o.ring_bytes = 1u << 16;
@@ -64,7 +64,7 @@ class CudaDaemonTest : public DaemonTest {
         for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
           const auto kind = static_cast<proto::TensorKind>(k);
           if (!g_.has_tensor(kind)) continue;
-          proto::TensorDesc d = ipc::describe_tensor(g_, r, l, kind);
+          proto::TensorDesc d = proto::describe_tensor(g_, r, l, kind);
           d.device_id = device_id;
           d.pci_bus_id = pci;
           d.offset = offset;

@@ -9,14 +9,14 @@
 #include <random>
 
 #include "kv_pattern.h"
-#include "kvtd/ipc/engine_session.h"
+#include "kvtd/engine/engine_session.h"
 #include "test_support.h"
 
 namespace kvtd {
 
-using ipc::EngineSession;
+using engine::EngineSession;
 using ipc::IpcErrc;
-using ipc::TaskRequest;
+using engine::TaskRequest;
 using proto::TaskKind;
 using proto::TaskStatus;
 using test::Child;
@@ -82,7 +82,7 @@ class DaemonTest : public ::testing::Test {
   }
 
   void start_engine(std::uint64_t ring_bytes = 1u << 16, std::int64_t rank_timeout_ns = 3'000'000'000) {
-    ipc::SessionOptions o;
+    engine::SessionOptions o;
     o.fencer = fencer_;
     o.suffix = suffix_;
     o.geometry = g_;
@@ -148,17 +148,17 @@ class DaemonTest : public ::testing::Test {
   }
 
   // Submits and waits for the merged result (empty after a failed assertion).
-  ipc::TaskResult submit_and_wait(const TaskRequest& req) {
+  engine::TaskResult submit_and_wait(const TaskRequest& req) {
     auto id = engine_->submit(req);
     EXPECT_TRUE(id.ok()) << id.error().message;
     if (!id.ok()) return {};
     // A bound, not a timing: a 192 MiB swap under ThreadSanitizer takes tens of seconds.
     auto r = engine_->wait(*id, 60'000'000'000);
     EXPECT_TRUE(r.ok()) << r.error().message;
-    return r.ok() ? *r : ipc::TaskResult{};
+    return r.ok() ? *r : engine::TaskResult{};
   }
 
-  ipc::TaskResult run(TaskKind kind, const std::vector<std::int32_t>& src, const std::vector<std::int32_t>& dst) {
+  engine::TaskResult run(TaskKind kind, const std::vector<std::int32_t>& src, const std::vector<std::int32_t>& dst) {
     TaskRequest req;
     req.kind = kind;
     req.src = src;

@@ -47,7 +47,7 @@ class StorageTaskTest : public DaemonTest {
     if (!HasFailure()) fs::remove_all(store_dir_);
   }
 
-  ipc::TaskResult storage(TaskKind kind, const std::vector<std::string>& keys, const std::vector<std::int32_t>& blocks,
+  engine::TaskResult storage(TaskKind kind, const std::vector<std::string>& keys, const std::vector<std::int32_t>& blocks,
                           bool host = false, std::uint32_t min_hits = 0) {
     TaskRequest req;
     req.kind = kind;
@@ -59,7 +59,7 @@ class StorageTaskTest : public DaemonTest {
   }
 
   // A STORAGE_WRITE of host blocks the engine is evicting (written under write_back).
-  ipc::TaskResult evict_backup(const std::vector<std::string>& keys, const std::vector<std::int32_t>& host_ids) {
+  engine::TaskResult evict_backup(const std::vector<std::string>& keys, const std::vector<std::int32_t>& host_ids) {
     TaskRequest evict;
     evict.kind = TaskKind::kStorageWrite;
     evict.keys = keys;
@@ -70,7 +70,7 @@ class StorageTaskTest : public DaemonTest {
   }
 
   // A SWAP_TO_HOST with keys; returns its backup's result (the swap must succeed).
-  ipc::TaskResult swap_out_with_keys(const std::vector<std::int32_t>& dev, const std::vector<std::int32_t>& host,
+  engine::TaskResult swap_out_with_keys(const std::vector<std::int32_t>& dev, const std::vector<std::int32_t>& host,
                                      const std::vector<std::string>& keys) {
     TaskRequest req;
     req.kind = TaskKind::kSwapToHost;
@@ -84,10 +84,10 @@ class StorageTaskTest : public DaemonTest {
     EXPECT_TRUE(swap.ok() && swap->ok());
     auto backup = engine_->wait(*id + 1, 60'000'000'000);
     EXPECT_TRUE(backup.ok()) << backup.error().message;
-    return backup.ok() ? *backup : ipc::TaskResult{};
+    return backup.ok() ? *backup : engine::TaskResult{};
   }
 
-  static std::string why(const ipc::TaskResult& r) {
+  static std::string why(const engine::TaskResult& r) {
     std::string s;
     for (const auto& f : r.failures)
       s += "rank " + std::to_string(f.rank) + ": " + proto::task_status_name(f.status) + ": " + f.message + "\n";

@@ -66,7 +66,7 @@ class TrustTest : public DaemonTest {
     });
   }
 
-  ipc::TaskResult submit_and_wait(TaskKind kind, const std::vector<std::int32_t>& src,
+  engine::TaskResult submit_and_wait(TaskKind kind, const std::vector<std::int32_t>& src,
                                   const std::vector<std::int32_t>& dst) {
     return run(kind, src, dst);
   }
@@ -282,7 +282,7 @@ TEST_F(TrustTest, IdCountsThatWrap32BitsAreMalformed) {
 
 // Case 5: header offsets are validated at attach, against the mapping.
 TEST_F(TrustTest, CorruptHeaderOffsetIsRefusedAtAttachWithATransientExitCode) {
-  ipc::SessionOptions o;
+  engine::SessionOptions o;
   o.suffix = suffix_;
   o.geometry = g_;
   o.ring_bytes = 1u << 16;
@@ -427,7 +427,7 @@ TEST(TrustBinary, AttachTimeoutExitsFour) {
 }
 
 TEST_F(TrustTest, OtherLayoutVersionIsRefusedWithExitThree) {
-  ipc::SessionOptions o;
+  engine::SessionOptions o;
   o.suffix = suffix_;
   o.geometry = g_;
   auto s = EngineSession::create(o);

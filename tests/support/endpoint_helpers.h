@@ -7,12 +7,12 @@
 #include <cstdio>
 #include <string>
 
-#include "kvtd/ipc/rank_endpoint.h"
+#include "kvtd/endpoint/rank_endpoint.h"
 
 namespace kvtd::test {
 
-inline ipc::EndpointOptions endpoint_options(const std::string& suffix, std::uint32_t rank, proto::CacheGeometry g) {
-  ipc::EndpointOptions o;
+inline endpoint::EndpointOptions endpoint_options(const std::string& suffix, std::uint32_t rank, proto::CacheGeometry g) {
+  endpoint::EndpointOptions o;
   o.suffix = suffix;
   o.rank = rank;
   o.expected = g;
@@ -21,7 +21,7 @@ inline ipc::EndpointOptions endpoint_options(const std::string& suffix, std::uin
 }
 
 // A completion with this rank, status and block count.
-inline void report(ipc::RankEndpoint& ep, std::uint64_t id, std::uint32_t rank, proto::TaskStatus st,
+inline void report(endpoint::RankEndpoint& ep, std::uint64_t id, std::uint32_t rank, proto::TaskStatus st,
                    std::uint64_t blocks) {
   proto::CompletionRecord rec{};
   rec.task_id = id;

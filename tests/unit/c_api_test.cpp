@@ -14,11 +14,14 @@
 
 #include "endpoint_helpers.h"
 #include "kvtd/ipc/clock.h"
-#include "kvtd/ipc/rank_endpoint.h"
+#include "kvtd/endpoint/rank_endpoint.h"
 #include "kvtd/ipc/task_codec.h"
 #include "test_support.h"
 
 namespace kvtd::ipc {
+
+// The daemon's end of the session (daemon/endpoint), against the C ABI in this process.
+using endpoint::RankEndpoint;
 namespace {
 
 using proto::TaskStatus;

@@ -18,14 +18,25 @@
 #include <cstring>
 
 #include "kvtd/daemon/device_backend.h"
-#include "kvtd/ipc/engine_session.h"
+#include "kvtd/engine/engine_session.h"
 #include "kvtd/ipc/task_codec.h"
-#include "kvtd/ipc/rank_endpoint.h"
+#include "kvtd/endpoint/rank_endpoint.h"
 #include "kvtd/ipc/shared_object.h"
 #include "endpoint_helpers.h"
 #include "test_support.h"
 
 namespace kvtd::ipc {
+
+// Both ends of the session, in this process: the engine's (client/engine) and the daemon's
+// (daemon/endpoint).
+using engine::ClearOptions;
+using engine::EngineSession;
+using engine::RankFailure;
+using engine::SessionOptions;
+using engine::TaskRequest;
+using engine::TaskResult;
+using endpoint::EndpointOptions;
+using endpoint::RankEndpoint;
 namespace {
 
 using proto::TaskKind;

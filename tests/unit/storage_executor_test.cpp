@@ -12,7 +12,7 @@
 #include "endpoint_helpers.h"
 #include "kvtd/daemon/device_backend.h"
 #include "kvtd/daemon/storage_executor.h"
-#include "kvtd/ipc/engine_session.h"
+#include "kvtd/engine/engine_session.h"
 #include "kvtd/storage/object_store.h"
 #include "test_support.h"
 
@@ -92,8 +92,8 @@ class StorageExecutorTest : public ::testing::Test {
   test::Watchdog dog_{60};
   std::string suffix_ = test::unique_suffix("storexec");
   proto::CacheGeometry g_ = test::small_geometry(1);
-  std::unique_ptr<ipc::EngineSession> engine_;
-  std::unique_ptr<ipc::RankEndpoint> ep_;
+  std::unique_ptr<engine::EngineSession> engine_;
+  std::unique_ptr<endpoint::RankEndpoint> ep_;
   std::unique_ptr<DeviceBackend> backend_ = make_host_backend();
   std::vector<std::byte> device_ = std::vector<std::byte>(kObject * kBlocks, std::byte{7});
   ScriptedStore store_{kObject};
@@ -104,16 +104,16 @@ class StorageExecutorTest : public ::testing::Test {
   std::uint64_t seq_ = 0;
 
   void SetUp() override {
-    ipc::SessionOptions o;
+    engine::SessionOptions o;
     o.suffix = suffix_;
     o.geometry = g_;
     o.service_period_ns = 2'000'000;
-    auto s = ipc::EngineSession::create(o);
+    auto s = engine::EngineSession::create(o);
     ASSERT_TRUE(s.ok()) << s.error().message;
     engine_ = std::move(s).value();
     ASSERT_TRUE(engine_->create_host_device_tensors().ok());
     ASSERT_TRUE(engine_->publish().ok());
-    auto ep = ipc::RankEndpoint::attach(test::endpoint_options(suffix_, 0, g_));
+    auto ep = endpoint::RankEndpoint::attach(test::endpoint_options(suffix_, 0, g_));
     ASSERT_TRUE(ep.ok()) << ep.error().message;
     ep_ = std::move(ep).value();
     StorageTargets t;

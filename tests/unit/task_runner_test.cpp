@@ -12,8 +12,8 @@
 #include <mutex>
 #include <thread>
 
-#include "kvtd/ipc/engine_session.h"
-#include "kvtd/ipc/rank_endpoint.h"
+#include "kvtd/engine/engine_session.h"
+#include "kvtd/endpoint/rank_endpoint.h"
 #include "kvtd/storage/file_store.h"
 #include "test_support.h"
 
@@ -83,22 +83,22 @@ class HeldCopiesBackend final : public DeviceBackend {
 
 // An engine (host-backend tensors) and the endpoint of its only rank, in this process.
 struct OneRankSession {
-  Result<std::unique_ptr<ipc::EngineSession>, ipc::IpcErrc> engine = make_error(ipc::IpcErrc::kNotReady, "");
-  Result<std::unique_ptr<ipc::RankEndpoint>, ipc::IpcErrc> ep = make_error(ipc::IpcErrc::kNotReady, "");
+  Result<std::unique_ptr<engine::EngineSession>, ipc::IpcErrc> engine = make_error(ipc::IpcErrc::kNotReady, "");
+  Result<std::unique_ptr<endpoint::RankEndpoint>, ipc::IpcErrc> ep = make_error(ipc::IpcErrc::kNotReady, "");
   void start(const std::string& suffix, const proto::CacheGeometry& g) {
-    ipc::SessionOptions o;
+    engine::SessionOptions o;
     o.suffix = suffix;
     o.geometry = g;
     o.service_period_ns = 2'000'000;
-    engine = ipc::EngineSession::create(o);
+    engine = engine::EngineSession::create(o);
     ASSERT_TRUE(engine.ok()) << engine.error().message;
     ASSERT_TRUE((*engine)->create_host_device_tensors().ok());
     ASSERT_TRUE((*engine)->publish().ok());
-    ipc::EndpointOptions eo;
+    endpoint::EndpointOptions eo;
     eo.suffix = suffix;
     eo.expected = g;
     eo.attach_timeout_ns = 5'000'000'000;
-    ep = ipc::RankEndpoint::attach(eo);
+    ep = endpoint::RankEndpoint::attach(eo);
     ASSERT_TRUE(ep.ok()) << ep.error().message;
   }
 };
@@ -131,7 +131,7 @@ TEST(TaskRunner, LayerEnqueuedIsPublishedBeforeTheLayersCopyIsDone) {
   std::thread serve([&] { (void)runner.run(stop); });
 
   const std::vector<std::int32_t> src{1, 2}, dst{3, 4};
-  ipc::TaskRequest req;
+  engine::TaskRequest req;
   req.kind = proto::TaskKind::kSwapToDevice;
   req.src = src;
   req.dst = dst;
@@ -140,10 +140,10 @@ TEST(TaskRunner, LayerEnqueuedIsPublishedBeforeTheLayersCopyIsDone) {
   ASSERT_TRUE(id.ok()) << id.error().message;
   // Every layer is queued while no copy has finished.
   for (std::uint32_t l = 0; l < g.num_layers; ++l) {
-    auto st = (*engine)->wait_layer(*id, l, 5'000'000'000, ipc::EngineSession::LayerStage::kEnqueued);
+    auto st = (*engine)->wait_layer(*id, l, 5'000'000'000, engine::EngineSession::LayerStage::kEnqueued);
     EXPECT_TRUE(st.ok()) << "layer " << l << ": " << st.error().message;
   }
-  auto not_done = (*engine)->wait_layer(*id, 0, 100'000'000, ipc::EngineSession::LayerStage::kDone);
+  auto not_done = (*engine)->wait_layer(*id, 0, 100'000'000, engine::EngineSession::LayerStage::kDone);
   ASSERT_FALSE(not_done.ok());
   EXPECT_EQ(not_done.error().code, ipc::IpcErrc::kTimeout);
   backend.release();
@@ -232,7 +232,7 @@ TEST(TaskRunner, StorageWriteRunningOutOfSpaceFailsAndLeavesWholeObjects) {
   std::thread serve([&] { (void)runner.run(stop); });
 
   auto submit = [&](proto::TaskKind kind, const std::vector<std::string>& keys, const std::vector<std::int32_t>& blocks) {
-    ipc::TaskRequest req;
+    engine::TaskRequest req;
     req.kind = kind;
     req.keys = keys;
     req.blocks = blocks;
@@ -240,7 +240,7 @@ TEST(TaskRunner, StorageWriteRunningOutOfSpaceFailsAndLeavesWholeObjects) {
     EXPECT_TRUE(id.ok()) << id.error().message;
     auto r = (*engine)->wait(id.ok() ? *id : 0, 10'000'000'000);
     EXPECT_TRUE(r.ok());
-    return r.ok() ? *r : ipc::TaskResult{};
+    return r.ok() ? *r : engine::TaskResult{};
   };
   const std::vector<std::string> keys{"a", "b", "c", "d", "e"};
   auto w = submit(proto::TaskKind::kStorageWrite, keys, {1, 2, 3, 4, 5});

@@ -11,7 +11,7 @@
 
 namespace kvtd::loadgen {
 
-std::unique_ptr<DeviceTensors> DeviceTensors::create(ipc::EngineSession& s, bool cuda, std::string* why) {
+std::unique_ptr<DeviceTensors> DeviceTensors::create(engine::EngineSession& s, bool cuda, std::string* why) {
   std::unique_ptr<DeviceTensors> t(new DeviceTensors);
   t->s_ = &s;
   t->cuda_ = cuda;
@@ -57,7 +57,7 @@ std::unique_ptr<DeviceTensors> DeviceTensors::create(ipc::EngineSession& s, bool
       for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
         const auto kind = static_cast<proto::TensorKind>(k);
         if (!g.has_tensor(kind)) continue;
-        proto::TensorDesc d = ipc::describe_tensor(g, r, l, kind);
+        proto::TensorDesc d = proto::describe_tensor(g, r, l, kind);
         d.device_id = device;
         d.pci_bus_id = proto::parse_pci_bus_id(bus).value_or(0);
         d.offset = offset;

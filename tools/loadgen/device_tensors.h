@@ -13,14 +13,14 @@
 #include <string>
 #include <vector>
 
-#include "kvtd/ipc/engine_session.h"
+#include "kvtd/engine/engine_session.h"
 
 namespace kvtd::loadgen {
 
 class DeviceTensors {
  public:
   // Registers every tensor of the session's geometry (before publish). Null and `why` on failure.
-  static std::unique_ptr<DeviceTensors> create(ipc::EngineSession& s, bool cuda, std::string* why);
+  static std::unique_ptr<DeviceTensors> create(engine::EngineSession& s, bool cuda, std::string* why);
   ~DeviceTensors();
   DeviceTensors(const DeviceTensors&) = delete;
   DeviceTensors& operator=(const DeviceTensors&) = delete;
@@ -31,7 +31,7 @@ class DeviceTensors {
 
  private:
   DeviceTensors() = default;
-  ipc::EngineSession* s_ = nullptr;
+  engine::EngineSession* s_ = nullptr;
   bool cuda_ = false;
   std::vector<void*> arenas_;          // CUDA: one allocation per rank
   std::vector<std::byte*> device_;     // by registry index: the tensor in device memory

@@ -22,7 +22,7 @@ namespace kvtd::loadgen {
 
 bool run_task(EngineSession& s, TaskKind kind, const std::vector<std::int32_t>& src,
               const std::vector<std::int32_t>& dst, double timeout_s, std::int64_t* latency_ns) {
-  kvtd::ipc::TaskRequest req;
+  kvtd::engine::TaskRequest req;
   req.kind = kind;
   req.src = src;
   req.dst = dst;
@@ -230,7 +230,7 @@ int run_throughput(EngineSession& s, const Options& o) {
 
 int main(int argc, char** argv) {
   using namespace kvtd::loadgen;
-  using kvtd::ipc::EngineSession;
+  using kvtd::engine::EngineSession;
   Options o;
   CLI::App app{"kvtd-loadgen - engine stand-in: swaps KV blocks through kvtd and checks every byte"};
   app.add_option("--session", o.session, "Session suffix (kvtd --session)");
@@ -266,7 +266,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"host", "cuda"}));
   CLI11_PARSE(app, argc, argv);
 
-  kvtd::ipc::SessionOptions so;
+  kvtd::engine::SessionOptions so;
   so.suffix = o.session;
   auto& g = so.geometry;
   g.num_ranks = o.ranks;

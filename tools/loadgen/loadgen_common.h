@@ -11,11 +11,11 @@
 
 #include "device_tensors.h"
 #include "kv_pattern.h"
-#include "kvtd/ipc/engine_session.h"
+#include "kvtd/engine/engine_session.h"
 
 namespace kvtd::loadgen {
 
-using kvtd::ipc::EngineSession;
+using kvtd::engine::EngineSession;
 using kvtd::proto::TaskKind;
 using kvtd::proto::TensorKind;
 using Clock = std::chrono::steady_clock;
@@ -86,7 +86,7 @@ struct Cache {
 };
 
 // Submits one swap and waits; prints why on failure. Checks every block was moved.
-bool run_task(kvtd::ipc::EngineSession& s, TaskKind kind, const std::vector<std::int32_t>& src,
+bool run_task(kvtd::engine::EngineSession& s, TaskKind kind, const std::vector<std::int32_t>& src,
               const std::vector<std::int32_t>& dst, double timeout_s, std::int64_t* latency_ns = nullptr);
 
 }  // namespace kvtd::loadgen

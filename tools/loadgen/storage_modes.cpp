@@ -21,10 +21,10 @@ std::vector<std::string> block_keys(const std::string& prefix, std::size_t first
 }
 
 // One storage task, synchronously; the merged result, or nullopt after printing why it failed.
-std::optional<ipc::TaskResult> storage_task(EngineSession& s, TaskKind kind, const std::vector<std::string>& keys,
+std::optional<engine::TaskResult> storage_task(EngineSession& s, TaskKind kind, const std::vector<std::string>& keys,
                                             const std::vector<std::int32_t>& blocks, bool host, double timeout_s,
                                             std::uint32_t min_hits = 0) {
-  ipc::TaskRequest req;
+  engine::TaskRequest req;
   req.kind = kind;
   req.keys = keys;
   req.blocks = blocks;
@@ -182,7 +182,7 @@ int run_storage_throughput(EngineSession& s, const Options& o) {
       const std::size_t base = (done / per_task % o.in_flight) * per_task % static_cast<std::size_t>(g.num_device_blocks());
       for (std::size_t i = 0; i < m; ++i) ids[i] = static_cast<std::int32_t>((base + i) % static_cast<std::size_t>(g.num_device_blocks()));
       const auto keys = block_keys(prefix, done, m);
-      ipc::TaskRequest req;
+      engine::TaskRequest req;
       req.kind = kind;
       req.keys = keys;
       req.blocks = ids;

@@ -4,7 +4,7 @@
  * An engine creates one session per data-parallel group, registers its KV tensors, publishes the
  * session, waits until every rank daemon attached, then submits tasks and waits for their merged
  * completions (a task is done when every rank reported; its status is the lowest failing rank's,
- * its block count the MIN over ranks). See kvtd/ipc/engine_session.h for the full contract.
+ * its block count the MIN over ranks). See kvtd/engine/engine_session.h for the full contract.
  *
  * Errors: every int-returning function returns KVTD_OK (0) or a positive KVTD_E_* code; when
  * `err` is non-null a NUL-terminated message naming the problem is written to it (at most

@@ -35,7 +35,7 @@
 #include "kvtd/config/daemon_config.h"
 #include "kvtd/daemon/device_backend.h"
 #include "kvtd/daemon/host_pool.h"
-#include "kvtd/ipc/rank_endpoint.h"
+#include "kvtd/endpoint/rank_endpoint.h"
 #include "kvtd/ipc/task_codec.h"
 #include "kvtd/kernels/layout.h"
 #include "kvtd/proto/task.h"
@@ -88,7 +88,7 @@ class StorageExecutor {
   using Release = std::function<void(const StorageWork&)>;
 
   // Fails when the staging cannot be allocated or a worker's slice holds no object.
-  static Result<std::unique_ptr<StorageExecutor>, DeviceErrc> create(ipc::RankEndpoint& ep, DeviceBackend& backend,
+  static Result<std::unique_ptr<StorageExecutor>, DeviceErrc> create(endpoint::RankEndpoint& ep, DeviceBackend& backend,
                                                                       HostPool* pool, StorageTargets targets,
                                                                       Complete complete, Release release);
   ~StorageExecutor();

@@ -35,7 +35,7 @@
 #include "kvtd/daemon/device_backend.h"
 #include "kvtd/daemon/host_pool.h"
 #include "kvtd/daemon/storage_executor.h"
-#include "kvtd/ipc/rank_endpoint.h"
+#include "kvtd/endpoint/rank_endpoint.h"
 #include "kvtd/metrics/registry.h"
 
 namespace kvtd::daemon {
@@ -73,7 +73,7 @@ class TaskRunner {
   // kDeviceLost: the backend is broken() (a sticky device error); the task that met it failed.
   enum class Exit { kStopped, kSessionLost, kRingCorrupt, kCleared, kDeviceLost };
 
-  TaskRunner(ipc::RankEndpoint& endpoint, DeviceBackend& backend, AttachedCache cache);
+  TaskRunner(endpoint::RankEndpoint& endpoint, DeviceBackend& backend, AttachedCache cache);
   ~TaskRunner();
   TaskRunner(const TaskRunner&) = delete;
   TaskRunner& operator=(const TaskRunner&) = delete;

@@ -70,6 +70,24 @@ static_assert(std::is_standard_layout_v<TensorDesc>);
 static_assert(sizeof(TensorDesc) == 144);
 static_assert(offsetof(TensorDesc, handle) == 80);
 
+// The descriptor of `rank`'s tensor of `kind` in `layer`, packed as the geometry says (shape,
+// dtype, bytes; no handle, offset or device): what an engine registers for such a tensor, and
+// what a daemon expects of one it opens by name.
+inline TensorDesc describe_tensor(const CacheGeometry& g, std::uint32_t rank, std::uint32_t layer, TensorKind kind) {
+  TensorDesc d{};
+  const bool data = kind == TensorKind::kKey || kind == TensorKind::kValue;
+  d.rank = rank;
+  d.layer = layer;
+  d.kind = static_cast<std::uint32_t>(kind);
+  d.dtype = data ? g.dtype : 0;
+  d.ndim = data ? 4 : 3;
+  const std::int64_t* s = (kind == TensorKind::kKey || kind == TensorKind::kKeyScale) ? g.key_shape : g.value_shape;
+  for (std::uint32_t i = 0; i < d.ndim; ++i) d.shape[i] = s[i];
+  d.shape[0] = g.device_blocks(layer);
+  d.bytes = g.block_bytes(kind) * static_cast<std::uint64_t>(g.device_blocks(layer));
+  return d;
+}
+
 struct alignas(64) RankSlot {
   // Written by the daemon.
   std::atomic<std::uint32_t> attach_request;  // epoch the daemon asks for (bumped per attach)

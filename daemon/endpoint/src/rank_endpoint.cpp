@@ -1,5 +1,4 @@
-#include "kvtd/base/mutex.h"
-#include "kvtd/ipc/rank_endpoint.h"
+#include "kvtd/endpoint/rank_endpoint.h"
 
 #include <unistd.h>
 
@@ -9,14 +8,17 @@
 #include <mutex>
 #include <thread>
 
+#include "kvtd/base/mutex.h"
 #include "kvtd/ipc/clock.h"
 #include "kvtd/ipc/process.h"
 #include "kvtd/ipc/rings.h"
 #include "kvtd/ipc/wait.h"
 #include "kvtd/proto/names.h"
-#include "segment.h"
+#include "kvtd/ipc/segment.h"
 
-namespace kvtd::ipc {
+namespace kvtd::endpoint {
+
+using namespace kvtd::ipc;  // NOLINT(google-build-using-namespace): the contract this end implements
 
 struct RankEndpoint::Impl {
   EndpointOptions opts;
@@ -508,4 +510,4 @@ const proto::TensorDesc* RankEndpoint::tensor(std::uint32_t layer, proto::Tensor
   return d->valid ? d : nullptr;
 }
 
-}  // namespace kvtd::ipc
+}  // namespace kvtd::endpoint

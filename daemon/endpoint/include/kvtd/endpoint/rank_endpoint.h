@@ -1,4 +1,4 @@
-// kvtd/ipc/rank_endpoint.h - the daemon's end of a session: attach, read tasks, report.
+// kvtd/endpoint/rank_endpoint.h - the daemon's end of a session: attach, read tasks, report.
 //
 // attach() waits (bounded) for the engine's segment to appear and be published, refuses it
 // when it is owned by another user, is not a kvtd session, has another layout version, a
@@ -28,7 +28,9 @@
 #include "kvtd/proto/expected.h"
 #include "kvtd/proto/session.h"
 
-namespace kvtd::ipc {
+namespace kvtd::endpoint {
+
+using ipc::IpcErrc;  // the session contract's error codes (kvtd/ipc/errors.h)
 
 struct EndpointOptions {
   std::string suffix;
@@ -129,4 +131,4 @@ class RankEndpoint {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace kvtd::ipc
+}  // namespace kvtd::endpoint

@@ -1,5 +1,6 @@
-// Internal: the session layout arithmetic, its validation against a mapping, and a view whose
-// pointers come from a validated private copy of the layout. Not part of the public API.
+// kvtd/ipc/segment.h - the session layout arithmetic, its validation against a mapping, and a
+// view whose pointers come from a validated private copy of the layout: the contract both ends
+// (client/engine and daemon/endpoint) build on. Not part of the installed API.
 //
 // Shared memory is hostile input (rule 9): a daemon validates the header once at attach, in
 // 64-bit checked arithmetic against the size of its mapping, keeps the result in private memory

@@ -1,4 +1,4 @@
-// kvtd/ipc/engine_session.h - the engine-side client library.
+// kvtd/engine/engine_session.h - the engine-side client library.
 //
 // The engine creates one session per data-parallel group: a shared-memory segment named
 // "kvtd_<uid>_<suffix>" (mode 0600) holding the cache geometry, the tensor registry, the task
@@ -37,7 +37,12 @@
 #include "kvtd/proto/expected.h"
 #include "kvtd/proto/session.h"
 
-namespace kvtd::ipc {
+namespace kvtd::engine {
+
+// The session contract's types this API speaks in (kvtd/ipc).
+using ipc::Clock;
+using ipc::Fencer;
+using ipc::IpcErrc;
 
 struct SessionOptions {
   std::string suffix;                    // [A-Za-z0-9_.-]{1,64}, e.g. the engine's ipc_suffix
@@ -87,12 +92,6 @@ struct ClearOptions {
   std::optional<std::uint64_t> weight_version;  // set once every rank released (storage keys carry it)
   std::int64_t timeout_ns = 60'000'000'000;     // for tasks in flight to finish and every rank to answer
 };
-
-// The descriptor of rank `rank`'s tensor of `kind` in `layer` as the geometry defines it (rank,
-// layer, kind, dtype, shape with its layer's device blocks, bytes); the caller adds device_id,
-// pci_bus_id, handle and offset. For engines that allocate their own tensors.
-proto::TensorDesc describe_tensor(const proto::CacheGeometry& g, std::uint32_t rank, std::uint32_t layer,
-                                  proto::TensorKind kind);
 
 struct RankFailure {
   std::uint32_t rank;
@@ -226,4 +225,4 @@ class EngineSession {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace kvtd::ipc
+}  // namespace kvtd::engine

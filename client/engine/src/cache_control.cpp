@@ -1,0 +1,147 @@
+// Weight updates: clear_caches / restore_caches, and the registry state they gate.
+#include <signal.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+
+#include "kvtd/ipc/populate.h"
+#include "kvtd/ipc/process.h"
+#include "kvtd/ipc/task_codec.h"
+#include "kvtd/ipc/wait.h"
+#include "kvtd/proto/names.h"
+#include "session_impl.h"
+
+namespace kvtd::engine {
+
+bool EngineSession::Impl::registry_writable() const {
+  return h->state.load() == static_cast<std::uint32_t>(proto::SessionState::kCreating) ||
+         (cache_cleared && clear_confirmed);
+}
+
+Status<IpcErrc> EngineSession::Impl::registry_complete() const {
+  const auto* reg = view.registry();
+  bool any = false;
+  for (std::uint64_t i = 0; i < view.layout.registry_count; ++i) any = any || reg[i].valid != 0;
+  if (!any) return {};
+  for (std::uint32_t r = 0; r < geo.num_ranks; ++r)
+    for (std::uint32_t l = 0; l < geo.num_layers; ++l)
+      for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
+        const auto kind = static_cast<proto::TensorKind>(k);
+        if (geo.has_tensor(kind) && !reg[proto::registry_index(geo, r, l, kind)].valid)
+          return make_error(IpcErrc::kInvalidArgument, std::string("tensor ") + proto::tensor_kind_name(kind) +
+                                                           " of rank " + std::to_string(r) + " layer " +
+                                                           std::to_string(l) + " is not registered");
+      }
+  return {};
+}
+
+void EngineSession::Impl::set_cache_state(bool cleared) {
+  cache_cleared = cleared;
+  if (!cleared) clear_confirmed = false;
+  h->cache_state.store(static_cast<std::uint32_t>(cleared ? proto::CacheState::kCleared : proto::CacheState::kLive),
+                       std::memory_order_release);
+}
+
+// Submits one cache-control task and waits for its merged result. Ok when every rank that got
+// it reported ok, or left for good (kRankDead: fenced or detached in order, so it maps nothing).
+Result<TaskResult, IpcErrc> EngineSession::Impl::run_cache_control(proto::TaskKind kind, std::uint16_t flags,
+                                                                  std::int64_t timeout_ns) {
+  std::vector<Encoded> records(1);
+  records[0].hdr.kind = static_cast<std::uint16_t>(kind);
+  records[0].hdr.flags = flags;
+  records[0].hdr.format_version = proto::kTaskFormatVersion;
+  const std::int64_t deadline = deadline_after(clock->now_ns(), timeout_ns);
+  auto id = submit_encoded(records, timeout_ns, true);
+  if (!id.ok()) return std::move(id).error();
+  if (*id == 0) return TaskResult{};  // no rank attached
+  std::int64_t left = deadline - clock->now_ns();
+  auto r = wait_result(*id, left > 0 ? left : 0);
+  if (!r.ok()) return std::move(r).error();
+  for (const auto& f : r->failures)
+    if (f.status != TaskStatus::kRankDead)
+      return make_error(IpcErrc::kTaskFailed, std::string(proto::task_kind_name(kind)) + " failed on rank " +
+                                                  std::to_string(f.rank) + ": " + proto::task_status_name(f.status) +
+                                                  ": " + f.message);
+  return r;
+}
+
+Result<TaskResult, IpcErrc> EngineSession::clear_caches(const ClearOptions& options) {
+  const Impl::Gate gate(impl_.get());
+  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
+  auto* impl = impl_.get();
+  {
+    MutexLock g(impl->mu);
+    if (impl->h->state.load() != static_cast<std::uint32_t>(proto::SessionState::kReady))
+      return make_error(IpcErrc::kInvalidArgument, "clear_caches() needs a published session");
+    impl->set_cache_state(true);
+    impl->clear_confirmed = false;
+  }
+  auto r = impl->run_cache_control(proto::TaskKind::kClearCache,
+                                   options.drop_host_tier ? proto::kTaskFlagDropHostTier : 0, options.timeout_ns);
+  // On failure the cache stays cleared but unconfirmed: tasks are refused, tensors must not be
+  // freed; clear again (or restore) once the cause is fixed.
+  if (!r.ok()) return r;
+  if (options.weight_version) impl->weight_version.store(*options.weight_version);
+  MutexLock g(impl->mu);
+  if (impl->cache_cleared) impl->clear_confirmed = true;  // unless a restore raced us
+  return r;
+}
+
+Result<TaskResult, IpcErrc> EngineSession::restore_caches(std::int64_t timeout_ns) {
+  const Impl::Gate gate(impl_.get());
+  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
+  auto* impl = impl_.get();
+  {
+    MutexLock g(impl->mu);
+    if (!impl->cache_cleared) return make_error(IpcErrc::kInvalidArgument, "the cache is not cleared: nothing to restore");
+    if (auto st = impl->registry_complete(); !st.ok()) return std::move(st).error();
+    // Live in the header before RESTORE_CACHE is in the ring: a rank granted from now on maps
+    // the new registry itself. Tasks stay refused here until RESTORE_CACHE is submitted, so none
+    // lands in the ring before it.
+    impl->h->cache_state.store(static_cast<std::uint32_t>(proto::CacheState::kLive), std::memory_order_release);
+    impl->clear_confirmed = false;
+  }
+  std::vector<Encoded> records(1);
+  records[0].hdr.kind = static_cast<std::uint16_t>(proto::TaskKind::kRestoreCache);
+  records[0].hdr.format_version = proto::kTaskFormatVersion;
+  const std::int64_t deadline = deadline_after(impl->clock->now_ns(), timeout_ns);
+  auto id = impl->submit_encoded(records, timeout_ns, true);
+  {
+    MutexLock g(impl->mu);
+    impl->set_cache_state(!id.ok());
+  }
+  if (!id.ok()) return std::move(id).error();
+  if (*id == 0) return TaskResult{};
+  const std::int64_t left = deadline - impl->clock->now_ns();
+  auto r = impl->wait_result(*id, left > 0 ? left : 0);
+  std::string why;
+  if (!r.ok()) {
+    why = r.error().message;
+  } else {
+    for (const auto& f : r->failures)
+      if (f.status != TaskStatus::kRankDead && why.empty())
+        why = "RESTORE_CACHE failed on rank " + std::to_string(f.rank) + ": " + proto::task_status_name(f.status) +
+              ": " + f.message;
+  }
+  if (why.empty()) return r;
+  // A rank that could not re-open fails every task (cache_cleared): back to cleared, so the
+  // engine refuses tasks instead; clear_caches() then restore_caches() again after fixing it.
+  MutexLock g(impl->mu);
+  impl->set_cache_state(true);
+  return make_error(r.ok() ? IpcErrc::kTaskFailed : r.error().code,
+                    why + "; the cache stays cleared: clear_caches() and restore_caches() again");
+}
+
+bool EngineSession::cache_cleared() const {
+  MutexLock g(impl_->mu);
+  return impl_->cache_cleared;
+}
+
+}  // namespace kvtd::engine

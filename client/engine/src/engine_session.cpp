@@ -1,0 +1,281 @@
+// The facade: create, publish, submit, poll and wait, teardown.
+#include <signal.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+
+#include "kvtd/ipc/populate.h"
+#include "kvtd/ipc/process.h"
+#include "kvtd/ipc/task_codec.h"
+#include "kvtd/ipc/wait.h"
+#include "kvtd/proto/names.h"
+#include "session_impl.h"
+
+namespace kvtd::engine {
+
+Error<IpcErrc> EngineSession::Impl::closing_error() const {
+  return make_error(IpcErrc::kClosed, "session " + name + " is being closed");
+}
+
+EngineSession::EngineSession(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+void EngineSession::close() {
+  // Wake every call that waits in this session (it returns kClosed), then wait until none is
+  // inside: only then may the segment be unmapped under them. Each wait of theirs also re-checks
+  // `closing` at least every service period, so a wake lost between their check and their sleep
+  // only delays them. A forked child's copy closes nothing of its parent's (and its copy of the
+  // call count may include calls of threads that do not exist in the child).
+  if (getpid() != impl_->creator) return;
+  impl_->closing.store(true, std::memory_order_seq_cst);
+  // Polled, not notified: a leaving call must not touch the session after its decrement.
+  while (impl_->calls.load(std::memory_order_seq_cst) != 0) {
+    bump_and_wake(impl_->h->completion_word, nullptr);
+    bump_and_wake(impl_->h->space_word, nullptr);
+    bump_and_wake(impl_->h->progress_word, nullptr);
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+Status<IpcErrc> EngineSession::usable() const {
+  const Impl::Gate gate(impl_.get());
+  return gate.check();
+}
+
+EngineSession::~EngineSession() {
+  if (getpid() != impl_->creator) {
+    // A forked child's copy: the session is its parent's. Unmap what the child inherited, unlink
+    // nothing, write nothing to the segment. The private state is leaked, not destroyed: its
+    // mutexes and condition variables may be held by parent threads that do not exist here.
+    impl_->mapping->set_unlink_on_destroy(false);
+    impl_->mapping.reset();
+    for (auto& a : impl_->arenas) a->set_unlink_on_destroy(false);
+    impl_->arenas.clear();
+    (void)impl_.release();
+    return;
+  }
+  close();
+  {
+    MutexLock g(impl_->stop_mu);
+    impl_->stopping = true;
+  }
+  impl_->stop_cv.notify_all();
+  if (impl_->service_thread.joinable()) impl_->service_thread.join();
+  impl_->h->state.store(static_cast<std::uint32_t>(proto::SessionState::kClosed), std::memory_order_release);
+  bump_and_wake(impl_->h->publish_word, nullptr);
+  bump_and_wake(impl_->h->completion_word, nullptr);
+  // The session's host pools end with it (a daemon restarted within the session re-maps its
+  // rank's pool; nothing can use it after).
+  for (std::uint32_t r = 0; r < impl_->geo.num_ranks; ++r)
+    SharedObject::remove(detail::session_object_name(impl_->generation, "host" + std::to_string(r)));
+}
+
+Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const SessionOptions& o) {
+  if (!proto::valid_session_suffix(o.suffix))
+    return make_error(IpcErrc::kInvalidArgument, "session suffix '" + o.suffix + "' must be 1-64 of [A-Za-z0-9_.-]");
+  if (auto why = detail::check_geometry(o.geometry); !why.empty())
+    return make_error(IpcErrc::kInvalidArgument, "geometry: " + why);
+  if (auto why = detail::check_ring_sizes(o.ring_bytes, o.completion_capacity); !why.empty())
+    return make_error(IpcErrc::kInvalidArgument, why);
+  if (o.rank_timeout_ns <= 0 || o.service_period_ns <= 0 || o.fence_timeout_ns <= 0)
+    return make_error(IpcErrc::kInvalidArgument, "rank_timeout_ns, service_period_ns and fence_timeout_ns must be positive");
+  if (o.max_uncollected_results == 0) return make_error(IpcErrc::kInvalidArgument, "max_uncollected_results must be positive");
+
+  // Objects an engine killed with -9 left behind (its arenas, its daemons' host pools).
+  (void)sweep_stale_objects();
+
+  auto impl = std::make_unique<Impl>();
+  impl->opts = o;
+  impl->clock = o.clock ? o.clock : &monotonic_clock();
+  impl->name = detail::session_name(o.suffix);
+  impl->geo = o.geometry;
+  const auto layout = detail::compute_layout(o.geometry, o.ring_bytes, o.completion_capacity);
+
+  auto m = SharedObject::create(impl->name, layout.total_bytes);
+  if (!m.ok() && m.error().code == IpcErrc::kInUse) {
+    // A leftover segment: replace it only if its creator is gone.
+    auto old = SharedObject::open(impl->name);
+    pid_t creator = 0;
+    if (old.ok() && (*old)->size() >= sizeof(proto::SessionHeader))
+      creator = static_cast<pid_t>(reinterpret_cast<proto::SessionHeader*>((*old)->data())->creator_pid);
+    const bool alive = creator > 0 && (kill(creator, 0) == 0 || errno != ESRCH);
+    if (alive || !o.replace_stale)
+      return make_error(IpcErrc::kInUse, "session " + impl->name + " is owned by live process " + std::to_string(creator));
+    SharedObject::remove(impl->name);
+    m = SharedObject::create(impl->name, layout.total_bytes);
+  }
+  if (!m.ok()) return std::move(m).error();
+  impl->mapping = std::move(m).value();
+  impl->mapping->set_unlink_on_destroy(true);
+
+  // Construct every control block in place (the memory is zero-filled by the kernel), so each
+  // atomic begins its life as an object.
+  std::byte* base = impl->mapping->data();
+  auto* h = new (base) proto::SessionHeader();
+  impl->view.base = base;
+  impl->view.layout = layout;
+  impl->view.num_ranks = o.geometry.num_ranks;
+  impl->view.num_layers = o.geometry.num_layers;
+  for (std::uint32_t r = 0; r < o.geometry.num_ranks; ++r) {
+    new (impl->view.completion_control(r)) proto::CompletionRingControl();
+    auto* pc = new (impl->view.progress_control(r)) proto::ProgressControl();
+    auto* slots = reinterpret_cast<proto::LayerProgressSlot*>(pc + 1);
+    for (std::uint32_t i = 0; i < proto::kProgressSlots; ++i) new (&slots[i]) proto::LayerProgressSlot();
+  }
+  new (impl->view.agreement_control()) proto::AgreementControl();
+  for (std::uint32_t r = 0; r < o.geometry.num_ranks; ++r)
+    for (std::uint32_t i = 0; i < proto::kAgreementSlots; ++i) new (impl->view.agreement_slot(r, i)) std::atomic<std::uint64_t>(0);
+  impl->weight_version.store(o.weight_version);
+  h->layout_version = proto::kSessionLayoutVersion;
+  h->header_bytes = sizeof(proto::SessionHeader);
+  h->generation = (std::uint64_t{std::random_device{}()} << 32) ^ std::random_device{}() ^
+                  static_cast<std::uint64_t>(monotonic_now_ns());
+  impl->generation = h->generation;
+  h->creator_pid = static_cast<std::uint32_t>(getpid());
+  h->creator_uid = static_cast<std::uint32_t>(getuid());
+  h->completion_capacity = o.completion_capacity;
+  h->geometry = o.geometry;
+  h->registry_offset = layout.registry_offset;
+  h->registry_count = layout.registry_count;
+  h->task_ring_offset = layout.ring_offset;
+  h->task_ring_bytes = layout.ring_bytes;
+  h->completion_offset = layout.completion_offset;
+  h->completion_stride = layout.completion_stride;
+  h->progress_offset = layout.progress_offset;
+  h->progress_stride = layout.progress_stride;
+  h->total_bytes = layout.total_bytes;
+  h->engine_pid.store(static_cast<std::uint32_t>(getpid()));
+  h->engine_heartbeat_ns.store(impl->clock->now_ns());
+  h->state.store(static_cast<std::uint32_t>(proto::SessionState::kCreating));
+  // Magic last, with release: a daemon that acquires a non-zero magic sees every field above; one
+  // that maps a half-built segment sees 0 and keeps waiting.
+  std::atomic_ref<std::uint64_t>(h->magic).store(proto::kSessionMagic, std::memory_order_release);
+  impl->h = h;
+
+  impl->ring = std::make_unique<TaskRingWriter>(h, impl->view.ring(), layout.ring_bytes, o.geometry.num_ranks);
+  for (std::uint32_t r = 0; r < o.geometry.num_ranks; ++r)
+    impl->completions.emplace_back(impl->view.completion_control(r), impl->view.completion_records(r),
+                                   o.completion_capacity);
+  {
+    MutexLock g(impl->mu);  // no other thread yet; the lock keeps the analysis whole
+    impl->arena_tensor.assign(layout.registry_count, nullptr);
+    impl->rank_state.assign(o.geometry.num_ranks, Impl::RankState{});
+  }
+  auto* raw = impl.get();
+  impl->service_thread = std::thread([raw] { raw->service_loop(); });
+  return std::unique_ptr<EngineSession>(new EngineSession(std::move(impl)));
+}
+
+Status<IpcErrc> EngineSession::register_tensor(const proto::TensorDesc& d) {
+  const Impl::Gate gate(impl_.get());
+  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
+  MutexLock g(impl_->mu);
+  return impl_->register_tensor(d);
+}
+
+Status<IpcErrc> EngineSession::publish() {
+  const Impl::Gate gate(impl_.get());
+  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
+  MutexLock g(impl_->mu);
+  auto* h = impl_->h;
+  if (auto st = impl_->registry_complete(); !st.ok()) return st;
+  h->state.store(static_cast<std::uint32_t>(proto::SessionState::kReady), std::memory_order_release);
+  bump_and_wake(h->publish_word, nullptr);
+  return {};
+}
+
+Status<IpcErrc> EngineSession::wait_ready(std::int64_t timeout_ns) {
+  const Impl::Gate gate(impl_.get());
+  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
+  const std::int64_t deadline = deadline_after(impl_->clock->now_ns(), timeout_ns);
+  const std::uint32_t want = proto::kReadyCacheAttached | proto::kReadyHostPool;
+  for (;;) {
+    if (impl_->closing.load(std::memory_order_seq_cst)) return impl_->closing_error();
+    std::uint32_t missing = proto::kMaxRanks;
+    for (std::uint32_t r = 0; r < impl_->geo.num_ranks; ++r) {
+      const auto& s = impl_->h->ranks[r];
+      if (!s.attached.load() || (s.ready_flags.load() & want) != want) {
+        missing = r;
+        break;
+      }
+    }
+    if (missing == proto::kMaxRanks) return {};
+    if (impl_->clock->now_ns() >= deadline)
+      return make_error(IpcErrc::kTimeout, "rank " + std::to_string(missing) + " is not attached and ready after " +
+                                               std::to_string(timeout_ns / 1'000'000) + " ms");
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+void EngineSession::set_weight_version(std::uint64_t version) { impl_->weight_version.store(version); }
+
+std::uint64_t EngineSession::weight_version() const { return impl_->weight_version.load(); }
+
+Result<std::uint64_t, IpcErrc> EngineSession::submit_raw(const proto::TaskRecordHeader& header,
+                                                         std::span<const std::int32_t> src,
+                                                         std::span<const std::int32_t> dst) {
+  const Impl::Gate gate(impl_.get());
+  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
+  if (header.kind == static_cast<std::uint16_t>(proto::TaskKind::kPadding) && header.format_version == proto::kPaddingFormat)
+    return make_error(IpcErrc::kInvalidArgument, "a raw task may not carry the ring's padding marker");
+  auto* impl = impl_.get();
+  MutexLock g(impl->mu);
+  impl->service(false);
+  if (!impl->ring->fits(src.size(), dst.size())) return make_error(IpcErrc::kTooLarge, "raw task too large");
+  if (auto id = impl->push_locked(header, src, dst)) return *id;
+  return make_error(IpcErrc::kRingFull, "task ring full");
+}
+
+std::optional<TaskResult> EngineSession::poll(std::uint64_t task_id) {
+  const Impl::Gate gate(impl_.get());
+  if (!gate.usable()) return std::nullopt;
+  MutexLock g(impl_->mu);
+  impl_->service(false);
+  auto it = impl_->done.find(task_id);
+  if (it == impl_->done.end()) return std::nullopt;
+  TaskResult r = std::move(it->second);
+  impl_->done.erase(it);
+  return r;
+}
+
+Result<TaskResult, IpcErrc> EngineSession::wait(std::uint64_t task_id, std::int64_t timeout_ns) {
+  const Impl::Gate gate(impl_.get());
+  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
+  return impl_->wait_result(task_id, timeout_ns);
+}
+
+bool EngineSession::rank_alive(std::uint32_t rank) const {
+  const Impl::Gate gate(impl_.get());
+  if (!gate.usable()) return false;
+  if (rank >= impl_->geo.num_ranks) return false;
+  const auto& s = impl_->h->ranks[rank];
+  return s.attached.load() != 0 && impl_->clock->now_ns() - s.heartbeat_ns.load() <= impl_->opts.rank_timeout_ns;
+}
+
+std::uint32_t EngineSession::rank_ready_flags(std::uint32_t rank) const {
+  const Impl::Gate gate(impl_.get());
+  if (!gate.usable()) return 0;
+  if (!rank_alive(rank)) return 0;
+  return impl_->h->ranks[rank].ready_flags.load(std::memory_order_acquire);
+}
+
+std::size_t EngineSession::in_flight() const {
+  const Impl::Gate gate(impl_.get());
+  if (!gate.usable()) return 0;
+  MutexLock g(impl_->mu);
+  return impl_->pending.size();
+}
+
+const proto::CacheGeometry& EngineSession::geometry() const { return impl_->geo; }
+
+const std::string& EngineSession::name() const { return impl_->name; }
+
+std::uint64_t EngineSession::generation() const { return impl_->generation; }
+
+}  // namespace kvtd::engine

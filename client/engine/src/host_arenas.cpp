@@ -1,0 +1,99 @@
+// Host-backend "device" tensors: shared-memory arenas standing in for GPU memory (the host backend,
+// tests and tools; a real engine registers its CUDA tensors instead).
+#include <signal.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+
+#include "kvtd/ipc/populate.h"
+#include "kvtd/ipc/process.h"
+#include "kvtd/ipc/task_codec.h"
+#include "kvtd/ipc/wait.h"
+#include "kvtd/proto/names.h"
+#include "session_impl.h"
+
+namespace kvtd::engine {
+
+Status<IpcErrc> EngineSession::free_host_device_tensors() {
+  const Impl::Gate gate(impl_.get());
+  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
+  MutexLock g(impl_->mu);
+  return impl_->free_arenas();
+}
+
+Status<IpcErrc> EngineSession::Impl::free_arenas() {
+  if (!registry_writable())
+    return make_error(IpcErrc::kInvalidArgument,
+                      "the host-backend tensors can only be freed before publish(), or after clear_caches()");
+  auto* reg = view.registry();
+  for (std::size_t i = 0; i < arena_tensor.size(); ++i)
+    if (arena_tensor[i] != nullptr) {
+      reg[i].valid = 0;
+      arena_tensor[i] = nullptr;
+    }
+  arenas.clear();  // unmaps and unlinks each arena
+  return {};
+}
+
+// Under mu throughout: the arenas, their tensor addresses and the registry change together (an
+// engine thread reading host_device_tensor meanwhile used to race with this).
+Status<IpcErrc> EngineSession::create_host_device_tensors() {
+  const Impl::Gate gate(impl_.get());
+  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
+  MutexLock lock(impl_->mu);
+  const auto& g = impl_->geo;
+  if (!impl_->arenas.empty())
+    if (auto st = impl_->free_arenas(); !st.ok()) return st;
+  const std::uint32_t incarnation = impl_->arena_incarnation++;
+  for (std::uint32_t r = 0; r < g.num_ranks; ++r) {
+    std::uint64_t total = 0;
+    for (std::uint32_t l = 0; l < g.num_layers; ++l)
+      for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
+        const auto bytes = g.block_bytes(static_cast<proto::TensorKind>(k)) * static_cast<std::uint64_t>(g.device_blocks(l));
+        total += (bytes + 255) / 256 * 256;
+      }
+    // Named by uid and generation, not by suffix, so the name always fits the 64-byte handle
+    // and a sweep can tell whose session it belonged to.
+    // After a clear the new arenas get new names (incarnation * 1000 + rank; kMaxRanks < 1000), so a
+    // daemon can never open a freed arena's successor by its old handle.
+    const std::string arena =
+        detail::session_object_name(impl_->generation, "dev" + std::to_string(incarnation * 1000 + r));
+    SharedObject::remove(arena);
+    auto m = SharedObject::create(arena, total);
+    if (!m.ok()) return std::move(m).error();
+    (*m)->set_unlink_on_destroy(true);
+    std::uint64_t offset = 0;
+    for (std::uint32_t l = 0; l < g.num_layers; ++l)
+      for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
+        const auto kind = static_cast<proto::TensorKind>(k);
+        if (!g.has_tensor(kind)) continue;
+        proto::TensorDesc d = proto::describe_tensor(g, r, l, kind);
+        d.device_id = -1;
+        d.offset = offset;
+        std::memcpy(d.handle, arena.c_str(), arena.size() + 1);
+        if (auto st = impl_->register_tensor(d); !st.ok()) return st;
+        impl_->arena_tensor[proto::registry_index(g, r, l, kind)] = (*m)->data() + offset;
+        offset += (d.bytes + 255) / 256 * 256;
+      }
+    impl_->arenas.push_back(std::move(m).value());
+  }
+  return {};
+}
+
+std::byte* EngineSession::host_device_tensor(std::uint32_t rank, std::uint32_t layer, proto::TensorKind kind) const {
+  const Impl::Gate gate(impl_.get());
+  if (!gate.usable()) return nullptr;
+  const auto& g = impl_->geo;
+  if (rank >= g.num_ranks || layer >= g.num_layers) return nullptr;
+  MutexLock lock(impl_->mu);
+  return impl_->arena_tensor[proto::registry_index(g, rank, layer, kind)];
+}
+
+}  // namespace kvtd::engine

@@ -1,0 +1,129 @@
+// The rank supervisor (the session's service thread): heartbeats, attach grants, liveness verdicts
+// and fencing of ranks that went silent or exited.
+#include <signal.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+
+#include "kvtd/ipc/populate.h"
+#include "kvtd/ipc/process.h"
+#include "kvtd/ipc/task_codec.h"
+#include "kvtd/ipc/wait.h"
+#include "kvtd/proto/names.h"
+#include "session_impl.h"
+
+namespace kvtd::engine {
+
+void EngineSession::Impl::start_fence(std::uint32_t r, std::string why) {
+  auto& s = h->ranks[r];
+  s.attached.store(0, std::memory_order_release);
+  rank_state[r].fencing = true;
+  rank_state[r].why = std::move(why);
+  fences_wanted.fetch_add(1, std::memory_order_release);
+  bump_and_wake(h->space_word, &h->producer_waiters);  // its ring bytes are no longer reserved
+}
+
+void EngineSession::Impl::service(bool check_pids) {
+  proto::CompletionRecord rec;
+  for (auto& ring_r : completions)
+    while (ring_r.try_pop(rec)) merge(rec);
+
+  const std::int64_t now = clock->now_ns();
+  // A rank is dead after rank_timeout of heartbeat silence that this engine was awake to see.
+  // When the engine itself did not run for a while (its process or the machine stalled: every
+  // heartbeat then looks old at once), it watches afresh from now instead of fencing ranks
+  // that were merely not observed.
+  if (last_service_ns != 0 && now - last_service_ns > opts.rank_timeout_ns / 2) watch_from_ns = now;
+  last_service_ns = now;
+  for (std::uint32_t r = 0; r < geo.num_ranks; ++r) {
+    auto& s = h->ranks[r];
+    if (rank_state[r].fencing) continue;  // no grant and no new verdict until the fence ends
+    const std::uint32_t req = s.attach_request.load(std::memory_order_acquire);
+    const bool attached = s.attached.load(std::memory_order_relaxed) != 0;
+    if (req != 0 && req != s.attached_epoch.load(std::memory_order_relaxed)) {
+      if (attached) {
+        // A new epoch while the old one is attached: a restarted daemon. The old process must be
+        // gone before its tasks fail and the new one is granted.
+        start_fence(r, "rank " + std::to_string(r) + " restarted");
+        continue;
+      }
+      rank_state[r].owner = s.owner.load(std::memory_order_acquire);
+      rank_state[r].unfenced = false;
+      s.consumed.store(h->ring_head.load(std::memory_order_relaxed), std::memory_order_relaxed);
+      // The new epoch reads no task before the head, so it reads no agreement slot of one.
+      s.agreement_left.store(h->next_seq.load(std::memory_order_relaxed), std::memory_order_relaxed);
+      s.attached_epoch.store(req, std::memory_order_release);
+      s.attached.store(1, std::memory_order_release);
+      bump_and_wake(h->publish_word, &h->consumer_waiters);  // the daemon waits for its grant
+      continue;
+    }
+    if (!attached) continue;
+    const std::int64_t age = now - std::max(s.heartbeat_ns.load(std::memory_order_acquire), watch_from_ns);
+    if (s.leaving_epoch.load(std::memory_order_acquire) == s.attached_epoch.load(std::memory_order_relaxed)) {
+      // An orderly exit: the daemon wrote every completion it will ever write before saying so.
+      s.attached.store(0, std::memory_order_release);
+      fail_rank(r, TaskStatus::kRankDead, "rank " + std::to_string(r) + " detached (daemon stopped or left the session)");
+      bump_and_wake(h->space_word, &h->producer_waiters);
+    } else if (age > opts.rank_timeout_ns) {
+      start_fence(r, "rank " + std::to_string(r) + " heartbeat is " + std::to_string(age / 1'000'000) + " ms old");
+    } else if (check_pids) {
+      const auto pid = static_cast<pid_t>(s.pid.load(std::memory_order_relaxed));
+      if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH)
+        start_fence(r, "rank " + std::to_string(r) + " process " + std::to_string(pid) + " exited");
+    }
+  }
+}
+
+void EngineSession::Impl::run_fences() {
+  if (fences_wanted.load(std::memory_order_acquire) == 0) return;
+  std::vector<std::pair<std::uint32_t, std::uint64_t>> jobs;
+  {
+    MutexLock g(mu);
+    fences_wanted.store(0, std::memory_order_relaxed);
+    for (std::uint32_t r = 0; r < geo.num_ranks; ++r)
+      if (rank_state[r].fencing) jobs.emplace_back(r, rank_state[r].owner);
+  }
+  for (auto [r, owner] : jobs) {
+    const FenceResult f = opts.fencer ? opts.fencer(owner, opts.fence_timeout_ns)
+                                      : fence_process(owner, opts.fence_timeout_ns);
+    MutexLock g(mu);
+    auto& st = rank_state[r];
+    if (f.outcome == FenceOutcome::kFenced) {
+      fail_rank(r, TaskStatus::kRankDead, st.why + "; " + f.detail);
+    } else {
+      st.unfenced = true;
+      fail_rank(r, TaskStatus::kRankUnfenced,
+                st.why + "; it could not be stopped (" + f.detail +
+                    "), so it may still write this task's destination blocks: keep them out of use");
+    }
+    st.fencing = false;
+    st.owner = 0;
+    bump_and_wake(h->publish_word, &h->consumer_waiters);  // a waiting successor may be granted now
+  }
+}
+
+void EngineSession::Impl::service_loop() {
+  MutexLock lk(stop_mu);
+  while (!stopping) {
+    lk.unlock();
+    {
+      MutexLock g(mu);
+      h->engine_heartbeat_ns.store(clock->now_ns(), std::memory_order_release);
+      service(true);
+    }
+    run_fences();
+    h->engine_heartbeat_ns.store(clock->now_ns(), std::memory_order_release);
+    lk.lock();
+    if (stopping) break;
+    stop_cv.wait_for(lk, std::chrono::nanoseconds(opts.service_period_ns));
+  }
+}
+
+}  // namespace kvtd::engine
