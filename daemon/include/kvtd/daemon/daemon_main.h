@@ -25,7 +25,4 @@ inline constexpr int kExitDeviceLost = 7;      // a sticky device error broke th
 // through the control socket (the same orderly exit). Thread-safety: call once.
 int run_daemon(const config::DaemonConfig& cfg, std::atomic<bool>& stop);
 
-// `kvtd ctl ...`: asks running daemons over their control sockets; returns the exit code.
-int run_ctl(int argc, char** argv);
-
 }  // namespace kvtd::daemon

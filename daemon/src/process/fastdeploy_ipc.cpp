@@ -1,4 +1,4 @@
-#include "fastdeploy_ipc.h"
+#include "process/fastdeploy_ipc.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

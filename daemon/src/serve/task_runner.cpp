@@ -9,7 +9,7 @@
 #include <thread>
 #include <unordered_map>
 
-#include "completion.h"
+#include "serve/completion.h"
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/notify.h"
 #include "kvtd/daemon/numa.h"

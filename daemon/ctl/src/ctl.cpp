@@ -17,10 +17,13 @@
 #include <nlohmann/json.hpp>
 
 #include "kvtd/control/control.h"
-#include "kvtd/daemon/daemon_main.h"
+#include "kvtd/ctl/ctl.h"
 
-namespace kvtd::daemon {
+namespace kvtd::ctl {
 namespace {
+
+// The daemon's exit code for bad flags (kvtd/daemon/daemon_main.h), so scripts read both alike.
+constexpr int kExitBadFlags = 2;
 
 using json = nlohmann::json;
 
@@ -164,4 +167,4 @@ int run_ctl(int argc, char** argv) {
   return code;
 }
 
-}  // namespace kvtd::daemon
+}  // namespace kvtd::ctl

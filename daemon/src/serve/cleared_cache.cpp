@@ -1,9 +1,9 @@
-#include "cleared_cache.h"
+#include "serve/cleared_cache.h"
 
 #include <string>
 #include <vector>
 
-#include "completion.h"
+#include "serve/completion.h"
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/notify.h"
 #include "kvtd/ipc/task_codec.h"

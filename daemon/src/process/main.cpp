@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "kvtd/config/daemon_config.h"
+#include "kvtd/ctl/ctl.h"
 #include "kvtd/daemon/daemon_main.h"
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/notify.h"
@@ -15,7 +16,7 @@
 
 int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "selftest") return kvtd::daemon::run_selftest(argc - 1, argv + 1);
-  if (argc > 1 && std::string(argv[1]) == "ctl") return kvtd::daemon::run_ctl(argc - 1, argv + 1);
+  if (argc > 1 && std::string(argv[1]) == "ctl") return kvtd::ctl::run_ctl(argc - 1, argv + 1);
   auto cfg = kvtd::config::parse_daemon_flags(argc, argv);
   if (!cfg.ok()) {
     if (cfg.error().code == kvtd::config::ConfigErrc::kHelp) {

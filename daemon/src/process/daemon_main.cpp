@@ -8,9 +8,9 @@
 #include <optional>
 #include <thread>
 
-#include "cleared_cache.h"
-#include "completion.h"
-#include "fastdeploy_ipc.h"
+#include "serve/cleared_cache.h"
+#include "serve/completion.h"
+#include "process/fastdeploy_ipc.h"
 #include "kvtd/daemon/control_handler.h"
 #include "kvtd/daemon/host_pool.h"
 #include "kvtd/daemon/log.h"
