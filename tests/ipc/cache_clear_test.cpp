@@ -146,6 +146,25 @@ TEST_F(CacheClearTest, DaemonThatAttachesWhileClearedMapsNothingUntilRestore) {
   round_trip({1, 2}, {3, 4}, {5, 6});
 }
 
+// A daemon stopped (SIGTERM) while the cache was cleared removed its host pool: the serving loop
+// still held the clear as the reason the last mapping ended, so the stop read as "session over".
+// The host tier of that rank was lost for its successor, and every load from it failed
+// host_tier_lost after the restore.
+TEST_F(CacheClearTest, ADaemonStoppedWhileClearedLeavesItsHostPoolToItsSuccessor) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, {1, 2}, {3, 4}).ok());
+  ASSERT_TRUE(engine_->clear_caches().ok());
+  kill(daemons_[1].pid(), SIGTERM);
+  ASSERT_EQ(daemons_[1].wait_exit(std::chrono::seconds(30)), 0);
+  ASSERT_NO_FATAL_FAILURE(new_tensors_then_restart_rank1());
+  auto restored = engine_->restore_caches();
+  ASSERT_TRUE(restored.ok()) << restored.error().message;
+  auto in = run(TaskKind::kSwapToDevice, {3, 4}, {5, 6});
+  expect_status(in, TaskStatus::kOk);
+  EXPECT_NE(test::read_file(log_path(1, 1)).find("re-mapped from a previous daemon"), std::string::npos)
+      << test::read_file(log_path(1, 1));
+}
+
 // kill -9 of a rank around the clear: a dead rank holds no mapping, so the clear completes for
 // the others (the engine fences the dead one first: until then clear says not_ready); the rank's
 // restarted daemon attaches to the cleared session and maps nothing until the restore.

@@ -1,0 +1,150 @@
+#include "process/start_up.h"
+
+#include "kvtd/daemon/daemon_main.h"
+#include "kvtd/daemon/host_pool.h"
+#include "kvtd/daemon/log.h"
+#include "kvtd/daemon/storage_executor.h"
+#include "kvtd/ipc/shared_object.h"
+#include "kvtd/storage/file_store.h"
+#include "kvtd/storage/redis_store.h"
+
+namespace kvtd::daemon {
+namespace {
+
+// The storage tier named by the flags, or null for --storage-backend none. A store that cannot
+// be opened (unwritable path, bad password file) stops start-up; a Redis server that is down is
+// not an error here: its tasks fail with storage_unavailable until it is back.
+struct OpenedStore {
+  std::unique_ptr<storage::ObjectStore> store;
+  std::string name;
+};
+
+Result<OpenedStore, config::ConfigErrc> open_store(const config::DaemonConfig& cfg, const proto::CacheGeometry& g) {
+  const auto& sc = cfg.storage;
+  OpenedStore out;
+  if (sc.backend == config::StorageBackendKind::kNone) return out;
+  storage::StoreOptions so;
+  so.model_id = cfg.model_id;
+  so.layout_fingerprint = layout_fingerprint(g);
+  so.object_bytes = g.bytes_per_block_all_layers();
+  if (auto why = staging_problem(sc, so.object_bytes); !why.empty())
+    return make_error(config::ConfigErrc::kInvalidValue, why);
+  if (sc.backend == config::StorageBackendKind::kFile) {
+    storage::FileStoreOptions fo;
+    fo.store = so;
+    fo.root = sc.path;
+    fo.capacity_bytes = static_cast<std::uint64_t>(sc.capacity_gib * static_cast<double>(1ull << 30));
+    fo.sync = sc.fsync == config::StorageFsync::kNone   ? storage::SyncPolicy::kNone
+              : sc.fsync == config::StorageFsync::kData ? storage::SyncPolicy::kData
+                                                        : storage::SyncPolicy::kFull;
+    auto s = storage::open_file_store(fo);
+    if (!s.ok()) return make_error(config::ConfigErrc::kInvalidValue, "--storage-path " + sc.path + ": " + s.error().message);
+    out.store = std::move(s).value();
+    out.name = "file store " + sc.path;
+    return out;
+  }
+  storage::RedisStoreOptions ro;
+  ro.store = so;
+  ro.endpoints = sc.redis_endpoints;
+  ro.detect_cluster = true;
+  ro.password_file = sc.redis_password_file;
+  if (sc.redis_password_file.empty() && std::getenv(sc.redis_password_env.c_str()) != nullptr)
+    ro.password_env = sc.redis_password_env;
+  ro.timeout_ms = static_cast<std::int64_t>(sc.redis_timeout_s * 1000);
+  auto s = storage::open_redis_store(ro);
+  if (!s.ok()) return make_error(config::ConfigErrc::kInvalidValue, "--redis-endpoints: " + s.error().message);
+  out.store = std::move(s).value();
+  out.name = "redis " + sc.redis_endpoints.front() + (sc.redis_endpoints.size() > 1 ? " (+" + std::to_string(sc.redis_endpoints.size() - 1) + ")" : "");
+  return out;
+}
+
+// The backend the flags name. CUDA's default scatter mode falls back to the copy kernel when this
+// build's runtime has no cudaMemcpyBatchAsync.
+Result<std::unique_ptr<DeviceBackend>, DeviceErrc> open_backend(const config::DaemonConfig& cfg) {
+  if (cfg.device_backend != config::DeviceBackendKind::kCuda) return make_host_backend();
+  auto b = make_cuda_backend(cfg.device_id, cfg.scatter_mode);
+  if (!b.ok() && !cfg.scatter_mode_given && cfg.scatter_mode == config::ScatterMode::kBatch &&
+      b.error().message.find("cudaMemcpyBatchAsync") != std::string::npos) {
+    KVTD_INFO("this build has no cudaMemcpyBatchAsync: scattered blocks go through the copy kernel");
+    b = make_cuda_backend(cfg.device_id, config::ScatterMode::kKernelAllLayers);
+  }
+  return b;
+}
+
+// Logs the host pool's size and /dev/shm's room for it. Only a warning: a daemon restarted within
+// a session re-maps the pool it already has, which needs no new space; HostPool::open refuses
+// (exit 5) when it must create a pool that does not fit.
+void log_pool_room(const config::DaemonConfig& cfg, const Services& s) {
+  const std::uint64_t pool_bytes = HostPool::object_bytes(s.geometry, cfg.host_layout);
+  const std::int64_t shm_free = ipc::shm_free_bytes();
+  KVTD_INFO("kvtd rank {}/{} backend={} host pool {:.1f} MiB ({} blocks x {} bytes per block, all layers); /dev/shm "
+            "has {:.1f} MiB free",
+            cfg.rank, cfg.mp_num, s.backend->name(), static_cast<double>(pool_bytes) / (1 << 20), cfg.num_host_blocks,
+            s.geometry.bytes_per_block_all_layers(), static_cast<double>(shm_free) / (1 << 20));
+  if (shm_free >= 0 && static_cast<std::uint64_t>(shm_free) < pool_bytes)
+    KVTD_WARN("a new host pool needs {:.1f} MiB in /dev/shm but only {:.1f} MiB are free: unless this rank's "
+              "pool of the session exists already, attaching will fail; enlarge /dev/shm (mount -o "
+              "remount,size=... /dev/shm) or lower --num-host-blocks",
+              static_cast<double>(pool_bytes) / (1 << 20), static_cast<double>(shm_free) / (1 << 20));
+}
+
+// The metrics server (when --metrics-port) and the control socket (status, drain, log-level,
+// clear, restore: control_handler.cpp).
+std::optional<int> open_servers(const config::DaemonConfig& cfg, std::atomic<bool>& stop, Services& s) {
+  s.registry.set_store(s.store.get());
+  if (cfg.metrics_port != 0) {
+    auto ms = metrics::MetricsServer::start(s.registry, cfg.metrics_port);
+    if (!ms.ok()) {
+      KVTD_ERROR("{}", ms.error().message);
+      return kExitBadFlags;
+    }
+    s.metrics_server = std::move(ms).value();
+    KVTD_INFO("Prometheus metrics on http://127.0.0.1:{}/metrics", s.metrics_server->port());
+  }
+  auto control = start_control(cfg, s.registry, s.store_name, s.control_state, stop);
+  if (!control.ok() && control.error().code != control::ControlErrc::kInUse) {
+    KVTD_ERROR("{}", control.error().message);
+    return kExitBadFlags;
+  }
+  if (control.ok()) {
+    s.control = std::move(control).value();
+    KVTD_INFO("control socket {}{}", s.control->endpoint(),
+              cfg.control_endpoint.empty() ? "" : " and " + cfg.control_endpoint);
+  } else {  // another daemon of this rank runs: attaching will refuse us (exit 3) naming it
+    KVTD_WARN("{}", control.error().message);
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<int> start_up(const config::DaemonConfig& cfg, std::atomic<bool>& stop, Services& s) {
+  for (const auto& n : ipc::sweep_stale_objects()) KVTD_INFO("removed stale shared-memory object {}", n);
+  auto backend = open_backend(cfg);
+  if (!backend.ok()) {
+    KVTD_ERROR("--device-backend cuda: {}", backend.error().message);
+    return kExitBackend;
+  }
+  s.backend = std::move(backend).value();
+  s.numa_node = cfg.numa_node == config::kNumaAuto ? s.backend->numa_node() : cfg.numa_node;
+  KVTD_INFO("NUMA: {}", s.numa_node >= 0 ? "host pool and copy threads on node " + std::to_string(s.numa_node)
+                                          : std::string("no node to bind to (--numa-node ") +
+                                                (cfg.numa_node == -1 ? "none)" : "auto, and the backend knows none)"));
+  s.geometry = cfg.geometry();
+  log_pool_room(cfg, s);
+  auto store = open_store(cfg, s.geometry);
+  if (!store.ok()) {
+    KVTD_ERROR("storage: {}", store.error().message);
+    return kExitBadFlags;
+  }
+  s.store = std::move(store->store);
+  s.store_name = store->name;
+  if (s.store)
+    KVTD_INFO("storage: {} (model {}, layout fingerprint {:016x}, weight version {}), write policy {}, {} I/O "
+              "threads, {} MiB staging",
+              s.store_name, cfg.model_id, layout_fingerprint(s.geometry), cfg.storage.weight_version,
+              static_cast<int>(cfg.storage.write_policy), cfg.storage.io_threads, cfg.storage.staging_mib);
+  return open_servers(cfg, stop, s);
+}
+
+}  // namespace kvtd::daemon

@@ -1,0 +1,40 @@
+// start_up.h (daemon-internal) - what the daemon opens once, before its first session, and keeps
+// for every session after: the device backend, the NUMA node, the storage tier, the metrics
+// registry and server, the control socket.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "kvtd/config/daemon_config.h"
+#include "kvtd/control/control.h"
+#include "kvtd/daemon/control_handler.h"
+#include "kvtd/daemon/device_backend.h"
+#include "kvtd/metrics/http_server.h"
+#include "kvtd/metrics/registry.h"
+#include "kvtd/storage/object_store.h"
+
+namespace kvtd::daemon {
+
+// Declared in dependency order: each member may be used by the ones after it, and members are
+// destroyed in reverse (the control server and the metrics server stop before what they read).
+// Not copyable or movable (the servers hold references into it).
+struct Services {
+  std::unique_ptr<DeviceBackend> backend;
+  int numa_node = -1;                // where the host pool and copy threads live (-1: anywhere)
+  proto::CacheGeometry geometry{};   // from the flags
+  std::unique_ptr<storage::ObjectStore> store;  // null: --storage-backend none
+  std::string store_name;
+  metrics::MetricsRegistry registry;  // counters survive sessions
+  std::unique_ptr<metrics::MetricsServer> metrics_server;
+  ControlState control_state;
+  std::unique_ptr<control::ControlServer> control;  // null when another daemon of the rank has it
+};
+
+// Opens every service in `s` from the flags, logging what it opened. Returns the exit code when
+// the daemon cannot start (the reason logged), nullopt when it can.
+std::optional<int> start_up(const config::DaemonConfig& cfg, std::atomic<bool>& stop, Services& s);
+
+}  // namespace kvtd::daemon
