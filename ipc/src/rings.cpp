@@ -1,5 +1,7 @@
 #include "kvtd/ipc/rings.h"
 
+#include "kvtd/ipc/task_codec.h"
+
 #include <cstring>
 
 namespace kvtd::ipc {
@@ -59,13 +61,8 @@ bool TaskRingWriter::try_push(const proto::TaskRecordHeader& hdr_in, std::span<c
   }
   std::byte* at = ring_ + (head + pad) % cap_;
   proto::TaskRecordHeader hdr = hdr_in;
-  hdr.record_bytes = static_cast<std::uint32_t>(bytes);
-  hdr.num_src = num_src;
-  hdr.num_dst = num_dst;
   hdr.seq = h_->next_seq.load(std::memory_order_relaxed);
-  std::memcpy(at, &hdr, sizeof hdr);
-  if (num_src) std::memcpy(at + sizeof hdr, src.data(), 4ull * num_src);
-  if (num_dst) std::memcpy(at + sizeof hdr + 4ull * num_src, dst.data(), 4ull * num_dst);
+  write_task_record(at, hdr, src, dst);  // the one encoder of the wire format (task_codec.h)
 
   h_->next_seq.store(hdr.seq + 1, std::memory_order_relaxed);
   // Release publishes the padding and the record bytes written above to every reader that

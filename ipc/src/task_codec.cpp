@@ -6,6 +6,25 @@
 
 namespace kvtd::ipc {
 
+void write_task_record(std::byte* at, const proto::TaskRecordHeader& hdr_in, std::span<const std::int32_t> src,
+                       std::span<const std::int32_t> dst) {
+  proto::TaskRecordHeader hdr = hdr_in;
+  hdr.num_src = static_cast<std::uint32_t>(src.size());
+  hdr.num_dst = static_cast<std::uint32_t>(dst.size());
+  hdr.record_bytes = static_cast<std::uint32_t>(proto::task_record_bytes(hdr.num_src, hdr.num_dst));
+  std::memcpy(at, &hdr, sizeof hdr);
+  if (!src.empty()) std::memcpy(at + sizeof hdr, src.data(), 4 * src.size());
+  if (!dst.empty()) std::memcpy(at + sizeof hdr + 4 * src.size(), dst.data(), 4 * dst.size());
+}
+
+std::vector<std::byte> encode_task_record(const proto::TaskRecordHeader& hdr, std::span<const std::int32_t> src,
+                                          std::span<const std::int32_t> dst) {
+  std::vector<std::byte> out(proto::task_record_bytes(static_cast<std::uint32_t>(src.size()),
+                                                      static_cast<std::uint32_t>(dst.size())));
+  write_task_record(out.data(), hdr, src, dst);
+  return out;
+}
+
 Result<DecodedTask, proto::TaskStatus> decode_task_record(std::span<const std::byte> rec,
                                                           proto::TaskRecordHeader* header_out) {
   using proto::TaskKind;

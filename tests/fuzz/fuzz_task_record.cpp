@@ -1,4 +1,5 @@
-// libFuzzer target: one task record as copied out of the ring, through the daemon's decoder, then
+// libFuzzer target: one task record as copied out of the ring, through the daemon's decoder and
+// back through the encoder (round trip), then
 // the storage-section decoder (storage kinds) or the copy planner and (when planning succeeds)
 // the host executor over real buffers. Must never
 // crash, read or write out of bounds (ASan), or hit undefined behaviour (UBSan).
@@ -19,6 +20,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   kvtd::proto::TaskRecordHeader h{};
   auto t = kvtd::ipc::decode_task_record(rec, &h);
   if (!t.ok()) return 0;
+  // Round trip through the one encoder: an accepted record re-encodes to the same header and
+  // words (the decoder took its counts from the bytes it checked, nothing from outside them).
+  const auto again = kvtd::ipc::encode_task_record(t->header, t->src, t->dst);
+  if (again.size() != t->header.record_bytes || again.size() > rec.size() ||
+      std::memcmp(again.data(), rec.data(), sizeof(kvtd::proto::TaskRecordHeader) + 4 * (t->src.size() + t->dst.size())) != 0)
+    __builtin_trap();
   if (kvtd::proto::is_storage_kind(static_cast<kvtd::proto::TaskKind>(h.kind))) {
     auto sec = kvtd::ipc::decode_storage_section(t->src, h.num_keys);
     if (!sec.ok()) return 0;

@@ -9,7 +9,10 @@
 #include <thread>
 #include <unordered_map>
 
+#include "serve/block_tracker.h"
 #include "serve/completion.h"
+#include "serve/task_decoder.h"
+#include "serve/work.h"
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/notify.h"
 #include "kvtd/daemon/numa.h"
@@ -30,27 +33,11 @@ constexpr std::int64_t kPollSliceNs = 50'000'000;  // how often idle threads re-
 // nothing of that direction is queued ahead of it, so submission order is kept.
 constexpr std::uint64_t kInlineMaxBytes = 256 * 1024;
 
-constexpr int kStorageLane = 2;  // tracking index of storage tasks (run by the StorageExecutor)
+constexpr int kStorageLane = BlockTracker::kStorageLane;  // storage tasks (run by the StorageExecutor)
 
-struct Work {
-  proto::TaskRecordHeader header{};
-  std::uint32_t epoch = 0;               // the grant under which the record was read
-  kernels::CopyPlan plan;
-  std::vector<std::int32_t> host_ids;    // for in-flight block tracking
-  std::vector<std::int32_t> device_ids;
-  bool storage = false;
-  StorageWork storage_work;              // when `storage`
-};
-
-TaskStatus status_of(kernels::PlanErrc e) {
-  switch (e) {
-    case kernels::PlanErrc::kLengthMismatch: return TaskStatus::kLengthMismatch;
-    case kernels::PlanErrc::kSourceOutOfRange:
-    case kernels::PlanErrc::kDestinationOutOfRange: return TaskStatus::kIdOutOfRange;
-    case kernels::PlanErrc::kDuplicateDestination: return TaskStatus::kDuplicateDestination;
-    case kernels::PlanErrc::kSizeOverflow: return TaskStatus::kMalformed;
-  }
-  return TaskStatus::kInternal;
+// What the block tracker sees of a task.
+TrackedTask tracked(const Work& w) {
+  return TrackedTask{w.header.task_id, w.header.after_task_id, w.host_ids, w.device_ids};
 }
 
 }  // namespace
@@ -61,18 +48,10 @@ struct TaskRunner::Impl {
   AttachedCache cache;
   std::uint64_t block_bytes_all_layers = 0;  // what one block of a task moves, every layer and tensor
 
-  // In-flight block counts per direction, for cross-direction ordering. Lock order: a lane's mu
-  // before track_mu (a lane thread records a finished task under both).
-  Mutex track_mu;
-  // Counts, not flags: one lane may hold many tasks on a block (32 bits: no realistic queue wraps).
-  std::vector<std::uint32_t> busy_host[3] GUARDED_BY(track_mu);  // by lane: to host, to device, storage
-  std::vector<std::uint32_t> busy_device[3] GUARDED_BY(track_mu);
-  std::unordered_map<std::uint64_t, int> inflight_tasks GUARDED_BY(track_mu);  // task id -> lane
-  std::atomic<std::uint32_t> track_word{0};
-  std::atomic<std::uint32_t> track_waiters{0};
+  BlockTracker tracker;  // which blocks each lane has in flight: cross-lane order
 
   struct Lane {
-    Mutex mu ACQUIRED_BEFORE(track_mu);
+    Mutex mu;
     std::deque<Work> queue GUARDED_BY(mu);
     std::atomic<std::uint32_t> word{0};
     std::atomic<std::uint32_t> waiters{0};
@@ -91,7 +70,8 @@ struct TaskRunner::Impl {
   std::optional<proto::TaskRecordHeader> clear_task;  // the CLEAR_CACHE that ended run() (dispatcher only)
   StorageStats storage_final GUARDED_BY(stats_mu);  // the executor's figures once it is gone
 
-  Impl(endpoint::RankEndpoint& e, DeviceBackend& b, AttachedCache c) : ep(e), backend(b), cache(std::move(c)) {
+  Impl(endpoint::RankEndpoint& e, DeviceBackend& b, AttachedCache c)
+      : ep(e), backend(b), cache(std::move(c)), tracker(cache.host_blocks, cache.device_blocks) {
     for (auto bytes : cache.block_bytes) block_bytes_all_layers += bytes * cache.num_layers;
     auto complete_fn = [this](const proto::TaskRecordHeader& h, TaskStatus s, std::uint64_t blocks,
                               std::uint64_t skipped, std::int64_t start, const std::string& msg) {
@@ -111,11 +91,6 @@ struct TaskRunner::Impl {
     if (ex.ok()) {
       storage_owned = std::move(ex).value();
       storage = storage_owned.get();
-    }
-    MutexLock t(track_mu);
-    for (int d = 0; d < 3; ++d) {
-      busy_host[d].assign(static_cast<std::size_t>(cache.host_blocks), 0);
-      busy_device[d].assign(static_cast<std::size_t>(cache.device_blocks), 0);
     }
   }
 
@@ -186,148 +161,45 @@ struct TaskRunner::Impl {
 
   static int lane_of(TaskKind k) { return k == TaskKind::kSwapToHost ? 0 : 1; }
 
-  // True if `w` touches a block another lane still has in flight, or names an
-  // after-task still in flight there. The storage lane also waits for itself: its worker pool
-  // keeps no order of its own.
-  bool conflicts(const Work& w, int lane) const REQUIRES(track_mu) {
-    for (int other = 0; other < 3; ++other) {
-      if (other == lane && lane != kStorageLane) continue;
-      if (w.header.after_task_id != 0) {
-        auto it = inflight_tasks.find(w.header.after_task_id);
-        if (it != inflight_tasks.end() && it->second == other) return true;
-      }
-      for (auto id : w.host_ids)
-        if (busy_host[other][static_cast<std::size_t>(id)]) return true;
-      for (auto id : w.device_ids)
-        if (busy_device[other][static_cast<std::size_t>(id)]) return true;
-    }
-    return false;
-  }
-
   void release_storage(const StorageWork& sw) {
     Work w;
     w.header = sw.header;
     ((sw.header.flags & proto::kTaskFlagHostBlocks) ? w.host_ids : w.device_ids) = sw.blocks;
-    {
-      MutexLock g(track_mu);
-      track(w, kStorageLane, -1);
-    }
-    ipc::bump_and_wake(track_word, &track_waiters);
+    tracker.release(tracked(w), kStorageLane);
   }
 
-  void track(const Work& w, int lane, int delta) REQUIRES(track_mu) {
-    for (auto id : w.host_ids) busy_host[lane][static_cast<std::size_t>(id)] += static_cast<std::uint32_t>(delta);
-    for (auto id : w.device_ids) busy_device[lane][static_cast<std::size_t>(id)] += static_cast<std::uint32_t>(delta);
-    if (delta > 0) inflight_tasks[w.header.task_id] = lane;
-    else inflight_tasks.erase(w.header.task_id);
-  }
-
-  // Decodes and validates one record; on failure sends the error completion and returns false.
+  // Decodes one record (serve/task_decoder.h) and answers what the dispatcher answers itself;
+  // true when `w` is a task to run.
   bool decode(const std::vector<std::byte>& rec, Work& w) {
     const std::int64_t now = ipc::monotonic_now_ns();
-    auto decoded = ipc::decode_task_record(rec, &w.header);
-    if (!decoded.ok()) {
-      complete(w.header, decoded.error().code, 0, 0, now, decoded.error().message);
-      return false;
-    }
+    auto d = decode_record(rec, CacheShape{cache.device_blocks, cache.host_blocks, cache.block_bytes}, now);
+    const std::uint32_t epoch = w.epoch;  // the grant it was read under: not the decoder's to know
+    w = std::move(d.work);
+    w.epoch = epoch;
     const auto& h = w.header;
-    const auto kind = static_cast<TaskKind>(h.kind);
-    const auto src = decoded->src, dst = decoded->dst;
-    if (kind == TaskKind::kClearCache) {
-      clear_task = h;  // run() drains and returns kCleared
-      return false;
-    }
-    if (kind == TaskKind::kRestoreCache) {
-      // Mapped from the registry as it is now: the engine made it live before this record, and
-      // this rank attached (and read it) after that.
-      complete(h, TaskStatus::kOk, 0, 0, now, "already serving the restored cache");
-      return false;
-    }
-    if (proto::is_storage_kind(kind)) return decode_storage(w, src, dst, now);
-    const bool to_host = kind == TaskKind::kSwapToHost;
-    auto plan = kernels::plan_copy(src, dst, to_host ? cache.device_blocks : cache.host_blocks,
-                                   to_host ? cache.host_blocks : cache.device_blocks, cache.block_bytes);
-    if (!plan.ok()) {
-      const char* side_note = to_host ? " (source: device blocks, destination: host blocks)"
-                                      : " (source: host blocks, destination: device blocks)";
-      complete(h, status_of(plan.error().code), 0, 0, now, plan.error().message + side_note);
-      return false;
-    }
-    if (h.deadline_ns != 0 && now > h.deadline_ns) {
-      complete(h, TaskStatus::kDeadlineExceeded, 0, 0, now,
-               "deadline passed " + std::to_string((now - h.deadline_ns) / 1000) + " us before dispatch");
-      return false;
-    }
-    w.plan = std::move(plan).value();
-    w.device_ids.assign(to_host ? src.begin() : dst.begin(), to_host ? src.end() : dst.end());
-    w.host_ids.assign(to_host ? dst.begin() : src.begin(), to_host ? dst.end() : src.end());
-    return true;
-  }
-
-  // A storage record: its section decoded, its blocks checked. CANCEL is answered here.
-  bool decode_storage(Work& w, std::span<const std::int32_t> section, std::span<const std::int32_t> ids, std::int64_t now) {
-    const auto& h = w.header;
-    const auto kind = static_cast<TaskKind>(h.kind);
-    auto fail = [&](TaskStatus s, const std::string& msg) {
-      if (kind != TaskKind::kCancel) ep.abort_agreement(h.seq, s);
-      complete(h, s, 0, 0, now, msg);
-      return false;
-    };
-    auto sec = ipc::decode_storage_section(section, h.num_keys);
-    if (!sec.ok()) return fail(sec.error().code, sec.error().message);
-    if (kind == TaskKind::kCancel) {
-      if (!ids.empty() || !sec->keys.empty()) return fail(TaskStatus::kMalformed, "CANCEL carries no keys or blocks");
-      const bool found = storage && storage->cancel(sec->args.cancel_task_id);
-      // blocks_done 1: the task was live here and will stop between objects; 0: nothing to stop.
-      complete(h, TaskStatus::kOk, found ? 1 : 0, 0, now, "");
-      return false;
-    }
-    if (kind == TaskKind::kStorageQuery) {
-      if (!ids.empty()) return fail(TaskStatus::kMalformed, "STORAGE_QUERY carries keys only");
-    } else if (ids.size() != sec->keys.size()) {
-      return fail(TaskStatus::kLengthMismatch, std::to_string(sec->keys.size()) + " keys for " +
-                                                   std::to_string(ids.size()) + " blocks");
-    }
-    const bool host = (h.flags & proto::kTaskFlagHostBlocks) != 0;
-    if (kind == TaskKind::kPrefetch && !host) return fail(TaskStatus::kMalformed, "PREFETCH loads into host blocks only");
-    const std::int64_t limit = host ? cache.host_blocks : cache.device_blocks;
-    const bool loads = kind == TaskKind::kStorageRead || kind == TaskKind::kPrefetch;
-    std::vector<std::uint8_t> seen(loads ? static_cast<std::size_t>(limit) : 0);
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      if (ids[i] < 0 || ids[i] >= limit)
-        return fail(TaskStatus::kIdOutOfRange, std::string(host ? "host" : "device") + " block id " +
-                                                   std::to_string(ids[i]) + " at position " + std::to_string(i) +
-                                                   " is outside [0, " + std::to_string(limit) + ")");
-      if (loads && seen[static_cast<std::size_t>(ids[i])]++)
-        return fail(TaskStatus::kDuplicateDestination, "block id " + std::to_string(ids[i]) + " is loaded twice");
-    }
-    if (h.deadline_ns != 0 && now > h.deadline_ns)
-      return fail(TaskStatus::kDeadlineExceeded,
-                  "deadline passed " + std::to_string((now - h.deadline_ns) / 1000) + " us before dispatch");
-    w.storage = true;
-    w.storage_work.header = h;
-    w.storage_work.section = std::move(sec).value();
-    w.storage_work.blocks.assign(ids.begin(), ids.end());
-    (host ? w.host_ids : w.device_ids).assign(ids.begin(), ids.end());
-    return true;
-  }
-
-  // Waits while `w` conflicts with the other lane, then records it as in flight.
-  void admit(const Work& w, int lane) {
-    for (;;) {
-      const std::uint32_t seen = track_word.load(std::memory_order_acquire);
-      {
-        MutexLock g(track_mu);
-        if (!conflicts(w, lane)) {
-          track(w, lane, +1);
-          return;
-        }
+    switch (d.action) {
+      case DecodedRecord::Action::kRun: return true;
+      case DecodedRecord::Action::kClear: clear_task = h; return false;  // run() drains and returns kCleared
+      case DecodedRecord::Action::kRestore:
+        // Mapped from the registry as it is now: the engine made it live before this record, and
+        // this rank attached (and read it) after that.
+        complete(h, TaskStatus::kOk, 0, 0, now, "already serving the restored cache");
+        return false;
+      case DecodedRecord::Action::kCancel: {
+        const bool found = storage && storage->cancel(d.cancel_task_id);
+        // blocks_done 1: the task was live here and will stop between objects; 0: nothing to stop.
+        complete(h, TaskStatus::kOk, found ? 1 : 0, 0, now, "");
+        return false;
       }
-      // The other lane always finishes its in-flight copies, so this wait ends; the slice only
-      // bounds each sleep.
-      (void)ipc::wait_on_word(track_word, seen, ipc::monotonic_now_ns() + kPollSliceNs, &track_waiters, 2'000);
+      case DecodedRecord::Action::kFail: break;
     }
+    if (d.abort_agreement) ep.abort_agreement(h.seq, d.status);
+    complete(h, d.status, 0, 0, now, d.message);
+    return false;
   }
+
+  // Waits while `w` conflicts with another lane's work, then records it as in flight.
+  void admit(const Work& w, int lane) { tracker.admit(tracked(w), lane, kPollSliceNs); }
 
   void enqueue(Work&& w, int lane) {
     auto& l = lanes[lane];
@@ -422,11 +294,7 @@ struct TaskRunner::Impl {
     } else {
       execute(w, lane);
     }
-    {
-      MutexLock g(track_mu);
-      track(w, lane, -1);
-    }
-    ipc::bump_and_wake(track_word, &track_waiters);
+    tracker.release(tracked(w), lane);
   }
 
   // Removes every queued (not yet executing) task; they belong to a revoked epoch.
@@ -439,17 +307,13 @@ struct TaskRunner::Impl {
         q.swap(lanes[lane].queue);
       }
       for (auto& w : q) {
-        {
-          MutexLock g(track_mu);
-          track(w, lane, -1);
-        }
+        tracker.release(tracked(w), lane);
         lanes[lane].outstanding.fetch_sub(1, std::memory_order_acq_rel);
         ++n;
       }
     }
     if (storage) n += storage->drop_queued();
     if (n != 0) {
-      ipc::bump_and_wake(track_word, &track_waiters);
       MutexLock g(stats_mu);
       stats.tasks_dropped += n;
     }
@@ -460,21 +324,128 @@ struct TaskRunner::Impl {
   // dropped: what CLEAR_CACHE waits for before the mappings close. Tasks end on their own (each
   // copy finishes, storage work is bounded by its deadline and the store's timeouts); the
   // watchdog is fed meanwhile.
-  void wait_until_idle() {
-    for (;;) {
-      const std::uint32_t seen = track_word.load(std::memory_order_acquire);
-      {
-        MutexLock g(track_mu);
-        if (inflight_tasks.empty()) return;
-      }
-      notify_watchdog();
-      // Every release bumps track_word (acquire/release on it publishes the erased entry).
-      (void)ipc::wait_on_word(track_word, seen, ipc::monotonic_now_ns() + kPollSliceNs, &track_waiters, 2'000);
-    }
-  }
+  void wait_until_idle() { tracker.wait_until_idle(kPollSliceNs, [] { notify_watchdog(); }); }
 
   std::uint64_t task_bytes(const Work& w) const {
     return block_bytes_all_layers * static_cast<std::uint64_t>(w.plan.num_blocks);
+  }
+
+  // The dispatcher thread: reads the ring until stop (every task published before it was noticed
+  // is still read and finished, so "submitted before SIGTERM" means "completed"; bounded by the
+  // head seen at that moment, so an engine that keeps submitting cannot keep a stopping daemon
+  // alive), a clear, or the end of the session.
+  TaskRunner::Exit dispatch_loop(const std::atomic<bool>& stop, const std::atomic<bool>* clear_requested) {
+    using Exit = TaskRunner::Exit;
+    std::vector<std::byte> record;
+    record.reserve(4096);
+    std::optional<std::uint64_t> drain_until;
+    RunnerStats last_summary = snapshot_stats();
+    std::int64_t summary_at = ipc::monotonic_now_ns();
+    for (;;) {
+      notify_watchdog();
+      // The device context is gone: nothing enqueued from now on would run. Stop reading; the
+      // engine fails what is left in the ring when this epoch leaves.
+      if (backend.broken()) return Exit::kDeviceLost;
+      maybe_summarize(last_summary, summary_at);
+      if (cache.metrics) cache.metrics->set_ring_depth(ep.ring_published() - ep.ring_read());
+      const bool stopping = stop.load(std::memory_order_acquire);
+      if (!stopping && clear_requested != nullptr && clear_requested->load(std::memory_order_acquire)) {
+        wait_until_idle();
+        return Exit::kCleared;
+      }
+      if (stopping && !drain_until) drain_until = ep.ring_published();
+      if (drain_until && ep.ring_read() >= *drain_until) return Exit::kStopped;
+      const std::int64_t now = ipc::monotonic_now_ns();
+      const auto next = ep.next_task(record, stopping ? now : now + kPollSliceNs);
+      if (next == endpoint::RankEndpoint::Next::kTimeout) {
+        if (stopping) return Exit::kStopped;
+        continue;
+      }
+      if (next != endpoint::RankEndpoint::Next::kTask) {
+        if (auto exit = on_ring_event(next)) return *exit;
+        continue;
+      }
+      Work w;
+      w.epoch = ep.epoch();
+      if (decode(record, w)) {
+        dispatch(std::move(w), now);
+      } else if (clear_task) {  // CLEAR_CACHE: everything before it finishes first
+        wait_until_idle();
+        return Exit::kCleared;
+      }
+    }
+  }
+
+  // A re-grant, a lost session or a corrupt ring: the exit it causes, if any.
+  std::optional<TaskRunner::Exit> on_ring_event(endpoint::RankEndpoint::Next next) {
+    using Exit = TaskRunner::Exit;
+    if (next == endpoint::RankEndpoint::Next::kLost) return Exit::kSessionLost;
+    if (next == endpoint::RankEndpoint::Next::kCorrupt) return Exit::kRingCorrupt;
+    const std::size_t dropped = drop_queued();  // kRegranted
+    KVTD_WARN("the engine had counted this rank as dead and failed its tasks; dropped {} queued tasks of the "
+              "revoked epoch unrun; re-attached as epoch {}",
+              dropped, ep.epoch());
+    if (ep.cache_live()) return std::nullopt;
+    // The engine cleared its cache meanwhile (this rank's CLEAR_CACHE was failed for it): release
+    // the mappings before anything else.
+    wait_until_idle();
+    return Exit::kCleared;
+  }
+
+  // Hands a decoded task to its lane (small swaps run inline when their lane is idle) or to the
+  // storage executor, once the block tracker admits it.
+  void dispatch(Work&& w, std::int64_t now) {
+    if (w.storage) {
+      w.storage_work.epoch = w.epoch;
+      admit(w, kStorageLane);
+      if (storage) {
+        storage->submit(std::move(w.storage_work));
+      } else {
+        ep.abort_agreement(w.header.seq);
+        ep.leave_agreements(w.header.seq + 1);  // no executor: nothing else agrees here
+        complete(w.header, TaskStatus::kInternal, 0, 0, now, "storage executor could not start");
+        release_storage(w.storage_work);
+      }
+      return;
+    }
+    const int lane = lane_of(static_cast<TaskKind>(w.header.kind));
+    admit(w, lane);
+    const bool layerwise = (w.header.flags & proto::kTaskFlagLayerwise) != 0;
+    if (!layerwise && lanes[lane].outstanding.load(std::memory_order_acquire) == 0 &&
+        task_bytes(w) <= kInlineMaxBytes) {
+      execute_and_release(w, lane);
+    } else {
+      enqueue(std::move(w), lane);
+    }
+  }
+
+  // Closes the lanes (they drain their queues) and the storage executor (it finishes or fails
+  // what it holds, then joins); its last figures stay readable through stats().
+  void shut_down() {
+    for (auto& l : lanes) {
+      l.closing.store(true, std::memory_order_release);
+      ipc::bump_and_wake(l.word, &l.waiters);
+    }
+    for (auto& l : lanes)
+      if (l.thread.joinable()) l.thread.join();
+    std::unique_ptr<StorageExecutor> executor;
+    {
+      MutexLock g(stats_mu);
+      executor = std::move(storage_owned);
+      storage = nullptr;
+    }
+    if (executor) {
+      executor->close();
+      MutexLock g(stats_mu);
+      storage_final = executor->stats();
+    }
+  }
+
+  RunnerStats snapshot_stats() const {
+    MutexLock g(stats_mu);
+    RunnerStats s = stats;
+    s.storage = storage_owned ? storage_owned->stats() : storage_final;
+    return s;
   }
 };
 
@@ -483,129 +454,15 @@ TaskRunner::TaskRunner(endpoint::RankEndpoint& endpoint, DeviceBackend& backend,
 
 TaskRunner::~TaskRunner() = default;
 
-RunnerStats TaskRunner::stats() const {
-  RunnerStats s;
-  MutexLock g(impl_->stats_mu);
-  s = impl_->stats;
-  s.storage = impl_->storage_owned ? impl_->storage_owned->stats() : impl_->storage_final;
-  return s;
-}
+RunnerStats TaskRunner::stats() const { return impl_->snapshot_stats(); }
 
 std::optional<proto::TaskRecordHeader> TaskRunner::clear_task() const { return impl_->clear_task; }
 
 TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop, const std::atomic<bool>* clear_requested) {
   auto* impl = impl_.get();
   for (int d = 0; d < 2; ++d) impl->lanes[d].thread = std::thread([impl, d] { impl->lane_loop(d); });
-
-  Exit exit = Exit::kStopped;
-  std::vector<std::byte> record;
-  record.reserve(4096);
-  // On stop, every task published before the stop was noticed is still read and finished, so
-  // "submitted before SIGTERM" means "completed"; what arrives later is failed by the engine when
-  // this epoch says it is leaving. Bounded by the head seen at that moment: an engine that keeps
-  // submitting cannot keep a stopping daemon alive.
-  std::optional<std::uint64_t> drain_until;
-  RunnerStats last_summary = stats();
-  std::int64_t summary_at = ipc::monotonic_now_ns();
-  for (;;) {
-    notify_watchdog();
-    if (impl->backend.broken()) {
-      // The device context is gone: nothing enqueued from now on would run. Stop reading; the
-      // engine fails what is left in the ring when this epoch leaves.
-      exit = Exit::kDeviceLost;
-      break;
-    }
-    impl->maybe_summarize(last_summary, summary_at);
-    if (impl->cache.metrics) impl->cache.metrics->set_ring_depth(impl->ep.ring_published() - impl->ep.ring_read());
-    const bool stopping = stop.load(std::memory_order_acquire);
-    if (!stopping && clear_requested != nullptr && clear_requested->load(std::memory_order_acquire)) {
-      impl->wait_until_idle();
-      exit = Exit::kCleared;
-      break;
-    }
-    if (stopping && !drain_until) drain_until = impl->ep.ring_published();
-    if (drain_until && impl->ep.ring_read() >= *drain_until) break;
-    const std::int64_t now = ipc::monotonic_now_ns();
-    const auto next = impl->ep.next_task(record, stopping ? now : now + kPollSliceNs);
-    if (next == endpoint::RankEndpoint::Next::kTimeout) {
-      if (stopping) break;
-      continue;
-    }
-    if (next == endpoint::RankEndpoint::Next::kRegranted) {
-      const std::size_t dropped = impl->drop_queued();
-      KVTD_WARN("the engine had counted this rank as dead and failed its tasks; dropped {} queued tasks of the "
-                "revoked epoch unrun; re-attached as epoch {}",
-                dropped, impl->ep.epoch());
-      if (!impl->ep.cache_live()) {
-        // The engine cleared its cache meanwhile (this rank's CLEAR_CACHE was failed for it):
-        // release the mappings before anything else.
-        impl->wait_until_idle();
-        exit = Exit::kCleared;
-        break;
-      }
-      continue;
-    }
-    if (next == endpoint::RankEndpoint::Next::kLost) {
-      exit = Exit::kSessionLost;
-      break;
-    }
-    if (next == endpoint::RankEndpoint::Next::kCorrupt) {
-      exit = Exit::kRingCorrupt;
-      break;
-    }
-    Work w;
-    w.epoch = impl->ep.epoch();
-    if (!impl->decode(record, w)) {
-      if (impl->clear_task) {  // CLEAR_CACHE: everything before it finishes first
-        impl->wait_until_idle();
-        exit = Exit::kCleared;
-        break;
-      }
-      continue;
-    }
-    if (w.storage) {
-      w.storage_work.epoch = w.epoch;
-      impl->admit(w, kStorageLane);
-      if (impl->storage) {
-        impl->storage->submit(std::move(w.storage_work));
-      } else {
-        impl->ep.abort_agreement(w.header.seq);
-        impl->ep.leave_agreements(w.header.seq + 1);  // no executor: nothing else agrees here
-        impl->complete(w.header, TaskStatus::kInternal, 0, 0, now, "storage executor could not start");
-        impl->release_storage(w.storage_work);
-      }
-      continue;
-    }
-    const int lane = Impl::lane_of(static_cast<TaskKind>(w.header.kind));
-    impl->admit(w, lane);
-    const bool layerwise = (w.header.flags & proto::kTaskFlagLayerwise) != 0;
-    if (!layerwise && impl->lanes[lane].outstanding.load(std::memory_order_acquire) == 0 &&
-        impl->task_bytes(w) <= kInlineMaxBytes) {
-      impl->execute_and_release(w, lane);
-    } else {
-      impl->enqueue(std::move(w), lane);
-    }
-  }
-
-  for (auto& l : impl->lanes) {
-    l.closing.store(true, std::memory_order_release);
-    ipc::bump_and_wake(l.word, &l.waiters);
-  }
-  for (auto& l : impl->lanes)
-    if (l.thread.joinable()) l.thread.join();
-  // The executor finishes what it holds (or fails it, if the session is gone) and joins; its last
-  // figures stay readable through stats().
-  std::unique_ptr<StorageExecutor> executor;
-  {
-    MutexLock g(impl->stats_mu);
-    executor = std::move(impl->storage_owned);
-    impl->storage = nullptr;
-  }
-  if (executor) {
-    executor->close();
-    MutexLock g(impl->stats_mu);
-    impl->storage_final = executor->stats();
-  }
+  const Exit exit = impl->dispatch_loop(stop, clear_requested);
+  impl->shut_down();
   return exit;
 }
 

@@ -1,4 +1,7 @@
-// kvtd/ipc/task_codec.h - decoding one task record copied out of the task ring.
+// kvtd/ipc/task_codec.h - the task-record wire format, both ways: the engine's end encodes a
+// record (and a storage task's section) into the ring, the daemon's end decodes one copied out
+// of it. tests/fuzz/fuzz_task_record checks that every record the decoder accepts re-encodes to
+// the same header fields and words.
 //
 // The record is hostile input (rule 9): every count and size is checked in 64-bit arithmetic
 // against the record's actual length before any id is looked at. A record that fails gets the
@@ -19,6 +22,15 @@
 #include "kvtd/proto/task.h"
 
 namespace kvtd::ipc {
+
+// Writes `hdr` with `src` then `dst` at `at` (task_record_bytes(src, dst) bytes, 4-byte aligned):
+// record_bytes, num_src and num_dst are set from the spans; every other field is the caller's.
+void write_task_record(std::byte* at, const proto::TaskRecordHeader& hdr, std::span<const std::int32_t> src,
+                       std::span<const std::int32_t> dst);
+
+// The same record in a buffer of its own (padding bytes zero).
+std::vector<std::byte> encode_task_record(const proto::TaskRecordHeader& hdr, std::span<const std::int32_t> src,
+                                          std::span<const std::int32_t> dst);
 
 struct DecodedTask {
   proto::TaskRecordHeader header{};

@@ -1,0 +1,109 @@
+// The dispatcher's task decoder (daemon/src/serve/task_decoder.h) in-process: records built with
+// the wire format's one encoder (kvtd/ipc/task_codec.h), decoded against a small cache shape.
+#include "serve/task_decoder.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "kvtd/ipc/task_codec.h"
+
+namespace kvtd::daemon {
+namespace {
+
+using proto::TaskKind;
+using proto::TaskStatus;
+using Action = DecodedRecord::Action;
+
+const std::vector<std::uint64_t> kBlockBytes{64, 64};
+const CacheShape kShape{16, 8, kBlockBytes};  // 16 device blocks, 8 host blocks
+
+std::vector<std::byte> record(TaskKind kind, std::vector<std::int32_t> src, std::vector<std::int32_t> dst,
+                              std::uint16_t flags = 0, std::uint32_t num_keys = 0, std::int64_t deadline = 0) {
+  proto::TaskRecordHeader h{};
+  h.kind = static_cast<std::uint16_t>(kind);
+  h.format_version = proto::kTaskFormatVersion;
+  h.flags = flags;
+  h.num_keys = num_keys;
+  h.deadline_ns = deadline;
+  h.task_id = 42;
+  return ipc::encode_task_record(h, src, dst);
+}
+
+std::vector<std::int32_t> section(std::vector<std::string> keys, std::uint64_t cancel = 0) {
+  proto::StorageTaskArgs a{};
+  a.cancel_task_id = cancel;
+  return ipc::encode_storage_section(a, keys);
+}
+
+TEST(TaskDecoder, ASwapBecomesAPlanWithItsBlocksOnEachSide) {
+  auto d = decode_record(record(TaskKind::kSwapToHost, {1, 2}, {3, 4}), kShape, 0);
+  ASSERT_EQ(d.action, Action::kRun) << d.message;
+  EXPECT_EQ(d.work.plan.num_blocks, 2);
+  EXPECT_EQ(d.work.device_ids, (std::vector<std::int32_t>{1, 2}));
+  EXPECT_EQ(d.work.host_ids, (std::vector<std::int32_t>{3, 4}));
+  EXPECT_EQ(d.work.header.task_id, 42u);
+}
+
+TEST(TaskDecoder, AnIdOutsideItsSideFailsNamingTheSides) {
+  auto d = decode_record(record(TaskKind::kSwapToHost, {1}, {8}), kShape, 0);  // host has 8 blocks
+  ASSERT_EQ(d.action, Action::kFail);
+  EXPECT_EQ(d.status, TaskStatus::kIdOutOfRange);
+  EXPECT_NE(d.message.find("destination: host blocks"), std::string::npos) << d.message;
+  EXPECT_FALSE(d.abort_agreement);
+}
+
+TEST(TaskDecoder, APassedDeadlineFailsBeforeAnythingRuns) {
+  auto d = decode_record(record(TaskKind::kSwapToDevice, {1}, {2}, 0, 0, 1000), kShape, 5'000'000);
+  ASSERT_EQ(d.action, Action::kFail);
+  EXPECT_EQ(d.status, TaskStatus::kDeadlineExceeded);
+}
+
+TEST(TaskDecoder, CacheControlKindsAreTheDispatchersOwn) {
+  EXPECT_EQ(decode_record(record(TaskKind::kClearCache, {}, {}), kShape, 0).action, Action::kClear);
+  EXPECT_EQ(decode_record(record(TaskKind::kRestoreCache, {}, {}), kShape, 0).action, Action::kRestore);
+}
+
+TEST(TaskDecoder, AStorageTaskWithMoreKeysThanBlocksFailsAndAbortsItsAgreement) {
+  auto d = decode_record(record(TaskKind::kStorageRead, section({"a", "b"}), {1}, 0, 2), kShape, 0);
+  ASSERT_EQ(d.action, Action::kFail);
+  EXPECT_EQ(d.status, TaskStatus::kLengthMismatch);
+  EXPECT_TRUE(d.abort_agreement) << "the peers wait for this task's agreement";
+}
+
+TEST(TaskDecoder, ALoadNamingABlockTwiceIsRefused) {
+  auto d = decode_record(record(TaskKind::kStorageRead, section({"a", "b"}), {3, 3}, 0, 2), kShape, 0);
+  ASSERT_EQ(d.action, Action::kFail);
+  EXPECT_EQ(d.status, TaskStatus::kDuplicateDestination);
+}
+
+TEST(TaskDecoder, AStorageReadOfHostBlocksIsCheckedAgainstTheHostPool) {
+  auto ok = decode_record(record(TaskKind::kStorageRead, section({"a"}), {7}, proto::kTaskFlagHostBlocks, 1), kShape, 0);
+  ASSERT_EQ(ok.action, Action::kRun) << ok.message;
+  EXPECT_TRUE(ok.work.storage);
+  EXPECT_EQ(ok.work.host_ids, (std::vector<std::int32_t>{7}));
+  EXPECT_EQ(ok.work.storage_work.section.keys, (std::vector<std::string>{"a"}));
+  auto out = decode_record(record(TaskKind::kStorageRead, section({"a"}), {8}, proto::kTaskFlagHostBlocks, 1), kShape, 0);
+  EXPECT_EQ(out.status, TaskStatus::kIdOutOfRange);
+}
+
+TEST(TaskDecoder, CancelCarriesItsTargetAndNothingElse) {
+  auto d = decode_record(record(TaskKind::kCancel, section({}, 77), {}), kShape, 0);
+  ASSERT_EQ(d.action, Action::kCancel) << d.message;
+  EXPECT_EQ(d.cancel_task_id, 77u);
+  auto bad = decode_record(record(TaskKind::kCancel, section({}, 77), {1}), kShape, 0);
+  EXPECT_EQ(bad.status, TaskStatus::kMalformed);
+  EXPECT_FALSE(bad.abort_agreement) << "a CANCEL has no agreement";
+}
+
+TEST(TaskDecoder, ATruncatedRecordIsMalformed) {
+  auto rec = record(TaskKind::kSwapToHost, {1}, {2});
+  rec.resize(rec.size() - 16);
+  auto d = decode_record(rec, kShape, 0);
+  ASSERT_EQ(d.action, Action::kFail);
+  EXPECT_EQ(d.status, TaskStatus::kMalformed);
+}
+
+}  // namespace
+}  // namespace kvtd::daemon
