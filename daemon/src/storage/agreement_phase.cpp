@@ -1,0 +1,105 @@
+// Phase 1 of a storage task, on the agreement thread: checked, selected, asked of the store and
+// agreed across ranks (MIN); a task that fails here aborts its agreement so the peers stop waiting.
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <thread>
+
+#include "kvtd/daemon/log.h"
+#include "kvtd/daemon/numa.h"
+#include "kvtd/ipc/clock.h"
+#include "kvtd/ipc/wait.h"
+#include "kvtd/storage/object_format.h"
+#include "kvtd/storage/object_store.h"
+#include "storage/executor_impl.h"
+
+namespace kvtd::daemon {
+
+void StorageExecutor::Impl::fail_before_agreement(const StorageWork& w, TaskStatus s, std::int64_t start, const std::string& msg) {
+  ep.abort_agreement(w.header.seq, s);
+  ep.leave_agreements(w.header.seq + 1);  // the agreement thread runs tasks in ring order
+  finish(w, s, 0, 0, start, msg);
+}
+
+bool StorageExecutor::Impl::agree_phase(Prepared& p) {
+  const auto& w = p.work;
+  p.start = ipc::monotonic_now_ns();
+  const auto kind = static_cast<TaskKind>(w.header.kind);
+  {
+    MutexLock g(stats_mu);
+    ++st.tasks;
+  }
+  if (revoked(w)) return false;
+  if (w.header.deadline_ns != 0 && p.start > w.header.deadline_ns) {
+    fail_before_agreement(w, TaskStatus::kDeadlineExceeded, p.start,
+                          "deadline passed " + std::to_string((p.start - w.header.deadline_ns) / 1000) +
+                              " us before execution");
+    return false;
+  }
+  if (is_cancelled(w.header.task_id)) {
+    fail_before_agreement(w, TaskStatus::kCancelled, p.start, "cancelled before it started");
+    return false;
+  }
+  const bool backup = (w.header.flags & (proto::kTaskFlagPolicyBackup | proto::kTaskFlagEvictBackup)) != 0;
+  if (t.store == nullptr) {
+    if (backup) {
+      // No storage tier here: nothing to back up to, not an error on this rank. The peers are
+      // told (they do have a store, or they would not wait): a mismatch is their failure.
+      ep.abort_agreement(w.header.seq, TaskStatus::kStorageUnavailable);
+      ep.leave_agreements(w.header.seq + 1);
+      finish(w, TaskStatus::kOk, 0, w.section.keys.size(), p.start, "");
+      return false;
+    }
+    fail_before_agreement(w, TaskStatus::kStorageUnavailable, p.start, t.no_store_reason);
+    return false;
+  }
+  std::vector<std::size_t> which;
+  if (kind == TaskKind::kStorageWrite) {
+    which = selected_by_policy(w);
+  } else {
+    count_uses(w.section.keys);
+    which.resize(w.section.keys.size());
+    std::iota(which.begin(), which.end(), std::size_t{0});
+  }
+  auto key_prefix = key_prefix_for(w.section.args.weight_version);
+  if (!key_prefix.ok()) {
+    fail_before_agreement(w, TaskStatus::kStorageUnavailable, p.start, "storage key prefix: " + key_prefix.error().message);
+    return false;
+  }
+  for (auto i : which) {
+    p.stored.push_back(stored_key(w.section.keys[i], *key_prefix, w.section.args.weight_version));
+    if (!w.blocks.empty()) p.ids.push_back(w.blocks[i]);
+  }
+  p.which = std::move(which);
+  auto agreed = local_then_agree(w, p.stored, p.start);
+  if (!agreed) return false;
+  p.agreed = *agreed;
+  switch (kind) {
+    case TaskKind::kStorageQuery:
+      finish(w, TaskStatus::kOk, p.agreed, 0, p.start, "");
+      return false;
+    case TaskKind::kPrefetch:
+      if (p.agreed < w.section.args.min_hits) {
+        finish(w, TaskStatus::kOk, 0, 0, p.start, "");  // revoked: fewer hits than asked for, nothing kept
+        return false;
+      }
+      [[fallthrough]];
+    case TaskKind::kStorageRead:
+      if (p.agreed == 0) {
+        finish(w, TaskStatus::kOk, 0, 0, p.start, "");
+        return false;
+      }
+      return true;
+    case TaskKind::kStorageWrite:
+      if (p.agreed == p.stored.size()) {
+        finish(w, TaskStatus::kOk, 0, w.section.keys.size(), p.start, "");
+        return false;
+      }
+      return true;
+    default:
+      finish(w, TaskStatus::kInternal, 0, 0, p.start, "not a storage task");
+      return false;
+  }
+}
+
+}  // namespace kvtd::daemon

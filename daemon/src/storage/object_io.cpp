@@ -1,0 +1,247 @@
+// Phase 2 of a storage task, on an I/O worker: objects between the blocks and the store through the
+// worker's staging slice, with the cancel and deadline checks between steps.
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <thread>
+
+#include "kvtd/daemon/log.h"
+#include "kvtd/daemon/numa.h"
+#include "kvtd/ipc/clock.h"
+#include "kvtd/ipc/wait.h"
+#include "kvtd/storage/object_format.h"
+#include "kvtd/storage/object_store.h"
+#include "storage/executor_impl.h"
+
+namespace kvtd::daemon {
+
+namespace {
+
+// "write /long/path/x.kvo: No space left on device" -> "No space left on device (write /long/...)".
+std::string cause_of(const std::string& error) {
+  const auto at = error.rfind(": ");
+  if (at == std::string::npos) return error;
+  return error.substr(at + 2) + " (" + error.substr(0, at) + ")";
+}
+
+}  // namespace
+
+bool StorageExecutor::Impl::check_put(const StorageWork& w, const Result<std::vector<storage::ObjectResult>, storage::StorageErrc>& put,
+               std::size_t c, std::int64_t start) {
+  if (!put.ok()) {
+    const auto code = put.error().code;
+    finish(w, code == storage::StorageErrc::kUnavailable ? TaskStatus::kStorageUnavailable : TaskStatus::kStorageError, 0,
+           0, start, unavailable(put.error().message));
+    return false;
+  }
+  std::size_t failed = 0;
+  for (std::size_t i = 0; i < c; ++i) failed += (*put)[i] != storage::ObjectResult::kOk;
+  if (failed != 0) {
+    // Each object is whole or absent (the stores write then rename); the others stand.
+    finish(w, TaskStatus::kStorageError, 0, 0, start,
+           unavailable(std::to_string(failed) + " of " + std::to_string(c) +
+                       " objects not written: " + cause_of(t.store->last_error())));
+    return false;
+  }
+  MutexLock g(stats_mu);
+  st.objects_written += c;
+  st.bytes_written += c * t.object_bytes;
+  return true;
+}
+
+bool StorageExecutor::Impl::is_cancelled(std::uint64_t id) {
+  MutexLock g(mu);
+  return cancelled.count(id) != 0;
+}
+
+std::size_t StorageExecutor::Impl::cancel_step() const {
+  constexpr std::uint64_t kStepBytes = 4ull << 20;
+  const std::uint64_t by_bytes = t.object_bytes == 0 ? 1 : std::max<std::uint64_t>(1, kStepBytes / t.object_bytes);
+  const std::uint64_t step = std::max<std::uint64_t>(by_bytes, t.config.io_threads);
+  return static_cast<std::size_t>(std::max<std::uint64_t>(1, std::min<std::uint64_t>(step, chunk_objects)));
+}
+
+bool StorageExecutor::Impl::may_continue(std::uint64_t id, bool last_step) {
+  MutexLock g(mu);
+  if (cancelled.count(id) != 0) return false;
+  if (last_step) committed.insert(id);
+  return true;
+}
+
+void StorageExecutor::Impl::run_load(const Prepared& p, std::byte* slice) {
+  const auto& w = p.work;
+  const auto start = p.start;
+  const bool host = (w.header.flags & proto::kTaskFlagHostBlocks) != 0;
+  const std::size_t n = p.agreed;
+  const auto& tensors = host ? t.host_tensors : t.device_tensors;
+  std::size_t loaded = 0;
+  std::vector<std::byte*> dst(chunk_objects);
+  const std::size_t step = cancel_step();
+  while (loaded < n) {
+    if (past_deadline(w, start, loaded, n)) return;
+    const std::size_t c = std::min(step, n - loaded);
+    if (!may_continue(w.header.task_id, loaded + c == n)) {
+      finish(w, TaskStatus::kCancelled, loaded, 0, start, "cancelled after " + std::to_string(loaded) + " of " +
+                                                              std::to_string(n) + " blocks");
+      return;
+    }
+    for (std::size_t i = 0; i < c; ++i) dst[i] = slice + i * t.object_bytes;
+    const auto ids = std::span(p.ids).subspan(loaded, c);
+    if (revoked(w)) return;  // checked right before writing engine memory
+    if (host && pool != nullptr) pool->mark_invalid(ids);
+    // Each verified object is scattered into its block on the store's I/O thread that read it,
+    // while later objects are still being read. An object after a miss on this rank may land
+    // in its (reserved) block too; only the leading blocks_done are reported loaded. The file
+    // store lends each verified payload from its own cache-warm buffer; other stores verify
+    // into this worker's staging.
+    Mutex err_mu;
+    std::string scatter_error;
+    auto scatter = [&](std::size_t i, const std::byte* payload) {
+      const auto one = ids.subspan(i, 1);
+      if (host) {
+        kernels::scatter_from_staging_host(tensors, one, payload);
+      } else if (auto s2 = backend.scatter_from_staging(tensors, one, payload); !s2.ok()) {
+        MutexLock g(err_mu);
+        scatter_error = s2.error().message;
+      }
+    };
+    const auto chunk_keys = std::span(p.stored).subspan(loaded, c);
+    // Lent payloads are pageable memory: only where the CPU does the scatter (host blocks, or
+    // a backend whose tensors it can write); a DMA to the device wants pinned staging.
+    auto got = t.store->lends_payloads() && (host || backend.tensors_host_accessible())
+                   ? t.store->get_lent(chunk_keys, [&](std::size_t i, std::span<const std::byte> payload) {
+                       scatter(i, payload.data());
+                     })
+                   : t.store->get_each(chunk_keys, std::span(dst).first(c), [&](std::size_t i) { scatter(i, dst[i]); });
+    if (!got.ok()) {
+      const auto code = got.error().code;
+      finish(w, code == storage::StorageErrc::kUnavailable ? TaskStatus::kStorageUnavailable : TaskStatus::kStorageError,
+             0, 0, start, unavailable(got.error().message));
+      return;
+    }
+    if (!scatter_error.empty()) {
+      finish(w, TaskStatus::kDeviceError, 0, 0, start, scatter_error);
+      return;
+    }
+    std::size_t ok = 0;
+    while (ok < c && (*got)[ok] == storage::ObjectResult::kOk) ++ok;
+    if (host && pool != nullptr) pool->mark_valid(ids.first(ok));
+    loaded += ok;
+    if (ok < c && (*got)[ok] == storage::ObjectResult::kFailed) {
+      // The store failed (a server that died, an I/O error), which is not a miss: the engine
+      // must be able to tell "not stored" from "store down". The blocks before it are loaded.
+      {
+        MutexLock g(stats_mu);
+        st.objects_read += ok;
+        st.bytes_read += ok * t.object_bytes;
+      }
+      finish(w, TaskStatus::kStorageUnavailable, loaded, 0, start,
+             unavailable("the store failed reading key " + w.section.keys[loaded] + " after " +
+                         std::to_string(loaded) + " of " + std::to_string(n) + " blocks: " + t.store->last_error()));
+      return;
+    }
+    {
+      MutexLock g(stats_mu);
+      st.objects_read += ok;
+      st.bytes_read += ok * t.object_bytes;
+    }
+    if (ok < c) {
+      KVTD_INFO("task {}: {} of key {} on this rank; loaded {} of {} agreed blocks", w.header.task_id,
+                storage::object_result_name((*got)[ok]), w.section.keys[loaded], loaded, n);
+      break;
+    }
+  }
+  finish(w, TaskStatus::kOk, loaded, 0, start, "");
+}
+
+void StorageExecutor::Impl::run_write(const Prepared& p, std::byte* slice) {
+  const auto& w = p.work;
+  const auto start = p.start;
+  const bool host = (w.header.flags & proto::kTaskFlagHostBlocks) != 0;
+  const auto& stored = p.stored;
+  const auto& ids = p.ids;
+  const std::size_t skip = p.agreed;
+  const std::uint64_t skipped = (w.section.keys.size() - p.which.size()) + skip;
+  if (host && pool != nullptr) {
+    if (auto bad = pool->first_invalid(std::span(ids).subspan(skip))) {
+      finish(w, TaskStatus::kHostTierLost, 0, 0, start,
+             "host block " + std::to_string(*bad) + " holds no data written in this session; nothing stored");
+      return;
+    }
+  }
+  // MLA: the cache is replicated, one copy serves every rank; rank 0 writes it.
+  const bool writer = !t.replicated || ep.rank() == 0;
+  const bool in_place = t.store->writes_parts() && (host || backend.tensors_host_accessible());
+  const auto& tensors = host ? t.host_tensors : t.device_tensors;
+  std::size_t written = skip;
+  std::vector<const std::byte*> src(chunk_objects);
+  const std::size_t step = cancel_step();
+  while (written < stored.size()) {
+    if (revoked(w)) return;
+    if (past_deadline(w, start, written - skip, stored.size() - skip)) return;
+    const std::size_t c = std::min(step, stored.size() - written);
+    if (!may_continue(w.header.task_id, written + c == stored.size())) {
+      finish(w, TaskStatus::kCancelled, written - skip, skipped, start,
+             "cancelled after writing " + std::to_string(written - skip) + " of " + std::to_string(stored.size() - skip) +
+                 " blocks");
+      return;
+    }
+    if (writer && in_place) {
+      // The blocks are readable where they are (host pool; host-backend tensors): each object
+      // is written straight from its pieces, no staging copy. Adjacent pieces merge, so a
+      // page-first host block is one piece: the object exactly as it lies in the pool.
+      const auto chunk_ids = std::span(ids).subspan(written, c);
+      std::vector<storage::ObjectStore::Parts> objects(c);
+      for (std::size_t i = 0; i < c; ++i) {
+        objects[i].reserve(tensors.size());
+        for (const auto& tensor : tensors) {
+          const std::byte* at = tensor.base + static_cast<std::uint64_t>(chunk_ids[i]) * tensor.stride;
+          auto& parts = objects[i];
+          if (!parts.empty() && parts.back().data() + parts.back().size() == at)
+            parts.back() = {parts.back().data(), parts.back().size() + tensor.block_bytes};
+          else
+            parts.emplace_back(at, tensor.block_bytes);
+        }
+      }
+      auto put = t.store->put_parts(std::span(stored).subspan(written, c), objects);
+      if (!check_put(w, put, c, start)) return;
+    } else if (writer) {
+      const auto chunk_ids = std::span(ids).subspan(written, c);
+      for (std::size_t i = 0; i < c; ++i) src[i] = slice + i * t.object_bytes;
+      // Each object is gathered into staging on the I/O thread that writes it next.
+      Mutex err_mu;
+      std::string gather_error;
+      auto put = t.store->put_each(std::span(stored).subspan(written, c), std::span(src).first(c), [&](std::size_t i) {
+        const auto one = chunk_ids.subspan(i, 1);
+        auto* to = const_cast<std::byte*>(src[i]);
+        if (host) {
+          kernels::gather_to_staging_host(tensors, one, to);
+          return true;
+        }
+        auto s2 = backend.gather_to_staging(tensors, one, to);
+        if (s2.ok()) return true;
+        MutexLock g(err_mu);
+        gather_error = s2.error().message;
+        return false;  // never store what a failed gather left in staging
+      });
+      if (!gather_error.empty()) {
+        finish(w, TaskStatus::kDeviceError, 0, 0, start, gather_error);
+        return;
+      }
+      if (!check_put(w, put, c, start)) return;
+    }
+    written += c;
+  }
+  finish(w, TaskStatus::kOk, written - skip, skipped, start, "");
+}
+
+bool StorageExecutor::Impl::past_deadline(const StorageWork& w, std::int64_t start, std::size_t done, std::size_t of) {
+  if (w.header.deadline_ns == 0) return false;
+  const std::int64_t now = ipc::monotonic_now_ns();
+  if (now <= w.header.deadline_ns) return false;
+  finish(w, TaskStatus::kDeadlineExceeded, 0, 0, start,
+         "deadline passed after " + std::to_string(done) + " of " + std::to_string(of) + " blocks");
+  return true;
+}
+
+}  // namespace kvtd::daemon
