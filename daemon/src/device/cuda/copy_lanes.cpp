@@ -1,0 +1,161 @@
+// The CUDA backend's copies: each direction's lane runs one copy at a time, whole or layer by
+// layer with per-layer interprocess events, and the storage gather / scatter transforms.
+#include "device/cuda/cuda_backend.h"
+
+#include <cstring>
+
+#include "kvtd/daemon/log.h"
+#include "kvtd/daemon/numa.h"
+#include "kvtd/proto/pci.h"
+
+namespace kvtd::daemon::cuda {
+
+Status<DeviceErrc> CudaBackend::write_device(std::byte* dst, const std::byte* src, std::size_t bytes) {
+  return plain_copy(lane_of(Direction::kToDevice), dst, src, bytes);
+}
+
+Status<DeviceErrc> CudaBackend::read_device(std::byte* dst, const std::byte* src, std::size_t bytes) {
+  return plain_copy(lane_of(Direction::kToHost), dst, src, bytes);
+}
+
+Status<DeviceErrc> CudaBackend::plain_copy(Lane& lane, std::byte* dst, const std::byte* src, std::size_t bytes) {
+  MutexLock g(lane.mu);
+  KVTD_CUDA_TRY(cudaSetDevice(device_));
+  auto st = [&]() -> Status<DeviceErrc> {
+    KVTD_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, lane.stream));
+    KVTD_CUDA_TRY(cudaStreamSynchronize(lane.stream));
+    return {};
+  }();
+  if (!st.ok()) lane.drain();
+  return st;
+}
+
+Status<DeviceErrc> CudaBackend::copy(Direction dir, const kernels::CopyPlan& plan,
+                        std::span<const kernels::CopyTarget> targets) {
+  Lane& lane = lane_of(dir);
+  MutexLock g(lane.mu);
+  KVTD_CUDA_TRY(cudaSetDevice(device_));
+  auto st = [&]() REQUIRES(lane.mu) -> Status<DeviceErrc> {
+    if (auto s1 = stage_plan(lane, plan, targets); !s1.ok()) return s1;
+    if (auto s2 = enqueue(lane, plan, targets, /*all_layers=*/true); !s2.ok()) return s2;
+    KVTD_CUDA_TRY(cudaStreamSynchronize(lane.stream));
+    return {};
+  }();
+  // On failure, copies enqueued before the failing call may still be running: wait for them,
+  // because the runner releases this task's blocks (and the engine may reuse them) when we return.
+  if (!st.ok()) lane.drain();
+  return st;
+}
+
+Status<DeviceErrc> CudaBackend::copy_layerwise(Direction dir, const kernels::CopyPlan& plan,
+                                  std::span<const kernels::CopyTarget> targets, std::size_t per_layer,
+                                  const LayerCallback& on_layer_enqueued, const LayerCallback& on_layer_done) {
+  if (per_layer == 0) return {};
+  Lane& lane = lane_of(dir);
+  MutexLock g(lane.mu);
+  KVTD_CUDA_TRY(cudaSetDevice(device_));
+  auto st = copy_layerwise_locked(lane, plan, targets, per_layer, on_layer_enqueued, on_layer_done);
+  if (!st.ok()) lane.drain();  // as in copy(): nothing may still write once we report failure
+  return st;
+}
+
+Status<DeviceErrc> CudaBackend::copy_layerwise_locked(Lane& lane, const kernels::CopyPlan& plan,
+                                         std::span<const kernels::CopyTarget> targets, std::size_t per_layer,
+                                         const LayerCallback& on_layer_enqueued, const LayerCallback& on_layer_done) {
+  if (auto st = stage_plan(lane, plan, targets); !st.ok()) return st;
+  const std::size_t layers = (targets.size() + per_layer - 1) / per_layer;
+  if (auto st = ensure_events(lane, layers); !st.ok()) return st;
+  // Enqueue every layer with an event after it, then report layers as their events fire, so
+  // the copy of layer l+1 overlaps the engine's use of layer l.
+  for (std::size_t l = 0; l < layers; ++l) {
+    const std::size_t first = l * per_layer;
+    const auto layer_targets = targets.subspan(first, std::min(per_layer, targets.size() - first));
+    if (auto st = enqueue(lane, plan, layer_targets, /*all_layers=*/false, first); !st.ok()) return st;
+    KVTD_CUDA_TRY(cudaEventRecord(lane.events[l], lane.stream));
+    if (on_layer_enqueued) on_layer_enqueued(static_cast<std::uint32_t>(l));
+  }
+  for (std::size_t l = 0; l < layers; ++l) {
+    KVTD_CUDA_TRY(cudaEventSynchronize(lane.events[l]));
+    if (on_layer_done) on_layer_done(static_cast<std::uint32_t>(l));
+  }
+  return {};
+}
+
+Result<std::vector<std::array<std::uint8_t, proto::kHandleBytes>>, DeviceErrc> CudaBackend::export_layer_events(
+    std::uint32_t layers) {
+  Lane& lane = lane_of(Direction::kToDevice);
+  MutexLock g(lane.mu);
+  if (auto e = cudaSetDevice(device_); e != cudaSuccess) return make_error(DeviceErrc::kCopyFailed, cuda_text("cudaSetDevice", e));
+  if (auto st = ensure_events(lane, layers); !st.ok()) return st.error();
+  std::vector<std::array<std::uint8_t, proto::kHandleBytes>> out(layers);
+  for (std::uint32_t l = 0; l < layers; ++l) {
+    cudaIpcEventHandle_t h{};
+    static_assert(sizeof h == proto::kHandleBytes);
+    if (auto e = cudaIpcGetEventHandle(&h, lane.events[l]); e != cudaSuccess)
+      return make_error(DeviceErrc::kCopyFailed, cuda_text("cudaIpcGetEventHandle", e));
+    std::memcpy(out[l].data(), &h, sizeof h);
+  }
+  return out;
+}
+
+Status<DeviceErrc> CudaBackend::ensure_events(Lane& lane, std::size_t layers) {
+  while (lane.events.size() < layers) {
+    cudaEvent_t ev{};
+    KVTD_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventInterprocess));
+    lane.events.push_back(ev);
+  }
+  return {};
+}
+
+Status<DeviceErrc> CudaBackend::gather_to_staging(std::span<const kernels::LayerTensor> tensors,
+                                     std::span<const std::int32_t> ids, std::byte* staging) {
+  return transform(lane_of(Direction::kToHost), tensors, ids, staging, true);
+}
+
+Status<DeviceErrc> CudaBackend::scatter_from_staging(std::span<const kernels::LayerTensor> tensors,
+                                        std::span<const std::int32_t> ids, const std::byte* staging) {
+  return transform(lane_of(Direction::kToDevice), tensors, ids, const_cast<std::byte*>(staging), false);
+}
+
+Status<DeviceErrc> CudaBackend::transform(Lane& lane, std::span<const kernels::LayerTensor> tensors,
+                             std::span<const std::int32_t> ids, std::byte* staging, bool gather) {
+  if (ids.empty() || tensors.empty()) return {};
+  MutexLock g(lane.mu);
+  KVTD_CUDA_TRY(cudaSetDevice(device_));
+  auto st = transform_locked(lane, tensors, ids, staging, gather);
+  if (!st.ok()) lane.drain();
+  return st;
+}
+
+Status<DeviceErrc> CudaBackend::transform_locked(Lane& lane, std::span<const kernels::LayerTensor> tensors,
+                                    std::span<const std::int32_t> ids, std::byte* staging, bool gather) {
+  if (auto st = lane.ids.reserve(ids.size_bytes()); !st.ok()) return st;
+  std::memcpy(lane.ids.host, ids.data(), ids.size_bytes());
+  if (auto st = lane.ids.upload(ids.size_bytes(), lane.stream); !st.ok()) return st;
+  if (auto st = upload_table(lane, tensors.data(), tensors.size_bytes()); !st.ok()) return st;
+  if (auto st = lane.offsets.reserve(tensors.size() * sizeof(std::uint64_t)); !st.ok()) return st;
+  auto* off = static_cast<std::uint64_t*>(lane.offsets.host);
+  std::uint64_t object = 0;
+  for (std::size_t t = 0; t < tensors.size(); ++t) {
+    off[t] = object;
+    object += tensors[t].block_bytes;
+  }
+  if (auto st = lane.offsets.upload(tensors.size() * sizeof(std::uint64_t), lane.stream); !st.ok()) return st;
+  const auto* table = static_cast<const kernels::LayerTensor*>(lane.table.dev);
+  const auto* offsets = static_cast<const std::uint64_t*>(lane.offsets.dev);
+  const auto* d_ids = static_cast<const std::int32_t*>(lane.ids.dev);
+  const auto count = static_cast<std::int64_t>(ids.size());
+  const auto nt = static_cast<std::uint32_t>(tensors.size());
+  if (!host_pointers_) {  // the kernel addresses the mapped staging by its device pointer
+    void* mapped = nullptr;
+    KVTD_CUDA_TRY(cudaHostGetDevicePointer(&mapped, staging, 0));
+    staging = static_cast<std::byte*>(mapped);
+  }
+  const int e = gather ? kernels::launch_gather_to_staging(table, offsets, nt, d_ids, count, staging, object, lane.stream)
+                       : kernels::launch_scatter_from_staging(table, offsets, nt, d_ids, count, staging, object, lane.stream);
+  if (e != 0) return make_error(errc_of(static_cast<cudaError_t>(e)), cuda_text("layout kernel", static_cast<cudaError_t>(e)));
+  KVTD_CUDA_TRY(cudaStreamSynchronize(lane.stream));
+  return {};
+}
+
+}  // namespace kvtd::daemon::cuda

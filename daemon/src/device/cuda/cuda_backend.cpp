@@ -1,0 +1,228 @@
+// The CUDA backend's device memory and tensors: init, IPC handles opened as tensors, pinned and
+// NUMA-placed host memory, exported allocations; and the factory.
+#include "device/cuda/cuda_backend.h"
+
+#include <cstring>
+
+#include "kvtd/daemon/log.h"
+#include "kvtd/daemon/numa.h"
+#include "kvtd/proto/pci.h"
+
+namespace kvtd::daemon::cuda {
+
+Status<DeviceErrc> CudaBackend::init() {
+  if (auto e = cudaSetDevice(device_); e != cudaSuccess)
+    return make_error(DeviceErrc::kUnavailable, cuda_text("cudaSetDevice", e));
+  // Threads waiting for a copy sleep in the driver instead of spinning a core each beside the
+  // engine (the default spins while it has spare cores).
+  if (auto e = cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync); e != cudaSuccess) {
+    (void)cudaGetLastError();
+    KVTD_WARN("cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync): {}; waits may spin", cuda_text("", e));
+  }
+  // The kernels dereference host-pool pointers directly: only valid where registered host
+  // memory is addressable by its host pointer. Elsewhere the copy engines must do it.
+  int host_pointers = 0;
+  if (cudaDeviceGetAttribute(&host_pointers, cudaDevAttrCanUseHostPointerForRegisteredMem, device_) != cudaSuccess) {
+    (void)cudaGetLastError();
+    host_pointers = 0;
+  }
+  if (!host_pointers && (mode_ == ScatterMode::kKernelAllLayers || mode_ == ScatterMode::kKernelPerLayer))
+    return make_error(DeviceErrc::kUnavailable,
+                      "device " + std::to_string(device_) +
+                          " cannot use host pointers of registered memory in kernels "
+                          "(cudaDevAttrCanUseHostPointerForRegisteredMem is 0): use --scatter-mode batch or memcpy");
+  host_pointers_ = host_pointers != 0;
+  for (auto& lane : lanes_) {
+    if (auto e = cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking); e != cudaSuccess)
+      return make_error(DeviceErrc::kUnavailable, cuda_text("cudaStreamCreateWithFlags", e));
+  }
+  char bus_id[32] = {0};
+  if (cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, device_) != cudaSuccess) bus_id[0] = '\0';
+  (void)cudaGetLastError();  // a failed query must not fail the first task
+  pci_bus_id_ = proto::parse_pci_bus_id(bus_id).value_or(0);
+  std::string how;
+  numa_node_ = numa_node_of_gpu(bus_id, device_, "/sys", &how);
+  KVTD_INFO("cuda device {} (PCI {}) is on NUMA node {} ({})", device_, bus_id, numa_node_,
+            numa_node_ >= 0 ? how : std::string("sysfs does not say"));
+  return {};
+}
+
+Status<DeviceErrc> CudaBackend::use_device() {
+  KVTD_CUDA_TRY(cudaSetDevice(device_));
+  return {};
+}
+
+Result<std::byte*, DeviceErrc> CudaBackend::open_tensor(const proto::TensorDesc& d) {
+  // The PCI address when the engine registered one: ordinals differ between processes under
+  // CUDA_VISIBLE_DEVICES, so an equal ordinal can be another GPU and a different one the same.
+  if (d.pci_bus_id != 0 && pci_bus_id_ != 0) {
+    if (d.pci_bus_id != pci_bus_id_)
+      return make_error(DeviceErrc::kOpenFailed, "tensor is on the GPU at PCI " + proto::pci_bus_id_string(d.pci_bus_id) +
+                                                     " but this rank serves device " + std::to_string(device_) +
+                                                     " at PCI " + proto::pci_bus_id_string(pci_bus_id_));
+  } else if (d.device_id != device_) {
+    return make_error(DeviceErrc::kOpenFailed, "tensor is on device " + std::to_string(d.device_id) +
+                                                   " but this rank serves device " + std::to_string(device_) +
+                                                   " (ordinals of the engine's process; register the PCI bus id "
+                                                   "when CUDA_VISIBLE_DEVICES differs)");
+  }
+  std::array<std::uint8_t, proto::kHandleBytes> key{};
+  std::memcpy(key.data(), d.handle, key.size());
+  auto it = opened_.find(key);
+  if (it == opened_.end()) {
+    cudaIpcMemHandle_t h{};
+    static_assert(sizeof h == proto::kHandleBytes);
+    std::memcpy(&h, d.handle, sizeof h);
+    void* p = nullptr;
+    if (auto st = use_device(); !st.ok()) return make_error(DeviceErrc::kOpenFailed, st.error().message);
+    if (auto e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return make_error(DeviceErrc::kOpenFailed, cuda_text("cudaIpcOpenMemHandle", e));
+    }
+    it = opened_.emplace(key, p).first;
+  }
+  // Caching allocators hand out sub-allocations: the handle names the base, plus an offset.
+  return static_cast<std::byte*>(it->second) + d.offset;
+}
+
+void CudaBackend::close_tensors() {
+  if (opened_.empty()) return;
+  if (!use_device().ok()) KVTD_WARN("cudaSetDevice failed while closing tensor handles");
+  for (auto& [key, p] : opened_)  // each handle exactly once
+    if (cudaIpcCloseMemHandle(p) != cudaSuccess) (void)cudaGetLastError();
+  opened_.clear();
+}
+
+Result<std::byte*, DeviceErrc> CudaBackend::alloc_host(std::size_t bytes) {
+  if (bytes == 0) return static_cast<std::byte*>(nullptr);
+  void* p = nullptr;
+  if (auto st = use_device(); !st.ok()) return make_error(DeviceErrc::kAllocFailed, st.error().message);
+  if (numa_node_ >= 0) {
+    // Placed memory: map, bind to the GPU's node, fault it in there, then pin it for DMA.
+    p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    std::string why;
+    if (p != MAP_FAILED && bind_to_numa_node(p, bytes, numa_node_, &why)) {
+      std::memset(p, 0, bytes);
+      if (auto e = cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped); e == cudaSuccess) {
+        registered_.emplace_back(p, bytes);
+        return static_cast<std::byte*>(p);
+      } else {
+        // Cleared here: a stale error would fail the next kernel launch's check (a healthy task).
+        (void)cudaGetLastError();
+        why = cuda_text("cudaHostRegister", e);
+      }
+    }
+    if (p != MAP_FAILED) munmap(p, bytes);
+    KVTD_WARN("host memory not placed on NUMA node {} ({}); using cudaHostAlloc", numa_node_, why);
+    p = nullptr;
+  }
+  if (auto e = cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped); e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return make_error(DeviceErrc::kAllocFailed, cuda_text("cudaHostAlloc", e));
+  }
+  std::memset(p, 0, bytes);
+  host_.push_back(p);
+  return static_cast<std::byte*>(p);
+}
+
+void CudaBackend::free_host(std::byte* ptr) {
+  if (ptr == nullptr) return;
+  if (cudaSetDevice(device_) != cudaSuccess) (void)cudaGetLastError();
+  for (auto it = registered_.begin(); it != registered_.end(); ++it)
+    if (it->first == ptr) {
+      if (cudaHostUnregister(it->first) != cudaSuccess) (void)cudaGetLastError();
+      munmap(it->first, it->second);
+      registered_.erase(it);
+      return;
+    }
+  for (auto it = host_.begin(); it != host_.end(); ++it)
+    if (*it == ptr) {
+      if (cudaFreeHost(*it) != cudaSuccess) (void)cudaGetLastError();
+      host_.erase(it);
+      return;
+    }
+}
+
+Status<DeviceErrc> CudaBackend::pin_host(std::byte* addr, std::size_t bytes) {
+  KVTD_CUDA_TRY(cudaSetDevice(device_));
+  if (auto e = cudaHostRegister(addr, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped); e != cudaSuccess) {
+    (void)cudaGetLastError();  // clear it: a failed registration must not fail later healthy calls
+    return make_error(DeviceErrc::kAllocFailed, cuda_text("cudaHostRegister", e));
+  }
+  return {};
+}
+
+void CudaBackend::unpin_host(std::byte* addr) {
+  if (cudaSetDevice(device_) == cudaSuccess && cudaHostUnregister(addr) != cudaSuccess) (void)cudaGetLastError();
+}
+
+Result<DeviceBackend::ExportedTensor, DeviceErrc> CudaBackend::create_exported(std::size_t bytes, const std::string&) {
+  ExportedTensor t;
+  void* p = nullptr;
+  if (auto st = use_device(); !st.ok()) return make_error(DeviceErrc::kAllocFailed, st.error().message);
+  if (auto e = cudaMalloc(&p, bytes); e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return make_error(DeviceErrc::kAllocFailed, cuda_text("cudaMalloc", e));
+  }
+  exported_.push_back(p);
+  // Zero-filled like FastDeploy's paddle.full(0). cudaMemset runs on the legacy stream, which
+  // the lanes' non-blocking streams do not wait for: synchronise before any lane touches it.
+  cudaIpcMemHandle_t h{};
+  static_assert(sizeof h == proto::kHandleBytes);
+  cudaError_t e = cudaMemset(p, 0, bytes);
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  if (e == cudaSuccess) e = cudaIpcGetMemHandle(&h, p);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return make_error(DeviceErrc::kAllocFailed, cuda_text("exporting a cache tensor", e));
+  }
+  t.ptr = static_cast<std::byte*>(p);
+  std::memcpy(t.handle.data(), &h, sizeof h);
+  return t;
+}
+
+void CudaBackend::free_exported() {
+  if (exported_.empty()) return;
+  if (!use_device().ok()) KVTD_WARN("cudaSetDevice failed while freeing exported tensors");
+  for (void* p : exported_)
+    if (cudaFree(p) != cudaSuccess) (void)cudaGetLastError();
+  exported_.clear();
+}
+
+Result<std::byte*, DeviceErrc> CudaBackend::alloc_device(std::size_t bytes) {
+  void* p = nullptr;
+  if (auto st = use_device(); !st.ok()) return make_error(DeviceErrc::kAllocFailed, st.error().message);
+  if (auto e = cudaMalloc(&p, bytes); e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return make_error(DeviceErrc::kAllocFailed, cuda_text("cudaMalloc", e));
+  }
+  device_allocs_.push_back(p);
+  return static_cast<std::byte*>(p);
+}
+
+}  // namespace kvtd::daemon::cuda
+
+namespace kvtd::daemon {
+
+bool cuda_compiled_in() { return true; }
+#ifdef KVTD_CUDA_SIM
+bool cuda_stand_in() { return true; }
+#else
+bool cuda_stand_in() { return false; }
+#endif
+
+Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int device_id, ScatterMode mode) {
+  if (mode == ScatterMode::kBatch && !cuda::kHaveBatchCopy)
+    return make_error(DeviceErrc::kUnavailable, "--scatter-mode batch needs cudaMemcpyBatchAsync (CUDA 13 or newer)");
+  int count = 0;
+  if (auto e = cudaGetDeviceCount(&count); e != cudaSuccess)
+    return make_error(DeviceErrc::kUnavailable, cuda::cuda_text("no usable CUDA driver or device (cudaGetDeviceCount)", e));
+  if (device_id < 0 || device_id >= count)
+    return make_error(DeviceErrc::kUnavailable, "--device-id " + std::to_string(device_id) + " but only " +
+                                                    std::to_string(count) + " CUDA devices are visible");
+  auto b = std::make_unique<cuda::CudaBackend>(device_id, mode);
+  if (auto st = b->init(); !st.ok()) return st.error();
+  return std::unique_ptr<DeviceBackend>(std::move(b));
+}
+
+}  // namespace kvtd::daemon

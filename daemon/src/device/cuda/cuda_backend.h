@@ -1,0 +1,172 @@
+// cuda_backend.h (daemon-internal, CUDA builds only) - the CUDA device backend: the engine's
+// tensors opened from IPC handles, one lane (stream, staging mirrors, events) per direction,
+// copies enqueued by plan (runs by cudaMemcpyAsync; scattered blocks by cudaMemcpyBatchAsync or
+// the copy kernels). cuda_backend.cpp: device memory and tensors; copy_lanes.cpp: the copies and
+// the storage transforms; enqueue.cpp: the enqueue modes.
+//
+// Thread-safety: each lane's state is guarded by its mutex (one copy per direction at a time);
+// tensor opening and memory calls come from the daemon's main thread while no copy runs.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <sys/mman.h>
+
+#include <array>
+#include <map>
+#include <vector>
+
+#include "device/cuda/cuda_check.h"
+#include "device/cuda/mirror.h"
+#include "kvtd/base/mutex.h"
+#include "kvtd/daemon/device_backend.h"
+#include "kvtd/kernels/cuda_copy.h"
+
+namespace kvtd::daemon::cuda {
+
+class CudaBackend final : public DeviceBackend {
+  struct Lane;  // defined below; named early for the helpers' signatures
+
+ public:
+  CudaBackend(int device, ScatterMode mode) : device_(device), mode_(mode) {}
+
+  ~CudaBackend() override {
+    close_tensors();
+    if (cudaSetDevice(device_) != cudaSuccess) (void)cudaGetLastError();
+    // Lanes release their mirrors, events and stream in their own destructors.
+    for (void* p : host_) cudaFreeHost(p);
+    for (auto [p, n] : registered_) {
+      cudaHostUnregister(p);
+      munmap(p, n);
+    }
+    for (void* p : device_allocs_) cudaFree(p);
+    for (void* p : exported_) cudaFree(p);
+  }
+
+  Status<DeviceErrc> init();
+
+  const char* name() const override { return "cuda"; }
+
+  // Makes this backend's device current; every entry point calls it first.
+  Status<DeviceErrc> use_device();
+
+  Result<std::byte*, DeviceErrc> open_tensor(const proto::TensorDesc& d) override;
+
+  void close_tensors() override;
+
+  Result<std::byte*, DeviceErrc> alloc_host(std::size_t bytes) override;
+
+  void free_host(std::byte* ptr) override;
+
+  Status<DeviceErrc> pin_host(std::byte* addr, std::size_t bytes) override;
+
+  void unpin_host(std::byte* addr) override;
+
+  int numa_node() const override { return numa_node_; }
+  bool broken() const override { return g_context_lost.load(std::memory_order_acquire); }
+
+  Result<ExportedTensor, DeviceErrc> create_exported(std::size_t bytes, const std::string&) override;
+
+  void free_exported() override;
+
+  Result<std::byte*, DeviceErrc> alloc_device(std::size_t bytes) override;
+
+  // On a lane's own stream, not cudaMemcpy: the legacy default stream does not wait for the
+  // lanes' non-blocking streams, so a plain cudaMemcpy could race a copy still in flight there.
+  Status<DeviceErrc> write_device(std::byte* dst, const std::byte* src, std::size_t bytes) override;
+
+  Status<DeviceErrc> read_device(std::byte* dst, const std::byte* src, std::size_t bytes) override;
+
+  Status<DeviceErrc> plain_copy(Lane& lane, std::byte* dst, const std::byte* src, std::size_t bytes);
+
+  Status<DeviceErrc> copy(Direction dir, const kernels::CopyPlan& plan,
+                          std::span<const kernels::CopyTarget> targets) override;
+
+  Status<DeviceErrc> copy_layerwise(Direction dir, const kernels::CopyPlan& plan,
+                                    std::span<const kernels::CopyTarget> targets, std::size_t per_layer,
+                                    const LayerCallback& on_layer_enqueued, const LayerCallback& on_layer_done) override;
+
+  Status<DeviceErrc> copy_layerwise_locked(Lane& lane, const kernels::CopyPlan& plan,
+                                           std::span<const kernels::CopyTarget> targets, std::size_t per_layer,
+                                           const LayerCallback& on_layer_enqueued, const LayerCallback& on_layer_done) REQUIRES(lane.mu);
+
+  Result<std::vector<std::array<std::uint8_t, proto::kHandleBytes>>, DeviceErrc> export_layer_events(
+      std::uint32_t layers) override;
+
+  Status<DeviceErrc> gather_to_staging(std::span<const kernels::LayerTensor> tensors,
+                                       std::span<const std::int32_t> ids, std::byte* staging) override;
+
+  Status<DeviceErrc> scatter_from_staging(std::span<const kernels::LayerTensor> tensors,
+                                          std::span<const std::int32_t> ids, const std::byte* staging) override;
+
+ private:
+  // One direction's stream and staging. Owns its stream, events and mirrors (RAII).
+  struct Lane {
+    // One copy at a time per direction: the mirrors and the batch arrays are rewritten by each.
+    Mutex mu;
+    cudaStream_t stream = nullptr;  // set once when the backend is made
+    Mirror ids GUARDED_BY(mu);      // [single_src..., single_dst...] (int32) or staging ids
+    Mirror table GUARDED_BY(mu);    // CopyTarget or LayerTensor table for the one-launch kernels
+    std::vector<std::byte> table_contents GUARDED_BY(mu);  // what table.dev holds (see upload_table)
+    void* table_dev GUARDED_BY(mu) = nullptr;              // table.dev when table_contents was uploaded
+    Mirror offsets GUARDED_BY(mu);  // staging offsets per tensor
+    std::vector<cudaEvent_t> events GUARDED_BY(mu);
+    std::vector<void*> batch_dst GUARDED_BY(mu);
+    std::vector<void*> batch_src GUARDED_BY(mu);
+    std::vector<std::size_t> batch_size GUARDED_BY(mu);
+
+    Lane() = default;
+    Lane(const Lane&) = delete;
+    Lane& operator=(const Lane&) = delete;
+    ~Lane() {
+      drain();
+      for (auto ev : events)
+        if (cudaEventDestroy(ev) != cudaSuccess) (void)cudaGetLastError();
+      if (stream && cudaStreamDestroy(stream) != cudaSuccess) (void)cudaGetLastError();
+    }
+    // Waits until nothing enqueued on the stream still runs; a failure (a broken context) is
+    // cleared from the last-error slot: the task that met it already failed.
+    void drain() {
+      if (stream && cudaStreamSynchronize(stream) != cudaSuccess) (void)cudaGetLastError();
+    }
+  };
+
+  Lane& lane_of(Direction d) { return lanes_[d == Direction::kToHost ? 0 : 1]; }
+
+  // Per-layer events, interprocess so the engine can open them (which requires no timing).
+  Status<DeviceErrc> ensure_events(Lane& lane, std::size_t layers) REQUIRES(lane.mu);
+
+  // Uploads the scattered ids (and the target table for the all-layers kernel).
+  Status<DeviceErrc> stage_plan(Lane& lane, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets) REQUIRES(lane.mu);
+
+  // Uploads a target table unless the device copy holds these bytes already: the swap targets of
+  // an attached cache never change, so steady-state tasks upload only their ids.
+  Status<DeviceErrc> upload_table(Lane& lane, const void* table, std::size_t bytes) REQUIRES(lane.mu);
+
+  // Enqueues runs and scattered blocks of `targets` (which start at index `first` of the staged
+  // table). `all_layers` lets the all-layers kernel cover every target in one launch.
+  Status<DeviceErrc> enqueue(Lane& lane, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets,
+                             bool all_layers, std::size_t first = 0) REQUIRES(lane.mu);
+
+  Status<DeviceErrc> enqueue_batch(Lane& lane, const kernels::CopyPlan& plan,
+                                   std::span<const kernels::CopyTarget> targets) REQUIRES(lane.mu);
+
+  Status<DeviceErrc> transform(Lane& lane, std::span<const kernels::LayerTensor> tensors,
+                               std::span<const std::int32_t> ids, std::byte* staging, bool gather);
+
+  Status<DeviceErrc> transform_locked(Lane& lane, std::span<const kernels::LayerTensor> tensors,
+                                      std::span<const std::int32_t> ids, std::byte* staging, bool gather) REQUIRES(lane.mu);
+
+  int device_;
+  ScatterMode mode_;
+  std::array<Lane, 2> lanes_;
+  std::map<std::array<std::uint8_t, proto::kHandleBytes>, void*> opened_;
+  std::vector<void*> host_;
+  std::vector<void*> device_allocs_;
+  std::vector<void*> exported_;  // create_exported: FastDeploy's worker maps these
+  std::vector<std::pair<void*, std::size_t>> registered_;  // NUMA-placed, cudaHostRegister'ed
+  int numa_node_ = -1;
+  bool host_pointers_ = true;  // cudaDevAttrCanUseHostPointerForRegisteredMem
+  std::uint32_t pci_bus_id_ = 0;  // proto/pci.h packing; 0 unknown
+};
+
+}  // namespace kvtd::daemon::cuda
