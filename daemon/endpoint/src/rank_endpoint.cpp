@@ -1,3 +1,4 @@
+// The daemon's end of a session: attach (claim, grant), the task ring, completions, progress.
 #include "kvtd/endpoint/rank_endpoint.h"
 
 #include <unistd.h>
@@ -5,166 +6,64 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <mutex>
 #include <thread>
 
-#include "kvtd/base/mutex.h"
 #include "kvtd/ipc/clock.h"
 #include "kvtd/ipc/process.h"
-#include "kvtd/ipc/rings.h"
 #include "kvtd/ipc/wait.h"
 #include "kvtd/proto/names.h"
-#include "kvtd/ipc/segment.h"
+#include "endpoint_impl.h"
 
 namespace kvtd::endpoint {
 
-using namespace kvtd::ipc;  // NOLINT(google-build-using-namespace): the contract this end implements
+bool RankEndpoint::Impl::granted() {
+  return slot().attached.load(std::memory_order_acquire) != 0 &&
+         slot().attached_epoch.load(std::memory_order_acquire) == epoch;
+}
 
-struct RankEndpoint::Impl {
-  EndpointOptions opts;
-  std::unique_ptr<SharedObject> mapping;
-  detail::SessionView view;           // from the validated header: never re-read
-  proto::CacheGeometry geometry{};    // private copy
-  std::uint64_t generation = 0;       // private copy
-  proto::SessionHeader* h = nullptr;  // for the atomics only
-  std::vector<proto::TensorDesc> tensors;  // this rank's, by layer * kTensorKinds + kind
-  bool loaded = false;                     // the last load_tensors() found the cache live
-  std::vector<std::array<std::uint8_t, proto::kHandleBytes>> events;  // published; again after a re-grant
-  std::unique_ptr<TaskRingReader> reader;
-  Mutex complete_mu;  // the ring has one producer: the threads that complete tasks take turns
-  std::unique_ptr<CompletionRing> completions PT_GUARDED_BY(complete_mu);
-  std::atomic<std::uint32_t> epoch{0};  // written by the dispatcher, read by executor threads
-  std::uint64_t owner = 0;  // our owner word, once claimed
+bool RankEndpoint::Impl::engine_alive() const {
+  if (h->state.load(std::memory_order_acquire) != static_cast<std::uint32_t>(proto::SessionState::kReady)) return false;
+  return monotonic_now_ns() - h->engine_heartbeat_ns.load(std::memory_order_acquire) <= opts.engine_timeout_ns;
+}
 
-  proto::RankSlot& slot() { return h->ranks[opts.rank]; }
-
-  // Waits until every live peer has left the agreement slot's previous task (seq minus
-  // kAgreementSlots), so writing the slot never overwrites a word a peer has still to read.
-  Status<proto::TaskStatus> wait_slot_free(std::uint64_t seq, std::int64_t deadline_ns) {
-    using proto::TaskStatus;
-    if (seq < proto::kAgreementSlots) return {};
-    const std::uint64_t previous = seq - proto::kAgreementSlots;
-    auto* ctrl = view.agreement_control();
-    for (;;) {
-      const std::uint32_t seen = ctrl->word.load(std::memory_order_acquire);
-      std::string behind;
-      for (std::uint32_t r = 0; r < view.num_ranks; ++r) {
-        if (r == opts.rank) continue;
-        const auto& peer = h->ranks[r];
-        if (!peer.attached.load(std::memory_order_acquire)) continue;  // a rank not live reads nothing
-        // Acquire pairs with the peer's release in leave_agreements_below.
-        if (peer.agreement_left.load(std::memory_order_acquire) <= previous)
-          behind += (behind.empty() ? "" : ",") + std::to_string(r);
-      }
-      if (behind.empty()) return {};
-      if (!granted() || !engine_alive())
-        return make_error(TaskStatus::kShuttingDown, "this rank's epoch was revoked or the session ended during the agreement");
-      const std::int64_t now = monotonic_now_ns();
-      if (deadline_ns != 0 && now >= deadline_ns)
-        return make_error(TaskStatus::kDeadlineExceeded,
-                          "deadline passed while rank(s) " + behind + " still had to read the agreement of the task " +
-                              std::to_string(proto::kAgreementSlots) + " ring records before this one");
-      // Short slices: peer liveness is re-checked at least every 5 ms.
-      const std::int64_t slice = now + 5'000'000;
-      (void)wait_on_word(ctrl->word, seen, deadline_ns != 0 ? std::min(deadline_ns, slice) : slice, &ctrl->waiters, 20'000);
-    }
+Status<IpcErrc> RankEndpoint::Impl::claim() {
+  const std::uint64_t me = self_owner_word();
+  auto& word = slot().owner;
+  for (;;) {
+    std::uint64_t cur = word.load(std::memory_order_acquire);
+    if (cur == me) break;
+    if (cur != 0 && owner_alive(cur))
+      return make_error(IpcErrc::kInUse, "rank " + std::to_string(opts.rank) + " is already served by live kvtd pid " +
+                                             std::to_string(proto::owner_pid(cur)));
+    // The owner is gone (or there is none): take over. A racing newcomer loses the CAS, re-reads
+    // us as the live owner and is refused.
+    if (word.compare_exchange_strong(cur, me, std::memory_order_acq_rel)) break;
   }
+  owner = me;
+  return {};
+}
 
-  bool granted() {
-    return slot().attached.load(std::memory_order_acquire) != 0 &&
-           slot().attached_epoch.load(std::memory_order_acquire) == epoch;
+bool RankEndpoint::Impl::request_grant() {
+  auto& s = slot();
+  std::uint32_t next = s.attach_request.load() + 1;
+  if (next == 0) next = 1;
+  epoch.store(next, std::memory_order_release);
+  s.pid.store(static_cast<std::uint32_t>(getpid()));
+  s.heartbeat_ns.store(monotonic_now_ns(), std::memory_order_release);
+  s.attach_request.store(next, std::memory_order_release);
+  const std::int64_t deadline = monotonic_now_ns() + opts.grant_timeout_ns;
+  for (;;) {
+    const std::uint32_t seen = h->publish_word.load(std::memory_order_acquire);
+    if (granted()) return true;
+    if (!engine_alive()) return false;
+    if (opts.stop && opts.stop->load()) return false;
+    const std::int64_t now = monotonic_now_ns();
+    if (now >= deadline) return false;
+    s.heartbeat_ns.store(now, std::memory_order_release);
+    (void)wait_on_word(h->publish_word, seen, std::min(deadline, now + 20'000'000), &h->consumer_waiters, 0);
   }
+}
 
-  bool engine_alive() const {
-    if (h->state.load(std::memory_order_acquire) != static_cast<std::uint32_t>(proto::SessionState::kReady)) return false;
-    return monotonic_now_ns() - h->engine_heartbeat_ns.load(std::memory_order_acquire) <= opts.engine_timeout_ns;
-  }
-
-  // Claims the rank for this process: kInUse naming the live owner, else ours.
-  Status<IpcErrc> claim() {
-    const std::uint64_t me = self_owner_word();
-    auto& word = slot().owner;
-    for (;;) {
-      std::uint64_t cur = word.load(std::memory_order_acquire);
-      if (cur == me) break;
-      if (cur != 0 && owner_alive(cur))
-        return make_error(IpcErrc::kInUse, "rank " + std::to_string(opts.rank) + " is already served by live kvtd pid " +
-                                               std::to_string(proto::owner_pid(cur)));
-      // The owner is gone (or there is none): take over. A racing newcomer loses the CAS, re-reads
-      // us as the live owner and is refused.
-      if (word.compare_exchange_strong(cur, me, std::memory_order_acq_rel)) break;
-    }
-    owner = me;
-    return {};
-  }
-
-  // Asks the engine for a new epoch and waits for the grant.
-  bool request_grant() {
-    auto& s = slot();
-    std::uint32_t next = s.attach_request.load() + 1;
-    if (next == 0) next = 1;
-    epoch.store(next, std::memory_order_release);
-    s.pid.store(static_cast<std::uint32_t>(getpid()));
-    s.heartbeat_ns.store(monotonic_now_ns(), std::memory_order_release);
-    s.attach_request.store(next, std::memory_order_release);
-    const std::int64_t deadline = monotonic_now_ns() + opts.grant_timeout_ns;
-    for (;;) {
-      const std::uint32_t seen = h->publish_word.load(std::memory_order_acquire);
-      if (granted()) return true;
-      if (!engine_alive()) return false;
-      if (opts.stop && opts.stop->load()) return false;
-      const std::int64_t now = monotonic_now_ns();
-      if (now >= deadline) return false;
-      s.heartbeat_ns.store(now, std::memory_order_release);
-      (void)wait_on_word(h->publish_word, seen, std::min(deadline, now + 20'000'000), &h->consumer_waiters, 0);
-    }
-  }
-
-  bool cache_live() const {
-    // Acquire pairs with the engine's release store: the registry it wrote before is visible.
-    return h->cache_state.load(std::memory_order_acquire) == static_cast<std::uint32_t>(proto::CacheState::kLive);
-  }
-
-  // Copies and checks this rank's tensor descriptors if the cache is live; else forgets them.
-  Result<bool, IpcErrc> load_tensors() {
-    loaded = false;
-    if (!cache_live()) {
-      tensors.assign(std::size_t{geometry.num_layers} * proto::kTensorKinds, proto::TensorDesc{});
-      return false;
-    }
-    if (auto st = copy_tensors(); !st.ok()) return std::move(st).error();
-    loaded = true;
-    return true;
-  }
-
-  // Copies and checks this rank's tensor descriptors.
-  Status<IpcErrc> copy_tensors() {
-    const auto& g = geometry;
-    tensors.assign(std::size_t{g.num_layers} * proto::kTensorKinds, proto::TensorDesc{});
-    for (std::uint32_t l = 0; l < g.num_layers; ++l)
-      for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
-        const auto kind = static_cast<proto::TensorKind>(k);
-        if (!g.has_tensor(kind)) continue;
-        proto::TensorDesc d;
-        std::memcpy(&d, &view.registry()[proto::registry_index(g, opts.rank, l, kind)], sizeof d);
-        if (!d.valid) continue;  // reported by the caller when it needs the tensor
-        const std::string what = std::string(proto::tensor_kind_name(kind)) + " tensor of rank " +
-                                 std::to_string(opts.rank) + " layer " + std::to_string(l);
-        if (d.rank != opts.rank || d.layer != l || d.kind != k)
-          return make_error(IpcErrc::kCorrupt, "registry entry of the " + what + " names rank " + std::to_string(d.rank) +
-                                                   " layer " + std::to_string(d.layer) + " kind " + std::to_string(d.kind));
-        std::uint64_t need = 0, end = 0;
-        (void)proto::checked_mul(g.block_bytes(kind), static_cast<std::uint64_t>(g.device_blocks(l)), &need);
-        if (d.bytes < need || !proto::checked_add(d.offset, d.bytes, &end))
-          return make_error(IpcErrc::kCorrupt, "registry entry of the " + what + " has " + std::to_string(d.bytes) +
-                                                   " bytes at offset " + std::to_string(d.offset) + "; the geometry needs " +
-                                                   std::to_string(need));
-        d.valid = 1;
-        tensors[std::size_t{l} * proto::kTensorKinds + k] = d;
-      }
-    return {};
-  }
-};
 
 RankEndpoint::RankEndpoint(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
@@ -374,122 +273,6 @@ void RankEndpoint::publish_layer_events(const std::vector<std::array<std::uint8_
   control->events_epoch.store(impl_->epoch.load(), std::memory_order_relaxed);
   // Release publishes the handle words and the epoch above to the engine's acquire.
   control->events_published.store(n, std::memory_order_release);
-}
-
-namespace {
-
-// This rank reads no agreement slot of a task below `seq` any more. Release: a peer that acquires
-// the value may overwrite its slot of the older task. Monotonic (a late abort of an old task does
-// not move it back).
-void leave_agreements_below(std::atomic<std::uint64_t>& left, std::uint64_t seq) {
-  std::uint64_t cur = left.load(std::memory_order_relaxed);
-  while (cur < seq && !left.compare_exchange_weak(cur, seq, std::memory_order_release, std::memory_order_relaxed)) {
-  }
-}
-
-}  // namespace
-
-void RankEndpoint::abort_agreement(std::uint64_t seq, proto::TaskStatus why) {
-  // The slot is ours to write once the peers left its previous task. An abort may come from the
-  // dispatcher, which must not wait on a slow peer for long: it waits at most a second (a peer a
-  // whole slot cycle behind is rare) and then writes; a peer that still had to read the older
-  // word then fails that task naming the reuse, it never takes a wrong count. It does not move
-  // agreement_left: older tasks may still be agreeing on another thread (leave_agreements).
-  auto* impl = impl_.get();
-  const std::uint32_t value = proto::kAgreementAbort | (static_cast<std::uint32_t>(why) & 0xFFFFu);
-  (void)impl->wait_slot_free(seq, monotonic_now_ns() + 1'000'000'000);
-  // Release: publishes nothing but the word itself; a waiter acquires it.
-  impl->view.agreement_slot(impl->opts.rank, seq)->store(proto::agreement_word(seq, value), std::memory_order_release);
-  bump_and_wake(impl->view.agreement_control()->word, &impl->view.agreement_control()->waiters);
-}
-
-void RankEndpoint::leave_agreements(std::uint64_t below_seq) {
-  leave_agreements_below(impl_->slot().agreement_left, below_seq);
-  bump_and_wake(impl_->view.agreement_control()->word, &impl_->view.agreement_control()->waiters);
-}
-
-Result<std::uint32_t, proto::TaskStatus> RankEndpoint::agree(std::uint64_t seq, std::uint32_t count,
-                                                             std::int64_t deadline_ns) {
-  using proto::TaskStatus;
-  auto* impl = impl_.get();
-  auto* ctrl = impl->view.agreement_control();
-  const std::uint32_t me = impl->opts.rank;
-  const std::uint32_t n = impl->view.num_ranks;
-  const std::uint32_t want_tag = proto::agreement_tag(proto::agreement_word(seq, 0));
-  // The epochs the engine granted the peers now: a peer re-granted later was declared dead in
-  // between, and its new epoch never sees this task.
-  std::vector<std::uint32_t> peer_epoch(n);
-  for (std::uint32_t r = 0; r < n; ++r) peer_epoch[r] = impl->h->ranks[r].attached_epoch.load(std::memory_order_acquire);
-  // Tasks run through here in ring order: every older one is behind us.
-  auto& left = impl->slot().agreement_left;
-  leave_agreements_below(left, seq);
-  if (auto st = impl->wait_slot_free(seq, deadline_ns); !st.ok()) {
-    leave_agreements_below(left, seq + 1);
-    return std::move(st).error();
-  }
-  // Release publishes our count to the peers' acquire loads below.
-  impl->view.agreement_slot(me, seq)->store(proto::agreement_word(seq, count), std::memory_order_release);
-  bump_and_wake(ctrl->word, &ctrl->waiters);
-  if (impl->opts.on_agreement_published) impl->opts.on_agreement_published(seq);
-  // However the reading below ends, this rank reads this task's slots no more.
-  struct Leave {
-    std::atomic<std::uint64_t>& left;
-    std::uint64_t seq;
-    proto::AgreementControl* ctrl;
-    ~Leave() {
-      leave_agreements_below(left, seq + 1);
-      bump_and_wake(ctrl->word, &ctrl->waiters);
-    }
-  } leave{left, seq, ctrl};
-  std::uint32_t agreed = count;
-  std::uint32_t pending_mask = 0;
-  for (std::uint32_t r = 0; r < n; ++r)
-    if (r != me) pending_mask |= 1u << r;
-  for (;;) {
-    const std::uint32_t seen = ctrl->word.load(std::memory_order_acquire);
-    for (std::uint32_t r = 0; r < n; ++r) {
-      if (!(pending_mask & (1u << r))) continue;
-      const std::uint64_t w = impl->view.agreement_slot(r, seq)->load(std::memory_order_acquire);
-      const std::uint32_t tag = proto::agreement_tag(w);
-      if (tag == want_tag) {
-        const std::uint32_t v = proto::agreement_value(w);
-        if ((v & proto::kAgreementAbort) == proto::kAgreementAbort) {
-          // Every rank reports the root cause, so the merged status (the lowest failing rank's) is
-          // that cause whichever rank hit it (it said agreement_failed when rank 0 was waiting).
-          const std::uint32_t code = v & 0xFFFFu;
-          const auto why = static_cast<TaskStatus>(code);
-          const bool known = code != 0 && code <= static_cast<std::uint32_t>(TaskStatus::kCacheCleared);
-          return make_error(known ? why : TaskStatus::kAgreementFailed,
-                            "rank " + std::to_string(r) + " failed this task before the ranks agreed (" +
-                                proto::task_status_name(why) + ")");
-        }
-        agreed = std::min(agreed, proto::agreement_value(w));
-        pending_mask &= ~(1u << r);
-        continue;
-      }
-      // Newer (modulo 2^32) than ours: the slot was reused before we read it.
-      if (static_cast<std::int32_t>(tag - want_tag) > 0)
-        return make_error(TaskStatus::kAgreementFailed, "rank " + std::to_string(r) + " reused the agreement slot of this task (more than " +
-                                                            std::to_string(proto::kAgreementSlots) + " storage tasks apart)");
-      const auto& slot = impl->h->ranks[r];
-      if (!slot.attached.load(std::memory_order_acquire) || slot.attached_epoch.load(std::memory_order_acquire) != peer_epoch[r])
-        return make_error(TaskStatus::kRankDead, "rank " + std::to_string(r) +
-                                                     " was declared dead by the engine while the ranks were agreeing");
-    }
-    if (pending_mask == 0) return agreed;
-    if (!impl->granted() || !impl->engine_alive())
-      return make_error(TaskStatus::kShuttingDown, "this rank's epoch was revoked or the session ended during the agreement");
-    const std::int64_t now = monotonic_now_ns();
-    if (deadline_ns != 0 && now >= deadline_ns) {
-      std::string who;
-      for (std::uint32_t r = 0; r < n; ++r)
-        if (pending_mask & (1u << r)) who += (who.empty() ? "" : ",") + std::to_string(r);
-      return make_error(TaskStatus::kDeadlineExceeded, "deadline passed while waiting for rank(s) " + who + " to agree");
-    }
-    // Short slices: peer liveness is re-checked at least every 5 ms.
-    const std::int64_t slice = now + 5'000'000;
-    (void)wait_on_word(ctrl->word, seen, deadline_ns != 0 ? std::min(deadline_ns, slice) : slice, &ctrl->waiters, 20'000);
-  }
 }
 
 bool RankEndpoint::granted() const { return impl_->granted(); }
