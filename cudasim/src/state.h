@@ -21,6 +21,11 @@ using kvtd::Mutex;
 using kvtd::MutexLock;
 
 // --- errors ------------------------------------------------------------------------------
+// The calling thread's last error: taken (and reset) or peeked.
+cudaError_t take_last_error();
+cudaError_t peek_last_error();
+// The calling thread's current device (cudaSetDevice; current_device() below reads it).
+void set_current_device(int device);
 // Records `e` as the calling thread's last error (unless success) and returns it.
 cudaError_t fail(cudaError_t e);
 // The process's sticky error (cudaSuccess while the context is healthy).
@@ -63,6 +68,10 @@ cudaError_t submit(cudaStream_t s, Op op);
 void drain(cudaStream_t s);
 void drain_blocking_streams();
 void drain_all_streams();
+// A new stream's worker thread starts and the stream is counted as existing; forget_stream
+// un-counts it (false: it did not exist).
+void start_stream(cudaStream_t s);
+bool forget_stream(cudaStream_t s);
 
 // --- memory --------------------------------------------------------------------------------
 enum class Space { kUnknown, kDevice, kPinnedHost };
