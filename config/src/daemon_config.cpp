@@ -1,5 +1,7 @@
 #include "kvtd/config/daemon_config.h"
 
+#include "kvtd/base/version.h"
+
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <cerrno>
@@ -157,7 +159,7 @@ Status<ConfigErrc> extra_layers_from(const std::string& json_text, std::int64_t 
 Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const* argv) {
   DaemonConfig c;
   CLI::App app{"kvtd - KV-cache transfer daemon, one process per GPU rank", "kvtd"};
-  app.set_version_flag("--version", "kvtd 0.1.0");
+  app.set_version_flag("--version", std::string("kvtd ") + kVersion);
   app.set_config("--config", "", "Read flags from a TOML or INI file");
   app.allow_config_extras(CLI::config_extras_mode::error);  // a typo in a config file is an error
   app.get_formatter()->column_width(40);
@@ -415,8 +417,8 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
     return bad("--heartbeat-period: " + seconds(c.heartbeat_period_s) +
                " must be in [0.001, 1] seconds; the engine counts a rank dead after 3 s of silence");
 
-  if (const auto sizes = proto::geometry_sizes(c.geometry()); sizes.problem != nullptr)
-    return bad(std::string("--key-cache-shape/--value-cache-shape/--num-layers/--num-host-blocks: ") + sizes.problem);
+  if (const auto why = proto::geometry_problem(c.geometry()); !why.empty())
+    return bad("--key-cache-shape/--value-cache-shape/--num-layers/--num-host-blocks: " + why);
 
   if (storage_backend == "none") st.backend = StorageBackendKind::kNone;
   else if (storage_backend == "file") st.backend = StorageBackendKind::kFile;

@@ -195,36 +195,6 @@ namespace detail {
 
 std::string errno_text(const char* what) { return std::string(what) + ": " + std::strerror(errno); }
 
-std::string check_geometry(const proto::CacheGeometry& g) {
-  if (g.num_ranks < 1 || g.num_ranks > proto::kMaxRanks)
-    return "num_ranks " + std::to_string(g.num_ranks) + " must be in [1, " + std::to_string(proto::kMaxRanks) + "]";
-  if (g.num_layers < 1 || g.num_layers > proto::kMaxLayers)
-    return "num_layers " + std::to_string(g.num_layers) + " must be in [1, " + std::to_string(proto::kMaxLayers) + "]";
-  if (proto::dtype_bytes(g.cache_dtype()) == 0) return "dtype " + std::to_string(g.dtype) + " is not a known cache dtype";
-  for (int i = 0; i < 4; ++i)
-    if (g.key_shape[i] <= 0) return "key shape dimension " + std::to_string(i) + " must be positive";
-  if (g.key_shape[0] > INT32_MAX) return "device block count must be < 2^31";
-  if (g.value_shape[0] != 0) {
-    for (int i = 0; i < 4; ++i)
-      if (g.value_shape[i] <= 0) return "value shape dimension " + std::to_string(i) + " must be positive";
-    if (g.value_shape[0] != g.key_shape[0]) return "value and key shapes must have the same block count";
-  } else {
-    for (int i = 0; i < 4; ++i)
-      if (g.value_shape[i] != 0) return "value shape must be all zero or all positive";
-  }
-  if (g.num_host_blocks > INT32_MAX) return "host block count must be < 2^31";
-  if (g.scale_bytes != 0 && g.scale_bytes != 2 && g.scale_bytes != 4)
-    return "scale element bytes " + std::to_string(g.scale_bytes) + " must be 2 or 4 (0 = 2)";
-  if (g.num_extra_layers >= g.num_layers)
-    return "num_extra_layers " + std::to_string(g.num_extra_layers) + " must be below num_layers " +
-           std::to_string(g.num_layers) + " (which counts the extra layers too)";
-  if (g.num_extra_layers == 0 && g.extra_device_blocks != 0)
-    return "extra_device_blocks must be 0 without extra layers";
-  if (g.num_extra_layers != 0 && (g.extra_device_blocks <= 0 || g.extra_device_blocks > INT32_MAX))
-    return "extra_device_blocks " + std::to_string(g.extra_device_blocks) + " must be in [1, 2^31)";
-  if (const auto s = proto::geometry_sizes(g); s.problem != nullptr) return s.problem;
-  return "";
-}
 
 std::string check_ring_sizes(std::uint64_t ring_bytes, std::uint32_t completion_capacity) {
   auto pow2 = [](std::uint64_t v) { return v != 0 && (v & (v - 1)) == 0; };
@@ -237,7 +207,7 @@ std::string check_ring_sizes(std::uint64_t ring_bytes, std::uint32_t completion_
 
 SessionLayout compute_layout(const proto::CacheGeometry& g, std::uint64_t ring_bytes,
                              std::uint32_t completion_capacity) {
-  // Inputs passed check_geometry and check_ring_sizes: ranks <= 16, layers <= 512, ring <= 2^30,
+  // Inputs passed proto::geometry_problem and check_ring_sizes: ranks <= 16, layers <= 512, ring <= 2^30,
   // capacity <= 2^20, so no term here comes near 2^64.
   auto align_up = [](std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; };
   SessionLayout l{};
@@ -286,7 +256,7 @@ Result<SessionLayout, IpcErrc> validate_header(const HeaderCopy& h, std::uint64_
                                                 " (header of " + std::to_string(h.header_bytes) +
                                                 " bytes); this build speaks " +
                                                 std::to_string(proto::kSessionLayoutVersion));
-  if (auto why = check_geometry(h.geometry); !why.empty())
+  if (auto why = proto::geometry_problem(h.geometry); !why.empty())
     return make_error(IpcErrc::kCorrupt, "corrupt session header: geometry: " + why);
   if (auto why = check_ring_sizes(h.task_ring_bytes, h.completion_capacity); !why.empty())
     return make_error(IpcErrc::kCorrupt, "corrupt session header: " + why);

@@ -10,7 +10,7 @@ from .errors import (CacheCleared, CacheControlFailed, Closed, InUse, InvalidArg
 from .session import (CANCEL, KEY, KEY_SCALE, PREFETCH, STORAGE_QUERY, STORAGE_READ, STORAGE_WRITE, SWAP_TO_DEVICE,
                       SWAP_TO_HOST, VALUE, VALUE_SCALE, Geometry, Session, TaskResult, now_ns)
 
-__version__ = "0.1.0"
+__version__ = _native.lib.kvtd_version().decode()  # the one version (kvtd/base/version.h)
 
 __all__ = [
     "Geometry", "Session", "TaskResult", "now_ns",

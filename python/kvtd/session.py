@@ -29,7 +29,6 @@ from .errors import CacheControlFailed, TaskFailed, raise_for
 
 DTYPES = {"bfloat16": 1, "float16": 2, "uint8": 3, "block_wise_fp8": 4}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-_ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "uint8": 1, "block_wise_fp8": 1}
 
 SWAP_TO_HOST = 1
 SWAP_TO_DEVICE = 2
@@ -90,36 +89,51 @@ class Geometry:
         g.extra_device_blocks = self.extra_device_blocks
         return g
 
+    def check(self) -> None:
+        """Raises ValueError naming the first problem unless a session would accept this geometry
+        (the library's one validation, kvtd_geometry_check)."""
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        if n.lib.kvtd_geometry_check(ctypes.byref(self.to_native()), err, _ERR_LEN) != 0:
+            raise ValueError(f"geometry: {err.value.decode()}")
+
+    def _tensor(self, layer: int, kind):
+        """(shape, block_bytes, bytes) of one tensor, from the library (kvtd_tensor_shape): the
+        geometry's rules live in one place and are not re-derived here. shape is () when the
+        geometry has no such tensor."""
+        shape = (ctypes.c_int64 * 4)()
+        ndim, block_bytes, nbytes = ctypes.c_uint32(), ctypes.c_uint64(), ctypes.c_uint64()
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        if n.lib.kvtd_tensor_shape(ctypes.byref(self.to_native()), layer, _kind(kind), shape, ctypes.byref(ndim),
+                                   ctypes.byref(block_bytes), ctypes.byref(nbytes), err, _ERR_LEN) != 0:
+            raise ValueError(err.value.decode())
+        return tuple(shape[:ndim.value]), block_bytes.value, nbytes.value
+
     def has_tensor(self, kind) -> bool:
-        k = _kind(kind)
-        fp8 = self.dtype == "block_wise_fp8"
-        return {KEY: True, VALUE: self.value_shape is not None, KEY_SCALE: fp8,
-                VALUE_SCALE: fp8 and self.value_shape is not None}[k]
+        return bool(self._tensor(0, kind)[0])
 
     def device_blocks(self, layer: int) -> int:
-        if self.num_extra_layers and layer >= self.num_layers - self.num_extra_layers:
-            return self.extra_device_blocks
-        return int(self.key_shape[0])
+        return self._tensor(layer, KEY)[0][0]
 
     def tensor_shape(self, layer: int, kind) -> tuple:
-        """Shape of one device tensor (the scale tensors drop head_dim)."""
+        """Shape of one device tensor (the scale tensors drop head_dim). A cache described in 3-D
+        keeps 3 dimensions (the library pads a 4th of 1)."""
         k = _kind(kind)
-        base = self.key_shape if k in (KEY, KEY_SCALE) else self.value_shape
-        shape = [self.device_blocks(layer)] + list(base[1:])
-        return tuple(shape[:3]) if k in (KEY_SCALE, VALUE_SCALE) else tuple(shape)
+        shape = self._tensor(layer, k)[0]
+        given = self.key_shape if k in (KEY, KEY_SCALE) else self.value_shape
+        if k in (KEY, VALUE) and given is not None and len(given) == 3:
+            return shape[:3]
+        return shape
 
     def element_bytes(self, kind) -> int:
-        k = _kind(kind)
-        return self.scale_bytes if k in (KEY_SCALE, VALUE_SCALE) else _ELEMENT_BYTES[self.dtype]
+        shape, block_bytes, _ = self._tensor(0, kind)
+        per = 1
+        for d in shape[1:]:
+            per *= int(d)
+        return block_bytes // per if per else 0
 
     def block_bytes(self, kind) -> int:
         """Bytes of one block of one layer of `kind` (0 if the geometry has no such tensor)."""
-        if not self.has_tensor(kind):
-            return 0
-        per = 1
-        for d in self.tensor_shape(0, kind)[1:]:
-            per *= int(d)
-        return per * self.element_bytes(kind)
+        return self._tensor(0, kind)[1]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -92,7 +92,7 @@ class FileStore final : public ObjectStore {
   }
 
   Result<std::size_t, StorageErrc> exists(std::span<const std::string> keys) override {
-    if (auto st = detail::check_keys(keys); !st.ok()) return st.error();
+    KVTD_TRY(detail::check_keys(keys));
     for (std::size_t i = 0; i < keys.size(); ++i) {
       bool present = false;
       if (int e = fs_->exists(path_of(keys[i]), &present); e != 0)
@@ -110,7 +110,7 @@ class FileStore final : public ObjectStore {
   Result<std::vector<ObjectResult>, StorageErrc> get_each(std::span<const std::string> keys,
                                                           std::span<std::byte* const> dsts,
                                                           const ObjectHook& on_ok) override {
-    if (auto st = detail::check_batch(keys, dsts.size(), "destinations"); !st.ok()) return st.error();
+    KVTD_TRY(detail::check_batch(keys, dsts.size(), "destinations"));
     std::vector<ObjectResult> out(keys.size(), ObjectResult::kMissing);
     parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
       // Read into private scratch and verify there: the caller's buffer receives the payload only
@@ -130,7 +130,7 @@ class FileStore final : public ObjectStore {
 
   Result<std::vector<ObjectResult>, StorageErrc> get_lent(std::span<const std::string> keys,
                                                           const LentHook& on_object) override {
-    if (auto st = detail::check_keys(keys); !st.ok()) return st.error();
+    KVTD_TRY(detail::check_keys(keys));
     std::vector<ObjectResult> out(keys.size(), ObjectResult::kMissing);
     parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
       Scratch scratch(*this);
@@ -149,7 +149,7 @@ class FileStore final : public ObjectStore {
   Result<std::vector<ObjectResult>, StorageErrc> put_each(std::span<const std::string> keys,
                                                           std::span<const std::byte* const> srcs,
                                                           const FillHook& before_put) override {
-    if (auto st = detail::check_batch(keys, srcs.size(), "sources"); !st.ok()) return st.error();
+    KVTD_TRY(detail::check_batch(keys, srcs.size(), "sources"));
     std::vector<ObjectResult> out(keys.size(), ObjectResult::kOk);
     parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
       if (before_put && !before_put(i)) {
@@ -167,7 +167,7 @@ class FileStore final : public ObjectStore {
 
   Result<std::vector<ObjectResult>, StorageErrc> put_parts(std::span<const std::string> keys,
                                                            std::span<const Parts> objects) override {
-    if (auto st = detail::check_batch(keys, objects.size(), "objects"); !st.ok()) return st.error();
+    KVTD_TRY(detail::check_batch(keys, objects.size(), "objects"));
     for (std::size_t i = 0; i < objects.size(); ++i) {
       std::uint64_t n = 0;
       for (auto p : objects[i]) n += p.size();
@@ -280,7 +280,7 @@ class FileStore final : public ObjectStore {
   }
 
   Status<StorageErrc> remove(std::span<const std::string> keys) override {
-    if (auto st = detail::check_keys(keys); !st.ok()) return st;
+    KVTD_TRY(detail::check_keys(keys));
     for (const auto& k : keys) {
       const std::string path = path_of(k);
       if (int e = fs_->remove(path); e != 0)
@@ -442,12 +442,12 @@ Result<std::unique_ptr<ObjectStore>, StorageErrc> open_file_store(const FileStor
   if (o.store.object_bytes == 0) return make_error(StorageErrc::kInvalidArgument, "object_bytes must be positive");
   if (o.root.empty()) return make_error(StorageErrc::kInvalidArgument, "file store root directory is empty");
   if (!o.fs) {  // the real file system (tests that inject one have no owner or mode to check)
-    if (auto st = check_private_root(o.root); !st.ok()) return st.error();
+    KVTD_TRY(check_private_root(o.root));
   }
   auto owned = o.fs ? nullptr : make_posix_file_system();
   auto store = std::make_unique<FileStore>(o, std::move(owned));
-  if (auto st = store->make_fanout(); !st.ok()) return st.error();
-  if (auto st = store->load_index(); !st.ok()) return st.error();
+  KVTD_TRY(store->make_fanout());
+  KVTD_TRY(store->load_index());
   return std::unique_ptr<ObjectStore>(std::move(store));
 }
 

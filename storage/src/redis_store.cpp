@@ -122,16 +122,16 @@ class RedisStore final : public ObjectStore {
     }
     if (o_.cluster) {
       MutexLock g(mu_);
-      if (auto st = refresh_slots(deadline()); !st.ok()) return st;
+      KVTD_TRY(refresh_slots(deadline()));
     }
     return {};
   }
 
   Result<std::size_t, StorageErrc> exists(std::span<const std::string> keys) override {
-    if (auto st = detail::check_keys(keys); !st.ok()) return st.error();
+    KVTD_TRY(detail::check_keys(keys));
     std::vector<ObjectResult> r;
     std::vector<std::byte*> none(keys.size(), nullptr);
-    if (auto st = run(Op::kExists, keys, none, {}, &r); !st.ok()) return st.error();
+    KVTD_TRY(run(Op::kExists, keys, none, {}, &r));
     for (std::size_t i = 0; i < r.size(); ++i) {
       if (r[i] == ObjectResult::kFailed)
         return make_error(StorageErrc::kUnavailable, "Redis did not answer EXISTS for key " + keys[i] + ": " + last_error());
@@ -142,28 +142,28 @@ class RedisStore final : public ObjectStore {
 
   Result<std::vector<ObjectResult>, StorageErrc> get(std::span<const std::string> keys,
                                                      std::span<std::byte* const> dsts) override {
-    if (auto st = detail::check_batch(keys, dsts.size(), "destinations"); !st.ok()) return st.error();
+    KVTD_TRY(detail::check_batch(keys, dsts.size(), "destinations"));
     std::vector<ObjectResult> r;
-    if (auto st = run(Op::kGet, keys, dsts, {}, &r); !st.ok()) return st.error();
+    KVTD_TRY(run(Op::kGet, keys, dsts, {}, &r));
     for (auto x : r) counters_.count_get(x);
     return r;
   }
 
   Result<std::vector<ObjectResult>, StorageErrc> put(std::span<const std::string> keys,
                                                      std::span<const std::byte* const> srcs) override {
-    if (auto st = detail::check_batch(keys, srcs.size(), "sources"); !st.ok()) return st.error();
+    KVTD_TRY(detail::check_batch(keys, srcs.size(), "sources"));
     std::vector<ObjectResult> r;
     std::vector<std::byte*> none(keys.size(), nullptr);
-    if (auto st = run(Op::kSet, keys, none, srcs, &r); !st.ok()) return st.error();
+    KVTD_TRY(run(Op::kSet, keys, none, srcs, &r));
     for (auto x : r) counters_.count_put(x);
     return r;
   }
 
   Status<StorageErrc> remove(std::span<const std::string> keys) override {
-    if (auto st = detail::check_keys(keys); !st.ok()) return st;
+    KVTD_TRY(detail::check_keys(keys));
     std::vector<ObjectResult> r;
     std::vector<std::byte*> none(keys.size(), nullptr);
-    if (auto st = run(Op::kDel, keys, none, {}, &r); !st.ok()) return st;
+    KVTD_TRY(run(Op::kDel, keys, none, {}, &r));
     for (std::size_t i = 0; i < r.size(); ++i)
       if (r[i] == ObjectResult::kFailed)
         return make_error(StorageErrc::kUnavailable, "DEL of " + keys[i] + " failed: " + last_error());
@@ -443,7 +443,7 @@ Result<std::unique_ptr<ObjectStore>, StorageErrc> open_redis_store(const RedisSt
   if (!proto::valid_model_id(o.store.model_id))
     return make_error(StorageErrc::kInvalidArgument, "model id '" + o.store.model_id + "' must be 1-64 of [A-Za-z0-9_.-]");
   auto s = std::make_unique<RedisStore>(o);
-  if (auto st = s->init(); !st.ok()) return st.error();
+  KVTD_TRY(s->init());
   return std::unique_ptr<ObjectStore>(std::move(s));
 }
 

@@ -312,3 +312,23 @@ def test_restore_with_a_bad_handle_fails_naming_the_rank(cluster):
     s.restore_caches()
     r = s.wait(s.swap_to_device([0], [1]), check=False)
     assert r.status_name == "host_tier_lost"  # dropped by the first clear
+
+
+def test_geometry_rules_and_version_come_from_the_library():
+    # kvtd.Geometry asks libkvtd_client (kvtd_tensor_shape, kvtd_geometry_check, kvtd_version)
+    # instead of re-deriving shapes: the rules live in proto/geometry.h only.
+    g = kvtd.Geometry(num_ranks=1, num_layers=3, key_shape=(16, 2, 4, 8), value_shape=(16, 2, 4, 8),
+                      dtype="block_wise_fp8", scale_bytes=4, num_host_blocks=4,
+                      num_extra_layers=1, extra_device_blocks=8)
+    g.check()
+    assert g.tensor_shape(0, "key") == (16, 2, 4, 8)
+    assert g.tensor_shape(2, "key") == (8, 2, 4, 8)  # the extra (MTP) layer has its own block count
+    assert g.tensor_shape(0, "value_scale") == (16, 2, 4)
+    assert g.block_bytes("key") == 2 * 4 * 8 and g.block_bytes("key_scale") == 2 * 4 * 4
+    assert g.element_bytes("key_scale") == 4
+    three_d = kvtd.Geometry(num_ranks=1, num_layers=1, key_shape=(16, 2, 4))
+    assert three_d.tensor_shape(0, "key") == (16, 2, 4) and not three_d.has_tensor("value")
+    bad = kvtd.Geometry(num_ranks=1, num_layers=1, key_shape=(16, 2, 4, 8), value_shape=(8, 2, 4, 8))
+    with pytest.raises(ValueError, match="same block count"):
+        bad.check()
+    assert kvtd.__version__.count(".") == 2

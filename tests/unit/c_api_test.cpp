@@ -530,3 +530,43 @@ TEST(CApi, NamesVersionAndGeometry) {
 
 }  // namespace
 }  // namespace kvtd::ipc
+
+namespace kvtd::ipc {
+namespace {
+
+// The geometry's rules and the version, asked of the library (the Python module does; it used to
+// re-derive shapes and sizes itself, and wrote the version in a fourth place).
+TEST(CApi, TheLibraryAnswersTheGeometrysShapesAndItsVersion) {
+  EXPECT_STREQ(kvtd_version(), KVTD_PROJECT_VERSION);
+  kvtd_geometry g = c_geometry(3);
+  for (int i = 0; i < 4; ++i) g.value_shape[i] = g.key_shape[i];
+  g.dtype = KVTD_DTYPE_BLOCK_WISE_FP8;
+  g.scale_bytes = 4;
+  char err[256] = {};
+  ASSERT_EQ(kvtd_geometry_check(&g, err, sizeof err), KVTD_OK) << err;
+  std::int64_t shape[4];
+  std::uint32_t ndim = 0;
+  std::uint64_t block_bytes = 0, bytes = 0;
+  ASSERT_EQ(kvtd_tensor_shape(&g, 1, KVTD_KEY, shape, &ndim, &block_bytes, &bytes, err, sizeof err), KVTD_OK) << err;
+  EXPECT_EQ(ndim, 4u);
+  EXPECT_EQ(shape[0], g.key_shape[0]);
+  EXPECT_EQ(block_bytes, static_cast<std::uint64_t>(g.key_shape[1] * g.key_shape[2] * g.key_shape[3]));  // fp8: 1 byte
+  EXPECT_EQ(bytes, block_bytes * static_cast<std::uint64_t>(g.key_shape[0]));
+  ASSERT_EQ(kvtd_tensor_shape(&g, 1, KVTD_VALUE_SCALE, shape, &ndim, &block_bytes, nullptr, err, sizeof err), KVTD_OK);
+  EXPECT_EQ(ndim, 3u) << "scales drop head_dim";
+  EXPECT_EQ(block_bytes, static_cast<std::uint64_t>(g.value_shape[1] * g.value_shape[2] * 4));
+  // No value cache (MLA, as c_geometry is): the value tensors are absent, not an error.
+  kvtd_geometry mla = c_geometry(1);
+  ASSERT_EQ(kvtd_tensor_shape(&mla, 0, KVTD_VALUE, shape, &ndim, &block_bytes, &bytes, err, sizeof err), KVTD_OK);
+  EXPECT_EQ(ndim, 0u);
+  EXPECT_EQ(bytes, 0u);
+  // The one validation names the problem; a layer outside the geometry is refused.
+  kvtd_geometry bad = g;
+  bad.value_shape[0] = bad.key_shape[0] + 1;
+  EXPECT_EQ(kvtd_geometry_check(&bad, err, sizeof err), KVTD_E_INVALID);
+  EXPECT_NE(std::string(err).find("same block count"), std::string::npos) << err;
+  EXPECT_EQ(kvtd_tensor_shape(&g, 3, KVTD_KEY, shape, &ndim, nullptr, nullptr, err, sizeof err), KVTD_E_INVALID);
+}
+
+}  // namespace
+}  // namespace kvtd::ipc

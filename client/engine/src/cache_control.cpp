@@ -31,14 +31,11 @@ Status<IpcErrc> EngineSession::Impl::registry_complete() const {
   for (std::uint64_t i = 0; i < view.layout.registry_count; ++i) any = any || reg[i].valid != 0;
   if (!any) return {};
   for (std::uint32_t r = 0; r < geo.num_ranks; ++r)
-    for (std::uint32_t l = 0; l < geo.num_layers; ++l)
-      for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
-        const auto kind = static_cast<proto::TensorKind>(k);
-        if (geo.has_tensor(kind) && !reg[proto::registry_index(geo, r, l, kind)].valid)
-          return make_error(IpcErrc::kInvalidArgument, std::string("tensor ") + proto::tensor_kind_name(kind) +
-                                                           " of rank " + std::to_string(r) + " layer " +
-                                                           std::to_string(l) + " is not registered");
-      }
+    for (const auto [l, kind] : proto::tensors_of(geo))
+      if (!reg[proto::registry_index(geo, r, l, kind)].valid)
+        return make_error(IpcErrc::kInvalidArgument, std::string("tensor ") + proto::tensor_kind_name(kind) +
+                                                         " of rank " + std::to_string(r) + " layer " +
+                                                         std::to_string(l) + " is not registered");
   return {};
 }
 
@@ -74,7 +71,7 @@ Result<TaskResult, IpcErrc> EngineSession::Impl::run_cache_control(proto::TaskKi
 
 Result<TaskResult, IpcErrc> EngineSession::clear_caches(const ClearOptions& options) {
   const Impl::Gate gate(impl_.get());
-  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
+  KVTD_TRY(gate.check());
   auto* impl = impl_.get();
   {
     MutexLock g(impl->mu);
@@ -96,12 +93,12 @@ Result<TaskResult, IpcErrc> EngineSession::clear_caches(const ClearOptions& opti
 
 Result<TaskResult, IpcErrc> EngineSession::restore_caches(std::int64_t timeout_ns) {
   const Impl::Gate gate(impl_.get());
-  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
+  KVTD_TRY(gate.check());
   auto* impl = impl_.get();
   {
     MutexLock g(impl->mu);
     if (!impl->cache_cleared) return make_error(IpcErrc::kInvalidArgument, "the cache is not cleared: nothing to restore");
-    if (auto st = impl->registry_complete(); !st.ok()) return std::move(st).error();
+    KVTD_TRY(impl->registry_complete());
     // Live in the header before RESTORE_CACHE is in the ring: a rank granted from now on maps
     // the new registry itself. Tasks stay refused here until RESTORE_CACHE is submitted, so none
     // lands in the ring before it.

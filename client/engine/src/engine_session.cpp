@@ -79,7 +79,7 @@ EngineSession::~EngineSession() {
 Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const SessionOptions& o) {
   if (!proto::valid_session_suffix(o.suffix))
     return make_error(IpcErrc::kInvalidArgument, "session suffix '" + o.suffix + "' must be 1-64 of [A-Za-z0-9_.-]");
-  if (auto why = detail::check_geometry(o.geometry); !why.empty())
+  if (auto why = proto::geometry_problem(o.geometry); !why.empty())
     return make_error(IpcErrc::kInvalidArgument, "geometry: " + why);
   if (auto why = detail::check_ring_sizes(o.ring_bytes, o.completion_capacity); !why.empty())
     return make_error(IpcErrc::kInvalidArgument, why);
@@ -174,17 +174,17 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
 
 Status<IpcErrc> EngineSession::register_tensor(const proto::TensorDesc& d) {
   const Impl::Gate gate(impl_.get());
-  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
+  KVTD_TRY(gate.check());
   MutexLock g(impl_->mu);
   return impl_->register_tensor(d);
 }
 
 Status<IpcErrc> EngineSession::publish() {
   const Impl::Gate gate(impl_.get());
-  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
+  KVTD_TRY(gate.check());
   MutexLock g(impl_->mu);
   auto* h = impl_->h;
-  if (auto st = impl_->registry_complete(); !st.ok()) return st;
+  KVTD_TRY(impl_->registry_complete());
   h->state.store(static_cast<std::uint32_t>(proto::SessionState::kReady), std::memory_order_release);
   bump_and_wake(h->publish_word, nullptr);
   return {};
@@ -192,7 +192,7 @@ Status<IpcErrc> EngineSession::publish() {
 
 Status<IpcErrc> EngineSession::wait_ready(std::int64_t timeout_ns) {
   const Impl::Gate gate(impl_.get());
-  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
+  KVTD_TRY(gate.check());
   const std::int64_t deadline = deadline_after(impl_->clock->now_ns(), timeout_ns);
   const std::uint32_t want = proto::kReadyCacheAttached | proto::kReadyHostPool;
   for (;;) {
@@ -221,7 +221,7 @@ Result<std::uint64_t, IpcErrc> EngineSession::submit_raw(const proto::TaskRecord
                                                          std::span<const std::int32_t> src,
                                                          std::span<const std::int32_t> dst) {
   const Impl::Gate gate(impl_.get());
-  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
+  KVTD_TRY(gate.check());
   if (header.kind == static_cast<std::uint16_t>(proto::TaskKind::kPadding) && header.format_version == proto::kPaddingFormat)
     return make_error(IpcErrc::kInvalidArgument, "a raw task may not carry the ring's padding marker");
   auto* impl = impl_.get();
@@ -246,7 +246,7 @@ std::optional<TaskResult> EngineSession::poll(std::uint64_t task_id) {
 
 Result<TaskResult, IpcErrc> EngineSession::wait(std::uint64_t task_id, std::int64_t timeout_ns) {
   const Impl::Gate gate(impl_.get());
-  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
+  KVTD_TRY(gate.check());
   return impl_->wait_result(task_id, timeout_ns);
 }
 

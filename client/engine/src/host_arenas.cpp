@@ -23,7 +23,7 @@ namespace kvtd::engine {
 
 Status<IpcErrc> EngineSession::free_host_device_tensors() {
   const Impl::Gate gate(impl_.get());
-  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
+  KVTD_TRY(gate.check());
   MutexLock g(impl_->mu);
   return impl_->free_arenas();
 }
@@ -46,19 +46,16 @@ Status<IpcErrc> EngineSession::Impl::free_arenas() {
 // engine thread reading host_device_tensor meanwhile used to race with this).
 Status<IpcErrc> EngineSession::create_host_device_tensors() {
   const Impl::Gate gate(impl_.get());
-  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
+  KVTD_TRY(gate.check());
   MutexLock lock(impl_->mu);
   const auto& g = impl_->geo;
   if (!impl_->arenas.empty())
-    if (auto st = impl_->free_arenas(); !st.ok()) return st;
+    KVTD_TRY(impl_->free_arenas());
   const std::uint32_t incarnation = impl_->arena_incarnation++;
   for (std::uint32_t r = 0; r < g.num_ranks; ++r) {
     std::uint64_t total = 0;
-    for (std::uint32_t l = 0; l < g.num_layers; ++l)
-      for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
-        const auto bytes = g.block_bytes(static_cast<proto::TensorKind>(k)) * static_cast<std::uint64_t>(g.device_blocks(l));
-        total += (bytes + 255) / 256 * 256;
-      }
+    for (const auto [l, kind] : proto::tensors_of(g))
+      total += (g.block_bytes(kind) * static_cast<std::uint64_t>(g.device_blocks(l)) + 255) / 256 * 256;
     // Named by uid and generation, not by suffix, so the name always fits the 64-byte handle
     // and a sweep can tell whose session it belonged to.
     // After a clear the new arenas get new names (incarnation * 1000 + rank; kMaxRanks < 1000), so a
@@ -70,18 +67,15 @@ Status<IpcErrc> EngineSession::create_host_device_tensors() {
     if (!m.ok()) return std::move(m).error();
     (*m)->set_unlink_on_destroy(true);
     std::uint64_t offset = 0;
-    for (std::uint32_t l = 0; l < g.num_layers; ++l)
-      for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
-        const auto kind = static_cast<proto::TensorKind>(k);
-        if (!g.has_tensor(kind)) continue;
-        proto::TensorDesc d = proto::describe_tensor(g, r, l, kind);
-        d.device_id = -1;
-        d.offset = offset;
-        std::memcpy(d.handle, arena.c_str(), arena.size() + 1);
-        if (auto st = impl_->register_tensor(d); !st.ok()) return st;
-        impl_->arena_tensor[proto::registry_index(g, r, l, kind)] = (*m)->data() + offset;
-        offset += (d.bytes + 255) / 256 * 256;
-      }
+    for (const auto [l, kind] : proto::tensors_of(g)) {
+      proto::TensorDesc d = proto::describe_tensor(g, r, l, kind);
+      d.device_id = -1;
+      d.offset = offset;
+      std::memcpy(d.handle, arena.c_str(), arena.size() + 1);
+      KVTD_TRY(impl_->register_tensor(d));
+      impl_->arena_tensor[proto::registry_index(g, r, l, kind)] = (*m)->data() + offset;
+      offset += (d.bytes + 255) / 256 * 256;
+    }
     impl_->arenas.push_back(std::move(m).value());
   }
   return {};

@@ -23,7 +23,7 @@ namespace kvtd::engine {
 Status<IpcErrc> EngineSession::wait_layer(std::uint64_t task_id, std::uint32_t layer, std::int64_t timeout_ns,
                                           LayerStage stage) {
   const Impl::Gate gate(impl_.get());
-  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
+  KVTD_TRY(gate.check());
   auto* impl = impl_.get();
   auto* h = impl->h;
   if (layer >= impl->geo.num_layers)

@@ -79,7 +79,7 @@ Result<std::vector<Encoded>, IpcErrc> encode_request(const TaskRequest& req, std
       if (req.keys.size() != req.dst.size())
         return make_error(IpcErrc::kInvalidArgument, std::to_string(req.keys.size()) + " keys for " +
                                                          std::to_string(req.dst.size()) + " destination host blocks");
-      if (auto st = check_keys(req.keys); !st.ok()) return std::move(st).error();
+      KVTD_TRY(check_keys(req.keys));
       TaskRequest backup = req;
       backup.after_task_id = 0;  // ordered after the swap by its blocks
       out.push_back(encode_storage(TaskKind::kStorageWrite,
@@ -98,7 +98,7 @@ Result<std::vector<Encoded>, IpcErrc> encode_request(const TaskRequest& req, std
   if (!req.src.empty() || !req.dst.empty())
     return make_error(IpcErrc::kInvalidArgument, std::string(proto::task_kind_name(kind)) +
                                                      " takes keys and blocks, not src/dst");
-  if (auto st = check_keys(req.keys); !st.ok()) return std::move(st).error();
+  KVTD_TRY(check_keys(req.keys));
   std::uint16_t flags = req.host_blocks ? proto::kTaskFlagHostBlocks : 0;
   switch (kind) {
     case TaskKind::kStorageQuery:
@@ -131,7 +131,7 @@ Result<std::vector<Encoded>, IpcErrc> encode_request(const TaskRequest& req, std
 
 Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
   const Impl::Gate gate(impl_.get());
-  if (auto st = gate.check(); !st.ok()) return std::move(st).error();
+  KVTD_TRY(gate.check());
   auto encoded = encode_request(req, impl_->weight_version.load());
   if (!encoded.ok()) return std::move(encoded).error();
   return impl_->submit_encoded(*encoded, req.submit_timeout_ns, false);

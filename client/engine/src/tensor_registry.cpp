@@ -33,7 +33,7 @@ Status<IpcErrc> EngineSession::Impl::register_tensor(const proto::TensorDesc& d)
   if (!geo.has_tensor(kind))
     return make_error(IpcErrc::kInvalidArgument,
                       std::string("the geometry has no ") + proto::tensor_kind_name(kind) + " tensor");
-  // check_geometry bounded this product below 2^56 at create().
+  // proto::geometry_problem bounded this product below 2^56 at create().
   const std::uint64_t need = geo.block_bytes(kind) * static_cast<std::uint64_t>(geo.device_blocks(d.layer));
   std::uint64_t end = 0;
   if (!proto::checked_add(d.offset, d.bytes, &end))

@@ -139,6 +139,20 @@ KVTD_API const char* kvtd_status_name(int32_t status);
 KVTD_API const char* kvtd_error_name(int code);
 /* CLOCK_MONOTONIC in nanoseconds: the clock of kvtd_task.deadline_ns. */
 KVTD_API int64_t kvtd_now_ns(void);
+/* kvtd's version ("0.1.0"); never null. */
+KVTD_API const char* kvtd_version(void);
+
+/* The geometry rules, asked of the library instead of re-derived (the Python module does):
+ * kvtd_geometry_check: KVTD_OK when kvtd_session_create would accept the geometry, else
+ *   KVTD_E_INVALID naming the first problem in err.
+ * kvtd_tensor_shape: the shape of layer `layer`'s tensor of `kind` (KVTD_KEY ... KVTD_VALUE_SCALE)
+ *   as the engine allocates it: *ndim 4 (data) or 3 (scales, no head_dim), shape[0] the layer's
+ *   device blocks, *block_bytes one block of it, *bytes the whole tensor. A tensor the geometry
+ *   does not have (no value cache, no scales) gives KVTD_OK with *ndim 0 and sizes 0. Any output
+ *   pointer may be null. KVTD_E_INVALID for an invalid geometry, layer or kind. */
+KVTD_API int kvtd_geometry_check(const kvtd_geometry* geometry, char* err, size_t err_len);
+KVTD_API int kvtd_tensor_shape(const kvtd_geometry* geometry, uint32_t layer, uint32_t kind, int64_t shape[4],
+                               uint32_t* ndim, uint64_t* block_bytes, uint64_t* bytes, char* err, size_t err_len);
 
 KVTD_API int kvtd_session_create(const char* suffix, const kvtd_geometry* geometry, kvtd_session** out, char* err,
                                  size_t err_len);

@@ -163,7 +163,7 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(DeviceBackend& back
   }
 
   std::byte* base = pool->object_->data();
-  if (auto st = backend.pin_host(base, pool->object_->size()); !st.ok()) return std::move(st).error();
+  KVTD_TRY(backend.pin_host(base, pool->object_->size()));
   pool->pinned_ = base;
   pool->valid_ = reinterpret_cast<std::uint8_t*>(base + l.valid_offset);
   pool->regions_.assign(l.region_offset.size(), nullptr);

@@ -12,9 +12,8 @@ namespace kvtd::daemon {
 
 bool registered_none(const endpoint::RankEndpoint& ep) {
   const auto& g = ep.geometry();
-  for (std::uint32_t l = 0; l < g.num_layers; ++l)
-    for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k)
-      if (ep.tensor(l, static_cast<proto::TensorKind>(k)) != nullptr) return false;
+  for (const auto [l, kind] : proto::tensors_of(g))
+    if (ep.tensor(l, kind) != nullptr) return false;
   return true;
 }
 
@@ -47,22 +46,19 @@ Result<AttachedCache, DeviceErrc> attach_cache(const proto::CacheGeometry& g, Te
   c.num_layers = g.num_layers;
   for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k)
     if (g.has_tensor(static_cast<proto::TensorKind>(k))) c.block_bytes.push_back(g.block_bytes(static_cast<proto::TensorKind>(k)));
-  for (std::uint32_t l = 0; l < g.num_layers; ++l)
-    for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
-      const auto kind = static_cast<proto::TensorKind>(k);
-      if (!g.has_tensor(kind)) continue;
-      auto dev = source.open(l, kind);
-      if (!dev.ok()) return std::move(dev).error();
-      std::byte* host = pool.region(l, kind);
-      const auto bb = g.block_bytes(kind);
-      if (host == nullptr) host = *dev;  // no host blocks: every task fails validation anyway
-      // Device tensors are packed; the host side strides by the pool's layout.
-      const std::uint64_t hs = host == *dev ? bb : pool.stride(kind);
-      c.to_host.push_back(kernels::CopyTarget{*dev, host, bb, bb, hs});
-      c.to_device.push_back(kernels::CopyTarget{host, *dev, bb, hs, bb});
-      c.storage.device_tensors.push_back(kernels::LayerTensor{*dev, bb, bb});
-      c.storage.host_tensors.push_back(kernels::LayerTensor{host, bb, hs});
-    }
+  for (const auto [l, kind] : proto::tensors_of(g)) {
+    auto dev = source.open(l, kind);
+    if (!dev.ok()) return std::move(dev).error();
+    std::byte* host = pool.region(l, kind);
+    const auto bb = g.block_bytes(kind);
+    if (host == nullptr) host = *dev;  // no host blocks: every task fails validation anyway
+    // Device tensors are packed; the host side strides by the pool's layout.
+    const std::uint64_t hs = host == *dev ? bb : pool.stride(kind);
+    c.to_host.push_back(kernels::CopyTarget{*dev, host, bb, bb, hs});
+    c.to_device.push_back(kernels::CopyTarget{host, *dev, bb, hs, bb});
+    c.storage.device_tensors.push_back(kernels::LayerTensor{*dev, bb, bb});
+    c.storage.host_tensors.push_back(kernels::LayerTensor{host, bb, hs});
+  }
   c.storage.object_bytes = g.bytes_per_block_all_layers();
   c.storage.replicated = !g.has_value();
   if (auto what = source.describe(c.to_host.size()); !what.empty()) KVTD_INFO("{}", what);

@@ -1,6 +1,8 @@
 #include "kvtd/base/mutex.h"
 #include "kvtd/daemon/control_handler.h"
 
+#include "kvtd/base/version.h"
+
 #include <unistd.h>
 
 #include <chrono>
@@ -40,7 +42,7 @@ json status_of(const config::DaemonConfig& cfg, const metrics::MetricsRegistry& 
                      {"count", t.count}});
   const std::int64_t since = state.attached_since_ms.load();
   json j{
-      {"version", "0.1.0"},
+      {"version", kVersion},
       {"pid", static_cast<std::int64_t>(getpid())},
       {"rank", cfg.rank},
       {"data_parallel_id", cfg.data_parallel_id},

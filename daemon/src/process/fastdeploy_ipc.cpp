@@ -86,19 +86,16 @@ Result<std::unique_ptr<FastDeployOwnedCache>, DeviceErrc> FastDeployOwnedCache::
     const std::function<std::string(std::size_t)>& object_name) {
   std::unique_ptr<FastDeployOwnedCache> c(new FastDeployOwnedCache(backend));
   c->tensors_.assign(std::size_t{g.num_layers} * proto::kTensorKinds, nullptr);
-  for (std::uint32_t l = 0; l < g.num_layers; ++l)
-    for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
-      const auto kind = static_cast<proto::TensorKind>(k);
-      if (!g.has_tensor(kind)) continue;
-      const std::size_t i = std::size_t{l} * proto::kTensorKinds + k;
-      const auto bytes = proto::describe_tensor(g, rank, l, kind).bytes;
-      auto t = backend.create_exported(bytes, object_name(i));
-      if (!t.ok()) return std::move(t).error();
-      const std::string name = fastdeploy_tensor_name(kind, l, rank, device_id);
-      if (auto st = publish_name(name, t->handle); !st.ok()) return std::move(st).error();
-      c->names_.push_back(name);
-      c->tensors_[i] = t->ptr;
-    }
+  for (const auto [l, kind] : proto::tensors_of(g)) {
+    const std::size_t i = std::size_t{l} * proto::kTensorKinds + static_cast<std::uint32_t>(kind);
+    const auto bytes = proto::describe_tensor(g, rank, l, kind).bytes;
+    auto t = backend.create_exported(bytes, object_name(i));
+    if (!t.ok()) return std::move(t).error();
+    const std::string name = fastdeploy_tensor_name(kind, l, rank, device_id);
+    KVTD_TRY(publish_name(name, t->handle));
+    c->names_.push_back(name);
+    c->tensors_[i] = t->ptr;
+  }
   return c;
 }
 

@@ -36,8 +36,8 @@ Status<DeviceErrc> CudaBackend::copy(Direction dir, const kernels::CopyPlan& pla
   MutexLock g(lane.mu);
   KVTD_CUDA_TRY(cudaSetDevice(device_));
   auto st = [&]() REQUIRES(lane.mu) -> Status<DeviceErrc> {
-    if (auto s1 = stage_plan(lane, plan, targets); !s1.ok()) return s1;
-    if (auto s2 = enqueue(lane, plan, targets, /*all_layers=*/true); !s2.ok()) return s2;
+    KVTD_TRY(stage_plan(lane, plan, targets));
+    KVTD_TRY(enqueue(lane, plan, targets, /*all_layers=*/true));
     KVTD_CUDA_TRY(cudaStreamSynchronize(lane.stream));
     return {};
   }();
@@ -62,15 +62,15 @@ Status<DeviceErrc> CudaBackend::copy_layerwise(Direction dir, const kernels::Cop
 Status<DeviceErrc> CudaBackend::copy_layerwise_locked(Lane& lane, const kernels::CopyPlan& plan,
                                          std::span<const kernels::CopyTarget> targets, std::size_t per_layer,
                                          const LayerCallback& on_layer_enqueued, const LayerCallback& on_layer_done) {
-  if (auto st = stage_plan(lane, plan, targets); !st.ok()) return st;
+  KVTD_TRY(stage_plan(lane, plan, targets));
   const std::size_t layers = (targets.size() + per_layer - 1) / per_layer;
-  if (auto st = ensure_events(lane, layers); !st.ok()) return st;
+  KVTD_TRY(ensure_events(lane, layers));
   // Enqueue every layer with an event after it, then report layers as their events fire, so
   // the copy of layer l+1 overlaps the engine's use of layer l.
   for (std::size_t l = 0; l < layers; ++l) {
     const std::size_t first = l * per_layer;
     const auto layer_targets = targets.subspan(first, std::min(per_layer, targets.size() - first));
-    if (auto st = enqueue(lane, plan, layer_targets, /*all_layers=*/false, first); !st.ok()) return st;
+    KVTD_TRY(enqueue(lane, plan, layer_targets, /*all_layers=*/false, first));
     KVTD_CUDA_TRY(cudaEventRecord(lane.events[l], lane.stream));
     if (on_layer_enqueued) on_layer_enqueued(static_cast<std::uint32_t>(l));
   }
@@ -86,7 +86,7 @@ Result<std::vector<std::array<std::uint8_t, proto::kHandleBytes>>, DeviceErrc> C
   Lane& lane = lane_of(Direction::kToDevice);
   MutexLock g(lane.mu);
   if (auto e = cudaSetDevice(device_); e != cudaSuccess) return make_error(DeviceErrc::kCopyFailed, cuda_text("cudaSetDevice", e));
-  if (auto st = ensure_events(lane, layers); !st.ok()) return st.error();
+  KVTD_TRY(ensure_events(lane, layers));
   std::vector<std::array<std::uint8_t, proto::kHandleBytes>> out(layers);
   for (std::uint32_t l = 0; l < layers; ++l) {
     cudaIpcEventHandle_t h{};
@@ -129,18 +129,18 @@ Status<DeviceErrc> CudaBackend::transform(Lane& lane, std::span<const kernels::L
 
 Status<DeviceErrc> CudaBackend::transform_locked(Lane& lane, std::span<const kernels::LayerTensor> tensors,
                                     std::span<const std::int32_t> ids, std::byte* staging, bool gather) {
-  if (auto st = lane.ids.reserve(ids.size_bytes()); !st.ok()) return st;
+  KVTD_TRY(lane.ids.reserve(ids.size_bytes()));
   std::memcpy(lane.ids.host, ids.data(), ids.size_bytes());
-  if (auto st = lane.ids.upload(ids.size_bytes(), lane.stream); !st.ok()) return st;
-  if (auto st = upload_table(lane, tensors.data(), tensors.size_bytes()); !st.ok()) return st;
-  if (auto st = lane.offsets.reserve(tensors.size() * sizeof(std::uint64_t)); !st.ok()) return st;
+  KVTD_TRY(lane.ids.upload(ids.size_bytes(), lane.stream));
+  KVTD_TRY(upload_table(lane, tensors.data(), tensors.size_bytes()));
+  KVTD_TRY(lane.offsets.reserve(tensors.size() * sizeof(std::uint64_t)));
   auto* off = static_cast<std::uint64_t*>(lane.offsets.host);
   std::uint64_t object = 0;
   for (std::size_t t = 0; t < tensors.size(); ++t) {
     off[t] = object;
     object += tensors[t].block_bytes;
   }
-  if (auto st = lane.offsets.upload(tensors.size() * sizeof(std::uint64_t), lane.stream); !st.ok()) return st;
+  KVTD_TRY(lane.offsets.upload(tensors.size() * sizeof(std::uint64_t), lane.stream));
   const auto* table = static_cast<const kernels::LayerTensor*>(lane.table.dev);
   const auto* offsets = static_cast<const std::uint64_t*>(lane.offsets.dev);
   const auto* d_ids = static_cast<const std::int32_t*>(lane.ids.dev);

@@ -221,7 +221,7 @@ Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int device_
     return make_error(DeviceErrc::kUnavailable, "--device-id " + std::to_string(device_id) + " but only " +
                                                     std::to_string(count) + " CUDA devices are visible");
   auto b = std::make_unique<cuda::CudaBackend>(device_id, mode);
-  if (auto st = b->init(); !st.ok()) return st.error();
+  KVTD_TRY(b->init());
   return std::unique_ptr<DeviceBackend>(std::move(b));
 }
 

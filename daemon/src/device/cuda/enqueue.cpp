@@ -13,10 +13,10 @@ namespace kvtd::daemon::cuda {
 Status<DeviceErrc> CudaBackend::stage_plan(Lane& lane, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets) {
   const std::size_t n = plan.single_src.size();
   if (n == 0 || mode_ == ScatterMode::kBatch || mode_ == ScatterMode::kMemcpy) return {};
-  if (auto st = lane.ids.reserve(2 * n * sizeof(std::int32_t)); !st.ok()) return st;
+  KVTD_TRY(lane.ids.reserve(2 * n * sizeof(std::int32_t)));
   std::memcpy(lane.ids.host, plan.single_src.data(), n * sizeof(std::int32_t));
   std::memcpy(static_cast<std::int32_t*>(lane.ids.host) + n, plan.single_dst.data(), n * sizeof(std::int32_t));
-  if (auto st = lane.ids.upload(2 * n * sizeof(std::int32_t), lane.stream); !st.ok()) return st;
+  KVTD_TRY(lane.ids.upload(2 * n * sizeof(std::int32_t), lane.stream));
   return upload_table(lane, targets.data(), targets.size_bytes());
 }
 
@@ -26,9 +26,9 @@ Status<DeviceErrc> CudaBackend::upload_table(Lane& lane, const void* table, std:
       std::memcmp(lane.table_contents.data(), p, bytes) == 0)
     return {};
   lane.table_contents.clear();  // unknown until the upload below is enqueued
-  if (auto st = lane.table.reserve(bytes); !st.ok()) return st;
+  KVTD_TRY(lane.table.reserve(bytes));
   std::memcpy(lane.table.host, p, bytes);
-  if (auto st = lane.table.upload(bytes, lane.stream); !st.ok()) return st;
+  KVTD_TRY(lane.table.upload(bytes, lane.stream));
   lane.table_contents.assign(p, p + bytes);
   lane.table_dev = lane.table.dev;
   return {};

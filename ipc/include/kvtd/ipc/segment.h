@@ -34,12 +34,9 @@ inline constexpr std::uint64_t kMinRingBytes = 4096;
 inline constexpr std::uint64_t kMaxRingBytes = 1ull << 30;
 inline constexpr std::uint32_t kMaxCompletionCapacity = 1u << 20;
 
-// "" when the geometry is usable (ranks, layers, dtype, shapes, and every size product fits in
-// 64 bits with room to spare), else the problem in words.
-std::string check_geometry(const proto::CacheGeometry& g);
 // "" when ring and completion sizes are in range (powers of two), else the problem.
 std::string check_ring_sizes(std::uint64_t ring_bytes, std::uint32_t completion_capacity);
-// Layout of a session; only for values that passed check_geometry and check_ring_sizes.
+// Layout of a session; only for values that passed proto::geometry_problem and check_ring_sizes.
 SessionLayout compute_layout(const proto::CacheGeometry& g, std::uint64_t ring_bytes,
                              std::uint32_t completion_capacity);
 

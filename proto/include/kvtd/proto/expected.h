@@ -68,3 +68,11 @@ class [[nodiscard]] Status {
 };
 
 }  // namespace kvtd
+
+// Propagates a failure: `KVTD_TRY(open_x());` returns the error of a failed Result or Status from
+// the calling function (whose Result or Status has the same error code), else goes on; a
+// Result's value is discarded (for a value, write the `if (!r.ok())` out).
+#define KVTD_TRY(expr)                                                                    \
+  do {                                                                                    \
+    if (auto kvtd_try_ = (expr); !kvtd_try_.ok()) return std::move(kvtd_try_).error(); \
+  } while (0)

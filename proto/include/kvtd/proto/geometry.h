@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "kvtd/proto/checked.h"
@@ -182,5 +183,84 @@ static_assert(std::is_standard_layout_v<CacheGeometry>);
 static_assert(std::is_trivially_copyable_v<CacheGeometry>);
 static_assert(sizeof(CacheGeometry) == 96);
 static_assert(offsetof(CacheGeometry, scale_bytes) == 80);
+
+// The one validation of a geometry, used by the engine's library (create, the C ABI, the Python
+// module through it), the daemon's flags and the daemon's check of a published header: "" when
+// every field is in range and every size it implies fits 64 bits with room to spare, else the
+// first problem in words.
+inline std::string geometry_problem(const CacheGeometry& g) {
+  if (g.num_ranks < 1 || g.num_ranks > kMaxRanks)
+    return "num_ranks " + std::to_string(g.num_ranks) + " must be in [1, " + std::to_string(kMaxRanks) + "]";
+  if (g.num_layers < 1 || g.num_layers > kMaxLayers)
+    return "num_layers " + std::to_string(g.num_layers) + " must be in [1, " + std::to_string(kMaxLayers) + "]";
+  if (dtype_bytes(g.cache_dtype()) == 0) return "dtype " + std::to_string(g.dtype) + " is not a known cache dtype";
+  for (int i = 0; i < 4; ++i)
+    if (g.key_shape[i] <= 0) return "key shape dimension " + std::to_string(i) + " must be positive";
+  if (g.key_shape[0] > INT32_MAX) return "device block count must be < 2^31";
+  if (g.value_shape[0] != 0) {
+    for (int i = 0; i < 4; ++i)
+      if (g.value_shape[i] <= 0) return "value shape dimension " + std::to_string(i) + " must be positive";
+    if (g.value_shape[0] != g.key_shape[0]) return "value and key shapes must have the same block count";
+  } else {
+    for (int i = 0; i < 4; ++i)
+      if (g.value_shape[i] != 0) return "value shape must be all zero or all positive";
+  }
+  if (g.num_host_blocks > INT32_MAX) return "host block count must be < 2^31";
+  if (g.scale_bytes != 0 && g.scale_bytes != 2 && g.scale_bytes != 4)
+    return "scale element bytes " + std::to_string(g.scale_bytes) + " must be 2 or 4 (0 = 2)";
+  if (g.num_extra_layers >= g.num_layers)
+    return "num_extra_layers " + std::to_string(g.num_extra_layers) + " must be below num_layers " +
+           std::to_string(g.num_layers) + " (which counts the extra layers too)";
+  if (g.num_extra_layers == 0 && g.extra_device_blocks != 0)
+    return "extra_device_blocks must be 0 without extra layers";
+  if (g.num_extra_layers != 0 && (g.extra_device_blocks <= 0 || g.extra_device_blocks > INT32_MAX))
+    return "extra_device_blocks " + std::to_string(g.extra_device_blocks) + " must be in [1, 2^31)";
+  if (const auto s = geometry_sizes(g); s.problem != nullptr) return s.problem;
+  return "";
+}
+
+// Every tensor the geometry has, as (layer, kind): layer by layer, key, value, key scale, value
+// scale (the registry's order). `for (auto [layer, kind] : tensors_of(g))` replaces the nested
+// layer x kind loops with their has_tensor checks; early returns work as in any loop.
+struct TensorSlot {
+  std::uint32_t layer;
+  TensorKind kind;
+};
+
+class TensorRange {
+ public:
+  class iterator {
+   public:
+    constexpr iterator(const CacheGeometry* g, std::uint32_t i) : g_(g), i_(i) { skip(); }
+    constexpr TensorSlot operator*() const { return {i_ / kTensorKinds, static_cast<TensorKind>(i_ % kTensorKinds)}; }
+    constexpr iterator& operator++() {
+      ++i_;
+      skip();
+      return *this;
+    }
+    constexpr bool operator!=(const iterator& o) const { return i_ != o.i_; }
+
+   private:
+    constexpr void skip() {
+      while (i_ < g_->num_layers * kTensorKinds && !g_->has_tensor(static_cast<TensorKind>(i_ % kTensorKinds))) ++i_;
+    }
+    const CacheGeometry* g_;
+    std::uint32_t i_;
+  };
+  constexpr explicit TensorRange(const CacheGeometry& g) : g_(&g) {}
+  constexpr iterator begin() const { return {g_, 0}; }
+  constexpr iterator end() const { return {g_, g_->num_layers * kTensorKinds}; }
+
+ private:
+  const CacheGeometry* g_;  // borrowed: the range must not outlive the geometry
+};
+
+constexpr TensorRange tensors_of(const CacheGeometry& g) { return TensorRange(g); }
+
+// Calls f(layer, kind) for every tensor of tensors_of(g).
+template <typename F>
+constexpr void for_each_tensor(const CacheGeometry& g, F&& f) {
+  for (const auto [layer, kind] : tensors_of(g)) f(layer, kind);
+}
 
 }  // namespace kvtd::proto
