@@ -1,0 +1,433 @@
+// The daemon's command line: every flag declared (by group), parsed by CLI11, then checked and
+// turned into a DaemonConfig group by group, each error naming its flag.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <charconv>
+#include <cstdlib>
+#include <sstream>
+
+#include "kvtd/base/version.h"
+#include "kvtd/config/daemon_config.h"
+#include "kvtd/proto/names.h"
+
+namespace kvtd::config {
+namespace {
+
+// The command line's values before they are checked, and the options whose presence matters.
+struct RawFlags {
+  std::int64_t rank = 0, mp_num = 1, dp_id = 0, device_id = 0, num_layers = 1, host_blocks = 0;
+  std::int64_t extra_layers = -1, extra_blocks = -1;
+  std::string key_shape, value_shape, dtype = "bfloat16", default_dtype = "bfloat16", speculative_json;
+  // FastDeploy 2.0/2.1 described the cache by these instead of the shapes (key and value alike).
+  std::int64_t fd_gpu_blocks = 0, fd_kv_heads = 0, fd_block_size = 0, fd_head_dim = 0;
+  CLI::Option *fd_blocks_opt = nullptr, *fd_heads_opt = nullptr, *fd_bs_opt = nullptr, *fd_hd_opt = nullptr;
+  std::string suffix, backend = "host", scatter = "batch", host_layout = "layer_first", numa = "auto";
+  CLI::Option *backend_opt = nullptr, *scatter_opt = nullptr, *model_id_opt = nullptr;
+  std::int64_t metrics_port = 0;
+  std::string engine_pid;
+  std::string storage_backend = "none", write_policy, fsync = "none", redis_endpoints;
+  std::string ignored_s;
+  std::vector<CLI::Option*> compat_opts;
+};
+
+Error<ConfigErrc> bad(const std::string& m) { return make_error(ConfigErrc::kInvalidValue, m); }
+
+// Seconds in a message. Range checks on doubles are written so that NaN fails every one.
+std::string seconds(double v) { return std::to_string(v); }
+
+// Extra (MTP) layers from --num-extra-layers/--extra-device-blocks, else from FastDeploy's
+// --speculative_config JSON (num_extra_cache_layer; device blocks = main blocks x
+// num_gpu_block_expand_ratio, truncated as FastDeploy does). The explicit flags win.
+Status<ConfigErrc> extra_layers_from(const std::string& json_text, std::int64_t layers, std::int64_t blocks,
+                                     std::int64_t main_blocks, DaemonConfig* c) {
+  std::int64_t json_layers = 0;
+  double ratio = 1.0;
+  if (!json_text.empty()) {
+    try {
+      const auto j = nlohmann::json::parse(json_text);
+      if (!j.is_object()) return bad("--speculative_config: '" + json_text + "' is not a JSON object");
+      if (auto it = j.find("num_extra_cache_layer"); it != j.end() && !it->is_null()) {
+        if (!it->is_number_integer()) return bad("--speculative_config: num_extra_cache_layer must be an integer");
+        json_layers = it->get<std::int64_t>();
+      }
+      if (auto it = j.find("num_gpu_block_expand_ratio"); it != j.end() && !it->is_null()) {
+        if (!it->is_number()) return bad("--speculative_config: num_gpu_block_expand_ratio must be a number");
+        ratio = it->get<double>();
+      }
+    } catch (const std::exception& e) {
+      return bad("--speculative_config: '" + json_text + "' is not valid JSON (" + e.what() + ")");
+    }
+  }
+  const std::int64_t n = layers >= 0 ? layers : json_layers;
+  if (n < 0 || n > static_cast<std::int64_t>(proto::kMaxLayers))
+    return bad("extra layers: " + std::to_string(n) + " must be in [0, " + std::to_string(proto::kMaxLayers) + "]");
+  c->num_extra_layers = static_cast<std::uint32_t>(n);
+  if (n == 0) {
+    if (blocks > 0) return bad("--extra-device-blocks needs --num-extra-layers");
+    return {};
+  }
+  if (blocks >= 0) {
+    c->extra_device_blocks = blocks;
+  } else {
+    // Written so that NaN and infinities fail.
+    if (!(ratio > 0 && ratio <= 64))
+      return bad("--speculative_config: num_gpu_block_expand_ratio " + std::to_string(ratio) + " must be in (0, 64]");
+    c->extra_device_blocks = static_cast<std::int64_t>(static_cast<double>(main_blocks) * ratio);
+  }
+  if (c->extra_device_blocks < 1 || c->extra_device_blocks > INT32_MAX)
+    return bad("extra layers' device blocks " + std::to_string(c->extra_device_blocks) + " must be in [1, 2^31)");
+  return {};
+}
+
+// Rank, device, layers, shapes and dtypes.
+void declare_rank_flags(CLI::App& app, RawFlags& f) {
+  app.add_option("--rank", f.rank, "Tensor-parallel rank served by this process")->required();
+  app.add_option("--mp-num,--mp_num", f.mp_num, "Number of tensor-parallel ranks");
+  app.add_option("--local-data-parallel-id,--local_data_parallel_id", f.dp_id,
+                 "Data-parallel group of this rank (log file kvtd_dp<id>_rank<rank>.log)");
+  app.add_option("--device-id,--device_id", f.device_id, "CUDA device ordinal of this rank");
+  app.add_option("--num-layers,--num_layers", f.num_layers, "Model layers with a KV cache (extra MTP layers not counted)");
+  app.add_option("--num-extra-layers", f.extra_layers, "Extra (MTP / speculative) cache layers after the model's");
+  app.add_option("--extra-device-blocks", f.extra_blocks, "Device blocks of each extra layer (default: the key shape's)");
+  app.add_option("--speculative-config,--speculative_config", f.speculative_json,
+                 "FastDeploy JSON: num_extra_cache_layer, num_gpu_block_expand_ratio");
+  app.add_option("--default-dtype,--default_dtype", f.default_dtype,
+                 "block_wise_fp8 scale elements: bfloat16 | float16 (2 bytes) | float32 (4 bytes)");
+  app.add_option("--num-host-blocks,--num_cpu_blocks", f.host_blocks, "Blocks in the pinned host pool");
+  app.add_option("--key-cache-shape,--key_cache_shape", f.key_shape,
+                 "blocks,kv_heads,block_size,head_dim (required, or FastDeploy 2.0/2.1's four flags below)");
+  // FastDeploy 2.0/2.1 described the cache by these instead of the shapes (key and value alike).
+  f.fd_blocks_opt = app.add_option("--num_gpu_blocks", f.fd_gpu_blocks, "FastDeploy 2.0/2.1: device blocks");
+  f.fd_heads_opt = app.add_option("--kv_num_head", f.fd_kv_heads, "FastDeploy 2.0/2.1: KV heads per rank");
+  f.fd_bs_opt = app.add_option("--block_size", f.fd_block_size, "FastDeploy 2.0/2.1: tokens per block");
+  f.fd_hd_opt = app.add_option("--head_dim", f.fd_head_dim, "FastDeploy 2.0/2.1: head dimension");
+  app.add_option("--value-cache-shape,--value_cache_shape", f.value_shape, "Same as key; omit for MLA (no value cache)");
+  app.add_option("--cache-dtype,--cache_dtype", f.dtype, "bfloat16 | float16 | uint8 | block_wise_fp8");
+}
+
+// Session, backends, host pool, logging, control, metrics, timeouts, model id, FastDeploy names.
+void declare_runtime_flags(CLI::App& app, RawFlags& f, DaemonConfig& c) {
+  app.add_option("--session,--ipc-suffix,--ipc_suffix", f.suffix,
+                 "Session suffix shared with the engine (default with FastDeploy's flags: "
+                 "fastdeploy.<engine_worker_queue_port>)");
+  f.backend_opt = app.add_option("--device-backend", f.backend,
+                                     "cuda | host (default: $KVTD_DEVICE_BACKEND, else cuda when launched with "
+                                     "FastDeploy's flags, else host)");
+  f.scatter_opt = app.add_option("--scatter-mode", f.scatter,
+                                     "CUDA: batch (default: copy engines) | kernel | kernel-per-layer | memcpy "
+                                     "(scattered blocks)");
+  app.add_option("--numa-node", f.numa,
+                 "Host pool memory and copy threads: auto (the GPU's node from sysfs) | none | <node>");
+  app.add_option("--host-layout", f.host_layout,
+                 "Host pool: layer_first | page_first (all layers of a block contiguous, as stored)");
+  app.add_option("--log-dir", c.log_dir, "Directory for the rotating per-rank log (default: stderr only)");
+  app.add_option("--log-level", c.log_level, "trace | debug | info | warn | error | critical | off");
+  app.add_option("--control-endpoint", c.control_endpoint,
+                 "Also serve the control socket on tcp://127.0.0.1:<port> (always on ipc:// in the runtime dir)");
+  app.add_option("--control-secret-file", c.control_secret_file,
+                 "The TCP control endpoint's shared secret: first line of a 0600 file of this user (required with "
+                 "--control-endpoint)");
+  app.add_option("--metrics-port", f.metrics_port, "Prometheus metrics on 127.0.0.1:<port>/metrics (0 = off)");
+  app.add_option("--log-summary-period", c.log_summary_period_s,
+                 "Seconds between info summaries while tasks complete (0 = none; debug: one line per task)");
+  app.add_option("--engine-timeout", c.engine_timeout_s, "Seconds of engine heartbeat silence before detaching");
+  app.add_option("--attach-timeout", c.attach_timeout_s, "Seconds to wait for the session (0 = forever)");
+  app.add_option("--heartbeat-period", c.heartbeat_period_s, "Seconds between rank heartbeats");
+  f.model_id_opt = app.add_option("--model-id,--model_id", c.model_id, "Model id (namespaces storage keys)");
+  app.add_option("--model_path", c.fastdeploy.model_path,
+                 "FastDeploy: the model directory (model id = its name; RL key prefix from its version.yaml)");
+  app.add_option("--engine_worker_queue_port", c.fastdeploy.engine_worker_queue_port,
+                 "FastDeploy: suffix of its shared-memory signals, and of the session when --session is absent");
+  app.add_option("--engine_pid", f.engine_pid,
+                 "FastDeploy 2.0/2.1: the suffix of its signals and of the session (instead of the port)");
+}
+
+void declare_storage_flags(CLI::App& app, RawFlags& f, DaemonConfig& c) {
+  auto& st = c.storage;
+  app.add_option("--storage-backend,--kvcache-storage-backend,--kvcache_storage_backend", f.storage_backend,
+                 "Storage tier: none | file | redis");
+  app.add_option("--storage-path", st.path, "file: root directory of the store");
+  app.add_option("--redis-endpoints", f.redis_endpoints, "redis: host:port[,host:port...] (Cluster auto-detected)");
+  app.add_option("--redis-password-file", st.redis_password_file, "redis: file whose first line is the password");
+  app.add_option("--redis-password-env", st.redis_password_env, "redis: environment variable holding the password");
+  app.add_option("--redis-timeout", st.redis_timeout_s, "redis: connect and reply deadline in seconds");
+  app.add_option("--storage-capacity-gib", st.capacity_gib, "file: capacity in GiB, LRU eviction (0 = unlimited)");
+  app.add_option("--storage-fsync", f.fsync, "file: none | data | full");
+  app.add_option("--storage-io-threads", st.io_threads, "Storage worker threads (never the swap lanes)");
+  app.add_option("--storage-staging-mib", st.staging_mib, "Pinned staging for storage tasks, MiB (bounds RSS)");
+  app.add_option("--write-policy,--write_policy", f.write_policy,
+                 "Backups of swapped-out blocks: write_through | write_through_selective | write_back");
+  app.add_option("--write-threshold", st.write_threshold, "write_through_selective: times a key is seen before backup");
+  app.add_option("--weight-version", st.weight_version, "Weight version label of this deployment (namespaces keys)");
+}
+
+void declare_compat_flags(CLI::App& app, RawFlags& f, DaemonConfig& c) {
+  // FastDeploy cache-transfer flags that kvtd accepts and ignores, so launch lines carry over.
+  // A help group on the main app, not an option_group: CLI11 2.1.2 loops forever in an option
+  // group's nested parse when a positional argument is left over (found by fuzz_config).
+  const std::string compat_group = "FastDeploy compatibility (accepted, ignored)";
+  for (const char* name : {"--splitwise_role", "--max_model_len", "--cache_queue_port",
+                           "--enable_splitwise", "--pod_ip", "--protocol", "--rdma_port",
+                           "--bytes_per_layer_per_block"}) {
+    f.compat_opts.push_back(app.add_option(name, f.ignored_s, "ignored")->group(compat_group));
+  }
+  app.add_flag("--create_cache_tensor", c.fastdeploy.create_cache_tensor,
+               "FastDeploy: make this rank's KV cache and publish it by FastDeploy's names for its worker "
+               "(when the engine registers no tensors)");
+}
+
+Status<ConfigErrc> resolve_ranks(const RawFlags& f, DaemonConfig& c) {
+  if (f.mp_num < 1 || f.mp_num > 16) return bad("--mp-num: " + std::to_string(f.mp_num) + " must be in [1, 16]");
+  if (f.rank < 0 || f.rank >= f.mp_num)
+    return bad("--rank: " + std::to_string(f.rank) + " must be in [0, --mp-num=" + std::to_string(f.mp_num) + ")");
+  if (f.num_layers < 1 || f.num_layers > 512) return bad("--num-layers: " + std::to_string(f.num_layers) + " must be in [1, 512]");
+  if (f.host_blocks < 0 || f.host_blocks > INT32_MAX)
+    return bad("--num-host-blocks: " + std::to_string(f.host_blocks) + " must be in [0, 2^31)");
+  if (f.device_id < 0 || f.device_id > kMaxDeviceId)
+    return bad("--device-id: " + std::to_string(f.device_id) + " must be in [0, " + std::to_string(kMaxDeviceId) + "]");
+  if (f.dp_id < 0 || f.dp_id > 1023)
+    return bad("--local-data-parallel-id: " + std::to_string(f.dp_id) + " must be in [0, 1023]");
+  c.data_parallel_id = static_cast<std::uint32_t>(f.dp_id);
+  c.rank = static_cast<std::uint32_t>(f.rank);
+  c.mp_num = static_cast<std::uint32_t>(f.mp_num);
+  c.num_layers = static_cast<std::uint32_t>(f.num_layers);
+  c.num_host_blocks = static_cast<std::uint32_t>(f.host_blocks);
+  c.device_id = static_cast<std::int32_t>(f.device_id);
+  return {};
+}
+
+Status<ConfigErrc> resolve_cache(RawFlags& f, DaemonConfig& c) {
+  const std::size_t fd_shape_flags =
+      f.fd_blocks_opt->count() + f.fd_heads_opt->count() + f.fd_bs_opt->count() + f.fd_hd_opt->count();
+  if (f.key_shape.empty() && fd_shape_flags == 4) {
+    f.key_shape = std::to_string(f.fd_gpu_blocks) + "," + std::to_string(f.fd_kv_heads) + "," +
+                std::to_string(f.fd_block_size) + "," + std::to_string(f.fd_head_dim);
+    if (f.value_shape.empty()) f.value_shape = f.key_shape;
+  } else if (f.key_shape.empty()) {
+    return bad(fd_shape_flags == 0 ? "--key-cache-shape: required"
+                                   : "--key-cache-shape: required (or all four of FastDeploy 2.0's --num_gpu_blocks, "
+                                     "--kv_num_head, --block_size, --head_dim)");
+  }
+  auto ks = parse_shape(f.key_shape, "--key-cache-shape");
+  if (!ks.ok()) return std::move(ks).error();
+  for (int i = 0; i < 4; ++i) c.key_cache_shape[i] = (*ks)[static_cast<std::size_t>(i)];
+  if (c.key_cache_shape[0] > INT32_MAX) return bad("--key-cache-shape: block count must be < 2^31");
+  if (!f.value_shape.empty()) {
+    auto vs = parse_shape(f.value_shape, "--value-cache-shape");
+    if (!vs.ok()) return std::move(vs).error();
+    for (int i = 0; i < 4; ++i) c.value_cache_shape[i] = (*vs)[static_cast<std::size_t>(i)];
+    if (c.value_cache_shape[0] != c.key_cache_shape[0])
+      return bad("--value-cache-shape: block count " + std::to_string(c.value_cache_shape[0]) +
+                 " differs from --key-cache-shape's " + std::to_string(c.key_cache_shape[0]));
+  }
+
+  if (auto st_extra = extra_layers_from(f.speculative_json, f.extra_layers, f.extra_blocks, c.key_cache_shape[0], &c); !st_extra.ok())
+    return std::move(st_extra).error();
+  if (c.num_layers + c.num_extra_layers > proto::kMaxLayers)
+    return bad("--num-layers " + std::to_string(c.num_layers) + " plus " + std::to_string(c.num_extra_layers) +
+               " extra layers exceed " + std::to_string(proto::kMaxLayers));
+
+  if (f.dtype == "bfloat16") c.cache_dtype = proto::CacheDtype::kBFloat16;
+  else if (f.dtype == "float16") c.cache_dtype = proto::CacheDtype::kFloat16;
+  else if (f.dtype == "uint8") c.cache_dtype = proto::CacheDtype::kUInt8;
+  else if (f.dtype == "block_wise_fp8") c.cache_dtype = proto::CacheDtype::kBlockWiseFp8;
+  else return bad("--cache-dtype: '" + f.dtype + "' is not one of bfloat16, float16, uint8, block_wise_fp8");
+  // FastDeploy makes the fp8 scale tensors in its default dtype (cache manager v1: float32).
+  if (f.default_dtype == "bfloat16" || f.default_dtype == "float16") c.scale_bytes = 2;
+  else if (f.default_dtype == "float32") c.scale_bytes = 4;
+  else if (f.default_dtype == "uint8" && c.cache_dtype != proto::CacheDtype::kBlockWiseFp8) c.scale_bytes = 2;  // unused
+  else
+    return bad("--default-dtype: '" + f.default_dtype + "' is not one of bfloat16, float16, float32" +
+               (f.default_dtype == "uint8" ? " (uint8 scales are not supported with block_wise_fp8)" : ""));
+  return {};
+}
+
+Status<ConfigErrc> resolve_devices(RawFlags& f, DaemonConfig& c) {
+  // A FastDeploy launch line names no f.backend: its cache lives on the GPU. The variable lets a
+  // test or a stand-in build run that same line on the host f.backend.
+  if (f.backend_opt->count() == 0) {
+    const char* env = std::getenv("KVTD_DEVICE_BACKEND");
+    if (env != nullptr && *env != '\0') f.backend = env;
+    else if (!c.fastdeploy.engine_worker_queue_port.empty()) f.backend = "cuda";
+  }
+  if (f.backend == "host") c.device_backend = DeviceBackendKind::kHost;
+  else if (f.backend == "cuda") c.device_backend = DeviceBackendKind::kCuda;
+  else return bad("--device-backend: '" + f.backend + "' is not one of cuda, host");
+
+  c.scatter_mode_given = f.scatter_opt->count() > 0;
+  if (!parse_scatter_mode(f.scatter, &c.scatter_mode))
+    return bad("--scatter-mode: '" + f.scatter + "' is not one of kernel, kernel-per-layer, batch, memcpy");
+
+  if (f.host_layout == "layer_first") c.host_layout = HostLayout::kLayerFirst;
+  else if (f.host_layout == "page_first") c.host_layout = HostLayout::kPageFirst;
+  else return bad("--host-layout: '" + f.host_layout + "' is not one of layer_first, page_first");
+
+  if (f.numa == "auto") {
+    c.numa_node = kNumaAuto;
+  } else if (f.numa == "none") {
+    c.numa_node = -1;
+  } else {
+    int v = -1;
+    const auto [p, ec] = std::from_chars(f.numa.data(), f.numa.data() + f.numa.size(), v);
+    if (ec != std::errc() || p != f.numa.data() + f.numa.size() || v < 0 || v > 1023)
+      return bad("--numa-node: '" + f.numa + "' is not auto, none or a node number in [0, 1023]");
+    c.numa_node = v;
+  }
+  return {};
+}
+
+Status<ConfigErrc> resolve_session(RawFlags& f, DaemonConfig& c) {
+  // FastDeploy 2.0/2.1 suffixed its IPCSignals with the engine's pid (--engine_pid); later
+  // releases pass no pid and use the engine worker queue port.
+  if (!f.engine_pid.empty()) c.fastdeploy.engine_worker_queue_port = f.engine_pid;
+  const auto& fd_port = c.fastdeploy.engine_worker_queue_port;
+  if (!fd_port.empty() && (fd_port.size() > 32 || !proto::valid_session_suffix(fd_port)))
+    return bad(std::string(f.engine_pid.empty() ? "--engine_worker_queue_port" : "--engine_pid") + ": '" + fd_port +
+               "' must be 1-32 characters of [A-Za-z0-9_.-]");
+  if (f.suffix.empty() && !fd_port.empty()) f.suffix = fastdeploy_session_suffix(fd_port);
+  if (f.suffix.empty())
+    return bad("--session: required (or FastDeploy's --engine_worker_queue_port, which names the session "
+               "fastdeploy.<port>)");
+  c.session_suffix = f.suffix;
+  if (!proto::valid_session_suffix(f.suffix))
+    return bad("--session: '" + f.suffix + "' must be 1-64 characters of [A-Za-z0-9_.-]");
+  // FastDeploy's transfer manager names its store namespace after the model directory.
+  if (!c.fastdeploy.model_path.empty() && f.model_id_opt->count() == 0) {
+    std::string path = c.fastdeploy.model_path;
+    while (path.size() > 1 && path.back() == '/') path.pop_back();
+    const auto slash = path.rfind('/');
+    c.model_id = slash == std::string::npos ? path : path.substr(slash + 1);
+    if (c.model_id.empty() || c.model_id == "/")
+      return bad("--model_path: '" + c.fastdeploy.model_path + "' names no model directory");
+  }
+  return {};
+}
+
+Status<ConfigErrc> resolve_runtime(const RawFlags& f, DaemonConfig& c) {
+  if (!valid_log_level(c.log_level))
+    return bad("--log-level: '" + c.log_level + "' is not one of " + kLogLevelList);
+  if (!(c.engine_timeout_s >= 0.001 && c.engine_timeout_s <= kMaxEngineTimeoutS))
+    return bad("--engine-timeout: " + seconds(c.engine_timeout_s) + " must be in [0.001, 3600] seconds");
+  if (!(c.attach_timeout_s == 0 || (c.attach_timeout_s >= 0.001 && c.attach_timeout_s <= kMaxAttachTimeoutS)))
+    return bad("--attach-timeout: " + seconds(c.attach_timeout_s) +
+               " must be 0 (wait forever) or in [0.001, 604800] seconds");
+  if (!c.control_endpoint.empty() && c.control_endpoint.rfind("tcp://127.0.0.1:", 0) != 0 &&
+      c.control_endpoint.rfind("tcp://localhost:", 0) != 0)
+    return bad("--control-endpoint: '" + c.control_endpoint + "' must be tcp://127.0.0.1:<port> or tcp://localhost:<port>");
+  if (!c.control_endpoint.empty() && c.control_secret_file.empty())
+    return bad("--control-endpoint: needs --control-secret-file (any local user can reach a TCP port; the ipc "
+               "socket in the runtime directory is private to this user)");
+  if (f.metrics_port < 0 || f.metrics_port > 65535)
+    return bad("--metrics-port: " + std::to_string(f.metrics_port) + " must be 0 (off) or a TCP port in [1, 65535]");
+  c.metrics_port = static_cast<std::uint16_t>(f.metrics_port);
+  if (!(c.log_summary_period_s == 0 || (c.log_summary_period_s >= 0.01 && c.log_summary_period_s <= 86400)))
+    return bad("--log-summary-period: " + seconds(c.log_summary_period_s) + " must be 0 (none) or in [0.01, 86400] seconds");
+  // The engine declares a f.rank dead after its f.rank timeout (3 s by default) without a heartbeat.
+  if (!(c.heartbeat_period_s >= kMinHeartbeatPeriodS && c.heartbeat_period_s <= kMaxHeartbeatPeriodS))
+    return bad("--heartbeat-period: " + seconds(c.heartbeat_period_s) +
+               " must be in [0.001, 1] seconds; the engine counts a rank dead after 3 s of silence");
+
+  if (const auto why = proto::geometry_problem(c.geometry()); !why.empty())
+    return bad("--key-cache-shape/--value-cache-shape/--num-layers/--num-host-blocks: " + why);
+  return {};
+}
+
+Status<ConfigErrc> resolve_storage(const RawFlags& f, DaemonConfig& c) {
+  auto& st = c.storage;
+  const auto& fd_port = c.fastdeploy.engine_worker_queue_port;
+  if (f.storage_backend == "none") st.backend = StorageBackendKind::kNone;
+  else if (f.storage_backend == "file") st.backend = StorageBackendKind::kFile;
+  else if (f.storage_backend == "redis") st.backend = StorageBackendKind::kRedis;
+  else
+    return bad("--storage-backend: '" + f.storage_backend + "' is not built into this kvtd (built: none, file, redis)");
+  // FastDeploy passes "--write_policy None" when its cache config has none.
+  if (f.write_policy.empty() || f.write_policy == "none" || f.write_policy == "None") st.write_policy = WritePolicy::kNone;
+  else if (f.write_policy == "write_through") st.write_policy = WritePolicy::kWriteThrough;
+  else if (f.write_policy == "write_through_selective") st.write_policy = WritePolicy::kWriteThroughSelective;
+  else if (f.write_policy == "write_back") st.write_policy = WritePolicy::kWriteBack;
+  else return bad("--write-policy: '" + f.write_policy + "' is not one of write_through, write_through_selective, write_back");
+  if (f.fsync == "none") st.fsync = StorageFsync::kNone;
+  else if (f.fsync == "data") st.fsync = StorageFsync::kData;
+  else if (f.fsync == "full") st.fsync = StorageFsync::kFull;
+  else return bad("--storage-fsync: '" + f.fsync + "' is not one of none, data, full");
+  if (st.backend == StorageBackendKind::kFile && st.path.empty() && !fd_port.empty()) {
+    const char* env = std::getenv(kFastDeployStorageDirEnv);
+    st.path = env != nullptr && *env != '\0' ? env : kFastDeployStorageDirDefault;
+  }
+  if (st.backend == StorageBackendKind::kFile && st.path.empty())
+    return bad("--storage-path: required with --storage-backend file (the store's root directory)");
+  if (!f.redis_endpoints.empty()) {
+    std::stringstream in(f.redis_endpoints);
+    for (std::string ep; std::getline(in, ep, ',');) {
+      const auto colon = ep.rfind(':');
+      const std::string port = colon == std::string::npos ? "" : ep.substr(colon + 1);
+      const bool port_ok = !port.empty() && port.size() <= 5 &&
+                           port.find_first_not_of("0123456789") == std::string::npos && std::stoi(port) > 0 &&
+                           std::stoi(port) < 65536;
+      if (colon == 0 || !port_ok) return bad("--redis-endpoints: '" + ep + "' is not host:port");
+      st.redis_endpoints.push_back(ep);
+    }
+  }
+  if (st.backend == StorageBackendKind::kRedis && st.redis_endpoints.empty())
+    return bad("--redis-endpoints: required with --storage-backend redis");
+  if (!(st.redis_timeout_s >= 0.001 && st.redis_timeout_s <= 600))
+    return bad("--redis-timeout: " + seconds(st.redis_timeout_s) + " must be in [0.001, 600] seconds");
+  if (!(st.capacity_gib >= 0 && st.capacity_gib <= 1 << 20))
+    return bad("--storage-capacity-gib: " + seconds(st.capacity_gib) + " must be in [0, 1048576]");
+  if (st.io_threads < 1 || st.io_threads > 64)
+    return bad("--storage-io-threads: " + std::to_string(st.io_threads) + " must be in [1, 64]");
+  if (st.staging_mib < 1 || st.staging_mib > 65536)
+    return bad("--storage-staging-mib: " + std::to_string(st.staging_mib) + " must be in [1, 65536]");
+  if (st.write_threshold < 1) return bad("--write-threshold: must be at least 1");
+  // Every deployment that shares a store must say which model its KV belongs to: two fine-tunes of
+  // one shape under the default namespace would load each other's KV.
+  if (st.backend != StorageBackendKind::kNone && f.model_id_opt->count() == 0 && c.fastdeploy.model_path.empty())
+    return bad("--model-id: required with a storage backend (or FastDeploy's --model_path): deployments that share "
+               "a store under one id load each other's KV");
+  if (st.backend != StorageBackendKind::kNone && !c.fastdeploy.model_path.empty()) {
+    auto prefix = fastdeploy_key_prefix(c.fastdeploy.model_path);
+    if (!prefix.ok()) return std::move(prefix).error();
+    st.key_prefix = std::move(prefix).value();
+    st.key_prefix_source = c.fastdeploy.model_path;
+  }
+  return {};
+}
+
+}  // namespace
+
+Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const* argv) {
+  DaemonConfig c;
+  RawFlags f;
+  CLI::App app{"kvtd - KV-cache transfer daemon, one process per GPU rank", "kvtd"};
+  app.set_version_flag("--version", std::string("kvtd ") + kVersion);
+  app.set_config("--config", "", "Read flags from a TOML or INI file");
+  app.allow_config_extras(CLI::config_extras_mode::error);  // a typo in a config file is an error
+  app.get_formatter()->column_width(40);
+  declare_rank_flags(app, f);
+  declare_runtime_flags(app, f, c);
+  declare_storage_flags(app, f, c);
+  declare_compat_flags(app, f, c);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success& e) {
+    std::ostringstream out;
+    app.exit(e, out, out);
+    return make_error(ConfigErrc::kHelp, out.str());
+  } catch (const CLI::ParseError& e) {
+    return make_error(ConfigErrc::kParse, std::string(e.what()) + " (run with --help for usage)");
+  } catch (const std::exception& e) {  // CLI11 throws more than ParseError on odd input
+    return make_error(ConfigErrc::kParse, std::string(e.what()) + " (run with --help for usage)");
+  }
+  for (auto* o : f.compat_opts)
+    if (o->count() > 0) c.ignored_flags.push_back(o->get_name());
+  KVTD_TRY(resolve_ranks(f, c));
+  KVTD_TRY(resolve_cache(f, c));
+  KVTD_TRY(resolve_devices(f, c));
+  KVTD_TRY(resolve_session(f, c));
+  KVTD_TRY(resolve_runtime(f, c));
+  KVTD_TRY(resolve_storage(f, c));
+  return c;
+}
+
+}  // namespace kvtd::config
