@@ -2,6 +2,8 @@
 // effect: its body runs inside guarded(), so no C++ exception reaches a C or Python caller.
 #include "kvtd/kvtd_client.h"
 
+#include "c_api_support.h"
+
 #include <time.h>
 
 #include <cstddef>
@@ -12,7 +14,6 @@
 #include <string>
 #include <vector>
 
-#include "kvtd/base/version.h"
 #include "kvtd/engine/engine_session.h"
 #include "kvtd/proto/pci.h"
 #include "kvtd/proto/task.h"
@@ -22,6 +23,10 @@ struct kvtd_session {
 };
 
 namespace {
+
+using kvtd::c_api::guarded;
+using kvtd::c_api::invalid;
+using kvtd::c_api::put_error;
 
 using kvtd::ipc::IpcErrc;
 namespace proto = kvtd::proto;
@@ -63,12 +68,6 @@ KVTD_SAME_FIELD(extra_device_blocks);
 static_assert(sizeof(kvtd_task) == 96, "kvtd_task is part of the ABI");
 static_assert(sizeof(kvtd_completion) == 40, "kvtd_completion is part of the ABI");
 
-void put_error(char* err, size_t len, const std::string& msg) {
-  if (!err || len == 0) return;
-  const size_t n = msg.size() < len - 1 ? msg.size() : len - 1;
-  std::memcpy(err, msg.data(), n);
-  err[n] = '\0';
-}
 
 int code_of(IpcErrc e) {
   switch (e) {
@@ -96,10 +95,6 @@ int report(const S& st, char* err, size_t len) {
   return code_of(st.error().code);
 }
 
-int invalid(char* err, size_t len, const std::string& msg) {
-  put_error(err, len, msg);
-  return KVTD_E_INVALID;
-}
 
 // Milliseconds to nanoseconds without overflow (a huge timeout saturates, it does not wrap).
 std::int64_t ms_to_ns(int64_t ms) {
@@ -107,22 +102,6 @@ std::int64_t ms_to_ns(int64_t ms) {
   return ms > INT64_MAX / 1'000'000 ? INT64_MAX : ms * 1'000'000;
 }
 
-// No exception may cross extern "C": every entry point runs its body through this.
-template <typename F>
-int guarded(char* err, size_t len, F&& body) noexcept {
-  try {
-    return body();
-  } catch (const std::bad_alloc&) {
-    put_error(err, len, "out of memory");
-    return KVTD_E_SYSTEM;
-  } catch (const std::exception& e) {
-    put_error(err, len, std::string("internal error: ") + e.what());
-    return KVTD_E_SYSTEM;
-  } catch (...) {
-    put_error(err, len, "internal error");
-    return KVTD_E_SYSTEM;
-  }
-}
 
 void fill_completion(const kvtd::engine::TaskResult& r, kvtd_completion* out) {
   if (!out) return;
@@ -199,40 +178,6 @@ int submit_checked(kvtd_session* s, const kvtd_task& t, uint64_t* task_id, char*
 extern "C" {
 
 int kvtd_client_abi(void) { return KVTD_CLIENT_ABI; }
-
-const char* kvtd_version(void) { return kvtd::kVersion; }
-
-int kvtd_geometry_check(const kvtd_geometry* g, char* err, size_t err_len) {
-  if (!g) return invalid(err, err_len, "null geometry");
-  return guarded(err, err_len, [&]() -> int {
-    proto::CacheGeometry pg{};
-    std::memcpy(&pg, g, sizeof pg);  // same layout (static_asserts above)
-    if (auto why = proto::geometry_problem(pg); !why.empty()) return invalid(err, err_len, why);
-    return KVTD_OK;
-  });
-}
-
-int kvtd_tensor_shape(const kvtd_geometry* g, uint32_t layer, uint32_t kind, int64_t shape[4], uint32_t* ndim,
-                      uint64_t* block_bytes, uint64_t* bytes, char* err, size_t err_len) {
-  if (!g) return invalid(err, err_len, "null geometry");
-  return guarded(err, err_len, [&]() -> int {
-    proto::CacheGeometry pg{};
-    std::memcpy(&pg, g, sizeof pg);
-    if (auto why = proto::geometry_problem(pg); !why.empty()) return invalid(err, err_len, why);
-    if (layer >= pg.num_layers)
-      return invalid(err, err_len, "layer " + std::to_string(layer) + " is outside [0, " + std::to_string(pg.num_layers) + ")");
-    if (kind >= proto::kTensorKinds) return invalid(err, err_len, "tensor kind " + std::to_string(kind) + " is not 0..3");
-    const auto k = static_cast<proto::TensorKind>(kind);
-    const bool present = pg.has_tensor(k);
-    const proto::TensorDesc d = present ? proto::describe_tensor(pg, 0, layer, k) : proto::TensorDesc{};
-    if (shape)
-      for (int i = 0; i < 4; ++i) shape[i] = i < static_cast<int>(d.ndim) ? d.shape[i] : 0;
-    if (ndim) *ndim = d.ndim;
-    if (block_bytes) *block_bytes = present ? pg.block_bytes(k) : 0;
-    if (bytes) *bytes = d.bytes;
-    return KVTD_OK;
-  });
-}
 
 const char* kvtd_status_name(int32_t status) {
   return proto::task_status_name(static_cast<proto::TaskStatus>(status));  // "unknown_status" for others
