@@ -13,6 +13,9 @@
 // one did not answer in time or refused, 2 for bad arguments.
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <optional>
+#include <string>
+#include <vector>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
@@ -53,117 +56,123 @@ void print_status(std::uint32_t rank, const json& r) {
 
 }  // namespace
 
-int run_ctl(int argc, char** argv) {
-  CLI::App app{"kvtd ctl - ask running kvtd daemons (status, drain, log-level, clear, restore)", "kvtd ctl"};
-  std::string session, endpoint, command, level;
+namespace {
+
+struct CtlArgs {
+  std::string session, endpoint, command, level, secret_file;
   std::uint32_t dp = 0;
   std::int64_t rank = -1;
   bool all = false, as_json = false, drop_host_tier = false;
   double timeout_s = 2.0;
-  app.add_option("--session,--ipc_suffix", session, "Session suffix of the daemons (required unless --endpoint)");
-  app.add_option("--dp,--local_data_parallel_id", dp, "Data-parallel group (default 0)");
-  app.add_option("--rank", rank, "Only this rank");
-  app.add_flag("--all", all, "Every rank of the session found in the runtime directory (the default)");
-  app.add_option("--endpoint", endpoint, "One daemon by endpoint (ipc://... or tcp://127.0.0.1:port)");
-  std::string secret_file;
-  app.add_option("--secret-file", secret_file, "tcp:// endpoints: the daemon's --control-secret-file");
-  app.add_option("--timeout", timeout_s, "Seconds to wait for each daemon (default 2)");
-  app.add_flag("--json", as_json, "Print the daemons' JSON replies");
-  app.add_flag("--drop-host-tier", drop_host_tier, "clear: also invalidate the host pool (its KV is the old weights')");
-  app.add_option("command", command, "status | drain | log-level | clear | restore")->required();
-  app.add_option("level", level, "log-level: trace | debug | info | warn | error | critical | off");
+};
+
+int fail(const std::string& message, int code = kExitBadFlags) {
+  std::fprintf(stderr, "kvtd ctl: %s\n", message.c_str());
+  return code;
+}
+
+// The request the arguments ask for, checked as the daemon will check it; else the exit code.
+std::optional<int> make_request(const CtlArgs& a, control::Request* req) {
+  req->command = a.command;
+  req->level = a.level;
+  req->drop_host_tier = a.drop_host_tier;
+  if (!a.secret_file.empty()) {
+    auto secret = control::read_secret_file(a.secret_file);
+    if (!secret.ok()) return fail(secret.error().message);
+    req->token = std::move(secret).value();
+  }
+  json probe{{"command", a.command}};
+  if (!a.level.empty()) probe["level"] = a.level;
+  if (a.drop_host_tier) probe["drop_host_tier"] = true;
+  if (auto checked = control::parse_request(probe.dump()); !checked.ok()) return fail(checked.error().message);
+  if (!(a.timeout_s > 0 && a.timeout_s <= 600)) return fail("--timeout must be in (0, 600] seconds");
+  if (a.rank >= 0 && a.all) return fail("--rank and --all exclude each other");
+  return std::nullopt;
+}
+
+// The daemons to ask: one endpoint, one rank's socket, or every socket of the session; else the
+// exit code.
+std::optional<int> find_targets(const CtlArgs& a, std::vector<std::pair<std::uint32_t, std::string>>* targets) {
+  if (!a.endpoint.empty()) {
+    targets->emplace_back(a.rank >= 0 ? static_cast<std::uint32_t>(a.rank) : 0, a.endpoint);
+    return std::nullopt;
+  }
+  if (a.session.empty()) return fail("--session (the daemons' --session / --ipc_suffix) or --endpoint is required");
+  auto dir = control::runtime_dir();
+  if (!dir.ok()) return fail(dir.error().message, 1);
+  if (a.rank >= 0) {
+    targets->emplace_back(static_cast<std::uint32_t>(a.rank),
+                          "ipc://" + control::socket_path(*dir, a.session, a.dp, static_cast<std::uint32_t>(a.rank)));
+    return std::nullopt;
+  }
+  for (auto& [r, path] : control::find_sockets(*dir, a.session, a.dp)) targets->emplace_back(r, "ipc://" + path);
+  if (targets->empty())
+    return fail("no daemon of session '" + a.session + "' (dp " + std::to_string(a.dp) +
+                    ") has a control socket in " + *dir,
+                1);
+  return std::nullopt;
+}
+
+// Asks one daemon and prints its answer (unless --json): true when it answered ok.
+bool ask(const CtlArgs& a, const control::Request& req, std::uint32_t r, const std::string& ep, json* replies) {
+  // A clear waits for the tasks in flight: the daemon answers within 20 s, so wait longer.
+  const double wait_s = a.command == "clear" || a.command == "restore" ? std::max(a.timeout_s, 25.0) : a.timeout_s;
+  auto reply = control::call(ep, req, static_cast<int>(wait_s * 1000));
+  if (!reply.ok()) {
+    std::fprintf(stderr, "kvtd ctl: rank %u: %s\n", r, reply.error().message.c_str());
+    replies->push_back({{"rank", r}, {"ok", false}, {"error", reply.error().message}});
+    return false;
+  }
+  json j = json::parse(*reply, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("ok")) {
+    std::fprintf(stderr, "kvtd ctl: rank %u: the reply is not kvtd's JSON\n", r);
+    return false;
+  }
+  j["rank"] = r;
+  replies->push_back(j);
+  if (!j["ok"].get<bool>()) {
+    std::fprintf(stderr, "kvtd ctl: rank %u refused: %s\n", r, j.value("error", std::string("?")).c_str());
+    return false;
+  }
+  if (a.as_json) return true;
+  if (a.command == "status") print_status(r, j["result"]);
+  else if (a.command == "drain") std::printf("rank %u: draining (finishes the tasks in flight, then exits)\n", r);
+  else if (a.command == "clear") std::printf("rank %u: cache cleared (mappings closed%s)\n", r, a.drop_host_tier ? ", host tier dropped" : "");
+  else if (a.command == "restore") std::printf("rank %u: cache restored (registry re-read and re-opened)\n", r);
+  else std::printf("rank %u: log level %s\n", r, a.level.c_str());
+  return true;
+}
+
+}  // namespace
+
+int run_ctl(int argc, char** argv) {
+  CLI::App app{"kvtd ctl - ask running kvtd daemons (status, drain, log-level, clear, restore)", "kvtd ctl"};
+  CtlArgs a;
+  app.add_option("--session,--ipc_suffix", a.session, "Session suffix of the daemons (required unless --endpoint)");
+  app.add_option("--dp,--local_data_parallel_id", a.dp, "Data-parallel group (default 0)");
+  app.add_option("--rank", a.rank, "Only this rank");
+  app.add_flag("--all", a.all, "Every rank of the session found in the runtime directory (the default)");
+  app.add_option("--endpoint", a.endpoint, "One daemon by endpoint (ipc://... or tcp://127.0.0.1:port)");
+  app.add_option("--secret-file", a.secret_file, "tcp:// endpoints: the daemon's --control-secret-file");
+  app.add_option("--timeout", a.timeout_s, "Seconds to wait for each daemon (default 2)");
+  app.add_flag("--json", a.as_json, "Print the daemons' JSON replies");
+  app.add_flag("--drop-host-tier", a.drop_host_tier, "clear: also invalidate the host pool (its KV is the old weights')");
+  app.add_option("command", a.command, "status | drain | log-level | clear | restore")->required();
+  app.add_option("level", a.level, "log-level: trace | debug | info | warn | error | critical | off");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : kExitBadFlags;
   }
   control::Request req;
-  req.command = command;
-  req.level = level;
-  req.drop_host_tier = drop_host_tier;
-  if (!secret_file.empty()) {
-    auto secret = control::read_secret_file(secret_file);
-    if (!secret.ok()) {
-      std::fprintf(stderr, "kvtd ctl: %s\n", secret.error().message.c_str());
-      return kExitBadFlags;
-    }
-    req.token = std::move(secret).value();
-  }
-  json probe{{"command", command}};
-  if (!level.empty()) probe["level"] = level;
-  if (drop_host_tier) probe["drop_host_tier"] = true;
-  if (auto checked = control::parse_request(probe.dump()); !checked.ok()) {
-    std::fprintf(stderr, "kvtd ctl: %s\n", checked.error().message.c_str());
-    return kExitBadFlags;
-  }
-  if (!(timeout_s > 0 && timeout_s <= 600)) {
-    std::fprintf(stderr, "kvtd ctl: --timeout must be in (0, 600] seconds\n");
-    return kExitBadFlags;
-  }
-  if (rank >= 0 && all) {
-    std::fprintf(stderr, "kvtd ctl: --rank and --all exclude each other\n");
-    return kExitBadFlags;
-  }
-
+  if (auto code = make_request(a, &req)) return *code;
   std::vector<std::pair<std::uint32_t, std::string>> targets;
-  if (!endpoint.empty()) {
-    targets.emplace_back(rank >= 0 ? static_cast<std::uint32_t>(rank) : 0, endpoint);
-  } else {
-    if (session.empty()) {
-      std::fprintf(stderr, "kvtd ctl: --session (the daemons' --session / --ipc_suffix) or --endpoint is required\n");
-      return kExitBadFlags;
-    }
-    auto dir = control::runtime_dir();
-    if (!dir.ok()) {
-      std::fprintf(stderr, "kvtd ctl: %s\n", dir.error().message.c_str());
-      return 1;
-    }
-    if (rank >= 0) {
-      targets.emplace_back(static_cast<std::uint32_t>(rank),
-                           "ipc://" + control::socket_path(*dir, session, dp, static_cast<std::uint32_t>(rank)));
-    } else {
-      for (auto& [r, path] : control::find_sockets(*dir, session, dp)) targets.emplace_back(r, "ipc://" + path);
-      if (targets.empty()) {
-        std::fprintf(stderr, "kvtd ctl: no daemon of session '%s' (dp %u) has a control socket in %s\n",
-                     session.c_str(), dp, dir->c_str());
-        return 1;
-      }
-    }
-  }
-
+  if (auto code = find_targets(a, &targets)) return *code;
   int code = 0;
-  json all_replies = json::array();
-  for (const auto& [r, ep] : targets) {
-    // A clear waits for the tasks in flight: the daemon answers within 20 s, so wait longer.
-    const double wait_s = command == "clear" || command == "restore" ? std::max(timeout_s, 25.0) : timeout_s;
-    auto reply = control::call(ep, req, static_cast<int>(wait_s * 1000));
-    if (!reply.ok()) {
-      std::fprintf(stderr, "kvtd ctl: rank %u: %s\n", r, reply.error().message.c_str());
-      all_replies.push_back({{"rank", r}, {"ok", false}, {"error", reply.error().message}});
-      code = 1;
-      continue;
-    }
-    json j = json::parse(*reply, nullptr, false);
-    if (j.is_discarded() || !j.is_object() || !j.contains("ok")) {
-      std::fprintf(stderr, "kvtd ctl: rank %u: the reply is not kvtd's JSON\n", r);
-      code = 1;
-      continue;
-    }
-    j["rank"] = r;
-    all_replies.push_back(j);
-    if (!j["ok"].get<bool>()) {
-      std::fprintf(stderr, "kvtd ctl: rank %u refused: %s\n", r, j.value("error", std::string("?")).c_str());
-      code = 1;
-      continue;
-    }
-    if (as_json) continue;
-    if (command == "status") print_status(r, j["result"]);
-    else if (command == "drain") std::printf("rank %u: draining (finishes the tasks in flight, then exits)\n", r);
-    else if (command == "clear") std::printf("rank %u: cache cleared (mappings closed%s)\n", r, drop_host_tier ? ", host tier dropped" : "");
-    else if (command == "restore") std::printf("rank %u: cache restored (registry re-read and re-opened)\n", r);
-    else std::printf("rank %u: log level %s\n", r, level.c_str());
-  }
-  if (as_json) std::printf("%s\n", all_replies.dump(2).c_str());
+  json replies = json::array();
+  for (const auto& [r, ep] : targets)
+    if (!ask(a, req, r, ep, &replies)) code = 1;
+  if (a.as_json) std::printf("%s\n", replies.dump(2).c_str());
   return code;
 }
 
