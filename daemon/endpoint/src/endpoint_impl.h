@@ -20,6 +20,10 @@ namespace kvtd::endpoint {
 using namespace kvtd::ipc;  // NOLINT(google-build-using-namespace): the contract this end implements
 
 struct RankEndpoint::Impl {
+  // The state over a published segment whose header copy passed validation.
+  static std::unique_ptr<Impl> over(const EndpointOptions& o, std::unique_ptr<SharedObject> m,
+                                    const detail::HeaderCopy& header, const detail::SessionLayout& layout);
+
   EndpointOptions opts;
   std::unique_ptr<SharedObject> mapping;
   detail::SessionView view;           // from the validated header: never re-read

@@ -78,6 +78,100 @@ RankEndpoint::~RankEndpoint() {
   if (mine != 0) s.owner.compare_exchange_strong(mine, 0, std::memory_order_acq_rel);
 }
 
+namespace {
+
+// A mapped segment this daemon may use: its owner and mode.
+Status<IpcErrc> check_access(const SharedObject& m, const std::string& name) {
+  if (m.owner_uid() != getuid())
+    return make_error(IpcErrc::kPermission, "session " + name + " is owned by uid " + std::to_string(m.owner_uid()) +
+                                                ", not by this daemon's uid " + std::to_string(getuid()));
+  if ((m.mode() & 077) != 0)
+    return make_error(IpcErrc::kPermission, "session " + name + " has mode 0" + std::to_string((m.mode() >> 6) & 7) +
+                                                std::to_string((m.mode() >> 3) & 7) + std::to_string(m.mode() & 7) +
+                                                "; it must not be accessible to group or others");
+  return {};
+}
+
+// A published session's header, copied once and checked against the mapping and the daemon's
+// flags (only the copy is used from here on).
+struct Published {
+  detail::HeaderCopy header;
+  detail::SessionLayout layout;
+};
+
+// Reads the segment's header: the Published copy, or nullopt with `waiting_for` saying what to
+// wait for (not initialised, closed, stale, not published yet) and `sleep_ms` how long before
+// looking again, or an error that ends attach.
+Result<std::optional<Published>, IpcErrc> read_published(const SharedObject& m, const std::string& name,
+                                                         const EndpointOptions& o, std::string* waiting_for,
+                                                         int* sleep_ms) {
+  *sleep_ms = 10;
+  auto* h = reinterpret_cast<proto::SessionHeader*>(m.data());
+  if (m.size() < sizeof(proto::SessionHeader)) {  // still being sized by the engine
+    *waiting_for = "session " + name + " to be initialised";
+    return std::optional<Published>{};
+  }
+  // Acquire pairs with the engine's release store of the magic: the header fields are complete.
+  const std::uint64_t magic = std::atomic_ref<std::uint64_t>(h->magic).load(std::memory_order_acquire);
+  if (magic == 0) {
+    *waiting_for = "session " + name + " to be initialised";
+    return std::optional<Published>{};
+  }
+  if (magic != proto::kSessionMagic)
+    return make_error(IpcErrc::kBadMagic, "shared memory object " + name + " is not a kvtd session (bad magic)");
+  const detail::HeaderCopy copy = detail::copy_header(*h);
+  if (copy.layout_version != proto::kSessionLayoutVersion || copy.header_bytes != sizeof(proto::SessionHeader))
+    return make_error(IpcErrc::kBadVersion, "session " + name + " has layout version " +
+                                                std::to_string(copy.layout_version) + ", this daemon speaks " +
+                                                std::to_string(proto::kSessionLayoutVersion));
+  const auto state = static_cast<proto::SessionState>(h->state.load(std::memory_order_acquire));
+  const bool stale = monotonic_now_ns() - h->engine_heartbeat_ns.load() > o.engine_timeout_ns;
+  if (copy.generation == o.skip_generation || state == proto::SessionState::kClosed || stale) {
+    *waiting_for = "a new session " + name + " (the current one is closed or its engine is gone)";
+    *sleep_ms = 20;
+    return std::optional<Published>{};
+  }
+  if (state != proto::SessionState::kReady) {
+    *waiting_for = "session " + name + " to be published";
+    *sleep_ms = 5;
+    return std::optional<Published>{};
+  }
+  // Published: the layout is final. Copy it once, check the copy against the mapping.
+  Published p{detail::copy_header(*h), {}};
+  auto layout = detail::validate_header(p.header, m.size());
+  if (!layout.ok()) return make_error(layout.error().code, "session " + name + ": " + layout.error().message);
+  p.layout = *layout;
+  if (o.rank >= p.header.geometry.num_ranks)
+    return make_error(IpcErrc::kGeometryMismatch, "rank: this daemon is rank " + std::to_string(o.rank) +
+                                                      " but the session has " +
+                                                      std::to_string(p.header.geometry.num_ranks) + " ranks");
+  if (auto diff = detail::geometry_mismatch(p.header.geometry, o.expected); !diff.empty())
+    return make_error(IpcErrc::kGeometryMismatch, "session " + name + " disagrees on " + diff);
+  return std::optional<Published>{std::move(p)};
+}
+
+}  // namespace
+
+std::unique_ptr<RankEndpoint::Impl> RankEndpoint::Impl::over(const EndpointOptions& o, std::unique_ptr<SharedObject> m,
+                                                               const detail::HeaderCopy& header,
+                                                               const detail::SessionLayout& layout) {
+  auto impl = std::make_unique<Impl>();
+  impl->opts = o;
+  impl->h = reinterpret_cast<proto::SessionHeader*>(m->data());
+  impl->geometry = header.geometry;
+  impl->generation = header.generation;
+  impl->view.base = m->data();
+  impl->view.layout = layout;
+  impl->view.num_ranks = header.geometry.num_ranks;
+  impl->view.num_layers = header.geometry.num_layers;
+  impl->mapping = std::move(m);
+  impl->reader = std::make_unique<TaskRingReader>(impl->h, impl->view.ring(), layout.ring_bytes, o.rank);
+  MutexLock g(impl->complete_mu);
+  impl->completions = std::make_unique<CompletionRing>(impl->view.completion_control(o.rank),
+                                                       impl->view.completion_records(o.rank), layout.completion_capacity);
+  return impl;
+}
+
 Result<std::unique_ptr<RankEndpoint>, IpcErrc> RankEndpoint::attach(const EndpointOptions& o) {
   if (!proto::valid_session_suffix(o.suffix))
     return make_error(IpcErrc::kInvalidArgument, "session suffix '" + o.suffix + "' must be 1-64 of [A-Za-z0-9_.-]");
@@ -86,7 +180,6 @@ Result<std::unique_ptr<RankEndpoint>, IpcErrc> RankEndpoint::attach(const Endpoi
   const std::int64_t start = monotonic_now_ns();
   std::int64_t last_note = start;
   std::string waiting_for = "session " + name + " to appear";
-
   for (;;) {
     const std::int64_t now = monotonic_now_ns();
     if (o.stop && o.stop->load()) return make_error(IpcErrc::kClosed, "stopped while waiting for " + waiting_for);
@@ -98,7 +191,6 @@ Result<std::unique_ptr<RankEndpoint>, IpcErrc> RankEndpoint::attach(const Endpoi
       o.on_waiting("waiting for " + waiting_for);
       last_note = now;
     }
-
     auto opened = SharedObject::open(name);
     if (!opened.ok()) {
       if (opened.error().code != IpcErrc::kNotFound) return std::move(opened).error();
@@ -106,70 +198,15 @@ Result<std::unique_ptr<RankEndpoint>, IpcErrc> RankEndpoint::attach(const Endpoi
       continue;
     }
     auto m = std::move(opened).value();
-    if (m->owner_uid() != getuid())
-      return make_error(IpcErrc::kPermission, "session " + name + " is owned by uid " + std::to_string(m->owner_uid()) +
-                                                  ", not by this daemon's uid " + std::to_string(getuid()));
-    if ((m->mode() & 077) != 0)
-      return make_error(IpcErrc::kPermission, "session " + name + " has mode 0" + std::to_string((m->mode() >> 6) & 7) +
-                                                  std::to_string((m->mode() >> 3) & 7) + std::to_string(m->mode() & 7) +
-                                                  "; it must not be accessible to group or others");
-    auto* h = reinterpret_cast<proto::SessionHeader*>(m->data());
-    if (m->size() < sizeof(proto::SessionHeader)) {  // still being sized by the engine
-      waiting_for = "session " + name + " to be initialised";
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    KVTD_TRY(check_access(*m, name));
+    int sleep_ms = 10;
+    auto published = read_published(*m, name, o, &waiting_for, &sleep_ms);
+    if (!published.ok()) return std::move(published).error();
+    if (!published->has_value()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
       continue;
     }
-    // Acquire pairs with the engine's release store of the magic: the header fields are complete.
-    const std::uint64_t magic = std::atomic_ref<std::uint64_t>(h->magic).load(std::memory_order_acquire);
-    if (magic == 0) {
-      waiting_for = "session " + name + " to be initialised";
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      continue;
-    }
-    if (magic != proto::kSessionMagic)
-      return make_error(IpcErrc::kBadMagic, "shared memory object " + name + " is not a kvtd session (bad magic)");
-    const detail::HeaderCopy copy = detail::copy_header(*h);
-    if (copy.layout_version != proto::kSessionLayoutVersion || copy.header_bytes != sizeof(proto::SessionHeader))
-      return make_error(IpcErrc::kBadVersion, "session " + name + " has layout version " +
-                                                  std::to_string(copy.layout_version) + ", this daemon speaks " +
-                                                  std::to_string(proto::kSessionLayoutVersion));
-    const auto state = static_cast<proto::SessionState>(h->state.load(std::memory_order_acquire));
-    const bool stale = monotonic_now_ns() - h->engine_heartbeat_ns.load() > o.engine_timeout_ns;
-    if (copy.generation == o.skip_generation || state == proto::SessionState::kClosed || stale) {
-      waiting_for = "a new session " + name + " (the current one is closed or its engine is gone)";
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      continue;
-    }
-    if (state != proto::SessionState::kReady) {
-      waiting_for = "session " + name + " to be published";
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      continue;
-    }
-    // Published: the layout is final. Copy it once, check the copy against the mapping, and
-    // use only the copy from here on.
-    const detail::HeaderCopy fixed = detail::copy_header(*h);
-    auto layout = detail::validate_header(fixed, m->size());
-    if (!layout.ok()) return make_error(layout.error().code, "session " + name + ": " + layout.error().message);
-    if (o.rank >= fixed.geometry.num_ranks)
-      return make_error(IpcErrc::kGeometryMismatch, "rank: this daemon is rank " + std::to_string(o.rank) +
-                                                        " but the session has " +
-                                                        std::to_string(fixed.geometry.num_ranks) + " ranks");
-    if (auto diff = detail::geometry_mismatch(fixed.geometry, o.expected); !diff.empty())
-      return make_error(IpcErrc::kGeometryMismatch, "session " + name + " disagrees on " + diff);
-
-    auto impl = std::make_unique<Impl>();
-    impl->opts = o;
-    impl->h = h;
-    impl->geometry = fixed.geometry;
-    impl->generation = fixed.generation;
-    impl->view.base = m->data();
-    impl->view.layout = *layout;
-    impl->view.num_ranks = fixed.geometry.num_ranks;
-    impl->view.num_layers = fixed.geometry.num_layers;
-    impl->mapping = std::move(m);
-    impl->reader = std::make_unique<TaskRingReader>(h, impl->view.ring(), layout->ring_bytes, o.rank);
-    impl->completions = std::make_unique<CompletionRing>(impl->view.completion_control(o.rank),
-                                                         impl->view.completion_records(o.rank), layout->completion_capacity);
+    auto impl = Impl::over(o, std::move(m), (*published)->header, (*published)->layout);
     if (auto st = impl->claim(); !st.ok()) return make_error(st.error().code, "session " + name + ": " + st.error().message);
     if (!impl->request_grant()) {
       // Give the claim back: we are not serving.
