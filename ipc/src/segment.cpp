@@ -1,5 +1,7 @@
 #include "kvtd/ipc/segment.h"
 
+#include "kvtd/ipc/clock.h"
+
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -13,6 +15,8 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <new>
+#include <random>
 #include <ctime>
 #include <set>
 
@@ -229,6 +233,45 @@ SessionLayout compute_layout(const proto::CacheGeometry& g, std::uint64_t ring_b
                                std::uint64_t{g.num_ranks} * proto::kAgreementSlots * sizeof(std::uint64_t),
                            4096);
   return l;
+}
+
+proto::SessionHeader* init_session(const SessionView& view, const proto::CacheGeometry& g,
+                                   std::uint32_t completion_capacity, std::int64_t now_ns) {
+  auto* h = new (view.base) proto::SessionHeader();
+  for (std::uint32_t r = 0; r < g.num_ranks; ++r) {
+    new (view.completion_control(r)) proto::CompletionRingControl();
+    auto* pc = new (view.progress_control(r)) proto::ProgressControl();
+    auto* slots = reinterpret_cast<proto::LayerProgressSlot*>(pc + 1);
+    for (std::uint32_t i = 0; i < proto::kProgressSlots; ++i) new (&slots[i]) proto::LayerProgressSlot();
+  }
+  new (view.agreement_control()) proto::AgreementControl();
+  for (std::uint32_t r = 0; r < g.num_ranks; ++r)
+    for (std::uint32_t i = 0; i < proto::kAgreementSlots; ++i) new (view.agreement_slot(r, i)) std::atomic<std::uint64_t>(0);
+  const auto& layout = view.layout;
+  h->layout_version = proto::kSessionLayoutVersion;
+  h->header_bytes = sizeof(proto::SessionHeader);
+  h->generation = (std::uint64_t{std::random_device{}()} << 32) ^ std::random_device{}() ^
+                  static_cast<std::uint64_t>(monotonic_now_ns());
+  h->creator_pid = static_cast<std::uint32_t>(getpid());
+  h->creator_uid = static_cast<std::uint32_t>(getuid());
+  h->completion_capacity = completion_capacity;
+  h->geometry = g;
+  h->registry_offset = layout.registry_offset;
+  h->registry_count = layout.registry_count;
+  h->task_ring_offset = layout.ring_offset;
+  h->task_ring_bytes = layout.ring_bytes;
+  h->completion_offset = layout.completion_offset;
+  h->completion_stride = layout.completion_stride;
+  h->progress_offset = layout.progress_offset;
+  h->progress_stride = layout.progress_stride;
+  h->total_bytes = layout.total_bytes;
+  h->engine_pid.store(static_cast<std::uint32_t>(getpid()));
+  h->engine_heartbeat_ns.store(now_ns);
+  h->state.store(static_cast<std::uint32_t>(proto::SessionState::kCreating));
+  // Magic last, with release: a daemon that acquires a non-zero magic sees every field above; one
+  // that maps a half-built segment sees 0 and keeps waiting.
+  std::atomic_ref<std::uint64_t>(h->magic).store(proto::kSessionMagic, std::memory_order_release);
+  return h;
 }
 
 HeaderCopy copy_header(const proto::SessionHeader& h) {

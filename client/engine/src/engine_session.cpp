@@ -114,49 +114,11 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
   impl->mapping = std::move(m).value();
   impl->mapping->set_unlink_on_destroy(true);
 
-  // Construct every control block in place (the memory is zero-filled by the kernel), so each
-  // atomic begins its life as an object.
-  std::byte* base = impl->mapping->data();
-  auto* h = new (base) proto::SessionHeader();
-  impl->view.base = base;
-  impl->view.layout = layout;
-  impl->view.num_ranks = o.geometry.num_ranks;
-  impl->view.num_layers = o.geometry.num_layers;
-  for (std::uint32_t r = 0; r < o.geometry.num_ranks; ++r) {
-    new (impl->view.completion_control(r)) proto::CompletionRingControl();
-    auto* pc = new (impl->view.progress_control(r)) proto::ProgressControl();
-    auto* slots = reinterpret_cast<proto::LayerProgressSlot*>(pc + 1);
-    for (std::uint32_t i = 0; i < proto::kProgressSlots; ++i) new (&slots[i]) proto::LayerProgressSlot();
-  }
-  new (impl->view.agreement_control()) proto::AgreementControl();
-  for (std::uint32_t r = 0; r < o.geometry.num_ranks; ++r)
-    for (std::uint32_t i = 0; i < proto::kAgreementSlots; ++i) new (impl->view.agreement_slot(r, i)) std::atomic<std::uint64_t>(0);
+  impl->view = detail::SessionView{impl->mapping->data(), layout, o.geometry.num_ranks, o.geometry.num_layers};
   impl->weight_version.store(o.weight_version);
-  h->layout_version = proto::kSessionLayoutVersion;
-  h->header_bytes = sizeof(proto::SessionHeader);
-  h->generation = (std::uint64_t{std::random_device{}()} << 32) ^ std::random_device{}() ^
-                  static_cast<std::uint64_t>(monotonic_now_ns());
-  impl->generation = h->generation;
-  h->creator_pid = static_cast<std::uint32_t>(getpid());
-  h->creator_uid = static_cast<std::uint32_t>(getuid());
-  h->completion_capacity = o.completion_capacity;
-  h->geometry = o.geometry;
-  h->registry_offset = layout.registry_offset;
-  h->registry_count = layout.registry_count;
-  h->task_ring_offset = layout.ring_offset;
-  h->task_ring_bytes = layout.ring_bytes;
-  h->completion_offset = layout.completion_offset;
-  h->completion_stride = layout.completion_stride;
-  h->progress_offset = layout.progress_offset;
-  h->progress_stride = layout.progress_stride;
-  h->total_bytes = layout.total_bytes;
-  h->engine_pid.store(static_cast<std::uint32_t>(getpid()));
-  h->engine_heartbeat_ns.store(impl->clock->now_ns());
-  h->state.store(static_cast<std::uint32_t>(proto::SessionState::kCreating));
-  // Magic last, with release: a daemon that acquires a non-zero magic sees every field above; one
-  // that maps a half-built segment sees 0 and keeps waiting.
-  std::atomic_ref<std::uint64_t>(h->magic).store(proto::kSessionMagic, std::memory_order_release);
-  impl->h = h;
+  impl->h = detail::init_session(impl->view, o.geometry, o.completion_capacity, impl->clock->now_ns());
+  impl->generation = impl->h->generation;
+  auto* h = impl->h;
 
   impl->ring = std::make_unique<TaskRingWriter>(h, impl->view.ring(), layout.ring_bytes, o.geometry.num_ranks);
   for (std::uint32_t r = 0; r < o.geometry.num_ranks; ++r)

@@ -40,6 +40,16 @@ std::string check_ring_sizes(std::uint64_t ring_bytes, std::uint32_t completion_
 SessionLayout compute_layout(const proto::CacheGeometry& g, std::uint64_t ring_bytes,
                              std::uint32_t completion_capacity);
 
+struct SessionView;
+
+// Header initialisation, beside its validation below: constructs every control block of a fresh
+// (zero-filled) segment in place, so each atomic begins its life as an object, writes the
+// header (a random generation, the creator, the geometry, every offset of `view.layout`; state
+// kCreating; the engine heartbeat at `now_ns`) and stores the magic last with release, so a
+// daemon that acquires a non-zero magic sees every field. Returns the header.
+proto::SessionHeader* init_session(const SessionView& view, const proto::CacheGeometry& g,
+                                   std::uint32_t completion_capacity, std::int64_t now_ns);
+
 // The fields of a header that define its layout, copied out of shared memory once.
 struct HeaderCopy {
   std::uint32_t layout_version = 0, header_bytes = 0, completion_capacity = 0;
