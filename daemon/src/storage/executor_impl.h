@@ -158,6 +158,10 @@ struct StorageExecutor::Impl {
 
   // STORAGE_READ and PREFETCH: loads the agreed prefix chunk by chunk through `slice`.
   void run_load(const Prepared& p, std::byte* slice);
+  // One chunk of a load: read, verified and scattered into `ids` through `slice`. The objects'
+  // results, or nullopt when the chunk ended the task (completed as failed here).
+  std::optional<std::vector<storage::ObjectResult>> load_chunk(const Prepared& p, std::span<const std::int32_t> ids,
+                                                              std::span<const std::string> keys, std::byte* slice);
 
   void run_write(const Prepared& p, std::byte* slice);
 

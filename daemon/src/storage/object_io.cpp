@@ -68,14 +68,55 @@ bool StorageExecutor::Impl::may_continue(std::uint64_t id, bool last_step) {
   return true;
 }
 
+std::optional<std::vector<storage::ObjectResult>> StorageExecutor::Impl::load_chunk(
+    const Prepared& p, std::span<const std::int32_t> ids, std::span<const std::string> keys, std::byte* slice) {
+  const auto& w = p.work;
+  const bool host = (w.header.flags & proto::kTaskFlagHostBlocks) != 0;
+  const auto& tensors = host ? t.host_tensors : t.device_tensors;
+  std::vector<std::byte*> dst(keys.size());
+  for (std::size_t i = 0; i < keys.size(); ++i) dst[i] = slice + i * t.object_bytes;
+  // Each verified object is scattered into its block on the store's I/O thread that read it,
+  // while later objects are still being read. An object after a miss on this rank may land in
+  // its (reserved) block too; only the leading blocks_done are reported loaded. The file store
+  // lends each verified payload from its own cache-warm buffer; other stores verify into this
+  // worker's staging.
+  Mutex err_mu;
+  std::string scatter_error;
+  auto scatter = [&](std::size_t i, const std::byte* payload) {
+    const auto one = ids.subspan(i, 1);
+    if (host) {
+      kernels::scatter_from_staging_host(tensors, one, payload);
+    } else if (auto s2 = backend.scatter_from_staging(tensors, one, payload); !s2.ok()) {
+      MutexLock g(err_mu);
+      scatter_error = s2.error().message;
+    }
+  };
+  // Lent payloads are pageable memory: only where the CPU does the scatter (host blocks, or a
+  // backend whose tensors it can write); a DMA to the device wants pinned staging.
+  auto got = t.store->lends_payloads() && (host || backend.tensors_host_accessible())
+                 ? t.store->get_lent(keys, [&](std::size_t i, std::span<const std::byte> payload) {
+                     scatter(i, payload.data());
+                   })
+                 : t.store->get_each(keys, std::span(dst), [&](std::size_t i) { scatter(i, dst[i]); });
+  if (!got.ok()) {
+    const auto code = got.error().code;
+    finish(w, code == storage::StorageErrc::kUnavailable ? TaskStatus::kStorageUnavailable : TaskStatus::kStorageError,
+           0, 0, p.start, unavailable(got.error().message));
+    return std::nullopt;
+  }
+  if (!scatter_error.empty()) {
+    finish(w, TaskStatus::kDeviceError, 0, 0, p.start, scatter_error);
+    return std::nullopt;
+  }
+  return std::move(got).value();
+}
+
 void StorageExecutor::Impl::run_load(const Prepared& p, std::byte* slice) {
   const auto& w = p.work;
   const auto start = p.start;
   const bool host = (w.header.flags & proto::kTaskFlagHostBlocks) != 0;
   const std::size_t n = p.agreed;
-  const auto& tensors = host ? t.host_tensors : t.device_tensors;
   std::size_t loaded = 0;
-  std::vector<std::byte*> dst(chunk_objects);
   const std::size_t step = cancel_step();
   while (loaded < n) {
     if (past_deadline(w, start, loaded, n)) return;
@@ -85,44 +126,11 @@ void StorageExecutor::Impl::run_load(const Prepared& p, std::byte* slice) {
                                                               std::to_string(n) + " blocks");
       return;
     }
-    for (std::size_t i = 0; i < c; ++i) dst[i] = slice + i * t.object_bytes;
     const auto ids = std::span(p.ids).subspan(loaded, c);
     if (revoked(w)) return;  // checked right before writing engine memory
     if (host && pool != nullptr) pool->mark_invalid(ids);
-    // Each verified object is scattered into its block on the store's I/O thread that read it,
-    // while later objects are still being read. An object after a miss on this rank may land
-    // in its (reserved) block too; only the leading blocks_done are reported loaded. The file
-    // store lends each verified payload from its own cache-warm buffer; other stores verify
-    // into this worker's staging.
-    Mutex err_mu;
-    std::string scatter_error;
-    auto scatter = [&](std::size_t i, const std::byte* payload) {
-      const auto one = ids.subspan(i, 1);
-      if (host) {
-        kernels::scatter_from_staging_host(tensors, one, payload);
-      } else if (auto s2 = backend.scatter_from_staging(tensors, one, payload); !s2.ok()) {
-        MutexLock g(err_mu);
-        scatter_error = s2.error().message;
-      }
-    };
-    const auto chunk_keys = std::span(p.stored).subspan(loaded, c);
-    // Lent payloads are pageable memory: only where the CPU does the scatter (host blocks, or
-    // a backend whose tensors it can write); a DMA to the device wants pinned staging.
-    auto got = t.store->lends_payloads() && (host || backend.tensors_host_accessible())
-                   ? t.store->get_lent(chunk_keys, [&](std::size_t i, std::span<const std::byte> payload) {
-                       scatter(i, payload.data());
-                     })
-                   : t.store->get_each(chunk_keys, std::span(dst).first(c), [&](std::size_t i) { scatter(i, dst[i]); });
-    if (!got.ok()) {
-      const auto code = got.error().code;
-      finish(w, code == storage::StorageErrc::kUnavailable ? TaskStatus::kStorageUnavailable : TaskStatus::kStorageError,
-             0, 0, start, unavailable(got.error().message));
-      return;
-    }
-    if (!scatter_error.empty()) {
-      finish(w, TaskStatus::kDeviceError, 0, 0, start, scatter_error);
-      return;
-    }
+    auto got = load_chunk(p, ids, std::span(p.stored).subspan(loaded, c), slice);
+    if (!got) return;  // finished as failed
     std::size_t ok = 0;
     while (ok < c && (*got)[ok] == storage::ObjectResult::kOk) ++ok;
     if (host && pool != nullptr) pool->mark_valid(ids.first(ok));
