@@ -331,49 +331,58 @@ class RedisStore final : public ObjectStore {
       if (redisGetReply(c, &raw) != REDIS_OK) return lost();
       Reply r(static_cast<redisReply*>(raw));
       if (r->type == REDIS_REPLY_ERROR) {
-        const std::string err(r->str, r->len);
-        if (o_.cluster && (err.rfind("MOVED ", 0) == 0 || err.rfind("ASK ", 0) == 0)) {
-          // "MOVED <slot> <host>:<port>" / "ASK <slot> <host>:<port>"
-          const auto sp = err.rfind(' ');
-          std::string host;
-          int port = 0;
-          if (parse_endpoint(err.substr(sp + 1), &host, &port)) {
-            Node* target = node(host, port);
-            if (err[0] == 'M') {
-              slots_[redis_cluster_slot(names[i])] = target;
-              refresh_needed_ = true;
-            } else {
-              (*ask)[i] = target;
-            }
-            retry->push_back(i);
-            continue;
-          }
-        }
-        last_error_ = err;
-        (*results)[i] = ObjectResult::kFailed;
+        on_error_reply(std::string(r->str, r->len), i, names, results, retry, ask);
         continue;
       }
-      switch (op) {
-        case Op::kGet:
-          if (r->type == REDIS_REPLY_NIL) {
-            (*results)[i] = ObjectResult::kMissing;
-          } else if (r->type != REDIS_REPLY_STRING || static_cast<std::size_t>(r->len) != sizeof(ObjectHeader) + o_.store.object_bytes) {
-            (*results)[i] = ObjectResult::kCorrupt;  // truncated, padded or not ours
-          } else {
-            ObjectHeader h{};
-            std::memcpy(&h, r->str, sizeof h);
-            std::span<const std::byte> payload(reinterpret_cast<const std::byte*>(r->str) + sizeof h, o_.store.object_bytes);
-            (*results)[i] = verify_object(o_.store, names[i].substr(5), h, payload);
-            if ((*results)[i] == ObjectResult::kOk) std::memcpy(dsts[i], payload.data(), payload.size());
-          }
-          break;
-        case Op::kExists:
-          (*results)[i] = r->type == REDIS_REPLY_INTEGER && r->integer > 0 ? ObjectResult::kOk : ObjectResult::kMissing;
-          break;
-        case Op::kSet:
-        case Op::kDel: (*results)[i] = ObjectResult::kOk; break;
+      (*results)[i] = result_of(op, *r, names[i], op == Op::kGet ? dsts[i] : nullptr);  // dsts: GET only
+    }
+  }
+
+  // An error reply to key i: a Cluster redirect (MOVED: the slot map changes; ASK: this key once)
+  // queues the key for a retry; anything else fails it.
+  void on_error_reply(const std::string& err, std::size_t i, const std::vector<std::string>& names,
+                      std::vector<ObjectResult>* results, std::vector<std::size_t>* retry,
+                      std::map<std::size_t, Node*>* ask) REQUIRES(mu_) {
+    if (o_.cluster && (err.rfind("MOVED ", 0) == 0 || err.rfind("ASK ", 0) == 0)) {
+      // "MOVED <slot> <host>:<port>" / "ASK <slot> <host>:<port>"
+      const auto sp = err.rfind(' ');
+      std::string host;
+      int port = 0;
+      if (parse_endpoint(err.substr(sp + 1), &host, &port)) {
+        Node* target = node(host, port);
+        if (err[0] == 'M') {
+          slots_[redis_cluster_slot(names[i])] = target;
+          refresh_needed_ = true;
+        } else {
+          (*ask)[i] = target;
+        }
+        retry->push_back(i);
+        return;
       }
     }
+    last_error_ = err;
+    (*results)[i] = ObjectResult::kFailed;
+  }
+
+  // What a non-error reply to `op` on `name` means; a GET's verified payload is copied to `dst`.
+  ObjectResult result_of(Op op, const redisReply& r, const std::string& name, std::byte* dst) const {
+    switch (op) {
+      case Op::kGet: {
+        if (r.type == REDIS_REPLY_NIL) return ObjectResult::kMissing;
+        if (r.type != REDIS_REPLY_STRING || static_cast<std::size_t>(r.len) != sizeof(ObjectHeader) + o_.store.object_bytes)
+          return ObjectResult::kCorrupt;  // truncated, padded or not ours
+        ObjectHeader h{};
+        std::memcpy(&h, r.str, sizeof h);
+        std::span<const std::byte> payload(reinterpret_cast<const std::byte*>(r.str) + sizeof h, o_.store.object_bytes);
+        const auto verdict = verify_object(o_.store, name.substr(5), h, payload);
+        if (verdict == ObjectResult::kOk) std::memcpy(dst, payload.data(), payload.size());
+        return verdict;
+      }
+      case Op::kExists: return r.type == REDIS_REPLY_INTEGER && r.integer > 0 ? ObjectResult::kOk : ObjectResult::kMissing;
+      case Op::kSet:
+      case Op::kDel: return ObjectResult::kOk;
+    }
+    return ObjectResult::kFailed;
   }
 
   // Sends "[ASKING] SET key <header+payload>" straight to the socket (sendmsg, gathered), so the 1 MiB

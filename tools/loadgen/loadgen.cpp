@@ -228,11 +228,10 @@ int run_throughput(EngineSession& s, const Options& o) {
 
 }  // namespace kvtd::loadgen
 
-int main(int argc, char** argv) {
-  using namespace kvtd::loadgen;
-  using kvtd::engine::EngineSession;
-  Options o;
-  CLI::App app{"kvtd-loadgen - engine stand-in: swaps KV blocks through kvtd and checks every byte"};
+namespace {
+
+// Every flag of kvtd-loadgen into `o`.
+void declare_flags(CLI::App& app, kvtd::loadgen::Options& o) {
   app.add_option("--session", o.session, "Session suffix (kvtd --session)");
   app.add_option("--mode", o.mode,
                  "verify | latency | throughput | all | storage-verify | storage-throughput | storage-latency")
@@ -264,8 +263,10 @@ int main(int argc, char** argv) {
                  "Where the KV tensors live: host (shared memory; daemons --device-backend host) or cuda (cudaMalloc, "
                  "IPC handles; daemons --device-backend cuda)")
       ->check(CLI::IsMember({"host", "cuda"}));
-  CLI11_PARSE(app, argc, argv);
+}
 
+// The session the flags describe (K and V of one shape).
+kvtd::engine::SessionOptions session_options(const kvtd::loadgen::Options& o) {
   kvtd::engine::SessionOptions so;
   so.suffix = o.session;
   auto& g = so.geometry;
@@ -279,6 +280,20 @@ int main(int argc, char** argv) {
   const std::int64_t shape[4] = {o.device_blocks, o.kv_heads, o.block_size, o.head_dim};
   for (int i = 0; i < 4; ++i) g.key_shape[i] = g.value_shape[i] = shape[i];
 
+  return so;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace kvtd::loadgen;
+  using kvtd::engine::EngineSession;
+  Options o;
+  CLI::App app{"kvtd-loadgen - engine stand-in: swaps KV blocks through kvtd and checks every byte"};
+  declare_flags(app, o);
+  CLI11_PARSE(app, argc, argv);
+  const kvtd::engine::SessionOptions so = session_options(o);
+  const auto& g = so.geometry;
   auto created = EngineSession::create(so);
   if (!created.ok()) {
     std::fprintf(stderr, "kvtd-loadgen: %s\n", created.error().message.c_str());

@@ -47,6 +47,33 @@ void plain_file_io(const std::string& dir, std::uint64_t bytes, std::vector<std:
 
 }  // namespace
 
+// The store the flags name, fresh (a file store's directory is emptied first); null after printing why.
+std::unique_ptr<kvtd::storage::ObjectStore> open_store(const std::string& backend, const std::string& dir,
+                                                      const std::string& endpoint, unsigned io_threads,
+                                                      std::uint64_t object) {
+  kvtd::storage::StoreOptions so{"bench", 0x42, object};
+  std::unique_ptr<kvtd::storage::ObjectStore> store;
+  if (backend == "file") {
+    std::filesystem::remove_all(dir);
+    kvtd::storage::FileStoreOptions fo;
+    fo.store = so;
+    fo.root = dir;
+    fo.io_threads = io_threads;
+    auto s = kvtd::storage::open_file_store(fo);
+    if (!s.ok()) return std::fprintf(stderr, "%s\n", s.error().message.c_str()), nullptr;
+    store = std::move(s).value();
+  } else {
+    kvtd::storage::RedisStoreOptions ro;
+    ro.store = so;
+    ro.endpoints = {endpoint};
+    ro.timeout_ms = 10000;
+    auto s = kvtd::storage::open_redis_store(ro);
+    if (!s.ok()) return std::fprintf(stderr, "%s\n", s.error().message.c_str()), nullptr;
+    store = std::move(s).value();
+  }
+  return store;
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"kvtd-storage-bench - storage backend throughput, 1 MiB objects in batches of 32"};
   std::string backend = "file", dir = "/tmp/kvtd-storage-bench", endpoint = "127.0.0.1:6379";
@@ -65,26 +92,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   signal(SIGPIPE, SIG_IGN);  // hiredis writes to sockets with write(2)
 
-  kvtd::storage::StoreOptions so{"bench", 0x42, object};
-  std::unique_ptr<kvtd::storage::ObjectStore> store;
-  if (backend == "file") {
-    std::filesystem::remove_all(dir);
-    kvtd::storage::FileStoreOptions fo;
-    fo.store = so;
-    fo.root = dir;
-    fo.io_threads = io_threads;
-    auto s = kvtd::storage::open_file_store(fo);
-    if (!s.ok()) return std::fprintf(stderr, "%s\n", s.error().message.c_str()), 1;
-    store = std::move(s).value();
-  } else {
-    kvtd::storage::RedisStoreOptions ro;
-    ro.store = so;
-    ro.endpoints = {endpoint};
-    ro.timeout_ms = 10000;
-    auto s = kvtd::storage::open_redis_store(ro);
-    if (!s.ok()) return std::fprintf(stderr, "%s\n", s.error().message.c_str()), 1;
-    store = std::move(s).value();
-  }
+  auto store = open_store(backend, dir, endpoint, io_threads, object);
+  if (!store) return 1;
   std::vector<std::vector<std::byte>> buf(static_cast<std::size_t>(batch), std::vector<std::byte>(object));
   std::mt19937 rng(1);
   for (auto& b : buf)

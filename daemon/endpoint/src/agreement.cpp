@@ -80,6 +80,40 @@ void RankEndpoint::leave_agreements(std::uint64_t below_seq) {
   bump_and_wake(impl_->view.agreement_control()->word, &impl_->view.agreement_control()->waiters);
 }
 
+Status<proto::TaskStatus> RankEndpoint::Impl::read_peer(std::uint32_t r, std::uint64_t seq, std::uint32_t want_tag,
+                                                        std::uint32_t peer_epoch, std::uint32_t* agreed,
+                                                        std::uint32_t* pending_mask) {
+  using proto::TaskStatus;
+  const std::uint64_t w = view.agreement_slot(r, seq)->load(std::memory_order_acquire);
+  const std::uint32_t tag = proto::agreement_tag(w);
+  if (tag == want_tag) {
+    const std::uint32_t v = proto::agreement_value(w);
+    if ((v & proto::kAgreementAbort) == proto::kAgreementAbort) {
+      // Every rank reports the root cause, so the merged status (the lowest failing rank's) is
+      // that cause whichever rank hit it (it said agreement_failed when rank 0 was waiting).
+      const std::uint32_t code = v & 0xFFFFu;
+      const auto why = static_cast<TaskStatus>(code);
+      const bool known = code != 0 && code <= static_cast<std::uint32_t>(TaskStatus::kCacheCleared);
+      return make_error(known ? why : TaskStatus::kAgreementFailed,
+                        "rank " + std::to_string(r) + " failed this task before the ranks agreed (" +
+                            proto::task_status_name(why) + ")");
+    }
+    *agreed = std::min(*agreed, v);
+    *pending_mask &= ~(1u << r);
+    return {};
+  }
+  // Newer (modulo 2^32) than ours: the slot was reused before we read it.
+  if (static_cast<std::int32_t>(tag - want_tag) > 0)
+    return make_error(TaskStatus::kAgreementFailed, "rank " + std::to_string(r) +
+                                                        " reused the agreement slot of this task (more than " +
+                                                        std::to_string(proto::kAgreementSlots) + " storage tasks apart)");
+  const auto& slot = h->ranks[r];
+  if (!slot.attached.load(std::memory_order_acquire) || slot.attached_epoch.load(std::memory_order_acquire) != peer_epoch)
+    return make_error(TaskStatus::kRankDead,
+                      "rank " + std::to_string(r) + " was declared dead by the engine while the ranks were agreeing");
+  return {};  // not there yet
+}
+
 Result<std::uint32_t, proto::TaskStatus> RankEndpoint::agree(std::uint64_t seq, std::uint32_t count,
                                                              std::int64_t deadline_ns) {
   using proto::TaskStatus;
@@ -119,35 +153,8 @@ Result<std::uint32_t, proto::TaskStatus> RankEndpoint::agree(std::uint64_t seq, 
     if (r != me) pending_mask |= 1u << r;
   for (;;) {
     const std::uint32_t seen = ctrl->word.load(std::memory_order_acquire);
-    for (std::uint32_t r = 0; r < n; ++r) {
-      if (!(pending_mask & (1u << r))) continue;
-      const std::uint64_t w = impl->view.agreement_slot(r, seq)->load(std::memory_order_acquire);
-      const std::uint32_t tag = proto::agreement_tag(w);
-      if (tag == want_tag) {
-        const std::uint32_t v = proto::agreement_value(w);
-        if ((v & proto::kAgreementAbort) == proto::kAgreementAbort) {
-          // Every rank reports the root cause, so the merged status (the lowest failing rank's) is
-          // that cause whichever rank hit it (it said agreement_failed when rank 0 was waiting).
-          const std::uint32_t code = v & 0xFFFFu;
-          const auto why = static_cast<TaskStatus>(code);
-          const bool known = code != 0 && code <= static_cast<std::uint32_t>(TaskStatus::kCacheCleared);
-          return make_error(known ? why : TaskStatus::kAgreementFailed,
-                            "rank " + std::to_string(r) + " failed this task before the ranks agreed (" +
-                                proto::task_status_name(why) + ")");
-        }
-        agreed = std::min(agreed, proto::agreement_value(w));
-        pending_mask &= ~(1u << r);
-        continue;
-      }
-      // Newer (modulo 2^32) than ours: the slot was reused before we read it.
-      if (static_cast<std::int32_t>(tag - want_tag) > 0)
-        return make_error(TaskStatus::kAgreementFailed, "rank " + std::to_string(r) + " reused the agreement slot of this task (more than " +
-                                                            std::to_string(proto::kAgreementSlots) + " storage tasks apart)");
-      const auto& slot = impl->h->ranks[r];
-      if (!slot.attached.load(std::memory_order_acquire) || slot.attached_epoch.load(std::memory_order_acquire) != peer_epoch[r])
-        return make_error(TaskStatus::kRankDead, "rank " + std::to_string(r) +
-                                                     " was declared dead by the engine while the ranks were agreeing");
-    }
+    for (std::uint32_t r = 0; r < n; ++r)
+      if (pending_mask & (1u << r)) KVTD_TRY(impl->read_peer(r, seq, want_tag, peer_epoch[r], &agreed, &pending_mask));
     if (pending_mask == 0) return agreed;
     if (!impl->granted() || !impl->engine_alive())
       return make_error(TaskStatus::kShuttingDown, "this rank's epoch was revoked or the session ended during the agreement");

@@ -24,6 +24,12 @@ struct RankEndpoint::Impl {
   static std::unique_ptr<Impl> over(const EndpointOptions& o, std::unique_ptr<SharedObject> m,
                                     const detail::HeaderCopy& header, const detail::SessionLayout& layout);
 
+  // Reads peer r's agreement word of task `seq`: folds its count into *agreed and clears r from
+  // *pending_mask when it is there; an abort, a reused slot or a peer declared dead ends the
+  // agreement with that status; otherwise (not written yet) nothing changes.
+  Status<proto::TaskStatus> read_peer(std::uint32_t r, std::uint64_t seq, std::uint32_t want_tag,
+                                      std::uint32_t peer_epoch, std::uint32_t* agreed, std::uint32_t* pending_mask);
+
   EndpointOptions opts;
   std::unique_ptr<SharedObject> mapping;
   detail::SessionView view;           // from the validated header: never re-read
