@@ -50,7 +50,10 @@ void MetricsRegistry::set_attached(bool attached, std::uint32_t epoch) {
 }
 void MetricsRegistry::set_host_pool_bytes(std::uint64_t bytes) { host_pool_bytes_.store(bytes, std::memory_order_relaxed); }
 void MetricsRegistry::set_ring_depth(std::uint64_t bytes) { ring_depth_.store(bytes, std::memory_order_relaxed); }
-void MetricsRegistry::set_store(const storage::ObjectStore* store) { store_.store(store, std::memory_order_release); }
+void MetricsRegistry::set_store_figures(StoreFiguresProvider provider) {
+  MutexLock g(store_mu_);
+  store_figures_ = std::move(provider);
+}
 
 std::vector<MetricsRegistry::TaskCount> MetricsRegistry::task_counts() const {
   std::vector<TaskCount> out;
@@ -116,8 +119,13 @@ std::string MetricsRegistry::render() const {
   }
   out += "# HELP kvtd_storage_operations_total Operations of the storage tier, by operation and result.\n"
          "# TYPE kvtd_storage_operations_total counter\n";
-  if (const auto* store = store_.load(std::memory_order_acquire)) {
-    const auto st = store->stats();
+  StoreFiguresProvider figures;
+  {
+    MutexLock g(store_mu_);
+    figures = store_figures_;
+  }
+  if (figures) {
+    const auto st = figures();
     const struct {
       const char* op;
       const char* result;

@@ -91,7 +91,12 @@ void log_pool_room(const config::DaemonConfig& cfg, const Services& s) {
 // The metrics server (when --metrics-port) and the control socket (status, drain, log-level,
 // clear, restore: control_handler.cpp).
 std::optional<int> open_servers(const config::DaemonConfig& cfg, std::atomic<bool>& stop, Services& s) {
-  s.registry.set_store(s.store.get());
+  if (const storage::ObjectStore* store = s.store.get())
+    s.registry.set_store_figures([store] {
+      const auto st = store->stats();
+      return metrics::MetricsRegistry::StoreFigures{st.puts, st.put_failures, st.hits, st.misses, st.corrupt,
+                                                     st.evictions};
+    });
   if (cfg.metrics_port != 0) {
     auto ms = metrics::MetricsServer::start(s.registry, cfg.metrics_port);
     if (!ms.ok()) {

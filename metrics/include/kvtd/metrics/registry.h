@@ -21,7 +21,7 @@
 
 #include "kvtd/base/mutex.h"
 #include "kvtd/proto/task.h"
-#include "kvtd/storage/object_store.h"
+#include <functional>
 
 namespace kvtd::metrics {
 
@@ -45,9 +45,15 @@ class MetricsRegistry {
   void set_attached(bool attached, std::uint32_t epoch);
   void set_host_pool_bytes(std::uint64_t bytes);
   void set_ring_depth(std::uint64_t bytes);
-  // The storage tier whose StoreStats become kvtd_storage_operations_total (null: none). The store
-  // must outlive every render() (the daemon stops the server first).
-  void set_store(const storage::ObjectStore* store);
+  // What the storage tier counted, for kvtd_storage_operations_total. The registry knows no store:
+  // the daemon provides these figures (metrics/ does not depend on storage/).
+  struct StoreFigures {
+    std::uint64_t puts = 0, put_failures = 0, hits = 0, misses = 0, corrupt = 0, evictions = 0;
+  };
+  using StoreFiguresProvider = std::function<StoreFigures()>;
+  // Sets (or clears, with an empty function) the provider; whatever it reads must outlive every
+  // render() (the daemon stops the server first).
+  void set_store_figures(StoreFiguresProvider provider);
 
   // Prometheus text format 0.0.4.
   std::string render() const;
@@ -87,7 +93,8 @@ class MetricsRegistry {
   std::atomic<std::uint32_t> epoch_{0};
   std::atomic<std::uint64_t> host_pool_bytes_{0};
   std::atomic<std::uint64_t> ring_depth_{0};
-  std::atomic<const storage::ObjectStore*> store_{nullptr};
+  mutable Mutex store_mu_;
+  StoreFiguresProvider store_figures_ GUARDED_BY(store_mu_);
   mutable Mutex errors_mu_;
   std::vector<std::string> errors_ GUARDED_BY(errors_mu_);  // newest last, at most kLastErrors
 };
