@@ -6,7 +6,7 @@
 #include "kvtd/ipc/clock.h"
 #include "process/cache_mapping.h"
 #include "serve/cleared_cache.h"
-#include "serve/completion.h"
+#include "serve/completion_sink.h"
 
 namespace kvtd::daemon {
 
@@ -160,8 +160,8 @@ RankServer::Step RankServer::serve_mapped(Session& s, AttachedCache cache) {
   s.ep.set_ready(proto::kReadyCacheAttached | proto::kReadyHostPool);
   if (s.restore_task) {
     KVTD_INFO("cache restored (task {}): the re-registered tensors are mapped", s.restore_task->task_id);
-    (void)s.ep.complete(completion_record(s.ep.rank(), *s.restore_task, proto::TaskStatus::kOk, 0, 0,
-                                          ipc::monotonic_now_ns(), "tensors re-opened"));
+    CompletionSink(s.ep, nullptr).write(*s.restore_task, proto::TaskStatus::kOk, 0, 0, ipc::monotonic_now_ns(),
+                                        "tensors re-opened");
     s.restore_task.reset();
   }
   KVTD_INFO("attached to session generation {:016x} as epoch {}; serving", s.ep.generation(), s.ep.epoch());
@@ -210,8 +210,8 @@ void RankServer::close_for_clear(Session& s, const TaskRunner& runner) {
 void RankServer::fail_restore(Session& s, const std::string& message) {
   KVTD_ERROR("cannot restore the cache: {}", message);
   if (!s.restore_task) return;
-  (void)s.ep.complete(completion_record(s.ep.rank(), *s.restore_task, proto::TaskStatus::kDeviceError, 0, 0,
-                                        ipc::monotonic_now_ns(), message));
+  CompletionSink(s.ep, nullptr).write(*s.restore_task, proto::TaskStatus::kDeviceError, 0, 0, ipc::monotonic_now_ns(),
+                                      message);
   s.restore_task.reset();
 }
 

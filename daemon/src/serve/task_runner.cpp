@@ -10,7 +10,7 @@
 #include <unordered_map>
 
 #include "serve/block_tracker.h"
-#include "serve/completion.h"
+#include "serve/completion_sink.h"
 #include "serve/task_decoder.h"
 #include "serve/work.h"
 #include "kvtd/daemon/log.h"
@@ -49,6 +49,7 @@ struct TaskRunner::Impl {
   std::uint64_t block_bytes_all_layers = 0;  // what one block of a task moves, every layer and tensor
 
   BlockTracker tracker;  // which blocks each lane has in flight: cross-lane order
+  CompletionSink sink;   // the one writer of completions
 
   struct Lane {
     Mutex mu;
@@ -71,7 +72,11 @@ struct TaskRunner::Impl {
   StorageStats storage_final GUARDED_BY(stats_mu);  // the executor's figures once it is gone
 
   Impl(endpoint::RankEndpoint& e, DeviceBackend& b, AttachedCache c)
-      : ep(e), backend(b), cache(std::move(c)), tracker(cache.host_blocks, cache.device_blocks) {
+      : ep(e),
+        backend(b),
+        cache(std::move(c)),
+        tracker(cache.host_blocks, cache.device_blocks),
+        sink(ep, cache.metrics) {
     for (auto bytes : cache.block_bytes) block_bytes_all_layers += bytes * cache.num_layers;
     auto complete_fn = [this](const proto::TaskRecordHeader& h, TaskStatus s, std::uint64_t blocks,
                               std::uint64_t skipped, std::int64_t start, const std::string& msg) {
@@ -94,38 +99,19 @@ struct TaskRunner::Impl {
     }
   }
 
+  // Every completion of this runner (and of its storage executor) goes through the sink; the
+  // runner's own figures are counted first, so they are current once the engine has the result.
   void complete(const proto::TaskRecordHeader& h, TaskStatus status, std::uint64_t blocks, std::uint32_t layers,
                 std::int64_t start_ns, const std::string& message, std::uint64_t skipped = 0) {
-    const proto::CompletionRecord rec = completion_record(ep.rank(), h, status, blocks, layers, start_ns, message, skipped);
     const auto kind = static_cast<TaskKind>(h.kind);
-    if (status != TaskStatus::kOk) {
-      std::string failed = "task " + std::to_string(h.task_id) + " (" + proto::task_kind_name(kind) +
-                           ") failed: " + proto::task_status_name(status) + ": " + message;
-      KVTD_WARN("{}", failed);
-      if (cache.metrics) cache.metrics->note_error(std::move(failed));
-    }
-    // Queue wait: engine submit to the start of execution; run: start to this record (same
-    // CLOCK_MONOTONIC on both sides of the session).
-    const std::int64_t wait_ns = start_ns > h.submit_ns && h.submit_ns > 0 ? start_ns - h.submit_ns : 0;
-    const std::int64_t run_ns = rec.end_ns > start_ns ? rec.end_ns - start_ns : 0;
     const bool moves = kind != TaskKind::kStorageQuery && kind != TaskKind::kCancel && !proto::is_cache_control_kind(kind);
-    const std::uint64_t bytes = moves ? blocks * block_bytes_all_layers : 0;
-    KVTD_DEBUG("task {} {} {}: {} blocks, {} bytes, queue wait {} us, run {} us", h.task_id, proto::task_kind_name(kind),
-               proto::task_status_name(status), blocks, bytes, wait_ns / 1000, run_ns / 1000);
-    if (cache.metrics) {
-      const auto dir = kind == TaskKind::kSwapToHost     ? metrics::Direction::kToHost
-                       : kind == TaskKind::kSwapToDevice ? metrics::Direction::kToDevice
-                       : kind == TaskKind::kStorageWrite ? metrics::Direction::kStorageWrite
-                                                         : metrics::Direction::kStorageRead;
-      cache.metrics->task_done(kind, status, dir, bytes, wait_ns, run_ns);
-    }
     {
       MutexLock g(stats_mu);
       if (status == TaskStatus::kOk) ++stats.tasks_ok;
       else ++stats.tasks_failed;
-      stats.queue_wait_ns_max = std::max(stats.queue_wait_ns_max, wait_ns);
+      stats.queue_wait_ns_max = std::max(stats.queue_wait_ns_max, CompletionSink::queue_wait_ns(h, start_ns));
     }
-    if (auto st = ep.complete(rec); !st.ok()) KVTD_ERROR("lost completion of task {}: {}", h.task_id, st.error().message);
+    sink.report(h, status, blocks, layers, start_ns, message, moves ? blocks * block_bytes_all_layers : 0, skipped);
   }
 
   // Every cache.summary_period_ns while tasks complete: one info line of what happened since the
