@@ -124,7 +124,7 @@ class StorageExecutorTest : public ::testing::Test {
     t.object_bytes = kObject;
     t.device_tensors.push_back(kernels::LayerTensor{device_.data(), kObject, kObject});
     auto e = StorageExecutor::create(
-        *ep_, *backend_, nullptr, std::move(t),
+        *ep_, *backend_, *backend_, nullptr, std::move(t),
         [this](const proto::TaskRecordHeader& h, TaskStatus st, std::uint64_t blocks, std::uint64_t, std::int64_t,
                const std::string& msg) {
           std::lock_guard<std::mutex> g(mu_);

@@ -96,7 +96,7 @@ std::uint64_t HostPool::object_bytes(const proto::CacheGeometry& g, config::Host
   return layout_of(g, layout, &l) ? l.total : 0;
 }
 
-Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(DeviceBackend& backend, const proto::CacheGeometry& g,
+Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend, const proto::CacheGeometry& g,
                                                              std::uint64_t generation, std::uint32_t rank,
                                                              config::HostLayout layout, int numa_node) {
   PoolLayout l;

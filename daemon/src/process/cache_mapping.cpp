@@ -67,7 +67,7 @@ Result<AttachedCache, DeviceErrc> attach_cache(const proto::CacheGeometry& g, Te
 
 Result<std::unique_ptr<FastDeployOwnedCache>, DeviceErrc> make_fastdeploy_cache(const config::DaemonConfig& cfg,
                                                                                const endpoint::RankEndpoint& ep,
-                                                                               DeviceBackend& backend) {
+                                                                               TensorMapper& backend) {
   const auto generation = ep.generation();
   auto owned = FastDeployOwnedCache::create(backend, ep.geometry(), cfg.rank, cfg.device_id, [&](std::size_t i) {
     return ipc::session_object_name(generation, "fdcache" + std::to_string(cfg.rank * 4096 + i));

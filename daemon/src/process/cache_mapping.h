@@ -32,7 +32,7 @@ bool wait_for_fastdeploy_cache(const config::DaemonConfig& cfg, const endpoint::
 // none, FastDeploy's names. Borrows everything it is given; one mapping pass at a time.
 class TensorSource {
  public:
-  TensorSource(endpoint::RankEndpoint& ep, DeviceBackend& backend, std::int32_t device_id, bool by_names,
+  TensorSource(endpoint::RankEndpoint& ep, TensorMapper& backend, std::int32_t device_id, bool by_names,
                const FastDeployOwnedCache* owned)
       : ep_(ep), backend_(backend), device_id_(device_id), owned_(owned), by_names_(by_names) {}
 
@@ -64,7 +64,7 @@ class TensorSource {
 
  private:
   endpoint::RankEndpoint& ep_;
-  DeviceBackend& backend_;
+  TensorMapper& backend_;
   std::int32_t device_id_;
   const FastDeployOwnedCache* owned_;
   bool by_names_;
@@ -77,6 +77,6 @@ Result<AttachedCache, DeviceErrc> attach_cache(const proto::CacheGeometry& g, Te
 // and tells FastDeploy's worker (cache_ready_signal[rank] = 1), as its transfer manager does.
 Result<std::unique_ptr<FastDeployOwnedCache>, DeviceErrc> make_fastdeploy_cache(const config::DaemonConfig& cfg,
                                                                                const endpoint::RankEndpoint& ep,
-                                                                               DeviceBackend& backend);
+                                                                               TensorMapper& backend);
 
 }  // namespace kvtd::daemon

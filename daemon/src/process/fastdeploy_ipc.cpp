@@ -82,7 +82,7 @@ Status<DeviceErrc> publish_name(const std::string& name, const std::array<std::u
 }  // namespace
 
 Result<std::unique_ptr<FastDeployOwnedCache>, DeviceErrc> FastDeployOwnedCache::create(
-    DeviceBackend& backend, const proto::CacheGeometry& g, std::uint32_t rank, std::int32_t device_id,
+    TensorMapper& backend, const proto::CacheGeometry& g, std::uint32_t rank, std::int32_t device_id,
     const std::function<std::string(std::size_t)>& object_name) {
   std::unique_ptr<FastDeployOwnedCache> c(new FastDeployOwnedCache(backend));
   c->tensors_.assign(std::size_t{g.num_layers} * proto::kTensorKinds, nullptr);

@@ -59,7 +59,7 @@ class FastDeployOwnedCache {
   // Allocates through `backend` and publishes every name. `object_name(i)` names the i-th
   // host-backend object (ignored by CUDA).
   static Result<std::unique_ptr<FastDeployOwnedCache>, DeviceErrc> create(
-      DeviceBackend& backend, const proto::CacheGeometry& g, std::uint32_t rank, std::int32_t device_id,
+      TensorMapper& backend, const proto::CacheGeometry& g, std::uint32_t rank, std::int32_t device_id,
       const std::function<std::string(std::size_t)>& object_name);
   ~FastDeployOwnedCache();
   FastDeployOwnedCache(const FastDeployOwnedCache&) = delete;
@@ -69,8 +69,8 @@ class FastDeployOwnedCache {
   std::byte* tensor(std::uint32_t layer, proto::TensorKind kind) const;
 
  private:
-  explicit FastDeployOwnedCache(DeviceBackend& backend) : backend_(backend) {}
-  DeviceBackend& backend_;
+  explicit FastDeployOwnedCache(TensorMapper& backend) : backend_(backend) {}
+  TensorMapper& backend_;
   std::vector<std::string> names_;  // published set_data_ipc objects
   std::vector<std::byte*> tensors_;  // layer * kTensorKinds + kind
 };

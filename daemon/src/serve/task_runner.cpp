@@ -44,7 +44,7 @@ TrackedTask tracked(const Work& w) {
 
 struct TaskRunner::Impl {
   endpoint::RankEndpoint& ep;
-  DeviceBackend& backend;
+  CopyEngine& backend;  // the lanes' copies
   AttachedCache cache;
   std::uint64_t block_bytes_all_layers = 0;  // what one block of a task moves, every layer and tensor
 
@@ -83,14 +83,14 @@ struct TaskRunner::Impl {
       complete(h, s, blocks, 0, start, msg, skipped);
     };
     auto release_fn = [this](const StorageWork& sw) { release_storage(sw); };
-    auto ex = StorageExecutor::create(ep, backend, cache.pool, cache.storage, complete_fn, release_fn);
+    auto ex = StorageExecutor::create(ep, b, b, cache.pool, cache.storage, complete_fn, release_fn);
     if (!ex.ok()) {
       // Storage tasks then fail, naming why; swaps are unaffected.
       KVTD_ERROR("storage tasks disabled: {}", ex.error().message);
       StorageTargets none = cache.storage;
       none.store = nullptr;
       none.no_store_reason = "storage tasks are disabled on this rank: " + ex.error().message;
-      ex = StorageExecutor::create(ep, backend, cache.pool, none, complete_fn, release_fn);
+      ex = StorageExecutor::create(ep, b, b, cache.pool, none, complete_fn, release_fn);
     }
     MutexLock g(stats_mu);  // no other thread yet; the locks keep the analysis whole
     if (ex.ok()) {

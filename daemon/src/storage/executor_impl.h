@@ -40,7 +40,7 @@ struct Prepared {
 
 struct StorageExecutor::Impl {
   endpoint::RankEndpoint& ep;
-  DeviceBackend& backend;
+  CopyEngine& backend;  // the tensors' bytes to and from staging
   HostPool* pool;
   StorageTargets t;
   Complete complete;
@@ -83,7 +83,7 @@ struct StorageExecutor::Impl {
   mutable Mutex stats_mu;
   StorageStats st GUARDED_BY(stats_mu);
 
-  Impl(endpoint::RankEndpoint& e, DeviceBackend& b, HostPool* p, StorageTargets targets, Complete c, Release r)
+  Impl(endpoint::RankEndpoint& e, CopyEngine& b, HostPool* p, StorageTargets targets, Complete c, Release r)
       : ep(e), backend(b), pool(p), t(std::move(targets)), complete(std::move(c)), release(std::move(r)) {}
 
   // FastDeploy's RL key prefix for tasks of the engine's weight version `wv`: read from

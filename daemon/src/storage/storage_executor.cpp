@@ -103,7 +103,7 @@ void StorageExecutor::Impl::worker_loop(std::size_t index) {
 }
 
 
-Result<std::unique_ptr<StorageExecutor>, DeviceErrc> StorageExecutor::create(endpoint::RankEndpoint& ep, DeviceBackend& backend,
+Result<std::unique_ptr<StorageExecutor>, DeviceErrc> StorageExecutor::create(endpoint::RankEndpoint& ep, CopyEngine& backend, HostMemory& host_memory,
                                                                               HostPool* pool, StorageTargets targets,
                                                                               Complete complete, Release release) {
   auto impl = std::make_unique<Impl>(ep, backend, pool, std::move(targets), std::move(complete), std::move(release));
@@ -120,7 +120,7 @@ Result<std::unique_ptr<StorageExecutor>, DeviceErrc> StorageExecutor::create(end
   for (std::uint64_t i = 0; i < threads; ++i) {
     std::byte* p = nullptr;
     if (slice_bytes != 0) {
-      auto a = HostBuffer::allocate(backend, slice_bytes);
+      auto a = HostBuffer::allocate(host_memory, slice_bytes);
       if (!a.ok()) return std::move(a).error();
       p = a->data();
       impl->staging_memory.push_back(std::move(a).value());  // returned when the executor ends

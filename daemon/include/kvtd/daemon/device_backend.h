@@ -7,7 +7,7 @@
 //
 // Ownership: a backend owns every tensor mapping it opened and every host buffer it allocated;
 // close_tensors() releases the mappings exactly once (also done by the destructor).
-// Thread-safety: copy() may run concurrently for the two directions (each has its own stream);
+// Thread-safety: copies may run concurrently for the two directions (each has its own stream);
 // open/close/alloc are called from one thread while no copy runs.
 #pragma once
 
@@ -42,20 +42,41 @@ enum class Direction { kToHost, kToDevice };
 
 using config::ScatterMode;
 
-class DeviceBackend {
- public:
-  virtual ~DeviceBackend() = default;
-  virtual const char* name() const = 0;
+// A backend is four narrow interfaces; each consumer takes only the one it uses (the task
+// runner a CopyEngine, the host pool HostMemory, the cache mapping a TensorMapper, the storage
+// executor a CopyEngine and HostMemory); the self-test alone reaches SelfTestDevice.
 
+// The engine's tensors: opened from their registered handles, or made here for another process.
+class TensorMapper {
+ public:
+  virtual ~TensorMapper() = default;
   // Maps one registered tensor and returns the address of its first byte (handle base plus the
   // recorded offset). Opening the same handle twice maps it once.
   virtual Result<std::byte*, DeviceErrc> open_tensor(const proto::TensorDesc& desc) = 0;
   // Releases every mapping opened since the last call.
   virtual void close_tensors() = 0;
 
+  // Device memory this process allocates for another process to map (FastDeploy's
+  // --create_cache_tensor: the transfer manager makes the KV cache and FastDeploy's worker maps
+  // it by name). Zero-filled. `handle` is what the other process opens: a cudaIpcMemHandle_t, or
+  // on the host backend the name of the shared-memory object made for it (`object_name`, ignored
+  // by CUDA). This process uses `ptr` itself (CUDA cannot open its own handles). Freed by
+  // free_exported(), every one at once, and by the destructor.
+  struct ExportedTensor {
+    std::byte* ptr = nullptr;
+    std::array<std::uint8_t, proto::kHandleBytes> handle{};
+  };
+  virtual Result<ExportedTensor, DeviceErrc> create_exported(std::size_t bytes, const std::string& object_name) = 0;
+  virtual void free_exported() = 0;
+};
+
+// Host memory for the device: staging (taken as a HostBuffer, below, which gives it back) and
+// the host pool's pages, pinned.
+class HostMemory {
+ public:
+  virtual ~HostMemory() = default;
   // Host memory (pinned for DMA on CUDA), zero-filled, until free_host(ptr) or the backend's end.
-  // For staging and self-tests; the host pool is a shared object pinned with pin_host. Callers
-  // that live shorter than the process hold it as a HostBuffer (below).
+  // Callers hold it as a HostBuffer (HostBuffer::allocate), which returns it.
   virtual Result<std::byte*, DeviceErrc> alloc_host(std::size_t bytes) = 0;
   // Returns memory from alloc_host; null or unknown pointers are ignored.
   virtual void free_host(std::byte* ptr) = 0;
@@ -63,16 +84,14 @@ class DeviceBackend {
   // unpin_host(addr). The caller keeps it mapped until then.
   virtual Status<DeviceErrc> pin_host(std::byte* addr, std::size_t bytes) = 0;
   virtual void unpin_host(std::byte* addr) = 0;
-  // Whether the CPU can read the mapped device tensors in place (the host backend: they are
-  // shared memory). Then storage writes take their bytes straight from the tensors; else they
-  // go through pinned staging (gather_to_staging).
-  virtual bool tensors_host_accessible() const { return false; }
   // NUMA node of the device (host memory for it belongs there), or -1 when unknown.
   virtual int numa_node() const { return -1; }
-  // True once a call met a sticky (context-poisoning) error: nothing this process enqueues will
-  // run again. The daemon stops serving and exits for a restart. Any thread.
-  virtual bool broken() const { return false; }
+};
 
+// Copies between the mapped tensors and host memory, per direction.
+class CopyEngine {
+ public:
+  virtual ~CopyEngine() = default;
   // Carries out `plan` for every target, in the direction's stream, and returns when done.
   virtual Status<DeviceErrc> copy(Direction dir, const kernels::CopyPlan& plan,
                                   std::span<const kernels::CopyTarget> targets) = 0;
@@ -98,33 +117,37 @@ class DeviceBackend {
   virtual Status<DeviceErrc> scatter_from_staging(std::span<const kernels::LayerTensor> tensors,
                                                   std::span<const std::int32_t> ids, const std::byte* staging) = 0;
 
-  // Device memory this process allocates for another process to map (FastDeploy's
-  // --create_cache_tensor: the transfer manager makes the KV cache and FastDeploy's worker maps
-  // it by name). Zero-filled. `handle` is what the other process opens: a cudaIpcMemHandle_t, or
-  // on the host backend the name of the shared-memory object made for it (`object_name`, ignored
-  // by CUDA). This process uses `ptr` itself (CUDA cannot open its own handles). Freed by
-  // free_exported(), every one at once, and by the destructor.
-  struct ExportedTensor {
-    std::byte* ptr = nullptr;
-    std::array<std::uint8_t, proto::kHandleBytes> handle{};
-  };
-  virtual Result<ExportedTensor, DeviceErrc> create_exported(std::size_t bytes, const std::string& object_name) = 0;
-  virtual void free_exported() = 0;
+  // Whether the CPU can read the mapped device tensors in place (the host backend: they are
+  // shared memory). Then storage writes take their bytes straight from the tensors; else they
+  // go through pinned staging (gather_to_staging).
+  virtual bool tensors_host_accessible() const { return false; }
+  // True once a call met a sticky (context-poisoning) error: nothing this process enqueues will
+  // run again. The daemon stops serving and exits for a restart. Any thread.
+  virtual bool broken() const { return false; }
+};
 
-  // Device memory owned by the backend, and plain transfers to and from it (self-test use).
+// Device memory owned by the backend, and plain transfers to and from it: `kvtd selftest` only.
+class SelfTestDevice {
+ public:
+  virtual ~SelfTestDevice() = default;
   virtual Result<std::byte*, DeviceErrc> alloc_device(std::size_t bytes) = 0;
   virtual Status<DeviceErrc> write_device(std::byte* dst, const std::byte* src, std::size_t bytes) = 0;
   virtual Status<DeviceErrc> read_device(std::byte* dst, const std::byte* src, std::size_t bytes) = 0;
 };
 
-// Host memory from DeviceBackend::alloc_host, returned to the backend when the buffer ends (a
+class DeviceBackend : public TensorMapper, public HostMemory, public CopyEngine, public SelfTestDevice {
+ public:
+  virtual const char* name() const = 0;
+};
+
+// Host memory from HostMemory::alloc_host, returned to the backend when the buffer ends (a
 // task runner is made per session and per weight update: what it takes must go back, or a
 // daemon serving for weeks grows by its staging every time). Ownership: owns the memory; the
 // backend must outlive it. Movable, not copyable. Not thread-safe (a value).
 class HostBuffer {
  public:
   HostBuffer() = default;
-  static Result<HostBuffer, DeviceErrc> allocate(DeviceBackend& backend, std::size_t bytes) {
+  static Result<HostBuffer, DeviceErrc> allocate(HostMemory& backend, std::size_t bytes) {
     auto p = backend.alloc_host(bytes);
     if (!p.ok()) return std::move(p).error();
     return HostBuffer(&backend, *p, bytes);
@@ -152,8 +175,8 @@ class HostBuffer {
   }
 
  private:
-  HostBuffer(DeviceBackend* b, std::byte* p, std::size_t n) : backend_(b), data_(p), size_(n) {}
-  DeviceBackend* backend_ = nullptr;
+  HostBuffer(HostMemory* b, std::byte* p, std::size_t n) : backend_(b), data_(p), size_(n) {}
+  HostMemory* backend_ = nullptr;
   std::byte* data_ = nullptr;
   std::size_t size_ = 0;
 };

@@ -45,7 +45,7 @@ class HostPool {
   // Maps the pool of (generation, rank) if a previous daemon of this session left a complete one
   // with this geometry and layout, else creates it (after checking /dev/shm has room: the error
   // names the size and the free space), preferring `numa_node` for its pages (-1: anywhere).
-  static Result<std::unique_ptr<HostPool>, DeviceErrc> open(DeviceBackend& backend, const proto::CacheGeometry& g,
+  static Result<std::unique_ptr<HostPool>, DeviceErrc> open(HostMemory& backend, const proto::CacheGeometry& g,
                                                             std::uint64_t generation, std::uint32_t rank,
                                                             config::HostLayout layout = config::HostLayout::kLayerFirst,
                                                             int numa_node = -1);
@@ -85,7 +85,7 @@ class HostPool {
 
  private:
   HostPool() = default;
-  DeviceBackend* backend_ = nullptr;
+  HostMemory* backend_ = nullptr;
   std::unique_ptr<ipc::SharedObject> object_;
   std::byte* pinned_ = nullptr;
   std::uint8_t* valid_ = nullptr;

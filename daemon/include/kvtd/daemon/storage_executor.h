@@ -88,9 +88,11 @@ class StorageExecutor {
   using Release = std::function<void(const StorageWork&)>;
 
   // Fails when the staging cannot be allocated or a worker's slice holds no object.
-  static Result<std::unique_ptr<StorageExecutor>, DeviceErrc> create(endpoint::RankEndpoint& ep, DeviceBackend& backend,
-                                                                      HostPool* pool, StorageTargets targets,
-                                                                      Complete complete, Release release);
+  // `copies` moves objects' bytes between the tensors and staging; `host_memory` gives the staging.
+  static Result<std::unique_ptr<StorageExecutor>, DeviceErrc> create(endpoint::RankEndpoint& ep, CopyEngine& copies,
+                                                                      HostMemory& host_memory, HostPool* pool,
+                                                                      StorageTargets targets, Complete complete,
+                                                                      Release release);
   ~StorageExecutor();
   StorageExecutor(const StorageExecutor&) = delete;
   StorageExecutor& operator=(const StorageExecutor&) = delete;
