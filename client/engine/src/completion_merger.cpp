@@ -17,27 +17,22 @@
 #include "kvtd/ipc/task_codec.h"
 #include "kvtd/ipc/wait.h"
 #include "kvtd/proto/names.h"
+#include "completion_merger.h"
 #include "session_impl.h"
 
 namespace kvtd::engine {
 
-void EngineSession::Impl::finish_if_complete(std::uint64_t id, Pending& p) {
-  if (p.reported != p.expected) return;
-  p.result.complete_ns = clock->now_ns();
-  // The merged status is the failure of the lowest-numbered failing rank, whatever the order
-  // in which reports arrived.
-  std::sort(p.result.failures.begin(), p.result.failures.end(),
-            [](const RankFailure& a, const RankFailure& b) { return a.rank < b.rank; });
-  p.result.status = p.result.failures.empty() ? TaskStatus::kOk : p.result.failures.front().status;
-  // A cancelled task keeps how far it got (MIN over ranks); any other failure moved nothing usable.
-  if (!p.result.failures.empty() && p.result.status != TaskStatus::kCancelled) p.result.blocks_done = 0;
-  done.emplace(id, std::move(p.result));
-  pending.erase(id);
-  while (done.size() > opts.max_uncollected_results) done.erase(done.begin());  // nobody collects them
+void CompletionMerger::expect(std::uint64_t task_id, std::uint64_t seq, std::uint32_t expected, std::int64_t submit_ns) {
+  Pending p;
+  p.seq = seq;
+  p.expected = expected;
+  p.result.task_id = task_id;
+  p.result.submit_ns = submit_ns;
+  pending_.emplace(task_id, std::move(p));
 }
 
-void EngineSession::Impl::record_report(Pending& p, std::uint32_t rank, TaskStatus status, std::uint64_t blocks,
-                   std::string message, std::uint64_t skipped) {
+void CompletionMerger::record(Pending& p, std::uint32_t rank, TaskStatus status, std::uint64_t blocks,
+                              std::string message, std::uint64_t skipped) {
   const std::uint32_t bit = 1u << rank;
   if ((p.expected & bit) == 0 || (p.reported & bit) != 0) return;  // late or duplicate report
   const bool first = p.reported == 0;
@@ -50,27 +45,78 @@ void EngineSession::Impl::record_report(Pending& p, std::uint32_t rank, TaskStat
   if (first || skipped < p.result.blocks_skipped) p.result.blocks_skipped = skipped;
 }
 
+bool CompletionMerger::finish_if_complete(std::uint64_t id, Pending& p, std::int64_t now_ns) {
+  if (p.reported != p.expected) return false;
+  p.result.complete_ns = now_ns;
+  // The merged status is the failure of the lowest-numbered failing rank, whatever the order
+  // in which reports arrived.
+  std::sort(p.result.failures.begin(), p.result.failures.end(),
+            [](const RankFailure& a, const RankFailure& b) { return a.rank < b.rank; });
+  p.result.status = p.result.failures.empty() ? TaskStatus::kOk : p.result.failures.front().status;
+  // A cancelled task keeps how far it got (MIN over ranks); any other failure moved nothing usable.
+  if (!p.result.failures.empty() && p.result.status != TaskStatus::kCancelled) p.result.blocks_done = 0;
+  done_.emplace(id, std::move(p.result));
+  pending_.erase(id);
+  while (done_.size() > max_uncollected_) done_.erase(done_.begin());  // nobody collects them
+  return true;
+}
+
+bool CompletionMerger::report(std::uint64_t task_id, std::uint32_t rank, TaskStatus status, std::uint64_t blocks,
+                              std::string message, std::uint64_t skipped, std::int64_t now_ns) {
+  auto it = pending_.find(task_id);
+  if (it == pending_.end() || rank >= 32) return false;
+  record(it->second, rank, status, blocks, std::move(message), skipped);
+  return finish_if_complete(task_id, it->second, now_ns);
+}
+
+std::size_t CompletionMerger::fail_rank(std::uint32_t rank, TaskStatus status, const std::string& why,
+                                        std::int64_t now_ns) {
+  if (rank >= 32) return 0;
+  std::vector<std::uint64_t> ids;
+  const std::uint32_t bit = 1u << rank;
+  for (auto& [id, p] : pending_)
+    if ((p.expected & bit) && !(p.reported & bit)) ids.push_back(id);
+  for (auto id : ids) {
+    auto& p = pending_[id];
+    record(p, rank, status, 0, why, 0);
+    finish_if_complete(id, p, now_ns);
+  }
+  return ids.size();
+}
+
+std::optional<TaskResult> CompletionMerger::take(std::uint64_t task_id) {
+  auto it = done_.find(task_id);
+  if (it == done_.end()) return std::nullopt;
+  TaskResult r = std::move(it->second);
+  done_.erase(it);
+  return r;
+}
+
+const TaskResult* CompletionMerger::peek(std::uint64_t task_id) const {
+  auto it = done_.find(task_id);
+  return it == done_.end() ? nullptr : &it->second;
+}
+
+std::optional<std::uint64_t> CompletionMerger::seq_of(std::uint64_t task_id) const {
+  auto it = pending_.find(task_id);
+  if (it == pending_.end()) return std::nullopt;
+  return it->second.seq;
+}
+
+std::uint32_t CompletionMerger::reported(std::uint64_t task_id) const {
+  auto it = pending_.find(task_id);
+  return it == pending_.end() ? 0 : it->second.reported;
+}
+
 void EngineSession::Impl::merge(const proto::CompletionRecord& rec) {
-  auto it = pending.find(rec.task_id);
-  if (it == pending.end() || rec.rank >= geo.num_ranks) return;
+  if (rec.rank >= geo.num_ranks) return;
   std::string msg(rec.message, strnlen(rec.message, sizeof rec.message));
-  record_report(it->second, rec.rank, static_cast<TaskStatus>(rec.status), rec.blocks_done,
-                std::move(msg), rec.blocks_skipped);
-  finish_if_complete(rec.task_id, it->second);
+  (void)merger.report(rec.task_id, rec.rank, static_cast<TaskStatus>(rec.status), rec.blocks_done, std::move(msg),
+                      rec.blocks_skipped, clock->now_ns());
 }
 
 void EngineSession::Impl::fail_rank(std::uint32_t rank, TaskStatus status, const std::string& why) {
-  std::vector<std::uint64_t> ids;
-  for (auto& [id, p] : pending) {
-    const std::uint32_t bit = 1u << rank;
-    if ((p.expected & bit) && !(p.reported & bit)) ids.push_back(id);
-  }
-  for (auto id : ids) {
-    auto& p = pending[id];
-    record_report(p, rank, status, 0, why);
-    finish_if_complete(id, p);
-  }
-  if (!ids.empty()) wake_completion_waiters();
+  if (merger.fail_rank(rank, status, why, clock->now_ns()) != 0) wake_completion_waiters();
 }
 
 Result<TaskResult, IpcErrc> EngineSession::Impl::wait_result(std::uint64_t task_id, std::int64_t timeout_ns) {
@@ -82,13 +128,8 @@ Result<TaskResult, IpcErrc> EngineSession::Impl::wait_result(std::uint64_t task_
     {
       MutexLock g(impl->mu);
       impl->service(false);
-      auto it = impl->done.find(task_id);
-      if (it != impl->done.end()) {
-        TaskResult r = std::move(it->second);
-        impl->done.erase(it);
-        return r;
-      }
-      if (!impl->pending.count(task_id))
+      if (auto r = impl->merger.take(task_id)) return std::move(*r);
+      if (!impl->merger.pending(task_id))
         return make_error(IpcErrc::kUnknownTask, "task " + std::to_string(task_id) +
                                                      " is not pending (never submitted, already collected, or dropped "
                                                      "as one of more than " +

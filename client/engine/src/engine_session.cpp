@@ -126,6 +126,7 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
                                    o.completion_capacity);
   {
     MutexLock g(impl->mu);  // no other thread yet; the lock keeps the analysis whole
+    impl->merger = CompletionMerger(o.max_uncollected_results);
     impl->arena_tensor.assign(layout.registry_count, nullptr);
     impl->rank_state.assign(o.geometry.num_ranks, Impl::RankState{});
   }
@@ -199,11 +200,7 @@ std::optional<TaskResult> EngineSession::poll(std::uint64_t task_id) {
   if (!gate.usable()) return std::nullopt;
   MutexLock g(impl_->mu);
   impl_->service(false);
-  auto it = impl_->done.find(task_id);
-  if (it == impl_->done.end()) return std::nullopt;
-  TaskResult r = std::move(it->second);
-  impl_->done.erase(it);
-  return r;
+  return impl_->merger.take(task_id);
 }
 
 Result<TaskResult, IpcErrc> EngineSession::wait(std::uint64_t task_id, std::int64_t timeout_ns) {
@@ -231,7 +228,7 @@ std::size_t EngineSession::in_flight() const {
   const Impl::Gate gate(impl_.get());
   if (!gate.usable()) return 0;
   MutexLock g(impl_->mu);
-  return impl_->pending.size();
+  return impl_->merger.pending_count();
 }
 
 const proto::CacheGeometry& EngineSession::geometry() const { return impl_->geo; }

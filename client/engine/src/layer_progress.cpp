@@ -37,19 +37,19 @@ Status<IpcErrc> EngineSession::wait_layer(std::uint64_t task_id, std::uint32_t l
     {
       MutexLock g(impl->mu);
       impl->service(false);
-      if (auto it = impl->done.find(task_id); it != impl->done.end()) {
-        if (it->second.ok()) return {};
-        const auto& f = it->second.failures.front();
+      if (const TaskResult* done = impl->merger.peek(task_id)) {
+        if (done->ok()) return {};
+        const auto& f = done->failures.front();
         return make_error(IpcErrc::kTaskFailed, "task " + std::to_string(task_id) + " failed on rank " +
                                                     std::to_string(f.rank) + ": " + f.message);
       }
-      auto it = impl->pending.find(task_id);
-      if (it == impl->pending.end())
-        return make_error(IpcErrc::kUnknownTask, "task " + std::to_string(task_id) + " is not pending");
+      const auto seq = impl->merger.seq_of(task_id);
+      if (!seq) return make_error(IpcErrc::kUnknownTask, "task " + std::to_string(task_id) + " is not pending");
+      const std::uint32_t reported = impl->merger.reported(task_id);
       bool all = true;
       for (std::uint32_t r = 0; r < impl->geo.num_ranks && all; ++r) {
-        if (it->second.reported & (1u << r)) continue;  // that rank finished the whole task
-        auto* slot = impl->view.progress_slot(r, it->second.seq);
+        if (reported & (1u << r)) continue;  // that rank finished the whole task
+        auto* slot = impl->view.progress_slot(r, *seq);
         const std::uint64_t before = slot->task_id.load(std::memory_order_acquire);
         const std::uint32_t reached = stage == LayerStage::kDone ? slot->layers_done.load(std::memory_order_acquire)
                                                                  : slot->layers_enqueued.load(std::memory_order_acquire);

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "kvtd/base/mutex.h"
+#include "completion_merger.h"
 #include "kvtd/engine/engine_session.h"
 #include "kvtd/ipc/rings.h"
 #include "kvtd/ipc/segment.h"
@@ -34,13 +35,6 @@ namespace kvtd::engine {
 using namespace kvtd::ipc;  // NOLINT(google-build-using-namespace): a private header of this target only
 namespace detail = ipc::detail;
 using proto::TaskStatus;
-
-struct Pending {
-  std::uint64_t seq = 0;       // ring sequence number: locates the layer progress slot
-  std::uint32_t expected = 0;  // rank bit mask
-  std::uint32_t reported = 0;
-  TaskResult result;
-};
 
 // One record to push: header plus its two word lists (owned).
 struct Encoded {
@@ -64,8 +58,7 @@ struct EngineSession::Impl {
 
   // Lock order: stop_mu before mu (the service loop takes mu inside stop_mu's scope).
   mutable Mutex mu;
-  std::unordered_map<std::uint64_t, Pending> pending GUARDED_BY(mu);
-  std::map<std::uint64_t, TaskResult> done GUARDED_BY(mu);  // ordered by id: the oldest is dropped first
+  CompletionMerger merger GUARDED_BY(mu);  // pending tasks and their merged results
   std::uint64_t next_task_id GUARDED_BY(mu) = 1;
   std::atomic<std::uint64_t> weight_version{0};
   // Weight updates (mirrored to h->cache_state): tasks are refused while cleared;
@@ -155,11 +148,8 @@ struct EngineSession::Impl {
 
   void wake_completion_waiters() { bump_and_wake(h->completion_word, &h->completion_waiters); }
 
-  void finish_if_complete(std::uint64_t id, Pending& p) REQUIRES(mu);
-
-  void record_report(Pending& p, std::uint32_t rank, TaskStatus status, std::uint64_t blocks,
-                     std::string message, std::uint64_t skipped = 0) REQUIRES(mu);
-
+  // A rank's completion record into the merger (a record naming a rank outside the geometry is
+  // ignored).
   void merge(const proto::CompletionRecord& rec) REQUIRES(mu);
 
   // Fails every task still waiting for `rank`.

@@ -179,7 +179,7 @@ Result<std::uint64_t, IpcErrc> EngineSession::Impl::submit_encoded(std::vector<E
           return make_error(IpcErrc::kNotReady, "rank " + std::to_string(r) + " is not attached to session " + impl->name);
       }
       if (expected == 0) return std::uint64_t{0};  // cache control with no rank attached: nothing to tell
-      if (impl->pending.size() + records.size() <= impl->opts.completion_capacity) {
+      if (impl->merger.pending_count() + records.size() <= impl->opts.completion_capacity) {
         // All records of a request go in together (a swap and its backup get consecutive ids):
         // with 2 x need free, padding before a wrap (less than one record) cannot starve the second.
         if (records.size() == 1 || impl->ring->free_bytes() >= 2 * need) {
@@ -202,7 +202,7 @@ Result<std::uint64_t, IpcErrc> EngineSession::Impl::submit_encoded(std::vector<E
                                                     " bytes free, task needs " + std::to_string(need) +
                                                     "; ranks did not consume within " +
                                                     std::to_string(timeout_ns / 1'000'000) + " ms");
-        return make_error(IpcErrc::kTooManyInFlight, std::to_string(impl->pending.size()) +
+        return make_error(IpcErrc::kTooManyInFlight, std::to_string(impl->merger.pending_count()) +
                                                          " tasks in flight, the completion capacity");
       }
     }
@@ -221,12 +221,7 @@ std::optional<std::uint64_t> EngineSession::Impl::push_locked(proto::TaskRecordH
   std::uint64_t seq = 0;
   if (!ring->try_push(hdr, src, dst, &seq)) return std::nullopt;
   ++next_task_id;
-  Pending p;
-  p.seq = seq;
-  p.expected = expected != 0 ? expected : all_ranks_mask();
-  p.result.task_id = hdr.task_id;
-  p.result.submit_ns = hdr.submit_ns;
-  pending.emplace(hdr.task_id, std::move(p));
+  merger.expect(hdr.task_id, seq, expected != 0 ? expected : all_ranks_mask(), hdr.submit_ns);
   bump_and_wake(h->publish_word, &h->consumer_waiters);
   return hdr.task_id;
 }
