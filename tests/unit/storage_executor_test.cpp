@@ -103,6 +103,28 @@ class StorageExecutorTest : public ::testing::Test {
   std::map<std::uint64_t, Outcome> done_;
   std::uint64_t seq_ = 0;
 
+  // An executor of `ep` over the scripted store whose completions land in `done`.
+  std::unique_ptr<StorageExecutor> make_executor(endpoint::RankEndpoint& ep, std::map<std::uint64_t, Outcome>& done) {
+    StorageTargets t;
+    t.store = &store_;
+    t.store_name = "scripted store";
+    t.config.io_threads = 1;
+    t.config.staging_mib = 8;
+    t.object_bytes = kObject;
+    t.device_tensors.push_back(kernels::LayerTensor{device_.data(), kObject, kObject});
+    auto e = StorageExecutor::create(
+        ep, *backend_, *backend_, nullptr, std::move(t),
+        [this, &done](const proto::TaskRecordHeader& h, TaskStatus st, std::uint64_t blocks, std::uint64_t,
+                      std::int64_t, const std::string& msg) {
+          std::lock_guard<std::mutex> g(mu_);
+          done[h.task_id] = Outcome{st, blocks, msg};
+          cv_.notify_all();
+        },
+        [](const StorageWork&) {});
+    EXPECT_TRUE(e.ok()) << e.error().message;
+    return e.ok() ? std::move(e).value() : nullptr;
+  }
+
   void SetUp() override {
     engine::SessionOptions o;
     o.suffix = suffix_;
@@ -116,24 +138,8 @@ class StorageExecutorTest : public ::testing::Test {
     auto ep = endpoint::RankEndpoint::attach(test::endpoint_options(suffix_, 0, g_));
     ASSERT_TRUE(ep.ok()) << ep.error().message;
     ep_ = std::move(ep).value();
-    StorageTargets t;
-    t.store = &store_;
-    t.store_name = "scripted store";
-    t.config.io_threads = 1;
-    t.config.staging_mib = 8;
-    t.object_bytes = kObject;
-    t.device_tensors.push_back(kernels::LayerTensor{device_.data(), kObject, kObject});
-    auto e = StorageExecutor::create(
-        *ep_, *backend_, *backend_, nullptr, std::move(t),
-        [this](const proto::TaskRecordHeader& h, TaskStatus st, std::uint64_t blocks, std::uint64_t, std::int64_t,
-               const std::string& msg) {
-          std::lock_guard<std::mutex> g(mu_);
-          done_[h.task_id] = Outcome{st, blocks, msg};
-          cv_.notify_all();
-        },
-        [](const StorageWork&) {});
-    ASSERT_TRUE(e.ok()) << e.error().message;
-    exec_ = std::move(e).value();
+    exec_ = make_executor(*ep_, done_);
+    ASSERT_NE(exec_, nullptr);
   }
   void TearDown() override {
     exec_.reset();
@@ -232,6 +238,63 @@ TEST_F(StorageExecutorTest, ACancelStopsAWriteAtItsNextStepAndAnswersTruthfully)
   const auto finished = wait(11);
   EXPECT_EQ(finished.status, TaskStatus::kOk) << finished.message;
   EXPECT_EQ(finished.blocks, 4u);
+}
+
+// The storage phases across two ranks in one process (the agreement through the session's real
+// shared memory, a scripted store): each rank loads only the prefix every rank has, the MIN.
+class TwoRankStorageTest : public StorageExecutorTest {
+ protected:
+  TwoRankStorageTest() { g_ = test::small_geometry(2); }  // before SetUp makes the session
+  std::unique_ptr<endpoint::RankEndpoint> ep1_;
+  std::unique_ptr<StorageExecutor> exec1_;
+  std::map<std::uint64_t, Outcome> done1_;
+
+  void SetUp() override {
+    ASSERT_NO_FATAL_FAILURE(StorageExecutorTest::SetUp());
+    auto ep = endpoint::RankEndpoint::attach(test::endpoint_options(suffix_, 1, g_));
+    ASSERT_TRUE(ep.ok()) << ep.error().message;
+    ep1_ = std::move(ep).value();
+    exec1_ = make_executor(*ep1_, done1_);
+    ASSERT_NE(exec1_, nullptr);
+  }
+  void TearDown() override {
+    exec1_.reset();
+    ep1_.reset();
+    StorageExecutorTest::TearDown();
+  }
+  // The same task on both ranks (one sequence number: one agreement).
+  void submit_both(TaskKind kind, std::uint64_t id, const std::vector<std::string>& keys0,
+                   const std::vector<std::string>& keys1) {
+    const std::uint64_t seq = ++seq_;
+    for (int r = 0; r < 2; ++r) {
+      StorageWork w;
+      w.header.task_id = id;
+      w.header.seq = seq;
+      w.header.kind = static_cast<std::uint16_t>(kind);
+      w.epoch = (r == 0 ? ep_ : ep1_)->epoch();
+      w.section.keys = r == 0 ? keys0 : keys1;
+      for (std::size_t i = 0; i < w.section.keys.size(); ++i) w.blocks.push_back(static_cast<std::int32_t>(i));
+      (r == 0 ? exec_ : exec1_)->submit(std::move(w));
+    }
+  }
+  Outcome wait1(std::uint64_t id) {
+    std::unique_lock<std::mutex> lk(mu_);
+    EXPECT_TRUE(cv_.wait_for(lk, std::chrono::seconds(20), [&] { return done1_.count(id) != 0; })) << "task " << id;
+    return done1_.count(id) ? done1_[id] : Outcome{TaskStatus::kInternal, 0, "no completion"};
+  }
+};
+
+TEST_F(TwoRankStorageTest, EachRankLoadsOnlyThePrefixEveryRankHas) {
+  // Rank 0 stores four objects, rank 1 only the first two of the same keys.
+  submit_both(TaskKind::kStorageWrite, 1, keys("p", 4), keys("p", 2));
+  ASSERT_EQ(wait(1).status, TaskStatus::kOk);
+  ASSERT_EQ(wait1(1).status, TaskStatus::kOk);
+  submit_both(TaskKind::kStorageRead, 2, keys("p", 4), keys("p", 4));
+  const auto r0 = wait(2), r1 = wait1(2);
+  EXPECT_EQ(r0.status, TaskStatus::kOk) << r0.message;
+  EXPECT_EQ(r1.status, TaskStatus::kOk) << r1.message;
+  EXPECT_EQ(r0.blocks, 2u) << "rank 0 has four objects but rank 1 only two: the agreed MIN";
+  EXPECT_EQ(r1.blocks, 2u);
 }
 
 }  // namespace
