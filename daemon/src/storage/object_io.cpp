@@ -17,6 +17,27 @@ namespace kvtd::daemon {
 
 namespace {
 
+// A device error met by one of several I/O threads of one chunk (the last one is kept).
+class DeviceError {
+ public:
+  void set(std::string message) {
+    MutexLock g(mu_);
+    text_ = std::move(message);
+  }
+  std::string get() const {
+    MutexLock g(mu_);
+    return text_;
+  }
+
+ private:
+  mutable Mutex mu_;
+  std::string text_ GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+namespace {
+
 // "write /long/path/x.kvo: No space left on device" -> "No space left on device (write /long/...)".
 std::string cause_of(const std::string& error) {
   const auto at = error.rfind(": ");
@@ -80,15 +101,13 @@ std::optional<std::vector<storage::ObjectResult>> StorageExecutor::Impl::load_ch
   // its (reserved) block too; only the leading blocks_done are reported loaded. The file store
   // lends each verified payload from its own cache-warm buffer; other stores verify into this
   // worker's staging.
-  Mutex err_mu;
-  std::string scatter_error;
+  DeviceError scatter_error;  // set by the store's I/O threads
   auto scatter = [&](std::size_t i, const std::byte* payload) {
     const auto one = ids.subspan(i, 1);
     if (host) {
       kernels::scatter_from_staging_host(tensors, one, payload);
     } else if (auto s2 = backend.scatter_from_staging(tensors, one, payload); !s2.ok()) {
-      MutexLock g(err_mu);
-      scatter_error = s2.error().message;
+      scatter_error.set(s2.error().message);
     }
   };
   // Lent payloads are pageable memory: only where the CPU does the scatter (host blocks, or a
@@ -104,8 +123,8 @@ std::optional<std::vector<storage::ObjectResult>> StorageExecutor::Impl::load_ch
            0, 0, p.start, unavailable(got.error().message));
     return std::nullopt;
   }
-  if (!scatter_error.empty()) {
-    finish(w, TaskStatus::kDeviceError, 0, 0, p.start, scatter_error);
+  if (auto e = scatter_error.get(); !e.empty()) {
+    finish(w, TaskStatus::kDeviceError, 0, 0, p.start, e);
     return std::nullopt;
   }
   return std::move(got).value();
@@ -217,8 +236,7 @@ void StorageExecutor::Impl::run_write(const Prepared& p, std::byte* slice) {
       const auto chunk_ids = std::span(ids).subspan(written, c);
       for (std::size_t i = 0; i < c; ++i) src[i] = slice + i * t.object_bytes;
       // Each object is gathered into staging on the I/O thread that writes it next.
-      Mutex err_mu;
-      std::string gather_error;
+      DeviceError gather_error;  // set by the store's I/O threads
       auto put = t.store->put_each(std::span(stored).subspan(written, c), std::span(src).first(c), [&](std::size_t i) {
         const auto one = chunk_ids.subspan(i, 1);
         auto* to = const_cast<std::byte*>(src[i]);
@@ -228,12 +246,11 @@ void StorageExecutor::Impl::run_write(const Prepared& p, std::byte* slice) {
         }
         auto s2 = backend.gather_to_staging(tensors, one, to);
         if (s2.ok()) return true;
-        MutexLock g(err_mu);
-        gather_error = s2.error().message;
+        gather_error.set(s2.error().message);
         return false;  // never store what a failed gather left in staging
       });
-      if (!gather_error.empty()) {
-        finish(w, TaskStatus::kDeviceError, 0, 0, start, gather_error);
+      if (auto e = gather_error.get(); !e.empty()) {
+        finish(w, TaskStatus::kDeviceError, 0, 0, start, e);
         return;
       }
       if (!check_put(w, put, c, start)) return;
