@@ -19,7 +19,8 @@ struct Task {
   std::uint64_t id;
   std::vector<std::int32_t> host, device;
   std::uint64_t after = 0;
-  TrackedTask t() const { return TrackedTask{id, after, host, device}; }
+  bool reads_host = false, reads_device = false;
+  TrackedTask t() const { return TrackedTask{id, after, host, device, reads_host, reads_device}; }
 };
 
 TEST(BlockTracker, AnEvictionHoldsALoadOfTheSameHostBlockUntilItIsReleased) {
@@ -72,6 +73,34 @@ TEST(BlockTracker, AdmitWaitsForTheReleaseAndIdleSeesEverythingGone) {
   bt.release(load.t(), kToDevice);
   EXPECT_TRUE(bt.idle());
   bt.wait_until_idle(1'000'000, {});
+}
+
+// Issue 20 (item 4): a load of a host block was ordered behind the backup STORAGE_WRITE that only
+// reads the same block (read/read counted as a conflict), so an eviction that carries keys held
+// every later load of its blocks for as long as the store took.
+TEST(BlockTracker, TwoTasksThatOnlyReadABlockRunTogether) {
+  BlockTracker bt(8, 8);
+  Task backup{1, {3}, {}};  // STORAGE_WRITE of host block 3: reads it
+  backup.reads_host = true;
+  Task load{2, {3}, {5}};  // SWAP_TO_DEVICE: reads host 3, writes device 5
+  load.reads_host = true;
+  ASSERT_TRUE(bt.try_admit(backup.t(), kStorage));
+  EXPECT_TRUE(bt.try_admit(load.t(), kToDevice)) << "read/read is not a conflict";
+}
+
+TEST(BlockTracker, AWriteStillWaitsForReadersAndAReadForWriters) {
+  BlockTracker bt(8, 8);
+  const Task evict{1, {3}, {0}, 0, false, true};  // SWAP_TO_HOST: reads device 0, writes host 3
+  Task backup{2, {3}, {}};                         // its backup reads host 3: after the eviction wrote it
+  backup.reads_host = true;
+  ASSERT_TRUE(bt.try_admit(evict.t(), kToHost));
+  EXPECT_FALSE(bt.try_admit(backup.t(), kStorage)) << "a read waits for the write before it";
+  bt.release(evict.t(), kToHost);
+  ASSERT_TRUE(bt.try_admit(backup.t(), kStorage));
+  const Task overwrite{3, {3}, {1}, 0, false, true};  // a new eviction into host 3
+  EXPECT_FALSE(bt.try_admit(overwrite.t(), kToHost)) << "a write waits for the read before it";
+  bt.release(backup.t(), kStorage);
+  EXPECT_TRUE(bt.try_admit(overwrite.t(), kToHost));
 }
 
 }  // namespace

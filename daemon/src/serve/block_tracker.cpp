@@ -8,10 +8,33 @@ namespace kvtd::daemon {
 BlockTracker::BlockTracker(std::int64_t host_blocks, std::int64_t device_blocks) {
   MutexLock g(mu_);
   for (int lane = 0; lane < kLanes; ++lane) {
-    busy_host_[lane].assign(static_cast<std::size_t>(host_blocks), 0);
-    busy_device_[lane].assign(static_cast<std::size_t>(device_blocks), 0);
+    host_[lane].readers.assign(static_cast<std::size_t>(host_blocks), 0);
+    host_[lane].writers.assign(static_cast<std::size_t>(host_blocks), 0);
+    device_[lane].readers.assign(static_cast<std::size_t>(device_blocks), 0);
+    device_[lane].writers.assign(static_cast<std::size_t>(device_blocks), 0);
   }
 }
+
+namespace {
+
+// Whether `ids` (read only when `reads`) collide with what `side` has in flight: a write meets
+// any reader or writer, a read meets writers only.
+template <typename Side>
+bool collide(const Side& side, std::span<const std::int32_t> ids, bool reads) {
+  for (auto id : ids) {
+    const auto b = static_cast<std::size_t>(id);
+    if (side.writers[b] || (!reads && side.readers[b])) return true;
+  }
+  return false;
+}
+
+template <typename Side>
+void count(Side& side, std::span<const std::int32_t> ids, bool reads, int delta) {
+  auto& counts = reads ? side.readers : side.writers;
+  for (auto id : ids) counts[static_cast<std::size_t>(id)] += static_cast<std::uint32_t>(delta);
+}
+
+}  // namespace
 
 bool BlockTracker::conflicts(const TrackedTask& t, int lane) const {
   for (int other = 0; other < kLanes; ++other) {
@@ -20,17 +43,15 @@ bool BlockTracker::conflicts(const TrackedTask& t, int lane) const {
       auto it = inflight_tasks_.find(t.after_task_id);
       if (it != inflight_tasks_.end() && it->second == other) return true;
     }
-    for (auto id : t.host_ids)
-      if (busy_host_[other][static_cast<std::size_t>(id)]) return true;
-    for (auto id : t.device_ids)
-      if (busy_device_[other][static_cast<std::size_t>(id)]) return true;
+    if (collide(host_[other], t.host_ids, t.reads_host) || collide(device_[other], t.device_ids, t.reads_device))
+      return true;
   }
   return false;
 }
 
 void BlockTracker::track(const TrackedTask& t, int lane, int delta) {
-  for (auto id : t.host_ids) busy_host_[lane][static_cast<std::size_t>(id)] += static_cast<std::uint32_t>(delta);
-  for (auto id : t.device_ids) busy_device_[lane][static_cast<std::size_t>(id)] += static_cast<std::uint32_t>(delta);
+  count(host_[lane], t.host_ids, t.reads_host, delta);
+  count(device_[lane], t.device_ids, t.reads_device, delta);
   if (delta > 0) inflight_tasks_[t.task_id] = lane;
   else inflight_tasks_.erase(t.task_id);
 }

@@ -2,9 +2,11 @@
 // same block runs in submission order across lanes: an eviction (to host) and a later load (to
 // device) of the same host block, or a swap and the storage task that reads its blocks.
 //
-// A task conflicts with another lane's task when they share a host or device block, or when it
-// names the other's task id as its after-task. Tasks on the same swap lane never conflict (the
-// lane runs them in order); the storage lane conflicts with itself (its workers keep no order).
+// A task conflicts with another lane's task when one of them writes a block the other touches,
+// or when it names the other's task id as its after-task; two tasks that only read a block do
+// not conflict (a load from a host block runs beside the backup that reads it). Tasks on the
+// same swap lane never conflict (the lane runs them in order); the storage lane conflicts with
+// itself the same way (its workers keep no order).
 //
 // Thread-safety: every method from any thread; admit() and wait_until_idle() wait without the
 // lock, on a futex word every release bumps.
@@ -27,6 +29,8 @@ struct TrackedTask {
   std::uint64_t after_task_id = 0;  // 0: none
   std::span<const std::int32_t> host_ids;
   std::span<const std::int32_t> device_ids;
+  bool reads_host = false;    // it only reads its host blocks (else it writes them)
+  bool reads_device = false;  // it only reads its device blocks
 };
 
 class BlockTracker {
@@ -54,9 +58,13 @@ class BlockTracker {
   void track(const TrackedTask& t, int lane, int delta) REQUIRES(mu_);
 
   mutable Mutex mu_;
-  // Counts, not flags: one lane may hold many tasks on a block (32 bits: no realistic queue wraps).
-  std::vector<std::uint32_t> busy_host_[kLanes] GUARDED_BY(mu_);
-  std::vector<std::uint32_t> busy_device_[kLanes] GUARDED_BY(mu_);
+  // Per lane and block: how many tasks in flight read it, how many write it. Counts, not flags:
+  // one lane may hold many tasks on a block (32 bits: no realistic queue wraps).
+  struct Side {
+    std::vector<std::uint32_t> readers, writers;
+  };
+  Side host_[kLanes] GUARDED_BY(mu_);
+  Side device_[kLanes] GUARDED_BY(mu_);
   std::unordered_map<std::uint64_t, int> inflight_tasks_ GUARDED_BY(mu_);  // task id -> lane
   std::atomic<std::uint32_t> word_{0};
   std::atomic<std::uint32_t> waiters_{0};

@@ -35,9 +35,14 @@ constexpr std::uint64_t kInlineMaxBytes = 256 * 1024;
 
 constexpr int kStorageLane = BlockTracker::kStorageLane;  // storage tasks (run by the StorageExecutor)
 
-// What the block tracker sees of a task.
+// What the block tracker sees of a task: its blocks, and on which side it only reads them (a
+// swap reads its source side; a STORAGE_WRITE reads its blocks; loads write theirs).
 TrackedTask tracked(const Work& w) {
-  return TrackedTask{w.header.task_id, w.header.after_task_id, w.host_ids, w.device_ids};
+  const auto kind = static_cast<TaskKind>(w.header.kind);
+  TrackedTask t{w.header.task_id, w.header.after_task_id, w.host_ids, w.device_ids};
+  t.reads_device = kind == TaskKind::kSwapToHost || kind == TaskKind::kStorageWrite;
+  t.reads_host = kind == TaskKind::kSwapToDevice || kind == TaskKind::kStorageWrite;
+  return t;
 }
 
 }  // namespace
