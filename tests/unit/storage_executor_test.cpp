@@ -103,15 +103,17 @@ class StorageExecutorTest : public ::testing::Test {
   std::map<std::uint64_t, Outcome> done_;
   std::uint64_t seq_ = 0;
 
-  // An executor of `ep` over the scripted store whose completions land in `done`.
-  std::unique_ptr<StorageExecutor> make_executor(endpoint::RankEndpoint& ep, std::map<std::uint64_t, Outcome>& done) {
+  // An executor of `ep` over the scripted store, loading into `device`, whose completions land in
+  // `done`.
+  std::unique_ptr<StorageExecutor> make_executor(endpoint::RankEndpoint& ep, std::vector<std::byte>& device,
+                                                 std::map<std::uint64_t, Outcome>& done) {
     StorageTargets t;
     t.store = &store_;
     t.store_name = "scripted store";
     t.config.io_threads = 1;
     t.config.staging_mib = 8;
     t.object_bytes = kObject;
-    t.device_tensors.push_back(kernels::LayerTensor{device_.data(), kObject, kObject});
+    t.device_tensors.push_back(kernels::LayerTensor{device.data(), kObject, kObject});
     auto e = StorageExecutor::create(
         ep, *backend_, *backend_, nullptr, std::move(t),
         [this, &done](const proto::TaskRecordHeader& h, TaskStatus st, std::uint64_t blocks, std::uint64_t,
@@ -138,7 +140,7 @@ class StorageExecutorTest : public ::testing::Test {
     auto ep = endpoint::RankEndpoint::attach(test::endpoint_options(suffix_, 0, g_));
     ASSERT_TRUE(ep.ok()) << ep.error().message;
     ep_ = std::move(ep).value();
-    exec_ = make_executor(*ep_, done_);
+    exec_ = make_executor(*ep_, device_, done_);
     ASSERT_NE(exec_, nullptr);
   }
   void TearDown() override {
@@ -248,13 +250,14 @@ class TwoRankStorageTest : public StorageExecutorTest {
   std::unique_ptr<endpoint::RankEndpoint> ep1_;
   std::unique_ptr<StorageExecutor> exec1_;
   std::map<std::uint64_t, Outcome> done1_;
+  std::vector<std::byte> device1_ = std::vector<std::byte>(kObject * kBlocks, std::byte{9});  // rank 1's own tensor
 
   void SetUp() override {
     ASSERT_NO_FATAL_FAILURE(StorageExecutorTest::SetUp());
     auto ep = endpoint::RankEndpoint::attach(test::endpoint_options(suffix_, 1, g_));
     ASSERT_TRUE(ep.ok()) << ep.error().message;
     ep1_ = std::move(ep).value();
-    exec1_ = make_executor(*ep1_, done1_);
+    exec1_ = make_executor(*ep1_, device1_, done1_);
     ASSERT_NE(exec1_, nullptr);
   }
   void TearDown() override {
