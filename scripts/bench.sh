@@ -93,6 +93,15 @@ for ranks in 1 2; do
     --storage-blocks 1024
 done
 rm -rf "$sdir/daemon"
+echo "== storage tasks on host-pool blocks, 1 rank (loads read each object straight into the block's pieces)"
+for layout in layer_first page_first; do
+  rm -rf "$sdir/daemon"
+  daemon_extra=(--storage-backend file --storage-path "$sdir/daemon" --model-id bench --host-layout "$layout")
+  echo -n "--host-layout $layout: "
+  with_daemons 1 8 4 64 128 128 96 -- --mode storage-throughput --storage file --blocks-per-task 32 \
+    --storage-blocks 1024 --storage-host-blocks
+done
+rm -rf "$sdir/daemon"
 echo "== peer: the mechanism of sglang's HiCacheFile backend in Python (1 thread, no checksum), same disk"
 if /usr/bin/python3 -c "import numpy" 2>/dev/null; then
   /usr/bin/python3 "$KVTD_ROOT/tools/bench/hicache_file_peer.py" --dir "$sdir" --objects 1024

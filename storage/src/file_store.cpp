@@ -128,6 +128,19 @@ class FileStore final : public ObjectStore {
 
   bool lends_payloads() const override { return true; }
 
+  bool reads_parts() const override { return true; }
+
+  Result<std::vector<ObjectResult>, StorageErrc> get_parts(std::span<const std::string> keys, const PartsOf& parts_of,
+                                                           const ObjectHook& on_ok) override {
+    KVTD_TRY(detail::check_keys(keys));
+    std::vector<ObjectResult> out(keys.size(), ObjectResult::kMissing);
+    parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
+      out[i] = read_one(keys[i], parts_of(i));
+      if (out[i] == ObjectResult::kOk && on_ok) on_ok(i);
+    });
+    return out;
+  }
+
   Result<std::vector<ObjectResult>, StorageErrc> get_lent(std::span<const std::string> keys,
                                                           const LentHook& on_object) override {
     KVTD_TRY(detail::check_keys(keys));
@@ -208,13 +221,25 @@ class FileStore final : public ObjectStore {
     std::unique_ptr<std::byte[]> buf_;
   };
 
-  // Reads one object into `payload` (object_bytes) and verifies it there. One byte past the
-  // payload is asked for: an object with trailing bytes is not ours.
   ObjectResult read_one(const std::string& key, std::span<std::byte> payload) {
+    const std::span<std::byte> one[1] = {payload};
+    return read_one(key, std::vector<std::span<std::byte>>(one, one + 1));
+  }
+
+  // Reads one object into the consecutive `pieces` of its payload (object_bytes in all) and
+  // verifies it there. One byte past the payload is asked for: an object with trailing bytes is
+  // not ours.
+  ObjectResult read_one(const std::string& key, std::vector<std::span<std::byte>> pieces) {
     const std::string path = path_of(key);
     ObjectHeader h{};
     std::byte trailing{};
-    const std::span<std::byte> parts[3] = {{reinterpret_cast<std::byte*>(&h), sizeof h}, payload, {&trailing, 1}};
+    std::uint64_t payload_bytes = 0;
+    for (auto p : pieces) payload_bytes += p.size();
+    std::vector<std::span<std::byte>> parts;
+    parts.reserve(pieces.size() + 2);
+    parts.emplace_back(reinterpret_cast<std::byte*>(&h), sizeof h);
+    parts.insert(parts.end(), pieces.begin(), pieces.end());
+    parts.emplace_back(&trailing, 1);
     std::size_t read = 0;
     const int e = fs_->read_file(path, parts, &read);
     ObjectResult r;
@@ -223,15 +248,15 @@ class FileStore final : public ObjectStore {
     } else if (e != 0) {
       r = ObjectResult::kFailed;
       note_error("read " + path, e);
-    } else if (read != sizeof h + payload.size()) {
+    } else if (read != sizeof h + payload_bytes) {
       r = ObjectResult::kCorrupt;  // truncated, or trailing bytes
     } else {
-      r = verify_object(opts_.store, namespaced_key(opts_.store, key), h, payload);
+      r = verify_object(opts_.store, namespaced_key(opts_.store, key), h, pieces);
     }
     counters_.count_get(r);
     if (r == ObjectResult::kOk) {
       MutexLock g(mu_);
-      touch_locked(path, sizeof h + payload.size());
+      touch_locked(path, sizeof h + payload_bytes);
     }
     return r;
   }

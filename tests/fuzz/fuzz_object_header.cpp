@@ -1,10 +1,12 @@
 // libFuzzer target: a stored object (header + payload) as read back from a store. verify_object
-// must accept only a whole object of this namespace with a matching checksum.
+// must accept only a whole object of this namespace with a matching checksum, and the parts
+// variant (a load into a destination's pieces) must give the same verdict.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <span>
+#include <vector>
 
 #include "kvtd/storage/object_format.h"
 
@@ -16,7 +18,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::memcpy(&h, data, sizeof h);
   std::span<const std::byte> payload(reinterpret_cast<const std::byte*>(data) + sizeof h, size - sizeof h);
   const std::string key = namespaced_key(o, "k0");
-  if (verify_object(o, key, h, payload) == ObjectResult::kOk) {
+  const ObjectResult whole = verify_object(o, key, h, payload);
+  // The reader that loads into a destination's pieces verifies the same bytes in parts: it must
+  // agree with the whole-buffer verdict wherever the payload is cut (first byte of input picks).
+  std::vector<std::byte> copy(payload.begin(), payload.end());
+  const std::size_t cut1 = copy.empty() ? 0 : data[0] % (copy.size() + 1);
+  const std::size_t cut2 = cut1 + (copy.size() - cut1) / 2;
+  const std::span<std::byte> parts[3] = {std::span(copy).subspan(0, cut1), std::span(copy).subspan(cut1, cut2 - cut1),
+                                         std::span(copy).subspan(cut2)};
+  if (verify_object(o, key, h, std::span<const std::span<std::byte>>(parts)) != whole) std::abort();
+  if (whole == ObjectResult::kOk) {
     // Accepted: it must be exactly what make_header would write for these bytes.
     const ObjectHeader want = make_header(o, key, payload);
     if (payload.size() != o.object_bytes || std::memcmp(&want, &h, sizeof h) != 0) std::abort();

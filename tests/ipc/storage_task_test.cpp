@@ -296,6 +296,33 @@ TEST_F(StorageTaskTest, CorruptObjectOnOneRankIsAMissAndNeverLoaded) {
   EXPECT_EQ(k1[21 * g_.block_bytes(proto::TensorKind::kKey)], std::byte{0xee});
 }
 
+// Issue 20 (item 1): host-block loads read each object straight into the block's pieces and verify
+// it there. A corrupt object then has its bytes in the block, which must never count as loaded:
+// the block stays invalid (a swap-in from it is host_tier_lost) and blocks_done stops before it.
+TEST_F(StorageTaskTest, ACorruptObjectReadIntoAHostBlockLeavesTheBlockInvalid) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const auto dev = iota_ids(0, 6);
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, dev, iota_ids(0, 6)).ok());
+  const auto keys = make_keys("q", 6);
+  ASSERT_TRUE(storage(TaskKind::kStorageWrite, keys, iota_ids(0, 6), /*host=*/true).ok());
+  const auto files = object_files("q3", 1);
+  ASSERT_EQ(files.size(), 1u);
+  {
+    std::fstream f(files[0], std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x5a');
+  }
+  auto rd = storage(TaskKind::kStorageRead, keys, iota_ids(10, 6), /*host=*/true);
+  ASSERT_TRUE(rd.ok()) << why(rd);
+  EXPECT_EQ(rd.blocks_done, 3u);
+  wipe_device(iota_ids(20, 3));
+  auto in = run(TaskKind::kSwapToDevice, iota_ids(10, 3), iota_ids(20, 3));
+  ASSERT_TRUE(in.ok()) << why(in);
+  expect_device_pattern(iota_ids(20, 3), dev, 3);
+  auto corrupt = run(TaskKind::kSwapToDevice, {13}, {30});
+  EXPECT_EQ(corrupt.status, TaskStatus::kHostTierLost) << why(corrupt);
+}
+
 TEST_F(StorageTaskTest, WeightVersionBumpMakesEveryKeyMiss) {
   ASSERT_NO_FATAL_FAILURE(start_all());
   const auto keys = make_keys("v", 4);

@@ -148,6 +148,35 @@ int run_storage_verify(EngineSession& s, const Options& o) {
   return 0;
 }
 
+namespace {
+
+// Swaps device blocks out into every host-pool block, so storage tasks on host blocks have data.
+bool fill_host_pool(EngineSession& s, const proto::CacheGeometry& g, double timeout_s) {
+  const auto n = static_cast<std::int32_t>(std::min<std::int64_t>(g.num_host_blocks, g.num_device_blocks()));
+  for (std::int32_t first = 0; first < static_cast<std::int32_t>(g.num_host_blocks); first += n) {
+    const std::int32_t m = std::min<std::int32_t>(n, static_cast<std::int32_t>(g.num_host_blocks) - first);
+    std::vector<std::int32_t> dev(static_cast<std::size_t>(m)), host(static_cast<std::size_t>(m));
+    for (std::int32_t i = 0; i < m; ++i) {
+      dev[static_cast<std::size_t>(i)] = i;
+      host[static_cast<std::size_t>(i)] = first + i;
+    }
+    engine::TaskRequest req;
+    req.kind = TaskKind::kSwapToHost;
+    req.src = dev;
+    req.dst = host;
+    req.submit_timeout_ns = static_cast<std::int64_t>(timeout_s * 1e9);
+    auto id = s.submit(req);
+    auto r = id.ok() ? s.wait(*id, static_cast<std::int64_t>(timeout_s * 1e9)) : std::move(id).error();
+    if (!r.ok() || !r->ok()) {
+      std::fprintf(stderr, "filling the host pool: %s\n", !r.ok() ? r.error().message.c_str() : r->failures[0].message.c_str());
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
 int run_storage_throughput(EngineSession& s, const Options& o) {
   const auto& g = s.geometry();
   Cache c{&s, &g, {}, {}, o.tensors};
@@ -158,6 +187,10 @@ int run_storage_throughput(EngineSession& s, const Options& o) {
   const std::string prefix = o.key_prefix + "-" + std::to_string(::getpid()) + "-" +
                              std::to_string(Clock::now().time_since_epoch().count() % 1000000007);
   const std::uint64_t object = g.bytes_per_block_all_layers();
+  // Host-pool blocks: every one the tasks use holds data first (a swap-out of device blocks).
+  const bool host = o.storage_host_blocks;
+  const auto pool_blocks = static_cast<std::size_t>(host ? g.num_host_blocks : g.num_device_blocks());
+  if (host && !fill_host_pool(s, g, o.task_timeout_s)) return 1;
   // Up to --in-flight tasks at a time, like an engine serving several requests.
   auto phase = [&](TaskKind kind, double* secs) -> bool {
     ::sync();  // like kvtd-storage-bench: each timed phase starts with no dirty pages left over
@@ -179,13 +212,14 @@ int run_storage_throughput(EngineSession& s, const Options& o) {
       const std::size_t m = std::min(per_task, total - done);
       std::vector<std::int32_t> ids(m);
       // Tasks in flight together use disjoint blocks, so they do not wait for each other.
-      const std::size_t base = (done / per_task % o.in_flight) * per_task % static_cast<std::size_t>(g.num_device_blocks());
-      for (std::size_t i = 0; i < m; ++i) ids[i] = static_cast<std::int32_t>((base + i) % static_cast<std::size_t>(g.num_device_blocks()));
+      const std::size_t base = (done / per_task % o.in_flight) * per_task % pool_blocks;
+      for (std::size_t i = 0; i < m; ++i) ids[i] = static_cast<std::int32_t>((base + i) % pool_blocks);
       const auto keys = block_keys(prefix, done, m);
       engine::TaskRequest req;
       req.kind = kind;
       req.keys = keys;
       req.blocks = ids;
+      req.host_blocks = host;
       req.submit_timeout_ns = static_cast<std::int64_t>(o.task_timeout_s * 1e9);
       auto id = s.submit(req);
       if (!id.ok()) {
@@ -203,9 +237,9 @@ int run_storage_throughput(EngineSession& s, const Options& o) {
   double write_s = 0, read_s = 0;
   if (!phase(TaskKind::kStorageWrite, &write_s) || !phase(TaskKind::kStorageRead, &read_s)) return 1;
   const double bytes = static_cast<double>(object) * static_cast<double>(total);
-  std::printf("storage-throughput [%s]: %zu objects of %llu bytes per rank in tasks of %zu (%u in flight), %u ranks: STORAGE_WRITE "
+  std::printf("storage-throughput [%s%s]: %zu objects of %llu bytes per rank in tasks of %zu (%u in flight), %u ranks: STORAGE_WRITE "
               "%.2f GB/s per rank (%.2f GB/s all ranks), STORAGE_READ %.2f GB/s per rank (%.2f GB/s all ranks)\n",
-              o.storage.c_str(), total, static_cast<unsigned long long>(object), per_task, o.in_flight, g.num_ranks, bytes / write_s / 1e9,
+              o.storage.c_str(), host ? ", host blocks" : "", total, static_cast<unsigned long long>(object), per_task, o.in_flight, g.num_ranks, bytes / write_s / 1e9,
               bytes * g.num_ranks / write_s / 1e9, bytes / read_s / 1e9, bytes * g.num_ranks / read_s / 1e9);
   return 0;
 }

@@ -34,6 +34,21 @@ class DeviceError {
   std::string text_ GUARDED_BY(mu_);
 };
 
+// The pieces of block `id` in `tensors`, in the stored object's order (every tensor's block, layer
+// by layer); adjacent pieces are merged (a page-first host pool gives one).
+std::vector<std::span<std::byte>> block_pieces(std::span<const kernels::LayerTensor> tensors, std::int32_t id) {
+  std::vector<std::span<std::byte>> pieces;
+  pieces.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    std::byte* at = t.base + static_cast<std::uint64_t>(id) * t.stride;
+    if (!pieces.empty() && pieces.back().data() + pieces.back().size() == at)
+      pieces.back() = std::span<std::byte>(pieces.back().data(), pieces.back().size() + t.block_bytes);
+    else
+      pieces.emplace_back(at, t.block_bytes);
+  }
+  return pieces;
+}
+
 }  // namespace
 
 namespace {
@@ -110,9 +125,23 @@ std::optional<std::vector<storage::ObjectResult>> StorageExecutor::Impl::load_ch
       scatter_error.set(s2.error().message);
     }
   };
-  // Lent payloads are pageable memory: only where the CPU does the scatter (host blocks, or a
-  // backend whose tensors it can write); a DMA to the device wants pinned staging.
-  auto got = t.store->lends_payloads() && (host || backend.tensors_host_accessible())
+  // Host blocks, where the store reads into parts: each object is read straight into its block's
+  // pieces and verified there (one copy, from the kernel into place); a block whose object fails
+  // stays invalid (marked before the load, valid only for the loaded prefix). Device blocks are
+  // written only with verified bytes: lent payloads (pageable: where the CPU does the scatter)
+  // or this worker's staging (pinned: for a DMA to the device).
+  const bool cpu_writes = host || backend.tensors_host_accessible();
+  if (host && t.store->reads_parts()) {
+    auto got = t.store->get_parts(keys, [&](std::size_t i) { return block_pieces(tensors, ids[i]); }, {});
+    if (!got.ok()) {
+      const auto code = got.error().code;
+      finish(w, code == storage::StorageErrc::kUnavailable ? TaskStatus::kStorageUnavailable : TaskStatus::kStorageError,
+             0, 0, p.start, unavailable(got.error().message));
+      return std::nullopt;
+    }
+    return std::move(got).value();
+  }
+  auto got = t.store->lends_payloads() && cpu_writes
                  ? t.store->get_lent(keys, [&](std::size_t i, std::span<const std::byte> payload) {
                      scatter(i, payload.data());
                    })

@@ -43,6 +43,10 @@ ObjectHeader make_header(const StoreOptions& o, const std::string& namespaced,
 // kOk if `header` and `payload` are a whole, uncorrupted object for this key; kCorrupt otherwise.
 ObjectResult verify_object(const StoreOptions& o, const std::string& namespaced, const ObjectHeader& header,
                            std::span<const std::byte> payload);
+// The same for a payload that lies in consecutive parts (hashed as one stream): a load that read
+// an object straight into the pieces of its destination verifies it there.
+ObjectResult verify_object(const StoreOptions& o, const std::string& namespaced, const ObjectHeader& header,
+                           std::span<const std::span<std::byte>> payload_parts);
 
 std::uint64_t hash_bytes(const void* data, std::size_t bytes);
 

@@ -93,6 +93,21 @@ class ObjectStore {
                                                          std::to_string(keys.size()) + " objects)");
   }
 
+  // Whether get_parts works: the store reads each object straight into the pieces of its
+  // destination (a vectored read) and verifies it there, with no copy of its own.
+  virtual bool reads_parts() const { return false; }
+  // Reads each key into the consecutive pieces parts_of(i) gives (object_bytes in all) and
+  // verifies it there, on the store's I/O threads; on_ok(i) once object i verified. A key whose
+  // result is not kOk may have left any bytes in its pieces: the caller must not use them.
+  using PartsOf = std::function<std::vector<std::span<std::byte>>(std::size_t index)>;
+  virtual Result<std::vector<ObjectResult>, StorageErrc> get_parts(std::span<const std::string> keys,
+                                                                   const PartsOf& parts_of, const ObjectHook& on_ok) {
+    (void)parts_of;
+    (void)on_ok;
+    return make_error(StorageErrc::kInvalidArgument, "this store does not read into parts (" +
+                                                         std::to_string(keys.size()) + " objects)");
+  }
+
   // Whether put_parts writes scattered parts without gathering them first (the file store's
   // writev); when false, callers gather into their own staging and use put/put_each.
   virtual bool writes_parts() const { return false; }
