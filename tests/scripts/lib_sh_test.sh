@@ -9,17 +9,17 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/bin"
-cat >"$work/bin/cmake" <<'STUB'
+cat >"$work/bin/cmake" <<'FAKE_TOOL'
 #!/usr/bin/env bash
 echo "cmake $*" >>"$FAKE_LOG"
 while [ $# -gt 0 ]; do [ "$1" = -B ] && { mkdir -p "$2"; touch "$2/build.ninja"; }; shift; done
-STUB
-cat >"$work/bin/ninja" <<'STUB'
+FAKE_TOOL
+cat >"$work/bin/ninja" <<'FAKE_TOOL'
 #!/usr/bin/env bash
 echo "ninja" >>"$FAKE_LOG"
 if [ "${FAKE_NINJA_RC:-0}" != 0 ]; then echo "FAILED: some.cpp.o"; exit "$FAKE_NINJA_RC"; fi
 mkdir -p "$2/daemon" && printf '#!/bin/sh\n' >"$2/daemon/kvtd" && chmod +x "$2/daemon/kvtd"
-STUB
+FAKE_TOOL
 chmod +x "$work/bin/cmake" "$work/bin/ninja"
 export PATH="$work/bin:$PATH" FAKE_LOG="$work/log" KVTD_BUILD_DIR="$work/build"
 source "$root/scripts/lib.sh"

@@ -109,43 +109,33 @@ std::optional<std::vector<storage::ObjectResult>> StorageExecutor::Impl::load_ch
   const auto& w = p.work;
   const bool host = (w.header.flags & proto::kTaskFlagHostBlocks) != 0;
   const auto& tensors = host ? t.host_tensors : t.device_tensors;
-  std::vector<std::byte*> dst(keys.size());
-  for (std::size_t i = 0; i < keys.size(); ++i) dst[i] = slice + i * t.object_bytes;
-  // Each verified object is scattered into its block on the store's I/O thread that read it,
-  // while later objects are still being read. An object after a miss on this rank may land in
-  // its (reserved) block too; only the leading blocks_done are reported loaded. The file store
-  // lends each verified payload from its own cache-warm buffer; other stores verify into this
-  // worker's staging.
   DeviceError scatter_error;  // set by the store's I/O threads
-  auto scatter = [&](std::size_t i, const std::byte* payload) {
-    const auto one = ids.subspan(i, 1);
-    if (host) {
-      kernels::scatter_from_staging_host(tensors, one, payload);
-    } else if (auto s2 = backend.scatter_from_staging(tensors, one, payload); !s2.ok()) {
-      scatter_error.set(s2.error().message);
-    }
+  auto read = [&]() -> Result<std::vector<storage::ObjectResult>, storage::StorageErrc> {
+    // Host blocks, where the store reads into parts: each object is read straight into its
+    // block's pieces and verified there (one copy, from the kernel into place); a block whose
+    // object fails stays invalid (marked before the load, valid only for the loaded prefix).
+    if (host && t.store->reads_parts())
+      return t.store->get_parts(keys, [&](std::size_t i) { return block_pieces(tensors, ids[i]); }, {});
+    // Device blocks get verified bytes only, each object scattered into its block on the store's
+    // I/O thread that read it while later objects are still being read. An object after a miss
+    // on this rank may land in its (reserved) block too; only the leading blocks_done are
+    // reported loaded. Lent payloads (the file store's cache-warm buffers; pageable: only where
+    // the CPU does the scatter) or this worker's staging (pinned: for a DMA to the device).
+    auto scatter = [&](std::size_t i, const std::byte* payload) {
+      const auto one = ids.subspan(i, 1);
+      if (host) {
+        kernels::scatter_from_staging_host(tensors, one, payload);
+      } else if (auto s2 = backend.scatter_from_staging(tensors, one, payload); !s2.ok()) {
+        scatter_error.set(s2.error().message);
+      }
+    };
+    if (t.store->lends_payloads() && (host || backend.tensors_host_accessible()))
+      return t.store->get_lent(keys, [&](std::size_t i, std::span<const std::byte> payload) { scatter(i, payload.data()); });
+    std::vector<std::byte*> dst(keys.size());
+    for (std::size_t i = 0; i < keys.size(); ++i) dst[i] = slice + i * t.object_bytes;
+    return t.store->get_each(keys, std::span(dst), [&](std::size_t i) { scatter(i, dst[i]); });
   };
-  // Host blocks, where the store reads into parts: each object is read straight into its block's
-  // pieces and verified there (one copy, from the kernel into place); a block whose object fails
-  // stays invalid (marked before the load, valid only for the loaded prefix). Device blocks are
-  // written only with verified bytes: lent payloads (pageable: where the CPU does the scatter)
-  // or this worker's staging (pinned: for a DMA to the device).
-  const bool cpu_writes = host || backend.tensors_host_accessible();
-  if (host && t.store->reads_parts()) {
-    auto got = t.store->get_parts(keys, [&](std::size_t i) { return block_pieces(tensors, ids[i]); }, {});
-    if (!got.ok()) {
-      const auto code = got.error().code;
-      finish(w, code == storage::StorageErrc::kUnavailable ? TaskStatus::kStorageUnavailable : TaskStatus::kStorageError,
-             0, 0, p.start, unavailable(got.error().message));
-      return std::nullopt;
-    }
-    return std::move(got).value();
-  }
-  auto got = t.store->lends_payloads() && cpu_writes
-                 ? t.store->get_lent(keys, [&](std::size_t i, std::span<const std::byte> payload) {
-                     scatter(i, payload.data());
-                   })
-                 : t.store->get_each(keys, std::span(dst), [&](std::size_t i) { scatter(i, dst[i]); });
+  auto got = read();
   if (!got.ok()) {
     const auto code = got.error().code;
     finish(w, code == storage::StorageErrc::kUnavailable ? TaskStatus::kStorageUnavailable : TaskStatus::kStorageError,
