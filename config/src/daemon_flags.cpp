@@ -156,6 +156,10 @@ void declare_storage_flags(CLI::App& app, RawFlags& f, DaemonConfig& c) {
   app.add_option("--storage-fsync", f.fsync, "file: none | data | full");
   app.add_option("--storage-io-threads", st.io_threads, "Storage worker threads (never the swap lanes)");
   app.add_option("--storage-staging-mib", st.staging_mib, "Pinned staging for storage tasks, MiB (bounds RSS)");
+  app.add_option("--storage-backup-queue-mib", st.backup_queue_mib,
+                 "Backups waiting for the store beyond this many MiB are skipped (backup_skipped)");
+  app.add_option("--storage-backup-max-age-ms", st.backup_max_age_ms,
+                 "A backup not started this many ms after its submit is skipped (backup_skipped)");
   app.add_option("--write-policy,--write_policy", f.write_policy,
                  "Backups of swapped-out blocks: write_through | write_through_selective | write_back");
   app.add_option("--write-threshold", st.write_threshold, "write_through_selective: times a key is seen before backup");
@@ -379,6 +383,10 @@ Status<ConfigErrc> resolve_storage(const RawFlags& f, DaemonConfig& c) {
     return bad("--storage-io-threads: " + std::to_string(st.io_threads) + " must be in [1, 64]");
   if (st.staging_mib < 1 || st.staging_mib > 65536)
     return bad("--storage-staging-mib: " + std::to_string(st.staging_mib) + " must be in [1, 65536]");
+  if (st.backup_queue_mib < 1 || st.backup_queue_mib > (1u << 20))
+    return bad("--storage-backup-queue-mib: " + std::to_string(st.backup_queue_mib) + " must be in [1, 1048576]");
+  if (st.backup_max_age_ms < 1 || st.backup_max_age_ms > 3'600'000)
+    return bad("--storage-backup-max-age-ms: " + std::to_string(st.backup_max_age_ms) + " must be in [1, 3600000]");
   if (st.write_threshold < 1) return bad("--write-threshold: must be at least 1");
   // Every deployment that shares a store must say which model its KV belongs to: two fine-tunes of
   // one shape under the default namespace would load each other's KV.

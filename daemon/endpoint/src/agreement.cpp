@@ -93,7 +93,7 @@ Status<proto::TaskStatus> RankEndpoint::Impl::read_peer(std::uint32_t r, std::ui
       // that cause whichever rank hit it (it said agreement_failed when rank 0 was waiting).
       const std::uint32_t code = v & 0xFFFFu;
       const auto why = static_cast<TaskStatus>(code);
-      const bool known = code != 0 && code <= static_cast<std::uint32_t>(TaskStatus::kCacheCleared);
+      const bool known = code != 0 && code <= static_cast<std::uint32_t>(proto::kLastTaskStatus);
       return make_error(known ? why : TaskStatus::kAgreementFailed,
                         "rank " + std::to_string(r) + " failed this task before the ranks agreed (" +
                             proto::task_status_name(why) + ")");

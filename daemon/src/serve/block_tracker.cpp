@@ -7,34 +7,8 @@ namespace kvtd::daemon {
 
 BlockTracker::BlockTracker(std::int64_t host_blocks, std::int64_t device_blocks) {
   MutexLock g(mu_);
-  for (int lane = 0; lane < kLanes; ++lane) {
-    host_[lane].readers.assign(static_cast<std::size_t>(host_blocks), 0);
-    host_[lane].writers.assign(static_cast<std::size_t>(host_blocks), 0);
-    device_[lane].readers.assign(static_cast<std::size_t>(device_blocks), 0);
-    device_[lane].writers.assign(static_cast<std::size_t>(device_blocks), 0);
-  }
+  lanes_.assign(kLanes, BlockCounts(host_blocks, device_blocks));
 }
-
-namespace {
-
-// Whether `ids` (read only when `reads`) collide with what `side` has in flight: a write meets
-// any reader or writer, a read meets writers only.
-template <typename Side>
-bool collide(const Side& side, std::span<const std::int32_t> ids, bool reads) {
-  for (auto id : ids) {
-    const auto b = static_cast<std::size_t>(id);
-    if (side.writers[b] || (!reads && side.readers[b])) return true;
-  }
-  return false;
-}
-
-template <typename Side>
-void count(Side& side, std::span<const std::int32_t> ids, bool reads, int delta) {
-  auto& counts = reads ? side.readers : side.writers;
-  for (auto id : ids) counts[static_cast<std::size_t>(id)] += static_cast<std::uint32_t>(delta);
-}
-
-}  // namespace
 
 bool BlockTracker::conflicts(const TrackedTask& t, int lane) const {
   for (int other = 0; other < kLanes; ++other) {
@@ -43,15 +17,15 @@ bool BlockTracker::conflicts(const TrackedTask& t, int lane) const {
       auto it = inflight_tasks_.find(t.after_task_id);
       if (it != inflight_tasks_.end() && it->second == other) return true;
     }
-    if (collide(host_[other], t.host_ids, t.reads_host) || collide(device_[other], t.device_ids, t.reads_device))
-      return true;
+    if (lanes_[static_cast<std::size_t>(other)].collides(t)) return true;
   }
   return false;
 }
 
 void BlockTracker::track(const TrackedTask& t, int lane, int delta) {
-  count(host_[lane], t.host_ids, t.reads_host, delta);
-  count(device_[lane], t.device_ids, t.reads_device, delta);
+  auto& counts = lanes_[static_cast<std::size_t>(lane)];
+  if (delta > 0) counts.add(t);
+  else counts.remove(t);
   if (delta > 0) inflight_tasks_[t.task_id] = lane;
   else inflight_tasks_.erase(t.task_id);
 }
@@ -71,6 +45,10 @@ void BlockTracker::admit(const TrackedTask& t, int lane, std::int64_t slice_ns) 
     if (try_admit(t, lane)) return;
     (void)ipc::wait_on_word(word_, seen, ipc::monotonic_now_ns() + slice_ns, &waiters_, 2'000);
   }
+}
+
+void BlockTracker::wait_for_release(std::uint32_t seen, std::int64_t deadline_ns) {
+  (void)ipc::wait_on_word(word_, seen, deadline_ns, &waiters_, 2'000);
 }
 
 void BlockTracker::release(const TrackedTask& t, int lane) {

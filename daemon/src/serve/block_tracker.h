@@ -15,23 +15,12 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
-#include <span>
 #include <unordered_map>
-#include <vector>
 
 #include "kvtd/base/mutex.h"
+#include "serve/block_counts.h"
 
 namespace kvtd::daemon {
-
-// The blocks and ids of one task, as the tracker sees them.
-struct TrackedTask {
-  std::uint64_t task_id = 0;
-  std::uint64_t after_task_id = 0;  // 0: none
-  std::span<const std::int32_t> host_ids;
-  std::span<const std::int32_t> device_ids;
-  bool reads_host = false;    // it only reads its host blocks (else it writes them)
-  bool reads_device = false;  // it only reads its device blocks
-};
 
 class BlockTracker {
  public:
@@ -50,6 +39,10 @@ class BlockTracker {
   // `t` left `lane` (done or dropped): wakes the waiters.
   void release(const TrackedTask& t, int lane) EXCLUDES(mu_);
   bool idle() const EXCLUDES(mu_);
+  // Changes with every release: read it before a check, then wait_for_release(seen, ...) sleeps
+  // only while nothing was released since (a release in between returns at once).
+  std::uint32_t generation() const { return word_.load(std::memory_order_acquire); }
+  void wait_for_release(std::uint32_t seen, std::int64_t deadline_ns);
   // Waits until no task is in flight on any lane; `tick` runs every `slice_ns` meanwhile.
   void wait_until_idle(std::int64_t slice_ns, const std::function<void()>& tick) EXCLUDES(mu_);
 
@@ -58,13 +51,7 @@ class BlockTracker {
   void track(const TrackedTask& t, int lane, int delta) REQUIRES(mu_);
 
   mutable Mutex mu_;
-  // Per lane and block: how many tasks in flight read it, how many write it. Counts, not flags:
-  // one lane may hold many tasks on a block (32 bits: no realistic queue wraps).
-  struct Side {
-    std::vector<std::uint32_t> readers, writers;
-  };
-  Side host_[kLanes] GUARDED_BY(mu_);
-  Side device_[kLanes] GUARDED_BY(mu_);
+  std::vector<BlockCounts> lanes_ GUARDED_BY(mu_);  // per lane: the blocks its tasks in flight read and write
   std::unordered_map<std::uint64_t, int> inflight_tasks_ GUARDED_BY(mu_);  // task id -> lane
   std::atomic<std::uint32_t> word_{0};
   std::atomic<std::uint32_t> waiters_{0};

@@ -8,6 +8,7 @@
 #include "kvtd/daemon/storage_executor.h"
 #include "kvtd/kernels/copy_plan.h"
 #include "kvtd/proto/task.h"
+#include "serve/block_counts.h"
 
 namespace kvtd::daemon {
 
@@ -20,5 +21,16 @@ struct Work {
   bool storage = false;
   StorageWork storage_work;              // when `storage`
 };
+
+// What the block tracker sees of a task: its blocks, and on which side it only reads them (a
+// swap reads its source side; a STORAGE_WRITE reads its blocks; loads write theirs). A view of
+// `w`'s vectors.
+inline TrackedTask tracked_task(const Work& w) {
+  const auto kind = static_cast<proto::TaskKind>(w.header.kind);
+  TrackedTask t{w.header.task_id, w.header.after_task_id, w.host_ids, w.device_ids};
+  t.reads_device = kind == proto::TaskKind::kSwapToHost || kind == proto::TaskKind::kStorageWrite;
+  t.reads_host = kind == proto::TaskKind::kSwapToDevice || kind == proto::TaskKind::kStorageWrite;
+  return t;
+}
 
 }  // namespace kvtd::daemon

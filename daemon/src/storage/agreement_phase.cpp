@@ -25,6 +25,11 @@ bool StorageExecutor::Impl::agree_phase(Prepared& p) {
   const auto& w = p.work;
   p.start = ipc::monotonic_now_ns();
   const auto kind = static_cast<TaskKind>(w.header.kind);
+  if (w.answered) {  // the engine has its completion (cancelled); the peers are told
+    ep.abort_agreement(w.header.seq, TaskStatus::kCancelled);
+    ep.leave_agreements(w.header.seq + 1);
+    return false;
+  }
   {
     MutexLock g(stats_mu);
     ++st.tasks;

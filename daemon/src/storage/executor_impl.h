@@ -36,7 +36,14 @@ struct Prepared {
   std::vector<std::string> stored;  // their stored names
   std::vector<std::int32_t> ids;    // their blocks
   std::uint32_t agreed = 0;
+  std::uint64_t backup_bytes = 0;   // a backup's bytes still to write, counted in backup_queued
 };
+
+// Whether a STORAGE_WRITE is a backup (write-through, selective, write-back): work the engine does
+// not wait for, skipped when the store falls behind.
+inline bool is_backup(const StorageWork& w) {
+  return (w.header.flags & (proto::kTaskFlagPolicyBackup | proto::kTaskFlagEvictBackup)) != 0;
+}
 
 struct StorageExecutor::Impl {
   endpoint::RankEndpoint& ep;
@@ -69,6 +76,11 @@ struct StorageExecutor::Impl {
   std::unordered_set<std::uint64_t> cancelled GUARDED_BY(mu);  // subset of live
   std::unordered_set<std::uint64_t> committed GUARDED_BY(mu);  // subset of live: past their last cancel check
   bool closing GUARDED_BY(mu) = false;
+  // Backpressure: the bytes of backups agreed and not yet written, and how many workers write.
+  // Writes take at most write_workers of the workers, so a load always finds one (io_threads > 1).
+  std::uint64_t backup_queued GUARDED_BY(mu) = 0;
+  std::uint32_t writes_running GUARDED_BY(mu) = 0;
+  std::uint32_t write_workers = 1;
   std::vector<std::thread> workers;
   std::thread agreement;
 
@@ -175,6 +187,13 @@ struct StorageExecutor::Impl {
 
 
   void forget(const StorageWork& w);
+
+  // Why backup `w` must be skipped now (it waited past --storage-backup-max-age-ms, or the
+  // backups queued for the store would pass --storage-backup-queue-mib with its `bytes`; 0: the age
+  // alone), or "".
+  std::string backup_skip_reason(const StorageWork& w, std::uint64_t bytes, std::int64_t now);
+  // Skips backup `w` before its agreement: the peers are told, the engine gets backup_skipped.
+  void skip_before_agreement(const StorageWork& w, std::int64_t now, const std::string& why);
 
   // Waits on `wake` until take() (called under mu) hands something over or says to stop.
   template <typename Take>

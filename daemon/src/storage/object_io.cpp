@@ -208,6 +208,17 @@ void StorageExecutor::Impl::run_write(const Prepared& p, std::byte* slice) {
   const auto& ids = p.ids;
   const std::size_t skip = p.agreed;
   const std::uint64_t skipped = (w.section.keys.size() - p.which.size()) + skip;
+  if (is_backup(w)) {  // agreed in time, but waited for a write worker past its age
+    const std::int64_t now = ipc::monotonic_now_ns();
+    if (auto why = backup_skip_reason(w, 0, now); !why.empty()) {
+      {
+        MutexLock g(stats_mu);
+        ++st.backups_skipped;
+      }
+      finish(w, TaskStatus::kBackupSkipped, 0, w.section.keys.size(), start, why);
+      return;
+    }
+  }
   if (host && pool != nullptr) {
     if (auto bad = pool->first_invalid(std::span(ids).subspan(skip))) {
       finish(w, TaskStatus::kHostTierLost, 0, 0, start,

@@ -47,6 +47,31 @@ void StorageExecutor::Impl::forget(const StorageWork& w) {
   release(w);
 }
 
+std::string StorageExecutor::Impl::backup_skip_reason(const StorageWork& w, std::uint64_t bytes, std::int64_t now) {
+  const std::int64_t age_ms = (now - w.header.submit_ns) / 1'000'000;
+  if (age_ms > static_cast<std::int64_t>(t.config.backup_max_age_ms))
+    return "backup skipped: it waited " + std::to_string(age_ms) + " ms for the store (--storage-backup-max-age-ms " +
+           std::to_string(t.config.backup_max_age_ms) + ")";
+  const std::uint64_t limit = t.config.backup_queue_mib << 20;
+  MutexLock g(mu);
+  // One backup larger than the whole bound still goes when nothing else waits.
+  if (bytes != 0 && backup_queued != 0 && backup_queued + bytes > limit)
+    return "backup skipped: " + std::to_string(backup_queued >> 20) + " MiB of backups wait for the store " +
+           "(--storage-backup-queue-mib " + std::to_string(t.config.backup_queue_mib) + ")";
+  return "";
+}
+
+void StorageExecutor::Impl::skip_before_agreement(const StorageWork& w, std::int64_t now, const std::string& why) {
+  {
+    MutexLock g(stats_mu);
+    ++st.tasks;
+    ++st.backups_skipped;
+  }
+  ep.abort_agreement(w.header.seq, TaskStatus::kBackupSkipped);
+  ep.leave_agreements(w.header.seq + 1);
+  finish(w, TaskStatus::kBackupSkipped, 0, w.section.keys.size(), now, why);
+}
+
 void StorageExecutor::Impl::agreement_loop() {
   for (;;) {
     Prepared p;
@@ -60,6 +85,16 @@ void StorageExecutor::Impl::agreement_loop() {
       return std::nullopt;
     });
     if (!got) break;
+    const bool backup = is_backup(p.work) && !p.work.answered && t.store != nullptr;
+    if (backup) {
+      const std::int64_t now = ipc::monotonic_now_ns();
+      const auto why = backup_skip_reason(p.work, p.work.section.keys.size() * t.object_bytes, now);
+      if (!why.empty() && !revoked(p.work)) {
+        skip_before_agreement(p.work, now, why);
+        forget(p.work);
+        continue;
+      }
+    }
     if (!agree_phase(p)) {
       forget(p.work);
       continue;
@@ -67,6 +102,10 @@ void StorageExecutor::Impl::agreement_loop() {
     const bool write = static_cast<TaskKind>(p.work.header.kind) == TaskKind::kStorageWrite;
     {
       MutexLock g(mu);
+      if (backup) {
+        p.backup_bytes = (p.stored.size() - p.agreed) * t.object_bytes;
+        backup_queued += p.backup_bytes;
+      }
       (write ? low : high).push_back(std::move(p));
     }
     work_wake.bump();
@@ -83,21 +122,31 @@ void StorageExecutor::Impl::worker_loop(std::size_t index) {
   std::byte* slice = staging[index];
   for (;;) {
     Prepared p;
+    bool write = false;
     const bool got = wait_for(work_wake, [&]() REQUIRES(mu) -> std::optional<bool> {
-      auto& q = !high.empty() ? high : low;
+      write = high.empty() && !low.empty() && writes_running < write_workers;
+      auto& q = write ? low : high;
       if (!q.empty()) {
         p = std::move(q.front());
         q.pop_front();
+        writes_running += write;
         return true;
       }
-      if (agree_done) return false;  // closing, and nothing more can be handed over
+      // Closing, and nothing more can be handed over (queued writes wait for a write worker).
+      if (agree_done && high.empty() && low.empty()) return false;
       return std::nullopt;
     });
     if (!got) return;
     if (!revoked(p.work)) {
-      if (static_cast<TaskKind>(p.work.header.kind) == TaskKind::kStorageWrite) run_write(p, slice);
+      if (write) run_write(p, slice);
       else run_load(p, slice);
     }
+    if (write) {
+      MutexLock g(mu);
+      --writes_running;
+      backup_queued -= p.backup_bytes;
+    }
+    if (write) work_wake.bump();  // a write worker is free: a queued write may go
     forget(p.work);
   }
 }
@@ -114,6 +163,7 @@ Result<std::unique_ptr<StorageExecutor>, DeviceErrc> StorageExecutor::create(end
   if (t.store != nullptr) {
     if (auto why = staging_problem(t.config, t.object_bytes); !why.empty()) return make_error(DeviceErrc::kAllocFailed, why);
   }
+  impl->write_workers = static_cast<std::uint32_t>(std::max<std::uint64_t>(1, threads - 1));
   impl->chunk_objects = t.object_bytes == 0 ? 0 : static_cast<std::size_t>(per_worker / t.object_bytes);
   // Staging exists only when there is a store to move objects through.
   const std::size_t slice_bytes = t.store ? impl->chunk_objects * t.object_bytes : 0;
@@ -179,7 +229,10 @@ std::size_t StorageExecutor::drop_queued() {
     for (auto& w : impl_->agreeing) take(std::move(w));
     impl_->agreeing.clear();
     for (auto* q : {&impl_->high, &impl_->low}) {
-      for (auto& p : *q) take(std::move(p.work));
+      for (auto& p : *q) {
+        impl_->backup_queued -= p.backup_bytes;
+        take(std::move(p.work));
+      }
       q->clear();
     }
   }

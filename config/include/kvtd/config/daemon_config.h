@@ -70,6 +70,11 @@ struct StorageConfig {
   StorageFsync fsync = StorageFsync::kNone;
   std::uint32_t io_threads = 2;
   std::uint64_t staging_mib = 64;
+  // Backups (write-through, selective, write-back writes) waiting for the store: past this many
+  // bytes agreed and not yet written, or this age since the engine submitted them, a backup is
+  // skipped (status backup_skipped) instead of queueing behind a store slower than the engine.
+  std::uint64_t backup_queue_mib = 256;
+  std::uint32_t backup_max_age_ms = 2000;
   WritePolicy write_policy = WritePolicy::kNone;
   std::uint32_t write_threshold = 2;
   std::uint64_t weight_version = 0;      // deployment's weight label, part of every key

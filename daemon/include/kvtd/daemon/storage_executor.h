@@ -73,10 +73,14 @@ struct StorageWork {
   std::uint32_t epoch = 0;
   ipc::StorageSection section;
   std::vector<std::int32_t> blocks;
+  // Cancelled while it waited in the dispatcher, and completed then: phase 1 only leaves its
+  // agreement (in ring order, as every task does), with no completion and no blocks.
+  bool answered = false;
 };
 
 struct StorageStats {
   std::uint64_t tasks = 0, objects_read = 0, objects_written = 0, bytes_read = 0, bytes_written = 0;
+  std::uint64_t backups_skipped = 0;  // backups not written because the store was behind
 };
 
 class StorageExecutor {

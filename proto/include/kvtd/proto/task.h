@@ -102,7 +102,9 @@ enum class TaskStatus : std::int32_t {
   kStorageError = 17,        // the storage backend failed the write (ENOSPC, server error): nothing torn
   kAgreementFailed = 18,     // the ranks could not agree (an agreement slot was reused before it was read)
   kCacheCleared = 19,        // the rank released the engine's KV tensors for a weight update (until restore)
+  kBackupSkipped = 20,       // a backup write not done: the store was behind (queue full or too old); nothing torn
 };
+inline constexpr TaskStatus kLastTaskStatus = TaskStatus::kBackupSkipped;
 
 constexpr const char* task_status_name(TaskStatus s) {
   switch (s) {
@@ -126,6 +128,7 @@ constexpr const char* task_status_name(TaskStatus s) {
     case TaskStatus::kStorageError: return "storage_error";
     case TaskStatus::kAgreementFailed: return "agreement_failed";
     case TaskStatus::kCacheCleared: return "cache_cleared";
+    case TaskStatus::kBackupSkipped: return "backup_skipped";
   }
   return "unknown_status";
 }

@@ -1,0 +1,136 @@
+// The task runner's two swap lanes: queues, threads and the copies they execute.
+#include <string>
+
+#include "kvtd/daemon/numa.h"
+#include "kvtd/daemon/notify.h"
+#include "kvtd/ipc/clock.h"
+#include "kvtd/ipc/wait.h"
+#include "serve/runner_impl.h"
+
+namespace kvtd::daemon {
+
+void TaskRunner::Impl::enqueue(Work&& w, int lane) {
+  auto& l = lanes[lane];
+  l.outstanding.fetch_add(1, std::memory_order_acq_rel);
+  {
+    MutexLock g(l.mu);
+    l.queue.push_back(std::move(w));
+  }
+  ipc::bump_and_wake(l.word, &l.waiters);
+}
+
+void TaskRunner::Impl::execute(Work& w, int lane) {
+  const auto& h = w.header;
+  const std::int64_t start = ipc::monotonic_now_ns();
+  if (h.deadline_ns != 0 && start > h.deadline_ns) {
+    complete(h, TaskStatus::kDeadlineExceeded, 0, 0, start,
+             "deadline passed " + std::to_string((start - h.deadline_ns) / 1000) + " us before execution");
+    return;
+  }
+  const auto& targets = lane == 0 ? cache.to_host : cache.to_device;
+  if (lane == 1 && cache.pool != nullptr) {
+    if (auto bad = cache.pool->first_invalid(w.host_ids)) {
+      complete(h, TaskStatus::kHostTierLost, 0, 0, start,
+               "host block " + std::to_string(*bad) +
+                   " holds no data written in this session (the host pool was lost with a daemon restart, or the "
+                   "write into it failed or never happened)");
+      return;
+    }
+  }
+  if (lane == 0 && cache.pool != nullptr) cache.pool->mark_invalid(w.host_ids);
+  Status<DeviceErrc> st;
+  if (h.flags & proto::kTaskFlagLayerwise) {
+    ep.progress_begin(h);
+    std::uint32_t queued = 0, done = 0;
+    st = backend.copy_layerwise(
+        Direction::kToDevice, w.plan, targets, targets.size() / cache.num_layers,
+        [&](std::uint32_t layer) {
+          queued = layer + 1;
+          ep.progress_update(h, queued, done);  // the engine may cudaStreamWaitEvent from here
+        },
+        [&](std::uint32_t layer) {
+          done = layer + 1;
+          ep.progress_update(h, queued, done);
+        });
+  } else {
+    st = backend.copy(lane == 0 ? Direction::kToHost : Direction::kToDevice, w.plan, targets);
+  }
+  if (!st.ok()) {
+    complete(h, TaskStatus::kDeviceError, 0, 0, start, st.error().message);
+    return;
+  }
+  if (lane == 0 && cache.pool != nullptr) cache.pool->mark_valid(w.host_ids);
+  const std::uint64_t bytes = task_bytes(w);
+  {
+    MutexLock g(stats_mu);
+    (lane == 0 ? stats.bytes_to_host : stats.bytes_to_device) += bytes;
+  }
+  complete(h, TaskStatus::kOk, static_cast<std::uint64_t>(w.plan.num_blocks), cache.num_layers, start, "");
+}
+
+void TaskRunner::Impl::lane_loop(int lane) {
+  start_copy_thread(lane == 0 ? "kvtd-lane0" : "kvtd-lane1", cache.numa_node);
+  auto& l = lanes[lane];
+  for (;;) {
+    const std::uint32_t seen = l.word.load(std::memory_order_acquire);
+    Work w;
+    bool have = false;
+    {
+      MutexLock g(l.mu);
+      if (!l.queue.empty()) {
+        w = std::move(l.queue.front());
+        l.queue.pop_front();
+        have = true;
+      }
+    }
+    if (!have) {
+      if (l.closing.load(std::memory_order_acquire)) return;  // queue drained
+      (void)ipc::wait_on_word(l.word, seen, ipc::monotonic_now_ns() + kPollSliceNs, &l.waiters, 20'000);
+      continue;
+    }
+    execute_and_release(w, lane);
+    l.outstanding.fetch_sub(1, std::memory_order_acq_rel);
+  }
+}
+
+void TaskRunner::Impl::execute_and_release(Work& w, int lane) {
+  // Checked right before touching memory: once the engine revoked the epoch this work was read
+  // under, it has failed the task and may reuse its blocks, so the work is dropped unrun.
+  if (w.epoch != ep.epoch() || !ep.granted()) {
+    MutexLock g(stats_mu);
+    ++stats.tasks_dropped;
+  } else {
+    execute(w, lane);
+  }
+  tracker.release(tracked_task(w), lane);
+}
+
+std::size_t TaskRunner::Impl::drop_queued() {
+  std::size_t n = 0;
+  for (int lane = 0; lane < 2; ++lane) {
+    std::deque<Work> q;
+    {
+      MutexLock g(lanes[lane].mu);
+      q.swap(lanes[lane].queue);
+    }
+    for (auto& w : q) {
+      tracker.release(tracked_task(w), lane);
+      lanes[lane].outstanding.fetch_sub(1, std::memory_order_acq_rel);
+      ++n;
+    }
+  }
+  n += parked.take_all().size();  // never admitted: nothing to release
+  if (storage) n += storage->drop_queued();
+  if (n != 0) {
+    MutexLock g(stats_mu);
+    stats.tasks_dropped += n;
+  }
+  return n;
+}
+
+void TaskRunner::Impl::wait_until_idle() {
+  start_all_parked();
+  tracker.wait_until_idle(kPollSliceNs, [] { notify_watchdog(); });
+}
+
+}  // namespace kvtd::daemon
