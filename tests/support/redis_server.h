@@ -42,6 +42,7 @@ class RedisServer {
     proc_.wait_exit(std::chrono::seconds(5));
   }
   void freeze() { proc_.signal(SIGSTOP); }
+  void thaw() { proc_.signal(SIGCONT); }
   bool ready() const { return ready_; }
   int port() const { return port_; }
   std::string endpoint() const { return "127.0.0.1:" + std::to_string(port_); }

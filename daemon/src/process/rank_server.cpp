@@ -174,10 +174,10 @@ RankServer::Step RankServer::serve_mapped(Session& s, AttachedCache cache) {
   s.why = runner.run(stop_, &s_.control_state.clear_requested);
   const auto st = runner.stats();
   KVTD_INFO("{}: {} tasks ok, {} failed, {} dropped (revoked epoch), {} bytes to host, {} bytes to device; "
-            "storage: {} tasks, {} objects read ({} bytes), {} written ({} bytes)",
+            "storage: {} tasks, {} objects read ({} bytes), {} written ({} bytes), {} backups skipped",
             s.why == TaskRunner::Exit::kCleared ? "mapping closed" : "session done", st.tasks_ok, st.tasks_failed,
             st.tasks_dropped, st.bytes_to_host, st.bytes_to_device, st.storage.tasks, st.storage.objects_read,
-            st.storage.bytes_read, st.storage.objects_written, st.storage.bytes_written);
+            st.storage.bytes_read, st.storage.objects_written, st.storage.bytes_written, st.storage.backups_skipped);
   if (s.why == TaskRunner::Exit::kDeviceLost) {
     KVTD_ERROR("the device context is lost (a sticky CUDA error; see the failed task above): every later "
                "copy would fail. Exiting with code {} so the service restarts with a new context",

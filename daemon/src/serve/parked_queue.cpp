@@ -70,7 +70,7 @@ std::optional<proto::TaskRecordHeader> ParkedQueue::cancel(std::uint64_t task_id
     w.header.after_task_id = 0;
     w.storage_work.blocks.clear();
     w.storage_work.header.after_task_id = 0;
-    w.storage_work.answered = true;
+    w.storage_work.answered = proto::TaskStatus::kCancelled;
     parked_.add(tracked_task(w));  // counts nothing now: kept balanced for forget()
     return header;
   }

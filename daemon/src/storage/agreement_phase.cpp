@@ -25,8 +25,8 @@ bool StorageExecutor::Impl::agree_phase(Prepared& p) {
   const auto& w = p.work;
   p.start = ipc::monotonic_now_ns();
   const auto kind = static_cast<TaskKind>(w.header.kind);
-  if (w.answered) {  // the engine has its completion (cancelled); the peers are told
-    ep.abort_agreement(w.header.seq, TaskStatus::kCancelled);
+  if (w.answered) {  // the engine has its completion; the peers are told
+    ep.abort_agreement(w.header.seq, *w.answered);
     ep.leave_agreements(w.header.seq + 1);
     return false;
   }

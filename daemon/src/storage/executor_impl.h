@@ -37,6 +37,7 @@ struct Prepared {
   std::vector<std::int32_t> ids;    // their blocks
   std::uint32_t agreed = 0;
   std::uint64_t backup_bytes = 0;   // a backup's bytes still to write, counted in backup_queued
+  std::int64_t queued_ns = 0;       // when phase 1 handed it to the workers
 };
 
 // Whether a STORAGE_WRITE is a backup (write-through, selective, write-back): work the engine does
@@ -80,6 +81,7 @@ struct StorageExecutor::Impl {
   // Writes take at most write_workers of the workers, so a load always finds one (io_threads > 1).
   std::uint64_t backup_queued GUARDED_BY(mu) = 0;
   std::uint32_t writes_running GUARDED_BY(mu) = 0;
+  std::int64_t agreeing_since_ns GUARDED_BY(mu) = 0;  // when phase 1 of the current task began (0: idle)
   std::uint32_t write_workers = 1;
   std::vector<std::thread> workers;
   std::thread agreement;
@@ -188,10 +190,13 @@ struct StorageExecutor::Impl {
 
   void forget(const StorageWork& w);
 
-  // Why backup `w` must be skipped now (it waited past --storage-backup-max-age-ms, or the
-  // backups queued for the store would pass --storage-backup-queue-mib with its `bytes`; 0: the age
-  // alone), or "".
+  // Why backup `w` must be skipped as phase 1 takes it (it waited past --storage-backup-max-age-ms
+  // since its submit, or the backups queued for the store would pass --storage-backup-queue-mib
+  // with its `bytes`), or "".
   std::string backup_skip_reason(const StorageWork& w, std::uint64_t bytes, std::int64_t now);
+  // Why backup `w` must be skipped as it arrives: the agreement thread has been held past
+  // --storage-backup-max-age-ms (the store is stalled), or the queue bound is passed; or "".
+  std::string skip_on_arrival(const StorageWork& w, std::int64_t now) REQUIRES(mu);
   // Skips backup `w` before its agreement: the peers are told, the engine gets backup_skipped.
   void skip_before_agreement(const StorageWork& w, std::int64_t now, const std::string& why);
 

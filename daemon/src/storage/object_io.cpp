@@ -208,16 +208,17 @@ void StorageExecutor::Impl::run_write(const Prepared& p, std::byte* slice) {
   const auto& ids = p.ids;
   const std::size_t skip = p.agreed;
   const std::uint64_t skipped = (w.section.keys.size() - p.which.size()) + skip;
-  if (is_backup(w)) {  // agreed in time, but waited for a write worker past its age
-    const std::int64_t now = ipc::monotonic_now_ns();
-    if (auto why = backup_skip_reason(w, 0, now); !why.empty()) {
-      {
-        MutexLock g(stats_mu);
-        ++st.backups_skipped;
-      }
-      finish(w, TaskStatus::kBackupSkipped, 0, w.section.keys.size(), start, why);
-      return;
+  // Agreed, but then waited for a write worker past its age: the workers are held by a slow store.
+  const std::int64_t waited_ms = (ipc::monotonic_now_ns() - p.queued_ns) / 1'000'000;
+  if (is_backup(w) && waited_ms > static_cast<std::int64_t>(t.config.backup_max_age_ms)) {
+    {
+      MutexLock g(stats_mu);
+      ++st.backups_skipped;
     }
+    finish(w, TaskStatus::kBackupSkipped, 0, w.section.keys.size(), start,
+           "backup skipped: it waited " + std::to_string(waited_ms) + " ms for a write worker (--storage-backup-max-age-ms " +
+               std::to_string(t.config.backup_max_age_ms) + ")");
+    return;
   }
   if (host && pool != nullptr) {
     if (auto bad = pool->first_invalid(std::span(ids).subspan(skip))) {

@@ -55,7 +55,23 @@ std::string StorageExecutor::Impl::backup_skip_reason(const StorageWork& w, std:
   const std::uint64_t limit = t.config.backup_queue_mib << 20;
   MutexLock g(mu);
   // One backup larger than the whole bound still goes when nothing else waits.
-  if (bytes != 0 && backup_queued != 0 && backup_queued + bytes > limit)
+  if (backup_queued != 0 && backup_queued + bytes > limit)
+    return "backup skipped: " + std::to_string(backup_queued >> 20) + " MiB of backups wait for the store " +
+           "(--storage-backup-queue-mib " + std::to_string(t.config.backup_queue_mib) + ")";
+  return "";
+}
+
+std::string StorageExecutor::Impl::skip_on_arrival(const StorageWork& w, std::int64_t now) {
+  const std::int64_t max_age_ns = static_cast<std::int64_t>(t.config.backup_max_age_ms) * 1'000'000;
+  // The oldest of: the task phase 1 is busy with, and the first one waiting for it.
+  std::int64_t held_since = agreeing_since_ns;
+  if (!agreeing.empty() && (held_since == 0 || agreeing.front().header.submit_ns < held_since))
+    held_since = agreeing.front().header.submit_ns;
+  if (held_since != 0 && now - held_since > max_age_ns)
+    return "backup skipped: the store has held storage tasks for " + std::to_string((now - held_since) / 1'000'000) +
+           " ms (--storage-backup-max-age-ms " + std::to_string(t.config.backup_max_age_ms) + ")";
+  const std::uint64_t bytes = w.section.keys.size() * t.object_bytes;
+  if (backup_queued != 0 && backup_queued + bytes > (t.config.backup_queue_mib << 20))
     return "backup skipped: " + std::to_string(backup_queued >> 20) + " MiB of backups wait for the store " +
            "(--storage-backup-queue-mib " + std::to_string(t.config.backup_queue_mib) + ")";
   return "";
@@ -79,6 +95,7 @@ void StorageExecutor::Impl::agreement_loop() {
       if (!agreeing.empty()) {
         p.work = std::move(agreeing.front());
         agreeing.pop_front();
+        agreeing_since_ns = ipc::monotonic_now_ns();
         return true;
       }
       if (closing) return false;
@@ -95,13 +112,19 @@ void StorageExecutor::Impl::agreement_loop() {
         continue;
       }
     }
-    if (!agree_phase(p)) {
+    const bool go_on = agree_phase(p);
+    {
+      MutexLock g(mu);
+      agreeing_since_ns = 0;
+    }
+    if (!go_on) {
       forget(p.work);
       continue;
     }
     const bool write = static_cast<TaskKind>(p.work.header.kind) == TaskKind::kStorageWrite;
     {
       MutexLock g(mu);
+      p.queued_ns = ipc::monotonic_now_ns();
       if (backup) {
         p.backup_bytes = (p.stored.size() - p.agreed) * t.object_bytes;
         backup_queued += p.backup_bytes;
@@ -200,12 +223,36 @@ void StorageExecutor::close() {
 }
 
 void StorageExecutor::submit(StorageWork&& w) {
+  auto* impl = impl_.get();
+  std::string skip;
+  const std::int64_t now = ipc::monotonic_now_ns();
   {
-    MutexLock g(impl_->mu);
-    impl_->live.insert(w.header.task_id);
-    impl_->agreeing.push_back(std::move(w));
+    MutexLock g(impl->mu);
+    if (is_backup(w) && !w.answered && impl->t.store != nullptr) skip = impl->skip_on_arrival(w, now);
+    if (skip.empty()) {
+      impl->live.insert(w.header.task_id);
+      impl->agreeing.push_back(std::move(w));
+    }
   }
-  impl_->agree_wake.bump();
+  if (skip.empty()) {
+    impl->agree_wake.bump();
+    return;
+  }
+  // Answered now, so the engine may reuse its host blocks; its agreement is left in ring order.
+  {
+    MutexLock g(impl->stats_mu);
+    ++impl->st.tasks;
+    ++impl->st.backups_skipped;
+  }
+  impl->finish(w, TaskStatus::kBackupSkipped, 0, w.section.keys.size(), now, skip);
+  impl->release(w);
+  w.blocks.clear();
+  w.answered = TaskStatus::kBackupSkipped;
+  {
+    MutexLock g(impl->mu);
+    impl->agreeing.push_back(std::move(w));
+  }
+  impl->agree_wake.bump();
 }
 
 bool StorageExecutor::cancel(std::uint64_t task_id) {

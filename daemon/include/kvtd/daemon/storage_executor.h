@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -73,9 +74,10 @@ struct StorageWork {
   std::uint32_t epoch = 0;
   ipc::StorageSection section;
   std::vector<std::int32_t> blocks;
-  // Cancelled while it waited in the dispatcher, and completed then: phase 1 only leaves its
-  // agreement (in ring order, as every task does), with no completion and no blocks.
-  bool answered = false;
+  // Completed already with this status (cancelled while it waited in the dispatcher, or a backup
+  // skipped on arrival), its blocks released: phase 1 only aborts and leaves its agreement, in
+  // ring order as every task does.
+  std::optional<proto::TaskStatus> answered;
 };
 
 struct StorageStats {

@@ -1,0 +1,160 @@
+// A stalled store never stalls the engine (issue 20): Redis is stopped with SIGSTOP (a real server
+// that accepts nothing and answers nothing) while the engine keeps swapping. The checks are
+// orderings, not timings: while the server is stopped and a storage task is stuck on it (the
+// store's timeout is far longer than the test), swaps complete, a task parked behind the stuck one
+// is cancelled at once, later backups are answered backup_skipped, and once the server continues
+// everything completes and every stored byte loads back verified.
+#include <chrono>
+#include <thread>
+
+#include "redis_server.h"
+#include "storage_fixture.h"
+
+namespace kvtd {
+namespace {
+
+using namespace std::chrono_literals;
+
+class StoreStallTest : public StorageTaskTest {
+ protected:
+  std::unique_ptr<test::RedisServer> server_;
+  std::string redis_dir_ = ::testing::TempDir() + "/" + suffix_ + "_stall_redis";
+  bool frozen_ = false;
+
+  // Daemons on a fresh Redis whose replies may take `timeout_s` (longer than any check here).
+  void start_on_redis(std::vector<std::string> more) {
+    server_ = std::make_unique<test::RedisServer>(test::base_port() + 3, std::vector<std::string>{}, redis_dir_);
+    ASSERT_TRUE(server_->ready());
+    extra_args_ = {"--storage-backend", "redis", "--redis-endpoints", server_->endpoint(), "--redis-timeout", "30",
+                   "--model-id", "m1"};
+    extra_args_.insert(extra_args_.end(), more.begin(), more.end());
+    ASSERT_NO_FATAL_FAILURE(start_all());
+  }
+  void freeze() {
+    server_->freeze();
+    frozen_ = true;
+  }
+  void thaw() {
+    if (frozen_) server_->thaw();
+    frozen_ = false;
+  }
+  void TearDown() override {
+    thaw();
+    daemons_.clear();
+    engine_.reset();
+    server_.reset();
+    fs::remove_all(redis_dir_);
+    StorageTaskTest::TearDown();
+  }
+
+  std::uint64_t submit(const TaskRequest& req) {
+    auto id = engine_->submit(req);
+    EXPECT_TRUE(id.ok()) << id.error().message;
+    return id.ok() ? *id : 0;
+  }
+  // A swap (with keys: and its backup); returns the swap's id.
+  std::uint64_t submit_swap(TaskKind kind, const std::vector<std::int32_t>& src, const std::vector<std::int32_t>& dst,
+                            const std::vector<std::string>& keys = {}) {
+    TaskRequest r;
+    r.kind = kind;
+    r.src = src;
+    r.dst = dst;
+    r.keys = keys;
+    return submit(r);
+  }
+};
+
+// The dispatcher parks a swap that must wait for a storage task stuck on the store, and reads on:
+// unrelated swaps complete and a CANCEL of the parked swap answers it at once, all while the stuck
+// task is still outstanding. (Before parking, the dispatcher itself slept until the stuck task
+// ended, so nothing later was read: this test then hung until the store's timeout.)
+TEST_F(StoreStallTest, ASwapParkedBehindAStuckLoadIsCancelledAtOnceAndOthersRun) {
+  ASSERT_NO_FATAL_FAILURE(start_on_redis({}));
+  freeze();
+  const auto keys = make_keys("stuck", 2);
+  const std::vector<std::int32_t> blocks = {20, 21};
+  TaskRequest load;
+  load.kind = TaskKind::kStorageRead;
+  load.keys = keys;
+  load.blocks = blocks;
+  const auto load_id = submit(load);
+  std::this_thread::sleep_for(100ms);  // the load asks the stopped store now (not needed for correctness)
+  // Evicting the blocks the load writes must wait for it: parked.
+  const auto parked_id = submit_swap(TaskKind::kSwapToHost, {20, 21}, {0, 1});
+  // Work on other blocks runs meanwhile, byte for byte.
+  round_trip({1, 2}, {3, 4}, {5, 6});
+  round_trip({7}, {8}, {9});
+  TaskRequest cancel;
+  cancel.kind = TaskKind::kCancel;
+  cancel.cancel_task_id = parked_id;
+  auto c = engine_->wait(submit(cancel), 20'000'000'000);
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  EXPECT_TRUE(c->ok());
+  EXPECT_EQ(c->blocks_done, 1u) << "the parked swap was live and stops";
+  auto parked = engine_->wait(parked_id, 20'000'000'000);
+  ASSERT_TRUE(parked.ok()) << parked.error().message;
+  EXPECT_EQ(parked->status, TaskStatus::kCancelled) << why(*parked);
+  EXPECT_FALSE(engine_->poll(load_id).has_value()) << "the load must still be stuck on the stopped store";
+  thaw();
+  auto l = engine_->wait(load_id, 60'000'000'000);
+  ASSERT_TRUE(l.ok()) << l.error().message;
+  EXPECT_TRUE(l->ok()) << why(*l);
+  EXPECT_EQ(l->blocks_done, 0u) << "nothing was stored under those keys";
+  round_trip({20, 21}, {0, 1}, {22, 23});  // the cancelled swap's blocks are free again
+}
+
+// Backups under write-through while the store is stopped: the swaps complete, backups that arrive
+// once the store has held the agreement past --storage-backup-max-age-ms are answered
+// backup_skipped at once (the engine may free those host blocks), and the one stuck on the store
+// completes when it continues. Every byte it stored loads back verified; the daemons count the skips.
+TEST_F(StoreStallTest, BackupsAreSkippedWhileTheStoreIsStoppedAndSwapsGoOn) {
+  ASSERT_NO_FATAL_FAILURE(
+      start_on_redis({"--write-policy", "write_through", "--storage-backup-max-age-ms", "200"}));
+  auto with_keys = [&](std::int32_t dev, std::int32_t host, const std::string& key) {
+    return submit_swap(TaskKind::kSwapToHost, {dev}, {host}, {key});
+  };
+  // Stored before the stall: it loads back after everything.
+  EXPECT_TRUE(swap_out_with_keys({0, 1}, {0, 1}, {"before0", "before1"}).ok());
+  freeze();
+  const auto stuck_swap = with_keys(2, 2, "stuck");  // its backup asks the stopped store
+  auto s = engine_->wait(stuck_swap, 20'000'000'000);
+  ASSERT_TRUE(s.ok() && s->ok());
+  std::this_thread::sleep_for(400ms);  // past the 200 ms age: the store has held the agreement since
+  for (std::int32_t i = 0; i < 6; ++i) {
+    const auto id = with_keys(3 + i, 3 + i, "late" + std::to_string(i));
+    auto sw = engine_->wait(id, 20'000'000'000);
+    ASSERT_TRUE(sw.ok()) << sw.error().message;
+    EXPECT_TRUE(sw->ok()) << why(*sw);
+    auto backup = engine_->wait(id + 1, 20'000'000'000);
+    ASSERT_TRUE(backup.ok()) << backup.error().message << test::read_file(log_path(0));
+    EXPECT_EQ(backup->status, TaskStatus::kBackupSkipped) << why(*backup);
+    EXPECT_EQ(backup->blocks_done, 0u);
+    round_trip({20}, {20}, {21});  // and plain swaps go on
+  }
+  EXPECT_FALSE(engine_->poll(stuck_swap + 1).has_value()) << "the first backup waits on the stopped store";
+  thaw();
+  auto first = engine_->wait(stuck_swap + 1, 60'000'000'000);
+  ASSERT_TRUE(first.ok()) << first.error().message;
+  EXPECT_TRUE(first->ok()) << why(*first);
+  // Nothing lost: what was stored before and during the stall loads back, byte for byte.
+  const auto dst = iota_ids(24, 3);
+  wipe_device(dst);
+  auto rd = storage(TaskKind::kStorageRead, {"before0", "before1"}, {24, 25});
+  ASSERT_TRUE(rd.ok()) << why(rd);
+  EXPECT_EQ(rd.blocks_done, 2u);
+  expect_device_pattern({24, 25}, {0, 1}, 2);
+  auto rs = storage(TaskKind::kStorageRead, {"stuck"}, {26});
+  ASSERT_TRUE(rs.ok()) << why(rs);
+  EXPECT_EQ(rs.blocks_done, 1u);
+  expect_device_pattern({26}, {2}, 1);
+  auto skipped = storage(TaskKind::kStorageQuery, {"late0"}, {});
+  ASSERT_TRUE(skipped.ok()) << why(skipped);
+  EXPECT_EQ(skipped.blocks_done, 0u) << "a skipped backup stored nothing";
+  engine_.reset();  // the daemons log their session summary
+  ASSERT_TRUE(test::eventually(
+      [&] { return test::read_file(log_path(0)).find("session done") != std::string::npos; }, 10s));
+  EXPECT_NE(test::read_file(log_path(0)).find("6 backups skipped"), std::string::npos) << test::read_file(log_path(0));
+}
+
+}  // namespace
+}  // namespace kvtd
