@@ -23,7 +23,7 @@ struct RawFlags {
   std::int64_t fd_gpu_blocks = 0, fd_kv_heads = 0, fd_block_size = 0, fd_head_dim = 0;
   CLI::Option *fd_blocks_opt = nullptr, *fd_heads_opt = nullptr, *fd_bs_opt = nullptr, *fd_hd_opt = nullptr;
   std::string suffix, backend = "host", scatter = "batch", host_layout = "layer_first", numa = "auto";
-  CLI::Option *backend_opt = nullptr, *scatter_opt = nullptr, *model_id_opt = nullptr;
+  CLI::Option *backend_opt = nullptr, *scatter_opt = nullptr, *model_id_opt = nullptr, *io_threads_opt = nullptr;
   std::int64_t metrics_port = 0;
   std::string engine_pid;
   std::string storage_backend = "none", write_policy, fsync = "none", redis_endpoints;
@@ -154,7 +154,8 @@ void declare_storage_flags(CLI::App& app, RawFlags& f, DaemonConfig& c) {
   app.add_option("--redis-timeout", st.redis_timeout_s, "redis: connect and reply deadline in seconds");
   app.add_option("--storage-capacity-gib", st.capacity_gib, "file: capacity in GiB, LRU eviction (0 = unlimited)");
   app.add_option("--storage-fsync", f.fsync, "file: none | data | full");
-  app.add_option("--storage-io-threads", st.io_threads, "Storage worker threads (never the swap lanes)");
+  f.io_threads_opt = app.add_option("--storage-io-threads", st.io_threads,
+                 "Storage worker threads (never the swap lanes); default: half the CPUs, 2 to 8, within the staging");
   app.add_option("--storage-staging-mib", st.staging_mib, "Pinned staging for storage tasks, MiB (bounds RSS)");
   app.add_option("--storage-backup-queue-mib", st.backup_queue_mib,
                  "Backups waiting for the store beyond this many MiB are skipped (backup_skipped)");
@@ -379,7 +380,7 @@ Status<ConfigErrc> resolve_storage(const RawFlags& f, DaemonConfig& c) {
     return bad("--redis-timeout: " + seconds(st.redis_timeout_s) + " must be in [0.001, 600] seconds");
   if (!(st.capacity_gib >= 0 && st.capacity_gib <= 1 << 20))
     return bad("--storage-capacity-gib: " + seconds(st.capacity_gib) + " must be in [0, 1048576]");
-  if (st.io_threads < 1 || st.io_threads > 64)
+  if (st.io_threads > 64 || (st.io_threads == 0 && f.io_threads_opt->count() != 0))
     return bad("--storage-io-threads: " + std::to_string(st.io_threads) + " must be in [1, 64]");
   if (st.staging_mib < 1 || st.staging_mib > 65536)
     return bad("--storage-staging-mib: " + std::to_string(st.staging_mib) + " must be in [1, 65536]");

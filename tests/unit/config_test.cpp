@@ -295,6 +295,9 @@ TEST(DaemonFlags, StorageFlagsAreParsedAndBadOnesNamed) {
   expect_rejected({"--storage-backend", "redis", "--redis-endpoints", "a:1,b:99999"}, "'b:99999'");
   expect_rejected({"--storage-io-threads", "0"}, "--storage-io-threads");
   expect_rejected({"--storage-staging-mib", "0"}, "--storage-staging-mib");
+  expect_rejected({"--storage-io-threads", "65"}, "--storage-io-threads");
+  expect_rejected({"--storage-backup-queue-mib", "0"}, "--storage-backup-queue-mib");
+  expect_rejected({"--storage-backup-max-age-ms", "0"}, "--storage-backup-max-age-ms");
   expect_rejected({"--storage-fsync", "always"}, "--storage-fsync");
   // Issue 18 item 8: a store without a model id shared one namespace with every deployment.
   expect_rejected({"--storage-backend", "file", "--storage-path", "/tmp/s"}, "--model-id: required with a storage backend");
@@ -312,6 +315,9 @@ TEST(DaemonFlags, StorageFlagsAreParsedAndBadOnesNamed) {
   EXPECT_EQ(c->storage.weight_version, 7u);
   EXPECT_EQ(c->storage.staging_mib, 16u);
   EXPECT_EQ(c->storage.write_threshold, 3u);
+  EXPECT_EQ(c->storage.io_threads, 0u) << "not given: sized from the machine at start";
+  EXPECT_EQ(c->storage.backup_queue_mib, 256u);
+  EXPECT_EQ(c->storage.backup_max_age_ms, 2000u);
   std::string all;
   for (const auto& f : c->ignored_flags) all += f + " ";
   EXPECT_NE(all.find("--pod_ip"), std::string::npos) << all;

@@ -1,5 +1,8 @@
 #include "process/rank_server.h"
 
+#include <thread>
+
+
 #include "kvtd/daemon/daemon_main.h"
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/notify.h"
@@ -147,6 +150,8 @@ Result<AttachedCache, DeviceErrc> RankServer::map_cache(Session& s) {
   cache->storage.store = s_.store.get();
   cache->storage.store_name = s_.store_name;
   cache->storage.config = cfg_.storage;
+  cache->storage.config.io_threads =
+      storage_io_threads(cfg_.storage, s_.geometry.bytes_per_block_all_layers(), std::thread::hardware_concurrency());
   cache->storage.numa_node = s_.numa_node;
   cache->numa_node = s_.numa_node;
   cache->metrics = &s_.registry;

@@ -1,5 +1,7 @@
 #include "process/start_up.h"
 
+#include <thread>
+
 #include "kvtd/daemon/daemon_main.h"
 #include "kvtd/daemon/host_pool.h"
 #include "kvtd/daemon/log.h"
@@ -27,7 +29,9 @@ Result<OpenedStore, config::ConfigErrc> open_store(const config::DaemonConfig& c
   so.model_id = cfg.model_id;
   so.layout_fingerprint = layout_fingerprint(g);
   so.object_bytes = g.bytes_per_block_all_layers();
-  if (auto why = staging_problem(sc, so.object_bytes); !why.empty())
+  config::StorageConfig sized = sc;
+  sized.io_threads = storage_io_threads(sc, so.object_bytes, std::thread::hardware_concurrency());
+  if (auto why = staging_problem(sized, so.object_bytes); !why.empty())
     return make_error(config::ConfigErrc::kInvalidValue, why);
   if (sc.backend == config::StorageBackendKind::kFile) {
     storage::FileStoreOptions fo;
@@ -148,7 +152,9 @@ std::optional<int> start_up(const config::DaemonConfig& cfg, std::atomic<bool>& 
     KVTD_INFO("storage: {} (model {}, layout fingerprint {:016x}, weight version {}), write policy {}, {} I/O "
               "threads, {} MiB staging",
               s.store_name, cfg.model_id, layout_fingerprint(s.geometry), cfg.storage.weight_version,
-              static_cast<int>(cfg.storage.write_policy), cfg.storage.io_threads, cfg.storage.staging_mib);
+              static_cast<int>(cfg.storage.write_policy),
+              storage_io_threads(cfg.storage, s.geometry.bytes_per_block_all_layers(), std::thread::hardware_concurrency()),
+              cfg.storage.staging_mib);
   return open_servers(cfg, stop, s);
 }
 

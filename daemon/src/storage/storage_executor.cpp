@@ -28,10 +28,18 @@ std::uint64_t layout_fingerprint(const proto::CacheGeometry& g) {
   return storage::hash_bytes(f, sizeof f);
 }
 
+std::uint32_t storage_io_threads(const config::StorageConfig& c, std::uint64_t object_bytes, unsigned cpus) {
+  if (c.io_threads != 0) return c.io_threads;
+  std::uint64_t n = std::clamp<std::uint64_t>(cpus / 2, 2, 8);
+  if (object_bytes != 0) n = std::min<std::uint64_t>(n, std::max<std::uint64_t>(1, (c.staging_mib << 20) / object_bytes));
+  return static_cast<std::uint32_t>(n);
+}
+
 std::string staging_problem(const config::StorageConfig& c, std::uint64_t object_bytes) {
-  const std::uint64_t per_worker = (c.staging_mib << 20) / c.io_threads;
+  const std::uint32_t threads = storage_io_threads(c, object_bytes, std::thread::hardware_concurrency());
+  const std::uint64_t per_worker = (c.staging_mib << 20) / threads;
   if (object_bytes != 0 && per_worker >= object_bytes) return "";
-  return "--storage-staging-mib " + std::to_string(c.staging_mib) + " over " + std::to_string(c.io_threads) +
+  return "--storage-staging-mib " + std::to_string(c.staging_mib) + " over " + std::to_string(threads) +
          " --storage-io-threads gives each worker " + std::to_string(per_worker) +
          " bytes, less than one stored object (" + std::to_string(object_bytes) +
          " bytes: one block, every layer); raise the staging or lower the threads";
@@ -180,7 +188,8 @@ Result<std::unique_ptr<StorageExecutor>, DeviceErrc> StorageExecutor::create(end
                                                                               Complete complete, Release release) {
   auto impl = std::make_unique<Impl>(ep, backend, pool, std::move(targets), std::move(complete), std::move(release));
   auto& t = impl->t;
-  const std::uint64_t threads = t.config.io_threads;
+  const std::uint64_t threads = storage_io_threads(t.config, t.object_bytes, std::thread::hardware_concurrency());
+  t.config.io_threads = static_cast<std::uint32_t>(threads);  // what the workers and cancel steps count on
   const std::uint64_t staging_bytes = t.config.staging_mib << 20;
   const std::uint64_t per_worker = staging_bytes / threads;
   if (t.store != nullptr) {

@@ -68,7 +68,7 @@ struct StorageConfig {
   double redis_timeout_s = 2.0;
   double capacity_gib = 0;               // file: 0 = unlimited
   StorageFsync fsync = StorageFsync::kNone;
-  std::uint32_t io_threads = 2;
+  std::uint32_t io_threads = 0;          // 0: sized from the machine at start (storage_io_threads)
   std::uint64_t staging_mib = 64;
   // Backups (write-through, selective, write-back writes) waiting for the store: past this many
   // bytes agreed and not yet written, or this age since the engine submitted them, a backup is

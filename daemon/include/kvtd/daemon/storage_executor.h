@@ -51,6 +51,11 @@ namespace kvtd::daemon {
 // layers, ranks and which tensors exist (not the block counts, which do not change an object).
 std::uint64_t layout_fingerprint(const proto::CacheGeometry& g);
 
+// The storage workers to run: --storage-io-threads when given; otherwise half of `cpus`, 2 to 8
+// (reads and hashing are CPU-bound, a store's latency wants several in flight), lowered until each
+// worker's slice of the staging holds one object of `object_bytes`.
+std::uint32_t storage_io_threads(const config::StorageConfig& c, std::uint64_t object_bytes, unsigned cpus);
+
 // "" when --storage-staging-mib over --storage-io-threads gives each worker room for at least
 // one object of `object_bytes`, else the problem in words (start-up refuses it with exit 2).
 std::string staging_problem(const config::StorageConfig& c, std::uint64_t object_bytes);
