@@ -26,7 +26,7 @@ struct RawFlags {
   CLI::Option *backend_opt = nullptr, *scatter_opt = nullptr, *model_id_opt = nullptr, *io_threads_opt = nullptr;
   std::int64_t metrics_port = 0;
   std::string engine_pid;
-  std::string storage_backend = "none", write_policy, fsync = "none", redis_endpoints;
+  std::string storage_backend = "none", write_policy, fsync = "none", redis_endpoints, storage_io = "buffered";
   std::string ignored_s;
   std::vector<CLI::Option*> compat_opts;
 };
@@ -154,6 +154,8 @@ void declare_storage_flags(CLI::App& app, RawFlags& f, DaemonConfig& c) {
   app.add_option("--redis-timeout", st.redis_timeout_s, "redis: connect and reply deadline in seconds");
   app.add_option("--storage-capacity-gib", st.capacity_gib, "file: capacity in GiB, LRU eviction (0 = unlimited)");
   app.add_option("--storage-fsync", f.fsync, "file: none | data | full");
+  app.add_option("--storage-io", f.storage_io,
+                 "file: how loads read objects: buffered (page cache, default) | direct (O_DIRECT with io_uring)");
   f.io_threads_opt = app.add_option("--storage-io-threads", st.io_threads,
                  "Storage worker threads (never the swap lanes); default: half the CPUs, 2 to 8, within the staging");
   app.add_option("--storage-staging-mib", st.staging_mib, "Pinned staging for storage tasks, MiB (bounds RSS)");
@@ -356,6 +358,11 @@ Status<ConfigErrc> resolve_storage(const RawFlags& f, DaemonConfig& c) {
   else if (f.fsync == "data") st.fsync = StorageFsync::kData;
   else if (f.fsync == "full") st.fsync = StorageFsync::kFull;
   else return bad("--storage-fsync: '" + f.fsync + "' is not one of none, data, full");
+  if (f.storage_io == "direct") st.direct_reads = true;
+  else if (f.storage_io != "buffered")
+    return bad("--storage-io: '" + f.storage_io + "' is not buffered or direct");
+  if (st.direct_reads && st.backend != StorageBackendKind::kFile)
+    return bad("--storage-io direct: only the file store reads files (--storage-backend file)");
   if (st.backend == StorageBackendKind::kFile && st.path.empty() && !fd_port.empty()) {
     const char* env = std::getenv(kFastDeployStorageDirEnv);
     st.path = env != nullptr && *env != '\0' ? env : kFastDeployStorageDirDefault;

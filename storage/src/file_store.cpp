@@ -18,6 +18,8 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "direct_reads.h"
+#include "file_store_support.h"
 #include "store_common.h"
 #include "kvtd/proto/names.h"
 #include "kvtd/storage/object_format.h"
@@ -28,25 +30,6 @@ namespace {
 constexpr const char* kSuffix = ".kvo";
 constexpr const char* kTmpPrefix = ".tmp-";
 
-// Runs fn(i) for i in [0, n) on up to `threads` threads (the caller's included). Per-key work
-// is independent, and object creation is mostly kernel CPU time, so a batch spreads over cores.
-template <typename F>
-void parallel_for(std::size_t n, unsigned threads, F&& fn) {
-  threads = std::max(1u, std::min<unsigned>(threads, static_cast<unsigned>(n)));
-  if (threads <= 1) {
-    for (std::size_t i = 0; i < n; ++i) fn(i);
-    return;
-  }
-  std::atomic<std::size_t> next{0};
-  auto worker = [&] {
-    for (std::size_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
-  };
-  std::vector<std::thread> pool;
-  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (auto& t : pool) t.join();
-}
-
 class FileStore final : public ObjectStore {
  public:
   FileStore(const FileStoreOptions& o, std::unique_ptr<FileSystem> owned)
@@ -54,6 +37,18 @@ class FileStore final : public ObjectStore {
     char fp[17];
     std::snprintf(fp, sizeof fp, "%016llx", static_cast<unsigned long long>(o.store.layout_fingerprint));
     dir_ = o.root + "/" + o.store.model_id + "/" + fp;
+    if (o.direct_reads) direct_ = std::make_unique<detail::DirectObjectReader>(*fs_, o.store);
+  }
+
+  // --storage-io direct: whether this store's directory takes O_DIRECT reads.
+  Status<StorageErrc> check_direct_reads() {
+    if (!direct_) return {};
+    if (const int e = direct_->probe(dir_ + "/00"); e != 0)
+      return make_error(StorageErrc::kInvalidArgument,
+                        "direct reads (O_DIRECT) are refused under " + opts_.root + ": " + std::strerror(e) +
+                            (e == EINVAL ? " (the file system does not support O_DIRECT, e.g. tmpfs)" : "") +
+                            "; use buffered reads (--storage-io buffered)");
+    return {};
   }
 
   // Creates the 256 fan-out directories once, so puts never pay for a mkdir.
@@ -79,7 +74,7 @@ class FileStore final : public ObjectStore {
         // Several daemons share a store: only a temporary whose writer is gone is garbage (a live
         // writer's rename would fail). Gone: its pid (in the name) no longer runs here, or the
         // file is older than any write takes (another pid namespace, a reused pid).
-        if (abandoned_temporary(base, f.mtime_ns)) fs_->remove(f.path);
+        if (detail::abandoned_temporary(base, f.mtime_ns)) fs_->remove(f.path);
         continue;
       }
       if (base.size() < 4 || base.compare(base.size() - 4, 4, kSuffix) != 0) continue;
@@ -111,8 +106,14 @@ class FileStore final : public ObjectStore {
                                                           std::span<std::byte* const> dsts,
                                                           const ObjectHook& on_ok) override {
     KVTD_TRY(detail::check_batch(keys, dsts.size(), "destinations"));
+    if (direct_) {
+      return read_direct(keys, [&](std::size_t i, std::span<const std::byte> payload) {
+        std::memcpy(dsts[i], payload.data(), payload.size());
+        if (on_ok) on_ok(i);
+      });
+    }
     std::vector<ObjectResult> out(keys.size(), ObjectResult::kMissing);
-    parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
+    detail::parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
       // Read into private scratch and verify there: the caller's buffer receives the payload only
       // once it is known good, so a corrupt or foreign object never clobbers it.
       Scratch scratch(*this);
@@ -133,8 +134,18 @@ class FileStore final : public ObjectStore {
   Result<std::vector<ObjectResult>, StorageErrc> get_parts(std::span<const std::string> keys, const PartsOf& parts_of,
                                                            const ObjectHook& on_ok) override {
     KVTD_TRY(detail::check_keys(keys));
+    if (direct_) {  // verified in the aligned buffer, then copied into the pieces
+      return read_direct(keys, [&](std::size_t i, std::span<const std::byte> payload) {
+        std::size_t at = 0;
+        for (auto piece : parts_of(i)) {
+          std::memcpy(piece.data(), payload.data() + at, piece.size());
+          at += piece.size();
+        }
+        if (on_ok) on_ok(i);
+      });
+    }
     std::vector<ObjectResult> out(keys.size(), ObjectResult::kMissing);
-    parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
+    detail::parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
       out[i] = read_one(keys[i], parts_of(i));
       if (out[i] == ObjectResult::kOk && on_ok) on_ok(i);
     });
@@ -144,8 +155,13 @@ class FileStore final : public ObjectStore {
   Result<std::vector<ObjectResult>, StorageErrc> get_lent(std::span<const std::string> keys,
                                                           const LentHook& on_object) override {
     KVTD_TRY(detail::check_keys(keys));
+    if (direct_) {
+      return read_direct(keys, [&](std::size_t i, std::span<const std::byte> payload) {
+        if (on_object) on_object(i, payload);
+      });
+    }
     std::vector<ObjectResult> out(keys.size(), ObjectResult::kMissing);
-    parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
+    detail::parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
       Scratch scratch(*this);
       const auto payload = scratch.span();
       out[i] = read_one(keys[i], payload);
@@ -164,7 +180,7 @@ class FileStore final : public ObjectStore {
                                                           const FillHook& before_put) override {
     KVTD_TRY(detail::check_batch(keys, srcs.size(), "sources"));
     std::vector<ObjectResult> out(keys.size(), ObjectResult::kOk);
-    parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
+    detail::parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
       if (before_put && !before_put(i)) {
         out[i] = ObjectResult::kFailed;
         counters_.count_put(out[i]);
@@ -190,7 +206,7 @@ class FileStore final : public ObjectStore {
                                                              std::to_string(opts_.store.object_bytes));
     }
     std::vector<ObjectResult> out(keys.size(), ObjectResult::kOk);
-    parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) { out[i] = write_one(keys[i], objects[i]); });
+    detail::parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) { out[i] = write_one(keys[i], objects[i]); });
     return out;
   }
 
@@ -220,6 +236,43 @@ class FileStore final : public ObjectStore {
     const FileStore& s_;
     std::unique_ptr<std::byte[]> buf_;
   };
+
+  // The O_DIRECT load of a batch: its keys split over the I/O threads, each with its reads in
+  // flight; on_ok(i, payload) for each object that verified.
+  Result<std::vector<ObjectResult>, StorageErrc> read_direct(std::span<const std::string> keys,
+                                                             const detail::DirectObjectReader::OnObject& on_ok) {
+    std::vector<ObjectResult> out(keys.size(), ObjectResult::kMissing);
+    const std::size_t slices = std::max<std::size_t>(1, std::min<std::size_t>(opts_.io_threads, keys.size()));
+    std::atomic<int> batch_error{0};
+    detail::parallel_for(slices, static_cast<unsigned>(slices), [&](std::size_t s) {
+      const std::size_t lo = keys.size() * s / slices, hi = keys.size() * (s + 1) / slices;
+      std::vector<std::string> paths, names;
+      for (std::size_t i = lo; i < hi; ++i) {
+        paths.push_back(path_of(keys[i]));
+        names.push_back(namespaced_key(opts_.store, keys[i]));
+      }
+      std::vector<ObjectResult> results;
+      std::vector<int> errors;
+      const int e = direct_->read(paths, names, [&](std::size_t j, std::span<const std::byte> p) { on_ok(lo + j, p); },
+                                  results, errors);
+      if (e != 0) {
+        batch_error.store(e);
+        return;
+      }
+      for (std::size_t j = 0; j < results.size(); ++j) {
+        out[lo + j] = results[j];
+        counters_.count_get(results[j]);
+        if (results[j] == ObjectResult::kFailed) note_error("read " + paths[j], errors[j]);
+        if (results[j] == ObjectResult::kOk) {
+          MutexLock g(mu_);
+          touch_locked(paths[j], sizeof(ObjectHeader) + opts_.store.object_bytes);
+        }
+      }
+    });
+    if (const int e = batch_error.load(); e != 0)
+      return make_error(StorageErrc::kIo, std::string("direct reads under ") + opts_.root + ": " + std::strerror(e));
+    return out;
+  }
 
   ObjectResult read_one(const std::string& key, std::span<std::byte> payload) {
     const std::span<std::byte> one[1] = {payload};
@@ -347,28 +400,6 @@ class FileStore final : public ObjectStore {
     return dir_ + "/" + fan + "/" + key + kSuffix;
   }
 
-  // ".tmp-<key>-<pid>-<thread>-<n>" (unique_suffix): whether its writer can no longer rename it.
-  static bool abandoned_temporary(const std::string& base, std::int64_t mtime_ns) {
-    constexpr std::int64_t kMaxWriteNs = 600'000'000'000;  // 10 minutes
-    timespec now{};
-    clock_gettime(CLOCK_REALTIME, &now);
-    const std::int64_t now_ns = static_cast<std::int64_t>(now.tv_sec) * 1'000'000'000 + now.tv_nsec;
-    if (now_ns - mtime_ns > kMaxWriteNs) return true;
-    // The pid is the third field from the end (keys may hold '-').
-    std::size_t end = base.size();
-    for (int field = 0; field < 2; ++field) {
-      end = base.rfind('-', end - 1);
-      if (end == std::string::npos || end == 0) return false;
-    }
-    const std::size_t start = base.rfind('-', end - 1);
-    if (start == std::string::npos) return false;
-    const std::string pid_text = base.substr(start + 1, end - start - 1);
-    if (pid_text.empty() || pid_text.find_first_not_of("0123456789") != std::string::npos || pid_text.size() > 9)
-      return false;
-    const pid_t pid = static_cast<pid_t>(std::stol(pid_text));
-    return pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH;
-  }
-
   std::string unique_suffix() {
     static std::atomic<std::uint64_t> counter{0};
     return std::to_string(::getpid()) + "-" + std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id())) +
@@ -421,43 +452,10 @@ class FileStore final : public ObjectStore {
   std::string last_error_ GUARDED_BY(mu_);
 
   detail::Counters counters_;
+  std::unique_ptr<detail::DirectObjectReader> direct_;  // --storage-io direct; null: buffered reads
   mutable Mutex scratch_mu_;
   mutable std::vector<std::unique_ptr<std::byte[]>> scratch_free_ GUARDED_BY(scratch_mu_);
 };
-
-}  // namespace
-
-namespace {
-
-// The store root must be this user's alone: anyone who can write it can plant objects (the
-// object format is public and its checksum only catches accidents), and anyone who can list it
-// learns the stored keys, which are prompt-prefix hashes. A missing root is made 0700.
-Status<StorageErrc> check_private_root(const std::string& root) {
-  struct stat st {};
-  if (::lstat(root.c_str(), &st) != 0) {
-    if (errno != ENOENT) return make_error(StorageErrc::kIo, "cannot stat " + root + ": " + std::strerror(errno));
-    std::error_code ec;
-    const auto parent = std::filesystem::path(root).parent_path();
-    if (!parent.empty()) std::filesystem::create_directories(parent, ec);
-    if (::mkdir(root.c_str(), 0700) != 0 && errno != EEXIST)
-      return make_error(StorageErrc::kIo, "cannot create " + root + ": " + std::strerror(errno));
-    if (::lstat(root.c_str(), &st) != 0) return make_error(StorageErrc::kIo, "cannot stat " + root + ": " + std::strerror(errno));
-  }
-  char mode[8];
-  std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
-  if (S_ISLNK(st.st_mode))
-    return make_error(StorageErrc::kInvalidArgument, "store root " + root + " is a symbolic link; name the directory itself");
-  if (!S_ISDIR(st.st_mode)) return make_error(StorageErrc::kInvalidArgument, "store root " + root + " is not a directory");
-  if (st.st_uid != ::geteuid())
-    return make_error(StorageErrc::kInvalidArgument, "store root " + root + " is owned by uid " + std::to_string(st.st_uid) +
-                                                         ", not this daemon's (" + std::to_string(::geteuid()) +
-                                                         "): another user could plant KV in it");
-  if ((st.st_mode & 077) != 0)
-    return make_error(StorageErrc::kInvalidArgument, "store root " + root + " has mode " + mode +
-                                                         ": other users can reach it (they could plant KV or list "
-                                                         "the stored prompt hashes); chmod 700 " + root);
-  return {};
-}
 
 }  // namespace
 
@@ -467,11 +465,12 @@ Result<std::unique_ptr<ObjectStore>, StorageErrc> open_file_store(const FileStor
   if (o.store.object_bytes == 0) return make_error(StorageErrc::kInvalidArgument, "object_bytes must be positive");
   if (o.root.empty()) return make_error(StorageErrc::kInvalidArgument, "file store root directory is empty");
   if (!o.fs) {  // the real file system (tests that inject one have no owner or mode to check)
-    KVTD_TRY(check_private_root(o.root));
+    KVTD_TRY(detail::check_private_root(o.root));
   }
   auto owned = o.fs ? nullptr : make_posix_file_system();
   auto store = std::make_unique<FileStore>(o, std::move(owned));
   KVTD_TRY(store->make_fanout());
+  KVTD_TRY(store->check_direct_reads());
   KVTD_TRY(store->load_index());
   return std::unique_ptr<ObjectStore>(std::move(store));
 }

@@ -1,5 +1,7 @@
 #include "kvtd/storage/file_system.h"
 
+#include "uring_reads.h"
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -121,6 +123,7 @@ class PosixFileSystem final : public FileSystem {
     }
     return ec ? ec.value() : 0;
   }
+  int read_direct(std::span<DirectRead> reads) override { return detail::read_direct_with_uring(reads); }
 };
 
 }  // namespace

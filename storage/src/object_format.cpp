@@ -1,5 +1,7 @@
 #include "kvtd/storage/object_format.h"
 
+#include <cstring>
+
 #include <xxhash.h>
 #if defined(__x86_64__)
 // Debian's libxxhash picks the widest vector unit at run time (SSE2, AVX2, AVX-512) in the
@@ -108,6 +110,13 @@ ObjectResult verify_object(const StoreOptions& o, const std::string& namespaced,
   if (h.payload_bytes != o.object_bytes || payload.size() != o.object_bytes) return ObjectResult::kCorrupt;
   if (h.checksum != hash_bytes(payload.data(), payload.size())) return ObjectResult::kCorrupt;
   return ObjectResult::kOk;
+}
+
+ObjectResult verify_object_image(const StoreOptions& o, const std::string& namespaced, std::span<const std::byte> image) {
+  if (image.size() != sizeof(ObjectHeader) + o.object_bytes) return ObjectResult::kCorrupt;  // truncated or trailing bytes
+  ObjectHeader h;
+  std::memcpy(&h, image.data(), sizeof h);  // the image need not be aligned for the header
+  return verify_object(o, namespaced, h, image.subspan(sizeof h));
 }
 
 }  // namespace kvtd::storage

@@ -1,6 +1,7 @@
 // libFuzzer target: a stored object (header + payload) as read back from a store. verify_object
 // must accept only a whole object of this namespace with a matching checksum, and the parts
-// variant (a load into a destination's pieces) must give the same verdict.
+// variant (a load into a destination's pieces) and the image variant (the O_DIRECT reader's whole
+// file) must give the same verdict.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -27,6 +28,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::span<std::byte> parts[3] = {std::span(copy).subspan(0, cut1), std::span(copy).subspan(cut1, cut2 - cut1),
                                          std::span(copy).subspan(cut2)};
   if (verify_object(o, key, h, std::span<const std::span<std::byte>>(parts)) != whole) std::abort();
+  // The O_DIRECT reader verifies the whole file image it read (header, payload and whatever
+  // followed): exactly one whole object, else corrupt.
+  const std::span<const std::byte> image(reinterpret_cast<const std::byte*>(data), size);
+  const ObjectResult want_image = size == sizeof h + o.object_bytes ? whole : ObjectResult::kCorrupt;
+  if (verify_object_image(o, key, image) != want_image) std::abort();
   if (whole == ObjectResult::kOk) {
     // Accepted: it must be exactly what make_header would write for these bytes.
     const ObjectHeader want = make_header(o, key, payload);

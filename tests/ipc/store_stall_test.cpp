@@ -109,7 +109,7 @@ TEST_F(StoreStallTest, ASwapParkedBehindAStuckLoadIsCancelledAtOnceAndOthersRun)
 // completes when it continues. Every byte it stored loads back verified; the daemons count the skips.
 TEST_F(StoreStallTest, BackupsAreSkippedWhileTheStoreIsStoppedAndSwapsGoOn) {
   ASSERT_NO_FATAL_FAILURE(
-      start_on_redis({"--write-policy", "write_through", "--storage-backup-max-age-ms", "200"}));
+      start_on_redis({"--write-policy", "write_through", "--storage-backup-max-age-ms", "1000"}));
   auto with_keys = [&](std::int32_t dev, std::int32_t host, const std::string& key) {
     return submit_swap(TaskKind::kSwapToHost, {dev}, {host}, {key});
   };
@@ -119,7 +119,9 @@ TEST_F(StoreStallTest, BackupsAreSkippedWhileTheStoreIsStoppedAndSwapsGoOn) {
   const auto stuck_swap = with_keys(2, 2, "stuck");  // its backup asks the stopped store
   auto s = engine_->wait(stuck_swap, 20'000'000'000);
   ASSERT_TRUE(s.ok() && s->ok());
-  std::this_thread::sleep_for(400ms);  // past the 200 ms age: the store has held the agreement since
+  // Past the 1 s age (long enough that no backup before the stall is skipped on a loaded machine):
+  // the store has held the agreement thread since the stuck backup began.
+  std::this_thread::sleep_for(1500ms);
   for (std::int32_t i = 0; i < 6; ++i) {
     const auto id = with_keys(3 + i, 3 + i, "late" + std::to_string(i));
     auto sw = engine_->wait(id, 20'000'000'000);

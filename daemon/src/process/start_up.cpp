@@ -37,6 +37,7 @@ Result<OpenedStore, config::ConfigErrc> open_store(const config::DaemonConfig& c
     storage::FileStoreOptions fo;
     fo.store = so;
     fo.root = sc.path;
+    fo.direct_reads = sc.direct_reads;
     fo.capacity_bytes = static_cast<std::uint64_t>(sc.capacity_gib * static_cast<double>(1ull << 30));
     fo.sync = sc.fsync == config::StorageFsync::kNone   ? storage::SyncPolicy::kNone
               : sc.fsync == config::StorageFsync::kData ? storage::SyncPolicy::kData
@@ -150,11 +151,12 @@ std::optional<int> start_up(const config::DaemonConfig& cfg, std::atomic<bool>& 
   s.store_name = store->name;
   if (s.store)
     KVTD_INFO("storage: {} (model {}, layout fingerprint {:016x}, weight version {}), write policy {}, {} I/O "
-              "threads, {} MiB staging",
+              "threads, {} MiB staging, {} reads",
               s.store_name, cfg.model_id, layout_fingerprint(s.geometry), cfg.storage.weight_version,
               static_cast<int>(cfg.storage.write_policy),
               storage_io_threads(cfg.storage, s.geometry.bytes_per_block_all_layers(), std::thread::hardware_concurrency()),
-              cfg.storage.staging_mib);
+              cfg.storage.staging_mib,
+              cfg.storage.direct_reads ? "direct (O_DIRECT, io_uring)" : "buffered (page cache)");
   return open_servers(cfg, stop, s);
 }
 

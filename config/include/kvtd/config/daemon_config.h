@@ -68,6 +68,9 @@ struct StorageConfig {
   double redis_timeout_s = 2.0;
   double capacity_gib = 0;               // file: 0 = unlimited
   StorageFsync fsync = StorageFsync::kNone;
+  // file: loads read with O_DIRECT (io_uring) into aligned buffers instead of through the page
+  // cache (--storage-io direct); writes stay buffered.
+  bool direct_reads = false;
   std::uint32_t io_threads = 0;          // 0: sized from the machine at start (storage_io_threads)
   std::uint64_t staging_mib = 64;
   // Backups (write-through, selective, write-back writes) waiting for the store: past this many

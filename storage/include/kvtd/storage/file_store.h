@@ -29,6 +29,10 @@ struct FileStoreOptions {
   SyncPolicy sync = SyncPolicy::kNone;
   unsigned io_threads = 2;           // threads one batch is spread over (object creation is CPU-bound)
   FileSystem* fs = nullptr;          // not owned; null: the real POSIX file system
+  // Loads read each object with O_DIRECT (io_uring, several in flight) into an aligned buffer and
+  // verify it there, past the page cache; writes stay buffered. open_file_store fails, naming
+  // the root, where the file system refuses O_DIRECT (tmpfs, some overlays).
+  bool direct_reads = false;
 };
 
 Result<std::unique_ptr<ObjectStore>, StorageErrc> open_file_store(const FileStoreOptions& options);

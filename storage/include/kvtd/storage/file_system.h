@@ -4,6 +4,7 @@
 // Thread-safety: implementations must be safe to call from several threads.
 #pragma once
 
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -12,6 +13,19 @@
 #include <vector>
 
 namespace kvtd::storage {
+
+// O_DIRECT reads need buffers, offsets and lengths aligned to the device's logical block; 4096
+// covers every common one.
+inline constexpr std::size_t kDirectAlign = 4096;
+
+// One whole-file read of a direct batch: the path, a buffer (kDirectAlign-aligned, a multiple
+// of it long) and what came back.
+struct DirectRead {
+  std::string path;
+  std::span<std::byte> buffer;
+  int error = 0;          // 0 or an errno (ENOENT: missing)
+  std::size_t bytes = 0;  // read from offset 0; less than the buffer at end of file
+};
 
 struct FileEntry {
   std::string path;
@@ -34,6 +48,13 @@ class FileSystem {
   virtual int sync_dir(const std::string& path) = 0;
   // Every regular file under `root`, recursively.
   virtual int list_files(const std::string& root, std::vector<FileEntry>* out) = 0;
+  // Reads each file from offset 0 with O_DIRECT (past the page cache) into its buffer, several in
+  // flight; each read gets its own error and byte count. Returns 0, or an errno when the batch
+  // could not be attempted at all. The default refuses (EOPNOTSUPP).
+  virtual int read_direct(std::span<DirectRead> reads) {
+    (void)reads;
+    return EOPNOTSUPP;
+  }
 };
 
 std::unique_ptr<FileSystem> make_posix_file_system();

@@ -48,6 +48,10 @@ ObjectResult verify_object(const StoreOptions& o, const std::string& namespaced,
 ObjectResult verify_object(const StoreOptions& o, const std::string& namespaced, const ObjectHeader& header,
                            std::span<const std::span<std::byte>> payload_parts);
 
+// The same for a whole file image as read back (header, payload and anything after it): kOk only
+// for exactly one whole object of this key. The O_DIRECT reader verifies what it read this way.
+ObjectResult verify_object_image(const StoreOptions& o, const std::string& namespaced, std::span<const std::byte> image);
+
 std::uint64_t hash_bytes(const void* data, std::size_t bytes);
 
 }  // namespace kvtd::storage

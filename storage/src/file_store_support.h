@@ -1,0 +1,43 @@
+// Internal: what the file store needs beside its own logic: spreading a batch over threads,
+// the private-root check at open, and telling abandoned temporaries from live ones.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvtd/storage/object_store.h"
+
+namespace kvtd::storage::detail {
+
+// Runs fn(i) for i in [0, n) on up to `threads` threads (the caller's included). Per-key work
+// is independent, and object creation is mostly kernel CPU time, so a batch spreads over cores.
+template <typename F>
+void parallel_for(std::size_t n, unsigned threads, F&& fn) {
+  threads = std::max(1u, std::min<unsigned>(threads, static_cast<unsigned>(n)));
+  if (threads <= 1) {
+    for (std::size_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  std::atomic<std::size_t> next{0};
+  auto worker = [&] {
+    for (std::size_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+  };
+  std::vector<std::thread> pool;
+  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (auto& t : pool) t.join();
+}
+
+// The store root must be this user's alone (see check_private_root in file_store_support.cpp); a
+// missing root is made 0700.
+Status<StorageErrc> check_private_root(const std::string& root);
+
+// ".tmp-<key>-<pid>-<thread>-<n>": whether the writer of this temporary can no longer rename it
+// (its pid is gone, or the file is older than any write takes).
+bool abandoned_temporary(const std::string& base, std::int64_t mtime_ns);
+
+}  // namespace kvtd::storage::detail
