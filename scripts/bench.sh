@@ -85,12 +85,15 @@ rm -rf "$sdir/store"
 
 # Storage tasks through the daemons (1 MiB objects: 8 layers x K+V x 4 heads x 64 tokens x 128
 # x bf16), 1024 objects per rank in tasks of 32, next to the store alone above.
-echo "== storage tasks through the daemons, file store (same disk, same object size)"
-for ranks in 1 2; do
-  rm -rf "$sdir/daemon"
-  daemon_extra=(--storage-backend file --storage-path "$sdir/daemon" --model-id bench)
-  with_daemons "$ranks" 8 4 64 128 128 8 -- --mode storage-throughput --storage file --blocks-per-task 32 \
-    --storage-blocks 1024
+echo "== storage tasks through the daemons, file store (same disk, same object size), buffered and direct reads"
+for io in buffered direct; do
+  for ranks in 1 2; do
+    rm -rf "$sdir/daemon"
+    daemon_extra=(--storage-backend file --storage-path "$sdir/daemon" --model-id bench --storage-io "$io")
+    echo -n "--storage-io $io: "
+    with_daemons "$ranks" 8 4 64 128 128 8 -- --mode storage-throughput --storage file --blocks-per-task 32 \
+      --storage-blocks 1024
+  done
 done
 rm -rf "$sdir/daemon"
 echo "== storage tasks on host-pool blocks, 1 rank (loads read each object straight into the block's pieces)"

@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "kvtd/proto/names.h"
+#include "split_store.h"
 #include "store_common.h"
 #include "kvtd/storage/object_format.h"
 
@@ -451,9 +452,13 @@ Result<std::unique_ptr<ObjectStore>, StorageErrc> open_redis_store(const RedisSt
   if (o.store.object_bytes == 0) return make_error(StorageErrc::kInvalidArgument, "object_bytes must be positive");
   if (!proto::valid_model_id(o.store.model_id))
     return make_error(StorageErrc::kInvalidArgument, "model id '" + o.store.model_id + "' must be 1-64 of [A-Za-z0-9_.-]");
-  auto s = std::make_unique<RedisStore>(o);
-  KVTD_TRY(s->init());
-  return std::unique_ptr<ObjectStore>(std::move(s));
+  // Two stores, each with its own connection per server: loads and queries never queue behind a
+  // slow write on a shared connection (Redis answers one connection's commands in order).
+  auto reads = std::make_unique<RedisStore>(o);
+  KVTD_TRY(reads->init());
+  auto writes = std::make_unique<RedisStore>(o);
+  KVTD_TRY(writes->init());
+  return detail::split_reads_and_writes(std::move(reads), std::move(writes));
 }
 
 }  // namespace kvtd::storage

@@ -158,5 +158,48 @@ TEST_F(StoreStallTest, BackupsAreSkippedWhileTheStoreIsStoppedAndSwapsGoOn) {
   EXPECT_NE(test::read_file(log_path(0)).find("6 backups skipped"), std::string::npos) << test::read_file(log_path(0));
 }
 
+// A store whose writes are slow and reads are not (Redis with CLIENT PAUSE ... WRITE: SETs wait,
+// EXISTS and GET answer): a load runs on the worker writes may not take, beside the stuck write,
+// and backups that waited for a write worker past --storage-backup-max-age-ms are skipped there.
+TEST_F(StoreStallTest, SlowWritesNeverHoldALoadAndBackupsThatWaitForAWriterAreSkipped) {
+  ASSERT_NO_FATAL_FAILURE(start_on_redis(
+      {"--write-policy", "write_through", "--storage-backup-max-age-ms", "500", "--storage-io-threads", "2"}));
+  auto with_keys = [&](std::int32_t dev, std::int32_t host, const std::string& key) {
+    return submit_swap(TaskKind::kSwapToHost, {dev}, {host}, {key});
+  };
+  EXPECT_TRUE(swap_out_with_keys({0, 1}, {0, 1}, {"r0", "r1"}).ok());
+  ASSERT_EQ(server_->command({"CLIENT", "PAUSE", "6000", "WRITE"}), "OK");
+  const auto first = with_keys(2, 2, "w0");  // its backup's SET waits out the pause
+  ASSERT_TRUE(engine_->wait(first, 20'000'000'000).ok());
+  std::vector<std::uint64_t> later;
+  for (std::int32_t i = 0; i < 4; ++i) {
+    later.push_back(with_keys(3 + i, 3 + i, "w" + std::to_string(i + 1)));
+    auto sw = engine_->wait(later.back(), 20'000'000'000);
+    ASSERT_TRUE(sw.ok() && sw->ok());
+  }
+  // The load is not ordered behind the writes: it completes, verified, while they wait.
+  wipe_device({24, 25});
+  auto rd = storage(TaskKind::kStorageRead, {"r0", "r1"}, {24, 25});
+  ASSERT_TRUE(rd.ok()) << why(rd);
+  EXPECT_EQ(rd.blocks_done, 2u);
+  expect_device_pattern({24, 25}, {0, 1}, 2);
+  const auto early = engine_->poll(first + 1);
+  ASSERT_FALSE(early.has_value()) << "the first backup must still wait for the paused store: " << why(*early) << "\n" << test::read_file(log_path(0));
+  auto b0 = engine_->wait(first + 1, 60'000'000'000);
+  ASSERT_TRUE(b0.ok()) << b0.error().message;
+  EXPECT_TRUE(b0->ok()) << why(*b0);
+  for (const auto id : later) {
+    auto b = engine_->wait(id + 1, 60'000'000'000);
+    ASSERT_TRUE(b.ok()) << b.error().message;
+    EXPECT_EQ(b->status, TaskStatus::kBackupSkipped) << why(*b);
+    ASSERT_FALSE(b->failures.empty());
+    EXPECT_NE(b->failures[0].message.find("for a write worker"), std::string::npos) << why(*b);
+  }
+  auto stored = storage(TaskKind::kStorageQuery, {"w0"}, {});
+  EXPECT_EQ(stored.blocks_done, 1u);
+  auto skipped = storage(TaskKind::kStorageQuery, {"w1"}, {});
+  EXPECT_EQ(skipped.blocks_done, 0u);
+}
+
 }  // namespace
 }  // namespace kvtd

@@ -296,6 +296,9 @@ TEST(DaemonFlags, StorageFlagsAreParsedAndBadOnesNamed) {
   expect_rejected({"--storage-io-threads", "0"}, "--storage-io-threads");
   expect_rejected({"--storage-staging-mib", "0"}, "--storage-staging-mib");
   expect_rejected({"--storage-io-threads", "65"}, "--storage-io-threads");
+  expect_rejected({"--storage-io", "sometimes"}, "--storage-io: 'sometimes' is not buffered or direct");
+  expect_rejected({"--storage-backend", "redis", "--redis-endpoints", "h:1", "--model-id", "m", "--storage-io", "direct"},
+                  "--storage-io direct: only the file store");
   expect_rejected({"--storage-backup-queue-mib", "0"}, "--storage-backup-queue-mib");
   expect_rejected({"--storage-backup-max-age-ms", "0"}, "--storage-backup-max-age-ms");
   expect_rejected({"--storage-fsync", "always"}, "--storage-fsync");

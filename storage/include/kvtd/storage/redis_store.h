@@ -12,7 +12,9 @@
 // itself writes small commands with write(2), so a process using this store should ignore
 // SIGPIPE (kvtd does).
 //
-// Thread-safety: calls are serialised inside (one set of connections per store).
+// Thread-safety: any thread. Reads (EXISTS, GET) and writes (SET, DEL) have a set of connections
+// each, one per server, and calls of each kind are serialised on theirs: a load never waits
+// behind a slow or paused write (found by StoreStallTest with CLIENT PAUSE ... WRITE).
 #pragma once
 
 #include "kvtd/storage/object_store.h"
