@@ -96,6 +96,12 @@ for io in buffered direct; do
   done
 done
 rm -rf "$sdir/daemon"
+echo "== the same, 1 rank, buffered, 4 tasks in flight (an engine serving several requests: the pipeline never drains)"
+rm -rf "$sdir/daemon"
+daemon_extra=(--storage-backend file --storage-path "$sdir/daemon" --model-id bench)
+with_daemons 1 8 4 64 128 128 8 -- --mode storage-throughput --storage file --blocks-per-task 32 \
+  --storage-blocks 1024 --in-flight 4
+rm -rf "$sdir/daemon"
 echo "== storage tasks on host-pool blocks, 1 rank (loads read each object straight into the block's pieces)"
 for layout in layer_first page_first; do
   rm -rf "$sdir/daemon"
