@@ -131,6 +131,16 @@ std::optional<std::vector<storage::ObjectResult>> StorageExecutor::Impl::load_ch
     };
     if (t.store->lends_payloads() && (host || backend.tensors_host_accessible()))
       return t.store->get_lent(keys, [&](std::size_t i, std::span<const std::byte> payload) { scatter(i, payload.data()); });
+    // Device memory (CUDA): each object is read straight into its slot of this worker's pinned
+    // staging and verified there, then its DMA goes from the slot; the store's I/O threads keep
+    // several objects reading, hashing and copying at once. No CPU copy between the read and the
+    // DMA, and a slot whose object fails is never copied to the device.
+    if (t.store->reads_parts()) {
+      auto slot = [&](std::size_t i) { return slice + i * t.object_bytes; };
+      return t.store->get_parts(
+          keys, [&](std::size_t i) { return std::vector<std::span<std::byte>>{{slot(i), t.object_bytes}}; },
+          [&](std::size_t i) { scatter(i, slot(i)); });
+    }
     std::vector<std::byte*> dst(keys.size());
     for (std::size_t i = 0; i < keys.size(); ++i) dst[i] = slice + i * t.object_bytes;
     return t.store->get_each(keys, std::span(dst), [&](std::size_t i) { scatter(i, dst[i]); });
