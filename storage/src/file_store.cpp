@@ -332,12 +332,19 @@ class FileStore final : public ObjectStore {
       e = fs_->write_file(tmp, parts, opts_.sync != SyncPolicy::kNone);
     }
     if (e == 0) {
-      // Rename and index update under one lock: eviction (also under it) picks its victims from
-      // the index, so it can never delete an object that was just renamed in but not yet indexed
-      // as new (it used to remove a concurrent put's fresh object under an old LRU entry).
+      // Eviction picks its victims from the index, so a path being renamed in is marked first and
+      // eviction leaves it alone until it is indexed as new (eviction used to remove a concurrent
+      // put's fresh object under an old LRU entry). The rename itself runs without the lock: a
+      // stalled write must not hold every load's index update (StorageTaskTest.AFileStoreWhose-
+      // WritesStallNeverHoldsSwapsOrLoads; the lock used to be held across it).
       step = "rename to ";
-      MutexLock g(mu_);
+      {
+        MutexLock g(mu_);
+        ++renaming_[path];
+      }
       e = fs_->rename(tmp, path);
+      MutexLock g(mu_);
+      if (--renaming_[path] == 0) renaming_.erase(path);
       if (e == 0) {
         touch_locked(path, sizeof h + h.payload_bytes);
         evict_locked(path);
@@ -427,12 +434,15 @@ class FileStore final : public ObjectStore {
   }
 
   // Removes least-recently-used objects until the total fits the capacity; `keep` (the object
-  // just written) always stays, even if it alone is larger.
+  // just written) and objects being renamed in always stay, even if they alone are larger.
   void evict_locked(const std::string& keep) REQUIRES(mu_) {
     if (opts_.capacity_bytes == 0) return;
-    while (total_ > opts_.capacity_bytes && lru_.size() > 1) {
-      const std::string victim = lru_.back();
-      if (victim == keep) break;
+    auto it = lru_.end();
+    while (total_ > opts_.capacity_bytes && it != lru_.begin()) {
+      --it;
+      if (*it == keep || renaming_.count(*it) != 0) continue;  // just written, or being renamed in
+      const std::string victim = *it;
+      it = std::next(it);  // stays valid: forget_locked erases the victim's node only
       fs_->remove(victim);
       forget_locked(victim);
       ++evictions_;
@@ -444,11 +454,12 @@ class FileStore final : public ObjectStore {
   FileSystem* fs_;
   std::string dir_;
 
-  mutable Mutex mu_;  // the index; never held across file I/O
+  mutable Mutex mu_;  // the index; never held across a read, a write or a rename (eviction unlinks under it)
   std::list<std::string> lru_ GUARDED_BY(mu_);  // front: most recently used
   std::unordered_map<std::string, Entry> index_ GUARDED_BY(mu_);
   std::uint64_t total_ GUARDED_BY(mu_) = 0;
   std::uint64_t evictions_ GUARDED_BY(mu_) = 0;
+  std::unordered_map<std::string, int> renaming_ GUARDED_BY(mu_);  // paths puts are renaming in, and how many
   std::string last_error_ GUARDED_BY(mu_);
 
   detail::Counters counters_;
