@@ -123,12 +123,13 @@ for ranks in 2 4; do
   daemon_extra=(--storage-backend file --storage-path "$sdir/lat" --model-id bench)
   with_daemons "$ranks" 1 1 16 64 16 16 -- --mode storage-latency --storage file --latency-samples 20000
 done
-echo "== daemon memory: one STORAGE_WRITE then one STORAGE_READ of 4 GiB (512 x 8 MiB) with 64 MiB staging"
+for io in buffered direct; do
+echo "== daemon memory: one STORAGE_WRITE then one STORAGE_READ of 4 GiB (512 x 8 MiB) with 64 MiB staging, --storage-io $io"
 rm -rf "$sdir/rss"
-rss_suffix="benchrss$$"
+rss_suffix="benchrss$$$io"
 "$kvtd" --rank 0 --mp-num 1 --num-layers 32 --num-host-blocks 1 --key-cache-shape 520,8,64,128 \
   --value-cache-shape 520,8,64,128 --session "$rss_suffix" --storage-backend file --storage-path "$sdir/rss" --model-id bench \
-  --storage-staging-mib 64 --log-level warn &
+  --storage-staging-mib 64 --storage-io "$io" --log-level warn &
 rss_pid=$!
 pids+=("$rss_pid")
 ( while kill -0 "$rss_pid" 2>/dev/null; do
@@ -142,6 +143,7 @@ kill -TERM "$rss_pid"; wait "$rss_pid" || true
 pids=()
 awk 'NF >= 2 { if ($1 > a) a = $1; if ($2 > s) s = $2 } END {
   printf "daemon peak RssAnon %.1f MiB (target <= 64 MiB staging + 64 MiB = 128 MiB); peak RssShmem %.1f MiB (the engine'"'"'s device tensors and the host pool, mapped)\n", a / 1024, s / 1024 }' "$sdir/rss.samples"
+done
 rm -rf "$sdir"
 port=$((27000 + RANDOM % 1000))
 redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --daemonize no \
