@@ -57,6 +57,22 @@ class StoreStallTest : public StorageTaskTest {
     EXPECT_TRUE(id.ok()) << id.error().message;
     return id.ok() ? *id : 0;
   }
+  // The backup of swap `first` completes ok once the store moves again; the backups of `later`
+  // were skipped, with `cause` in their message.
+  void expect_first_stored_later_skipped(std::uint64_t first, const std::vector<std::uint64_t>& later,
+                                         const std::string& cause) {
+    auto b0 = engine_->wait(first + 1, 60'000'000'000);
+    ASSERT_TRUE(b0.ok()) << b0.error().message;
+    EXPECT_TRUE(b0->ok()) << why(*b0);
+    for (const auto id : later) {
+      auto b = engine_->wait(id + 1, 60'000'000'000);
+      ASSERT_TRUE(b.ok()) << b.error().message;
+      EXPECT_EQ(b->status, TaskStatus::kBackupSkipped) << why(*b);
+      ASSERT_FALSE(b->failures.empty());
+      EXPECT_NE(b->failures[0].message.find(cause), std::string::npos) << why(*b);
+    }
+  }
+
   // A swap (with keys: and its backup); returns the swap's id.
   std::uint64_t submit_swap(TaskKind kind, const std::vector<std::int32_t>& src, const std::vector<std::int32_t>& dst,
                             const std::vector<std::string>& keys = {}) {
@@ -194,17 +210,8 @@ TEST_F(StoreStallTest, SlowWritesNeverHoldALoadAndBackupsThatWaitForAWriterAreSk
   EXPECT_EQ(rd.blocks_done, 2u);
   expect_device_pattern({24, 25}, {0, 1}, 2);
   const auto early = engine_->poll(first + 1);
-  ASSERT_FALSE(early.has_value()) << "the first backup must still wait for the paused store: " << why(*early) << "\n" << test::read_file(log_path(0));
-  auto b0 = engine_->wait(first + 1, 60'000'000'000);
-  ASSERT_TRUE(b0.ok()) << b0.error().message;
-  EXPECT_TRUE(b0->ok()) << why(*b0);
-  for (const auto id : later) {
-    auto b = engine_->wait(id + 1, 60'000'000'000);
-    ASSERT_TRUE(b.ok()) << b.error().message;
-    EXPECT_EQ(b->status, TaskStatus::kBackupSkipped) << why(*b);
-    ASSERT_FALSE(b->failures.empty());
-    EXPECT_NE(b->failures[0].message.find("for a write worker"), std::string::npos) << why(*b);
-  }
+  ASSERT_FALSE(early.has_value()) << "the first backup must still wait for the paused store: " << why(*early);
+  ASSERT_NO_FATAL_FAILURE(expect_first_stored_later_skipped(first, later, "for a write worker"));
   auto stored = storage(TaskKind::kStorageQuery, {"w0"}, {});
   EXPECT_EQ(stored.blocks_done, 1u);
   auto skipped = storage(TaskKind::kStorageQuery, {"w1"}, {});
@@ -216,7 +223,7 @@ TEST_F(StoreStallTest, SlowWritesNeverHoldALoadAndBackupsThatWaitForAWriterAreSk
 // the writes do, the backups that waited for a write worker past their age are skipped, and what
 // was stored before loads back verified. Not under sanitizers: their runtimes must come first in
 // the library list (the Redis tests above cover the same executor paths there).
-TEST_F(StorageTaskTest, AFileStoreWhoseWritesStallNeverHoldsSwapsOrLoads) {
+TEST_F(StoreStallTest, AFileStoreWhoseWritesStallNeverHoldsSwapsOrLoads) {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
   GTEST_SKIP() << "an LD_PRELOAD shim cannot precede the sanitizer runtime";
 #else
@@ -232,18 +239,10 @@ TEST_F(StorageTaskTest, AFileStoreWhoseWritesStallNeverHoldsSwapsOrLoads) {
   EXPECT_TRUE(swap_out_with_keys({0, 1}, {0, 1}, {"f0", "f1"}).ok());
   std::ofstream(gate).put('x');  // from here every put waits in rename
   auto with_keys = [&](std::int32_t dev, std::int32_t host, const std::string& key) {
-    TaskRequest r;
-    r.kind = TaskKind::kSwapToHost;
-    const std::vector<std::int32_t> src{dev}, dst{host};
-    const std::vector<std::string> keys{key};
-    r.src = src;
-    r.dst = dst;
-    r.keys = keys;
-    auto id = engine_->submit(r);
-    EXPECT_TRUE(id.ok());
-    auto sw = engine_->wait(*id, 20'000'000'000);
+    const auto id = submit_swap(TaskKind::kSwapToHost, {dev}, {host}, {key});
+    auto sw = engine_->wait(id, 20'000'000'000);
     EXPECT_TRUE(sw.ok() && sw->ok());
-    return *id;
+    return id;
   };
   const auto first = with_keys(2, 2, "s0");
   std::vector<std::uint64_t> later;
@@ -258,14 +257,7 @@ TEST_F(StorageTaskTest, AFileStoreWhoseWritesStallNeverHoldsSwapsOrLoads) {
   ASSERT_FALSE(early.has_value()) << "the first backup must wait in its rename: " << why(*early);
   std::this_thread::sleep_for(700ms);  // the queued backups pass their 500 ms age
   std::filesystem::remove(gate);
-  auto b0 = engine_->wait(first + 1, 60'000'000'000);
-  ASSERT_TRUE(b0.ok()) << b0.error().message;
-  EXPECT_TRUE(b0->ok()) << why(*b0);
-  for (const auto id : later) {
-    auto b = engine_->wait(id + 1, 60'000'000'000);
-    ASSERT_TRUE(b.ok()) << b.error().message;
-    EXPECT_EQ(b->status, TaskStatus::kBackupSkipped) << why(*b);
-  }
+  ASSERT_NO_FATAL_FAILURE(expect_first_stored_later_skipped(first, later, "for a write worker"));
   wipe_device({26});
   auto s0 = storage(TaskKind::kStorageRead, {"s0"}, {26});
   ASSERT_TRUE(s0.ok()) << why(s0);
