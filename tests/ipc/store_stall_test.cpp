@@ -221,12 +221,12 @@ TEST_F(StoreStallTest, SlowWritesNeverHoldALoadAndBackupsThatWaitForAWriterAreSk
 // The file store on a path whose writes stall (rename(2) waits behind a gate file, through an
 // LD_PRELOAD shim in the daemons only): swaps and a load go on, the stuck backup completes once
 // the writes do, the backups that waited for a write worker past their age are skipped, and what
-// was stored before loads back verified. Not under sanitizers: their runtimes must come first in
-// the library list (the Redis tests above cover the same executor paths there).
+// was stored before loads back verified. Not built under sanitizers: their runtimes must come
+// first in the library list (the Redis tests above cover the same executor paths there). Left
+// out rather than skipped: ctest reports a binary with any skipped test as skipped, which would
+// hide the other tests' results.
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
 TEST_F(StoreStallTest, AFileStoreWhoseWritesStallNeverHoldsSwapsOrLoads) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-  GTEST_SKIP() << "an LD_PRELOAD shim cannot precede the sanitizer runtime";
-#else
   const std::string gate = store_dir_ + "_gate";
   extra_args_.insert(extra_args_.end(), {"--write-policy", "write_through", "--storage-backup-max-age-ms", "500",
                                           "--storage-io-threads", "2"});
@@ -264,8 +264,8 @@ TEST_F(StoreStallTest, AFileStoreWhoseWritesStallNeverHoldsSwapsOrLoads) {
   EXPECT_EQ(s0.blocks_done, 1u);
   expect_device_pattern({26}, {2}, 1);
   EXPECT_EQ(storage(TaskKind::kStorageQuery, {"s1"}, {}).blocks_done, 0u) << "a skipped backup stored nothing";
-#endif
 }
+#endif
 
 }  // namespace
 }  // namespace kvtd
