@@ -197,6 +197,10 @@ struct StorageExecutor::Impl {
   // Why backup `w` must be skipped as it arrives: the agreement thread has been held past
   // --storage-backup-max-age-ms (the store is stalled), or the queue bound is passed; or "".
   std::string skip_on_arrival(const StorageWork& w, std::int64_t now) REQUIRES(mu);
+  // The queue bound's reason to skip a backup of `bytes` (--storage-backup-queue-mib), or "".
+  std::string over_queue_bound(std::uint64_t bytes) REQUIRES(mu);
+  // Completes backup `w` as backup_skipped and counts it (`new_task`: not yet counted as a task).
+  void answer_skipped(const StorageWork& w, std::int64_t start, const std::string& why, bool new_task);
   // Skips backup `w` before its agreement: the peers are told, the engine gets backup_skipped.
   void skip_before_agreement(const StorageWork& w, std::int64_t now, const std::string& why);
 

@@ -221,13 +221,11 @@ void StorageExecutor::Impl::run_write(const Prepared& p, std::byte* slice) {
   // Agreed, but then waited for a write worker past its age: the workers are held by a slow store.
   const std::int64_t waited_ms = (ipc::monotonic_now_ns() - p.queued_ns) / 1'000'000;
   if (is_backup(w) && waited_ms > static_cast<std::int64_t>(t.config.backup_max_age_ms)) {
-    {
-      MutexLock g(stats_mu);
-      ++st.backups_skipped;
-    }
-    finish(w, TaskStatus::kBackupSkipped, 0, w.section.keys.size(), start,
-           "backup skipped: it waited " + std::to_string(waited_ms) + " ms for a write worker (--storage-backup-max-age-ms " +
-               std::to_string(t.config.backup_max_age_ms) + ")");
+    answer_skipped(w, start,
+                   "backup skipped: it waited " + std::to_string(waited_ms) +
+                       " ms for a write worker (--storage-backup-max-age-ms " +
+                       std::to_string(t.config.backup_max_age_ms) + ")",
+                   /*new_task=*/false);
     return;
   }
   if (host && pool != nullptr) {

@@ -60,13 +60,26 @@ std::string StorageExecutor::Impl::backup_skip_reason(const StorageWork& w, std:
   if (age_ms > static_cast<std::int64_t>(t.config.backup_max_age_ms))
     return "backup skipped: it waited " + std::to_string(age_ms) + " ms for the store (--storage-backup-max-age-ms " +
            std::to_string(t.config.backup_max_age_ms) + ")";
-  const std::uint64_t limit = t.config.backup_queue_mib << 20;
   MutexLock g(mu);
+  return over_queue_bound(bytes);
+}
+
+std::string StorageExecutor::Impl::over_queue_bound(std::uint64_t bytes) {
   // One backup larger than the whole bound still goes when nothing else waits.
-  if (backup_queued != 0 && backup_queued + bytes > limit)
+  if (backup_queued != 0 && backup_queued + bytes > (t.config.backup_queue_mib << 20))
     return "backup skipped: " + std::to_string(backup_queued >> 20) + " MiB of backups wait for the store " +
            "(--storage-backup-queue-mib " + std::to_string(t.config.backup_queue_mib) + ")";
   return "";
+}
+
+void StorageExecutor::Impl::answer_skipped(const StorageWork& w, std::int64_t start, const std::string& why,
+                                           bool new_task) {
+  {
+    MutexLock g(stats_mu);
+    st.tasks += new_task;
+    ++st.backups_skipped;
+  }
+  finish(w, TaskStatus::kBackupSkipped, 0, w.section.keys.size(), start, why);
 }
 
 std::string StorageExecutor::Impl::skip_on_arrival(const StorageWork& w, std::int64_t now) {
@@ -78,22 +91,13 @@ std::string StorageExecutor::Impl::skip_on_arrival(const StorageWork& w, std::in
   if (held_since != 0 && now - held_since > max_age_ns)
     return "backup skipped: the store has held storage tasks for " + std::to_string((now - held_since) / 1'000'000) +
            " ms (--storage-backup-max-age-ms " + std::to_string(t.config.backup_max_age_ms) + ")";
-  const std::uint64_t bytes = w.section.keys.size() * t.object_bytes;
-  if (backup_queued != 0 && backup_queued + bytes > (t.config.backup_queue_mib << 20))
-    return "backup skipped: " + std::to_string(backup_queued >> 20) + " MiB of backups wait for the store " +
-           "(--storage-backup-queue-mib " + std::to_string(t.config.backup_queue_mib) + ")";
-  return "";
+  return over_queue_bound(w.section.keys.size() * t.object_bytes);
 }
 
 void StorageExecutor::Impl::skip_before_agreement(const StorageWork& w, std::int64_t now, const std::string& why) {
-  {
-    MutexLock g(stats_mu);
-    ++st.tasks;
-    ++st.backups_skipped;
-  }
   ep.abort_agreement(w.header.seq, TaskStatus::kBackupSkipped);
   ep.leave_agreements(w.header.seq + 1);
-  finish(w, TaskStatus::kBackupSkipped, 0, w.section.keys.size(), now, why);
+  answer_skipped(w, now, why, /*new_task=*/true);
 }
 
 void StorageExecutor::Impl::agreement_loop() {
@@ -248,12 +252,7 @@ void StorageExecutor::submit(StorageWork&& w) {
     return;
   }
   // Answered now, so the engine may reuse its host blocks; its agreement is left in ring order.
-  {
-    MutexLock g(impl->stats_mu);
-    ++impl->st.tasks;
-    ++impl->st.backups_skipped;
-  }
-  impl->finish(w, TaskStatus::kBackupSkipped, 0, w.section.keys.size(), now, skip);
+  impl->answer_skipped(w, now, skip, /*new_task=*/true);
   impl->release(w);
   w.blocks.clear();
   w.answered = TaskStatus::kBackupSkipped;
