@@ -117,6 +117,10 @@ void declare_runtime_flags(CLI::App& app, RawFlags& f, DaemonConfig& c) {
   f.scatter_opt = app.add_option("--scatter-mode", f.scatter,
                                      "CUDA: batch (default: copy engines) | kernel | kernel-per-layer | memcpy "
                                      "(scattered blocks)");
+  app.add_option("--copy-batch-max", c.copy_batch_max,
+                 "CUDA batch mode: at most this many copies per cudaMemcpyBatchAsync call (a task's are split "
+                 "into calls of this size; drivers have failed on ~52K in one call)")
+      ->check(CLI::Range(1u, 32768u));
   app.add_option("--numa-node", f.numa,
                  "Host pool memory and copy threads: auto (the GPU's node from sysfs) | none | <node>");
   app.add_option("--host-layout", f.host_layout,

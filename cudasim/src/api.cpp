@@ -181,4 +181,17 @@ const char* cudaGetErrorString(cudaError_t e) {
   }
 }
 
+cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsigned int version,
+                                             unsigned long long flags, cudaDriverEntryPointQueryResult* status) {
+  if (const cudaError_t e = enter("cudaGetDriverEntryPointByVersion"); e != cudaSuccess) return e;
+  if (!symbol || !fn || version < 3020 || (flags & ~static_cast<unsigned long long>(cudaEnablePerThreadDefaultStream)) != 0)
+    return fail(cudaErrorInvalidValue);
+  // Only what kvtd asks for; any other symbol is "not found" (success, null pointer), as CUDA
+  // answers for a symbol this driver lacks.
+  *fn = std::strcmp(symbol, "cuMemGetAddressRange") == 0 ? reinterpret_cast<void*>(&cudasim_cuMemGetAddressRange)
+                                                          : nullptr;
+  if (status) *status = *fn ? cudaDriverEntryPointSuccess : cudaDriverEntryPointSymbolNotFound;
+  return cudaSuccess;
+}
+
 }  // extern "C"

@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -54,6 +55,12 @@ std::map<std::uintptr_t, Range>::iterator find_locked(const void* p, std::size_t
   --it;
   if (a + n > it->first + it->second.bytes || a + n < a) return g_ranges.end();
   return it;
+}
+
+// KVTD_CUDASIM_BATCH_MAX (read per call) or 16,384 copies.
+std::size_t batch_copy_cap() {
+  const char* v = std::getenv("KVTD_CUDASIM_BATCH_MAX");
+  return v != nullptr ? static_cast<std::size_t>(std::strtoull(v, nullptr, 10)) : 16384;
 }
 
 cudaError_t check_kind(const void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind) {
@@ -200,7 +207,10 @@ cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* dev) {
   if (const cudaError_t e = enter("cudaIpcGetMemHandle"); e != cudaSuccess) return e;
   if (!handle) return fail(cudaErrorInvalidValue);
   MutexLock g(g_mu);
-  auto it = g_ranges.find(reinterpret_cast<std::uintptr_t>(dev));  // the allocation's base only
+  // Any pointer into an allocation: the handle names the allocation (its base), as CUDA's does,
+  // so a caller that registers an interior pointer without its offset opens the wrong bytes here
+  // too (torch's caching allocator hands out interior pointers).
+  auto it = find_locked(dev, 1);
   if (it == g_ranges.end() || it->second.space != Space::kDevice || it->second.imported)
     return fail(cudaErrorInvalidValue);
   std::memset(handle, 0, sizeof *handle);
@@ -338,6 +348,9 @@ cudaError_t cudaMemcpyBatchAsync(void* const* dsts, const void* const* srcs, con
   if (s == nullptr || s == cudaStreamLegacy || count == 0 || !dsts || !srcs || !sizes || !attrs || !attrs_idxs ||
       num_attrs == 0 || num_attrs > count || attrs_idxs[0] != 0)
     return bad();
+  // Drivers fail (crash or hang, vllm#49276) on one batch of ~52K copies; the stand-in refuses
+  // far earlier so that a caller that does not split its batches fails here, not on a GPU.
+  if (count > batch_copy_cap()) return bad();
   for (std::size_t i = 1; i < num_attrs; ++i)
     if (attrs_idxs[i] <= attrs_idxs[i - 1] || attrs_idxs[i] >= count) return bad();
   for (std::size_t i = 0; i < num_attrs; ++i)
@@ -353,6 +366,18 @@ cudaError_t cudaMemcpyBatchAsync(void* const* dsts, const void* const* srcs, con
     for (std::size_t i = d.size(); i-- > 0;) std::memmove(d[i], sv[i], n[i]);
     return cudaSuccess;
   });
+}
+
+// Driver API, reached through cudaGetDriverEntryPointByVersion (api.cpp) as kvtd does: the base
+// and size of the allocation holding `dptr`, opened IPC mappings included.
+CUresult cudasim_cuMemGetAddressRange(CUdeviceptr* base, size_t* size, CUdeviceptr dptr) {
+  if (sticky_error() != cudaSuccess) return CUDA_ERROR_ILLEGAL_ADDRESS;
+  MutexLock g(g_mu);
+  auto it = find_locked(reinterpret_cast<const void*>(dptr), 1);
+  if (it == g_ranges.end() || it->second.space != Space::kDevice) return CUDA_ERROR_NOT_FOUND;
+  if (base) *base = static_cast<CUdeviceptr>(it->first);
+  if (size) *size = it->second.bytes;
+  return CUDA_SUCCESS;
 }
 
 }  // extern "C"

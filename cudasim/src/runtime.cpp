@@ -112,17 +112,27 @@ bool forget_stream(cudaStream_t s) {
   return g_streams.erase(s) != 0;
 }
 
+// The errors whose documentation in driver_types.h says the process "is left in an inconsistent
+// state" or "must be terminated and relaunched": the stand-in's whole model of stickiness. kvtd
+// itself keeps no list (it asks whether the error survives cudaGetLastError), so this one is the
+// only place a code is named.
 bool is_sticky(int e) {
   switch (e) {
-    case cudaErrorIllegalAddress:
-    case cudaErrorLaunchTimeout:
-    case cudaErrorAssert:
-    case cudaErrorHardwareStackError:
-    case cudaErrorIllegalInstruction:
-    case cudaErrorMisalignedAddress:
-    case cudaErrorInvalidAddressSpace:
-    case cudaErrorInvalidPc:
-    case cudaErrorLaunchFailure: return true;
+    case cudaErrorECCUncorrectable:       // 214
+    case cudaErrorContained:              // 226
+    case cudaErrorIllegalAddress:         // 700
+    case cudaErrorLaunchTimeout:          // 702
+    case cudaErrorHardwareStackError:     // 714
+    case cudaErrorIllegalInstruction:     // 715
+    case cudaErrorMisalignedAddress:      // 716
+    case cudaErrorInvalidAddressSpace:    // 717
+    case cudaErrorInvalidPc:              // 718
+    case cudaErrorLaunchFailure:          // 719
+    case cudaErrorAssert:                 // 710
+    case cudaErrorTensorMemoryLeak:       // 721
+    case cudaErrorMpsClientTerminated:    // 810
+    case cudaErrorExternalDevice:         // 911
+      return true;
     default: return false;
   }
 }

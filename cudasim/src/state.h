@@ -2,6 +2,7 @@
 // their worker threads, events, and the map of device and pinned memory ranges.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include <atomic>
@@ -80,3 +81,7 @@ enum class Space { kUnknown, kDevice, kPinnedHost };
 Space space_of(const void* p, std::size_t n);
 
 }  // namespace cudasim
+
+// The driver API's cuMemGetAddressRange (memory.cpp), handed out by the runtime's driver entry
+// point (api.cpp) the way libcuda's is.
+extern "C" CUresult cudasim_cuMemGetAddressRange(CUdeviceptr* base, size_t* size, CUdeviceptr dptr);

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "cuda.h"
 #include "cuda_runtime_api.h"
 #include "kvtd/cudasim/control.h"
 
@@ -138,6 +139,51 @@ TEST(CudaSim, BatchCopiesFollowTheCuda13Contract) {
   cudaStreamDestroy(s);
 }
 
+// Drivers have crashed near 52K copies in one batch (vllm#49276): the stand-in refuses more
+// than its cap (16,384, or KVTD_CUDASIM_BATCH_MAX) so an unsplit caller fails in CI.
+TEST(CudaSim, ABatchOfMoreCopiesThanTheCapIsRefused) {
+  Buffers m;
+  cudaStream_t s{};
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  setenv("KVTD_CUDASIM_BATCH_MAX", "4", 1);
+  std::vector<void*> dsts(5);
+  std::vector<const void*> srcs(5, m.a);
+  std::vector<std::size_t> sizes(5, 8);
+  for (int i = 0; i < 5; ++i) dsts[i] = static_cast<char*>(m.c) + 8 * i;
+  cudaMemcpyAttributes attr{};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  std::size_t idx = 0;
+  EXPECT_EQ(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), 5, &attr, &idx, 1, s), cudaErrorInvalidValue);
+  (void)cudaGetLastError();
+  EXPECT_EQ(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), 4, &attr, &idx, 1, s), cudaSuccess);
+  unsetenv("KVTD_CUDASIM_BATCH_MAX");
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  cudaStreamDestroy(s);
+}
+
+// cuMemGetAddressRange through the runtime's driver entry point, as the daemon reaches it: the
+// base and size of the allocation holding any pointer into it.
+TEST(CudaSim, TheDriversAddressRangeNamesTheWholeAllocation) {
+  void* f = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  ASSERT_EQ(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault, &q), cudaSuccess);
+  ASSERT_EQ(q, cudaDriverEntryPointSuccess);
+  auto range = reinterpret_cast<CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr)>(f);
+  void* d = nullptr;
+  ASSERT_EQ(cudaMalloc(&d, 3000), cudaSuccess);
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  ASSERT_EQ(range(&base, &size, reinterpret_cast<CUdeviceptr>(d) + 100), CUDA_SUCCESS);
+  EXPECT_EQ(base, reinterpret_cast<CUdeviceptr>(d));
+  EXPECT_EQ(size, 3000u);
+  int host = 0;
+  EXPECT_NE(range(&base, &size, reinterpret_cast<CUdeviceptr>(&host)), CUDA_SUCCESS) << "not device memory";
+  EXPECT_EQ(cudaGetDriverEntryPointByVersion("cuNoSuchCall", &f, 12000, cudaEnableDefault, &q), cudaSuccess);
+  EXPECT_EQ(q, cudaDriverEntryPointSymbolNotFound);
+  EXPECT_EQ(f, nullptr);
+  cudaFree(d);
+}
+
 TEST(CudaSim, NonStickyFaultFailsOneCallOnly) {
   cudasim::reset_faults();
   cudasim::inject_fault("cudaMalloc", 2, cudaErrorMemoryAllocation);
@@ -202,8 +248,11 @@ TEST(CudaSim, MemoryHandleOpensInAnotherProcessAtTheSameBytes) {
   ASSERT_EQ(cudaMemcpy(d, v.data(), v.size(), cudaMemcpyHostToDevice), cudaSuccess);
   cudaIpcMemHandle_t h{};
   ASSERT_EQ(cudaIpcGetMemHandle(&h, d), cudaSuccess);
-  EXPECT_EQ(cudaIpcGetMemHandle(&h, static_cast<char*>(d) + 8), cudaErrorInvalidValue) << "the base only";
-  (void)cudaGetLastError();
+  // An interior pointer's handle names the whole allocation, as CUDA's does (the caller must
+  // add the offset itself).
+  cudaIpcMemHandle_t interior{};
+  ASSERT_EQ(cudaIpcGetMemHandle(&interior, static_cast<char*>(d) + 8), cudaSuccess);
+  EXPECT_EQ(0, std::memcmp(&interior, &h, sizeof h)) << "an interior pointer's handle is the base's";
   void* self = nullptr;
   EXPECT_EQ(cudaIpcOpenMemHandle(&self, h, cudaIpcMemLazyEnablePeerAccess), cudaErrorInvalidResourceHandle)
       << "not from the exporting process";

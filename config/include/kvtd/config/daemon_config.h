@@ -134,6 +134,7 @@ struct DaemonConfig {
   DeviceBackendKind device_backend = DeviceBackendKind::kHost;
   ScatterMode scatter_mode = ScatterMode::kBatch;
   bool scatter_mode_given = false;     // --scatter-mode was on the command line
+  std::uint32_t copy_batch_max = 4096;  // copies per cudaMemcpyBatchAsync call (--copy-batch-max)
   HostLayout host_layout = HostLayout::kLayerFirst;
   int numa_node = kNumaAuto;           // host pool and copy threads; kNumaAuto: the GPU's, -1: none
   std::string log_dir;                 // empty: log to stderr only

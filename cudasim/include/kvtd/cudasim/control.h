@@ -12,6 +12,7 @@
 //   KVTD_CUDASIM_OP_DELAY_US=200     every stream operation sleeps first (ordering, progress)
 //   KVTD_CUDASIM_DEVICES=2           visible devices (default 1; 0 = no device; read per call)
 //   KVTD_CUDASIM_NO_HOST_POINTERS=1  cudaDevAttrCanUseHostPointerForRegisteredMem is 0
+//   KVTD_CUDASIM_BATCH_MAX=16384     cudaMemcpyBatchAsync refuses more copies in one call
 //
 // Thread-safety: every function may be called from any thread.
 #pragma once

@@ -184,8 +184,11 @@ class HostBuffer {
 std::unique_ptr<DeviceBackend> make_host_backend();
 // Fails with kUnavailable and the reason when CUDA is not compiled in or no device/driver exists,
 // or when `mode` is kBatch and this toolkit has no cudaMemcpyBatchAsync.
+// `copy_batch_max` caps the copies of one cudaMemcpyBatchAsync call (batch mode): a task's are
+// enqueued in calls of at most that many.
 Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int device_id,
-                                                                     ScatterMode mode = ScatterMode::kKernelAllLayers);
+                                                                     ScatterMode mode = ScatterMode::kKernelAllLayers,
+                                                                     std::size_t copy_batch_max = 4096);
 bool cuda_compiled_in();
 // Whether the CUDA backend runs on cudasim, the CPU stand-in of the CUDA runtime (test builds).
 bool cuda_stand_in();

@@ -75,21 +75,58 @@ Result<std::byte*, DeviceErrc> CudaBackend::open_tensor(const proto::TensorDesc&
     std::memcpy(&h, d.handle, sizeof h);
     void* p = nullptr;
     if (auto st = use_device(); !st.ok()) return make_error(DeviceErrc::kOpenFailed, st.error().message);
-    if (auto e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess) {
-      (void)cudaGetLastError();
-      return make_error(DeviceErrc::kOpenFailed, cuda_text("cudaIpcOpenMemHandle", e));
-    }
-    it = opened_.emplace(key, p).first;
+    if (auto e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess)
+      return make_error(errc_of(e, DeviceErrc::kOpenFailed), cuda_text("cudaIpcOpenMemHandle", e));
+    it = opened_.emplace(key, Opened{p, allocation_bytes(p)}).first;
   }
-  // Caching allocators hand out sub-allocations: the handle names the base, plus an offset.
-  return static_cast<std::byte*>(it->second) + d.offset;
+  // Caching allocators hand out sub-allocations: the handle names the base, plus an offset. A
+  // wrong offset or size would make every DMA of this tensor write the engine's neighbouring
+  // tensors (or fault), so the range must lie inside the allocation the handle opened.
+  const std::uint64_t size = it->second.bytes;
+  if (size != 0 && (d.offset > size || d.bytes > size - d.offset))
+    return make_error(DeviceErrc::kOpenFailed,
+                      "tensor (rank " + std::to_string(d.rank) + ", layer " + std::to_string(d.layer) + ", " +
+                          proto::tensor_kind_name(static_cast<proto::TensorKind>(d.kind)) + ") is registered at offset " +
+                          std::to_string(d.offset) + " with " + std::to_string(d.bytes) +
+                          " bytes, past the end of the allocation its IPC handle names (" + std::to_string(size) +
+                          " bytes): the engine registered the wrong handle, offset or size");
+  return static_cast<std::byte*>(it->second.base) + d.offset;
+}
+
+std::uint64_t CudaBackend::allocation_bytes(void* base) {
+  // The driver API's cuMemGetAddressRange through the runtime's entry point: linking libcuda
+  // directly would make the daemon unloadable on machines without a driver (the host backend).
+  using AddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  static AddressRange fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<AddressRange>(f);
+  }();
+  CUdeviceptr b = 0;
+  size_t size = 0;
+  if (fn == nullptr || fn(&b, &size, reinterpret_cast<CUdeviceptr>(base)) != CUDA_SUCCESS) {
+    KVTD_WARN("the size of an opened IPC allocation is unknown (cuMemGetAddressRange {}): tensor bounds unchecked",
+              fn == nullptr ? "not found" : "failed");
+    return 0;
+  }
+  return size - (reinterpret_cast<CUdeviceptr>(base) - b);
 }
 
 void CudaBackend::close_tensors() {
-  if (opened_.empty()) return;
+  // Both lanes held while their streams drain and the handles close: no copy is mid-enqueue and
+  // none still runs when a mapping goes.
+  MutexLock to_host(lanes_[0].mu);
+  MutexLock to_device(lanes_[1].mu);
   if (!use_device().ok()) KVTD_WARN("cudaSetDevice failed while closing tensor handles");
-  for (auto& [key, p] : opened_)  // each handle exactly once
-    if (cudaIpcCloseMemHandle(p) != cudaSuccess) (void)cudaGetLastError();
+  for (auto& lane : lanes_) lane.drain();
+  if (opened_.empty()) return;
+  for (auto& [key, o] : opened_)  // each handle exactly once
+    if (cudaIpcCloseMemHandle(o.base) != cudaSuccess) (void)cudaGetLastError();
   opened_.clear();
 }
 
@@ -211,7 +248,8 @@ bool cuda_stand_in() { return true; }
 bool cuda_stand_in() { return false; }
 #endif
 
-Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int device_id, ScatterMode mode) {
+Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int device_id, ScatterMode mode,
+                                                                     std::size_t copy_batch_max) {
   if (mode == ScatterMode::kBatch && !cuda::kHaveBatchCopy)
     return make_error(DeviceErrc::kUnavailable, "--scatter-mode batch needs cudaMemcpyBatchAsync (CUDA 13 or newer)");
   int count = 0;
@@ -220,7 +258,7 @@ Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int device_
   if (device_id < 0 || device_id >= count)
     return make_error(DeviceErrc::kUnavailable, "--device-id " + std::to_string(device_id) + " but only " +
                                                     std::to_string(count) + " CUDA devices are visible");
-  auto b = std::make_unique<cuda::CudaBackend>(device_id, mode);
+  auto b = std::make_unique<cuda::CudaBackend>(device_id, mode, std::max<std::size_t>(copy_batch_max, 1));
   KVTD_TRY(b->init());
   return std::unique_ptr<DeviceBackend>(std::move(b));
 }

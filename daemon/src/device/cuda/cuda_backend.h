@@ -8,9 +8,11 @@
 // tensor opening and memory calls come from the daemon's main thread while no copy runs.
 #pragma once
 
+#include <cuda.h>  // CUresult, CUdeviceptr: the driver entry point of allocation_bytes
 #include <cuda_runtime_api.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <array>
 #include <map>
 #include <vector>
@@ -27,10 +29,11 @@ class CudaBackend final : public DeviceBackend {
   struct Lane;  // defined below; named early for the helpers' signatures
 
  public:
-  CudaBackend(int device, ScatterMode mode) : device_(device), mode_(mode) {}
+  CudaBackend(int device, ScatterMode mode, std::size_t copy_batch_max)
+      : device_(device), mode_(mode), copy_batch_max_(copy_batch_max) {}
 
   ~CudaBackend() override {
-    close_tensors();
+    close_tensors();  // drains both lanes first: nothing below is freed under a copy
     if (cudaSetDevice(device_) != cudaSuccess) (void)cudaGetLastError();
     // Lanes release their mirrors, events and stream in their own destructors.
     for (void* p : host_) cudaFreeHost(p);
@@ -51,6 +54,8 @@ class CudaBackend final : public DeviceBackend {
 
   Result<std::byte*, DeviceErrc> open_tensor(const proto::TensorDesc& d) override;
 
+  // Waits for both lanes (their locks, then their streams) before unmapping anything, whatever
+  // the caller did: a copy still running would otherwise read or write unmapped memory.
   void close_tensors() override;
 
   Result<std::byte*, DeviceErrc> alloc_host(std::size_t bytes) override;
@@ -158,8 +163,17 @@ class CudaBackend final : public DeviceBackend {
 
   int device_;
   ScatterMode mode_;
+  std::size_t copy_batch_max_;  // copies per cudaMemcpyBatchAsync call
   std::array<Lane, 2> lanes_;
-  std::map<std::array<std::uint8_t, proto::kHandleBytes>, void*> opened_;
+  // The bytes the allocation holds from `base` on (cuMemGetAddressRange); 0 when the driver
+  // cannot say (then bounds go unchecked, with a warning).
+  static std::uint64_t allocation_bytes(void* base);
+
+  struct Opened {
+    void* base;           // what cudaIpcOpenMemHandle returned
+    std::uint64_t bytes;  // allocation_bytes(base)
+  };
+  std::map<std::array<std::uint8_t, proto::kHandleBytes>, Opened> opened_;
   std::vector<void*> host_;
   std::vector<void*> device_allocs_;
   std::vector<void*> exported_;  // create_exported: FastDeploy's worker maps these

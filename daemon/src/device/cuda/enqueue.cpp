@@ -110,13 +110,18 @@ Status<DeviceErrc> CudaBackend::enqueue_batch(Lane& lane, const kernels::CopyPla
       add(t.dst + static_cast<std::uint64_t>(plan.single_dst[i]) * t.dst_stride,
           t.src + static_cast<std::uint64_t>(plan.single_src[i]) * t.src_stride, t.block_bytes);
   }
-  if (lane.batch_dst.empty()) return {};
   cudaMemcpyAttributes attr{};
   attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
   attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
   std::size_t attr_index = 0;
-  KVTD_CUDA_TRY(cudaMemcpyBatchAsync(lane.batch_dst.data(), lane.batch_src.data(), lane.batch_size.data(),
-                                     lane.batch_dst.size(), &attr, &attr_index, 1, lane.stream));
+  // In calls of at most copy_batch_max_ copies: a task of 64 layers x 2 kinds x 500 blocks is
+  // 64,000 descriptors, and drivers have crashed or hung near 52K in one call (vllm#49276). The
+  // calls follow each other on one stream, so the task's copies still end before its sync.
+  for (std::size_t first = 0; first < lane.batch_dst.size(); first += copy_batch_max_) {
+    const std::size_t count = std::min(copy_batch_max_, lane.batch_dst.size() - first);
+    KVTD_CUDA_TRY(cudaMemcpyBatchAsync(lane.batch_dst.data() + first, lane.batch_src.data() + first,
+                                       lane.batch_size.data() + first, count, &attr, &attr_index, 1, lane.stream));
+  }
   return {};
 #else
   (void)lane;
