@@ -57,6 +57,12 @@ std::map<std::uintptr_t, Range>::iterator find_locked(const void* p, std::size_t
   return it;
 }
 
+// KVTD_CUDASIM_HOST_REGISTER_MAX bytes (read per call) or 512 GiB.
+std::size_t host_register_cap() {
+  const char* v = std::getenv("KVTD_CUDASIM_HOST_REGISTER_MAX");
+  return v != nullptr ? static_cast<std::size_t>(std::strtoull(v, nullptr, 10)) : std::size_t{512} << 30;
+}
+
 // KVTD_CUDASIM_BATCH_MAX (read per call) or 16,384 copies.
 std::size_t batch_copy_cap() {
   const char* v = std::getenv("KVTD_CUDASIM_BATCH_MAX");
@@ -171,12 +177,19 @@ cudaError_t cudaHostRegister(void* ptr, size_t bytes, unsigned int flags) {
   const unsigned known = cudaHostRegisterPortable | cudaHostRegisterMapped | cudaHostRegisterIoMemory |
                          cudaHostRegisterReadOnly;
   if (!ptr || bytes == 0 || (flags & ~known) != 0) return fail(cudaErrorInvalidValue);
-  MutexLock g(g_mu);
-  // Any overlap with a registered or device range is refused, as CUDA does.
+  // Drivers refuse one registration of 512 GiB or more (vllm#51080); the cap can be lowered so a
+  // test can show a caller registers in pieces.
+  if (bytes >= host_register_cap()) return fail(cudaErrorInvalidValue);
+  // CUDA pins pages: a range that is not wholly mapped is refused, and two registrations may not
+  // share a page.
+  const std::uintptr_t page = 4096;
   const auto a = reinterpret_cast<std::uintptr_t>(ptr);
-  auto it = g_ranges.lower_bound(a);
-  if (it != g_ranges.end() && it->first < a + bytes) return fail(cudaErrorHostMemoryAlreadyRegistered);
-  if (it != g_ranges.begin() && std::prev(it)->first + std::prev(it)->second.bytes > a)
+  const std::uintptr_t first = a & ~(page - 1), end = (a + bytes + page - 1) & ~(page - 1);
+  if (msync(reinterpret_cast<void*>(first), end - first, MS_ASYNC) != 0) return fail(cudaErrorInvalidValue);
+  MutexLock g(g_mu);
+  auto it = g_ranges.lower_bound(first);
+  if (it != g_ranges.end() && it->first < end) return fail(cudaErrorHostMemoryAlreadyRegistered);
+  if (it != g_ranges.begin() && ((std::prev(it)->first + std::prev(it)->second.bytes + page - 1) & ~(page - 1)) > first)
     return fail(cudaErrorHostMemoryAlreadyRegistered);
   Range r;
   r.bytes = bytes;

@@ -49,6 +49,7 @@ void MetricsRegistry::set_attached(bool attached, std::uint32_t epoch) {
   epoch_.store(epoch, std::memory_order_relaxed);
 }
 void MetricsRegistry::set_host_pool_bytes(std::uint64_t bytes) { host_pool_bytes_.store(bytes, std::memory_order_relaxed); }
+void MetricsRegistry::set_host_pool_pin_ms(std::uint64_t ms) { host_pool_pin_ms_.store(ms, std::memory_order_relaxed); }
 void MetricsRegistry::set_ring_depth(std::uint64_t bytes) { ring_depth_.store(bytes, std::memory_order_relaxed); }
 void MetricsRegistry::set_store_figures(StoreFiguresProvider provider) {
   MutexLock g(store_mu_);
@@ -152,6 +153,10 @@ std::string MetricsRegistry::render() const {
       {"kvtd_host_pool_bytes", "Bytes of this rank's host pool.", host_pool_bytes_.load(std::memory_order_relaxed)},
   };
   for (const auto& g : gauges) line(out, "# HELP %s %s\n# TYPE %s gauge\n%s %llu\n", g.name, g.help, g.name, g.name, g.v);
+  line(out,
+       "# HELP kvtd_host_pool_pin_seconds How long pinning the host pool for DMA took when it was mapped.\n"
+       "# TYPE kvtd_host_pool_pin_seconds gauge\nkvtd_host_pool_pin_seconds %.3f\n",
+       static_cast<double>(host_pool_pin_ms_.load(std::memory_order_relaxed)) / 1000.0);
   return out;
 }
 

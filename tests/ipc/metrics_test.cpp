@@ -72,6 +72,7 @@ TEST_F(MetricsTest, ExpositionCountsRealTasksAndPassesPromtool) {
         std::string("kvtd_attached 1\n"), std::string("kvtd_epoch 1\n"), std::string("kvtd_ring_depth_bytes 0\n")})
     EXPECT_NE(body.find(want), std::string::npos) << "missing: " << want << body;
   EXPECT_NE(body.find("kvtd_host_pool_bytes "), std::string::npos) << body;
+  EXPECT_NE(body.find("kvtd_host_pool_pin_seconds "), std::string::npos) << body;
   // promtool (Debian's prometheus package) must accept the exposition as it is.
   if (std::system("command -v promtool > /dev/null 2>&1") != 0) GTEST_SKIP() << "promtool is not installed";
   const std::string file = ::testing::TempDir() + "/" + suffix_ + ".prom";

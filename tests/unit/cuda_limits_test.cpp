@@ -20,6 +20,7 @@
 #include "cuda_runtime_api.h"
 #include "kvtd/cudasim/control.h"
 #include "kvtd/daemon/device_backend.h"
+#include "kvtd/daemon/host_pool.h"
 #include "kvtd/kernels/layout.h"
 
 namespace kvtd::daemon {
@@ -217,6 +218,41 @@ TEST(CudaLimits, ClosingTensorsWaitsForACopyStillRunning) {
   cudasim::set_op_delay_us(0);
   EXPECT_TRUE(copy_ok);
   for (std::int32_t i : d) EXPECT_EQ(host[i * kBlock], std::byte{0x33}) << "block " << i;
+}
+
+// Drivers refuse one cudaHostRegister of 512 GiB or more (vllm#51080): the pool is pinned in
+// pieces of whole blocks and pages. Here the stand-in refuses 1 MiB and up and the pool's pieces
+// are at most 1 MiB: a 12 MiB pool pinned in one call (the old code) fails to open.
+TEST(CudaLimits, TheHostPoolIsPinnedInPiecesOfWholeBlocks) {
+  auto b = backend(ScatterMode::kBatch);
+  ASSERT_TRUE(b);
+  proto::CacheGeometry g{};
+  g.num_ranks = 1;
+  g.num_layers = 2;
+  g.dtype = static_cast<std::uint32_t>(proto::CacheDtype::kBFloat16);
+  g.num_host_blocks = 96;
+  const std::int64_t shape[4] = {64, 8, 16, 128};  // 32 KiB blocks: 3 MiB per (layer, kind)
+  std::copy(shape, shape + 4, g.key_shape);
+  std::copy(shape, shape + 4, g.value_shape);
+  setenv("KVTD_CUDASIM_HOST_REGISTER_MAX", "1048577", 1);
+  for (auto layout : {config::HostLayout::kLayerFirst, config::HostLayout::kPageFirst}) {
+    const std::uint64_t generation = 0x51000000u + static_cast<std::uint64_t>(getpid()) * 4 + static_cast<int>(layout);
+    cudasim::reset_faults();
+    auto pool = HostPool::open(*b, g, generation, 0, layout, -1, std::uint64_t{1} << 20);
+    ASSERT_TRUE(pool.ok()) << pool.error().message;
+    EXPECT_EQ((*pool)->pin_registrations(), 12u) << "12 MiB of blocks in 1 MiB pieces";
+    EXPECT_EQ(cudasim::calls("cudaHostRegister"), 12u);
+    // The last block of the last region is reachable by a copy (the pieces cover the regions).
+    std::vector<std::byte> block(32768, std::byte{0x42});
+    std::byte* dev = *b->alloc_device(block.size());
+    ASSERT_TRUE(b->write_device(dev, block.data(), block.size()).ok());
+    const std::uint64_t stride = (*pool)->stride(proto::TensorKind::kValue);
+    std::byte* last = (*pool)->region(1, proto::TensorKind::kValue) + 95 * stride;
+    ASSERT_TRUE(b->read_device(last, dev, block.size()).ok());
+    EXPECT_EQ(last[32767], std::byte{0x42});
+    (*pool)->remove();
+  }
+  unsetenv("KVTD_CUDASIM_HOST_REGISTER_MAX");
 }
 
 }  // namespace

@@ -74,6 +74,7 @@ class HostBackend final : public DeviceBackend {
 
   Status<DeviceErrc> pin_host(std::byte*, std::size_t) override { return {}; }  // nothing to pin on the CPU
   void unpin_host(std::byte*) override {}
+  bool pins_memory() const override { return false; }
 
   Status<DeviceErrc> copy(Direction, const kernels::CopyPlan& plan,
                           std::span<const kernels::CopyTarget> targets) override {

@@ -2,7 +2,10 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <utility>
 #include <cstdio>
 #include <cstring>
 
@@ -83,6 +86,53 @@ bool layout_of(const proto::CacheGeometry& g, config::HostLayout layout, PoolLay
   return true;
 }
 
+std::uint64_t lcm_with_page(std::uint64_t unit) {
+  std::uint64_t a = unit, b = kPage;
+  while (b != 0) a = std::exchange(b, a % b);
+  std::uint64_t out = 0;
+  return proto::checked_mul(unit / a, kPage, &out) ? out : 0;
+}
+
+// The pieces the pool is pinned in: whole regions merged while they fit in `chunk`, a region
+// larger than that split at multiples of lcm(block bytes, page). So no block, and no page, is in
+// two registrations (cudaHostRegister refuses overlapping ranges, and a copy of one block must
+// stay inside one), and no call exceeds the chunk (drivers refuse one of >= 512 GiB). The pool's
+// header and validity bytes are read by the CPU only and stay unpinned.
+std::vector<std::pair<std::uint64_t, std::uint64_t>> pin_pieces(const proto::CacheGeometry& g, const PoolLayout& l,
+                                                                std::uint64_t chunk) {
+  struct Region {
+    std::uint64_t offset, bytes, unit;
+  };
+  std::vector<Region> regions;
+  if (l.page_stride != 0) {
+    regions.push_back({l.data_offset, l.total - l.data_offset, lcm_with_page(l.page_stride)});
+  } else {
+    for (std::size_t i = 0; i < l.region_offset.size(); ++i) {
+      if (l.region_offset[i] == ~0ull) continue;
+      const std::uint64_t bb = g.block_bytes(static_cast<proto::TensorKind>(i % proto::kTensorKinds));
+      std::uint64_t end = 0;  // the next region, or the object's end: regions are consecutive
+      for (std::size_t j = i + 1; j < l.region_offset.size() && end == 0; ++j)
+        if (l.region_offset[j] != ~0ull) end = l.region_offset[j];
+      if (end == 0) end = l.total;
+      regions.push_back({l.region_offset[i], end - l.region_offset[i], lcm_with_page(bb)});
+    }
+  }
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> out;
+  for (const Region& r : regions) {
+    if (r.bytes == 0) continue;
+    if (r.bytes <= chunk) {
+      if (!out.empty() && out.back().first + out.back().second == r.offset && out.back().second + r.bytes <= chunk)
+        out.back().second += r.bytes;
+      else
+        out.emplace_back(r.offset, r.bytes);
+      continue;
+    }
+    const std::uint64_t step = (r.unit == 0 || r.unit >= chunk) ? r.bytes : chunk / r.unit * r.unit;
+    for (std::uint64_t at = 0; at < r.bytes; at += step) out.emplace_back(r.offset + at, std::min(step, r.bytes - at));
+  }
+  return out;
+}
+
 std::string mib(std::uint64_t b) {
   char buf[48];
   std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(b) / (1 << 20));
@@ -98,7 +148,8 @@ std::uint64_t HostPool::object_bytes(const proto::CacheGeometry& g, config::Host
 
 Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend, const proto::CacheGeometry& g,
                                                              std::uint64_t generation, std::uint32_t rank,
-                                                             config::HostLayout layout, int numa_node) {
+                                                             config::HostLayout layout, int numa_node,
+                                                             std::uint64_t pin_chunk_bytes) {
   PoolLayout l;
   if (!layout_of(g, layout, &l) || l.total >= proto::kMaxSizeBytes)
     return make_error(DeviceErrc::kAllocFailed, "host pool size overflows");
@@ -163,8 +214,7 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend
   }
 
   std::byte* base = pool->object_->data();
-  KVTD_TRY(backend.pin_host(base, pool->object_->size()));
-  pool->pinned_ = base;
+  KVTD_TRY(pool->pin(pin_pieces(g, l, pin_chunk_bytes)));
   pool->valid_ = reinterpret_cast<std::uint8_t*>(base + l.valid_offset);
   pool->regions_.assign(l.region_offset.size(), nullptr);
   for (std::size_t i = 0; i < l.region_offset.size(); ++i)
@@ -175,9 +225,33 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend
   return pool;
 }
 
-HostPool::~HostPool() {
-  if (pinned_ != nullptr) backend_->unpin_host(pinned_);
+Status<DeviceErrc> HostPool::pin(const std::vector<std::pair<std::uint64_t, std::uint64_t>>& pieces) {
+  if (!backend_->pins_memory()) return {};
+  const auto start = std::chrono::steady_clock::now();
+  std::uint64_t bytes = 0;
+  for (const auto& [offset, n] : pieces) {
+    if (auto st = backend_->pin_host(object_->data() + offset, n); !st.ok()) {
+      unpin();
+      return make_error(st.error().code, "pinning the host pool (piece " + std::to_string(pinned_.size() + 1) + " of " +
+                                             std::to_string(pieces.size()) + ", " + mib(n) + "): " + st.error().message);
+    }
+    pinned_.push_back(object_->data() + offset);
+    bytes += n;
+  }
+  pin_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!pieces.empty())
+    KVTD_INFO("host pool pinned: {} in {} registration{} ({:.3f} s, {:.2f} GB/s)", mib(bytes), pieces.size(),
+              pieces.size() == 1 ? "" : "s", pin_seconds_,
+              pin_seconds_ > 0 ? static_cast<double>(bytes) / pin_seconds_ / 1e9 : 0.0);
+  return {};
 }
+
+void HostPool::unpin() {
+  for (std::byte* p : pinned_) backend_->unpin_host(p);
+  pinned_.clear();
+}
+
+HostPool::~HostPool() { unpin(); }
 
 const std::string& HostPool::name() const { return object_->name(); }
 

@@ -1,5 +1,7 @@
 #include "kvtd/daemon/selftest.h"
 
+#include <sys/mman.h>
+
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
@@ -283,6 +285,29 @@ bool measure(DeviceBackend& backend, const std::string& mode, std::uint32_t laye
   return true;
 }
 
+// How long pinning host memory takes here (the daemon pins its whole host pool at start, ~0.1 s
+// per GB on CUDA): `mib` MiB of fresh pages, registered and released.
+void measure_pinning(HostMemory& backend, std::uint32_t mib, Tally& tally) {
+  if (mib == 0 || !backend.pins_memory()) return;
+  const std::size_t bytes = std::size_t{mib} << 20;
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    tally.check(false, "pin " + std::to_string(mib) + " MiB", "mmap failed");
+    return;
+  }
+  std::memset(p, 0, bytes);  // faulted in first, as the pool's pages are before it is pinned
+  const auto start = std::chrono::steady_clock::now();
+  auto st = backend.pin_host(static_cast<std::byte*>(p), bytes);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  tally.check(st.ok(), "pin " + std::to_string(mib) + " MiB of host memory", st.ok() ? "" : st.error().message);
+  if (st.ok()) {
+    std::printf("pinning: %u MiB in %.3f s (%.2f GB/s; a host pool of N GB takes N / this at start)\n", mib, s,
+                static_cast<double>(bytes) / s / 1e9);
+    backend.unpin_host(static_cast<std::byte*>(p));
+  }
+  munmap(p, bytes);
+}
+
 }  // namespace
 
 int run_selftest(int argc, char** argv) {
@@ -294,6 +319,8 @@ int run_selftest(int argc, char** argv) {
   app.add_option("--device-id,--device_id", device_id, "CUDA device ordinal");
   app.add_option("--scatter-mode", mode_name, "Only this scatter mode (default: every mode)");
   app.add_option("--bench-layers", bench_layers, "Layers in the bandwidth measurement (0 = skip)");
+  std::uint32_t pin_mib = 256;
+  app.add_option("--pin-mib", pin_mib, "MiB of host memory to pin and time, as the host pool is (0 = skip)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -346,6 +373,7 @@ int run_selftest(int argc, char** argv) {
     check_copies(f, tally, label);
     check_layout(f, tally, label);
     if (bench_layers > 0 && !measure(*backend, label, bench_layers)) ++tally.failed;
+    if (m == 0) measure_pinning(*backend, pin_mib, tally);
   }
   std::printf("selftest (%s): %d passed, %d failed\n", backend_name.c_str(), tally.passed, tally.failed);
   return tally.failed == 0 ? 0 : 1;

@@ -63,6 +63,7 @@ json status_of(const config::DaemonConfig& cfg, const metrics::MetricsRegistry& 
         {"storage_write", reg.bytes(metrics::Direction::kStorageWrite)}}},
       {"queue_depth_bytes", reg.ring_depth()},
       {"host_pool_bytes", reg.host_pool_bytes()},
+      {"host_pool_pin_ms", reg.host_pool_pin_ms()},
       {"storage", {{"backend", store_name.empty() ? "none" : store_name}}},
       {"last_errors", reg.last_errors()},
   };

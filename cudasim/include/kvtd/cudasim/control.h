@@ -13,6 +13,7 @@
 //   KVTD_CUDASIM_DEVICES=2           visible devices (default 1; 0 = no device; read per call)
 //   KVTD_CUDASIM_NO_HOST_POINTERS=1  cudaDevAttrCanUseHostPointerForRegisteredMem is 0
 //   KVTD_CUDASIM_BATCH_MAX=16384     cudaMemcpyBatchAsync refuses more copies in one call
+//   KVTD_CUDASIM_HOST_REGISTER_MAX=N cudaHostRegister refuses N bytes or more (default 512 GiB)
 //
 // Thread-safety: every function may be called from any thread.
 #pragma once

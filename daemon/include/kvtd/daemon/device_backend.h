@@ -84,6 +84,8 @@ class HostMemory {
   // unpin_host(addr). The caller keeps it mapped until then.
   virtual Status<DeviceErrc> pin_host(std::byte* addr, std::size_t bytes) = 0;
   virtual void unpin_host(std::byte* addr) = 0;
+  // Whether pin_host does anything (false on the host backend: CPU copies need no pinning).
+  virtual bool pins_memory() const { return true; }
   // NUMA node of the device (host memory for it belongs there), or -1 when unknown.
   virtual int numa_node() const { return -1; }
 };

@@ -44,6 +44,8 @@ class MetricsRegistry {
 
   void set_attached(bool attached, std::uint32_t epoch);
   void set_host_pool_bytes(std::uint64_t bytes);
+  // How long pinning the host pool took at start (cudaHostRegister: ~0.1 s per GB).
+  void set_host_pool_pin_ms(std::uint64_t ms);
   void set_ring_depth(std::uint64_t bytes);
   // What the storage tier counted, for kvtd_storage_operations_total. The registry knows no store:
   // the daemon provides these figures (metrics/ does not depend on storage/).
@@ -71,6 +73,7 @@ class MetricsRegistry {
   std::uint32_t epoch() const { return epoch_.load(std::memory_order_relaxed); }
   bool attached() const { return attached_.load(std::memory_order_relaxed) != 0; }
   std::uint64_t host_pool_bytes() const { return host_pool_bytes_.load(std::memory_order_relaxed); }
+  std::uint64_t host_pool_pin_ms() const { return host_pool_pin_ms_.load(std::memory_order_relaxed); }
   static constexpr std::size_t kLastErrors = 8;
   void note_error(std::string message);
   std::vector<std::string> last_errors() const;
@@ -92,6 +95,7 @@ class MetricsRegistry {
   std::atomic<std::uint32_t> attached_{0};
   std::atomic<std::uint32_t> epoch_{0};
   std::atomic<std::uint64_t> host_pool_bytes_{0};
+  std::atomic<std::uint64_t> host_pool_pin_ms_{0};
   std::atomic<std::uint64_t> ring_depth_{0};
   mutable Mutex store_mu_;
   StoreFiguresProvider store_figures_ GUARDED_BY(store_mu_);
