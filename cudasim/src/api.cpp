@@ -85,6 +85,9 @@ cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int dev
     case cudaDevAttrUnifiedAddressing:
     case cudaDevAttrIpcEventSupport: *value = 1; return cudaSuccess;
     case cudaDevAttrMultiProcessorCount: *value = 108; return cudaSuccess;
+    case cudaDevAttrComputeMode:  // KVTD_CUDASIM_COMPUTE_MODE: a cudaComputeMode (default 0)
+      *value = std::getenv("KVTD_CUDASIM_COMPUTE_MODE") ? std::atoi(std::getenv("KVTD_CUDASIM_COMPUTE_MODE")) : 0;
+      return cudaSuccess;
     default: return fail(cudaErrorInvalidValue);
   }
 }

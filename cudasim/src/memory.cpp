@@ -381,6 +381,20 @@ cudaError_t cudaMemcpyBatchAsync(void* const* dsts, const void* const* srcs, con
   });
 }
 
+// An 80 GiB device, less what this process allocated (other processes' allocations are not seen).
+cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
+  if (const cudaError_t e = enter("cudaMemGetInfo"); e != cudaSuccess) return e;
+  if (!free_bytes || !total_bytes) return fail(cudaErrorInvalidValue);
+  const std::size_t total = std::size_t{80} << 30;
+  std::size_t used = 0;
+  MutexLock g(g_mu);
+  for (const auto& [base, r] : g_ranges)
+    if (r.space == Space::kDevice && !r.imported) used += r.bytes;
+  *total_bytes = total;
+  *free_bytes = used < total ? total - used : 0;
+  return cudaSuccess;
+}
+
 // Driver API, reached through cudaGetDriverEntryPointByVersion (api.cpp) as kvtd does: the base
 // and size of the allocation holding `dptr`, opened IPC mappings included.
 CUresult cudasim_cuMemGetAddressRange(CUdeviceptr* base, size_t* size, CUdeviceptr dptr) {

@@ -32,6 +32,7 @@ Status<DeviceErrc> CudaBackend::init() {
                           " cannot use host pointers of registered memory in kernels "
                           "(cudaDevAttrCanUseHostPointerForRegisteredMem is 0): use --scatter-mode batch or memcpy");
   host_pointers_ = host_pointers != 0;
+  report_device_sharing();
   for (auto& lane : lanes_) {
     if (auto e = cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking); e != cudaSuccess)
       return make_error(DeviceErrc::kUnavailable, cuda_text("cudaStreamCreateWithFlags", e));
@@ -45,6 +46,30 @@ Status<DeviceErrc> CudaBackend::init() {
   KVTD_INFO("cuda device {} (PCI {}) is on NUMA node {} ({})", device_, bus_id, numa_node_,
             numa_node_ >= 0 ? how : std::string("sysfs does not say"));
   return {};
+}
+
+void CudaBackend::report_device_sharing() {
+  // The engine and kvtd are two processes on one GPU: EXCLUSIVE_PROCESS admits one context (or
+  // the MPS server's clients only), so whichever starts second fails to create its context.
+  int mode = cudaComputeModeDefault;
+  if (cudaDeviceGetAttribute(&mode, cudaDevAttrComputeMode, device_) != cudaSuccess) (void)cudaGetLastError();
+  if (mode == cudaComputeModeExclusiveProcess)
+    KVTD_WARN("cuda device {} is in EXCLUSIVE_PROCESS compute mode: the engine and kvtd can share it only through "
+              "MPS (start nvidia-cuda-mps-control and give both the same CUDA_MPS_PIPE_DIRECTORY), else set "
+              "nvidia-smi -c DEFAULT",
+              device_);
+  else if (mode == cudaComputeModeProhibited)
+    KVTD_WARN("cuda device {} is in PROHIBITED compute mode: no process may use it", device_);
+  std::size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;
+  }
+  // The daemon's own footprint is its context plus the lanes' small mirrors (ids, tables):
+  // what the engine loses to it is visible as the drop in free memory when the daemon starts.
+  KVTD_INFO("cuda device {}: {:.0f} MiB free of {:.0f} MiB with this daemon's context (compute mode {})", device_,
+            static_cast<double>(free_bytes) / (1 << 20), static_cast<double>(total_bytes) / (1 << 20),
+            mode == cudaComputeModeDefault ? "default" : mode == cudaComputeModeExclusiveProcess ? "exclusive-process" : "other");
 }
 
 Status<DeviceErrc> CudaBackend::use_device() {

@@ -49,6 +49,10 @@ class CudaBackend final : public DeviceBackend {
 
   const char* name() const override { return "cuda"; }
 
+  // Logs the device's compute mode (a warning where the engine and kvtd cannot share it) and its
+  // free memory once this daemon's context exists.
+  void report_device_sharing();
+
   // Makes this backend's device current; every entry point calls it first.
   Status<DeviceErrc> use_device();
 
