@@ -415,9 +415,14 @@ int kvtd_wait_layer(kvtd_session* s, uint64_t task_id, uint32_t layer, int64_t t
 }
 
 int kvtd_layer_event_handle(kvtd_session* s, uint32_t rank, uint32_t layer, uint8_t out[64]) {
-  if (!s || !out) return KVTD_E_INVALID;
+  uint32_t epoch = 0;
+  return kvtd_layer_event(s, rank, layer, out, &epoch);
+}
+
+int kvtd_layer_event(kvtd_session* s, uint32_t rank, uint32_t layer, uint8_t out[64], uint32_t* epoch) {
+  if (!s || !out || !epoch) return KVTD_E_INVALID;
   return guarded(nullptr, 0, [&]() -> int {
-    auto h = s->session->layer_event_handle(rank, layer);
+    auto h = s->session->layer_event_handle(rank, layer, epoch);
     if (!h) return KVTD_E_NO_EVENT;
     std::memcpy(out, h->data(), h->size());
     return KVTD_OK;

@@ -173,6 +173,7 @@ _sig("kvtd_wait", _c.c_int, _sess, _c.c_uint64, _c.c_int64, _c.POINTER(Completio
 _sig("kvtd_poll", _c.c_int, _sess, _c.c_uint64, _c.POINTER(Completion), *_err)
 _sig("kvtd_wait_layer", _c.c_int, _sess, _c.c_uint64, _c.c_uint32, _c.c_int64, _c.c_int, *_err)
 _sig("kvtd_layer_event_handle", _c.c_int, _sess, _c.c_uint32, _c.c_uint32, _c.POINTER(_c.c_uint8))
+_sig("kvtd_layer_event", _c.c_int, _sess, _c.c_uint32, _c.c_uint32, _c.POINTER(_c.c_uint8), _c.POINTER(_c.c_uint32))
 _sig("kvtd_rank_alive", _c.c_int, _sess, _c.c_uint32)
 _sig("kvtd_rank_ready", _c.c_uint32, _sess, _c.c_uint32)
 _sig("kvtd_in_flight", _c.c_size_t, _sess)

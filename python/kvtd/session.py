@@ -130,6 +130,7 @@ class Session:
         self._check(rc, "create session " + suffix)
         self.suffix = suffix
         self._keepalive = []  # torch tensors registered by handle: kept alive with the session
+        self._opened_events = {}  # (rank, layer, device) -> (daemon epoch, torch.cuda.Event)
         self._arena_maps = {}  # host-backend arenas mapped by this object (see _host_buffer)
 
     # -- lifetime -------------------------------------------------------------------------
@@ -405,22 +406,37 @@ class Session:
 
     def layer_event_handle(self, rank: int, layer: int) -> Optional[bytes]:
         """The cudaIpcEventHandle_t bytes rank `rank` records per layer, or None (host backend)."""
+        found = self.layer_event_handle_and_epoch(rank, layer)
+        return found[0] if found else None
+
+    def layer_event_handle_and_epoch(self, rank: int, layer: int):
+        """(handle bytes, epoch of the daemon that exported it), or None: events opened under one
+        epoch are another process's once it changes (a restarted daemon)."""
         buf = (ctypes.c_uint8 * n.HANDLE_BYTES)()
-        rc = n.lib.kvtd_layer_event_handle(self._handle(), rank, layer, buf)
-        return bytes(buf) if rc == n.OK else None
+        epoch = ctypes.c_uint32()
+        rc = n.lib.kvtd_layer_event(self._handle(), rank, layer, buf, ctypes.byref(epoch))
+        return (bytes(buf), epoch.value) if rc == n.OK else None
 
     def layer_event(self, rank: int, layer: int, device):
         """Rank `rank`'s event for `layer` opened as a torch.cuda.Event on `device`, or None (host
         backend, or no live daemon's events). After wait_layer(tid, layer, stage="enqueued"),
         `torch.cuda.current_stream().wait_event(ev)` makes the compute stream wait on the GPU.
-        Open it once per daemon: a restarted daemon exports new events. (Written for a GPU; no
-        machine of this project has one, so this has not run.)"""
-        handle = self.layer_event_handle(rank, layer)
-        if handle is None:
+        Opened once per daemon epoch and kept: a restarted daemon's new events are opened when
+        its epoch shows. (Written for a GPU; no machine of this project has one, so this has not
+        run.)"""
+        found = self.layer_event_handle_and_epoch(rank, layer)
+        if found is None:
             return None
+        handle, epoch = found
+        key = (rank, layer, str(device))
+        cached = self._opened_events.get(key)
+        if cached is not None and cached[0] == epoch:
+            return cached[1]
         import torch
 
-        return torch.cuda.Event.from_ipc_handle(device, handle)
+        event = torch.cuda.Event.from_ipc_handle(device, handle)
+        self._opened_events[key] = (epoch, event)
+        return event
 
     def rank_alive(self, rank: int) -> bool:
         return bool(n.lib.kvtd_rank_alive(self._handle(), rank))

@@ -408,6 +408,9 @@ TEST(CApi, SubmitTaskCarriesDeadlineOrderingAndLayerwiseAndPollReportsPending) {
   EXPECT_EQ(kvtd_layer_event_handle(c.s, 0, 0, handle), KVTD_E_NO_EVENT);
   EXPECT_EQ(kvtd_layer_event_handle(c.s, 5, 0, handle), KVTD_E_NO_EVENT);
   EXPECT_EQ(kvtd_layer_event_handle(nullptr, 0, 0, handle), KVTD_E_INVALID);
+  uint32_t epoch = 0;
+  EXPECT_EQ(kvtd_layer_event(c.s, 0, 0, handle, &epoch), KVTD_E_NO_EVENT);
+  EXPECT_EQ(kvtd_layer_event(c.s, 0, 0, handle, nullptr), KVTD_E_INVALID);
 }
 
 TEST(CApi, FailedTaskNamesRankAndStatusInPollAndWait) {

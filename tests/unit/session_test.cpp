@@ -405,9 +405,11 @@ TEST(Session, LayerEventHandlesAreOnlyTheLiveEpochs) {
   EXPECT_FALSE(e.s->layer_event_handle(0, 0).has_value()) << "the old daemon's handle, under the new epoch";
   handles[0].fill(0x33);
   (*ep)->publish_layer_events(handles);
-  auto h = e.s->layer_event_handle(0, 0);
+  std::uint32_t epoch = 0;
+  auto h = e.s->layer_event_handle(0, 0, &epoch);
   ASSERT_TRUE(h.has_value());
   EXPECT_EQ((*h)[0], 0x33);
+  EXPECT_EQ(epoch, (*ep)->epoch()) << "the exporter's epoch comes with its handle";
 }
 
 // An engine killed with -9 left its arenas (2 x 256 MiB seen) in /dev/shm: objects of a

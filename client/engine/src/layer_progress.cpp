@@ -70,7 +70,7 @@ Status<IpcErrc> EngineSession::wait_layer(std::uint64_t task_id, std::uint32_t l
 }
 
 std::optional<std::array<std::uint8_t, proto::kHandleBytes>> EngineSession::layer_event_handle(
-    std::uint32_t rank, std::uint32_t layer) const {
+    std::uint32_t rank, std::uint32_t layer, std::uint32_t* epoch_out) const {
   const Impl::Gate gate(impl_.get());
   if (!gate.usable()) return std::nullopt;
   const auto& v = impl_->view;
@@ -97,6 +97,7 @@ std::optional<std::array<std::uint8_t, proto::kHandleBytes>> EngineSession::laye
   if (control->events_published.load(std::memory_order_relaxed) != n ||
       control->events_epoch.load(std::memory_order_relaxed) != epoch)
     return std::nullopt;
+  if (epoch_out != nullptr) *epoch_out = epoch;
   return out;
 }
 

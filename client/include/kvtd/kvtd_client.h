@@ -207,6 +207,9 @@ KVTD_API int kvtd_wait_layer(kvtd_session* s, uint64_t task_id, uint32_t layer, 
  * enqueueing each layer of a layer-by-layer load; KVTD_E_NO_EVENT when it publishes none (host
  * backend, or not attached). */
 KVTD_API int kvtd_layer_event_handle(kvtd_session* s, uint32_t rank, uint32_t layer, uint8_t out[64]);
+/* The same, plus in *epoch the epoch of the daemon that exported it: events opened under one
+ * epoch must be opened again when it changes (a restarted daemon exports new ones). */
+KVTD_API int kvtd_layer_event(kvtd_session* s, uint32_t rank, uint32_t layer, uint8_t out[64], uint32_t* epoch);
 /* 1 if rank is attached and its heartbeat is fresh, else 0. */
 KVTD_API int kvtd_rank_alive(kvtd_session* s, uint32_t rank);
 /* While rank is alive, its KVTD_READY_* bits (cache tensors mapped, host pool made), else 0. */

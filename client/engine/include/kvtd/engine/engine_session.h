@@ -205,8 +205,10 @@ class EngineSession {
   // layer-by-layer task (cudaIpcEventHandle_t bytes), or nullopt when that rank publishes none
   // (host backend). To let a compute stream wait on the GPU without a host round trip per copy:
   // wait_layer(id, l, t, LayerStage::kEnqueued), then cudaStreamWaitEvent on the opened event.
-  std::optional<std::array<std::uint8_t, proto::kHandleBytes>> layer_event_handle(std::uint32_t rank,
-                                                                                  std::uint32_t layer) const;
+  // `epoch` (optional) receives the epoch of the daemon that exported it: an engine that keeps
+  // opened events re-opens them when it changes (a restarted daemon exports new events).
+  std::optional<std::array<std::uint8_t, proto::kHandleBytes>> layer_event_handle(std::uint32_t rank, std::uint32_t layer,
+                                                                                  std::uint32_t* epoch = nullptr) const;
 
   // Whether rank r is attached and its heartbeat is fresh.
   bool rank_alive(std::uint32_t rank) const;
