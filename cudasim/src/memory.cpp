@@ -407,4 +407,23 @@ CUresult cudasim_cuMemGetAddressRange(CUdeviceptr* base, size_t* size, CUdevicep
   return CUDA_SUCCESS;
 }
 
+// The two driver calls kvtd's Python client makes through ctypes (python/kvtd/tensors.py), as
+// libcuda exports them, so its handle logic runs against the stand-in's allocations.
+CUresult cuMemGetAddressRange(CUdeviceptr* base, size_t* size, CUdeviceptr dptr) {
+  return cudasim_cuMemGetAddressRange(base, size, dptr);
+}
+
+CUresult cuIpcGetMemHandle(CUipcMemHandle* handle, CUdeviceptr dptr) {
+  static_assert(sizeof(CUipcMemHandle) == sizeof(cudaIpcMemHandle_t));
+  if (!handle) return CUDA_ERROR_INVALID_VALUE;
+  cudaIpcMemHandle_t h{};
+  const cudaError_t e = cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(dptr));
+  if (e != cudaSuccess) {
+    (void)take_last_error();
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  std::memcpy(handle, &h, sizeof h);
+  return CUDA_SUCCESS;
+}
+
 }  // extern "C"

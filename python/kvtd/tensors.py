@@ -1,10 +1,19 @@
 """Tensors from torch.
 
-CUDA tensors are registered by the IPC handle of the allocation that holds them plus the byte
+A CUDA tensor is registered by the IPC handle of the allocation that holds it plus the byte
 offset of the tensor inside it: torch's caching allocator sub-allocates, so a handle alone would
-name the wrong bytes. That is exactly what torch's own CUDA storage sharing exports
-(`UntypedStorage._share_cuda_()`: device, handle, storage size, storage offset, ...). This path is
-compiled and documented; no machine of this project has a GPU, so it has not run.
+name the wrong bytes. The handle comes from the CUDA driver itself through ctypes
+(`cuMemGetAddressRange` for the allocation's base and size, `cuIpcGetMemHandle` on the base),
+not from torch's `UntypedStorage._share_cuda_()`, for two reasons read in torch's source
+(c10/cuda/CUDACachingAllocator.cpp, `shareIpcHandle`, torch >= 2.4): it returns a 66-byte
+handle (a version byte, a type byte, then the 64-byte cudaIpcMemHandle_t), and it takes a
+reference that only a torch receiver releases, so the engine's KV memory would stay reserved in
+torch's IPC limbo after the cache is freed. The driver's allocation size also lets the library
+check that the tensor lies inside the allocation before any daemon copies into it.
+
+Expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) map memory with the
+virtual-memory API, which legacy IPC handles cannot name: such tensors are refused naming the
+setting.
 
 CPU tensors for the host backend live in shared memory made by the session
 (Session.create_host_device_tensors); Session.host_tensor() maps them into torch without a copy.
@@ -12,6 +21,7 @@ CPU tensors for the host backend live in shared memory made by the session
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 
@@ -40,17 +50,61 @@ def pci_bus_id(device: int) -> Optional[str]:
     return f"{getattr(props, 'pci_domain_id', 0):04x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
 
 
+_driver_lib = None
+
+
+def _driver():
+    """libcuda through ctypes ($KVTD_CUDA_DRIVER names another library: tests use the stand-in)."""
+    global _driver_lib
+    if _driver_lib is None:
+        import ctypes
+
+        lib = ctypes.CDLL(os.environ.get("KVTD_CUDA_DRIVER", "libcuda.so.1"))
+        lib.cuMemGetAddressRange_v2.restype = ctypes.c_int
+        lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                                                ctypes.c_uint64]
+        lib.cuIpcGetMemHandle.restype = ctypes.c_int
+        lib.cuIpcGetMemHandle.argtypes = [ctypes.c_char_p, ctypes.c_uint64]
+        _driver_lib = lib
+    return _driver_lib
+
+
+def allocation_handle(ptr: int, nbytes: int):
+    """(64-byte cudaIpcMemHandle_t of the allocation holding device address `ptr`, byte offset of
+    `ptr` in it), checked that `nbytes` from `ptr` stay inside the allocation."""
+    import ctypes
+
+    lib = _driver()
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    rc = lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    if rc != 0:
+        raise ValueError(f"cuMemGetAddressRange({ptr:#x}) failed with CUresult {rc}: not device memory of "
+                         "this process's current CUDA context")
+    offset = ptr - base.value
+    if offset + nbytes > size.value:
+        raise ValueError(f"the tensor ({nbytes} bytes at offset {offset}) runs past the end of its "
+                         f"allocation ({size.value} bytes)")
+    handle = ctypes.create_string_buffer(64)
+    rc = lib.cuIpcGetMemHandle(handle, base)
+    if rc != 0:
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        hint = (" PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, whose memory legacy CUDA IPC "
+                "handles cannot name: run the engine without it" if "expandable_segments:true" in
+                conf.replace(" ", "").lower() else
+                " (memory from cuMemCreate/expandable segments or a pool cannot be shared by a legacy "
+                "IPC handle)")
+        raise ValueError(f"cuIpcGetMemHandle failed with CUresult {rc}.{hint}")
+    return handle.raw, offset
+
+
 def cuda_ipc_handle(tensor):
-    """(handle bytes, byte offset in the allocation, tensor bytes, device ordinal) of a
-    contiguous CUDA tensor."""
+    """(64-byte handle of the allocation, byte offset of the tensor in it, tensor bytes, device
+    ordinal) of a contiguous CUDA tensor."""
     if not tensor.is_cuda:
         raise ValueError("register_torch_tensor needs a CUDA tensor; the host backend uses "
                          "create_host_device_tensors() and host_tensor()")
     if not tensor.is_contiguous():
         raise ValueError("a KV cache tensor must be contiguous")
-    storage = tensor.untyped_storage() if hasattr(tensor, "untyped_storage") else tensor.storage()._untyped()
-    shared = storage._share_cuda_()
-    device, handle, _storage_bytes, storage_offset = shared[0], shared[1], shared[2], shared[3]
-    offset = int(storage_offset) + tensor.storage_offset() * tensor.element_size()
     nbytes = tensor.numel() * tensor.element_size()
-    return bytes(handle), offset, nbytes, int(device)
+    handle, offset = allocation_handle(int(tensor.data_ptr()), nbytes)
+    return handle, offset, nbytes, int(tensor.device.index)

@@ -37,12 +37,14 @@ def find_binary() -> str:
 
 
 def daemon_args(binary: str, suffix: str, rank: int, g: Geometry, extra: Sequence[str] = ()) -> List[str]:
-    """The flags that make a daemon agree with `g` (host backend)."""
+    """The flags that make a daemon agree with `g` (host backend unless `extra` names one)."""
     shape = ",".join(str(int(v)) for v in g.key_shape)
     args = [binary, "--rank", str(rank), "--mp-num", str(g.num_ranks),
             "--num-layers", str(g.num_layers - g.num_extra_layers), "--num-host-blocks", str(g.num_host_blocks),
             "--key-cache-shape", shape, "--cache-dtype", g.dtype, "--session", suffix,
-            "--device-backend", "host", "--engine-timeout", "2", "--heartbeat-period", "0.02"]
+            "--engine-timeout", "2", "--heartbeat-period", "0.02"]
+    if "--device-backend" not in extra:
+        args += ["--device-backend", "host"]
     if g.value_shape is not None:
         args += ["--value-cache-shape", ",".join(str(int(v)) for v in g.value_shape)]
     if g.num_extra_layers:
