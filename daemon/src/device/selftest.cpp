@@ -236,11 +236,14 @@ void check_layout(Fixture& f, Tally& tally, const std::string& mode) {
   tally.check(f.compare().empty(), what, f.compare());
 }
 
-// GB/s of one direction: random ids, 16-token bf16 blocks (8 heads x 16 x 128 x 2 = 32 KiB).
-// A copy that fails is reported (and fails the self-test), never timed.
-bool measure(DeviceBackend& backend, const std::string& mode, std::uint32_t layers) {
+// GB/s of one direction: 256 random blocks of `kib` KiB (32 KiB: 16-token bf16 blocks of 8 heads x
+// 128) per tensor; `contiguous`: blocks 0..255 to 0..255 instead, one plain copy per tensor (the
+// link's own figure, next to which the scattered ones are read). A copy that fails is reported
+// (and fails the self-test), never timed.
+bool measure(DeviceBackend& backend, const std::string& mode, std::uint32_t layers, std::uint32_t kib,
+             bool contiguous) {
   const std::int64_t blocks = 512;
-  const std::uint64_t bb = 8ull * 16 * 128 * 2;
+  const std::uint64_t bb = std::uint64_t{kib} << 10;
   std::vector<TensorPair> ts;
   std::vector<CopyTarget> to_host, to_dev;
   for (std::uint32_t i = 0; i < layers * 2; ++i) {
@@ -257,8 +260,10 @@ bool measure(DeviceBackend& backend, const std::string& mode, std::uint32_t laye
   std::iota(src.begin(), src.end(), 0);
   std::iota(dst.begin(), dst.end(), 0);
   std::mt19937 rng(3);
-  std::shuffle(src.begin(), src.end(), rng);
-  std::shuffle(dst.begin(), dst.end(), rng);
+  if (!contiguous) {
+    std::shuffle(src.begin(), src.end(), rng);
+    std::shuffle(dst.begin(), dst.end(), rng);
+  }
   src.resize(256);
   dst.resize(256);
   auto plan = kernels::plan_copy(src, dst, blocks, blocks, std::vector<std::uint64_t>{bb});
@@ -279,8 +284,9 @@ bool measure(DeviceBackend& backend, const std::string& mode, std::uint32_t laye
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double gb = static_cast<double>(bb) * 256.0 * static_cast<double>(t.size()) * reps / 1e9;
-    std::printf("bandwidth %-9s [%s]: %.2f GB/s (256 random 32 KiB blocks x %zu tensors%s)\n",
-                dir == Direction::kToHost ? "to-host" : "to-device", mode.c_str(), gb / s, t.size(), note);
+    std::printf("bandwidth %-9s [%s] %2u KiB: %.2f GB/s (256 %s blocks x %zu tensors%s)\n",
+                dir == Direction::kToHost ? "to-host" : "to-device", contiguous ? "contiguous" : mode.c_str(), kib,
+                gb / s, contiguous ? "consecutive" : "random", t.size(), note);
   }
   return true;
 }
@@ -320,6 +326,10 @@ int run_selftest(int argc, char** argv) {
   app.add_option("--scatter-mode", mode_name, "Only this scatter mode (default: every mode)");
   app.add_option("--bench-layers", bench_layers, "Layers in the bandwidth measurement (0 = skip)");
   std::uint32_t pin_mib = 256;
+  std::vector<std::uint32_t> block_kib{32};
+  app.add_option("--bench-block-kib", block_kib, "Block sizes (KiB) of the bandwidth measurement, e.g. 8,16,32,64")
+      ->delimiter(',')
+      ->check(CLI::Range(1u, 1024u));
   app.add_option("--pin-mib", pin_mib, "MiB of host memory to pin and time, as the host pool is (0 = skip)");
   try {
     app.parse(argc, argv);
@@ -372,7 +382,11 @@ int run_selftest(int argc, char** argv) {
     }
     check_copies(f, tally, label);
     check_layout(f, tally, label);
-    if (bench_layers > 0 && !measure(*backend, label, bench_layers)) ++tally.failed;
+    for (std::uint32_t kib : bench_layers > 0 ? block_kib : std::vector<std::uint32_t>{}) {
+      if (!measure(*backend, label, bench_layers, kib, false)) ++tally.failed;
+      // The contiguous figure once per block size (it does not depend on the scatter mode).
+      if (m == 0 && !measure(*backend, label, bench_layers, kib, true)) ++tally.failed;
+    }
     if (m == 0) measure_pinning(*backend, pin_mib, tally);
   }
   std::printf("selftest (%s): %d passed, %d failed\n", backend_name.c_str(), tally.passed, tally.failed);

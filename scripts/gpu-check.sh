@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# scripts/gpu-check.sh [--bin DIR] - proves kvtd's CUDA path end to end and prints one table.
+#
+# On a GPU machine: point --bin at a CUDA build (build/, or the staged .gpu/bin of
+# ../shared/gpu/stage.sh); every step runs on the real device. In CI it runs on the stand-in
+# build (build-sim: cudasim, the CPU stand-in of the CUDA runtime), so the script cannot rot; the
+# steps that need real hardware (torch CUDA, compute-sanitizer) say SKIP there.
+#
+# Steps: the CUDA unit and daemon tests; `kvtd selftest --device-backend cuda` in every scatter
+# mode (bytes against the host executor, GB/s by direction, pinning time); the demo check with
+# the engine's tensors in device memory and two CUDA daemons; the Python client (real torch CUDA
+# tensors on a GPU, scripts/gpu/torch_check.py; the stand-in's driver on cudasim); memcheck of the
+# kernels where compute-sanitizer exists. Exit status: 0 when nothing failed, 1 otherwise.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+bin=${KVTD_BUILD_DIR:-$root/build-sim}
+while [ $# -gt 0 ]; do
+  case $1 in
+    --bin) bin=$2; shift 2 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    *) echo "gpu-check: unknown argument '$1' (usage: gpu-check.sh [--bin DIR])" >&2; exit 2 ;;
+  esac
+done
+[ -d "$bin" ] || { echo "gpu-check: --bin $bin is not a directory" >&2; exit 2; }
+bin=$(cd "$bin" && pwd)
+python=${KVTD_PYTHON:-/usr/bin/python3}
+[ -x "$python" ] || python=python3
+
+# A program of the build: a flat directory (staged) or a build tree (daemon/, tests/, tools/...).
+find_prog() {
+  local name=$1 d
+  for d in "$bin" "$bin/daemon" "$bin/tests" "$bin/tools/loadgen" "$bin/tools"; do
+    [ -x "$d/$name" ] && { echo "$d/$name"; return 0; }
+  done
+  find "$bin" -maxdepth 3 -type f -name "$name" -perm -u+x 2>/dev/null | head -1
+}
+lib_of() { find "$bin" -maxdepth 3 -name "$1" 2>/dev/null | head -1; }
+
+kvtd=$(find_prog kvtd)
+[ -n "$kvtd" ] || { echo "gpu-check: no kvtd binary under $bin" >&2; exit 2; }
+stand_in=0
+[ -n "$(find_prog cudasim_test)" ] && stand_in=1
+log=$(mktemp -d)
+trap 'rm -rf "$log"' EXIT
+rows=()
+failed=0
+
+# step NAME SECONDS COMMAND...: runs the command under a deadline, keeps its output.
+step() {
+  local name=$1 limit=$2; shift 2
+  local out="$log/$(echo "$name" | tr -c 'a-zA-Z0-9' _).log" start rc
+  start=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" >"$out" 2>&1
+  rc=$?
+  local took=$(( $(date +%s) - start ))
+  if [ $rc -eq 0 ]; then
+    rows+=("PASS|$name|${took}s|$(summary "$name" "$out")")
+  else  # "no usable GPU" (selftest's 77) fails too: proving the device path is the point
+    failed=1
+    rows+=("FAIL|$name|${took}s|exit $rc (log below)")
+    echo "---- $name (exit $rc) ----"; tail -40 "$out"
+  fi
+}
+skip() { rows+=("SKIP|$1|-|$2"); }
+
+# The figure lines a step printed, joined (selftest bandwidth, pinning; gtest totals).
+summary() {
+  case $1 in
+    selftest*) grep -E '^selftest' "$2" | tail -1 ;;
+    *) grep -E '^\[  PASSED  \]|passed|PASS ' "$2" | tail -1 ;;
+  esac
+}
+
+for t in cudasim_test cuda_backend_test cuda_limits_test cuda_daemon_test; do
+  p=$(find_prog "$t")
+  if [ -n "$p" ]; then step "$t" 600 "$p"; else skip "$t" "not in this build (stand-in builds only)"; fi
+done
+step "selftest (every scatter mode)" 600 "$kvtd" selftest --device-backend cuda --bench-block-kib 8,16,32,64
+loadgen=$(find_prog kvtd-loadgen)
+if [ -n "$loadgen" ]; then
+  step "demo check (engine tensors in device memory)" 300 "$root/tests/ipc/run_demo_check.sh" "$kvtd" "$loadgen" cuda
+else
+  skip "demo check" "no kvtd-loadgen under $bin"
+fi
+client=$(lib_of 'libkvtd_client.so*')
+if [ $stand_in -eq 1 ]; then
+  sim=$(lib_of 'libkvtd_cudasim.so')
+  step "python client (stand-in driver)" 300 env KVTD_BINARY="$kvtd" KVTD_CLIENT_LIBRARY="$client" \
+    PYTHONPATH="$root/python" KVTD_CUDASIM_LIBRARY="$sim" KVTD_CUDA_DRIVER="$sim" \
+    "$python" -m pytest -q -p no:cacheprovider "$root/tests/python/test_cuda_handles.py"
+  skip "python client (torch CUDA)" "stand-in build: no torch CUDA here"
+elif "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  step "python client (torch CUDA)" 600 env KVTD_BINARY="$kvtd" KVTD_CLIENT_LIBRARY="$client" \
+    PYTHONPATH="$root/python" "$python" "$root/scripts/gpu/torch_check.py"
+else
+  skip "python client (torch CUDA)" "no torch with CUDA in $python"
+fi
+if [ $stand_in -eq 0 ] && command -v compute-sanitizer >/dev/null; then
+  p=$(find_prog cuda_backend_test)
+  if [ -n "$p" ]; then step "compute-sanitizer memcheck (kernels)" 600 compute-sanitizer --tool memcheck \
+    --error-exitcode 1 "$p" --gtest_filter='Modes/*'; fi
+else
+  skip "compute-sanitizer memcheck" "$([ $stand_in -eq 1 ] && echo 'stand-in build' || echo 'compute-sanitizer not found')"
+fi
+
+echo
+echo "kvtd gpu-check: $([ $stand_in -eq 1 ] && echo 'CUDA runtime stand-in (cudasim): no GPU figure below is a GPU figure' || \
+  (command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1 || echo 'CUDA device'))"
+printf '%-5s %-48s %-6s %s\n' result step time detail
+for r in "${rows[@]}"; do
+  IFS='|' read -r res name took detail <<<"$r"
+  printf '%-5s %-48s %-6s %s\n' "$res" "$name" "$took" "$detail"
+done
+echo
+echo "figures (kvtd selftest: GB/s per direction, scatter mode and block size; contiguous = one plain copy"
+echo "per tensor, the link's own figure; pinning = cudaHostRegister speed, the host pool's start-up cost):"
+grep -hE '^(bandwidth|pinning)' "$log"/selftest*.log 2>/dev/null | sed 's/^/  /'
+exit $failed

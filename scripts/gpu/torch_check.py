@@ -1,0 +1,82 @@
+"""The Python client with real torch CUDA tensors on a GPU (run by scripts/gpu-check.sh).
+
+Checks, printing one CHECK line each and exiting 1 if any failed:
+  1. every layer's key and value are slices of ONE torch allocation, registered with
+     register_torch_tensor (driver handle of the allocation plus offset);
+  2. a `kvtd --device-backend cuda` daemon swaps blocks out and back byte for byte;
+  3. a layer-by-layer load whose per-layer interprocess events the torch stream waits on, with
+     no host-side wait between the layers;
+  4. clear_caches, then freeing the KV tensor returns its memory to the device
+     (torch.cuda.memory_reserved drops): no torch IPC reference keeps it.
+Not run on this project's machines (no GPU); written against torch's public API.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+import kvtd
+import kvtd.testing as kt
+
+failures = 0
+
+
+def check(name, ok, detail=""):
+    global failures
+    failures += 0 if ok else 1
+    print(f"CHECK {'PASS' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
+
+
+layers, blocks, host_blocks = 4, 256, 64
+shape = (blocks, 8, 16, 128)
+g = kvtd.Geometry(num_ranks=1, num_layers=layers, key_shape=shape, value_shape=shape, num_host_blocks=host_blocks)
+kv = torch.randn(layers, 2, *shape, device="cuda").to(torch.bfloat16)
+suffix = f"gpucheck{os.getpid()}"
+log = tempfile.NamedTemporaryFile(prefix="kvtd_gpucheck_", suffix=".log", delete=False)
+with kvtd.Session(suffix, g) as s:
+    for layer in range(layers):
+        s.register_torch_tensor(0, layer, "key", kv[layer, 0])
+        s.register_torch_tensor(0, layer, "value", kv[layer, 1])
+    check("register_torch_tensor (slices of one allocation)", True)
+    s.publish()
+    args = kt.daemon_args(kt.find_binary(), suffix, 0, g, ["--device-backend", "cuda", "--numa-node", "none"])
+    daemon = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        s.wait_ready(60)
+        ref = kv.clone()
+        torch.cuda.synchronize()  # no engine event here: the engine synchronises before submitting
+        out = s.wait(s.swap_to_host([1, 2, 3, 9, 40], [0, 1, 2, 3, 4]))
+        kv[:, :, [1, 2, 3, 9, 40]] = 0
+        torch.cuda.synchronize()
+        back = s.wait(s.swap_to_device([0, 1, 2, 3, 4], [20, 21, 22, 30, 77]))
+        check("swap out and back byte for byte", out.ok and back.ok and
+              torch.equal(kv[:, :, [20, 21, 22, 30, 77]], ref[:, :, [1, 2, 3, 9, 40]]))
+        kv[:, :, [100, 101]] = 0
+        torch.cuda.synchronize()
+        tid = s.swap_to_device([0, 1], [100, 101], layerwise=True)
+        got = []
+        for layer in range(layers):
+            s.wait_layer(tid, layer, stage="enqueued")
+            torch.cuda.current_stream().wait_event(s.layer_event(0, layer, 0))
+            got.append(kv[layer, :, [100, 101]].clone())
+        torch.cuda.synchronize()
+        s.wait(tid)
+        check("layer-by-layer load, the torch stream waiting on each layer's event",
+              all(torch.equal(got[layer], ref[layer, :, [1, 2]]) for layer in range(layers)))
+        s.clear_caches()
+        reserved = torch.cuda.memory_reserved()
+        nbytes = kv.numel() * kv.element_size()
+        del kv, ref, got
+        torch.cuda.empty_cache()
+        freed = reserved - torch.cuda.memory_reserved()
+        check("clear_caches returns the KV memory to the device", freed >= nbytes,
+              f"{freed >> 20} MiB freed of {nbytes >> 20} MiB")
+    except Exception as e:  # noqa: BLE001
+        check("torch check", False, repr(e))
+    finally:
+        daemon.terminate()
+        code = daemon.wait(30)
+        check("daemon exits 0 on SIGTERM", code == 0, f"exit {code}, log {log.name}")
+sys.exit(1 if failures else 0)
