@@ -1,5 +1,6 @@
-// The daemon's CUDA path across processes, in the stand-in build (-DKVTD_CUDA_SIM=ON): this
-// process is the engine and owns its KV tensors as device memory (cudaMalloc, one arena per
+// The daemon's CUDA path across processes, in the stand-in build (-DKVTD_CUDA_SIM=ON) and in
+// real CUDA builds on a GPU (skipped without one; the fault-injection case is stand-in only, and
+// the GPU's PCI address is queried instead of the stand-in's 0000:17:00.0): this process is the engine and owns its KV tensors as device memory (cudaMalloc, one arena per
 // rank, tensors at offsets in it); real `kvtd --device-backend cuda` processes open them through
 // the IPC handles (base plus offset), run every scatter mode, export per-layer events the engine
 // opens, and exit for a restart when the context is lost.
@@ -22,8 +23,21 @@
 namespace kvtd {
 namespace {
 
+// The PCI address of this process's device 0, packed (proto/pci.h).
+std::uint32_t device0_pci() {
+  char bus[32] = {0};
+  if (cudaDeviceGetPCIBusId(bus, sizeof bus, 0) != cudaSuccess) return 0;
+  return proto::parse_pci_bus_id(bus).value_or(0);
+}
+
 class CudaDaemonTest : public DaemonTest {
  protected:
+  void SetUp() override {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) GTEST_SKIP() << "no usable GPU";
+    DaemonTest::SetUp();
+  }
+
   std::vector<void*> arenas_;
   std::map<std::tuple<std::uint32_t, std::uint32_t, std::uint32_t>, std::byte*> dev_;
 
@@ -299,7 +313,7 @@ TEST_F(CudaDaemonTest, CopyEngineModesMoveTheEnginesTensorsThroughIpcHandles) {
 // decides. The stand-in's device 0 is at 0000:17:00.0.
 TEST_F(CudaDaemonTest, TheGpuIsMatchedByPciAddressNotByOrdinal) {
   g_ = test::small_geometry(1);
-  ASSERT_NO_FATAL_FAILURE(start_cuda_engine(/*device_id=*/5, *proto::parse_pci_bus_id("0000:17:00.0")));
+  ASSERT_NO_FATAL_FAILURE(start_cuda_engine(/*device_id=*/5, device0_pci()));
   daemons_.push_back(start_cuda_daemon(0, "kernel", 0));
   ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok()) << test::read_file(log_path(0));
   ASSERT_NO_FATAL_FAILURE(cuda_round_trip({1, 2}, {3, 4}, {5, 6}));
@@ -307,12 +321,14 @@ TEST_F(CudaDaemonTest, TheGpuIsMatchedByPciAddressNotByOrdinal) {
 
 TEST_F(CudaDaemonTest, ATensorOnAnotherGpuIsRefusedNamingBothAddresses) {
   g_ = test::small_geometry(1);
-  ASSERT_NO_FATAL_FAILURE(start_cuda_engine(/*device_id=*/0, *proto::parse_pci_bus_id("0000:3b:00.0")));
+  const std::uint32_t other = *proto::parse_pci_bus_id(device0_pci() == *proto::parse_pci_bus_id("0000:3b:00.0")
+                                                           ? "0000:3c:00.0" : "0000:3b:00.0");
+  ASSERT_NO_FATAL_FAILURE(start_cuda_engine(/*device_id=*/0, other));
   daemons_.push_back(start_cuda_daemon(0, "kernel", 0));
   EXPECT_EQ(daemons_[0].wait_exit(std::chrono::seconds(30)), 5);
   const auto log = test::read_file(log_path(0));
-  EXPECT_NE(log.find("0000:3b:00.0"), std::string::npos) << log;
-  EXPECT_NE(log.find("0000:17:00.0"), std::string::npos) << log;
+  EXPECT_NE(log.find(proto::pci_bus_id_string(other)), std::string::npos) << log;
+  EXPECT_NE(log.find(proto::pci_bus_id_string(device0_pci())), std::string::npos) << log;
 }
 
 TEST_F(CudaDaemonTest, LayerEventsOpenInTheEngineAndFireAfterTheirLayer) {
@@ -400,6 +416,7 @@ TEST_F(CudaDaemonTest, StorageLoadsGoFromVerifiedPinnedStagingIntoDeviceBlocks) 
   std::filesystem::remove_all(store);
 }
 
+#ifdef KVTD_CUDA_SIM  // faults are injected through the stand-in
 TEST_F(CudaDaemonTest, StickyErrorFailsItsTaskAndTheDaemonExitsForARestart) {
   ASSERT_NO_FATAL_FAILURE(start_cuda_engine());
   daemons_.push_back(start_cuda_daemon(0, "kernel", 0));
@@ -420,6 +437,8 @@ TEST_F(CudaDaemonTest, StickyErrorFailsItsTaskAndTheDaemonExitsForARestart) {
   ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok()) << test::read_file(log_path(1, 1));
   cuda_round_trip({9, 17}, {0, 11}, {20, 21});
 }
+
+#endif
 
 }  // namespace
 }  // namespace kvtd
