@@ -6,8 +6,10 @@
 
 #include <time.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <cstring>
 #include <memory>
 #include <new>
@@ -162,11 +164,15 @@ int to_request(const kvtd_task& t, std::vector<std::string>* keys, kvtd::engine:
   return KVTD_OK;
 }
 
-int submit_checked(kvtd_session* s, const kvtd_task& t, uint64_t* task_id, char* err, size_t len) {
+int submit_checked(kvtd_session* s, const kvtd_task& t, uint64_t* task_id, char* err, size_t len,
+                   const uint8_t* events = nullptr, size_t num_events = 0) {
   if (!s || !task_id) return invalid(err, len, "session and task_id must not be null");
   std::vector<std::string> keys;
   kvtd::engine::TaskRequest r;
   if (int rc = to_request(t, &keys, &r, err, len); rc != KVTD_OK) return rc;
+  if (num_events != 0 && events == nullptr) return invalid(err, len, "engine events must not be null");
+  using Event = std::array<std::uint8_t, proto::kEngineEventBytes>;
+  r.engine_events = std::span<const Event>(reinterpret_cast<const Event*>(events), num_events);
   auto id = s->session->submit(r);
   if (!id.ok()) return report(id, err, len);
   *task_id = *id;
@@ -298,6 +304,15 @@ int kvtd_submit_task(kvtd_session* s, const kvtd_task* task, uint64_t* task_id, 
   return guarded(err, err_len, [&]() -> int {
     if (!task) return invalid(err, err_len, "task must not be null");
     return submit_checked(s, *task, task_id, err, err_len);
+  });
+}
+
+int kvtd_submit_task_after_events(kvtd_session* s, const kvtd_task* task, const uint8_t* events, size_t num_events,
+                                  uint64_t* task_id, char* err, size_t err_len) {
+  static_assert(sizeof(std::array<std::uint8_t, proto::kEngineEventBytes>) == proto::kEngineEventBytes);
+  return guarded(err, err_len, [&]() -> int {
+    if (!task) return invalid(err, err_len, "task must not be null");
+    return submit_checked(s, *task, task_id, err, err_len, events, num_events);
   });
 }
 

@@ -131,7 +131,9 @@ cudaError_t cudaEventSynchronize(cudaEvent_t ev) {
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t ev, unsigned int flags) {
   if (const cudaError_t e = enter("cudaStreamWaitEvent"); e != cudaSuccess) return e;
-  if (!ev || flags != 0) return fail(!ev ? cudaErrorInvalidResourceHandle : cudaErrorInvalidValue);
+  // cudaEventWaitExternal is accepted (it matters only under graph capture), nothing else.
+  if (!ev || (flags & ~static_cast<unsigned>(cudaEventWaitExternal)) != 0)
+    return fail(!ev ? cudaErrorInvalidResourceHandle : cudaErrorInvalidValue);
   const std::uint64_t gen = ev->c->recorded.load(std::memory_order_acquire);  // the record before this call
   EventCounters* c = ev->c;
   return submit(s, [c, gen]() -> cudaError_t {

@@ -27,9 +27,10 @@ std::uint64_t max_unconsumed(const proto::SessionHeader& h, std::uint32_t num_ra
 
 }  // namespace
 
-bool TaskRingWriter::fits(std::uint64_t num_src, std::uint64_t num_dst) const {
-  const std::uint64_t bytes = sizeof(proto::TaskRecordHeader) + 4 * (num_src + num_dst) + proto::kRecordAlign;
-  return num_src < (1u << 30) && num_dst < (1u << 30) && bytes <= cap_ / 2;
+bool TaskRingWriter::fits(std::uint64_t num_src, std::uint64_t num_dst, std::uint64_t event_bytes) const {
+  const std::uint64_t bytes =
+      sizeof(proto::TaskRecordHeader) + 4 * (num_src + num_dst) + proto::kRecordAlign + event_bytes;
+  return num_src < (1u << 30) && num_dst < (1u << 30) && event_bytes < (1u << 20) && bytes <= cap_ / 2;
 }
 
 std::uint64_t TaskRingWriter::free_bytes() const {
@@ -39,10 +40,12 @@ std::uint64_t TaskRingWriter::free_bytes() const {
 }
 
 bool TaskRingWriter::try_push(const proto::TaskRecordHeader& hdr_in, std::span<const std::int32_t> src,
-                              std::span<const std::int32_t> dst, std::uint64_t* seq_out) {
+                              std::span<const std::int32_t> dst, std::uint64_t* seq_out,
+                              std::span<const std::byte> events) {
   const auto num_src = static_cast<std::uint32_t>(src.size());
   const auto num_dst = static_cast<std::uint32_t>(dst.size());
-  const std::uint64_t bytes = proto::task_record_bytes(num_src, num_dst);  // <= cap/2: fits() held
+  const auto num_events = static_cast<std::uint32_t>(events.size() / proto::kEngineEventBytes);
+  const std::uint64_t bytes = proto::task_record_bytes(num_src, num_dst, num_events);  // <= cap/2: fits() held
   const std::uint64_t head = h_->ring_head.load(std::memory_order_relaxed);
   const std::uint64_t pos = head % cap_;
   const std::uint64_t contiguous = cap_ - pos;
@@ -62,7 +65,7 @@ bool TaskRingWriter::try_push(const proto::TaskRecordHeader& hdr_in, std::span<c
   std::byte* at = ring_ + (head + pad) % cap_;
   proto::TaskRecordHeader hdr = hdr_in;
   hdr.seq = h_->next_seq.load(std::memory_order_relaxed);
-  write_task_record(at, hdr, src, dst);  // the one encoder of the wire format (task_codec.h)
+  write_task_record(at, hdr, src, dst, events);  // the one encoder of the wire format (task_codec.h)
 
   h_->next_seq.store(hdr.seq + 1, std::memory_order_relaxed);
   // Release publishes the padding and the record bytes written above to every reader that

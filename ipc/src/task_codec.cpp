@@ -1,5 +1,7 @@
 #include "kvtd/ipc/task_codec.h"
 
+#include "kvtd/proto/geometry.h"
+
 #include <cstring>
 #include <string>
 #include <string_view>
@@ -7,21 +9,28 @@
 namespace kvtd::ipc {
 
 void write_task_record(std::byte* at, const proto::TaskRecordHeader& hdr_in, std::span<const std::int32_t> src,
-                       std::span<const std::int32_t> dst) {
+                       std::span<const std::int32_t> dst, std::span<const std::byte> events) {
   proto::TaskRecordHeader hdr = hdr_in;
   hdr.num_src = static_cast<std::uint32_t>(src.size());
   hdr.num_dst = static_cast<std::uint32_t>(dst.size());
-  hdr.record_bytes = static_cast<std::uint32_t>(proto::task_record_bytes(hdr.num_src, hdr.num_dst));
+  const auto num_events = static_cast<std::uint32_t>(events.size() / proto::kEngineEventBytes);
+  hdr.flags = static_cast<std::uint16_t>(num_events != 0 ? hdr.flags | proto::kTaskFlagEngineEvent
+                                                         : hdr.flags & ~proto::kTaskFlagEngineEvent);
+  hdr.record_bytes = static_cast<std::uint32_t>(proto::task_record_bytes(hdr.num_src, hdr.num_dst, num_events));
   std::memcpy(at, &hdr, sizeof hdr);
   if (!src.empty()) std::memcpy(at + sizeof hdr, src.data(), 4 * src.size());
   if (!dst.empty()) std::memcpy(at + sizeof hdr + 4 * src.size(), dst.data(), 4 * dst.size());
+  if (num_events != 0)
+    std::memcpy(at + proto::task_record_bytes(hdr.num_src, hdr.num_dst), events.data(),
+                std::size_t{num_events} * proto::kEngineEventBytes);
 }
 
 std::vector<std::byte> encode_task_record(const proto::TaskRecordHeader& hdr, std::span<const std::int32_t> src,
-                                          std::span<const std::int32_t> dst) {
+                                          std::span<const std::int32_t> dst, std::span<const std::byte> events) {
   std::vector<std::byte> out(proto::task_record_bytes(static_cast<std::uint32_t>(src.size()),
-                                                      static_cast<std::uint32_t>(dst.size())));
-  write_task_record(out.data(), hdr, src, dst);
+                                                      static_cast<std::uint32_t>(dst.size()),
+                                                      static_cast<std::uint32_t>(events.size() / proto::kEngineEventBytes)));
+  write_task_record(out.data(), hdr, src, dst, events);
   return out;
 }
 
@@ -57,14 +66,23 @@ Result<DecodedTask, proto::TaskStatus> decode_task_record(std::span<const std::b
     return make_error(TaskStatus::kMalformed, std::string(proto::task_kind_name(kind)) + " carries no ids or keys");
   if (!proto::is_storage_kind(kind) && h.num_keys != 0)
     return make_error(TaskStatus::kMalformed, "a swap task carries no keys (num_keys " + std::to_string(h.num_keys) + ")");
+  const bool with_events = (h.flags & proto::kTaskFlagEngineEvent) != 0;
+  if (with_events && kind != TaskKind::kSwapToHost && kind != TaskKind::kSwapToDevice)
+    return make_error(TaskStatus::kMalformed, "the engine-event flag is only valid on swap tasks");
   // 64-bit: counts near 2^29 each must not wrap into a size that matches a short record.
-  if (proto::task_record_bytes(h.num_src, h.num_dst) != std::uint64_t{h.record_bytes} || h.record_bytes != rec.size())
+  const std::uint64_t ids_bytes = proto::task_record_bytes(h.num_src, h.num_dst);
+  const std::uint64_t event_bytes = std::uint64_t{h.record_bytes} - ids_bytes;  // checked below before use
+  const bool sized = with_events ? ids_bytes < h.record_bytes && event_bytes % proto::kEngineEventBytes == 0 &&
+                                       event_bytes / proto::kEngineEventBytes <= proto::kMaxRanks
+                                 : ids_bytes == h.record_bytes;
+  if (!sized || h.record_bytes != rec.size())
     return make_error(TaskStatus::kMalformed, "record of " + std::to_string(rec.size()) + " bytes does not hold " +
                                                   std::to_string(h.num_src) + " source and " + std::to_string(h.num_dst) +
-                                                  " destination ids");
+                                                  " destination ids" + (with_events ? " and whole engine events" : ""));
   const auto* ids = reinterpret_cast<const std::int32_t*>(rec.data() + sizeof(proto::TaskRecordHeader));
   t.src = {ids, h.num_src};
   t.dst = {ids + h.num_src, h.num_dst};
+  if (with_events) t.events = rec.subspan(ids_bytes, event_bytes);
   return t;
 }
 

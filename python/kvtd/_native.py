@@ -165,6 +165,8 @@ _sig("kvtd_host_device_tensor", _c.c_void_p, _sess, _c.c_uint32, _c.c_uint32, _c
 _sig("kvtd_publish", _c.c_int, _sess, *_err)
 _sig("kvtd_wait_ready", _c.c_int, _sess, _c.c_int64, *_err)
 _sig("kvtd_submit_task", _c.c_int, _sess, _c.POINTER(Task), _c.POINTER(_c.c_uint64), *_err)
+_sig("kvtd_submit_task_after_events", _c.c_int, _sess, _c.POINTER(Task), _c.c_char_p, _c.c_size_t,
+     _c.POINTER(_c.c_uint64), *_err)
 _sig("kvtd_set_weight_version", _c.c_int, _sess, _c.c_uint64)
 _sig("kvtd_weight_version", _c.c_uint64, _sess)
 _sig("kvtd_session_name", _c.c_char_p, _sess)

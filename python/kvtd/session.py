@@ -291,10 +291,14 @@ class Session:
     def submit(self, kind: int, src=None, dst=None, *, keys: Optional[Sequence[str]] = None, blocks=None,
                host_blocks: bool = False, evict_backup: bool = False, layerwise: bool = False,
                min_hits: int = 0, cancel_task_id: int = 0, after: int = 0, deadline_ns: int = 0,
-               submit_timeout: float = 1.0) -> int:
+               submit_timeout: float = 1.0, engine_events=None) -> int:
         """Submits a task of any kind to every rank and returns its id. See the shorthands below
         for what each kind uses. `after`: run after that task; `deadline_ns`: absolute
-        CLOCK_MONOTONIC (now_ns() + budget), 0 = none."""
+        CLOCK_MONOTONIC (now_ns() + budget), 0 = none. `engine_events` (swaps): one
+        interprocess event per rank, in rank order, recorded on the engine's stream after the
+        work this copy must follow (`torch.cuda.Event(interprocess=True)`, or its 64-byte
+        `ipc_handle()`); the daemons' copies wait for them on the GPU. Without them the engine
+        must have synchronised that work before submitting."""
         t = n.Task()
         t.kind = kind
         t.flags = ((n.STORAGE_HOST_BLOCKS if host_blocks else 0) | (n.STORAGE_EVICT_BACKUP if evict_backup else 0)
@@ -323,7 +327,14 @@ class Session:
         t.deadline_ns = deadline_ns
         t.submit_timeout_ms = _ms(submit_timeout)
         tid = ctypes.c_uint64()
-        rc = n.lib.kvtd_submit_task(self._handle(), ctypes.byref(t), ctypes.byref(tid), self._errbuf(), _ERR_LEN)
+        if engine_events:
+            handles = [bytes(e.ipc_handle()) if hasattr(e, "ipc_handle") else bytes(e) for e in engine_events]
+            if any(len(h) != n.HANDLE_BYTES for h in handles):
+                raise ValueError(f"an engine event handle has {n.HANDLE_BYTES} bytes")
+            rc = n.lib.kvtd_submit_task_after_events(self._handle(), ctypes.byref(t), b"".join(handles), len(handles),
+                                                     ctypes.byref(tid), self._errbuf(), _ERR_LEN)
+        else:
+            rc = n.lib.kvtd_submit_task(self._handle(), ctypes.byref(t), ctypes.byref(tid), self._errbuf(), _ERR_LEN)
         self._check(rc, "submit")
         return tid.value
 

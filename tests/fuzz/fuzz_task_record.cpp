@@ -22,9 +22,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (!t.ok()) return 0;
   // Round trip through the one encoder: an accepted record re-encodes to the same header and
   // words (the decoder took its counts from the bytes it checked, nothing from outside them).
-  const auto reencoded = kvtd::ipc::encode_task_record(t->header, t->src, t->dst);
+  const auto reencoded = kvtd::ipc::encode_task_record(t->header, t->src, t->dst, t->events);
   if (reencoded.size() != t->header.record_bytes || reencoded.size() > rec.size() ||
-      std::memcmp(reencoded.data(), rec.data(), sizeof(kvtd::proto::TaskRecordHeader) + 4 * (t->src.size() + t->dst.size())) != 0)
+      std::memcmp(reencoded.data(), rec.data(), sizeof(kvtd::proto::TaskRecordHeader) + 4 * (t->src.size() + t->dst.size())) != 0 ||
+      (!t->events.empty() &&
+       std::memcmp(reencoded.data() + (reencoded.size() - t->events.size()), t->events.data(), t->events.size()) != 0))
     __builtin_trap();
   if (kvtd::proto::is_storage_kind(static_cast<kvtd::proto::TaskKind>(h.kind))) {
     auto sec = kvtd::ipc::decode_storage_section(t->src, h.num_keys);

@@ -208,6 +208,19 @@ def test_device_tensors_register_by_handle_offset_and_pci_address():
         cuda_ipc_handle(torch.zeros(4))
 
 
+def test_a_swap_carries_one_engine_event_per_rank(cluster):
+    """The host backend has no streams (the engine's writes are done when it submits), so the
+    events are carried and the swap runs; the count must be one per rank."""
+    c = cluster()
+    s = c.ready()
+    events = [bytes([r]) * 64 for r in range(2)]
+    assert s.wait(s.submit(kvtd.SWAP_TO_HOST, [1, 2], [0, 1], engine_events=events)).ok
+    with pytest.raises(kvtd.InvalidArgument, match="1 engine events for 2 ranks"):
+        s.submit(kvtd.SWAP_TO_HOST, [1], [0], engine_events=events[:1])
+    with pytest.raises(ValueError, match="64 bytes"):
+        s.submit(kvtd.SWAP_TO_HOST, [1], [0], engine_events=[b"x", b"y"])
+
+
 def test_threads_share_a_session_and_each_gets_its_own_errors(cluster):
     c = cluster()
     s = c.ready()

@@ -427,6 +427,40 @@ TEST(CApi, FailedTaskNamesRankAndStatusInPollAndWait) {
   EXPECT_NE(std::string(c.err).find("rank 0: host_tier_lost"), std::string::npos) << c.err;
 }
 
+// A swap that carries the engine's events: one 64-byte handle per rank (this session has one),
+// in the record for the daemon's stream to wait on; a wrong count or a non-swap is refused.
+TEST(CApi, ASwapCarriesOneEngineEventPerRank) {
+  CSession c("capi_events");
+  const int32_t src[1] = {3}, dst[1] = {1};
+  kvtd_task t{};
+  t.kind = KVTD_SWAP_TO_HOST;
+  t.src = src;
+  t.dst = dst;
+  t.n = 1;
+  t.submit_timeout_ms = 100;
+  uint8_t events[2 * 64];
+  for (int i = 0; i < 128; ++i) events[i] = static_cast<uint8_t>(i);
+  uint64_t id = 0;
+  EXPECT_EQ(kvtd_submit_task_after_events(c.s, &t, events, 2, &id, c.err, sizeof c.err), KVTD_E_INVALID);
+  EXPECT_NE(std::string(c.err).find("2 engine events for 1 ranks"), std::string::npos) << c.err;
+  EXPECT_EQ(kvtd_submit_task_after_events(c.s, &t, nullptr, 1, &id, c.err, sizeof c.err), KVTD_E_INVALID);
+  ASSERT_EQ(kvtd_submit_task_after_events(c.s, &t, events, 1, &id, c.err, sizeof c.err), KVTD_OK) << c.err;
+  std::vector<std::byte> rec;
+  ASSERT_EQ(c.ep->next_task(rec, monotonic_now_ns() + 1'000'000'000), RankEndpoint::Next::kTask);
+  auto d = decode_task_record(rec, nullptr);
+  ASSERT_TRUE(d.ok());
+  EXPECT_TRUE(d->header.flags & proto::kTaskFlagEngineEvent);
+  ASSERT_EQ(d->events.size(), 64u);
+  EXPECT_EQ(std::memcmp(d->events.data(), events, 64), 0);
+  t.kind = KVTD_STORAGE_QUERY;
+  t.n = 0;
+  const char* keys[1] = {"k"};
+  t.keys = keys;
+  t.num_keys = 1;
+  EXPECT_EQ(kvtd_submit_task_after_events(c.s, &t, events, 1, &id, c.err, sizeof c.err), KVTD_E_INVALID);
+  EXPECT_NE(std::string(c.err).find("engine events are for swap tasks"), std::string::npos) << c.err;
+}
+
 // The hardening of the trust issue for every field of kvtd_task: each bad value is refused with
 // a message naming it, and nothing reaches the ring.
 TEST(CApi, SubmitTaskRefusesEveryBadFieldNamingIt) {

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -58,6 +59,51 @@ TEST(TaskDecoder, APassedDeadlineFailsBeforeAnythingRuns) {
   auto d = decode_record(record(TaskKind::kSwapToDevice, {1}, {2}, 0, 0, 1000), kShape, 5'000'000);
   ASSERT_EQ(d.action, Action::kFail);
   EXPECT_EQ(d.status, TaskStatus::kDeadlineExceeded);
+}
+
+// Engine events (kTaskFlagEngineEvent): one 64-byte handle per rank after the ids; each rank
+// keeps its own, copied out of the record.
+std::vector<std::byte> with_events(TaskKind kind, std::size_t ranks) {
+  proto::TaskRecordHeader h{};
+  h.kind = static_cast<std::uint16_t>(kind);
+  h.format_version = proto::kTaskFormatVersion;
+  h.task_id = 7;
+  std::vector<std::byte> events(ranks * proto::kEngineEventBytes);
+  for (std::size_t i = 0; i < events.size(); ++i) events[i] = static_cast<std::byte>(i / proto::kEngineEventBytes + 1);
+  const std::vector<std::int32_t> src{1, 2, 3}, dst{4, 5, 6};  // 12 id bytes: padding before the events
+  return ipc::encode_task_record(h, src, dst, events);
+}
+
+TEST(TaskDecoder, ASwapTakesItsOwnRanksEngineEvent) {
+  CacheShape shape = kShape;
+  shape.rank = 1;
+  shape.num_ranks = 3;
+  auto d = decode_record(with_events(TaskKind::kSwapToDevice, 3), shape, 0);
+  ASSERT_EQ(d.action, Action::kRun) << d.message;
+  ASSERT_TRUE(d.work.engine_event.has_value());
+  EXPECT_EQ((*d.work.engine_event)[0], 2);
+  EXPECT_EQ((*d.work.engine_event)[63], 2);
+  EXPECT_FALSE(decode_record(record(TaskKind::kSwapToDevice, {1}, {2}), shape, 0).work.engine_event.has_value());
+}
+
+TEST(TaskDecoder, EngineEventsOfAnotherCountOrKindOrSizeAreMalformed) {
+  CacheShape shape = kShape;
+  shape.num_ranks = 2;
+  auto wrong_count = decode_record(with_events(TaskKind::kSwapToHost, 3), shape, 0);
+  EXPECT_EQ(wrong_count.status, TaskStatus::kMalformed);
+  EXPECT_NE(wrong_count.message.find("3 engine events for 2 ranks"), std::string::npos) << wrong_count.message;
+  auto rec = with_events(TaskKind::kSwapToHost, 2);
+  proto::TaskRecordHeader h{};
+  std::memcpy(&h, rec.data(), sizeof h);
+  h.kind = static_cast<std::uint16_t>(TaskKind::kStorageQuery);  // the flag on a storage task
+  std::memcpy(rec.data(), &h, sizeof h);
+  EXPECT_EQ(decode_record(rec, shape, 0).status, TaskStatus::kMalformed);
+  auto cut = with_events(TaskKind::kSwapToHost, 2);
+  std::memcpy(&h, cut.data(), sizeof h);
+  h.record_bytes -= 16;  // not whole events
+  std::memcpy(cut.data(), &h, sizeof h);
+  cut.resize(h.record_bytes);
+  EXPECT_EQ(decode_record(cut, shape, 0).status, TaskStatus::kMalformed);
 }
 
 TEST(TaskDecoder, CacheControlKindsAreTheDispatchersOwn) {

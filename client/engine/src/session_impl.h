@@ -40,6 +40,7 @@ using proto::TaskStatus;
 struct Encoded {
   proto::TaskRecordHeader hdr{};
   std::vector<std::int32_t> src, dst;
+  std::vector<std::byte> events;  // engine event handles, one per rank (swap tasks), or none
 };
 
 struct EngineSession::Impl {
@@ -169,7 +170,8 @@ struct EngineSession::Impl {
   // Appends the task (a fresh task id and submit time) and records it as pending
   // for the ranks in `expected` (default: every rank); nullopt when the ring has no room now.
   std::optional<std::uint64_t> push_locked(proto::TaskRecordHeader hdr, std::span<const std::int32_t> src,
-                                           std::span<const std::int32_t> dst, std::uint32_t expected = 0) REQUIRES(mu);
+                                           std::span<const std::int32_t> dst, std::uint32_t expected = 0,
+                                           std::span<const std::byte> events = {}) REQUIRES(mu);
 
   void service_loop();
 };

@@ -72,6 +72,10 @@ Result<std::vector<Encoded>, IpcErrc> encode_request(const TaskRequest& req, std
     }
     e.src.assign(req.src.begin(), req.src.end());
     e.dst.assign(req.dst.begin(), req.dst.end());
+    for (const auto& ev : req.engine_events) {
+      const auto* b = reinterpret_cast<const std::byte*>(ev.data());
+      e.events.insert(e.events.end(), b, b + ev.size());
+    }
     out.push_back(std::move(e));
     if (!req.keys.empty()) {
       if (kind != TaskKind::kSwapToHost)
@@ -132,6 +136,13 @@ Result<std::vector<Encoded>, IpcErrc> encode_request(const TaskRequest& req, std
 Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
   const Impl::Gate gate(impl_.get());
   KVTD_TRY(gate.check());
+  const bool swap = req.kind == proto::TaskKind::kSwapToHost || req.kind == proto::TaskKind::kSwapToDevice;
+  if (!req.engine_events.empty() && (!swap || req.engine_events.size() != impl_->geo.num_ranks))
+    return make_error(IpcErrc::kInvalidArgument,
+                      swap ? std::to_string(req.engine_events.size()) + " engine events for " +
+                                 std::to_string(impl_->geo.num_ranks) + " ranks (one per rank, in rank order)"
+                           : std::string("engine events are for swap tasks; ") + proto::task_kind_name(req.kind) +
+                                 " takes none");
   auto encoded = encode_request(req, impl_->weight_version.load());
   if (!encoded.ok()) return std::move(encoded).error();
   return impl_->submit_encoded(*encoded, req.submit_timeout_ns, false);
@@ -144,12 +155,13 @@ Result<std::uint64_t, IpcErrc> EngineSession::Impl::submit_encoded(std::vector<E
                                                                    std::int64_t timeout_ns, bool cache_control) {
   auto* impl = this;
   std::uint64_t need = 0;
-  for (const auto& e : records) need += proto::task_record_bytes(static_cast<std::uint32_t>(e.src.size()),
-                                                                 static_cast<std::uint32_t>(e.dst.size()));
+  for (const auto& e : records)
+    need += proto::task_record_bytes(static_cast<std::uint32_t>(e.src.size()), static_cast<std::uint32_t>(e.dst.size()),
+                                     static_cast<std::uint32_t>(e.events.size() / proto::kEngineEventBytes));
   for (const auto& e : records)
     // fits() keeps one record within half the ring (room for wrap padding); a swap and its backup
     // go in together, so they must fit there together.
-    if (!impl->ring->fits(e.src.size(), e.dst.size()) ||
+    if (!impl->ring->fits(e.src.size(), e.dst.size(), e.events.size()) ||
         (records.size() > 1 && need > impl->view.layout.ring_bytes / 2))
       return make_error(IpcErrc::kTooLarge, "a task of " + std::to_string(need) + " bytes (" +
                                                 std::to_string(e.src.size() + e.dst.size()) +
@@ -186,7 +198,7 @@ Result<std::uint64_t, IpcErrc> EngineSession::Impl::submit_encoded(std::vector<E
           std::uint64_t first = 0;
           bool pushed = true;
           for (std::size_t i = 0; i < records.size() && pushed; ++i) {
-            auto id = impl->push_locked(records[i].hdr, records[i].src, records[i].dst, expected);
+            auto id = impl->push_locked(records[i].hdr, records[i].src, records[i].dst, expected, records[i].events);
             pushed = id.has_value();
             if (pushed && i == 0) first = *id;
           }
@@ -215,11 +227,12 @@ Result<std::uint64_t, IpcErrc> EngineSession::Impl::submit_encoded(std::vector<E
 }
 
 std::optional<std::uint64_t> EngineSession::Impl::push_locked(proto::TaskRecordHeader hdr, std::span<const std::int32_t> src,
-                                         std::span<const std::int32_t> dst, std::uint32_t expected) {
+                                         std::span<const std::int32_t> dst, std::uint32_t expected,
+                                         std::span<const std::byte> events) {
   hdr.task_id = next_task_id;
   hdr.submit_ns = clock->now_ns();
   std::uint64_t seq = 0;
-  if (!ring->try_push(hdr, src, dst, &seq)) return std::nullopt;
+  if (!ring->try_push(hdr, src, dst, &seq, events)) return std::nullopt;
   ++next_task_id;
   merger.expect(hdr.task_id, seq, expected != 0 ? expected : all_ranks_mask(), hdr.submit_ns);
   bump_and_wake(h->publish_word, &h->consumer_waiters);

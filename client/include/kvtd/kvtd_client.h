@@ -179,6 +179,14 @@ KVTD_API int kvtd_wait_ready(kvtd_session* s, int64_t timeout_ms, char* err, siz
 
 /* Submits a task to every rank; *task_id gets its id. */
 KVTD_API int kvtd_submit_task(kvtd_session* s, const kvtd_task* task, uint64_t* task_id, char* err, size_t err_len);
+/* A swap task whose copies wait (on the GPU) for the engine's work: `events` holds num_events
+ * (= the session's ranks) 64-byte cudaIpcEventHandle_t, rank after rank, each of an
+ * interprocess event (cudaEventInterprocess | cudaEventDisableTiming) that rank's engine
+ * recorded on its stream after the kernels writing the SWAP_TO_HOST's blocks (or still reading
+ * the SWAP_TO_DEVICE's destination). Without events the engine must have synchronised that
+ * work before submitting. Keep each event alive until the task completed. */
+KVTD_API int kvtd_submit_task_after_events(kvtd_session* s, const kvtd_task* task, const uint8_t* events,
+                                           size_t num_events, uint64_t* task_id, char* err, size_t err_len);
 /* Shorthands: a swap without options; a storage task (see kvtd_task for the fields). */
 KVTD_API int kvtd_submit(kvtd_session* s, int kind, const int32_t* src_ids, const int32_t* dst_ids, size_t n,
                          int64_t timeout_ms, uint64_t* task_id, char* err, size_t err_len);

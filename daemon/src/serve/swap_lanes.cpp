@@ -39,7 +39,9 @@ void TaskRunner::Impl::execute(Work& w, int lane) {
   }
   if (lane == 0 && cache.pool != nullptr) cache.pool->mark_invalid(w.host_ids);
   Status<DeviceErrc> st;
-  if (h.flags & proto::kTaskFlagLayerwise) {
+  // The engine's GPU work on these blocks first: the lane's stream waits for the engine's event.
+  if (w.engine_event) st = backend.wait_engine_event(lane == 0 ? Direction::kToHost : Direction::kToDevice, *w.engine_event);
+  if (st.ok() && (h.flags & proto::kTaskFlagLayerwise)) {
     ep.progress_begin(h);
     std::uint32_t queued = 0, done = 0;
     st = backend.copy_layerwise(
@@ -52,7 +54,7 @@ void TaskRunner::Impl::execute(Work& w, int lane) {
           done = layer + 1;
           ep.progress_update(h, queued, done);
         });
-  } else {
+  } else if (st.ok()) {
     st = backend.copy(lane == 0 ? Direction::kToHost : Direction::kToDevice, w.plan, targets);
   }
   if (!st.ok()) {

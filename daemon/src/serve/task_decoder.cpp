@@ -1,5 +1,7 @@
 #include "serve/task_decoder.h"
 
+#include <array>
+#include <cstring>
 #include <vector>
 
 #include "kvtd/ipc/task_codec.h"
@@ -104,6 +106,15 @@ DecodedRecord decode_record(std::span<const std::byte> record, const CacheShape&
     return fail(d, status_of(plan.error().code), plan.error().message + side_note);
   }
   if (h.deadline_ns != 0 && now > h.deadline_ns) return fail(d, TaskStatus::kDeadlineExceeded, late(h, now));
+  if (!decoded->events.empty()) {
+    const std::size_t n = decoded->events.size() / proto::kEngineEventBytes;
+    if (n != shape.num_ranks)
+      return fail(d, TaskStatus::kMalformed,
+                  std::to_string(n) + " engine events for " + std::to_string(shape.num_ranks) + " ranks");
+    std::array<std::uint8_t, proto::kEngineEventBytes> ev{};  // private copy: never re-read the ring
+    std::memcpy(ev.data(), decoded->events.data() + std::size_t{shape.rank} * proto::kEngineEventBytes, ev.size());
+    d.work.engine_event = ev;
+  }
   d.action = Action::kRun;
   d.work.plan = std::move(plan).value();
   d.work.device_ids.assign(to_host ? src.begin() : dst.begin(), to_host ? src.end() : dst.end());

@@ -17,6 +17,8 @@ struct CacheShape {
   std::int64_t device_blocks = 0;  // ids a swap may use: valid in every layer
   std::int64_t host_blocks = 0;
   std::span<const std::uint64_t> block_bytes;  // per present tensor kind
+  std::uint32_t rank = 0;       // whose engine event of a swap's per-rank list is this daemon's
+  std::uint32_t num_ranks = 1;  // how many the list must hold
 };
 
 struct DecodedRecord {

@@ -93,7 +93,10 @@ void TaskRunner::Impl::release_storage(const StorageWork& sw) {
 
 bool TaskRunner::Impl::decode(const std::vector<std::byte>& rec, Work& w) {
   const std::int64_t now = ipc::monotonic_now_ns();
-  auto d = decode_record(rec, CacheShape{cache.device_blocks, cache.host_blocks, cache.block_bytes}, now);
+  auto d = decode_record(rec,
+                         CacheShape{cache.device_blocks, cache.host_blocks, cache.block_bytes, ep.rank(),
+                                    ep.geometry().num_ranks},
+                         now);
   const std::uint32_t epoch = w.epoch;  // the grant it was read under: not the decoder's to know
   w = std::move(d.work);
   w.epoch = epoch;

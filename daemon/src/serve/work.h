@@ -2,7 +2,9 @@
 // storage executor.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "kvtd/daemon/storage_executor.h"
@@ -16,6 +18,8 @@ struct Work {
   proto::TaskRecordHeader header{};
   std::uint32_t epoch = 0;               // the grant under which the record was read
   kernels::CopyPlan plan;                // swaps
+  // A swap's engine event (this rank's, copied out of the record): its copy waits for it.
+  std::optional<std::array<std::uint8_t, proto::kEngineEventBytes>> engine_event;
   std::vector<std::int32_t> host_ids;    // the blocks it touches, for the block tracker
   std::vector<std::int32_t> device_ids;
   bool storage = false;

@@ -53,7 +53,7 @@ class TensorMapper {
   // Maps one registered tensor and returns the address of its first byte (handle base plus the
   // recorded offset). Opening the same handle twice maps it once.
   virtual Result<std::byte*, DeviceErrc> open_tensor(const proto::TensorDesc& desc) = 0;
-  // Releases every mapping opened since the last call.
+  // Releases every mapping opened since the last call (engine events included).
   virtual void close_tensors() = 0;
 
   // Device memory this process allocates for another process to map (FastDeploy's
@@ -106,6 +106,16 @@ class CopyEngine {
                                             std::span<const kernels::CopyTarget> targets,
                                             std::size_t targets_per_layer, const LayerCallback& on_layer_enqueued,
                                             const LayerCallback& on_layer_done) = 0;
+
+  // Makes the direction's stream wait (on the device) for the engine's interprocess event
+  // `handle` before the copies enqueued after this call: the engine's GPU work on the blocks
+  // comes first. Each handle is opened once and kept until close_tensors(). The host backend
+  // has no streams (the engine's writes to its tensors are done when it submits): ok.
+  virtual Status<DeviceErrc> wait_engine_event(Direction dir, const std::array<std::uint8_t, proto::kEngineEventBytes>& handle) {
+    (void)dir;
+    (void)handle;
+    return {};
+  }
 
   // Interprocess handles (cudaIpcEventHandle_t) of the events recorded after each layer of a
   // layer-by-layer copy to the device, for the engine's compute stream; empty on the host backend.

@@ -98,6 +98,45 @@ Result<std::vector<std::array<std::uint8_t, proto::kHandleBytes>>, DeviceErrc> C
   return out;
 }
 
+Result<cudaEvent_t, DeviceErrc> CudaBackend::engine_event(
+    const std::array<std::uint8_t, proto::kEngineEventBytes>& handle) {
+  MutexLock g(engine_events_mu_);
+  if (auto it = engine_events_.find(handle); it != engine_events_.end()) return it->second;
+  if (engine_events_.size() >= kMaxEngineEvents) {
+    for (auto& [h, ev] : engine_events_)
+      if (cudaEventDestroy(ev) != cudaSuccess) (void)cudaGetLastError();
+    engine_events_.clear();
+  }
+  cudaIpcEventHandle_t h{};
+  static_assert(sizeof h == proto::kEngineEventBytes);
+  std::memcpy(&h, handle.data(), sizeof h);
+  cudaEvent_t ev{};
+  if (auto e = cudaIpcOpenEventHandle(&ev, h); e != cudaSuccess)
+    return make_error(errc_of(e), cuda_text("opening the engine's event (cudaIpcOpenEventHandle)", e));
+  engine_events_.emplace(handle, ev);
+  return ev;
+}
+
+void CudaBackend::destroy_engine_events() {
+  MutexLock g(engine_events_mu_);
+  for (auto& [h, ev] : engine_events_)
+    if (cudaEventDestroy(ev) != cudaSuccess) (void)cudaGetLastError();
+  engine_events_.clear();
+}
+
+Status<DeviceErrc> CudaBackend::wait_engine_event(Direction dir,
+                                                  const std::array<std::uint8_t, proto::kEngineEventBytes>& handle) {
+  KVTD_CUDA_TRY(cudaSetDevice(device_));
+  auto ev = engine_event(handle);
+  if (!ev.ok()) return std::move(ev).error();
+  Lane& lane = lane_of(dir);
+  MutexLock g(lane.mu);
+  // On the device: copies enqueued on this stream after the wait start once the engine's work
+  // before its record completed. The host thread does not block here.
+  KVTD_CUDA_TRY(cudaStreamWaitEvent(lane.stream, *ev, 0));
+  return {};
+}
+
 Status<DeviceErrc> CudaBackend::ensure_events(Lane& lane, std::size_t layers) {
   while (lane.events.size() < layers) {
     cudaEvent_t ev{};

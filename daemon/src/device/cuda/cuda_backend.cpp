@@ -145,10 +145,13 @@ std::uint64_t CudaBackend::allocation_bytes(void* base) {
 void CudaBackend::close_tensors() {
   // Both lanes held while their streams drain and the handles close: no copy is mid-enqueue and
   // none still runs when a mapping goes.
-  MutexLock to_host(lanes_[0].mu);
-  MutexLock to_device(lanes_[1].mu);
+  Lane& host_lane = lane_of(Direction::kToHost);
+  Lane& device_lane = lane_of(Direction::kToDevice);  // named apart: the analysis sees two mutexes
+  MutexLock to_host(host_lane.mu);
+  MutexLock to_device(device_lane.mu);
   if (!use_device().ok()) KVTD_WARN("cudaSetDevice failed while closing tensor handles");
   for (auto& lane : lanes_) lane.drain();
+  destroy_engine_events();  // the engine's session is over: its events go with its tensors
   if (opened_.empty()) return;
   for (auto& [key, o] : opened_)  // each handle exactly once
     if (cudaIpcCloseMemHandle(o.base) != cudaSuccess) (void)cudaGetLastError();

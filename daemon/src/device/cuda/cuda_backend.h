@@ -101,6 +101,9 @@ class CudaBackend final : public DeviceBackend {
   Result<std::vector<std::array<std::uint8_t, proto::kHandleBytes>>, DeviceErrc> export_layer_events(
       std::uint32_t layers) override;
 
+  Status<DeviceErrc> wait_engine_event(Direction dir,
+                                       const std::array<std::uint8_t, proto::kEngineEventBytes>& handle) override;
+
   Status<DeviceErrc> gather_to_staging(std::span<const kernels::LayerTensor> tensors,
                                        std::span<const std::int32_t> ids, std::byte* staging) override;
 
@@ -164,6 +167,15 @@ class CudaBackend final : public DeviceBackend {
 
   Status<DeviceErrc> transform_locked(Lane& lane, std::span<const kernels::LayerTensor> tensors,
                                       std::span<const std::int32_t> ids, std::byte* staging, bool gather) REQUIRES(lane.mu);
+
+  // The engine's events, opened once per handle (cudaIpcOpenEventHandle) and destroyed by
+  // close_tensors; at most kMaxEngineEvents, then the oldest set is let go (CUDA defers a
+  // destroyed event's release until work waiting on it no longer needs it).
+  static constexpr std::size_t kMaxEngineEvents = 4096;
+  Result<cudaEvent_t, DeviceErrc> engine_event(const std::array<std::uint8_t, proto::kEngineEventBytes>& handle);
+  void destroy_engine_events();
+  Mutex engine_events_mu_;
+  std::map<std::array<std::uint8_t, proto::kEngineEventBytes>, cudaEvent_t> engine_events_ GUARDED_BY(engine_events_mu_);
 
   int device_;
   ScatterMode mode_;

@@ -32,11 +32,12 @@ class TaskRingWriter {
   // Appends a record built from `hdr` (record_bytes, format_version and seq are filled here) and
   // the two id lists. Returns false if there is no room now; `seq_out` gets the record's seq.
   // Precondition: fits(num_src, num_dst).
+  // `events`: the engine event handles that follow the ids (task_codec.h), or empty.
   bool try_push(const proto::TaskRecordHeader& hdr, std::span<const std::int32_t> src,
-                std::span<const std::int32_t> dst, std::uint64_t* seq_out);
+                std::span<const std::int32_t> dst, std::uint64_t* seq_out, std::span<const std::byte> events = {});
 
   // Whether a record of this size can ever fit (at most half the ring, so a wrap always fits).
-  bool fits(std::uint64_t num_src, std::uint64_t num_dst) const;
+  bool fits(std::uint64_t num_src, std::uint64_t num_dst, std::uint64_t event_bytes = 0) const;
 
   // Bytes that may be written now (0 .. capacity).
   std::uint64_t free_bytes() const;

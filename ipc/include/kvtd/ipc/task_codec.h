@@ -23,19 +23,22 @@
 
 namespace kvtd::ipc {
 
-// Writes `hdr` with `src` then `dst` at `at` (task_record_bytes(src, dst) bytes, 4-byte aligned):
-// record_bytes, num_src and num_dst are set from the spans; every other field is the caller's.
+// Writes `hdr` with `src` then `dst` (then `events`: whole kEngineEventBytes handles, one per
+// rank, with kTaskFlagEngineEvent) at `at` (task_record_bytes(src, dst, events) bytes, 4-byte
+// aligned): record_bytes, num_src and num_dst are set from the spans, the event flag from
+// `events`; every other field is the caller's.
 void write_task_record(std::byte* at, const proto::TaskRecordHeader& hdr, std::span<const std::int32_t> src,
-                       std::span<const std::int32_t> dst);
+                       std::span<const std::int32_t> dst, std::span<const std::byte> events = {});
 
 // The same record in a buffer of its own (padding bytes zero).
 std::vector<std::byte> encode_task_record(const proto::TaskRecordHeader& hdr, std::span<const std::int32_t> src,
-                                          std::span<const std::int32_t> dst);
+                                          std::span<const std::int32_t> dst, std::span<const std::byte> events = {});
 
 struct DecodedTask {
   proto::TaskRecordHeader header{};
   std::span<const std::int32_t> src;
   std::span<const std::int32_t> dst;
+  std::span<const std::byte> events;  // kTaskFlagEngineEvent: one kEngineEventBytes handle per rank
 };
 
 // Checks format version, kind, flags and that the record holds exactly its id lists. The header

@@ -31,7 +31,13 @@ inline constexpr std::uint16_t kTaskFlagPolicyBackup = 1u << 2;
 inline constexpr std::uint16_t kTaskFlagEvictBackup = 1u << 3;
 // CLEAR_CACHE: also mark every host-pool block invalid (the KV there belongs to the old weights).
 inline constexpr std::uint16_t kTaskFlagDropHostTier = 1u << 4;
-inline constexpr std::uint16_t kTaskFlagsKnown = 0x1F;
+// Swap task: after the ids (the record padded to kRecordAlign) come one kEngineEventBytes
+// interprocess event handle (cudaIpcEventHandle_t) per rank, in rank order: the event the rank's
+// engine recorded on its stream after the GPU work this copy must follow. The daemon's copy
+// waits for it on the GPU (cudaStreamWaitEvent), not on the host.
+inline constexpr std::uint16_t kTaskFlagEngineEvent = 1u << 5;
+inline constexpr std::uint16_t kTaskFlagsKnown = 0x3F;
+inline constexpr std::uint32_t kEngineEventBytes = 64;
 
 // Storage keys: the engine's per-block keys (rolling prefix hashes), 1..kMaxKeyBytes of
 // [A-Za-z0-9_.:-]. The daemon appends the weight versions and the rank before storing.
@@ -170,9 +176,10 @@ constexpr std::uint64_t storage_section_words(std::uint64_t num_keys, std::uint6
 
 // Bytes of a record with these id counts, in 64 bits: counts read from shared memory may be
 // anything, and a 32-bit result would wrap (2^29 + 2^29 ids is exactly 2^32 bytes).
-constexpr std::uint64_t task_record_bytes(std::uint32_t num_src, std::uint32_t num_dst) {
+// `events`: engine event handles after the ids (kTaskFlagEngineEvent), 0 without.
+constexpr std::uint64_t task_record_bytes(std::uint32_t num_src, std::uint32_t num_dst, std::uint32_t events = 0) {
   const std::uint64_t raw = sizeof(TaskRecordHeader) + 4ull * (std::uint64_t{num_src} + num_dst);
-  return (raw + kRecordAlign - 1) / kRecordAlign * kRecordAlign;
+  return (raw + kRecordAlign - 1) / kRecordAlign * kRecordAlign + std::uint64_t{kEngineEventBytes} * events;
 }
 
 struct CompletionRecord {

@@ -84,6 +84,12 @@ struct TaskRequest {
   std::int64_t deadline_ns = 0;       // absolute CLOCK_MONOTONIC; 0 = none
   std::uint64_t after_task_id = 0;    // run after this task (0 = no constraint)
   bool layerwise = false;             // SWAP_TO_DEVICE only: copy layer by layer, with progress
+  // Swap tasks: one interprocess event handle (cudaIpcEventHandle_t bytes) per rank, in rank
+  // order, that the rank's engine recorded on its stream after the GPU work this copy must
+  // follow (the kernels writing a SWAP_TO_HOST's blocks, the ones still reading a
+  // SWAP_TO_DEVICE's destination). The daemon's copy waits for it on the GPU. Empty: the engine
+  // synchronised that work before submitting. Each event must stay alive until the task completed.
+  std::span<const std::array<std::uint8_t, proto::kEngineEventBytes>> engine_events;
 };
 
 // Options of EngineSession::clear_caches.
