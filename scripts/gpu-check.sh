@@ -71,7 +71,7 @@ summary() {
   esac
 }
 
-for t in cudasim_test cuda_backend_test cuda_limits_test cuda_daemon_test; do
+for t in cudasim_test cuda_backend_test cuda_limits_test cuda_daemon_test cuda_faults_test; do
   p=$(find_prog "$t")
   if [ -n "$p" ]; then step "$t" 600 "$p"; else skip "$t" "not in this build (stand-in builds only)"; fi
 done

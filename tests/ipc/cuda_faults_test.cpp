@@ -1,0 +1,103 @@
+// The CUDA daemon under faults and delays injected through the stand-in (-DKVTD_CUDA_SIM=ON
+// only): a sticky error fails its task and ends the daemon for a restart; a swap waits for the
+// engine's event while the engine's stream is still busy writing its blocks.
+#include "cuda_daemon_fixture.h"
+#include "kvtd/cudasim/control.h"
+
+namespace kvtd {
+namespace {
+
+TEST_F(CudaDaemonTest, StickyErrorFailsItsTaskAndTheDaemonExitsForARestart) {
+  ASSERT_NO_FATAL_FAILURE(start_cuda_engine());
+  daemons_.push_back(start_cuda_daemon(0, "kernel", 0));
+  setenv("KVTD_CUDASIM_FAULTS", "cudaLaunchKernel:1:700", 1);  // rank 1's first kernel faults
+  daemons_.push_back(start_cuda_daemon(1, "kernel", 0));
+  unsetenv("KVTD_CUDASIM_FAULTS");
+  ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok());
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, {1, 2, 3}, {4, 5, 6}).ok());  // a run: no kernel
+  const auto failed = run(TaskKind::kSwapToHost, {9, 17}, {0, 11});    // scattered: the kernel
+  EXPECT_EQ(failed.status, TaskStatus::kDeviceError);
+  ASSERT_FALSE(failed.failures.empty());
+  EXPECT_EQ(failed.failures[0].rank, 1u);
+  EXPECT_NE(failed.failures[0].message.find("cudaErrorIllegalAddress"), std::string::npos) << failed.failures[0].message;
+  EXPECT_EQ(daemons_[1].wait_exit(std::chrono::seconds(30)), 7) << test::read_file(log_path(1));
+  EXPECT_NE(test::read_file(log_path(1)).find("device context is lost"), std::string::npos);
+  // systemd restarts it: the session goes on with a new context.
+  daemons_[1] = start_cuda_daemon(1, "kernel", 1);
+  ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok()) << test::read_file(log_path(1, 1));
+  cuda_round_trip({9, 17}, {0, 11}, {20, 21});
+}
+
+
+// The engine's stream still writes a block when it submits SWAP_TO_HOST of it (its kernels are
+// queued, not done): the daemon's streams know nothing of the engine's, so the copy took the old
+// bytes and reported ok (vllm#45704 is this bug class in-process). With the engine's
+// interprocess event recorded after the write, the daemon's stream waits for it on the device.
+// The stand-in delays the engine's stream by 300 ms so the write is certainly still queued.
+TEST_F(CudaDaemonTest, ASwapToHostWaitsForTheEnginesEventAndOnlyThenSeesItsWrite) {
+  g_ = test::small_geometry(1);
+  ASSERT_NO_FATAL_FAILURE(start_cuda_engine());
+  daemons_.push_back(start_cuda_daemon(0, "batch", 0));
+  ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok()) << test::read_file(log_path(0));
+  cudaStream_t engine_stream{};
+  ASSERT_EQ(cudaStreamCreateWithFlags(&engine_stream, cudaStreamNonBlocking), cudaSuccess);
+  cudasim::set_stream_delay_us(engine_stream, 300'000);
+  std::vector<std::vector<std::byte>> sources;  // alive until the queued copies ran
+  auto engine_writes = [&](std::int32_t block, std::byte value) {
+    for (auto& [key, p] : dev_) {
+      const std::uint64_t bb = g_.block_bytes(static_cast<proto::TensorKind>(std::get<2>(key)));
+      sources.emplace_back(bb, value);
+      ASSERT_EQ(cudaMemcpyAsync(p + static_cast<std::uint64_t>(block) * bb, sources.back().data(), bb,
+                                cudaMemcpyHostToDevice, engine_stream),
+                cudaSuccess);
+    }
+  };
+  auto block_is = [&](std::int32_t block, std::byte value) {
+    for (auto& [key, p] : dev_) {
+      const std::uint64_t bb = g_.block_bytes(static_cast<proto::TensorKind>(std::get<2>(key)));
+      std::vector<std::byte> got(bb);
+      EXPECT_EQ(cudaMemcpy(got.data(), p + static_cast<std::uint64_t>(block) * bb, bb, cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      if (std::count(got.begin(), got.end(), value) != static_cast<std::ptrdiff_t>(bb)) return false;
+    }
+    return true;
+  };
+
+  // Without the event: the copy ran before the queued write, and said ok.
+  ASSERT_NO_FATAL_FAILURE(engine_writes(5, std::byte{0xAB}));
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, {5}, {0}).ok());
+  ASSERT_EQ(cudaStreamSynchronize(engine_stream), cudaSuccess);
+  ASSERT_TRUE(run(TaskKind::kSwapToDevice, {0}, {9}).ok());
+  for (std::uint32_t l = 0; l < g_.num_layers; ++l)
+    EXPECT_TRUE(holds(0, l, 9, 5)) << "layer " << l << ": block 9 should hold block 5's old pattern (the hazard)";
+
+  // With the event: the daemon's copy waits for the engine's write on the device.
+  cudaEvent_t ev{};
+  ASSERT_EQ(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventInterprocess), cudaSuccess);
+  ASSERT_NO_FATAL_FAILURE(engine_writes(6, std::byte{0xCD}));
+  ASSERT_EQ(cudaEventRecord(ev, engine_stream), cudaSuccess);
+  std::array<std::uint8_t, proto::kEngineEventBytes> handle{};
+  cudaIpcEventHandle_t h{};
+  ASSERT_EQ(cudaIpcGetEventHandle(&h, ev), cudaSuccess);
+  std::memcpy(handle.data(), &h, sizeof h);
+  TaskRequest req;
+  req.kind = TaskKind::kSwapToHost;
+  const std::vector<std::int32_t> src{6}, dst{1};
+  req.src = src;
+  req.dst = dst;
+  req.engine_events = std::span(&handle, 1);
+  auto out = submit_and_wait(req);
+  ASSERT_TRUE(out.ok()) << (out.failures.empty() ? "" : out.failures[0].message);
+  ASSERT_EQ(cudaStreamSynchronize(engine_stream), cudaSuccess);
+  ASSERT_TRUE(run(TaskKind::kSwapToDevice, {1}, {10}).ok());
+  EXPECT_TRUE(block_is(10, std::byte{0xCD})) << "the copy did not wait for the engine's write";
+  // One event per rank, and only on swaps: anything else is refused at submit.
+  std::array<std::array<std::uint8_t, proto::kEngineEventBytes>, 2> two{handle, handle};
+  req.engine_events = std::span(two);
+  EXPECT_EQ(engine_->submit(req).error().code, IpcErrc::kInvalidArgument);
+  cudaEventDestroy(ev);
+  cudaStreamDestroy(engine_stream);
+}
+
+}  // namespace
+}  // namespace kvtd
