@@ -3,6 +3,7 @@
 // (also across processes), IPC memory across processes, sticky and non-sticky errors.
 // Cases that break the process's context run in a forked child.
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -372,6 +373,44 @@ TEST(CudaSim, InterprocessEventFiresInAnotherProcessAfterTheWorkBeforeIt) {
   cudaStreamDestroy(s);
   cudaEventDestroy(ev);
   cudaFree(d);
+}
+
+// An engine killed while the daemon's stream waits on its event: the event never completes, and
+// a wait that hung would hang the daemon's lane (and its teardown) for good. The stand-in fails
+// the wait a second after the exporter is gone, as a lost context.
+TEST(CudaSim, AWaitOnAnEventWhoseExporterDiedFailsInsteadOfHanging) {
+  const int code = in_child([] {
+    int up[2];
+    if (pipe(up) != 0) return 1;
+    const pid_t exporter = fork();
+    if (exporter == 0) {
+      cudaEvent_t ev{};
+      cudaStream_t s{};
+      if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventInterprocess) != cudaSuccess ||
+          cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess)
+        _exit(1);
+      cudasim::set_stream_delay_us(s, 60'000'000);  // the record completes a minute from now
+      cudaIpcEventHandle_t h{};
+      if (cudaEventRecord(ev, s) != cudaSuccess || cudaIpcGetEventHandle(&h, ev) != cudaSuccess) _exit(2);
+      if (write(up[1], &h, sizeof h) != sizeof h) _exit(3);
+      pause();
+      _exit(0);
+    }
+    cudaIpcEventHandle_t h{};
+    if (read(up[0], &h, sizeof h) != sizeof h) return 2;
+    cudaEvent_t ev{};
+    cudaStream_t s{};
+    if (cudaIpcOpenEventHandle(&ev, h) != cudaSuccess || cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess)
+      return 3;
+    if (cudaStreamWaitEvent(s, ev, cudaEventWaitExternal) != cudaSuccess) return 4;
+    kill(exporter, SIGKILL);
+    const auto start = std::chrono::steady_clock::now();
+    const cudaError_t e = cudaStreamSynchronize(s);
+    const auto took = std::chrono::steady_clock::now() - start;
+    if (e != cudaErrorLaunchFailure) return 5;
+    return took < std::chrono::seconds(10) ? 0 : 6;
+  });
+  EXPECT_EQ(code, 0);
 }
 
 TEST(CudaSim, DevicesAndLaunchConfigurationAreChecked) {
