@@ -35,6 +35,13 @@ extern thread_local dim3 tl_grid_dim;
 // error, as for a real launch.
 cudaError_t enqueue_launch(cudaStream_t stream, dim3 grid, dim3 block, std::function<void()> body);
 
+// What the GPU checks on a device-code access of `bytes` at `p`: natural alignment (a 16-byte
+// vector access at an address not a multiple of 16 is cudaErrorMisalignedAddress) and that the
+// address is device memory or pinned host memory (anything else is cudaErrorIllegalAddress).
+// A failing access throws; the launch catches it, stops the kernel and breaks the context, as
+// the hardware does. The access itself never happens.
+void check_device_access(const void* p, std::size_t bytes);
+
 // kernel<<<grid, block, shared, stream>>>(args...): the arguments are copied at launch.
 template <typename... P, typename... A>
 cudaError_t launch(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t shared_bytes, cudaStream_t stream,
@@ -51,12 +58,14 @@ cudaError_t launch(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t shar
 #define blockDim (::cudasim::tl_block_dim)
 #define gridDim (::cudasim::tl_grid_dim)
 
-// Streaming loads and stores: plain accesses on the CPU.
+// Streaming loads and stores: plain accesses on the CPU, checked as the GPU checks them.
 template <typename T>
 inline T __ldcs(const T* p) {
+  ::cudasim::check_device_access(p, sizeof(T));
   return *p;
 }
 template <typename T>
 inline void __stcs(T* p, T v) {
+  ::cudasim::check_device_access(p, sizeof(T));
   *p = v;
 }

@@ -90,6 +90,15 @@ Space space_of(const void* p, std::size_t n) {
   return it == g_ranges.end() ? Space::kUnknown : it->second.space;
 }
 
+bool accessible_range(const void* p, std::size_t n, std::uintptr_t* lo, std::uintptr_t* hi) {
+  MutexLock g(g_mu);
+  auto it = find_locked(p, n);
+  if (it == g_ranges.end() || it->second.space == Space::kUnknown) return false;
+  *lo = it->first;
+  *hi = it->first + it->second.bytes;
+  return true;
+}
+
 }  // namespace cudasim
 
 using namespace cudasim;

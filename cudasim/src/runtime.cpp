@@ -248,6 +248,26 @@ void set_stream_delay_us(void* stream, std::uint32_t us) {
   if (stream != nullptr) static_cast<cudaStream_t>(stream)->delay_us.store(us);
 }
 
+namespace {
+struct KernelFault {
+  cudaError_t error;
+};
+// The last range an access of this (worker) thread fell in: most accesses of a kernel hit the
+// same allocation, so the range map's lock is taken once per allocation, not per access.
+// Forgotten at every launch (an allocation freed in between must not stay accessible).
+thread_local std::uintptr_t tl_access_lo = 0, tl_access_hi = 0;
+}  // namespace
+
+void check_device_access(const void* p, std::size_t bytes) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  if (bytes != 0 && (bytes & (bytes - 1)) == 0 && a % bytes != 0) throw KernelFault{cudaErrorMisalignedAddress};
+  if (a >= tl_access_lo && a + bytes <= tl_access_hi) return;
+  std::uintptr_t lo = 0, hi = 0;
+  if (!accessible_range(p, bytes, &lo, &hi)) throw KernelFault{cudaErrorIllegalAddress};
+  tl_access_lo = lo;
+  tl_access_hi = hi;
+}
+
 cudaError_t enqueue_launch(cudaStream_t stream, dim3 grid, dim3 block, std::function<void()> body) {
   if (const cudaError_t e = enter("cudaLaunchKernel"); e != cudaSuccess) return e;
   const std::uint64_t threads = std::uint64_t{block.x} * block.y * block.z;
@@ -259,17 +279,22 @@ cudaError_t enqueue_launch(cudaStream_t stream, dim3 grid, dim3 block, std::func
   return submit(stream, [grid, block, body = std::move(body)]() -> cudaError_t {
     tl_grid_dim = grid;
     tl_block_dim = block;
-    for (unsigned bz = 0; bz < grid.z; ++bz)
-      for (unsigned by = 0; by < grid.y; ++by)
-        for (unsigned bx = 0; bx < grid.x; ++bx) {
-          tl_block_idx = uint3{bx, by, bz};
-          for (unsigned tz = 0; tz < block.z; ++tz)
-            for (unsigned ty = 0; ty < block.y; ++ty)
-              for (unsigned tx = 0; tx < block.x; ++tx) {
-                tl_thread_idx = uint3{tx, ty, tz};
-                body();
-              }
-        }
+    tl_access_lo = tl_access_hi = 0;
+    try {
+      for (unsigned bz = 0; bz < grid.z; ++bz)
+        for (unsigned by = 0; by < grid.y; ++by)
+          for (unsigned bx = 0; bx < grid.x; ++bx) {
+            tl_block_idx = uint3{bx, by, bz};
+            for (unsigned tz = 0; tz < block.z; ++tz)
+              for (unsigned ty = 0; ty < block.y; ++ty)
+                for (unsigned tx = 0; tx < block.x; ++tx) {
+                  tl_thread_idx = uint3{tx, ty, tz};
+                  body();
+                }
+          }
+    } catch (const KernelFault& f) {
+      return f.error;  // the kernel stops; the error breaks the context (sticky)
+    }
     return cudaSuccess;
   });
 }

@@ -79,6 +79,8 @@ enum class Space { kUnknown, kDevice, kPinnedHost };
 // What the byte range [p, p + n) is: device memory (cudaMalloc, an opened IPC handle), pinned
 // host memory (cudaHostAlloc, cudaHostRegister), or unknown (pageable host memory).
 Space space_of(const void* p, std::size_t n);
+// The bounds [*lo, *hi) of the device or pinned range holding [p, p + n); false if none does.
+bool accessible_range(const void* p, std::size_t n, std::uintptr_t* lo, std::uintptr_t* hi);
 
 }  // namespace cudasim
 

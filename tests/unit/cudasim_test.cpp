@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cuda.h"
+#include "cuda_runtime.h"  // the stand-in's: kernels, launches, __ldcs/__stcs
 #include "cuda_runtime_api.h"
 #include "kvtd/cudasim/control.h"
 
@@ -411,6 +412,41 @@ TEST(CudaSim, AWaitOnAnEventWhoseExporterDiedFailsInsteadOfHanging) {
     return took < std::chrono::seconds(10) ? 0 : 6;
   });
   EXPECT_EQ(code, 0);
+}
+
+// A device function as kvtd's kernels write them: one 16-byte streaming load and store.
+__global__ void copy16(const int4* src, int4* dst) { __stcs(dst, __ldcs(src)); }
+
+// Runs copy16 once and returns what the stream's synchronisation says.
+cudaError_t run_copy16(const void* src, void* dst) {
+  cudaStream_t s{};
+  if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) return cudaErrorUnknown;
+  if (const cudaError_t e = cudasim::launch(copy16, dim3(1), dim3(1), 0, s, static_cast<const int4*>(src),
+                                            static_cast<int4*>(dst));
+      e != cudaSuccess)
+    return e;
+  return cudaStreamSynchronize(s);
+}
+
+// The GPU faults a misaligned vector access and an address that is neither device nor pinned
+// memory; the stand-in used to let kernels touch any host memory at any alignment.
+TEST(CudaSim, KernelAccessesAreCheckedAsTheGpuChecksThem) {
+  Buffers m;
+  EXPECT_EQ(run_copy16(m.a, m.c), cudaSuccess);
+  EXPECT_EQ(m.first(m.c), 0xA0);
+  const void* a = m.a;
+  void* c = m.c;
+  EXPECT_EQ(in_child([a, c] {
+              const cudaError_t e = run_copy16(static_cast<const char*>(a) + 8, c);  // 8 bytes off
+              return e == cudaErrorMisalignedAddress && cudaGetLastError() == cudaErrorMisalignedAddress ? 0 : 1;
+            }),
+            0);
+  EXPECT_EQ(in_child([c] {
+              alignas(16) static unsigned char pageable[64];  // plain host memory: not reachable
+              return run_copy16(pageable, c) == cudaErrorIllegalAddress ? 0 : 1;
+            }),
+            0);
+  EXPECT_EQ(m.first(m.c), 0xA0) << "a faulting kernel wrote nothing";
 }
 
 TEST(CudaSim, DevicesAndLaunchConfigurationAreChecked) {
