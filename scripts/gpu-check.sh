@@ -115,4 +115,5 @@ echo
 echo "figures (kvtd selftest: GB/s per direction, scatter mode and block size; contiguous = one plain copy"
 echo "per tensor, the link's own figure; pinning = cudaHostRegister speed, the host pool's start-up cost):"
 grep -hE '^(bandwidth|pinning)' "$log"/selftest*.log 2>/dev/null | sed 's/^/  /'
+grep -hE '^(FIGURE|CHECK)' "$log"/python_client*.log 2>/dev/null | sed 's/^/  /'  # torch: interference
 exit $failed

@@ -6,7 +6,9 @@ Checks, printing one CHECK line each and exiting 1 if any failed:
   2. a `kvtd --device-backend cuda` daemon swaps blocks out and back byte for byte;
   3. a layer-by-layer load whose per-layer interprocess events the torch stream waits on, with
      no host-side wait between the layers;
-  4. clear_caches, then freeing the KV tensor returns its memory to the device
+  4. interference: swap bandwidth alone and while a bf16 GEMM loop runs in another process, and
+     that GEMM's TFLOP/s alone and during the swaps (FIGURE lines);
+  5. clear_caches, then freeing the KV tensor returns its memory to the device
      (torch.cuda.memory_reserved drops): no torch IPC reference keeps it.
 Not run on this project's machines (no GPU); written against torch's public API.
 """
@@ -27,6 +29,52 @@ def check(name, ok, detail=""):
     global failures
     failures += 0 if ok else 1
     print(f"CHECK {'PASS' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
+
+
+GEMM = """
+import sys, time, torch
+n = 8192
+a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+end = time.time() + float(sys.argv[1])
+done = 0
+t0 = time.time()
+while time.time() < end:
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    done += 10
+print(2 * n ** 3 * done / (time.time() - t0) / 1e12, flush=True)
+"""
+
+
+def gemm_tflops(seconds):
+    """Starts the GEMM loop in its own process (its own CUDA context, as an engine's)."""
+    return subprocess.Popen([sys.executable, "-c", GEMM, str(seconds)], stdout=subprocess.PIPE, text=True)
+
+
+def swap_gbs(s, seconds):
+    """Swaps 32 scattered blocks out and back for `seconds`; GB/s of the copies."""
+    import time
+    src = list(range(0, 64, 2))
+    moved, t0 = 0, time.time()
+    while time.time() - t0 < seconds:
+        s.wait(s.swap_to_host(src, list(range(32))))
+        s.wait(s.swap_to_device(list(range(32)), src))
+        moved += 2 * 32 * g.block_bytes("key") * 2 * layers
+    return moved / (time.time() - t0) / 1e9
+
+
+def gemm_and_swaps(s):
+    alone_swap = swap_gbs(s, 5)
+    alone_gemm = float(gemm_tflops(5).communicate()[0])
+    p = gemm_tflops(6)
+    with_gemm = swap_gbs(s, 10)  # covers the GEMM's 6 timed seconds and its process's start
+    during = float(p.communicate()[0])
+    print(f"FIGURE swaps alone {alone_swap:.2f} GB/s, beside a bf16 GEMM {with_gemm:.2f} GB/s", flush=True)
+    print(f"FIGURE bf16 GEMM alone {alone_gemm:.1f} TFLOP/s, during swaps {during:.1f} TFLOP/s "
+          f"({100 * (1 - during / alone_gemm):.1f}% slower)", flush=True)
+    check("GEMM interference measured", alone_gemm > 0 and during > 0)
 
 
 layers, blocks, host_blocks = 4, 256, 64
@@ -65,6 +113,7 @@ with kvtd.Session(suffix, g) as s:
         s.wait(tid)
         check("layer-by-layer load, the torch stream waiting on each layer's event",
               all(torch.equal(got[layer], ref[layer, :, [1, 2]]) for layer in range(layers)))
+        gemm_and_swaps(s)
         s.clear_caches()
         reserved = torch.cuda.memory_reserved()
         nbytes = kv.numel() * kv.element_size()
