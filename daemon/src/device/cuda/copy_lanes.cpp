@@ -102,11 +102,7 @@ Result<cudaEvent_t, DeviceErrc> CudaBackend::engine_event(
     const std::array<std::uint8_t, proto::kEngineEventBytes>& handle) {
   MutexLock g(engine_events_mu_);
   if (auto it = engine_events_.find(handle); it != engine_events_.end()) return it->second;
-  if (engine_events_.size() >= kMaxEngineEvents) {
-    for (auto& [h, ev] : engine_events_)
-      if (cudaEventDestroy(ev) != cudaSuccess) (void)cudaGetLastError();
-    engine_events_.clear();
-  }
+  if (engine_events_.size() >= kMaxEngineEvents) destroy_engine_events_locked();
   cudaIpcEventHandle_t h{};
   static_assert(sizeof h == proto::kEngineEventBytes);
   std::memcpy(&h, handle.data(), sizeof h);
@@ -119,6 +115,10 @@ Result<cudaEvent_t, DeviceErrc> CudaBackend::engine_event(
 
 void CudaBackend::destroy_engine_events() {
   MutexLock g(engine_events_mu_);
+  destroy_engine_events_locked();
+}
+
+void CudaBackend::destroy_engine_events_locked() {
   for (auto& [h, ev] : engine_events_)
     if (cudaEventDestroy(ev) != cudaSuccess) (void)cudaGetLastError();
   engine_events_.clear();

@@ -174,6 +174,7 @@ class CudaBackend final : public DeviceBackend {
   static constexpr std::size_t kMaxEngineEvents = 4096;
   Result<cudaEvent_t, DeviceErrc> engine_event(const std::array<std::uint8_t, proto::kEngineEventBytes>& handle);
   void destroy_engine_events();
+  void destroy_engine_events_locked() REQUIRES(engine_events_mu_);
   Mutex engine_events_mu_;
   std::map<std::array<std::uint8_t, proto::kEngineEventBytes>, cudaEvent_t> engine_events_ GUARDED_BY(engine_events_mu_);
 
