@@ -12,6 +12,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 // The toolkit's host_defines.h gives these compiler-specific meanings; here they mean nothing.
 #undef __global__
@@ -32,15 +33,23 @@ extern thread_local dim3 tl_grid_dim;
 
 // Checks the launch configuration (and injected faults of "cudaLaunchKernel"), then enqueues
 // `body` for every (block, thread) of the grid on `stream`. The error is also the thread's last
-// error, as for a real launch.
-cudaError_t enqueue_launch(cudaStream_t stream, dim3 grid, dim3 block, std::function<void()> body);
+// error, as for a real launch. `pointer_args`: the kernel's pointer arguments, the device memory
+// it may index directly (device memory is sealed from the CPU outside device work).
+cudaError_t enqueue_launch(cudaStream_t stream, dim3 grid, dim3 block, std::vector<const void*> pointer_args,
+                           std::function<void()> body);
 
 // What the GPU checks on a device-code access of `bytes` at `p`: natural alignment (a 16-byte
 // vector access at an address not a multiple of 16 is cudaErrorMisalignedAddress) and that the
-// address is device memory or pinned host memory (anything else is cudaErrorIllegalAddress).
-// A failing access throws; the launch catches it, stops the kernel and breaks the context, as
-// the hardware does. The access itself never happens.
-void check_device_access(const void* p, std::size_t bytes);
+// address is device memory, or pinned host memory by its device address (the host address
+// itself unless CanUseHostPointerForRegisteredMem is 0; anything else is
+// cudaErrorIllegalAddress). A failing access throws; the launch catches it, stops the kernel and
+// breaks the context, as the hardware does. Returns where the access lands on the CPU.
+void* device_access(const void* p, std::size_t bytes);
+
+template <typename T>
+void add_pointer_arg(std::vector<const void*>& out, const T& arg) {
+  if constexpr (std::is_pointer_v<T>) out.push_back(static_cast<const void*>(arg));
+}
 
 // kernel<<<grid, block, shared, stream>>>(args...): the arguments are copied at launch.
 template <typename... P, typename... A>
@@ -48,7 +57,9 @@ cudaError_t launch(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t shar
                    A&&... args) {
   (void)shared_bytes;
   std::tuple<std::decay_t<P>...> params(std::forward<A>(args)...);
-  return enqueue_launch(stream, grid, block, [kernel, params] { std::apply(kernel, params); });
+  std::vector<const void*> pointers;
+  std::apply([&pointers](const auto&... p) { (add_pointer_arg(pointers, p), ...); }, params);
+  return enqueue_launch(stream, grid, block, std::move(pointers), [kernel, params] { std::apply(kernel, params); });
 }
 
 }  // namespace cudasim
@@ -61,11 +72,9 @@ cudaError_t launch(void (*kernel)(P...), dim3 grid, dim3 block, std::size_t shar
 // Streaming loads and stores: plain accesses on the CPU, checked as the GPU checks them.
 template <typename T>
 inline T __ldcs(const T* p) {
-  ::cudasim::check_device_access(p, sizeof(T));
-  return *p;
+  return *static_cast<const T*>(::cudasim::device_access(p, sizeof(T)));
 }
 template <typename T>
 inline void __stcs(T* p, T v) {
-  ::cudasim::check_device_access(p, sizeof(T));
-  *p = v;
+  *static_cast<T*>(::cudasim::device_access(p, sizeof(T))) = v;
 }

@@ -90,13 +90,13 @@ Space space_of(const void* p, std::size_t n) {
   return it == g_ranges.end() ? Space::kUnknown : it->second.space;
 }
 
-bool accessible_range(const void* p, std::size_t n, std::uintptr_t* lo, std::uintptr_t* hi) {
+Space range_of(const void* p, std::size_t n, std::uintptr_t* lo, std::uintptr_t* hi) {
   MutexLock g(g_mu);
   auto it = find_locked(p, n);
-  if (it == g_ranges.end() || it->second.space == Space::kUnknown) return false;
+  if (it == g_ranges.end()) return Space::kUnknown;
   *lo = it->first;
   *hi = it->first + it->second.bytes;
-  return true;
+  return it->second.space;
 }
 
 }  // namespace cudasim
@@ -134,6 +134,7 @@ cudaError_t cudaMalloc(void** ptr, size_t bytes) {
   r.fd = fd;
   r.owned_map = true;
   r.id = id;
+  seal_device_range(p, bytes);
   g_ranges[reinterpret_cast<std::uintptr_t>(p)] = r;
   *ptr = p;
   return cudaSuccess;
@@ -147,6 +148,7 @@ cudaError_t cudaFree(void* ptr) {
   auto it = g_ranges.find(reinterpret_cast<std::uintptr_t>(ptr));
   if (it == g_ranges.end() || it->second.space != Space::kDevice || it->second.imported)
     return fail(cudaErrorInvalidDevicePointer);
+  forget_device_range(ptr);
   munmap(ptr, it->second.bytes);
   close(it->second.fd);
   g_ranges.erase(it);
@@ -221,7 +223,7 @@ cudaError_t cudaHostGetDevicePointer(void** dev, void* host, unsigned int flags)
   if (const cudaError_t e = enter("cudaHostGetDevicePointer"); e != cudaSuccess) return e;
   if (!dev || flags != 0) return fail(cudaErrorInvalidValue);
   if (space_of(host, 1) != Space::kPinnedHost) return fail(cudaErrorInvalidValue);
-  *dev = host;  // unified addressing: the same address
+  *dev = mapped_host_address(host);  // unified addressing: the same address, unless the device says not
   return cudaSuccess;
 }
 
@@ -280,6 +282,7 @@ cudaError_t cudaIpcOpenMemHandle(void** ptr, cudaIpcMemHandle_t handle, unsigned
   r.owned_map = true;
   r.id = b.id;
   r.pid = b.pid;
+  seal_device_range(p, b.bytes);
   g_ranges[reinterpret_cast<std::uintptr_t>(p)] = r;
   *ptr = p;
   return cudaSuccess;
@@ -291,6 +294,7 @@ cudaError_t cudaIpcCloseMemHandle(void* ptr) {
   auto it = g_ranges.find(reinterpret_cast<std::uintptr_t>(ptr));
   if (it == g_ranges.end() || !it->second.imported) return fail(cudaErrorInvalidValue);
   if (--it->second.refs > 0) return cudaSuccess;
+  forget_device_range(ptr);
   munmap(ptr, it->second.bytes);
   close(it->second.fd);
   g_ranges.erase(it);
@@ -306,6 +310,8 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, enum cudaMemcpy
   // The legacy default stream: after every blocking stream's earlier work; not ordered with
   // cudaStreamNonBlocking streams (as on a GPU).
   return submit(nullptr, [=] {
+    open_for_device_work(dst, bytes);
+    open_for_device_work(src, bytes);
     std::memmove(dst, src, bytes);
     return cudaSuccess;
   });
@@ -317,6 +323,7 @@ cudaError_t cudaMemset(void* dst, int value, size_t bytes) {
   if (bytes == 0) return cudaSuccess;
   if (space_of(dst, bytes) != Space::kDevice) return fail(cudaErrorInvalidValue);
   return submit(nullptr, [=] {
+    open_for_device_work(dst, bytes);
     std::memset(dst, value, bytes);
     return cudaSuccess;
   });
@@ -329,6 +336,8 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, enum cudaM
     return fail(e);
   }
   const cudaError_t e = submit(s, [=] {
+    open_for_device_work(dst, bytes);
+    open_for_device_work(src, bytes);
     std::memmove(dst, src, bytes);
     return cudaSuccess;
   });
@@ -351,6 +360,8 @@ cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t 
     }
   }
   return submit(s, [=] {
+    open_for_device_work(dst, dspan);
+    open_for_device_work(src, sspan);
     for (std::size_t row = 0; row < height; ++row)
       std::memmove(static_cast<char*>(dst) + row * dpitch, static_cast<const char*>(src) + row * spitch, width);
     return cudaSuccess;
@@ -385,7 +396,11 @@ cudaError_t cudaMemcpyBatchAsync(void* const* dsts, const void* const* srcs, con
   // Copies within a batch have no order among themselves: run them back to front, so a caller
   // that relied on an order would see it broken here first.
   return submit(s, [d = std::move(d), sv = std::move(sv), n = std::move(n)] {
-    for (std::size_t i = d.size(); i-- > 0;) std::memmove(d[i], sv[i], n[i]);
+    for (std::size_t i = d.size(); i-- > 0;) {
+      open_for_device_work(d[i], n[i]);
+      open_for_device_work(sv[i], n[i]);
+      std::memmove(d[i], sv[i], n[i]);
+    }
     return cudaSuccess;
   });
 }

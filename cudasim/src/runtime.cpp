@@ -77,7 +77,7 @@ void worker_loop(cudaStream_t s) {
     if (const auto us = std::max(g_op_delay_us.load(), s->delay_us.load()))
       std::this_thread::sleep_for(std::chrono::microseconds(us));
     if (sticky_error() == cudaSuccess) {  // a broken context runs nothing more
-      if (const cudaError_t e = op(); e != cudaSuccess) set_sticky(e);
+      if (const cudaError_t e = run_device_work(op); e != cudaSuccess) set_sticky(e);
     }
     lk.lock();
     s->running = false;
@@ -186,7 +186,7 @@ cudaError_t submit(cudaStream_t s, Op op) {
   if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) {
     drain_blocking_streams();
     if (sticky_error() == cudaSuccess)
-      if (const cudaError_t e = op(); e != cudaSuccess) set_sticky(e);
+      if (const cudaError_t e = run_device_work(op); e != cudaSuccess) set_sticky(e);
     return fail(sticky_error());
   }
   {
@@ -246,57 +246,6 @@ void set_op_delay_us(std::uint32_t us) { g_op_delay_us.store(us); }
 
 void set_stream_delay_us(void* stream, std::uint32_t us) {
   if (stream != nullptr) static_cast<cudaStream_t>(stream)->delay_us.store(us);
-}
-
-namespace {
-struct KernelFault {
-  cudaError_t error;
-};
-// The last range an access of this (worker) thread fell in: most accesses of a kernel hit the
-// same allocation, so the range map's lock is taken once per allocation, not per access.
-// Forgotten at every launch (an allocation freed in between must not stay accessible).
-thread_local std::uintptr_t tl_access_lo = 0, tl_access_hi = 0;
-}  // namespace
-
-void check_device_access(const void* p, std::size_t bytes) {
-  const auto a = reinterpret_cast<std::uintptr_t>(p);
-  if (bytes != 0 && (bytes & (bytes - 1)) == 0 && a % bytes != 0) throw KernelFault{cudaErrorMisalignedAddress};
-  if (a >= tl_access_lo && a + bytes <= tl_access_hi) return;
-  std::uintptr_t lo = 0, hi = 0;
-  if (!accessible_range(p, bytes, &lo, &hi)) throw KernelFault{cudaErrorIllegalAddress};
-  tl_access_lo = lo;
-  tl_access_hi = hi;
-}
-
-cudaError_t enqueue_launch(cudaStream_t stream, dim3 grid, dim3 block, std::function<void()> body) {
-  if (const cudaError_t e = enter("cudaLaunchKernel"); e != cudaSuccess) return e;
-  const std::uint64_t threads = std::uint64_t{block.x} * block.y * block.z;
-  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || threads == 0 || threads > 1024 || grid.y > 65535 ||
-      grid.z > 65535) {
-    (void)take_async_fault();
-    return fail(cudaErrorInvalidConfiguration);
-  }
-  return submit(stream, [grid, block, body = std::move(body)]() -> cudaError_t {
-    tl_grid_dim = grid;
-    tl_block_dim = block;
-    tl_access_lo = tl_access_hi = 0;
-    try {
-      for (unsigned bz = 0; bz < grid.z; ++bz)
-        for (unsigned by = 0; by < grid.y; ++by)
-          for (unsigned bx = 0; bx < grid.x; ++bx) {
-            tl_block_idx = uint3{bx, by, bz};
-            for (unsigned tz = 0; tz < block.z; ++tz)
-              for (unsigned ty = 0; ty < block.y; ++ty)
-                for (unsigned tx = 0; tx < block.x; ++tx) {
-                  tl_thread_idx = uint3{tx, ty, tz};
-                  body();
-                }
-          }
-    } catch (const KernelFault& f) {
-      return f.error;  // the kernel stops; the error breaks the context (sticky)
-    }
-    return cudaSuccess;
-  });
 }
 
 }  // namespace cudasim

@@ -76,11 +76,22 @@ bool forget_stream(cudaStream_t s);
 
 // --- memory --------------------------------------------------------------------------------
 enum class Space { kUnknown, kDevice, kPinnedHost };
+// Runs one device operation (stream worker or legacy stream). Device memory is sealed from host
+// code except for the ranges the running operations opened (device_access.cpp says why).
+cudaError_t run_device_work(const Op& op);
+// Called by a device operation before it touches [p, p + n): opens the device range holding it
+// until the operation ends. Not device memory, or not inside an operation: nothing.
+void open_for_device_work(const void* p, std::size_t n);
+// A new device range starts sealed; a range about to be unmapped is forgotten.
+void seal_device_range(void* base, std::size_t bytes);
+void forget_device_range(void* base);
+// The address device code reaches pinned host memory `host` by (cudaHostGetDevicePointer).
+void* mapped_host_address(void* host);
 // What the byte range [p, p + n) is: device memory (cudaMalloc, an opened IPC handle), pinned
 // host memory (cudaHostAlloc, cudaHostRegister), or unknown (pageable host memory).
 Space space_of(const void* p, std::size_t n);
-// The bounds [*lo, *hi) of the device or pinned range holding [p, p + n); false if none does.
-bool accessible_range(const void* p, std::size_t n, std::uintptr_t* lo, std::uintptr_t* hi);
+// What holds [p, p + n) and its bounds [*lo, *hi) (kUnknown: no device or pinned range does).
+Space range_of(const void* p, std::size_t n, std::uintptr_t* lo, std::uintptr_t* hi);
 
 }  // namespace cudasim
 

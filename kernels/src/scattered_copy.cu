@@ -44,7 +44,7 @@ __device__ __forceinline__ void warp_copy(unsigned char* __restrict__ d, const u
     auto* dv = reinterpret_cast<long long*>(d);
     for (std::uint64_t i = lane; i < bytes / 8; i += 32) __stcs(dv + i, __ldcs(sv + i));
   } else {
-    for (std::uint64_t i = lane; i < bytes; i += 32) d[i] = s[i];
+    for (std::uint64_t i = lane; i < bytes; i += 32) __stcs(d + i, __ldcs(s + i));
   }
 }
 

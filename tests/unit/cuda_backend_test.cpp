@@ -228,11 +228,15 @@ TEST(CudaBackendFaults, KernelModesNeedHostPointersUsableByKernels) {
   setenv("KVTD_CUDASIM_NO_HOST_POINTERS", "1", 1);
   auto kernel = make_cuda_backend(0, ScatterMode::kKernelAllLayers);
   auto batch = make_cuda_backend(0, ScatterMode::kBatch);
-  unsetenv("KVTD_CUDASIM_NO_HOST_POINTERS");
+  // Unset at the end: the device keeps saying so while the staging kernel runs.
+  struct Unset {
+    ~Unset() { unsetenv("KVTD_CUDASIM_NO_HOST_POINTERS"); }
+  } unset;
   ASSERT_FALSE(kernel.ok());
   EXPECT_NE(kernel.error().message.find("cudaDevAttrCanUseHostPointerForRegisteredMem"), std::string::npos);
   ASSERT_TRUE(batch.ok()) << batch.error().message;
-  // The staging transform still runs: its kernel gets the staging's mapped device pointer.
+  // The staging transform still runs: its kernel gets the staging's mapped device pointer (the
+  // stand-in faults a kernel handed the raw host address on such a device).
   std::mt19937 rng(2);
   auto t = make_device_tensor(**batch, 8 * 64, rng);
   auto staging = (*batch)->alloc_host(2 * 64);
