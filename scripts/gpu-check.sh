@@ -7,7 +7,9 @@
 # steps that need real hardware (torch CUDA, compute-sanitizer) say SKIP there.
 #
 # Steps: the CUDA unit and daemon tests; `kvtd selftest --device-backend cuda` in every scatter
-# mode (bytes against the host executor, GB/s by direction, pinning time); the demo check with
+# mode (bytes against the host executor, an engine process's tensors and event opened across
+# processes, GB/s by direction and block size over the daemon's shared-memory host pool,
+# pinning time, the daemon's own device memory), then page_first and layer by layer; the demo check with
 # the engine's tensors in device memory and two CUDA daemons; the Python client (real torch CUDA
 # tensors on a GPU, scripts/gpu/torch_check.py; the stand-in's driver on cudasim); memcheck of the
 # kernels where compute-sanitizer exists. Exit status: 0 when nothing failed, 1 otherwise.
@@ -76,6 +78,9 @@ for t in cudasim_test cuda_backend_test cuda_limits_test cuda_daemon_test cuda_f
   if [ -n "$p" ]; then step "$t" 600 "$p"; else skip "$t" "not in this build (stand-in builds only)"; fi
 done
 step "selftest (every scatter mode)" 600 "$kvtd" selftest --device-backend cuda --bench-block-kib 8,16,32,64
+# The daemon's other shapes: its page_first host pool, a layer-by-layer load, 1024 blocks.
+step "selftest (page_first, layer by layer)" 600 "$kvtd" selftest --device-backend cuda --scatter-mode kernel \
+  --bench-layerwise --bench-host-layout page_first --bench-blocks 1024 --bench-block-kib 16 --pin-mib 0 --no-ipc
 loadgen=$(find_prog kvtd-loadgen)
 if [ -n "$loadgen" ]; then
   step "demo check (engine tensors in device memory)" 300 "$root/tests/ipc/run_demo_check.sh" "$kvtd" "$loadgen" cuda
@@ -113,7 +118,8 @@ for r in "${rows[@]}"; do
 done
 echo
 echo "figures (kvtd selftest: GB/s per direction, scatter mode and block size; contiguous = one plain copy"
-echo "per tensor, the link's own figure; pinning = cudaHostRegister speed, the host pool's start-up cost):"
-grep -hE '^(bandwidth|pinning)' "$log"/selftest*.log 2>/dev/null | sed 's/^/  /'
+echo "per tensor, the link's own figure; pinning = cudaHostRegister speed, the host pool's start-up cost;"
+echo "footprint = the daemon's own device memory (NVML), what the engine loses to it):"
+grep -hE '^(bandwidth|pinning|footprint)' "$log"/selftest*.log 2>/dev/null | sed 's/^/  /'
 grep -hE '^(FIGURE|CHECK)' "$log"/python_client*.log 2>/dev/null | sed 's/^/  /'  # torch: interference
 exit $failed

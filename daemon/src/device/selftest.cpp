@@ -1,7 +1,5 @@
 #include "kvtd/daemon/selftest.h"
 
-#include <sys/mman.h>
-
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
@@ -11,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "device/selftest_parts.h"
 #include "kvtd/daemon/device_backend.h"
 
 namespace kvtd::daemon {
@@ -18,15 +17,8 @@ namespace {
 
 using kernels::CopyPlan;
 using kernels::CopyTarget;
+using selftest::Tally;
 
-struct Tally {
-  int passed = 0;
-  int failed = 0;
-  void check(bool ok, const std::string& what, const std::string& detail = "") {
-    (ok ? passed : failed)++;
-    std::printf("%s  %s%s%s\n", ok ? "PASS" : "FAIL", what.c_str(), detail.empty() ? "" : ": ", detail.c_str());
-  }
-};
 
 // One tensor on both sides: a device allocation and a host-pool allocation, each mirrored in
 // ordinary memory so the host executor can compute the expected bytes.
@@ -236,84 +228,6 @@ void check_layout(Fixture& f, Tally& tally, const std::string& mode) {
   tally.check(f.compare().empty(), what, f.compare());
 }
 
-// GB/s of one direction: 256 random blocks of `kib` KiB (32 KiB: 16-token bf16 blocks of 8 heads x
-// 128) per tensor; `contiguous`: blocks 0..255 to 0..255 instead, one plain copy per tensor (the
-// link's own figure, next to which the scattered ones are read). A copy that fails is reported
-// (and fails the self-test), never timed.
-bool measure(DeviceBackend& backend, const std::string& mode, std::uint32_t layers, std::uint32_t kib,
-             bool contiguous) {
-  const std::int64_t blocks = 512;
-  const std::uint64_t bb = std::uint64_t{kib} << 10;
-  std::vector<TensorPair> ts;
-  std::vector<CopyTarget> to_host, to_dev;
-  for (std::uint32_t i = 0; i < layers * 2; ++i) {
-    auto d = backend.alloc_device(static_cast<std::size_t>(bb * blocks));
-    auto h = backend.alloc_host(static_cast<std::size_t>(bb * blocks));
-    if (!d.ok() || !h.ok()) {
-      std::printf("bandwidth [%s]: allocation failed\n", mode.c_str());
-      return false;
-    }
-    to_host.push_back(kernels::packed_target(*d, *h, bb));
-    to_dev.push_back(kernels::packed_target(*h, *d, bb));
-  }
-  std::vector<std::int32_t> src(blocks), dst(blocks);
-  std::iota(src.begin(), src.end(), 0);
-  std::iota(dst.begin(), dst.end(), 0);
-  std::mt19937 rng(3);
-  if (!contiguous) {
-    std::shuffle(src.begin(), src.end(), rng);
-    std::shuffle(dst.begin(), dst.end(), rng);
-  }
-  src.resize(256);
-  dst.resize(256);
-  auto plan = kernels::plan_copy(src, dst, blocks, blocks, std::vector<std::uint64_t>{bb});
-  if (!plan.ok()) return false;
-  // The stand-in runs on the CPU: its figures say nothing about a GPU.
-  const char* note = cuda_stand_in() && backend.name() == std::string("cuda") ? "; CUDA stand-in on the CPU, not a GPU figure" : "";
-  for (Direction dir : {Direction::kToHost, Direction::kToDevice}) {
-    const auto& t = dir == Direction::kToHost ? to_host : to_dev;
-    const int reps = 8;
-    std::chrono::steady_clock::time_point t0;
-    for (int i = -1; i < reps; ++i) {  // -1: warm-up
-      if (i == 0) t0 = std::chrono::steady_clock::now();
-      if (auto st = backend.copy(dir, *plan, t); !st.ok()) {
-        std::printf("FAIL  bandwidth %s [%s]: %s\n", dir == Direction::kToHost ? "to-host" : "to-device",
-                    mode.c_str(), st.error().message.c_str());
-        return false;
-      }
-    }
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const double gb = static_cast<double>(bb) * 256.0 * static_cast<double>(t.size()) * reps / 1e9;
-    std::printf("bandwidth %-9s [%s] %2u KiB: %.2f GB/s (256 %s blocks x %zu tensors%s)\n",
-                dir == Direction::kToHost ? "to-host" : "to-device", contiguous ? "contiguous" : mode.c_str(), kib,
-                gb / s, contiguous ? "consecutive" : "random", t.size(), note);
-  }
-  return true;
-}
-
-// How long pinning host memory takes here (the daemon pins its whole host pool at start, ~0.1 s
-// per GB on CUDA): `mib` MiB of fresh pages, registered and released.
-void measure_pinning(HostMemory& backend, std::uint32_t mib, Tally& tally) {
-  if (mib == 0 || !backend.pins_memory()) return;
-  const std::size_t bytes = std::size_t{mib} << 20;
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) {
-    tally.check(false, "pin " + std::to_string(mib) + " MiB", "mmap failed");
-    return;
-  }
-  std::memset(p, 0, bytes);  // faulted in first, as the pool's pages are before it is pinned
-  const auto start = std::chrono::steady_clock::now();
-  auto st = backend.pin_host(static_cast<std::byte*>(p), bytes);
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  tally.check(st.ok(), "pin " + std::to_string(mib) + " MiB of host memory", st.ok() ? "" : st.error().message);
-  if (st.ok()) {
-    std::printf("pinning: %u MiB in %.3f s (%.2f GB/s; a host pool of N GB takes N / this at start)\n", mib, s,
-                static_cast<double>(bytes) / s / 1e9);
-    backend.unpin_host(static_cast<std::byte*>(p));
-  }
-  munmap(p, bytes);
-}
-
 }  // namespace
 
 int run_selftest(int argc, char** argv) {
@@ -327,15 +241,27 @@ int run_selftest(int argc, char** argv) {
   app.add_option("--bench-layers", bench_layers, "Layers in the bandwidth measurement (0 = skip)");
   std::uint32_t pin_mib = 256;
   std::vector<std::uint32_t> block_kib{32};
+  selftest::BenchShape bench;
+  std::string host_layout = "layer_first";
+  bool across_processes = true;
   app.add_option("--bench-block-kib", block_kib, "Block sizes (KiB) of the bandwidth measurement, e.g. 8,16,32,64")
       ->delimiter(',')
       ->check(CLI::Range(1u, 1024u));
+  app.add_option("--bench-blocks", bench.blocks, "Blocks moved per tensor in the bandwidth measurement")
+      ->check(CLI::Range(1u, 1u << 20));
+  app.add_flag("--bench-layerwise", bench.layerwise, "Time layer-by-layer copies (an event per layer)");
+  app.add_option("--bench-host-layout", host_layout, "Host pool layout of the measurement")
+      ->check(CLI::IsMember({"layer_first", "page_first"}));
   app.add_option("--pin-mib", pin_mib, "MiB of host memory to pin and time, as the host pool is (0 = skip)");
+  app.add_flag("--ipc,!--no-ipc", across_processes,
+               "Also open an engine process's tensors and event, as the daemon does (default: on)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
+  bench.layers = bench_layers;
+  bench.host_layout = host_layout == "page_first" ? config::HostLayout::kPageFirst : config::HostLayout::kLayerFirst;
 
   std::vector<config::ScatterMode> modes;
   if (!mode_name.empty()) {
@@ -351,6 +277,9 @@ int run_selftest(int argc, char** argv) {
              config::ScatterMode::kMemcpy};
   }
 
+  // Forked before this process touches the device: a CUDA context does not survive fork.
+  selftest::EnginePeer peer;
+  if (across_processes) peer = selftest::start_engine_peer(backend_name, device_id);
   Tally tally;
   // The host backend has one way to copy; the CUDA backend is checked in every mode.
   const std::size_t runs = backend_name == "host" ? 1 : modes.size();
@@ -382,13 +311,22 @@ int run_selftest(int argc, char** argv) {
     }
     check_copies(f, tally, label);
     check_layout(f, tally, label);
+    if (peer.pid > 0) selftest::check_across_processes(*backend, peer, tally);
     for (std::uint32_t kib : bench_layers > 0 ? block_kib : std::vector<std::uint32_t>{}) {
-      if (!measure(*backend, label, bench_layers, kib, false)) ++tally.failed;
+      bench.kib = kib;
+      bench.contiguous = false;
+      if (!selftest::measure_bandwidth(*backend, label, bench)) ++tally.failed;
       // The contiguous figure once per block size (it does not depend on the scatter mode).
-      if (m == 0 && !measure(*backend, label, bench_layers, kib, true)) ++tally.failed;
+      bench.contiguous = true;
+      if (m == 0 && !selftest::measure_bandwidth(*backend, label, bench)) ++tally.failed;
     }
-    if (m == 0) measure_pinning(*backend, pin_mib, tally);
+    if (m == 0) {
+      selftest::measure_pinning(*backend, pin_mib, tally);
+      if (const std::string held = backend->device_footprint(); !held.empty())
+        std::printf("footprint: this process holds %s\n", held.c_str());
+    }
   }
+  if (peer.pid > 0) tally.check(false, "cross-process check", "no backend ran it");
   std::printf("selftest (%s): %d passed, %d failed\n", backend_name.c_str(), tally.passed, tally.failed);
   return tally.failed == 0 ? 0 : 1;
 }

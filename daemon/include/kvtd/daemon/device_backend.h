@@ -145,6 +145,9 @@ class SelfTestDevice {
   virtual Result<std::byte*, DeviceErrc> alloc_device(std::size_t bytes) = 0;
   virtual Status<DeviceErrc> write_device(std::byte* dst, const std::byte* src, std::size_t bytes) = 0;
   virtual Status<DeviceErrc> read_device(std::byte* dst, const std::byte* src, std::size_t bytes) = 0;
+  // This process's own device memory (context, streams, allocations) in words, as the driver
+  // reports it; "" for a backend without a device.
+  virtual std::string device_footprint() { return ""; }
 };
 
 class DeviceBackend : public TensorMapper, public HostMemory, public CopyEngine, public SelfTestDevice {

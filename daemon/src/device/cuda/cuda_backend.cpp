@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "device/cuda/footprint.h"
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/numa.h"
 #include "kvtd/proto/pci.h"
@@ -45,7 +46,19 @@ Status<DeviceErrc> CudaBackend::init() {
   numa_node_ = numa_node_of_gpu(bus_id, device_, "/sys", &how);
   KVTD_INFO("cuda device {} (PCI {}) is on NUMA node {} ({})", device_, bus_id, numa_node_,
             numa_node_ >= 0 ? how : std::string("sysfs does not say"));
+  KVTD_INFO("cuda device {}: this daemon holds {} of its memory", device_, device_footprint());
   return {};
+}
+
+std::string CudaBackend::device_footprint() {
+  // What the engine loses to the daemon: mostly the context (hundreds of MiB), then the lanes'
+  // streams and id/table mirrors. Only the driver knows the context's share.
+  const auto bytes = pci_bus_id_ != 0 ? process_device_bytes(proto::pci_bus_id_string(pci_bus_id_)) : std::nullopt;
+  if (!bytes) return "an unknown amount (NVML is not loadable here or does not list this process)";
+  char text[96];
+  std::snprintf(text, sizeof text, "%.0f MiB (NVML: context, streams and allocations)",
+                static_cast<double>(*bytes) / (1 << 20));
+  return text;
 }
 
 void CudaBackend::report_device_sharing() {

@@ -48,6 +48,7 @@ class CudaBackend final : public DeviceBackend {
   Status<DeviceErrc> init();
 
   const char* name() const override { return "cuda"; }
+  std::string device_footprint() override;
 
   // Logs the device's compute mode (a warning where the engine and kvtd cannot share it) and its
   // free memory once this daemon's context exists.
