@@ -1,5 +1,6 @@
 // The daemon's command line: every flag declared (by group), parsed by CLI11, then checked and
 // turned into a DaemonConfig group by group, each error naming its flag.
+#include <arpa/inet.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -35,6 +36,12 @@ Error<ConfigErrc> bad(const std::string& m) { return make_error(ConfigErrc::kInv
 
 // Seconds in a message. Range checks on doubles are written so that NaN fails every one.
 std::string seconds(double v) { return std::to_string(v); }
+
+// Dotted-quad IPv4 (inet_pton's rule: four decimal fields of 0-255).
+bool is_ipv4_address(const std::string& s) {
+  in_addr a{};
+  return inet_pton(AF_INET, s.c_str(), &a) == 1;
+}
 
 // Extra (MTP) layers from --num-extra-layers/--extra-device-blocks, else from FastDeploy's
 // --speculative_config JSON (num_extra_cache_layer; device blocks = main blocks x
@@ -132,7 +139,10 @@ void declare_runtime_flags(CLI::App& app, RawFlags& f, DaemonConfig& c) {
   app.add_option("--control-secret-file", c.control_secret_file,
                  "The TCP control endpoint's shared secret: first line of a 0600 file of this user (required with "
                  "--control-endpoint)");
-  app.add_option("--metrics-port", f.metrics_port, "Prometheus metrics on 127.0.0.1:<port>/metrics (0 = off)");
+  app.add_option("--metrics-port", f.metrics_port,
+                 "Prometheus metrics on <metrics-address>:<port>/metrics, health probes on /healthz and /readyz (0 = off)");
+  app.add_option("--metrics-address", c.metrics_address,
+                 "IPv4 address the metrics and health server listens on (0.0.0.0: every interface, for kubelet probes)");
   app.add_option("--log-summary-period", c.log_summary_period_s,
                  "Seconds between info summaries while tasks complete (0 = none; debug: one line per task)");
   app.add_option("--engine-timeout", c.engine_timeout_s, "Seconds of engine heartbeat silence before detaching");
@@ -332,6 +342,8 @@ Status<ConfigErrc> resolve_runtime(const RawFlags& f, DaemonConfig& c) {
   if (f.metrics_port < 0 || f.metrics_port > 65535)
     return bad("--metrics-port: " + std::to_string(f.metrics_port) + " must be 0 (off) or a TCP port in [1, 65535]");
   c.metrics_port = static_cast<std::uint16_t>(f.metrics_port);
+  if (!is_ipv4_address(c.metrics_address))
+    return bad("--metrics-address: '" + c.metrics_address + "' is not an IPv4 address (e.g. 127.0.0.1 or 0.0.0.0)");
   if (!(c.log_summary_period_s == 0 || (c.log_summary_period_s >= 0.01 && c.log_summary_period_s <= 86400)))
     return bad("--log-summary-period: " + seconds(c.log_summary_period_s) + " must be 0 (none) or in [0.01, 86400] seconds");
   // The engine declares a f.rank dead after its f.rank timeout (3 s by default) without a heartbeat.

@@ -27,8 +27,8 @@ constexpr auto kIdleDeadline = std::chrono::seconds(2);        // waiting for th
 
 class Connection : public std::enable_shared_from_this<Connection> {
  public:
-  Connection(tcp::socket socket, const MetricsRegistry& registry, std::atomic<int>& open)
-      : stream_(std::move(socket)), registry_(registry), open_(open),
+  Connection(tcp::socket socket, const MetricsRegistry& registry, const HealthRoutes& health, std::atomic<int>& open)
+      : stream_(std::move(socket)), registry_(registry), health_(health), open_(open),
         end_(std::chrono::steady_clock::now() + kConnectionDeadline) {}
   ~Connection() { open_.fetch_sub(1); }
 
@@ -49,6 +49,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     res->version(11);
     res->set(http::field::server, "kvtd");
     bool keep_alive = false;
+    bool json = false;
     if (ec) {
       res->result(http::status::bad_request);
       res->body() = "bad request: " + ec.message() + "\n";
@@ -58,16 +59,22 @@ class Connection : public std::enable_shared_from_this<Connection> {
       if (req.method() != http::verb::get) {
         res->result(http::status::method_not_allowed);
         res->body() = "only GET\n";
+      } else if (const auto* route = health_route(req.target()); route != nullptr && *route) {
+        const HealthAnswer a = (*route)();
+        res->result(a.ok ? http::status::ok : http::status::service_unavailable);
+        res->body() = a.json + "\n";
+        json = true;
       } else if (req.target() != "/metrics") {
         res->result(http::status::not_found);
-        res->body() = "kvtd serves /metrics\n";
+        res->body() = "kvtd serves /metrics, /healthz and /readyz\n";
       } else {
         res->result(http::status::ok);
         res->body() = registry_.render();
       }
     }
-    res->set(http::field::content_type, res->result() == http::status::ok ? "text/plain; version=0.0.4; charset=utf-8"
-                                                                          : "text/plain; charset=utf-8");
+    res->set(http::field::content_type, json                                 ? "application/json"
+                                        : res->result() == http::status::ok ? "text/plain; version=0.0.4; charset=utf-8"
+                                                                             : "text/plain; charset=utf-8");
     res->keep_alive(keep_alive);
     res->prepare_payload();
     const bool again = keep_alive && !ec;
@@ -76,6 +83,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
       if (wec || !again) return self->close();
       self->read();
     });
+  }
+
+  const std::function<HealthAnswer()>* health_route(beast::string_view target) const {
+    if (target == "/healthz") return &health_.live;
+    if (target == "/readyz") return &health_.ready;
+    return nullptr;
   }
 
   void close() {
@@ -88,19 +101,21 @@ class Connection : public std::enable_shared_from_this<Connection> {
   beast::flat_buffer buffer_{8192};
   std::optional<http::request_parser<http::string_body>> parser_;
   const MetricsRegistry& registry_;
+  const HealthRoutes& health_;
   std::atomic<int>& open_;
   const std::chrono::steady_clock::time_point end_;
 };
 
 struct MetricsServer::Impl {
   const MetricsRegistry& registry;
+  HealthRoutes health;
   asio::io_context io;
   tcp::acceptor acceptor{io};
   std::thread thread;
   std::atomic<int> open{0};
   std::uint16_t port = 0;
 
-  explicit Impl(const MetricsRegistry& r) : registry(r) {}
+  Impl(const MetricsRegistry& r, HealthRoutes h) : registry(r), health(std::move(h)) {}
 
   void accept() {
     acceptor.async_accept([this](beast::error_code ec, tcp::socket socket) {
@@ -111,7 +126,7 @@ struct MetricsServer::Impl {
           beast::error_code ignored;
           socket.close(ignored);  // over the cap: the newcomer waits for its client's retry
         } else {
-          std::make_shared<Connection>(std::move(socket), registry, open)->read();
+          std::make_shared<Connection>(std::move(socket), registry, health, open)->read();
         }
       }
       accept();  // also after an error (e.g. out of descriptors: the next accept may work)
@@ -133,17 +148,20 @@ struct MetricsServer::Impl {
 MetricsServer::MetricsServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Result<std::unique_ptr<MetricsServer>, MetricsErrc> MetricsServer::start(const MetricsRegistry& registry,
-                                                                        std::uint16_t port) {
-  auto impl = std::make_unique<Impl>(registry);
+                                                                        std::uint16_t port, HealthRoutes health,
+                                                                        const std::string& address) {
+  auto impl = std::make_unique<Impl>(registry, std::move(health));
   beast::error_code ec;
-  const tcp::endpoint ep(asio::ip::make_address_v4("127.0.0.1"), port);
+  const auto ip = asio::ip::make_address_v4(address, ec);
+  if (ec) return make_error(MetricsErrc::kBind, "--metrics-address '" + address + "' is not an IPv4 address");
+  const tcp::endpoint ep(ip, port);
   impl->acceptor.open(ep.protocol(), ec);
   if (!ec) impl->acceptor.set_option(asio::socket_base::reuse_address(true), ec);
   if (!ec) impl->acceptor.bind(ep, ec);
   if (!ec) impl->acceptor.listen(asio::socket_base::max_listen_connections, ec);
   if (ec)
-    return make_error(MetricsErrc::kBind, "--metrics-port " + std::to_string(port) + ": cannot listen on 127.0.0.1:" +
-                                              std::to_string(port) + ": " + ec.message());
+    return make_error(MetricsErrc::kBind, "--metrics-port " + std::to_string(port) + ": cannot listen on " + address +
+                                              ":" + std::to_string(port) + ": " + ec.message());
   impl->port = impl->acceptor.local_endpoint(ec).port();
   auto* raw = impl.get();
   raw->accept();

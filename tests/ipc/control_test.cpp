@@ -125,6 +125,9 @@ TEST_F(ControlTest, StatusOfEveryRankAsJsonAndAsATable) {
     EXPECT_GE(s["epoch"].get<std::uint32_t>(), 1u);
     EXPECT_EQ(s["bytes"]["to_host"].get<std::uint64_t>(), 2 * g_.bytes_per_block_all_layers());
     EXPECT_EQ(s["pid"].get<std::int64_t>(), daemons_[r].pid());
+    // The facts /healthz and /readyz answer.
+    EXPECT_TRUE(s["health"]["live"]["live"].get<bool>()) << s.dump();
+    EXPECT_TRUE(s["health"]["ready"]["ready"].get<bool>()) << s.dump();
     bool saw_ok = false, saw_failed = false;
     for (const auto& t : s["tasks"]) {
       saw_ok = saw_ok || (t["kind"] == "SWAP_TO_HOST" && t["status"] == "ok" && t["count"] == 1);

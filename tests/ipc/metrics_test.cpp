@@ -8,43 +8,16 @@
 #include <fstream>
 
 #include "daemon_fixture.h"
+#include "http_client.h"
 
 namespace kvtd {
 namespace {
 
 std::uint16_t free_port() { return test::free_tcp_port(); }
 
-// An open connection to the endpoint that sends `request` and keeps the socket (-1 on failure).
-int open_client(std::uint16_t port, const std::string& request) {
-  const int s = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(port);
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(s, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
-    ::close(s);
-    return -1;
-  }
-  (void)!write(s, request.data(), request.size());
-  return s;
-}
-
-// Sends `request` raw and returns everything the server answers until it closes.
-std::string http_exchange(std::uint16_t port, const std::string& request) {
-  const int s = open_client(port, request);
-  if (s < 0) return "";
-  timeval tv{5, 0};
-  setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  std::string out;
-  char buf[8192];
-  for (ssize_t n; (n = read(s, buf, sizeof buf)) > 0;) out.append(buf, static_cast<std::size_t>(n));
-  ::close(s);
-  return out;
-}
-
-std::string get(std::uint16_t port, const std::string& path) {
-  return http_exchange(port, "GET " + path + " HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
-}
+int open_client(std::uint16_t port, const std::string& request) { return test::http_open(port, request); }
+std::string http_exchange(std::uint16_t port, const std::string& request) { return test::http_exchange(port, request); }
+std::string get(std::uint16_t port, const std::string& path) { return test::http_get(port, path); }
 
 class MetricsTest : public DaemonTest {};
 

@@ -243,6 +243,8 @@ TEST(DaemonFlags, BadValuesNameTheFlag) {
   expect_rejected({"--local-data-parallel-id", "-1"}, "--local-data-parallel-id");
   expect_rejected({"--host-layout", "row_major"}, "--host-layout");
   expect_rejected({"--numa-node", "near"}, "--numa-node");
+  expect_rejected({"--metrics-address", "localhost"}, "--metrics-address");
+  expect_rejected({"--metrics-address", "10.0.0.300"}, "--metrics-address");
 }
 
 TEST(DaemonFlags, MissingRequiredFlagIsNamed) {

@@ -35,7 +35,7 @@ const char* cache_name(ControlState::Cache c) {
 constexpr std::int64_t kCacheWaitMs = 20'000;
 
 json status_of(const config::DaemonConfig& cfg, const metrics::MetricsRegistry& reg, const std::string& store_name,
-               const ControlState& state) {
+               const ControlState& state, const metrics::HealthRoutes& health) {
   json tasks = json::array();
   for (const auto& t : reg.task_counts())
     tasks.push_back({{"kind", proto::task_kind_name(t.kind)}, {"status", proto::task_status_name(t.status)},
@@ -67,6 +67,9 @@ json status_of(const config::DaemonConfig& cfg, const metrics::MetricsRegistry& 
       {"storage", {{"backend", store_name.empty() ? "none" : store_name}}},
       {"last_errors", reg.last_errors()},
   };
+  // The same facts /healthz and /readyz answer.
+  if (health.live) j["health"]["live"] = json::parse(health.live().json);
+  if (health.ready) j["health"]["ready"] = json::parse(health.ready().json);
   return j;
 }
 
@@ -123,14 +126,14 @@ ControlState::Wait ControlState::wait_cache(Cache want, std::int64_t timeout_ms)
 
 Result<std::unique_ptr<control::ControlServer>, control::ControlErrc> start_control(
     const config::DaemonConfig& cfg, const metrics::MetricsRegistry& registry, const std::string& store_name,
-    ControlState& state, std::atomic<bool>& stop) {
+    ControlState& state, std::atomic<bool>& stop, metrics::HealthRoutes health) {
   auto dir = control::runtime_dir();
   if (!dir.ok()) return make_error(dir.error().code, "control socket directory: " + dir.error().message);
   const std::string path = control::socket_path(*dir, cfg.session_suffix, cfg.data_parallel_id, cfg.rank);
-  auto handler = [&cfg, &registry, store_name, &state, &stop](const control::Request& r) -> control::Reply {
+  auto handler = [&cfg, &registry, store_name, &state, &stop, health](const control::Request& r) -> control::Reply {
     control::Reply reply;
     if (r.command == "status") {
-      reply.result_json = status_of(cfg, registry, store_name, state).dump();
+      reply.result_json = status_of(cfg, registry, store_name, state, health).dump();
     } else if (r.command == "drain") {
       // The orderly exit of SIGTERM: finish what is in the ring now, take nothing later, exit 0.
       if (!state.draining.exchange(true)) {

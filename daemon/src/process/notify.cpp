@@ -10,12 +10,19 @@
 #endif
 
 namespace kvtd::daemon {
+namespace {
+std::atomic<std::int64_t> g_last_turn_ns{ipc::monotonic_now_ns()};
+void record_turn() { g_last_turn_ns.store(ipc::monotonic_now_ns(), std::memory_order_relaxed); }
+}  // namespace
+
+std::int64_t last_loop_turn_ns() { return g_last_turn_ns.load(std::memory_order_relaxed); }
 
 #ifdef KVTD_HAVE_SYSTEMD
 void notify_ready() { sd_notify(0, "READY=1\nSTATUS=serving"); }
 void notify_status(const std::string& status) { sd_notify(0, ("STATUS=" + status).c_str()); }
 void notify_stopping() { sd_notify(0, "STOPPING=1"); }
 void notify_watchdog() {
+  record_turn();
   // Half the unit's WatchdogSec (as sd_watchdog_enabled(3) recommends), at most a second; 0 when
   // systemd expects no pings from this process.
   static const std::int64_t interval_ns = [] {
@@ -36,7 +43,7 @@ void notify_watchdog() {
 void notify_ready() {}
 void notify_status(const std::string&) {}
 void notify_stopping() {}
-void notify_watchdog() {}
+void notify_watchdog() { record_turn(); }
 #endif
 
 }  // namespace kvtd::daemon

@@ -102,16 +102,21 @@ std::optional<int> open_servers(const config::DaemonConfig& cfg, std::atomic<boo
       return metrics::MetricsRegistry::StoreFigures{st.puts, st.put_failures, st.hits, st.misses, st.corrupt,
                                                      st.evictions};
     });
+  // Readiness asks whether the store answers; a thread asks it every few seconds so that a
+  // probe never waits on the store.
+  if (s.store) s.store_probe = std::make_unique<StoreProbe>(*s.store, kStoreProbePeriodMs);
+  const HealthSources sources{s.registry, s.control_state, s.store_probe.get(), s.store_name};
   if (cfg.metrics_port != 0) {
-    auto ms = metrics::MetricsServer::start(s.registry, cfg.metrics_port);
+    auto ms = metrics::MetricsServer::start(s.registry, cfg.metrics_port, health_routes(sources), cfg.metrics_address);
     if (!ms.ok()) {
       KVTD_ERROR("{}", ms.error().message);
       return kExitBadFlags;
     }
     s.metrics_server = std::move(ms).value();
-    KVTD_INFO("Prometheus metrics on http://127.0.0.1:{}/metrics", s.metrics_server->port());
+    KVTD_INFO("Prometheus metrics on http://{}:{}/metrics, health probes on /healthz and /readyz", cfg.metrics_address,
+              s.metrics_server->port());
   }
-  auto control = start_control(cfg, s.registry, s.store_name, s.control_state, stop);
+  auto control = start_control(cfg, s.registry, s.store_name, s.control_state, stop, health_routes(sources));
   if (!control.ok() && control.error().code != control::ControlErrc::kInUse) {
     KVTD_ERROR("{}", control.error().message);
     return kExitBadFlags;

@@ -11,6 +11,7 @@
 #include "kvtd/config/daemon_config.h"
 #include "kvtd/control/control.h"
 #include "kvtd/daemon/control_handler.h"
+#include "process/health.h"
 #include "kvtd/daemon/device_backend.h"
 #include "kvtd/metrics/http_server.h"
 #include "kvtd/metrics/registry.h"
@@ -28,8 +29,10 @@ struct Services {
   std::unique_ptr<storage::ObjectStore> store;  // null: --storage-backend none
   std::string store_name;
   metrics::MetricsRegistry registry;  // counters survive sessions
-  std::unique_ptr<metrics::MetricsServer> metrics_server;
+  // Declared (so destroyed) in the order the servers read them: the servers go first.
   ControlState control_state;
+  std::unique_ptr<StoreProbe> store_probe;  // null without a store
+  std::unique_ptr<metrics::MetricsServer> metrics_server;
   std::unique_ptr<control::ControlServer> control;  // null when another daemon of the rank has it
 };
 

@@ -140,7 +140,8 @@ struct DaemonConfig {
   std::string log_dir;                 // empty: log to stderr only
   std::string log_level = "info";
   double log_summary_period_s = 60;
-  std::uint16_t metrics_port = 0;      // Prometheus on 127.0.0.1:<port>; 0 = off
+  std::uint16_t metrics_port = 0;      // Prometheus and health probes on metrics_address:<port>; 0 = off
+  std::string metrics_address = "127.0.0.1";
   std::string control_endpoint;        // extra control socket, tcp://127.0.0.1:<port>; empty = ipc only
   std::string control_secret_file;     // the TCP control endpoint's shared secret (required with it)    // info summary of the work done, while busy; 0 = none
   double engine_timeout_s = 5.0;       // engine heartbeat age after which we detach

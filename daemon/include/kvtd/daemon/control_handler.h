@@ -16,6 +16,7 @@
 #include "kvtd/base/mutex.h"
 #include "kvtd/config/daemon_config.h"
 #include "kvtd/control/control.h"
+#include "kvtd/metrics/http_server.h"
 #include "kvtd/metrics/registry.h"
 
 namespace kvtd::daemon {
@@ -56,9 +57,10 @@ struct ControlState {
 };
 
 // Binds the rank's control socket in the runtime directory (and cfg.control_endpoint). The
-// registry, state and stop flag must outlive the returned server.
+// registry, state and stop flag must outlive the returned server, and so must what `health`'s
+// routes read (status shows their answers under "health").
 Result<std::unique_ptr<control::ControlServer>, control::ControlErrc> start_control(
     const config::DaemonConfig& cfg, const metrics::MetricsRegistry& registry, const std::string& store_name,
-    ControlState& state, std::atomic<bool>& stop);
+    ControlState& state, std::atomic<bool>& stop, metrics::HealthRoutes health = {});
 
 }  // namespace kvtd::daemon

@@ -1,6 +1,7 @@
 // kvtd/daemon/notify.h - systemd readiness and watchdog notifications (no-ops outside systemd).
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace kvtd::daemon {
@@ -12,4 +13,7 @@ void notify_stopping();
 // creating and pinning a large host pool can take longer than WatchdogSec) and, once serving,
 // only from the dispatcher loop, so a wedged dispatcher stops the pings.
 void notify_watchdog();
+// Monotonic nanoseconds of the last notify_watchdog call (the process's start before the first,
+// with or without systemd): /healthz tells a turning loop from a wedged one by it.
+std::int64_t last_loop_turn_ns();
 }  // namespace kvtd::daemon

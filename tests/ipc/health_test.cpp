@@ -1,0 +1,98 @@
+// Health probes of a real daemon (--metrics-port): /healthz says the process's loop turns,
+// /readyz whether the rank can serve (attached, tensors mapped, host pool pinned, store
+// answering), both in JSON with 200 or 503 as Kubernetes probes read them.
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <thread>
+
+#include "daemon_fixture.h"
+#include "http_client.h"
+
+namespace kvtd {
+namespace {
+
+using json = nlohmann::json;
+
+struct Probe {
+  int code = 0;  // HTTP status, 0 when nothing answered
+  json body;
+};
+
+Probe probe(std::uint16_t port, const std::string& path) {
+  const std::string reply = test::http_get(port, path);
+  Probe p;
+  if (reply.rfind("HTTP/1.1 ", 0) == 0) p.code = std::atoi(reply.c_str() + 9);
+  p.body = json::parse(test::http_body(reply), nullptr, false);
+  return p;
+}
+
+// Polls `path` until it answers `code` (the daemon's state changes asynchronously) or 20 s pass.
+Probe probe_until(std::uint16_t port, const std::string& path, int code) {
+  Probe p;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while ((p = probe(port, path)).code != code && std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  return p;
+}
+
+bool has_reason(const json& body, const std::string& part) {
+  if (!body.is_object() || !body.contains("reasons")) return false;
+  for (const auto& r : body["reasons"])
+    if (r.get<std::string>().find(part) != std::string::npos) return true;
+  return false;
+}
+
+class HealthTest : public DaemonTest {};
+
+TEST_F(HealthTest, NotReadyUntilAttachedAndServingThenReady) {
+  g_ = test::small_geometry(1);
+  const std::uint16_t port = test::free_tcp_port();
+  const std::string store = ::testing::TempDir() + "/" + suffix_ + "_store";
+  extra_args_ = {"--metrics-port", std::to_string(port), "--storage-backend", "file", "--storage-path", store,
+                 "--model-id", "m"};
+  daemons_.push_back(start_daemon(0));
+  // Alive while it waits for the engine, and not ready, saying why.
+  const Probe live = probe_until(port, "/healthz", 200);
+  ASSERT_EQ(live.code, 200) << test::read_file(log_path(0));
+  EXPECT_TRUE(live.body["live"].get<bool>()) << live.body.dump();
+  const Probe waiting = probe(port, "/readyz");
+  EXPECT_EQ(waiting.code, 503) << waiting.body.dump();
+  EXPECT_TRUE(has_reason(waiting.body, "not attached")) << waiting.body.dump();
+  // Attached, tensors mapped, pool pinned, the file store answering: ready.
+  ASSERT_NO_FATAL_FAILURE(start_engine());
+  ASSERT_TRUE(engine_->wait_ready(20'000'000'000).ok()) << test::read_file(log_path(0));
+  const Probe ready = probe_until(port, "/readyz", 200);
+  ASSERT_EQ(ready.code, 200) << ready.body.dump();
+  EXPECT_TRUE(ready.body["attached"].get<bool>());
+  EXPECT_EQ(ready.body["cache"].get<std::string>(), "live");
+  EXPECT_TRUE(ready.body["host_pool_pinned"].get<bool>());
+  EXPECT_EQ(ready.body["store"]["backend"].get<std::string>().rfind("file", 0), 0u) << ready.body.dump();
+  EXPECT_TRUE(ready.body["store"]["reachable"].get<bool>()) << ready.body.dump();
+  EXPECT_TRUE(ready.body["reasons"].empty());
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, {1}, {2}).ok());
+  // The engine goes away: the rank is not ready again (and still alive).
+  engine_.reset();
+  const Probe gone = probe_until(port, "/readyz", 503);
+  EXPECT_EQ(gone.code, 503) << gone.body.dump();
+  EXPECT_EQ(probe(port, "/healthz").code, 200);
+}
+
+TEST_F(HealthTest, AStoreThatDoesNotAnswerMakesTheRankNotReadyButAlive) {
+  g_ = test::small_geometry(1);
+  const std::uint16_t port = test::free_tcp_port();
+  const std::uint16_t nothing_there = test::free_tcp_port();  // no Redis listens here
+  extra_args_ = {"--metrics-port", std::to_string(port), "--storage-backend", "redis", "--redis-endpoints",
+                 "127.0.0.1:" + std::to_string(nothing_there), "--redis-timeout", "0.5", "--model-id", "m"};
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const Probe p = probe_until(port, "/readyz", 503);
+  ASSERT_EQ(p.code, 503) << p.body.dump() << test::read_file(log_path(0));
+  EXPECT_TRUE(p.body["attached"].get<bool>());
+  EXPECT_FALSE(p.body["store"]["reachable"].get<bool>()) << p.body.dump();
+  EXPECT_TRUE(has_reason(p.body, "the store does not answer")) << p.body.dump();
+  EXPECT_EQ(probe(port, "/healthz").code, 200);
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, {1}, {2}).ok()) << "swaps need no store";
+}
+
+}  // namespace
+}  // namespace kvtd
