@@ -56,6 +56,11 @@ void MetricsRegistry::set_store_figures(StoreFiguresProvider provider) {
   store_figures_ = std::move(provider);
 }
 
+void MetricsRegistry::set_health_figures(HealthFiguresProvider provider) {
+  MutexLock g(store_mu_);
+  health_figures_ = std::move(provider);
+}
+
 std::vector<MetricsRegistry::TaskCount> MetricsRegistry::task_counts() const {
   std::vector<TaskCount> out;
   for (int k = 1; k < kKinds; ++k)
@@ -74,6 +79,23 @@ void MetricsRegistry::note_error(std::string message) {
 std::vector<std::string> MetricsRegistry::last_errors() const {
   MutexLock g(errors_mu_);
   return errors_;
+}
+
+void MetricsRegistry::render_health(std::string& out) const {
+  HealthFiguresProvider health;
+  {
+    MutexLock g(store_mu_);
+    health = health_figures_;
+  }
+  if (!health) return;
+  const HealthFigures h = health();
+  line(out, "# HELP kvtd_ready 1 while this rank can serve (what /readyz answers).\n# TYPE kvtd_ready gauge\nkvtd_ready %d\n",
+       h.ready ? 1 : 0);
+  if (h.has_store)
+    line(out,
+         "# HELP kvtd_store_up 1 while the storage tier answers this rank's probe.\n# TYPE kvtd_store_up gauge\n"
+         "kvtd_store_up %d\n",
+         h.store_up ? 1 : 0);
 }
 
 std::string MetricsRegistry::render() const {
@@ -153,6 +175,7 @@ std::string MetricsRegistry::render() const {
       {"kvtd_host_pool_bytes", "Bytes of this rank's host pool.", host_pool_bytes_.load(std::memory_order_relaxed)},
   };
   for (const auto& g : gauges) line(out, "# HELP %s %s\n# TYPE %s gauge\n%s %llu\n", g.name, g.help, g.name, g.name, g.v);
+  render_health(out);
   line(out,
        "# HELP kvtd_host_pool_pin_seconds How long pinning the host pool for DMA took when it was mapped.\n"
        "# TYPE kvtd_host_pool_pin_seconds gauge\nkvtd_host_pool_pin_seconds %.3f\n",

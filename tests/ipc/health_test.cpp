@@ -70,6 +70,9 @@ TEST_F(HealthTest, NotReadyUntilAttachedAndServingThenReady) {
   EXPECT_EQ(ready.body["store"]["backend"].get<std::string>().rfind("file", 0), 0u) << ready.body.dump();
   EXPECT_TRUE(ready.body["store"]["reachable"].get<bool>()) << ready.body.dump();
   EXPECT_TRUE(ready.body["reasons"].empty());
+  const std::string metrics = test::http_body(test::http_get(port, "/metrics"));
+  EXPECT_NE(metrics.find("\nkvtd_ready 1\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("\nkvtd_store_up 1\n"), std::string::npos) << metrics;
   ASSERT_TRUE(run(TaskKind::kSwapToHost, {1}, {2}).ok());
   // The engine goes away: the rank is not ready again (and still alive).
   engine_.reset();
@@ -90,6 +93,10 @@ TEST_F(HealthTest, AStoreThatDoesNotAnswerMakesTheRankNotReadyButAlive) {
   EXPECT_TRUE(p.body["attached"].get<bool>());
   EXPECT_FALSE(p.body["store"]["reachable"].get<bool>()) << p.body.dump();
   EXPECT_TRUE(has_reason(p.body, "the store does not answer")) << p.body.dump();
+  // The gauges the alert rules read (deploy/prometheus/kvtd-alerts.yml).
+  const std::string metrics = test::http_body(test::http_get(port, "/metrics"));
+  EXPECT_NE(metrics.find("\nkvtd_ready 0\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("\nkvtd_store_up 0\n"), std::string::npos) << metrics;
   EXPECT_EQ(probe(port, "/healthz").code, 200);
   ASSERT_TRUE(run(TaskKind::kSwapToHost, {1}, {2}).ok()) << "swaps need no store";
 }

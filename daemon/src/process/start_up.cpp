@@ -106,6 +106,11 @@ std::optional<int> open_servers(const config::DaemonConfig& cfg, std::atomic<boo
   // probe never waits on the store.
   if (s.store) s.store_probe = std::make_unique<StoreProbe>(*s.store, kStoreProbePeriodMs);
   const HealthSources sources{s.registry, s.control_state, s.store_probe.get(), s.store_name};
+  s.registry.set_health_figures([sources] {
+    const StoreProbe::Answer store = sources.store ? sources.store->last() : StoreProbe::Answer{};
+    return metrics::MetricsRegistry::HealthFigures{readiness(sources).ok, sources.store != nullptr,
+                                                   store.checked && store.reachable};
+  });
   if (cfg.metrics_port != 0) {
     auto ms = metrics::MetricsServer::start(s.registry, cfg.metrics_port, health_routes(sources), cfg.metrics_address);
     if (!ms.ok()) {

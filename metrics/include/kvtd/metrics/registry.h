@@ -56,6 +56,15 @@ class MetricsRegistry {
   // Sets (or clears, with an empty function) the provider; whatever it reads must outlive every
   // render() (the daemon stops the server first).
   void set_store_figures(StoreFiguresProvider provider);
+  // What the health probes conclude, for kvtd_ready and kvtd_store_up (alerts on a rank not
+  // ready, a store not answering). Same lifetime rule as the store figures.
+  struct HealthFigures {
+    bool ready = false;
+    bool has_store = false;
+    bool store_up = false;
+  };
+  using HealthFiguresProvider = std::function<HealthFigures()>;
+  void set_health_figures(HealthFiguresProvider provider);
 
   // Prometheus text format 0.0.4.
   std::string render() const;
@@ -97,8 +106,10 @@ class MetricsRegistry {
   std::atomic<std::uint64_t> host_pool_bytes_{0};
   std::atomic<std::uint64_t> host_pool_pin_ms_{0};
   std::atomic<std::uint64_t> ring_depth_{0};
+  void render_health(std::string& out) const;
   mutable Mutex store_mu_;
   StoreFiguresProvider store_figures_ GUARDED_BY(store_mu_);
+  HealthFiguresProvider health_figures_ GUARDED_BY(store_mu_);
   mutable Mutex errors_mu_;
   std::vector<std::string> errors_ GUARDED_BY(errors_mu_);  // newest last, at most kLastErrors
 };
