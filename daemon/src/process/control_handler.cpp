@@ -21,15 +21,6 @@ std::int64_t unix_ms() {
       .count();
 }
 
-const char* cache_name(ControlState::Cache c) {
-  switch (c) {
-    case ControlState::Cache::kDetached: return "detached";
-    case ControlState::Cache::kLive: return "live";
-    case ControlState::Cache::kCleared: return "cleared";
-  }
-  return "unknown";
-}
-
 // How long `clear` / `restore` wait for the serving loop before answering: tasks in flight
 // finish first. The reply then says where it got to; `kvtd ctl status` shows the rest.
 constexpr std::int64_t kCacheWaitMs = 20'000;
@@ -53,7 +44,7 @@ json status_of(const config::DaemonConfig& cfg, const metrics::MetricsRegistry& 
       {"attached_since_unix_ms", since},
       {"attached_for_s", since > 0 ? static_cast<double>(unix_ms() - since) / 1000.0 : 0.0},
       {"draining", state.draining.load()},
-      {"cache", cache_name(state.cache())},
+      {"cache", cache_state_name(state.cache())},
       {"log_level", spdlog::level::to_string_view(spdlog::get_level()).data()},
       {"tasks", tasks},
       {"bytes",
@@ -74,6 +65,15 @@ json status_of(const config::DaemonConfig& cfg, const metrics::MetricsRegistry& 
 }
 
 }  // namespace
+
+const char* cache_state_name(ControlState::Cache c) {
+  switch (c) {
+    case ControlState::Cache::kDetached: return "detached";
+    case ControlState::Cache::kLive: return "live";
+    case ControlState::Cache::kCleared: return "cleared";
+  }
+  return "unknown";
+}
 
 void ControlState::attached(std::uint64_t gen) {
   generation.store(gen);
@@ -174,7 +174,7 @@ Result<std::unique_ptr<control::ControlServer>, control::ControlErrc> start_cont
                                     " s: the registry could not be re-opened (see the daemon's log)";
         return reply;
       }
-      reply.result_json = json{{"cache", cache_name(want)}}.dump();
+      reply.result_json = json{{"cache", cache_state_name(want)}}.dump();
     }
     return reply;
   };

@@ -16,15 +16,6 @@ namespace {
 // A key no writer uses: EXISTS of it is one round trip that changes nothing and counts no miss.
 const std::string kProbeKey = "kvtd-readyz-probe";
 
-const char* cache_state_name(ControlState::Cache c) {
-  switch (c) {
-    case ControlState::Cache::kDetached: return "detached";
-    case ControlState::Cache::kLive: return "live";
-    case ControlState::Cache::kCleared: return "cleared";
-  }
-  return "unknown";
-}
-
 double seconds_since(std::int64_t then_ns) {
   return static_cast<double>(ipc::monotonic_now_ns() - then_ns) / 1e9;
 }

@@ -56,6 +56,9 @@ struct ControlState {
   bool refused_ GUARDED_BY(mu_) = false;  // since the last wait_cache
 };
 
+// "detached", "live" or "cleared": the cache state as status and the health probes name it.
+const char* cache_state_name(ControlState::Cache c);
+
 // Binds the rank's control socket in the runtime directory (and cfg.control_endpoint). The
 // registry, state and stop flag must outlive the returned server, and so must what `health`'s
 // routes read (status shows their answers under "health").
