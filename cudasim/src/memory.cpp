@@ -45,6 +45,12 @@ struct MemHandleBytes {
 };
 static_assert(sizeof(MemHandleBytes) <= sizeof(cudaIpcMemHandle_t));
 
+// A copy's two sides, as the device operation running it touches them.
+void open_copy_sides(void* dst, const void* src, std::size_t dst_bytes, std::size_t src_bytes) {
+  open_for_device_work(dst, dst_bytes);
+  open_for_device_work(src, src_bytes);
+}
+
 std::string memfd_name(std::uint64_t id) { return "cudasim_device_" + std::to_string(id); }
 
 // The range holding [p, p + n), or end().
@@ -310,8 +316,7 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, enum cudaMemcpy
   // The legacy default stream: after every blocking stream's earlier work; not ordered with
   // cudaStreamNonBlocking streams (as on a GPU).
   return submit(nullptr, [=] {
-    open_for_device_work(dst, bytes);
-    open_for_device_work(src, bytes);
+    open_copy_sides(dst, src, bytes, bytes);
     std::memmove(dst, src, bytes);
     return cudaSuccess;
   });
@@ -336,8 +341,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, enum cudaM
     return fail(e);
   }
   const cudaError_t e = submit(s, [=] {
-    open_for_device_work(dst, bytes);
-    open_for_device_work(src, bytes);
+    open_copy_sides(dst, src, bytes, bytes);
     std::memmove(dst, src, bytes);
     return cudaSuccess;
   });
@@ -360,8 +364,7 @@ cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t 
     }
   }
   return submit(s, [=] {
-    open_for_device_work(dst, dspan);
-    open_for_device_work(src, sspan);
+    open_copy_sides(dst, src, dspan, sspan);
     for (std::size_t row = 0; row < height; ++row)
       std::memmove(static_cast<char*>(dst) + row * dpitch, static_cast<const char*>(src) + row * spitch, width);
     return cudaSuccess;
@@ -397,8 +400,7 @@ cudaError_t cudaMemcpyBatchAsync(void* const* dsts, const void* const* srcs, con
   // that relied on an order would see it broken here first.
   return submit(s, [d = std::move(d), sv = std::move(sv), n = std::move(n)] {
     for (std::size_t i = d.size(); i-- > 0;) {
-      open_for_device_work(d[i], n[i]);
-      open_for_device_work(sv[i], n[i]);
+      open_copy_sides(d[i], sv[i], n[i], n[i]);
       std::memmove(d[i], sv[i], n[i]);
     }
     return cudaSuccess;

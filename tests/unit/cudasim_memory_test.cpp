@@ -13,20 +13,11 @@
 
 #include "cuda_runtime.h"  // the stand-in's: kernels, launches, __ldcs/__stcs
 #include "cuda_runtime_api.h"
+#include "cudasim_copy16.h"
 
 namespace {
 
-__global__ void copy_bytes16(const int4* src, int4* dst) { __stcs(dst, __ldcs(src)); }
-
-cudaError_t copy16_on_device(const void* src, void* dst) {
-  cudaStream_t s{};
-  if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) return cudaErrorUnknown;
-  if (const cudaError_t e = cudasim::launch(copy_bytes16, dim3(1), dim3(1), 0, s, static_cast<const int4*>(src),
-                                            static_cast<int4*>(dst));
-      e != cudaSuccess)
-    return e;
-  return cudaStreamSynchronize(s);
-}
+using cudasim_test::run_copy16;
 
 // A host load of device memory faults on a GPU; the stand-in used to let host code read it, so
 // a kvtd path that peeked at engine or staging memory in device memory would pass here.
@@ -52,7 +43,7 @@ TEST(CudaSimMemory, DeviceWorkReachesDeviceMemory) {
   alignas(16) unsigned char in[16], out[16] = {};
   for (int i = 0; i < 16; ++i) in[i] = static_cast<unsigned char>(i + 1);
   ASSERT_EQ(cudaMemcpy(a, in, 16, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(copy16_on_device(a, b), cudaSuccess);
+  ASSERT_EQ(run_copy16(a, b), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(out, b, 16, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(0, std::memcmp(in, out, 16));
   cudaFree(a);
@@ -67,9 +58,9 @@ TEST(CudaSimMemory, WithoutHostPointersAKernelReachesPinnedMemoryOnlyByItsMapped
         if (cudaMalloc(&dev, 64) != cudaSuccess || cudaMemset(dev, 9, 64) != cudaSuccess) _exit(2);
         if (cudaHostAlloc(&host, 64, cudaHostAllocMapped) != cudaSuccess) _exit(3);
         if (cudaHostGetDevicePointer(&mapped, host, 0) != cudaSuccess || mapped == host) _exit(4);
-        if (copy16_on_device(dev, mapped) != cudaSuccess || static_cast<unsigned char*>(host)[15] != 9) _exit(5);
+        if (run_copy16(dev, mapped) != cudaSuccess || static_cast<unsigned char*>(host)[15] != 9) _exit(5);
         // The raw host address is no device address on such a device: the kernel faults.
-        _exit(copy16_on_device(dev, host) == cudaErrorIllegalAddress ? 0 : 6);
+        _exit(run_copy16(dev, host) == cudaErrorIllegalAddress ? 0 : 6);
   };
   EXPECT_EXIT(body(), ::testing::ExitedWithCode(0), "");
 }

@@ -15,6 +15,7 @@
 #include "cuda.h"
 #include "cuda_runtime.h"  // the stand-in's: kernels, launches, __ldcs/__stcs
 #include "cuda_runtime_api.h"
+#include "cudasim_copy16.h"
 #include "kvtd/cudasim/control.h"
 
 namespace {
@@ -414,19 +415,7 @@ TEST(CudaSim, AWaitOnAnEventWhoseExporterDiedFailsInsteadOfHanging) {
   EXPECT_EQ(code, 0);
 }
 
-// A device function as kvtd's kernels write them: one 16-byte streaming load and store.
-__global__ void copy16(const int4* src, int4* dst) { __stcs(dst, __ldcs(src)); }
-
-// Runs copy16 once and returns what the stream's synchronisation says.
-cudaError_t run_copy16(const void* src, void* dst) {
-  cudaStream_t s{};
-  if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) return cudaErrorUnknown;
-  if (const cudaError_t e = cudasim::launch(copy16, dim3(1), dim3(1), 0, s, static_cast<const int4*>(src),
-                                            static_cast<int4*>(dst));
-      e != cudaSuccess)
-    return e;
-  return cudaStreamSynchronize(s);
-}
+using cudasim_test::run_copy16;
 
 // The GPU faults a misaligned vector access and an address that is neither device nor pinned
 // memory; the stand-in used to let kernels touch any host memory at any alignment.

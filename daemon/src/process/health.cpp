@@ -41,8 +41,7 @@ StoreProbe::Answer StoreProbe::last() const {
 
 void StoreProbe::loop() {
   for (;;) {
-    const std::string key = kProbeKey;
-    auto r = store_.exists(std::span<const std::string>(&key, 1));
+    auto r = store_.exists(std::span<const std::string>(&kProbeKey, 1));
     Answer a;
     a.checked = true;
     a.reachable = r.ok();
