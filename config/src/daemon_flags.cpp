@@ -11,13 +11,16 @@
 #include "kvtd/base/version.h"
 #include "kvtd/config/daemon_config.h"
 #include "kvtd/proto/names.h"
+#include "instance.h"
 
 namespace kvtd::config {
 namespace {
 
 // The command line's values before they are checked, and the options whose presence matters.
 struct RawFlags {
-  std::int64_t rank = 0, mp_num = 1, dp_id = 0, device_id = 0, num_layers = 1, host_blocks = 0;
+  std::int64_t rank = 0, mp_num = 1, dp_id = 0, device_base = 0, num_layers = 1, host_blocks = 0;
+  std::string device_id = "0", instance, config_dir;
+  CLI::Option* rank_opt = nullptr;
   std::int64_t extra_layers = -1, extra_blocks = -1;
   std::string key_shape, value_shape, dtype = "bfloat16", default_dtype = "bfloat16", speculative_json;
   // FastDeploy 2.0/2.1 described the cache by these instead of the shapes (key and value alike).
@@ -89,11 +92,17 @@ Status<ConfigErrc> extra_layers_from(const std::string& json_text, std::int64_t 
 
 // Rank, device, layers, shapes and dtypes.
 void declare_rank_flags(CLI::App& app, RawFlags& f) {
-  app.add_option("--rank", f.rank, "Tensor-parallel rank served by this process")->required();
+  f.rank_opt = app.add_option("--rank", f.rank, "Tensor-parallel rank served by this process (or --instance)");
+  app.add_option("--instance", f.instance,
+                 "systemd instance: <rank>, or <group>-<rank> for one of several engines on this host");
+  app.add_option("--config-dir", f.config_dir,
+                 "With --instance: read flags from <dir>/kvtd.toml, or <dir>/<group>.toml for a group");
   app.add_option("--mp-num,--mp_num", f.mp_num, "Number of tensor-parallel ranks");
   app.add_option("--local-data-parallel-id,--local_data_parallel_id", f.dp_id,
                  "Data-parallel group of this rank (log file kvtd_dp<id>_rank<rank>.log)");
-  app.add_option("--device-id,--device_id", f.device_id, "CUDA device ordinal of this rank");
+  app.add_option("--device-id,--device_id", f.device_id,
+                 "CUDA device ordinal of this rank, or auto: --device-base + rank");
+  app.add_option("--device-base", f.device_base, "First device of this group (for --device-id auto)");
   app.add_option("--num-layers,--num_layers", f.num_layers, "Model layers with a KV cache (extra MTP layers not counted)");
   app.add_option("--num-extra-layers", f.extra_layers, "Extra (MTP / speculative) cache layers after the model's");
   app.add_option("--extra-device-blocks", f.extra_blocks, "Device blocks of each extra layer (default: the key shape's)");
@@ -198,15 +207,34 @@ void declare_compat_flags(CLI::App& app, RawFlags& f, DaemonConfig& c) {
                "(when the engine registers no tensors)");
 }
 
-Status<ConfigErrc> resolve_ranks(const RawFlags& f, DaemonConfig& c) {
+// --rank or --instance (one of them), and the device: a number, or auto = --device-base + rank.
+Status<ConfigErrc> resolve_instance(RawFlags& f, DaemonConfig& c) {
+  if (f.instance.empty() == (f.rank_opt->count() == 0))
+    return bad(f.instance.empty() ? "--rank or --instance: one is required"
+                                  : "--rank and --instance both name the rank: give one");
+  if (!f.instance.empty()) {
+    auto inst = parse_instance(f.instance);
+    if (!inst) return inst.error();
+    f.rank = inst->rank;
+    c.group = inst->group;
+  }
+  auto device = resolve_device_id(f.device_id, f.device_base, f.rank);
+  if (!device) return device.error();
+  f.device_id = std::to_string(*device);
+  return {};
+}
+
+Status<ConfigErrc> resolve_ranks(RawFlags& f, DaemonConfig& c) {
+  KVTD_TRY(resolve_instance(f, c));
   if (f.mp_num < 1 || f.mp_num > 16) return bad("--mp-num: " + std::to_string(f.mp_num) + " must be in [1, 16]");
   if (f.rank < 0 || f.rank >= f.mp_num)
     return bad("--rank: " + std::to_string(f.rank) + " must be in [0, --mp-num=" + std::to_string(f.mp_num) + ")");
   if (f.num_layers < 1 || f.num_layers > 512) return bad("--num-layers: " + std::to_string(f.num_layers) + " must be in [1, 512]");
   if (f.host_blocks < 0 || f.host_blocks > INT32_MAX)
     return bad("--num-host-blocks: " + std::to_string(f.host_blocks) + " must be in [0, 2^31)");
-  if (f.device_id < 0 || f.device_id > kMaxDeviceId)
-    return bad("--device-id: " + std::to_string(f.device_id) + " must be in [0, " + std::to_string(kMaxDeviceId) + "]");
+  const std::int64_t device_id = std::stoll(f.device_id);  // checked decimal by resolve_instance
+  if (device_id < 0 || device_id > kMaxDeviceId)
+    return bad("--device-id: " + f.device_id + " must be in [0, " + std::to_string(kMaxDeviceId) + "]");
   if (f.dp_id < 0 || f.dp_id > 1023)
     return bad("--local-data-parallel-id: " + std::to_string(f.dp_id) + " must be in [0, 1023]");
   c.data_parallel_id = static_cast<std::uint32_t>(f.dp_id);
@@ -214,7 +242,7 @@ Status<ConfigErrc> resolve_ranks(const RawFlags& f, DaemonConfig& c) {
   c.mp_num = static_cast<std::uint32_t>(f.mp_num);
   c.num_layers = static_cast<std::uint32_t>(f.num_layers);
   c.num_host_blocks = static_cast<std::uint32_t>(f.host_blocks);
-  c.device_id = static_cast<std::int32_t>(f.device_id);
+  c.device_id = static_cast<std::int32_t>(device_id);
   return {};
 }
 
@@ -433,7 +461,9 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   RawFlags f;
   CLI::App app{"kvtd - KV-cache transfer daemon, one process per GPU rank", "kvtd"};
   app.set_version_flag("--version", std::string("kvtd ") + kVersion);
-  app.set_config("--config", "", "Read flags from a TOML or INI file");
+  auto instance_config = instance_config_file(argc, argv);  // --config-dir with --instance
+  if (!instance_config) return instance_config.error();
+  app.set_config("--config", *instance_config, "Read flags from a TOML or INI file", !instance_config->empty());
   app.allow_config_extras(CLI::config_extras_mode::error);  // a typo in a config file is an error
   app.get_formatter()->column_width(40);
   declare_rank_flags(app, f);

@@ -39,8 +39,9 @@ if command -v systemd-analyze > /dev/null; then
   bindir=$(sed -n 's|^ExecStart=\(.*\)/kvtd .*|\1|p' "$prefix/lib/systemd/system/kvtd@.service")
   # The unit names the configured prefix's binary; point it at this prefix's to check the rest.
   sed "s|^ExecStart=$bindir/kvtd|ExecStart=$prefix/bin/kvtd|" "$prefix/lib/systemd/system/kvtd@.service" > "$units/kvtd@.service"
-  cp "$prefix/lib/systemd/system/kvtd.target" "$units/"
-  if ! out=$(systemd-analyze verify "$units/kvtd@0.service" "$units/kvtd@3.service" "$units/kvtd.target" 2>&1) || [ -n "$out" ]; then
+  cp "$prefix/lib/systemd/system/kvtd.target" "$prefix/lib/systemd/system/kvtd-group@.target" "$units/"
+  if ! out=$(systemd-analyze verify "$units/kvtd@0.service" "$units/kvtd@3.service" "$units/kvtd@llama-70b-3.service" \
+      "$units/kvtd.target" "$units/kvtd-group@llama-70b.target" 2>&1) || [ -n "$out" ]; then
     echo "systemd-analyze verify complained:" >&2
     echo "$out" >&2
     exit 1
@@ -49,4 +50,7 @@ if command -v systemd-analyze > /dev/null; then
 else
   echo "(systemd-analyze not installed: skipped)"
 fi
+
+echo "== two groups of two ranks side by side, started by the unit's own command line"
+bash "$src/check_groups.sh" "$prefix" "$build/tools/loadgen/kvtd-loadgen"
 echo "install OK"

@@ -368,6 +368,74 @@ TEST(DaemonFlags, ExampleConfigFileParses) {
   ASSERT_TRUE(c.ok()) << c.error().message;
   EXPECT_EQ(c->model_id, "my-model");
   EXPECT_EQ(c->mp_num, 2u);
+  const std::string group = std::string(KVTD_SOURCE_DIR) + "/systemd/group.toml.example";
+  auto g = parse({"--config", group, "--rank", "3", "--device-id", "auto"});
+  ASSERT_TRUE(g.ok()) << g.error().message;
+  EXPECT_EQ(g->device_id, 7);  // device-base 4 + rank 3
 }
 
+}  // namespace kvtd::config
+
+namespace kvtd::config {
+namespace {
+
+// Issue 22 part 1: several engines per host. The unit runs `kvtd --instance %i --config-dir DIR`;
+// "<group>-<rank>" reads DIR/<group>.toml, "<rank>" DIR/kvtd.toml as before groups existed.
+class InstanceFlags : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ::testing::TempDir() + "/kvtd_instances";
+    ::mkdir(dir_.c_str(), 0700);
+    std::ofstream(dir_ + "/kvtd.toml") << "mp-num = 2\nkey-cache-shape = \"10,1,16,64\"\nsession = \"single\"\n";
+    std::ofstream(dir_ + "/llama-70b.toml")
+        << "mp-num = 4\nkey-cache-shape = \"10,1,16,64\"\nsession = \"llama\"\ndevice-base = 4\n";
+  }
+  std::string dir_;
+};
+
+TEST_F(InstanceFlags, ARankAloneReadsTheSingleGroupsConfig) {
+  auto c = parse({"--instance", "1", "--config-dir", dir_, "--device-id", "auto"});
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  EXPECT_EQ(c->rank, 1u);
+  EXPECT_EQ(c->group, "");
+  EXPECT_EQ(c->session_suffix, "single");
+  EXPECT_EQ(c->device_id, 1);  // auto = device-base (0) + rank
+}
+
+TEST_F(InstanceFlags, AGroupInstanceReadsItsGroupsConfigAndPicksItsDevice) {
+  auto c = parse({"--instance", "llama-70b-3", "--config-dir", dir_, "--device-id", "auto"});
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  EXPECT_EQ(c->rank, 3u);
+  EXPECT_EQ(c->group, "llama-70b");  // the rank is what follows the last '-'
+  EXPECT_EQ(c->session_suffix, "llama");
+  EXPECT_EQ(c->mp_num, 4u);
+  EXPECT_EQ(c->device_id, 7);  // device-base 4 + rank 3
+  auto fixed = parse({"--instance", "llama-70b-3", "--config-dir", dir_, "--device-id", "2"});
+  ASSERT_TRUE(fixed.ok()) << fixed.error().message;
+  EXPECT_EQ(fixed->device_id, 2);  // an instance's env file may still name its device
+}
+
+TEST_F(InstanceFlags, BadInstancesAndConflictsAreNamed) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases{
+      {{"--instance", "llama-", "--config-dir", dir_}, "--instance"},
+      {{"--instance", "llama", "--config-dir", dir_}, "--instance"},
+      {{"--instance", "-3", "--config-dir", dir_}, "--instance"},
+      {{"--instance", "a/b-3", "--config-dir", dir_}, "--instance"},
+      {{"--instance", "nosuchgroup-0", "--config-dir", dir_}, "nosuchgroup.toml"},
+      {{"--config-dir", dir_}, "--config-dir needs --instance"},
+      {{"--instance", "1", "--config-dir", dir_, "--rank", "1"}, "--rank and --instance"},
+      {{"--instance", "1", "--config-dir", dir_, "--config", dir_ + "/kvtd.toml"}, "--config and --config-dir"},
+      {{"--instance", "llama-70b-4", "--config-dir", dir_}, "--rank"},  // mp-num 4
+      {{"--instance", "1", "--config-dir", dir_, "--device-id", "first"}, "--device-id"},
+      {{"--instance", "1", "--config-dir", dir_, "--device-base", "-1"}, "--device-base"},
+      {{"--mp-num", "2", "--key-cache-shape", "10,1,16,64", "--session", "s"}, "--rank or --instance"},
+  };
+  for (const auto& [args, names] : cases) {
+    auto c = parse(args);
+    ASSERT_FALSE(c.ok()) << "accepted " << args[1];
+    EXPECT_NE(c.error().message.find(names), std::string::npos) << args[1] << ": " << c.error().message;
+  }
+}
+
+}  // namespace
 }  // namespace kvtd::config

@@ -13,9 +13,9 @@
 
 namespace kvtd::daemon {
 
-bool init_logging(const std::string& log_dir, std::uint32_t data_parallel_id, std::uint32_t rank,
-                  const std::string& level, std::string* error) {
-  const std::string who = "dp" + std::to_string(data_parallel_id) + "_rank" + std::to_string(rank);
+bool init_logging(const std::string& log_dir, const std::string& group, std::uint32_t data_parallel_id,
+                  std::uint32_t rank, const std::string& level, std::string* error) {
+  const std::string who = (group.empty() ? "" : group + "_") + "dp" + std::to_string(data_parallel_id) + "_rank" + std::to_string(rank);
   try {
     std::vector<spdlog::sink_ptr> sinks;
     sinks.push_back(std::make_shared<spdlog::sinks::stderr_color_sink_mt>());

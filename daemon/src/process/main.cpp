@@ -27,7 +27,7 @@ int main(int argc, char** argv) {
     return kvtd::daemon::kExitBadFlags;
   }
   std::string log_error;
-  if (!kvtd::daemon::init_logging(cfg->log_dir, cfg->data_parallel_id, cfg->rank, cfg->log_level, &log_error)) {
+  if (!kvtd::daemon::init_logging(cfg->log_dir, cfg->group, cfg->data_parallel_id, cfg->rank, cfg->log_level, &log_error)) {
     std::fprintf(stderr, "kvtd: --log-dir: %s\n", log_error.c_str());
     return kvtd::daemon::kExitBadFlags;
   }

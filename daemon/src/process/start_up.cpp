@@ -82,9 +82,10 @@ Result<std::unique_ptr<DeviceBackend>, DeviceErrc> open_backend(const config::Da
 void log_pool_room(const config::DaemonConfig& cfg, const Services& s) {
   const std::uint64_t pool_bytes = HostPool::object_bytes(s.geometry, cfg.host_layout);
   const std::int64_t shm_free = ipc::shm_free_bytes();
-  KVTD_INFO("kvtd rank {}/{} backend={} host pool {:.1f} MiB ({} blocks x {} bytes per block, all layers); /dev/shm "
-            "has {:.1f} MiB free",
-            cfg.rank, cfg.mp_num, s.backend->name(), static_cast<double>(pool_bytes) / (1 << 20), cfg.num_host_blocks,
+  KVTD_INFO("kvtd {}rank {}/{} device {} backend={} host pool {:.1f} MiB ({} blocks x {} bytes per block, all "
+            "layers); /dev/shm has {:.1f} MiB free",
+            cfg.group.empty() ? std::string() : "group " + cfg.group + " ", cfg.rank, cfg.mp_num, cfg.device_id,
+            s.backend->name(), static_cast<double>(pool_bytes) / (1 << 20), cfg.num_host_blocks,
             s.geometry.bytes_per_block_all_layers(), static_cast<double>(shm_free) / (1 << 20));
   if (shm_free >= 0 && static_cast<std::uint64_t>(shm_free) < pool_bytes)
     KVTD_WARN("a new host pool needs {:.1f} MiB in /dev/shm but only {:.1f} MiB are free: unless this rank's "

@@ -121,6 +121,7 @@ struct DaemonConfig {
   std::uint32_t rank = 0;
   std::uint32_t mp_num = 1;
   std::uint32_t data_parallel_id = 0;  // --local_data_parallel_id: part of the log file name
+  std::string group;                   // --instance <group>-<rank>: part of the log file name; "" alone
   std::int32_t device_id = 0;
   std::uint32_t num_layers = 1;        // the model's layers (--num-layers); geometry adds the extra ones
   std::uint32_t num_extra_layers = 0;  // MTP / speculative layers after them
