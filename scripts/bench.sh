@@ -4,7 +4,18 @@
 # through the daemons next to them, the agreement round trip, daemon memory during a large read,
 # the cost of metrics on the round trip, a page-first host pool, the Python client's round trip, and a Python peer of sglang's
 # HiCacheFile mechanism. Prints figures; asserts nothing.
+# --plot DIR: instead, sweep swap and storage throughput over block size and rank count and draw
+# them as PNG with gnuplot (scripts/bench_plot.sh).
 set -euo pipefail
+plot_dir=
+if [ "${1:-}" = --plot ]; then
+  [ -n "${2:-}" ] || { echo "usage: scripts/bench.sh [--plot DIR]" >&2; exit 2; }
+  command -v gnuplot > /dev/null || { echo "bench.sh --plot needs gnuplot (scripts/setup.sh installs it)" >&2; exit 2; }
+  plot_dir=$(mkdir -p "$2" && cd "$2" && pwd)
+elif [ $# -gt 0 ]; then
+  echo "usage: scripts/bench.sh [--plot DIR]" >&2
+  exit 2
+fi
 source "$(dirname "$0")/lib.sh"
 kvtd_prepare
 
@@ -27,6 +38,11 @@ with_daemons() {
   for p in "${pids[@]}"; do kill -TERM "$p"; wait "$p" || true; done
   pids=("${outer[@]}")
 }
+
+if [ -n "$plot_dir" ]; then
+  source "$KVTD_ROOT/scripts/bench_plot.sh" "$plot_dir"
+  exit 0
+fi
 
 echo "== task round trip, one-block SWAP_TO_HOST (1 layer, 2 KiB key + 2 KiB value per block)"
 for ranks in 1 2; do

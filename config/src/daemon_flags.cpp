@@ -11,6 +11,7 @@
 #include "kvtd/base/version.h"
 #include "kvtd/config/daemon_config.h"
 #include "kvtd/proto/names.h"
+#include "flag_groups.h"
 #include "instance.h"
 
 namespace kvtd::config {
@@ -469,6 +470,7 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   declare_rank_flags(app, f);
   declare_runtime_flags(app, f, c);
   declare_storage_flags(app, f, c);
+  declare_kv_events_flags(app, c);
   declare_compat_flags(app, f, c);
   try {
     app.parse(argc, argv);
@@ -489,6 +491,7 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   KVTD_TRY(resolve_session(f, c));
   KVTD_TRY(resolve_runtime(f, c));
   KVTD_TRY(resolve_storage(f, c));
+  KVTD_TRY(resolve_kv_events(c));
   return c;
 }
 

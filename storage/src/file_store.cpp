@@ -446,6 +446,10 @@ class FileStore final : public ObjectStore {
       fs_->remove(victim);
       forget_locked(victim);
       ++evictions_;
+      if (opts_.on_evict) {
+        const std::string base = victim.substr(victim.rfind('/') + 1);
+        opts_.on_evict(base.substr(0, base.size() - std::strlen(kSuffix)));
+      }
     }
   }
 

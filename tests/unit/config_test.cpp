@@ -245,6 +245,11 @@ TEST(DaemonFlags, BadValuesNameTheFlag) {
   expect_rejected({"--numa-node", "near"}, "--numa-node");
   expect_rejected({"--metrics-address", "localhost"}, "--metrics-address");
   expect_rejected({"--metrics-address", "10.0.0.300"}, "--metrics-address");
+  expect_rejected({"--kv-events-format", "json"}, "--kv-events-format");
+  expect_rejected({"--kv-events-endpoint", "tcp://*:5557"}, "--storage-backend is none");
+  expect_rejected({"--kv-events-endpoint", "udp://x:1", "--storage-backend", "file", "--storage-path", "/tmp/x",
+                   "--model-id", "m"},
+                  "--kv-events-endpoint");
 }
 
 TEST(DaemonFlags, MissingRequiredFlagIsNamed) {

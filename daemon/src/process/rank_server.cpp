@@ -148,6 +148,7 @@ Result<AttachedCache, DeviceErrc> RankServer::map_cache(Session& s) {
   auto cache = attach_cache(s_.geometry, source, s.pool);
   if (!cache.ok()) return cache;
   cache->storage.store = s_.store.get();
+  cache->storage.kv_events = s_.kv_events.get();
   cache->storage.store_name = s_.store_name;
   cache->storage.config = cfg_.storage;
   cache->storage.config.io_threads =

@@ -5,6 +5,7 @@
 #include "kvtd/daemon/daemon_main.h"
 #include "kvtd/daemon/host_pool.h"
 #include "kvtd/daemon/log.h"
+#include "kvtd/events/kv_events.h"
 #include "kvtd/daemon/storage_executor.h"
 #include "kvtd/ipc/shared_object.h"
 #include "kvtd/storage/file_store.h"
@@ -21,7 +22,8 @@ struct OpenedStore {
   std::string name;
 };
 
-Result<OpenedStore, config::ConfigErrc> open_store(const config::DaemonConfig& cfg, const proto::CacheGeometry& g) {
+Result<OpenedStore, config::ConfigErrc> open_store(const config::DaemonConfig& cfg, const proto::CacheGeometry& g,
+                                                   events::KvEventPublisher* kv_events) {
   const auto& sc = cfg.storage;
   OpenedStore out;
   if (sc.backend == config::StorageBackendKind::kNone) return out;
@@ -38,6 +40,10 @@ Result<OpenedStore, config::ConfigErrc> open_store(const config::DaemonConfig& c
     fo.store = so;
     fo.root = sc.path;
     fo.direct_reads = sc.direct_reads;
+    if (kv_events != nullptr)
+      fo.on_evict = [kv_events, prefix = sc.key_prefix](const std::string& name) {
+        if (auto key = engine_key_of(name, prefix)) kv_events->removed({*key});
+      };
     fo.capacity_bytes = static_cast<std::uint64_t>(sc.capacity_gib * static_cast<double>(1ull << 30));
     fo.sync = sc.fsync == config::StorageFsync::kNone   ? storage::SyncPolicy::kNone
               : sc.fsync == config::StorageFsync::kData ? storage::SyncPolicy::kData
@@ -77,6 +83,32 @@ Result<std::unique_ptr<DeviceBackend>, DeviceErrc> open_backend(const config::Da
 }
 
 // Logs the host pool's size and /dev/shm's room for it. Only a warning: a daemon restarted within
+// --kv-events-endpoint: rank 0 publishes for its group (every rank would say the same, and a
+// router wants one voice per engine); the others only say so.
+std::optional<int> open_kv_events(const config::DaemonConfig& cfg, Services& s) {
+  const auto& e = cfg.kv_events;
+  if (e.endpoint.empty()) return std::nullopt;
+  if (cfg.rank != 0) {
+    KVTD_INFO("KV events: rank 0 of this group publishes them on {}", e.endpoint);
+    return std::nullopt;
+  }
+  events::KvEventsOptions o;
+  o.endpoint = e.endpoint;
+  o.format = *events::parse_kv_events_format(e.format);  // checked by the flags
+  o.topic = e.topic;
+  o.medium = e.medium;
+  o.block_size = static_cast<std::uint32_t>(cfg.key_cache_shape[2]);
+  o.data_parallel_rank = cfg.data_parallel_id;
+  auto p = events::KvEventPublisher::open(o);
+  if (!p.ok()) {
+    KVTD_ERROR("{}", p.error().message);
+    return kExitBadFlags;
+  }
+  s.kv_events = std::move(p).value();
+  KVTD_INFO("KV events ({} layout, medium {}) on {}", e.format, e.medium, s.kv_events->endpoint());
+  return std::nullopt;
+}
+
 // a session re-maps the pool it already has, which needs no new space; HostPool::open refuses
 // (exit 5) when it must create a pool that does not fit.
 void log_pool_room(const config::DaemonConfig& cfg, const Services& s) {
@@ -153,7 +185,8 @@ std::optional<int> start_up(const config::DaemonConfig& cfg, std::atomic<bool>& 
                                                 (cfg.numa_node == -1 ? "none)" : "auto, and the backend knows none)"));
   s.geometry = cfg.geometry();
   log_pool_room(cfg, s);
-  auto store = open_store(cfg, s.geometry);
+  if (auto failed = open_kv_events(cfg, s)) return failed;
+  auto store = open_store(cfg, s.geometry, s.kv_events.get());
   if (!store.ok()) {
     KVTD_ERROR("storage: {}", store.error().message);
     return kExitBadFlags;

@@ -13,6 +13,7 @@
 #include "kvtd/daemon/control_handler.h"
 #include "process/health.h"
 #include "kvtd/daemon/device_backend.h"
+#include "kvtd/events/kv_events.h"
 #include "kvtd/metrics/http_server.h"
 #include "kvtd/metrics/registry.h"
 #include "kvtd/storage/object_store.h"
@@ -26,6 +27,8 @@ struct Services {
   std::unique_ptr<DeviceBackend> backend;
   int numa_node = -1;                // where the host pool and copy threads live (-1: anywhere)
   proto::CacheGeometry geometry{};   // from the flags
+  // Rank 0 with --kv-events-endpoint (else null). Before the store: its eviction hook uses it.
+  std::unique_ptr<events::KvEventPublisher> kv_events;
   std::unique_ptr<storage::ObjectStore> store;  // null: --storage-backend none
   std::string store_name;
   metrics::MetricsRegistry registry;  // counters survive sessions

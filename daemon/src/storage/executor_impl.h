@@ -89,6 +89,9 @@ struct StorageExecutor::Impl {
   Mutex prefix_mu;  // the RL key prefix cache (agreement thread; any thread)
   bool prefix_known GUARDED_BY(prefix_mu) = false;
   std::uint64_t prefix_wv GUARDED_BY(prefix_mu) = 0;
+  // The last task weight version seen, for KV events: a change clears what routers know.
+  std::optional<std::uint64_t> events_wv GUARDED_BY(prefix_mu);
+  void note_weight_version(std::uint64_t wv);
   std::string current_prefix GUARDED_BY(prefix_mu);
 
   Mutex count_mu;

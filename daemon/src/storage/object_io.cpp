@@ -10,6 +10,7 @@
 #include "kvtd/ipc/clock.h"
 #include "kvtd/ipc/wait.h"
 #include "kvtd/storage/object_format.h"
+#include "kvtd/events/kv_events.h"
 #include "kvtd/storage/object_store.h"
 #include "storage/executor_impl.h"
 
@@ -295,6 +296,12 @@ void StorageExecutor::Impl::run_write(const Prepared& p, std::byte* slice) {
       if (!check_put(w, put, c, start)) return;
     }
     written += c;
+  }
+  if (t.kv_events != nullptr && writer && written > skip) {
+    std::vector<std::string> keys;
+    keys.reserve(written - skip);
+    for (std::size_t i = skip; i < written; ++i) keys.push_back(w.section.keys[p.which[i]]);
+    t.kv_events->stored(std::move(keys));
   }
   finish(w, TaskStatus::kOk, written - skip, skipped, start, "");
 }

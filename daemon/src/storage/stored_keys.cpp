@@ -10,6 +10,7 @@
 #include "kvtd/ipc/clock.h"
 #include "kvtd/ipc/wait.h"
 #include "kvtd/storage/object_format.h"
+#include "kvtd/events/kv_events.h"
 #include "kvtd/storage/object_store.h"
 #include "storage/executor_impl.h"
 
@@ -22,7 +23,20 @@ constexpr std::size_t kMaxCountedKeys = 1u << 20;
 
 }  // namespace
 
+void StorageExecutor::Impl::note_weight_version(std::uint64_t wv) {
+  if (t.kv_events == nullptr) return;
+  bool changed = false;
+  {
+    MutexLock g(prefix_mu);
+    changed = events_wv.has_value() && *events_wv != wv;
+    events_wv = wv;
+  }
+  // Objects of the old weights stay in the store but no key of the new ones reaches them.
+  if (changed) t.kv_events->cleared();
+}
+
 Result<std::string, config::ConfigErrc> StorageExecutor::Impl::key_prefix_for(std::uint64_t wv) {
+  note_weight_version(wv);
   if (t.config.key_prefix_source.empty()) return t.config.key_prefix;
   MutexLock g(prefix_mu);
   if (prefix_known && wv == prefix_wv) return current_prefix;
@@ -43,6 +57,39 @@ std::string StorageExecutor::Impl::stored_key(const std::string& key, const std:
   const std::string prefix = key_prefix.empty() ? "" : "." + key_prefix;
   return key + prefix + ".w" + std::to_string(t.config.weight_version) + "-" + std::to_string(task_weight_version) + ".r" +
          std::to_string(slice_rank);
+}
+
+namespace {
+
+// Strips `tail` from the end of `s` when `s` ends with it.
+bool strip_suffix(std::string& s, const std::string& tail) {
+  if (s.size() < tail.size() || s.compare(s.size() - tail.size(), tail.size(), tail) != 0) return false;
+  s.resize(s.size() - tail.size());
+  return true;
+}
+
+bool all_digits(const std::string& s, std::size_t from, std::size_t to) {
+  if (from >= to) return false;
+  for (std::size_t i = from; i < to; ++i)
+    if (s[i] < '0' || s[i] > '9') return false;
+  return true;
+}
+
+}  // namespace
+
+std::optional<std::string> engine_key_of(const std::string& stored_name, const std::string& key_prefix) {
+  std::string s = stored_name;
+  const auto r = s.rfind(".r");
+  if (r == std::string::npos || !all_digits(s, r + 2, s.size())) return std::nullopt;
+  s.resize(r);
+  const auto w = s.rfind(".w");
+  const auto dash = s.find('-', w == std::string::npos ? 0 : w);
+  if (w == std::string::npos || dash == std::string::npos || !all_digits(s, w + 2, dash) || !all_digits(s, dash + 1, s.size()))
+    return std::nullopt;
+  s.resize(w);
+  if (!key_prefix.empty() && !strip_suffix(s, "." + key_prefix)) return std::nullopt;
+  if (s.empty()) return std::nullopt;
+  return s;
 }
 
 void StorageExecutor::Impl::count_uses(const std::vector<std::string>& keys) {

@@ -117,6 +117,14 @@ std::string fastdeploy_session_suffix(const std::string& engine_worker_queue_por
 inline constexpr const char* kFastDeployStorageDirEnv = "FILE_BACKEND_STORAGE_DIR";
 inline constexpr const char* kFastDeployStorageDirDefault = "/tmp/fastdeploy";
 
+// KV events for KV-aware routers (--kv-events-*): rank 0 publishes what the storage tier holds.
+struct KvEventsConfig {
+  std::string endpoint;          // empty: no events
+  std::string format = "map";    // map (vLLM's current layout) | array (vLLM <= 0.10)
+  std::string topic;             // the first ZeroMQ frame of every batch
+  std::string medium;            // empty: DISK for the file store, REDIS for Redis
+};
+
 struct DaemonConfig {
   std::uint32_t rank = 0;
   std::uint32_t mp_num = 1;
@@ -150,6 +158,7 @@ struct DaemonConfig {
   double heartbeat_period_s = 0.1;
   std::string model_id = "default";
   StorageConfig storage;
+  KvEventsConfig kv_events;
   FastDeployLaunch fastdeploy;
   std::vector<std::string> ignored_flags;  // FastDeploy flags given that kvtd accepts and ignores
 

@@ -45,6 +45,10 @@ namespace kvtd::storage {
 class ObjectStore;
 }
 
+namespace kvtd::events {
+class KvEventPublisher;
+}
+
 namespace kvtd::daemon {
 
 // The layout fingerprint of a geometry's stored objects: dtype, heads, block size, head dim,
@@ -55,6 +59,11 @@ std::uint64_t layout_fingerprint(const proto::CacheGeometry& g);
 // (reads and hashing are CPU-bound, a store's latency wants several in flight), lowered until each
 // worker's slice of the staging holds one object of `object_bytes`.
 std::uint32_t storage_io_threads(const config::StorageConfig& c, std::uint64_t object_bytes, unsigned cpus);
+
+// The engine's key of a stored object's name (the inverse of the executor's naming: key, then
+// ".<key_prefix>" when one is set, ".w<config>-<task weight version>", ".r<rank>"); nullopt for
+// a name kvtd did not make. `key_prefix` is --storage-key-prefix's (empty: none).
+std::optional<std::string> engine_key_of(const std::string& stored_name, const std::string& key_prefix);
 
 // "" when --storage-staging-mib over --storage-io-threads gives each worker room for at least
 // one object of `object_bytes`, else the problem in words (start-up refuses it with exit 2).
@@ -71,6 +80,9 @@ struct StorageTargets {
   std::uint64_t object_bytes = 0;
   bool replicated = false;                // MLA: one copy shared by every rank
   int numa_node = -1;                     // the I/O workers run on this node's CPUs (-1: anywhere)
+  // Rank 0 with --kv-events-endpoint: told of every object it stores and of weight-version
+  // changes (not owned; outlives the executor). Null elsewhere.
+  events::KvEventPublisher* kv_events = nullptr;
 };
 
 // One decoded storage task, validated by the dispatcher (ids in range, no duplicates).

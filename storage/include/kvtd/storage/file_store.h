@@ -33,6 +33,10 @@ struct FileStoreOptions {
   // verify it there, past the page cache; writes stay buffered. open_file_store fails, naming
   // the root, where the file system refuses O_DIRECT (tmpfs, some overlays).
   bool direct_reads = false;
+  // Called with the key of each object the capacity LRU evicts, on the thread that evicts it and
+  // with the store's index locked: it must be quick and must not call the store (KV events
+  // queue it). Empty: not called.
+  std::function<void(const std::string& key)> on_evict;
 };
 
 Result<std::unique_ptr<ObjectStore>, StorageErrc> open_file_store(const FileStoreOptions& options);

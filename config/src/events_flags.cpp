@@ -1,0 +1,33 @@
+// --kv-events-*: where and how rank 0 publishes KV events (kvtd/events/kv_events.h).
+#include <CLI/CLI.hpp>
+
+#include "flag_groups.h"
+
+namespace kvtd::config {
+
+void declare_kv_events_flags(CLI::App& app, DaemonConfig& c) {
+  app.add_option("--kv-events-endpoint", c.kv_events.endpoint,
+                 "Publish KV events (vLLM's format) on this ZeroMQ PUB endpoint: tcp://*:5557 binds, "
+                 "tcp://host:port connects (rank 0 publishes; the others ignore it)");
+  app.add_option("--kv-events-format", c.kv_events.format, "map (vLLM's current layout) | array (vLLM <= 0.10)");
+  app.add_option("--kv-events-topic", c.kv_events.topic, "Topic frame of every event batch (default empty)");
+  app.add_option("--kv-events-medium", c.kv_events.medium,
+                 "Medium named in the events (default DISK for the file store, REDIS for Redis)");
+}
+
+Status<ConfigErrc> resolve_kv_events(DaemonConfig& c) {
+  auto& e = c.kv_events;
+  auto bad = [](const std::string& m) { return make_error(ConfigErrc::kInvalidValue, m); };
+  if (e.format != "map" && e.format != "array")
+    return bad("--kv-events-format: '" + e.format + "' is neither map nor array");
+  if (e.endpoint.empty()) return {};
+  const bool known_scheme =
+      e.endpoint.rfind("tcp://", 0) == 0 || e.endpoint.rfind("ipc://", 0) == 0 || e.endpoint.rfind("inproc://", 0) == 0;
+  if (!known_scheme) return bad("--kv-events-endpoint: '" + e.endpoint + "' is not tcp://, ipc:// or inproc://");
+  if (c.storage.backend == StorageBackendKind::kNone)
+    return bad("--kv-events-endpoint: the events describe the storage tier, and --storage-backend is none");
+  if (e.medium.empty()) e.medium = c.storage.backend == StorageBackendKind::kFile ? "DISK" : "REDIS";
+  return {};
+}
+
+}  // namespace kvtd::config

@@ -1,0 +1,166 @@
+#include "kvtd/events/kv_events.h"
+
+#include <chrono>
+#include <thread>
+#include <zmq.hpp>
+
+#include "event_encoding.h"
+#include "kvtd/base/mutex.h"
+#include "kvtd/base/thread_annotations.h"
+
+namespace kvtd::events {
+namespace {
+
+constexpr std::size_t kMaxEventsPerBatch = 1024;
+
+// vLLM's ZmqEventPublisher rule (kv_events.py, _socket_setup): bind a wildcard, ipc or inproc
+// endpoint, connect to anything else.
+bool binds(const std::string& endpoint) {
+  return endpoint.find('*') != std::string::npos || endpoint.find("::") != std::string::npos ||
+         endpoint.rfind("ipc://", 0) == 0 || endpoint.rfind("inproc://", 0) == 0;
+}
+
+double wall_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+struct KvEventPublisher::Impl {
+  KvEventsOptions options;
+  std::string endpoint;
+  zmq::context_t context{1};
+  zmq::socket_t socket;  // used by `sender` only, once open() has handed it over
+
+  mutable Mutex mu;
+  CondVar wake;
+  std::vector<KvEvent> queue GUARDED_BY(mu);
+  std::size_t queued_events GUARDED_BY(mu) = 0;  // keys (a clear counts one)
+  bool stopping GUARDED_BY(mu) = false;
+  KvEventsStats stats GUARDED_BY(mu);
+  std::uint64_t next_seq = 0;  // sender thread only
+  std::thread sender;
+
+  void push(KvEventKind kind, std::vector<std::string> keys) {
+    const std::size_t n = keys.empty() ? 1 : keys.size();
+    {
+      MutexLock g(mu);
+      if (queued_events + n > options.max_queued_events) {
+        stats.events_dropped += n;
+        return;
+      }
+      queued_events += n;
+      queue.push_back(KvEvent{kind, std::move(keys)});
+    }
+    wake.notify_one();
+  }
+
+  void send(const std::vector<KvEvent>& batch) {
+    BatchFields f;
+    f.format = options.format;
+    f.ts = wall_seconds();
+    f.data_parallel_rank = options.data_parallel_rank;
+    f.medium = options.medium;
+    f.block_size = options.block_size;
+    const std::string payload = encode_batch(batch, f);
+    unsigned char seq[8];
+    for (int i = 0; i < 8; ++i) seq[i] = static_cast<unsigned char>(next_seq >> (8 * (7 - i)));
+    // PUB never blocks on a subscriber: past the high-water mark ZeroMQ drops the message.
+    bool sent = socket.send(zmq::buffer(options.topic), zmq::send_flags::sndmore | zmq::send_flags::dontwait).has_value();
+    sent = sent && socket.send(zmq::buffer(seq, sizeof seq), zmq::send_flags::sndmore | zmq::send_flags::dontwait).has_value();
+    sent = sent && socket.send(zmq::buffer(payload), zmq::send_flags::dontwait).has_value();
+    std::size_t events = 0;
+    for (const auto& e : batch) events += e.keys.empty() ? 1 : e.keys.size();
+    MutexLock g(mu);
+    if (sent) {
+      ++next_seq;
+      ++stats.batches_sent;
+      stats.events_sent += events;
+    } else {
+      stats.events_dropped += events;
+    }
+  }
+
+  void run() {
+    for (;;) {
+      std::vector<KvEvent> batch;
+      {
+        MutexLock g(mu);
+        wake.wait(g, [&]() REQUIRES(mu) { return stopping || !queue.empty(); });
+        if (queue.empty()) return;  // stopping, all sent
+        std::size_t events = 0;
+        std::size_t take = 0;
+        while (take < queue.size() && (take == 0 || events + queue[take].keys.size() <= kMaxEventsPerBatch)) {
+          events += queue[take].keys.empty() ? 1 : queue[take].keys.size();
+          ++take;
+        }
+        batch.assign(std::make_move_iterator(queue.begin()), std::make_move_iterator(queue.begin() + static_cast<std::ptrdiff_t>(take)));
+        queue.erase(queue.begin(), queue.begin() + static_cast<std::ptrdiff_t>(take));
+        queued_events -= events;
+      }
+      send(batch);
+    }
+  }
+};
+
+Result<std::unique_ptr<KvEventPublisher>, EventsErrc> KvEventPublisher::open(const KvEventsOptions& o) {
+  if (o.endpoint.empty()) return make_error(EventsErrc::kInvalidArgument, "--kv-events-endpoint: empty");
+  if (o.medium.empty()) return make_error(EventsErrc::kInvalidArgument, "KV events: no medium named");
+  if (o.max_queued_events == 0) return make_error(EventsErrc::kInvalidArgument, "KV events: a queue of 0 events");
+  auto impl = std::make_unique<Impl>();
+  impl->options = o;
+  try {
+    impl->socket = zmq::socket_t(impl->context, zmq::socket_type::pub);
+    impl->socket.set(zmq::sockopt::sndhwm, o.send_high_water_mark);
+    impl->socket.set(zmq::sockopt::linger, 1000);  // the destructor waits at most this for sends
+    if (binds(o.endpoint)) {
+      impl->socket.bind(o.endpoint);
+      impl->endpoint = impl->socket.get(zmq::sockopt::last_endpoint);
+    } else {
+      impl->socket.connect(o.endpoint);
+      impl->endpoint = o.endpoint;
+    }
+  } catch (const zmq::error_t& e) {
+    return make_error(EventsErrc::kSocket, "--kv-events-endpoint " + o.endpoint + ": " + e.what());
+  }
+  auto* raw = impl.get();
+  impl->sender = std::thread([raw] { raw->run(); });
+  return std::unique_ptr<KvEventPublisher>(new KvEventPublisher(std::move(impl)));
+}
+
+KvEventPublisher::KvEventPublisher(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+KvEventPublisher::~KvEventPublisher() {
+  {
+    MutexLock g(impl_->mu);
+    impl_->stopping = true;
+  }
+  impl_->wake.notify_one();
+  impl_->sender.join();
+  impl_->socket.close();  // lingers up to 1 s for what is still in ZeroMQ's queue
+}
+
+void KvEventPublisher::stored(std::vector<std::string> keys) {
+  if (!keys.empty()) impl_->push(KvEventKind::kStored, std::move(keys));
+}
+
+void KvEventPublisher::removed(std::vector<std::string> keys) {
+  if (!keys.empty()) impl_->push(KvEventKind::kRemoved, std::move(keys));
+}
+
+void KvEventPublisher::cleared() { impl_->push(KvEventKind::kCleared, {}); }
+
+KvEventsStats KvEventPublisher::stats() const {
+  MutexLock g(impl_->mu);
+  return impl_->stats;
+}
+
+const std::string& KvEventPublisher::endpoint() const { return impl_->endpoint; }
+
+std::optional<KvEventsFormat> parse_kv_events_format(const std::string& name) {
+  if (name == "map") return KvEventsFormat::kMap;
+  if (name == "array") return KvEventsFormat::kArray;
+  return std::nullopt;
+}
+
+}  // namespace kvtd::events

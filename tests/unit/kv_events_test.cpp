@@ -1,0 +1,52 @@
+// KV events (issue 22 part 5): the engine key recovered from a stored object's name (what an
+// eviction reports), and the publisher's refusals. The wire format itself is checked by a real
+// subscriber decoding with python3-msgpack (tests/python/test_kv_events.py).
+#include <gtest/gtest.h>
+
+#include "kvtd/daemon/storage_executor.h"
+#include "kvtd/events/kv_events.h"
+
+namespace kvtd {
+namespace {
+
+TEST(KvEvents, EngineKeyOfAStoredNameUndoesTheExecutorsNaming) {
+  using daemon::engine_key_of;
+  EXPECT_EQ(engine_key_of("1001.w0-0.r0", ""), "1001");
+  EXPECT_EQ(engine_key_of("pfx:07.w3-12.r15", ""), "pfx:07");
+  EXPECT_EQ(engine_key_of("a.b.w1-2.r0", ""), "a.b");  // dots in the engine's key stay
+  EXPECT_EQ(engine_key_of("abc.RL-STEP12.w0-4.r1", "RL-STEP12"), "abc");
+  EXPECT_EQ(engine_key_of("abc.w0-4.r1", "RL-STEP12"), std::nullopt);  // not of this prefix
+  EXPECT_EQ(engine_key_of("abc.w0-4", ""), std::nullopt);
+  EXPECT_EQ(engine_key_of("abc.wx-4.r1", ""), std::nullopt);
+  EXPECT_EQ(engine_key_of(".w0-0.r0", ""), std::nullopt);
+  EXPECT_EQ(engine_key_of("abc.w0-0.r", ""), std::nullopt);
+}
+
+TEST(KvEvents, PublisherRefusesWhatItCannotServe) {
+  events::KvEventsOptions o;
+  o.medium = "DISK";
+  auto none = events::KvEventPublisher::open(o);
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.error().message.find("--kv-events-endpoint"), std::string::npos);
+  o.endpoint = "tcp://*:notaport";
+  auto bad = events::KvEventPublisher::open(o);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.error().code, events::EventsErrc::kSocket);
+  EXPECT_NE(bad.error().message.find("tcp://*:notaport"), std::string::npos) << bad.error().message;
+}
+
+TEST(KvEvents, EventsBeyondTheQueueBoundAreDroppedAndCountedNotWaitedFor) {
+  events::KvEventsOptions o;
+  o.endpoint = "inproc://kv-events-queue-test";
+  o.medium = "DISK";
+  o.max_queued_events = 2;
+  auto p = events::KvEventPublisher::open(o);
+  ASSERT_TRUE(p.ok()) << p.error().message;
+  (*p)->stored({"1", "2", "3"});  // more than the queue holds at all: dropped on the spot
+  EXPECT_EQ((*p)->stats().events_dropped, 3u);
+  (*p)->stored({"4"});
+  (*p)->cleared();
+}
+
+}  // namespace
+}  // namespace kvtd
