@@ -62,6 +62,38 @@ for round in 1 2 3; do
   kill "$scraper" 2>/dev/null; wait "$scraper" 2>/dev/null || true
 done
 daemon_extra=()
+echo "== KV events cost: storage writes (32 KiB objects, 1 rank, tasks of 32) and the swap round trip, without and with"
+echo "   --kv-events-endpoint (a subscriber draining every event) and --metrics-port (scraped every second), alternating"
+edir=$(mktemp -d "$KVTD_ROOT/.bench-storage.XXXXXX")
+for round in 1 2 3; do
+  for events in without with; do
+    rm -rf "$edir/store"
+    daemon_extra=(--storage-backend file --storage-path "$edir/store" --model-id bench)
+    sub=
+    if [ $events = with ]; then
+      daemon_extra+=(--kv-events-endpoint "ipc://$edir/events.sock")
+      /usr/bin/python3 -c "
+import sys, zmq
+s = zmq.Context().socket(zmq.SUB); s.setsockopt(zmq.SUBSCRIBE, b''); s.connect(sys.argv[1])
+while True: s.recv_multipart()" "ipc://$edir/events.sock" 2>/dev/null &
+      sub=$!
+      mport=$((30000 + RANDOM % 20000))
+      daemon_extra+=(--metrics-port "$mport")
+      ( while sleep 1; do curl -s "http://127.0.0.1:$mport/metrics" > /dev/null || true; done ) &
+      scraper=$!
+    fi
+    echo -n "$events events: "
+    with_daemons 1 2 2 16 128 128 8 -- --mode storage-throughput --storage file --blocks-per-task 32 \
+      --storage-blocks 2048 | grep -o "STORAGE_WRITE [0-9.]* GB/s per rank" | tr '\n' ' '
+    with_daemons 1 1 1 16 64 16 16 -- --mode latency --latency-samples 20000 | grep -o "p50.*"
+    if [ -n "$sub" ]; then
+      kill "$sub" "$scraper"
+      wait "$sub" "$scraper" 2>/dev/null || true
+    fi
+  done
+done
+rm -rf "$edir"
+daemon_extra=()
 echo "== swap throughput, 128 KiB blocks, random ids, 32 layers x K+V, 16 blocks per task"
 for ranks in 1 2; do
   with_daemons "$ranks" 32 8 64 128 128 96 -- --mode throughput --blocks-per-task 16 --seconds 4
