@@ -140,29 +140,7 @@ std::string MetricsRegistry::render() const {
       line(out, "%s_count{kind=\"%s\"} %llu\n", hist.name, kind, static_cast<unsigned long long>(count));
     }
   }
-  out += "# HELP kvtd_storage_operations_total Operations of the storage tier, by operation and result.\n"
-         "# TYPE kvtd_storage_operations_total counter\n";
-  StoreFiguresProvider figures;
-  {
-    MutexLock g(store_mu_);
-    figures = store_figures_;
-  }
-  if (figures) {
-    const auto st = figures();
-    const struct {
-      const char* op;
-      const char* result;
-      std::uint64_t v;
-    } ops[] = {{"put", "ok", st.puts >= st.put_failures ? st.puts - st.put_failures : 0},
-               {"put", "error", st.put_failures},
-               {"get", "hit", st.hits},
-               {"get", "miss", st.misses},
-               {"get", "corrupt", st.corrupt},
-               {"evict", "ok", st.evictions}};
-    for (const auto& o : ops)
-      line(out, "kvtd_storage_operations_total{op=\"%s\",result=\"%s\"} %llu\n", o.op, o.result,
-           static_cast<unsigned long long>(o.v));
-  }
+  render_storage(out);
   const struct {
     const char* name;
     const char* help;

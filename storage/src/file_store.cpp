@@ -386,6 +386,8 @@ class FileStore final : public ObjectStore {
     MutexLock g(mu_);
     s.evictions = evictions_;
     s.bytes_stored = total_;
+    s.objects_stored = index_.size();
+    s.sized = true;
     return s;
   }
 

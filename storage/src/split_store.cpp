@@ -67,6 +67,8 @@ class SplitStore final : public ObjectStore {
     s.corrupt = r.corrupt;
     s.evictions = r.evictions + w.evictions;
     s.bytes_stored = std::max(r.bytes_stored, w.bytes_stored);
+    s.objects_stored = std::max(r.objects_stored, w.objects_stored);
+    s.sized = r.sized || w.sized;
     return s;
   }
   // The error of the side whose call failed last.

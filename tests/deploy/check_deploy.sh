@@ -5,7 +5,7 @@
 # - the Grafana dashboard is JSON whose every query parses as PromQL (promtool checks each as a
 #   recording rule, with the dashboard's $instance variable filled in);
 # - every kvtd_* metric the rules and the dashboard read is one the daemon exports
-#   (metrics/src/registry.cpp renders them).
+#   (metrics/src/*.cpp render them).
 # Exit 77 (skipped) without promtool (Debian: prometheus).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -35,7 +35,7 @@ PY
 promtool check rules "$work/dashboard-rules.yml"
 
 # Every kvtd_* name read must be exported (histograms by their base name).
-grep -ohE 'kvtd_[a-z_]+' "$root/metrics/src/registry.cpp" | sort -u >"$work/exported"
+grep -ohE 'kvtd_[a-z_]+' "$root"/metrics/src/*.cpp | sort -u >"$work/exported"
 grep -ohE 'kvtd_[a-z_]+' "$root/deploy/prometheus/kvtd-alerts.yml" "$root/deploy/grafana/kvtd-dashboard.json" |
   sed -E 's/_(bucket|sum|count)$//' | grep -vE '^kvtd_(overview|dashboard)$' | sort -u >"$work/read"
 missing=$(comm -23 "$work/read" "$work/exported")

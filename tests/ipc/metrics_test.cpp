@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "daemon_fixture.h"
+#include "storage_fixture.h"
 #include "http_client.h"
 
 namespace kvtd {
@@ -55,6 +56,48 @@ TEST_F(MetricsTest, ExpositionCountsRealTasksAndPassesPromtool) {
   EXPECT_EQ(rc, 0) << test::read_file(out_file) << body;
   std::remove(file.c_str());
   std::remove(out_file.c_str());
+}
+
+// Issue 22 part 3: what an operator asks of the storage tier - lookups by tier and agreed result,
+// what the store holds, failed agreements by cause - from a real daemon and its real file store.
+class StorageMetricsTest : public StorageTaskTest {};
+
+TEST_F(StorageMetricsTest, LookupsStoreSizeAndFailedAgreementsAreExported) {
+  g_ = test::small_geometry(1);
+  const std::uint16_t port = free_port();
+  extra_args_.insert(extra_args_.end(), {"--metrics-port", std::to_string(port)});
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  ASSERT_TRUE(storage(TaskKind::kStorageWrite, make_keys("m", 3), iota_ids(0, 3)).ok());
+  auto q = storage(TaskKind::kStorageQuery, {"m0", "m1", "m2", "x0", "x1"}, {});
+  ASSERT_TRUE(q.ok());
+  ASSERT_EQ(q.blocks_done, 3u);
+  ASSERT_TRUE(storage(TaskKind::kStorageRead, {"m0", "x9"}, {10, 11}).ok());
+  const std::vector<std::string> late_keys{"late0"};
+  const std::vector<std::int32_t> late_blocks{4};
+  TaskRequest late;
+  late.kind = TaskKind::kStorageWrite;
+  late.keys = late_keys;
+  late.blocks = late_blocks;
+  late.deadline_ns = 1;  // long past: this rank fails it before agreeing and tells its peers
+  EXPECT_EQ(submit_and_wait(late).status, TaskStatus::kDeadlineExceeded);
+  const std::string reply = get(port, "/metrics");
+  const std::string body = reply.substr(reply.find("\r\n\r\n") + 4);
+  for (const std::string& want :
+       {std::string("kvtd_storage_lookups_total{kind=\"STORAGE_QUERY\",tier=\"file\",result=\"hit\"} 3\n"),
+        std::string("kvtd_storage_lookups_total{kind=\"STORAGE_QUERY\",tier=\"file\",result=\"miss\"} 2\n"),
+        std::string("kvtd_storage_lookups_total{kind=\"STORAGE_READ\",tier=\"file\",result=\"hit\"} 1\n"),
+        std::string("kvtd_storage_lookups_total{kind=\"STORAGE_READ\",tier=\"file\",result=\"miss\"} 1\n"),
+        std::string("kvtd_storage_operations_total{tier=\"file\",op=\"put\",result=\"ok\"} 3\n"),
+        std::string("kvtd_store_objects{tier=\"file\"} 3\n"),
+        std::string("kvtd_agreement_failures_total{cause=\"deadline_exceeded\",by=\"this_rank\"} 1\n")})
+    EXPECT_NE(body.find(want), std::string::npos) << "missing: " << want << body;
+  EXPECT_NE(body.find("kvtd_store_bytes{tier=\"file\"} "), std::string::npos) << body;
+  EXPECT_EQ(body.find("kvtd_store_bytes{tier=\"file\"} 0\n"), std::string::npos) << body;
+  if (std::system("command -v promtool > /dev/null 2>&1") != 0) GTEST_SKIP() << "promtool is not installed";
+  const std::string file = ::testing::TempDir() + "/" + suffix_ + ".prom";
+  { std::ofstream(file) << body; }
+  const int rc = std::system(("promtool check metrics < " + file + " > " + file + ".out 2>&1").c_str());
+  EXPECT_EQ(rc, 0) << test::read_file(file + ".out") << body;
 }
 
 TEST_F(MetricsTest, HostileRequestsGetErrorsAndTheEndpointKeepsServing) {

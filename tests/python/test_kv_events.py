@@ -69,7 +69,8 @@ def store_flags(tmp_path, endpoint, *more):
 
 def test_stored_evicted_and_cleared_events_in_vllms_map_layout(cluster, tmp_path):
     endpoint = f"ipc://{tmp_path}/events.sock"
-    # Objects of 768 payload bytes: a capacity of ~6 objects makes the LRU evict.
+    # Objects of 768 payload bytes: a capacity of ~6 objects makes the LRU evict. Both ranks get
+    # the flags; rank 0 publishes, rank 1 says so in its log.
     c = cluster(extra=store_flags(tmp_path, endpoint, "--storage-capacity-gib", "0.000005"))
     s = c.ready()
     fill(s, c.geometry)
@@ -104,6 +105,8 @@ def test_stored_evicted_and_cleared_events_in_vllms_map_layout(cluster, tmp_path
         got += sub.batches(lambda b: any(e["type"] == "AllBlocksCleared" for e in events_of(b)))
         assert {"type": "AllBlocksCleared"} in events_of(got)
         assert [seq for _, seq, _ in got] == list(range(len(got)))  # consecutive, none lost
+        logs = c.daemons.logs()
+        assert "KV events (map layout, medium DISK)" in logs and "rank 0 of this group publishes them" in logs
     finally:
         sub.close()
 

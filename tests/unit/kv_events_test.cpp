@@ -5,6 +5,7 @@
 
 #include "kvtd/daemon/storage_executor.h"
 #include "kvtd/events/kv_events.h"
+#include "kvtd/metrics/registry.h"
 
 namespace kvtd {
 namespace {
@@ -46,6 +47,15 @@ TEST(KvEvents, EventsBeyondTheQueueBoundAreDroppedAndCountedNotWaitedFor) {
   EXPECT_EQ((*p)->stats().events_dropped, 3u);
   (*p)->stored({"4"});
   (*p)->cleared();
+  // What the daemon exports of it (start_up.cpp sets this provider on rank 0).
+  metrics::MetricsRegistry registry;
+  registry.set_kv_event_figures([&] {
+    const auto st = (*p)->stats();
+    return metrics::MetricsRegistry::KvEventFigures{st.events_sent, st.events_dropped};
+  });
+  const std::string text = registry.render();
+  EXPECT_NE(text.find("kvtd_kv_events_dropped_total 3\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("# TYPE kvtd_kv_events_sent_total counter\n"), std::string::npos) << text;
 }
 
 }  // namespace

@@ -149,6 +149,7 @@ Result<AttachedCache, DeviceErrc> RankServer::map_cache(Session& s) {
   if (!cache.ok()) return cache;
   cache->storage.store = s_.store.get();
   cache->storage.kv_events = s_.kv_events.get();
+  cache->storage.metrics = &s_.registry;
   cache->storage.store_name = s_.store_name;
   cache->storage.config = cfg_.storage;
   cache->storage.config.io_threads =

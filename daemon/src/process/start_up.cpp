@@ -132,9 +132,17 @@ std::optional<int> open_servers(const config::DaemonConfig& cfg, std::atomic<boo
   if (const storage::ObjectStore* store = s.store.get())
     s.registry.set_store_figures([store] {
       const auto st = store->stats();
-      return metrics::MetricsRegistry::StoreFigures{st.puts, st.put_failures, st.hits, st.misses, st.corrupt,
-                                                     st.evictions};
+      return metrics::MetricsRegistry::StoreFigures{st.puts,      st.put_failures, st.hits,         st.misses,
+                                                     st.corrupt,   st.evictions,    st.sized,        st.bytes_stored,
+                                                     st.objects_stored};
     });
+  if (const events::KvEventPublisher* events = s.kv_events.get())
+    s.registry.set_kv_event_figures([events] {
+      const auto st = events->stats();
+      return metrics::MetricsRegistry::KvEventFigures{st.events_sent, st.events_dropped};
+    });
+  if (s.store)
+    s.registry.set_store_tier(cfg.storage.backend == config::StorageBackendKind::kFile ? "file" : "redis");
   // Readiness asks whether the store answers; a thread asks it every few seconds so that a
   // probe never waits on the store.
   if (s.store) s.store_probe = std::make_unique<StoreProbe>(*s.store, kStoreProbePeriodMs);

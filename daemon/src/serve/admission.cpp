@@ -22,7 +22,7 @@ void TaskRunner::Impl::start(Work&& w, int lane, std::int64_t now) {
     if (storage) {
       storage->submit(std::move(w.storage_work));
     } else {
-      ep.abort_agreement(w.header.seq);
+      sink.abort_agreement(w.header.seq, TaskStatus::kAgreementFailed);
       ep.leave_agreements(w.header.seq + 1);  // no executor: nothing else agrees here
       complete(w.header, TaskStatus::kInternal, 0, 0, now, "storage executor could not start");
       release_storage(w.storage_work);

@@ -20,6 +20,13 @@ class CompletionSink {
  public:
   CompletionSink(endpoint::RankEndpoint& ep, metrics::MetricsRegistry* metrics) : ep_(ep), metrics_(metrics) {}
 
+  // Tells the peers this rank will not agree on storage task `seq` (they fail it with `why`),
+  // counted in the metrics' failed agreements.
+  void abort_agreement(std::uint64_t seq, proto::TaskStatus why) {
+    ep_.abort_agreement(seq, why);
+    if (metrics_) metrics_->agreement_failed(why, /*this_rank=*/true);
+  }
+
   // Writes task `h`'s one completion record (ending now; `message` cut to fit). A record the
   // ring cannot take is logged as lost: the engine is not draining its completions.
   void write(const proto::TaskRecordHeader& h, proto::TaskStatus status, std::uint64_t blocks, std::uint32_t layers,

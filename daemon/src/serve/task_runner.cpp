@@ -123,7 +123,7 @@ bool TaskRunner::Impl::decode(const std::vector<std::byte>& rec, Work& w) {
     }
     case DecodedRecord::Action::kFail: break;
   }
-  if (d.abort_agreement) ep.abort_agreement(h.seq, d.status);
+  if (d.abort_agreement) sink.abort_agreement(h.seq, d.status);
   complete(h, d.status, 0, 0, now, d.message);
   return false;
 }

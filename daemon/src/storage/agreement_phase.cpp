@@ -16,7 +16,7 @@
 namespace kvtd::daemon {
 
 void StorageExecutor::Impl::fail_before_agreement(const StorageWork& w, TaskStatus s, std::int64_t start, const std::string& msg) {
-  ep.abort_agreement(w.header.seq, s);
+  abort_agreement(w, s);
   ep.leave_agreements(w.header.seq + 1);  // the agreement thread runs tasks in ring order
   finish(w, s, 0, 0, start, msg);
 }
@@ -26,7 +26,7 @@ bool StorageExecutor::Impl::agree_phase(Prepared& p) {
   p.start = ipc::monotonic_now_ns();
   const auto kind = static_cast<TaskKind>(w.header.kind);
   if (w.answered) {  // the engine has its completion; the peers are told
-    ep.abort_agreement(w.header.seq, *w.answered);
+    abort_agreement(w, *w.answered);
     ep.leave_agreements(w.header.seq + 1);
     return false;
   }
@@ -50,7 +50,7 @@ bool StorageExecutor::Impl::agree_phase(Prepared& p) {
     if (backup) {
       // No storage tier here: nothing to back up to, not an error on this rank. The peers are
       // told (they do have a store, or they would not wait): a mismatch is their failure.
-      ep.abort_agreement(w.header.seq, TaskStatus::kStorageUnavailable);
+      abort_agreement(w, TaskStatus::kStorageUnavailable);
       ep.leave_agreements(w.header.seq + 1);
       finish(w, TaskStatus::kOk, 0, w.section.keys.size(), p.start, "");
       return false;
@@ -79,6 +79,8 @@ bool StorageExecutor::Impl::agree_phase(Prepared& p) {
   auto agreed = local_then_agree(w, p.stored, p.start);
   if (!agreed) return false;
   p.agreed = *agreed;
+  if (kind != TaskKind::kStorageWrite && t.metrics != nullptr)
+    t.metrics->storage_lookup(kind, p.agreed, p.stored.size() - p.agreed);
   switch (kind) {
     case TaskKind::kStorageQuery:
       finish(w, TaskStatus::kOk, p.agreed, 0, p.start, "");

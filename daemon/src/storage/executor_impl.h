@@ -22,6 +22,7 @@
 #include "kvtd/base/mutex.h"
 #include "kvtd/daemon/storage_executor.h"
 #include "kvtd/ipc/wait.h"
+#include "kvtd/metrics/registry.h"
 
 namespace kvtd::daemon {
 
@@ -137,6 +138,12 @@ struct StorageExecutor::Impl {
     complete(w.header, s, blocks, skipped, start, msg);
   }
 
+  // Tells the peers this rank will not agree on `w` (they stop waiting and fail it with `why`),
+  // counted by cause.
+  void abort_agreement(const StorageWork& w, TaskStatus why) {
+    ep.abort_agreement(w.header.seq, why);
+    if (t.metrics != nullptr) t.metrics->agreement_failed(why, /*this_rank=*/true);
+  }
   // Fails a task that has not agreed yet: the peers stop waiting at once.
   void fail_before_agreement(const StorageWork& w, TaskStatus s, std::int64_t start, const std::string& msg);
 
@@ -155,6 +162,7 @@ struct StorageExecutor::Impl {
     auto agreed = ep.agree(w.header.seq, static_cast<std::uint32_t>(*local), w.header.deadline_ns);
     if (!agreed.ok()) {
       if (revoked(w)) return std::nullopt;  // the engine failed it already
+      if (t.metrics != nullptr) t.metrics->agreement_failed(agreed.error().code, /*this_rank=*/false);
       finish(w, agreed.error().code, 0, 0, start, agreed.error().message);
       return std::nullopt;
     }

@@ -95,7 +95,7 @@ std::string StorageExecutor::Impl::skip_on_arrival(const StorageWork& w, std::in
 }
 
 void StorageExecutor::Impl::skip_before_agreement(const StorageWork& w, std::int64_t now, const std::string& why) {
-  ep.abort_agreement(w.header.seq, TaskStatus::kBackupSkipped);
+  abort_agreement(w, TaskStatus::kBackupSkipped);
   ep.leave_agreements(w.header.seq + 1);
   answer_skipped(w, now, why, /*new_task=*/true);
 }

@@ -48,6 +48,9 @@ class ObjectStore;
 namespace kvtd::events {
 class KvEventPublisher;
 }
+namespace kvtd::metrics {
+class MetricsRegistry;
+}
 
 namespace kvtd::daemon {
 
@@ -83,6 +86,8 @@ struct StorageTargets {
   // Rank 0 with --kv-events-endpoint: told of every object it stores and of weight-version
   // changes (not owned; outlives the executor). Null elsewhere.
   events::KvEventPublisher* kv_events = nullptr;
+  // Agreed lookups and failed agreements are counted here (not owned; null: not counted).
+  metrics::MetricsRegistry* metrics = nullptr;
 };
 
 // One decoded storage task, validated by the dispatcher (ids in range, no duplicates).

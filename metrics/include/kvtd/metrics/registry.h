@@ -51,11 +51,28 @@ class MetricsRegistry {
   // the daemon provides these figures (metrics/ does not depend on storage/).
   struct StoreFigures {
     std::uint64_t puts = 0, put_failures = 0, hits = 0, misses = 0, corrupt = 0, evictions = 0;
+    bool sized = false;  // the store knows what it holds (file store): the two below are exported
+    std::uint64_t bytes_stored = 0, objects_stored = 0;
   };
   using StoreFiguresProvider = std::function<StoreFigures()>;
   // Sets (or clears, with an empty function) the provider; whatever it reads must outlive every
   // render() (the daemon stops the server first).
   void set_store_figures(StoreFiguresProvider provider);
+  // The tier label of the storage metrics ("file", "redis"); set once before serving.
+  void set_store_tier(std::string tier);
+  // What the KV-event publisher sent and dropped (rank 0 with --kv-events-endpoint), for
+  // kvtd_kv_events_{sent,dropped}_total. Same lifetime rule as the store figures.
+  struct KvEventFigures {
+    std::uint64_t sent = 0, dropped = 0;
+  };
+  using KvEventFiguresProvider = std::function<KvEventFigures()>;
+  void set_kv_event_figures(KvEventFiguresProvider provider);
+  // A storage lookup's agreed outcome (STORAGE_QUERY, STORAGE_READ, PREFETCH): keys found in the
+  // tier on every rank, and keys asked for and not found, for kvtd_storage_lookups_total.
+  void storage_lookup(proto::TaskKind kind, std::uint64_t hits, std::uint64_t misses);
+  // A storage task whose cross-rank agreement ended without agreeing, by the status it failed
+  // with; `this_rank`: this rank aborted it (else a peer did, or the agreement itself failed).
+  void agreement_failed(proto::TaskStatus cause, bool this_rank);
   // What the health probes conclude, for kvtd_ready and kvtd_store_up (alerts on a rank not
   // ready, a store not answering). Same lifetime rule as the store figures.
   struct HealthFigures {
@@ -106,10 +123,16 @@ class MetricsRegistry {
   std::atomic<std::uint64_t> host_pool_bytes_{0};
   std::atomic<std::uint64_t> host_pool_pin_ms_{0};
   std::atomic<std::uint64_t> ring_depth_{0};
+  // [kind][0 hit, 1 miss] for the lookup kinds; [status][0 peer, 1 this rank].
+  std::array<std::array<std::atomic<std::uint64_t>, 2>, kKinds> lookups_{};
+  std::array<std::array<std::atomic<std::uint64_t>, 2>, kStatuses> agreement_failures_{};
+  std::string tier_ GUARDED_BY(store_mu_) = "none";
   void render_health(std::string& out) const;
+  void render_storage(std::string& out) const;
   mutable Mutex store_mu_;
   StoreFiguresProvider store_figures_ GUARDED_BY(store_mu_);
   HealthFiguresProvider health_figures_ GUARDED_BY(store_mu_);
+  KvEventFiguresProvider kv_event_figures_ GUARDED_BY(store_mu_);
   mutable Mutex errors_mu_;
   std::vector<std::string> errors_ GUARDED_BY(errors_mu_);  // newest last, at most kLastErrors
 };

@@ -51,6 +51,8 @@ struct StoreStats {
   std::uint64_t gets = 0, hits = 0, misses = 0, corrupt = 0;
   std::uint64_t evictions = 0;
   std::uint64_t bytes_stored = 0;  // file backend: bytes on disk under its namespace
+  std::uint64_t objects_stored = 0;  // file backend: objects under its namespace
+  bool sized = false;                // bytes_stored and objects_stored are known (file backend)
 };
 
 class ObjectStore {
