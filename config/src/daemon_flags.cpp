@@ -471,6 +471,7 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   declare_runtime_flags(app, f, c);
   declare_storage_flags(app, f, c);
   declare_kv_events_flags(app, c);
+  declare_lifecycle_flags(app, c);
   declare_compat_flags(app, f, c);
   try {
     app.parse(argc, argv);
@@ -491,6 +492,7 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   KVTD_TRY(resolve_session(f, c));
   KVTD_TRY(resolve_runtime(f, c));
   KVTD_TRY(resolve_storage(f, c));
+  KVTD_TRY(resolve_lifecycle(c));
   KVTD_TRY(resolve_kv_events(c));
   return c;
 }

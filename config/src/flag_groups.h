@@ -10,6 +10,9 @@ class App;
 namespace kvtd::config {
 
 void declare_kv_events_flags(CLI::App& app, DaemonConfig& c);
+void declare_lifecycle_flags(CLI::App& app, DaemonConfig& c);
+// After resolve_storage.
+[[nodiscard]] Status<ConfigErrc> resolve_lifecycle(const DaemonConfig& c);
 // After resolve_storage: the medium's default depends on the backend.
 [[nodiscard]] Status<ConfigErrc> resolve_kv_events(DaemonConfig& c);
 

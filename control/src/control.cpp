@@ -1,4 +1,5 @@
 #include "kvtd/control/control.h"
+#include "kvtd/proto/names.h"
 
 #include "kvtd/config/daemon_config.h"
 
@@ -105,6 +106,37 @@ std::vector<std::pair<std::uint32_t, std::string>> find_sockets(const std::strin
   return out;
 }
 
+namespace {
+
+Error<ControlErrc> bad_gc(const std::string& why) { return make_error(ControlErrc::kInvalidArgument, "storage-gc: " + why); }
+
+Status<ControlErrc> parse_storage_gc(const json& j, Request::StorageGc* gc) {
+  const auto wv = j.find("keep_weight_version");
+  if (wv == j.end() || !wv->is_number_unsigned())
+    return bad_gc("needs \"keep_weight_version\", the engine's current weight version (an unsigned integer)");
+  gc->keep_weight_version = wv->get<std::uint64_t>();
+  if (const auto models = j.find("keep_models"); models != j.end()) {
+    if (!models->is_array() || models->size() > 64) return bad_gc("\"keep_models\" must be an array of at most 64 model ids");
+    for (const auto& m : *models) {
+      if (!m.is_string() || !proto::valid_model_id(m.get<std::string>()))
+        return bad_gc("\"keep_models\" holds something that is not a model id ([A-Za-z0-9_.-]{1,64})");
+      gc->keep_models.push_back(m.get<std::string>());
+    }
+  }
+  if (const auto s = j.find("max_seconds"); s != j.end()) {
+    if (!s->is_number() || !(s->get<double>() > 0 && s->get<double>() <= 3600))
+      return bad_gc("\"max_seconds\" must be a number in (0, 3600]");
+    gc->max_seconds = s->get<double>();
+  }
+  if (const auto d = j.find("dry_run"); d != j.end()) {
+    if (!d->is_boolean()) return bad_gc("\"dry_run\" must be a boolean");
+    gc->dry_run = d->get<bool>();
+  }
+  return {};
+}
+
+}  // namespace
+
 Result<Request, ControlErrc> parse_request(const std::string& text) {
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return make_error(ControlErrc::kInvalidArgument, "the request is not valid JSON");
@@ -115,7 +147,7 @@ Result<Request, ControlErrc> parse_request(const std::string& text) {
   Request r;
   r.command = cmd->get<std::string>();
   if (r.command != "status" && r.command != "drain" && r.command != "log-level" && r.command != "clear" &&
-      r.command != "restore")
+      r.command != "restore" && r.command != "storage-gc")
     return make_error(ControlErrc::kInvalidArgument, "unknown command '" + r.command.substr(0, 64) + "': " + kCommandList);
   if (const auto token = j.find("token"); token != j.end()) {
     if (!token->is_string()) return make_error(ControlErrc::kInvalidArgument, "\"token\" must be a string");
@@ -126,6 +158,7 @@ Result<Request, ControlErrc> parse_request(const std::string& text) {
       return make_error(ControlErrc::kInvalidArgument, "\"drop_host_tier\" is a boolean of the clear command");
     r.drop_host_tier = drop->get<bool>();
   }
+  if (r.command == "storage-gc") KVTD_TRY(parse_storage_gc(j, &r.gc));
   if (r.command == "log-level") {
     const auto level = j.find("level");
     if (level == j.end() || !level->is_string())
@@ -282,6 +315,20 @@ ControlServer::~ControlServer() {
 
 const std::string& ControlServer::endpoint() const { return impl_->endpoint; }
 
+std::string request_text(const Request& request) {
+  json j{{"command", request.command}};
+  if (!request.level.empty()) j["level"] = request.level;
+  if (request.drop_host_tier) j["drop_host_tier"] = true;
+  if (!request.token.empty()) j["token"] = request.token;
+  if (request.command == "storage-gc") {
+    j["keep_weight_version"] = request.gc.keep_weight_version;
+    if (!request.gc.keep_models.empty()) j["keep_models"] = request.gc.keep_models;
+    j["max_seconds"] = request.gc.max_seconds;
+    if (request.gc.dry_run) j["dry_run"] = true;
+  }
+  return j.dump();
+}
+
 Result<std::string, ControlErrc> call(const std::string& endpoint, const Request& request, int timeout_ms) {
   try {
     zmq::context_t context{1};
@@ -290,11 +337,7 @@ Result<std::string, ControlErrc> call(const std::string& endpoint, const Request
     socket.set(zmq::sockopt::rcvtimeo, timeout_ms);
     socket.set(zmq::sockopt::sndtimeo, timeout_ms);
     socket.connect(endpoint);
-    json j{{"command", request.command}};
-    if (!request.level.empty()) j["level"] = request.level;
-    if (request.drop_host_tier) j["drop_host_tier"] = true;
-    if (!request.token.empty()) j["token"] = request.token;
-    if (!socket.send(zmq::buffer(j.dump()), zmq::send_flags::none))
+    if (!socket.send(zmq::buffer(request_text(request)), zmq::send_flags::none))
       return make_error(ControlErrc::kTimeout, "no daemon took the request at " + endpoint);
     zmq::message_t reply;
     if (!socket.recv(reply, zmq::recv_flags::none))

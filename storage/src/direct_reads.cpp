@@ -43,6 +43,15 @@ void DirectObjectReader::give_back(Buffer b) {
   free_.push_back(std::move(b));
 }
 
+Status<StorageErrc> DirectObjectReader::check_directory(const std::string& dir, const std::string& root) {
+  if (const int e = probe(dir); e != 0)
+    return make_error(StorageErrc::kInvalidArgument,
+                      "direct reads (O_DIRECT) are refused under " + root + ": " + std::strerror(e) +
+                          (e == EINVAL ? " (the file system does not support O_DIRECT, e.g. tmpfs)" : "") +
+                          "; use buffered reads (--storage-io buffered)");
+  return {};
+}
+
 int DirectObjectReader::read(std::span<const std::string> paths, std::span<const std::string> namespaced,
                              const OnObject& on_ok, std::vector<ObjectResult>& results, std::vector<int>& errors) {
   results.assign(paths.size(), ObjectResult::kMissing);

@@ -29,6 +29,9 @@ class DirectObjectReader {
   DirectObjectReader(const DirectObjectReader&) = delete;
   DirectObjectReader& operator=(const DirectObjectReader&) = delete;
 
+  // Whether `dir` takes O_DIRECT reads; the error names `root` and says what to do instead.
+  Status<StorageErrc> check_directory(const std::string& dir, const std::string& root);
+
   // Reads object i from paths[i] (stored under namespaced[i]). Results per object; for kFailed,
   // errors[i] holds the errno. Returns an errno instead when the batch could not run at all.
   int read(std::span<const std::string> paths, std::span<const std::string> namespaced, const OnObject& on_ok,

@@ -41,25 +41,10 @@ class FileStore final : public ObjectStore {
   }
 
   // --storage-io direct: whether this store's directory takes O_DIRECT reads.
-  Status<StorageErrc> check_direct_reads() {
-    if (!direct_) return {};
-    if (const int e = direct_->probe(dir_ + "/00"); e != 0)
-      return make_error(StorageErrc::kInvalidArgument,
-                        "direct reads (O_DIRECT) are refused under " + opts_.root + ": " + std::strerror(e) +
-                            (e == EINVAL ? " (the file system does not support O_DIRECT, e.g. tmpfs)" : "") +
-                            "; use buffered reads (--storage-io buffered)");
-    return {};
-  }
-
-  // Creates the 256 fan-out directories once, so puts never pay for a mkdir.
-  Status<StorageErrc> make_fanout() {
-    for (unsigned i = 0; i < 256; ++i) {
-      char fan[3];
-      std::snprintf(fan, sizeof fan, "%02x", i);
-      if (int e = fs_->make_dirs(dir_ + "/" + fan); e != 0)
-        return make_error(StorageErrc::kIo, "cannot create " + dir_ + "/" + fan + ": " + std::strerror(e));
-    }
-    return {};
+  // The fan-out directories, and whether they take O_DIRECT reads (--storage-io direct).
+  Status<StorageErrc> prepare_dirs() {
+    KVTD_TRY(detail::make_fanout(*fs_, dir_));
+    return direct_ ? direct_->check_directory(dir_ + "/00", opts_.root) : Status<StorageErrc>{};
   }
 
   Status<StorageErrc> load_index() EXCLUDES(mu_) {
@@ -323,7 +308,7 @@ class FileStore final : public ObjectStore {
     parts.reserve(payload.size() + 1);
     parts.emplace_back(reinterpret_cast<const std::byte*>(&h), sizeof h);
     parts.insert(parts.end(), payload.begin(), payload.end());
-    const std::string tmp = dir + "/" + kTmpPrefix + key + "-" + unique_suffix();
+    const std::string tmp = dir + "/" + kTmpPrefix + key + "-" + detail::unique_suffix();
     const char* step = "write ";
     int e = fs_->write_file(tmp, parts, opts_.sync != SyncPolicy::kNone);
     if (e == ENOENT && fs_->make_dirs(dir) == 0) {
@@ -376,6 +361,25 @@ class FileStore final : public ObjectStore {
     return {};
   }
 
+  Result<GcReport, StorageErrc> collect(const GcRequest& r) override {
+    auto rep = detail::collect_files(
+        *fs_, opts_.root, kSuffix, opts_.store.model_id, r,
+        [this](const std::string& path) EXCLUDES(mu_) {
+          MutexLock g(mu_);
+          forget_locked(path);  // the capacity accounting follows
+        },
+        [this](const std::string& what, int e) { note_error(what, e); });
+    if (!rep.ok() || r.dry_run) return rep;
+    // What another daemon sharing the root removed is gone from the walk but still indexed here.
+    MutexLock g(mu_);
+    std::vector<std::string> stale;
+    for (const auto& [path, entry] : index_)
+      if (const auto o = detail::parse_stored_path(opts_.root, path, kSuffix))
+        if (!gc_keeps(r, opts_.store.model_id, o->model, o->fingerprint_hex, o->name)) stale.push_back(path);
+    for (const auto& path : stale) forget_locked(path);
+    return rep;
+  }
+
   std::string last_error() const override {
     MutexLock g(mu_);
     return last_error_;
@@ -407,12 +411,6 @@ class FileStore final : public ObjectStore {
     char fan[3];
     std::snprintf(fan, sizeof fan, "%02x", static_cast<unsigned>(h & 0xff));
     return dir_ + "/" + fan + "/" + key + kSuffix;
-  }
-
-  std::string unique_suffix() {
-    static std::atomic<std::uint64_t> counter{0};
-    return std::to_string(::getpid()) + "-" + std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id())) +
-           "-" + std::to_string(counter.fetch_add(1));
   }
 
   void touch_locked(const std::string& path, std::uint64_t bytes) REQUIRES(mu_) {
@@ -486,8 +484,7 @@ Result<std::unique_ptr<ObjectStore>, StorageErrc> open_file_store(const FileStor
   }
   auto owned = o.fs ? nullptr : make_posix_file_system();
   auto store = std::make_unique<FileStore>(o, std::move(owned));
-  KVTD_TRY(store->make_fanout());
-  KVTD_TRY(store->check_direct_reads());
+  KVTD_TRY(store->prepare_dirs());
   KVTD_TRY(store->load_index());
   return std::unique_ptr<ObjectStore>(std::move(store));
 }

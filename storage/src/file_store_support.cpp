@@ -64,4 +64,85 @@ bool abandoned_temporary(const std::string& base, std::int64_t mtime_ns) {
   return pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH;
 }
 
+Status<StorageErrc> make_fanout(FileSystem& fs, const std::string& dir) {
+  for (unsigned i = 0; i < 256; ++i) {
+    char fan[3];
+    std::snprintf(fan, sizeof fan, "%02x", i);
+    if (int e = fs.make_dirs(dir + "/" + fan); e != 0)
+      return make_error(StorageErrc::kIo, "cannot create " + dir + "/" + fan + ": " + std::strerror(e));
+  }
+  return {};
+}
+
+std::optional<StoredFile> parse_stored_path(const std::string& root, const std::string& path, const std::string& suffix) {
+  const std::string base = root.empty() || root.back() == '/' ? root : root + "/";
+  if (path.compare(0, base.size(), base) != 0) return std::nullopt;
+  std::vector<std::string> parts;
+  for (std::size_t at = base.size(); at <= path.size();) {
+    const auto slash = path.find('/', at);
+    parts.push_back(path.substr(at, slash == std::string::npos ? std::string::npos : slash - at));
+    if (slash == std::string::npos) break;
+    at = slash + 1;
+  }
+  if (parts.size() != 4 || parts[1].size() != 16 || parts[2].size() != 2) return std::nullopt;
+  const std::string& file = parts[3];
+  if (file.size() <= suffix.size() || file.compare(file.size() - suffix.size(), suffix.size(), suffix) != 0 ||
+      file[0] == '.')
+    return std::nullopt;
+  return StoredFile{parts[0], parts[1], file.substr(0, file.size() - suffix.size())};
+}
+
+std::string unique_suffix() {
+  static std::atomic<std::uint64_t> counter{0};
+  return std::to_string(::getpid()) + "-" + std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id())) +
+         "-" + std::to_string(counter.fetch_add(1));
+}
+
+Result<GcReport, StorageErrc> collect_files(FileSystem& fs, const std::string& root, const std::string& suffix,
+                                            const std::string& own_model, const GcRequest& r,
+                                            const std::function<void(const std::string& path)>& forget,
+                                            const std::function<void(const std::string& what, int e)>& note_error) {
+  std::vector<FileEntry> files;
+  if (int e = fs.list_files(root, &files); e != 0)
+    return make_error(StorageErrc::kIo, "cannot list " + root + ": " + std::strerror(e));
+  GcReport rep;
+  for (const auto& f : files) {
+    if (r.deadline_ns != 0 && monotonic_ns() > r.deadline_ns) {
+      rep.complete = false;
+      break;
+    }
+    const auto o = parse_stored_path(root, f.path, suffix);
+    if (!o) continue;  // a temporary, or not an object of kvtd's
+    ++rep.examined;
+    if (gc_keeps(r, own_model, o->model, o->fingerprint_hex, o->name)) {
+      ++rep.kept;
+      continue;
+    }
+    if (r.dry_run) {
+      ++rep.removed;
+      rep.removed_bytes += f.bytes;
+      continue;
+    }
+    const int e = fs.remove(f.path);
+    if (e != 0 && e != ENOENT) {
+      ++rep.failed;
+      note_error("remove " + f.path, e);
+      continue;
+    }
+    if (e == 0) {  // ENOENT: another collector sharing the root was first
+      ++rep.removed;
+      rep.removed_bytes += f.bytes;
+      if (r.on_removed) r.on_removed(o->model, o->name);
+    }
+    forget(f.path);
+  }
+  return rep;
+}
+
+std::int64_t monotonic_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<std::int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+
 }  // namespace kvtd::storage::detail

@@ -1,5 +1,6 @@
 #include "kvtd/storage/object_format.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include <xxhash.h>
@@ -37,6 +38,17 @@ const char* object_result_name(ObjectResult r) {
 bool valid_key(const std::string& key) { return proto::valid_object_key(key); }
 
 std::uint64_t hash_bytes(const void* data, std::size_t bytes) { return KVTD_XXH3_64(data, bytes); }
+
+bool gc_keeps(const GcRequest& r, const std::string& own_model, const std::string& model,
+              const std::string& fingerprint_hex, const std::string& name) {
+  if (!r.keep_models.empty() && std::find(r.keep_models.begin(), r.keep_models.end(), model) == r.keep_models.end())
+    return false;  // a model the operator did not name
+  if (model != own_model) return true;  // another model's layouts and names are its own business
+  char fp[17];
+  std::snprintf(fp, sizeof fp, "%016llx", static_cast<unsigned long long>(r.keep_fingerprint));
+  if (fingerprint_hex != fp) return false;  // a layout this deployment no longer has
+  return !r.keep_name || r.keep_name(name);
+}
 
 std::string namespaced_key(const StoreOptions& o, const std::string& key) {
   char fp[17];

@@ -9,6 +9,7 @@
 
 #include <cerrno>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdlib>
@@ -19,6 +20,7 @@
 #include <thread>
 
 #include "kvtd/proto/names.h"
+#include "redis_support.h"
 #include "split_store.h"
 #include "store_common.h"
 #include "kvtd/storage/object_format.h"
@@ -46,38 +48,10 @@ std::uint16_t redis_cluster_slot(const std::string& key) {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-struct ReplyDeleter {
-  void operator()(redisReply* r) const { freeReplyObject(r); }
-};
-using Reply = std::unique_ptr<redisReply, ReplyDeleter>;
-
-// One server connection with reconnect backoff.
-struct Node {
-  std::string host;
-  int port = 0;
-  redisContext* ctx = nullptr;
-  Clock::time_point retry_at{};
-  std::int64_t backoff_ms = 0;
-
-  ~Node() { drop(); }
-  void drop() {
-    if (ctx) redisFree(ctx);
-    ctx = nullptr;
-  }
-};
-
-bool parse_endpoint(const std::string& e, std::string* host, int* port) {
-  const auto colon = e.rfind(':');
-  if (colon == std::string::npos || colon == 0) return false;
-  *host = e.substr(0, colon);
-  char* end = nullptr;
-  const long p = std::strtol(e.c_str() + colon + 1, &end, 10);
-  if (*end != '\0' || p <= 0 || p > 65535) return false;
-  *port = static_cast<int>(p);
-  return true;
-}
+using detail::Clock;
+using detail::Node;
+using detail::parse_endpoint;
+using detail::Reply;
 
 enum class Op { kGet, kSet, kExists, kDel };
 
@@ -172,6 +146,42 @@ class RedisStore final : public ObjectStore {
   }
 
   StoreStats stats() const override { return counters_.snapshot(); }
+
+  // SCAN each master one step at a time, the store's lock taken per step, so storage tasks
+  // interleave with a long collection instead of waiting for it.
+  Result<GcReport, StorageErrc> collect(const GcRequest& request) override {
+    std::vector<Node*> servers;
+    {
+      MutexLock g(mu_);
+      if (o_.cluster && refresh_needed_) (void)refresh_slots(deadline());
+      for (Node* n : slots_)
+        if (n != nullptr && std::find(servers.begin(), servers.end(), n) == servers.end()) servers.push_back(n);
+      if (servers.empty()) servers.push_back(nodes_.begin()->second.get());  // standalone
+    }
+    GcReport report;
+    for (Node* n : servers) {
+      unsigned long long cursor = 0;
+      do {
+        const auto now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+        if (request.deadline_ns != 0 && now_ns > request.deadline_ns) {
+          report.complete = false;
+          return report;
+        }
+        MutexLock g(mu_);
+        std::string why;
+        redisContext* c = connect(*n, deadline());
+        auto next = c ? detail::gc_scan_step(c, cursor, request, o_.store.model_id, &report, &why) : std::nullopt;
+        if (!next) {
+          if (c) fail_connection(*n);
+          return make_error(StorageErrc::kUnavailable, "garbage collection: Redis " + n->host + ":" +
+                                                           std::to_string(n->port) + " did not answer: " +
+                                                           (why.empty() ? last_error_ : why));
+        }
+        cursor = *next;
+      } while (cursor != 0);
+    }
+    return report;
+  }
 
   std::string last_error() const override {
     MutexLock g(mu_);
@@ -400,13 +410,15 @@ class RedisStore final : public ObjectStore {
         if (redisBufferWrite(c, &done) != REDIS_OK) return false;
     }
     std::string prefix = asking ? "*1\r\n$6\r\nASKING\r\n" : "";
-    prefix += "*3\r\n$3\r\nSET\r\n$" + std::to_string(key.size()) + "\r\n" + key + "\r\n$" +
-              std::to_string(sizeof h + payload.size()) + "\r\n";
-    static const char kCrlf[2] = {'\r', '\n'};
+    prefix += (o_.ttl_s > 0 ? "*5\r\n$3\r\nSET\r\n$" : "*3\r\n$3\r\nSET\r\n$") + std::to_string(key.size()) + "\r\n" +
+              key + "\r\n$" + std::to_string(sizeof h + payload.size()) + "\r\n";
+    // The value's CRLF, then with a TTL "EX <seconds>" (the object expires on the server).
+    const std::string ttl = std::to_string(o_.ttl_s);
+    const std::string suffix = o_.ttl_s > 0 ? "\r\n$2\r\nEX\r\n$" + std::to_string(ttl.size()) + "\r\n" + ttl + "\r\n" : "\r\n";
     iovec iov[4] = {{prefix.data(), prefix.size()},
                     {const_cast<ObjectHeader*>(&h), sizeof h},
                     {const_cast<std::byte*>(payload.data()), payload.size()},
-                    {const_cast<char*>(kCrlf), 2}};
+                    {const_cast<char*>(suffix.data()), suffix.size()}};
     int first = 0;
     while (first < 4) {
       msghdr msg{};

@@ -49,6 +49,9 @@ class SplitStore final : public ObjectStore {
                                                            std::span<const Parts> objects) override {
     return noted(writes_, writes_->put_parts(keys, objects));
   }
+  // Both sides see the same store: the write side walks it.
+  Result<GcReport, StorageErrc> collect(const GcRequest& request) override { return writes_->collect(request); }
+
   Status<StorageErrc> remove(std::span<const std::string> keys) override {
     auto r = writes_->remove(keys);
     if (!r.ok()) last_failed_.store(writes_.get(), std::memory_order_relaxed);

@@ -14,100 +14,11 @@
 #include <random>
 #include <thread>
 
+#include "file_store_fixture.h"
 #include "kvtd/storage/object_format.h"
 
 namespace kvtd::storage {
 namespace {
-
-namespace fs = std::filesystem;
-constexpr std::uint64_t kObject = 4096 + 24;  // not a multiple of anything convenient
-
-// Wraps the real file system and fails chosen operations, like a full or read-only disk.
-class FaultyFileSystem final : public FileSystem {
- public:
-  std::unique_ptr<FileSystem> real = make_posix_file_system();
-  std::atomic<int> write_error{0};   // errno returned by write_file (after writing half)
-  std::atomic<int> rename_error{0};
-  std::atomic<int> synced_files{0}, synced_dirs{0};
-
-  int write_file(const std::string& p, std::span<const std::span<const std::byte>> parts, bool sync) override {
-    if (int e = write_error.load()) {
-      // A partial temporary file is left behind, as a real ENOSPC would.
-      const std::span<const std::byte> half[1] = {parts[0]};
-      real->write_file(p, half, false);
-      return e;
-    }
-    if (sync) ++synced_files;
-    return real->write_file(p, parts, sync);
-  }
-  int read_file(const std::string& p, std::span<const std::span<std::byte>> parts, std::size_t* n) override {
-    return real->read_file(p, parts, n);
-  }
-  int rename(const std::string& a, const std::string& b) override {
-    if (int e = rename_error.load()) return e;
-    return real->rename(a, b);
-  }
-  int remove(const std::string& p) override { return real->remove(p); }
-  int exists(const std::string& p, bool* present) override { return real->exists(p, present); }
-  int make_dirs(const std::string& p) override { return real->make_dirs(p); }
-  int sync_dir(const std::string& p) override {
-    ++synced_dirs;
-    return real->sync_dir(p);
-  }
-  int list_files(const std::string& r, std::vector<FileEntry>* out) override { return real->list_files(r, out); }
-};
-
-class FileStoreTest : public ::testing::Test {
- protected:
-  std::string root_ = (fs::path(::testing::TempDir()) / ("kvtd_fs_" + std::to_string(::getpid()) + "_" +
-                                                        ::testing::UnitTest::GetInstance()->current_test_info()->name()))
-                          .string();
-  void SetUp() override { fs::remove_all(root_); }
-  void TearDown() override { fs::remove_all(root_); }
-
-  FileStoreOptions options(std::uint64_t capacity = 0, FileSystem* f = nullptr, std::string model = "llama",
-                           std::uint64_t fp = 0xabcdef) {
-    FileStoreOptions o;
-    o.store = StoreOptions{std::move(model), fp, kObject};
-    o.root = root_;
-    o.capacity_bytes = capacity;
-    o.fs = f;
-    return o;
-  }
-  std::unique_ptr<ObjectStore> open(const FileStoreOptions& o) {
-    auto s = open_file_store(o);
-    EXPECT_TRUE(s.ok()) << s.error().message;
-    return s.ok() ? std::move(s).value() : nullptr;
-  }
-  static std::vector<std::byte> object(std::uint32_t seed) {
-    std::vector<std::byte> v(kObject);
-    std::mt19937 rng(seed);
-    for (auto& b : v) b = static_cast<std::byte>(rng());
-    return v;
-  }
-  static void put_one(ObjectStore& s, const std::string& key, const std::vector<std::byte>& bytes,
-                      ObjectResult want = ObjectResult::kOk) {
-    const std::string keys[1] = {key};
-    const std::byte* srcs[1] = {bytes.data()};
-    auto r = s.put(keys, srcs);
-    ASSERT_TRUE(r.ok()) << r.error().message;
-    EXPECT_EQ((*r)[0], want) << object_result_name((*r)[0]);
-  }
-  static ObjectResult get_one(ObjectStore& s, const std::string& key, std::vector<std::byte>* out) {
-    out->assign(kObject, std::byte{0});
-    const std::string keys[1] = {key};
-    std::byte* dsts[1] = {out->data()};
-    auto r = s.get(keys, dsts);
-    EXPECT_TRUE(r.ok());
-    return r.ok() ? (*r)[0] : ObjectResult::kFailed;
-  }
-  std::vector<std::string> object_files() const {
-    std::vector<std::string> out;
-    for (auto& e : fs::recursive_directory_iterator(root_))
-      if (e.is_regular_file()) out.push_back(e.path().string());
-    return out;
-  }
-};
 
 TEST_F(FileStoreTest, BatchRoundTripAndLeadingExists) {
   auto s = open(options());

@@ -255,6 +255,78 @@ TEST(RedisPassword, ComesFromAnEnvironmentVariableOrAFile) {
   fs::remove_all(dir);
 }
 
+// Issue 22 part 4: garbage collection by SCAN (never KEYS) and objects that expire on their own.
+GcRequest keep_version(int weight_version) {
+  GcRequest r;
+  r.keep_fingerprint = 0x1234;
+  const std::string tail = "-v" + std::to_string(weight_version);
+  r.keep_name = [tail](const std::string& n) { return n.size() > tail.size() && n.compare(n.size() - tail.size(), tail.size(), tail) == 0; };
+  return r;
+}
+
+TEST_F(RedisStandalone, CollectionRemovesOtherVersionsByScanAndKeepsWhatLoads) {
+  ASSERT_TRUE(server_.ready());
+  auto s = open(options({server_.endpoint()}));
+  Batch old_version(40, "old"), current(8, "cur");
+  for (auto& k : old_version.keys) k += "-v1";
+  for (auto& k : current.keys) k += "-v2";
+  ASSERT_TRUE(s->put(old_version.keys, old_version.srcs).ok());
+  ASSERT_TRUE(s->put(current.keys, current.srcs).ok());
+  auto other_model = open(options({server_.endpoint()}, false, "mistral"));
+  Batch theirs(3, "theirs");
+  ASSERT_TRUE(other_model->put(theirs.keys, theirs.srcs).ok());
+  server_.command({"SET", "unrelated", "x"});  // not kvtd's: never looked at
+
+  auto dry = keep_version(2);
+  dry.dry_run = true;
+  auto counted = s->collect(dry);
+  ASSERT_TRUE(counted.ok()) << counted.error().message;
+  EXPECT_EQ(counted->removed, 40u);
+  EXPECT_EQ(*s->exists(old_version.keys), 40u);
+
+  auto done = s->collect(keep_version(2));
+  ASSERT_TRUE(done.ok()) << done.error().message;
+  EXPECT_TRUE(done->complete);
+  EXPECT_EQ(done->examined, 51u);
+  EXPECT_EQ(done->removed, 40u);
+  EXPECT_EQ(done->removed_bytes, 40 * (kObject + sizeof(ObjectHeader)));
+  EXPECT_EQ(*s->exists(old_version.keys), 0u);
+  auto got = s->get(current.keys, current.dsts);
+  ASSERT_TRUE(got.ok());
+  for (std::size_t i = 0; i < current.keys.size(); ++i) {
+    EXPECT_EQ((*got)[i], ObjectResult::kOk);
+    EXPECT_EQ(current.back[i], current.data[i]);
+  }
+  EXPECT_EQ(*other_model->exists(theirs.keys), 3u);
+  EXPECT_EQ(server_.command({"GET", "unrelated"}), "x");
+  // The server's own command statistics: SCAN, never KEYS (which blocks it for the whole keyspace).
+  const std::string stats = server_.command({"INFO", "commandstats"});
+  EXPECT_NE(stats.find("cmdstat_scan:"), std::string::npos) << stats;
+  EXPECT_EQ(stats.find("cmdstat_keys:"), std::string::npos) << stats;
+}
+
+TEST_F(RedisStandalone, ATtlMakesObjectsExpireOnTheServer) {
+  ASSERT_TRUE(server_.ready());
+  auto o = options({server_.endpoint()});
+  o.ttl_s = 600;
+  auto s = open(o);
+  Batch b(2);
+  ASSERT_TRUE(s->put(b.keys, b.srcs).ok());
+  const std::string ttl = server_.command({"TTL", "kvtd:llama/0000000000001234/blk0"});
+  ASSERT_FALSE(ttl.empty());
+  const long seconds = std::stol(ttl);
+  EXPECT_GT(seconds, 590);
+  EXPECT_LE(seconds, 600);
+  auto got = s->get(b.keys, b.dsts);  // a SET with EX still stores the whole object
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ((*got)[1], ObjectResult::kOk);
+  EXPECT_EQ(b.back[1], b.data[1]);
+  auto plain = open(options({server_.endpoint()}));
+  Batch c(1, "forever");
+  ASSERT_TRUE(plain->put(c.keys, c.srcs).ok());
+  EXPECT_EQ(server_.command({"TTL", "kvtd:llama/0000000000001234/forever0"}), "-1");
+}
+
 class RedisClusterTest : public ::testing::Test {
  protected:
   test::Watchdog dog_{120};
@@ -338,6 +410,32 @@ TEST_F(RedisClusterTest, BatchesSpanAllMastersAndMovedIsFollowedAfterASlotMigrat
     EXPECT_EQ(b.back[i], b.data[i]) << b.keys[i];
   }
   EXPECT_EQ(*(*s)->exists(b.keys), b.keys.size());
+}
+
+}  // namespace
+}  // namespace kvtd::storage
+
+namespace kvtd::storage {
+namespace {
+
+// The collection walks every master of a cluster (SCAN is per node), not only the one it was given.
+TEST_F(RedisClusterTest, CollectionScansEveryMaster) {
+  auto s = open_redis_store(options({nodes_[0]->endpoint()}, true));
+  ASSERT_TRUE(s.ok()) << s.error().message;
+  Batch old_version(48, "old"), current(8, "cur");
+  for (auto& k : old_version.keys) k += "-v1";
+  for (auto& k : current.keys) k += "-v2";
+  ASSERT_TRUE((*s)->put(old_version.keys, old_version.srcs).ok());
+  ASSERT_TRUE((*s)->put(current.keys, current.srcs).ok());
+  int masters_holding_old = 0;
+  for (auto& n : nodes_) masters_holding_old += n->command({"DBSIZE"}) != "0";
+  ASSERT_EQ(masters_holding_old, 3) << "the keys should spread over all three masters";
+  auto done = (*s)->collect(keep_version(2));
+  ASSERT_TRUE(done.ok()) << done.error().message;
+  EXPECT_EQ(done->examined, 56u);
+  EXPECT_EQ(done->removed, 48u);
+  EXPECT_EQ(*(*s)->exists(old_version.keys), 0u);
+  EXPECT_EQ(*(*s)->exists(current.keys), 8u);
 }
 
 }  // namespace

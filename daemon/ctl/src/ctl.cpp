@@ -1,7 +1,8 @@
 // `kvtd ctl`: asks running daemons what they are doing, over their control sockets.
 //
 //   kvtd ctl [--session S] [--dp D] [--rank R | --all] [--endpoint E] [--timeout SEC] [--json]
-//            status | drain | log-level LEVEL | clear [--drop-host-tier] | restore
+//            status | drain | log-level LEVEL | clear [--drop-host-tier] | restore |
+//            storage gc --keep-weight-version N [--keep-model M]... [--max-seconds S] [--dry-run]
 //
 // clear / restore act on the daemon alone (the engine's clear_caches()/restore_caches() are the
 // engine-driven path): clear finishes the tasks in flight and closes every mapping of the
@@ -55,12 +56,31 @@ void print_status(std::uint32_t rank, const json& r) {
               errors.empty() ? "" : ("\n         last error: " + errors.back().get<std::string>()).c_str());
 }
 
+// One line per rank for `storage gc`.
+void print_gc(std::uint32_t rank, const json& r) {
+  if (r.contains("skipped")) {
+    std::printf("rank %u: %s\n", rank, r["skipped"].get<std::string>().c_str());
+    return;
+  }
+  std::printf("rank %u: %s %llu objects (%s) of %llu examined, %llu kept, %llu failed%s\n", rank,
+              r["dry_run"].get<bool>() ? "would remove" : "removed",
+              static_cast<unsigned long long>(r["removed"].get<std::uint64_t>()),
+              gb(r["removed_bytes"].get<std::uint64_t>()).c_str(),
+              static_cast<unsigned long long>(r["examined"].get<std::uint64_t>()),
+              static_cast<unsigned long long>(r["kept"].get<std::uint64_t>()),
+              static_cast<unsigned long long>(r["failed"].get<std::uint64_t>()),
+              r["complete"].get<bool>() ? "" : "; stopped at --max-seconds: run it again to go on");
+}
+
 }  // namespace
 
 namespace {
 
 struct CtlArgs {
   std::string session, endpoint, command, level, secret_file;
+  control::Request::StorageGc gc;
+  std::vector<std::string> keep_models;
+  std::optional<std::uint64_t> keep_weight_version;
   std::uint32_t dp = 0;
   std::int64_t rank = -1;
   bool all = false, as_json = false, drop_host_tier = false;
@@ -76,16 +96,23 @@ int fail(const std::string& message, int code = kExitBadFlags) {
 std::optional<int> make_request(const CtlArgs& a, control::Request* req) {
   req->command = a.command;
   req->level = a.level;
+  if (a.command == "storage") {  // `kvtd ctl storage gc ...`
+    if (a.level != "gc") return fail("storage: the one subcommand is gc (kvtd ctl storage gc --keep-weight-version N)");
+    if (!a.keep_weight_version) return fail("storage gc needs --keep-weight-version (the engine's current weight version)");
+    req->command = "storage-gc";
+    req->level.clear();
+    req->gc = a.gc;
+    req->gc.keep_weight_version = *a.keep_weight_version;
+    req->gc.keep_models = a.keep_models;
+  }
   req->drop_host_tier = a.drop_host_tier;
   if (!a.secret_file.empty()) {
     auto secret = control::read_secret_file(a.secret_file);
     if (!secret.ok()) return fail(secret.error().message);
     req->token = std::move(secret).value();
   }
-  json probe{{"command", a.command}};
-  if (!a.level.empty()) probe["level"] = a.level;
-  if (a.drop_host_tier) probe["drop_host_tier"] = true;
-  if (auto checked = control::parse_request(probe.dump()); !checked.ok()) return fail(checked.error().message);
+  if (auto checked = control::parse_request(control::request_text(*req)); !checked.ok())
+    return fail(checked.error().message);
   if (!(a.timeout_s > 0 && a.timeout_s <= 600)) return fail("--timeout must be in (0, 600] seconds");
   if (a.rank >= 0 && a.all) return fail("--rank and --all exclude each other");
   return std::nullopt;
@@ -117,7 +144,10 @@ std::optional<int> find_targets(const CtlArgs& a, std::vector<std::pair<std::uin
 // Asks one daemon and prints its answer (unless --json): true when it answered ok.
 bool ask(const CtlArgs& a, const control::Request& req, std::uint32_t r, const std::string& ep, json* replies) {
   // A clear waits for the tasks in flight: the daemon answers within 20 s, so wait longer.
-  const double wait_s = a.command == "clear" || a.command == "restore" ? std::max(a.timeout_s, 25.0) : a.timeout_s;
+  // A collection runs up to --max-seconds.
+  const double wait_s = a.command == "clear" || a.command == "restore" ? std::max(a.timeout_s, 25.0)
+                        : a.command == "storage"                       ? std::max(a.timeout_s, req.gc.max_seconds + 5)
+                                                                       : a.timeout_s;
   auto reply = control::call(ep, req, static_cast<int>(wait_s * 1000));
   if (!reply.ok()) {
     std::fprintf(stderr, "kvtd ctl: rank %u: %s\n", r, reply.error().message.c_str());
@@ -140,6 +170,7 @@ bool ask(const CtlArgs& a, const control::Request& req, std::uint32_t r, const s
   else if (a.command == "drain") std::printf("rank %u: draining (finishes the tasks in flight, then exits)\n", r);
   else if (a.command == "clear") std::printf("rank %u: cache cleared (mappings closed%s)\n", r, a.drop_host_tier ? ", host tier dropped" : "");
   else if (a.command == "restore") std::printf("rank %u: cache restored (registry re-read and re-opened)\n", r);
+  else if (a.command == "storage") print_gc(r, j["result"]);
   else std::printf("rank %u: log level %s\n", r, a.level.c_str());
   return true;
 }
@@ -147,7 +178,7 @@ bool ask(const CtlArgs& a, const control::Request& req, std::uint32_t r, const s
 }  // namespace
 
 int run_ctl(int argc, char** argv) {
-  CLI::App app{"kvtd ctl - ask running kvtd daemons (status, drain, log-level, clear, restore)", "kvtd ctl"};
+  CLI::App app{"kvtd ctl - ask running kvtd daemons (status, drain, log-level, clear, restore, storage gc)", "kvtd ctl"};
   CtlArgs a;
   app.add_option("--session,--ipc_suffix", a.session, "Session suffix of the daemons (required unless --endpoint)");
   app.add_option("--dp,--local_data_parallel_id", a.dp, "Data-parallel group (default 0)");
@@ -158,8 +189,14 @@ int run_ctl(int argc, char** argv) {
   app.add_option("--timeout", a.timeout_s, "Seconds to wait for each daemon (default 2)");
   app.add_flag("--json", a.as_json, "Print the daemons' JSON replies");
   app.add_flag("--drop-host-tier", a.drop_host_tier, "clear: also invalidate the host pool (its KV is the old weights')");
-  app.add_option("command", a.command, "status | drain | log-level | clear | restore")->required();
-  app.add_option("level", a.level, "log-level: trace | debug | info | warn | error | critical | off");
+  app.add_option("--keep-weight-version", a.keep_weight_version,
+                 "storage gc: the weight version to keep (objects of every other one are removed)");
+  app.add_option("--keep-model", a.keep_models,
+                 "storage gc: a model whose objects stay (repeat); when given, every other model's objects go");
+  app.add_option("--max-seconds", a.gc.max_seconds, "storage gc: stop after this long (default 30; run again to go on)");
+  app.add_flag("--dry-run", a.gc.dry_run, "storage gc: count what would be removed, remove nothing");
+  app.add_option("command", a.command, "status | drain | log-level | clear | restore | storage")->required();
+  app.add_option("level", a.level, "log-level: trace | debug | info | warn | error | critical | off; storage: gc");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,5 +1,6 @@
 #include "kvtd/base/mutex.h"
 #include "kvtd/daemon/control_handler.h"
+#include "process/storage_gc.h"
 
 #include "kvtd/base/version.h"
 
@@ -126,12 +127,15 @@ ControlState::Wait ControlState::wait_cache(Cache want, std::int64_t timeout_ms)
 
 Result<std::unique_ptr<control::ControlServer>, control::ControlErrc> start_control(
     const config::DaemonConfig& cfg, const metrics::MetricsRegistry& registry, const std::string& store_name,
-    ControlState& state, std::atomic<bool>& stop, metrics::HealthRoutes health) {
+    ControlState& state, std::atomic<bool>& stop, metrics::HealthRoutes health, storage::ObjectStore* store,
+    events::KvEventPublisher* kv_events) {
   auto dir = control::runtime_dir();
   if (!dir.ok()) return make_error(dir.error().code, "control socket directory: " + dir.error().message);
   const std::string path = control::socket_path(*dir, cfg.session_suffix, cfg.data_parallel_id, cfg.rank);
-  auto handler = [&cfg, &registry, store_name, &state, &stop, health](const control::Request& r) -> control::Reply {
+  auto handler = [&cfg, &registry, store_name, &state, &stop, health, store,
+                  kv_events](const control::Request& r) -> control::Reply {
     control::Reply reply;
+    if (r.command == "storage-gc") return collect_storage(cfg, store, kv_events, r.gc);
     if (r.command == "status") {
       reply.result_json = status_of(cfg, registry, store_name, state, health).dump();
     } else if (r.command == "drain") {

@@ -62,6 +62,7 @@ Result<OpenedStore, config::ConfigErrc> open_store(const config::DaemonConfig& c
   if (sc.redis_password_file.empty() && std::getenv(sc.redis_password_env.c_str()) != nullptr)
     ro.password_env = sc.redis_password_env;
   ro.timeout_ms = static_cast<std::int64_t>(sc.redis_timeout_s * 1000);
+  ro.ttl_s = sc.redis_ttl_s;
   auto s = storage::open_redis_store(ro);
   if (!s.ok()) return make_error(config::ConfigErrc::kInvalidValue, "--redis-endpoints: " + s.error().message);
   out.store = std::move(s).value();
@@ -162,7 +163,8 @@ std::optional<int> open_servers(const config::DaemonConfig& cfg, std::atomic<boo
     KVTD_INFO("Prometheus metrics on http://{}:{}/metrics, health probes on /healthz and /readyz", cfg.metrics_address,
               s.metrics_server->port());
   }
-  auto control = start_control(cfg, s.registry, s.store_name, s.control_state, stop, health_routes(sources));
+  auto control = start_control(cfg, s.registry, s.store_name, s.control_state, stop, health_routes(sources),
+                               s.store.get(), s.kv_events.get());
   if (!control.ok() && control.error().code != control::ControlErrc::kInUse) {
     KVTD_ERROR("{}", control.error().message);
     return kExitBadFlags;

@@ -77,19 +77,32 @@ bool all_digits(const std::string& s, std::size_t from, std::size_t to) {
 
 }  // namespace
 
-std::optional<std::string> engine_key_of(const std::string& stored_name, const std::string& key_prefix) {
+std::optional<StoredName> parse_stored_name(const std::string& stored_name) {
+  StoredName out;
   std::string s = stored_name;
   const auto r = s.rfind(".r");
-  if (r == std::string::npos || !all_digits(s, r + 2, s.size())) return std::nullopt;
+  if (r == std::string::npos || !all_digits(s, r + 2, s.size()) || s.size() - r - 2 > 4) return std::nullopt;
+  out.rank = static_cast<std::uint32_t>(std::stoul(s.substr(r + 2)));
   s.resize(r);
   const auto w = s.rfind(".w");
   const auto dash = s.find('-', w == std::string::npos ? 0 : w);
-  if (w == std::string::npos || dash == std::string::npos || !all_digits(s, w + 2, dash) || !all_digits(s, dash + 1, s.size()))
+  if (w == std::string::npos || dash == std::string::npos || !all_digits(s, w + 2, dash) || !all_digits(s, dash + 1, s.size()) ||
+      dash - w - 2 > 19 || s.size() - dash - 1 > 19)
     return std::nullopt;
+  out.config_weight_version = std::stoull(s.substr(w + 2, dash - w - 2));
+  out.task_weight_version = std::stoull(s.substr(dash + 1));
   s.resize(w);
-  if (!key_prefix.empty() && !strip_suffix(s, "." + key_prefix)) return std::nullopt;
   if (s.empty()) return std::nullopt;
-  return s;
+  out.key = std::move(s);
+  return out;
+}
+
+std::optional<std::string> engine_key_of(const std::string& stored_name, const std::string& key_prefix) {
+  auto parsed = parse_stored_name(stored_name);
+  if (!parsed) return std::nullopt;
+  if (!key_prefix.empty() && !strip_suffix(parsed->key, "." + key_prefix)) return std::nullopt;
+  if (parsed->key.empty()) return std::nullopt;
+  return std::move(parsed->key);
 }
 
 void StorageExecutor::Impl::count_uses(const std::vector<std::string>& keys) {

@@ -66,6 +66,7 @@ struct StorageConfig {
   std::string redis_password_file;
   std::string redis_password_env = "KVTD_REDIS_PASSWORD";
   double redis_timeout_s = 2.0;
+  std::int64_t redis_ttl_s = 0;          // > 0: objects expire this long after their write
   double capacity_gib = 0;               // file: 0 = unlimited
   StorageFsync fsync = StorageFsync::kNone;
   // file: loads read with O_DIRECT (io_uring) into aligned buffers instead of through the page

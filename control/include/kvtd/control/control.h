@@ -32,14 +32,26 @@ namespace kvtd::control {
 
 enum class ControlErrc { kInvalidArgument, kRuntimeDir, kBind, kInUse, kTimeout, kBadReply };
 
-inline constexpr const char* kCommandList = "status, drain, log-level, clear or restore";
+inline constexpr const char* kCommandList = "status, drain, log-level, clear, restore or storage-gc";
 
 struct Request {
   std::string command;  // kCommandList
   std::string level;    // log-level: trace | debug | info | warn | error | critical | off
   bool drop_host_tier = false;  // clear: also invalidate the host pool
   std::string token;            // the TCP endpoint's shared secret (ignored on the ipc socket)
+  // storage-gc: remove stored objects of other weight versions (keep_weight_version: the
+  // engine's, required), other layouts of this model, and, when keep_models is non-empty, of
+  // every model it does not name; for at most max_seconds; dry_run: count only.
+  struct StorageGc {
+    std::uint64_t keep_weight_version = 0;
+    std::vector<std::string> keep_models;
+    double max_seconds = 30;
+    bool dry_run = false;
+  } gc;
 };
+
+// The request as the daemon parses it (parse_request(request_text(r)) gives r back).
+std::string request_text(const Request& request);
 
 // The shared secret in `path`: its first line, at least 16 characters, in a regular file owned by
 // this user that no one else may read (mode 0600-like). The error names the path and the problem.

@@ -19,6 +19,13 @@
 #include "kvtd/metrics/http_server.h"
 #include "kvtd/metrics/registry.h"
 
+namespace kvtd::storage {
+class ObjectStore;
+}
+namespace kvtd::events {
+class KvEventPublisher;
+}
+
 namespace kvtd::daemon {
 
 struct ControlState {
@@ -62,8 +69,10 @@ const char* cache_state_name(ControlState::Cache c);
 // Binds the rank's control socket in the runtime directory (and cfg.control_endpoint). The
 // registry, state and stop flag must outlive the returned server, and so must what `health`'s
 // routes read (status shows their answers under "health").
+// `store` and `kv_events` (either may be null) serve `storage gc` and must outlive the server too.
 Result<std::unique_ptr<control::ControlServer>, control::ControlErrc> start_control(
     const config::DaemonConfig& cfg, const metrics::MetricsRegistry& registry, const std::string& store_name,
-    ControlState& state, std::atomic<bool>& stop, metrics::HealthRoutes health = {});
+    ControlState& state, std::atomic<bool>& stop, metrics::HealthRoutes health = {},
+    storage::ObjectStore* store = nullptr, events::KvEventPublisher* kv_events = nullptr);
 
 }  // namespace kvtd::daemon

@@ -55,6 +55,34 @@ struct StoreStats {
   bool sized = false;                // bytes_stored and objects_stored are known (file backend)
 };
 
+// What a garbage collection keeps. An object is removed when its model is not in
+// `keep_models` (only when that list is non-empty: other models are left alone otherwise),
+// when it is of this model but another layout than `keep_fingerprint`, or when keep_name (given
+// the object's name within its namespace) says no. Objects of a name kvtd did not make, and
+// temporaries, are never touched.
+struct GcRequest {
+  std::vector<std::string> keep_models;
+  std::uint64_t keep_fingerprint = 0;
+  std::function<bool(const std::string& name)> keep_name;  // empty: every name of a kept namespace stays
+  std::int64_t deadline_ns = 0;  // CLOCK_MONOTONIC; the walk stops there (0: no limit)
+  bool dry_run = false;          // count what would go, remove nothing
+  // Called for each object removed (not in a dry run), on the collecting thread.
+  std::function<void(const std::string& model, const std::string& name)> on_removed;
+};
+
+struct GcReport {
+  std::uint64_t examined = 0;  // objects looked at
+  std::uint64_t removed = 0, removed_bytes = 0;  // objects (and their bytes) removed, or that would be
+  std::uint64_t kept = 0;
+  std::uint64_t failed = 0;   // removals that failed (named in last_error())
+  bool complete = true;       // false: the deadline stopped the walk; run it again to go on
+};
+
+// Whether `request` keeps an object of `model`, layout `fingerprint_hex` (16 hex digits) and
+// `name` within that namespace.
+bool gc_keeps(const GcRequest& request, const std::string& own_model, const std::string& model,
+              const std::string& fingerprint_hex, const std::string& name);
+
 class ObjectStore {
  public:
   virtual ~ObjectStore() = default;
@@ -67,6 +95,15 @@ class ObjectStore {
   virtual Result<std::vector<ObjectResult>, StorageErrc> put(std::span<const std::string> keys,
                                                              std::span<const std::byte* const> sources) = 0;
   virtual Status<StorageErrc> remove(std::span<const std::string> keys) = 0;
+
+  // Garbage collection: removes the stored objects `request` does not keep (see GcRequest),
+  // walking the whole store (the file store's root; Redis: SCAN over every master, never
+  // KEYS) until done or its deadline, and reports what it freed. Objects of this store's own
+  // namespace leave its accounting (capacity, bytes stored) as they go.
+  virtual Result<GcReport, StorageErrc> collect(const GcRequest& request) {
+    (void)request;
+    return make_error(StorageErrc::kInvalidArgument, "this store cannot collect garbage");
+  }
 
   // Per-object hooks, so a caller can overlap its own work with the store's I/O. Hooks run on
   // the store's I/O threads, concurrently for different objects; the defaults below run them

@@ -32,6 +32,7 @@ struct RedisStoreOptions {
   std::string password_env;            // name of an environment variable holding it
   std::int64_t timeout_ms = 2000;      // connect and per-reply deadline
   std::int64_t max_backoff_ms = 1000;  // reconnect backoff cap
+  std::int64_t ttl_s = 0;              // > 0: every object expires this many seconds after its write (SET EX)
 };
 
 Result<std::unique_ptr<ObjectStore>, StorageErrc> open_redis_store(const RedisStoreOptions& options);

@@ -1,4 +1,5 @@
-// --kv-events-*: where and how rank 0 publishes KV events (kvtd/events/kv_events.h).
+// Flags of running a fleet: --kv-events-* (where and how rank 0 publishes KV events,
+// kvtd/events/kv_events.h) and --redis-ttl-s (stored objects that expire on their own).
 #include <CLI/CLI.hpp>
 
 #include "flag_groups.h"
@@ -13,6 +14,20 @@ void declare_kv_events_flags(CLI::App& app, DaemonConfig& c) {
   app.add_option("--kv-events-topic", c.kv_events.topic, "Topic frame of every event batch (default empty)");
   app.add_option("--kv-events-medium", c.kv_events.medium,
                  "Medium named in the events (default DISK for the file store, REDIS for Redis)");
+}
+
+void declare_lifecycle_flags(CLI::App& app, DaemonConfig& c) {
+  app.add_option("--redis-ttl-s", c.storage.redis_ttl_s,
+                 "redis: every object expires this many seconds after it was written (0 = never)");
+}
+
+Status<ConfigErrc> resolve_lifecycle(const DaemonConfig& c) {
+  if (c.storage.redis_ttl_s < 0 || c.storage.redis_ttl_s > 315'360'000)
+    return make_error(ConfigErrc::kInvalidValue,
+                      "--redis-ttl-s: " + std::to_string(c.storage.redis_ttl_s) + " must be in [0, 315360000] (10 years)");
+  if (c.storage.redis_ttl_s > 0 && c.storage.backend != StorageBackendKind::kRedis)
+    return make_error(ConfigErrc::kInvalidValue, "--redis-ttl-s: only the Redis store lets objects expire (--storage-backend redis)");
+  return {};
 }
 
 Status<ConfigErrc> resolve_kv_events(DaemonConfig& c) {

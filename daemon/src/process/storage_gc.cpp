@@ -1,0 +1,65 @@
+#include "process/storage_gc.h"
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+
+#include "kvtd/daemon/log.h"
+#include "kvtd/daemon/storage_executor.h"
+#include "kvtd/events/kv_events.h"
+#include "kvtd/ipc/clock.h"
+#include "kvtd/storage/object_store.h"
+
+namespace kvtd::daemon {
+
+control::Reply collect_storage(const config::DaemonConfig& cfg, storage::ObjectStore* store,
+                               events::KvEventPublisher* kv_events, const control::Request::StorageGc& gc) {
+  control::Reply reply;
+  if (store == nullptr) {
+    reply.ok = false;
+    reply.error = "no storage tier on this rank (--storage-backend none): nothing to collect";
+    return reply;
+  }
+  if (cfg.storage.backend == config::StorageBackendKind::kRedis && cfg.rank != 0) {
+    reply.result_json = nlohmann::json{{"skipped", "rank 0 collects the shared Redis store"}}.dump();
+    return reply;
+  }
+  storage::GcRequest request;
+  request.keep_models = gc.keep_models;
+  request.keep_fingerprint = layout_fingerprint(cfg.geometry());
+  request.dry_run = gc.dry_run;
+  request.deadline_ns = ipc::monotonic_now_ns() + static_cast<std::int64_t>(gc.max_seconds * 1e9);
+  const std::uint64_t config_wv = cfg.storage.weight_version;
+  const std::uint64_t keep_wv = gc.keep_weight_version;
+  request.keep_name = [config_wv, keep_wv](const std::string& name) {
+    const auto parsed = parse_stored_name(name);
+    return !parsed || (parsed->config_weight_version == config_wv && parsed->task_weight_version == keep_wv);
+  };
+  std::vector<std::string> removed_keys;  // this group's, for the routers
+  if (kv_events != nullptr)
+    request.on_removed = [&](const std::string& model, const std::string& name) {
+      if (model != cfg.model_id) return;
+      if (auto key = engine_key_of(name, cfg.storage.key_prefix)) removed_keys.push_back(std::move(*key));
+    };
+  auto report = store->collect(request);
+  if (!report.ok()) {
+    reply.ok = false;
+    reply.error = report.error().message;
+    return reply;
+  }
+  // Every rank's slice of a block has its own object: one event per key is enough.
+  std::sort(removed_keys.begin(), removed_keys.end());
+  removed_keys.erase(std::unique(removed_keys.begin(), removed_keys.end()), removed_keys.end());
+  if (kv_events != nullptr && !removed_keys.empty()) kv_events->removed(std::move(removed_keys));
+  const auto& r = *report;
+  KVTD_INFO("storage gc (keep weight version {}{}): {} {} objects ({} bytes) of {} examined, {} kept, {} failed{}",
+            keep_wv, gc.keep_models.empty() ? "" : ", named models only", gc.dry_run ? "would remove" : "removed",
+            r.removed, r.removed_bytes, r.examined, r.kept, r.failed, r.complete ? "" : "; stopped at its time limit");
+  reply.result_json = nlohmann::json{{"examined", r.examined}, {"removed", r.removed},
+                                     {"removed_bytes", r.removed_bytes}, {"kept", r.kept},
+                                     {"failed", r.failed},     {"complete", r.complete},
+                                     {"dry_run", gc.dry_run}}
+                          .dump();
+  return reply;
+}
+
+}  // namespace kvtd::daemon
