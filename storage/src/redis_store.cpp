@@ -78,28 +78,30 @@ class RedisStore final : public ObjectStore {
       node(host, port);
     }
     if (o_.endpoints.empty()) return make_error(StorageErrc::kInvalidArgument, "no Redis endpoint given");
-    if (!o_.cluster && o_.detect_cluster) {
-      MutexLock g(mu_);
-      const auto dl = deadline();
-      for (auto& [id, n] : nodes_) {
-        redisContext* c = connect(*n, dl);
-        if (!c) continue;
-        Reply r(static_cast<redisReply*>(redisCommand(c, "CLUSTER INFO")));
-        if (!r) {
-          n->drop();
-          continue;
-        }
-        // A Cluster node answers a status text; a standalone server an error ("cluster support disabled").
-        o_.cluster = (r->type == REDIS_REPLY_STRING || r->type == REDIS_REPLY_STATUS) &&
-                     std::string_view(r->str, r->len).find("cluster_state:") != std::string_view::npos;
-        break;
-      }
-    }
-    if (o_.cluster) {
-      MutexLock g(mu_);
-      KVTD_TRY(refresh_slots(deadline()));
-    }
+    MutexLock g(mu_);
+    if (!o_.cluster && o_.detect_cluster) detect_pending_ = !detect_locked(deadline());
+    if (o_.cluster) KVTD_TRY(refresh_slots(deadline()));
     return {};
+  }
+
+  // Asks the first reachable endpoint whether it is a Cluster node (CLUSTER INFO). False when none
+  // answered: the caller asks again later (a cluster down at start is found once it is up).
+  bool detect_locked(Clock::time_point dl) REQUIRES(mu_) {
+    for (auto& [id, n] : nodes_) {
+      redisContext* c = connect(*n, dl);
+      if (!c) continue;
+      Reply r(static_cast<redisReply*>(redisCommand(c, "CLUSTER INFO")));
+      if (!r) {
+        n->drop();
+        continue;
+      }
+      // A Cluster node answers a status text; a standalone server an error ("cluster support disabled").
+      o_.cluster = (r->type == REDIS_REPLY_STRING || r->type == REDIS_REPLY_STATUS) &&
+                   std::string_view(r->str, r->len).find("cluster_state:") != std::string_view::npos;
+      if (o_.cluster) refresh_needed_ = true;
+      return true;
+    }
+    return false;
   }
 
   Result<std::size_t, StorageErrc> exists(std::span<const std::string> keys) override {
@@ -153,6 +155,7 @@ class RedisStore final : public ObjectStore {
     std::vector<Node*> servers;
     {
       MutexLock g(mu_);
+      if (detect_pending_) detect_pending_ = !detect_locked(deadline());
       if (o_.cluster && refresh_needed_) (void)refresh_slots(deadline());
       for (Node* n : slots_)
         if (n != nullptr && std::find(servers.begin(), servers.end(), n) == servers.end()) servers.push_back(n);
@@ -276,6 +279,7 @@ class RedisStore final : public ObjectStore {
                           std::span<const std::byte* const> srcs, std::vector<ObjectResult>* results) {
     MutexLock g(mu_);
     const auto dl = deadline();
+    if (detect_pending_) detect_pending_ = !detect_locked(dl);
     if (o_.cluster && refresh_needed_) (void)refresh_slots(dl);
     results->assign(keys.size(), ObjectResult::kFailed);
     std::vector<std::string> names(keys.size());
@@ -454,6 +458,7 @@ class RedisStore final : public ObjectStore {
   std::map<std::string, std::unique_ptr<Node>> nodes_ GUARDED_BY(mu_);
   std::array<Node*, 16384> slots_ GUARDED_BY(mu_){};
   bool refresh_needed_ GUARDED_BY(mu_) = false;
+  bool detect_pending_ GUARDED_BY(mu_) = false;  // no endpoint answered CLUSTER INFO yet
   std::string last_error_ GUARDED_BY(mu_);
   detail::Counters counters_;
 };
