@@ -11,6 +11,9 @@ import subprocess
 import pytest
 import torch
 
+import kvtd
+import kvtd.control
+
 from conftest import small_geometry
 
 
@@ -54,9 +57,10 @@ def test_gc_removes_the_old_weight_version_and_the_current_one_still_loads(clust
     before = store_bytes(store)
     per_object = before // (10 * g.num_ranks)
 
-    code, out, err = ctl(c, "storage", "gc", "--keep-weight-version", "2", "--dry-run")
-    assert code == 0, err
-    assert all(r["result"]["removed"] == 6 * g.num_ranks and r["result"]["dry_run"] for r in json.loads(out))
+    # The engine's own call (kvtd.control, over the same control sockets) for the dry run.
+    reports = kvtd.control.storage_gc(c.suffix, 2, dry_run=True)
+    assert [r["rank"] for r in reports] == list(range(g.num_ranks))
+    assert all(r["removed"] == 6 * g.num_ranks and r["dry_run"] for r in reports)
     assert store_bytes(store) == before
 
     code, out, err = ctl(c, "storage", "gc", "--keep-weight-version", "2")
@@ -91,3 +95,7 @@ def test_gc_without_a_store_says_so(cluster):
     c.ready()
     code, _, err = ctl(c, "storage", "gc", "--keep-weight-version", "1")
     assert code == 1 and "no storage tier" in err
+    with pytest.raises(kvtd.KvtdError, match="no storage tier"):
+        kvtd.control.storage_gc(c.suffix, 1)
+    with pytest.raises(kvtd.KvtdError, match="no daemon of session"):
+        kvtd.control.storage_gc(c.suffix + "-none", 1)
