@@ -34,35 +34,24 @@ void MsgpackWriter::float64(double v) {
   be(bits, 8);
 }
 
+// A length after its 8-, 16- or 32-bit marker (str 8/16/32, bin 8/16/32).
+void MsgpackWriter::sized(std::uint32_t n, unsigned char m8, unsigned char m16, unsigned char m32) {
+  const int bytes = n <= 0xff ? 1 : n <= 0xffff ? 2 : 4;
+  out_.push_back(static_cast<char>(bytes == 1 ? m8 : bytes == 2 ? m16 : m32));
+  be(n, bytes);
+}
+
 void MsgpackWriter::str(std::string_view s) {
   const auto n = static_cast<std::uint32_t>(s.size());
-  if (n <= 31) {
-    out_.push_back(static_cast<char>(0xa0 | n));
-  } else if (n <= 0xff) {
-    out_.push_back(static_cast<char>(0xd9));
-    be(n, 1);
-  } else if (n <= 0xffff) {
-    out_.push_back(static_cast<char>(0xda));
-    be(n, 2);
-  } else {
-    out_.push_back(static_cast<char>(0xdb));
-    be(n, 4);
-  }
+  if (n <= 31)
+    out_.push_back(static_cast<char>(0xa0 | n));  // fixstr
+  else
+    sized(n, 0xd9, 0xda, 0xdb);
   out_.append(s);
 }
 
 void MsgpackWriter::bin(std::string_view bytes) {
-  const auto n = static_cast<std::uint32_t>(bytes.size());
-  if (n <= 0xff) {
-    out_.push_back(static_cast<char>(0xc4));
-    be(n, 1);
-  } else if (n <= 0xffff) {
-    out_.push_back(static_cast<char>(0xc5));
-    be(n, 2);
-  } else {
-    out_.push_back(static_cast<char>(0xc6));
-    be(n, 4);
-  }
+  sized(static_cast<std::uint32_t>(bytes.size()), 0xc4, 0xc5, 0xc6);
   out_.append(bytes);
 }
 

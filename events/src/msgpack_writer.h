@@ -23,6 +23,7 @@ class MsgpackWriter {
 
  private:
   void be(std::uint64_t v, int bytes);
+  void sized(std::uint32_t n, unsigned char m8, unsigned char m16, unsigned char m32);
   void header(std::uint32_t n, unsigned char fix, unsigned fix_max, unsigned char m16, unsigned char m32);
   std::string out_;
 };

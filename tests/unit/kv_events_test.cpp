@@ -3,9 +3,13 @@
 // subscriber decoding with python3-msgpack (tests/python/test_kv_events.py).
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <string>
+
 #include "kvtd/daemon/storage_executor.h"
 #include "kvtd/events/kv_events.h"
 #include "kvtd/metrics/registry.h"
+#include "msgpack_writer.h"  // events/src: the encoder itself
 
 namespace kvtd {
 namespace {
@@ -56,6 +60,39 @@ TEST(KvEvents, EventsBeyondTheQueueBoundAreDroppedAndCountedNotWaitedFor) {
   const std::string text = registry.render();
   EXPECT_NE(text.find("kvtd_kv_events_dropped_total 3\n"), std::string::npos) << text;
   EXPECT_NE(text.find("# TYPE kvtd_kv_events_sent_total counter\n"), std::string::npos) << text;
+}
+
+// The encoder's byte forms, from the msgpack spec (github.com/msgpack/msgpack, spec.md): the
+// short forms the Python subscriber test meets, and the longer ones it does not.
+TEST(KvEvents, MsgpackWriterWritesTheSpecsFormats) {
+  auto bytes = [](auto&& write) {
+    events::MsgpackWriter w;
+    write(w);
+    std::string hex;
+    for (unsigned char c : w.bytes().substr(0, 4)) {
+      char b[3];
+      std::snprintf(b, sizeof b, "%02x", c);
+      hex += b;
+    }
+    return hex + "/" + std::to_string(w.bytes().size());
+  };
+  EXPECT_EQ(bytes([](auto& w) { w.str(std::string(31, 'a')); }), "bf616161/32");        // fixstr
+  EXPECT_EQ(bytes([](auto& w) { w.str(std::string(40, 'a')); }), "d9286161/42");        // str 8
+  EXPECT_EQ(bytes([](auto& w) { w.str(std::string(300, 'a')); }), "da012c61/303");      // str 16
+  EXPECT_EQ(bytes([](auto& w) { w.str(std::string(70000, 'a')); }), "db000111/70005");  // str 32
+  EXPECT_EQ(bytes([](auto& w) { w.bin(std::string(3, 'x')); }), "c4037878/5");          // bin 8
+  EXPECT_EQ(bytes([](auto& w) { w.bin(std::string(300, 'x')); }), "c5012c78/303");      // bin 16
+  EXPECT_EQ(bytes([](auto& w) { w.bin(std::string(70000, 'x')); }), "c6000111/70005");  // bin 32
+  EXPECT_EQ(bytes([](auto& w) { w.integer(127); }), "7f/1");                             // positive fixint
+  EXPECT_EQ(bytes([](auto& w) { w.integer(-32); }), "e0/1");                             // negative fixint
+  EXPECT_EQ(bytes([](auto& w) { w.integer(128); }), "ce000000/5");                       // uint 32
+  EXPECT_EQ(bytes([](auto& w) { w.integer(1LL << 40); }), "cf000001/9");                 // uint 64
+  EXPECT_EQ(bytes([](auto& w) { w.integer(-33); }), "d3ffffff/9");                       // int 64
+  EXPECT_EQ(bytes([](auto& w) { w.float64(1.0); }), "cb3ff000/9");                       // float 64
+  EXPECT_EQ(bytes([](auto& w) { w.nil(); }), "c0/1");
+  EXPECT_EQ(bytes([](auto& w) { w.array(15); }), "9f/1");                                // fixarray
+  EXPECT_EQ(bytes([](auto& w) { w.array(16); }), "dc0010/3");                            // array 16
+  EXPECT_EQ(bytes([](auto& w) { w.map(70000); }), "df000111/5");                         // map 32
 }
 
 }  // namespace
