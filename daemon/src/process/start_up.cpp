@@ -83,7 +83,6 @@ Result<std::unique_ptr<DeviceBackend>, DeviceErrc> open_backend(const config::Da
   return b;
 }
 
-// Logs the host pool's size and /dev/shm's room for it. Only a warning: a daemon restarted within
 // --kv-events-endpoint: rank 0 publishes for its group (every rank would say the same, and a
 // router wants one voice per engine); the others only say so.
 std::optional<int> open_kv_events(const config::DaemonConfig& cfg, Services& s) {
@@ -110,6 +109,7 @@ std::optional<int> open_kv_events(const config::DaemonConfig& cfg, Services& s) 
   return std::nullopt;
 }
 
+// Logs the host pool's size and /dev/shm's room for it. Only a warning: a daemon restarted within
 // a session re-maps the pool it already has, which needs no new space; HostPool::open refuses
 // (exit 5) when it must create a pool that does not fit.
 void log_pool_room(const config::DaemonConfig& cfg, const Services& s) {
