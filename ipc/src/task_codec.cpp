@@ -60,6 +60,10 @@ Result<DecodedTask, proto::TaskStatus> decode_task_record(std::span<const std::b
   if ((h.flags & (proto::kTaskFlagPolicyBackup | proto::kTaskFlagEvictBackup)) &&
       (kind != TaskKind::kStorageWrite || !(h.flags & proto::kTaskFlagHostBlocks)))
     return make_error(TaskStatus::kMalformed, "the backup flags are only valid on STORAGE_WRITE of host blocks");
+  if ((h.flags & proto::kTaskFlagBackupPair) && kind != TaskKind::kSwapToHost &&
+      (kind != TaskKind::kStorageWrite || !(h.flags & proto::kTaskFlagPolicyBackup) || h.after_task_id == 0))
+    return make_error(TaskStatus::kMalformed, "the backup-pair flag is only valid on SWAP_TO_HOST and on its "
+                                              "policy backup naming it as after-task");
   if ((h.flags & proto::kTaskFlagDropHostTier) && kind != TaskKind::kClearCache)
     return make_error(TaskStatus::kMalformed, "the drop-host-tier flag is only valid on CLEAR_CACHE");
   if (proto::is_cache_control_kind(kind) && (h.num_src != 0 || h.num_dst != 0 || h.num_keys != 0))

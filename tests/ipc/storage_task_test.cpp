@@ -271,6 +271,46 @@ TEST_F(StorageTaskTest, WriteThroughBacksUpSwapsWithKeysAsTheirOwnCompletion) {
   expect_device_pattern(iota_ids(20, 4), src, 4);
 }
 
+// Issue 30 item 3: a SWAP_TO_HOST with keys whose swap fails (an out-of-range source id) must not
+// store its destination host block under the keys: that block holds an earlier eviction (another
+// prefix's KV), and the object would verify (kvtd wrote it), so every later read of the key would
+// answer ok with the wrong bytes. Before the fix the backup ran anyway and stored device block 5's
+// bytes under "kx"; a read of "kx" loaded one block.
+TEST_F(StorageTaskTest, ABackupOfAFailedSwapStoresNothing) {
+  extra_args_.insert(extra_args_.end(), {"--write-policy", "write_through"});
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, {5}, {0}).ok());  // host block 0: an earlier eviction
+  const std::vector<std::int32_t> src = {static_cast<std::int32_t>(g_.device_blocks(0)) + 7};  // no such block
+  const std::vector<std::int32_t> dst = {0};
+  const std::vector<std::string> keys = {"kx"};
+  TaskRequest req;
+  req.kind = TaskKind::kSwapToHost;
+  req.src = src;
+  req.dst = dst;
+  req.keys = keys;
+  auto id = engine_->submit(req);
+  ASSERT_TRUE(id.ok()) << id.error().message;
+  auto swap = engine_->wait(*id, 20'000'000'000);
+  ASSERT_TRUE(swap.ok());
+  EXPECT_EQ(swap->status, TaskStatus::kIdOutOfRange) << why(*swap);
+  auto backup = engine_->wait(*id + 1, 20'000'000'000);
+  ASSERT_TRUE(backup.ok()) << backup.error().message;
+  EXPECT_EQ(backup->status, TaskStatus::kBackupSkipped) << why(*backup);
+  EXPECT_EQ(backup->blocks_done, 0u);
+  ASSERT_FALSE(backup->failures.empty());
+  EXPECT_NE(backup->failures[0].message.find("its swap (task " + std::to_string(*id) + ") ended id_out_of_range"),
+            std::string::npos)
+      << why(*backup);
+  auto rd = storage(TaskKind::kStorageRead, {"kx"}, {30});
+  ASSERT_TRUE(rd.ok()) << why(rd);
+  EXPECT_EQ(rd.blocks_done, 0u) << "another prefix's KV was stored under the failed swap's key";
+  for (std::uint32_t r = 0; r < g_.num_ranks; ++r) EXPECT_TRUE(object_files("kx", r).empty());
+  // The pair still works when the swap does.
+  auto ok = swap_out_with_keys({6}, {1}, {"ky"});
+  ASSERT_TRUE(ok.ok()) << why(ok);
+  EXPECT_EQ(ok.blocks_done, 1u);
+}
+
 TEST_F(StorageTaskTest, WithoutAWritePolicyBackupsAreSkippedAndEvictBackupsOnlyUnderWriteBack) {
   ASSERT_NO_FATAL_FAILURE(start_all());
   const auto keys = make_keys("nb", 3);

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <thread>
 
+#include "kvtd/ipc/clock.h"
 #include "redis_server.h"
 #include "storage_fixture.h"
 
@@ -122,6 +123,63 @@ TEST_F(StoreStallTest, ASwapParkedBehindAStuckLoadIsCancelledAtOnceAndOthersRun)
   EXPECT_TRUE(l->ok()) << why(*l);
   EXPECT_EQ(l->blocks_done, 0u) << "nothing was stored under those keys";
   round_trip({20, 21}, {0, 1}, {22, 23});  // the cancelled swap's blocks are free again
+}
+
+// Issue 30 item 3: an eviction with keys parked behind a load (it reads the block the load writes)
+// and then cancelled, or whose deadline passes while it is parked, never happened: its backup must
+// not store destination host block 0, which holds an earlier eviction (another prefix's KV), under
+// its key. The store is stopped only to hold the load, so the parking is certain. Before the fix
+// the cancelled swap's backup completed ok once the store continued, and a read of "kc" loaded
+// device block 5's bytes.
+TEST_F(StoreStallTest, ABackupOfASwapCancelledOrLateWhileParkedStoresNothing) {
+  ASSERT_NO_FATAL_FAILURE(
+      start_on_redis({"--write-policy", "write_through", "--storage-backup-max-age-ms", "600000"}));
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, {5, 6}, {0, 1}).ok());  // host blocks 0, 1: earlier evictions
+  freeze();
+  const auto held_keys = make_keys("held", 2);
+  const std::vector<std::int32_t> held_blocks = {20, 21};
+  TaskRequest load;
+  load.kind = TaskKind::kStorageRead;
+  load.keys = held_keys;
+  load.blocks = held_blocks;
+  const auto load_id = submit(load);
+  std::this_thread::sleep_for(100ms);
+  const auto cancelled = submit_swap(TaskKind::kSwapToHost, {20}, {0}, {"kc"});  // parked behind the load
+  const std::vector<std::int32_t> late_src = {21}, late_dst = {1};
+  const std::vector<std::string> late_keys = {"kd"};
+  TaskRequest late;
+  late.kind = TaskKind::kSwapToHost;
+  late.src = late_src;
+  late.dst = late_dst;
+  late.keys = late_keys;
+  late.deadline_ns = ipc::monotonic_now_ns() + 200'000'000;  // passes while it is parked
+  const auto late_id = submit(late);
+  TaskRequest cancel;
+  cancel.kind = TaskKind::kCancel;
+  cancel.cancel_task_id = cancelled;
+  auto c = engine_->wait(submit(cancel), 20'000'000'000);
+  ASSERT_TRUE(c.ok() && c->ok());
+  EXPECT_EQ(c->blocks_done, 1u) << "the parked swap was live and stops";
+  std::this_thread::sleep_for(400ms);
+  EXPECT_FALSE(engine_->poll(load_id).has_value()) << "the load must still be held by the stopped store";
+  thaw();
+  for (const auto& [swap_id, status] : {std::pair{cancelled, TaskStatus::kCancelled},
+                                        std::pair{late_id, TaskStatus::kDeadlineExceeded}}) {
+    auto sw = engine_->wait(swap_id, 60'000'000'000);
+    ASSERT_TRUE(sw.ok()) << sw.error().message;
+    EXPECT_EQ(sw->status, status) << why(*sw);
+    auto backup = engine_->wait(swap_id + 1, 60'000'000'000);
+    ASSERT_TRUE(backup.ok()) << backup.error().message;
+    EXPECT_FALSE(backup->ok()) << "the backup of a swap that did not happen answered ok";
+    EXPECT_EQ(backup->blocks_done, 0u);
+  }
+  ASSERT_TRUE(engine_->wait(load_id, 60'000'000'000).ok());
+  for (const char* key : {"kc", "kd"}) {
+    wipe_device({30});
+    auto rd = storage(TaskKind::kStorageRead, {key}, {30});
+    ASSERT_TRUE(rd.ok()) << why(rd);
+    EXPECT_EQ(rd.blocks_done, 0u) << key << ": another prefix's KV was stored under a swap that did not happen";
+  }
 }
 
 // Backups under write-through while the store is stopped: the swaps complete, backups that arrive

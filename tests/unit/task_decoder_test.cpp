@@ -106,6 +106,39 @@ TEST(TaskDecoder, EngineEventsOfAnotherCountOrKindOrSizeAreMalformed) {
   EXPECT_EQ(decode_record(cut, shape, 0).status, TaskStatus::kMalformed);
 }
 
+// A swap and its backup tied by outcome (kTaskFlagBackupPair, issue 30 item 3): the backup keeps
+// its swap's id apart from the header; the flag anywhere else is refused, never ignored.
+TEST(TaskDecoder, ABackupPairIsASwapToHostAndAPolicyBackupNamingIt) {
+  using namespace proto;
+  auto swap = decode_record(record(TaskKind::kSwapToHost, {1}, {2}, kTaskFlagBackupPair), kShape, 0);
+  ASSERT_EQ(swap.action, Action::kRun) << swap.message;
+  auto backup_record = [](std::uint16_t flags, std::uint64_t after) {
+    auto sec = section({"k0"});
+    proto::TaskRecordHeader h{};
+    h.kind = static_cast<std::uint16_t>(TaskKind::kStorageWrite);
+    h.format_version = kTaskFormatVersion;
+    h.flags = flags;
+    h.num_keys = 1;
+    h.task_id = 43;
+    h.after_task_id = after;
+    return ipc::encode_task_record(h, sec, std::vector<std::int32_t>{2});
+  };
+  const std::uint16_t pair = kTaskFlagBackupPair | kTaskFlagPolicyBackup | kTaskFlagHostBlocks;
+  auto backup = decode_record(backup_record(pair, 42), kShape, 0);
+  ASSERT_EQ(backup.action, Action::kRun) << backup.message;
+  EXPECT_EQ(backup.work.backup_of_swap, 42u);
+  for (auto [flags, after] : {std::pair<std::uint16_t, std::uint64_t>{pair, 0},
+                              {static_cast<std::uint16_t>(kTaskFlagBackupPair | kTaskFlagHostBlocks), 42},
+                              {static_cast<std::uint16_t>(kTaskFlagBackupPair | kTaskFlagPolicyBackup), 42}}) {
+    auto d = decode_record(backup_record(flags, after), kShape, 0);
+    EXPECT_EQ(d.action, Action::kFail) << flags << " after " << after;
+    EXPECT_EQ(d.status, TaskStatus::kMalformed) << d.message;  // on every rank alike: no agreement to abort
+  }
+  auto in = decode_record(record(TaskKind::kSwapToDevice, {1}, {2}, kTaskFlagBackupPair), kShape, 0);
+  EXPECT_EQ(in.action, Action::kFail);
+  EXPECT_EQ(in.status, TaskStatus::kMalformed);
+}
+
 TEST(TaskDecoder, CacheControlKindsAreTheDispatchersOwn) {
   EXPECT_EQ(decode_record(record(TaskKind::kClearCache, {}, {}), kShape, 0).action, Action::kClear);
   EXPECT_EQ(decode_record(record(TaskKind::kRestoreCache, {}, {}), kShape, 0).action, Action::kRestore);

@@ -41,6 +41,9 @@ struct Encoded {
   proto::TaskRecordHeader hdr{};
   std::vector<std::int32_t> src, dst;
   std::vector<std::byte> events;  // engine event handles, one per rank (swap tasks), or none
+  // Pushed right after the request's first record, with that record's id as its after-task (a
+  // swap's backup: the daemon stores it only if that swap completed ok).
+  bool after_first_record = false;
 };
 
 struct EngineSession::Impl {

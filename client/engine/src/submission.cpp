@@ -76,6 +76,7 @@ Result<std::vector<Encoded>, IpcErrc> encode_request(const TaskRequest& req, std
       const auto* b = reinterpret_cast<const std::byte*>(ev.data());
       e.events.insert(e.events.end(), b, b + ev.size());
     }
+    if (!req.keys.empty()) e.hdr.flags |= proto::kTaskFlagBackupPair;
     out.push_back(std::move(e));
     if (!req.keys.empty()) {
       if (kind != TaskKind::kSwapToHost)
@@ -85,10 +86,12 @@ Result<std::vector<Encoded>, IpcErrc> encode_request(const TaskRequest& req, std
                                                          std::to_string(req.dst.size()) + " destination host blocks");
       KVTD_TRY(check_keys(req.keys));
       TaskRequest backup = req;
-      backup.after_task_id = 0;  // ordered after the swap by its blocks
+      backup.after_task_id = 0;  // set to the swap's id as both are pushed: stored only if it went ok
       out.push_back(encode_storage(TaskKind::kStorageWrite,
-                                   proto::kTaskFlagHostBlocks | proto::kTaskFlagPolicyBackup, backup, req.keys,
-                                   req.dst, weight_version));
+                                   proto::kTaskFlagHostBlocks | proto::kTaskFlagPolicyBackup |
+                                       proto::kTaskFlagBackupPair,
+                                   backup, req.keys, req.dst, weight_version));
+      out.back().after_first_record = true;
     }
     return out;
   }
@@ -198,6 +201,7 @@ Result<std::uint64_t, IpcErrc> EngineSession::Impl::submit_encoded(std::vector<E
           std::uint64_t first = 0;
           bool pushed = true;
           for (std::size_t i = 0; i < records.size() && pushed; ++i) {
+            if (records[i].after_first_record) records[i].hdr.after_task_id = first;
             auto id = impl->push_locked(records[i].hdr, records[i].src, records[i].dst, expected, records[i].events);
             pushed = id.has_value();
             if (pushed && i == 0) first = *id;

@@ -19,8 +19,10 @@ void TaskRunner::Impl::dispatch(Work&& w, std::int64_t now) {
 void TaskRunner::Impl::start(Work&& w, int lane, std::int64_t now) {
   if (lane == kStorageLane) {
     w.storage_work.epoch = w.epoch;
+    const std::string not_stored = backup_pair_problem(w);
     if (storage) {
-      storage->submit(std::move(w.storage_work));
+      if (!not_stored.empty()) storage->skip_backup(std::move(w.storage_work), not_stored);
+      else storage->submit(std::move(w.storage_work));
     } else {
       sink.abort_agreement(w.header.seq, TaskStatus::kAgreementFailed);
       ep.leave_agreements(w.header.seq + 1);  // no executor: nothing else agrees here
@@ -79,6 +81,7 @@ void TaskRunner::Impl::settle_parked(TaskRunner::Exit exit) {
     return;
   }
   const std::size_t n = parked.take_all().size();
+  swap_outcomes.forget_all();  // their backups were dropped with them
   MutexLock g(stats_mu);
   stats.tasks_dropped += n;
 }

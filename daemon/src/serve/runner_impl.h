@@ -22,6 +22,7 @@
 #include "serve/block_tracker.h"
 #include "serve/completion_sink.h"
 #include "serve/parked_queue.h"
+#include "serve/swap_outcomes.h"
 #include "serve/work.h"
 
 namespace kvtd::daemon {
@@ -58,6 +59,10 @@ struct TaskRunner::Impl {
   std::uint32_t parked_checked_at = 0;
   std::int64_t park_poll_ns = kParkPollMinNs;
   CompletionSink sink;   // the one writer of completions
+  // Outcomes of swaps whose backup follows them, for the backup; and the swap (dispatcher thread
+  // only) whose backup must be the next record read, or 0.
+  SwapOutcomes swap_outcomes;
+  std::uint64_t backup_pair_swap = 0;
 
   struct Lane {
     Mutex mu;
@@ -102,6 +107,14 @@ struct TaskRunner::Impl {
   // Decodes one record (serve/task_decoder.h) and answers what the dispatcher answers itself;
   // true when `w` is a task to run.
   bool decode(const std::vector<std::byte>& rec, Work& w);
+
+  // Keeps the outcome of a swap whose backup follows (kTaskFlagBackupPair) until that backup
+  // takes it; forgets a kept one whose backup is not the record `h` read after it.
+  void note_backup_pair(const proto::TaskRecordHeader& h);
+
+  // Why swap backup `w` must not be stored (its swap did not complete ok on this rank), or "".
+  // Takes the swap's kept outcome.
+  std::string backup_pair_problem(const Work& w);
 
   // The dispatcher thread: reads the ring until stop (every task published before it was noticed
   // is still read and finished, so "submitted before SIGTERM" means "completed"; bounded by the

@@ -123,6 +123,7 @@ std::size_t TaskRunner::Impl::drop_queued() {
   }
   n += parked.take_all().size();  // never admitted: nothing to release
   if (storage) n += storage->drop_queued();
+  swap_outcomes.forget_all();  // the revoked epoch's backups will not ask
   if (n != 0) {
     MutexLock g(stats_mu);
     stats.tasks_dropped += n;

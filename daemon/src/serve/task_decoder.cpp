@@ -73,6 +73,7 @@ DecodedRecord& decode_storage(DecodedRecord& d, std::span<const std::int32_t> se
   d.abort_agreement = false;
   d.work.storage = true;
   d.work.storage_work.header = h;
+  if ((h.flags & proto::kTaskFlagBackupPair) != 0) d.work.backup_of_swap = h.after_task_id;
   d.work.storage_work.section = std::move(sec).value();
   d.work.storage_work.blocks.assign(ids.begin(), ids.end());
   (host ? d.work.host_ids : d.work.device_ids).assign(ids.begin(), ids.end());

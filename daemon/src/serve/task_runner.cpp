@@ -45,6 +45,7 @@ TaskRunner::Impl::Impl(endpoint::RankEndpoint& e, DeviceBackend& b, AttachedCach
 void TaskRunner::Impl::complete(const proto::TaskRecordHeader& h, TaskStatus status, std::uint64_t blocks, std::uint32_t layers,
               std::int64_t start_ns, const std::string& message, std::uint64_t skipped) {
   const auto kind = static_cast<TaskKind>(h.kind);
+  if (kind == TaskKind::kSwapToHost && (h.flags & proto::kTaskFlagBackupPair) != 0) swap_outcomes.record(h.task_id, status);
   const bool moves = kind != TaskKind::kStorageQuery && kind != TaskKind::kCancel && !proto::is_cache_control_kind(kind);
   {
     MutexLock g(stats_mu);
@@ -101,6 +102,7 @@ bool TaskRunner::Impl::decode(const std::vector<std::byte>& rec, Work& w) {
   w = std::move(d.work);
   w.epoch = epoch;
   const auto& h = w.header;
+  note_backup_pair(h);  // before anything can complete the swap
   switch (d.action) {
     case DecodedRecord::Action::kRun: return true;
     case DecodedRecord::Action::kClear: clear_task = h; return false;  // run() drains and returns kCleared
@@ -126,6 +128,28 @@ bool TaskRunner::Impl::decode(const std::vector<std::byte>& rec, Work& w) {
   if (d.abort_agreement) sink.abort_agreement(h.seq, d.status);
   complete(h, d.status, 0, 0, now, d.message);
   return false;
+}
+
+void TaskRunner::Impl::note_backup_pair(const proto::TaskRecordHeader& h) {
+  const auto kind = static_cast<TaskKind>(h.kind);
+  const bool pair = (h.flags & proto::kTaskFlagBackupPair) != 0;
+  if (backup_pair_swap != 0 && !(pair && kind == TaskKind::kStorageWrite && h.after_task_id == backup_pair_swap))
+    swap_outcomes.forget(backup_pair_swap);  // its backup did not follow: nothing will take it
+  backup_pair_swap = 0;
+  if (pair && kind == TaskKind::kSwapToHost) {
+    swap_outcomes.expect(h.task_id);
+    backup_pair_swap = h.task_id;
+  }
+}
+
+std::string TaskRunner::Impl::backup_pair_problem(const Work& w) {
+  if (w.backup_of_swap == 0) return "";
+  const auto swap = swap_outcomes.take(w.backup_of_swap);
+  if (swap == TaskStatus::kOk || w.storage_work.answered) return "";
+  // Its host blocks hold what was there before (another prefix's KV): never stored under its keys.
+  return "backup skipped: its swap (task " + std::to_string(w.backup_of_swap) + ") " +
+         (swap ? std::string("ended ") + proto::task_status_name(*swap) : std::string("did not run on this rank")) +
+         ", so its host blocks do not hold these keys' KV";
 }
 
 TaskRunner::Exit TaskRunner::Impl::dispatch_loop(const std::atomic<bool>& stop, const std::atomic<bool>* clear_requested) {

@@ -24,6 +24,9 @@ struct Work {
   std::vector<std::int32_t> device_ids;
   bool storage = false;
   StorageWork storage_work;              // when `storage`
+  // A swap's write-through backup (kTaskFlagBackupPair): the swap's id, kept apart from the header
+  // (a cancel while parked clears the after-task); 0 otherwise.
+  std::uint64_t backup_of_swap = 0;
 };
 
 // What the block tracker sees of a task: its blocks, and on which side it only reads them (a

@@ -251,8 +251,13 @@ void StorageExecutor::submit(StorageWork&& w) {
     impl->agree_wake.bump();
     return;
   }
+  skip_backup(std::move(w), skip);
+}
+
+void StorageExecutor::skip_backup(StorageWork&& w, const std::string& why) {
+  auto* impl = impl_.get();
   // Answered now, so the engine may reuse its host blocks; its agreement is left in ring order.
-  impl->answer_skipped(w, now, skip, /*new_task=*/true);
+  impl->answer_skipped(w, ipc::monotonic_now_ns(), why, /*new_task=*/true);
   impl->release(w);
   w.blocks.clear();
   w.answered = TaskStatus::kBackupSkipped;

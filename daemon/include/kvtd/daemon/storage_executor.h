@@ -114,7 +114,7 @@ struct StorageWork {
 
 struct StorageStats {
   std::uint64_t tasks = 0, objects_read = 0, objects_written = 0, bytes_read = 0, bytes_written = 0;
-  std::uint64_t backups_skipped = 0;  // backups not written because the store was behind
+  std::uint64_t backups_skipped = 0;  // backups not written: the store was behind, or their swap failed
 };
 
 class StorageExecutor {
@@ -136,6 +136,9 @@ class StorageExecutor {
   StorageExecutor& operator=(const StorageExecutor&) = delete;
 
   void submit(StorageWork&& work);
+  // Answers backup `work` backup_skipped with `why` at once (its blocks released, counted as
+  // skipped) and leaves its agreement in ring order, so the peers store nothing of it either.
+  void skip_backup(StorageWork&& work, const std::string& why);
   // Asks a queued or running task to stop at its next step; false if it is not live here or
   // already past its last step (it will then complete as it is).
   bool cancel(std::uint64_t task_id);

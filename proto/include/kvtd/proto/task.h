@@ -36,7 +36,13 @@ inline constexpr std::uint16_t kTaskFlagDropHostTier = 1u << 4;
 // engine recorded on its stream after the GPU work this copy must follow. The daemon's copy
 // waits for it on the GPU (cudaStreamWaitEvent), not on the host.
 inline constexpr std::uint16_t kTaskFlagEngineEvent = 1u << 5;
-inline constexpr std::uint16_t kTaskFlagsKnown = 0x3F;
+// A swap and its write-through backup, tied by outcome. On a SWAP_TO_HOST: the next record is its
+// backup, so the daemon keeps this swap's outcome for it. On that backup (a STORAGE_WRITE with
+// kTaskFlagPolicyBackup and kTaskFlagHostBlocks whose after_task_id names the swap): stored only
+// when the swap completed ok on this rank, else answered backup_skipped; the destination host
+// blocks of a swap that did not happen hold other bytes, which must never be stored under its keys.
+inline constexpr std::uint16_t kTaskFlagBackupPair = 1u << 6;
+inline constexpr std::uint16_t kTaskFlagsKnown = 0x7F;
 inline constexpr std::uint32_t kEngineEventBytes = 64;
 
 // Storage keys: the engine's per-block keys (rolling prefix hashes), 1..kMaxKeyBytes of
