@@ -2,6 +2,7 @@
 // effect: its body runs inside guarded(), so no C++ exception reaches a C or Python caller.
 #include "kvtd/kvtd_client.h"
 
+#include "c_api_handles.h"
 #include "c_api_support.h"
 
 #include <time.h>
@@ -14,15 +15,12 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kvtd/engine/engine_session.h"
 #include "kvtd/proto/pci.h"
 #include "kvtd/proto/task.h"
-
-struct kvtd_session {
-  std::unique_ptr<kvtd::engine::EngineSession> session;
-};
 
 namespace {
 
@@ -98,6 +96,11 @@ int report(const S& st, char* err, size_t len) {
 }
 
 
+int closed(char* err, size_t len) {
+  put_error(err, len, "the session handle was destroyed: no call may use it after kvtd_session_destroy");
+  return KVTD_E_CLOSED;
+}
+
 // Milliseconds to nanoseconds without overflow (a huge timeout saturates, it does not wrap).
 std::int64_t ms_to_ns(int64_t ms) {
   if (ms <= 0) return 0;
@@ -143,6 +146,14 @@ int to_request(const kvtd_task& t, std::vector<std::string>* keys, kvtd::engine:
   if ((t.flags & KVTD_TASK_LAYERWISE) != 0 && kind != proto::TaskKind::kSwapToDevice)
     return invalid(err, len, "KVTD_TASK_LAYERWISE is for KVTD_SWAP_TO_DEVICE only");
   if (t.deadline_ns < 0) return invalid(err, len, "deadline_ns must be 0 (none) or a CLOCK_MONOTONIC time");
+  // A negative id is what a caller's id of 2^31 or more becomes in an int32: refused here, naming
+  // it, rather than sent on as another block.
+  for (const auto& [ids, count, what] : {std::tuple{t.src, t.n, "src"}, std::tuple{t.dst, t.n, "dst"},
+                                        std::tuple{t.blocks, needs_blocks ? t.num_keys : 0, "blocks"}})
+    for (size_t i = 0; ids != nullptr && i < count; ++i)
+      if (ids[i] < 0)
+        return invalid(err, len, std::string(what) + "[" + std::to_string(i) + "] is " + std::to_string(ids[i]) +
+                                     ": block ids are 0..2147483647 (a larger id wrapped in a 32-bit field?)");
   keys->reserve(t.num_keys);
   for (size_t i = 0; i < t.num_keys; ++i) {
     if (!t.keys[i]) return invalid(err, len, "key " + std::to_string(i) + " is null");
@@ -164,7 +175,7 @@ int to_request(const kvtd_task& t, std::vector<std::string>* keys, kvtd::engine:
   return KVTD_OK;
 }
 
-int submit_checked(kvtd_session* s, const kvtd_task& t, uint64_t* task_id, char* err, size_t len,
+int submit_checked(kvtd::engine::EngineSession* s, const kvtd_task& t, uint64_t* task_id, char* err, size_t len,
                    const uint8_t* events = nullptr, size_t num_events = 0) {
   if (!s || !task_id) return invalid(err, len, "session and task_id must not be null");
   std::vector<std::string> keys;
@@ -173,7 +184,7 @@ int submit_checked(kvtd_session* s, const kvtd_task& t, uint64_t* task_id, char*
   if (num_events != 0 && events == nullptr) return invalid(err, len, "engine events must not be null");
   using Event = std::array<std::uint8_t, proto::kEngineEventBytes>;
   r.engine_events = std::span<const Event>(reinterpret_cast<const Event*>(events), num_events);
-  auto id = s->session->submit(r);
+  auto id = s->submit(r);
   if (!id.ok()) return report(id, err, len);
   *task_id = *id;
   return KVTD_OK;
@@ -224,7 +235,7 @@ int kvtd_session_create(const char* suffix, const kvtd_geometry* g, kvtd_session
     std::memcpy(&o.geometry, g, sizeof o.geometry);  // same layout (static_assert above); validated by create
     auto s = kvtd::engine::EngineSession::create(o);
     if (!s.ok()) return report(s, err, err_len);
-    *out = new kvtd_session{std::move(s).value()};
+    *out = kvtd::c_api::adopt_session(std::move(s).value());
     return KVTD_OK;
   });
 }
@@ -232,26 +243,35 @@ int kvtd_session_create(const char* suffix, const kvtd_geometry* g, kvtd_session
 void kvtd_session_destroy(kvtd_session* s) {
   (void)guarded(nullptr, 0, [&]() -> int {
     if (s == nullptr) return KVTD_OK;
-    s->session->close();  // wakes calls waiting in it and returns once none is inside
-    delete s;
+    bool was_live = false;
+    // Wakes the calls waiting in it and returns once none is inside; a second destroy (another
+    // thread's, or a repeated one) finds the handle gone and does nothing.
+    auto session = kvtd::c_api::retire_session(s, &was_live);
+    session.reset();  // unlinks the session and everything it made
     return KVTD_OK;
   });
 }
 
 int kvtd_session_geometry(kvtd_session* s, kvtd_geometry* out) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return KVTD_E_CLOSED;
   if (!s || !out) return KVTD_E_INVALID;
-  std::memcpy(out, &s->session->geometry(), sizeof *out);
+  std::memcpy(out, &use->geometry(), sizeof *out);
   return KVTD_OK;
 }
 
 int kvtd_register_tensor(kvtd_session* s, uint32_t rank, uint32_t layer, uint32_t kind, int32_t device_id,
                          const uint8_t handle[64], uint64_t offset, uint64_t bytes, char* err, size_t err_len) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return closed(err, err_len);
   return kvtd_register_tensor_on(s, rank, layer, kind, device_id, nullptr, handle, offset, bytes, err, err_len);
 }
 
 int kvtd_register_tensor_on(kvtd_session* s, uint32_t rank, uint32_t layer, uint32_t kind, int32_t device_id,
                             const char* pci_bus_id, const uint8_t handle[64], uint64_t offset, uint64_t bytes,
                             char* err, size_t err_len) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return closed(err, err_len);
   return guarded(err, err_len, [&]() -> int {
     if (!s || !handle) return invalid(err, err_len, "session and handle must not be null");
     proto::TensorDesc d{};
@@ -266,58 +286,72 @@ int kvtd_register_tensor_on(kvtd_session* s, uint32_t rank, uint32_t layer, uint
     d.layer = layer;
     d.kind = kind;
     d.device_id = device_id;
-    d.dtype = s->session->geometry().dtype;
+    d.dtype = use->geometry().dtype;
     d.offset = offset;
     d.bytes = bytes;
     std::memcpy(d.handle, handle, sizeof d.handle);
-    return report(s->session->register_tensor(d), err, err_len);
+    return report(use->register_tensor(d), err, err_len);
   });
 }
 
 int kvtd_create_host_device_tensors(kvtd_session* s, char* err, size_t err_len) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return closed(err, err_len);
   if (!s) return invalid(err, err_len, "session must not be null");
-  return guarded(err, err_len, [&]() -> int { return report(s->session->create_host_device_tensors(), err, err_len); });
+  return guarded(err, err_len, [&]() -> int { return report(use->create_host_device_tensors(), err, err_len); });
 }
 
 void* kvtd_host_device_tensor(kvtd_session* s, uint32_t rank, uint32_t layer, uint32_t kind, uint64_t* bytes) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return nullptr;
   if (bytes) *bytes = 0;
   if (!s || kind >= proto::kTensorKinds) return nullptr;
-  const auto& g = s->session->geometry();
+  const auto& g = use->geometry();
   const auto k = static_cast<proto::TensorKind>(kind);
-  std::byte* p = s->session->host_device_tensor(rank, layer, k);  // null outside the geometry; no-throw
+  std::byte* p = use->host_device_tensor(rank, layer, k);  // null outside the geometry; no-throw
   if (p && bytes) *bytes = g.block_bytes(k) * static_cast<std::uint64_t>(g.device_blocks(layer));
   return p;
 }
 
 int kvtd_publish(kvtd_session* s, char* err, size_t err_len) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return closed(err, err_len);
   if (!s) return invalid(err, err_len, "session must not be null");
-  return guarded(err, err_len, [&]() -> int { return report(s->session->publish(), err, err_len); });
+  return guarded(err, err_len, [&]() -> int { return report(use->publish(), err, err_len); });
 }
 
 int kvtd_wait_ready(kvtd_session* s, int64_t timeout_ms, char* err, size_t err_len) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return closed(err, err_len);
   if (!s) return invalid(err, err_len, "session must not be null");
   return guarded(err, err_len,
-                 [&]() -> int { return report(s->session->wait_ready(ms_to_ns(timeout_ms)), err, err_len); });
+                 [&]() -> int { return report(use->wait_ready(ms_to_ns(timeout_ms)), err, err_len); });
 }
 
 int kvtd_submit_task(kvtd_session* s, const kvtd_task* task, uint64_t* task_id, char* err, size_t err_len) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return closed(err, err_len);
   return guarded(err, err_len, [&]() -> int {
     if (!task) return invalid(err, err_len, "task must not be null");
-    return submit_checked(s, *task, task_id, err, err_len);
+    return submit_checked(use.live() ? &*use : nullptr, *task, task_id, err, err_len);
   });
 }
 
 int kvtd_submit_task_after_events(kvtd_session* s, const kvtd_task* task, const uint8_t* events, size_t num_events,
                                   uint64_t* task_id, char* err, size_t err_len) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return closed(err, err_len);
   static_assert(sizeof(std::array<std::uint8_t, proto::kEngineEventBytes>) == proto::kEngineEventBytes);
   return guarded(err, err_len, [&]() -> int {
     if (!task) return invalid(err, err_len, "task must not be null");
-    return submit_checked(s, *task, task_id, err, err_len, events, num_events);
+    return submit_checked(use.live() ? &*use : nullptr, *task, task_id, err, err_len, events, num_events);
   });
 }
 
 int kvtd_submit(kvtd_session* s, int kind, const int32_t* src, const int32_t* dst, size_t n, int64_t timeout_ms,
                 uint64_t* task_id, char* err, size_t err_len) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return closed(err, err_len);
   return guarded(err, err_len, [&]() -> int {
     if (kind != KVTD_SWAP_TO_HOST && kind != KVTD_SWAP_TO_DEVICE)
       return invalid(err, err_len, "kvtd_submit is for swaps; use kvtd_submit_task or kvtd_submit_storage");
@@ -327,13 +361,15 @@ int kvtd_submit(kvtd_session* s, int kind, const int32_t* src, const int32_t* ds
     t.dst = dst;
     t.n = n;
     t.submit_timeout_ms = timeout_ms;
-    return submit_checked(s, t, task_id, err, err_len);
+    return submit_checked(use.live() ? &*use : nullptr, t, task_id, err, err_len);
   });
 }
 
 int kvtd_submit_storage(kvtd_session* s, int kind, const char* const* keys, const int32_t* blocks, size_t n,
                         uint32_t flags, uint32_t min_hits, uint64_t cancel_task_id, int64_t timeout_ms,
                         uint64_t* task_id, char* err, size_t err_len) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return closed(err, err_len);
   return guarded(err, err_len, [&]() -> int {
     if (kind < KVTD_STORAGE_QUERY || kind > KVTD_CANCEL)
       return invalid(err, err_len, "kvtd_submit_storage is for storage tasks (KVTD_STORAGE_QUERY..KVTD_CANCEL)");
@@ -348,12 +384,14 @@ int kvtd_submit_storage(kvtd_session* s, int kind, const char* const* keys, cons
     t.min_hits = min_hits;
     t.cancel_task_id = cancel_task_id;
     t.submit_timeout_ms = timeout_ms;
-    return submit_checked(s, t, task_id, err, err_len);
+    return submit_checked(use.live() ? &*use : nullptr, t, task_id, err, err_len);
   });
 }
 
 int kvtd_clear_caches(kvtd_session* s, uint32_t flags, uint64_t weight_version, int64_t timeout_ms, char* err,
                       size_t err_len) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return closed(err, err_len);
   if (!s) return invalid(err, err_len, "session must not be null");
   if (flags & ~static_cast<uint32_t>(KVTD_CLEAR_DROP_HOST_TIER | KVTD_CLEAR_SET_WEIGHT_VERSION))
     return invalid(err, err_len, "unknown clear flags " + std::to_string(flags));
@@ -363,53 +401,75 @@ int kvtd_clear_caches(kvtd_session* s, uint32_t flags, uint64_t weight_version, 
     o.drop_host_tier = (flags & KVTD_CLEAR_DROP_HOST_TIER) != 0;
     if (flags & KVTD_CLEAR_SET_WEIGHT_VERSION) o.weight_version = weight_version;
     o.timeout_ns = ms_to_ns(timeout_ms);
-    return report(s->session->clear_caches(o), err, err_len);
+    return report(use->clear_caches(o), err, err_len);
   });
 }
 
 int kvtd_restore_caches(kvtd_session* s, int64_t timeout_ms, char* err, size_t err_len) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return closed(err, err_len);
   if (!s) return invalid(err, err_len, "session must not be null");
   if (timeout_ms <= 0) return invalid(err, err_len, "timeout_ms must be positive");
-  return guarded(err, err_len, [&]() -> int { return report(s->session->restore_caches(ms_to_ns(timeout_ms)), err, err_len); });
+  return guarded(err, err_len, [&]() -> int { return report(use->restore_caches(ms_to_ns(timeout_ms)), err, err_len); });
 }
 
-int kvtd_cache_cleared(kvtd_session* s) { return s && s->session->cache_cleared() ? 1 : 0; }
+int kvtd_cache_cleared(kvtd_session* s) {
+  const kvtd::c_api::SessionUse use(s);
+  return use.live() && use->cache_cleared() ? 1 : 0;
+}
 
 int kvtd_free_host_device_tensors(kvtd_session* s, char* err, size_t err_len) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return closed(err, err_len);
   if (!s) return invalid(err, err_len, "session must not be null");
-  return guarded(err, err_len, [&]() -> int { return report(s->session->free_host_device_tensors(), err, err_len); });
+  return guarded(err, err_len, [&]() -> int { return report(use->free_host_device_tensors(), err, err_len); });
 }
 
 int kvtd_set_weight_version(kvtd_session* s, uint64_t version) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return KVTD_E_CLOSED;
   if (!s) return KVTD_E_INVALID;
   return guarded(nullptr, 0, [&]() -> int {
-    s->session->set_weight_version(version);
+    use->set_weight_version(version);
     return KVTD_OK;
   });
 }
 
-uint64_t kvtd_weight_version(kvtd_session* s) { return s ? s->session->weight_version() : 0; }
+uint64_t kvtd_weight_version(kvtd_session* s) {
+  const kvtd::c_api::SessionUse use(s);
+  return use.live() ? use->weight_version() : 0;
+}
 
-const char* kvtd_session_name(kvtd_session* s) { return s ? s->session->name().c_str() : ""; }
+const char* kvtd_session_name(kvtd_session* s) {
+  const kvtd::c_api::SessionUse use(s);
+  return use.live() ? use->name().c_str() : "";
+}
 
-uint64_t kvtd_session_generation(kvtd_session* s) { return s ? s->session->generation() : 0; }
+uint64_t kvtd_session_generation(kvtd_session* s) {
+  const kvtd::c_api::SessionUse use(s);
+  return use.live() ? use->generation() : 0;
+}
 
 int kvtd_wait(kvtd_session* s, uint64_t task_id, int64_t timeout_ms, kvtd_completion* out, char* err,
               size_t err_len) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return 0;
   if (!s) return invalid(err, err_len, "session must not be null");
   return guarded(err, err_len, [&]() -> int {
-    auto r = s->session->wait(task_id, ms_to_ns(timeout_ms));
+    auto r = use->wait(task_id, ms_to_ns(timeout_ms));
     if (!r.ok()) return report(r, err, err_len);
     return finished(*r, out, err, err_len);
   });
 }
 
 int kvtd_poll(kvtd_session* s, uint64_t task_id, kvtd_completion* out, char* err, size_t err_len) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return closed(err, err_len);
   if (!s) return invalid(err, err_len, "session must not be null");
   return guarded(err, err_len, [&]() -> int {
-    auto r = s->session->poll(task_id);
+    auto r = use->poll(task_id);
     if (!r) {
-      if (auto st = s->session->usable(); !st.ok()) return report(st, err, err_len);
+      if (auto st = use->usable(); !st.ok()) return report(st, err, err_len);
       put_error(err, err_len, "task " + std::to_string(task_id) + " has not completed (or its result was taken)");
       return KVTD_E_PENDING;
     }
@@ -419,25 +479,31 @@ int kvtd_poll(kvtd_session* s, uint64_t task_id, kvtd_completion* out, char* err
 
 int kvtd_wait_layer(kvtd_session* s, uint64_t task_id, uint32_t layer, int64_t timeout_ms, int stage, char* err,
                     size_t err_len) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return closed(err, err_len);
   if (!s) return invalid(err, err_len, "session must not be null");
   return guarded(err, err_len, [&]() -> int {
     if (stage != KVTD_LAYER_DONE && stage != KVTD_LAYER_ENQUEUED)
       return invalid(err, err_len, "stage " + std::to_string(stage) + " is not KVTD_LAYER_DONE or KVTD_LAYER_ENQUEUED");
     const auto st = stage == KVTD_LAYER_DONE ? kvtd::engine::EngineSession::LayerStage::kDone
                                              : kvtd::engine::EngineSession::LayerStage::kEnqueued;
-    return report(s->session->wait_layer(task_id, layer, ms_to_ns(timeout_ms), st), err, err_len);
+    return report(use->wait_layer(task_id, layer, ms_to_ns(timeout_ms), st), err, err_len);
   });
 }
 
 int kvtd_layer_event_handle(kvtd_session* s, uint32_t rank, uint32_t layer, uint8_t out[64]) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return KVTD_E_CLOSED;
   uint32_t epoch = 0;
   return kvtd_layer_event(s, rank, layer, out, &epoch);
 }
 
 int kvtd_layer_event(kvtd_session* s, uint32_t rank, uint32_t layer, uint8_t out[64], uint32_t* epoch) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return KVTD_E_CLOSED;
   if (!s || !out || !epoch) return KVTD_E_INVALID;
   return guarded(nullptr, 0, [&]() -> int {
-    auto h = s->session->layer_event_handle(rank, layer, epoch);
+    auto h = use->layer_event_handle(rank, layer, epoch);
     if (!h) return KVTD_E_NO_EVENT;
     std::memcpy(out, h->data(), h->size());
     return KVTD_OK;
@@ -445,23 +511,29 @@ int kvtd_layer_event(kvtd_session* s, uint32_t rank, uint32_t layer, uint8_t out
 }
 
 int kvtd_rank_alive(kvtd_session* s, uint32_t rank) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return KVTD_E_CLOSED;
   if (!s) return 0;
-  return guarded(nullptr, 0, [&]() -> int { return s->session->rank_alive(rank) ? 1 : 0; });
+  return guarded(nullptr, 0, [&]() -> int { return use->rank_alive(rank) ? 1 : 0; });
 }
 
 uint32_t kvtd_rank_ready(kvtd_session* s, uint32_t rank) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return 0;
   if (!s) return 0;
   try {
-    return s->session->rank_ready_flags(rank);
+    return use->rank_ready_flags(rank);
   } catch (...) {
     return 0;
   }
 }
 
 size_t kvtd_in_flight(kvtd_session* s) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return 0;
   if (!s) return 0;
   try {
-    return s->session->in_flight();
+    return use->in_flight();
   } catch (...) {
     return 0;
   }

@@ -64,11 +64,37 @@ class TaskResult:
                           c.blocks_skipped, c.latency_ns, message)
 
 
-def _ids(values: Optional[Iterable[int]]):
+_ID_LIMIT = 2**31  # block ids are int32 on the wire
+
+
+def _ids(values: Optional[Iterable[int]], what: str):
+    """Block ids as an int32 array. One outside [0, 2**31) is refused: ctypes would wrap it onto
+    another block (2**32 + 5 is block 5) and the task would move that block and answer ok."""
     if values is None:
         return None, 0
     seq = list(values)
+    if seq:
+        try:
+            lo, hi = min(seq), max(seq)
+        except TypeError:
+            lo = hi = None
+        if lo is None or lo < 0 or hi >= _ID_LIMIT:
+            for i, v in enumerate(seq):
+                if isinstance(v, float) or not (0 <= v < _ID_LIMIT):
+                    raise ValueError(f"{what}[{i}] = {v!r} is not a block id in [0, 2**31)")
     return (ctypes.c_int32 * len(seq))(*seq), len(seq)
+
+
+def _key_bytes(keys: Sequence) -> list:
+    """Keys as C strings. A key holding a NUL byte is refused: C would cut it there, so b"kx\0A"
+    and b"kx\0B" would name one stored object."""
+    out = []
+    for i, k in enumerate(keys):
+        b = k.encode() if isinstance(k, str) else bytes(k)
+        if b"\0" in b:
+            raise ValueError(f"key {i} ({b[:40]!r}) holds a NUL byte")
+        out.append(b)
+    return out
 
 
 _FOREVER_MS = 2**62  # the library saturates it to "forever"
@@ -125,6 +151,7 @@ class Session:
         self.geometry = geometry
         self._tls = threading.local()  # one error buffer per calling thread
         self._h = ctypes.c_void_p()
+        self._close_lock = threading.Lock()
         native = geometry.to_native()
         rc = n.lib.kvtd_session_create(suffix.encode(), ctypes.byref(native), ctypes.byref(self._h), self._errbuf(), _ERR_LEN)
         self._check(rc, "create session " + suffix)
@@ -135,9 +162,14 @@ class Session:
 
     # -- lifetime -------------------------------------------------------------------------
     def close(self) -> None:
-        if self._h:
-            n.lib.kvtd_session_destroy(self._h)
-            self._h = ctypes.c_void_p()
+        """Removes the session. Safe from several threads at once and more than once: the handle
+        is taken under a lock, so only one caller destroys it; calls on other threads that are
+        waiting in it raise Closed, later calls raise ValueError (the library refuses a
+        destroyed handle too, never touching freed memory)."""
+        with self._close_lock:
+            h, self._h = self._h, ctypes.c_void_p()
+        if h:
+            n.lib.kvtd_session_destroy(h)
             self._keepalive.clear()
 
     def __enter__(self) -> "Session":
@@ -303,8 +335,8 @@ class Session:
         t.kind = kind
         t.flags = ((n.STORAGE_HOST_BLOCKS if host_blocks else 0) | (n.STORAGE_EVICT_BACKUP if evict_backup else 0)
                    | (n.TASK_LAYERWISE if layerwise else 0))
-        src_arr, ns = _ids(src)
-        dst_arr, nd = _ids(dst)
+        src_arr, ns = _ids(src, "src")
+        dst_arr, nd = _ids(dst, "dst")
         if ns != nd:
             raise ValueError(f"src has {ns} ids, dst {nd}")
         t.src = ctypes.cast(src_arr, ctypes.POINTER(ctypes.c_int32)) if src_arr is not None else None
@@ -312,19 +344,20 @@ class Session:
         t.n = ns
         key_arr = None
         if keys is not None:
-            encoded = [k.encode() if isinstance(k, str) else bytes(k) for k in keys]
+            encoded = _key_bytes(keys)
             key_arr = (ctypes.c_char_p * len(encoded))(*encoded)
             t.keys = ctypes.cast(key_arr, ctypes.POINTER(ctypes.c_char_p))
             t.num_keys = len(encoded)
-        blk_arr, nb = _ids(blocks)
+        blk_arr, nb = _ids(blocks, "blocks")
         if blk_arr is not None:
             if nb != t.num_keys:
                 raise ValueError(f"{t.num_keys} keys for {nb} blocks")
             t.blocks = ctypes.cast(blk_arr, ctypes.POINTER(ctypes.c_int32))
-        t.min_hits = min_hits
-        t.cancel_task_id = cancel_task_id
-        t.after_task_id = after
-        t.deadline_ns = deadline_ns
+        # ctypes would wrap each of these silently (min_hits 2**32 + 1 is 1).
+        t.min_hits = _u64(min_hits, "min_hits", 2**32)
+        t.cancel_task_id = _u64(cancel_task_id, "cancel_task_id", 2**64)
+        t.after_task_id = _u64(after, "after", 2**64)
+        t.deadline_ns = _u64(deadline_ns, "deadline_ns", 2**63)
         t.submit_timeout_ms = _ms(submit_timeout)
         tid = ctypes.c_uint64()
         if engine_events:

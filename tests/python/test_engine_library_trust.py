@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import signal
@@ -112,3 +113,58 @@ def test_register_tensor_refuses_sizes_no_device_has():
         with pytest.raises(kvtd.InvalidArgument, match="beyond any device"):
             s.register_tensor(0, 0, kvtd.KEY, handle, 0, 2**50)
         s.register_tensor(0, 0, kvtd.KEY, handle, 0, 8 * 2 * 4 * 8 * 2)
+
+
+# Issue 30 item 7: the client library never moves the wrong block silently. ctypes wraps an int
+# into an int32 / uint32 field without a word: block id 2**32 + 5 was block 5, min_hits 2**32 + 1
+# was 1, and a key's NUL byte cut it there (b"kx\0A" and b"kx\0B" named one object); each was
+# answered ok on the old module. Each is refused now, naming the field, before anything is sent.
+def test_ids_and_counts_that_would_wrap_and_keys_with_nul_are_refused():
+    g = kvtd.Geometry(num_ranks=1, num_layers=1, key_shape=(8, 2, 4, 8), num_host_blocks=4)
+    with kvtd.Session("py_wrap_" + uuid.uuid4().hex[:8], g) as s:
+        for bad in (2**31, 2**32 + 5, -1):
+            with pytest.raises(ValueError, match=r"src\[1\] = .* is not a block id"):
+                s.swap_to_host([1, bad], [0, 1])
+            with pytest.raises(ValueError, match=r"dst\[0\]"):
+                s.swap_to_device([0], [bad])
+            with pytest.raises(ValueError, match=r"blocks\[0\]"):
+                s.storage_read(["k0"], [bad])
+        with pytest.raises(ValueError, match="min_hits"):
+            s.prefetch(["k0"], [0], min_hits=2**32 + 1)
+        with pytest.raises(ValueError, match="cancel_task_id"):
+            s.cancel(2**64 + 3)
+        with pytest.raises(ValueError, match="NUL"):
+            s.storage_write([b"kx\0A"], [0])
+        with pytest.raises(ValueError, match="NUL"):
+            s.storage_query(["kx\0B"])
+        assert s.in_flight == 0
+
+
+# Documented misuse may be refused; it must not corrupt: two threads closing one session at once
+# destroyed its handle twice (a double free in the library), and a call that started after close
+# used freed memory. Now one close destroys it, and later calls are refused.
+def test_two_threads_closing_one_session_and_calls_after_close_are_refused_not_corrupting():
+    g = kvtd.Geometry(num_ranks=1, num_layers=1, key_shape=(8, 2, 4, 8), num_host_blocks=4)
+    for _ in range(20):
+        s = kvtd.Session("py_close2_" + uuid.uuid4().hex[:8], g)
+        handle = s._handle()
+        barrier = threading.Barrier(2)
+
+        def closer():
+            barrier.wait()
+            s.close()
+
+        threads = [threading.Thread(target=closer) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        with pytest.raises(ValueError, match="closed"):
+            s.swap_to_host([1], [1])
+        # A thread that took the handle before close and calls after it: refused by the library.
+        rc = kvtd._native.lib.kvtd_in_flight(handle)
+        assert rc == 0
+        err = ctypes.create_string_buffer(256)
+        assert kvtd._native.lib.kvtd_publish(handle, err, 256) == kvtd._native.E_CLOSED
+        assert b"destroyed" in err.value
+        s.close()

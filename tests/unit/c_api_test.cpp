@@ -6,6 +6,7 @@
 #include <chrono>
 #include <sys/wait.h>
 
+#include <climits>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -131,6 +132,41 @@ TEST(CApi, DestroyWhileAnotherThreadWaitsWakesItWithClosed) {
   EXPECT_STREQ(kvtd_error_name(KVTD_E_CLOSED), "closed");
   EXPECT_NE(message.find("closed"), std::string::npos) << message;
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+}
+
+// Issue 30 item 7: documented misuse is refused, never a use after free. A call on a destroyed
+// handle answers KVTD_E_CLOSED, and two threads destroying one handle at once free it once. On the
+// old library both read freed memory (ASan: heap-use-after-free; double free).
+TEST(CApi, CallsAfterDestroyAndTwoDestroysAreRefusedNotUseAfterFree) {
+  for (int round = 0; round < 20; ++round) {
+    AttachedCSession a("capi_misuse");
+    kvtd_session* s = a.s;
+    std::atomic<bool> go{false};
+    std::thread t1([&] {
+      while (!go) {
+      }
+      kvtd_session_destroy(s);
+    });
+    std::thread t2([&] {
+      while (!go) {
+      }
+      kvtd_session_destroy(s);
+    });
+    go = true;
+    t1.join();
+    t2.join();
+    char err[256] = {0};
+    kvtd_completion c{};
+    EXPECT_EQ(kvtd_poll(s, 1, &c, err, sizeof err), KVTD_E_CLOSED);
+    EXPECT_NE(std::string(err).find("destroyed"), std::string::npos) << err;
+    int32_t src[1] = {1}, dst[1] = {2};
+    uint64_t id = 0;
+    EXPECT_EQ(kvtd_submit(s, KVTD_SWAP_TO_HOST, src, dst, 1, 10, &id, err, sizeof err), KVTD_E_CLOSED);
+    EXPECT_EQ(kvtd_in_flight(s), 0u);
+    EXPECT_EQ(kvtd_weight_version(s), 0u);
+    EXPECT_STREQ(kvtd_session_name(s), "");
+    kvtd_session_destroy(s);  // a third time: nothing
+  }
 }
 
 // Issue 18 item 12: a forked child (FastDeploy uses multiprocessing) shared its parent's session
@@ -494,6 +530,10 @@ TEST(CApi, SubmitTaskRefusesEveryBadFieldNamingIt) {
   t.flags = 0;
   t.deadline_ns = -5;
   expect_refused(t, "deadline_ns");
+  t.deadline_ns = 0;
+  const int32_t wrapped[2] = {0, INT32_MIN};  // a caller's 2^31 in an int32 (issue 30 item 7)
+  t.dst = wrapped;
+  expect_refused(t, "dst[1] is -2147483648: block ids are 0..2147483647");
   t = {};
   t.kind = KVTD_STORAGE_READ;
   t.src = ids;

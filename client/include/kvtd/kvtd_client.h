@@ -14,7 +14,9 @@
  * the session and every shared object it made (attached daemons notice and detach).
  * Thread-safety: a handle may be used from several threads at once. kvtd_session_destroy wakes
  * the calls waiting in the session on other threads (they return KVTD_E_CLOSED) and frees the
- * handle once none is inside; no call may start after destroy began. A handle used in a process
+ * handle once none is inside. A call on a destroyed handle (or one being destroyed) is refused
+ * with KVTD_E_CLOSED, and a second destroy of one handle does nothing: the library keeps a table
+ * of live handles and never reuses a destroyed one's address. A handle used in a process
  * other than its creator (a forked child) is refused with KVTD_E_WRONG_PROCESS. Waits never hold
  * a lock while sleeping; a caller in Python (ctypes) waits with the GIL released.
  * Versioning: the SONAME is libkvtd_client.so.<KVTD_CLIENT_ABI>; structs may only grow at the
