@@ -205,8 +205,11 @@ bool same_secret(const std::string& a, const std::string& b) {
 
 struct ControlServer::Impl {
   zmq::context_t context{1};
-  zmq::socket_t socket{context, zmq::socket_type::rep};
-  zmq::socket_t tcp{context, zmq::socket_type::rep};  // bound only with a TCP endpoint
+  // ROUTER, not REP: the loop owns each request's envelope, so a malformed or abandoned request
+  // costs only its sender. (libzmq 4.3.4's REP took the next request's routing frame as payload
+  // once the sender of a malformed one had gone, and that request's reply was lost.)
+  zmq::socket_t socket{context, zmq::socket_type::router};
+  zmq::socket_t tcp{context, zmq::socket_type::router};  // bound only with a TCP endpoint
   bool has_tcp = false;
   std::string secret;
   std::string endpoint;
@@ -233,17 +236,29 @@ struct ControlServer::Impl {
     return json{{"ok", true}, {"result", result}}.dump();
   }
 
-  // One request on `s`, if one is waiting.
+  // One request on `s`, if one is waiting. A REQ client's request arrives as [routing id][empty
+  // delimiter][request]; the reply goes back in the same envelope. A message without that
+  // envelope has no address to answer: it is read whole and dropped. A reply to a peer that has
+  // gone is dropped by the ROUTER, never delivered to another peer.
   void serve_one(zmq::socket_t& s, bool from_tcp) {
-    zmq::message_t msg;
-    if (!s.recv(msg, zmq::recv_flags::dontwait)) return;
-    // A multipart request: read the rest so the REP state machine stays in step; answer an error.
-    const bool multipart = msg.more();
-    while (msg.more())
-      if (!s.recv(msg, zmq::recv_flags::none)) break;
-    const std::string reply = multipart ? error_reply("send the request as one message")
-                                        : answer(std::string(static_cast<const char*>(msg.data()), msg.size()), from_tcp);
-    s.send(zmq::buffer(reply), zmq::send_flags::none);
+    zmq::message_t parts[3];
+    std::size_t count = 0;
+    zmq::message_t part;
+    if (!s.recv(part, zmq::recv_flags::dontwait)) return;
+    for (;;) {
+      const bool more = part.more();
+      if (count < 3) parts[count] = std::move(part);
+      ++count;  // parts past the third are read and dropped: the message is taken whole
+      if (!more) break;
+      if (!s.recv(part, zmq::recv_flags::none)) return;
+    }
+    if (count < 3 || parts[1].size() != 0) return;  // not a REQ envelope
+    const std::string reply = count > 3 ? error_reply("send the request as one message")
+                                        : answer(std::string(static_cast<const char*>(parts[2].data()), parts[2].size()),
+                                                 from_tcp);
+    s.send(parts[0], zmq::send_flags::sndmore);
+    s.send(zmq::message_t{}, zmq::send_flags::sndmore);
+    s.send(zmq::buffer(reply), zmq::send_flags::dontwait);
   }
 
   void loop() {
@@ -254,7 +269,7 @@ struct ControlServer::Impl {
         if (items[0].revents & ZMQ_POLLIN) serve_one(socket, false);
         if (has_tcp && (items[1].revents & ZMQ_POLLIN)) serve_one(tcp, true);
       } catch (const zmq::error_t&) {
-        // EINTR or a peer gone mid-exchange: the REP socket recovers on the next request.
+        // EINTR, or a peer gone mid-exchange: each request stands alone on the ROUTER.
       }
     }
   }
