@@ -212,7 +212,18 @@ class RedisStore final : public ObjectStore {
     if (n.ctx && n.ctx->err == 0) return n.ctx;
     n.drop();
     const auto now = Clock::now();
-    if (now < n.retry_at || now >= deadline) return nullptr;
+    if (now < n.retry_at) {
+      // Not tried: say so, rather than leave the failure of the call that armed the backoff as
+      // this call's error.
+      last_error_ = "not tried: " + n.host + ":" + std::to_string(n.port) + " is in its reconnect backoff for " +
+                    std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(n.retry_at - now).count()) +
+                    " ms more, after: " + n.failure;
+      return nullptr;
+    }
+    if (now >= deadline) {
+      last_error_ = "no time left to connect to " + n.host + ":" + std::to_string(n.port) + " within the call's deadline";
+      return nullptr;
+    }
     const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - now).count();
     timeval tv{static_cast<time_t>(left / 1'000'000), static_cast<suseconds_t>(left % 1'000'000)};
     redisContext* c = redisConnectWithTimeout(n.host.c_str(), n.port, tv);
@@ -232,6 +243,7 @@ class RedisStore final : public ObjectStore {
     }
     if (!ok) {
       if (c) redisFree(c);
+      n.failure = last_error_;
       n.backoff_ms = n.backoff_ms == 0 ? 50 : std::min(n.backoff_ms * 2, o_.max_backoff_ms);
       n.retry_at = Clock::now() + std::chrono::milliseconds(n.backoff_ms);
       return nullptr;
@@ -446,6 +458,7 @@ class RedisStore final : public ObjectStore {
 
   void fail_connection(Node& n) REQUIRES(mu_) {
     last_error_ = n.ctx && n.ctx->errstr[0] ? n.ctx->errstr : "connection lost";
+    n.failure = last_error_;
     n.drop();
     n.backoff_ms = 50;
     n.retry_at = Clock::now() + std::chrono::milliseconds(n.backoff_ms);

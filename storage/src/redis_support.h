@@ -29,6 +29,7 @@ struct Node {
   redisContext* ctx = nullptr;
   Clock::time_point retry_at{};
   std::int64_t backoff_ms = 0;
+  std::string failure;  // what armed the backoff, for the calls it makes wait
 
   ~Node() { drop(); }
   void drop() {

@@ -12,6 +12,9 @@
 #include <fstream>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
+#include "kvtd/control/control.h"
 #include "kvtd/ipc/clock.h"
 #include "redis_server.h"
 #include "storage_fixture.h"
@@ -20,6 +23,7 @@ namespace kvtd {
 namespace {
 
 using namespace std::chrono_literals;
+using json = nlohmann::json;
 
 class StoreStallTest : public StorageTaskTest {
  protected:
@@ -72,6 +76,18 @@ class StoreStallTest : public StorageTaskTest {
       ASSERT_FALSE(b->failures.empty());
       EXPECT_NE(b->failures[0].message.find(cause), std::string::npos) << why(*b);
     }
+  }
+
+  // What `kvtd ctl status` says of a rank's readiness (/readyz's answer), or null.
+  json readiness(std::uint32_t rank) {
+    auto dir = control::runtime_dir();
+    if (!dir.ok()) return json{};
+    control::Request st;
+    st.command = "status";
+    auto r = control::call("ipc://" + control::socket_path(*dir, suffix_, 0, rank), st, 2000);
+    if (!r.ok()) return json{};
+    const json j = json::parse(*r, nullptr, false);
+    return j.is_object() ? j["result"]["health"]["ready"] : json{};
   }
 
   // A swap (with keys: and its backup); returns the swap's id.
@@ -180,6 +196,71 @@ TEST_F(StoreStallTest, ABackupOfASwapCancelledOrLateWhileParkedStoresNothing) {
     ASSERT_TRUE(rd.ok()) << why(rd);
     EXPECT_EQ(rd.blocks_done, 0u) << key << ": another prefix's KV was stored under a swap that did not happen";
   }
+}
+
+// Issue 30 item 2: the daemon's store probe (every 5 s) timed out on a fresh connection just
+// before a stalled Redis resumed, and the reconnect backoff it armed made the next write and read
+// fail storage_unavailable in under 1 ms ("Redis did not answer EXISTS ... Resource temporarily
+// unavailable") while Redis answered. The probe now asks on connections of its own: a task is
+// never failed by a probe, and reports the error of its own call. Also item 8: /readyz said
+// "ready" while the store hung (the probe was still waiting for its answer); a probe unanswered
+// for a second or more now makes it not ready, naming the store.
+TEST_F(StoreStallTest, AStoreProbeThatTimedOutNeverFailsTheNextTasksAndAHungStoreIsNotReady) {
+  ASSERT_NO_FATAL_FAILURE(start_on_redis({}));
+  extra_args_.clear();
+  // Daemons whose Redis calls time out after 300 ms (the fixture's are 30 s).
+  daemons_.clear();
+  engine_.reset();
+  extra_args_ = {"--storage-backend", "redis", "--redis-endpoints", server_->endpoint(), "--redis-timeout", "0.3",
+                 "--model-id", "m1"};
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  auto ready = [&](std::uint32_t rank) { return readiness(rank); };
+  ASSERT_TRUE(test::eventually([&] { return ready(0).value("ready", false) && ready(1).value("ready", false); }, 20s));
+  const auto keys = make_keys("after", 2);
+  freeze();
+  // Not ready while the store hangs: first as the probe waits for its answer, then as it failed.
+  ASSERT_TRUE(test::eventually(
+      [&] {
+        const json r = ready(0);
+        return r.is_object() && !r.value("ready", true) && r["store"].value("reachable", true) == false;
+      },
+      15s))
+      << ready(0).dump();
+  // The probe failed on its connection (dropped); the next probe, 5 s later, times out on a fresh
+  // one, which arms the reconnect backoff. Redis continues right after it.
+  ASSERT_TRUE(test::eventually([&] { return ready(0)["store"].contains("error"); }, 15s)) << ready(0).dump();
+  std::this_thread::sleep_for(1s);
+  ASSERT_TRUE(test::eventually([&] { return ready(0)["store"].value("checked_s_ago", 99.0) < 0.5; }, 15s))
+      << ready(0).dump();
+  thaw();
+  auto w = storage(TaskKind::kStorageWrite, keys, {4, 5});
+  EXPECT_TRUE(w.ok()) << why(w);
+  wipe_device({24, 25});
+  auto rd = storage(TaskKind::kStorageRead, keys, {24, 25});
+  EXPECT_TRUE(rd.ok()) << why(rd);
+  EXPECT_EQ(rd.blocks_done, 2u);
+  if (rd.ok()) expect_device_pattern({24, 25}, {4, 5}, 2);
+  ASSERT_TRUE(test::eventually([&] { return ready(0).value("ready", false); }, 15s)) << ready(0).dump();
+}
+
+// Issue 30 item 8: /readyz said "ready" while a Redis store hung: the probe was still waiting
+// for an answer (30 s here) and readiness read the last check that finished. A check unanswered
+// for a second now makes the rank not ready, naming how long; it is ready again once Redis answers.
+TEST_F(StoreStallTest, ReadinessSaysNotReadyWhileTheStoreHangsAndReadyOnceItAnswers) {
+  ASSERT_NO_FATAL_FAILURE(start_on_redis({}));
+  ASSERT_TRUE(test::eventually([&] { return readiness(0).value("ready", false); }, 20s)) << readiness(0).dump();
+  freeze();
+  // The next check (within 5 s) waits on the stopped server; a second later the rank says so.
+  ASSERT_TRUE(test::eventually(
+      [&] {
+        const json r = readiness(0);
+        return r.is_object() && !r.value("ready", true) && r.dump().find("has not answered a check") != std::string::npos;
+      },
+      10s))
+      << readiness(0).dump();
+  EXPECT_FALSE(readiness(0)["store"].value("reachable", true));
+  thaw();
+  ASSERT_TRUE(test::eventually([&] { return readiness(0).value("ready", false); }, 20s)) << readiness(0).dump();
 }
 
 // Backups under write-through while the store is stopped: the swaps complete, backups that arrive

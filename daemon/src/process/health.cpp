@@ -41,6 +41,10 @@ StoreProbe::Answer StoreProbe::last() const {
 
 void StoreProbe::loop() {
   for (;;) {
+    {
+      MutexLock l(mu_);
+      last_.asking_since_ns = ipc::monotonic_now_ns();
+    }
     auto r = store_.exists(std::span<const std::string>(&kProbeKey, 1));
     Answer a;
     a.checked = true;
@@ -78,8 +82,18 @@ metrics::HealthAnswer readiness(const HealthSources& s) {
     store["reachable"] = a.checked && a.reachable;
     if (a.checked) store["checked_s_ago"] = seconds_since(a.checked_ns);
     if (!a.error.empty()) store["error"] = a.error;
-    if (!a.checked) reasons.push_back("the store has not been checked yet");
-    else if (!a.reachable) reasons.push_back("the store does not answer: " + a.error);
+    // A check still waiting for its answer says more than the last one that finished: the store
+    // hangs, and a task's call would wait as long.
+    const std::int64_t asking_ns = a.asking_since_ns == 0 ? 0 : ipc::monotonic_now_ns() - a.asking_since_ns;
+    if (asking_ns >= kStoreProbeStuckNs) {
+      store["reachable"] = false;
+      store["unanswered_s"] = static_cast<double>(asking_ns) / 1e9;
+      reasons.push_back("the store has not answered a check for " + std::to_string(asking_ns / 1'000'000) + " ms");
+    } else if (!a.checked) {
+      reasons.push_back("the store has not been checked yet");
+    } else if (!a.reachable) {
+      reasons.push_back("the store does not answer: " + a.error);
+    }
   }
   const bool ok = reasons.empty();
   json j{{"ready", ok},

@@ -31,6 +31,7 @@ class StoreProbe {
     bool reachable = false;
     std::string error;        // why not, when not
     std::int64_t checked_ns = 0;  // monotonic time of the check
+    std::int64_t asking_since_ns = 0;  // monotonic start of the check in flight (0: none)
   };
   Answer last() const;
 
@@ -47,6 +48,8 @@ class StoreProbe {
 
 // How often the store probe asks the store.
 inline constexpr std::int64_t kStoreProbePeriodMs = 5000;
+// A check unanswered this long means a task's store call would wait as long: not ready.
+inline constexpr std::int64_t kStoreProbeStuckNs = 1'000'000'000;
 
 // Liveness fails when the serving loop (or the attach wait) has not turned for this long.
 inline constexpr std::int64_t kLoopStaleNs = 10'000'000'000;

@@ -19,6 +19,9 @@ namespace {
 // not an error here: its tasks fail with storage_unavailable until it is back.
 struct OpenedStore {
   std::unique_ptr<storage::ObjectStore> store;
+  // Redis: the same servers on connections of the probe's own, so a probe that times out never
+  // drops a task's connection or arms its reconnect backoff. Null: the probe asks `store`.
+  std::unique_ptr<storage::ObjectStore> probe;
   std::string name;
 };
 
@@ -66,6 +69,9 @@ Result<OpenedStore, config::ConfigErrc> open_store(const config::DaemonConfig& c
   auto s = storage::open_redis_store(ro);
   if (!s.ok()) return make_error(config::ConfigErrc::kInvalidValue, "--redis-endpoints: " + s.error().message);
   out.store = std::move(s).value();
+  auto probe = storage::open_redis_store(ro);
+  if (!probe.ok()) return make_error(config::ConfigErrc::kInvalidValue, "--redis-endpoints: " + probe.error().message);
+  out.probe = std::move(probe).value();
   out.name = "redis " + sc.redis_endpoints.front() + (sc.redis_endpoints.size() > 1 ? " (+" + std::to_string(sc.redis_endpoints.size() - 1) + ")" : "");
   return out;
 }
@@ -146,7 +152,7 @@ std::optional<int> open_servers(const config::DaemonConfig& cfg, std::atomic<boo
     s.registry.set_store_tier(cfg.storage.backend == config::StorageBackendKind::kFile ? "file" : "redis");
   // Readiness asks whether the store answers; a thread asks it every few seconds so that a
   // probe never waits on the store.
-  if (s.store) s.store_probe = std::make_unique<StoreProbe>(*s.store, kStoreProbePeriodMs);
+  if (s.store) s.store_probe = std::make_unique<StoreProbe>(s.probe_store ? *s.probe_store : *s.store, kStoreProbePeriodMs);
   const HealthSources sources{s.registry, s.control_state, s.store_probe.get(), s.store_name};
   s.registry.set_health_figures([sources] {
     const StoreProbe::Answer store = sources.store ? sources.store->last() : StoreProbe::Answer{};
@@ -202,6 +208,7 @@ std::optional<int> start_up(const config::DaemonConfig& cfg, std::atomic<bool>& 
     return kExitBadFlags;
   }
   s.store = std::move(store->store);
+  s.probe_store = std::move(store->probe);
   s.store_name = store->name;
   if (s.store)
     KVTD_INFO("storage: {} (model {}, layout fingerprint {:016x}, weight version {}), write policy {}, {} I/O "

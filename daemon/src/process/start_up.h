@@ -30,6 +30,7 @@ struct Services {
   // Rank 0 with --kv-events-endpoint (else null). Before the store: its eviction hook uses it.
   std::unique_ptr<events::KvEventPublisher> kv_events;
   std::unique_ptr<storage::ObjectStore> store;  // null: --storage-backend none
+  std::unique_ptr<storage::ObjectStore> probe_store;  // Redis: the probe's own connections; else null
   std::string store_name;
   metrics::MetricsRegistry registry;  // counters survive sessions
   // Declared (so destroyed) in the order the servers read them: the servers go first.
