@@ -2,6 +2,7 @@
 #include "kvtd/proto/names.h"
 
 #include "kvtd/config/daemon_config.h"
+#include "kvtd/listeners/zmq_listener_guard.h"
 
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -26,6 +27,10 @@ namespace {
 using json = nlohmann::json;
 
 constexpr std::int64_t kMaxRequestBytes = 64 * 1024;
+// The TCP endpoint's connections open at once: more and the oldest is shut down (an operator's
+// request takes milliseconds, so a flood of idle connections cannot keep it out).
+constexpr std::size_t kMaxTcpConnections = 32;
+constexpr int kTcpHandshakeMs = 2000;
 
 std::string error_reply(const std::string& why) { return json{{"ok", false}, {"error", why}}.dump(); }
 
@@ -217,6 +222,9 @@ struct ControlServer::Impl {
   Handler handler;
   std::atomic<bool> stopping{false};
   std::thread thread;
+  // Caps the TCP endpoint's connections (any local user can connect): destroyed before the
+  // context, after the loop has stopped.
+  std::unique_ptr<listeners::ZmqListenerGuard> tcp_guard;
 
   std::string answer(const std::string& text, bool from_tcp) {
     auto req = parse_request(text);
@@ -308,8 +316,15 @@ Result<std::unique_ptr<ControlServer>, ControlErrc> ControlServer::start(const s
     if (!tcp_endpoint.empty()) {
       impl->tcp.set(zmq::sockopt::maxmsgsize, kMaxRequestBytes);
       impl->tcp.set(zmq::sockopt::linger, 1000);
+      // A peer that does not finish ZeroMQ's greeting within this is dropped (libzmq: 30 s).
+      impl->tcp.set(zmq::sockopt::handshake_ivl, kTcpHandshakeMs);
       impl->tcp.bind(tcp_endpoint);
       impl->has_tcp = true;
+      auto guard = listeners::ZmqListenerGuard::start(
+          impl->context.handle(), impl->tcp.handle(),
+          {"control endpoint " + tcp_endpoint, kMaxTcpConnections, listeners::Evict::kOldest});
+      if (!guard.ok()) return make_error(ControlErrc::kBind, guard.error().message);
+      impl->tcp_guard = std::move(guard).value();
     }
   } catch (const zmq::error_t& e) {
     return make_error(ControlErrc::kBind, "control socket " + impl->endpoint +

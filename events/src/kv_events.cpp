@@ -7,6 +7,7 @@
 #include "event_encoding.h"
 #include "kvtd/base/mutex.h"
 #include "kvtd/base/thread_annotations.h"
+#include "kvtd/listeners/zmq_listener_guard.h"
 
 namespace kvtd::events {
 namespace {
@@ -40,6 +41,7 @@ struct KvEventPublisher::Impl {
   KvEventsStats stats GUARDED_BY(mu);
   std::uint64_t next_seq = 0;  // sender thread only
   std::thread sender;
+  std::unique_ptr<listeners::ZmqListenerGuard> guard;  // bound tcp:// only; goes before the context
 
   void push(KvEventKind kind, std::vector<std::string> keys) {
     const std::size_t n = keys.empty() ? 1 : keys.size();
@@ -116,6 +118,13 @@ Result<std::unique_ptr<KvEventPublisher>, EventsErrc> KvEventPublisher::open(con
     if (binds(o.endpoint)) {
       impl->socket.bind(o.endpoint);
       impl->endpoint = impl->socket.get(zmq::sockopt::last_endpoint);
+      if (o.endpoint.rfind("tcp://", 0) == 0) {
+        auto guard = listeners::ZmqListenerGuard::start(
+            impl->context.handle(), impl->socket.handle(),
+            {"--kv-events-endpoint " + o.endpoint, o.max_subscribers, listeners::Evict::kNewest});
+        if (!guard.ok()) return make_error(EventsErrc::kSocket, guard.error().message);
+        impl->guard = std::move(guard).value();
+      }
     } else {
       impl->socket.connect(o.endpoint);
       impl->endpoint = o.endpoint;

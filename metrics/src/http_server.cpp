@@ -1,6 +1,7 @@
 #include "kvtd/metrics/http_server.h"
 
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
@@ -9,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <thread>
+#include <vector>
 
 namespace kvtd::metrics {
 
@@ -18,10 +20,14 @@ namespace http = beast::http;
 using tcp = asio::ip::tcp;
 
 // Connections are served concurrently on one io_context thread, each with a total deadline and
-// an idle limit between keep-alive requests, and at most kMaxConnections at once (a newcomer
-// beyond that is closed): a client that holds its connection, sends half a request or reads
-// nothing delays nobody else's scrape.
+// an idle limit between keep-alive requests, and at most kMaxConnections at once. A newcomer
+// beyond that takes the place of the connection that has waited longest for a request (slow or
+// silent clients), so a client that holds its connection, sends half a request or reads nothing
+// delays nobody else's scrape, and a kubelet's /healthz is answered under a flood of them (it
+// was refused once 64 were held). Only when every connection is mid-answer is the newcomer closed.
 constexpr int kMaxConnections = 64;
+// After a failed accept (out of descriptors) the next waits this long: no busy loop meanwhile.
+constexpr auto kAcceptRetry = std::chrono::milliseconds(100);
 constexpr auto kConnectionDeadline = std::chrono::seconds(5);  // one connection, all its requests
 constexpr auto kIdleDeadline = std::chrono::seconds(2);        // waiting for the next request
 
@@ -32,7 +38,15 @@ class Connection : public std::enable_shared_from_this<Connection> {
         end_(std::chrono::steady_clock::now() + kConnectionDeadline) {}
   ~Connection() { open_.fetch_sub(1); }
 
+  // Waiting for (the rest of) a request, since when: such a connection may be evicted.
+  bool waiting() const { return waiting_; }
+  std::chrono::steady_clock::time_point waiting_since() const { return waiting_since_; }
+  // Closes it for a newcomer; its pending read ends with operation_aborted.
+  void evict() { close(); }
+
   void read() {
+    waiting_ = true;
+    waiting_since_ = std::chrono::steady_clock::now();
     parser_.emplace();
     parser_->header_limit(8192);
     parser_->body_limit(8192);
@@ -43,6 +57,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
  private:
   void answer(beast::error_code ec) {
+    waiting_ = false;
     if (ec == http::error::end_of_stream || ec == beast::error::timeout || ec == asio::error::operation_aborted)
       return close();
     auto res = std::make_shared<http::response<http::string_body>>();
@@ -104,6 +119,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   const HealthRoutes& health_;
   std::atomic<int>& open_;
   const std::chrono::steady_clock::time_point end_;
+  bool waiting_ = false;  // io thread only
+  std::chrono::steady_clock::time_point waiting_since_{};
 };
 
 struct MetricsServer::Impl {
@@ -114,22 +131,48 @@ struct MetricsServer::Impl {
   std::thread thread;
   std::atomic<int> open{0};
   std::uint16_t port = 0;
+  std::vector<std::weak_ptr<Connection>> live;  // io thread only; pruned as connections end
+  asio::steady_timer retry{io};
 
   Impl(const MetricsRegistry& r, HealthRoutes h) : registry(r), health(std::move(h)) {}
+
+  // At the cap: evicts the connection that has waited longest for a request. False when every
+  // connection is busy answering.
+  bool make_room() {
+    std::erase_if(live, [](const std::weak_ptr<Connection>& w) { return w.expired(); });
+    std::shared_ptr<Connection> victim;
+    for (const auto& w : live) {
+      auto c = w.lock();
+      if (c && c->waiting() && (!victim || c->waiting_since() < victim->waiting_since())) victim = c;
+    }
+    if (!victim) return false;
+    victim->evict();
+    std::erase_if(live, [&](const std::weak_ptr<Connection>& w) { return w.lock() == victim; });
+    return true;
+  }
 
   void accept() {
     acceptor.async_accept([this](beast::error_code ec, tcp::socket socket) {
       if (ec == asio::error::operation_aborted) return;  // stopping
-      if (!ec) {
-        if (open.fetch_add(1) >= kMaxConnections) {
-          open.fetch_sub(1);
-          beast::error_code ignored;
-          socket.close(ignored);  // over the cap: the newcomer waits for its client's retry
-        } else {
-          std::make_shared<Connection>(std::move(socket), registry, health, open)->read();
-        }
+      if (ec) {
+        // Out of descriptors (or another failure of this accept): try again a little later.
+        retry.expires_after(kAcceptRetry);
+        retry.async_wait([this](beast::error_code wec) {
+          if (wec != asio::error::operation_aborted) accept();
+        });
+        return;
       }
-      accept();  // also after an error (e.g. out of descriptors: the next accept may work)
+      std::erase_if(live, [](const std::weak_ptr<Connection>& w) { return w.expired(); });
+      if (live.size() >= static_cast<std::size_t>(kMaxConnections) && !make_room()) {
+        beast::error_code ignored;
+        socket.close(ignored);  // every connection is answering: the newcomer's client retries
+      } else {
+        open.fetch_add(1);
+        auto c = std::make_shared<Connection>(std::move(socket), registry, health, open);
+        live.push_back(c);
+        c->read();
+      }
+      accept();
     });
   }
 

@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -11,6 +12,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <thread>
 
@@ -176,6 +178,104 @@ TEST_F(ControlTest, MalformedPacketsOnTheTcpEndpointCostOnlyTheirSendersRequests
   EXPECT_TRUE(json::parse(*lr, nullptr, false).value("ok", false)) << *lr;
   EXPECT_GT(packets.load(), 10);
   ASSERT_TRUE(run(TaskKind::kSwapToHost, {1}, {2}).ok());
+  std::remove(secret_file.c_str());
+}
+
+// Issue 30 item 4: another local user holding ~1,100 TCP connections to the control port (no
+// secret needed to connect) and to the KV events endpoint exhausted the daemon's descriptors
+// (1,024 under systemd's default): storage tasks failed and an operator's `kvtd ctl` over the
+// private ipc socket made the daemon abort. The daemons here start with that soft limit. Now each
+// listener caps its connections, the daemon raises its soft limit to the hard one, and storage,
+// the ipc socket and an operator's TCP request all keep working.
+TEST_F(ControlTest, ADescriptorFloodOnTheTcpListenersStopsNothing) {
+  rlimit mine{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &mine), 0);
+  constexpr int kFlood = 1100, kEventsFlood = 200;
+  if (mine.rlim_max != RLIM_INFINITY && mine.rlim_max < kFlood + kEventsFlood + 512)
+    GTEST_SKIP() << "this process may hold only " << mine.rlim_max << " descriptors";
+  g_ = test::small_geometry(1);
+  const std::string secret_file = ::testing::TempDir() + "/" + suffix_ + "_secret";
+  const std::string secret = "correct-horse-battery-staple";
+  std::ofstream(secret_file) << secret << "\n";
+  ASSERT_EQ(::chmod(secret_file.c_str(), 0600), 0);
+  const std::string store = ::testing::TempDir() + "/" + suffix_ + "_store";
+  const std::uint16_t port = test::free_tcp_port(), events_port = test::free_tcp_port();
+  const std::string tcp = "tcp://127.0.0.1:" + std::to_string(port);
+  extra_args_ = {"--control-endpoint", tcp, "--control-secret-file", secret_file, "--storage-backend", "file",
+                 "--storage-path", store, "--model-id", "m", "--kv-events-endpoint",
+                 "tcp://*:" + std::to_string(events_port)};
+  {  // the daemons start with systemd's default soft limit
+    rlimit low = mine;
+    low.rlim_cur = 1024;
+    ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+    start_all();
+    ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &mine), 0);
+    if (HasFatalFailure()) return;
+  }
+  rlimit high = mine;
+  high.rlim_cur = high.rlim_max;
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &high), 0);
+  // A ZeroMQ peer that finishes the handshake (ZMTP 3.0: greeting with the NULL mechanism, then
+  // READY naming its socket type) and then holds the connection: libzmq keeps such a peer forever.
+  auto connect_to = [](std::uint16_t p, const std::string& type) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(p);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    timeval patience{0, 200'000};  // a listener that stopped accepting must not hold the test
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &patience, sizeof patience);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+      ::close(fd);
+      return -1;
+    }
+    std::string hello(64, '\0');
+    hello[0] = '\xff';
+    hello[9] = '\x7f';
+    hello[10] = 3;
+    hello.replace(12, 4, "NULL");
+    const std::string property = std::string("\x0bSocket-Type") + std::string("\0\0\0", 3) +
+                                 static_cast<char>(type.size()) + type;
+    const std::string ready = std::string("\x05READY") + property;
+    hello += std::string("\x04") + static_cast<char>(ready.size()) + ready;
+    (void)!::write(fd, hello.data(), hello.size());
+    return fd;
+  };
+  std::vector<int> held;
+  for (int i = 0; i < kFlood; ++i) held.push_back(connect_to(port, "DEALER"));
+  for (int i = 0; i < kEventsFlood; ++i) held.push_back(connect_to(events_port, "SUB"));
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the daemon has accepted them
+  // The daemon holds a bounded number of descriptors, not one per connection.
+  std::size_t fds = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(
+           "/proc/" + std::to_string(daemons_[0].pid()) + "/fd"))
+    ++fds;
+  std::printf("figure: the daemon holds %zu descriptors while %d connections are held to its listeners\n", fds,
+              kFlood + kEventsFlood);
+  EXPECT_LT(fds, 400u);
+  // Storage tasks, the private ipc socket and an operator's TCP request all work.
+  const std::vector<std::string> keys = {"flood0", "flood1"};
+  const std::vector<std::int32_t> blocks = {1, 2};
+  TaskRequest w;
+  w.kind = TaskKind::kStorageWrite;
+  w.keys = keys;
+  w.blocks = blocks;
+  auto wr = submit_and_wait(w);
+  EXPECT_TRUE(wr.ok()) << (wr.failures.empty() ? "" : wr.failures[0].message);
+  auto [code, out] = ctl({"--endpoint", socket_of(0), "--json", "status"});
+  EXPECT_EQ(code, 0) << out;
+  control::Request status;
+  status.command = "status";
+  status.token = secret;
+  auto r = control::call(tcp, status, 2000);
+  ASSERT_TRUE(r.ok()) << r.error().message;
+  EXPECT_TRUE(json::parse(*r, nullptr, false).value("ok", false)) << *r;
+  for (int fd : held)
+    if (fd >= 0) ::close(fd);
+  EXPECT_TRUE(daemons_[0].running());
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, {1}, {2}).ok());
+  EXPECT_NE(test::read_file(log_path(0)).find("descriptors: soft limit raised from 1024"), std::string::npos);
+  std::filesystem::remove_all(store);
   std::remove(secret_file.c_str());
 }
 

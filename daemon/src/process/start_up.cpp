@@ -6,6 +6,7 @@
 #include "kvtd/daemon/host_pool.h"
 #include "kvtd/daemon/log.h"
 #include "kvtd/events/kv_events.h"
+#include "kvtd/listeners/descriptors.h"
 #include "kvtd/daemon/storage_executor.h"
 #include "kvtd/ipc/shared_object.h"
 #include "kvtd/storage/file_store.h"
@@ -187,7 +188,26 @@ std::optional<int> open_servers(const config::DaemonConfig& cfg, std::atomic<boo
 
 }  // namespace
 
+// Below this many descriptors a flood of every listener's cap would leave too little reserve.
+constexpr std::uint64_t kMinDescriptors = 4096;
+
+// Raises the descriptor limit to the hard one: every listener caps its connections far below it,
+// so the rest stays in reserve for the store, shared memory and sessions (systemd's soft 1,024
+// ran out under ~1,100 connections to the control port).
+void reserve_descriptors() {
+  auto lim = listeners::raise_descriptor_limit();
+  if (!lim.ok()) {
+    KVTD_WARN("descriptors: {}; keeping the current limit", lim.error().message);
+    return;
+  }
+  if (lim->now != lim->was) KVTD_INFO("descriptors: soft limit raised from {} to {}", lim->was, lim->now);
+  if (lim->now < kMinDescriptors)
+    KVTD_WARN("descriptors: the limit is {} (hard limit); set LimitNOFILE= to at least {} (the unit sets 65536)",
+              lim->now, kMinDescriptors);
+}
+
 std::optional<int> start_up(const config::DaemonConfig& cfg, std::atomic<bool>& stop, Services& s) {
+  reserve_descriptors();
   for (const auto& n : ipc::sweep_stale_objects()) KVTD_INFO("removed stale shared-memory object {}", n);
   auto backend = open_backend(cfg);
   if (!backend.ok()) {

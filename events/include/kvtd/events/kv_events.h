@@ -46,6 +46,9 @@ struct KvEventsOptions {
   std::optional<std::int64_t> data_parallel_rank;  // omitted from the batch when unset
   std::size_t max_queued_events = 100'000;
   int send_high_water_mark = 100'000;      // ZMQ_SNDHWM, in batches
+  // A bound tcp:// endpoint takes at most this many connections (anyone who can reach the port
+  // can connect): one more is shut down at once, the subscribers already there keep their place.
+  std::size_t max_subscribers = 16;
 };
 
 struct KvEventsStats {
