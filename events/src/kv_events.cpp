@@ -37,22 +37,56 @@ struct KvEventPublisher::Impl {
   CondVar wake;
   std::vector<KvEvent> queue GUARDED_BY(mu);
   std::size_t queued_events GUARDED_BY(mu) = 0;  // keys (a clear counts one)
+  std::size_t queued_bytes GUARDED_BY(mu) = 0;   // the keys' bytes
   bool stopping GUARDED_BY(mu) = false;
   KvEventsStats stats GUARDED_BY(mu);
   std::uint64_t next_seq = 0;  // sender thread only
   std::thread sender;
   std::unique_ptr<listeners::ZmqListenerGuard> guard;  // bound tcp:// only; goes before the context
 
+  static std::size_t bytes_of(const KvEvent& e) {
+    std::size_t b = 0;
+    for (const auto& k : e.keys) b += k.size();
+    return b;
+  }
+  static std::size_t events_of(const KvEvent& e) { return e.keys.empty() ? 1 : e.keys.size(); }
+
+  // Queues `e` if it fits the bounds; a removal or clear that does not is answered by a clear.
+  void enqueue_locked(KvEvent&& e) REQUIRES(mu) {
+    const std::size_t n = events_of(e), bytes = bytes_of(e);
+    if (queued_events + n <= options.max_queued_events && queued_bytes + bytes <= options.max_queued_bytes) {
+      queued_events += n;
+      queued_bytes += bytes;
+      queue.push_back(std::move(e));
+      return;
+    }
+    stats.events_dropped += n;
+    if (e.kind == KvEventKind::kStored) return;  // the router under-reports: a miss, not a lie
+    // A lost removal: the router must forget everything rather than keep a key that is gone.
+    // One clear at the tail is enough; it may pass the bound by that one event.
+    if (queue.empty() || queue.back().kind != KvEventKind::kCleared) {
+      ++queued_events;
+      ++stats.clears_for_lost_removals;
+      queue.push_back(KvEvent{KvEventKind::kCleared, {}});
+    }
+  }
+
   void push(KvEventKind kind, std::vector<std::string> keys) {
-    const std::size_t n = keys.empty() ? 1 : keys.size();
     {
       MutexLock g(mu);
-      if (queued_events + n > options.max_queued_events) {
-        stats.events_dropped += n;
-        return;
+      // Big events are cut into batch-sized ones, so no batch passes kMaxBatchBytes.
+      std::vector<std::string> part;
+      std::size_t part_bytes = 0;
+      for (auto& k : keys) {
+        if (!part.empty() && (part.size() == kMaxEventsPerBatch || part_bytes + k.size() > kMaxBatchBytes)) {
+          enqueue_locked(KvEvent{kind, std::move(part)});
+          part.clear();
+          part_bytes = 0;
+        }
+        part_bytes += k.size();
+        part.push_back(std::move(k));
       }
-      queued_events += n;
-      queue.push_back(KvEvent{kind, std::move(keys)});
+      if (!part.empty() || keys.empty()) enqueue_locked(KvEvent{kind, std::move(part)});
     }
     wake.notify_one();
   }
@@ -90,15 +124,19 @@ struct KvEventPublisher::Impl {
         MutexLock g(mu);
         wake.wait(g, [&]() REQUIRES(mu) { return stopping || !queue.empty(); });
         if (queue.empty()) return;  // stopping, all sent
-        std::size_t events = 0;
+        std::size_t events = 0, bytes = 0;
         std::size_t take = 0;
-        while (take < queue.size() && (take == 0 || events + queue[take].keys.size() <= kMaxEventsPerBatch)) {
-          events += queue[take].keys.empty() ? 1 : queue[take].keys.size();
+        while (take < queue.size() &&
+               (take == 0 || (events + events_of(queue[take]) <= kMaxEventsPerBatch &&
+                              bytes + bytes_of(queue[take]) <= kMaxBatchBytes))) {
+          events += events_of(queue[take]);
+          bytes += bytes_of(queue[take]);
           ++take;
         }
         batch.assign(std::make_move_iterator(queue.begin()), std::make_move_iterator(queue.begin() + static_cast<std::ptrdiff_t>(take)));
         queue.erase(queue.begin(), queue.begin() + static_cast<std::ptrdiff_t>(take));
         queued_events -= events;
+        queued_bytes -= bytes;
       }
       send(batch);
     }

@@ -158,3 +158,30 @@ def test_a_stalled_or_absent_subscriber_never_holds_a_task(cluster, tmp_path):
         sub.close()
         stalled.close(linger=0)
         ctx.term()
+
+
+def test_gc_tells_routers_only_of_keys_that_are_gone(cluster, tmp_path):
+    """Issue 30 item 5: a gc that keeps weight version 2 sent BlockRemoved for keys that version 2
+    had stored again, so a router replaying the stream lost keys that were still there. Only keys
+    with no object left are announced now."""
+    import kvtd.control
+
+    endpoint = f"ipc://{tmp_path}/events.sock"
+    c = cluster(extra=store_flags(tmp_path, endpoint))
+    s = c.ready()
+    fill(s, c.geometry)
+    sub = Subscriber(endpoint)
+    try:
+        assert s.wait(s.storage_write(["501", "502"], [1, 2])).ok  # weight version 0
+        s.set_weight_version(2)
+        assert s.wait(s.storage_write(["501"], [3])).ok  # 501 stored again for version 2
+        got = sub.batches(lambda b: sum(e["type"] == "BlockStored" for e in events_of(b)) >= 2)
+        reports = kvtd.control.storage_gc(c.suffix, 2)
+        assert sum(r["removed"] for r in reports) == 2 * c.geometry.num_ranks  # 501 and 502 of version 0
+        got += sub.batches(lambda b: any(e["type"] == "BlockRemoved" for e in events_of(b)))
+        removed = [h for e in events_of(got) if e["type"] == "BlockRemoved" for h in e["block_hashes"]]
+        assert removed == [502], removed
+        s.set_weight_version(2)
+        assert s.wait(s.storage_query(["501"])).blocks_done == 1  # still there, as the router believes
+    finally:
+        sub.close()

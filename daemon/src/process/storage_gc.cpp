@@ -1,6 +1,8 @@
 #include "process/storage_gc.h"
 
 #include <algorithm>
+#include <span>
+#include <unordered_set>
 #include <nlohmann/json.hpp>
 
 #include "kvtd/daemon/log.h"
@@ -10,6 +12,21 @@
 #include "kvtd/storage/object_store.h"
 
 namespace kvtd::daemon {
+
+namespace {
+
+// Whether rank 0's slice of `key` at the kept weight version is in the store (rank 0 writes
+// every layout, replicated MLA included). "Unknown" counts as stored: no removal is announced.
+bool still_stored(storage::ObjectStore& store, const config::DaemonConfig& cfg, const std::string& key,
+                  std::uint64_t keep_wv) {
+  const std::string prefix = cfg.storage.key_prefix.empty() ? "" : "." + cfg.storage.key_prefix;
+  const std::string name =
+      key + prefix + ".w" + std::to_string(cfg.storage.weight_version) + "-" + std::to_string(keep_wv) + ".r0";
+  auto n = store.exists(std::span<const std::string>(&name, 1));
+  return !n.ok() || *n == 1;
+}
+
+}  // namespace
 
 control::Reply collect_storage(const config::DaemonConfig& cfg, storage::ObjectStore* store,
                                events::KvEventPublisher* kv_events, const control::Request::StorageGc& gc) {
@@ -30,12 +47,19 @@ control::Reply collect_storage(const config::DaemonConfig& cfg, storage::ObjectS
   request.deadline_ns = ipc::monotonic_now_ns() + static_cast<std::int64_t>(gc.max_seconds * 1e9);
   const std::uint64_t config_wv = cfg.storage.weight_version;
   const std::uint64_t keep_wv = gc.keep_weight_version;
-  request.keep_name = [config_wv, keep_wv](const std::string& name) {
+  // Engine keys of this deployment's objects the walk kept: a key whose old version went while
+  // the kept version stays is still stored, and a router must not hear that it was removed.
+  std::unordered_set<std::string> kept_keys;
+  const bool tell = kv_events != nullptr;
+  request.keep_name = [config_wv, keep_wv, tell, &kept_keys, &cfg](const std::string& name) {
     const auto parsed = parse_stored_name(name);
-    return !parsed || (parsed->config_weight_version == config_wv && parsed->task_weight_version == keep_wv);
+    const bool keep = !parsed || (parsed->config_weight_version == config_wv && parsed->task_weight_version == keep_wv);
+    if (keep && tell)
+      if (auto key = engine_key_of(name, cfg.storage.key_prefix)) kept_keys.insert(std::move(*key));
+    return keep;
   };
   std::vector<std::string> removed_keys;  // this group's, for the routers
-  if (kv_events != nullptr)
+  if (tell)
     request.on_removed = [&](const std::string& model, const std::string& name) {
       if (model != cfg.model_id) return;
       if (auto key = engine_key_of(name, cfg.storage.key_prefix)) removed_keys.push_back(std::move(*key));
@@ -46,10 +70,17 @@ control::Reply collect_storage(const config::DaemonConfig& cfg, storage::ObjectS
     reply.error = report.error().message;
     return reply;
   }
-  // Every rank's slice of a block has its own object: one event per key is enough.
-  std::sort(removed_keys.begin(), removed_keys.end());
-  removed_keys.erase(std::unique(removed_keys.begin(), removed_keys.end()), removed_keys.end());
-  if (kv_events != nullptr && !removed_keys.empty()) kv_events->removed(std::move(removed_keys));
+  if (tell) {
+    // Every rank's slice of a block has its own object: one event per key is enough.
+    std::sort(removed_keys.begin(), removed_keys.end());
+    removed_keys.erase(std::unique(removed_keys.begin(), removed_keys.end()), removed_keys.end());
+    std::erase_if(removed_keys, [&](const std::string& key) {
+      if (kept_keys.count(key) != 0) return true;
+      // A walk cut short by its time limit may not have reached the kept version: ask the store.
+      return !report->complete && still_stored(*store, cfg, key, keep_wv);
+    });
+    if (!removed_keys.empty()) kv_events->removed(std::move(removed_keys));
+  }
   const auto& r = *report;
   KVTD_INFO("storage gc (keep weight version {}{}): {} {} objects ({} bytes) of {} examined, {} kept, {} failed{}",
             keep_wv, gc.keep_models.empty() ? "" : ", named models only", gc.dry_run ? "would remove" : "removed",

@@ -6,9 +6,13 @@
 // 8-byte big-endian sequence number (0, 1, 2, ... per publisher), and the msgpack payload
 // [ts, events, data_parallel_rank] (kArray) or {ts, events, data_parallel_rank} (kMap).
 //
-// Never blocks a caller: events go to a bounded in-memory queue that one thread encodes and
-// sends; a full queue drops the newest events (counted), a slow or absent subscriber loses
-// what ZeroMQ's high-water mark drops (PUB semantics). A router must treat the events as hints,
+// Never blocks a caller: events go to a queue bounded in events and in bytes that one thread
+// encodes and sends; a full queue drops the newest events (counted), a slow or absent subscriber
+// loses what ZeroMQ's high-water mark drops (PUB semantics). Memory is bounded in bytes: a batch
+// holds at most kMaxBatchBytes of keys, a subscriber's ZeroMQ queue send_high_water_mark batches.
+// A removal that cannot be queued would leave a router believing in an object that is gone: an
+// AllBlocksCleared follows the events queued before it, so the router forgets what it cannot
+// trust (stores dropped that way only under-report). A router must treat the events as hints,
 // as vLLM's own are.
 //
 // Thread-safety: stored/removed/cleared/stats may be called from any thread.
@@ -45,15 +49,20 @@ struct KvEventsOptions {
   std::uint32_t block_size = 0;            // tokens per block, BlockStored's block_size
   std::optional<std::int64_t> data_parallel_rank;  // omitted from the batch when unset
   std::size_t max_queued_events = 100'000;
-  int send_high_water_mark = 100'000;      // ZMQ_SNDHWM, in batches
+  std::size_t max_queued_bytes = 32u << 20;  // keys' bytes in the queue
+  int send_high_water_mark = 32;           // ZMQ_SNDHWM, in batches (each at most kMaxBatchBytes)
   // A bound tcp:// endpoint takes at most this many connections (anyone who can reach the port
   // can connect): one more is shut down at once, the subscribers already there keep their place.
   std::size_t max_subscribers = 16;
 };
 
+// A batch's keys take at most this many bytes (and it holds at most 1,024 events).
+inline constexpr std::size_t kMaxBatchBytes = 256 * 1024;
+
 struct KvEventsStats {
   std::uint64_t batches_sent = 0, events_sent = 0;
   std::uint64_t events_dropped = 0;  // the queue was full
+  std::uint64_t clears_for_lost_removals = 0;  // AllBlocksCleared queued because removals were dropped
 };
 
 class KvEventPublisher {
