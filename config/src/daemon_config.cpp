@@ -1,5 +1,11 @@
 #include "kvtd/config/daemon_config.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "kvtd/config/version_yaml.h"
+
 #include "kvtd/base/version.h"
 
 #include <CLI/CLI.hpp>
@@ -14,6 +20,10 @@
 #include "kvtd/proto/names.h"
 
 namespace kvtd::config {
+
+namespace {
+constexpr off_t kMaxVersionYamlBytes = 64 * 1024;
+}  // namespace
 
 proto::CacheGeometry DaemonConfig::geometry() const {
   proto::CacheGeometry g{};
@@ -57,30 +67,36 @@ std::string fastdeploy_session_suffix(const std::string& engine_worker_queue_por
 
 Result<std::string, ConfigErrc> fastdeploy_key_prefix(const std::string& model_path) {
   const std::string file = model_path + "/version.yaml";
-  std::ifstream in(file);
-  if (!in) {
+  auto bad = [&](const std::string& why) {
+    return make_error(ConfigErrc::kInvalidValue, "--model_path: " + file + ": " + why);
+  };
+  // Non-blocking and checked before reading: a FIFO or a device in its place must not hang or
+  // fill the daemon; a version.yaml is a small regular file.
+  const int fd = ::open(file.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
     if (errno == ENOENT) return std::string();
-    return make_error(ConfigErrc::kInvalidValue, "--model_path: cannot read " + file + ": " + std::strerror(errno));
+    return bad(std::string("cannot read it: ") + std::strerror(errno));
   }
-  // The one top-level scalar FastDeploy reads (yaml.safe_load(f)["version"]); a YAML library
-  // for one line would be a dependency for nothing.
-  for (std::string line; std::getline(in, line);) {
-    if (line.rfind("version:", 0) != 0) continue;
-    std::string v = line.substr(8);
-    const auto b = v.find_first_not_of(" \t");
-    const auto e = v.find_last_not_of(" \t\r");
-    v = b == std::string::npos ? "" : v.substr(b, e - b + 1);
-    if (v.size() >= 2 && (v.front() == '"' || v.front() == '\'') && v.back() == v.front()) v = v.substr(1, v.size() - 2);
-    if (v.empty()) break;
-    const auto first = v.find('-');
-    const auto second = first == std::string::npos ? std::string::npos : v.find('-', first + 1);
-    v = v.substr(0, second);
-    if (!proto::valid_session_suffix(v))
-      return make_error(ConfigErrc::kInvalidValue, "--model_path: " + file + ": version prefix '" + v +
-                                                       "' must be 1-64 characters of [A-Za-z0-9_.-]");
-    return v;
+  struct stat st {};
+  std::string text;
+  const bool regular = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+  if (regular && st.st_size <= kMaxVersionYamlBytes) {
+    text.resize(static_cast<std::size_t>(st.st_size));
+    std::size_t got = 0;
+    for (ssize_t n; got < text.size() && (n = ::read(fd, text.data() + got, text.size() - got)) > 0;)
+      got += static_cast<std::size_t>(n);
+    text.resize(got);
   }
-  return make_error(ConfigErrc::kInvalidValue, "--model_path: " + file + " has no 'version: <RL-STEP..>' line");
+  ::close(fd);
+  if (!regular) return bad("not a regular file");
+  if (st.st_size > kMaxVersionYamlBytes)
+    return bad(std::to_string(st.st_size) + " bytes; a version.yaml has at most " + std::to_string(kMaxVersionYamlBytes));
+  auto version = version_from_yaml(text);
+  if (!version.ok()) return bad(version.error().message);
+  const std::string prefix = key_prefix_of_version(*version);
+  if (!proto::valid_session_suffix(prefix))
+    return bad("version prefix '" + prefix.substr(0, 64) + "' must be 1-64 characters of [A-Za-z0-9_.-]");
+  return prefix;
 }
 
 Result<std::vector<std::int64_t>, ConfigErrc> parse_shape(const std::string& text, const std::string& flag) {

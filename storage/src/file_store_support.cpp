@@ -39,6 +39,45 @@ Status<StorageErrc> check_private_root(const std::string& root) {
     return make_error(StorageErrc::kInvalidArgument, "store root " + root + " has mode " + mode +
                                                          ": other users can reach it (they could plant KV or list "
                                                          "the stored prompt hashes); chmod 700 " + root);
+  return check_ancestors(root);
+}
+
+// A private root is not enough: whoever can write one of its parents can rename the root away and
+// put a directory of their own, with an object that verifies, in its place. As sshd checks the
+// path of authorized_keys (StrictModes): every directory above the root, as named and as resolved,
+// belongs to root or to this user, and no other user may write it unless it is sticky (like
+// /tmp: there only an entry's owner may rename it, and the entry below is checked to be ours or
+// root's). A symbolic link on the way must belong to root or to this user too.
+Status<StorageErrc> check_ancestors(const std::string& root) {
+  const uid_t me = ::geteuid();
+  auto check_chain = [&](const std::filesystem::path& start) -> Status<StorageErrc> {
+    for (auto dir = start.parent_path(); !dir.empty(); dir = dir.parent_path()) {
+      struct stat st {};
+      if (::lstat(dir.c_str(), &st) != 0)
+        return make_error(StorageErrc::kIo, "cannot stat " + dir.string() + " (above store root " + root + "): " +
+                                                std::strerror(errno));
+      if (st.st_uid != 0 && st.st_uid != me)
+        return make_error(StorageErrc::kInvalidArgument,
+                          dir.string() + " (above store root " + root + ") belongs to uid " + std::to_string(st.st_uid) +
+                              ": that user could replace the root with a directory of their own");
+      const bool others_write = (st.st_mode & 022) != 0 && !S_ISLNK(st.st_mode);
+      if (others_write && (st.st_mode & S_ISVTX) == 0) {
+        char mode[8];
+        std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+        return make_error(StorageErrc::kInvalidArgument,
+                          dir.string() + " (above store root " + root + ") has mode " + mode +
+                              ": other users may rename what it holds; make it unwritable by them or sticky (chmod o-w,g-w)");
+      }
+      if (dir == dir.root_path()) break;
+    }
+    return {};
+  };
+  const auto named = std::filesystem::absolute(root).lexically_normal();
+  KVTD_TRY(check_chain(named));
+  std::error_code ec;
+  const auto real = std::filesystem::canonical(named, ec);
+  if (ec) return make_error(StorageErrc::kIo, "cannot resolve store root " + root + ": " + ec.message());
+  if (real != named) KVTD_TRY(check_chain(real));
   return {};
 }
 

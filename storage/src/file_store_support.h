@@ -62,6 +62,9 @@ std::int64_t monotonic_ns();
 // The store root must be this user's alone (see check_private_root in file_store_support.cpp); a
 // missing root is made 0700.
 Status<StorageErrc> check_private_root(const std::string& root);
+// Every directory above `root` (as named and as resolved) belongs to root or this user and is not
+// writable by others unless sticky: no other user can swap the root (called by check_private_root).
+Status<StorageErrc> check_ancestors(const std::string& root);
 
 // ".tmp-<key>-<pid>-<thread>-<n>": whether the writer of this temporary can no longer rename it
 // (its pid is gone, or the file is older than any write takes).

@@ -357,6 +357,46 @@ namespace {
 // Issue 18 item 6: --storage-path was used whatever its owner and mode; another local user who
 // could write it planted an object (the format is public) and STORAGE_READ loaded it. Now the root
 // must be this user's alone (0700-like); a missing one is made 0700, and so is every directory below.
+// Issue 30 item 6: kvtd checked the root (0700, its own) but not its parents: with
+// FILE_BACKEND_STORAGE_DIR=<dir>/store where <dir> belongs to another user, that user renames the
+// root away and puts a directory of their own there, holding an object that verifies, and the
+// engine loads it. A parent that another user owns, or may write without the sticky bit, is
+// refused naming it; a sticky one (like /tmp) is fine.
+TEST_F(FileStoreTest, AStoreRootUnderADirectoryAnotherUserControlsIsRefused) {
+  const std::string parent = root_ + "_parent";
+  fs::remove_all(parent);
+  ASSERT_TRUE(fs::create_directory(parent));
+  auto o = options();
+  o.root = parent + "/store";
+  ASSERT_EQ(::chmod(parent.c_str(), 0755), 0);
+  EXPECT_TRUE(open_file_store(o).ok());  // ours, not writable by others
+  ASSERT_EQ(::chmod(parent.c_str(), 0777), 0);
+  auto writable = open_file_store(o);
+  ASSERT_FALSE(writable.ok());
+  EXPECT_NE(writable.error().message.find(parent + " (above store root"), std::string::npos) << writable.error().message;
+  EXPECT_NE(writable.error().message.find("0777"), std::string::npos) << writable.error().message;
+  ASSERT_EQ(::chmod(parent.c_str(), 01777), 0);
+  EXPECT_TRUE(open_file_store(o).ok()) << "a sticky directory lets no other user rename the root";
+  if (::geteuid() == 0) {  // only root can give the directory away
+    ASSERT_EQ(::chmod(parent.c_str(), 0755), 0);
+    ASSERT_EQ(::chown(parent.c_str(), 65534, 65534), 0);
+    auto foreign = open_file_store(o);
+    ASSERT_FALSE(foreign.ok());
+    EXPECT_NE(foreign.error().message.find("belongs to uid 65534"), std::string::npos) << foreign.error().message;
+    // Through a symbolic link owned by us into that directory: the resolved path is checked too.
+    const std::string link = root_ + "_via";
+    fs::remove(link);
+    fs::create_directory_symlink(parent, link);
+    o.root = link + "/store";
+    auto linked = open_file_store(o);
+    fs::remove(link);
+    ASSERT_FALSE(linked.ok());
+    EXPECT_NE(linked.error().message.find("belongs to uid 65534"), std::string::npos) << linked.error().message;
+    ASSERT_EQ(::chown(parent.c_str(), 0, 0), 0);
+  }
+  fs::remove_all(parent);
+}
+
 TEST_F(FileStoreTest, AStoreRootOthersCanReachOrAnotherUserOwnsIsRefusedNamingPathAndMode) {
   auto made = open_file_store(options());
   ASSERT_TRUE(made.ok()) << made.error().message;

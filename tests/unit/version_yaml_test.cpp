@@ -1,0 +1,92 @@
+// FastDeploy's version.yaml as kvtd reads it (issue 30 item 6): every case of
+// tests/data/version_yaml_cases.json, whose answers tests/python/test_fastdeploy_version_yaml.py
+// checks against FastDeploy's own reader (PyYAML), so both readers agree; and files that are not
+// small regular files are refused at once instead of hanging start-up.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "kvtd/config/daemon_config.h"
+#include "kvtd/config/version_yaml.h"
+
+namespace kvtd::config {
+namespace {
+
+namespace fs = std::filesystem;
+
+TEST(VersionYaml, EveryCaseReadsAsFastDeploysReaderReadsIt) {
+  std::ifstream in(std::string(KVTD_SOURCE_DIR) + "/tests/data/version_yaml_cases.json");
+  ASSERT_TRUE(in.good());
+  const auto cases = nlohmann::json::parse(in)["cases"];
+  ASSERT_GE(cases.size(), 10u);
+  for (const auto& c : cases) {
+    const std::string name = c["name"].get<std::string>();
+    const auto version = version_from_yaml(c["text"].get<std::string>());
+    if (c["prefix"].is_null()) {
+      EXPECT_FALSE(version.ok()) << name << ": FastDeploy's reader fails here, kvtd read '"
+                                 << (version.ok() ? *version : "") << "'";
+      if (!version.ok()) {
+        EXPECT_FALSE(version.error().message.empty()) << name;
+      }
+    } else {
+      ASSERT_TRUE(version.ok()) << name << ": " << version.error().message;
+      EXPECT_EQ(key_prefix_of_version(*version), c["prefix"].get<std::string>()) << name;
+    }
+  }
+}
+
+TEST(VersionYaml, WhatItCannotReadIsRefusedNamingTheLine) {
+  for (const char* text : {"version: &a RL-STEP1-x\n", "version: !!str RL-1\n", "version: |\n  RL-STEP1-x\n",
+                           "version:\n  RL-STEP1-x\n", "  version: RL-STEP1-x\n", "version: 'RL-STEP1\n",
+                           "{version: RL-STEP1-x\n", "---\nversion: a\n---\nversion: b\n"}) {
+    const auto v = version_from_yaml(text);
+    EXPECT_FALSE(v.ok()) << text << " read as '" << (v.ok() ? *v : "") << "'";
+  }
+}
+
+// A FIFO or a device as version.yaml hung start-up (a read that never ends, or never stops);
+// a huge file was read whole. Each is refused at once, naming the file.
+TEST(VersionYaml, AFifoADeviceOrAHugeFileIsRefusedAtOnce) {
+  const fs::path dir = fs::path(::testing::TempDir()) / ("version_yaml_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string file = (dir / "version.yaml").string();
+  auto refused_quickly = [&](const std::string& says) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto r = fastdeploy_key_prefix(dir.string());
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.error().message.find(file), std::string::npos) << r.error().message;
+    EXPECT_NE(r.error().message.find(says), std::string::npos) << r.error().message;
+  };
+  ASSERT_EQ(::mkfifo(file.c_str(), 0600), 0);
+  refused_quickly("not a regular file");
+  fs::remove(file);
+  fs::create_symlink("/dev/zero", file);
+  refused_quickly("not a regular file");
+  fs::remove(file);
+  std::ofstream(file) << "version: RL-STEP1-x\n" << std::string(100 * 1024, '#') << "\n";
+  refused_quickly("at most");
+  fs::remove(file);
+  std::ofstream(file) << "\xEF\xBB\xBFversion: RL-STEP12-20240101-x  # by the trainer\n";
+  const auto ok = fastdeploy_key_prefix(dir.string());
+  ASSERT_TRUE(ok.ok()) << ok.error().message;
+  EXPECT_EQ(*ok, "RL-STEP12");
+  fs::remove(file);
+  const auto none = fastdeploy_key_prefix(dir.string());  // no file: FastDeploy uses no prefix
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(*none, "");
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace kvtd::config
