@@ -464,6 +464,9 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   app.set_version_flag("--version", std::string("kvtd ") + kVersion);
   auto instance_config = instance_config_file(argc, argv);  // --config-dir with --instance
   if (!instance_config) return instance_config.error();
+  if (const std::string file = instance_config->empty() ? scan_flag_value(argc, argv, "--config") : *instance_config;
+      !file.empty())
+    KVTD_TRY(check_config_file(file));
   app.set_config("--config", *instance_config, "Read flags from a TOML or INI file", !instance_config->empty());
   app.allow_config_extras(CLI::config_extras_mode::error);  // a typo in a config file is an error
   app.get_formatter()->column_width(40);

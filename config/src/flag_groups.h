@@ -16,4 +16,8 @@ void declare_lifecycle_flags(CLI::App& app, DaemonConfig& c);
 // After resolve_storage: the medium's default depends on the backend.
 [[nodiscard]] Status<ConfigErrc> resolve_kv_events(DaemonConfig& c);
 
+// Before CLI11 reads it: the config file is a regular file of at most 1 MiB whose lines nest at
+// most 8 levels (a FIFO would hang start-up, deep nesting costs gigabytes); the error names it.
+[[nodiscard]] Status<ConfigErrc> check_config_file(const std::string& path);
+
 }  // namespace kvtd::config

@@ -1,6 +1,7 @@
 #include "uring_reads.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <liburing.h>
 #include <unistd.h>
 
@@ -43,13 +44,18 @@ int read_direct_with_uring(std::span<DirectRead> reads) {
     // Fill the ring: an open that fails is a result at once (ENOENT: a missing object).
     while (next < reads.size() && in_flight < kUringDepth) {
       DirectRead& d = reads[next];
-      const int fd = ::open(d.path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
-      if (fd < 0) {
-        d.error = errno;
+      // Non-blocking and checked, as a buffered read: a FIFO in the store must not hang the load.
+      const int fd = ::open(d.path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC | O_NONBLOCK);
+      struct stat st {};
+      if (fd < 0 || ::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        d.error = fd < 0 ? errno : 0;  // not a regular file: nothing read, a corrupt object
+        if (fd >= 0) ::close(fd);
         ++finished;
         ++next;
         continue;
       }
+      // io_uring honours O_NONBLOCK on a file (-EAGAIN instead of waiting for the disk): clear it.
+      (void)::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
       io_uring_sqe* sqe = io_uring_get_sqe(r);  // never null: at most kUringDepth in flight
       io_uring_prep_read(sqe, fd, d.buffer.data(), static_cast<unsigned>(d.buffer.size()), 0);
       io_uring_sqe_set_data64(sqe, next);

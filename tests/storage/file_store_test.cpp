@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+
 #include <mutex>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -114,6 +116,26 @@ TEST_F(FileStoreTest, CorruptAndTruncatedObjectsAreCountedMisses) {
   EXPECT_EQ(get_one(*s, "a", &out), ObjectResult::kCorrupt);
   EXPECT_EQ(get_one(*s, "b", &out), ObjectResult::kCorrupt);
   EXPECT_EQ(s->stats().corrupt, 2u);
+  EXPECT_EQ(s->stats().hits, 0u);
+}
+
+// Issue 30 item 8: a FIFO planted where an object belongs hung the load past its deadline (open(2)
+// of a FIFO waits for a writer). It is no object: a corrupt miss, answered at once; a device
+// (endless bytes) likewise.
+TEST_F(FileStoreTest, AFifoOrADeviceWhereAnObjectBelongsIsACorruptMissAtOnce) {
+  auto s = open(options());
+  put_one(*s, "f", object(4));
+  put_one(*s, "d", object(5));
+  for (const auto& f : object_files()) {
+    fs::remove(f);
+    if (f.find("/f.kvo") != std::string::npos) ASSERT_EQ(::mkfifo(f.c_str(), 0600), 0);
+    else fs::create_symlink("/dev/zero", f);
+  }
+  std::vector<std::byte> out;
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(get_one(*s, "f", &out), ObjectResult::kCorrupt);
+  EXPECT_EQ(get_one(*s, "d", &out), ObjectResult::kCorrupt);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
   EXPECT_EQ(s->stats().hits, 0u);
 }
 

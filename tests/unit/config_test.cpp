@@ -110,7 +110,7 @@ TEST(DaemonFlags, FastDeploysLaunchLineNamesTheSessionModelStoreAndKeyPrefix) {
   std::ofstream(model + "/version.yaml") << "step: 12\n";
   c = parse(fastdeploy_launch(model));
   ASSERT_FALSE(c.ok());
-  EXPECT_NE(c.error().message.find("version.yaml has no 'version"), std::string::npos) << c.error().message;
+  EXPECT_NE(c.error().message.find("version.yaml: no top-level 'version' key"), std::string::npos) << c.error().message;
   std::remove((model + "/version.yaml").c_str());
   rmdir(model.c_str());
   rmdir(dir);

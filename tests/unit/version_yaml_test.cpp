@@ -1,7 +1,7 @@
 // FastDeploy's version.yaml as kvtd reads it (issue 30 item 6): every case of
 // tests/data/version_yaml_cases.json, whose answers tests/python/test_fastdeploy_version_yaml.py
 // checks against FastDeploy's own reader (PyYAML), so both readers agree; and files that are not
-// small regular files are refused at once instead of hanging start-up.
+// small regular files are refused at once instead of hanging start-up; the same for the config file.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -85,6 +85,42 @@ TEST(VersionYaml, AFifoADeviceOrAHugeFileIsRefusedAtOnce) {
   const auto none = fastdeploy_key_prefix(dir.string());  // no file: FastDeploy uses no prefix
   ASSERT_TRUE(none.ok());
   EXPECT_EQ(*none, "");
+  fs::remove_all(dir);
+}
+
+// Issue 30 item 8: a config file that is a FIFO hung start-up, and one with a table nested
+// thousands deep took 3.9 GB. Both are refused at once, naming the file; a flat one is read.
+TEST(ConfigFile, AFifoOrADeeplyNestedConfigIsRefusedAtOnce) {
+  const fs::path dir = fs::path(::testing::TempDir()) / ("config_file_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string file = (dir / "kvtd.toml").string();
+  auto parse_with = [&]() {
+    const char* argv[] = {"kvtd", "--config", file.c_str()};
+    return parse_daemon_flags(3, argv);
+  };
+  ASSERT_EQ(::mkfifo(file.c_str(), 0600), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto fifo = parse_with();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  ASSERT_FALSE(fifo.ok());
+  EXPECT_NE(fifo.error().message.find(file + ": not a regular file"), std::string::npos) << fifo.error().message;
+  fs::remove(file);
+  std::string deep = "[a";
+  for (int i = 0; i < 20000; ++i) deep += ".a";
+  std::ofstream(file) << deep << "]\nx = 1\n";
+  auto nested = parse_with();
+  ASSERT_FALSE(nested.ok());
+  EXPECT_NE(nested.error().message.find("line 1 nests deeper than 8"), std::string::npos) << nested.error().message;
+  std::ofstream(file) << "x = [[[[[[[[[[1]]]]]]]]]]\n";
+  auto brackets = parse_with();
+  ASSERT_FALSE(brackets.ok());
+  EXPECT_NE(brackets.error().message.find("nests deeper"), std::string::npos) << brackets.error().message;
+  std::ofstream(file) << "# kvtd.toml\nrank = 0\nmp-num = 1\nsession = \"s.1\"  # dots in values are fine\n"
+                         "key-cache-shape = \"10,1,16,64\"\n";
+  auto flat = parse_with();
+  ASSERT_TRUE(flat.ok()) << flat.error().message;
+  EXPECT_EQ(flat->session_suffix, "s.1");
   fs::remove_all(dir);
 }
 

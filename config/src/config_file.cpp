@@ -1,0 +1,80 @@
+// The config file (--config, or the instance's under --config-dir), checked before CLI11 reads it:
+// CLI11 reads whatever the path names, so a FIFO hung start-up and a table nested thousands deep
+// took 3.9 GB. A config file is a small regular file of flat flags (kvtd.toml.example).
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "flag_groups.h"
+
+namespace kvtd::config {
+namespace {
+
+constexpr off_t kMaxConfigBytes = 1 << 20;
+constexpr int kMaxNesting = 8;  // dotted parts of a key or table name, or brackets open at once
+
+// The deepest nesting on one line: the dotted parts of its table header or key, or the brackets
+// and braces its value opens at once (quoted text and comments skipped).
+int nesting_of(const std::string& line) {
+  int depth = 0, deepest = 0, dots = 0;
+  char quote = 0;
+  bool in_name = true;  // a header's name, or the key before '='
+  const auto first = line.find_first_not_of(" \t");
+  const bool header = first != std::string::npos && line[first] == '[';
+  for (std::size_t i = header ? first + 1 : 0; i < line.size(); ++i) {
+    const char c = line[i];
+    if (quote) {
+      if (c == quote) quote = 0;
+      continue;
+    }
+    if (c == '#') break;
+    if (c == '"' || c == '\'') quote = c;
+    else if (in_name && c == '.') ++dots;
+    else if (header && c == ']') in_name = false;
+    else if (!header && c == '=') in_name = false;
+    else if (!in_name && (c == '[' || c == '{')) deepest = std::max(deepest, ++depth);
+    else if (!in_name && (c == ']' || c == '}')) --depth;
+  }
+  return std::max(deepest, dots + 1);
+}
+
+}  // namespace
+
+Status<ConfigErrc> check_config_file(const std::string& path) {
+  auto bad = [&](const std::string& why) { return make_error(ConfigErrc::kInvalidValue, "config file " + path + ": " + why); };
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return bad(std::strerror(errno));
+  struct stat st {};
+  std::string text;
+  const bool regular = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+  if (regular && st.st_size <= kMaxConfigBytes) {
+    text.resize(static_cast<std::size_t>(st.st_size));
+    std::size_t got = 0;
+    for (ssize_t n; got < text.size() && (n = ::read(fd, text.data() + got, text.size() - got)) > 0;)
+      got += static_cast<std::size_t>(n);
+    text.resize(got);
+  }
+  ::close(fd);
+  if (!regular) return bad("not a regular file");
+  if (st.st_size > kMaxConfigBytes)
+    return bad(std::to_string(st.st_size) + " bytes; a config file has at most " + std::to_string(kMaxConfigBytes));
+  std::size_t line_no = 0, at = 0;
+  while (at <= text.size()) {
+    const auto nl = text.find('\n', at);
+    const std::string line = text.substr(at, nl == std::string::npos ? std::string::npos : nl - at);
+    ++line_no;
+    if (nesting_of(line) > kMaxNesting)
+      return bad("line " + std::to_string(line_no) + " nests deeper than " + std::to_string(kMaxNesting) +
+                 " levels; kvtd's flags are flat (see kvtd.toml.example)");
+    if (nl == std::string::npos) break;
+    at = nl + 1;
+  }
+  return {};
+}
+
+}  // namespace kvtd::config
