@@ -2,6 +2,7 @@
 #include "kvtd/proto/names.h"
 
 #include "kvtd/config/daemon_config.h"
+#include "kvtd/base/mutex.h"
 #include "kvtd/listeners/zmq_listener_guard.h"
 
 #include <sys/socket.h>
@@ -11,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -226,7 +228,26 @@ struct ControlServer::Impl {
   // context, after the loop has stopped.
   std::unique_ptr<listeners::ZmqListenerGuard> tcp_guard;
 
-  std::string answer(const std::string& text, bool from_tcp) {
+  // The one long job running beside the loop (Reply::later): its client's routing id and socket,
+  // and its reply once done (the loop sends it: ZeroMQ sockets are the loop thread's alone).
+  struct Job {
+    std::thread thread;
+    zmq::socket_t* socket = nullptr;
+    std::string routing_id;
+    Mutex mu;
+    std::optional<std::string> reply GUARDED_BY(mu);  // set by the job's thread
+  };
+  std::unique_ptr<Job> job;
+
+  static std::string reply_text(const Reply& r) {
+    if (!r.ok) return error_reply(r.error);
+    json result = json::parse(r.result_json, nullptr, false);
+    if (result.is_discarded()) return error_reply("internal error: the handler's result is not JSON");
+    return json{{"ok", true}, {"result", result}}.dump();
+  }
+
+  // The reply to `text`, or nullopt when a job now runs beside the loop and answers later.
+  std::optional<std::string> answer(const std::string& text, bool from_tcp, zmq::socket_t& s, const zmq::message_t& id) {
     auto req = parse_request(text);
     if (from_tcp && (!req.ok() || !same_secret(req->token, secret)))
       return error_reply("unauthorized: the TCP control endpoint answers only requests with the secret of "
@@ -238,10 +259,46 @@ struct ControlServer::Impl {
     } catch (const std::exception& e) {
       return error_reply(std::string("internal error: ") + e.what());
     }
-    if (!r.ok) return error_reply(r.error);
-    json result = json::parse(r.result_json, nullptr, false);
-    if (result.is_discarded()) return error_reply("internal error: the handler's result is not JSON");
-    return json{{"ok", true}, {"result", result}}.dump();
+    if (!r.later) return reply_text(r);
+    if (job) return error_reply("busy: another " + req->command + " or long request is running on this daemon");
+    job = std::make_unique<Job>();
+    job->socket = &s;
+    job->routing_id.assign(static_cast<const char*>(id.data()), id.size());
+    Job* j = job.get();
+    j->thread = std::thread([j, work = std::move(r.later)] {
+      std::string out;
+      try {
+        out = reply_text(work());
+      } catch (const std::exception& e) {
+        out = error_reply(std::string("internal error: ") + e.what());
+      }
+      MutexLock g(j->mu);
+      j->reply = std::move(out);
+    });
+    return std::nullopt;
+  }
+
+  // Sends the long job's reply once it has one (loop thread).
+  void finish_job(bool wait) {
+    if (!job) return;
+    {
+      MutexLock g(job->mu);
+      if (!job->reply && !wait) return;
+    }
+    job->thread.join();
+    std::string reply;
+    {
+      MutexLock g(job->mu);
+      reply = std::move(*job->reply);
+    }
+    try {
+      job->socket->send(zmq::buffer(job->routing_id), zmq::send_flags::sndmore);
+      job->socket->send(zmq::message_t{}, zmq::send_flags::sndmore);
+      job->socket->send(zmq::buffer(reply), zmq::send_flags::dontwait);
+    } catch (const zmq::error_t&) {
+      // the client has gone: nobody to tell
+    }
+    job.reset();
   }
 
   // One request on `s`, if one is waiting. A REQ client's request arrives as [routing id][empty
@@ -261,19 +318,23 @@ struct ControlServer::Impl {
       if (!s.recv(part, zmq::recv_flags::none)) return;
     }
     if (count < 3 || parts[1].size() != 0) return;  // not a REQ envelope
-    const std::string reply = count > 3 ? error_reply("send the request as one message")
-                                        : answer(std::string(static_cast<const char*>(parts[2].data()), parts[2].size()),
-                                                 from_tcp);
+    const std::optional<std::string> reply =
+        count > 3 ? error_reply("send the request as one message")
+                  : answer(std::string(static_cast<const char*>(parts[2].data()), parts[2].size()), from_tcp, s,
+                           parts[0]);
+    if (!reply) return;  // a job beside the loop answers when it ends
     s.send(parts[0], zmq::send_flags::sndmore);
     s.send(zmq::message_t{}, zmq::send_flags::sndmore);
-    s.send(zmq::buffer(reply), zmq::send_flags::dontwait);
+    s.send(zmq::buffer(*reply), zmq::send_flags::dontwait);
   }
 
   void loop() {
     while (!stopping.load()) {
       zmq::pollitem_t items[2] = {{socket.handle(), 0, ZMQ_POLLIN, 0}, {tcp.handle(), 0, ZMQ_POLLIN, 0}};
       try {
-        if (zmq::poll(items, has_tcp ? 2 : 1, std::chrono::milliseconds(100)) <= 0) continue;
+        finish_job(false);
+        // A job running: look for its end every 20 ms; otherwise sleep until a request comes.
+        if (zmq::poll(items, has_tcp ? 2 : 1, std::chrono::milliseconds(job ? 20 : 100)) <= 0) continue;
         if (items[0].revents & ZMQ_POLLIN) serve_one(socket, false);
         if (has_tcp && (items[1].revents & ZMQ_POLLIN)) serve_one(tcp, true);
       } catch (const zmq::error_t&) {
@@ -338,6 +399,7 @@ Result<std::unique_ptr<ControlServer>, ControlErrc> ControlServer::start(const s
 ControlServer::~ControlServer() {
   impl_->stopping.store(true);
   if (impl_->thread.joinable()) impl_->thread.join();
+  impl_->finish_job(/*wait=*/true);  // a job still running ends (it is bounded) and is answered
   impl_->socket.close();
   impl_->tcp.close();
   ::unlink(impl_->path.c_str());

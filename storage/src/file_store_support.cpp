@@ -1,5 +1,7 @@
 #include "file_store_support.h"
 
+#include "kvtd/storage/object_format.h"
+
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -155,6 +157,15 @@ Result<GcReport, StorageErrc> collect_files(FileSystem& fs, const std::string& r
     ++rep.examined;
     if (gc_keeps(r, own_model, o->model, o->fingerprint_hex, o->name)) {
       ++rep.kept;
+      continue;
+    }
+    // Only what kvtd wrote under this name goes: a file that merely looks like an object stays.
+    ObjectHeader h{};
+    std::size_t got = 0;
+    const std::span<std::byte> head(reinterpret_cast<std::byte*>(&h), sizeof h);
+    if (fs.read_file(f.path, std::span<const std::span<std::byte>>(&head, 1), &got) != 0 || got != sizeof h ||
+        !written_by_kvtd(h, o->model + "/" + o->fingerprint_hex + "/" + o->name)) {
+      ++rep.foreign;
       continue;
     }
     if (r.dry_run) {

@@ -85,6 +85,11 @@ ObjectHeader make_header(const StoreOptions& o, const std::string& namespaced,
   return h;
 }
 
+bool written_by_kvtd(const ObjectHeader& h, const std::string& namespaced) {
+  return h.magic == kObjectMagic && h.version == kObjectFormatVersion && h.reserved == 0 &&
+         h.key_hash == hash_bytes(namespaced.data(), namespaced.size());
+}
+
 namespace {
 
 // Everything but the checksum: format, layout, key and size.

@@ -1,10 +1,12 @@
 // One step of the Redis store's garbage collection on one server: SCAN (never KEYS, which
-// blocks the server for the whole keyspace), then STRLEN and UNLINK of what is not kept,
-// pipelined.
+// blocks the server for the whole keyspace), then of what is not kept: GETRANGE of its header
+// (only objects kvtd wrote go), STRLEN and UNLINK, pipelined.
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
+#include "kvtd/storage/object_format.h"
 #include "redis_support.h"
 
 namespace kvtd::storage::detail {
@@ -31,6 +33,24 @@ std::optional<unsigned long long> gc_scan_step(redisContext* c, unsigned long lo
     else
       doomed.push_back(key);
   }
+  // Only what kvtd wrote under its key goes: a key that merely looks like an object's stays.
+  for (const auto& k : doomed)
+    redisAppendCommand(c, "GETRANGE %b 0 %d", k.data(), k.size(), static_cast<int>(sizeof(ObjectHeader) - 1));
+  std::vector<std::string> ours;
+  for (const auto& k : doomed) {
+    void* raw = nullptr;
+    if (redisGetReply(c, &raw) != REDIS_OK) {
+      *error = c->errstr[0] ? c->errstr : "connection lost";
+      return std::nullopt;
+    }
+    Reply one(static_cast<redisReply*>(raw));
+    ObjectHeader h{};
+    const bool whole = one->type == REDIS_REPLY_STRING && one->len == sizeof h;
+    if (whole) std::memcpy(&h, one->str, sizeof h);
+    if (whole && written_by_kvtd(h, k.substr(5))) ours.push_back(k);
+    else ++report->foreign;
+  }
+  doomed = std::move(ours);
   for (const auto& k : doomed) redisAppendCommand(c, "STRLEN %b", k.data(), k.size());
   if (!request.dry_run)
     for (const auto& k : doomed) redisAppendCommand(c, "UNLINK %b", k.data(), k.size());

@@ -279,6 +279,50 @@ TEST_F(ControlTest, ADescriptorFloodOnTheTcpListenersStopsNothing) {
   std::remove(secret_file.c_str());
 }
 
+// Issue 30 item 8: storage gc held the control socket for its whole run (up to an hour): a
+// `status` waited behind it. It now runs beside the control loop: a status sent while a long gc
+// runs is answered first; the gc's reply comes when it ends. Its walk is made long with 30,000
+// files of an old layout that kvtd did not write (each header is read, and each is left alone).
+TEST_F(ControlTest, StatusIsAnsweredWhileAStorageGcRuns) {
+  g_ = test::small_geometry(1);
+  const std::string store = ::testing::TempDir() + "/" + suffix_ + "_gcstore";
+  std::filesystem::remove_all(store);
+  extra_args_ = {"--storage-backend", "file", "--storage-path", store, "--model-id", "m"};
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  for (int d = 0; d < 100; ++d) {
+    char sub[3];
+    std::snprintf(sub, sizeof sub, "%02d", d);
+    const std::string dir = store + "/m/00000000deadbeef/" + sub;
+    std::filesystem::create_directories(dir);
+    for (int i = 0; i < 300; ++i) std::ofstream(dir + "/k" + std::to_string(i) + ".w0-0.r0.kvo") << "not kvtd's";
+  }
+  std::atomic<bool> gc_done{false};
+  std::atomic<bool> status_before_gc{false};
+  std::string gc_reply;
+  std::thread gc([&] {
+    control::Request r;
+    r.command = "storage-gc";
+    r.gc.keep_weight_version = 0;
+    auto out = control::call(socket_of(0), r, 120'000);
+    gc_reply = out.ok() ? *out : out.error().message;
+    gc_done = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the gc has started walking
+  control::Request st;
+  st.command = "status";
+  auto status = control::call(socket_of(0), st, 5000);
+  status_before_gc = !gc_done.load();
+  gc.join();
+  ASSERT_TRUE(status.ok()) << status.error().message;
+  EXPECT_TRUE(json::parse(*status, nullptr, false).value("ok", false)) << *status;
+  EXPECT_TRUE(status_before_gc.load()) << "status waited for the gc";
+  const json g = json::parse(gc_reply, nullptr, false);
+  ASSERT_TRUE(g.is_object() && g.value("ok", false)) << gc_reply;
+  EXPECT_EQ(g["result"]["removed"].get<int>(), 0);
+  EXPECT_EQ(g["result"]["foreign"].get<int>(), 30000);
+  std::filesystem::remove_all(store);
+}
+
 TEST_F(ControlTest, StatusOfEveryRankAsJsonAndAsATable) {
   ASSERT_NO_FATAL_FAILURE(start_all());
   ASSERT_TRUE(run(TaskKind::kSwapToHost, {1, 2}, {3, 4}).ok());

@@ -5,6 +5,9 @@
 
 #include <time.h>
 
+#include <filesystem>
+#include <fstream>
+
 #include "file_store_fixture.h"
 
 namespace kvtd::storage {
@@ -78,6 +81,31 @@ TEST_F(FileStoreGc, OldWeightVersionsAndLayoutsGoTheCurrentOnesStillLoad) {
   ASSERT_TRUE(models.ok());
   EXPECT_EQ(models->removed, 1u);
   EXPECT_EQ(get_one(*other_model, name(0, 1), &back), ObjectResult::kMissing);
+}
+
+// Issue 30 item 8: storage gc removed files whose names merely looked like kvtd's (an old
+// version's name, another layout's directory). Only what kvtd wrote under that name goes now: a
+// stray file, and a real object copied under another name, stay and are counted foreign.
+TEST_F(FileStoreGc, FilesThatOnlyLookLikeObjectsAreNeverRemoved) {
+  auto store = open(options());
+  put_one(*store, name(0, 1), object(1));
+  put_one(*store, name(1, 2), object(2));
+  std::string real;
+  for (const auto& f : object_files())
+    if (f.find(name(0, 1)) != std::string::npos) real = f;
+  ASSERT_FALSE(real.empty());
+  const fs::path dir = fs::path(real).parent_path();
+  const std::string stray = (dir / (name(7, 1) + ".kvo")).string();
+  std::ofstream(stray) << "notes the operator keeps here";
+  const std::string copied = (dir / (name(8, 1) + ".kvo")).string();
+  fs::copy_file(real, copied);  // kvtd's bytes, but written for another name
+  auto done = store->collect(keep_version(2));
+  ASSERT_TRUE(done.ok()) << done.error().message;
+  EXPECT_EQ(done->removed, 1u);  // name(0, 1): kvtd's own
+  EXPECT_EQ(done->foreign, 2u);
+  EXPECT_TRUE(fs::exists(stray));
+  EXPECT_TRUE(fs::exists(copied));
+  EXPECT_FALSE(fs::exists(real));
 }
 
 TEST_F(FileStoreGc, CapacityAccountingFollowsInEveryStoreSharingTheRoot) {

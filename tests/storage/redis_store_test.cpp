@@ -299,6 +299,15 @@ TEST_F(RedisStandalone, CollectionRemovesOtherVersionsByScanAndKeepsWhatLoads) {
   }
   EXPECT_EQ(*other_model->exists(theirs.keys), 3u);
   EXPECT_EQ(server_.command({"GET", "unrelated"}), "x");
+  // Issue 30 item 8: keys that merely look like an old version's object (a name kvtd's pattern
+  // matches, bytes kvtd did not write) are never removed; before, gc unlinked them.
+  server_.command({"SET", "kvtd:llama/0000000000001234/notes-v1", "written by someone else"});
+  server_.command({"SET", "kvtd:llama/00000000deadbeef/notes-v1", std::string(64, 'x')});
+  auto foreign = s->collect(keep_version(2));
+  ASSERT_TRUE(foreign.ok()) << foreign.error().message;
+  EXPECT_EQ(foreign->removed, 0u);
+  EXPECT_EQ(foreign->foreign, 2u);
+  EXPECT_EQ(server_.command({"GET", "kvtd:llama/0000000000001234/notes-v1"}), "written by someone else");
   // The server's own command statistics: SCAN, never KEYS (which blocks it for the whole keyspace).
   const std::string stats = server_.command({"INFO", "commandstats"});
   EXPECT_NE(stats.find("cmdstat_scan:"), std::string::npos) << stats;

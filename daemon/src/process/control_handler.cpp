@@ -135,7 +135,12 @@ Result<std::unique_ptr<control::ControlServer>, control::ControlErrc> start_cont
   auto handler = [&cfg, &registry, store_name, &state, &stop, health, store,
                   kv_events](const control::Request& r) -> control::Reply {
     control::Reply reply;
-    if (r.command == "storage-gc") return collect_storage(cfg, store, kv_events, r.gc);
+    if (r.command == "storage-gc") {
+      // Up to max_seconds (an hour): beside the control loop, so a status meanwhile is answered.
+      control::Reply later;
+      later.later = [&cfg, store, kv_events, gc = r.gc] { return collect_storage(cfg, store, kv_events, gc); };
+      return later;
+    }
     if (r.command == "status") {
       reply.result_json = status_of(cfg, registry, store_name, state, health).dump();
     } else if (r.command == "drain") {

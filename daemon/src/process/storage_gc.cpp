@@ -82,12 +82,15 @@ control::Reply collect_storage(const config::DaemonConfig& cfg, storage::ObjectS
     if (!removed_keys.empty()) kv_events->removed(std::move(removed_keys));
   }
   const auto& r = *report;
-  KVTD_INFO("storage gc (keep weight version {}{}): {} {} objects ({} bytes) of {} examined, {} kept, {} failed{}",
+  KVTD_INFO("storage gc (keep weight version {}{}): {} {} objects ({} bytes) of {} examined, {} kept, {} failed, {} "
+            "not kvtd's (left alone){}",
             keep_wv, gc.keep_models.empty() ? "" : ", named models only", gc.dry_run ? "would remove" : "removed",
-            r.removed, r.removed_bytes, r.examined, r.kept, r.failed, r.complete ? "" : "; stopped at its time limit");
+            r.removed, r.removed_bytes, r.examined, r.kept, r.failed, r.foreign,
+            r.complete ? "" : "; stopped at its time limit");
   reply.result_json = nlohmann::json{{"examined", r.examined}, {"removed", r.removed},
                                      {"removed_bytes", r.removed_bytes}, {"kept", r.kept},
-                                     {"failed", r.failed},     {"complete", r.complete},
+                                     {"failed", r.failed},     {"foreign", r.foreign},
+                                     {"complete", r.complete},
                                      {"dry_run", gc.dry_run}}
                           .dump();
   return reply;

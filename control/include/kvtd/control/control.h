@@ -57,11 +57,15 @@ std::string request_text(const Request& request);
 // this user that no one else may read (mode 0600-like). The error names the path and the problem.
 Result<std::string, ControlErrc> read_secret_file(const std::string& path);
 
-// What the handler answers: `result_json` (a JSON object's text) when ok, else `error`.
+// What the handler answers: `result_json` (a JSON object's text) when ok, else `error`. Work
+// that may take long (storage gc: up to an hour) comes back as `later`: the server runs it on a
+// thread of its own, beside the control loop (a `status` meanwhile is answered at once), and
+// sends its reply when it ends; one such job runs at a time, another is refused as busy.
 struct Reply {
   bool ok = true;
   std::string result_json = "{}";
   std::string error;
+  std::function<Reply()> later;
 };
 
 using Handler = std::function<Reply(const Request&)>;

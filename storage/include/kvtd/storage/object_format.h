@@ -54,4 +54,8 @@ ObjectResult verify_object_image(const StoreOptions& o, const std::string& names
 
 std::uint64_t hash_bytes(const void* data, std::size_t bytes);
 
+// Whether `header` is one kvtd wrote under `namespaced` (format, version and the key's hash):
+// storage gc removes nothing else, whatever its name looks like.
+bool written_by_kvtd(const ObjectHeader& header, const std::string& namespaced);
+
 }  // namespace kvtd::storage

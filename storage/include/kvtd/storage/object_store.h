@@ -75,6 +75,7 @@ struct GcReport {
   std::uint64_t removed = 0, removed_bytes = 0;  // objects (and their bytes) removed, or that would be
   std::uint64_t kept = 0;
   std::uint64_t failed = 0;   // removals that failed (named in last_error())
+  std::uint64_t foreign = 0;  // named like objects but not written by kvtd: never removed
   bool complete = true;       // false: the deadline stopped the walk; run it again to go on
 };
 
