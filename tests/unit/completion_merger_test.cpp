@@ -4,6 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <random>
+#include <vector>
+
 namespace kvtd::engine {
 namespace {
 
@@ -79,6 +83,67 @@ TEST(CompletionMerger, ADeadRankFailsOnlyTheTasksStillWaitingForIt) {
   EXPECT_TRUE(m.pending(5)) << "task 5 still waits for rank 0";
   EXPECT_EQ(m.seq_of(5), std::optional<std::uint64_t>{1});
   EXPECT_EQ(m.reported(5), 0b10u);
+}
+
+// Issue 30 item 8: CANCEL answers that the task's own end contradicted, found by a random model
+// of an engine over 2-4 ranks. Each rank decides alone whether the target stops (its CANCEL report
+// 1, its target report cancelled) or was past its last step (0, ok); the reports of both tasks
+// arrive in any order. The old merger answered the CANCEL with the MIN over ranks (0 whenever one
+// rank was past its last step) while the target, failed by the ranks that stopped, ended
+// cancelled. Now the CANCEL's answer is the target's outcome: one truth per task.
+TEST(CompletionMerger, ACancelsAnswerIsItsTargetsOutcomeWhateverTheRanksSaid) {
+  std::mt19937 rng(30);
+  int contradictions_old_rule = 0;
+  for (int round = 0; round < 2000; ++round) {
+    const auto ranks = static_cast<std::uint32_t>(2 + rng() % 3);
+    const std::uint32_t all = (1u << ranks) - 1;
+    CompletionMerger m;
+    constexpr std::uint64_t kTarget = 10, kCancel = 11;
+    m.expect(kTarget, 0, all, 0);
+    m.expect(kCancel, 1, all, 0, kTarget);
+    std::vector<bool> stops(ranks);
+    for (auto&& s : stops) s = rng() % 2;
+    struct Report {
+      std::uint64_t task;
+      std::uint32_t rank;
+    };
+    std::vector<Report> reports;
+    for (std::uint32_t r = 0; r < ranks; ++r) reports.push_back({kTarget, r}), reports.push_back({kCancel, r});
+    std::shuffle(reports.begin(), reports.end(), rng);
+    std::uint64_t min_answer = 1;
+    for (const auto& rep : reports) {
+      if (rep.task == kTarget)
+        m.report(kTarget, rep.rank, stops[rep.rank] ? TaskStatus::kCancelled : TaskStatus::kOk, 3, "", 0, 1);
+      else
+        m.report(kCancel, rep.rank, TaskStatus::kOk, stops[rep.rank] ? 1 : 0, "", 0, 1);
+      if (rep.task == kCancel) min_answer = std::min<std::uint64_t>(min_answer, stops[rep.rank] ? 1 : 0);
+    }
+    auto target = m.take(kTarget);
+    auto cancel = m.take(kCancel);
+    ASSERT_TRUE(target.has_value() && cancel.has_value()) << "round " << round;
+    const bool target_cancelled = target->status == TaskStatus::kCancelled;
+    ASSERT_TRUE(cancel->ok());
+    EXPECT_EQ(cancel->blocks_done, target_cancelled ? 1u : 0u) << "round " << round;
+    if (min_answer != (target_cancelled ? 1u : 0u)) ++contradictions_old_rule;
+    EXPECT_EQ(m.pending_count(), 0u);
+  }
+  EXPECT_GT(contradictions_old_rule, 0) << "the model never reached the old contradiction";
+  // A CANCEL held for its target is still pending, and its target's end releases it.
+  CompletionMerger m;
+  m.expect(1, 0, kTwoRanks, 0);
+  m.expect(2, 1, kTwoRanks, 0, 1);
+  EXPECT_FALSE(m.report(2, 0, TaskStatus::kOk, 1, "", 0, 1));
+  EXPECT_FALSE(m.report(2, 1, TaskStatus::kOk, 0, "", 0, 1)) << "held until task 1 ends";
+  EXPECT_TRUE(m.pending(2));
+  EXPECT_FALSE(m.take(2).has_value());
+  m.report(1, 0, TaskStatus::kCancelled, 2, "stopped", 0, 2);
+  EXPECT_TRUE(m.report(1, 1, TaskStatus::kOk, 5, "", 0, 2));
+  ASSERT_TRUE(m.take(2).has_value());
+  // A CANCEL of a task that had already ended is answered as the ranks said (nothing stopped).
+  m.expect(3, 2, kTwoRanks, 0, 1);
+  m.report(3, 0, TaskStatus::kOk, 0, "", 0, 3);
+  EXPECT_TRUE(m.report(3, 1, TaskStatus::kOk, 0, "", 0, 3));
+  EXPECT_EQ(m.take(3)->blocks_done, 0u);
 }
 
 TEST(CompletionMerger, UncollectedResultsBeyondTheLimitAreDroppedOldestFirst) {

@@ -22,13 +22,44 @@
 
 namespace kvtd::engine {
 
-void CompletionMerger::expect(std::uint64_t task_id, std::uint64_t seq, std::uint32_t expected, std::int64_t submit_ns) {
+void CompletionMerger::expect(std::uint64_t task_id, std::uint64_t seq, std::uint32_t expected, std::int64_t submit_ns,
+                              std::uint64_t cancels) {
   Pending p;
   p.seq = seq;
   p.expected = expected;
   p.result.task_id = task_id;
   p.result.submit_ns = submit_ns;
+  // Only a target still waiting for reports is watched: one that ended before was not stopped.
+  if (cancels != 0 && pending_.count(cancels) != 0) {
+    p.cancels = cancels;
+    watchers_.emplace(cancels, task_id);
+  }
   pending_.emplace(task_id, std::move(p));
+}
+
+void CompletionMerger::publish(std::uint64_t id, TaskResult result) {
+  if (auto t = target_cancelled_.find(id); t != target_cancelled_.end()) {
+    if (result.ok()) result.blocks_done = t->second ? 1 : 0;
+    target_cancelled_.erase(t);
+  }
+  done_.emplace(id, std::move(result));
+  while (done_.size() > max_uncollected_) done_.erase(done_.begin());  // nobody collects them
+}
+
+void CompletionMerger::settle_cancels_of(std::uint64_t id, const TaskResult& result) {
+  const auto [first, last] = watchers_.equal_range(id);
+  std::vector<std::uint64_t> cancels;
+  for (auto it = first; it != last; ++it) cancels.push_back(it->second);
+  watchers_.erase(id);
+  const bool cancelled = result.status == TaskStatus::kCancelled;
+  for (auto c : cancels) {
+    target_cancelled_[c] = cancelled;
+    if (auto h = held_.find(c); h != held_.end()) {
+      TaskResult r = std::move(h->second);
+      held_.erase(h);
+      publish(c, std::move(r));
+    }
+  }
 }
 
 void CompletionMerger::record(Pending& p, std::uint32_t rank, TaskStatus status, std::uint64_t blocks,
@@ -55,9 +86,15 @@ bool CompletionMerger::finish_if_complete(std::uint64_t id, Pending& p, std::int
   p.result.status = p.result.failures.empty() ? TaskStatus::kOk : p.result.failures.front().status;
   // A cancelled task keeps how far it got (MIN over ranks); any other failure moved nothing usable.
   if (!p.result.failures.empty() && p.result.status != TaskStatus::kCancelled) p.result.blocks_done = 0;
-  done_.emplace(id, std::move(p.result));
+  TaskResult result = std::move(p.result);
+  const std::uint64_t target = p.cancels;
   pending_.erase(id);
-  while (done_.size() > max_uncollected_) done_.erase(done_.begin());  // nobody collects them
+  settle_cancels_of(id, result);
+  if (target != 0 && target_cancelled_.count(id) == 0) {
+    held_.emplace(id, std::move(result));  // its target's outcome answers it
+    return false;
+  }
+  publish(id, std::move(result));
   return true;
 }
 

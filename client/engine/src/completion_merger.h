@@ -4,6 +4,13 @@
 // blocks_skipped are the MIN over ranks; a failure other than a cancel moved nothing usable
 // (blocks_done 0); a late or duplicate report changes nothing.
 //
+// One truth per task: a CANCEL's answer (blocks_done 1: its target stopped, 0: it ran on as it
+// was) is the target's merged outcome, not the ranks' separate guesses. Ranks decide apart (one
+// may stop the target while another is already past its last step, and the target then fails
+// cancelled although a MIN over the CANCEL's reports said 0), so a CANCEL whose target is still
+// pending is held until the target's result is in, then answered 1 exactly when the target ended
+// cancelled.
+//
 // Thread-safety: none (a value); the session keeps it under its mutex. Copyable and movable.
 #pragma once
 
@@ -25,7 +32,9 @@ class CompletionMerger {
 
   // Task `task_id` (ring sequence `seq`, submitted at `submit_ns`) waits for a report from every
   // rank in the `expected` bit mask (ranks < 32).
-  void expect(std::uint64_t task_id, std::uint64_t seq, std::uint32_t expected, std::int64_t submit_ns);
+  // `cancels`: for a CANCEL, the task it names (0 otherwise).
+  void expect(std::uint64_t task_id, std::uint64_t seq, std::uint32_t expected, std::int64_t submit_ns,
+              std::uint64_t cancels = 0);
   // Rank `rank`'s report of `task_id`; true when it completed the task (its result is ready).
   bool report(std::uint64_t task_id, std::uint32_t rank, proto::TaskStatus status, std::uint64_t blocks,
               std::string message, std::uint64_t skipped, std::int64_t now_ns);
@@ -37,25 +46,33 @@ class CompletionMerger {
   // The completed result without taking it, or null.
   const TaskResult* peek(std::uint64_t task_id) const;
   // Whether the task waits for reports; its sequence number and the ranks that reported.
-  bool pending(std::uint64_t task_id) const { return pending_.count(task_id) != 0; }
+  bool pending(std::uint64_t task_id) const { return pending_.count(task_id) != 0 || held_.count(task_id) != 0; }
   std::optional<std::uint64_t> seq_of(std::uint64_t task_id) const;
   std::uint32_t reported(std::uint64_t task_id) const;
-  std::size_t pending_count() const { return pending_.size(); }
+  std::size_t pending_count() const { return pending_.size() + held_.size(); }
 
  private:
   struct Pending {
     std::uint64_t seq = 0;       // ring sequence number: locates the layer progress slot
     std::uint32_t expected = 0;  // rank bit mask
     std::uint32_t reported = 0;
+    std::uint64_t cancels = 0;   // a CANCEL watching a pending task: its id
     TaskResult result;
   };
   void record(Pending& p, std::uint32_t rank, proto::TaskStatus status, std::uint64_t blocks, std::string message,
               std::uint64_t skipped);
   bool finish_if_complete(std::uint64_t id, Pending& p, std::int64_t now_ns);
+  // Hands out a finished result (a CANCEL's answer set from its target's outcome first).
+  void publish(std::uint64_t id, TaskResult result);
+  // Task `id` ended with `result`: answers the CANCELs that watch it.
+  void settle_cancels_of(std::uint64_t id, const TaskResult& result);
 
   std::size_t max_uncollected_;
   std::unordered_map<std::uint64_t, Pending> pending_;
   std::map<std::uint64_t, TaskResult> done_;  // ordered by id: the oldest is dropped first
+  std::unordered_multimap<std::uint64_t, std::uint64_t> watchers_;  // pending target -> its CANCELs
+  std::unordered_map<std::uint64_t, TaskResult> held_;          // merged CANCELs waiting for their target
+  std::unordered_map<std::uint64_t, bool> target_cancelled_;     // CANCEL -> its target ended cancelled
 };
 
 }  // namespace kvtd::engine

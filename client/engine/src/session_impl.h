@@ -44,6 +44,7 @@ struct Encoded {
   // Pushed right after the request's first record, with that record's id as its after-task (a
   // swap's backup: the daemon stores it only if that swap completed ok).
   bool after_first_record = false;
+  std::uint64_t cancels = 0;  // a CANCEL: the task it names (its answer follows that task's outcome)
 };
 
 struct EngineSession::Impl {
@@ -172,9 +173,10 @@ struct EngineSession::Impl {
 
   // Appends the task (a fresh task id and submit time) and records it as pending
   // for the ranks in `expected` (default: every rank); nullopt when the ring has no room now.
+  // `cancels`: a CANCEL's target (the merger answers it by that task's outcome).
   std::optional<std::uint64_t> push_locked(proto::TaskRecordHeader hdr, std::span<const std::int32_t> src,
                                            std::span<const std::int32_t> dst, std::uint32_t expected = 0,
-                                           std::span<const std::byte> events = {}) REQUIRES(mu);
+                                           std::span<const std::byte> events = {}, std::uint64_t cancels = 0) REQUIRES(mu);
 
   void service_loop();
 };

@@ -131,6 +131,7 @@ Result<std::vector<Encoded>, IpcErrc> encode_request(const TaskRequest& req, std
       }
   }
   out.push_back(encode_storage(kind, flags, req, req.keys, req.blocks, weight_version));
+  if (kind == TaskKind::kCancel) out.back().cancels = req.cancel_task_id;
   return out;
 }
 
@@ -202,7 +203,8 @@ Result<std::uint64_t, IpcErrc> EngineSession::Impl::submit_encoded(std::vector<E
           bool pushed = true;
           for (std::size_t i = 0; i < records.size() && pushed; ++i) {
             if (records[i].after_first_record) records[i].hdr.after_task_id = first;
-            auto id = impl->push_locked(records[i].hdr, records[i].src, records[i].dst, expected, records[i].events);
+            auto id = impl->push_locked(records[i].hdr, records[i].src, records[i].dst, expected, records[i].events,
+                                        records[i].cancels);
             pushed = id.has_value();
             if (pushed && i == 0) first = *id;
           }
@@ -232,13 +234,13 @@ Result<std::uint64_t, IpcErrc> EngineSession::Impl::submit_encoded(std::vector<E
 
 std::optional<std::uint64_t> EngineSession::Impl::push_locked(proto::TaskRecordHeader hdr, std::span<const std::int32_t> src,
                                          std::span<const std::int32_t> dst, std::uint32_t expected,
-                                         std::span<const std::byte> events) {
+                                         std::span<const std::byte> events, std::uint64_t cancels) {
   hdr.task_id = next_task_id;
   hdr.submit_ns = clock->now_ns();
   std::uint64_t seq = 0;
   if (!ring->try_push(hdr, src, dst, &seq, events)) return std::nullopt;
   ++next_task_id;
-  merger.expect(hdr.task_id, seq, expected != 0 ? expected : all_ranks_mask(), hdr.submit_ns);
+  merger.expect(hdr.task_id, seq, expected != 0 ? expected : all_ranks_mask(), hdr.submit_ns, cancels);
   bump_and_wake(h->publish_word, &h->consumer_waiters);
   return hdr.task_id;
 }
