@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <random>
 #include <vector>
 
@@ -127,6 +128,8 @@ TEST(CompletionMerger, ACancelsAnswerIsItsTargetsOutcomeWhateverTheRanksSaid) {
     if (min_answer != (target_cancelled ? 1u : 0u)) ++contradictions_old_rule;
     EXPECT_EQ(m.pending_count(), 0u);
   }
+  std::printf("figure: the old rule (MIN of the ranks' answers) contradicted the target's end in %d of 2000 "
+              "modelled engines\n", contradictions_old_rule);
   EXPECT_GT(contradictions_old_rule, 0) << "the model never reached the old contradiction";
   // A CANCEL held for its target is still pending, and its target's end releases it.
   CompletionMerger m;
