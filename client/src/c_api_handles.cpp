@@ -1,12 +1,11 @@
 #include "c_api_handles.h"
 
-#include <unordered_set>
+#include <unordered_map>
 
 #include "kvtd/base/mutex.h"
 
 struct kvtd_session {
   std::unique_ptr<kvtd::engine::EngineSession> session;
-  int users = 0;  // calls inside, counted under the registry's mutex
 };
 
 namespace kvtd::c_api {
@@ -15,7 +14,8 @@ namespace {
 struct Registry {
   Mutex mu;
   CondVar unused;
-  std::unordered_set<kvtd_session*> live GUARDED_BY(mu);
+  std::unordered_map<kvtd_session*, int> live GUARDED_BY(mu);  // live handle -> calls inside it
+  std::unordered_map<kvtd_session*, int> retiring GUARDED_BY(mu);  // destroy waits for these calls
 };
 
 Registry& registry() {
@@ -26,10 +26,10 @@ Registry& registry() {
 }  // namespace
 
 kvtd_session* adopt_session(std::unique_ptr<engine::EngineSession> session) {
-  auto* s = new kvtd_session{std::move(session), 0};
+  auto* s = new kvtd_session{std::move(session)};
   auto& r = registry();
   MutexLock g(r.mu);
-  r.live.insert(s);
+  r.live.emplace(s, 0);
   return s;
 }
 
@@ -37,14 +37,18 @@ std::unique_ptr<engine::EngineSession> retire_session(kvtd_session* s, bool* was
   auto& r = registry();
   {
     MutexLock g(r.mu);
-    *was_live = r.live.erase(s) != 0;
+    auto it = r.live.find(s);
+    *was_live = it != r.live.end();
     if (!*was_live) return nullptr;
+    r.retiring.emplace(s, it->second);
+    r.live.erase(it);
   }
   // Calls inside may be waiting in the session: closing wakes them (they return KVTD_E_CLOSED),
   // and calls that entered but have not reached the session yet find it closing.
   s->session->close();
   MutexLock g(r.mu);
-  while (s->users != 0) r.unused.wait(g);
+  while (r.retiring[s] != 0) r.unused.wait(g);
+  r.retiring.erase(s);
   return std::move(s->session);  // the struct stays: its address is never reused
 }
 
@@ -52,8 +56,9 @@ SessionUse::SessionUse(kvtd_session* s) {
   if (s == nullptr) return;
   auto& r = registry();
   MutexLock g(r.mu);
-  if (r.live.count(s) == 0) return;
-  ++s->users;
+  auto it = r.live.find(s);
+  if (it == r.live.end()) return;
+  ++it->second;
   handle_ = s;
   session_ = s->session.get();
 }
@@ -62,7 +67,13 @@ SessionUse::~SessionUse() {
   if (handle_ == nullptr) return;
   auto& r = registry();
   MutexLock g(r.mu);
-  if (--handle_->users == 0) r.unused.notify_all();
+  // Still live, or being destroyed (then destroy waits for this count to reach 0).
+  auto it = r.live.find(handle_);
+  if (it != r.live.end()) {
+    --it->second;
+    return;
+  }
+  if (--r.retiring[handle_] == 0) r.unused.notify_all();
 }
 
 }  // namespace kvtd::c_api
