@@ -1,21 +1,18 @@
 // The config file (--config, or the instance's under --config-dir), checked before CLI11 reads it:
 // CLI11 reads whatever the path names, so a FIFO hung start-up and a table nested thousands deep
 // took 3.9 GB. A config file is a small regular file of flat flags (kvtd.toml.example).
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <cerrno>
 #include <algorithm>
 #include <cstring>
 #include <string>
 
 #include "flag_groups.h"
+#include "small_file.h"
 
 namespace kvtd::config {
 namespace {
 
-constexpr off_t kMaxConfigBytes = 1 << 20;
+constexpr long long kMaxConfigBytes = 1 << 20;
 constexpr int kMaxNesting = 8;  // dotted parts of a key or table name, or brackets open at once
 
 // The deepest nesting on one line: the dotted parts of its table header or key, or the brackets
@@ -47,22 +44,9 @@ int nesting_of(const std::string& line) {
 
 Status<ConfigErrc> check_config_file(const std::string& path) {
   auto bad = [&](const std::string& why) { return make_error(ConfigErrc::kInvalidValue, "config file " + path + ": " + why); };
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) return bad(std::strerror(errno));
-  struct stat st {};
-  std::string text;
-  const bool regular = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
-  if (regular && st.st_size <= kMaxConfigBytes) {
-    text.resize(static_cast<std::size_t>(st.st_size));
-    std::size_t got = 0;
-    for (ssize_t n; got < text.size() && (n = ::read(fd, text.data() + got, text.size() - got)) > 0;)
-      got += static_cast<std::size_t>(n);
-    text.resize(got);
-  }
-  ::close(fd);
-  if (!regular) return bad("not a regular file");
-  if (st.st_size > kMaxConfigBytes)
-    return bad(std::to_string(st.st_size) + " bytes; a config file has at most " + std::to_string(kMaxConfigBytes));
+  const SmallFile f = read_small_regular_file(path, kMaxConfigBytes);
+  if (!f.problem.empty()) return bad(f.problem);
+  const std::string& text = f.text;
   std::size_t line_no = 0, at = 0;
   while (at <= text.size()) {
     const auto nl = text.find('\n', at);

@@ -1,10 +1,8 @@
 #include "kvtd/config/daemon_config.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include "kvtd/config/version_yaml.h"
+#include "small_file.h"
 
 #include "kvtd/base/version.h"
 
@@ -22,7 +20,7 @@
 namespace kvtd::config {
 
 namespace {
-constexpr off_t kMaxVersionYamlBytes = 64 * 1024;
+constexpr long long kMaxVersionYamlBytes = 64 * 1024;
 }  // namespace
 
 proto::CacheGeometry DaemonConfig::geometry() const {
@@ -70,27 +68,11 @@ Result<std::string, ConfigErrc> fastdeploy_key_prefix(const std::string& model_p
   auto bad = [&](const std::string& why) {
     return make_error(ConfigErrc::kInvalidValue, "--model_path: " + file + ": " + why);
   };
-  // Non-blocking and checked before reading: a FIFO or a device in its place must not hang or
-  // fill the daemon; a version.yaml is a small regular file.
-  const int fd = ::open(file.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) {
-    if (errno == ENOENT) return std::string();
-    return bad(std::string("cannot read it: ") + std::strerror(errno));
-  }
-  struct stat st {};
-  std::string text;
-  const bool regular = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
-  if (regular && st.st_size <= kMaxVersionYamlBytes) {
-    text.resize(static_cast<std::size_t>(st.st_size));
-    std::size_t got = 0;
-    for (ssize_t n; got < text.size() && (n = ::read(fd, text.data() + got, text.size() - got)) > 0;)
-      got += static_cast<std::size_t>(n);
-    text.resize(got);
-  }
-  ::close(fd);
-  if (!regular) return bad("not a regular file");
-  if (st.st_size > kMaxVersionYamlBytes)
-    return bad(std::to_string(st.st_size) + " bytes; a version.yaml has at most " + std::to_string(kMaxVersionYamlBytes));
+  // A FIFO or a device in its place must not hang or fill the daemon: a small regular file only.
+  const SmallFile f = read_small_regular_file(file, kMaxVersionYamlBytes);
+  if (f.missing) return std::string();
+  if (!f.problem.empty()) return bad(f.problem);
+  const std::string& text = f.text;
   auto version = version_from_yaml(text);
   if (!version.ok()) return bad(version.error().message);
   const std::string prefix = key_prefix_of_version(*version);
