@@ -59,14 +59,8 @@ TEST_F(HealthTest, HealthzIsAnsweredWhileSlowClientsHoldEveryConnection) {
   ASSERT_EQ(probe_until(port, "/healthz", 200).code, 200) << test::read_file(log_path(0));
   // A kubelet probe: connect, ask, and give up after 1 s.
   auto kubelet = [&]() -> int {
-    const int s = test::http_open(port, "GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
-    if (s < 0) return 0;
-    timeval tv{1, 0};
-    setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    std::string out;
-    char buf[4096];
-    for (ssize_t n; (n = read(s, buf, sizeof buf)) > 0;) out.append(buf, static_cast<std::size_t>(n));
-    ::close(s);
+    const std::string out =
+        test::http_exchange(port, "GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n", 1);
     return out.rfind("HTTP/1.1 ", 0) == 0 ? std::atoi(out.c_str() + 9) : 0;
   };
   int answered = 0;

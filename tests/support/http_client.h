@@ -27,11 +27,12 @@ inline int http_open(std::uint16_t port, const std::string& request) {
   return s;
 }
 
-// Sends `request` raw and returns everything the server answers until it closes (5 s at most).
-inline std::string http_exchange(std::uint16_t port, const std::string& request) {
+// Sends `request` raw and returns everything the server answers until it closes (`timeout_s` at
+// most: a kubelet probe gives up after 1 s).
+inline std::string http_exchange(std::uint16_t port, const std::string& request, int timeout_s = 5) {
   const int s = http_open(port, request);
   if (s < 0) return "";
-  timeval tv{5, 0};
+  timeval tv{timeout_s, 0};
   setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   std::string out;
   char buf[8192];
