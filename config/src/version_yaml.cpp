@@ -1,7 +1,6 @@
 #include "kvtd/config/version_yaml.h"
 
 #include <optional>
-#include <regex>
 #include <vector>
 
 namespace kvtd::config {
@@ -81,23 +80,119 @@ bool only_comment(std::string_view rest) {
   return rest.empty() || rest.front() == '#';
 }
 
-// What PyYAML's safe_load makes of a plain scalar that is not a string (YAML 1.1 resolvers).
+// A cursor over a plain scalar, for PyYAML's implicit resolvers (yaml/resolver.py, YAML 1.1),
+// written out by hand: libstdc++'s std::regex recurses per character and trips GCC's
+// -Wmaybe-uninitialized under the sanitizers.
+struct Cursor {
+  std::string_view s;
+  std::size_t i = 0;
+  bool end() const { return i == s.size(); }
+  bool take(char c) {
+    if (i < s.size() && s[i] == c) return ++i, true;
+    return false;
+  }
+  bool take_any(std::string_view set) {
+    if (i < s.size() && set.find(s[i]) != std::string_view::npos) return ++i, true;
+    return false;
+  }
+  // At least `min` characters of `set`; how many were taken.
+  std::size_t run(std::string_view set, std::size_t min = 0) {
+    const std::size_t from = i;
+    while (take_any(set)) {
+    }
+    if (i - from < min) i = from;
+    return i - from;
+  }
+};
+
+constexpr std::string_view kDigits = "0123456789", kDigitsUnderscore = "0123456789_";
+
+bool is_sign_then(std::string_view v, std::size_t* at) {
+  *at = (!v.empty() && (v[0] == '-' || v[0] == '+')) ? 1 : 0;
+  return *at < v.size();
+}
+
+// (:[0-5]?[0-9])+ at the cursor.
+bool sexagesimal_tail(Cursor& c) {
+  bool any = false;
+  while (c.take(':')) {
+    c.take_any("012345");
+    if (!c.take_any(kDigits)) return false;
+    any = true;
+  }
+  return any;
+}
+
+bool yaml_int(std::string_view v) {
+  std::size_t at = 0;
+  if (!is_sign_then(v, &at)) return false;
+  Cursor c{v, at};
+  if (c.take('0')) {
+    if (c.end()) return true;
+    if (c.take('b')) return c.run("01_", 1) && c.end();
+    if (c.take('x')) return c.run("0123456789abcdefABCDEF_", 1) && c.end();
+    return c.run("01234567_", 1) && c.end();
+  }
+  if (!c.take_any("123456789")) return false;
+  c.run(kDigitsUnderscore);
+  return c.end() || (sexagesimal_tail(c) && c.end());
+}
+
+bool yaml_float(std::string_view v) {
+  if (v == ".nan" || v == ".NaN" || v == ".NAN") return true;
+  std::size_t at = 0;
+  if (!is_sign_then(v, &at)) return false;
+  const std::string_view rest = v.substr(at);
+  if (rest == ".inf" || rest == ".Inf" || rest == ".INF") return true;
+  auto exponent = [](Cursor& c) {
+    if (!c.take_any("eE")) return true;
+    return c.take_any("-+") && c.run(kDigits, 1) > 0;
+  };
+  Cursor c{v, at};
+  if (c.take('.')) {  // .5, .5e+3 (PyYAML's resolver takes no sign here)
+    return at == 0 && c.run(kDigitsUnderscore, 1) && exponent(c) && c.end();
+  }
+  if (!c.take_any(kDigits)) return false;
+  c.run(kDigitsUnderscore);
+  const std::size_t mark = c.i;
+  if (sexagesimal_tail(c)) return c.take('.') && (c.run(kDigitsUnderscore), c.end());
+  c.i = mark;
+  return c.take('.') && (c.run(kDigitsUnderscore), exponent(c)) && c.end();
+}
+
+bool yaml_timestamp(std::string_view v) {
+  Cursor c{v};
+  if (c.run(kDigits) != 4 || !c.take('-')) return false;
+  const std::size_t month = c.run(kDigits);
+  if (month < 1 || month > 2 || !c.take('-')) return false;
+  const std::size_t day = c.run(kDigits);
+  if (day < 1 || day > 2) return false;
+  if (c.end()) return month == 2 && day == 2;  // a date alone: YYYY-MM-DD exactly
+  if (!c.take_any("Tt") && c.run(" \t", 1) == 0) return false;
+  const std::size_t hour = c.run(kDigits);
+  if (hour < 1 || hour > 2 || !c.take(':') || c.run(kDigits) != 2 || !c.take(':') || c.run(kDigits) != 2) return false;
+  if (c.take('.')) c.run(kDigits);
+  c.run(" \t");
+  if (c.end() || c.take('Z')) return c.end();
+  if (!c.take_any("-+")) return false;
+  const std::size_t tz = c.run(kDigits);
+  if (tz < 1 || tz > 2) return false;
+  if (c.take(':') && c.run(kDigits) != 2) return false;
+  return c.end();
+}
+
+// What PyYAML's safe_load makes of a plain scalar that is not a string, or nullopt for a string.
 std::optional<std::string> non_string_kind(const std::string& v) {
-  static const std::regex kNull("^(~|null|Null|NULL)?$");
-  static const std::regex kBool("^(yes|Yes|YES|no|No|NO|true|True|TRUE|false|False|FALSE|on|On|ON|off|Off|OFF)$");
-  static const std::regex kInt("^[-+]?(0b[01_]+|0[0-7_]+|(0|[1-9][0-9_]*)|0x[0-9a-fA-F_]+|[1-9][0-9_]*(:[0-5]?[0-9])+)$");
-  static const std::regex kFloat(
-      "^([-+]?([0-9][0-9_]*)?\\.[0-9_]*([eE][-+][0-9]+)?|[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+\\.[0-9_]*|"
-      "[-+]?\\.(inf|Inf|INF)|\\.(nan|NaN|NAN))$");
-  static const std::regex kDate("^[0-9]{4}-[0-9]{1,2}-[0-9]{1,2}([Tt ].*)?$");
-  // Typed scalars are short; libstdc++'s regex recurses per character, so a long value is never
-  // matched (it is a string in any case that matters here).
-  if (v.size() > 128) return std::nullopt;
-  if (std::regex_match(v, kNull)) return "null";
-  if (std::regex_match(v, kBool)) return "a boolean";
-  if (std::regex_match(v, kInt)) return "an integer";
-  if (std::regex_match(v, kFloat)) return "a number";
-  if (std::regex_match(v, kDate)) return "a date";
+  static const std::vector<std::string_view> kNull = {"", "~", "null", "Null", "NULL"};
+  static const std::vector<std::string_view> kBool = {"yes", "Yes", "YES", "no",  "No",  "NO",    "true",  "True",  "TRUE",
+                                                      "false", "False", "FALSE", "on", "On", "ON", "off", "Off", "OFF"};
+  for (auto n : kNull)
+    if (v == n) return "null";
+  for (auto b : kBool)
+    if (v == b) return "a boolean";
+  if (yaml_int(v)) return "an integer";
+  if (yaml_float(v)) return "a number";
+  if (yaml_timestamp(v)) return "a date";
   return std::nullopt;
 }
 
