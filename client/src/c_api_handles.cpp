@@ -1,6 +1,7 @@
 #include "c_api_handles.h"
 
 #include <unordered_map>
+#include <vector>
 
 #include "kvtd/base/mutex.h"
 
@@ -16,6 +17,8 @@ struct Registry {
   CondVar unused;
   std::unordered_map<kvtd_session*, int> live GUARDED_BY(mu);  // live handle -> calls inside it
   std::unordered_map<kvtd_session*, int> retiring GUARDED_BY(mu);  // destroy waits for these calls
+  // Destroyed handles' structs, kept (16 bytes each) so that no later session gets their address.
+  std::vector<kvtd_session*> retired GUARDED_BY(mu);
 };
 
 Registry& registry() {
@@ -49,7 +52,8 @@ std::unique_ptr<engine::EngineSession> retire_session(kvtd_session* s, bool* was
   MutexLock g(r.mu);
   while (r.retiring[s] != 0) r.unused.wait(g);
   r.retiring.erase(s);
-  return std::move(s->session);  // the struct stays: its address is never reused
+  r.retired.push_back(s);  // the struct stays: its address is never reused
+  return std::move(s->session);
 }
 
 SessionUse::SessionUse(kvtd_session* s) {
