@@ -19,9 +19,7 @@ namespace {
 // every layout, replicated MLA included). "Unknown" counts as stored: no removal is announced.
 bool still_stored(storage::ObjectStore& store, const config::DaemonConfig& cfg, const std::string& key,
                   std::uint64_t keep_wv) {
-  const std::string prefix = cfg.storage.key_prefix.empty() ? "" : "." + cfg.storage.key_prefix;
-  const std::string name =
-      key + prefix + ".w" + std::to_string(cfg.storage.weight_version) + "-" + std::to_string(keep_wv) + ".r0";
+  const std::string name = stored_name(key, cfg.storage.key_prefix, cfg.storage.weight_version, keep_wv, 0);
   auto n = store.exists(std::span<const std::string>(&name, 1));
   return !n.ok() || *n == 1;
 }

@@ -54,9 +54,14 @@ std::string StorageExecutor::Impl::stored_key(const std::string& key, const std:
   const std::uint32_t slice_rank = t.replicated ? 0 : ep.rank();
   // FastDeploy's RL prefix (from version.yaml) joins the weight version: KV of other weights
   // is never found.
+  return stored_name(key, key_prefix, t.config.weight_version, task_weight_version, slice_rank);
+}
+
+std::string stored_name(const std::string& key, const std::string& key_prefix, std::uint64_t config_weight_version,
+                        std::uint64_t task_weight_version, std::uint32_t rank) {
   const std::string prefix = key_prefix.empty() ? "" : "." + key_prefix;
-  return key + prefix + ".w" + std::to_string(t.config.weight_version) + "-" + std::to_string(task_weight_version) + ".r" +
-         std::to_string(slice_rank);
+  return key + prefix + ".w" + std::to_string(config_weight_version) + "-" + std::to_string(task_weight_version) +
+         ".r" + std::to_string(rank);
 }
 
 namespace {

@@ -72,6 +72,10 @@ struct StoredName {
   std::uint32_t rank = 0;
 };
 std::optional<StoredName> parse_stored_name(const std::string& stored_name);
+// The stored name of a rank's slice of `key` (the inverse of parse_stored_name): key, then
+// ".<key_prefix>" when one is set, ".w<config>-<task weight version>", ".r<rank>".
+std::string stored_name(const std::string& key, const std::string& key_prefix, std::uint64_t config_weight_version,
+                        std::uint64_t task_weight_version, std::uint32_t rank);
 
 // The engine's key of a stored object's name (the inverse of the executor's naming: key, then
 // ".<key_prefix>" when one is set, ".w<config>-<task weight version>", ".r<rank>"); nullopt for
