@@ -19,7 +19,10 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-base=$((20000 + ($$ % 400) * 20))  # below the ephemeral range (32768-60999)
+# Ports and their cluster bus ports (port + 10000) below Linux's ephemeral range (32768-60999): a
+# bus port inside it can be taken by any outgoing connection (this script once failed on 27852,
+# bus 37852). 22000-22732 here (bus <= 32732); the C++ tests' servers use 10000-21999.
+base=$((22000 + ($$ % 37) * 20))
 geometry=(--mp-num 2 --num-layers 4 --num-host-blocks 8 --key-cache-shape 96,2,16,64 --value-cache-shape 96,2,16,64)
 lg=(--ranks 2 --layers 4 --kv-heads 2 --block-size 16 --head-dim 64 --device-blocks 96 --host-blocks 8
     --mode storage-verify --storage redis --storage-blocks 40 --key-prefix rc --task-timeout 20)
@@ -31,8 +34,14 @@ start_node() {  # port: a cluster node with an append-only file, so a restart ke
     --cluster-config-file "nodes-$port.conf" --cluster-node-timeout 2000 --appendonly yes --appendfsync always \
     --save "" --daemonize no --logfile "$work/$port/log" &
   servers[$port]=$!
-  for _ in $(seq 100); do redis-cli -p "$port" ping > /dev/null 2>&1 && return 0; sleep 0.05; done
-  echo "redis-server on $port did not start" >&2; return 1
+  for _ in $(seq 100); do
+    redis-cli -p "$port" ping > /dev/null 2>&1 && return 0
+    kill -0 "${servers[$port]}" 2> /dev/null || break  # exited: its log says why (a port in use)
+    sleep 0.05
+  done
+  echo "redis-server on $port did not start; its log:" >&2
+  tail -n 5 "$work/$port/log" >&2 || true
+  return 1
 }
 make_cluster() {  # first port
   local p=$1
