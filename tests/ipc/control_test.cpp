@@ -30,7 +30,7 @@ class ControlTest : public DaemonTest {
  protected:
   // Runs `kvtd ctl <args>`; returns (exit code, stdout + stderr).
   std::pair<int, std::string> ctl(std::vector<std::string> args) {
-    args.insert(args.begin(), {KVTD_BINARY, "ctl"});
+    args.insert(args.begin(), {test::kvtd_binary(), "ctl"});
     const std::string out = ::testing::TempDir() + "/" + suffix_ + "_ctl.out";
     Child c(args, out);
     const int code = c.wait_exit(std::chrono::seconds(30));
@@ -57,11 +57,11 @@ std::pair<int, std::string> ctl_as_nobody(const std::string& suffix, std::vector
       ::dup2(fd, 2);
     }
     if (::setgid(65534) != 0 || ::setuid(65534) != 0) _exit(99);
-    args.insert(args.begin(), {KVTD_BINARY, "ctl"});
+    args.insert(args.begin(), {test::kvtd_binary(), "ctl"});
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
-    ::execv(KVTD_BINARY, argv.data());
+    ::execv(test::kvtd_binary().c_str(), argv.data());
     _exit(98);
   }
   int status = 0;

@@ -1,5 +1,5 @@
 // daemon_fixture.h - the engine side of multi-process tests: this process is the engine; every
-// rank daemon is a real `kvtd` process (KVTD_BINARY) started under a watchdog.
+// rank daemon is a real `kvtd` process (test::kvtd_binary(), programs.h) started under a watchdog.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -10,6 +10,7 @@
 
 #include "kv_pattern.h"
 #include "kvtd/engine/engine_session.h"
+#include "programs.h"
 #include "test_support.h"
 
 namespace kvtd {
@@ -46,7 +47,7 @@ class DaemonTest : public ::testing::Test {
   }
 
   std::vector<std::string> daemon_args(std::uint32_t rank, const proto::CacheGeometry& g) const {
-    std::vector<std::string> a{KVTD_BINARY, "--rank", std::to_string(rank), "--mp-num", std::to_string(g.num_ranks),
+    std::vector<std::string> a{test::kvtd_binary(), "--rank", std::to_string(rank), "--mp-num", std::to_string(g.num_ranks),
                                "--num-layers", std::to_string(g.num_layers - g.num_extra_layers), "--num-host-blocks",
                                std::to_string(g.num_host_blocks), "--key-cache-shape", shape(g.key_shape),
                                "--session", suffix_, "--device-backend", "host", "--engine-timeout", "1",

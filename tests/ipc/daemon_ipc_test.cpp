@@ -511,7 +511,7 @@ TEST_F(DaemonTest, StaleEngineHeartbeatMakesTheDaemonDetach) {
   g_ = test::small_geometry(1);
   daemons_.push_back(start_daemon(0));
   // A separate engine process that we can freeze: the load generator in verify mode.
-  Child engine({KVTD_LOADGEN, "--session", suffix_, "--ranks", "1", "--layers", "3", "--kv-heads", "2",
+  Child engine({test::loadgen_binary(), "--session", suffix_, "--ranks", "1", "--layers", "3", "--kv-heads", "2",
                 "--block-size", "4", "--head-dim", "8", "--device-blocks", "32", "--host-blocks", "24",
                 "--iterations", "100000", "--blocks-per-task", "2"},
                log_path(9));
@@ -539,7 +539,7 @@ namespace {
 
 TEST(DaemonBinary, CudaBackendWithoutAGpuStopsWithAClearMessage) {
   const std::string log = ::testing::TempDir() + "/kvtd_cuda_nogpu.log";
-  test::Child d({KVTD_BINARY, "--rank", "0", "--key-cache-shape", "8,1,4,8", "--session",
+  test::Child d({test::kvtd_binary(), "--rank", "0", "--key-cache-shape", "8,1,4,8", "--session",
                  test::unique_suffix("nogpu"), "--device-backend", "cuda", "--attach-timeout", "1"},
                 log);
   const int code = d.wait_exit(std::chrono::seconds(20));

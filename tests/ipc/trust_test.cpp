@@ -393,13 +393,13 @@ TEST(TrustBinary, LogFileIsPrivateAndASymlinkAtItsPathIsRefused) {
   const auto target = dir + "/victim";
   { std::ofstream(target) << "keep"; }
   std::filesystem::create_symlink(target, dir + "/kvtd_dp0_rank0.log");
-  Child d({KVTD_BINARY, "--rank", "0", "--key-cache-shape", "8,1,4,8", "--session", test::unique_suffix("logs"),
+  Child d({test::kvtd_binary(), "--rank", "0", "--key-cache-shape", "8,1,4,8", "--session", test::unique_suffix("logs"),
            "--log-dir", dir, "--attach-timeout", "0.2"},
           dir + "/stderr");
   EXPECT_EQ(d.wait_exit(std::chrono::seconds(20)), 2);
   EXPECT_EQ(test::read_file(target), "keep");
   std::filesystem::remove(dir + "/kvtd_dp0_rank0.log");
-  Child d2({KVTD_BINARY, "--rank", "0", "--key-cache-shape", "8,1,4,8", "--session", test::unique_suffix("logs"),
+  Child d2({test::kvtd_binary(), "--rank", "0", "--key-cache-shape", "8,1,4,8", "--session", test::unique_suffix("logs"),
             "--log-dir", dir, "--attach-timeout", "0.2"},
            dir + "/stderr2");
   EXPECT_EQ(d2.wait_exit(std::chrono::seconds(20)), 4);
@@ -407,7 +407,7 @@ TEST(TrustBinary, LogFileIsPrivateAndASymlinkAtItsPathIsRefused) {
   ASSERT_EQ(stat((dir + "/kvtd_dp0_rank0.log").c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0640u);
   // Two data-parallel groups share a log directory: rank 0 of group 1 has its own file.
-  Child d3({KVTD_BINARY, "--rank", "0", "--key-cache-shape", "8,1,4,8", "--session", test::unique_suffix("logs"),
+  Child d3({test::kvtd_binary(), "--rank", "0", "--key-cache-shape", "8,1,4,8", "--session", test::unique_suffix("logs"),
             "--log-dir", dir, "--attach-timeout", "0.2", "--local_data_parallel_id", "1"},
            dir + "/stderr3");
   EXPECT_EQ(d3.wait_exit(std::chrono::seconds(20)), 4);
@@ -419,7 +419,7 @@ TEST(TrustBinary, LogFileIsPrivateAndASymlinkAtItsPathIsRefused) {
 TEST(TrustBinary, AttachTimeoutExitsFour) {
   test::Watchdog dog(60);
   const auto log = ::testing::TempDir() + "/" + test::unique_suffix("timeout") + ".log";
-  Child d({KVTD_BINARY, "--rank", "0", "--key-cache-shape", "8,1,4,8", "--session", test::unique_suffix("timeout"),
+  Child d({test::kvtd_binary(), "--rank", "0", "--key-cache-shape", "8,1,4,8", "--session", test::unique_suffix("timeout"),
            "--attach-timeout", "0.3"},
           log);
   EXPECT_EQ(d.wait_exit(std::chrono::seconds(20)), 4);
@@ -451,16 +451,16 @@ TEST(TrustBinary, FullDevShmIsAnErrorAtStartNeverABusError) {
   const auto log = ::testing::TempDir() + "/" + test::unique_suffix("shmfull") + ".log";
   const std::string suffix = test::unique_suffix("shmfull");
   // Engine: a 256 MiB device arena per rank in 64 MiB of tmpfs.
-  const std::string engine_cmd = std::string(KVTD_LOADGEN) + " --session " + suffix +
+  const std::string engine_cmd = test::loadgen_binary() + " --session " + suffix +
                                  " --ranks 1 --layers 8 --kv-heads 8 --block-size 64 --head-dim 128"
                                  " --device-blocks 128 --host-blocks 8 --iterations 1 --blocks-per-task 1";
   // Then an engine that fits (8 device blocks: a 16 MiB arena) and a daemon whose host pool does
   // not (96 blocks of 2 MiB): it attaches, then refuses to create the pool with exit 5.
-  const std::string small_engine = std::string(KVTD_LOADGEN) + " --session " + suffix +
+  const std::string small_engine = test::loadgen_binary() + " --session " + suffix +
                                    " --ranks 1 --layers 8 --kv-heads 8 --block-size 64 --head-dim 128"
                                    " --device-blocks 8 --host-blocks 96 --iterations 1 --blocks-per-task 1"
                                    " --ready-timeout 10";
-  const std::string daemon_cmd = std::string(KVTD_BINARY) + " --rank 0 --num-layers 8 --num-host-blocks 96"
+  const std::string daemon_cmd = test::kvtd_binary() + " --rank 0 --num-layers 8 --num-host-blocks 96"
                                  " --key-cache-shape 8,8,64,128 --value-cache-shape 8,8,64,128 --session " +
                                  suffix + " --attach-timeout 10";
   const std::string script = "mount -t tmpfs -o size=64m tmpfs /dev/shm && (" + engine_cmd + "; echo engine=$?; " +
@@ -485,10 +485,10 @@ TEST(TrustBinary, DevShmFilledAfterAttachDoesNotStopServing) {
   const auto log = ::testing::TempDir() + "/" + test::unique_suffix("shmlate") + ".log";
   const std::string suffix = test::unique_suffix("shmlate");
   const std::string geo = " --layers 2 --kv-heads 2 --block-size 16 --head-dim 64 --device-blocks 64 --host-blocks 32";
-  const std::string daemon_cmd = std::string(KVTD_BINARY) + " --rank 0 --num-layers 2 --num-host-blocks 32"
+  const std::string daemon_cmd = test::kvtd_binary() + " --rank 0 --num-layers 2 --num-host-blocks 32"
                                  " --key-cache-shape 64,2,16,64 --value-cache-shape 64,2,16,64 --session " +
                                  suffix + " --attach-timeout 20";
-  const std::string engine_cmd = std::string(KVTD_LOADGEN) + " --session " + suffix + " --ranks 1" + geo +
+  const std::string engine_cmd = test::loadgen_binary() + " --session " + suffix + " --ranks 1" + geo +
                                  " --iterations 60000 --blocks-per-task 4";
   const std::string script =
       "mount -t tmpfs -o size=64m tmpfs /dev/shm && (" + daemon_cmd + " & d=$!; " + engine_cmd +
