@@ -156,6 +156,12 @@ void declare_runtime_flags(CLI::App& app, RawFlags& f, DaemonConfig& c) {
   app.add_option("--log-summary-period", c.log_summary_period_s,
                  "Seconds between info summaries while tasks complete (0 = none; debug: one line per task)");
   app.add_option("--engine-timeout", c.engine_timeout_s, "Seconds of engine heartbeat silence before detaching");
+  app.add_option("--engine-event-timeout", c.engine_event_timeout_s,
+                 "Seconds a swap waits for the engine's event while the engine lives (0 = only its liveness and the "
+                 "task's deadline); then the task fails engine_event_not_fired, nothing copied");
+  app.add_option("--stuck-copy-timeout", c.stuck_copy_timeout_s,
+                 "Seconds after which a device copy that has not finished marks the rank stuck (log, metric, /readyz); "
+                 "at twice this the daemon exits 8 for a restart (0 = never)");
   app.add_option("--attach-timeout", c.attach_timeout_s, "Seconds to wait for the session (0 = forever)");
   app.add_option("--heartbeat-period", c.heartbeat_period_s, "Seconds between rank heartbeats");
   f.model_id_opt = app.add_option("--model-id,--model_id", c.model_id, "Model id (namespaces storage keys)");
@@ -359,6 +365,10 @@ Status<ConfigErrc> resolve_runtime(const RawFlags& f, DaemonConfig& c) {
     return bad("--log-level: '" + c.log_level + "' is not one of " + kLogLevelList);
   if (!(c.engine_timeout_s >= 0.001 && c.engine_timeout_s <= kMaxEngineTimeoutS))
     return bad("--engine-timeout: " + seconds(c.engine_timeout_s) + " must be in [0.001, 3600] seconds");
+  if (!(c.engine_event_timeout_s == 0 || (c.engine_event_timeout_s >= 0.001 && c.engine_event_timeout_s <= 3600)))
+    return bad("--engine-event-timeout: " + seconds(c.engine_event_timeout_s) + " must be 0 (none) or in [0.001, 3600] seconds");
+  if (!(c.stuck_copy_timeout_s == 0 || (c.stuck_copy_timeout_s >= 0.1 && c.stuck_copy_timeout_s <= 3600)))
+    return bad("--stuck-copy-timeout: " + seconds(c.stuck_copy_timeout_s) + " must be 0 (never) or in [0.1, 3600] seconds");
   if (!(c.attach_timeout_s == 0 || (c.attach_timeout_s >= 0.001 && c.attach_timeout_s <= kMaxAttachTimeoutS)))
     return bad("--attach-timeout: " + seconds(c.attach_timeout_s) +
                " must be 0 (wait forever) or in [0.001, 604800] seconds");

@@ -37,8 +37,6 @@ struct CUevent_st {
   int fd = -1;         // interprocess: the memfd holding *c
   bool mapped = false;  // *c is a shared mapping
   unsigned flags = 0;
-  std::int32_t exporter = 0;  // opened from a handle: the exporting process
-  std::int32_t exporter_fd = -1;  // its descriptor of the counters (gone with the process)
 };
 
 namespace {
@@ -52,22 +50,14 @@ struct EventHandleBytes {
 };
 static_assert(sizeof(EventHandleBytes) <= sizeof(cudaIpcEventHandle_t));
 
-// Waits until generation `gen` of the event completed. An event opened from another process
-// whose exporter died (its descriptor is gone: a killed or exited process, zombies included)
-// will never complete: the wait fails after a second, as a lost context
-// (cudaErrorLaunchFailure), instead of hanging the waiting stream forever.
-cudaError_t wait_generation(const EventCounters* c, std::uint64_t gen, std::int32_t exporter, std::int32_t fd) {
-  const std::string probe = exporter != 0 ? "/proc/" + std::to_string(exporter) + "/fd/" + std::to_string(fd) : "";
-  auto dead_since = std::chrono::steady_clock::time_point::max();
-  int polls = 0;
-  while (c->completed.load(std::memory_order_acquire) < gen && sticky_error() == cudaSuccess) {
+// Waits until generation `gen` of the event completed, or the context broke. An event opened
+// from another process whose exporter died with its record still queued never completes, and
+// neither does this wait: on an H100 (driver 580) a stream waiting on such an event had not
+// moved after 120 s (../shared/gpu/results/2026-11-26-h100/evdeath-120s.log). The stand-in once
+// failed the wait after a second, kinder than CUDA; kvtd must never enqueue such a wait.
+cudaError_t wait_generation(const EventCounters* c, std::uint64_t gen) {
+  while (c->completed.load(std::memory_order_acquire) < gen && sticky_error() == cudaSuccess)
     std::this_thread::sleep_for(std::chrono::microseconds(20));
-    if (probe.empty() || ++polls % 500 != 0) continue;  // the exporter is looked at every ~10 ms
-    if (access(probe.c_str(), F_OK) == 0) continue;
-    const auto now = std::chrono::steady_clock::now();
-    if (dead_since == std::chrono::steady_clock::time_point::max()) dead_since = now;
-    if (now - dead_since > std::chrono::seconds(1)) return cudaErrorLaunchFailure;
-  }
   return cudaSuccess;
 }
 
@@ -138,8 +128,8 @@ cudaError_t cudaEventSynchronize(cudaEvent_t ev) {
   if (const cudaError_t e = enter("cudaEventSynchronize"); e != cudaSuccess) return e;
   if (!ev) return fail(cudaErrorInvalidResourceHandle);
   const std::uint64_t gen = ev->c->recorded.load(std::memory_order_acquire);
-  // Returns early on a sticky error (the work will never finish) or a dead exporter.
-  if (const cudaError_t e = wait_generation(ev->c, gen, ev->exporter, ev->exporter_fd); e != cudaSuccess) set_sticky(e);
+  // Returns early on a sticky error (the work will never finish); never for a dead exporter's.
+  (void)wait_generation(ev->c, gen);
   return fail(sticky_error());
 }
 
@@ -150,8 +140,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t ev, unsigned int fla
     return fail(!ev ? cudaErrorInvalidResourceHandle : cudaErrorInvalidValue);
   const std::uint64_t gen = ev->c->recorded.load(std::memory_order_acquire);  // the record before this call
   EventCounters* c = ev->c;
-  const std::int32_t exporter = ev->exporter, fd = ev->exporter_fd;
-  return submit(s, [c, gen, exporter, fd]() -> cudaError_t { return wait_generation(c, gen, exporter, fd); });
+  return submit(s, [c, gen]() -> cudaError_t { return wait_generation(c, gen); });
 }
 
 cudaError_t cudaIpcGetEventHandle(cudaIpcEventHandle_t* handle, cudaEvent_t ev) {
@@ -183,8 +172,6 @@ cudaError_t cudaIpcOpenEventHandle(cudaEvent_t* event, cudaIpcEventHandle_t hand
   ev->c = static_cast<EventCounters*>(p);
   ev->fd = fd;
   ev->mapped = true;
-  ev->exporter = b.pid;
-  ev->exporter_fd = b.fd;
   *event = ev;
   return cudaSuccess;
 }

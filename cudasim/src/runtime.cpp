@@ -12,6 +12,7 @@
 #include <cstring>
 #include <map>
 #include <set>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -28,11 +29,15 @@ thread_local int tl_device = 0;
 thread_local cudaError_t tl_async_fault = cudaSuccess;  // set by enter(), taken by the enqueue
 std::atomic<int> g_sticky{cudaSuccess};
 std::atomic<std::uint32_t> g_op_delay_us{0};
+// Set by enter() for a call planned to hang (KVTD_CUDASIM_FAULTS=fn:n:hang), taken by the
+// enqueue: that call's work never finishes, as on a device that stopped.
+thread_local bool tl_hang = false;
 
 struct Faults {
   Mutex mu;
   std::map<std::string, std::uint64_t> calls GUARDED_BY(mu);
   std::map<std::pair<std::string, std::uint64_t>, cudaError_t> planned GUARDED_BY(mu);
+  std::set<std::pair<std::string, std::uint64_t>> hangs GUARDED_BY(mu);
   Faults() {
     if (const char* us = std::getenv("KVTD_CUDASIM_OP_DELAY_US")) g_op_delay_us = static_cast<std::uint32_t>(std::atoi(us));
     if (const char* spec = std::getenv("KVTD_CUDASIM_FAULTS")) {
@@ -45,8 +50,10 @@ struct Faults {
         const std::string item = s.substr(at, end - at);
         const std::size_t c1 = item.find(':'), c2 = item.rfind(':');
         if (c1 != std::string::npos && c2 != c1) {
-          planned[{item.substr(0, c1), std::strtoull(item.c_str() + c1 + 1, nullptr, 10)}] =
-              static_cast<cudaError_t>(std::atoi(item.c_str() + c2 + 1));
+          const std::pair<std::string, std::uint64_t> call{item.substr(0, c1),
+                                                           std::strtoull(item.c_str() + c1 + 1, nullptr, 10)};
+          if (item.substr(c2 + 1) == "hang") hangs.insert(call);
+          else planned[call] = static_cast<cudaError_t>(std::atoi(item.c_str() + c2 + 1));
         } else {
           std::fprintf(stderr, "cudasim: ignoring malformed KVTD_CUDASIM_FAULTS item '%s'\n", item.c_str());
         }
@@ -151,12 +158,14 @@ void set_sticky(cudaError_t e) {
 
 cudaError_t enter(const char* function) {
   tl_async_fault = cudaSuccess;
+  tl_hang = false;
   auto& f = faults();
   cudaError_t planned = cudaSuccess;
   {
     MutexLock g(f.mu);
     const std::uint64_t n = ++f.calls[function];
     if (auto it = f.planned.find({function, n}); it != f.planned.end()) planned = it->second;
+    tl_hang = f.hangs.count({function, n}) != 0;
   }
   if (const cudaError_t s = sticky_error(); s != cudaSuccess) return fail(s);
   if (planned == cudaSuccess) return cudaSuccess;
@@ -181,8 +190,14 @@ int device_count() {
 }
 
 cudaError_t submit(cudaStream_t s, Op op) {
-  if (const cudaError_t fault = take_async_fault(); fault != cudaSuccess)
+  if (const cudaError_t fault = take_async_fault(); std::exchange(tl_hang, false)) {
+    op = [] {  // runs until the process ends: nothing after it on the stream ever runs
+      for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+      return cudaSuccess;
+    };
+  } else if (fault != cudaSuccess) {
     op = [fault] { return fault; };  // the work never happens; the context breaks when it "runs"
+  }
   if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) {
     drain_blocking_streams();
     if (sticky_error() == cudaSuccess)

@@ -91,6 +91,9 @@ void MetricsRegistry::render_health(std::string& out) const {
   const HealthFigures h = health();
   line(out, "# HELP kvtd_ready 1 while this rank can serve (what /readyz answers).\n# TYPE kvtd_ready gauge\nkvtd_ready %d\n",
        h.ready ? 1 : 0);
+  line(out,
+       "# HELP kvtd_copy_running_seconds Seconds the oldest running device copy has run (0: none).\n# TYPE kvtd_copy_running_seconds gauge\nkvtd_copy_running_seconds %.3f\n",
+       h.copy_running_s);
   if (h.has_store)
     line(out,
          "# HELP kvtd_store_up 1 while the storage tier answers this rank's probe.\n# TYPE kvtd_store_up gauge\n"

@@ -1,6 +1,7 @@
 // The CUDA daemon under faults and delays injected through the stand-in (-DKVTD_CUDA_SIM=ON
 // only): a sticky error fails its task and ends the daemon for a restart; a swap waits for the
-// engine's event while the engine's stream is still busy writing its blocks.
+// engine's event while the engine's stream is still busy writing its blocks; an engine killed
+// with its event pending never wedges a lane; a copy that never finishes ends the daemon (8).
 #include "cuda_daemon_fixture.h"
 #include "kvtd/cudasim/control.h"
 
@@ -97,6 +98,108 @@ TEST_F(CudaDaemonTest, ASwapToHostWaitsForTheEnginesEventAndOnlyThenSeesItsWrite
   EXPECT_EQ(engine_->submit(req).error().code, IpcErrc::kInvalidArgument);
   cudaEventDestroy(ev);
   cudaStreamDestroy(engine_stream);
+}
+
+// Issue 31: on an H100, a stream waiting (cudaStreamWaitEvent) on an interprocess event whose
+// exporting process died with its record queued had not moved after 120 s. The daemon made its
+// lane's stream wait on the engine's event on the device, so an engine SIGKILLed between
+// submitting a swap with its event and the record running left that lane wedged for good: every
+// later swap of that direction, in every later session, queued behind a wait that never ends.
+// Now the lane polls the event on the host, bounded by the engine's heartbeat.
+TEST_F(CudaDaemonTest, AnEngineKilledWithItsEventPendingNeverWedgesTheDaemon) {
+  g_ = test::small_geometry(1);
+  int up[2];
+  ASSERT_EQ(pipe(up), 0);
+  const pid_t first = fork();
+  if (first == 0) {  // the first engine, a process of its own: SIGKILL takes its CUDA context
+    close(up[0]);
+    auto say = [&](char c) { return write(up[1], &c, 1) == 1; };
+    start_cuda_engine();
+    if (HasFatalFailure() || !say('P')) _exit(1);
+    if (!engine_->wait_ready(30'000'000'000).ok()) _exit(2);
+    cudaStream_t held{};
+    cudaEvent_t ev{};
+    if (cudaStreamCreateWithFlags(&held, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventInterprocess) != cudaSuccess)
+      _exit(3);
+    cudasim::set_stream_delay_us(held, 600'000'000);  // the record would run in ten minutes
+    cudaIpcEventHandle_t h{};
+    if (cudaEventRecord(ev, held) != cudaSuccess || cudaIpcGetEventHandle(&h, ev) != cudaSuccess) _exit(4);
+    std::array<std::uint8_t, proto::kEngineEventBytes> handle{};
+    std::memcpy(handle.data(), &h, sizeof h);
+    TaskRequest req;
+    req.kind = TaskKind::kSwapToHost;
+    const std::vector<std::int32_t> src{3}, dst{2};
+    req.src = src;
+    req.dst = dst;
+    req.engine_events = std::span(&handle, 1);
+    if (!engine_->submit(req).ok() || !say('S')) _exit(5);
+    pause();
+    _exit(0);
+  }
+  close(up[1]);
+  char c = 0;
+  ASSERT_EQ(read(up[0], &c, 1), 1);
+  ASSERT_EQ(c, 'P') << "the first engine could not publish";
+  daemons_.push_back(start_cuda_daemon(0, "kernel", 0));
+  ASSERT_EQ(read(up[0], &c, 1), 1) << test::read_file(log_path(0));
+  ASSERT_EQ(c, 'S') << "the first engine could not submit its swap";
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the lane is waiting for the event
+  ASSERT_EQ(kill(first, SIGKILL), 0);
+  ASSERT_EQ(waitpid(first, nullptr, 0), first);
+  const auto killed = std::chrono::steady_clock::now();
+
+  // The next engine of this rank: the daemon follows it and serves it, both directions.
+  ASSERT_NO_FATAL_FAILURE(start_cuda_engine());
+  ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok()) << test::read_file(log_path(0));
+  ASSERT_NO_FATAL_FAILURE(cuda_round_trip({9, 17}, {0, 11}, {20, 21}));
+  const auto took = std::chrono::steady_clock::now() - killed;
+  // The bound: the engine's heartbeat timeout (1 s here) plus a re-attach, far below the old
+  // forever; generous for a loaded CI machine.
+  EXPECT_LT(took, std::chrono::seconds(20));
+  const std::string log = test::read_file(log_path(0));
+  EXPECT_NE(log.find("engine_event_not_fired"), std::string::npos) << log;
+  EXPECT_NE(log.find("stopped heartbeating"), std::string::npos) << log;
+}
+
+// Issue 31: a copy that never finishes (a device that stopped; the stand-in's "hang" fault on a
+// scattered swap's kernel) held its task forever and nothing was said: the daemon can neither
+// answer the task (the copy may still write engine memory) nor take the lane back. Now the rank
+// says so (log, /readyz, kvtd_copy_running_seconds) and exits 8 at twice --stuck-copy-timeout;
+// systemd restarts it, and the host tier written before is still there for the new process.
+TEST_F(CudaDaemonTest, ACopyThatNeverFinishesEndsTheDaemonForARestartAndTheHostTierSurvives) {
+  g_ = test::small_geometry(1);
+  ASSERT_NO_FATAL_FAILURE(start_cuda_engine());
+  setenv("KVTD_CUDASIM_FAULTS", "cudaLaunchKernel:2:hang", 1);  // the second kernel never ends
+  daemons_.push_back(start_cuda_daemon(0, "kernel", 0, {"--stuck-copy-timeout", "0.5"}));
+  unsetenv("KVTD_CUDASIM_FAULTS");
+  ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok()) << test::read_file(log_path(0));
+  auto out = run(TaskKind::kSwapToHost, {9, 17}, {0, 11});  // the first kernel: ok
+  ASSERT_TRUE(out.ok()) << (out.failures.empty() ? "" : out.failures[0].message);
+  TaskRequest req;
+  req.kind = TaskKind::kSwapToHost;
+  const std::vector<std::int32_t> src{5, 13}, dst{1, 12};
+  req.src = src;
+  req.dst = dst;
+  auto id = engine_->submit(req);
+  ASSERT_TRUE(id.ok());
+  EXPECT_EQ(daemons_[0].wait_exit(std::chrono::seconds(30)), 8) << test::read_file(log_path(0));
+  const std::string log = test::read_file(log_path(0));
+  EXPECT_NE(log.find("without finishing"), std::string::npos) << log;
+  EXPECT_NE(log.find("exiting with code 8"), std::string::npos) << log;
+  auto stuck = engine_->wait(*id, 30'000'000'000);
+  ASSERT_TRUE(stuck.ok());
+  EXPECT_FALSE(stuck->ok()) << "a task whose copy never finished must not complete ok";
+  // systemd restarts it: the new process serves, and the host blocks written before are intact.
+  daemons_[0] = start_cuda_daemon(0, "kernel", 1);
+  ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok()) << test::read_file(log_path(0, 1));
+  ASSERT_NO_FATAL_FAILURE(scribble({20, 21}));
+  auto back = run(TaskKind::kSwapToDevice, {0, 11}, {20, 21});
+  ASSERT_TRUE(back.ok()) << (back.failures.empty() ? "" : back.failures[0].message);
+  for (std::uint32_t l = 0; l < g_.num_layers; ++l) {
+    EXPECT_TRUE(holds(0, l, 20, 9)) << "layer " << l;
+    EXPECT_TRUE(holds(0, l, 21, 17)) << "layer " << l;
+  }
 }
 
 }  // namespace

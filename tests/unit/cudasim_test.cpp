@@ -377,10 +377,11 @@ TEST(CudaSim, InterprocessEventFiresInAnotherProcessAfterTheWorkBeforeIt) {
   cudaFree(d);
 }
 
-// An engine killed while the daemon's stream waits on its event: the event never completes, and
-// a wait that hung would hang the daemon's lane (and its teardown) for good. The stand-in fails
-// the wait a second after the exporter is gone, as a lost context.
-TEST(CudaSim, AWaitOnAnEventWhoseExporterDiedFailsInsteadOfHanging) {
+// An engine killed while another process's stream waits on its event: the event never
+// completes and the wait never ends, as on the H100 (a wait on a dead exporter's pending record
+// had not moved after 120 s). The stand-in once failed such a wait after a second, which let a
+// daemon that enqueued it look safe; now only a daemon that never enqueues it is.
+TEST(CudaSim, AWaitOnAnEventWhoseExporterDiedNeverCompletesAsOnTheGpu) {
   const int code = in_child([] {
     int up[2];
     if (pipe(up) != 0) return 1;
@@ -400,19 +401,24 @@ TEST(CudaSim, AWaitOnAnEventWhoseExporterDiedFailsInsteadOfHanging) {
     }
     cudaIpcEventHandle_t h{};
     if (read(up[0], &h, sizeof h) != sizeof h) return 2;
-    cudaEvent_t ev{};
+    cudaEvent_t ev{}, after{};
     cudaStream_t s{};
-    if (cudaIpcOpenEventHandle(&ev, h) != cudaSuccess || cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess)
+    if (cudaIpcOpenEventHandle(&ev, h) != cudaSuccess || cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaEventCreateWithFlags(&after, cudaEventDisableTiming) != cudaSuccess)
       return 3;
     if (cudaStreamWaitEvent(s, ev, cudaEventWaitExternal) != cudaSuccess) return 4;
+    if (cudaEventRecord(after, s) != cudaSuccess) return 5;  // work queued behind the wait
     kill(exporter, SIGKILL);
-    const auto start = std::chrono::steady_clock::now();
-    const cudaError_t e = cudaStreamSynchronize(s);
-    const auto took = std::chrono::steady_clock::now() - start;
-    if (e != cudaErrorLaunchFailure) return 5;
-    return took < std::chrono::seconds(10) ? 0 : 6;
+    waitpid(exporter, nullptr, 0);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
+    while (std::chrono::steady_clock::now() < until) {
+      if (cudaEventQuery(ev) != cudaErrorNotReady) return 6;     // the dead exporter's record
+      if (cudaEventQuery(after) != cudaErrorNotReady) return 7;  // what waits behind it
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return cudaGetLastError() == cudaSuccess ? 0 : 8;  // not a lost context: just never
   });
-  EXPECT_EQ(code, 0);
+  EXPECT_EQ(code, 0) << "6/7: the wait ended; 8: the context was broken";
 }
 
 using cudasim_test::run_copy16;

@@ -1,6 +1,6 @@
 // The cross-process check of `kvtd selftest` (selftest_parts.h): an engine in another process
 // exports tensors (interior offsets, as torch's caching allocator hands them out) and an event
-// it recorded; this process opens them the way the daemon does (open_tensor, wait_engine_event),
+// it recorded; this process opens them the way the daemon does (open_tensor, await_engine_event),
 // swaps blocks to host and back, and the engine checks the bytes it then holds.
 #include <sys/wait.h>
 #include <unistd.h>
@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "device/selftest_parts.h"
+#include "kvtd/ipc/clock.h"
 
 namespace kvtd::daemon::selftest {
 namespace {
@@ -157,7 +158,13 @@ void check_across_processes(DeviceBackend& b, EnginePeer& peer, Tally& tally) {
   if (opened) {
     std::array<std::uint8_t, proto::kEngineEventBytes> event{};
     std::memcpy(event.data(), ex.event, event.size());
-    auto waited = b.name() == std::string("cuda") ? b.wait_engine_event(Direction::kToHost, event) : Status<DeviceErrc>{};
+    const auto bound = ipc::monotonic_now_ns() + 30'000'000'000;  // the exporter recorded it before it answered
+    auto waited = b.name() == std::string("cuda")
+                      ? b.await_engine_event(event, [bound]() -> std::optional<std::string> {
+                          if (ipc::monotonic_now_ns() > bound) return "not within 30 s";
+                          return std::nullopt;
+                        })
+                      : Status<DeviceErrc>{};
     tally.check(waited.ok(), "open and wait on the engine's interprocess event", waited.ok() ? "" : waited.error().message);
     std::vector<std::int32_t> ids(kBlocks), rev(kBlocks);
     std::iota(ids.begin(), ids.end(), 0);

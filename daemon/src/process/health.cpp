@@ -6,6 +6,7 @@
 
 #include "kvtd/daemon/notify.h"
 #include "kvtd/ipc/clock.h"
+#include "process/stuck_copy_watch.h"
 
 namespace kvtd::daemon {
 
@@ -76,6 +77,10 @@ metrics::HealthAnswer readiness(const HealthSources& s) {
     reasons.push_back(std::string("the engine's tensors are not mapped (cache ") + cache_state_name(cache) + ")");
   if (attached && pool_bytes == 0) reasons.push_back("the host pool is not pinned");
   if (draining) reasons.push_back("draining: finishing work before it stops");
+  const std::int64_t copy_ns = s.copies != nullptr ? StuckCopyWatch::running_ns(*s.copies) : 0;
+  if (s.stuck_copy_ns > 0 && copy_ns >= s.stuck_copy_ns)
+    reasons.push_back("a device copy has run for " + std::to_string(copy_ns / 1'000'000) +
+                      " ms without finishing (stuck: the daemon exits 8 at twice --stuck-copy-timeout)");
   json store{{"backend", s.store_name.empty() ? "none" : s.store_name}};
   if (s.store != nullptr) {
     const auto a = s.store->last();
@@ -104,6 +109,7 @@ metrics::HealthAnswer readiness(const HealthSources& s) {
          {"host_pool_bytes", pool_bytes},
          {"host_pool_pin_ms", s.registry.host_pool_pin_ms()},
          {"draining", draining},
+         {"copy_running_s", static_cast<double>(copy_ns) / 1e9},
          {"store", store},
          {"reasons", reasons}};
   return {ok, j.dump()};

@@ -10,6 +10,7 @@
 
 #include "kvtd/base/mutex.h"
 #include "kvtd/daemon/control_handler.h"
+#include "kvtd/daemon/device_backend.h"
 #include "kvtd/metrics/http_server.h"
 #include "kvtd/metrics/registry.h"
 #include "kvtd/storage/object_store.h"
@@ -60,11 +61,14 @@ struct HealthSources {
   const ControlState& control;
   const StoreProbe* store = nullptr;  // null: no storage tier
   std::string store_name;             // "" when none
+  const CopyEngine* copies = nullptr;  // the device copies (a stuck one: not ready); null: none
+  std::int64_t stuck_copy_ns = 0;      // --stuck-copy-timeout (0: never stuck)
 };
 
 metrics::HealthAnswer liveness(const HealthSources& s);
 // Ready: attached to a session, the engine's tensors mapped (cache live), the host pool pinned,
-// not draining, and the store (if any) answering; `reasons` lists every fact that is not so.
+// not draining, no device copy running past --stuck-copy-timeout, and the store (if any)
+// answering; `reasons` lists every fact that is not so.
 metrics::HealthAnswer readiness(const HealthSources& s);
 metrics::HealthRoutes health_routes(const HealthSources& s);
 

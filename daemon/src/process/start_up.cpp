@@ -154,11 +154,13 @@ std::optional<int> open_servers(const config::DaemonConfig& cfg, std::atomic<boo
   // Readiness asks whether the store answers; a thread asks it every few seconds so that a
   // probe never waits on the store.
   if (s.store) s.store_probe = std::make_unique<StoreProbe>(s.probe_store ? *s.probe_store : *s.store, kStoreProbePeriodMs);
-  const HealthSources sources{s.registry, s.control_state, s.store_probe.get(), s.store_name};
+  const HealthSources sources{s.registry, s.control_state, s.store_probe.get(), s.store_name, s.backend.get(),
+                              static_cast<std::int64_t>(cfg.stuck_copy_timeout_s * 1e9)};
   s.registry.set_health_figures([sources] {
     const StoreProbe::Answer store = sources.store ? sources.store->last() : StoreProbe::Answer{};
+    const std::int64_t copy_ns = sources.copies ? StuckCopyWatch::running_ns(*sources.copies) : 0;
     return metrics::MetricsRegistry::HealthFigures{readiness(sources).ok, sources.store != nullptr,
-                                                   store.checked && store.reachable};
+                                                   store.checked && store.reachable, static_cast<double>(copy_ns) / 1e9};
   });
   if (cfg.metrics_port != 0) {
     auto ms = metrics::MetricsServer::start(s.registry, cfg.metrics_port, health_routes(sources), cfg.metrics_address);
@@ -215,6 +217,9 @@ std::optional<int> start_up(const config::DaemonConfig& cfg, std::atomic<bool>& 
     return kExitBackend;
   }
   s.backend = std::move(backend).value();
+  if (cfg.stuck_copy_timeout_s > 0)
+    s.stuck_copy_watch =
+        std::make_unique<StuckCopyWatch>(*s.backend, static_cast<std::int64_t>(cfg.stuck_copy_timeout_s * 1e9));
   s.numa_node = cfg.numa_node == config::kNumaAuto ? s.backend->numa_node() : cfg.numa_node;
   KVTD_INFO("NUMA: {}", s.numa_node >= 0 ? "host pool and copy threads on node " + std::to_string(s.numa_node)
                                           : std::string("no node to bind to (--numa-node ") +

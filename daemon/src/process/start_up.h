@@ -12,6 +12,7 @@
 #include "kvtd/control/control.h"
 #include "kvtd/daemon/control_handler.h"
 #include "process/health.h"
+#include "process/stuck_copy_watch.h"
 #include "kvtd/daemon/device_backend.h"
 #include "kvtd/events/kv_events.h"
 #include "kvtd/metrics/http_server.h"
@@ -25,6 +26,7 @@ namespace kvtd::daemon {
 // Not copyable or movable (the servers hold references into it).
 struct Services {
   std::unique_ptr<DeviceBackend> backend;
+  std::unique_ptr<StuckCopyWatch> stuck_copy_watch;  // after the backend: destroyed before it
   int numa_node = -1;                // where the host pool and copy threads live (-1: anywhere)
   proto::CacheGeometry geometry{};   // from the flags
   // Rank 0 with --kv-events-endpoint (else null). Before the store: its eviction hook uses it.

@@ -87,6 +87,9 @@ struct TaskRunner::Impl {
   Impl(endpoint::RankEndpoint& e, DeviceBackend& b, AttachedCache c);
 
   static int lane_of(TaskKind k) { return k == TaskKind::kSwapToHost ? 0 : 1; }
+  // Waits on the host for swap `w`'s engine event, bounded by the engine's liveness, the task's
+  // deadline, cache.engine_event_timeout_ns and the lane's closing (kEventNotFired past them).
+  Status<DeviceErrc> await_engine_event(const Work& w, std::int64_t start);
   std::uint64_t task_bytes(const Work& w) const {
     return block_bytes_all_layers * static_cast<std::uint64_t>(w.plan.num_blocks);
   }

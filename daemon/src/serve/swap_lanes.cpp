@@ -39,8 +39,16 @@ void TaskRunner::Impl::execute(Work& w, int lane) {
   }
   if (lane == 0 && cache.pool != nullptr) cache.pool->mark_invalid(w.host_ids);
   Status<DeviceErrc> st;
-  // The engine's GPU work on these blocks first: the lane's stream waits for the engine's event.
-  if (w.engine_event) st = backend.wait_engine_event(lane == 0 ? Direction::kToHost : Direction::kToDevice, *w.engine_event);
+  // The engine's GPU work on these blocks first: its event must have fired before a byte moves.
+  if (w.engine_event) {
+    st = await_engine_event(w, start);
+    if (!st.ok() && st.error().code == DeviceErrc::kEventNotFired) {
+      const bool late = h.deadline_ns != 0 && ipc::monotonic_now_ns() > h.deadline_ns;
+      complete(h, late ? TaskStatus::kDeadlineExceeded : TaskStatus::kEngineEventNotFired, 0, 0, start,
+               "the engine's event named in the task did not fire: " + st.error().message + "; nothing was copied");
+      return;
+    }
+  }
   if (st.ok() && (h.flags & proto::kTaskFlagLayerwise)) {
     ep.progress_begin(h);
     std::uint32_t queued = 0, done = 0;
@@ -68,6 +76,23 @@ void TaskRunner::Impl::execute(Work& w, int lane) {
     (lane == 0 ? stats.bytes_to_host : stats.bytes_to_device) += bytes;
   }
   complete(h, TaskStatus::kOk, static_cast<std::uint64_t>(w.plan.num_blocks), cache.num_layers, start, "");
+}
+
+Status<DeviceErrc> TaskRunner::Impl::await_engine_event(const Work& w, std::int64_t start) {
+  const auto& h = w.header;
+  const std::int64_t bound_ns = cache.engine_event_timeout_ns;
+  return backend.await_engine_event(*w.engine_event, [&]() -> std::optional<std::string> {
+    const std::int64_t now = ipc::monotonic_now_ns();
+    // A dead engine's pending record never completes (the exporter is gone): the heartbeat says so.
+    if (!ep.engine_alive()) return "the engine stopped heartbeating (it died or hangs) with its record still pending";
+    if (h.deadline_ns != 0 && now > h.deadline_ns)
+      return "the task's deadline passed after " + std::to_string((now - start) / 1'000'000) + " ms of waiting";
+    if (bound_ns > 0 && now - start > bound_ns)
+      return "not within " + std::to_string(bound_ns / 1'000'000) + " ms (--engine-event-timeout) while the engine lives";
+    if (lanes[lane_of(static_cast<TaskKind>(h.kind))].closing.load(std::memory_order_acquire))
+      return "the daemon is stopping";
+    return std::nullopt;
+  });
 }
 
 void TaskRunner::Impl::lane_loop(int lane) {

@@ -155,6 +155,12 @@ struct DaemonConfig {
   std::string control_endpoint;        // extra control socket, tcp://127.0.0.1:<port>; empty = ipc only
   std::string control_secret_file;     // the TCP control endpoint's shared secret (required with it)    // info summary of the work done, while busy; 0 = none
   double engine_timeout_s = 5.0;       // engine heartbeat age after which we detach
+  // A swap waits this long at most for its engine event while the engine lives (0: no bound but
+  // the engine's liveness and the task's deadline): engine_event_not_fired past it.
+  double engine_event_timeout_s = 60.0;
+  // A device copy running this long: the daemon says it is stuck (log, kvtd_copy_running_seconds,
+  // /readyz false); at twice this it exits 8 for systemd to restart it (0: never).
+  double stuck_copy_timeout_s = 60.0;
   double attach_timeout_s = 0.0;       // 0: wait for the session forever
   double heartbeat_period_s = 0.1;
   std::string model_id = "default";

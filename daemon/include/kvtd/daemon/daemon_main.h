@@ -20,6 +20,8 @@ inline constexpr int kExitBackend = 5;         // device backend or host pool fa
 inline constexpr int kExitSessionCorrupt = 6;  // the session's layout or ring framing is broken: transient
 inline constexpr int kExitDeviceLost = 7;      // a sticky device error broke the CUDA context: restart
                                                // (the engine recreates it), so systemd restarts us
+inline constexpr int kExitCopyStuck = 8;       // a device copy ran past twice --stuck-copy-timeout: a new
+                                               // process (new context) is the only way to get the lane back
 
 // Returns the process exit code. `stop` is set by the signal thread, or by `kvtd ctl drain`
 // through the control socket (the same orderly exit). Thread-safety: call once.

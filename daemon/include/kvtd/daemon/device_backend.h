@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -36,6 +37,7 @@ enum class DeviceErrc {
   kCopyFailed,   // a copy failed (message carries the driver's error string)
   kContextLost,  // a sticky device error (illegal address, launch failure, ...): every later call
                  // fails; the process must exit so the device context is rebuilt
+  kEventNotFired,  // the engine's event did not complete within the caller's bound; nothing copied
 };
 
 enum class Direction { kToHost, kToDevice };
@@ -107,15 +109,26 @@ class CopyEngine {
                                             std::size_t targets_per_layer, const LayerCallback& on_layer_enqueued,
                                             const LayerCallback& on_layer_done) = 0;
 
-  // Makes the direction's stream wait (on the device) for the engine's interprocess event
-  // `handle` before the copies enqueued after this call: the engine's GPU work on the blocks
-  // comes first. Each handle is opened once and kept until close_tensors(). The host backend
-  // has no streams (the engine's writes to its tensors are done when it submits): ok.
-  virtual Status<DeviceErrc> wait_engine_event(Direction dir, const std::array<std::uint8_t, proto::kEngineEventBytes>& handle) {
-    (void)dir;
+  // Returns once the engine's interprocess event `handle` completed (its GPU work on the blocks
+  // is done), polling it from this host thread; asks `give_up` between polls and, when it names a
+  // reason, fails with kEventNotFired and that reason (the engine died, a deadline passed). Never
+  // makes a stream wait on the device: a stream waiting on an event whose exporting process died
+  // with its record queued never runs again (H100, driver 580: still stuck after 120 s), and the
+  // lane behind it would be wedged for good. Each handle is opened once and kept until
+  // close_tensors(). The host backend has no streams (the engine's writes to its tensors are done
+  // when it submits): ok at once. Thread-safe.
+  using GiveUp = std::function<std::optional<std::string>()>;
+  virtual Status<DeviceErrc> await_engine_event(const std::array<std::uint8_t, proto::kEngineEventBytes>& handle,
+                                                const GiveUp& give_up) {
     (void)handle;
+    (void)give_up;
     return {};
   }
+
+  // The monotonic time (ns) since which the oldest copy now running on a lane has been running,
+  // or 0 when every lane is idle or waiting for an engine's event. A copy that never finishes
+  // (a device that stopped) shows here; the daemon's watchdog acts on it. Any thread.
+  virtual std::int64_t busy_since_ns() const { return 0; }
 
   // Interprocess handles (cudaIpcEventHandle_t) of the events recorded after each layer of a
   // layer-by-layer copy to the device, for the engine's compute stream; empty on the host backend.

@@ -51,6 +51,9 @@ struct AttachedCache {
   HostPool* pool = nullptr;  // validity of host blocks; borrowed, outlives the runner
   int numa_node = -1;        // the swap lanes run on this node's CPUs (-1: anywhere)
   std::int64_t summary_period_ns = 60'000'000'000;  // info summary while busy; 0 = none
+  // Longest a swap waits for its engine event while the engine lives (0: only liveness and the
+  // task's deadline bound it); past it the task fails with engine_event_not_fired.
+  std::int64_t engine_event_timeout_ns = 60'000'000'000;
   metrics::MetricsRegistry* metrics = nullptr;      // borrowed; null: no metrics
   StorageTargets storage;    // storage tasks (store null: they fail with storage_unavailable)
 };

@@ -2,10 +2,14 @@
 // layer with per-layer interprocess events, and the storage gather / scatter transforms.
 #include "device/cuda/cuda_backend.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/numa.h"
+#include "kvtd/ipc/clock.h"
 #include "kvtd/proto/pci.h"
 
 namespace kvtd::daemon::cuda {
@@ -20,6 +24,7 @@ Status<DeviceErrc> CudaBackend::read_device(std::byte* dst, const std::byte* src
 
 Status<DeviceErrc> CudaBackend::plain_copy(Lane& lane, std::byte* dst, const std::byte* src, std::size_t bytes) {
   MutexLock g(lane.mu);
+  BusyMark busy(lane);
   KVTD_CUDA_TRY(cudaSetDevice(device_));
   auto st = [&]() -> Status<DeviceErrc> {
     KVTD_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, lane.stream));
@@ -34,6 +39,7 @@ Status<DeviceErrc> CudaBackend::copy(Direction dir, const kernels::CopyPlan& pla
                         std::span<const kernels::CopyTarget> targets) {
   Lane& lane = lane_of(dir);
   MutexLock g(lane.mu);
+  BusyMark busy(lane);
   KVTD_CUDA_TRY(cudaSetDevice(device_));
   auto st = [&]() REQUIRES(lane.mu) -> Status<DeviceErrc> {
     KVTD_TRY(stage_plan(lane, plan, targets));
@@ -53,6 +59,7 @@ Status<DeviceErrc> CudaBackend::copy_layerwise(Direction dir, const kernels::Cop
   if (per_layer == 0) return {};
   Lane& lane = lane_of(dir);
   MutexLock g(lane.mu);
+  BusyMark busy(lane);
   KVTD_CUDA_TRY(cudaSetDevice(device_));
   auto st = copy_layerwise_locked(lane, plan, targets, per_layer, on_layer_enqueued, on_layer_done);
   if (!st.ok()) lane.drain();  // as in copy(): nothing may still write once we report failure
@@ -124,17 +131,38 @@ void CudaBackend::destroy_engine_events_locked() {
   engine_events_.clear();
 }
 
-Status<DeviceErrc> CudaBackend::wait_engine_event(Direction dir,
-                                                  const std::array<std::uint8_t, proto::kEngineEventBytes>& handle) {
+Status<DeviceErrc> CudaBackend::await_engine_event(const std::array<std::uint8_t, proto::kEngineEventBytes>& handle,
+                                                   const GiveUp& give_up) {
   KVTD_CUDA_TRY(cudaSetDevice(device_));
   auto ev = engine_event(handle);
   if (!ev.ok()) return std::move(ev).error();
-  Lane& lane = lane_of(dir);
-  MutexLock g(lane.mu);
-  // On the device: copies enqueued on this stream after the wait start once the engine's work
-  // before its record completed. The host thread does not block here.
-  KVTD_CUDA_TRY(cudaStreamWaitEvent(lane.stream, *ev, 0));
-  return {};
+  // The engine records its event just before it submits, so it usually fired already or fires
+  // within microseconds: spin first, then back off to a 1 ms poll. The poll costs one driver call;
+  // a device-side wait would cost nothing, but could never be taken back (see the header).
+  std::int64_t pause_ns = 0;
+  for (int polls = 0;; ++polls) {
+    const cudaError_t e = cudaEventQuery(*ev);
+    if (e == cudaSuccess) return {};
+    if (e != cudaErrorNotReady)
+      return make_error(errc_of(e), cuda_text("cudaEventQuery (the engine's event)", e));
+    if (polls < 64) continue;
+    if (auto why = give_up ? give_up() : std::nullopt) return make_error(DeviceErrc::kEventNotFired, *why);
+    pause_ns = std::min<std::int64_t>(pause_ns == 0 ? 2'000 : pause_ns * 2, 1'000'000);
+    std::this_thread::sleep_for(std::chrono::nanoseconds(pause_ns));
+  }
+}
+
+CudaBackend::BusyMark::BusyMark(Lane& lane) : lane_(lane) {
+  lane_.busy_since.store(ipc::monotonic_now_ns(), std::memory_order_release);
+}
+
+std::int64_t CudaBackend::busy_since_ns() const {
+  std::int64_t oldest = 0;
+  for (const auto& lane : lanes_) {
+    const std::int64_t t = lane.busy_since.load(std::memory_order_acquire);
+    if (t != 0 && (oldest == 0 || t < oldest)) oldest = t;
+  }
+  return oldest;
 }
 
 Status<DeviceErrc> CudaBackend::ensure_events(Lane& lane, std::size_t layers) {
@@ -160,6 +188,7 @@ Status<DeviceErrc> CudaBackend::transform(Lane& lane, std::span<const kernels::L
                              std::span<const std::int32_t> ids, std::byte* staging, bool gather) {
   if (ids.empty() || tensors.empty()) return {};
   MutexLock g(lane.mu);
+  BusyMark busy(lane);
   KVTD_CUDA_TRY(cudaSetDevice(device_));
   auto st = transform_locked(lane, tensors, ids, staging, gather);
   if (!st.ok()) lane.drain();

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <map>
 #include <vector>
 
@@ -102,8 +103,10 @@ class CudaBackend final : public DeviceBackend {
   Result<std::vector<std::array<std::uint8_t, proto::kHandleBytes>>, DeviceErrc> export_layer_events(
       std::uint32_t layers) override;
 
-  Status<DeviceErrc> wait_engine_event(Direction dir,
-                                       const std::array<std::uint8_t, proto::kEngineEventBytes>& handle) override;
+  Status<DeviceErrc> await_engine_event(const std::array<std::uint8_t, proto::kEngineEventBytes>& handle,
+                                        const GiveUp& give_up) override;
+
+  std::int64_t busy_since_ns() const override;
 
   Status<DeviceErrc> gather_to_staging(std::span<const kernels::LayerTensor> tensors,
                                        std::span<const std::int32_t> ids, std::byte* staging) override;
@@ -126,6 +129,9 @@ class CudaBackend final : public DeviceBackend {
     std::vector<void*> batch_dst GUARDED_BY(mu);
     std::vector<void*> batch_src GUARDED_BY(mu);
     std::vector<std::size_t> batch_size GUARDED_BY(mu);
+    // When the copy now holding `mu` started (monotonic ns), 0 when none: the stuck-copy watchdog
+    // reads it from another thread (busy_since_ns).
+    std::atomic<std::int64_t> busy_since{0};
 
     Lane() = default;
     Lane(const Lane&) = delete;
@@ -144,6 +150,18 @@ class CudaBackend final : public DeviceBackend {
   };
 
   Lane& lane_of(Direction d) { return lanes_[d == Direction::kToHost ? 0 : 1]; }
+
+  // Marks `lane` busy from construction to destruction (one copy, under lane.mu).
+  class BusyMark {
+   public:
+    explicit BusyMark(Lane& lane);
+    ~BusyMark() { lane_.busy_since.store(0, std::memory_order_release); }
+    BusyMark(const BusyMark&) = delete;
+    BusyMark& operator=(const BusyMark&) = delete;
+
+   private:
+    Lane& lane_;
+  };
 
   // Per-layer events, interprocess so the engine can open them (which requires no timing).
   Status<DeviceErrc> ensure_events(Lane& lane, std::size_t layers) REQUIRES(lane.mu);

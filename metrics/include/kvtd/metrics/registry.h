@@ -79,6 +79,7 @@ class MetricsRegistry {
     bool ready = false;
     bool has_store = false;
     bool store_up = false;
+    double copy_running_s = 0;  // the oldest device copy still running, seconds (0: none)
   };
   using HealthFiguresProvider = std::function<HealthFigures()>;
   void set_health_figures(HealthFiguresProvider provider);

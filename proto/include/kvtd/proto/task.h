@@ -115,8 +115,9 @@ enum class TaskStatus : std::int32_t {
   kAgreementFailed = 18,     // the ranks could not agree (an agreement slot was reused before it was read)
   kCacheCleared = 19,        // the rank released the engine's KV tensors for a weight update (until restore)
   kBackupSkipped = 20,       // a backup write not done: the store was behind (queue full or too old); nothing torn
+  kEngineEventNotFired = 21,  // the swap's engine event never completed (engine died or stalled): nothing copied
 };
-inline constexpr TaskStatus kLastTaskStatus = TaskStatus::kBackupSkipped;
+inline constexpr TaskStatus kLastTaskStatus = TaskStatus::kEngineEventNotFired;
 
 constexpr const char* task_status_name(TaskStatus s) {
   switch (s) {
@@ -141,6 +142,7 @@ constexpr const char* task_status_name(TaskStatus s) {
     case TaskStatus::kAgreementFailed: return "agreement_failed";
     case TaskStatus::kCacheCleared: return "cache_cleared";
     case TaskStatus::kBackupSkipped: return "backup_skipped";
+    case TaskStatus::kEngineEventNotFired: return "engine_event_not_fired";
   }
   return "unknown_status";
 }
