@@ -10,16 +10,24 @@
 # mode (bytes against the host executor, an engine process's tensors and event opened across
 # processes, GB/s by direction and block size over the daemon's shared-memory host pool,
 # pinning time, the daemon's own device memory), then page_first and layer by layer; the demo check with
-# the engine's tensors in device memory and two CUDA daemons; the Python client (real torch CUDA
+# the engine's tensors in device memory and two CUDA daemons; one daemon under kvtd-loadgen with
+# device tensors (verify, one-block round trip, 16 and 128 blocks a task: scripts/gpu/
+# through_daemon.sh), in the default scatter mode and in kernel mode; the Python client (real torch CUDA
 # tensors on a GPU, scripts/gpu/torch_check.py; the stand-in's driver on cudasim); memcheck of the
 # kernels where compute-sanitizer exists. Exit status: 0 when nothing failed, 1 otherwise.
+#
+# Environment: KVTD_PYTHON, the python with torch (default /usr/bin/python3; on the GPU machines
+# torch lives in a venv: KVTD_PYTHON=/opt/torch/.venv/bin/python3). Programs are found under
+# --bin whether it is a build tree or a flat staged folder; the tests it runs take KVTD_BINARY,
+# KVTD_LOADGEN, KVTD_BIN_DIR and KVTD_CLIENT_LIBRARY (as .gpu/env.sh sets them) before the build
+# paths compiled into them. KVTD_SCATTER_MODE is for scripts/gpu/through_daemon.sh, set per step.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bin=${KVTD_BUILD_DIR:-$root/build-sim}
 while [ $# -gt 0 ]; do
   case $1 in
     --bin) bin=$2; shift 2 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "gpu-check: unknown argument '$1' (usage: gpu-check.sh [--bin DIR])" >&2; exit 2 ;;
   esac
 done
@@ -40,6 +48,10 @@ lib_of() { find "$bin" -maxdepth 3 -name "$1" 2>/dev/null | head -1; }
 
 kvtd=$(find_prog kvtd)
 [ -n "$kvtd" ] || { echo "gpu-check: no kvtd binary under $bin" >&2; exit 2; }
+loadgen=$(find_prog kvtd-loadgen)
+# The tests below start these, not the build paths compiled into them (a staged folder has none).
+export KVTD_BINARY=${KVTD_BINARY:-$kvtd}
+[ -z "$loadgen" ] || export KVTD_LOADGEN=${KVTD_LOADGEN:-$loadgen}
 stand_in=0
 [ -n "$(find_prog cudasim_test)" ] && stand_in=1
 log=$(mktemp -d)
@@ -69,6 +81,7 @@ skip() { rows+=("SKIP|$1|-|$2"); }
 summary() {
   case $1 in
     selftest*) grep -E '^selftest' "$2" | tail -1 ;;
+    through*) grep -E '^throughput' "$2" | tail -1 | grep -oE '[0-9]+ random blocks per task.*per rank \(' | sed 's/ (//' ;;
     *) grep -E '^\[  PASSED  \]|passed|PASS ' "$2" | tail -1 ;;
   esac
 }
@@ -81,9 +94,13 @@ step "selftest (every scatter mode)" 600 "$kvtd" selftest --device-backend cuda 
 # The daemon's other shapes: its page_first host pool, a layer-by-layer load, 1024 blocks.
 step "selftest (page_first, layer by layer)" 600 "$kvtd" selftest --device-backend cuda --scatter-mode kernel \
   --bench-layerwise --bench-host-layout page_first --bench-blocks 1024 --bench-block-kib 16 --pin-mib 0 --no-ipc
-loadgen=$(find_prog kvtd-loadgen)
 if [ -n "$loadgen" ]; then
   step "demo check (engine tensors in device memory)" 300 "$root/tests/ipc/run_demo_check.sh" "$kvtd" "$loadgen" cuda
+  # One daemon, the engine's tensors in device memory: verify, round trip, 16 and 128 blocks a task.
+  small=(); [ $stand_in -eq 1 ] && small=(--small)
+  step "through the daemon (loadgen, device tensors)" 600 "$root/scripts/gpu/through_daemon.sh" "$kvtd" "$loadgen" "${small[@]}"
+  step "through the daemon, kernel mode" 600 env KVTD_SCATTER_MODE=kernel "$root/scripts/gpu/through_daemon.sh" "$kvtd" \
+    "$loadgen" "${small[@]}"
 else
   skip "demo check" "no kvtd-loadgen under $bin"
 fi
@@ -97,6 +114,9 @@ if [ $stand_in -eq 1 ]; then
 elif "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   step "python client (torch CUDA)" 600 env KVTD_BINARY="$kvtd" KVTD_CLIENT_LIBRARY="$client" \
     PYTHONPATH="$root/python" "$python" "$root/scripts/gpu/torch_check.py"
+  # The GEMM's slowdown is the price of kernel mode (the copies use SMs): measured, not assumed.
+  step "python client (torch CUDA), kernel mode" 600 env KVTD_BINARY="$kvtd" KVTD_CLIENT_LIBRARY="$client" \
+    KVTD_SCATTER_MODE=kernel PYTHONPATH="$root/python" "$python" "$root/scripts/gpu/torch_check.py"
 else
   skip "python client (torch CUDA)" "no torch with CUDA in $python"
 fi
@@ -122,4 +142,9 @@ echo "per tensor, the link's own figure; pinning = cudaHostRegister speed, the h
 echo "footprint = the daemon's own device memory (NVML), what the engine loses to it):"
 grep -hE '^(bandwidth|pinning|footprint)' "$log"/selftest*.log 2>/dev/null | sed 's/^/  /'
 grep -hE '^(FIGURE|CHECK)' "$log"/python_client*.log 2>/dev/null | sed 's/^/  /'  # torch: interference
+for f in "$log"/through_the_daemon*.log; do  # one daemon, device tensors: each figure with its mode
+  [ -f "$f" ] || continue
+  m=$(grep -m1 '^scatter mode' "$f" | sed 's/^scatter mode: //')
+  grep -hE '^(latency|throughput):' "$f" | sed "s/^/  [$m] /"
+done
 exit $failed

@@ -23,9 +23,10 @@ ctest --test-dir "$KVTD_BUILD_DIR" --output-on-failure -j 2 --timeout 900
 echo "== the CUDA path on the CUDA runtime stand-in (label gpu)"
 KVTD_BUILD_DIR=$KVTD_ROOT/build-sim kvtd_build -DKVTD_CUDA_SIM=ON
 ctest --test-dir "$KVTD_ROOT/build-sim" -L gpu --output-on-failure -j 2 --timeout 900
-# The one-command GPU check users run on a GPU, here on the stand-in so it cannot rot.
-echo "== scripts/gpu-check.sh on the stand-in build"
-bash "$KVTD_ROOT/scripts/gpu-check.sh" --bin "$KVTD_ROOT/build-sim"
+# The one-command GPU check users run on a GPU, here on the stand-in so it cannot rot, and on a
+# staged copy of the build (one flat folder, as ../shared/gpu/stage.sh makes for a GPU machine).
+echo "== scripts/gpu-check.sh on the stand-in build, staged as for a GPU machine"
+bash "$KVTD_ROOT/tests/gpu/check_staged_gpu_check.sh" "$KVTD_ROOT/build-sim"
 
 if [ "${KVTD_SKIP_SANITIZERS:-0}" != 1 ]; then
   echo "== tests under address,undefined sanitizers"

@@ -8,8 +8,13 @@ Checks, printing one CHECK line each and exiting 1 if any failed:
      no host-side wait between the layers;
   4. interference: swap bandwidth alone and while a bf16 GEMM loop runs in another process, and
      that GEMM's TFLOP/s alone and during the swaps (FIGURE lines);
-  5. clear_caches, then freeing the KV tensor returns its memory to the device
+  5. an engine event: the engine writes a block on its own stream, held back by a long kernel,
+     and records a torch.cuda.Event(interprocess=True) after the write; the swap that names it
+     (submit(engine_events=)) takes the written bytes, and the same swap without it is shown to
+     take the old ones;
+  6. clear_caches, then freeing the KV tensor returns its memory to the device
      (torch.cuda.memory_reserved drops): no torch IPC reference keeps it.
+Interference is measured in the daemon's default scatter mode, or KVTD_SCATTER_MODE's.
 Not run on this project's machines (no GPU); written against torch's public API.
 """
 import os
@@ -65,14 +70,43 @@ def swap_gbs(s, seconds):
     return moved / (time.time() - t0) / 1e9
 
 
+def engine_event_orders_the_copy(s, kv):
+    """The engine's write is still queued behind ~1 s of GPU spinning when it submits the swap."""
+    stream = torch.cuda.Stream()
+
+    def held_write(block, value):
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(2_000_000_000)  # about a second of cycles before the write runs
+            kv[:, :, block].fill_(value)
+        ev = torch.cuda.Event(interprocess=True)
+        ev.record(stream)
+        return ev
+
+    kv[:, :, [50, 51]] = 1
+    torch.cuda.synchronize()
+    held_write(50, 7)  # no event passed: the daemon cannot know the write is pending
+    out = s.wait(s.swap_to_host([50], [10]))
+    ev = held_write(51, 9)
+    with_event = s.wait(s.swap_to_host([51], [11], engine_events=[ev]))
+    torch.cuda.synchronize()
+    back = s.wait(s.swap_to_device([10, 11], [60, 61]))
+    torch.cuda.synchronize()
+    took_old = bool((kv[:, :, 60] == 1).all())
+    took_new = bool((kv[:, :, 61] == 9).all())
+    check("without the engine's event the swap took the old bytes (the hazard is real)", out.ok and took_old)
+    check("with the engine's event the swap took the written bytes", with_event.ok and back.ok and took_new,
+          f"ok {with_event.ok}/{back.ok}")
+
+
 def gemm_and_swaps(s):
     alone_swap = swap_gbs(s, 5)
     alone_gemm = float(gemm_tflops(5).communicate()[0])
     p = gemm_tflops(6)
     with_gemm = swap_gbs(s, 10)  # covers the GEMM's 6 timed seconds and its process's start
     during = float(p.communicate()[0])
-    print(f"FIGURE swaps alone {alone_swap:.2f} GB/s, beside a bf16 GEMM {with_gemm:.2f} GB/s", flush=True)
-    print(f"FIGURE bf16 GEMM alone {alone_gemm:.1f} TFLOP/s, during swaps {during:.1f} TFLOP/s "
+    mode = os.environ.get("KVTD_SCATTER_MODE") or "default"
+    print(f"FIGURE [{mode}] swaps alone {alone_swap:.2f} GB/s, beside a bf16 GEMM {with_gemm:.2f} GB/s", flush=True)
+    print(f"FIGURE [{mode}] bf16 GEMM alone {alone_gemm:.1f} TFLOP/s, during swaps {during:.1f} TFLOP/s "
           f"({100 * (1 - during / alone_gemm):.1f}% slower)", flush=True)
     check("GEMM interference measured", alone_gemm > 0 and during > 0)
 
@@ -89,7 +123,8 @@ with kvtd.Session(suffix, g) as s:
         s.register_torch_tensor(0, layer, "value", kv[layer, 1])
     check("register_torch_tensor (slices of one allocation)", True)
     s.publish()
-    args = kt.daemon_args(kt.find_binary(), suffix, 0, g, ["--device-backend", "cuda", "--numa-node", "none"])
+    mode = ["--scatter-mode", os.environ["KVTD_SCATTER_MODE"]] if os.environ.get("KVTD_SCATTER_MODE") else []
+    args = kt.daemon_args(kt.find_binary(), suffix, 0, g, ["--device-backend", "cuda", "--numa-node", "none", *mode])
     daemon = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     try:
         s.wait_ready(60)
@@ -113,6 +148,7 @@ with kvtd.Session(suffix, g) as s:
         s.wait(tid)
         check("layer-by-layer load, the torch stream waiting on each layer's event",
               all(torch.equal(got[layer], ref[layer, :, [1, 2]]) for layer in range(layers)))
+        engine_event_orders_the_copy(s, kv)
         gemm_and_swaps(s)
         s.clear_caches()
         reserved = torch.cuda.memory_reserved()

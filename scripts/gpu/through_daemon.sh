@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# scripts/gpu/through_daemon.sh KVTD LOADGEN [--small] - one CUDA daemon and an engine stand-in
+# whose KV tensors are device memory (kvtd-loadgen --device-tensors cuda): every byte verified,
+# the one-block round trip, and swap throughput at 16 and 128 random blocks per task. The model:
+# 32 layers x K/V, 8 heads x 16 tokens x 128 bf16 = 32 KiB per block-tensor (2 MiB per block),
+# 2048 device and 1024 host blocks (6 GiB); --small (the stand-in in CI) 256 and 128, few samples. The scatter
+# mode is the daemon's default unless KVTD_SCATTER_MODE names one. Run by scripts/gpu-check.sh.
+set -euo pipefail
+kvtd=$1 loadgen=$2
+dev=2048 host=1024 samples=20000 small=()
+[ "${3:-}" = --small ] && { dev=256; host=128; samples=20; small=(--iterations 2 --seconds 0.5); }
+suffix="gt$$"
+shape="$dev,8,16,128"
+mode=()
+[ -n "${KVTD_SCATTER_MODE:-}" ] && mode=(--scatter-mode "$KVTD_SCATTER_MODE")
+log=$(mktemp /tmp/kvtd_through_daemon.XXXXXX.log)
+daemon=
+stop() { [ -z "$daemon" ] || { kill -TERM "$daemon" 2>/dev/null; wait "$daemon" || echo "daemon exit $?"; }; daemon=; }
+trap 'stop; rm -f "$log"' EXIT
+run() {  # blocks per task, loadgen mode, extra...
+  local per=$1 m=$2; shift 2
+  "$kvtd" --rank 0 --num-layers 32 --num-host-blocks "$host" --key-cache-shape "$shape" --value-cache-shape "$shape" \
+    --session "$suffix" --device-backend cuda --numa-node auto --log-level info "${mode[@]}" >"$log" 2>&1 &
+  daemon=$!
+  "$loadgen" --session "$suffix" --ranks 1 --layers 32 --kv-heads 8 --block-size 16 --head-dim 128 \
+    --device-blocks "$dev" --host-blocks "$host" --device-tensors cuda --blocks-per-task "$per" --mode "$m" \
+    --task-timeout 120 "${small[@]}" "$@" 2>/dev/null | grep -E '^(verify|latency|throughput):' || { cat "$log" >&2; return 1; }
+  stop
+}
+echo "scatter mode: ${KVTD_SCATTER_MODE:-default}"
+run 16 all --latency-samples "$samples"
+run 128 throughput
+echo "through the daemon: OK"
