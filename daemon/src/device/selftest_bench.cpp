@@ -32,7 +32,8 @@ const char* direction_name(Direction d) { return d == Direction::kToHost ? "to-h
 
 }  // namespace
 
-bool measure_bandwidth(DeviceBackend& backend, const std::string& mode, const BenchShape& s) {
+bool measure_bandwidth(DeviceBackend& backend, const std::string& mode, const BenchShape& s, const Figures* reference,
+                       Figures* out) {
   const proto::CacheGeometry g = bench_geometry(s);
   const std::uint64_t bb = std::uint64_t{s.kib} << 10;
   const std::uint64_t generation = 0x5E1F0000'00000000ull ^ (static_cast<std::uint64_t>(getpid()) << 20) ^
@@ -86,8 +87,13 @@ bool measure_bandwidth(DeviceBackend& backend, const std::string& mode, const Be
     if (!ok) break;
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double gb = static_cast<double>(bb) * s.blocks * static_cast<double>(t.size()) * reps / 1e9;
-    std::printf("bandwidth %-9s [%s] %2u KiB: %.2f GB/s (%u %s blocks x %zu tensors, %s host pool%s%s)\n",
-                direction_name(dir), s.contiguous ? "contiguous" : mode.c_str(), s.kib, gb / secs, s.blocks,
+    const std::size_t d = dir == Direction::kToHost ? 0 : 1;
+    if (out != nullptr) (*out)[d] = gb / secs;
+    char ratio[48] = "";
+    if (reference != nullptr && (*reference)[d] > 0)
+      std::snprintf(ratio, sizeof ratio, " = %.2fx contiguous", gb / secs / (*reference)[d]);
+    std::printf("bandwidth %-9s [%s] %2u KiB: %.2f GB/s%s (%u %s blocks x %zu tensors, %s host pool%s%s)\n",
+                direction_name(dir), s.contiguous ? "contiguous" : mode.c_str(), s.kib, gb / secs, ratio, s.blocks,
                 s.contiguous ? "consecutive" : "random", t.size(),
                 s.host_layout == config::HostLayout::kPageFirst ? "page_first" : "layer_first",
                 s.layerwise ? ", layer by layer" : "", note);

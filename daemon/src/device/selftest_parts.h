@@ -3,6 +3,7 @@
 // another process). Single-threaded; nothing here is shared between processes but pipes.
 #pragma once
 
+#include <array>
 #include <sys/types.h>
 
 #include <cstdint>
@@ -39,7 +40,12 @@ struct BenchShape {
 };
 
 // Prints GB/s per direction; false (after a FAIL line) when a copy or an allocation failed.
-bool measure_bandwidth(DeviceBackend& backend, const std::string& mode, const BenchShape& shape);
+// GB/s to host and to device, for the ratio of a scatter mode to the contiguous copy.
+using Figures = std::array<double, 2>;
+// Prints one bandwidth line per direction; with `reference` (the contiguous figures of this
+// block size) each line carries its ratio to it. `out` (optional) receives the figures.
+bool measure_bandwidth(DeviceBackend& backend, const std::string& mode, const BenchShape& shape,
+                       const Figures* reference = nullptr, Figures* out = nullptr);
 
 // Pins `mib` MiB of fresh pages and prints how fast (the host pool's start-up cost).
 void measure_pinning(HostMemory& backend, std::uint32_t mib, Tally& tally);

@@ -203,10 +203,11 @@ Status<DeviceErrc> CudaBackend::transform_locked(Lane& lane, std::span<const ker
   KVTD_TRY(upload_table(lane, tensors.data(), tensors.size_bytes()));
   KVTD_TRY(lane.offsets.reserve(tensors.size() * sizeof(std::uint64_t)));
   auto* off = static_cast<std::uint64_t*>(lane.offsets.host);
-  std::uint64_t object = 0;
+  std::uint64_t object = 0, max_block = 0;
   for (std::size_t t = 0; t < tensors.size(); ++t) {
     off[t] = object;
     object += tensors[t].block_bytes;
+    max_block = std::max<std::uint64_t>(max_block, tensors[t].block_bytes);
   }
   KVTD_TRY(lane.offsets.upload(tensors.size() * sizeof(std::uint64_t), lane.stream));
   const auto* table = static_cast<const kernels::LayerTensor*>(lane.table.dev);
@@ -219,8 +220,11 @@ Status<DeviceErrc> CudaBackend::transform_locked(Lane& lane, std::span<const ker
     KVTD_CUDA_TRY(cudaHostGetDevicePointer(&mapped, staging, 0));
     staging = static_cast<std::byte*>(mapped);
   }
-  const int e = gather ? kernels::launch_gather_to_staging(table, offsets, nt, d_ids, count, staging, object, lane.stream)
-                       : kernels::launch_scatter_from_staging(table, offsets, nt, d_ids, count, staging, object, lane.stream);
+  const std::uint32_t parts = pieces(max_block);
+  const int e = gather ? kernels::launch_gather_to_staging(table, offsets, nt, d_ids, count, staging, object, lane.stream,
+                                                           parts)
+                       : kernels::launch_scatter_from_staging(table, offsets, nt, d_ids, count, staging, object,
+                                                              lane.stream, parts);
   if (e != 0) return make_error(errc_of(static_cast<cudaError_t>(e)), cuda_text("layout kernel", static_cast<cudaError_t>(e)));
   KVTD_CUDA_TRY(cudaStreamSynchronize(lane.stream));
   return {};

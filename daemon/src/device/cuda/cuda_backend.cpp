@@ -2,6 +2,7 @@
 // NUMA-placed host memory, exported allocations; and the factory.
 #include "device/cuda/cuda_backend.h"
 
+#include <cstdlib>
 #include <cstring>
 
 #include "device/cuda/footprint.h"
@@ -282,6 +283,23 @@ Result<std::byte*, DeviceErrc> CudaBackend::alloc_device(std::size_t bytes) {
 
 namespace kvtd::daemon {
 
+namespace cuda {
+
+// KVTD_KERNEL_PIECE_KIB (a benchmark's sweep: docs/gpu.md) else the default: blocks larger than
+// a piece are copied by several warps.
+std::uint64_t kernel_piece_bytes() {
+  if (const char* v = std::getenv("KVTD_KERNEL_PIECE_KIB"); v != nullptr && *v != '\0') {
+    char* end = nullptr;
+    const unsigned long long kib = std::strtoull(v, &end, 10);
+    if (end != v && *end == '\0' && kib <= 1024) return kib << 10;
+    KVTD_WARN("KVTD_KERNEL_PIECE_KIB='{}' is not a number of KiB in [0, 1024]; using {} KiB (0: whole blocks)", v,
+              kDefaultKernelPieceBytes >> 10);
+  }
+  return kDefaultKernelPieceBytes;
+}
+
+}  // namespace cuda
+
 bool cuda_compiled_in() { return true; }
 #ifdef KVTD_CUDA_SIM
 bool cuda_stand_in() { return true; }
@@ -299,7 +317,8 @@ Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int device_
   if (device_id < 0 || device_id >= count)
     return make_error(DeviceErrc::kUnavailable, "--device-id " + std::to_string(device_id) + " but only " +
                                                     std::to_string(count) + " CUDA devices are visible");
-  auto b = std::make_unique<cuda::CudaBackend>(device_id, mode, std::max<std::size_t>(copy_batch_max, 1));
+  auto b = std::make_unique<cuda::CudaBackend>(device_id, mode, std::max<std::size_t>(copy_batch_max, 1),
+                                               cuda::kernel_piece_bytes());
   KVTD_TRY(b->init());
   return std::unique_ptr<DeviceBackend>(std::move(b));
 }

@@ -26,12 +26,21 @@
 
 namespace kvtd::daemon::cuda {
 
+// The copy kernels' part of a block per warp, bytes (0: a warp per whole block). Whole blocks:
+// on an H100 (PCIe Gen5) parts of 4, 8, 16 or 32 KiB moved 8-64 KiB blocks within +-3% of whole
+// blocks, both ways, and storage loads no faster (docs/gpu.md); the parts stay for other links.
+inline constexpr std::uint64_t kDefaultKernelPieceBytes = 0;
+// KVTD_KERNEL_PIECE_KIB when set (a benchmark's sweep), else kDefaultKernelPieceBytes.
+std::uint64_t kernel_piece_bytes();
+
 class CudaBackend final : public DeviceBackend {
   struct Lane;  // defined below; named early for the helpers' signatures
 
  public:
-  CudaBackend(int device, ScatterMode mode, std::size_t copy_batch_max)
-      : device_(device), mode_(mode), copy_batch_max_(copy_batch_max) {}
+  // piece_bytes: the copy kernels move each block in parts of about this many bytes, one warp
+  // per part (0: a warp per whole block); see kvtd/kernels/cuda_copy.h.
+  CudaBackend(int device, ScatterMode mode, std::size_t copy_batch_max, std::uint64_t piece_bytes)
+      : device_(device), mode_(mode), copy_batch_max_(copy_batch_max), piece_bytes_(piece_bytes) {}
 
   ~CudaBackend() override {
     close_tensors();  // drains both lanes first: nothing below is freed under a copy
@@ -200,6 +209,11 @@ class CudaBackend final : public DeviceBackend {
   int device_;
   ScatterMode mode_;
   std::size_t copy_batch_max_;  // copies per cudaMemcpyBatchAsync call
+  std::uint64_t piece_bytes_;   // the kernels' part of a block per warp (0: whole blocks)
+  // Parts per block for the kernels, for blocks of at most `max_block_bytes`.
+  std::uint32_t pieces(std::uint64_t max_block_bytes) const {
+    return kernels::pieces_for(max_block_bytes, piece_bytes_);
+  }
   std::array<Lane, 2> lanes_;
   // The bytes the allocation holds from `base` on (cuMemGetAddressRange); 0 when the driver
   // cannot say (then bounds go unchecked, with a warning).

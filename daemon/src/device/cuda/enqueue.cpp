@@ -2,6 +2,7 @@
 // cudaMemcpyBatchAsync (copy engines), one all-layers kernel launch, one per layer, or memcpys.
 #include "device/cuda/cuda_backend.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "kvtd/daemon/log.h"
@@ -54,19 +55,22 @@ Status<DeviceErrc> CudaBackend::enqueue(Lane& lane, const kernels::CopyPlan& pla
   if (n == 0) return {};
   const auto* d_src = static_cast<const std::int32_t*>(lane.ids.dev);
   const auto* d_dst = d_src + n;
+  std::uint64_t max_block = 0;
+  for (const auto& t : targets) max_block = std::max<std::uint64_t>(max_block, t.block_bytes);
+  const std::uint32_t parts = pieces(max_block);
   switch (mode_) {
     case ScatterMode::kKernelAllLayers:
       if (all_layers || targets.size() > 1) {
         const auto* table = static_cast<const kernels::CopyTarget*>(lane.table.dev) + first;
         const int e = kernels::launch_scattered_copy_all(table, static_cast<std::uint32_t>(targets.size()), d_src,
-                                                         d_dst, static_cast<std::int64_t>(n), lane.stream);
+                                                         d_dst, static_cast<std::int64_t>(n), lane.stream, parts);
         if (e != 0) return make_error(errc_of(static_cast<cudaError_t>(e)), cuda_text("copy kernel", static_cast<cudaError_t>(e)));
         return {};
       }
       [[fallthrough]];
     case ScatterMode::kKernelPerLayer:
       for (const auto& t : targets) {
-        const int e = kernels::launch_scattered_copy(t, d_src, d_dst, static_cast<std::int64_t>(n), lane.stream);
+        const int e = kernels::launch_scattered_copy(t, d_src, d_dst, static_cast<std::int64_t>(n), lane.stream, parts);
         if (e != 0) return make_error(errc_of(static_cast<cudaError_t>(e)), cuda_text("copy kernel", static_cast<cudaError_t>(e)));
       }
       return {};

@@ -4,10 +4,12 @@
 // the int value of cudaError_t (0 = success), so files that include it need no CUDA headers.
 // Only linked in builds with the CUDA toolkit (KVTD_HAVE_CUDA).
 //
-// Every kernel copies with one warp per block: 16-byte vector accesses when both addresses and
-// the size are 16-byte aligned, else 8-byte, else bytes; streaming (non-temporal) loads and
-// stores so a swap does not evict the model's working set from L2. Pointers may be device
-// memory or mapped pinned host memory.
+// Every kernel copies each block as `pieces` equal parts (cut at 16-byte multiples), one warp per
+// part: 16-byte vector accesses when both addresses and the size are 16-byte aligned, else
+// 8-byte, else bytes; streaming (non-temporal) loads and stores so a swap does not evict the
+// model's working set from L2. Pointers may be device memory or mapped pinned host memory.
+// pieces_for() picks the count: large blocks split so that more warps keep the link busy
+// (a 64 KiB block as one warp is a long serial chain of PCIe round trips).
 //
 // Thread-safety: launches are asynchronous on the given stream; callers synchronise.
 #pragma once
@@ -22,21 +24,30 @@ namespace kvtd::kernels {
 // One tensor: block src_ids[i] of target.src -> block dst_ids[i] of target.dst, i < count.
 // `d_src_ids` / `d_dst_ids` are device-accessible arrays.
 int launch_scattered_copy(const CopyTarget& target, const std::int32_t* d_src_ids, const std::int32_t* d_dst_ids,
-                          std::int64_t count, void* stream);
+                          std::int64_t count, void* stream, std::uint32_t pieces = 1);
 
 // Every tensor in one launch: `d_targets` is a device-accessible table of `num_targets` targets
 // (the layers' base pointers), the ids are shared by all of them.
 int launch_scattered_copy_all(const CopyTarget* d_targets, std::uint32_t num_targets, const std::int32_t* d_src_ids,
-                              const std::int32_t* d_dst_ids, std::int64_t count, void* stream);
+                              const std::int32_t* d_dst_ids, std::int64_t count, void* stream, std::uint32_t pieces = 1);
 
 // Layout transform, same layout as gather_to_staging_host / scatter_from_staging_host.
 // `d_tensors` is a device-accessible table; `d_offsets[t]` is the byte offset of tensor t inside
 // one staged object (a prefix sum of block_bytes); `object_bytes` the size of one object.
 int launch_gather_to_staging(const LayerTensor* d_tensors, const std::uint64_t* d_offsets, std::uint32_t num_tensors,
                              const std::int32_t* d_ids, std::int64_t count, std::byte* staging,
-                             std::uint64_t object_bytes, void* stream);
+                             std::uint64_t object_bytes, void* stream, std::uint32_t pieces = 1);
 int launch_scatter_from_staging(const LayerTensor* d_tensors, const std::uint64_t* d_offsets,
                                 std::uint32_t num_tensors, const std::int32_t* d_ids, std::int64_t count,
-                                const std::byte* staging, std::uint64_t object_bytes, void* stream);
+                                const std::byte* staging, std::uint64_t object_bytes, void* stream,
+                                std::uint32_t pieces = 1);
+
+// Parts per block for blocks of at most `max_block_bytes`: one part per `piece_bytes` (0: whole
+// blocks), at least 1, at most 64.
+constexpr std::uint32_t pieces_for(std::uint64_t max_block_bytes, std::uint64_t piece_bytes) {
+  if (piece_bytes == 0 || max_block_bytes <= piece_bytes) return 1;
+  const std::uint64_t n = (max_block_bytes + piece_bytes - 1) / piece_bytes;
+  return n > 64 ? 64u : static_cast<std::uint32_t>(n);
+}
 
 }  // namespace kvtd::kernels
