@@ -59,6 +59,25 @@ bool parse_scatter_mode(const std::string& text, ScatterMode* out) {
   return false;
 }
 
+const char* verify_swaps_name(VerifySwaps v) {
+  switch (v) {
+    case VerifySwaps::kOff: return "off";
+    case VerifySwaps::kSampled: return "sampled";
+    case VerifySwaps::kFull: return "full";
+  }
+  return "?";
+}
+
+bool parse_verify_swaps(const std::string& text, VerifySwaps* out) {
+  for (auto v : {VerifySwaps::kOff, VerifySwaps::kSampled, VerifySwaps::kFull}) {
+    if (text == verify_swaps_name(v)) {
+      *out = v;
+      return true;
+    }
+  }
+  return false;
+}
+
 std::string fastdeploy_session_suffix(const std::string& engine_worker_queue_port) {
   return "fastdeploy." + engine_worker_queue_port;
 }

@@ -28,6 +28,7 @@ struct RawFlags {
   std::int64_t fd_gpu_blocks = 0, fd_kv_heads = 0, fd_block_size = 0, fd_head_dim = 0;
   CLI::Option *fd_blocks_opt = nullptr, *fd_heads_opt = nullptr, *fd_bs_opt = nullptr, *fd_hd_opt = nullptr;
   std::string suffix, backend = "host", scatter = "batch", host_layout = "layer_first", numa = "auto";
+  std::string verify_swaps = "sampled";
   CLI::Option *backend_opt = nullptr, *scatter_opt = nullptr, *model_id_opt = nullptr, *io_threads_opt = nullptr;
   std::int64_t metrics_port = 0;
   std::string engine_pid;
@@ -134,6 +135,10 @@ void declare_runtime_flags(CLI::App& app, RawFlags& f, DaemonConfig& c) {
   f.scatter_opt = app.add_option("--scatter-mode", f.scatter,
                                      "CUDA: batch (default: copy engines) | kernel | kernel-per-layer | memcpy "
                                      "(scattered blocks)");
+  app.add_option("--verify-swaps", f.verify_swaps,
+                 "Checksums of swapped blocks, taken where the device blocks are on the way out and checked after the "
+                 "way back in (a mismatch fails the swap-in: integrity): off | sampled (every 8th host block, "
+                 "default) | full");
   app.add_option("--copy-batch-max", c.copy_batch_max,
                  "CUDA batch mode: at most this many copies per cudaMemcpyBatchAsync call (a task's are split "
                  "into calls of this size; drivers have failed on ~52K in one call)")
@@ -312,6 +317,8 @@ Status<ConfigErrc> resolve_devices(RawFlags& f, DaemonConfig& c) {
   else return bad("--device-backend: '" + f.backend + "' is not one of cuda, host");
 
   c.scatter_mode_given = f.scatter_opt->count() > 0;
+  if (!parse_verify_swaps(f.verify_swaps, &c.verify_swaps))
+    return bad("--verify-swaps: '" + f.verify_swaps + "' is not one of off, sampled, full");
   if (!parse_scatter_mode(f.scatter, &c.scatter_mode))
     return bad("--scatter-mode: '" + f.scatter + "' is not one of kernel, kernel-per-layer, batch, memcpy");
 

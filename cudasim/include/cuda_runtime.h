@@ -78,3 +78,8 @@ template <typename T>
 inline void __stcs(T* p, T v) {
   *static_cast<T*>(::cudasim::device_access(p, sizeof(T))) = v;
 }
+// Atomic add (kernels of different streams may run at once on their workers).
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+  return __atomic_fetch_add(static_cast<unsigned long long*>(::cudasim::device_access(p, sizeof *p)), v,
+                            __ATOMIC_RELAXED);
+}

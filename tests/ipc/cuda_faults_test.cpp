@@ -2,6 +2,12 @@
 // only): a sticky error fails its task and ends the daemon for a restart; a swap waits for the
 // engine's event while the engine's stream is still busy writing its blocks; an engine killed
 // with its event pending never wedges a lane; a copy that never finishes ends the daemon (8).
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+
 #include "cuda_daemon_fixture.h"
 #include "kvtd/cudasim/control.h"
 
@@ -171,7 +177,8 @@ TEST_F(CudaDaemonTest, ACopyThatNeverFinishesEndsTheDaemonForARestartAndTheHostT
   g_ = test::small_geometry(1);
   ASSERT_NO_FATAL_FAILURE(start_cuda_engine());
   setenv("KVTD_CUDASIM_FAULTS", "cudaLaunchKernel:2:hang", 1);  // the second kernel never ends
-  daemons_.push_back(start_cuda_daemon(0, "kernel", 0, {"--stuck-copy-timeout", "0.5"}));
+  // No checksum kernels (--verify-swaps): the second launch is the second swap's copy.
+  daemons_.push_back(start_cuda_daemon(0, "kernel", 0, {"--stuck-copy-timeout", "0.5", "--verify-swaps", "off"}));
   unsetenv("KVTD_CUDASIM_FAULTS");
   ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok()) << test::read_file(log_path(0));
   auto out = run(TaskKind::kSwapToHost, {9, 17}, {0, 11});  // the first kernel: ok
@@ -199,6 +206,57 @@ TEST_F(CudaDaemonTest, ACopyThatNeverFinishesEndsTheDaemonForARestartAndTheHostT
   for (std::uint32_t l = 0; l < g_.num_layers; ++l) {
     EXPECT_TRUE(holds(0, l, 20, 9)) << "layer " << l;
     EXPECT_TRUE(holds(0, l, 21, 17)) << "layer " << l;
+  }
+}
+
+// Issue 31: --verify-swaps. A byte of the host tier that changes between swap-out and swap-in
+// (memory corruption, a stray writer into the shared pool) went back into the engine's blocks
+// and the swap-in said ok: a wrong KV byte, a wrong answer, no error anywhere. Now the checksums
+// the device took on the way out are checked after the way in, and the swap-in fails naming the
+// rank, layer and blocks. A clean round trip passes, in every scatter mode.
+TEST_F(CudaDaemonTest, AHostByteFlippedBetweenSwapOutAndSwapInFailsTheSwapIn) {
+  g_ = test::small_geometry(1);
+  int incarnation = 0;
+  for (const char* mode : {"kernel", "kernel-per-layer", "batch", "memcpy"}) {
+    SCOPED_TRACE(mode);
+    daemons_.clear();  // a new engine session per mode: the last one counted its daemon gone
+    engine_.reset();
+    dev_.clear();
+    ASSERT_NO_FATAL_FAILURE(start_cuda_engine());
+    daemons_.push_back(start_cuda_daemon(0, mode, incarnation++, {"--verify-swaps", "full"}));
+    ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok()) << test::read_file(log_path(0, incarnation - 1));
+    ASSERT_NO_FATAL_FAILURE(cuda_round_trip({9, 17}, {0, 11}, {20, 21}));  // clean: ok
+    // Other blocks out; then one byte of block 25's copy in the host pool changes.
+    auto out = run(TaskKind::kSwapToHost, {25, 29}, {3, 5});
+    ASSERT_TRUE(out.ok()) << (out.failures.empty() ? "" : out.failures[0].message);
+    char name[96];
+    std::snprintf(name, sizeof name, "/dev/shm/kvtd_%u_%016llx_host0", static_cast<unsigned>(getuid()),
+                  static_cast<unsigned long long>(engine_->generation()));
+    const int fd = ::open(name, O_RDWR);
+    ASSERT_GE(fd, 0) << name;
+    struct stat st {};
+    ASSERT_EQ(fstat(fd, &st), 0);
+    auto* pool = static_cast<std::byte*>(mmap(nullptr, static_cast<std::size_t>(st.st_size), PROT_READ | PROT_WRITE,
+                                              MAP_SHARED, fd, 0));
+    ::close(fd);
+    ASSERT_NE(pool, MAP_FAILED);
+    // Block 33's key of layer 1, wherever the pool's layout put it: found by its pattern.
+    std::vector<std::byte> needle(64);
+    loadgen::fill_block(needle.data(), needle.size(), 0, 1, 0, 25);
+    std::byte* end = pool + st.st_size;
+    std::byte* at = std::search(pool, end, needle.begin(), needle.end());
+    ASSERT_NE(at, end) << "block 25's bytes are not in the host pool";
+    at[40] ^= std::byte{0x10};
+    munmap(pool, static_cast<std::size_t>(st.st_size));
+    auto back = run(TaskKind::kSwapToDevice, {3, 5}, {22, 23});
+    EXPECT_EQ(back.status, TaskStatus::kIntegrity);
+    ASSERT_FALSE(back.failures.empty());
+    const std::string& m = back.failures[0].message;
+    EXPECT_NE(m.find("layer 1"), std::string::npos) << m;
+    EXPECT_NE(m.find("host block 3 -> device block 22"), std::string::npos) << m;
+    // Block 29 alone is clean: ok.
+    auto other = run(TaskKind::kSwapToDevice, {5}, {23});
+    EXPECT_TRUE(other.ok()) << (other.failures.empty() ? "" : other.failures[0].message);
   }
 }
 

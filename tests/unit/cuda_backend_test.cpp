@@ -10,6 +10,7 @@
 #include <random>
 
 #include "kvtd/daemon/device_backend.h"
+#include "kvtd/kernels/checksum.h"
 #include "kvtd/kernels/layout.h"
 
 #ifdef KVTD_CUDA_SIM
@@ -185,6 +186,34 @@ TEST_P(CudaBackendTest, StagingGatherAndScatterMatchTheHostTransform) {
     std::vector<std::byte> got(dev[t].shadow.size());
     ASSERT_TRUE(b->read_device(got.data(), dev[t].dev, got.size()).ok());
     ASSERT_EQ(got, dev[t].shadow) << "tensor " << t;
+  }
+}
+
+// --verify-swaps: the device's checksums of blocks, both sides of a target, equal the host's.
+TEST_P(CudaBackendTest, DeviceChecksumsEqualTheHostsOnEveryBlockSize) {
+  auto b = backend_or_skip(GetParam());
+  if (!b) GTEST_SKIP() << "no usable GPU (and not the stand-in build)";
+  std::mt19937 rng(13);
+  const std::int32_t blocks = 8;
+  std::vector<DeviceTensor> dev;
+  std::vector<kernels::CopyTarget> out, in;
+  for (std::uint64_t bb : {std::uint64_t{4096}, std::uint64_t{24}, std::uint64_t{101}}) {
+    dev.push_back(make_device_tensor(*b, static_cast<std::size_t>(blocks) * bb, rng));
+    out.push_back(kernels::CopyTarget{dev.back().dev, nullptr, bb, bb, bb});
+    in.push_back(kernels::CopyTarget{nullptr, dev.back().dev, bb, bb, bb});
+  }
+  const std::vector<std::int32_t> ids{5, 0, 7};
+  for (Direction dir : {Direction::kToHost, Direction::kToDevice}) {
+    auto sums = b->device_checksums(dir, dir == Direction::kToHost ? out : in, ids);
+    ASSERT_TRUE(sums.ok()) << sums.error().message;
+    ASSERT_EQ(sums->size(), dev.size() * ids.size());
+    for (std::size_t t = 0; t < dev.size(); ++t)
+      for (std::size_t i = 0; i < ids.size(); ++i) {
+        const std::uint64_t bb = out[t].block_bytes;
+        EXPECT_EQ((*sums)[t * ids.size() + i],
+                  kernels::block_checksum(dev[t].shadow.data() + static_cast<std::uint64_t>(ids[i]) * bb, bb))
+            << "tensor " << t << " block " << ids[i];
+      }
   }
 }
 

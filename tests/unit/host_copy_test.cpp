@@ -1,4 +1,5 @@
 #include "kvtd/kernels/host_copy.h"
+#include "kvtd/kernels/checksum.h"
 
 #include <gtest/gtest.h>
 
@@ -164,6 +165,28 @@ TEST(HostCopy, PageFirstHostSideStridesByTheWholeBlock) {
                             dev[t].bytes.data() + static_cast<std::uint64_t>(src[i]) * piece[t], piece[t]),
                 0)
           << "tensor " << t << " block " << back[i];
+}
+
+// --verify-swaps' checksum: every single flipped bit of a block changes it (sizes that end in a
+// partial word included), a word moved elsewhere changes it, and it is the documented sum.
+TEST(BlockChecksum, EveryFlippedBitAndEveryMovedWordChangesIt) {
+  std::mt19937 rng(11);
+  for (std::size_t bytes : {std::size_t{8}, std::size_t{24}, std::size_t{101}, std::size_t{4096}}) {
+    std::vector<std::byte> b(bytes);
+    for (auto& x : b) x = static_cast<std::byte>(rng());
+    const std::uint64_t sum = block_checksum(b.data(), bytes);
+    for (std::size_t bit = 0; bit < bytes * 8; bit += bytes > 200 ? 7 : 1) {
+      b[bit / 8] ^= static_cast<std::byte>(1u << (bit % 8));
+      EXPECT_NE(block_checksum(b.data(), bytes), sum) << bytes << " bytes, bit " << bit;
+      b[bit / 8] ^= static_cast<std::byte>(1u << (bit % 8));
+    }
+    if (bytes >= 16) {
+      std::swap_ranges(b.begin(), b.begin() + 8, b.begin() + 8);
+      EXPECT_NE(block_checksum(b.data(), bytes), sum) << "two words swapped";
+    }
+  }
+  const std::uint64_t words[2] = {3, 5};  // 3 * 1 + 5 * 3
+  EXPECT_EQ(block_checksum(reinterpret_cast<const std::byte*>(words), 16), 18u);
 }
 
 }  // namespace

@@ -10,9 +10,24 @@
 
 #include "kvtd/daemon/device_backend.h"
 #include "kvtd/ipc/populate.h"
+#include "kvtd/kernels/checksum.h"
 #include "kvtd/ipc/shared_object.h"
 
 namespace kvtd::daemon {
+
+Result<std::vector<std::uint64_t>, DeviceErrc> CopyEngine::device_checksums(Direction dir,
+                                                                            std::span<const kernels::CopyTarget> targets,
+                                                                            std::span<const std::int32_t> ids) {
+  std::vector<std::uint64_t> out;
+  out.reserve(targets.size() * ids.size());
+  for (const auto& t : targets) {
+    const std::byte* base = dir == Direction::kToHost ? t.src : t.dst;
+    const std::uint64_t stride = dir == Direction::kToHost ? t.src_stride : t.dst_stride;
+    for (auto id : ids) out.push_back(kernels::block_checksum(base + static_cast<std::uint64_t>(id) * stride, t.block_bytes));
+  }
+  return out;
+}
+
 namespace {
 namespace bip = boost::interprocess;
 

@@ -168,6 +168,7 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend
   std::unique_ptr<HostPool> pool(new HostPool());
   pool->backend_ = &backend;
   pool->blocks_ = g.num_host_blocks;
+  pool->sums_kept_ = std::make_unique<std::atomic<std::uint16_t>[]>(g.num_host_blocks);
 
   // A pool a previous daemon of this session left behind: used only if it is exactly ours.
   if (auto old = ipc::SharedObject::open(name); old.ok()) {
@@ -272,12 +273,34 @@ void HostPool::mark_invalid(std::span<const std::int32_t> ids) {
   // Sequentially consistent read-modify-writes (a locked instruction, a full barrier on x86; no
   // fence, which TSan cannot model): the clears are in memory before the copy that follows
   // writes a byte of these blocks, so a crash mid-copy leaves them invalid.
-  for (auto id : ids) (void)std::atomic_ref<std::uint8_t>(valid_[id]).exchange(0, std::memory_order_seq_cst);
+  for (auto id : ids) {
+    (void)std::atomic_ref<std::uint8_t>(valid_[id]).exchange(0, std::memory_order_seq_cst);
+    sums_kept_[id].store(0, std::memory_order_relaxed);
+  }
 }
 
 void HostPool::mark_all_invalid() {
-  for (std::uint32_t id = 0; id < blocks_; ++id)
+  for (std::uint32_t id = 0; id < blocks_; ++id) {
     (void)std::atomic_ref<std::uint8_t>(valid_[id]).exchange(0, std::memory_order_seq_cst);
+    sums_kept_[id].store(0, std::memory_order_relaxed);
+  }
+}
+
+void HostPool::set_checksums(std::int32_t id, std::span<const std::uint64_t> sums) {
+  if (sums.empty() || sums.size() > 65535) return;
+  std::call_once(sums_once_, [&] {
+    sums_per_block_ = sums.size();
+    sums_.assign(std::size_t{blocks_} * sums_per_block_, 0);
+  });
+  if (sums.size() != sums_per_block_) return;
+  std::copy(sums.begin(), sums.end(), sums_.begin() + static_cast<std::ptrdiff_t>(std::size_t(id) * sums_per_block_));
+  sums_kept_[id].store(static_cast<std::uint16_t>(sums.size()), std::memory_order_release);
+}
+
+std::span<const std::uint64_t> HostPool::checksums(std::int32_t id) const {
+  const std::uint16_t n = sums_kept_[id].load(std::memory_order_acquire);
+  if (n == 0) return {};
+  return std::span<const std::uint64_t>(sums_).subspan(std::size_t(id) * sums_per_block_, n);
 }
 
 void HostPool::mark_valid(std::span<const std::int32_t> ids) {

@@ -159,6 +159,7 @@ Result<AttachedCache, DeviceErrc> RankServer::map_cache(Session& s) {
   cache->metrics = &s_.registry;
   cache->summary_period_ns = static_cast<std::int64_t>(cfg_.log_summary_period_s * 1e9);
   cache->engine_event_timeout_ns = static_cast<std::int64_t>(cfg_.engine_event_timeout_s * 1e9);
+  cache->verify_swaps = cfg_.verify_swaps;
   s_.registry.set_host_pool_bytes(s.pool.total_bytes());
   s_.registry.set_host_pool_pin_ms(static_cast<std::uint64_t>(s.pool.pin_seconds() * 1000.0));
   return cache;

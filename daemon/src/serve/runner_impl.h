@@ -90,6 +90,17 @@ struct TaskRunner::Impl {
   // Waits on the host for swap `w`'s engine event, bounded by the engine's liveness, the task's
   // deadline, cache.engine_event_timeout_ns and the lane's closing (kEventNotFired past them).
   Status<DeviceErrc> await_engine_event(const Work& w, std::int64_t start);
+
+  // ---- swap_checksums.cpp (--verify-swaps) ----
+  // The (device, host) pairs of swap `w` whose checksums are kept and checked.
+  void verified_pairs(const Work& w, std::vector<std::int32_t>& device, std::vector<std::int32_t>& host) const;
+  // After a swap-out: keeps the checksums of its verified blocks with their host blocks. An error
+  // message when they could not be computed ("" when kept).
+  std::string keep_checksums(const Work& w, std::span<const kernels::CopyTarget> targets);
+  // After a swap-in: compares the device blocks' checksums with those kept at swap-out. The
+  // failure (integrity, or device_error when they could not be computed), or nullopt.
+  std::optional<std::pair<TaskStatus, std::string>> check_checksums(const Work& w,
+                                                                     std::span<const kernels::CopyTarget> targets);
   std::uint64_t task_bytes(const Work& w) const {
     return block_bytes_all_layers * static_cast<std::uint64_t>(w.plan.num_blocks);
   }

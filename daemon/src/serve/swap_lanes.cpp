@@ -69,7 +69,20 @@ void TaskRunner::Impl::execute(Work& w, int lane) {
     complete(h, TaskStatus::kDeviceError, 0, 0, start, st.error().message);
     return;
   }
-  if (lane == 0 && cache.pool != nullptr) cache.pool->mark_valid(w.host_ids);
+  if (lane == 0 && cache.pool != nullptr) {
+    // The checksums first: a block is valid only with what --verify-swaps checks it against.
+    if (auto why = keep_checksums(w, targets); !why.empty()) {
+      complete(h, TaskStatus::kDeviceError, 0, 0, start, why);
+      return;
+    }
+    cache.pool->mark_valid(w.host_ids);
+  }
+  if (lane == 1 && cache.pool != nullptr) {
+    if (auto bad = check_checksums(w, targets)) {
+      complete(h, bad->first, 0, 0, start, bad->second);
+      return;
+    }
+  }
   const std::uint64_t bytes = task_bytes(w);
   {
     MutexLock g(stats_mu);

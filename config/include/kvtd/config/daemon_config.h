@@ -47,6 +47,17 @@ enum class ScatterMode {
   kMemcpy,           // "memcpy": one cudaMemcpyAsync per block (reference; slow for small blocks)
 };
 const char* scatter_mode_name(ScatterMode m);
+
+// --verify-swaps: checksums of swapped blocks, computed where the device blocks are as they go
+// out and again after they come back in; a mismatch fails the swap-in (status integrity).
+enum class VerifySwaps {
+  kOff,      // "off"
+  kSampled,  // "sampled": host blocks whose id is a multiple of kVerifySampleEvery (default)
+  kFull,     // "full": every block
+};
+inline constexpr std::int32_t kVerifySampleEvery = 8;
+const char* verify_swaps_name(VerifySwaps v);
+bool parse_verify_swaps(const std::string& text, VerifySwaps* out);
 // Parses a scatter_mode_name; false for anything else.
 bool parse_scatter_mode(const std::string& text, ScatterMode* out);
 
@@ -144,6 +155,7 @@ struct DaemonConfig {
   DeviceBackendKind device_backend = DeviceBackendKind::kHost;
   ScatterMode scatter_mode = ScatterMode::kBatch;
   bool scatter_mode_given = false;     // --scatter-mode was on the command line
+  VerifySwaps verify_swaps = VerifySwaps::kSampled;
   std::uint32_t copy_batch_max = 4096;  // copies per cudaMemcpyBatchAsync call (--copy-batch-max)
   HostLayout host_layout = HostLayout::kLayerFirst;
   int numa_node = kNumaAuto;           // host pool and copy threads; kNumaAuto: the GPU's, -1: none

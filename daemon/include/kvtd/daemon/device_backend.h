@@ -125,6 +125,14 @@ class CopyEngine {
     return {};
   }
 
+  // --verify-swaps: the checksums (kvtd/kernels/checksum.h) of blocks `ids` on the device side of
+  // every target (the source of kToHost targets, the destination of kToDevice ones):
+  // out[t * ids.size() + i]. Computed where the blocks are (on CUDA by a kernel on the
+  // direction's stream, after what it ran before); returns when done. The default reads them
+  // with the CPU (the host backend's tensors are host memory). Thread-safe.
+  virtual Result<std::vector<std::uint64_t>, DeviceErrc> device_checksums(
+      Direction dir, std::span<const kernels::CopyTarget> targets, std::span<const std::int32_t> ids);
+
   // The monotonic time (ns) since which the oldest copy now running on a lane has been running,
   // or 0 when every lane is idle or waiting for an engine's event. A copy that never finishes
   // (a device that stopped) shows here; the daemon's watchdog acts on it. Any thread.

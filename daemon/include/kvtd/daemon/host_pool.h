@@ -22,9 +22,11 @@
 // themselves are guarded by task ordering (the runner's block tracker).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -84,6 +86,15 @@ class HostPool {
   // The first of `ids` that holds no valid data, if any. Ids must be in range.
   std::optional<std::int32_t> first_invalid(std::span<const std::int32_t> ids) const;
 
+  // --verify-swaps: block `id`'s checksums as it was swapped out (kvtd/kernels/checksum.h, one
+  // per copy target: every set of a pool carries the same number, the first fixes it; others are
+  // ignored), kept in this process only: a restarted daemon knows none for blocks written before
+  // it. mark_invalid and mark_all_invalid forget them. The caller owns the block while it sets or
+  // reads them (the block tracker's order); ids must be in range.
+  void set_checksums(std::int32_t id, std::span<const std::uint64_t> sums);
+  // The checksums kept for block `id`, or an empty span when none are.
+  std::span<const std::uint64_t> checksums(std::int32_t id) const;
+
   // Unlinks the object: the session is over and nobody will need these bytes again.
   void remove();
 
@@ -102,6 +113,11 @@ class HostPool {
   double pin_seconds_ = 0;
   std::uint8_t* valid_ = nullptr;
   std::uint32_t blocks_ = 0;
+  // Per block: how many checksums are kept (0: none; released after the sums are written).
+  std::unique_ptr<std::atomic<std::uint16_t>[]> sums_kept_;
+  std::vector<std::uint64_t> sums_;  // blocks_ x sums_per_block_, allocated at the first set
+  std::size_t sums_per_block_ = 0;
+  std::once_flag sums_once_;
   std::vector<std::byte*> regions_;
   std::size_t total_ = 0;
   bool restored_ = false;

@@ -54,6 +54,7 @@ struct AttachedCache {
   // Longest a swap waits for its engine event while the engine lives (0: only liveness and the
   // task's deadline bound it); past it the task fails with engine_event_not_fired.
   std::int64_t engine_event_timeout_ns = 60'000'000'000;
+  config::VerifySwaps verify_swaps = config::VerifySwaps::kSampled;  // --verify-swaps
   metrics::MetricsRegistry* metrics = nullptr;      // borrowed; null: no metrics
   StorageTargets storage;    // storage tasks (store null: they fail with storage_unavailable)
 };

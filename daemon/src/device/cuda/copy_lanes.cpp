@@ -9,6 +9,7 @@
 
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/numa.h"
+#include "kvtd/kernels/checksum.h"
 #include "kvtd/ipc/clock.h"
 #include "kvtd/proto/pci.h"
 
@@ -150,6 +151,53 @@ Status<DeviceErrc> CudaBackend::await_engine_event(const std::array<std::uint8_t
     pause_ns = std::min<std::int64_t>(pause_ns == 0 ? 2'000 : pause_ns * 2, 1'000'000);
     std::this_thread::sleep_for(std::chrono::nanoseconds(pause_ns));
   }
+}
+
+Result<std::vector<std::uint64_t>, DeviceErrc> CudaBackend::device_checksums(
+    Direction dir, std::span<const kernels::CopyTarget> targets, std::span<const std::int32_t> ids) {
+  std::vector<std::uint64_t> out(targets.size() * ids.size());
+  if (out.empty()) return out;
+  Lane& lane = lane_of(dir);
+  MutexLock g(lane.mu);
+  BusyMark busy(lane);
+  KVTD_CUDA_TRY(cudaSetDevice(device_));
+  auto st = [&]() REQUIRES(lane.mu) -> Status<DeviceErrc> {
+    // The device side of each target, as the checksum kernel's table (uploaded each time: its
+    // 24 bytes per tensor cost less than keeping it apart from the copy kernel's table).
+    std::vector<kernels::LayerTensor> table;
+    table.reserve(targets.size());
+    for (const auto& t : targets)
+      table.push_back(dir == Direction::kToHost
+                          ? kernels::LayerTensor{const_cast<std::byte*>(t.src), t.block_bytes, t.src_stride}
+                          : kernels::LayerTensor{t.dst, t.block_bytes, t.dst_stride});
+    const std::size_t table_bytes = table.size() * sizeof(kernels::LayerTensor);
+    const std::size_t out_bytes = out.size() * sizeof(std::uint64_t);
+    // [table | results] in one mirror: the table at 0, the results after it (8-byte aligned).
+    const std::size_t results_at = (table_bytes + 7) / 8 * 8;
+    KVTD_TRY(lane.ids.reserve(ids.size_bytes()));
+    KVTD_TRY(lane.sums.reserve(results_at + out_bytes));
+    std::memcpy(lane.ids.host, ids.data(), ids.size_bytes());
+    KVTD_TRY(lane.ids.upload(ids.size_bytes(), lane.stream));
+    std::memcpy(lane.sums.host, table.data(), table_bytes);
+    KVTD_TRY(lane.sums.upload(table_bytes, lane.stream));
+    auto* d_results = reinterpret_cast<std::uint64_t*>(static_cast<std::byte*>(lane.sums.dev) + results_at);
+    const int e = kernels::launch_block_checksums(static_cast<const kernels::LayerTensor*>(lane.sums.dev),
+                                                  static_cast<std::uint32_t>(table.size()),
+                                                  static_cast<const std::int32_t*>(lane.ids.dev),
+                                                  static_cast<std::int64_t>(ids.size()), d_results, lane.stream);
+    if (e != 0)
+      return make_error(errc_of(static_cast<cudaError_t>(e)), cuda_text("checksum kernel", static_cast<cudaError_t>(e)));
+    auto* h_results = static_cast<std::byte*>(lane.sums.host) + results_at;
+    KVTD_CUDA_TRY(cudaMemcpyAsync(h_results, d_results, out_bytes, cudaMemcpyDeviceToHost, lane.stream));
+    KVTD_CUDA_TRY(cudaStreamSynchronize(lane.stream));
+    std::memcpy(out.data(), h_results, out_bytes);
+    return {};
+  }();
+  if (!st.ok()) {
+    lane.drain();
+    return std::move(st).error();
+  }
+  return out;
 }
 
 CudaBackend::BusyMark::BusyMark(Lane& lane) : lane_(lane) {

@@ -117,6 +117,10 @@ class CudaBackend final : public DeviceBackend {
 
   std::int64_t busy_since_ns() const override;
 
+  Result<std::vector<std::uint64_t>, DeviceErrc> device_checksums(Direction dir,
+                                                                 std::span<const kernels::CopyTarget> targets,
+                                                                 std::span<const std::int32_t> ids) override;
+
   Status<DeviceErrc> gather_to_staging(std::span<const kernels::LayerTensor> tensors,
                                        std::span<const std::int32_t> ids, std::byte* staging) override;
 
@@ -134,6 +138,7 @@ class CudaBackend final : public DeviceBackend {
     std::vector<std::byte> table_contents GUARDED_BY(mu);  // what table.dev holds (see upload_table)
     void* table_dev GUARDED_BY(mu) = nullptr;              // table.dev when table_contents was uploaded
     Mirror offsets GUARDED_BY(mu);  // staging offsets per tensor
+    Mirror sums GUARDED_BY(mu);     // --verify-swaps: the checksum kernel's table, then its results
     std::vector<cudaEvent_t> events GUARDED_BY(mu);
     std::vector<void*> batch_dst GUARDED_BY(mu);
     std::vector<void*> batch_src GUARDED_BY(mu);

@@ -116,8 +116,9 @@ enum class TaskStatus : std::int32_t {
   kCacheCleared = 19,        // the rank released the engine's KV tensors for a weight update (until restore)
   kBackupSkipped = 20,       // a backup write not done: the store was behind (queue full or too old); nothing torn
   kEngineEventNotFired = 21,  // the swap's engine event never completed (engine died or stalled): nothing copied
+  kIntegrity = 22,            // a swapped-in block's checksum differs from the one taken at swap-out: do not use it
 };
-inline constexpr TaskStatus kLastTaskStatus = TaskStatus::kEngineEventNotFired;
+inline constexpr TaskStatus kLastTaskStatus = TaskStatus::kIntegrity;
 
 constexpr const char* task_status_name(TaskStatus s) {
   switch (s) {
@@ -143,6 +144,7 @@ constexpr const char* task_status_name(TaskStatus s) {
     case TaskStatus::kCacheCleared: return "cache_cleared";
     case TaskStatus::kBackupSkipped: return "backup_skipped";
     case TaskStatus::kEngineEventNotFired: return "engine_event_not_fired";
+    case TaskStatus::kIntegrity: return "integrity";
   }
   return "unknown_status";
 }
