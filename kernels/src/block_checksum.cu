@@ -3,13 +3,7 @@
 #include <cuda_runtime.h>
 
 #include "kvtd/kernels/checksum.h"
-
-#ifdef KVTD_CUDA_SIM
-#define KVTD_LAUNCH(kernel, grid, block, stream, ...) \
-  (void)::cudasim::launch(kernel, dim3(grid), dim3(block), 0, stream, __VA_ARGS__)
-#else
-#define KVTD_LAUNCH(kernel, grid, block, stream, ...) kernel<<<grid, block, 0, stream>>>(__VA_ARGS__)
-#endif
+#include "launch.h"
 
 namespace kvtd::kernels {
 namespace {

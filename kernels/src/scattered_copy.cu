@@ -1,15 +1,7 @@
 #include <cuda_runtime.h>
 
 #include "kvtd/kernels/cuda_copy.h"
-
-// kernel<<<grid, block, 0, stream>>>(args); the stand-in build (KVTD_CUDA_SIM) compiles this
-// file as C++ and runs the grid on the stream's worker thread instead.
-#ifdef KVTD_CUDA_SIM
-#define KVTD_LAUNCH(kernel, grid, block, stream, ...) \
-  (void)::cudasim::launch(kernel, dim3(grid), dim3(block), 0, stream, __VA_ARGS__)
-#else
-#define KVTD_LAUNCH(kernel, grid, block, stream, ...) kernel<<<grid, block, 0, stream>>>(__VA_ARGS__)
-#endif
+#include "launch.h"
 
 namespace kvtd::kernels {
 namespace {
