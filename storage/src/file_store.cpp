@@ -20,6 +20,7 @@
 
 #include "direct_reads.h"
 #include "file_store_support.h"
+#include "io_pool.h"
 #include "store_common.h"
 #include "kvtd/proto/names.h"
 #include "kvtd/storage/object_format.h"
@@ -98,7 +99,7 @@ class FileStore final : public ObjectStore {
       });
     }
     std::vector<ObjectResult> out(keys.size(), ObjectResult::kMissing);
-    detail::parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
+    io_pool_.run(keys.size(), opts_.io_threads, [&](std::size_t i) {
       // Read into private scratch and verify there: the caller's buffer receives the payload only
       // once it is known good, so a corrupt or foreign object never clobbers it.
       Scratch scratch(*this);
@@ -130,7 +131,7 @@ class FileStore final : public ObjectStore {
       });
     }
     std::vector<ObjectResult> out(keys.size(), ObjectResult::kMissing);
-    detail::parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
+    io_pool_.run(keys.size(), opts_.io_threads, [&](std::size_t i) {
       out[i] = read_one(keys[i], parts_of(i));
       if (out[i] == ObjectResult::kOk && on_ok) on_ok(i);
     });
@@ -146,7 +147,7 @@ class FileStore final : public ObjectStore {
       });
     }
     std::vector<ObjectResult> out(keys.size(), ObjectResult::kMissing);
-    detail::parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
+    io_pool_.run(keys.size(), opts_.io_threads, [&](std::size_t i) {
       Scratch scratch(*this);
       const auto payload = scratch.span();
       out[i] = read_one(keys[i], payload);
@@ -165,7 +166,7 @@ class FileStore final : public ObjectStore {
                                                           const FillHook& before_put) override {
     KVTD_TRY(detail::check_batch(keys, srcs.size(), "sources"));
     std::vector<ObjectResult> out(keys.size(), ObjectResult::kOk);
-    detail::parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) {
+    io_pool_.run(keys.size(), opts_.io_threads, [&](std::size_t i) {
       if (before_put && !before_put(i)) {
         out[i] = ObjectResult::kFailed;
         counters_.count_put(out[i]);
@@ -191,7 +192,7 @@ class FileStore final : public ObjectStore {
                                                              std::to_string(opts_.store.object_bytes));
     }
     std::vector<ObjectResult> out(keys.size(), ObjectResult::kOk);
-    detail::parallel_for(keys.size(), opts_.io_threads, [&](std::size_t i) { out[i] = write_one(keys[i], objects[i]); });
+    io_pool_.run(keys.size(), opts_.io_threads, [&](std::size_t i) { out[i] = write_one(keys[i], objects[i]); });
     return out;
   }
 
@@ -229,7 +230,7 @@ class FileStore final : public ObjectStore {
     std::vector<ObjectResult> out(keys.size(), ObjectResult::kMissing);
     const std::size_t slices = std::max<std::size_t>(1, std::min<std::size_t>(opts_.io_threads, keys.size()));
     std::atomic<int> batch_error{0};
-    detail::parallel_for(slices, static_cast<unsigned>(slices), [&](std::size_t s) {
+    io_pool_.run(slices, static_cast<unsigned>(slices), [&](std::size_t s) {
       const std::size_t lo = keys.size() * s / slices, hi = keys.size() * (s + 1) / slices;
       std::vector<std::string> paths, names;
       for (std::size_t i = lo; i < hi; ++i) {
@@ -470,6 +471,7 @@ class FileStore final : public ObjectStore {
   std::unique_ptr<detail::DirectObjectReader> direct_;  // --storage-io direct; null: buffered reads
   mutable Mutex scratch_mu_;
   mutable std::vector<std::unique_ptr<std::byte[]>> scratch_free_ GUARDED_BY(scratch_mu_);
+  mutable detail::IoPool io_pool_{opts_.io_threads};  // last: its helpers stop before the rest goes
 };
 
 }  // namespace

@@ -1,39 +1,18 @@
-// Internal: what the file store needs beside its own logic: spreading a batch over threads,
+// Internal: what the file store needs beside its own logic (its I/O threads: io_pool.h):
 // the private-root check at open, and telling abandoned temporaries from live ones.
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "kvtd/storage/file_system.h"
 #include "kvtd/storage/object_store.h"
 
 namespace kvtd::storage::detail {
-
-// Runs fn(i) for i in [0, n) on up to `threads` threads (the caller's included). Per-key work
-// is independent, and object creation is mostly kernel CPU time, so a batch spreads over cores.
-template <typename F>
-void parallel_for(std::size_t n, unsigned threads, F&& fn) {
-  threads = std::max(1u, std::min<unsigned>(threads, static_cast<unsigned>(n)));
-  if (threads <= 1) {
-    for (std::size_t i = 0; i < n; ++i) fn(i);
-    return;
-  }
-  std::atomic<std::size_t> next{0};
-  auto worker = [&] {
-    for (std::size_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
-  };
-  std::vector<std::thread> pool;
-  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (auto& t : pool) t.join();
-}
 
 // Creates the 256 fan-out directories under `dir` once, so puts never pay for a mkdir.
 Status<StorageErrc> make_fanout(FileSystem& fs, const std::string& dir);
