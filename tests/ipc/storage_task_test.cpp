@@ -181,9 +181,10 @@ TEST_F(StorageTaskTest, CorruptObjectOnOneRankIsAMissAndNeverLoaded) {
   ASSERT_TRUE(rd.ok()) << why(rd);
   EXPECT_EQ(rd.blocks_done, 5u);  // MIN: rank 1 stopped at its corrupt object
   expect_device_pattern(dst, iota_ids(0, 8), 5);
-  // Rank 1's block 21 was never written with the corrupt bytes.
-  auto* k1 = engine_->host_device_tensor(1, 0, proto::TensorKind::kKey);
-  EXPECT_EQ(k1[21 * g_.block_bytes(proto::TensorKind::kKey)], std::byte{0xee});
+  // Rank 1's block 21 may hold the corrupt bytes (the host backend's tensors are host memory, read
+  // in place, as host-pool blocks are) but lies past blocks_done: it never counts as loaded. On a
+  // GPU a corrupt object is verified in staging and never copied (CudaDaemonTest.StorageLoadsGo-
+  // FromVerifiedPinnedStagingIntoDeviceBlocks).
 }
 
 // Issue 20 (item 1): host-block loads read each object straight into the block's pieces and verify
