@@ -165,6 +165,35 @@ if /usr/bin/python3 -c "import numpy" 2>/dev/null; then
 else
   echo "(skipped: /usr/bin/python3 has no numpy; apt-get install python3-numpy)"
 fi
+# Issue 31 part 4: one daemon, one task in flight, against the peer in the same round. The peer
+# once into one buffer (it stays in the CPU cache: the figure the issue quotes) and once into 128
+# buffers, one per object in turn (sglang's HiCacheFile.get reads each key into its own host-pool
+# page; the daemon's reads land in 128 distinct device blocks). Cold: the page cache dropped before
+# the reads (root only).
+echo "== STORAGE_READ against the peer, 1 rank, tasks of 32 x 1 MiB, 1 in flight, warm and cold page cache (ratio: daemon / peer)"
+cold_ok=1
+[ -w /proc/sys/vm/drop_caches ] || cold_ok=0
+for cache in warm cold; do
+  if [ "$cache" = cold ] && [ "$cold_ok" = 0 ]; then echo "(cold skipped: /proc/sys/vm/drop_caches is not writable; needs root)"; break; fi
+  if ! /usr/bin/python3 -c "import numpy" 2>/dev/null; then echo "(skipped: /usr/bin/python3 has no numpy)"; break; fi
+  for round in 1 2 3; do
+    rm -rf "$sdir/daemon" "$sdir"/peer-*
+    daemon_extra=(--storage-backend file --storage-path "$sdir/daemon" --model-id bench)
+    cold_flag=(); peer_cold=()
+    [ "$cache" = cold ] && { cold_flag=(--cold-read); peer_cold=(--cold); }
+    line=$(with_daemons 1 8 4 64 128 128 8 -- --mode storage-throughput --storage file --blocks-per-task 32 \
+      --storage-blocks 1024 "${cold_flag[@]}")
+    kvtd_gbs=$(grep -o "STORAGE_READ [0-9.]*" <<< "$line" | awk '{print $2}')
+    one=$(/usr/bin/python3 "$KVTD_ROOT/tools/bench/hicache_file_peer.py" --dir "$sdir" --objects 1024 "${peer_cold[@]}" |
+      grep -o "get [0-9.]*" | awk '{print $2}')
+    many=$(/usr/bin/python3 "$KVTD_ROOT/tools/bench/hicache_file_peer.py" --dir "$sdir" --objects 1024 --slots 128 \
+      "${peer_cold[@]}" | grep -o "get [0-9.]*" | awk '{print $2}')
+    awk -v c="$cache" -v r="$round" -v k="$kvtd_gbs" -v o="$one" -v m="$many" 'BEGIN {
+      printf "%s %s: kvtd STORAGE_READ %.2f GB/s; peer get into 1 buffer %.2f GB/s (%.2fx), into 128 buffers %.2f GB/s (%.2fx)\n",
+        c, r, k, o, k / o, m, k / m }'
+  done
+done
+rm -rf "$sdir/daemon"
 echo "== storage agreement: STORAGE_QUERY of one stored key (file store), round trip"
 for ranks in 2 4; do
   rm -rf "$sdir/lat"

@@ -245,6 +245,8 @@ void declare_flags(CLI::App& app, kvtd::loadgen::Options& o) {
   app.add_option("--in-flight", o.in_flight, "storage-throughput: tasks in flight at once")->check(CLI::Range(1u, 64u));
   app.add_flag("--storage-host-blocks", o.storage_host_blocks,
                "storage-throughput: write from and read into host-pool blocks (filled by swaps first)");
+  app.add_flag("--cold-read", o.cold_read,
+               "storage-throughput: drop the page cache (/proc/sys/vm/drop_caches, root) before the read phase");
   app.add_option("--ranks", o.ranks, "Tensor-parallel ranks (kvtd --mp-num)");
   app.add_option("--layers", o.layers, "Layers");
   app.add_option("--kv-heads", o.kv_heads, "KV heads per rank");

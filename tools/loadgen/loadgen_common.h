@@ -24,6 +24,7 @@ struct Options {
   std::string storage = "file", storage_phase = "both", key_prefix = "lg";
   std::uint32_t storage_blocks = 0, in_flight = 1;
   bool storage_host_blocks = false;  // storage-throughput: tasks on host-pool blocks (filled by swaps first)
+  bool cold_read = false;  // storage-throughput: the page cache dropped before the read phase (root)
   std::string session = "loadgen";
   std::string mode = "verify";
   std::uint32_t ranks = 2, layers = 32, kv_heads = 8, block_size = 64, head_dim = 128;

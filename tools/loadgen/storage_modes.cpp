@@ -1,6 +1,10 @@
 #include "storage_modes.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <numeric>
@@ -177,6 +181,18 @@ bool fill_host_pool(EngineSession& s, const proto::CacheGeometry& g, double time
 
 }  // namespace
 
+// Cold reads: the objects written are dropped from the page cache (after a sync, so every page
+// is clean and goes), as after a restart or under memory pressure.
+static bool drop_page_cache() {
+  ::sync();
+  FILE* f = std::fopen("/proc/sys/vm/drop_caches", "w");
+  if (f == nullptr || std::fputs("1\n", f) < 0 || std::fclose(f) != 0) {
+    std::fprintf(stderr, "--cold-read: cannot write /proc/sys/vm/drop_caches (%s); it needs root\n", std::strerror(errno));
+    return false;
+  }
+  return true;
+}
+
 int run_storage_throughput(EngineSession& s, const Options& o) {
   const auto& g = s.geometry();
   Cache c{&s, &g, {}, {}, o.tensors};
@@ -235,11 +251,13 @@ int run_storage_throughput(EngineSession& s, const Options& o) {
     return true;
   };
   double write_s = 0, read_s = 0;
-  if (!phase(TaskKind::kStorageWrite, &write_s) || !phase(TaskKind::kStorageRead, &read_s)) return 1;
+  if (!phase(TaskKind::kStorageWrite, &write_s)) return 1;
+  if (o.cold_read && !drop_page_cache()) return 1;
+  if (!phase(TaskKind::kStorageRead, &read_s)) return 1;
   const double bytes = static_cast<double>(object) * static_cast<double>(total);
-  std::printf("storage-throughput [%s%s]: %zu objects of %llu bytes per rank in tasks of %zu (%u in flight), %u ranks: STORAGE_WRITE "
+  std::printf("storage-throughput [%s%s%s]: %zu objects of %llu bytes per rank in tasks of %zu (%u in flight), %u ranks: STORAGE_WRITE "
               "%.2f GB/s per rank (%.2f GB/s all ranks), STORAGE_READ %.2f GB/s per rank (%.2f GB/s all ranks)\n",
-              o.storage.c_str(), host ? ", host blocks" : "", total, static_cast<unsigned long long>(object), per_task, o.in_flight, g.num_ranks, bytes / write_s / 1e9,
+              o.storage.c_str(), host ? ", host blocks" : "", o.cold_read ? ", cold read" : "", total, static_cast<unsigned long long>(object), per_task, o.in_flight, g.num_ranks, bytes / write_s / 1e9,
               bytes * g.num_ranks / write_s / 1e9, bytes / read_s / 1e9, bytes * g.num_ranks / read_s / 1e9);
   return 0;
 }
