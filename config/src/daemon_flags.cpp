@@ -147,6 +147,11 @@ void declare_runtime_flags(CLI::App& app, RawFlags& f, DaemonConfig& c) {
                  "Host pool memory and copy threads: auto (the GPU's node from sysfs) | none | <node>");
   app.add_option("--host-layout", f.host_layout,
                  "Host pool: layer_first | page_first (all layers of a block contiguous, as stored)");
+  app.add_flag("--host-pool-hugepages", c.host_pool_hugepages,
+               "Host pool in huge pages: a file in the hugetlbfs mount --hugetlbfs-dir (survives a daemon restart "
+               "like the /dev/shm pool; refused when the kernel has too few free: sysctl vm.nr_hugepages)");
+  app.add_option("--hugetlbfs-dir", c.hugetlbfs_dir, "The hugetlbfs mount --host-pool-hugepages uses")
+      ->capture_default_str();
   app.add_option("--log-dir", c.log_dir, "Directory for the rotating per-rank log (default: stderr only)");
   app.add_option("--log-level", c.log_level, "trace | debug | info | warn | error | critical | off");
   app.add_option("--control-endpoint", c.control_endpoint,
@@ -325,6 +330,9 @@ Status<ConfigErrc> resolve_devices(RawFlags& f, DaemonConfig& c) {
   if (f.host_layout == "layer_first") c.host_layout = HostLayout::kLayerFirst;
   else if (f.host_layout == "page_first") c.host_layout = HostLayout::kPageFirst;
   else return bad("--host-layout: '" + f.host_layout + "' is not one of layer_first, page_first");
+
+  if (c.hugetlbfs_dir.empty() || c.hugetlbfs_dir[0] != '/')
+    return bad("--hugetlbfs-dir: '" + c.hugetlbfs_dir + "' is not an absolute path");
 
   if (f.numa == "auto") {
     c.numa_node = kNumaAuto;

@@ -10,6 +10,7 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cinttypes>
@@ -33,7 +34,47 @@ std::string mib(std::uint64_t b) {
   return buf;
 }
 
+std::string path_in(const std::string& dir, const std::string& name) { return dir + "/" + name; }
+
+// An object's file: shm_open in /dev/shm, or a plain file in `dir` (never through a symlink).
+int open_object(const std::string& name, const std::string& dir, int flags, mode_t mode) {
+  if (dir.empty()) return shm_open(name.c_str(), flags, mode);
+  if (name.find('/') != std::string::npos) {
+    errno = EINVAL;
+    return -1;
+  }
+  return ::open(path_in(dir, name).c_str(), flags | O_NOFOLLOW, mode);
+}
+
+// What the place an object is created in has left, for an allocation's error message.
+std::string room_of(const std::string& dir) {
+  if (dir.empty()) {
+    const std::int64_t free_now = shm_free_bytes();
+    return "/dev/shm has " + (free_now < 0 ? std::string("unknown") : mib(static_cast<std::uint64_t>(free_now))) + " free";
+  }
+  struct statvfs v {};
+  if (statvfs(dir.c_str(), &v) != 0) return dir + ": " + std::strerror(errno);
+  const std::int64_t pages = free_huge_pages(v.f_bsize);
+  return dir + " has pages of " + std::to_string(v.f_bsize >> 10) + " kB; the kernel has " +
+         (pages < 0 ? std::string("an unknown number of") : std::to_string(pages)) + " of that size free";
+}
+
 }  // namespace
+
+std::int64_t free_huge_pages(std::uint64_t page_bytes) {
+  const std::string at = "/sys/kernel/mm/hugepages/hugepages-" + std::to_string(page_bytes >> 10) + "kB/";
+  auto read_count = [&](const char* file) -> std::int64_t {
+    FILE* f = std::fopen((at + file).c_str(), "r");
+    if (f == nullptr) return -1;
+    long long v = -1;
+    if (std::fscanf(f, "%lld", &v) != 1) v = -1;
+    std::fclose(f);
+    return v;
+  };
+  const std::int64_t free_pages = read_count("free_hugepages"), reserved = read_count("resv_hugepages");
+  if (free_pages < 0 || reserved < 0) return -1;
+  return std::max<std::int64_t>(0, free_pages - reserved);
+}
 
 std::string session_object_name(std::uint64_t generation, const std::string& what) {
   char buf[96];
@@ -49,21 +90,40 @@ std::int64_t shm_free_bytes() {
 
 SharedObject::~SharedObject() {
   if (data_ != nullptr) munmap(data_, size_);
-  if (unlink_) remove(name_);
+  if (unlink_) remove(name_, dir_);
 }
 
-void SharedObject::remove(const std::string& name) { shm_unlink(name.c_str()); }
+void SharedObject::remove(const std::string& name, const std::string& dir) {
+  if (dir.empty()) {
+    shm_unlink(name.c_str());
+  } else if (name.find('/') == std::string::npos) {
+    ::unlink(path_in(dir, name).c_str());
+  }
+}
 
 Result<std::unique_ptr<SharedObject>, IpcErrc> SharedObject::create(const std::string& name, std::size_t bytes,
-                                                                    const BeforeAllocate& before) {
+                                                                    const BeforeAllocate& before,
+                                                                    const std::string& dir) {
   if (bytes == 0) return make_error(IpcErrc::kInvalidArgument, "shared memory object " + name + " of 0 bytes");
-  const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (!dir.empty()) {
+    // Whole blocks: on hugetlbfs a block is a huge page, and only whole ones can be mapped.
+    struct statvfs v {};
+    if (statvfs(dir.c_str(), &v) != 0) return make_error(IpcErrc::kSystem, detail::errno_text(dir.c_str()));
+    const std::uint64_t block = v.f_bsize == 0 ? 1 : v.f_bsize;
+    std::uint64_t rounded = 0;
+    if (bytes > ~std::uint64_t{0} - block || !proto::checked_mul((bytes + block - 1) / block, block, &rounded))
+      return make_error(IpcErrc::kInvalidArgument, "shared memory object " + name + " size overflows");
+    bytes = static_cast<std::size_t>(rounded);
+  }
+  const int fd = open_object(name, dir, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  const std::string shown = dir.empty() ? name : path_in(dir, name);
   if (fd < 0) {
-    if (errno == EEXIST) return make_error(IpcErrc::kInUse, "shared memory object " + name + " already exists");
-    return make_error(IpcErrc::kSystem, detail::errno_text(("create " + name).c_str()));
+    if (errno == EEXIST) return make_error(IpcErrc::kInUse, "shared memory object " + shown + " already exists");
+    return make_error(IpcErrc::kSystem, detail::errno_text(("create " + shown).c_str()));
   }
   std::unique_ptr<SharedObject> o(new SharedObject());
   o->name_ = name;
+  o->dir_ = dir;
   o->created_ = true;
   o->unlink_ = true;  // until it is complete: a failed create leaves nothing behind
   o->owner_uid_ = getuid();
@@ -73,29 +133,27 @@ Result<std::unique_ptr<SharedObject>, IpcErrc> SharedObject::create(const std::s
     return make_error(code, msg);
   };
   // Never wider than 0600, whatever the umask; an object whose mode cannot be set is not used.
-  if (fchmod(fd, 0600) != 0) return fail(IpcErrc::kSystem, detail::errno_text(("set the mode of " + name).c_str()));
+  if (fchmod(fd, 0600) != 0) return fail(IpcErrc::kSystem, detail::errno_text(("set the mode of " + shown).c_str()));
   if (ftruncate(fd, static_cast<off_t>(bytes)) != 0)
-    return fail(IpcErrc::kSystem, detail::errno_text(("size " + name).c_str()));
+    return fail(IpcErrc::kSystem, detail::errno_text(("size " + shown).c_str()));
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) return fail(IpcErrc::kSystem, detail::errno_text(("map " + name).c_str()));
+  if (p == MAP_FAILED) return fail(IpcErrc::kSystem, detail::errno_text(("map " + shown).c_str()));
   o->data_ = static_cast<std::byte*>(p);
   o->size_ = bytes;
   if (before) before(p, bytes);
   // Every page now, so a full tmpfs is an error here and never a SIGBUS at some later write.
   if (const int e = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); e != 0) {
-    const std::int64_t free_now = shm_free_bytes();
     return fail(e == ENOSPC ? IpcErrc::kNoSpace : IpcErrc::kSystem,
-                "cannot allocate shared memory object " + name + " of " + mib(bytes) + " (" + std::to_string(bytes) +
-                    " bytes): " + std::strerror(e) + "; /dev/shm has " +
-                    (free_now < 0 ? std::string("unknown") : mib(static_cast<std::uint64_t>(free_now))) + " free");
+                "cannot allocate shared memory object " + shown + " of " + mib(bytes) + " (" + std::to_string(bytes) +
+                    " bytes): " + std::strerror(e) + "; " + room_of(dir));
   }
   close(fd);
   o->unlink_ = false;
   return o;
 }
 
-Result<std::unique_ptr<SharedObject>, IpcErrc> SharedObject::open(const std::string& name) {
-  const int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0);
+Result<std::unique_ptr<SharedObject>, IpcErrc> SharedObject::open(const std::string& name, const std::string& dir) {
+  const int fd = open_object(name, dir, O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0);
   if (fd < 0) {
     if (errno == ENOENT) return make_error(IpcErrc::kNotFound, "shared memory object " + name + " does not exist");
     if (errno == EACCES) return make_error(IpcErrc::kPermission, "no permission to open " + name);
@@ -108,6 +166,7 @@ Result<std::unique_ptr<SharedObject>, IpcErrc> SharedObject::open(const std::str
   }
   std::unique_ptr<SharedObject> o(new SharedObject());
   o->name_ = name;
+  o->dir_ = dir;
   o->owner_uid_ = st.st_uid;
   o->mode_ = st.st_mode & 0777;
   if (st.st_size <= 0) {
@@ -122,17 +181,22 @@ Result<std::unique_ptr<SharedObject>, IpcErrc> SharedObject::open(const std::str
   return o;
 }
 
-std::vector<std::string> sweep_stale_objects() {
+std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& object_dirs) {
   std::vector<std::string> removed;
   const std::string prefix = "kvtd_" + std::to_string(getuid()) + "_";
-  DIR* dir = opendir("/dev/shm");
-  if (dir == nullptr) return removed;
-  std::vector<std::string> names;
-  while (dirent* e = readdir(dir)) {
-    const std::string n = e->d_name;
-    if (n.compare(0, prefix.size(), prefix) == 0) names.push_back(n);
-  }
-  closedir(dir);
+  auto list = [&](const std::string& at) {
+    std::vector<std::string> found;
+    if (DIR* dir = opendir(at.c_str())) {
+      while (dirent* e = readdir(dir)) {
+        const std::string n = e->d_name;
+        if (n.compare(0, prefix.size(), prefix) == 0) found.push_back(n);
+      }
+      closedir(dir);
+    }
+    return found;
+  };
+  const std::vector<std::string> names = list("/dev/shm");
+  if (names.empty() && object_dirs.empty()) return removed;
 
   // Per-session objects: "<prefix><16 hex>_dev<digits>", "_host<digits>" or "_fdcache<digits>".
   auto session_object_generation = [&](const std::string& n, std::uint64_t* gen) {
@@ -179,15 +243,20 @@ std::vector<std::string> sweep_stale_objects() {
   // session may hold its new arena but not its segment. Objects touched in the last 30 s are
   // therefore never swept; an orphan is always older than that by the next sweep.
   const time_t fresh_after = time(nullptr) - 30;
-  for (const auto& n : names) {
-    std::uint64_t gen = 0;
-    struct stat st {};
-    if (session_object_generation(n, &gen) && !live.count(gen) && stat(("/dev/shm/" + n).c_str(), &st) == 0 &&
-        st.st_mtime < fresh_after) {
-      SharedObject::remove(n);
-      removed.push_back(n);
+  auto sweep_objects_in = [&](const std::string& dir, const std::vector<std::string>& in_dir) {
+    for (const auto& n : in_dir) {
+      std::uint64_t gen = 0;
+      struct stat st {};
+      if (session_object_generation(n, &gen) && !live.count(gen) &&
+          lstat(((dir.empty() ? std::string("/dev/shm") : dir) + "/" + n).c_str(), &st) == 0 &&
+          S_ISREG(st.st_mode) && st.st_uid == getuid() && st.st_mtime < fresh_after) {
+        SharedObject::remove(n, dir);
+        removed.push_back(dir.empty() ? n : dir + "/" + n);
+      }
     }
-  }
+  };
+  sweep_objects_in("", names);
+  for (const auto& dir : object_dirs) sweep_objects_in(dir, list(dir));
   for (const auto& n : dead_sessions) {
     SharedObject::remove(n);
     removed.push_back(n);

@@ -37,6 +37,18 @@ TEST(DaemonFlags, ParsesKvtdNames) {
   EXPECT_TRUE(g.has_value());
 }
 
+TEST(DaemonFlags, HostPoolHugePagesAndTheirMount) {
+  auto c = parse(kBase);
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  EXPECT_FALSE(c->host_pool_hugepages);
+  auto args = kBase;
+  args.insert(args.end(), {"--host-pool-hugepages", "--hugetlbfs-dir", "/mnt/huge1g"});
+  auto h = parse(args);
+  ASSERT_TRUE(h.ok()) << h.error().message;
+  EXPECT_TRUE(h->host_pool_hugepages);
+  EXPECT_EQ(h->hugetlbfs_dir, "/mnt/huge1g");
+}
+
 TEST(DaemonFlags, ScatterModeDefaultsToTheCopyEnginesAndKnowsWhenItWasAsked) {
   auto c = parse(kBase);
   ASSERT_TRUE(c.ok()) << c.error().message;
@@ -242,6 +254,7 @@ TEST(DaemonFlags, BadValuesNameTheFlag) {
   expect_rejected({"--extra-device-blocks", "5"}, "--num-extra-layers");
   expect_rejected({"--local-data-parallel-id", "-1"}, "--local-data-parallel-id");
   expect_rejected({"--host-layout", "row_major"}, "--host-layout");
+  expect_rejected({"--host-pool-hugepages", "--hugetlbfs-dir", "hugepages"}, "--hugetlbfs-dir");
   expect_rejected({"--numa-node", "near"}, "--numa-node");
   expect_rejected({"--metrics-address", "localhost"}, "--metrics-address");
   expect_rejected({"--metrics-address", "10.0.0.300"}, "--metrics-address");

@@ -1,5 +1,6 @@
 #include "kvtd/daemon/host_pool.h"
 
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -7,6 +8,7 @@
 #include <chrono>
 #include <utility>
 #include <cstdio>
+#include <cerrno>
 #include <cstring>
 
 #include "kvtd/daemon/log.h"
@@ -146,13 +148,34 @@ std::uint64_t HostPool::object_bytes(const proto::CacheGeometry& g, config::Host
   return layout_of(g, layout, &l) ? l.total : 0;
 }
 
+Result<std::uint64_t, DeviceErrc> HostPool::hugetlbfs_page_bytes(const std::string& dir) {
+  constexpr long kHugetlbfsMagic = 0x958458f6;  // linux/magic.h HUGETLBFS_MAGIC
+  struct statfs f {};
+  if (::statfs(dir.c_str(), &f) != 0)
+    return make_error(DeviceErrc::kAllocFailed, "--host-pool-hugepages: " + dir + ": " + std::strerror(errno) +
+                                                    " (mount one: mount -t hugetlbfs none " + dir + ")");
+  if (static_cast<long>(f.f_type) != kHugetlbfsMagic)
+    return make_error(DeviceErrc::kAllocFailed, "--host-pool-hugepages: " + dir +
+                                                    " is not a hugetlbfs mount (mount -t hugetlbfs none " + dir +
+                                                    ", or name one with --hugetlbfs-dir)");
+  return static_cast<std::uint64_t>(f.f_bsize);
+}
+
 Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend, const proto::CacheGeometry& g,
                                                              std::uint64_t generation, std::uint32_t rank,
                                                              config::HostLayout layout, int numa_node,
-                                                             std::uint64_t pin_chunk_bytes) {
+                                                             std::uint64_t pin_chunk_bytes,
+                                                             const std::string& hugetlbfs_dir) {
   PoolLayout l;
   if (!layout_of(g, layout, &l) || l.total >= proto::kMaxSizeBytes)
     return make_error(DeviceErrc::kAllocFailed, "host pool size overflows");
+  std::uint64_t page = 4096, mapped = l.total;  // hugetlbfs maps whole huge pages only
+  if (!hugetlbfs_dir.empty()) {
+    auto huge = hugetlbfs_page_bytes(hugetlbfs_dir);
+    if (!huge.ok()) return std::move(huge).error();
+    page = *huge;
+    mapped = (l.total + page - 1) / page * page;
+  }
   const std::string name = ipc::session_object_name(generation, "host" + std::to_string(rank));
   PoolHeader want{};
   want.magic = kPoolMagic;
@@ -169,11 +192,12 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend
   pool->backend_ = &backend;
   pool->blocks_ = g.num_host_blocks;
   pool->sums_kept_ = std::make_unique<std::atomic<std::uint16_t>[]>(g.num_host_blocks);
+  pool->page_bytes_ = page;
 
   // A pool a previous daemon of this session left behind: used only if it is exactly ours.
-  if (auto old = ipc::SharedObject::open(name); old.ok()) {
+  if (auto old = ipc::SharedObject::open(name, hugetlbfs_dir); old.ok()) {
     auto& o = *old;
-    bool same = o->owner_uid() == getuid() && (o->mode() & 077) == 0 && o->size() == l.total;
+    bool same = o->owner_uid() == getuid() && (o->mode() & 077) == 0 && o->size() == mapped;
     if (same) {
       PoolHeader have;
       std::memcpy(&have, o->data(), sizeof have);
@@ -188,22 +212,37 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend
       KVTD_WARN("host pool object {} does not match this session and geometry; recreating it (its blocks are lost)",
                 name);
       old->reset();
-      ipc::SharedObject::remove(name);
+      ipc::SharedObject::remove(name, hugetlbfs_dir);
     }
   }
-  if (!pool->object_) {
+  if (!pool->object_ && !hugetlbfs_dir.empty()) {
+    const std::int64_t free_pages = ipc::free_huge_pages(page);
+    if (free_pages >= 0 && static_cast<std::uint64_t>(free_pages) < mapped / page)
+      return make_error(DeviceErrc::kAllocFailed,
+                        "--host-pool-hugepages: the host pool needs " + std::to_string(mapped / page) + " pages of " +
+                            std::to_string(page >> 10) + " kB (" + mib(l.total) + ", " +
+                            std::to_string(g.num_host_blocks) + " blocks) and the kernel has " +
+                            std::to_string(free_pages) + " free (HugePages_Free less HugePages_Rsvd in "
+                            "/proc/meminfo); reserve more (sysctl -w vm.nr_hugepages=...) or lower --num-host-blocks");
+  }
+  if (!pool->object_ && hugetlbfs_dir.empty()) {
     const std::int64_t free_now = ipc::shm_free_bytes();
     if (free_now >= 0 && static_cast<std::uint64_t>(free_now) < l.total)
       return make_error(DeviceErrc::kAllocFailed,
                         "host pool needs " + mib(l.total) + " (" + std::to_string(g.num_host_blocks) +
                             " blocks) in /dev/shm, which has " + mib(static_cast<std::uint64_t>(free_now)) +
                             " free; enlarge it (mount -o remount,size=... /dev/shm) or lower --num-host-blocks");
+  }
+  if (!pool->object_) {
     const int node = numa_node;
-    auto created = ipc::SharedObject::create(name, l.total, [node](void* addr, std::size_t bytes) {
-      std::string why;
-      if (node >= 0 && !bind_to_numa_node(addr, bytes, node, &why))
-        KVTD_WARN("host pool not placed on NUMA node {}: {}", node, why);
-    });
+    auto created = ipc::SharedObject::create(
+        name, l.total,
+        [node](void* addr, std::size_t bytes) {
+          std::string why;
+          if (node >= 0 && !bind_to_numa_node(addr, bytes, node, &why))
+            KVTD_WARN("host pool not placed on NUMA node {}: {}", node, why);
+        },
+        hugetlbfs_dir);
     if (!created.ok()) return make_error(DeviceErrc::kAllocFailed, "host pool: " + created.error().message);
     pool->object_ = std::move(created).value();
     std::memcpy(pool->object_->data(), &want, sizeof want);
@@ -260,7 +299,7 @@ std::uint64_t HostPool::stride(proto::TensorKind kind) const {
   return page_stride_ != 0 ? page_stride_ : geometry_.block_bytes(kind);
 }
 
-void HostPool::remove() { ipc::SharedObject::remove(object_->name()); }
+void HostPool::remove() { ipc::SharedObject::remove(object_->name(), object_->dir()); }
 
 std::size_t HostPool::valid_blocks() const {
   std::size_t n = 0;

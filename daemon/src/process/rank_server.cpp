@@ -55,7 +55,8 @@ std::optional<int> RankServer::serve_session(RankEndpoint& ep) {
   // take seconds for large caches, and a granted rank that is silent that long is fenced.
   Heartbeat heartbeat(ep, cfg_.heartbeat_period_ns());
   notify_status("attached to session " + cfg_.session_suffix + "; mapping the cache and the host pool");
-  auto pool = HostPool::open(*s_.backend, s_.geometry, ep.generation(), cfg_.rank, cfg_.host_layout, s_.numa_node);
+  auto pool = HostPool::open(*s_.backend, s_.geometry, ep.generation(), cfg_.rank, cfg_.host_layout, s_.numa_node,
+                             HostPool::kPinChunkBytes, cfg_.host_pool_hugepages ? cfg_.hugetlbfs_dir : std::string());
   if (!pool.ok()) {
     KVTD_ERROR("host pool: {}", pool.error().message);
     return kExitBackend;
@@ -63,6 +64,8 @@ std::optional<int> RankServer::serve_session(RankEndpoint& ep) {
   if ((*pool)->restored())
     KVTD_INFO("host pool {} re-mapped from a previous daemon of this session: {} of {} blocks hold data",
               (*pool)->name(), (*pool)->valid_blocks(), cfg_.num_host_blocks);
+  if (cfg_.host_pool_hugepages)
+    KVTD_INFO("host pool in {} kB pages under {}", (*pool)->page_bytes() >> 10, cfg_.hugetlbfs_dir);
   Session s{ep, **pool, heartbeat, std::nullopt, nullptr};
   // One pass per mapping of the engine's cache: a weight update (CLEAR_CACHE ... RESTORE_CACHE, or
   // `kvtd ctl clear|restore`) closes it and later maps the re-registered tensors.

@@ -121,12 +121,16 @@ std::optional<int> open_kv_events(const config::DaemonConfig& cfg, Services& s) 
 // (exit 5) when it must create a pool that does not fit.
 void log_pool_room(const config::DaemonConfig& cfg, const Services& s) {
   const std::uint64_t pool_bytes = HostPool::object_bytes(s.geometry, cfg.host_layout);
-  const std::int64_t shm_free = ipc::shm_free_bytes();
+  const std::int64_t shm_free = cfg.host_pool_hugepages ? -1 : ipc::shm_free_bytes();
+  // In huge pages, HostPool::open checks the kernel's free pages and names the counts.
+  const std::string room = cfg.host_pool_hugepages
+                               ? "in huge pages under " + cfg.hugetlbfs_dir
+                               : fmt::format("/dev/shm has {:.1f} MiB free", static_cast<double>(shm_free) / (1 << 20));
   KVTD_INFO("kvtd {}rank {}/{} device {} backend={} host pool {:.1f} MiB ({} blocks x {} bytes per block, all "
-            "layers); /dev/shm has {:.1f} MiB free",
+            "layers); {}",
             cfg.group.empty() ? std::string() : "group " + cfg.group + " ", cfg.rank, cfg.mp_num, cfg.device_id,
             s.backend->name(), static_cast<double>(pool_bytes) / (1 << 20), cfg.num_host_blocks,
-            s.geometry.bytes_per_block_all_layers(), static_cast<double>(shm_free) / (1 << 20));
+            s.geometry.bytes_per_block_all_layers(), room);
   if (shm_free >= 0 && static_cast<std::uint64_t>(shm_free) < pool_bytes)
     KVTD_WARN("a new host pool needs {:.1f} MiB in /dev/shm but only {:.1f} MiB are free: unless this rank's "
               "pool of the session exists already, attaching will fail; enlarge /dev/shm (mount -o "
@@ -210,7 +214,17 @@ void reserve_descriptors() {
 
 std::optional<int> start_up(const config::DaemonConfig& cfg, std::atomic<bool>& stop, Services& s) {
   reserve_descriptors();
-  for (const auto& n : ipc::sweep_stale_objects()) KVTD_INFO("removed stale shared-memory object {}", n);
+  // Host pools in huge pages are files in the hugetlbfs mount: what a dead session left there holds
+  // pages no one else can have, so they are swept too.
+  const std::vector<std::string> pool_dirs =
+      cfg.host_pool_hugepages ? std::vector<std::string>{cfg.hugetlbfs_dir} : std::vector<std::string>{};
+  for (const auto& n : ipc::sweep_stale_objects(pool_dirs)) KVTD_INFO("removed stale shared-memory object {}", n);
+  if (cfg.host_pool_hugepages) {
+    if (auto page = HostPool::hugetlbfs_page_bytes(cfg.hugetlbfs_dir); !page.ok()) {
+      KVTD_ERROR("{}", page.error().message);
+      return kExitBadFlags;
+    }
+  }
   auto backend = open_backend(cfg);
   if (!backend.ok()) {
     KVTD_ERROR("--device-backend cuda: {}", backend.error().message);

@@ -158,6 +158,8 @@ struct DaemonConfig {
   VerifySwaps verify_swaps = VerifySwaps::kSampled;
   std::uint32_t copy_batch_max = 4096;  // copies per cudaMemcpyBatchAsync call (--copy-batch-max)
   HostLayout host_layout = HostLayout::kLayerFirst;
+  bool host_pool_hugepages = false;    // the host pool in huge pages: a file in hugetlbfs_dir
+  std::string hugetlbfs_dir = "/dev/hugepages";
   int numa_node = kNumaAuto;           // host pool and copy threads; kNumaAuto: the GPU's, -1: none
   std::string log_dir;                 // empty: log to stderr only
   std::string log_level = "info";

@@ -48,12 +48,15 @@ class HostPool {
   // with this geometry and layout, else creates it (after checking /dev/shm has room: the error
   // names the size and the free space), preferring `numa_node` for its pages (-1: anywhere).
   // The regions are pinned in registrations of at most `pin_chunk_bytes`, each holding whole
-  // blocks and pages (drivers refuse one cudaHostRegister of >= 512 GiB).
+  // blocks and pages (drivers refuse one cudaHostRegister of >= 512 GiB). `hugetlbfs_dir`: empty
+  // for /dev/shm, else a hugetlbfs mount the pool is a file in (huge pages: fewer TLB misses and
+  // page-table entries to pin); refused, naming the counts, when the kernel has too few free.
   static Result<std::unique_ptr<HostPool>, DeviceErrc> open(HostMemory& backend, const proto::CacheGeometry& g,
                                                             std::uint64_t generation, std::uint32_t rank,
                                                             config::HostLayout layout = config::HostLayout::kLayerFirst,
                                                             int numa_node = -1,
-                                                            std::uint64_t pin_chunk_bytes = kPinChunkBytes);
+                                                            std::uint64_t pin_chunk_bytes = kPinChunkBytes,
+                                                            const std::string& hugetlbfs_dir = {});
   static constexpr std::uint64_t kPinChunkBytes = std::uint64_t{64} << 30;
   ~HostPool();
   HostPool(const HostPool&) = delete;
@@ -68,6 +71,8 @@ class HostPool {
   // across every layer and tensor (page_first).
   std::uint64_t stride(proto::TensorKind kind) const;
   std::size_t total_bytes() const { return total_; }
+  // Bytes of each page the pool is mapped in (4096, or the huge page size in a hugetlbfs mount).
+  std::uint64_t page_bytes() const { return page_bytes_; }
   // Seconds open() spent pinning the pool (~0.1 s per GB on CUDA; 0 on the host backend), and
   // in how many registrations.
   double pin_seconds() const { return pin_seconds_; }
@@ -98,6 +103,10 @@ class HostPool {
   // Unlinks the object: the session is over and nobody will need these bytes again.
   void remove();
 
+  // The page size of the hugetlbfs mount `dir`, or an error naming what it is instead (checked
+  // at start-up, so a wrong --hugetlbfs-dir fails before any engine attaches).
+  static Result<std::uint64_t, DeviceErrc> hugetlbfs_page_bytes(const std::string& dir);
+
   // Bytes the pool object of this geometry needs (header, validity map, regions); 0 on overflow.
   static std::uint64_t object_bytes(const proto::CacheGeometry& g,
                                     config::HostLayout layout = config::HostLayout::kLayerFirst);
@@ -121,6 +130,7 @@ class HostPool {
   std::vector<std::byte*> regions_;
   std::size_t total_ = 0;
   bool restored_ = false;
+  std::uint64_t page_bytes_ = 4096;
   proto::CacheGeometry geometry_{};
   std::uint64_t page_stride_ = 0;  // 0: layer_first
 };

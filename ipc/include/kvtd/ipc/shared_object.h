@@ -4,6 +4,11 @@
 // a message naming the size and the free space, never with SIGBUS at a later write. Objects are
 // mode 0600 whatever the umask.
 //
+// An object lives in /dev/shm (shm_open), or, given a directory, as a file there: a hugetlbfs
+// mount gives the object 2 MiB (or 1 GiB) pages, and like /dev/shm it outlives the process. Its
+// size is then rounded up to the file system's block size (the huge page: hugetlbfs maps whole
+// pages only).
+//
 // Ownership: a SharedObject owns its mapping (unmapped on destruction); it unlinks the name on
 // destruction only if unlink_on_destroy is set. Not copyable or movable (held by unique_ptr).
 // Thread-safety: the bytes are the user's to synchronise; the object itself is immutable.
@@ -28,13 +33,15 @@ class SharedObject {
   // Called on the fresh mapping before its pages are allocated, e.g. to bind it to a NUMA node.
   using BeforeAllocate = std::function<void(void* addr, std::size_t bytes)>;
 
-  // Creates `name` (kInUse if it exists), sizes it to `bytes` and allocates every page.
+  // Creates `name` (kInUse if it exists), sizes it to `bytes` and allocates every page. `dir`:
+  // empty for /dev/shm, else the directory the object is a file in (no '/' in `name`).
   static Result<std::unique_ptr<SharedObject>, IpcErrc> create(const std::string& name, std::size_t bytes,
-                                                               const BeforeAllocate& before = {});
+                                                               const BeforeAllocate& before = {},
+                                                               const std::string& dir = {});
   // Maps an existing object; owner_uid()/mode() let the caller refuse foreign ones.
-  static Result<std::unique_ptr<SharedObject>, IpcErrc> open(const std::string& name);
+  static Result<std::unique_ptr<SharedObject>, IpcErrc> open(const std::string& name, const std::string& dir = {});
   // Unlinks a name; a missing one is not an error.
-  static void remove(const std::string& name);
+  static void remove(const std::string& name, const std::string& dir = {});
 
   ~SharedObject();
   SharedObject(const SharedObject&) = delete;
@@ -43,6 +50,7 @@ class SharedObject {
   std::byte* data() const { return data_; }
   std::size_t size() const { return size_; }
   const std::string& name() const { return name_; }
+  const std::string& dir() const { return dir_; }  // empty: /dev/shm
   uid_t owner_uid() const { return owner_uid_; }
   mode_t mode() const { return mode_; }
   bool created() const { return created_; }  // made by this process (not opened)
@@ -53,6 +61,7 @@ class SharedObject {
   std::byte* data_ = nullptr;
   std::size_t size_ = 0;
   std::string name_;
+  std::string dir_;
   uid_t owner_uid_ = 0;
   mode_t mode_ = 0;
   bool created_ = false;
@@ -69,8 +78,13 @@ std::int64_t shm_free_bytes();
 
 // Removes shared-memory objects of this uid that no live process needs: session segments whose
 // creator is dead, and device arenas and host pools ("kvtd_<uid>_<generation>_dev<r>" /
-// "_host<r>") of sessions that no longer exist. Returns the names removed. Safe to run while
-// sessions are being created: it sweeps nothing while any segment is half-initialised.
-std::vector<std::string> sweep_stale_objects();
+// "_host<r>") of sessions that no longer exist, in /dev/shm and in each of `object_dirs` (e.g. a
+// hugetlbfs mount holding host pools). Returns the names removed. Safe to run while sessions are
+// being created: it sweeps nothing while any segment is half-initialised.
+std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& object_dirs = {});
+
+// Huge pages of `page_bytes` the kernel has free for new mappings (free minus reserved, from
+// /sys/kernel/mm/hugepages), or -1 when it cannot tell.
+std::int64_t free_huge_pages(std::uint64_t page_bytes);
 
 }  // namespace kvtd::ipc
