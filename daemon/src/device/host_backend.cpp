@@ -28,6 +28,14 @@ Result<std::vector<std::uint64_t>, DeviceErrc> CopyEngine::device_checksums(Dire
   return out;
 }
 
+Result<std::vector<std::uint64_t>, DeviceErrc> CopyEngine::copy_with_checksums(Direction dir, const kernels::CopyPlan& plan,
+                                                                               std::span<const kernels::CopyTarget> targets,
+                                                                               std::span<const std::int32_t> ids) {
+  if (auto st = copy(dir, plan, targets); !st.ok()) return std::move(st).error();
+  if (ids.empty()) return std::vector<std::uint64_t>{};
+  return device_checksums(dir, targets, ids);
+}
+
 namespace {
 namespace bip = boost::interprocess;
 

@@ -92,15 +92,18 @@ struct TaskRunner::Impl {
   Status<DeviceErrc> await_engine_event(const Work& w, std::int64_t start);
 
   // ---- swap_checksums.cpp (--verify-swaps) ----
-  // The (device, host) pairs of swap `w` whose checksums are kept and checked.
-  void verified_pairs(const Work& w, std::vector<std::int32_t>& device, std::vector<std::int32_t>& host) const;
-  // After a swap-out: keeps the checksums of its verified blocks with their host blocks. An error
-  // message when they could not be computed ("" when kept).
-  std::string keep_checksums(const Work& w, std::span<const kernels::CopyTarget> targets);
-  // After a swap-in: compares the device blocks' checksums with those kept at swap-out. The
-  // failure (integrity, or device_error when they could not be computed), or nullopt.
-  std::optional<std::pair<TaskStatus, std::string>> check_checksums(const Work& w,
-                                                                     std::span<const kernels::CopyTarget> targets);
+  // The blocks of swap `w` whose checksums are taken: at swap-out its sampled (device, host)
+  // pairs; at swap-in those of them whose host block has checksums kept in this process.
+  struct VerifiedBlocks {
+    std::vector<std::int32_t> device, host;
+  };
+  VerifiedBlocks blocks_to_verify(const Work& w, bool swap_in, std::size_t targets) const;
+  // After a swap-out: keeps `sums` (device_checksums' layout) with the host blocks.
+  void keep_checksums(const VerifiedBlocks& v, std::span<const std::uint64_t> sums, std::size_t targets);
+  // After a swap-in: compares `sums` with those kept at swap-out; the integrity failure, or nullopt.
+  std::optional<std::pair<TaskStatus, std::string>> check_checksums(const VerifiedBlocks& v,
+                                                                     std::span<const std::uint64_t> sums,
+                                                                     std::size_t targets) const;
   std::uint64_t task_bytes(const Work& w) const {
     return block_bytes_all_layers * static_cast<std::uint64_t>(w.plan.num_blocks);
   }

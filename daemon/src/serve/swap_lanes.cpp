@@ -49,6 +49,9 @@ void TaskRunner::Impl::execute(Work& w, int lane) {
       return;
     }
   }
+  // --verify-swaps: the blocks whose checksums this swap takes (kept at swap-out, compared at swap-in).
+  const VerifiedBlocks verify = blocks_to_verify(w, lane == 1, targets.size());
+  std::vector<std::uint64_t> sums;
   if (st.ok() && (h.flags & proto::kTaskFlagLayerwise)) {
     ep.progress_begin(h);
     std::uint32_t queued = 0, done = 0;
@@ -62,23 +65,35 @@ void TaskRunner::Impl::execute(Work& w, int lane) {
           done = layer + 1;
           ep.progress_update(h, queued, done);
         });
+    if (st.ok() && !verify.device.empty()) {
+      auto got = backend.device_checksums(Direction::kToDevice, targets, verify.device);
+      if (got.ok()) sums = std::move(got).value();
+      else st = std::move(got).error();
+    }
   } else if (st.ok()) {
-    st = backend.copy(lane == 0 ? Direction::kToHost : Direction::kToDevice, w.plan, targets);
+    // The checksums ride behind the copy on its stream: one synchronisation for both.
+    auto got = backend.copy_with_checksums(lane == 0 ? Direction::kToHost : Direction::kToDevice, w.plan, targets,
+                                           verify.device);
+    if (got.ok()) sums = std::move(got).value();
+    else st = std::move(got).error();
   }
   if (!st.ok()) {
     complete(h, TaskStatus::kDeviceError, 0, 0, start, st.error().message);
     return;
   }
+  if (sums.size() != verify.device.size() * targets.size()) {
+    complete(h, TaskStatus::kDeviceError, 0, 0, start,
+             "--verify-swaps: the device returned " + std::to_string(sums.size()) + " checksums for " +
+                 std::to_string(verify.device.size()) + " blocks x " + std::to_string(targets.size()) + " tensors");
+    return;
+  }
   if (lane == 0 && cache.pool != nullptr) {
     // The checksums first: a block is valid only with what --verify-swaps checks it against.
-    if (auto why = keep_checksums(w, targets); !why.empty()) {
-      complete(h, TaskStatus::kDeviceError, 0, 0, start, why);
-      return;
-    }
+    keep_checksums(verify, sums, targets.size());
     cache.pool->mark_valid(w.host_ids);
   }
   if (lane == 1 && cache.pool != nullptr) {
-    if (auto bad = check_checksums(w, targets)) {
+    if (auto bad = check_checksums(verify, sums, targets.size())) {
       complete(h, bad->first, 0, 0, start, bad->second);
       return;
     }

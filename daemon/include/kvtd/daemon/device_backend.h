@@ -132,6 +132,12 @@ class CopyEngine {
   // with the CPU (the host backend's tensors are host memory). Thread-safe.
   virtual Result<std::vector<std::uint64_t>, DeviceErrc> device_checksums(
       Direction dir, std::span<const kernels::CopyTarget> targets, std::span<const std::int32_t> ids);
+  // copy(), then device_checksums() of `ids` (none: an empty result) once the copy is done. On
+  // CUDA the checksum kernel runs on the copy's stream right behind it and the task waits once;
+  // the default makes the two calls. Thread-safe.
+  virtual Result<std::vector<std::uint64_t>, DeviceErrc> copy_with_checksums(
+      Direction dir, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets,
+      std::span<const std::int32_t> ids);
 
   // The monotonic time (ns) since which the oldest copy now running on a lane has been running,
   // or 0 when every lane is idle or waiting for an engine's event. A copy that never finishes

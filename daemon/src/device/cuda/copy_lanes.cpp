@@ -38,20 +38,9 @@ Status<DeviceErrc> CudaBackend::plain_copy(Lane& lane, std::byte* dst, const std
 
 Status<DeviceErrc> CudaBackend::copy(Direction dir, const kernels::CopyPlan& plan,
                         std::span<const kernels::CopyTarget> targets) {
-  Lane& lane = lane_of(dir);
-  MutexLock g(lane.mu);
-  BusyMark busy(lane);
-  KVTD_CUDA_TRY(cudaSetDevice(device_));
-  auto st = [&]() REQUIRES(lane.mu) -> Status<DeviceErrc> {
-    KVTD_TRY(stage_plan(lane, plan, targets));
-    KVTD_TRY(enqueue(lane, plan, targets, /*all_layers=*/true));
-    KVTD_CUDA_TRY(cudaStreamSynchronize(lane.stream));
-    return {};
-  }();
-  // On failure, copies enqueued before the failing call may still be running: wait for them,
-  // because the runner releases this task's blocks (and the engine may reuse them) when we return.
-  if (!st.ok()) lane.drain();
-  return st;
+  auto done = run_with_checksums(dir, plan, targets, {}, /*copy_first=*/true);
+  if (!done.ok()) return std::move(done).error();
+  return {};
 }
 
 Status<DeviceErrc> CudaBackend::copy_layerwise(Direction dir, const kernels::CopyPlan& plan,
@@ -153,46 +142,77 @@ Status<DeviceErrc> CudaBackend::await_engine_event(const std::array<std::uint8_t
   }
 }
 
+Result<const std::uint64_t*, DeviceErrc> CudaBackend::enqueue_checksums(Lane& lane, Direction dir,
+                                                                       std::span<const kernels::CopyTarget> targets,
+                                                                       std::span<const std::int32_t> ids) {
+  // The device side of each target, as the checksum kernel's table, and the blocks' ids, in one
+  // mirror [table | ids | results] uploaded by one copy: lane.ids may still feed a copy enqueued
+  // before on this stream, so the checksum's ids never share it.
+  std::vector<kernels::LayerTensor> table;
+  table.reserve(targets.size());
+  for (const auto& t : targets)
+    table.push_back(dir == Direction::kToHost
+                        ? kernels::LayerTensor{const_cast<std::byte*>(t.src), t.block_bytes, t.src_stride}
+                        : kernels::LayerTensor{t.dst, t.block_bytes, t.dst_stride});
+  const auto round8 = [](std::size_t n) { return (n + 7) / 8 * 8; };
+  const std::size_t table_bytes = table.size() * sizeof(kernels::LayerTensor);
+  const std::size_t ids_at = round8(table_bytes);
+  const std::size_t results_at = round8(ids_at + ids.size_bytes());
+  const std::size_t out_bytes = targets.size() * ids.size() * sizeof(std::uint64_t);
+  KVTD_TRY(lane.sums.reserve(results_at + out_bytes));
+  auto* host = static_cast<std::byte*>(lane.sums.host);
+  auto* dev = static_cast<std::byte*>(lane.sums.dev);
+  std::memcpy(host, table.data(), table_bytes);
+  std::memcpy(host + ids_at, ids.data(), ids.size_bytes());
+  KVTD_TRY(lane.sums.upload(ids_at + ids.size_bytes(), lane.stream));
+  auto* d_results = reinterpret_cast<std::uint64_t*>(dev + results_at);
+  const int e = kernels::launch_block_checksums(reinterpret_cast<const kernels::LayerTensor*>(dev),
+                                                static_cast<std::uint32_t>(table.size()),
+                                                reinterpret_cast<const std::int32_t*>(dev + ids_at),
+                                                static_cast<std::int64_t>(ids.size()), d_results, lane.stream);
+  if (e != 0)
+    return make_error(errc_of(static_cast<cudaError_t>(e)), cuda_text("checksum kernel", static_cast<cudaError_t>(e)));
+  auto* h_results = host + results_at;
+  KVTD_CUDA_TRY(cudaMemcpyAsync(h_results, d_results, out_bytes, cudaMemcpyDeviceToHost, lane.stream));
+  return reinterpret_cast<const std::uint64_t*>(h_results);
+}
+
 Result<std::vector<std::uint64_t>, DeviceErrc> CudaBackend::device_checksums(
     Direction dir, std::span<const kernels::CopyTarget> targets, std::span<const std::int32_t> ids) {
+  return run_with_checksums(dir, kernels::CopyPlan{}, targets, ids, /*copy_first=*/false);
+}
+
+Result<std::vector<std::uint64_t>, DeviceErrc> CudaBackend::copy_with_checksums(
+    Direction dir, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets,
+    std::span<const std::int32_t> ids) {
+  return run_with_checksums(dir, plan, targets, ids, /*copy_first=*/true);
+}
+
+Result<std::vector<std::uint64_t>, DeviceErrc> CudaBackend::run_with_checksums(
+    Direction dir, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets,
+    std::span<const std::int32_t> ids, bool copy_first) {
   std::vector<std::uint64_t> out(targets.size() * ids.size());
-  if (out.empty()) return out;
+  if (!copy_first && out.empty()) return out;
   Lane& lane = lane_of(dir);
   MutexLock g(lane.mu);
   BusyMark busy(lane);
   KVTD_CUDA_TRY(cudaSetDevice(device_));
   auto st = [&]() REQUIRES(lane.mu) -> Status<DeviceErrc> {
-    // The device side of each target, as the checksum kernel's table (uploaded each time: its
-    // 24 bytes per tensor cost less than keeping it apart from the copy kernel's table).
-    std::vector<kernels::LayerTensor> table;
-    table.reserve(targets.size());
-    for (const auto& t : targets)
-      table.push_back(dir == Direction::kToHost
-                          ? kernels::LayerTensor{const_cast<std::byte*>(t.src), t.block_bytes, t.src_stride}
-                          : kernels::LayerTensor{t.dst, t.block_bytes, t.dst_stride});
-    const std::size_t table_bytes = table.size() * sizeof(kernels::LayerTensor);
-    const std::size_t out_bytes = out.size() * sizeof(std::uint64_t);
-    // [table | results] in one mirror: the table at 0, the results after it (8-byte aligned).
-    const std::size_t results_at = (table_bytes + 7) / 8 * 8;
-    KVTD_TRY(lane.ids.reserve(ids.size_bytes()));
-    KVTD_TRY(lane.sums.reserve(results_at + out_bytes));
-    std::memcpy(lane.ids.host, ids.data(), ids.size_bytes());
-    KVTD_TRY(lane.ids.upload(ids.size_bytes(), lane.stream));
-    std::memcpy(lane.sums.host, table.data(), table_bytes);
-    KVTD_TRY(lane.sums.upload(table_bytes, lane.stream));
-    auto* d_results = reinterpret_cast<std::uint64_t*>(static_cast<std::byte*>(lane.sums.dev) + results_at);
-    const int e = kernels::launch_block_checksums(static_cast<const kernels::LayerTensor*>(lane.sums.dev),
-                                                  static_cast<std::uint32_t>(table.size()),
-                                                  static_cast<const std::int32_t*>(lane.ids.dev),
-                                                  static_cast<std::int64_t>(ids.size()), d_results, lane.stream);
-    if (e != 0)
-      return make_error(errc_of(static_cast<cudaError_t>(e)), cuda_text("checksum kernel", static_cast<cudaError_t>(e)));
-    auto* h_results = static_cast<std::byte*>(lane.sums.host) + results_at;
-    KVTD_CUDA_TRY(cudaMemcpyAsync(h_results, d_results, out_bytes, cudaMemcpyDeviceToHost, lane.stream));
-    KVTD_CUDA_TRY(cudaStreamSynchronize(lane.stream));
-    std::memcpy(out.data(), h_results, out_bytes);
+    if (copy_first) {
+      KVTD_TRY(stage_plan(lane, plan, targets));
+      KVTD_TRY(enqueue(lane, plan, targets, /*all_layers=*/true));
+    }
+    const std::uint64_t* results = nullptr;
+    if (!out.empty()) {
+      auto r = enqueue_checksums(lane, dir, targets, ids);
+      if (!r.ok()) return std::move(r).error();
+      results = *r;
+    }
+    KVTD_CUDA_TRY(cudaStreamSynchronize(lane.stream));  // the copy and the sums: one wait
+    if (results != nullptr) std::memcpy(out.data(), results, out.size() * sizeof(std::uint64_t));
     return {};
   }();
+  // As in copy(): nothing enqueued may still run once we report failure.
   if (!st.ok()) {
     lane.drain();
     return std::move(st).error();

@@ -121,6 +121,10 @@ class CudaBackend final : public DeviceBackend {
                                                                  std::span<const kernels::CopyTarget> targets,
                                                                  std::span<const std::int32_t> ids) override;
 
+  Result<std::vector<std::uint64_t>, DeviceErrc> copy_with_checksums(Direction dir, const kernels::CopyPlan& plan,
+                                                                    std::span<const kernels::CopyTarget> targets,
+                                                                    std::span<const std::int32_t> ids) override;
+
   Status<DeviceErrc> gather_to_staging(std::span<const kernels::LayerTensor> tensors,
                                        std::span<const std::int32_t> ids, std::byte* staging) override;
 
@@ -176,6 +180,18 @@ class CudaBackend final : public DeviceBackend {
    private:
     Lane& lane_;
   };
+
+  // copy, device_checksums and copy_with_checksums: the copy (when copy_first) and the checksum
+  // kernel (when ids) enqueued on the lane's stream, one synchronisation. On failure the lane is
+  // drained first: nothing enqueued still writes once the caller hears of it.
+  Result<std::vector<std::uint64_t>, DeviceErrc> run_with_checksums(Direction dir, const kernels::CopyPlan& plan,
+                                                                    std::span<const kernels::CopyTarget> targets,
+                                                                    std::span<const std::int32_t> ids, bool copy_first);
+  // Enqueues the checksum kernel over blocks `ids` of `targets`' device sides and the copy of its
+  // results into the lane's pinned mirror; returns where they land once the stream is done.
+  Result<const std::uint64_t*, DeviceErrc> enqueue_checksums(Lane& lane, Direction dir,
+                                                             std::span<const kernels::CopyTarget> targets,
+                                                             std::span<const std::int32_t> ids) REQUIRES(lane.mu);
 
   // Per-layer events, interprocess so the engine can open them (which requires no timing).
   Status<DeviceErrc> ensure_events(Lane& lane, std::size_t layers) REQUIRES(lane.mu);
