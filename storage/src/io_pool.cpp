@@ -58,6 +58,12 @@ void IoPool::helper_loop() {
     work_cv_.wait(g, [&]() REQUIRES(mu_) { return stopping_ || !batches_.empty(); });
     if (stopping_) return;
     Batch* b = batches_.front();
+    // Every call of it taken already (its caller will finish and take it out): never join it
+    // again, or a helper would spin joining and leaving it until the caller's last call returns.
+    if (b->next.load() >= b->n) {
+      batches_.pop_front();
+      continue;
+    }
     if (++b->helpers_in >= b->helpers_wanted) batches_.pop_front();  // it has all the help it asked for
     g.unlock();
     work(*b);
