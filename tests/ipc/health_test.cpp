@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <vector>
 #include <thread>
 
@@ -34,6 +35,16 @@ Probe probe_until(std::uint16_t port, const std::string& path, int code) {
   Probe p;
   const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   while ((p = probe(port, path)).code != code && std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  return p;
+}
+
+// Probes until `done` holds for an answer, or 20 s: a code alone cannot tell "not yet attached"
+// from "attached, and the store does not answer" (both are 503).
+Probe probe_until(std::uint16_t port, const std::string& path, const std::function<bool(const Probe&)>& done) {
+  Probe p;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!done(p = probe(port, path)) && std::chrono::steady_clock::now() < end)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   return p;
 }
@@ -120,9 +131,14 @@ TEST_F(HealthTest, AStoreThatDoesNotAnswerMakesTheRankNotReadyButAlive) {
   extra_args_ = {"--metrics-port", std::to_string(port), "--storage-backend", "redis", "--redis-endpoints",
                  "127.0.0.1:" + std::to_string(nothing_there), "--redis-timeout", "0.5", "--model-id", "m"};
   ASSERT_NO_FATAL_FAILURE(start_all());
-  const Probe p = probe_until(port, "/readyz", 503);
+  // The first 503 may still be the one before the attach (CI under TSan read attached: false):
+  // wait for the attached rank's answer that names the store.
+  const Probe p = probe_until(port, "/readyz", [](const Probe& q) {
+    return q.code == 503 && q.body.is_object() && q.body.value("attached", false) &&
+           has_reason(q.body, "the store does not answer");
+  });
   ASSERT_EQ(p.code, 503) << p.body.dump() << test::read_file(log_path(0));
-  EXPECT_TRUE(p.body["attached"].get<bool>());
+  EXPECT_TRUE(p.body["attached"].get<bool>()) << p.body.dump();
   EXPECT_FALSE(p.body["store"]["reachable"].get<bool>()) << p.body.dump();
   EXPECT_TRUE(has_reason(p.body, "the store does not answer")) << p.body.dump();
   // The gauges the alert rules read (deploy/prometheus/kvtd-alerts.yml).
