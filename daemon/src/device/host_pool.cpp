@@ -215,25 +215,25 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend
       ipc::SharedObject::remove(name, hugetlbfs_dir);
     }
   }
-  if (!pool->object_ && !hugetlbfs_dir.empty()) {
-    const std::int64_t free_pages = ipc::free_huge_pages(page);
-    if (free_pages >= 0 && static_cast<std::uint64_t>(free_pages) < mapped / page)
-      return make_error(DeviceErrc::kAllocFailed,
-                        "--host-pool-hugepages: the host pool needs " + std::to_string(mapped / page) + " pages of " +
-                            std::to_string(page >> 10) + " kB (" + mib(l.total) + ", " +
-                            std::to_string(g.num_host_blocks) + " blocks) and the kernel has " +
-                            std::to_string(free_pages) + " free (HugePages_Free less HugePages_Rsvd in "
-                            "/proc/meminfo); reserve more (sysctl -w vm.nr_hugepages=...) or lower --num-host-blocks");
-  }
-  if (!pool->object_ && hugetlbfs_dir.empty()) {
-    const std::int64_t free_now = ipc::shm_free_bytes();
-    if (free_now >= 0 && static_cast<std::uint64_t>(free_now) < l.total)
+  if (!pool->object_) {
+    // Room for a new pool: free huge pages in the kernel's reserve, or free bytes in /dev/shm.
+    if (!hugetlbfs_dir.empty()) {
+      const std::int64_t free_pages = ipc::free_huge_pages(page);
+      if (free_pages >= 0 && static_cast<std::uint64_t>(free_pages) < mapped / page)
+        return make_error(DeviceErrc::kAllocFailed,
+                          "--host-pool-hugepages: the host pool needs " + std::to_string(mapped / page) +
+                              " pages of " + std::to_string(page >> 10) + " kB (" + mib(l.total) + ", " +
+                              std::to_string(g.num_host_blocks) + " blocks) and the kernel has " +
+                              std::to_string(free_pages) +
+                              " free (HugePages_Free less HugePages_Rsvd in /proc/meminfo); reserve more (sysctl -w "
+                              "vm.nr_hugepages=...) or lower --num-host-blocks");
+    } else if (const std::int64_t free_now = ipc::shm_free_bytes();
+               free_now >= 0 && static_cast<std::uint64_t>(free_now) < l.total) {
       return make_error(DeviceErrc::kAllocFailed,
                         "host pool needs " + mib(l.total) + " (" + std::to_string(g.num_host_blocks) +
                             " blocks) in /dev/shm, which has " + mib(static_cast<std::uint64_t>(free_now)) +
                             " free; enlarge it (mount -o remount,size=... /dev/shm) or lower --num-host-blocks");
-  }
-  if (!pool->object_) {
+    }
     const int node = numa_node;
     auto created = ipc::SharedObject::create(
         name, l.total,
