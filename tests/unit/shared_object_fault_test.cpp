@@ -34,6 +34,7 @@ namespace {
 // readable by others, per the umask) was used anyway.
 TEST(SharedObjectFault, AModeThatCannotBeSetFailsCreateAndLeavesNothing) {
   const auto name = test::unique_suffix("fchmod");
+  SharedObject::remove(name);  // a killed earlier run of this pid's number may have left it
   g_fail_fchmod.store(true);
   auto o = SharedObject::create(name, 4096);
   g_fail_fchmod.store(false);
@@ -48,6 +49,7 @@ TEST(SharedObjectFault, AModeThatCannotBeSetFailsCreateAndLeavesNothing) {
   }
   auto again = SharedObject::create(name, 4096);  // and the real call works
   ASSERT_TRUE(again.ok()) << again.error().message;
+  SharedObject::remove(name);  // objects outlive their handles by design; this one is the test's
 }
 
 }  // namespace
