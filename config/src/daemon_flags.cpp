@@ -152,6 +152,16 @@ void declare_runtime_flags(CLI::App& app, RawFlags& f, DaemonConfig& c) {
                "like the /dev/shm pool; refused when the kernel has too few free: sysctl vm.nr_hugepages)");
   app.add_option("--hugetlbfs-dir", c.hugetlbfs_dir, "The hugetlbfs mount --host-pool-hugepages uses")
       ->capture_default_str();
+  app.add_option("--host-pool-pin-threads", c.host_pool_pin_threads,
+                 "CUDA: threads pinning the host pool in the background once its first blocks are pinned and "
+                 "the daemon serves (a swap waits only for its own blocks' pieces)")
+      ->check(CLI::Range(1u, 64u))
+      ->capture_default_str();
+  app.add_option("--host-pool-pin-first-mib", c.host_pool_pin_first_mib,
+                 "CUDA: MiB of the host pool's first blocks pinned before the daemon serves (a pool no larger is "
+                 "pinned whole first)")
+      ->check(CLI::Range(1u, 1u << 20))
+      ->capture_default_str();
   app.add_option("--log-dir", c.log_dir, "Directory for the rotating per-rank log (default: stderr only)");
   app.add_option("--log-level", c.log_level, "trace | debug | info | warn | error | critical | off");
   app.add_option("--control-endpoint", c.control_endpoint,

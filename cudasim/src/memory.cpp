@@ -6,7 +6,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
+#include <thread>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -61,6 +63,15 @@ std::map<std::uintptr_t, Range>::iterator find_locked(const void* p, std::size_t
   --it;
   if (a + n > it->first + it->second.bytes || a + n < a) return g_ranges.end();
   return it;
+}
+
+// KVTD_CUDASIM_PIN_MBPS (read per call): a registration takes bytes / this many MB/s, as pinning
+// takes time per page on a machine (an H100 machine pinned MAP_SHARED memory at 3-4 GB/s), so a
+// test can watch a pool being pinned; unset or 0: at once. Calls on several threads overlap.
+void pin_time(std::size_t bytes) {
+  const char* v = std::getenv("KVTD_CUDASIM_PIN_MBPS");
+  const double mbps = v != nullptr ? std::strtod(v, nullptr) : 0.0;
+  if (mbps > 0) std::this_thread::sleep_for(std::chrono::duration<double>(static_cast<double>(bytes) / (mbps * 1e6)));
 }
 
 // KVTD_CUDASIM_HOST_REGISTER_MAX bytes (read per call) or 512 GiB.
@@ -203,6 +214,7 @@ cudaError_t cudaHostRegister(void* ptr, size_t bytes, unsigned int flags) {
   const auto a = reinterpret_cast<std::uintptr_t>(ptr);
   const std::uintptr_t first = a & ~(page - 1), end = (a + bytes + page - 1) & ~(page - 1);
   if (msync(reinterpret_cast<void*>(first), end - first, MS_ASYNC) != 0) return fail(cudaErrorInvalidValue);
+  pin_time(bytes);
   MutexLock g(g_mu);
   auto it = g_ranges.lower_bound(first);
   if (it != g_ranges.end() && it->first < end) return fail(cudaErrorHostMemoryAlreadyRegistered);

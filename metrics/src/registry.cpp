@@ -1,6 +1,7 @@
 #include "kvtd/base/mutex.h"
 #include "kvtd/metrics/registry.h"
 
+#include <algorithm>
 #include <cstdio>
 
 namespace kvtd::metrics {
@@ -49,7 +50,15 @@ void MetricsRegistry::set_attached(bool attached, std::uint32_t epoch) {
   epoch_.store(epoch, std::memory_order_relaxed);
 }
 void MetricsRegistry::set_host_pool_bytes(std::uint64_t bytes) { host_pool_bytes_.store(bytes, std::memory_order_relaxed); }
-void MetricsRegistry::set_host_pool_pin_ms(std::uint64_t ms) { host_pool_pin_ms_.store(ms, std::memory_order_relaxed); }
+void MetricsRegistry::set_host_pool_pinning(std::uint64_t pinned_bytes, std::uint64_t ms) {
+  host_pool_pinned_bytes_.store(pinned_bytes, std::memory_order_relaxed);
+  host_pool_pin_ms_.store(ms, std::memory_order_relaxed);
+}
+
+void MetricsRegistry::host_pool_pin_wait(std::int64_t ns) {
+  host_pool_pin_waits_.fetch_add(1, std::memory_order_relaxed);
+  host_pool_pin_wait_ns_.fetch_add(static_cast<std::uint64_t>(std::max<std::int64_t>(ns, 0)), std::memory_order_relaxed);
+}
 void MetricsRegistry::set_ring_depth(std::uint64_t bytes) { ring_depth_.store(bytes, std::memory_order_relaxed); }
 void MetricsRegistry::set_store_figures(StoreFiguresProvider provider) {
   MutexLock g(store_mu_);
@@ -154,13 +163,23 @@ std::string MetricsRegistry::render() const {
       {"kvtd_attached", "1 while this rank is attached to an engine session.", attached_.load(std::memory_order_relaxed)},
       {"kvtd_epoch", "The epoch the engine granted this rank (0: none).", epoch_.load(std::memory_order_relaxed)},
       {"kvtd_host_pool_bytes", "Bytes of this rank's host pool.", host_pool_bytes_.load(std::memory_order_relaxed)},
+      {"kvtd_host_pool_pinned_bytes", "Bytes of the host pool pinned for DMA so far (pinning goes on in the background).",
+       host_pool_pinned_bytes_.load(std::memory_order_relaxed)},
   };
   for (const auto& g : gauges) line(out, "# HELP %s %s\n# TYPE %s gauge\n%s %llu\n", g.name, g.help, g.name, g.name, g.v);
   render_health(out);
   line(out,
-       "# HELP kvtd_host_pool_pin_seconds How long pinning the host pool for DMA took when it was mapped.\n"
+       "# HELP kvtd_host_pool_pin_seconds Seconds spent pinning the host pool for DMA (so far, while it goes on).\n"
        "# TYPE kvtd_host_pool_pin_seconds gauge\nkvtd_host_pool_pin_seconds %.3f\n",
        static_cast<double>(host_pool_pin_ms_.load(std::memory_order_relaxed)) / 1000.0);
+  line(out,
+       "# HELP kvtd_host_pool_pin_waits_total Swaps that waited for their host blocks to be pinned.\n"
+       "# TYPE kvtd_host_pool_pin_waits_total counter\nkvtd_host_pool_pin_waits_total %llu\n",
+       static_cast<unsigned long long>(host_pool_pin_waits_.load(std::memory_order_relaxed)));
+  line(out,
+       "# HELP kvtd_host_pool_pin_wait_seconds_total Seconds swaps waited for their host blocks to be pinned.\n"
+       "# TYPE kvtd_host_pool_pin_wait_seconds_total counter\nkvtd_host_pool_pin_wait_seconds_total %.6f\n",
+       static_cast<double>(host_pool_pin_wait_ns_.load(std::memory_order_relaxed)) / 1e9);
   return out;
 }
 

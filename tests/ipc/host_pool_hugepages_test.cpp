@@ -91,7 +91,7 @@ TEST_F(HostPoolHugePagesTest, APoolInHugePagesSurvivesADaemonRestartAndGoesWithT
   const auto free_before = ipc::free_huge_pages(kHuge);
   {
     auto pool = HostPool::open(*backend_, g, generation(), 0, config::HostLayout::kLayerFirst, -1,
-                               HostPool::kPinChunkBytes, dir_);
+                               HostPool::PinPlan(), dir_);
     ASSERT_TRUE(pool.ok()) << pool.error().message;
     EXPECT_FALSE((*pool)->restored());
     EXPECT_EQ((*pool)->page_bytes(), kHuge);
@@ -105,7 +105,7 @@ TEST_F(HostPoolHugePagesTest, APoolInHugePagesSurvivesADaemonRestartAndGoesWithT
   ASSERT_EQ(::stat(file_of(0).c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
   auto again = HostPool::open(*backend_, g, generation(), 0, config::HostLayout::kLayerFirst, -1,
-                              HostPool::kPinChunkBytes, dir_);
+                              HostPool::PinPlan(), dir_);
   ASSERT_TRUE(again.ok()) << again.error().message;
   EXPECT_TRUE((*again)->restored());
   EXPECT_EQ((*again)->valid_blocks(), 1u);
@@ -123,7 +123,7 @@ TEST_F(HostPoolHugePagesTest, TooFewFreeHugePagesIsRefusedNamingTheCounts) {
   // Blocks of 64 KiB x 4 tensors: 8 blocks a page; one page more than the kernel has free.
   const auto blocks = static_cast<std::uint32_t>((have + 1) * 8);
   auto pool = HostPool::open(*backend_, small_geometry(blocks), generation() + 1, 0, config::HostLayout::kLayerFirst,
-                             -1, HostPool::kPinChunkBytes, dir_);
+                             -1, HostPool::PinPlan(), dir_);
   ASSERT_FALSE(pool.ok());
   const std::string& why = pool.error().message;
   EXPECT_NE(why.find("--host-pool-hugepages"), std::string::npos) << why;
@@ -136,7 +136,7 @@ TEST_F(HostPoolHugePagesTest, TooFewFreeHugePagesIsRefusedNamingTheCounts) {
 TEST_F(HostPoolHugePagesTest, ADirectoryThatIsNotHugetlbfsIsRefusedByName) {
   const std::string plain = ::testing::TempDir();
   auto pool = HostPool::open(*backend_, small_geometry(), generation() + 2, 0, config::HostLayout::kLayerFirst, -1,
-                             HostPool::kPinChunkBytes, plain);
+                             HostPool::PinPlan(), plain);
   ASSERT_FALSE(pool.ok());
   EXPECT_NE(pool.error().message.find("is not a hugetlbfs mount"), std::string::npos) << pool.error().message;
   EXPECT_NE(pool.error().message.find("--hugetlbfs-dir"), std::string::npos) << pool.error().message;
@@ -145,7 +145,7 @@ TEST_F(HostPoolHugePagesTest, ADirectoryThatIsNotHugetlbfsIsRefusedByName) {
 TEST_F(HostPoolHugePagesTest, ADeadSessionsPoolInTheMountIsSwept) {
   // A session that no longer exists (no segment names its generation) left its pool here.
   auto pool = HostPool::open(*backend_, small_geometry(), generation() + 3, 0, config::HostLayout::kLayerFirst, -1,
-                             HostPool::kPinChunkBytes, dir_);
+                             HostPool::PinPlan(), dir_);
   ASSERT_TRUE(pool.ok()) << pool.error().message;
   pool->reset();
   const std::string file = dir_ + "/" + ipc::session_object_name(generation() + 3, "host0");

@@ -47,6 +47,9 @@ TEST_F(MetricsTest, ExpositionCountsRealTasksAndPassesPromtool) {
     EXPECT_NE(body.find(want), std::string::npos) << "missing: " << want << body;
   EXPECT_NE(body.find("kvtd_host_pool_bytes "), std::string::npos) << body;
   EXPECT_NE(body.find("kvtd_host_pool_pin_seconds "), std::string::npos) << body;
+  EXPECT_NE(body.find("kvtd_host_pool_pinned_bytes "), std::string::npos) << body;
+  EXPECT_NE(body.find("kvtd_host_pool_pin_waits_total 0\n"), std::string::npos) << body;  // the host backend pins nothing
+  EXPECT_NE(body.find("kvtd_host_pool_pin_wait_seconds_total "), std::string::npos) << body;
   // promtool (Debian's prometheus package) must accept the exposition as it is.
   if (std::system("command -v promtool > /dev/null 2>&1") != 0) GTEST_SKIP() << "promtool is not installed";
   const std::string file = ::testing::TempDir() + "/" + suffix_ + ".prom";

@@ -230,6 +230,21 @@ void expect_rejected(std::vector<std::string> extra, const std::string& names) {
   EXPECT_NE(c.error().message.find(names), std::string::npos) << c.error().message;
 }
 
+TEST(DaemonFlags, HostPoolPinningThreadsAndFirstShareHaveDefaultsAndRanges) {
+  auto c = parse(kBase);
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  EXPECT_EQ(c->host_pool_pin_threads, 4u);
+  auto args = kBase;
+  args.insert(args.end(), {"--host-pool-pin-threads", "16"});
+  auto h = parse(args);
+  ASSERT_TRUE(h.ok()) << h.error().message;
+  EXPECT_EQ(h->host_pool_pin_threads, 16u);
+  expect_rejected({"--host-pool-pin-threads", "0"}, "--host-pool-pin-threads");
+  expect_rejected({"--host-pool-pin-threads", "65"}, "--host-pool-pin-threads");
+  EXPECT_EQ(c->host_pool_pin_first_mib, 1024u);
+  expect_rejected({"--host-pool-pin-first-mib", "0"}, "--host-pool-pin-first-mib");
+}
+
 TEST(DaemonFlags, BadValuesNameTheFlag) {
   expect_rejected({"--rank", "2"}, "--rank");
   expect_rejected({"--mp-num", "0"}, "--mp-num");

@@ -238,9 +238,11 @@ TEST(CudaLimits, TheHostPoolIsPinnedInPiecesOfWholeBlocks) {
   for (auto layout : {config::HostLayout::kLayerFirst, config::HostLayout::kPageFirst}) {
     const std::uint64_t generation = 0x51000000u + static_cast<std::uint64_t>(getpid()) * 4 + static_cast<int>(layout);
     cudasim::reset_faults();
-    auto pool = HostPool::open(*b, g, generation, 0, layout, -1, std::uint64_t{1} << 20);
+    HostPool::PinPlan plan;
+    plan.chunk_bytes = std::uint64_t{1} << 20;
+    auto pool = HostPool::open(*b, g, generation, 0, layout, -1, plan);
     ASSERT_TRUE(pool.ok()) << pool.error().message;
-    EXPECT_EQ((*pool)->pin_registrations(), 12u) << "12 MiB of blocks in 1 MiB pieces";
+    EXPECT_EQ((*pool)->pin_progress().registrations, 12u) << "12 MiB of blocks in 1 MiB pieces";
     EXPECT_EQ(cudasim::calls("cudaHostRegister"), 12u);
     // The last block of the last region is reachable by a copy (the pieces cover the regions).
     std::vector<std::byte> block(32768, std::byte{0x42});

@@ -43,13 +43,14 @@ void print_status(std::uint32_t rank, const json& r) {
   for (const auto& t : r["tasks"]) (t["status"] == "ok" ? ok : failed) += t["count"].get<std::uint64_t>();
   const auto& errors = r["last_errors"];
   std::printf("rank %-3u %-9s epoch %-4u pid %-7lld tasks %llu ok %llu failed  to host %s  to device %s  queue %llu B  "
-              "host pool %s (pinned in %.2f s)  storage %s%s%s\n",
+              "host pool %s (%s pinned in %.2f s)  storage %s%s%s\n",
               rank, r["attached"].get<bool>() ? "attached" : "waiting", r["epoch"].get<unsigned>(),
               r["pid"].get<long long>(), static_cast<unsigned long long>(ok), static_cast<unsigned long long>(failed),
               gb(r["bytes"]["to_host"].get<std::uint64_t>()).c_str(),
               gb(r["bytes"]["to_device"].get<std::uint64_t>()).c_str(),
               static_cast<unsigned long long>(r["queue_depth_bytes"].get<std::uint64_t>()),
               gb(r["host_pool_bytes"].get<std::uint64_t>()).c_str(),
+              gb(r.value("host_pool_pinned_bytes", std::uint64_t{0})).c_str(),
               static_cast<double>(r.value("host_pool_pin_ms", std::uint64_t{0})) / 1000.0,
               r["storage"]["backend"].get<std::string>().c_str(),
               r["draining"].get<bool>() ? "  DRAINING" : (r.value("cache", "") == "cleared" ? "  CACHE CLEARED" : ""),

@@ -1,5 +1,7 @@
 #include "kvtd/daemon/host_pool.h"
 
+#include "device/pool_pinner.h"
+
 #include <sys/vfs.h>
 #include <unistd.h>
 
@@ -95,32 +97,44 @@ std::uint64_t lcm_with_page(std::uint64_t unit) {
   return proto::checked_mul(unit / a, kPage, &out) ? out : 0;
 }
 
-// The pieces the pool is pinned in: whole regions merged while they fit in `chunk`, a region
+// A region of the pool in memory order: where it starts, its bytes up to the next region (or the
+// object's end), and the bytes one block takes in it.
+struct PinRegion {
+  std::uint64_t offset, bytes, block_bytes;
+};
+
+std::vector<PinRegion> pin_regions(const proto::CacheGeometry& g, const PoolLayout& l) {
+  std::vector<PinRegion> out;
+  if (l.page_stride != 0) {
+    out.push_back({l.data_offset, l.total - l.data_offset, l.page_stride});
+    return out;
+  }
+  for (std::size_t i = 0; i < l.region_offset.size(); ++i) {
+    if (l.region_offset[i] == ~0ull) continue;
+    std::uint64_t end = 0;  // the next region, or the object's end: regions are consecutive
+    for (std::size_t j = i + 1; j < l.region_offset.size() && end == 0; ++j)
+      if (l.region_offset[j] != ~0ull) end = l.region_offset[j];
+    if (end == 0) end = l.total;
+    out.push_back({l.region_offset[i], end - l.region_offset[i],
+                   g.block_bytes(static_cast<proto::TensorKind>(i % proto::kTensorKinds))});
+  }
+  return out;
+}
+
+std::uint64_t gcd(std::uint64_t a, std::uint64_t b) {
+  while (b != 0) a = std::exchange(b, a % b);
+  return a;
+}
+
+// A pool pinned whole before serving: whole regions merged while they fit in `chunk`, a region
 // larger than that split at multiples of lcm(block bytes, page). So no block, and no page, is in
 // two registrations (cudaHostRegister refuses overlapping ranges, and a copy of one block must
 // stay inside one), and no call exceeds the chunk (drivers refuse one of >= 512 GiB). The pool's
 // header and validity bytes are read by the CPU only and stay unpinned.
-std::vector<std::pair<std::uint64_t, std::uint64_t>> pin_pieces(const proto::CacheGeometry& g, const PoolLayout& l,
-                                                                std::uint64_t chunk) {
-  struct Region {
-    std::uint64_t offset, bytes, unit;
-  };
-  std::vector<Region> regions;
-  if (l.page_stride != 0) {
-    regions.push_back({l.data_offset, l.total - l.data_offset, lcm_with_page(l.page_stride)});
-  } else {
-    for (std::size_t i = 0; i < l.region_offset.size(); ++i) {
-      if (l.region_offset[i] == ~0ull) continue;
-      const std::uint64_t bb = g.block_bytes(static_cast<proto::TensorKind>(i % proto::kTensorKinds));
-      std::uint64_t end = 0;  // the next region, or the object's end: regions are consecutive
-      for (std::size_t j = i + 1; j < l.region_offset.size() && end == 0; ++j)
-        if (l.region_offset[j] != ~0ull) end = l.region_offset[j];
-      if (end == 0) end = l.total;
-      regions.push_back({l.region_offset[i], end - l.region_offset[i], lcm_with_page(bb)});
-    }
-  }
+std::vector<std::pair<std::uint64_t, std::uint64_t>> whole_pool_pieces(const std::vector<PinRegion>& regions,
+                                                                       std::uint64_t chunk) {
   std::vector<std::pair<std::uint64_t, std::uint64_t>> out;
-  for (const Region& r : regions) {
+  for (const PinRegion& r : regions) {
     if (r.bytes == 0) continue;
     if (r.bytes <= chunk) {
       if (!out.empty() && out.back().first + out.back().second == r.offset && out.back().second + r.bytes <= chunk)
@@ -129,8 +143,49 @@ std::vector<std::pair<std::uint64_t, std::uint64_t>> pin_pieces(const proto::Cac
         out.emplace_back(r.offset, r.bytes);
       continue;
     }
-    const std::uint64_t step = (r.unit == 0 || r.unit >= chunk) ? r.bytes : chunk / r.unit * r.unit;
+    const std::uint64_t unit = lcm_with_page(r.block_bytes);
+    const std::uint64_t step = (unit == 0 || unit >= chunk) ? r.bytes : chunk / unit * unit;
     for (std::uint64_t at = 0; at < r.bytes; at += step) out.emplace_back(r.offset + at, std::min(step, r.bytes - at));
+  }
+  return out;
+}
+
+// The pieces the pool is pinned in, ordered by the first block each holds. A pool of at most
+// plan.first_bytes: the whole-pool pieces, all "from block 0" (pinned before serving). A larger
+// one in slices of block ranges, each slice one piece per region: the first about first_bytes in
+// all, each next twice the last, up to chunk bytes per piece. Slice bounds are multiples of a
+// block count that keeps every piece's start on a page in every region.
+std::vector<detail::PinPiece> pin_pieces(const proto::CacheGeometry& g, const PoolLayout& l, std::byte* base,
+                                 const HostPool::PinPlan& plan) {
+  const std::vector<PinRegion> regions = pin_regions(g, l);
+  std::uint64_t per_block = 0, largest = 0, align_blocks = 1;
+  for (const PinRegion& r : regions) {
+    per_block += r.block_bytes;
+    largest = std::max(largest, r.block_bytes);
+    const std::uint64_t unit = lcm_with_page(r.block_bytes);  // bytes; a multiple of the block
+    const std::uint64_t blocks = unit == 0 ? 0 : unit / r.block_bytes;
+    align_blocks = blocks == 0 ? 0 : align_blocks / gcd(align_blocks, blocks) * blocks;
+    if (align_blocks == 0 || align_blocks > g.num_host_blocks) align_blocks = 0;
+    if (align_blocks == 0) break;
+  }
+  std::vector<detail::PinPiece> out;
+  const std::uint64_t n = g.num_host_blocks;
+  std::uint64_t pool_bytes = 0;
+  const bool whole = align_blocks == 0 || per_block == 0 || !proto::checked_mul(per_block, n, &pool_bytes) ||
+                     pool_bytes <= plan.first_bytes;
+  if (whole) {
+    for (const auto& [offset, bytes] : whole_pool_pieces(regions, plan.chunk_bytes)) out.push_back({base + offset, bytes, 0});
+    return out;
+  }
+  const auto round = [&](std::uint64_t blocks) { return std::max(align_blocks, blocks / align_blocks * align_blocks); };
+  const std::uint64_t most = round(plan.chunk_bytes / largest);  // a piece's blocks within the chunk
+  std::uint64_t slice = std::min(most, round(plan.first_bytes / per_block));
+  for (std::uint64_t b0 = 0; b0 < n; b0 += slice, slice = std::min(most, slice * 2)) {
+    const std::uint64_t b1 = std::min(n, b0 + slice);
+    for (const PinRegion& r : regions) {
+      const std::uint64_t from = b0 * r.block_bytes, to = b1 == n ? r.bytes : b1 * r.block_bytes;
+      out.push_back({base + r.offset + from, to - from, static_cast<std::uint32_t>(b0)});
+    }
   }
   return out;
 }
@@ -164,8 +219,7 @@ Result<std::uint64_t, DeviceErrc> HostPool::hugetlbfs_page_bytes(const std::stri
 Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend, const proto::CacheGeometry& g,
                                                              std::uint64_t generation, std::uint32_t rank,
                                                              config::HostLayout layout, int numa_node,
-                                                             std::uint64_t pin_chunk_bytes,
-                                                             const std::string& hugetlbfs_dir) {
+                                                             const PinPlan& pin, const std::string& hugetlbfs_dir) {
   PoolLayout l;
   if (!layout_of(g, layout, &l) || l.total >= proto::kMaxSizeBytes)
     return make_error(DeviceErrc::kAllocFailed, "host pool size overflows");
@@ -254,7 +308,11 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend
   }
 
   std::byte* base = pool->object_->data();
-  KVTD_TRY(pool->pin(pin_pieces(g, l, pin_chunk_bytes)));
+  std::vector<detail::PinPiece> pieces;
+  if (backend.pins_memory()) pieces = pin_pieces(g, l, base, pin);
+  pool->pinner_ = std::make_unique<detail::PoolPinner>(backend, std::move(pieces), g.num_host_blocks, pin.on_progress);
+  KVTD_TRY(pool->pinner_->pin_first());
+  pool->pinner_->start_background(pin.threads);
   pool->valid_ = reinterpret_cast<std::uint8_t*>(base + l.valid_offset);
   pool->regions_.assign(l.region_offset.size(), nullptr);
   for (std::size_t i = 0; i < l.region_offset.size(); ++i)
@@ -265,33 +323,28 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend
   return pool;
 }
 
-Status<DeviceErrc> HostPool::pin(const std::vector<std::pair<std::uint64_t, std::uint64_t>>& pieces) {
-  if (!backend_->pins_memory()) return {};
-  const auto start = std::chrono::steady_clock::now();
-  std::uint64_t bytes = 0;
-  for (const auto& [offset, n] : pieces) {
-    if (auto st = backend_->pin_host(object_->data() + offset, n); !st.ok()) {
-      unpin();
-      return make_error(st.error().code, "pinning the host pool (piece " + std::to_string(pinned_.size() + 1) + " of " +
-                                             std::to_string(pieces.size()) + ", " + mib(n) + "): " + st.error().message);
-    }
-    pinned_.push_back(object_->data() + offset);
-    bytes += n;
-  }
-  pin_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (!pieces.empty())
-    KVTD_INFO("host pool pinned: {} in {} registration{} ({:.3f} s, {:.2f} GB/s)", mib(bytes), pieces.size(),
-              pieces.size() == 1 ? "" : "s", pin_seconds_,
-              pin_seconds_ > 0 ? static_cast<double>(bytes) / pin_seconds_ / 1e9 : 0.0);
-  return {};
+std::uint32_t HostPool::pinned_blocks() const { return pinner_->pinned_blocks(); }
+
+Status<DeviceErrc> HostPool::wait_pinned(std::uint32_t end,
+                                         const std::function<std::optional<std::string>()>& give_up) {
+  return pinner_->wait_pinned(end, give_up);
 }
 
-void HostPool::unpin() {
-  for (std::byte* p : pinned_) backend_->unpin_host(p);
-  pinned_.clear();
+HostPool::PinProgress HostPool::pin_progress() const {
+  const auto p = pinner_->progress();
+  PinProgress out;
+  out.bytes_pinned = p.bytes_pinned;
+  out.bytes_total = p.bytes_total;
+  out.registrations = p.registrations;
+  out.first_seconds = p.first_seconds;
+  out.all_seconds = p.all_seconds;
+  out.waits = p.waits;
+  out.wait_ns = p.wait_ns;
+  out.error = p.error;
+  return out;
 }
 
-HostPool::~HostPool() { unpin(); }
+HostPool::~HostPool() = default;
 
 const std::string& HostPool::name() const { return object_->name(); }
 

@@ -253,7 +253,13 @@ int run_selftest(int argc, char** argv) {
   app.add_flag("--bench-layerwise", bench.layerwise, "Time layer-by-layer copies (an event per layer)");
   app.add_option("--bench-host-layout", host_layout, "Host pool layout of the measurement")
       ->check(CLI::IsMember({"layer_first", "page_first"}));
-  app.add_option("--pin-mib", pin_mib, "MiB of host memory to pin and time, as the host pool is (0 = skip)");
+  std::uint32_t pin_threads = 4;
+  std::string hugetlbfs_dir = "/dev/hugepages";
+  app.add_option("--pin-mib", pin_mib,
+                 "MiB of host memory to pin and time in each way a host pool can be mapped (0 = skip)");
+  app.add_option("--pin-threads", pin_threads, "Threads of the parallel pinning figure (as --host-pool-pin-threads)")
+      ->check(CLI::Range(1u, 64u));
+  app.add_option("--hugetlbfs-dir", hugetlbfs_dir, "The hugetlbfs mount of the huge-page pinning figure");
   app.add_flag("--ipc,!--no-ipc", across_processes,
                "Also open an engine process's tensors and event, as the daemon does (default: on)");
   try {
@@ -326,7 +332,7 @@ int run_selftest(int argc, char** argv) {
         ++tally.failed;
     }
     if (m == 0) {
-      selftest::measure_pinning(*backend, pin_mib, tally);
+      selftest::measure_pinning(*backend, pin_mib, pin_threads, hugetlbfs_dir, tally);
       if (const std::string held = backend->device_footprint(); !held.empty())
         std::printf("footprint: this process holds %s\n", held.c_str());
     }

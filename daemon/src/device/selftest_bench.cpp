@@ -1,4 +1,4 @@
-// Bandwidth and pinning figures of `kvtd selftest` (selftest_parts.h).
+// Bandwidth figures of `kvtd selftest` (selftest_parts.h).
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -100,27 +100,6 @@ bool measure_bandwidth(DeviceBackend& backend, const std::string& mode, const Be
   }
   (*pool)->remove();
   return ok;
-}
-
-void measure_pinning(HostMemory& backend, std::uint32_t mib, Tally& tally) {
-  if (mib == 0 || !backend.pins_memory()) return;
-  const std::size_t bytes = std::size_t{mib} << 20;
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) {
-    tally.check(false, "pin " + std::to_string(mib) + " MiB", "mmap failed");
-    return;
-  }
-  std::memset(p, 0, bytes);  // faulted in first, as the pool's pages are before it is pinned
-  const auto start = std::chrono::steady_clock::now();
-  auto st = backend.pin_host(static_cast<std::byte*>(p), bytes);
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  tally.check(st.ok(), "pin " + std::to_string(mib) + " MiB of host memory", st.ok() ? "" : st.error().message);
-  if (st.ok()) {
-    std::printf("pinning: %u MiB in %.3f s (%.2f GB/s; a host pool of N GB takes N / this at start)\n", mib, secs,
-                static_cast<double>(bytes) / secs / 1e9);
-    backend.unpin_host(static_cast<std::byte*>(p));
-  }
-  munmap(p, bytes);
 }
 
 }  // namespace kvtd::daemon::selftest

@@ -47,8 +47,13 @@ using Figures = std::array<double, 2>;
 bool measure_bandwidth(DeviceBackend& backend, const std::string& mode, const BenchShape& shape,
                        const Figures* reference = nullptr, Figures* out = nullptr);
 
-// Pins `mib` MiB of fresh pages and prints how fast (the host pool's start-up cost).
-void measure_pinning(HostMemory& backend, std::uint32_t mib, Tally& tally);
+// Pins `mib` MiB of fresh pages in each way a host pool can be mapped and prints how fast (the
+// pool's start-up cost), each as a ratio to private anonymous memory: private 4 KiB pages, a
+// MAP_SHARED /dev/shm object (the default pool) in one call and on `threads` threads, and a file
+// in the hugetlbfs mount `hugetlbfs_dir` (skipped, saying why, without one or free pages).
+// selftest_pinning.cpp.
+void measure_pinning(HostMemory& backend, std::uint32_t mib, std::uint32_t threads, const std::string& hugetlbfs_dir,
+                     Tally& tally);
 
 // The engine side of the cross-process check: a child forked before this process touches the
 // device (a CUDA context does not survive fork), which allocates and fills tensors, exports

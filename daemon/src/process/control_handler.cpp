@@ -56,6 +56,8 @@ json status_of(const config::DaemonConfig& cfg, const metrics::MetricsRegistry& 
       {"queue_depth_bytes", reg.ring_depth()},
       {"host_pool_bytes", reg.host_pool_bytes()},
       {"host_pool_pin_ms", reg.host_pool_pin_ms()},
+      {"host_pool_pinned_bytes", reg.host_pool_pinned_bytes()},
+      {"host_pool_pin_waits", reg.host_pool_pin_waits()},
       {"storage", {{"backend", store_name.empty() ? "none" : store_name}}},
       {"last_errors", reg.last_errors()},
   };

@@ -108,6 +108,7 @@ metrics::HealthAnswer readiness(const HealthSources& s) {
          {"host_pool_pinned", pool_bytes > 0},
          {"host_pool_bytes", pool_bytes},
          {"host_pool_pin_ms", s.registry.host_pool_pin_ms()},
+         {"host_pool_pinned_bytes", s.registry.host_pool_pinned_bytes()},
          {"draining", draining},
          {"copy_running_s", static_cast<double>(copy_ns) / 1e9},
          {"store", store},

@@ -54,9 +54,16 @@ std::optional<int> RankServer::serve_session(RankEndpoint& ep) {
   // Heartbeat from the grant on: mapping (or creating) the host pool and opening the tensors can
   // take seconds for large caches, and a granted rank that is silent that long is fenced.
   Heartbeat heartbeat(ep, cfg_.heartbeat_period_ns());
+  const std::int64_t granted_ns = ipc::monotonic_now_ns();
   notify_status("attached to session " + cfg_.session_suffix + "; mapping the cache and the host pool");
+  HostPool::PinPlan pin;
+  pin.threads = cfg_.host_pool_pin_threads;
+  pin.first_bytes = std::uint64_t{cfg_.host_pool_pin_first_mib} << 20;
+  pin.on_progress = [&registry = s_.registry](std::uint64_t bytes, double seconds) {
+    registry.set_host_pool_pinning(bytes, static_cast<std::uint64_t>(seconds * 1000.0));
+  };
   auto pool = HostPool::open(*s_.backend, s_.geometry, ep.generation(), cfg_.rank, cfg_.host_layout, s_.numa_node,
-                             HostPool::kPinChunkBytes, cfg_.host_pool_hugepages ? cfg_.hugetlbfs_dir : std::string());
+                             pin, cfg_.host_pool_hugepages ? cfg_.hugetlbfs_dir : std::string());
   if (!pool.ok()) {
     KVTD_ERROR("host pool: {}", pool.error().message);
     return kExitBackend;
@@ -67,6 +74,7 @@ std::optional<int> RankServer::serve_session(RankEndpoint& ep) {
   if (cfg_.host_pool_hugepages)
     KVTD_INFO("host pool in {} kB pages under {}", (*pool)->page_bytes() >> 10, cfg_.hugetlbfs_dir);
   Session s{ep, **pool, heartbeat, std::nullopt, nullptr};
+  s.granted_ns = granted_ns;
   // One pass per mapping of the engine's cache: a weight update (CLEAR_CACHE ... RESTORE_CACHE, or
   // `kvtd ctl clear|restore`) closes it and later maps the re-registered tensors.
   Step step = ep.tensors_loaded() ? live(s, /*after_restore=*/false) : Step::kCleared;
@@ -163,8 +171,8 @@ Result<AttachedCache, DeviceErrc> RankServer::map_cache(Session& s) {
   cache->summary_period_ns = static_cast<std::int64_t>(cfg_.log_summary_period_s * 1e9);
   cache->engine_event_timeout_ns = static_cast<std::int64_t>(cfg_.engine_event_timeout_s * 1e9);
   cache->verify_swaps = cfg_.verify_swaps;
+  cache->granted_ns = s.granted_ns;
   s_.registry.set_host_pool_bytes(s.pool.total_bytes());
-  s_.registry.set_host_pool_pin_ms(static_cast<std::uint64_t>(s.pool.pin_seconds() * 1000.0));
   return cache;
 }
 

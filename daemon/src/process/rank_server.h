@@ -51,6 +51,7 @@ class RankServer {
     std::unique_ptr<FastDeployOwnedCache> owned;
     TaskRunner::Exit why = TaskRunner::Exit::kStopped;  // why the session ended (kEnd)
     int exit_code = 0;                                   // the process must exit with it (kExit)
+    std::int64_t granted_ns = 0;                         // when the engine granted it (monotonic)
   };
   // What a state hands over to: the next state, or the end of the session, or of the process.
   enum class Step { kLive, kCleared, kEnd, kExit };

@@ -90,6 +90,15 @@ struct TaskRunner::Impl {
   // Waits on the host for swap `w`'s engine event, bounded by the engine's liveness, the task's
   // deadline, cache.engine_event_timeout_ns and the lane's closing (kEventNotFired past them).
   Status<DeviceErrc> await_engine_event(const Work& w, std::int64_t start);
+  // Waits until the host pool has pinned every host block of swap `w` (the pool pins in the
+  // background after its first blocks), bounded by the task's deadline, the lane's closing and
+  // kPinStallNs without progress; counted in the metrics when it had to wait. The task's failure
+  // status and message when it gave up.
+  std::optional<std::pair<TaskStatus, std::string>> await_pinned(const Work& w, int lane, std::int64_t start);
+  static constexpr std::int64_t kPinStallNs = 60'000'000'000;
+  // Logs the first swap served since the session was granted (time to first swap), once.
+  void note_first_swap(std::int64_t now);
+  std::atomic<bool> first_swap_noted{false};
 
   // ---- swap_checksums.cpp (--verify-swaps) ----
   // The blocks of swap `w` whose checksums are taken: at swap-out its sampled (device, host)

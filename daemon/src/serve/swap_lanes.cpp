@@ -1,6 +1,9 @@
 // The task runner's two swap lanes: queues, threads and the copies they execute.
+#include <algorithm>
+#include <cstdio>
 #include <string>
 
+#include "kvtd/daemon/log.h"
 #include "kvtd/daemon/numa.h"
 #include "kvtd/daemon/notify.h"
 #include "kvtd/ipc/clock.h"
@@ -28,6 +31,10 @@ void TaskRunner::Impl::execute(Work& w, int lane) {
     return;
   }
   const auto& targets = lane == 0 ? cache.to_host : cache.to_device;
+  if (auto failed = await_pinned(w, lane, start)) {
+    complete(h, failed->first, 0, 0, start, failed->second + "; nothing was copied");
+    return;
+  }
   if (lane == 1 && cache.pool != nullptr) {
     if (auto bad = cache.pool->first_invalid(w.host_ids)) {
       complete(h, TaskStatus::kHostTierLost, 0, 0, start,
@@ -104,6 +111,53 @@ void TaskRunner::Impl::execute(Work& w, int lane) {
     (lane == 0 ? stats.bytes_to_host : stats.bytes_to_device) += bytes;
   }
   complete(h, TaskStatus::kOk, static_cast<std::uint64_t>(w.plan.num_blocks), cache.num_layers, start, "");
+  if (!first_swap_noted.load(std::memory_order_relaxed)) note_first_swap(ipc::monotonic_now_ns());
+}
+
+std::optional<std::pair<TaskStatus, std::string>> TaskRunner::Impl::await_pinned(const Work& w, int lane,
+                                                                                  std::int64_t start) {
+  if (cache.pool == nullptr || w.host_ids.empty()) return std::nullopt;
+  std::int32_t top = 0;
+  for (auto id : w.host_ids) top = std::max(top, id);
+  const auto end = static_cast<std::uint32_t>(top) + 1;
+  if (cache.pool->pinned_blocks() >= end) return std::nullopt;
+  const auto& h = w.header;
+  std::uint32_t seen = cache.pool->pinned_blocks();
+  std::int64_t progress_at = start;
+  bool late = false;
+  auto st = cache.pool->wait_pinned(end, [&]() -> std::optional<std::string> {
+    const std::int64_t now = ipc::monotonic_now_ns();
+    if (const std::uint32_t p = cache.pool->pinned_blocks(); p != seen) {
+      seen = p;
+      progress_at = now;
+    }
+    if (h.deadline_ns != 0 && now > h.deadline_ns) {
+      late = true;
+      return "the task's deadline passed after " + std::to_string((now - start) / 1'000'000) + " ms of waiting";
+    }
+    if (lanes[lane].closing.load(std::memory_order_acquire)) return std::string("the cache is being released");
+    if (now - progress_at > kPinStallNs)
+      return "pinning made no progress for " + std::to_string(kPinStallNs / 1'000'000'000) + " s";
+    return std::nullopt;
+  });
+  if (cache.metrics != nullptr) cache.metrics->host_pool_pin_wait(ipc::monotonic_now_ns() - start);
+  if (st.ok()) return std::nullopt;
+  return std::make_pair(late ? TaskStatus::kDeadlineExceeded : TaskStatus::kDeviceError, st.error().message);
+}
+
+void TaskRunner::Impl::note_first_swap(std::int64_t now) {
+  if (first_swap_noted.exchange(true, std::memory_order_acq_rel) || cache.granted_ns == 0) return;
+  std::string pinned;
+  if (cache.pool != nullptr) {
+    const auto p = cache.pool->pin_progress();
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "; host pool: first blocks pinned in %.3f s, %.2f of %.2f GiB pinned now",
+                  p.first_seconds, static_cast<double>(p.bytes_pinned) / (1ull << 30),
+                  static_cast<double>(p.bytes_total) / (1ull << 30));
+    pinned = buf;
+  }
+  KVTD_INFO("first swap served {:.3f} s after the session was granted{}", static_cast<double>(now - cache.granted_ns) / 1e9,
+            pinned);
 }
 
 Status<DeviceErrc> TaskRunner::Impl::await_engine_event(const Work& w, std::int64_t start) {

@@ -160,6 +160,8 @@ struct DaemonConfig {
   HostLayout host_layout = HostLayout::kLayerFirst;
   bool host_pool_hugepages = false;    // the host pool in huge pages: a file in hugetlbfs_dir
   std::string hugetlbfs_dir = "/dev/hugepages";
+  std::uint32_t host_pool_pin_threads = 4;  // background cudaHostRegister threads (--host-pool-pin-threads)
+  std::uint32_t host_pool_pin_first_mib = 1024;  // pinned before serving (--host-pool-pin-first-mib)
   int numa_node = kNumaAuto;           // host pool and copy threads; kNumaAuto: the GPU's, -1: none
   std::string log_dir;                 // empty: log to stderr only
   std::string log_level = "info";

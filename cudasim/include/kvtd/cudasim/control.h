@@ -14,6 +14,7 @@
 //   KVTD_CUDASIM_NO_HOST_POINTERS=1  cudaDevAttrCanUseHostPointerForRegisteredMem is 0
 //   KVTD_CUDASIM_BATCH_MAX=16384     cudaMemcpyBatchAsync refuses more copies in one call
 //   KVTD_CUDASIM_HOST_REGISTER_MAX=N cudaHostRegister refuses N bytes or more (default 512 GiB)
+//   KVTD_CUDASIM_PIN_MBPS=R          cudaHostRegister takes bytes / R MB/s (read per call)
 //
 // Thread-safety: every function may be called from any thread.
 #pragma once

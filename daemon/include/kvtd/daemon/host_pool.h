@@ -25,6 +25,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -41,23 +42,40 @@ class SharedObject;
 }
 
 namespace kvtd::daemon {
+namespace detail {
+class PoolPinner;
+}
+
+// How the pool is pinned for DMA (the CUDA backend; the host backend pins nothing).
+struct HostPoolPinPlan {
+  // At most this many bytes per registration, each holding whole blocks and pages (drivers
+  // refuse one cudaHostRegister of >= 512 GiB).
+  std::uint64_t chunk_bytes = std::uint64_t{64} << 30;
+  // open() pins the first blocks, about this many bytes of them across every region, before it
+  // returns; the rest is pinned by `threads` background threads in slices of block ranges that
+  // double in size, lowest blocks first. A pool no larger than this is pinned whole by open().
+  std::uint64_t first_bytes = std::uint64_t{1} << 30;
+  std::uint32_t threads = 4;
+  // Called after each piece is pinned (from the pinning thread): bytes pinned so far, seconds
+  // since pinning began. May be empty.
+  std::function<void(std::uint64_t bytes_pinned, double seconds)> on_progress;
+};
 
 class HostPool {
  public:
+  using PinPlan = HostPoolPinPlan;
+
   // Maps the pool of (generation, rank) if a previous daemon of this session left a complete one
   // with this geometry and layout, else creates it (after checking /dev/shm has room: the error
-  // names the size and the free space), preferring `numa_node` for its pages (-1: anywhere).
-  // The regions are pinned in registrations of at most `pin_chunk_bytes`, each holding whole
-  // blocks and pages (drivers refuse one cudaHostRegister of >= 512 GiB). `hugetlbfs_dir`: empty
-  // for /dev/shm, else a hugetlbfs mount the pool is a file in (huge pages: fewer TLB misses and
-  // page-table entries to pin); refused, naming the counts, when the kernel has too few free.
+  // names the size and the free space), preferring `numa_node` for its pages (-1: anywhere), and
+  // pins it as `pin` says. `hugetlbfs_dir`: empty for /dev/shm, else a hugetlbfs mount the pool is
+  // a file in (huge pages: fewer TLB misses and page-table entries to pin); refused, naming the
+  // counts, when the kernel has too few free.
   static Result<std::unique_ptr<HostPool>, DeviceErrc> open(HostMemory& backend, const proto::CacheGeometry& g,
                                                             std::uint64_t generation, std::uint32_t rank,
                                                             config::HostLayout layout = config::HostLayout::kLayerFirst,
-                                                            int numa_node = -1,
-                                                            std::uint64_t pin_chunk_bytes = kPinChunkBytes,
+                                                            int numa_node = -1, const PinPlan& pin = PinPlan(),
                                                             const std::string& hugetlbfs_dir = {});
-  static constexpr std::uint64_t kPinChunkBytes = std::uint64_t{64} << 30;
   ~HostPool();
   HostPool(const HostPool&) = delete;
   HostPool& operator=(const HostPool&) = delete;
@@ -73,10 +91,22 @@ class HostPool {
   std::size_t total_bytes() const { return total_; }
   // Bytes of each page the pool is mapped in (4096, or the huge page size in a hugetlbfs mount).
   std::uint64_t page_bytes() const { return page_bytes_; }
-  // Seconds open() spent pinning the pool (~0.1 s per GB on CUDA; 0 on the host backend), and
-  // in how many registrations.
-  double pin_seconds() const { return pin_seconds_; }
-  std::size_t pin_registrations() const { return pinned_.size(); }
+  // Blocks [0, pinned_blocks()) are pinned in every region (all blocks once pinning finished;
+  // always all on a backend that pins nothing). Any thread.
+  std::uint32_t pinned_blocks() const;
+  // Returns once blocks [0, end) are pinned (at once when they are); an error naming why not when
+  // background pinning failed or `give_up`, polled every few milliseconds, returns a reason. A
+  // call that had to wait is counted (pin_progress().waits). Any thread.
+  Status<DeviceErrc> wait_pinned(std::uint32_t end, const std::function<std::optional<std::string>()>& give_up);
+  struct PinProgress {
+    std::uint64_t bytes_pinned = 0, bytes_total = 0;
+    std::size_t registrations = 0;
+    double first_seconds = 0;  // open()'s share: the first blocks
+    double all_seconds = 0;    // until the last piece was pinned; 0 while pinning goes on
+    std::uint64_t waits = 0, wait_ns = 0;
+    std::string error;         // a background pin failure
+  };
+  PinProgress pin_progress() const;
   // True if open() found and re-mapped a previous daemon's pool.
   bool restored() const { return restored_; }
   std::size_t valid_blocks() const;
@@ -113,13 +143,10 @@ class HostPool {
 
  private:
   HostPool() = default;
-  // Pins each (offset, bytes) piece of the object; on failure unpins what it pinned.
-  Status<DeviceErrc> pin(const std::vector<std::pair<std::uint64_t, std::uint64_t>>& pieces);
-  void unpin();
   HostMemory* backend_ = nullptr;
   std::unique_ptr<ipc::SharedObject> object_;
-  std::vector<std::byte*> pinned_;  // the start of every registered piece
-  double pin_seconds_ = 0;
+  // Declared after object_: destroyed (threads stopped, pieces unpinned) before the unmapping.
+  std::unique_ptr<detail::PoolPinner> pinner_;
   std::uint8_t* valid_ = nullptr;
   std::uint32_t blocks_ = 0;
   // Per block: how many checksums are kept (0: none; released after the sums are written).

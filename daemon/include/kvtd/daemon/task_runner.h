@@ -56,6 +56,7 @@ struct AttachedCache {
   std::int64_t engine_event_timeout_ns = 60'000'000'000;
   config::VerifySwaps verify_swaps = config::VerifySwaps::kSampled;  // --verify-swaps
   metrics::MetricsRegistry* metrics = nullptr;      // borrowed; null: no metrics
+  std::int64_t granted_ns = 0;  // monotonic time the session was granted (0: unknown), for the log
   StorageTargets storage;    // storage tasks (store null: they fail with storage_unavailable)
 };
 

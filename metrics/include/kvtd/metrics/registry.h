@@ -21,7 +21,6 @@
 
 #include "kvtd/base/mutex.h"
 #include "kvtd/proto/task.h"
-#include <functional>
 
 namespace kvtd::metrics {
 
@@ -44,8 +43,11 @@ class MetricsRegistry {
 
   void set_attached(bool attached, std::uint32_t epoch);
   void set_host_pool_bytes(std::uint64_t bytes);
-  // How long pinning the host pool took at start (cudaHostRegister: ~0.1 s per GB).
-  void set_host_pool_pin_ms(std::uint64_t ms);
+  // Pinning the host pool (cudaHostRegister, in the background after its first blocks): bytes
+  // pinned so far and milliseconds spent (the whole time once every byte is pinned).
+  void set_host_pool_pinning(std::uint64_t pinned_bytes, std::uint64_t ms);
+  // A swap that waited `ns` for its host blocks to be pinned.
+  void host_pool_pin_wait(std::int64_t ns);
   void set_ring_depth(std::uint64_t bytes);
   // What the storage tier counted, for kvtd_storage_operations_total. The registry knows no store:
   // the daemon provides these figures (metrics/ does not depend on storage/).
@@ -101,6 +103,8 @@ class MetricsRegistry {
   bool attached() const { return attached_.load(std::memory_order_relaxed) != 0; }
   std::uint64_t host_pool_bytes() const { return host_pool_bytes_.load(std::memory_order_relaxed); }
   std::uint64_t host_pool_pin_ms() const { return host_pool_pin_ms_.load(std::memory_order_relaxed); }
+  std::uint64_t host_pool_pinned_bytes() const { return host_pool_pinned_bytes_.load(std::memory_order_relaxed); }
+  std::uint64_t host_pool_pin_waits() const { return host_pool_pin_waits_.load(std::memory_order_relaxed); }
   static constexpr std::size_t kLastErrors = 8;
   void note_error(std::string message);
   std::vector<std::string> last_errors() const;
@@ -123,6 +127,9 @@ class MetricsRegistry {
   std::atomic<std::uint32_t> epoch_{0};
   std::atomic<std::uint64_t> host_pool_bytes_{0};
   std::atomic<std::uint64_t> host_pool_pin_ms_{0};
+  std::atomic<std::uint64_t> host_pool_pinned_bytes_{0};
+  std::atomic<std::uint64_t> host_pool_pin_waits_{0};
+  std::atomic<std::uint64_t> host_pool_pin_wait_ns_{0};
   std::atomic<std::uint64_t> ring_depth_{0};
   // [kind][0 hit, 1 miss] for the lookup kinds; [status][0 peer, 1 this rank].
   std::array<std::array<std::atomic<std::uint64_t>, 2>, kKinds> lookups_{};
