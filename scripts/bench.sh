@@ -2,7 +2,8 @@
 # Benchmarks behind the README figures: task round trip (1 and 2 ranks), swap throughput next
 # to memcpy (1 and 2 ranks), planning cost per block, the storage backends alone, storage tasks
 # through the daemons next to them, the agreement round trip, daemon memory during a large read,
-# the cost of metrics on the round trip, a page-first host pool, the Python client's round trip, and a Python peer of sglang's
+# the cost of metrics on the round trip, a page-first host pool, the Python client's round trip and throughput (as a
+# ratio to kvtd-loadgen's), and a Python peer of sglang's
 # HiCacheFile mechanism. Prints figures; asserts nothing.
 # --plot DIR: instead, sweep swap and storage throughput over block size and rank count and draw
 # them as PNG with gnuplot (scripts/bench_plot.sh).
@@ -109,6 +110,20 @@ if /usr/bin/python3 -c "import torch, numpy" 2>/dev/null; then
   for ranks in 1 2; do
     KVTD_BINARY=$kvtd KVTD_CLIENT_LIBRARY=$KVTD_BUILD_DIR/client/libkvtd_client.so.1 \
       /usr/bin/python3 "$KVTD_ROOT/tools/bench/python_roundtrip.py" --ranks "$ranks"
+  done
+else
+  echo "(skipped: /usr/bin/python3 lacks torch or numpy; scripts/setup.sh installs them)"
+fi
+echo "== swap throughput through the Python client against kvtd-loadgen, 128 MiB tasks (16 blocks of 32 layers x K/V"
+echo "   x 128 KiB), one in flight, 1 rank, alternating; ratio = Python / C++ of the same round"
+if /usr/bin/python3 -c "import torch, numpy" 2>/dev/null; then
+  for round in 1 2 3; do
+    cxx=$(with_daemons 1 32 8 64 128 128 96 -- --mode throughput --blocks-per-task 16 --seconds 4 |
+      sed -n 's/.*swap \([0-9.]*\) GB\/s per rank.*/\1/p')
+    py=$(KVTD_BINARY=$kvtd KVTD_CLIENT_LIBRARY=$KVTD_BUILD_DIR/client/libkvtd_client.so.1 \
+      /usr/bin/python3 "$KVTD_ROOT/tools/bench/python_roundtrip.py" --mode throughput --seconds 4 |
+      sed -n 's/.*swap \([0-9.]*\) GB\/s per rank.*/\1/p')
+    echo "round $round: C++ $cxx GB/s, Python $py GB/s, ratio $(awk -v a="$py" -v b="$cxx" 'BEGIN { printf "%.2f", a / b }')"
   done
 else
   echo "(skipped: /usr/bin/python3 lacks torch or numpy; scripts/setup.sh installs them)"

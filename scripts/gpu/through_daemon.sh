@@ -24,10 +24,18 @@ run() {  # blocks per task, loadgen mode, extra...
   daemon=$!
   "$loadgen" --session "$suffix" --ranks 1 --layers 32 --kv-heads 8 --block-size 16 --head-dim 128 \
     --device-blocks "$dev" --host-blocks "$host" --device-tensors cuda --blocks-per-task "$per" --mode "$m" \
-    --task-timeout 120 "${small[@]}" "$@" 2>/dev/null | grep -E '^(verify|latency|throughput):' || { cat "$log" >&2; return 1; }
+    --task-timeout 120 "${small[@]}" "$@" 2>/dev/null | grep -E '^(verify|latency|throughput)[: ]' | tee -a "$out" ||
+    { cat "$log" >&2; return 1; }
   stop
 }
+out=$(mktemp /tmp/kvtd_through_daemon_out.XXXXXX)
+trap 'stop; rm -f "$log" "$out"' EXIT
 echo "scatter mode: ${KVTD_SCATTER_MODE:-default}"
 run 16 all --latency-samples "$samples"
 run 128 throughput
+# The goal: a task costs its bytes, so 16-block tasks move >= 0.9x what 128-block tasks do.
+rates=$(sed -n 's/^throughput: .* swap \([0-9.]*\) GB\/s per rank.*/\1/p' "$out" | tr '\n' ' ')
+read -r r16 r128 <<< "$rates"
+[ -n "${r16:-}" ] && [ -n "${r128:-}" ] &&
+  echo "throughput ratio: 16-block tasks $r16 GB/s / 128-block tasks $r128 GB/s = $(awk -v a="$r16" -v b="$r128" 'BEGIN { printf "%.2f", a / b }')x (goal >= 0.9)"
 echo "through the daemon: OK"

@@ -32,6 +32,25 @@ TEST(CompletionMerger, ATaskIsDoneOnlyWhenEveryExpectedRankReportedAndBlocksAreT
   EXPECT_FALSE(m.pending(7));
 }
 
+// The ranks' own times travel with the result: the earliest start and the latest report, so a
+// round trip splits into reaching the daemons, executing, and coming back (kvtd-loadgen latency).
+TEST(CompletionMerger, TheResultKeepsTheEarliestStartAndTheLatestReportOfItsRanks) {
+  CompletionMerger m;
+  m.expect(9, 90, kThreeRanks, 100);
+  m.note_times(9, 150, 400);
+  EXPECT_FALSE(m.report(9, 2, TaskStatus::kOk, 1, "", 0, 410));
+  m.note_times(9, 120, 380);
+  EXPECT_FALSE(m.report(9, 0, TaskStatus::kOk, 1, "", 0, 420));
+  m.note_times(9, 0, 0);  // a report without times (a fenced rank's) changes nothing
+  EXPECT_TRUE(m.report(9, 1, TaskStatus::kOk, 1, "", 0, 430));
+  m.note_times(9, 1, 9999);  // after completion: not the task's any more
+  auto r = m.take(9);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->first_start_ns, 120);
+  EXPECT_EQ(r->last_end_ns, 400);
+  EXPECT_EQ(r->complete_ns, 430);
+}
+
 TEST(CompletionMerger, TheStatusIsTheLowestFailingRanksWhateverTheOrder) {
   CompletionMerger m;
   m.expect(1, 0, kThreeRanks, 0);

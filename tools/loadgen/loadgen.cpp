@@ -21,7 +21,8 @@
 namespace kvtd::loadgen {
 
 bool run_task(EngineSession& s, TaskKind kind, const std::vector<std::int32_t>& src,
-              const std::vector<std::int32_t>& dst, double timeout_s, std::int64_t* latency_ns) {
+              const std::vector<std::int32_t>& dst, double timeout_s, std::int64_t* latency_ns,
+              kvtd::engine::TaskResult* result) {
   kvtd::engine::TaskRequest req;
   req.kind = kind;
   req.src = src;
@@ -34,6 +35,7 @@ bool run_task(EngineSession& s, TaskKind kind, const std::vector<std::int32_t>& 
   }
   auto r = s.wait(*id, static_cast<std::int64_t>(timeout_s * 1e9));
   if (latency_ns) *latency_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+  if (result != nullptr && r.ok()) *result = *r;
   if (!r.ok()) {
     std::fprintf(stderr, "\nwait failed: %s\n", r.error().message.c_str());
     return false;
@@ -134,18 +136,55 @@ int run_verify(EngineSession& s, const Options& o) {
   return 0;
 }
 
+// Where a one-block round trip's time goes, per sample (ns, CLOCK_MONOTONIC on both sides):
+// reaching a daemon (ring publish, the daemon's wake-up, decode, admission), executing (launch,
+// copy, completion detection on the device, the report written), the engine noticing the report
+// (its reads of the completion rings) and the waiting caller waking up.
+struct RoundTripParts {
+  std::vector<std::int64_t> to_start, execute, to_merge, to_caller;
+};
+
+void add_parts(RoundTripParts& parts, const kvtd::engine::TaskResult& r, std::int64_t returned_ns) {
+  if (r.first_start_ns <= 0 || r.last_end_ns < r.first_start_ns || r.complete_ns < r.last_end_ns) return;
+  parts.to_start.push_back(r.first_start_ns - r.submit_ns);
+  parts.execute.push_back(r.last_end_ns - r.first_start_ns);
+  parts.to_merge.push_back(r.complete_ns - r.last_end_ns);
+  parts.to_caller.push_back(returned_ns - r.complete_ns);
+}
+
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+
+void print_parts(const char* what, const RoundTripParts& p) {
+  auto p50 = [](std::vector<std::int64_t> v) {
+    if (v.empty()) return 0.0;
+    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+    return static_cast<double>(v[v.size() / 2]) / 1000.0;
+  };
+  std::printf("%s breakdown (p50 of each part): submit -> daemon starts %.1f us (ring, wake-up, decode, "
+              "admission) | execution %.1f us (launch, copy, device sync, report) | report -> engine merged %.1f us "
+              "(completion detection) | merged -> caller returns %.1f us (waiter wake-up)\n",
+              what, p50(p.to_start), p50(p.execute), p50(p.to_merge), p50(p.to_caller));
+}
+
 int run_latency(EngineSession& s, const Options& o) {
   const auto& g = s.geometry();
   std::vector<std::int32_t> one{0}, one_h{0};
   std::vector<std::int64_t> samples;
   samples.reserve(o.latency_samples);
+  RoundTripParts parts;
   const std::uint32_t warmup = std::min<std::uint32_t>(1000, o.latency_samples / 10 + 1);
   Progress bar("latency", o.latency_samples);
   for (std::uint32_t i = 0; i < warmup + o.latency_samples; ++i) {
     std::int64_t ns = 0;
-    if (!run_task(s, TaskKind::kSwapToHost, one, one_h, o.task_timeout_s, &ns)) return 1;
-    if (i >= warmup) samples.push_back(ns);
-    if (i >= warmup) bar.update(i - warmup + 1, "");
+    kvtd::engine::TaskResult r;
+    if (!run_task(s, TaskKind::kSwapToHost, one, one_h, o.task_timeout_s, &ns, &r)) return 1;
+    const std::int64_t returned = now_ns();
+    if (i < warmup) continue;
+    samples.push_back(ns);
+    add_parts(parts, r, returned);
+    bar.update(i - warmup + 1, "");
   }
   std::sort(samples.begin(), samples.end());
   auto q = [&](double p) { return static_cast<double>(samples[static_cast<std::size_t>(p * static_cast<double>(samples.size() - 1))]) / 1000.0; };
@@ -153,6 +192,7 @@ int run_latency(EngineSession& s, const Options& o) {
               "p50 %.1f us  p90 %.1f us  p99 %.1f us  max %.1f us\n",
               static_cast<unsigned long long>(g.bytes_per_block_all_layers()), g.num_ranks, samples.size(), q(0.5),
               q(0.9), q(0.99), q(1.0));
+  print_parts("latency", parts);
   return 0;
 }
 
@@ -186,6 +226,7 @@ int run_throughput(EngineSession& s, const Options& o) {
   const auto round_time = std::chrono::duration<double>(o.seconds / rounds);
   std::vector<double> swap_rates, memcpy_rates;
   std::uint64_t tasks = 0;
+  RoundTripParts parts;
   for (int round = 0; round < rounds; ++round) {
     std::uint64_t round_tasks = 0;
     double busy = 0;
@@ -195,9 +236,12 @@ int run_throughput(EngineSession& s, const Options& o) {
       auto h = pick(rng, all_host, n, false);
       const bool in = (tasks % 2) != 0;
       const auto t0 = Clock::now();
-      if (!run_task(s, in ? TaskKind::kSwapToDevice : TaskKind::kSwapToHost, in ? h : d, in ? d : h, o.task_timeout_s))
+      kvtd::engine::TaskResult r;
+      if (!run_task(s, in ? TaskKind::kSwapToDevice : TaskKind::kSwapToHost, in ? h : d, in ? d : h, o.task_timeout_s,
+                    nullptr, &r))
         return 1;
       busy += seconds_since(t0);
+      add_parts(parts, r, now_ns());
       ++tasks;
       ++round_tasks;
     }
@@ -223,6 +267,7 @@ int run_throughput(EngineSession& s, const Options& o) {
               n, static_cast<unsigned long long>(chunk), g.num_layers,
               static_cast<std::size_t>(g.has_value() ? 2 : 1) + (g.has_scales() ? 2 : 0), g.num_ranks,
               static_cast<unsigned long long>(tasks), swap_gbs, swap_gbs * g.num_ranks, memcpy_gbs, swap_gbs / memcpy_gbs);
+  print_parts("throughput", parts);
   return 0;
 }
 

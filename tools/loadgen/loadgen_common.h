@@ -87,8 +87,10 @@ struct Cache {
   }
 };
 
-// Submits one swap and waits; prints why on failure. Checks every block was moved.
+// Submits one swap and waits; prints why on failure. Checks every block was moved. `latency_ns`:
+// submit to wait's return; `result` (optional): the merged result, for its ranks' times.
 bool run_task(kvtd::engine::EngineSession& s, TaskKind kind, const std::vector<std::int32_t>& src,
-              const std::vector<std::int32_t>& dst, double timeout_s, std::int64_t* latency_ns = nullptr);
+              const std::vector<std::int32_t>& dst, double timeout_s, std::int64_t* latency_ns = nullptr,
+              kvtd::engine::TaskResult* result = nullptr);
 
 }  // namespace kvtd::loadgen

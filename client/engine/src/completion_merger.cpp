@@ -106,6 +106,14 @@ bool CompletionMerger::report(std::uint64_t task_id, std::uint32_t rank, TaskSta
   return finish_if_complete(task_id, it->second, now_ns);
 }
 
+void CompletionMerger::note_times(std::uint64_t task_id, std::int64_t start_ns, std::int64_t end_ns) {
+  auto it = pending_.find(task_id);
+  if (it == pending_.end()) return;
+  TaskResult& r = it->second.result;
+  if (start_ns > 0 && (r.first_start_ns == 0 || start_ns < r.first_start_ns)) r.first_start_ns = start_ns;
+  if (end_ns > r.last_end_ns) r.last_end_ns = end_ns;
+}
+
 std::size_t CompletionMerger::fail_rank(std::uint32_t rank, TaskStatus status, const std::string& why,
                                         std::int64_t now_ns) {
   if (rank >= 32) return 0;
@@ -148,6 +156,7 @@ std::uint32_t CompletionMerger::reported(std::uint64_t task_id) const {
 void EngineSession::Impl::merge(const proto::CompletionRecord& rec) {
   if (rec.rank >= geo.num_ranks) return;
   std::string msg(rec.message, strnlen(rec.message, sizeof rec.message));
+  merger.note_times(rec.task_id, rec.start_ns, rec.end_ns);
   (void)merger.report(rec.task_id, rec.rank, static_cast<TaskStatus>(rec.status), rec.blocks_done, std::move(msg),
                       rec.blocks_skipped, clock->now_ns());
 }

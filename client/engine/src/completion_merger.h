@@ -38,6 +38,10 @@ class CompletionMerger {
   // Rank `rank`'s report of `task_id`; true when it completed the task (its result is ready).
   bool report(std::uint64_t task_id, std::uint32_t rank, proto::TaskStatus status, std::uint64_t blocks,
               std::string message, std::uint64_t skipped, std::int64_t now_ns);
+  // A rank's report of `task_id` says when it began executing and when it wrote the report
+  // (CLOCK_MONOTONIC); kept as the result's first_start_ns (MIN) and last_end_ns (MAX). Before
+  // report() of the same record.
+  void note_times(std::uint64_t task_id, std::int64_t start_ns, std::int64_t end_ns);
   // Fails every task still waiting for `rank`'s report with `status`; returns how many.
   std::size_t fail_rank(std::uint32_t rank, proto::TaskStatus status, const std::string& why, std::int64_t now_ns);
 

@@ -113,6 +113,11 @@ struct TaskResult {
   std::vector<RankFailure> failures;               // sorted by rank
   std::int64_t submit_ns = 0;
   std::int64_t complete_ns = 0;                      // when the last rank's report was merged
+  // CLOCK_MONOTONIC, as the ranks wrote them into their reports (0: no rank reported one): the
+  // earliest start of execution and the latest report, so a caller can tell the time a task spent
+  // reaching a daemon, executing, and coming back apart.
+  std::int64_t first_start_ns = 0;
+  std::int64_t last_end_ns = 0;
   bool ok() const { return status == proto::TaskStatus::kOk; }
 };
 
