@@ -330,19 +330,7 @@ Status<DeviceErrc> HostPool::wait_pinned(std::uint32_t end,
   return pinner_->wait_pinned(end, give_up);
 }
 
-HostPool::PinProgress HostPool::pin_progress() const {
-  const auto p = pinner_->progress();
-  PinProgress out;
-  out.bytes_pinned = p.bytes_pinned;
-  out.bytes_total = p.bytes_total;
-  out.registrations = p.registrations;
-  out.first_seconds = p.first_seconds;
-  out.all_seconds = p.all_seconds;
-  out.waits = p.waits;
-  out.wait_ns = p.wait_ns;
-  out.error = p.error;
-  return out;
-}
+HostPool::PinProgress HostPool::pin_progress() const { return pinner_->progress(); }
 
 HostPool::~HostPool() = default;
 

@@ -159,8 +159,8 @@ Status<DeviceErrc> PoolPinner::wait_pinned(std::uint32_t end,
   return out;
 }
 
-PoolPinner::Progress PoolPinner::progress() const {
-  Progress p;
+HostPoolPinProgress PoolPinner::progress() const {
+  HostPoolPinProgress p;
   p.bytes_pinned = bytes_pinned_.load(std::memory_order_relaxed);
   for (const auto& piece : pieces_) p.bytes_total += piece.bytes;
   p.registrations = registrations_.load(std::memory_order_relaxed);

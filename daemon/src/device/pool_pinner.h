@@ -24,6 +24,7 @@
 
 #include "kvtd/base/mutex.h"
 #include "kvtd/daemon/device_backend.h"
+#include "kvtd/daemon/host_pool.h"
 
 namespace kvtd::daemon::detail {
 
@@ -54,15 +55,7 @@ class PoolPinner {
   // Every call that had to wait is counted in progress().
   Status<DeviceErrc> wait_pinned(std::uint32_t end, const std::function<std::optional<std::string>()>& give_up);
 
-  struct Progress {
-    std::uint64_t bytes_pinned = 0, bytes_total = 0;
-    std::size_t registrations = 0, pieces = 0;
-    double first_seconds = 0;  // pin_first()
-    double all_seconds = 0;    // from pin_first() until the last piece; 0 while pinning
-    std::uint64_t waits = 0, wait_ns = 0;  // swaps that waited for their blocks, and for how long
-    std::string error;         // the background failure, if one happened
-  };
-  Progress progress() const;
+  HostPoolPinProgress progress() const;
 
  private:
   Status<DeviceErrc> pin_one(std::size_t i);

@@ -61,9 +61,20 @@ struct HostPoolPinPlan {
   std::function<void(std::uint64_t bytes_pinned, double seconds)> on_progress;
 };
 
+// How far pinning has got (HostPool::pin_progress).
+struct HostPoolPinProgress {
+  std::uint64_t bytes_pinned = 0, bytes_total = 0;
+  std::size_t registrations = 0, pieces = 0;
+  double first_seconds = 0;  // open()'s share: the first blocks
+  double all_seconds = 0;    // until the last piece was pinned; 0 while pinning goes on
+  std::uint64_t waits = 0, wait_ns = 0;  // calls of wait_pinned that had to wait, and for how long
+  std::string error;         // a background pin failure
+};
+
 class HostPool {
  public:
   using PinPlan = HostPoolPinPlan;
+  using PinProgress = HostPoolPinProgress;
 
   // Maps the pool of (generation, rank) if a previous daemon of this session left a complete one
   // with this geometry and layout, else creates it (after checking /dev/shm has room: the error
@@ -98,14 +109,6 @@ class HostPool {
   // background pinning failed or `give_up`, polled every few milliseconds, returns a reason. A
   // call that had to wait is counted (pin_progress().waits). Any thread.
   Status<DeviceErrc> wait_pinned(std::uint32_t end, const std::function<std::optional<std::string>()>& give_up);
-  struct PinProgress {
-    std::uint64_t bytes_pinned = 0, bytes_total = 0;
-    std::size_t registrations = 0;
-    double first_seconds = 0;  // open()'s share: the first blocks
-    double all_seconds = 0;    // until the last piece was pinned; 0 while pinning goes on
-    std::uint64_t waits = 0, wait_ns = 0;
-    std::string error;         // a background pin failure
-  };
   PinProgress pin_progress() const;
   // True if open() found and re-mapped a previous daemon's pool.
   bool restored() const { return restored_; }
