@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Benchmarks behind the README figures: task round trip (1 and 2 ranks), swap throughput next
+# Benchmarks behind the figures of docs/figures.md: task round trip (1 and 2 ranks), swap throughput next
 # to memcpy (1 and 2 ranks), planning cost per block, the storage backends alone, storage tasks
 # through the daemons next to them, the agreement round trip, daemon memory during a large read,
 # the cost of metrics on the round trip, a page-first host pool, the Python client's round trip and throughput (as a

@@ -1,4 +1,4 @@
-"""The engine's side of the daemons' control sockets (ZeroMQ REQ, JSON; see README "kvtd ctl"),
+"""The engine's side of the daemons' control sockets (ZeroMQ REQ, JSON; see docs/operating.md "kvtd ctl"),
 for requests an engine makes itself: storage garbage collection after a weight update.
 
 Needs pyzmq (Debian: python3-zmq); the rest of the module does not. The socket directory is

@@ -2,7 +2,8 @@
 # Issue 22 part 6: `cpack -G DEB` over this build makes a package that installs the daemon, the
 # client library and header, the CMake and pkg-config files, the Python module, the units (with
 # ExecStart at /usr/bin/kvtd) and the example settings; its postinst makes the kvtd system user;
-# lintian finds no error; and what it unpacks runs (kvtd --version, the Python module loading the
+# lintian finds no error; and what it unpacks runs (kvtd --version, `man kvtd` and `man
+# kvtd-loadgen` from man pages made by help2man at build time, the Python module loading the
 # packaged library).
 # Usage: check_deb.sh <build dir>
 set -euo pipefail
@@ -18,7 +19,7 @@ for f in /usr/bin/kvtd /usr/lib/libkvtd_client.so.1 /usr/include/kvtd/kvtd_clien
          /usr/lib/pkgconfig/kvtd.pc /usr/lib/python3/dist-packages/kvtd/__init__.py /usr/lib/systemd/system/kvtd@.service \
          /usr/lib/systemd/system/kvtd.target /usr/lib/systemd/system/kvtd-group@.target \
          /usr/share/doc/kvtd/kvtd.toml.example /usr/share/doc/kvtd/group.toml.example /usr/share/doc/kvtd/copyright \
-         /usr/share/doc/kvtd/changelog.gz; do
+         /usr/share/doc/kvtd/changelog.gz /usr/share/man/man1/kvtd.1.gz /usr/share/man/man1/kvtd-loadgen.1.gz; do
   grep -qx "$f" "$out/files" || { echo "the package lacks $f" >&2; cat "$out/files" >&2; exit 1; }
 done
 if grep -v '^/usr/' "$out/files" | grep -v '^/$' | grep -q .; then
@@ -40,6 +41,15 @@ dpkg-deb -x "$deb" "$out/root"
 grep -q "^ExecStart=/usr/bin/kvtd --instance %i " "$out/root/usr/lib/systemd/system/kvtd@.service" ||
   { echo "the packaged unit does not start /usr/bin/kvtd:" >&2; grep ExecStart "$out/root/usr/lib/systemd/system/kvtd@.service" >&2; exit 1; }
 "$out/root/usr/bin/kvtd" --version
+# `man kvtd` from the package's man tree: the page carries the daemon's flags.
+LC_ALL=C MANPATH="$out/root/usr/share/man" MANPAGER=cat MANWIDTH=100 man kvtd > "$out/man.txt" 2>&1 ||
+  { echo "man kvtd fails on the packaged page:" >&2; cat "$out/man.txt" >&2; exit 1; }
+for want in "--rank" "--host-pool-pin-threads" "kvtd - KV-cache transfer daemon"; do
+  grep -qF -- "$want" "$out/man.txt" || { echo "man kvtd lacks '$want':" >&2; head -40 "$out/man.txt" >&2; exit 1; }
+done
+LC_ALL=C MANPATH="$out/root/usr/share/man" MANPAGER=cat man kvtd-loadgen 2>&1 | grep -qF -- "--blocks-per-task" ||
+  { echo "man kvtd-loadgen lacks its flags" >&2; exit 1; }
+echo "man kvtd: $(wc -l < "$out/man.txt") lines"
 if [ -x /usr/bin/python3 ]; then
   KVTD_CLIENT_LIBRARY="$out/root/usr/lib/libkvtd_client.so.1" PYTHONPATH="$out/root/usr/lib/python3/dist-packages" \
     /usr/bin/python3 -c "import kvtd; print('python module kvtd', kvtd.__version__, 'over the packaged library')" 2>&1 ||
