@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 22 part 7: `scripts/bench.sh --plot DIR` over this build, every run shortened
+# `scripts/bench.sh --plot DIR` over this build, every run shortened
 # (KVTD_BENCH_QUICK=1: the figures mean nothing here), must leave two PNG pictures drawn by
 # gnuplot and the tables behind them with a figure in every row.
 # Usage: check_plot.sh <build dir>

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 22 part 1: two engines (groups "alpha" and "beta", two ranks each) on one host, each
+# Two engines (groups "alpha" and "beta", two ranks each) on one host, each
 # daemon started by the very command line of the installed kvtd@.service with its instance name
 # (%i), its environment files and config directory put in a temporary directory instead of
 # /etc/kvtd and /var/log/kvtd. Each engine (kvtd-loadgen) verifies every byte of its swaps through

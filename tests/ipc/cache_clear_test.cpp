@@ -1,4 +1,4 @@
-// Weight updates (issue 9): clear_caches() releases every daemon mapping of the engine's KV
+// Weight updates: clear_caches() releases every daemon mapping of the engine's KV
 // tensors, the engine frees them and makes new ones, restore_caches() maps the new ones, and
 // swaps through them are byte exact. Real daemons; the host backend's "device" arenas are
 // shared-memory objects, so /proc/<pid>/maps shows exactly what each daemon has mapped.

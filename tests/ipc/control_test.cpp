@@ -71,7 +71,7 @@ std::pair<int, std::string> ctl_as_nobody(const std::string& suffix, std::vector
   return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), text};
 }
 
-// Issue 18 item 9: with --control-endpoint tcp://127.0.0.1:P any local user ran status, log-level,
+// With --control-endpoint tcp://127.0.0.1:P any local user ran status, log-level,
 // clear and drain. The TCP endpoint now needs a secret from a private file and answers nothing
 // else; the ipc socket stays private to the daemon's user.
 TEST_F(ControlTest, TheTcpEndpointAnswersOnlyRequestsWithTheSecretAndTheIpcSocketIsPrivate) {
@@ -114,7 +114,7 @@ TEST_F(ControlTest, TheTcpEndpointAnswersOnlyRequestsWithTheSecretAndTheIpcSocke
   std::remove(secret.c_str());
 }
 
-// Issue 30 item 1: a client that is not authorized costs only its own requests. Another local
+// A client that is not authorized costs only its own requests. Another local
 // user, without the secret, sends the 5 bytes 01 00 02 00 78 and closes, every 20 ms, and a ZeroMQ
 // client sends one frame without the envelope delimiter and closes. On the old REP socket the next
 // request's routing frame was then taken as payload and its reply lost: 0 of 10 status requests
@@ -181,7 +181,7 @@ TEST_F(ControlTest, MalformedPacketsOnTheTcpEndpointCostOnlyTheirSendersRequests
   std::remove(secret_file.c_str());
 }
 
-// Issue 30 item 4: another local user holding ~1,100 TCP connections to the control port (no
+// Another local user holding ~1,100 TCP connections to the control port (no
 // secret needed to connect) and to the KV events endpoint exhausted the daemon's descriptors
 // (1,024 under systemd's default): storage tasks failed and an operator's `kvtd ctl` over the
 // private ipc socket made the daemon abort. The daemons here start with that soft limit. Now each
@@ -279,7 +279,7 @@ TEST_F(ControlTest, ADescriptorFloodOnTheTcpListenersStopsNothing) {
   std::remove(secret_file.c_str());
 }
 
-// Issue 30 item 8: storage gc held the control socket for its whole run (up to an hour): a
+// Storage gc held the control socket for its whole run (up to an hour): a
 // `status` waited behind it. It now runs beside the control loop: a status sent while a long gc
 // runs is answered first; the gc's reply comes when it ends. Its walk is made long with 30,000
 // files of an old layout that kvtd did not write (each header is read, and each is left alone).

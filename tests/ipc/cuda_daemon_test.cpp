@@ -183,7 +183,7 @@ TEST_F(CudaDaemonTest, LayerEventsOpenInTheEngineAndFireAfterTheirLayer) {
   for (auto ev : opened) cudaEventDestroy(ev);
 }
 
-// Issue 20 item 1 on the CUDA path: a load from the file store reads each object straight into
+// A load from the file store reads each object straight into
 // its slot of the worker's pinned staging, verifies it there and DMAs it from the slot. Every
 // loaded byte is checked in device memory; an object corrupted on disk is a miss whose block keeps
 // what it held (its slot is never copied to the device).

@@ -107,7 +107,7 @@ TEST_F(CudaDaemonTest, ASwapToHostWaitsForTheEnginesEventAndOnlyThenSeesItsWrite
   cudaStreamDestroy(engine_stream);
 }
 
-// Issue 31: on an H100, a stream waiting (cudaStreamWaitEvent) on an interprocess event whose
+// On an H100, a stream waiting (cudaStreamWaitEvent) on an interprocess event whose
 // exporting process died with its record queued had not moved after 120 s. The daemon made its
 // lane's stream wait on the engine's event on the device, so an engine SIGKILLed between
 // submitting a swap with its event and the record running left that lane wedged for good: every
@@ -169,7 +169,7 @@ TEST_F(CudaDaemonTest, AnEngineKilledWithItsEventPendingNeverWedgesTheDaemon) {
   EXPECT_NE(log.find("stopped heartbeating"), std::string::npos) << log;
 }
 
-// Issue 31: a copy that never finishes (a device that stopped; the stand-in's "hang" fault on a
+// A copy that never finishes (a device that stopped; the stand-in's "hang" fault on a
 // scattered swap's kernel) held its task forever and nothing was said: the daemon can neither
 // answer the task (the copy may still write engine memory) nor take the lane back. Now the rank
 // says so (log, /readyz, kvtd_copy_running_seconds) and exits 8 at twice --stuck-copy-timeout;
@@ -210,7 +210,7 @@ TEST_F(CudaDaemonTest, ACopyThatNeverFinishesEndsTheDaemonForARestartAndTheHostT
   }
 }
 
-// Issue 31: --verify-swaps. A byte of the host tier that changes between swap-out and swap-in
+// --verify-swaps. A byte of the host tier that changes between swap-out and swap-in
 // (memory corruption, a stray writer into the shared pool) went back into the engine's blocks
 // and the swap-in said ok: a wrong KV byte, a wrong answer, no error anywhere. Now the checksums
 // the device took on the way out are checked after the way in, and the swap-in fails naming the

@@ -58,7 +58,7 @@ bool has_reason(const json& body, const std::string& part) {
 
 class HealthTest : public DaemonTest {};
 
-// Issue 30 item 4: 150 slow connections from another user (a request never finished) held every
+// 150 slow connections from another user (a request never finished) held every
 // one of the metrics server's 64 places, and kubelet-style /healthz probes (1 s timeout) were
 // refused three times running, which restarts a healthy pod. A newcomer now takes the place of
 // the connection that has waited longest for its request.

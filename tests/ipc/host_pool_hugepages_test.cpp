@@ -1,4 +1,4 @@
-// Issue 31 part 6: --host-pool-hugepages. The pool is a file in a hugetlbfs mount: it maps in
+// --host-pool-hugepages. The pool is a file in a hugetlbfs mount: it maps in
 // 2 MiB pages, survives a daemon restart as the /dev/shm pool does, is refused by name when the
 // kernel has too few free pages or the directory is not hugetlbfs, and a dead session's pool there
 // is swept. Needs root (it mounts its own hugetlbfs and raises vm.nr_hugepages for the test,

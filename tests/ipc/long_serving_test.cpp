@@ -1,4 +1,4 @@
-// A daemon that serves for weeks (issue 18, item 1): a task runner is made per session and per
+// A daemon that serves for weeks: a task runner is made per session and per
 // weight update, and what it takes must go back when it ends. Before the fix every runner's
 // storage staging (pinned memory on CUDA) stayed until the process exited: +4 MiB and one mapping
 // per session or clear/restore cycle at --storage-staging-mib 4. Here one daemon serves 200

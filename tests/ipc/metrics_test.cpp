@@ -61,7 +61,7 @@ TEST_F(MetricsTest, ExpositionCountsRealTasksAndPassesPromtool) {
   std::remove(out_file.c_str());
 }
 
-// Issue 22 part 3: what an operator asks of the storage tier - lookups by tier and agreed result,
+// What an operator asks of the storage tier - lookups by tier and agreed result,
 // what the store holds, failed agreements by cause - from a real daemon and its real file store.
 class StorageMetricsTest : public StorageTaskTest {};
 
@@ -124,7 +124,7 @@ TEST_F(MetricsTest, HostileRequestsGetErrorsAndTheEndpointKeepsServing) {
   ASSERT_TRUE(run(TaskKind::kSwapToHost, {1}, {2}).ok());  // and the rank still serves
 }
 
-// Issue 18 item 10: the endpoint served one connection at a time: one keep-alive client delayed
+// The endpoint served one connection at a time: one keep-alive client delayed
 // a scrape 11.6 s, and 40 half-sent requests blocked it for over 30 s. Connections are served
 // concurrently now, each bounded: a scrape answers within a second under both.
 TEST_F(MetricsTest, AScrapeAnswersWithinASecondWhileOtherClientsHoldConnections) {

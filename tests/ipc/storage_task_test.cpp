@@ -1,4 +1,4 @@
-// Storage tasks through real daemons (issue 8): this process is the engine, ranks are kvtd
+// Storage tasks through real daemons: this process is the engine, ranks are kvtd
 // processes with the embedded file store (or Redis, started here on loopback). Every load is
 // checked byte for byte against the pattern the blocks were filled with.
 #include <signal.h>
@@ -187,7 +187,7 @@ TEST_F(StorageTaskTest, CorruptObjectOnOneRankIsAMissAndNeverLoaded) {
   // FromVerifiedPinnedStagingIntoDeviceBlocks).
 }
 
-// Issue 20 (item 1): host-block loads read each object straight into the block's pieces and verify
+// Host-block loads read each object straight into the block's pieces and verify
 // it there. A corrupt object then has its bytes in the block, which must never count as loaded:
 // the block stays invalid (a swap-in from it is host_tier_lost) and blocks_done stops before it.
 TEST_F(StorageTaskTest, ACorruptObjectReadIntoAHostBlockLeavesTheBlockInvalid) {
@@ -272,7 +272,7 @@ TEST_F(StorageTaskTest, WriteThroughBacksUpSwapsWithKeysAsTheirOwnCompletion) {
   expect_device_pattern(iota_ids(20, 4), src, 4);
 }
 
-// Issue 30 item 3: a SWAP_TO_HOST with keys whose swap fails (an out-of-range source id) must not
+// A SWAP_TO_HOST with keys whose swap fails (an out-of-range source id) must not
 // store its destination host block under the keys: that block holds an earlier eviction (another
 // prefix's KV), and the object would verify (kvtd wrote it), so every later read of the key would
 // answer ok with the wrong bytes. Before the fix the backup ran anyway and stored device block 5's

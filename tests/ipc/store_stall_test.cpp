@@ -1,4 +1,4 @@
-// A stalled store never stalls the engine (issue 20): Redis is stopped with SIGSTOP (a real server
+// A stalled store never stalls the engine: Redis is stopped with SIGSTOP (a real server
 // that accepts nothing and answers nothing) while the engine keeps swapping. The checks are
 // orderings, not timings: while the server is stopped and a storage task is stuck on it (the
 // store's timeout is far longer than the test), swaps complete, a task parked behind the stuck one
@@ -141,7 +141,7 @@ TEST_F(StoreStallTest, ASwapParkedBehindAStuckLoadIsCancelledAtOnceAndOthersRun)
   round_trip({20, 21}, {0, 1}, {22, 23});  // the cancelled swap's blocks are free again
 }
 
-// Issue 30 item 3: an eviction with keys parked behind a load (it reads the block the load writes)
+// An eviction with keys parked behind a load (it reads the block the load writes)
 // and then cancelled, or whose deadline passes while it is parked, never happened: its backup must
 // not store destination host block 0, which holds an earlier eviction (another prefix's KV), under
 // its key. The store is stopped only to hold the load, so the parking is certain. Before the fix
@@ -198,11 +198,11 @@ TEST_F(StoreStallTest, ABackupOfASwapCancelledOrLateWhileParkedStoresNothing) {
   }
 }
 
-// Issue 30 item 2: the daemon's store probe (every 5 s) timed out on a fresh connection just
+// The daemon's store probe (every 5 s) timed out on a fresh connection just
 // before a stalled Redis resumed, and the reconnect backoff it armed made the next write and read
 // fail storage_unavailable in under 1 ms ("Redis did not answer EXISTS ... Resource temporarily
 // unavailable") while Redis answered. The probe now asks on connections of its own: a task is
-// never failed by a probe, and reports the error of its own call. Also item 8: /readyz said
+// never failed by a probe, and reports the error of its own call. Also: /readyz said
 // "ready" while the store hung (the probe was still waiting for its answer); a probe unanswered
 // for a second or more now makes it not ready, naming the store.
 TEST_F(StoreStallTest, AStoreProbeThatTimedOutNeverFailsTheNextTasksAndAHungStoreIsNotReady) {
@@ -243,7 +243,7 @@ TEST_F(StoreStallTest, AStoreProbeThatTimedOutNeverFailsTheNextTasksAndAHungStor
   ASSERT_TRUE(test::eventually([&] { return ready(0).value("ready", false); }, 15s)) << ready(0).dump();
 }
 
-// Issue 30 item 8: /readyz said "ready" while a Redis store hung: the probe was still waiting
+// /readyz said "ready" while a Redis store hung: the probe was still waiting
 // for an answer (30 s here) and readiness read the last check that finished. A check unanswered
 // for a second now makes the rank not ready, naming how long; it is ready again once Redis answers.
 TEST_F(StoreStallTest, ReadinessSaysNotReadyWhileTheStoreHangsAndReadyOnceItAnswers) {

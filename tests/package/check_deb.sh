@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 22 part 6: `cpack -G DEB` over this build makes a package that installs the daemon, the
+# `cpack -G DEB` over this build makes a package that installs the daemon, the
 # client library and header, the CMake and pkg-config files, the Python module, the units (with
 # ExecStart at /usr/bin/kvtd) and the example settings; its postinst makes the kvtd system user;
 # lintian finds no error; and what it unpacks runs (kvtd --version, `man kvtd` and `man

@@ -6,7 +6,7 @@ Runs where KVTD_CUDASIM_LIBRARY names the stand-in's shared library (the `gpu`-l
 of a -DKVTD_CUDA_SIM=ON build sets it, with KVTD_CUDA_DRIVER pointing at the same library and
 KVTD_BINARY at that build's daemon); skipped elsewhere.
 
-What the old code did, and why this test exists (issue 21 item 1): it took torch's
+What the old code did, and why this test exists: it took torch's
 `UntypedStorage._share_cuda_()` handle and passed it on. torch >= 2.4 returns 66 bytes there (a
 version byte, a type byte, then the 64-byte cudaIpcMemHandle_t: c10/cuda/CUDACachingAllocator.cpp,
 `shareIpcHandle`), which the session refused, and the old test hid it behind a fake returning 64.

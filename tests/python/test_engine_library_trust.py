@@ -1,5 +1,5 @@
-"""The engine library cannot be crashed or confused by its own users' threads and processes
-(issue 18, items 11-13). Each case failed on the library before the fix."""
+"""The engine library cannot be crashed or confused by its own users' threads and processes.
+Each case failed on the library before the fix."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def test_register_tensor_refuses_sizes_no_device_has():
         s.register_tensor(0, 0, kvtd.KEY, handle, 0, 8 * 2 * 4 * 8 * 2)
 
 
-# Issue 30 item 7: the client library never moves the wrong block silently. ctypes wraps an int
+# The client library never moves the wrong block silently. ctypes wraps an int
 # into an int32 / uint32 field without a word: block id 2**32 + 5 was block 5, min_hits 2**32 + 1
 # was 1, and a key's NUL byte cut it there (b"kx\0A" and b"kx\0B" named one object); each was
 # answered ok on the old module. Each is refused now, naming the field, before anything is sent.

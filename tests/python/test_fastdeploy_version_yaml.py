@@ -1,4 +1,4 @@
-"""Issue 30 item 6: what FastDeploy reads, kvtd reads. FastDeploy's own reader of
+"""What FastDeploy reads, kvtd reads. FastDeploy's own reader of
 <model_path>/version.yaml (fastdeploy/cache_manager/cache_transfer_manager.py,
 get_key_prefix_from_version: yaml.safe_load(f)["version"], then the first two '-' parts), taken
 from the reference source by its syntax tree (the module itself needs paddle), run on every case of

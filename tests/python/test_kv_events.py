@@ -1,4 +1,4 @@
-"""Issue 22 part 5: KV events from the daemons, received with a real ZeroMQ SUB socket (pyzmq)
+"""KV events from the daemons, received with a real ZeroMQ SUB socket (pyzmq)
 and decoded with Debian's python3-msgpack, checked against vLLM's own layout:
 vllm/distributed/kv_events.py (vllm-project/vllm 0181ea3173e5) - EventBatch(ts, events,
 data_parallel_rank=None) and tagged events without array_like, so each event is a map whose
@@ -161,7 +161,7 @@ def test_a_stalled_or_absent_subscriber_never_holds_a_task(cluster, tmp_path):
 
 
 def test_gc_tells_routers_only_of_keys_that_are_gone(cluster, tmp_path):
-    """Issue 30 item 5: a gc that keeps weight version 2 sent BlockRemoved for keys that version 2
+    """A gc that keeps weight version 2 sent BlockRemoved for keys that version 2
     had stored again, so a router replaying the stream lost keys that were still there. Only keys
     with no object left are announced now."""
     import kvtd.control

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -88,23 +89,31 @@ def test_failures_are_exceptions_carrying_code_and_status(cluster):
 
 
 def test_poll_and_after_task_ordering(cluster):
-    c = cluster()
+    # `after=` alone orders the two tasks: they share no block (the block tracker would order
+    # tasks that do, with or without it), and the first is large (40 MiB per rank) while the
+    # second moves one block on the other lane, so without `after=` the second finishes first.
+    # poll() alone collects both, within a deadline: no fallback to wait().
+    g = small_geometry(layers=8, shape=(64, 8, 64, 128))  # 2 MiB per block per rank
+    c = cluster(g)
     s = c.ready()
-    fill_random(s, c.geometry)
-    before = snapshot(s, c.geometry, [4])
-    evict = s.swap_to_host([4], [6])
-    load = s.swap_to_device([6], [20], after=evict)
-    done = None
-    for _ in range(20000):
-        done = s.poll(load)
-        if done is not None:
-            break
-    if done is None:
-        done = s.wait(load)
-    assert done.ok
-    assert s.poll(load) is None  # handed out once
-    assert s.wait(evict).ok
-    after = snapshot(s, c.geometry, [20])
+    fill_random(s, g)
+    assert s.wait(s.swap_to_host([30], [22])).ok  # host block 22 holds device block 30's bytes
+    before = snapshot(s, g, [30])
+    first = s.swap_to_host(list(range(20)), list(range(20)))
+    second = s.swap_to_device([22], [40], after=first)
+    first_done = second_done = None
+    deadline = time.monotonic() + 30
+    while second_done is None:
+        assert time.monotonic() < deadline, "poll() never answered"
+        if first_done is None:
+            first_done = s.poll(first)
+        second_done = s.poll(second)
+        if second_done is not None and first_done is None:
+            first_done = s.poll(first)
+            assert first_done is not None, "the task after `first` completed before it"
+    assert first_done.ok and second_done.ok
+    assert s.poll(second) is None  # handed out once
+    after = snapshot(s, g, [40])
     assert all(torch.equal(after[r, l, k], before[r, l, k]) for (r, l, k) in before)
     assert s.in_flight == 0
 

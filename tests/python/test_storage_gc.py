@@ -1,4 +1,4 @@
-"""Issue 22 part 4: `kvtd ctl storage gc` against real daemons and their real file store: a store
+"""`kvtd ctl storage gc` against real daemons and their real file store: a store
 filled across two weight versions, collected, the old objects' bytes gone from the disk and the
 current ones still loading byte for byte; routers told (KV events); a dry run and a bad request."""
 

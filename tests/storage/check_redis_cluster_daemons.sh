@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 22 part 8: the shared tier across nodes, through the daemons. A real three-master Redis
+# The shared tier across nodes, through the daemons. A real three-master Redis
 # Cluster (redis-server in cluster mode, ports outside the ephemeral range, started and stopped
 # here) behind two engines' daemons: engine A's two ranks write, engine B (another session, its
 # own two daemons, as on another node) reads every byte back. A master killed during reads: the

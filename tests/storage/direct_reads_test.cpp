@@ -1,4 +1,4 @@
-// The file store's O_DIRECT load path (--storage-io direct, issue 20 item 3) on the real file
+// The file store's O_DIRECT load path (--storage-io direct) on the real file
 // system: every load interface returns verified bytes, and corrupt, truncated, padded and
 // swapped-name objects are misses that never reach the caller. Skipped where the test's temporary
 // directory refuses O_DIRECT (the refusal itself is tested through the FileSystem seam: tmpfs

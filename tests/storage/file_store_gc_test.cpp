@@ -1,4 +1,4 @@
-// Issue 22 part 4: the file store's garbage collection on a real directory - other weight
+// The file store's garbage collection on a real directory - other weight
 // versions, layouts and (when named) models removed, what is kept still loads, the capacity
 // accounting follows (also in a second store sharing the root), bounded by its deadline.
 #include <gtest/gtest.h>
@@ -83,7 +83,7 @@ TEST_F(FileStoreGc, OldWeightVersionsAndLayoutsGoTheCurrentOnesStillLoad) {
   EXPECT_EQ(get_one(*other_model, name(0, 1), &back), ObjectResult::kMissing);
 }
 
-// Issue 30 item 8: storage gc removed files whose names merely looked like kvtd's (an old
+// Storage gc removed files whose names merely looked like kvtd's (an old
 // version's name, another layout's directory). Only what kvtd wrote under that name goes now: a
 // stray file, and a real object copied under another name, stay and are counted foreign.
 TEST_F(FileStoreGc, FilesThatOnlyLookLikeObjectsAreNeverRemoved) {

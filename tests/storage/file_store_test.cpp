@@ -119,7 +119,7 @@ TEST_F(FileStoreTest, CorruptAndTruncatedObjectsAreCountedMisses) {
   EXPECT_EQ(s->stats().hits, 0u);
 }
 
-// Issue 30 item 8: a FIFO planted where an object belongs hung the load past its deadline (open(2)
+// A FIFO planted where an object belongs hung the load past its deadline (open(2)
 // of a FIFO waits for a writer). It is no object: a corrupt miss, answered at once; a device
 // (endless bytes) likewise.
 TEST_F(FileStoreTest, AFifoOrADeviceWhereAnObjectBelongsIsACorruptMissAtOnce) {
@@ -182,7 +182,7 @@ TEST_F(FileStoreTest, CorruptObjectLeavesTheCallersBufferUntouchedAndTrailingByt
   }
 }
 
-// Issue 20 (item 1): a load read each object into the store's own buffer, verified it there, and
+// A load read each object into the store's own buffer, verified it there, and
 // copied it again into the destination. get_parts reads straight into the destination's pieces
 // (here three, as a layer-first block's tensors are) and verifies there; a corrupt, truncated or
 // foreign object is kCorrupt (its pieces are the caller's to ignore).
@@ -376,10 +376,10 @@ TEST_F(FileStoreTest, TemporaryFilesLeftByACrashAreRemovedAtOpen) {
 namespace kvtd::storage {
 namespace {
 
-// Issue 18 item 6: --storage-path was used whatever its owner and mode; another local user who
+// --storage-path was used whatever its owner and mode; another local user who
 // could write it planted an object (the format is public) and STORAGE_READ loaded it. Now the root
 // must be this user's alone (0700-like); a missing one is made 0700, and so is every directory below.
-// Issue 30 item 6: kvtd checked the root (0700, its own) but not its parents: with
+// The store checked its root (0700, its own) but not its parents: with
 // FILE_BACKEND_STORAGE_DIR=<dir>/store where <dir> belongs to another user, that user renames the
 // root away and puts a directory of their own there, holding an object that verifies, and the
 // engine loads it. A parent that another user owns, or may write without the sticky bit, is
@@ -460,7 +460,7 @@ TEST_F(FileStoreTest, AStoreRootOthersCanReachOrAnotherUserOwnsIsRefusedNamingPa
   EXPECT_TRUE(open_file_store(options()).ok());
 }
 
-// Issue 18 item 7: opening a store removed every ".tmp-*" under the namespace, so a rank of
+// Opening a store removed every ".tmp-*" under the namespace, so a rank of
 // another group restarting made a live writer's rename fail. Only a dead writer's temporaries
 // (its pid in the name no longer runs) or ones older than any write takes are removed.
 TEST_F(FileStoreTest, OpeningAStoreRemovesOnlyTemporariesOfWritersThatAreGone) {

@@ -155,7 +155,7 @@ TEST_F(RedisStandalone, KilledServerFailsPutsWithoutSigpipeAndReconnectsAfterRes
   EXPECT_EQ(*s->exists(b.keys), 8u);
 }
 
-// Issue 18 item 3: after a Redis restart the next two storage tasks failed storage_unavailable:
+// After a Redis restart the next two storage tasks failed storage_unavailable:
 // the idle connection was found stale only on use, then a 50 ms backoff refused the next try.
 // A command that fails on a connection made before the call is retried once on a fresh one.
 TEST_F(RedisStandalone, TheFirstCallsAfterAServerRestartSucceed) {
@@ -255,7 +255,7 @@ TEST(RedisPassword, ComesFromAnEnvironmentVariableOrAFile) {
   fs::remove_all(dir);
 }
 
-// Issue 22 part 4: garbage collection by SCAN (never KEYS) and objects that expire on their own.
+// Garbage collection by SCAN (never KEYS) and objects that expire on their own.
 GcRequest keep_version(int weight_version) {
   GcRequest r;
   r.keep_fingerprint = 0x1234;
@@ -299,7 +299,7 @@ TEST_F(RedisStandalone, CollectionRemovesOtherVersionsByScanAndKeepsWhatLoads) {
   }
   EXPECT_EQ(*other_model->exists(theirs.keys), 3u);
   EXPECT_EQ(server_.command({"GET", "unrelated"}), "x");
-  // Issue 30 item 8: keys that merely look like an old version's object (a name kvtd's pattern
+  // Keys that merely look like an old version's object (a name kvtd's pattern
   // matches, bytes kvtd did not write) are never removed; before, gc unlinked them.
   server_.command({"SET", "kvtd:llama/0000000000001234/notes-v1", "written by someone else"});
   server_.command({"SET", "kvtd:llama/00000000deadbeef/notes-v1", std::string(64, 'x')});

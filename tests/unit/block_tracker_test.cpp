@@ -75,7 +75,7 @@ TEST(BlockTracker, AdmitWaitsForTheReleaseAndIdleSeesEverythingGone) {
   bt.wait_until_idle(1'000'000, {});
 }
 
-// Issue 20 (item 4): a load of a host block was ordered behind the backup STORAGE_WRITE that only
+// A load of a host block was ordered behind the backup STORAGE_WRITE that only
 // reads the same block (read/read counted as a conflict), so an eviction that carries keys held
 // every later load of its blocks for as long as the store took.
 TEST(BlockTracker, TwoTasksThatOnlyReadABlockRunTogether) {

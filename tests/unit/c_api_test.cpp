@@ -110,7 +110,7 @@ struct AttachedCSession {
   }
 };
 
-// Issue 18 item 11: a completion thread waiting in kvtd_wait while the main thread destroys the
+// A completion thread waiting in kvtd_wait while the main thread destroys the
 // session at shutdown is ordinary engine code; destroy unmapped the segment under the waiter
 // (SIGSEGV 3 of 3). Now the waiter returns KVTD_E_CLOSED and destroy frees once it left.
 TEST(CApi, DestroyWhileAnotherThreadWaitsWakesItWithClosed) {
@@ -134,7 +134,7 @@ TEST(CApi, DestroyWhileAnotherThreadWaitsWakesItWithClosed) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
 }
 
-// Issue 30 item 7: documented misuse is refused, never a use after free. A call on a destroyed
+// Documented misuse is refused, never a use after free. A call on a destroyed
 // handle answers KVTD_E_CLOSED, and two threads destroying one handle at once free it once. On the
 // old library both read freed memory (ASan: heap-use-after-free; double free).
 TEST(CApi, CallsAfterDestroyAndTwoDestroysAreRefusedNotUseAfterFree) {
@@ -169,7 +169,7 @@ TEST(CApi, CallsAfterDestroyAndTwoDestroysAreRefusedNotUseAfterFree) {
   }
 }
 
-// Issue 18 item 12: a forked child (FastDeploy uses multiprocessing) shared its parent's session
+// A forked child (FastDeploy uses multiprocessing) shared its parent's session
 // and the two took each other's completions (17-68% of waits never completed). The child is
 // refused on every call, and destroying its copy leaves the parent's session alone.
 TEST(CApi, AForkedChildCannotUseItsParentsSession) {
@@ -497,7 +497,7 @@ TEST(CApi, ASwapCarriesOneEngineEventPerRank) {
   EXPECT_NE(std::string(c.err).find("engine events are for swap tasks"), std::string::npos) << c.err;
 }
 
-// The hardening of the trust issue for every field of kvtd_task: each bad value is refused with
+// The hardening for every field of kvtd_task: each bad value is refused with
 // a message naming it, and nothing reaches the ring.
 TEST(CApi, SubmitTaskRefusesEveryBadFieldNamingIt) {
   CSession c("capi_bad");
@@ -531,7 +531,7 @@ TEST(CApi, SubmitTaskRefusesEveryBadFieldNamingIt) {
   t.deadline_ns = -5;
   expect_refused(t, "deadline_ns");
   t.deadline_ns = 0;
-  const int32_t wrapped[2] = {0, INT32_MIN};  // a caller's 2^31 in an int32 (issue 30 item 7)
+  const int32_t wrapped[2] = {0, INT32_MIN};  // a caller's 2^31 in an int32
   t.dst = wrapped;
   expect_refused(t, "dst[1] is -2147483648: block ids are 0..2147483647");
   t = {};

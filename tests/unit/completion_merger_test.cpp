@@ -105,7 +105,7 @@ TEST(CompletionMerger, ADeadRankFailsOnlyTheTasksStillWaitingForIt) {
   EXPECT_EQ(m.reported(5), 0b10u);
 }
 
-// Issue 30 item 8: CANCEL answers that the task's own end contradicted, found by a random model
+// CANCEL answers that the task's own end contradicted, found by a random model
 // of an engine over 2-4 ranks. Each rank decides alone whether the target stops (its CANCEL report
 // 1, its target report cancelled) or was past its last step (0, ok); the reports of both tasks
 // arrive in any order. The old merger answered the CANCEL with the MIN over ranks (0 whenever one

@@ -294,7 +294,7 @@ TEST(DaemonFlags, ReadsAConfigFile) {
   EXPECT_EQ(c->session_suffix, "fromfile");
 }
 
-// Issue 7 case 8: size products used to wrap ("0 bytes per block", "host pool 0.0 MiB").
+// Size products used to wrap ("0 bytes per block", "host pool 0.0 MiB").
 TEST(DaemonFlags, ShapesWhoseSizeProductsOverflowAreRefused) {
   auto c = parse({"--rank", "0", "--session", "s", "--key-cache-shape", "16,4294967296,4294967296,8"});
   ASSERT_FALSE(c.ok());
@@ -307,7 +307,7 @@ TEST(DaemonFlags, ShapesWhoseSizeProductsOverflowAreRefused) {
   EXPECT_NE(c.error().message.find("overflow"), std::string::npos) << c.error().message;
 }
 
-// Issue 7 case 9: out-of-range durations and ids are refused naming the range.
+// Out-of-range durations and ids are refused naming the range.
 TEST(DaemonFlags, OutOfRangeDurationsAndDeviceIdsNameTheRange) {
   expect_rejected({"--engine-timeout", "inf"}, "[0.001, 3600]");
   expect_rejected({"--engine-timeout", "1e30"}, "[0.001, 3600]");
@@ -337,7 +337,7 @@ TEST(DaemonFlags, StorageFlagsAreParsedAndBadOnesNamed) {
   expect_rejected({"--storage-backup-queue-mib", "0"}, "--storage-backup-queue-mib");
   expect_rejected({"--storage-backup-max-age-ms", "0"}, "--storage-backup-max-age-ms");
   expect_rejected({"--storage-fsync", "always"}, "--storage-fsync");
-  // Issue 18 item 8: a store without a model id shared one namespace with every deployment.
+  // A store without a model id shared one namespace with every deployment.
   expect_rejected({"--storage-backend", "file", "--storage-path", "/tmp/s"}, "--model-id: required with a storage backend");
   auto args = kBase;
   for (const char* a : {"--write_policy", "write_through_selective", "--kvcache_storage_backend", "redis",
@@ -362,7 +362,7 @@ TEST(DaemonFlags, StorageFlagsAreParsedAndBadOnesNamed) {
   EXPECT_EQ(all.find("--write_policy"), std::string::npos) << all;
 }
 
-// Issue 7 case 9: a typo in a config file used to be ignored (the daemon ran with 0 host blocks).
+// A typo in a config file used to be ignored (the daemon ran with 0 host blocks).
 TEST(DaemonFlags, ConfigFileTypoOrGarbageIsAnErrorNamingIt) {
   const std::string path = ::testing::TempDir() + "/kvtd_typo.toml";
   std::ofstream(path) << "rank = 0\nkey-cache-shape = \"10,1,16,64\"\nsession = \"f\"\nnum-host-block = 4\n";
@@ -394,7 +394,7 @@ TEST(DaemonFlags, HelpIsNotAnError) {
 }
 
 }  // namespace
-// The shipped example must stay valid as flags change (storage flags were added by issue 8).
+// The shipped example must stay valid as flags change (storage flags were added by.
 TEST(DaemonFlags, ExampleConfigFileParses) {
   const std::string path = std::string(KVTD_SOURCE_DIR) + "/systemd/kvtd.toml.example";
   auto c = parse({"--config", path, "--rank", "0"});
@@ -412,7 +412,7 @@ TEST(DaemonFlags, ExampleConfigFileParses) {
 namespace kvtd::config {
 namespace {
 
-// Issue 22 part 1: several engines per host. The unit runs `kvtd --instance %i --config-dir DIR`;
+// Several engines per host. The unit runs `kvtd --instance %i --config-dir DIR`;
 // "<group>-<rank>" reads DIR/<group>.toml, "<rank>" DIR/kvtd.toml as before groups existed.
 class InstanceFlags : public ::testing::Test {
  protected:

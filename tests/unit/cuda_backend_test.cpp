@@ -217,7 +217,7 @@ TEST_P(CudaBackendTest, DeviceChecksumsEqualTheHostsOnEveryBlockSize) {
   }
 }
 
-// Issue 31 part 7: --verify-swaps cost a second synchronisation per task (the H100: full mode -11%
+// --verify-swaps cost a second synchronisation per task (the H100: full mode -11%
 // on 16-block tasks). copy_with_checksums enqueues the checksum kernel behind the copy on its
 // stream and waits once; its sums are those of the bytes the copy wrote, in every mode.
 TEST_P(CudaBackendTest, ACopyWithChecksumsWaitsOnceAndSumsTheBytesItCopied) {

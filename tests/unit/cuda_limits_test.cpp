@@ -1,5 +1,5 @@
-// The CUDA backend at the limits where CUDA differs from what the code assumed (issue 21, items
-// 3, 4, 5 and 7), through the stand-in, which is made as strict as CUDA there:
+// The CUDA backend at the limits where CUDA differs from what the code assumed, through the
+// stand-in, which is made as strict as CUDA there:
 //   - one cudaMemcpyBatchAsync per task failed past a driver's descriptor limit;
 //   - sticky errors missing from a hand-kept list (226, 721, 810, 911) and MPS failures were
 //     reported as a failed copy instead of a lost context;

@@ -1,4 +1,4 @@
-// KV events (issue 22 part 5): the engine key recovered from a stored object's name (what an
+// KV events: the engine key recovered from a stored object's name (what an
 // eviction reports), and the publisher's refusals. The wire format itself is checked by a real
 // subscriber decoding with python3-msgpack (tests/python/test_kv_events.py).
 #include <gtest/gtest.h>
@@ -79,7 +79,7 @@ std::uint64_t resident_bytes() {
   return resident * static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
 }
 
-// Issue 30 item 5: a subscriber that connects and never reads made the publisher's memory grow
+// A subscriber that connects and never reads made the publisher's memory grow
 // with every event it could not deliver: ZeroMQ's queue for it held 100,000 batches of up to
 // 1,024 events, though the documentation promised a bounded queue. Bytes are bounded now: a
 // batch holds at most 256 KiB and a subscriber's queue 32 batches. 400,000 events of 122-character
@@ -130,7 +130,7 @@ TEST(KvEvents, ASubscriberThatNeverReadsCostsBoundedMemory) {
   stalled.close();
 }
 
-// Issue 30 item 5: removals past the queue were dropped silently (a gc of more than 100,000
+// Removals past the queue were dropped silently (a gc of more than 100,000
 // objects), so a router kept keys that were gone. A lost removal is now followed by an
 // AllBlocksCleared after the events queued before it: the router forgets what it cannot trust.
 TEST(KvEvents, ALostRemovalIsFollowedByAClearTheRouterSees) {

@@ -114,7 +114,7 @@ TEST(TaskRing, BrokenFramingIsReportedAsCorrupt) {
   EXPECT_EQ(f.reader(0).try_pop(rec), TaskRingReader::Read::kCorrupt);
 }
 
-// Issue 7 case 6: a kind-0 task whose record ends exactly at the end of the buffer used to be
+// A kind-0 task whose record ends exactly at the end of the buffer used to be
 // skipped as padding, so it never completed and its in-flight slot leaked.
 TEST(TaskRing, KindZeroRecordEndingAtTheRingEndIsDeliveredNotSkippedAsPadding) {
   RingFixture f(4096, 1);

@@ -615,7 +615,7 @@ TEST(Agreement, AReusedSlotFailsInsteadOfGuessing) {
   EXPECT_NE(r.error().message.find("reused the agreement slot"), std::string::npos) << r.error().message;
 }
 
-// Issue 18 item 2: the slot is seq % kAgreementSlots, so two storage tasks 1,024 ring records
+// The slot is seq % kAgreementSlots, so two storage tasks 1,024 ring records
 // apart share it. A rank descheduled between publishing its count and reading its peer's was
 // overtaken: the peer finished, ran 1,023 other records and published the later task over the
 // word the slow rank had yet to read, which then failed a healthy task with agreement_failed

@@ -1,4 +1,4 @@
-// The storage executor against a scripted store (issue 18, items 4 and 5): a load the store cut
+// The storage executor against a scripted store: a load the store cut
 // short is storage_unavailable, not a miss; a CANCEL stops a write between small steps, and it
 // answers truthfully whether it will stop the task.
 #include <gtest/gtest.h>
@@ -172,7 +172,7 @@ class StorageExecutorTest : public ::testing::Test {
   }
 };
 
-// Item 4: a store that dies mid-load read as a miss (ok, fewer blocks): the engine could not tell
+// A store that dies mid-load read as a miss (ok, fewer blocks): the engine could not tell
 // "not stored" from "store down".
 TEST_F(StorageExecutorTest, ALoadTheStoreCutShortIsUnavailableWithTheBlocksBeforeIt) {
   ASSERT_EQ(wait(submit(TaskKind::kStorageWrite, 1, keys("a", 6))).status, TaskStatus::kOk);
@@ -194,7 +194,7 @@ TEST_F(StorageExecutorTest, ALoadTheStoreCutShortIsUnavailableWithTheBlocksBefor
   EXPECT_EQ(miss.blocks, 3u);
 }
 
-// Item 5: cancellation was checked between chunks of up to 2,048 objects, so a CANCEL answered
+// Cancellation was checked between chunks of up to 2,048 objects, so a CANCEL answered
 // "will stop" for a write that then completed. Now a write stops at its next step (at most
 // ~4 MiB), and a CANCEL that comes once the last step began answers that it will not stop it.
 TEST_F(StorageExecutorTest, ACancelStopsAWriteAtItsNextStepAndAnswersTruthfully) {

@@ -106,7 +106,7 @@ TEST(TaskDecoder, EngineEventsOfAnotherCountOrKindOrSizeAreMalformed) {
   EXPECT_EQ(decode_record(cut, shape, 0).status, TaskStatus::kMalformed);
 }
 
-// A swap and its backup tied by outcome (kTaskFlagBackupPair, issue 30 item 3): the backup keeps
+// A swap and its backup tied by outcome (kTaskFlagBackupPair: the backup keeps
 // its swap's id apart from the header; the flag anywhere else is refused, never ignored.
 TEST(TaskDecoder, ABackupPairIsASwapToHostAndAPolicyBackupNamingIt) {
   using namespace proto;

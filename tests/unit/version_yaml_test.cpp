@@ -1,4 +1,4 @@
-// FastDeploy's version.yaml as kvtd reads it (issue 30 item 6): every case of
+// FastDeploy's version.yaml as kvtd reads it: every case of
 // tests/data/version_yaml_cases.json, whose answers tests/python/test_fastdeploy_version_yaml.py
 // checks against FastDeploy's own reader (PyYAML), so both readers agree; and files that are not
 // small regular files are refused at once instead of hanging start-up; the same for the config file.
@@ -88,7 +88,7 @@ TEST(VersionYaml, AFifoADeviceOrAHugeFileIsRefusedAtOnce) {
   fs::remove_all(dir);
 }
 
-// Issue 30 item 8: a config file that is a FIFO hung start-up, and one with a table nested
+// A config file that is a FIFO hung start-up, and one with a table nested
 // thousands deep took 3.9 GB. Both are refused at once, naming the file; a flat one is read.
 TEST(ConfigFile, AFifoOrADeeplyNestedConfigIsRefusedAtOnce) {
   const fs::path dir = fs::path(::testing::TempDir()) / ("config_file_" + std::to_string(::getpid()));

@@ -148,7 +148,7 @@ std::optional<std::pair<TaskStatus, std::string>> TaskRunner::Impl::await_pinned
 void TaskRunner::Impl::note_first_swap(std::int64_t now) {
   if (first_swap_noted.exchange(true, std::memory_order_acq_rel) || cache.granted_ns == 0) return;
   std::string pinned;
-  if (cache.pool != nullptr) {
+  if (cache.pool != nullptr && cache.pool->pin_progress().bytes_total != 0) {  // a backend that pins
     const auto p = cache.pool->pin_progress();
     char buf[160];
     std::snprintf(buf, sizeof buf, "; host pool: first blocks pinned in %.3f s, %.2f of %.2f GiB pinned now",
