@@ -181,42 +181,53 @@ Result<std::unique_ptr<SharedObject>, IpcErrc> SharedObject::open(const std::str
   return o;
 }
 
+namespace {
+
+// The entries of directory `at` whose names start with `prefix` (none when it cannot be read).
+std::vector<std::string> names_with_prefix(const std::string& at, const std::string& prefix) {
+  std::vector<std::string> found;
+  if (DIR* dir = opendir(at.c_str())) {
+    while (dirent* e = readdir(dir)) {
+      const std::string n = e->d_name;
+      if (n.compare(0, prefix.size(), prefix) == 0) found.push_back(n);
+    }
+    closedir(dir);
+  }
+  return found;
+}
+
+// Per-session objects: "<prefix><16 hex>_dev<digits>", "_host<digits>" or "_fdcache<digits>" (a
+// daemon's exported cache); true with the generation for one of those.
+bool parse_session_object(const std::string& n, const std::string& prefix, std::uint64_t* gen) {
+  const std::string rest = n.substr(prefix.size());
+  if (rest.size() < 18 || rest[16] != '_') return false;
+  const std::string tail = rest.substr(17);
+  std::size_t digits_at = 0;
+  if (tail.compare(0, 3, "dev") == 0) digits_at = 3;
+  else if (tail.compare(0, 4, "host") == 0) digits_at = 4;
+  else if (tail.compare(0, 7, "fdcache") == 0) digits_at = 7;
+  else return false;
+  if (digits_at == tail.size()) return false;
+  for (std::size_t i = digits_at; i < tail.size(); ++i)
+    if (tail[i] < '0' || tail[i] > '9') return false;
+  const std::string hex = rest.substr(0, 16);
+  for (char c : hex)
+    if (!std::isxdigit(static_cast<unsigned char>(c))) return false;
+  *gen = std::strtoull(hex.c_str(), nullptr, 16);
+  return true;
+}
+
+}  // namespace
+
 std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& object_dirs) {
   std::vector<std::string> removed;
   const std::string prefix = "kvtd_" + std::to_string(getuid()) + "_";
-  auto list = [&](const std::string& at) {
-    std::vector<std::string> found;
-    if (DIR* dir = opendir(at.c_str())) {
-      while (dirent* e = readdir(dir)) {
-        const std::string n = e->d_name;
-        if (n.compare(0, prefix.size(), prefix) == 0) found.push_back(n);
-      }
-      closedir(dir);
-    }
-    return found;
-  };
+  auto list = [&](const std::string& at) { return names_with_prefix(at, prefix); };
   const std::vector<std::string> names = list("/dev/shm");
   if (names.empty() && object_dirs.empty()) return removed;
 
-  // Per-session objects: "<prefix><16 hex>_dev<digits>", "_host<digits>" or "_fdcache<digits>".
   auto session_object_generation = [&](const std::string& n, std::uint64_t* gen) {
-    const std::string rest = n.substr(prefix.size());
-    if (rest.size() < 18 || rest[16] != '_') return false;
-    const std::string tail = rest.substr(17);
-    std::size_t digits_at = 0;
-    if (tail.compare(0, 3, "dev") == 0) digits_at = 3;
-    else if (tail.compare(0, 4, "host") == 0) digits_at = 4;
-    else if (tail.compare(0, 7, "fdcache") == 0) digits_at = 7;  // a daemon's exported cache
-    else return false;
-    if (digits_at == tail.size()) return false;
-    for (std::size_t i = digits_at; i < tail.size(); ++i)
-      if (tail[i] < '0' || tail[i] > '9') return false;
-    char* end = nullptr;
-    const std::string hex = rest.substr(0, 16);
-    for (char c : hex)
-      if (!std::isxdigit(static_cast<unsigned char>(c))) return false;
-    *gen = std::strtoull(hex.c_str(), &end, 16);
-    return true;
+    return parse_session_object(n, prefix, gen);
   };
 
   std::set<std::uint64_t> live;

@@ -216,6 +216,93 @@ Result<std::uint64_t, DeviceErrc> HostPool::hugetlbfs_page_bytes(const std::stri
   return static_cast<std::uint64_t>(f.f_bsize);
 }
 
+namespace {
+
+PoolHeader header_of(const proto::CacheGeometry& g, std::uint64_t generation, std::uint32_t rank,
+                     config::HostLayout layout, const PoolLayout& l) {
+  PoolHeader h{};
+  h.magic = kPoolMagic;
+  h.version = kPoolVersion;
+  h.rank = rank;
+  h.generation = generation;
+  h.geometry = g;
+  h.valid_offset = l.valid_offset;
+  h.data_offset = l.data_offset;
+  h.object_bytes = l.total;
+  h.layout = static_cast<std::uint32_t>(layout);
+  return h;
+}
+
+std::atomic_ref<std::uint64_t> magic_of(std::byte* object) {
+  return std::atomic_ref<std::uint64_t>(*reinterpret_cast<std::uint64_t*>(object));
+}
+
+// The pool a previous daemon of this session left behind, if it is exactly ours (owner, mode,
+// size, complete header equal to `want`); anything else under the name is removed (its blocks are
+// lost) and null returned.
+std::unique_ptr<ipc::SharedObject> reopen_if_ours(const std::string& name, const std::string& dir, std::uint64_t mapped,
+                                                  const PoolHeader& want) {
+  auto old = ipc::SharedObject::open(name, dir);
+  if (!old.ok()) return nullptr;
+  auto& o = *old;
+  bool same = o->owner_uid() == getuid() && (o->mode() & 077) == 0 && o->size() == mapped;
+  if (same) {
+    PoolHeader have;
+    std::memcpy(&have, o->data(), sizeof have);
+    same = magic_of(o->data()).load(std::memory_order_acquire) == kPoolMagic && std::memcmp(&have, &want, sizeof have) == 0;
+  }
+  if (same) return std::move(o);
+  KVTD_WARN("host pool object {} does not match this session and geometry; recreating it (its blocks are lost)", name);
+  o.reset();
+  ipc::SharedObject::remove(name, dir);
+  return nullptr;
+}
+
+// Room for a new pool of `total` bytes (`mapped` in pages of `page`): free huge pages in the
+// kernel's reserve (`dir` set), or free bytes in /dev/shm; refused naming the counts.
+Status<DeviceErrc> check_room(const std::string& dir, std::uint64_t page, std::uint64_t mapped, std::uint64_t total,
+                              std::uint32_t blocks) {
+  if (!dir.empty()) {
+    const std::int64_t free_pages = ipc::free_huge_pages(page);
+    if (free_pages >= 0 && static_cast<std::uint64_t>(free_pages) < mapped / page)
+      return make_error(DeviceErrc::kAllocFailed,
+                        "--host-pool-hugepages: the host pool needs " + std::to_string(mapped / page) + " pages of " +
+                            std::to_string(page >> 10) + " kB (" + mib(total) + ", " + std::to_string(blocks) +
+                            " blocks) and the kernel has " + std::to_string(free_pages) +
+                            " free (HugePages_Free less HugePages_Rsvd in /proc/meminfo); reserve more (sysctl -w "
+                            "vm.nr_hugepages=...) or lower --num-host-blocks");
+    return {};
+  }
+  if (const std::int64_t free_now = ipc::shm_free_bytes(); free_now >= 0 && static_cast<std::uint64_t>(free_now) < total)
+    return make_error(DeviceErrc::kAllocFailed,
+                      "host pool needs " + mib(total) + " (" + std::to_string(blocks) + " blocks) in /dev/shm, which has " +
+                          mib(static_cast<std::uint64_t>(free_now)) +
+                          " free; enlarge it (mount -o remount,size=... /dev/shm) or lower --num-host-blocks");
+  return {};
+}
+
+// A new pool object with its header written (magic last, with release: a restarted daemon that
+// acquires it sees a complete header), its pages placed on `numa_node` (-1: anywhere).
+Result<std::unique_ptr<ipc::SharedObject>, DeviceErrc> create_pool_object(const std::string& name, const std::string& dir,
+                                                                          const PoolHeader& want, int numa_node) {
+  auto created = ipc::SharedObject::create(
+      name, want.object_bytes,
+      [numa_node](void* addr, std::size_t bytes) {
+        std::string why;
+        if (numa_node >= 0 && !bind_to_numa_node(addr, bytes, numa_node, &why))
+          KVTD_WARN("host pool not placed on NUMA node {}: {}", numa_node, why);
+      },
+      dir);
+  if (!created.ok()) return make_error(DeviceErrc::kAllocFailed, "host pool: " + created.error().message);
+  auto o = std::move(created).value();
+  std::memcpy(o->data(), &want, sizeof want);
+  magic_of(o->data()).store(0, std::memory_order_relaxed);
+  magic_of(o->data()).store(kPoolMagic, std::memory_order_release);
+  return o;
+}
+
+}  // namespace
+
 Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend, const proto::CacheGeometry& g,
                                                              std::uint64_t generation, std::uint32_t rank,
                                                              config::HostLayout layout, int numa_node,
@@ -231,80 +318,20 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend
     mapped = (l.total + page - 1) / page * page;
   }
   const std::string name = ipc::session_object_name(generation, "host" + std::to_string(rank));
-  PoolHeader want{};
-  want.magic = kPoolMagic;
-  want.version = kPoolVersion;
-  want.rank = rank;
-  want.generation = generation;
-  want.geometry = g;
-  want.valid_offset = l.valid_offset;
-  want.data_offset = l.data_offset;
-  want.object_bytes = l.total;
-  want.layout = static_cast<std::uint32_t>(layout);
+  const PoolHeader want = header_of(g, generation, rank, layout, l);
 
   std::unique_ptr<HostPool> pool(new HostPool());
   pool->backend_ = &backend;
   pool->blocks_ = g.num_host_blocks;
   pool->sums_kept_ = std::make_unique<std::atomic<std::uint16_t>[]>(g.num_host_blocks);
   pool->page_bytes_ = page;
-
-  // A pool a previous daemon of this session left behind: used only if it is exactly ours.
-  if (auto old = ipc::SharedObject::open(name, hugetlbfs_dir); old.ok()) {
-    auto& o = *old;
-    bool same = o->owner_uid() == getuid() && (o->mode() & 077) == 0 && o->size() == mapped;
-    if (same) {
-      PoolHeader have;
-      std::memcpy(&have, o->data(), sizeof have);
-      same = std::atomic_ref<std::uint64_t>(*reinterpret_cast<std::uint64_t*>(o->data())).load(std::memory_order_acquire) ==
-                 kPoolMagic &&
-             std::memcmp(&have, &want, sizeof have) == 0;
-    }
-    if (same) {
-      pool->object_ = std::move(o);
-      pool->restored_ = true;
-    } else {
-      KVTD_WARN("host pool object {} does not match this session and geometry; recreating it (its blocks are lost)",
-                name);
-      old->reset();
-      ipc::SharedObject::remove(name, hugetlbfs_dir);
-    }
-  }
+  pool->object_ = reopen_if_ours(name, hugetlbfs_dir, mapped, want);
+  pool->restored_ = pool->object_ != nullptr;
   if (!pool->object_) {
-    // Room for a new pool: free huge pages in the kernel's reserve, or free bytes in /dev/shm.
-    if (!hugetlbfs_dir.empty()) {
-      const std::int64_t free_pages = ipc::free_huge_pages(page);
-      if (free_pages >= 0 && static_cast<std::uint64_t>(free_pages) < mapped / page)
-        return make_error(DeviceErrc::kAllocFailed,
-                          "--host-pool-hugepages: the host pool needs " + std::to_string(mapped / page) +
-                              " pages of " + std::to_string(page >> 10) + " kB (" + mib(l.total) + ", " +
-                              std::to_string(g.num_host_blocks) + " blocks) and the kernel has " +
-                              std::to_string(free_pages) +
-                              " free (HugePages_Free less HugePages_Rsvd in /proc/meminfo); reserve more (sysctl -w "
-                              "vm.nr_hugepages=...) or lower --num-host-blocks");
-    } else if (const std::int64_t free_now = ipc::shm_free_bytes();
-               free_now >= 0 && static_cast<std::uint64_t>(free_now) < l.total) {
-      return make_error(DeviceErrc::kAllocFailed,
-                        "host pool needs " + mib(l.total) + " (" + std::to_string(g.num_host_blocks) +
-                            " blocks) in /dev/shm, which has " + mib(static_cast<std::uint64_t>(free_now)) +
-                            " free; enlarge it (mount -o remount,size=... /dev/shm) or lower --num-host-blocks");
-    }
-    const int node = numa_node;
-    auto created = ipc::SharedObject::create(
-        name, l.total,
-        [node](void* addr, std::size_t bytes) {
-          std::string why;
-          if (node >= 0 && !bind_to_numa_node(addr, bytes, node, &why))
-            KVTD_WARN("host pool not placed on NUMA node {}: {}", node, why);
-        },
-        hugetlbfs_dir);
-    if (!created.ok()) return make_error(DeviceErrc::kAllocFailed, "host pool: " + created.error().message);
+    KVTD_TRY(check_room(hugetlbfs_dir, page, mapped, l.total, g.num_host_blocks));
+    auto created = create_pool_object(name, hugetlbfs_dir, want, numa_node);
+    if (!created.ok()) return std::move(created).error();
     pool->object_ = std::move(created).value();
-    std::memcpy(pool->object_->data(), &want, sizeof want);
-    // Magic last, with release: a restarted daemon that acquires it sees a complete header.
-    std::atomic_ref<std::uint64_t>(*reinterpret_cast<std::uint64_t*>(pool->object_->data()))
-        .store(0, std::memory_order_relaxed);
-    std::atomic_ref<std::uint64_t>(*reinterpret_cast<std::uint64_t*>(pool->object_->data()))
-        .store(kPoolMagic, std::memory_order_release);
   }
 
   std::byte* base = pool->object_->data();

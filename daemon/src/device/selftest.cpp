@@ -229,116 +229,128 @@ void check_layout(Fixture& f, Tally& tally, const std::string& mode) {
   tally.check(f.compare().empty(), what, f.compare());
 }
 
+// Every flag of `kvtd selftest`.
+struct SelftestOptions {
+  std::string backend_name = "host", mode_name;
+  int device_id = 0;
+  std::uint32_t bench_layers = 8;
+  std::uint32_t pin_mib = 256, pin_threads = 4;
+  std::vector<std::uint32_t> block_kib{32};
+  selftest::BenchShape bench;
+  std::string host_layout = "layer_first", hugetlbfs_dir = "/dev/hugepages";
+  bool across_processes = true;
+};
+
+void declare_options(CLI::App& app, SelftestOptions& o) {
+  app.add_option("--device-backend", o.backend_name, "cuda | host")->check(CLI::IsMember({"cuda", "host"}));
+  app.add_option("--device-id,--device_id", o.device_id, "CUDA device ordinal");
+  app.add_option("--scatter-mode", o.mode_name, "Only this scatter mode (default: every mode)");
+  app.add_option("--bench-layers", o.bench_layers, "Layers in the bandwidth measurement (0 = skip)");
+  app.add_option("--bench-block-kib", o.block_kib, "Block sizes (KiB) of the bandwidth measurement, e.g. 8,16,32,64")
+      ->delimiter(',')
+      ->check(CLI::Range(1u, 1024u));
+  app.add_option("--bench-blocks", o.bench.blocks, "Blocks moved per tensor in the bandwidth measurement")
+      ->check(CLI::Range(1u, 1u << 20));
+  app.add_flag("--bench-layerwise", o.bench.layerwise, "Time layer-by-layer copies (an event per layer)");
+  app.add_option("--bench-host-layout", o.host_layout, "Host pool layout of the measurement")
+      ->check(CLI::IsMember({"layer_first", "page_first"}));
+  app.add_option("--pin-mib", o.pin_mib,
+                 "MiB of host memory to pin and time in each way a host pool can be mapped (0 = skip)");
+  app.add_option("--pin-threads", o.pin_threads, "Threads of the parallel pinning figure (as --host-pool-pin-threads)")
+      ->check(CLI::Range(1u, 64u));
+  app.add_option("--hugetlbfs-dir", o.hugetlbfs_dir, "The hugetlbfs mount of the huge-page pinning figure");
+  app.add_flag("--ipc,!--no-ipc", o.across_processes,
+               "Also open an engine process's tensors and event, as the daemon does (default: on)");
+}
+
+// The scatter modes to check: the one named, or every one; false (after a message) for a bad name.
+bool modes_of(const SelftestOptions& o, std::vector<config::ScatterMode>* modes) {
+  if (o.mode_name.empty()) {
+    *modes = {config::ScatterMode::kKernelAllLayers, config::ScatterMode::kKernelPerLayer, config::ScatterMode::kBatch,
+              config::ScatterMode::kMemcpy};
+    return true;
+  }
+  config::ScatterMode m{};
+  if (!config::parse_scatter_mode(o.mode_name, &m)) {
+    std::fprintf(stderr, "kvtd selftest: --scatter-mode '%s' is not one of kernel, kernel-per-layer, batch, memcpy\n",
+                 o.mode_name.c_str());
+    return false;
+  }
+  modes->push_back(m);
+  return true;
+}
+
+// Every check and figure of one backend (the first run also measures the contiguous reference,
+// pinning and the footprint).
+void check_backend(DeviceBackend& backend, const std::string& label, bool first, SelftestOptions& o,
+                   selftest::EnginePeer& peer, std::map<std::uint32_t, selftest::Figures>& contiguous,
+                   Tally& tally) {
+  // 3 layers of key, value (4 KiB blocks: the 16-byte path of the kernels), fp8-style scales
+  // (24-byte blocks: the 8-byte path) and a 6-byte tensor (the byte path).
+  Fixture f{backend, 64, 64, 3, {4096, 4096, 24, 24, 6}, {}, std::mt19937_64{17}, {}};
+  if (!f.allocate()) return tally.check(false, "allocate test tensors [" + label + "]", f.error);
+  check_copies(f, tally, label);
+  check_layout(f, tally, label);
+  if (peer.pid > 0) selftest::check_across_processes(backend, peer, tally);
+  for (std::uint32_t kib : o.bench_layers > 0 ? o.block_kib : std::vector<std::uint32_t>{}) {
+    o.bench.kib = kib;
+    // The contiguous figure once per block size (it does not depend on the scatter mode), first:
+    // every mode's line then says its ratio to it, the goal being the link's own speed.
+    o.bench.contiguous = true;
+    if (first && !selftest::measure_bandwidth(backend, label, o.bench, nullptr, &contiguous[kib])) ++tally.failed;
+    o.bench.contiguous = false;
+    const auto ref = contiguous.find(kib);
+    if (!selftest::measure_bandwidth(backend, label, o.bench, ref != contiguous.end() ? &ref->second : nullptr))
+      ++tally.failed;
+  }
+  if (!first) return;
+  selftest::measure_pinning(backend, o.pin_mib, o.pin_threads, o.hugetlbfs_dir, tally);
+  if (const std::string held = backend.device_footprint(); !held.empty())
+    std::printf("footprint: this process holds %s\n", held.c_str());
+}
+
 }  // namespace
 
 int run_selftest(int argc, char** argv) {
   CLI::App app{"kvtd selftest - check a device backend's bytes against the host executor"};
-  std::string backend_name = "host", mode_name;
-  int device_id = 0;
-  std::uint32_t bench_layers = 8;
-  app.add_option("--device-backend", backend_name, "cuda | host")->check(CLI::IsMember({"cuda", "host"}));
-  app.add_option("--device-id,--device_id", device_id, "CUDA device ordinal");
-  app.add_option("--scatter-mode", mode_name, "Only this scatter mode (default: every mode)");
-  app.add_option("--bench-layers", bench_layers, "Layers in the bandwidth measurement (0 = skip)");
-  std::uint32_t pin_mib = 256;
-  std::vector<std::uint32_t> block_kib{32};
-  selftest::BenchShape bench;
-  std::string host_layout = "layer_first";
-  bool across_processes = true;
-  app.add_option("--bench-block-kib", block_kib, "Block sizes (KiB) of the bandwidth measurement, e.g. 8,16,32,64")
-      ->delimiter(',')
-      ->check(CLI::Range(1u, 1024u));
-  app.add_option("--bench-blocks", bench.blocks, "Blocks moved per tensor in the bandwidth measurement")
-      ->check(CLI::Range(1u, 1u << 20));
-  app.add_flag("--bench-layerwise", bench.layerwise, "Time layer-by-layer copies (an event per layer)");
-  app.add_option("--bench-host-layout", host_layout, "Host pool layout of the measurement")
-      ->check(CLI::IsMember({"layer_first", "page_first"}));
-  std::uint32_t pin_threads = 4;
-  std::string hugetlbfs_dir = "/dev/hugepages";
-  app.add_option("--pin-mib", pin_mib,
-                 "MiB of host memory to pin and time in each way a host pool can be mapped (0 = skip)");
-  app.add_option("--pin-threads", pin_threads, "Threads of the parallel pinning figure (as --host-pool-pin-threads)")
-      ->check(CLI::Range(1u, 64u));
-  app.add_option("--hugetlbfs-dir", hugetlbfs_dir, "The hugetlbfs mount of the huge-page pinning figure");
-  app.add_flag("--ipc,!--no-ipc", across_processes,
-               "Also open an engine process's tensors and event, as the daemon does (default: on)");
+  SelftestOptions o;
+  declare_options(app, o);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
-  bench.layers = bench_layers;
-  bench.host_layout = host_layout == "page_first" ? config::HostLayout::kPageFirst : config::HostLayout::kLayerFirst;
-
+  o.bench.layers = o.bench_layers;
+  o.bench.host_layout = o.host_layout == "page_first" ? config::HostLayout::kPageFirst : config::HostLayout::kLayerFirst;
   std::vector<config::ScatterMode> modes;
-  if (!mode_name.empty()) {
-    config::ScatterMode m{};
-    if (!config::parse_scatter_mode(mode_name, &m)) {
-      std::fprintf(stderr, "kvtd selftest: --scatter-mode '%s' is not one of kernel, kernel-per-layer, batch, memcpy\n",
-                   mode_name.c_str());
-      return 2;
-    }
-    modes.push_back(m);
-  } else {
-    modes = {config::ScatterMode::kKernelAllLayers, config::ScatterMode::kKernelPerLayer, config::ScatterMode::kBatch,
-             config::ScatterMode::kMemcpy};
-  }
+  if (!modes_of(o, &modes)) return 2;
 
   // Forked before this process touches the device: a CUDA context does not survive fork.
   selftest::EnginePeer peer;
-  if (across_processes) peer = selftest::start_engine_peer(backend_name, device_id);
+  if (o.across_processes) peer = selftest::start_engine_peer(o.backend_name, o.device_id);
   Tally tally;
   // The host backend has one way to copy; the CUDA backend is checked in every mode.
-  const std::size_t runs = backend_name == "host" ? 1 : modes.size();
+  const std::size_t runs = o.backend_name == "host" ? 1 : modes.size();
   std::map<std::uint32_t, selftest::Figures> contiguous;  // per block KiB: the reference of every mode
   for (std::size_t m = 0; m < runs; ++m) {
-    std::unique_ptr<DeviceBackend> backend;
-    std::string label = "host";
-    if (backend_name == "cuda") {
-      label = config::scatter_mode_name(modes[m]);
-      auto b = make_cuda_backend(device_id, modes[m]);
-      if (!b.ok()) {
-        if (modes[m] == config::ScatterMode::kBatch && cuda_compiled_in() && modes.size() > 1 &&
-            b.error().message.find("CUDA 13") != std::string::npos) {
-          std::printf("SKIP  mode batch: %s\n", b.error().message.c_str());
-          continue;
-        }
-        std::fprintf(stderr, "kvtd selftest: no usable GPU for --device-backend cuda: %s\n", b.error().message.c_str());
-        return kSelftestUnavailable;
-      }
-      backend = std::move(b).value();
-    } else {
-      backend = make_host_backend();
-    }
-    // 3 layers of key, value (4 KiB blocks: the 16-byte path of the kernels), fp8-style scales
-    // (24-byte blocks: the 8-byte path) and a 6-byte tensor (the byte path).
-    Fixture f{*backend, 64, 64, 3, {4096, 4096, 24, 24, 6}, {}, std::mt19937_64{17}, {}};
-    if (!f.allocate()) {
-      tally.check(false, "allocate test tensors [" + label + "]", f.error);
+    if (o.backend_name != "cuda") {
+      check_backend(*make_host_backend(), "host", m == 0, o, peer, contiguous, tally);
       continue;
     }
-    check_copies(f, tally, label);
-    check_layout(f, tally, label);
-    if (peer.pid > 0) selftest::check_across_processes(*backend, peer, tally);
-    for (std::uint32_t kib : bench_layers > 0 ? block_kib : std::vector<std::uint32_t>{}) {
-      bench.kib = kib;
-      // The contiguous figure once per block size (it does not depend on the scatter mode), first:
-      // every mode's line then says its ratio to it, the goal being the link's own speed.
-      bench.contiguous = true;
-      if (m == 0 && !selftest::measure_bandwidth(*backend, label, bench, nullptr, &contiguous[kib])) ++tally.failed;
-      bench.contiguous = false;
-      const auto ref = contiguous.find(kib);
-      if (!selftest::measure_bandwidth(*backend, label, bench, ref != contiguous.end() ? &ref->second : nullptr))
-        ++tally.failed;
+    auto b = make_cuda_backend(o.device_id, modes[m]);
+    if (!b.ok()) {
+      if (modes[m] == config::ScatterMode::kBatch && cuda_compiled_in() && modes.size() > 1 &&
+          b.error().message.find("CUDA 13") != std::string::npos) {
+        std::printf("SKIP  mode batch: %s\n", b.error().message.c_str());
+        continue;
+      }
+      std::fprintf(stderr, "kvtd selftest: no usable GPU for --device-backend cuda: %s\n", b.error().message.c_str());
+      return kSelftestUnavailable;
     }
-    if (m == 0) {
-      selftest::measure_pinning(*backend, pin_mib, pin_threads, hugetlbfs_dir, tally);
-      if (const std::string held = backend->device_footprint(); !held.empty())
-        std::printf("footprint: this process holds %s\n", held.c_str());
-    }
+    check_backend(**b, config::scatter_mode_name(modes[m]), m == 0, o, peer, contiguous, tally);
   }
   if (peer.pid > 0) tally.check(false, "cross-process check", "no backend ran it");
-  std::printf("selftest (%s): %d passed, %d failed\n", backend_name.c_str(), tally.passed, tally.failed);
+  std::printf("selftest (%s): %d passed, %d failed\n", o.backend_name.c_str(), tally.passed, tally.failed);
   return tally.failed == 0 ? 0 : 1;
 }
 

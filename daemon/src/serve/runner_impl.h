@@ -90,6 +90,10 @@ struct TaskRunner::Impl {
   // Waits on the host for swap `w`'s engine event, bounded by the engine's liveness, the task's
   // deadline, cache.engine_event_timeout_ns and the lane's closing (kEventNotFired past them).
   Status<DeviceErrc> await_engine_event(const Work& w, std::int64_t start);
+  // Why swap `w` cannot start, or nullopt: its deadline passed, its host blocks are not pinned
+  // (after a bounded wait) or hold nothing valid (swap-in), or the engine's event never fired.
+  // Marks a swap-out's host blocks invalid before the copy may touch them.
+  std::optional<std::pair<TaskStatus, std::string>> prepare_swap(Work& w, int lane, std::int64_t start);
   // Waits until the host pool has pinned every host block of swap `w` (the pool pins in the
   // background after its first blocks), bounded by the task's deadline, the lane's closing and
   // kPinStallNs without progress; counted in the metrics when it had to wait. The task's failure
@@ -107,6 +111,9 @@ struct TaskRunner::Impl {
     std::vector<std::int32_t> device, host;
   };
   VerifiedBlocks blocks_to_verify(const Work& w, bool swap_in, std::size_t targets) const;
+  // Runs swap `w`'s copy on `lane` (whole, or layer by layer with progress for the engine) and
+  // returns the checksums of `verify`'s device blocks taken after it (swap_lanes.cpp).
+  Result<std::vector<std::uint64_t>, DeviceErrc> copy_swap(const Work& w, int lane, const VerifiedBlocks& verify);
   // After a swap-out: keeps `sums` (device_checksums' layout) with the host blocks.
   void keep_checksums(const VerifiedBlocks& v, std::span<const std::uint64_t> sums, std::size_t targets);
   // After a swap-in: compares `sums` with those kept at swap-out; the integrity failure, or nullopt.

@@ -25,69 +25,19 @@ void TaskRunner::Impl::enqueue(Work&& w, int lane) {
 void TaskRunner::Impl::execute(Work& w, int lane) {
   const auto& h = w.header;
   const std::int64_t start = ipc::monotonic_now_ns();
-  if (h.deadline_ns != 0 && start > h.deadline_ns) {
-    complete(h, TaskStatus::kDeadlineExceeded, 0, 0, start,
-             "deadline passed " + std::to_string((start - h.deadline_ns) / 1000) + " us before execution");
+  if (auto failed = prepare_swap(w, lane, start)) {
+    complete(h, failed->first, 0, 0, start, failed->second);
     return;
   }
   const auto& targets = lane == 0 ? cache.to_host : cache.to_device;
-  if (auto failed = await_pinned(w, lane, start)) {
-    complete(h, failed->first, 0, 0, start, failed->second + "; nothing was copied");
-    return;
-  }
-  if (lane == 1 && cache.pool != nullptr) {
-    if (auto bad = cache.pool->first_invalid(w.host_ids)) {
-      complete(h, TaskStatus::kHostTierLost, 0, 0, start,
-               "host block " + std::to_string(*bad) +
-                   " holds no data written in this session (the host pool was lost with a daemon restart, or the "
-                   "write into it failed or never happened)");
-      return;
-    }
-  }
-  if (lane == 0 && cache.pool != nullptr) cache.pool->mark_invalid(w.host_ids);
-  Status<DeviceErrc> st;
-  // The engine's GPU work on these blocks first: its event must have fired before a byte moves.
-  if (w.engine_event) {
-    st = await_engine_event(w, start);
-    if (!st.ok() && st.error().code == DeviceErrc::kEventNotFired) {
-      const bool late = h.deadline_ns != 0 && ipc::monotonic_now_ns() > h.deadline_ns;
-      complete(h, late ? TaskStatus::kDeadlineExceeded : TaskStatus::kEngineEventNotFired, 0, 0, start,
-               "the engine's event named in the task did not fire: " + st.error().message + "; nothing was copied");
-      return;
-    }
-  }
   // --verify-swaps: the blocks whose checksums this swap takes (kept at swap-out, compared at swap-in).
   const VerifiedBlocks verify = blocks_to_verify(w, lane == 1, targets.size());
-  std::vector<std::uint64_t> sums;
-  if (st.ok() && (h.flags & proto::kTaskFlagLayerwise)) {
-    ep.progress_begin(h);
-    std::uint32_t queued = 0, done = 0;
-    st = backend.copy_layerwise(
-        Direction::kToDevice, w.plan, targets, targets.size() / cache.num_layers,
-        [&](std::uint32_t layer) {
-          queued = layer + 1;
-          ep.progress_update(h, queued, done);  // the engine may cudaStreamWaitEvent from here
-        },
-        [&](std::uint32_t layer) {
-          done = layer + 1;
-          ep.progress_update(h, queued, done);
-        });
-    if (st.ok() && !verify.device.empty()) {
-      auto got = backend.device_checksums(Direction::kToDevice, targets, verify.device);
-      if (got.ok()) sums = std::move(got).value();
-      else st = std::move(got).error();
-    }
-  } else if (st.ok()) {
-    // The checksums ride behind the copy on its stream: one synchronisation for both.
-    auto got = backend.copy_with_checksums(lane == 0 ? Direction::kToHost : Direction::kToDevice, w.plan, targets,
-                                           verify.device);
-    if (got.ok()) sums = std::move(got).value();
-    else st = std::move(got).error();
-  }
-  if (!st.ok()) {
-    complete(h, TaskStatus::kDeviceError, 0, 0, start, st.error().message);
+  auto copied = copy_swap(w, lane, verify);
+  if (!copied.ok()) {
+    complete(h, TaskStatus::kDeviceError, 0, 0, start, copied.error().message);
     return;
   }
+  const std::vector<std::uint64_t>& sums = *copied;
   if (sums.size() != verify.device.size() * targets.size()) {
     complete(h, TaskStatus::kDeviceError, 0, 0, start,
              "--verify-swaps: the device returned " + std::to_string(sums.size()) + " checksums for " +
@@ -112,6 +62,60 @@ void TaskRunner::Impl::execute(Work& w, int lane) {
   }
   complete(h, TaskStatus::kOk, static_cast<std::uint64_t>(w.plan.num_blocks), cache.num_layers, start, "");
   if (!first_swap_noted.load(std::memory_order_relaxed)) note_first_swap(ipc::monotonic_now_ns());
+}
+
+std::optional<std::pair<TaskStatus, std::string>> TaskRunner::Impl::prepare_swap(Work& w, int lane, std::int64_t start) {
+  const auto& h = w.header;
+  if (h.deadline_ns != 0 && start > h.deadline_ns)
+    return std::make_pair(TaskStatus::kDeadlineExceeded,
+                          "deadline passed " + std::to_string((start - h.deadline_ns) / 1000) + " us before execution");
+  if (auto failed = await_pinned(w, lane, start))
+    return std::make_pair(failed->first, failed->second + "; nothing was copied");
+  if (lane == 1 && cache.pool != nullptr) {
+    if (auto bad = cache.pool->first_invalid(w.host_ids))
+      return std::make_pair(TaskStatus::kHostTierLost,
+                            "host block " + std::to_string(*bad) +
+                                " holds no data written in this session (the host pool was lost with a daemon restart, "
+                                "or the write into it failed or never happened)");
+  }
+  if (lane == 0 && cache.pool != nullptr) cache.pool->mark_invalid(w.host_ids);
+  // The engine's GPU work on these blocks first: its event must have fired before a byte moves.
+  if (w.engine_event) {
+    const auto st = await_engine_event(w, start);
+    if (!st.ok() && st.error().code == DeviceErrc::kEventNotFired) {
+      const bool late = h.deadline_ns != 0 && ipc::monotonic_now_ns() > h.deadline_ns;
+      return std::make_pair(late ? TaskStatus::kDeadlineExceeded : TaskStatus::kEngineEventNotFired,
+                            "the engine's event named in the task did not fire: " + st.error().message +
+                                "; nothing was copied");
+    }
+    if (!st.ok()) return std::make_pair(TaskStatus::kDeviceError, st.error().message);
+  }
+  return std::nullopt;
+}
+
+Result<std::vector<std::uint64_t>, DeviceErrc> TaskRunner::Impl::copy_swap(const Work& w, int lane,
+                                                                          const VerifiedBlocks& verify) {
+  const auto& h = w.header;
+  const auto& targets = lane == 0 ? cache.to_host : cache.to_device;
+  if ((h.flags & proto::kTaskFlagLayerwise) == 0) {
+    // The checksums ride behind the copy on its stream: one synchronisation for both.
+    return backend.copy_with_checksums(lane == 0 ? Direction::kToHost : Direction::kToDevice, w.plan, targets,
+                                       verify.device);
+  }
+  ep.progress_begin(h);
+  std::uint32_t queued = 0, done = 0;
+  KVTD_TRY(backend.copy_layerwise(
+      Direction::kToDevice, w.plan, targets, targets.size() / cache.num_layers,
+      [&](std::uint32_t layer) {
+        queued = layer + 1;
+        ep.progress_update(h, queued, done);  // the engine may cudaStreamWaitEvent from here
+      },
+      [&](std::uint32_t layer) {
+        done = layer + 1;
+        ep.progress_update(h, queued, done);
+      }));
+  if (verify.device.empty()) return std::vector<std::uint64_t>{};
+  return backend.device_checksums(Direction::kToDevice, targets, verify.device);
 }
 
 std::optional<std::pair<TaskStatus, std::string>> TaskRunner::Impl::await_pinned(const Work& w, int lane,

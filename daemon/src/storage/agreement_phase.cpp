@@ -21,10 +21,7 @@ void StorageExecutor::Impl::fail_before_agreement(const StorageWork& w, TaskStat
   finish(w, s, 0, 0, start, msg);
 }
 
-bool StorageExecutor::Impl::agree_phase(Prepared& p) {
-  const auto& w = p.work;
-  p.start = ipc::monotonic_now_ns();
-  const auto kind = static_cast<TaskKind>(w.header.kind);
+bool StorageExecutor::Impl::may_agree(const StorageWork& w, std::int64_t start) {
   if (w.answered) {  // the engine has its completion; the peers are told
     abort_agreement(w, *w.answered);
     ep.leave_agreements(w.header.seq + 1);
@@ -35,29 +32,34 @@ bool StorageExecutor::Impl::agree_phase(Prepared& p) {
     ++st.tasks;
   }
   if (revoked(w)) return false;
-  if (w.header.deadline_ns != 0 && p.start > w.header.deadline_ns) {
-    fail_before_agreement(w, TaskStatus::kDeadlineExceeded, p.start,
-                          "deadline passed " + std::to_string((p.start - w.header.deadline_ns) / 1000) +
+  if (w.header.deadline_ns != 0 && start > w.header.deadline_ns) {
+    fail_before_agreement(w, TaskStatus::kDeadlineExceeded, start,
+                          "deadline passed " + std::to_string((start - w.header.deadline_ns) / 1000) +
                               " us before execution");
     return false;
   }
   if (is_cancelled(w.header.task_id)) {
-    fail_before_agreement(w, TaskStatus::kCancelled, p.start, "cancelled before it started");
+    fail_before_agreement(w, TaskStatus::kCancelled, start, "cancelled before it started");
     return false;
   }
-  const bool backup = (w.header.flags & (proto::kTaskFlagPolicyBackup | proto::kTaskFlagEvictBackup)) != 0;
-  if (t.store == nullptr) {
-    if (backup) {
-      // No storage tier here: nothing to back up to, not an error on this rank. The peers are
-      // told (they do have a store, or they would not wait): a mismatch is their failure.
-      abort_agreement(w, TaskStatus::kStorageUnavailable);
-      ep.leave_agreements(w.header.seq + 1);
-      finish(w, TaskStatus::kOk, 0, w.section.keys.size(), p.start, "");
-      return false;
-    }
-    fail_before_agreement(w, TaskStatus::kStorageUnavailable, p.start, t.no_store_reason);
+  if (t.store != nullptr) return true;
+  if ((w.header.flags & (proto::kTaskFlagPolicyBackup | proto::kTaskFlagEvictBackup)) != 0) {
+    // No storage tier here: nothing to back up to, not an error on this rank. The peers are told
+    // (they do have a store, or they would not wait): a mismatch is their failure.
+    abort_agreement(w, TaskStatus::kStorageUnavailable);
+    ep.leave_agreements(w.header.seq + 1);
+    finish(w, TaskStatus::kOk, 0, w.section.keys.size(), start, "");
     return false;
   }
+  fail_before_agreement(w, TaskStatus::kStorageUnavailable, start, t.no_store_reason);
+  return false;
+}
+
+bool StorageExecutor::Impl::agree_phase(Prepared& p) {
+  const auto& w = p.work;
+  p.start = ipc::monotonic_now_ns();
+  const auto kind = static_cast<TaskKind>(w.header.kind);
+  if (!may_agree(w, p.start)) return false;
   std::vector<std::size_t> which;
   if (kind == TaskKind::kStorageWrite) {
     which = selected_by_policy(w);
@@ -81,6 +83,11 @@ bool StorageExecutor::Impl::agree_phase(Prepared& p) {
   p.agreed = *agreed;
   if (kind != TaskKind::kStorageWrite && t.metrics != nullptr)
     t.metrics->storage_lookup(kind, p.agreed, p.stored.size() - p.agreed);
+  return needs_objects_moved(p, kind);
+}
+
+bool StorageExecutor::Impl::needs_objects_moved(const Prepared& p, TaskKind kind) {
+  const auto& w = p.work;
   switch (kind) {
     case TaskKind::kStorageQuery:
       finish(w, TaskStatus::kOk, p.agreed, 0, p.start, "");

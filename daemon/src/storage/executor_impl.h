@@ -177,6 +177,12 @@ struct StorageExecutor::Impl {
   // Runs phase 1 of `p`. Returns true when p must go on to phase 2 (a load or a write with
   // something to move); otherwise the task has been completed (or dropped, revoked).
   bool agree_phase(Prepared& p);
+  // Whether `w` may take part in the agreement: false when it was already answered, revoked, past
+  // its deadline, cancelled, or there is no store (each completed here, the peers told).
+  bool may_agree(const StorageWork& w, std::int64_t start);
+  // After the agreement: true when `p` has objects to move in phase 2, else it is completed here
+  // (a query's answer, a load with no hits, a write with everything stored already).
+  bool needs_objects_moved(const Prepared& p, TaskKind kind);
 
   // ---- Phase 2, on a worker, by priority: move the objects. No cross-rank wait here, so the
   // priority order (which may differ between ranks) can never deadlock the agreement. ----
@@ -189,6 +195,10 @@ struct StorageExecutor::Impl {
                                                               std::span<const std::string> keys, std::byte* slice);
 
   void run_write(const Prepared& p, std::byte* slice);
+  // Objects [from, from + c) of write `p` into the store: straight from the blocks' pieces
+  // (`in_place`) or gathered into `slice` on the store's I/O threads. False when the chunk ended
+  // the task (completed as failed here).
+  bool write_chunk(const Prepared& p, std::size_t from, std::size_t c, bool in_place, std::byte* slice);
 
   // The task's deadline, checked between chunks: past it, the task fails saying how far it got.
   bool past_deadline(const StorageWork& w, std::int64_t start, std::size_t done, std::size_t of);

@@ -243,9 +243,7 @@ void StorageExecutor::Impl::run_write(const Prepared& p, std::byte* slice) {
   // MLA: the cache is replicated, one copy serves every rank; rank 0 writes it.
   const bool writer = !t.replicated || ep.rank() == 0;
   const bool in_place = t.store->writes_parts() && (host || backend.tensors_host_accessible());
-  const auto& tensors = host ? t.host_tensors : t.device_tensors;
   std::size_t written = skip;
-  std::vector<const std::byte*> src(chunk_objects);
   const std::size_t step = cancel_step();
   while (written < stored.size()) {
     if (revoked(w)) return;
@@ -257,48 +255,7 @@ void StorageExecutor::Impl::run_write(const Prepared& p, std::byte* slice) {
                  " blocks");
       return;
     }
-    if (writer && in_place) {
-      // The blocks are readable where they are (host pool; host-backend tensors): each object
-      // is written straight from its pieces, no staging copy. Adjacent pieces merge, so a
-      // page-first host block is one piece: the object exactly as it lies in the pool.
-      const auto chunk_ids = std::span(ids).subspan(written, c);
-      std::vector<storage::ObjectStore::Parts> objects(c);
-      for (std::size_t i = 0; i < c; ++i) {
-        objects[i].reserve(tensors.size());
-        for (const auto& tensor : tensors) {
-          const std::byte* at = tensor.base + static_cast<std::uint64_t>(chunk_ids[i]) * tensor.stride;
-          auto& parts = objects[i];
-          if (!parts.empty() && parts.back().data() + parts.back().size() == at)
-            parts.back() = {parts.back().data(), parts.back().size() + tensor.block_bytes};
-          else
-            parts.emplace_back(at, tensor.block_bytes);
-        }
-      }
-      auto put = t.store->put_parts(std::span(stored).subspan(written, c), objects);
-      if (!check_put(w, put, c, start)) return;
-    } else if (writer) {
-      const auto chunk_ids = std::span(ids).subspan(written, c);
-      for (std::size_t i = 0; i < c; ++i) src[i] = slice + i * t.object_bytes;
-      // Each object is gathered into staging on the I/O thread that writes it next.
-      DeviceError gather_error;  // set by the store's I/O threads
-      auto put = t.store->put_each(std::span(stored).subspan(written, c), std::span(src).first(c), [&](std::size_t i) {
-        const auto one = chunk_ids.subspan(i, 1);
-        auto* to = const_cast<std::byte*>(src[i]);
-        if (host) {
-          kernels::gather_to_staging_host(tensors, one, to);
-          return true;
-        }
-        auto s2 = backend.gather_to_staging(tensors, one, to);
-        if (s2.ok()) return true;
-        gather_error.set(s2.error().message);
-        return false;  // never store what a failed gather left in staging
-      });
-      if (auto e = gather_error.get(); !e.empty()) {
-        finish(w, TaskStatus::kDeviceError, 0, 0, start, e);
-        return;
-      }
-      if (!check_put(w, put, c, start)) return;
-    }
+    if (writer && !write_chunk(p, written, c, in_place, slice)) return;
     written += c;
   }
   if (t.kv_events != nullptr && writer && written > skip) {
@@ -308,6 +265,54 @@ void StorageExecutor::Impl::run_write(const Prepared& p, std::byte* slice) {
     t.kv_events->stored(std::move(keys));
   }
   finish(w, TaskStatus::kOk, written - skip, skipped, start, "");
+}
+
+bool StorageExecutor::Impl::write_chunk(const Prepared& p, std::size_t from, std::size_t c, bool in_place,
+                                        std::byte* slice) {
+  const auto& w = p.work;
+  const bool host = (w.header.flags & proto::kTaskFlagHostBlocks) != 0;
+  const auto& tensors = host ? t.host_tensors : t.device_tensors;
+  const auto chunk_ids = std::span(p.ids).subspan(from, c);
+  const auto names = std::span(p.stored).subspan(from, c);
+  if (in_place) {
+    // The blocks are readable where they are (host pool; host-backend tensors): each object is
+    // written straight from its pieces, no staging copy. Adjacent pieces merge, so a page-first
+    // host block is one piece: the object exactly as it lies in the pool.
+    std::vector<storage::ObjectStore::Parts> objects(c);
+    for (std::size_t i = 0; i < c; ++i) {
+      objects[i].reserve(tensors.size());
+      for (const auto& tensor : tensors) {
+        const std::byte* at = tensor.base + static_cast<std::uint64_t>(chunk_ids[i]) * tensor.stride;
+        auto& parts = objects[i];
+        if (!parts.empty() && parts.back().data() + parts.back().size() == at)
+          parts.back() = {parts.back().data(), parts.back().size() + tensor.block_bytes};
+        else
+          parts.emplace_back(at, tensor.block_bytes);
+      }
+    }
+    return check_put(w, t.store->put_parts(names, objects), c, p.start);
+  }
+  std::vector<const std::byte*> src(c);
+  for (std::size_t i = 0; i < c; ++i) src[i] = slice + i * t.object_bytes;
+  // Each object is gathered into staging on the I/O thread that writes it next.
+  DeviceError gather_error;  // set by the store's I/O threads
+  auto put = t.store->put_each(names, src, [&](std::size_t i) {
+    const auto one = chunk_ids.subspan(i, 1);
+    auto* to = const_cast<std::byte*>(src[i]);
+    if (host) {
+      kernels::gather_to_staging_host(tensors, one, to);
+      return true;
+    }
+    auto gathered = backend.gather_to_staging(tensors, one, to);
+    if (gathered.ok()) return true;
+    gather_error.set(gathered.error().message);
+    return false;  // never store what a failed gather left in staging
+  });
+  if (auto e = gather_error.get(); !e.empty()) {
+    finish(w, TaskStatus::kDeviceError, 0, 0, p.start, e);
+    return false;
+  }
+  return check_put(w, put, c, p.start);
 }
 
 bool StorageExecutor::Impl::past_deadline(const StorageWork& w, std::int64_t start, std::size_t done, std::size_t of) {
