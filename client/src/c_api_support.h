@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <new>
@@ -18,6 +19,12 @@ inline void put_error(char* err, size_t len, const std::string& msg) {
   const size_t n = msg.size() < len - 1 ? msg.size() : len - 1;
   std::memcpy(err, msg.data(), n);
   err[n] = '\0';
+}
+
+// Milliseconds to nanoseconds without overflow (a huge timeout saturates, it does not wrap).
+inline std::int64_t ms_to_ns(std::int64_t ms) {
+  if (ms <= 0) return 0;
+  return ms > INT64_MAX / 1'000'000 ? INT64_MAX : ms * 1'000'000;
 }
 
 inline int invalid(char* err, size_t len, const std::string& msg) {

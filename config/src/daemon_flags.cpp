@@ -12,35 +12,11 @@
 #include "kvtd/config/daemon_config.h"
 #include "kvtd/proto/names.h"
 #include "flag_groups.h"
+#include "raw_flags.h"
 #include "instance.h"
 
 namespace kvtd::config {
 namespace {
-
-// The command line's values before they are checked, and the options whose presence matters.
-struct RawFlags {
-  std::int64_t rank = 0, mp_num = 1, dp_id = 0, device_base = 0, num_layers = 1, host_blocks = 0;
-  std::string device_id = "0", instance, config_dir;
-  CLI::Option* rank_opt = nullptr;
-  std::int64_t extra_layers = -1, extra_blocks = -1;
-  std::string key_shape, value_shape, dtype = "bfloat16", default_dtype = "bfloat16", speculative_json;
-  // FastDeploy 2.0/2.1 described the cache by these instead of the shapes (key and value alike).
-  std::int64_t fd_gpu_blocks = 0, fd_kv_heads = 0, fd_block_size = 0, fd_head_dim = 0;
-  CLI::Option *fd_blocks_opt = nullptr, *fd_heads_opt = nullptr, *fd_bs_opt = nullptr, *fd_hd_opt = nullptr;
-  std::string suffix, backend = "host", scatter = "batch", host_layout = "layer_first", numa = "auto";
-  std::string verify_swaps = "sampled";
-  CLI::Option *backend_opt = nullptr, *scatter_opt = nullptr, *model_id_opt = nullptr, *io_threads_opt = nullptr;
-  std::int64_t metrics_port = 0;
-  std::string engine_pid;
-  std::string storage_backend = "none", write_policy, fsync = "none", redis_endpoints, storage_io = "buffered";
-  std::string ignored_s;
-  std::vector<CLI::Option*> compat_opts;
-};
-
-Error<ConfigErrc> bad(const std::string& m) { return make_error(ConfigErrc::kInvalidValue, m); }
-
-// Seconds in a message. Range checks on doubles are written so that NaN fails every one.
-std::string seconds(double v) { return std::to_string(v); }
 
 // Dotted-quad IPv4 (inet_pton's rule: four decimal fields of 0-255).
 bool is_ipv4_address(const std::string& s) {
@@ -191,32 +167,6 @@ void declare_runtime_flags(CLI::App& app, RawFlags& f, DaemonConfig& c) {
                  "FastDeploy: suffix of its shared-memory signals, and of the session when --session is absent");
   app.add_option("--engine_pid", f.engine_pid,
                  "FastDeploy 2.0/2.1: the suffix of its signals and of the session (instead of the port)");
-}
-
-void declare_storage_flags(CLI::App& app, RawFlags& f, DaemonConfig& c) {
-  auto& st = c.storage;
-  app.add_option("--storage-backend,--kvcache-storage-backend,--kvcache_storage_backend", f.storage_backend,
-                 "Storage tier: none | file | redis");
-  app.add_option("--storage-path", st.path, "file: root directory of the store");
-  app.add_option("--redis-endpoints", f.redis_endpoints, "redis: host:port[,host:port...] (Cluster auto-detected)");
-  app.add_option("--redis-password-file", st.redis_password_file, "redis: file whose first line is the password");
-  app.add_option("--redis-password-env", st.redis_password_env, "redis: environment variable holding the password");
-  app.add_option("--redis-timeout", st.redis_timeout_s, "redis: connect and reply deadline in seconds");
-  app.add_option("--storage-capacity-gib", st.capacity_gib, "file: capacity in GiB, LRU eviction (0 = unlimited)");
-  app.add_option("--storage-fsync", f.fsync, "file: none | data | full");
-  app.add_option("--storage-io", f.storage_io,
-                 "file: how loads read objects: buffered (page cache, default) | direct (O_DIRECT with io_uring)");
-  f.io_threads_opt = app.add_option("--storage-io-threads", st.io_threads,
-                 "Storage worker threads (never the swap lanes); default: half the CPUs, 2 to 8, within the staging");
-  app.add_option("--storage-staging-mib", st.staging_mib, "Pinned staging for storage tasks, MiB (bounds RSS)");
-  app.add_option("--storage-backup-queue-mib", st.backup_queue_mib,
-                 "Backups waiting for the store beyond this many MiB are skipped (backup_skipped)");
-  app.add_option("--storage-backup-max-age-ms", st.backup_max_age_ms,
-                 "A backup not started this many ms after its submit is skipped (backup_skipped)");
-  app.add_option("--write-policy,--write_policy", f.write_policy,
-                 "Backups of swapped-out blocks: write_through | write_through_selective | write_back");
-  app.add_option("--write-threshold", st.write_threshold, "write_through_selective: times a key is seen before backup");
-  app.add_option("--weight-version", st.weight_version, "Weight version label of this deployment (namespaces keys)");
 }
 
 void declare_compat_flags(CLI::App& app, RawFlags& f, DaemonConfig& c) {
@@ -417,76 +367,6 @@ Status<ConfigErrc> resolve_runtime(const RawFlags& f, DaemonConfig& c) {
 
   if (const auto why = proto::geometry_problem(c.geometry()); !why.empty())
     return bad("--key-cache-shape/--value-cache-shape/--num-layers/--num-host-blocks: " + why);
-  return {};
-}
-
-Status<ConfigErrc> resolve_storage(const RawFlags& f, DaemonConfig& c) {
-  auto& st = c.storage;
-  const auto& fd_port = c.fastdeploy.engine_worker_queue_port;
-  if (f.storage_backend == "none") st.backend = StorageBackendKind::kNone;
-  else if (f.storage_backend == "file") st.backend = StorageBackendKind::kFile;
-  else if (f.storage_backend == "redis") st.backend = StorageBackendKind::kRedis;
-  else
-    return bad("--storage-backend: '" + f.storage_backend + "' is not built into this kvtd (built: none, file, redis)");
-  // FastDeploy passes "--write_policy None" when its cache config has none.
-  if (f.write_policy.empty() || f.write_policy == "none" || f.write_policy == "None") st.write_policy = WritePolicy::kNone;
-  else if (f.write_policy == "write_through") st.write_policy = WritePolicy::kWriteThrough;
-  else if (f.write_policy == "write_through_selective") st.write_policy = WritePolicy::kWriteThroughSelective;
-  else if (f.write_policy == "write_back") st.write_policy = WritePolicy::kWriteBack;
-  else return bad("--write-policy: '" + f.write_policy + "' is not one of write_through, write_through_selective, write_back");
-  if (f.fsync == "none") st.fsync = StorageFsync::kNone;
-  else if (f.fsync == "data") st.fsync = StorageFsync::kData;
-  else if (f.fsync == "full") st.fsync = StorageFsync::kFull;
-  else return bad("--storage-fsync: '" + f.fsync + "' is not one of none, data, full");
-  if (f.storage_io == "direct") st.direct_reads = true;
-  else if (f.storage_io != "buffered")
-    return bad("--storage-io: '" + f.storage_io + "' is not buffered or direct");
-  if (st.direct_reads && st.backend != StorageBackendKind::kFile)
-    return bad("--storage-io direct: only the file store reads files (--storage-backend file)");
-  if (st.backend == StorageBackendKind::kFile && st.path.empty() && !fd_port.empty()) {
-    const char* env = std::getenv(kFastDeployStorageDirEnv);
-    st.path = env != nullptr && *env != '\0' ? env : kFastDeployStorageDirDefault;
-  }
-  if (st.backend == StorageBackendKind::kFile && st.path.empty())
-    return bad("--storage-path: required with --storage-backend file (the store's root directory)");
-  if (!f.redis_endpoints.empty()) {
-    std::stringstream in(f.redis_endpoints);
-    for (std::string ep; std::getline(in, ep, ',');) {
-      const auto colon = ep.rfind(':');
-      const std::string port = colon == std::string::npos ? "" : ep.substr(colon + 1);
-      const bool port_ok = !port.empty() && port.size() <= 5 &&
-                           port.find_first_not_of("0123456789") == std::string::npos && std::stoi(port) > 0 &&
-                           std::stoi(port) < 65536;
-      if (colon == 0 || !port_ok) return bad("--redis-endpoints: '" + ep + "' is not host:port");
-      st.redis_endpoints.push_back(ep);
-    }
-  }
-  if (st.backend == StorageBackendKind::kRedis && st.redis_endpoints.empty())
-    return bad("--redis-endpoints: required with --storage-backend redis");
-  if (!(st.redis_timeout_s >= 0.001 && st.redis_timeout_s <= 600))
-    return bad("--redis-timeout: " + seconds(st.redis_timeout_s) + " must be in [0.001, 600] seconds");
-  if (!(st.capacity_gib >= 0 && st.capacity_gib <= 1 << 20))
-    return bad("--storage-capacity-gib: " + seconds(st.capacity_gib) + " must be in [0, 1048576]");
-  if (st.io_threads > 64 || (st.io_threads == 0 && f.io_threads_opt->count() != 0))
-    return bad("--storage-io-threads: " + std::to_string(st.io_threads) + " must be in [1, 64]");
-  if (st.staging_mib < 1 || st.staging_mib > 65536)
-    return bad("--storage-staging-mib: " + std::to_string(st.staging_mib) + " must be in [1, 65536]");
-  if (st.backup_queue_mib < 1 || st.backup_queue_mib > (1u << 20))
-    return bad("--storage-backup-queue-mib: " + std::to_string(st.backup_queue_mib) + " must be in [1, 1048576]");
-  if (st.backup_max_age_ms < 1 || st.backup_max_age_ms > 3'600'000)
-    return bad("--storage-backup-max-age-ms: " + std::to_string(st.backup_max_age_ms) + " must be in [1, 3600000]");
-  if (st.write_threshold < 1) return bad("--write-threshold: must be at least 1");
-  // Every deployment that shares a store must say which model its KV belongs to: two fine-tunes of
-  // one shape under the default namespace would load each other's KV.
-  if (st.backend != StorageBackendKind::kNone && f.model_id_opt->count() == 0 && c.fastdeploy.model_path.empty())
-    return bad("--model-id: required with a storage backend (or FastDeploy's --model_path): deployments that share "
-               "a store under one id load each other's KV");
-  if (st.backend != StorageBackendKind::kNone && !c.fastdeploy.model_path.empty()) {
-    auto prefix = fastdeploy_key_prefix(c.fastdeploy.model_path);
-    if (!prefix.ok()) return std::move(prefix).error();
-    st.key_prefix = std::move(prefix).value();
-    st.key_prefix_source = c.fastdeploy.model_path;
-  }
   return {};
 }
 

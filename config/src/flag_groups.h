@@ -9,6 +9,12 @@ class App;
 
 namespace kvtd::config {
 
+struct RawFlags;  // raw_flags.h
+
+void declare_storage_flags(CLI::App& app, RawFlags& f, DaemonConfig& c);
+// After the session and FastDeploy's flags (the store's default path and key prefix come from
+// FastDeploy's port and model path).
+[[nodiscard]] Status<ConfigErrc> resolve_storage(const RawFlags& f, DaemonConfig& c);
 void declare_kv_events_flags(CLI::App& app, DaemonConfig& c);
 void declare_lifecycle_flags(CLI::App& app, DaemonConfig& c);
 // After resolve_storage.
