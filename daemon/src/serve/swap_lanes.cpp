@@ -9,6 +9,7 @@
 #include "kvtd/ipc/clock.h"
 #include "kvtd/ipc/wait.h"
 #include "serve/runner_impl.h"
+#include "storage/status_of.h"
 
 namespace kvtd::daemon {
 
@@ -34,7 +35,7 @@ void TaskRunner::Impl::execute(Work& w, int lane) {
   const VerifiedBlocks verify = blocks_to_verify(w, lane == 1, targets.size());
   auto copied = copy_swap(w, lane, verify);
   if (!copied.ok()) {
-    complete(h, TaskStatus::kDeviceError, 0, 0, start, copied.error().message);
+    complete(h, status_of(copied.error().code), 0, 0, start, copied.error().message);
     return;
   }
   const std::vector<std::uint64_t>& sums = *copied;
@@ -84,11 +85,11 @@ std::optional<std::pair<TaskStatus, std::string>> TaskRunner::Impl::prepare_swap
     const auto st = await_engine_event(w, start);
     if (!st.ok() && st.error().code == DeviceErrc::kEventNotFired) {
       const bool late = h.deadline_ns != 0 && ipc::monotonic_now_ns() > h.deadline_ns;
-      return std::make_pair(late ? TaskStatus::kDeadlineExceeded : TaskStatus::kEngineEventNotFired,
+      return std::make_pair(late ? TaskStatus::kDeadlineExceeded : status_of(st.error().code),
                             "the engine's event named in the task did not fire: " + st.error().message +
                                 "; nothing was copied");
     }
-    if (!st.ok()) return std::make_pair(TaskStatus::kDeviceError, st.error().message);
+    if (!st.ok()) return std::make_pair(status_of(st.error().code), st.error().message);
   }
   return std::nullopt;
 }

@@ -13,6 +13,7 @@
 #include "kvtd/events/kv_events.h"
 #include "kvtd/storage/object_store.h"
 #include "storage/executor_impl.h"
+#include "storage/status_of.h"
 
 namespace kvtd::daemon {
 
@@ -66,16 +67,18 @@ std::string cause_of(const std::string& error) {
 bool StorageExecutor::Impl::check_put(const StorageWork& w, const Result<std::vector<storage::ObjectResult>, storage::StorageErrc>& put,
                std::size_t c, std::int64_t start) {
   if (!put.ok()) {
-    const auto code = put.error().code;
-    finish(w, code == storage::StorageErrc::kUnavailable ? TaskStatus::kStorageUnavailable : TaskStatus::kStorageError, 0,
-           0, start, unavailable(put.error().message));
+    finish(w, status_of(put.error().code, StoreCall::kWrite), 0, 0, start, unavailable(put.error().message));
     return false;
   }
   std::size_t failed = 0;
-  for (std::size_t i = 0; i < c; ++i) failed += (*put)[i] != storage::ObjectResult::kOk;
+  auto status = TaskStatus::kOk;
+  for (std::size_t i = 0; i < c; ++i) {
+    failed += (*put)[i] != storage::ObjectResult::kOk;
+    if (status == TaskStatus::kOk) status = status_of((*put)[i], StoreCall::kWrite);
+  }
   if (failed != 0) {
     // Each object is whole or absent (the stores write then rename); the others stand.
-    finish(w, TaskStatus::kStorageError, 0, 0, start,
+    finish(w, status, 0, 0, start,
            unavailable(std::to_string(failed) + " of " + std::to_string(c) +
                        " objects not written: " + cause_of(t.store->last_error())));
     return false;
@@ -152,9 +155,7 @@ std::optional<std::vector<storage::ObjectResult>> StorageExecutor::Impl::load_ch
   };
   auto got = read();
   if (!got.ok()) {
-    const auto code = got.error().code;
-    finish(w, code == storage::StorageErrc::kUnavailable ? TaskStatus::kStorageUnavailable : TaskStatus::kStorageError,
-           0, 0, p.start, unavailable(got.error().message));
+    finish(w, status_of(got.error().code, StoreCall::kRead), 0, 0, p.start, unavailable(got.error().message));
     return std::nullopt;
   }
   if (auto e = scatter_error.get(); !e.empty()) {
@@ -188,7 +189,7 @@ void StorageExecutor::Impl::run_load(const Prepared& p, std::byte* slice) {
     while (ok < c && (*got)[ok] == storage::ObjectResult::kOk) ++ok;
     if (host && pool != nullptr) pool->mark_valid(ids.first(ok));
     loaded += ok;
-    if (ok < c && (*got)[ok] == storage::ObjectResult::kFailed) {
+    if (ok < c && status_of((*got)[ok], StoreCall::kRead) != TaskStatus::kOk) {
       // The store failed (a server that died, an I/O error), which is not a miss: the engine
       // must be able to tell "not stored" from "store down". The blocks before it are loaded.
       {
@@ -196,7 +197,7 @@ void StorageExecutor::Impl::run_load(const Prepared& p, std::byte* slice) {
         st.objects_read += ok;
         st.bytes_read += ok * t.object_bytes;
       }
-      finish(w, TaskStatus::kStorageUnavailable, loaded, 0, start,
+      finish(w, status_of((*got)[ok], StoreCall::kRead), loaded, 0, start,
              unavailable("the store failed reading key " + w.section.keys[loaded] + " after " +
                          std::to_string(loaded) + " of " + std::to_string(n) + " blocks: " + t.store->last_error()));
       return;
