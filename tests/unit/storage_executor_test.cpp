@@ -79,11 +79,7 @@ class ScriptedStore final : public storage::ObjectStore {
   std::string last_error_;
 };
 
-struct Outcome {
-  TaskStatus status;
-  std::uint64_t blocks;
-  std::string message;
-};
+using proto::Outcome;
 
 class StorageExecutorTest : public ::testing::Test {
  protected:
@@ -116,10 +112,9 @@ class StorageExecutorTest : public ::testing::Test {
     t.device_tensors.push_back(kernels::LayerTensor{device.data(), kObject, kObject});
     auto e = StorageExecutor::create(
         ep, *backend_, *backend_, nullptr, std::move(t),
-        [this, &done](const proto::TaskRecordHeader& h, TaskStatus st, std::uint64_t blocks, std::uint64_t,
-                      std::int64_t, const std::string& msg) {
+        [this, &done](const proto::TaskRecordHeader& h, const Outcome& o, std::int64_t) {
           std::lock_guard<std::mutex> g(mu_);
-          done[h.task_id] = Outcome{st, blocks, msg};
+          done[h.task_id] = o;
           cv_.notify_all();
         },
         [](const StorageWork&) {});
@@ -163,7 +158,7 @@ class StorageExecutorTest : public ::testing::Test {
   Outcome wait(std::uint64_t id) {
     std::unique_lock<std::mutex> lk(mu_);
     EXPECT_TRUE(cv_.wait_for(lk, std::chrono::seconds(20), [&] { return done_.count(id) != 0; })) << "task " << id;
-    return done_.count(id) ? done_[id] : Outcome{TaskStatus::kInternal, 0, "no completion"};
+    return done_.count(id) ? done_[id] : Outcome::failed(TaskStatus::kInternal, "no completion");
   }
   static std::vector<std::string> keys(const std::string& prefix, int n) {
     std::vector<std::string> k;
@@ -283,7 +278,7 @@ class TwoRankStorageTest : public StorageExecutorTest {
   Outcome wait1(std::uint64_t id) {
     std::unique_lock<std::mutex> lk(mu_);
     EXPECT_TRUE(cv_.wait_for(lk, std::chrono::seconds(20), [&] { return done1_.count(id) != 0; })) << "task " << id;
-    return done1_.count(id) ? done1_[id] : Outcome{TaskStatus::kInternal, 0, "no completion"};
+    return done1_.count(id) ? done1_[id] : Outcome::failed(TaskStatus::kInternal, "no completion");
   }
 };
 

@@ -181,8 +181,8 @@ RankServer::Step RankServer::serve_mapped(Session& s, AttachedCache cache) {
   s.ep.set_ready(proto::kReadyCacheAttached | proto::kReadyHostPool);
   if (s.restore_task) {
     KVTD_INFO("cache restored (task {}): the re-registered tensors are mapped", s.restore_task->task_id);
-    CompletionSink(s.ep, nullptr).write(*s.restore_task, proto::TaskStatus::kOk, 0, 0, ipc::monotonic_now_ns(),
-                                        "tensors re-opened");
+    CompletionSink(s.ep, nullptr).write(*s.restore_task, proto::Outcome::done("tensors re-opened"),
+                                        ipc::monotonic_now_ns());
     s.restore_task.reset();
   }
   KVTD_INFO("attached to session generation {:016x} as epoch {}; serving", s.ep.generation(), s.ep.epoch());
@@ -231,8 +231,8 @@ void RankServer::close_for_clear(Session& s, const TaskRunner& runner) {
 void RankServer::fail_restore(Session& s, const std::string& message) {
   KVTD_ERROR("cannot restore the cache: {}", message);
   if (!s.restore_task) return;
-  CompletionSink(s.ep, nullptr).write(*s.restore_task, proto::TaskStatus::kDeviceError, 0, 0, ipc::monotonic_now_ns(),
-                                      message);
+  CompletionSink(s.ep, nullptr).write(*s.restore_task, proto::Outcome::failed(proto::TaskStatus::kDeviceError, message),
+                                      ipc::monotonic_now_ns());
   s.restore_task.reset();
 }
 

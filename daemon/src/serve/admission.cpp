@@ -26,7 +26,7 @@ void TaskRunner::Impl::start(Work&& w, int lane, std::int64_t now) {
     } else {
       sink.abort_agreement(w.header.seq, TaskStatus::kAgreementFailed);
       ep.leave_agreements(w.header.seq + 1);  // no executor: nothing else agrees here
-      complete(w.header, TaskStatus::kInternal, 0, 0, now, "storage executor could not start");
+      complete(w.header, proto::Outcome::failed(TaskStatus::kInternal, "storage executor could not start"), now);
       release_storage(w.storage_work);
     }
     return;

@@ -22,7 +22,7 @@ void send(endpoint::RankEndpoint& ep, const proto::TaskRecordHeader& h, TaskStat
   if (status != TaskStatus::kOk)
     KVTD_WARN("task {} ({}) failed: {}: {}", h.task_id, proto::task_kind_name(static_cast<TaskKind>(h.kind)),
               proto::task_status_name(status), message);
-  CompletionSink(ep, nullptr).write(h, status, blocks, 0, start_ns, message);
+  CompletionSink(ep, nullptr).write(h, proto::Outcome{status, blocks, 0, 0, message}, start_ns);
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 
 #include "kvtd/endpoint/rank_endpoint.h"
 #include "kvtd/metrics/registry.h"
+#include "kvtd/proto/outcome.h"
 #include "kvtd/proto/task.h"
 
 namespace kvtd::daemon {
@@ -27,16 +28,14 @@ class CompletionSink {
     if (metrics_) metrics_->agreement_failed(why, /*this_rank=*/true);
   }
 
-  // Writes task `h`'s one completion record (ending now; `message` cut to fit). A record the
+  // Writes task `h`'s one completion record (ending now; the message cut to fit). A record the
   // ring cannot take is logged as lost: the engine is not draining its completions.
-  void write(const proto::TaskRecordHeader& h, proto::TaskStatus status, std::uint64_t blocks, std::uint32_t layers,
-             std::int64_t start_ns, std::string_view message, std::uint64_t skipped = 0);
+  void write(const proto::TaskRecordHeader& h, const proto::Outcome& o, std::int64_t start_ns);
 
   // What a served task reports before its record is written: a failure as a warning and in the
   // metrics' last errors, one debug line, the metrics' task counters (`bytes` moved, the queue
   // wait and run time). Then write().
-  void report(const proto::TaskRecordHeader& h, proto::TaskStatus status, std::uint64_t blocks, std::uint32_t layers,
-              std::int64_t start_ns, std::string_view message, std::uint64_t bytes, std::uint64_t skipped = 0);
+  void report(const proto::TaskRecordHeader& h, const proto::Outcome& o, std::int64_t start_ns, std::uint64_t bytes);
 
   // Engine submit to the start of execution (the same CLOCK_MONOTONIC on both sides), 0 if unknown.
   static std::int64_t queue_wait_ns(const proto::TaskRecordHeader& h, std::int64_t start_ns) {

@@ -128,8 +128,7 @@ struct TaskRunner::Impl {
 
   // Every completion of this runner (and of its storage executor) goes through the sink; the
   // runner's own figures are counted first, so they are current once the engine has the result.
-  void complete(const proto::TaskRecordHeader& h, TaskStatus status, std::uint64_t blocks, std::uint32_t layers,
-                std::int64_t start_ns, const std::string& message, std::uint64_t skipped = 0);
+  void complete(const proto::TaskRecordHeader& h, const proto::Outcome& o, std::int64_t start_ns);
 
   // Every cache.summary_period_ns while tasks complete: one info line of what happened since the
   // last one (a quiet rank logs nothing). Called from the dispatcher loop.

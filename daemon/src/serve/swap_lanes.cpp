@@ -27,7 +27,7 @@ void TaskRunner::Impl::execute(Work& w, int lane) {
   const auto& h = w.header;
   const std::int64_t start = ipc::monotonic_now_ns();
   if (auto failed = prepare_swap(w, lane, start)) {
-    complete(h, failed->first, 0, 0, start, failed->second);
+    complete(h, proto::Outcome::failed(failed->first, failed->second), start);
     return;
   }
   const auto& targets = lane == 0 ? cache.to_host : cache.to_device;
@@ -35,14 +35,17 @@ void TaskRunner::Impl::execute(Work& w, int lane) {
   const VerifiedBlocks verify = blocks_to_verify(w, lane == 1, targets.size());
   auto copied = copy_swap(w, lane, verify);
   if (!copied.ok()) {
-    complete(h, status_of(copied.error().code), 0, 0, start, copied.error().message);
+    complete(h, proto::Outcome::failed(status_of(copied.error().code), copied.error().message), start);
     return;
   }
   const std::vector<std::uint64_t>& sums = *copied;
   if (sums.size() != verify.device.size() * targets.size()) {
-    complete(h, TaskStatus::kDeviceError, 0, 0, start,
-             "--verify-swaps: the device returned " + std::to_string(sums.size()) + " checksums for " +
-                 std::to_string(verify.device.size()) + " blocks x " + std::to_string(targets.size()) + " tensors");
+    complete(h,
+             proto::Outcome::failed(TaskStatus::kDeviceError,
+                                    "--verify-swaps: the device returned " + std::to_string(sums.size()) +
+                                        " checksums for " + std::to_string(verify.device.size()) + " blocks x " +
+                                        std::to_string(targets.size()) + " tensors"),
+             start);
     return;
   }
   if (lane == 0 && cache.pool != nullptr) {
@@ -52,7 +55,7 @@ void TaskRunner::Impl::execute(Work& w, int lane) {
   }
   if (lane == 1 && cache.pool != nullptr) {
     if (auto bad = check_checksums(verify, sums, targets.size())) {
-      complete(h, bad->first, 0, 0, start, bad->second);
+      complete(h, proto::Outcome::failed(bad->first, bad->second), start);
       return;
     }
   }
@@ -61,7 +64,7 @@ void TaskRunner::Impl::execute(Work& w, int lane) {
     MutexLock g(stats_mu);
     (lane == 0 ? stats.bytes_to_host : stats.bytes_to_device) += bytes;
   }
-  complete(h, TaskStatus::kOk, static_cast<std::uint64_t>(w.plan.num_blocks), cache.num_layers, start, "");
+  complete(h, proto::Outcome::swapped(static_cast<std::uint64_t>(w.plan.num_blocks), cache.num_layers), start);
   if (!first_swap_noted.load(std::memory_order_relaxed)) note_first_swap(ipc::monotonic_now_ns());
 }
 

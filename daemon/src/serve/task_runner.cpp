@@ -21,9 +21,8 @@ TaskRunner::Impl::Impl(endpoint::RankEndpoint& e, DeviceBackend& b, AttachedCach
       parked(cache.host_blocks, cache.device_blocks),
       sink(ep, cache.metrics) {
   for (auto bytes : cache.block_bytes) block_bytes_all_layers += bytes * cache.num_layers;
-  auto complete_fn = [this](const proto::TaskRecordHeader& h, TaskStatus s, std::uint64_t blocks,
-                            std::uint64_t skipped, std::int64_t start, const std::string& msg) {
-    complete(h, s, blocks, 0, start, msg, skipped);
+  auto complete_fn = [this](const proto::TaskRecordHeader& h, const proto::Outcome& o, std::int64_t start) {
+    complete(h, o, start);
   };
   auto release_fn = [this](const StorageWork& sw) { release_storage(sw); };
   auto ex = StorageExecutor::create(ep, b, b, cache.pool, cache.storage, complete_fn, release_fn);
@@ -42,18 +41,17 @@ TaskRunner::Impl::Impl(endpoint::RankEndpoint& e, DeviceBackend& b, AttachedCach
   }
 }
 
-void TaskRunner::Impl::complete(const proto::TaskRecordHeader& h, TaskStatus status, std::uint64_t blocks, std::uint32_t layers,
-              std::int64_t start_ns, const std::string& message, std::uint64_t skipped) {
+void TaskRunner::Impl::complete(const proto::TaskRecordHeader& h, const proto::Outcome& o, std::int64_t start_ns) {
   const auto kind = static_cast<TaskKind>(h.kind);
-  if (kind == TaskKind::kSwapToHost && (h.flags & proto::kTaskFlagBackupPair) != 0) swap_outcomes.record(h.task_id, status);
+  if (kind == TaskKind::kSwapToHost && (h.flags & proto::kTaskFlagBackupPair) != 0) swap_outcomes.record(h.task_id, o.status);
   const bool moves = kind != TaskKind::kStorageQuery && kind != TaskKind::kCancel && !proto::is_cache_control_kind(kind);
   {
     MutexLock g(stats_mu);
-    if (status == TaskStatus::kOk) ++stats.tasks_ok;
+    if (o.status == TaskStatus::kOk) ++stats.tasks_ok;
     else ++stats.tasks_failed;
     stats.queue_wait_ns_max = std::max(stats.queue_wait_ns_max, CompletionSink::queue_wait_ns(h, start_ns));
   }
-  sink.report(h, status, blocks, layers, start_ns, message, moves ? blocks * block_bytes_all_layers : 0, skipped);
+  sink.report(h, o, start_ns, moves ? o.blocks * block_bytes_all_layers : 0);
 }
 
 void TaskRunner::Impl::maybe_summarize(RunnerStats& last, std::int64_t& at) {
@@ -109,24 +107,25 @@ bool TaskRunner::Impl::decode(const std::vector<std::byte>& rec, Work& w) {
     case DecodedRecord::Action::kRestore:
       // Mapped from the registry as it is now: the engine made it live before this record, and
       // this rank attached (and read it) after that.
-      complete(h, TaskStatus::kOk, 0, 0, now, "already serving the restored cache");
+      complete(h, proto::Outcome::done("already serving the restored cache"), now);
       return false;
     case DecodedRecord::Action::kCancel: {
       bool found = false;
       if (auto parked_header = parked.cancel(d.cancel_task_id)) {  // it never started: it stops now
-        complete(*parked_header, TaskStatus::kCancelled, 0, 0, now, "cancelled while it waited for work on its blocks");
+        complete(*parked_header, proto::Outcome::failed(TaskStatus::kCancelled, "cancelled while it waited for work on its blocks"),
+                 now);
         found = true;
       } else {
         found = storage && storage->cancel(d.cancel_task_id);
       }
       // blocks_done 1: the task was live here and will stop between objects; 0: nothing to stop.
-      complete(h, TaskStatus::kOk, found ? 1 : 0, 0, now, "");
+      complete(h, proto::Outcome::ok(found ? 1 : 0), now);
       return false;
     }
     case DecodedRecord::Action::kFail: break;
   }
   if (d.abort_agreement) sink.abort_agreement(h.seq, d.status);
-  complete(h, d.status, 0, 0, now, d.message);
+  complete(h, proto::Outcome::failed(d.status, d.message), now);
   return false;
 }
 

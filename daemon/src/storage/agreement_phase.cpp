@@ -18,7 +18,7 @@ namespace kvtd::daemon {
 void StorageExecutor::Impl::fail_before_agreement(const StorageWork& w, TaskStatus s, std::int64_t start, const std::string& msg) {
   abort_agreement(w, s);
   ep.leave_agreements(w.header.seq + 1);  // the agreement thread runs tasks in ring order
-  finish(w, s, 0, 0, start, msg);
+  finish(w, proto::Outcome::failed(s, msg), start);
 }
 
 bool StorageExecutor::Impl::may_agree(const StorageWork& w, std::int64_t start) {
@@ -48,7 +48,7 @@ bool StorageExecutor::Impl::may_agree(const StorageWork& w, std::int64_t start) 
     // (they do have a store, or they would not wait): a mismatch is their failure.
     abort_agreement(w, TaskStatus::kStorageUnavailable);
     ep.leave_agreements(w.header.seq + 1);
-    finish(w, TaskStatus::kOk, 0, w.section.keys.size(), start, "");
+    finish(w, proto::Outcome::written(0, w.section.keys.size()), start);
     return false;
   }
   fail_before_agreement(w, TaskStatus::kStorageUnavailable, start, t.no_store_reason);
@@ -90,28 +90,28 @@ bool StorageExecutor::Impl::needs_objects_moved(const Prepared& p, TaskKind kind
   const auto& w = p.work;
   switch (kind) {
     case TaskKind::kStorageQuery:
-      finish(w, TaskStatus::kOk, p.agreed, 0, p.start, "");
+      finish(w, proto::Outcome::ok(p.agreed), p.start);
       return false;
     case TaskKind::kPrefetch:
       if (p.agreed < w.section.args.min_hits) {
-        finish(w, TaskStatus::kOk, 0, 0, p.start, "");  // revoked: fewer hits than asked for, nothing kept
+        finish(w, proto::Outcome::ok(), p.start);  // revoked: fewer hits than asked for, nothing kept
         return false;
       }
       [[fallthrough]];
     case TaskKind::kStorageRead:
       if (p.agreed == 0) {
-        finish(w, TaskStatus::kOk, 0, 0, p.start, "");
+        finish(w, proto::Outcome::ok(), p.start);
         return false;
       }
       return true;
     case TaskKind::kStorageWrite:
       if (p.agreed == p.stored.size()) {
-        finish(w, TaskStatus::kOk, 0, w.section.keys.size(), p.start, "");
+        finish(w, proto::Outcome::written(0, w.section.keys.size()), p.start);
         return false;
       }
       return true;
     default:
-      finish(w, TaskStatus::kInternal, 0, 0, p.start, "not a storage task");
+      finish(w, proto::Outcome::failed(TaskStatus::kInternal, "not a storage task"), p.start);
       return false;
   }
 }

@@ -133,10 +133,7 @@ struct StorageExecutor::Impl {
   // cut at 167 characters.
   std::string unavailable(const std::string& what) const { return what + " (" + t.store_name + ")"; }
 
-  void finish(const StorageWork& w, TaskStatus s, std::uint64_t blocks, std::uint64_t skipped, std::int64_t start,
-              const std::string& msg) {
-    complete(w.header, s, blocks, skipped, start, msg);
-  }
+  void finish(const StorageWork& w, const proto::Outcome& o, std::int64_t start) { complete(w.header, o, start); }
 
   // Tells the peers this rank will not agree on `w` (they stop waiting and fail it with `why`),
   // counted by cause.
@@ -163,7 +160,7 @@ struct StorageExecutor::Impl {
     if (!agreed.ok()) {
       if (revoked(w)) return std::nullopt;  // the engine failed it already
       if (t.metrics != nullptr) t.metrics->agreement_failed(agreed.error().code, /*this_rank=*/false);
-      finish(w, agreed.error().code, 0, 0, start, agreed.error().message);
+      finish(w, proto::Outcome::failed(agreed.error().code, agreed.error().message), start);
       return std::nullopt;
     }
     return *agreed;

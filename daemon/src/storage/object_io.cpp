@@ -67,7 +67,8 @@ std::string cause_of(const std::string& error) {
 bool StorageExecutor::Impl::check_put(const StorageWork& w, const Result<std::vector<storage::ObjectResult>, storage::StorageErrc>& put,
                std::size_t c, std::int64_t start) {
   if (!put.ok()) {
-    finish(w, status_of(put.error().code, StoreCall::kWrite), 0, 0, start, unavailable(put.error().message));
+    finish(w, proto::Outcome::failed(status_of(put.error().code, StoreCall::kWrite), unavailable(put.error().message)),
+           start);
     return false;
   }
   std::size_t failed = 0;
@@ -78,9 +79,10 @@ bool StorageExecutor::Impl::check_put(const StorageWork& w, const Result<std::ve
   }
   if (failed != 0) {
     // Each object is whole or absent (the stores write then rename); the others stand.
-    finish(w, status, 0, 0, start,
-           unavailable(std::to_string(failed) + " of " + std::to_string(c) +
-                       " objects not written: " + cause_of(t.store->last_error())));
+    finish(w,
+           proto::Outcome::failed(status, unavailable(std::to_string(failed) + " of " + std::to_string(c) +
+                                                      " objects not written: " + cause_of(t.store->last_error()))),
+           start);
     return false;
   }
   MutexLock g(stats_mu);
@@ -155,11 +157,12 @@ std::optional<std::vector<storage::ObjectResult>> StorageExecutor::Impl::load_ch
   };
   auto got = read();
   if (!got.ok()) {
-    finish(w, status_of(got.error().code, StoreCall::kRead), 0, 0, p.start, unavailable(got.error().message));
+    finish(w, proto::Outcome::failed(status_of(got.error().code, StoreCall::kRead), unavailable(got.error().message)),
+           p.start);
     return std::nullopt;
   }
   if (auto e = scatter_error.get(); !e.empty()) {
-    finish(w, TaskStatus::kDeviceError, 0, 0, p.start, e);
+    finish(w, proto::Outcome::failed(TaskStatus::kDeviceError, e), p.start);
     return std::nullopt;
   }
   return std::move(got).value();
@@ -176,8 +179,10 @@ void StorageExecutor::Impl::run_load(const Prepared& p, std::byte* slice) {
     if (past_deadline(w, start, loaded, n)) return;
     const std::size_t c = std::min(step, n - loaded);
     if (!may_continue(w.header.task_id, loaded + c == n)) {
-      finish(w, TaskStatus::kCancelled, loaded, 0, start, "cancelled after " + std::to_string(loaded) + " of " +
-                                                              std::to_string(n) + " blocks");
+      finish(w,
+             proto::Outcome::stopped(TaskStatus::kCancelled, loaded,
+                                     "cancelled after " + std::to_string(loaded) + " of " + std::to_string(n) + " blocks"),
+             start);
       return;
     }
     const auto ids = std::span(p.ids).subspan(loaded, c);
@@ -197,9 +202,12 @@ void StorageExecutor::Impl::run_load(const Prepared& p, std::byte* slice) {
         st.objects_read += ok;
         st.bytes_read += ok * t.object_bytes;
       }
-      finish(w, status_of((*got)[ok], StoreCall::kRead), loaded, 0, start,
-             unavailable("the store failed reading key " + w.section.keys[loaded] + " after " +
-                         std::to_string(loaded) + " of " + std::to_string(n) + " blocks: " + t.store->last_error()));
+      finish(w,
+             proto::Outcome::stopped(status_of((*got)[ok], StoreCall::kRead), loaded,
+                                     unavailable("the store failed reading key " + w.section.keys[loaded] + " after " +
+                                                 std::to_string(loaded) + " of " + std::to_string(n) +
+                                                 " blocks: " + t.store->last_error())),
+             start);
       return;
     }
     {
@@ -213,7 +221,7 @@ void StorageExecutor::Impl::run_load(const Prepared& p, std::byte* slice) {
       break;
     }
   }
-  finish(w, TaskStatus::kOk, loaded, 0, start, "");
+  finish(w, proto::Outcome::ok(loaded), start);
 }
 
 void StorageExecutor::Impl::run_write(const Prepared& p, std::byte* slice) {
@@ -236,8 +244,10 @@ void StorageExecutor::Impl::run_write(const Prepared& p, std::byte* slice) {
   }
   if (host && pool != nullptr) {
     if (auto bad = pool->first_invalid(std::span(ids).subspan(skip))) {
-      finish(w, TaskStatus::kHostTierLost, 0, 0, start,
-             "host block " + std::to_string(*bad) + " holds no data written in this session; nothing stored");
+      finish(w,
+             proto::Outcome::failed(TaskStatus::kHostTierLost, "host block " + std::to_string(*bad) +
+                                                                   " holds no data written in this session; nothing stored"),
+             start);
       return;
     }
   }
@@ -251,9 +261,12 @@ void StorageExecutor::Impl::run_write(const Prepared& p, std::byte* slice) {
     if (past_deadline(w, start, written - skip, stored.size() - skip)) return;
     const std::size_t c = std::min(step, stored.size() - written);
     if (!may_continue(w.header.task_id, written + c == stored.size())) {
-      finish(w, TaskStatus::kCancelled, written - skip, skipped, start,
-             "cancelled after writing " + std::to_string(written - skip) + " of " + std::to_string(stored.size() - skip) +
-                 " blocks");
+      finish(w,
+             proto::Outcome::stopped(TaskStatus::kCancelled, written - skip,
+                                     "cancelled after writing " + std::to_string(written - skip) + " of " +
+                                         std::to_string(stored.size() - skip) + " blocks")
+                 .with_skipped(skipped),
+             start);
       return;
     }
     if (writer && !write_chunk(p, written, c, in_place, slice)) return;
@@ -265,7 +278,7 @@ void StorageExecutor::Impl::run_write(const Prepared& p, std::byte* slice) {
     for (std::size_t i = skip; i < written; ++i) keys.push_back(w.section.keys[p.which[i]]);
     t.kv_events->stored(std::move(keys));
   }
-  finish(w, TaskStatus::kOk, written - skip, skipped, start, "");
+  finish(w, proto::Outcome::written(written - skip, skipped), start);
 }
 
 bool StorageExecutor::Impl::write_chunk(const Prepared& p, std::size_t from, std::size_t c, bool in_place,
@@ -310,7 +323,7 @@ bool StorageExecutor::Impl::write_chunk(const Prepared& p, std::size_t from, std
     return false;  // never store what a failed gather left in staging
   });
   if (auto e = gather_error.get(); !e.empty()) {
-    finish(w, TaskStatus::kDeviceError, 0, 0, p.start, e);
+    finish(w, proto::Outcome::failed(TaskStatus::kDeviceError, e), p.start);
     return false;
   }
   return check_put(w, put, c, p.start);
@@ -320,8 +333,10 @@ bool StorageExecutor::Impl::past_deadline(const StorageWork& w, std::int64_t sta
   if (w.header.deadline_ns == 0) return false;
   const std::int64_t now = ipc::monotonic_now_ns();
   if (now <= w.header.deadline_ns) return false;
-  finish(w, TaskStatus::kDeadlineExceeded, 0, 0, start,
-         "deadline passed after " + std::to_string(done) + " of " + std::to_string(of) + " blocks");
+  finish(w,
+         proto::Outcome::failed(TaskStatus::kDeadlineExceeded,
+                                "deadline passed after " + std::to_string(done) + " of " + std::to_string(of) + " blocks"),
+         start);
   return true;
 }
 

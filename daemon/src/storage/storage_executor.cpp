@@ -79,7 +79,7 @@ void StorageExecutor::Impl::answer_skipped(const StorageWork& w, std::int64_t st
     st.tasks += new_task;
     ++st.backups_skipped;
   }
-  finish(w, TaskStatus::kBackupSkipped, 0, w.section.keys.size(), start, why);
+  finish(w, proto::Outcome::failed(TaskStatus::kBackupSkipped, why).with_skipped(w.section.keys.size()), start);
 }
 
 std::string StorageExecutor::Impl::skip_on_arrival(const StorageWork& w, std::int64_t now) {

@@ -39,6 +39,7 @@
 #include "kvtd/endpoint/rank_endpoint.h"
 #include "kvtd/ipc/task_codec.h"
 #include "kvtd/kernels/layout.h"
+#include "kvtd/proto/outcome.h"
 #include "kvtd/proto/task.h"
 
 namespace kvtd::storage {
@@ -123,9 +124,8 @@ struct StorageStats {
 
 class StorageExecutor {
  public:
-  // Reports one task's outcome: (header, status, blocks_done, blocks_skipped, start_ns, message).
-  using Complete = std::function<void(const proto::TaskRecordHeader&, proto::TaskStatus, std::uint64_t, std::uint64_t,
-                                      std::int64_t, const std::string&)>;
+  // Reports one task's outcome (header, what this rank did, when it started).
+  using Complete = std::function<void(const proto::TaskRecordHeader&, const proto::Outcome&, std::int64_t start_ns)>;
   // Called after each task (completed or dropped), to release its blocks.
   using Release = std::function<void(const StorageWork&)>;
 
