@@ -187,7 +187,7 @@ void StorageExecutor::Impl::worker_loop(std::size_t index) {
 }
 
 
-Result<std::unique_ptr<StorageExecutor>, DeviceErrc> StorageExecutor::create(endpoint::RankEndpoint& ep, CopyEngine& backend, HostMemory& host_memory,
+Result<std::unique_ptr<StorageExecutor>, StorageExecutor::SetupErrc> StorageExecutor::create(endpoint::RankEndpoint& ep, CopyEngine& backend, HostMemory& host_memory,
                                                                               HostPool* pool, StorageTargets targets,
                                                                               Complete complete, Release release) {
   auto impl = std::make_unique<Impl>(ep, backend, pool, std::move(targets), std::move(complete), std::move(release));
@@ -197,7 +197,8 @@ Result<std::unique_ptr<StorageExecutor>, DeviceErrc> StorageExecutor::create(end
   const std::uint64_t staging_bytes = t.config.staging_mib << 20;
   const std::uint64_t per_worker = staging_bytes / threads;
   if (t.store != nullptr) {
-    if (auto why = staging_problem(t.config, t.object_bytes); !why.empty()) return make_error(DeviceErrc::kAllocFailed, why);
+    if (auto why = staging_problem(t.config, t.object_bytes); !why.empty())
+      return make_error(SetupErrc::kStagingTooSmall, why);
   }
   impl->write_workers = static_cast<std::uint32_t>(std::max<std::uint64_t>(1, threads - 1));
   impl->chunk_objects = t.object_bytes == 0 ? 0 : static_cast<std::size_t>(per_worker / t.object_bytes);
@@ -207,7 +208,7 @@ Result<std::unique_ptr<StorageExecutor>, DeviceErrc> StorageExecutor::create(end
     std::byte* p = nullptr;
     if (slice_bytes != 0) {
       auto a = HostBuffer::allocate(host_memory, slice_bytes);
-      if (!a.ok()) return std::move(a).error();
+      if (!a.ok()) return make_error(SetupErrc::kNoMemory, "storage staging: " + a.error().message);
       p = a->data();
       impl->staging_memory.push_back(std::move(a).value());  // returned when the executor ends
     }

@@ -129,9 +129,11 @@ class StorageExecutor {
   // Called after each task (completed or dropped), to release its blocks.
   using Release = std::function<void(const StorageWork&)>;
 
-  // Fails when the staging cannot be allocated or a worker's slice holds no object.
+  // Why an executor could not be made: the flags leave a worker's slice of the staging too small
+  // for one object (an operator must change them), or the staging could not be allocated.
+  enum class SetupErrc { kStagingTooSmall, kNoMemory };
   // `copies` moves objects' bytes between the tensors and staging; `host_memory` gives the staging.
-  static Result<std::unique_ptr<StorageExecutor>, DeviceErrc> create(endpoint::RankEndpoint& ep, CopyEngine& copies,
+  static Result<std::unique_ptr<StorageExecutor>, SetupErrc> create(endpoint::RankEndpoint& ep, CopyEngine& copies,
                                                                       HostMemory& host_memory, HostPool* pool,
                                                                       StorageTargets targets, Complete complete,
                                                                       Release release);
