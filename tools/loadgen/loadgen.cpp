@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "kvtd/ipc/clock.h"
 #include "loadgen_common.h"
 #include "storage_modes.h"
 
@@ -152,10 +153,6 @@ void add_parts(RoundTripParts& parts, const kvtd::engine::TaskResult& r, std::in
   parts.to_caller.push_back(returned_ns - r.complete_ns);
 }
 
-std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
-}
-
 void print_parts(const char* what, const RoundTripParts& p) {
   auto p50 = [](std::vector<std::int64_t> v) {
     if (v.empty()) return 0.0;
@@ -180,7 +177,7 @@ int run_latency(EngineSession& s, const Options& o) {
     std::int64_t ns = 0;
     kvtd::engine::TaskResult r;
     if (!run_task(s, TaskKind::kSwapToHost, one, one_h, o.task_timeout_s, &ns, &r)) return 1;
-    const std::int64_t returned = now_ns();
+    const std::int64_t returned = kvtd::ipc::monotonic_now_ns();
     if (i < warmup) continue;
     samples.push_back(ns);
     add_parts(parts, r, returned);
@@ -241,7 +238,7 @@ int run_throughput(EngineSession& s, const Options& o) {
                     nullptr, &r))
         return 1;
       busy += seconds_since(t0);
-      add_parts(parts, r, now_ns());
+      add_parts(parts, r, kvtd::ipc::monotonic_now_ns());
       ++tasks;
       ++round_tasks;
     }

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <numeric>
 #include <atomic>
 #include <chrono>
 #include <utility>
@@ -91,10 +92,8 @@ bool layout_of(const proto::CacheGeometry& g, config::HostLayout layout, PoolLay
 }
 
 std::uint64_t lcm_with_page(std::uint64_t unit) {
-  std::uint64_t a = unit, b = kPage;
-  while (b != 0) a = std::exchange(b, a % b);
   std::uint64_t out = 0;
-  return proto::checked_mul(unit / a, kPage, &out) ? out : 0;
+  return unit != 0 && proto::checked_mul(unit / std::gcd(unit, kPage), kPage, &out) ? out : 0;
 }
 
 // A region of the pool in memory order: where it starts, its bytes up to the next region (or the
@@ -119,11 +118,6 @@ std::vector<PinRegion> pin_regions(const proto::CacheGeometry& g, const PoolLayo
                    g.block_bytes(static_cast<proto::TensorKind>(i % proto::kTensorKinds))});
   }
   return out;
-}
-
-std::uint64_t gcd(std::uint64_t a, std::uint64_t b) {
-  while (b != 0) a = std::exchange(b, a % b);
-  return a;
 }
 
 // A pool pinned whole before serving: whole regions merged while they fit in `chunk`, a region
@@ -164,7 +158,7 @@ std::vector<detail::PinPiece> pin_pieces(const proto::CacheGeometry& g, const Po
     largest = std::max(largest, r.block_bytes);
     const std::uint64_t unit = lcm_with_page(r.block_bytes);  // bytes; a multiple of the block
     const std::uint64_t blocks = unit == 0 ? 0 : unit / r.block_bytes;
-    align_blocks = blocks == 0 ? 0 : align_blocks / gcd(align_blocks, blocks) * blocks;
+    align_blocks = blocks == 0 ? 0 : std::lcm(align_blocks, blocks);
     if (align_blocks == 0 || align_blocks > g.num_host_blocks) align_blocks = 0;
     if (align_blocks == 0) break;
   }

@@ -5,14 +5,10 @@
 #include <cstdio>
 
 #include "kvtd/daemon/log.h"
+#include "kvtd/ipc/clock.h"
 
 namespace kvtd::daemon::detail {
 namespace {
-
-std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 std::string size_text(std::uint64_t b) {
   char buf[32];
@@ -29,6 +25,11 @@ PoolPinner::PoolPinner(HostMemory& backend, std::vector<PinPiece> pieces, std::u
       pieces_(std::move(pieces)),
       num_blocks_(num_blocks),
       on_progress_(std::move(on_progress)),
+      bytes_total_([this] {
+        std::uint64_t n = 0;
+        for (const auto& piece : pieces_) n += piece.bytes;
+        return n;
+      }()),
       pinned_(std::make_unique<std::atomic<bool>[]>(pieces_.size())) {
   MutexLock g(mu_);
   advance_watermark();  // no pieces (nothing to pin): every block is usable
@@ -52,12 +53,12 @@ Status<DeviceErrc> PoolPinner::pin_one(std::size_t i) {
   pinned_[i].store(true, std::memory_order_release);
   const std::uint64_t bytes = bytes_pinned_.fetch_add(pieces_[i].bytes, std::memory_order_relaxed) + pieces_[i].bytes;
   registrations_.fetch_add(1, std::memory_order_relaxed);
-  if (on_progress_) on_progress_(bytes, static_cast<double>(now_ns() - start_ns_) / 1e9);
+  if (on_progress_) on_progress_(bytes, static_cast<double>(ipc::monotonic_now_ns() - start_ns_) / 1e9);
   return {};
 }
 
 Status<DeviceErrc> PoolPinner::pin_first() {
-  start_ns_ = now_ns();
+  start_ns_ = ipc::monotonic_now_ns();
   std::size_t i = 0;
   for (; i < pieces_.size() && pieces_[i].first_block == 0; ++i) {
     if (auto st = pin_one(i); !st.ok()) {
@@ -67,7 +68,7 @@ Status<DeviceErrc> PoolPinner::pin_first() {
     }
   }
   next_.store(i, std::memory_order_relaxed);
-  first_seconds_ = static_cast<double>(now_ns() - start_ns_) / 1e9;
+  first_seconds_ = static_cast<double>(ipc::monotonic_now_ns() - start_ns_) / 1e9;
   MutexLock g(mu_);
   advance_watermark();
   return {};
@@ -112,7 +113,7 @@ void PoolPinner::background_loop() {
   }
   MutexLock g(mu_);
   if (--threads_running_ == 0 && error_.empty() && lowest_unpinned_ == pieces_.size()) {
-    all_seconds_ = static_cast<double>(now_ns() - start_ns_) / 1e9;
+    all_seconds_ = static_cast<double>(ipc::monotonic_now_ns() - start_ns_) / 1e9;
     const std::uint64_t bytes = bytes_pinned_.load(std::memory_order_relaxed);
     KVTD_INFO("host pool pinned: {} in {} registrations ({:.3f} s, {:.2f} GB/s; the first blocks after {:.3f} s)",
               size_text(bytes), pieces_.size(), all_seconds_, static_cast<double>(bytes) / std::max(all_seconds_, 1e-9) / 1e9,
@@ -132,7 +133,7 @@ void PoolPinner::advance_watermark() {
 Status<DeviceErrc> PoolPinner::wait_pinned(std::uint32_t end,
                                            const std::function<std::optional<std::string>()>& give_up) {
   if (pinned_blocks() >= end) return {};
-  const std::int64_t start = now_ns();
+  const std::int64_t start = ipc::monotonic_now_ns();
   waits_.fetch_add(1, std::memory_order_relaxed);
   Status<DeviceErrc> out;
   for (;;) {
@@ -155,14 +156,14 @@ Status<DeviceErrc> PoolPinner::wait_pinned(std::uint32_t end,
       break;
     }
   }
-  wait_ns_.fetch_add(static_cast<std::uint64_t>(now_ns() - start), std::memory_order_relaxed);
+  wait_ns_.fetch_add(static_cast<std::uint64_t>(ipc::monotonic_now_ns() - start), std::memory_order_relaxed);
   return out;
 }
 
 HostPoolPinProgress PoolPinner::progress() const {
   HostPoolPinProgress p;
   p.bytes_pinned = bytes_pinned_.load(std::memory_order_relaxed);
-  for (const auto& piece : pieces_) p.bytes_total += piece.bytes;
+  p.bytes_total = bytes_total_;
   p.registrations = registrations_.load(std::memory_order_relaxed);
   p.pieces = pieces_.size();
   p.first_seconds = first_seconds_;

@@ -67,6 +67,7 @@ class PoolPinner {
   const std::vector<PinPiece> pieces_;
   const std::uint32_t num_blocks_;
   const OnProgress on_progress_;
+  const std::uint64_t bytes_total_;  // of every piece
   std::unique_ptr<std::atomic<bool>[]> pinned_;  // per piece
   std::atomic<std::size_t> next_{0};             // the next piece a background thread takes
   std::atomic<bool> stop_{false};

@@ -124,7 +124,9 @@ Result<std::vector<std::uint64_t>, DeviceErrc> TaskRunner::Impl::copy_swap(const
 
 std::optional<std::pair<TaskStatus, std::string>> TaskRunner::Impl::await_pinned(const Work& w, int lane,
                                                                                   std::int64_t start) {
-  if (cache.pool == nullptr || w.host_ids.empty()) return std::nullopt;
+  // Once the whole pool is pinned (always, on a backend that pins nothing) there is nothing to look up.
+  if (cache.pool == nullptr || w.host_ids.empty() || cache.pool->pinned_blocks() >= cache.host_blocks)
+    return std::nullopt;
   std::int32_t top = 0;
   for (auto id : w.host_ids) top = std::max(top, id);
   const auto end = static_cast<std::uint32_t>(top) + 1;
@@ -156,8 +158,8 @@ std::optional<std::pair<TaskStatus, std::string>> TaskRunner::Impl::await_pinned
 void TaskRunner::Impl::note_first_swap(std::int64_t now) {
   if (first_swap_noted.exchange(true, std::memory_order_acq_rel) || cache.granted_ns == 0) return;
   std::string pinned;
-  if (cache.pool != nullptr && cache.pool->pin_progress().bytes_total != 0) {  // a backend that pins
-    const auto p = cache.pool->pin_progress();
+  const auto p = cache.pool != nullptr ? cache.pool->pin_progress() : HostPool::PinProgress{};
+  if (p.bytes_total != 0) {  // a backend that pins
     char buf[160];
     std::snprintf(buf, sizeof buf, "; host pool: first blocks pinned in %.3f s, %.2f of %.2f GiB pinned now",
                   p.first_seconds, static_cast<double>(p.bytes_pinned) / (1ull << 30),
