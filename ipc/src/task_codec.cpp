@@ -1,5 +1,7 @@
 #include "kvtd/ipc/task_codec.h"
 
+#include "kvtd/proto/names.h"
+
 #include "kvtd/proto/geometry.h"
 
 #include <cstring>
@@ -90,15 +92,9 @@ Result<DecodedTask, proto::TaskStatus> decode_task_record(std::span<const std::b
   return t;
 }
 
-bool valid_engine_key(std::string_view key) {
-  if (key.empty() || key.size() > proto::kMaxKeyBytes) return false;
-  for (char c : key) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
-                    c == '.' || c == ':' || c == '-';
-    if (!ok) return false;
-  }
-  return true;
-}
+// The storage keys' character rule (proto/names.h), at the engine's shorter bound: the stored
+// name adds the key prefix, the weight versions and the rank (kvtd/storage/object_name.h).
+bool valid_engine_key(std::string_view key) { return proto::valid_name(key, proto::kMaxKeyBytes, /*allow_colon=*/true); }
 
 std::vector<std::int32_t> encode_storage_section(const proto::StorageTaskArgs& args_in,
                                                  std::span<const std::string> keys) {

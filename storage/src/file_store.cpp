@@ -83,116 +83,54 @@ class FileStore final : public ObjectStore {
     return keys.size();
   }
 
-  Result<std::vector<ObjectResult>, StorageErrc> get(std::span<const std::string> keys,
-                                                     std::span<std::byte* const> dsts) override {
-    return get_each(keys, dsts, {});
+  StoreCapabilities capabilities() const override {
+    return {.reads_in_place = direct_ == nullptr, .writes_pieces = true};
   }
 
-  Result<std::vector<ObjectResult>, StorageErrc> get_each(std::span<const std::string> keys,
-                                                          std::span<std::byte* const> dsts,
-                                                          const ObjectHook& on_ok) override {
-    KVTD_TRY(detail::check_batch(keys, dsts.size(), "destinations"));
-    if (direct_) {
-      return read_direct(keys, [&](std::size_t i, std::span<const std::byte> payload) {
-        std::memcpy(dsts[i], payload.data(), payload.size());
-        if (on_ok) on_ok(i);
-      });
-    }
-    std::vector<ObjectResult> out(keys.size(), ObjectResult::kMissing);
-    io_pool_.run(keys.size(), opts_.io_threads, [&](std::size_t i) {
-      // Read into private scratch and verify there: the caller's buffer receives the payload only
-      // once it is known good, so a corrupt or foreign object never clobbers it.
-      Scratch scratch(*this);
-      const auto payload = scratch.span();
-      out[i] = read_one(keys[i], payload);
-      if (out[i] == ObjectResult::kOk) {
-        std::memcpy(dsts[i], payload.data(), payload.size());
-        if (on_ok) on_ok(i);
-      }
-    });
-    return out;
-  }
-
-  bool lends_payloads() const override { return true; }
-
-  bool reads_parts() const override { return true; }
-
-  Result<std::vector<ObjectResult>, StorageErrc> get_parts(std::span<const std::string> keys, const PartsOf& parts_of,
-                                                           const ObjectHook& on_ok) override {
-    KVTD_TRY(detail::check_keys(keys));
+  BatchResult read(std::span<const std::string> keys, const ReadInto& into) override {
+    KVTD_TRY(detail::check_read(keys, into));
     if (direct_) {  // verified in the aligned buffer, then copied into the pieces
       return read_direct(keys, [&](std::size_t i, std::span<const std::byte> payload) {
-        std::size_t at = 0;
-        for (auto piece : parts_of(i)) {
-          std::memcpy(piece.data(), payload.data() + at, piece.size());
-          at += piece.size();
-        }
-        if (on_ok) on_ok(i);
+        return detail::land(into, i, into.pieces(i), payload);
       });
     }
-    std::vector<ObjectResult> out(keys.size(), ObjectResult::kMissing);
+    std::vector<KeyResult> out(keys.size());
     io_pool_.run(keys.size(), opts_.io_threads, [&](std::size_t i) {
-      out[i] = read_one(keys[i], parts_of(i));
-      if (out[i] == ObjectResult::kOk && on_ok) on_ok(i);
-    });
-    return out;
-  }
-
-  Result<std::vector<ObjectResult>, StorageErrc> get_lent(std::span<const std::string> keys,
-                                                          const LentHook& on_object) override {
-    KVTD_TRY(detail::check_keys(keys));
-    if (direct_) {
-      return read_direct(keys, [&](std::size_t i, std::span<const std::byte> payload) {
-        if (on_object) on_object(i, payload);
-      });
-    }
-    std::vector<ObjectResult> out(keys.size(), ObjectResult::kMissing);
-    io_pool_.run(keys.size(), opts_.io_threads, [&](std::size_t i) {
-      Scratch scratch(*this);
-      const auto payload = scratch.span();
-      out[i] = read_one(keys[i], payload);
-      if (out[i] == ObjectResult::kOk && on_object) on_object(i, payload);
-    });
-    return out;
-  }
-
-  Result<std::vector<ObjectResult>, StorageErrc> put(std::span<const std::string> keys,
-                                                     std::span<const std::byte* const> srcs) override {
-    return put_each(keys, srcs, {});
-  }
-
-  Result<std::vector<ObjectResult>, StorageErrc> put_each(std::span<const std::string> keys,
-                                                          std::span<const std::byte* const> srcs,
-                                                          const FillHook& before_put) override {
-    KVTD_TRY(detail::check_batch(keys, srcs.size(), "sources"));
-    std::vector<ObjectResult> out(keys.size(), ObjectResult::kOk);
-    io_pool_.run(keys.size(), opts_.io_threads, [&](std::size_t i) {
-      if (before_put && !before_put(i)) {
-        out[i] = ObjectResult::kFailed;
-        counters_.count_put(out[i]);
+      const Pieces pieces = into.pieces(i);
+      if (auto bad = detail::pieces_mismatch(i, pieces, opts_.store.object_bytes); !bad.empty()) {
+        out[i] = {ObjectResult::kFailed, bad};
         return;
       }
-      const std::span<const std::byte> payload[1] = {{srcs[i], opts_.store.object_bytes}};
-      out[i] = write_one(keys[i], payload);
+      if (into.unverified_bytes_ok) {  // straight into the pieces, verified there
+        out[i] = read_one(keys[i], pieces);
+        if (out[i].ok() && into.on_verified) into.on_verified(i);
+        return;
+      }
+      // Read into private scratch and verify there: the caller's pieces receive the payload only
+      // once it is known good, so a corrupt or foreign object never clobbers them.
+      Scratch scratch(*this);
+      const auto payload = scratch.span();
+      out[i] = read_one(keys[i], Pieces{payload});
+      if (out[i].ok()) out[i] = detail::land(into, i, pieces, payload);
     });
     return out;
   }
 
-  bool writes_parts() const override { return true; }
-
-  Result<std::vector<ObjectResult>, StorageErrc> put_parts(std::span<const std::string> keys,
-                                                           std::span<const Parts> objects) override {
-    KVTD_TRY(detail::check_batch(keys, objects.size(), "objects"));
-    for (std::size_t i = 0; i < objects.size(); ++i) {
-      std::uint64_t n = 0;
-      for (auto p : objects[i]) n += p.size();
-      if (n != opts_.store.object_bytes)
-        return make_error(StorageErrc::kInvalidArgument, "object " + std::to_string(i) + " has " + std::to_string(n) +
-                                                             " bytes in its parts, not " +
-                                                             std::to_string(opts_.store.object_bytes));
-    }
-    std::vector<ObjectResult> out(keys.size(), ObjectResult::kOk);
-    io_pool_.run(keys.size(), opts_.io_threads, [&](std::size_t i) { out[i] = write_one(keys[i], objects[i]); });
+  BatchResult write(std::span<const std::string> keys, const WriteFrom& from) override {
+    KVTD_TRY(detail::check_write(keys, from));
+    std::vector<KeyResult> out(keys.size());
+    io_pool_.run(keys.size(), opts_.io_threads, [&](std::size_t i) {
+      const auto pieces = from.pieces(i);
+      if (!pieces) {
+        out[i] = {ObjectResult::kFailed, "not written: " + from.refused};
+      } else if (auto bad = detail::pieces_mismatch(i, *pieces, opts_.store.object_bytes); !bad.empty()) {
+        out[i] = {ObjectResult::kFailed, bad};
+      } else {
+        out[i] = write_one(keys[i], *pieces);
+        return;  // counted there
+      }
+      counters_.count_put(ObjectResult::kFailed);
+    });
     return out;
   }
 
@@ -225,9 +163,10 @@ class FileStore final : public ObjectStore {
 
   // The O_DIRECT load of a batch: its keys split over the I/O threads, each with its reads in
   // flight; on_ok(i, payload) for each object that verified.
-  Result<std::vector<ObjectResult>, StorageErrc> read_direct(std::span<const std::string> keys,
-                                                             const detail::DirectObjectReader::OnObject& on_ok) {
-    std::vector<ObjectResult> out(keys.size(), ObjectResult::kMissing);
+  // on_ok's result replaces kOk (a key whose pieces do not fit fails there).
+  using OnVerified = std::function<KeyResult(std::size_t index, std::span<const std::byte> payload)>;
+  BatchResult read_direct(std::span<const std::string> keys, const OnVerified& on_ok) {
+    std::vector<KeyResult> out(keys.size());
     const std::size_t slices = std::max<std::size_t>(1, std::min<std::size_t>(opts_.io_threads, keys.size()));
     std::atomic<int> batch_error{0};
     io_pool_.run(slices, static_cast<unsigned>(slices), [&](std::size_t s) {
@@ -239,16 +178,18 @@ class FileStore final : public ObjectStore {
       }
       std::vector<ObjectResult> results;
       std::vector<int> errors;
-      const int e = direct_->read(paths, names, [&](std::size_t j, std::span<const std::byte> p) { on_ok(lo + j, p); },
-                                  results, errors);
+      std::vector<KeyResult> landed(hi - lo);
+      const int e = direct_->read(
+          paths, names, [&](std::size_t j, std::span<const std::byte> p) { landed[j] = on_ok(lo + j, p); }, results,
+          errors);
       if (e != 0) {
         batch_error.store(e);
         return;
       }
       for (std::size_t j = 0; j < results.size(); ++j) {
-        out[lo + j] = results[j];
+        out[lo + j] = results[j] == ObjectResult::kOk ? landed[j] : KeyResult{results[j], {}};
         counters_.count_get(results[j]);
-        if (results[j] == ObjectResult::kFailed) note_error("read " + paths[j], errors[j]);
+        if (results[j] == ObjectResult::kFailed) out[lo + j].error = "read " + paths[j] + ": " + std::strerror(errors[j]);
         if (results[j] == ObjectResult::kOk) {
           MutexLock g(mu_);
           touch_locked(paths[j], sizeof(ObjectHeader) + opts_.store.object_bytes);
@@ -260,15 +201,10 @@ class FileStore final : public ObjectStore {
     return out;
   }
 
-  ObjectResult read_one(const std::string& key, std::span<std::byte> payload) {
-    const std::span<std::byte> one[1] = {payload};
-    return read_one(key, std::vector<std::span<std::byte>>(one, one + 1));
-  }
-
   // Reads one object into the consecutive `pieces` of its payload (object_bytes in all) and
   // verifies it there. One byte past the payload is asked for: an object with trailing bytes is
   // not ours.
-  ObjectResult read_one(const std::string& key, std::vector<std::span<std::byte>> pieces) {
+  KeyResult read_one(const std::string& key, const Pieces& pieces) {
     const std::string path = path_of(key);
     ObjectHeader h{};
     std::byte trailing{};
@@ -282,11 +218,12 @@ class FileStore final : public ObjectStore {
     std::size_t read = 0;
     const int e = fs_->read_file(path, parts, &read);
     ObjectResult r;
+    std::string error;
     if (e == ENOENT) {
       r = ObjectResult::kMissing;
     } else if (e != 0) {
       r = ObjectResult::kFailed;
-      note_error("read " + path, e);
+      error = "read " + path + ": " + std::strerror(e);
     } else if (read != sizeof h + payload_bytes) {
       r = ObjectResult::kCorrupt;  // truncated, or trailing bytes
     } else {
@@ -297,11 +234,11 @@ class FileStore final : public ObjectStore {
       MutexLock g(mu_);
       touch_locked(path, sizeof h + payload_bytes);
     }
-    return r;
+    return {r, std::move(error)};
   }
 
   // Writes one object (header + payload parts) to a temporary file and renames it in place.
-  ObjectResult write_one(const std::string& key, std::span<const std::span<const std::byte>> payload) {
+  KeyResult write_one(const std::string& key, std::span<const std::span<const std::byte>> payload) {
     const std::string path = path_of(key);
     const std::string dir = path.substr(0, path.rfind('/'));
     const ObjectHeader h = make_header(opts_.store, namespaced_key(opts_.store, key), payload);
@@ -341,13 +278,12 @@ class FileStore final : public ObjectStore {
       e = fs_->sync_dir(dir);
     }
     if (e != 0) {
-      note_error(step + path, e);
       fs_->remove(tmp);  // the previous object under this key, if any, is untouched
       counters_.count_put(ObjectResult::kFailed);
-      return ObjectResult::kFailed;
+      return {ObjectResult::kFailed, step + path + ": " + std::strerror(e)};
     }
     counters_.count_put(ObjectResult::kOk);
-    return ObjectResult::kOk;
+    return {ObjectResult::kOk, {}};
   }
 
   Status<StorageErrc> remove(std::span<const std::string> keys) override {
@@ -368,22 +304,16 @@ class FileStore final : public ObjectStore {
         [this](const std::string& path) EXCLUDES(mu_) {
           MutexLock g(mu_);
           forget_locked(path);  // the capacity accounting follows
-        },
-        [this](const std::string& what, int e) { note_error(what, e); });
+        });
     if (!rep.ok() || r.dry_run) return rep;
     // What another daemon sharing the root removed is gone from the walk but still indexed here.
     MutexLock g(mu_);
     std::vector<std::string> stale;
     for (const auto& [path, entry] : index_)
       if (const auto o = detail::parse_stored_path(opts_.root, path, kSuffix))
-        if (!gc_keeps(r, opts_.store.model_id, o->model, o->fingerprint_hex, o->name)) stale.push_back(path);
+        if (!gc_keeps(r, opts_.store.model_id, *o)) stale.push_back(path);
     for (const auto& path : stale) forget_locked(path);
     return rep;
-  }
-
-  std::string last_error() const override {
-    MutexLock g(mu_);
-    return last_error_;
   }
 
   StoreStats stats() const override {
@@ -401,11 +331,6 @@ class FileStore final : public ObjectStore {
     std::uint64_t bytes;
     std::list<std::string>::iterator lru;
   };
-
-  void note_error(const std::string& what, int e) {
-    MutexLock g(mu_);
-    last_error_ = what + ": " + std::strerror(e);
-  }
 
   std::string path_of(const std::string& key) const {
     const std::uint64_t h = hash_bytes(key.data(), key.size());
@@ -465,7 +390,6 @@ class FileStore final : public ObjectStore {
   std::uint64_t total_ GUARDED_BY(mu_) = 0;
   std::uint64_t evictions_ GUARDED_BY(mu_) = 0;
   std::unordered_map<std::string, int> renaming_ GUARDED_BY(mu_);  // paths puts are renaming in, and how many
-  std::string last_error_ GUARDED_BY(mu_);
 
   detail::Counters counters_;
   std::unique_ptr<detail::DirectObjectReader> direct_;  // --storage-io direct; null: buffered reads

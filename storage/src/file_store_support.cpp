@@ -117,7 +117,7 @@ Status<StorageErrc> make_fanout(FileSystem& fs, const std::string& dir) {
   return {};
 }
 
-std::optional<StoredFile> parse_stored_path(const std::string& root, const std::string& path, const std::string& suffix) {
+std::optional<ObjectName> parse_stored_path(const std::string& root, const std::string& path, const std::string& suffix) {
   const std::string base = root.empty() || root.back() == '/' ? root : root + "/";
   if (path.compare(0, base.size(), base) != 0) return std::nullopt;
   std::vector<std::string> parts;
@@ -127,12 +127,12 @@ std::optional<StoredFile> parse_stored_path(const std::string& root, const std::
     if (slash == std::string::npos) break;
     at = slash + 1;
   }
-  if (parts.size() != 4 || parts[1].size() != 16 || parts[2].size() != 2) return std::nullopt;
+  if (parts.size() != 4 || parts[2].size() != 2) return std::nullopt;
   const std::string& file = parts[3];
   if (file.size() <= suffix.size() || file.compare(file.size() - suffix.size(), suffix.size(), suffix) != 0 ||
       file[0] == '.')
     return std::nullopt;
-  return StoredFile{parts[0], parts[1], file.substr(0, file.size() - suffix.size())};
+  return ObjectName::parse(parts[0] + "/" + parts[1] + "/" + file.substr(0, file.size() - suffix.size()));
 }
 
 std::string unique_suffix() {
@@ -143,8 +143,7 @@ std::string unique_suffix() {
 
 Result<GcReport, StorageErrc> collect_files(FileSystem& fs, const std::string& root, const std::string& suffix,
                                             const std::string& own_model, const GcRequest& r,
-                                            const std::function<void(const std::string& path)>& forget,
-                                            const std::function<void(const std::string& what, int e)>& note_error) {
+                                            const std::function<void(const std::string& path)>& forget) {
   std::vector<FileEntry> files;
   if (int e = fs.list_files(root, &files); e != 0)
     return make_error(StorageErrc::kIo, "cannot list " + root + ": " + std::strerror(e));
@@ -157,7 +156,7 @@ Result<GcReport, StorageErrc> collect_files(FileSystem& fs, const std::string& r
     const auto o = parse_stored_path(root, f.path, suffix);
     if (!o) continue;  // a temporary, or not an object of kvtd's
     ++rep.examined;
-    if (gc_keeps(r, own_model, o->model, o->fingerprint_hex, o->name)) {
+    if (gc_keeps(r, own_model, *o)) {
       ++rep.kept;
       continue;
     }
@@ -166,7 +165,7 @@ Result<GcReport, StorageErrc> collect_files(FileSystem& fs, const std::string& r
     std::size_t got = 0;
     const std::span<std::byte> head(reinterpret_cast<std::byte*>(&h), sizeof h);
     if (fs.read_file(f.path, std::span<const std::span<std::byte>>(&head, 1), &got) != 0 || got != sizeof h ||
-        !written_by_kvtd(h, o->model + "/" + o->fingerprint_hex + "/" + o->name)) {
+        !written_by_kvtd(h, o->encode())) {
       ++rep.foreign;
       continue;
     }
@@ -178,7 +177,7 @@ Result<GcReport, StorageErrc> collect_files(FileSystem& fs, const std::string& r
     const int e = fs.remove(f.path);
     if (e != 0 && e != ENOENT) {
       ++rep.failed;
-      note_error("remove " + f.path, e);
+      if (rep.first_failure.empty()) rep.first_failure = "remove " + f.path + ": " + std::strerror(e);
       continue;
     }
     if (e == 0) {  // ENOENT: another collector sharing the root was first

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kvtd/storage/file_system.h"
+#include "kvtd/storage/object_name.h"
 #include "kvtd/storage/object_store.h"
 
 namespace kvtd::storage::detail {
@@ -18,22 +19,18 @@ namespace kvtd::storage::detail {
 Status<StorageErrc> make_fanout(FileSystem& fs, const std::string& dir);
 
 // An object file under a file store's root: <root>/<model>/<16 hex fingerprint>/<fan>/<name><suffix>.
-struct StoredFile {
-  std::string model, fingerprint_hex, name;
-};
 // The parts of `path`, or nullopt for anything else (temporaries, stray files).
-std::optional<StoredFile> parse_stored_path(const std::string& root, const std::string& path, const std::string& suffix);
+std::optional<ObjectName> parse_stored_path(const std::string& root, const std::string& path, const std::string& suffix);
 
 // "<pid>-<thread>-<n>": a name no other writer of this process or another uses at once.
 std::string unique_suffix();
 
 // A file store's garbage collection walk over `root` (see ObjectStore::collect): removes what
 // `request` does not keep, calling forget(path) for each object gone (removed here or already
-// gone) and note_error(what, errno) for each removal that failed.
+// gone); the first removal that failed is named in the report's first_failure.
 Result<GcReport, StorageErrc> collect_files(FileSystem& fs, const std::string& root, const std::string& suffix,
                                             const std::string& own_model, const GcRequest& request,
-                                            const std::function<void(const std::string& path)>& forget,
-                                            const std::function<void(const std::string& what, int e)>& note_error);
+                                            const std::function<void(const std::string& path)>& forget);
 
 // CLOCK_MONOTONIC in nanoseconds (GcRequest's deadline).
 std::int64_t monotonic_ns();

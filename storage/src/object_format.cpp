@@ -22,6 +22,7 @@
 #include <new>
 
 #include "kvtd/proto/names.h"
+#include "kvtd/storage/object_name.h"
 
 namespace kvtd::storage {
 
@@ -39,21 +40,17 @@ bool valid_key(const std::string& key) { return proto::valid_object_key(key); }
 
 std::uint64_t hash_bytes(const void* data, std::size_t bytes) { return KVTD_XXH3_64(data, bytes); }
 
-bool gc_keeps(const GcRequest& r, const std::string& own_model, const std::string& model,
-              const std::string& fingerprint_hex, const std::string& name) {
-  if (!r.keep_models.empty() && std::find(r.keep_models.begin(), r.keep_models.end(), model) == r.keep_models.end())
+bool gc_keeps(const GcRequest& r, const std::string& own_model, const ObjectName& object) {
+  const auto& kept = r.keep_models;
+  if (!kept.empty() && std::find(kept.begin(), kept.end(), object.model) == kept.end())
     return false;  // a model the operator did not name
-  if (model != own_model) return true;  // another model's layouts and names are its own business
-  char fp[17];
-  std::snprintf(fp, sizeof fp, "%016llx", static_cast<unsigned long long>(r.keep_fingerprint));
-  if (fingerprint_hex != fp) return false;  // a layout this deployment no longer has
-  return !r.keep_name || r.keep_name(name);
+  if (object.model != own_model) return true;  // another model's layouts and names are its own business
+  if (object.fingerprint != r.keep_fingerprint) return false;  // a layout this deployment no longer has
+  return !r.keep_name || r.keep_name(object.name);
 }
 
 std::string namespaced_key(const StoreOptions& o, const std::string& key) {
-  char fp[17];
-  std::snprintf(fp, sizeof fp, "%016llx", static_cast<unsigned long long>(o.layout_fingerprint));
-  return o.model_id + "/" + fp + "/" + key;
+  return ObjectName{o.model_id, o.layout_fingerprint, key}.encode();
 }
 
 ObjectHeader make_header(const StoreOptions& o, const std::string& namespaced, std::span<const std::byte> payload) {

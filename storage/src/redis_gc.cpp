@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kvtd/storage/object_format.h"
+#include "kvtd/storage/object_name.h"
 #include "redis_support.h"
 
 namespace kvtd::storage::detail {
@@ -24,11 +25,11 @@ std::optional<unsigned long long> gc_scan_step(redisContext* c, unsigned long lo
   const redisReply* keys = r->element[1];
   for (std::size_t i = 0; i < keys->elements; ++i) {
     const std::string key(keys->element[i]->str, keys->element[i]->len);
-    // kvtd:<model>/<16 hex fingerprint>/<name>: anything else under kvtd: is not ours to judge.
-    const auto a = key.find('/', 5), b = a == std::string::npos ? a : key.find('/', a + 1);
-    if (b == std::string::npos || b - a - 1 != 16) continue;
+    // "kvtd:" + an object name: anything else under kvtd: is not ours to judge.
+    const auto object = ObjectName::parse(std::string_view(key).substr(5));
+    if (!object) continue;
     ++report->examined;
-    if (gc_keeps(request, own_model, key.substr(5, a - 5), key.substr(a + 1, 16), key.substr(b + 1)))
+    if (gc_keeps(request, own_model, *object))
       ++report->kept;
     else
       doomed.push_back(key);
@@ -73,13 +74,13 @@ std::optional<unsigned long long> gc_scan_step(redisContext* c, unsigned long lo
       ++report->removed;
       const std::string& key = doomed[i - doomed.size()];
       report->removed_bytes += static_cast<std::uint64_t>(bytes[i - doomed.size()]);
-      if (request.on_removed) {
-        const auto a = key.find('/', 5);
-        request.on_removed(key.substr(5, a - 5), key.substr(a + 18));
-      }
+      if (request.on_removed)
+        if (const auto object = ObjectName::parse(std::string_view(key).substr(5)))
+          request.on_removed(object->model, object->name);
     } else if (!integer) {
       ++report->failed;  // e.g. MOVED: the slot moved during the walk
       *error = one->type == REDIS_REPLY_ERROR ? std::string(one->str, one->len) : "unexpected UNLINK reply";
+      if (report->first_failure.empty()) report->first_failure = "UNLINK " + doomed[i - doomed.size()] + ": " + *error;
     }  // 0: gone already (expired, or removed by another collector)
   }
   return next;

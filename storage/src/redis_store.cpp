@@ -104,46 +104,64 @@ class RedisStore final : public ObjectStore {
     return false;
   }
 
+  StoreCapabilities capabilities() const override { return {.reads_in_place = false, .writes_pieces = true}; }
+
   Result<std::size_t, StorageErrc> exists(std::span<const std::string> keys) override {
     KVTD_TRY(detail::check_keys(keys));
-    std::vector<ObjectResult> r;
-    std::vector<std::byte*> none(keys.size(), nullptr);
-    KVTD_TRY(run(Op::kExists, keys, none, {}, &r));
+    std::vector<KeyResult> r;
+    KVTD_TRY(run(Op::kExists, keys, {}, nullptr, &r));
     for (std::size_t i = 0; i < r.size(); ++i) {
-      if (r[i] == ObjectResult::kFailed)
-        return make_error(StorageErrc::kUnavailable, "Redis did not answer EXISTS for key " + keys[i] + ": " + last_error());
-      if (r[i] != ObjectResult::kOk) return i;
+      if (r[i].result == ObjectResult::kFailed)
+        return make_error(StorageErrc::kUnavailable, "Redis did not answer EXISTS for key " + keys[i] + ": " + r[i].error);
+      if (r[i].result != ObjectResult::kOk) return i;
     }
     return keys.size();
   }
 
-  Result<std::vector<ObjectResult>, StorageErrc> get(std::span<const std::string> keys,
-                                                     std::span<std::byte* const> dsts) override {
-    KVTD_TRY(detail::check_batch(keys, dsts.size(), "destinations"));
-    std::vector<ObjectResult> r;
-    KVTD_TRY(run(Op::kGet, keys, dsts, {}, &r));
-    for (auto x : r) counters_.count_get(x);
+  // Each verified payload is copied into its pieces under the store's lock; on_verified runs
+  // after, outside it, so a caller's copy onward (a DMA) never holds the connections.
+  BatchResult read(std::span<const std::string> keys, const ReadInto& into) override {
+    KVTD_TRY(detail::check_read(keys, into));
+    std::vector<KeyResult> r;
+    KVTD_TRY(run(Op::kGet, keys, {}, &into, &r));
+    for (std::size_t i = 0; i < r.size(); ++i) {
+      counters_.count_get(r[i].result);
+      if (r[i].ok() && into.on_verified) into.on_verified(i);
+    }
     return r;
   }
 
-  Result<std::vector<ObjectResult>, StorageErrc> put(std::span<const std::string> keys,
-                                                     std::span<const std::byte* const> srcs) override {
-    KVTD_TRY(detail::check_batch(keys, srcs.size(), "sources"));
-    std::vector<ObjectResult> r;
-    std::vector<std::byte*> none(keys.size(), nullptr);
-    KVTD_TRY(run(Op::kSet, keys, none, srcs, &r));
-    for (auto x : r) counters_.count_put(x);
+  // Every object's pieces are asked for first, outside the store's lock (a caller gathering from
+  // a device must not hold the connections), then sent gathered, straight from them.
+  BatchResult write(std::span<const std::string> keys, const WriteFrom& from) override {
+    KVTD_TRY(detail::check_write(keys, from));
+    std::vector<std::optional<ConstPieces>> sources(keys.size());
+    std::vector<KeyResult> refused(keys.size(), KeyResult{ObjectResult::kOk, {}});
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      sources[i] = from.pieces(i);
+      if (!sources[i]) {
+        refused[i] = {ObjectResult::kFailed, "not written: " + from.refused};
+      } else if (auto bad = detail::pieces_mismatch(i, *sources[i], o_.store.object_bytes); !bad.empty()) {
+        refused[i] = {ObjectResult::kFailed, bad};
+        sources[i].reset();
+      }
+    }
+    std::vector<KeyResult> r;
+    KVTD_TRY(run(Op::kSet, keys, sources, nullptr, &r));
+    for (std::size_t i = 0; i < r.size(); ++i) {
+      if (!refused[i].ok()) r[i] = refused[i];
+      counters_.count_put(r[i].result);
+    }
     return r;
   }
 
   Status<StorageErrc> remove(std::span<const std::string> keys) override {
     KVTD_TRY(detail::check_keys(keys));
-    std::vector<ObjectResult> r;
-    std::vector<std::byte*> none(keys.size(), nullptr);
-    KVTD_TRY(run(Op::kDel, keys, none, {}, &r));
+    std::vector<KeyResult> r;
+    KVTD_TRY(run(Op::kDel, keys, {}, nullptr, &r));
     for (std::size_t i = 0; i < r.size(); ++i)
-      if (r[i] == ObjectResult::kFailed)
-        return make_error(StorageErrc::kUnavailable, "DEL of " + keys[i] + " failed: " + last_error());
+      if (r[i].result == ObjectResult::kFailed)
+        return make_error(StorageErrc::kUnavailable, "DEL of " + keys[i] + " failed: " + r[i].error);
     return {};
   }
 
@@ -178,17 +196,12 @@ class RedisStore final : public ObjectStore {
           if (c) fail_connection(*n);
           return make_error(StorageErrc::kUnavailable, "garbage collection: Redis " + n->host + ":" +
                                                            std::to_string(n->port) + " did not answer: " +
-                                                           (why.empty() ? last_error_ : why));
+                                                           (why.empty() ? failure_ : why));
         }
         cursor = *next;
       } while (cursor != 0);
     }
     return report;
-  }
-
-  std::string last_error() const override {
-    MutexLock g(mu_);
-    return last_error_;
   }
 
  private:
@@ -215,13 +228,13 @@ class RedisStore final : public ObjectStore {
     if (now < n.retry_at) {
       // Not tried: say so, rather than leave the failure of the call that armed the backoff as
       // this call's error.
-      last_error_ = "not tried: " + n.host + ":" + std::to_string(n.port) + " is in its reconnect backoff for " +
+      failure_ = "not tried: " + n.host + ":" + std::to_string(n.port) + " is in its reconnect backoff for " +
                     std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(n.retry_at - now).count()) +
                     " ms more, after: " + n.failure;
       return nullptr;
     }
     if (now >= deadline) {
-      last_error_ = "no time left to connect to " + n.host + ":" + std::to_string(n.port) + " within the call's deadline";
+      failure_ = "no time left to connect to " + n.host + ":" + std::to_string(n.port) + " within the call's deadline";
       return nullptr;
     }
     const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - now).count();
@@ -236,14 +249,14 @@ class RedisStore final : public ObjectStore {
       if (!password_.empty()) {
         Reply r(static_cast<redisReply*>(redisCommand(c, "AUTH %b", password_.data(), password_.size())));
         ok = r && r->type != REDIS_REPLY_ERROR;
-        if (!ok) last_error_ = r ? std::string(r->str, r->len) : "AUTH got no reply";
+        if (!ok) failure_ = r ? std::string(r->str, r->len) : "AUTH got no reply";
       }
     } else {
-      last_error_ = c ? c->errstr : "cannot allocate a Redis context";
+      failure_ = c ? c->errstr : "cannot allocate a Redis context";
     }
     if (!ok) {
       if (c) redisFree(c);
-      n.failure = last_error_;
+      n.failure = failure_;
       n.backoff_ms = n.backoff_ms == 0 ? 50 : std::min(n.backoff_ms * 2, o_.max_backoff_ms);
       n.retry_at = Clock::now() + std::chrono::milliseconds(n.backoff_ms);
       return nullptr;
@@ -276,7 +289,7 @@ class RedisStore final : public ObjectStore {
       refresh_needed_ = false;
       return {};
     }
-    return make_error(StorageErrc::kUnavailable, "no Redis Cluster node answered CLUSTER SLOTS: " + last_error_);
+    return make_error(StorageErrc::kUnavailable, "no Redis Cluster node answered CLUSTER SLOTS: " + failure_);
   }
 
   Node* owner_of(const std::string& key) REQUIRES(mu_) {
@@ -286,19 +299,22 @@ class RedisStore final : public ObjectStore {
   }
 
   // Runs one operation over a batch of checked keys: groups keys by node, pipelines each group, follows
-  // MOVED/ASK redirects a few times. results[i] is per key.
-  Status<StorageErrc> run(Op op, std::span<const std::string> keys, std::span<std::byte* const> dsts,
-                          std::span<const std::byte* const> srcs, std::vector<ObjectResult>* results) {
+  // MOVED/ASK redirects a few times. results[i] is per key. A SET sends srcs[i] (a key whose
+  // source is nullopt is skipped, its result left to the caller); a GET lands in `into`.
+  Status<StorageErrc> run(Op op, std::span<const std::string> keys, std::span<const std::optional<ConstPieces>> srcs,
+                          const ReadInto* into, std::vector<KeyResult>* results) {
     MutexLock g(mu_);
     const auto dl = deadline();
     if (detect_pending_) detect_pending_ = !detect_locked(dl);
     if (o_.cluster && refresh_needed_) (void)refresh_slots(dl);
-    results->assign(keys.size(), ObjectResult::kFailed);
+    results->assign(keys.size(), KeyResult{ObjectResult::kFailed, "not sent: no attempt reached its server"});
     std::vector<std::string> names(keys.size());
     for (std::size_t i = 0; i < keys.size(); ++i) names[i] = "kvtd:" + namespaced_key(o_.store, keys[i]);
 
     std::vector<std::size_t> pending_keys(keys.size());
-    for (std::size_t i = 0; i < pending_keys.size(); ++i) pending_keys[i] = i;
+    pending_keys.clear();
+    for (std::size_t i = 0; i < keys.size(); ++i)
+      if (op != Op::kSet || srcs[i]) pending_keys.push_back(i);
     std::map<std::size_t, Node*> ask;  // key index -> node named by ASK
     for (int attempt = 0; attempt < 5 && !pending_keys.empty(); ++attempt) {
       std::map<Node*, std::vector<std::size_t>> groups;
@@ -307,26 +323,40 @@ class RedisStore final : public ObjectStore {
         groups[a != ask.end() ? a->second : owner_of(names[i])].push_back(i);
       }
       pending_keys.clear();
-      for (auto& [n, idx] : groups) pipeline(*n, op, idx, names, dsts, srcs, dl, results, &pending_keys, &ask);
+      for (auto& [n, idx] : groups) pipeline(*n, op, idx, names, {srcs, into}, dl, results, &pending_keys, &ask);
       if (!pending_keys.empty() && o_.cluster && refresh_needed_) (void)refresh_slots(dl);
     }
     return {};
   }
 
+  // Where a SET's bytes come from and a GET's go.
+  struct Payloads {
+    std::span<const std::optional<ConstPieces>> srcs;
+    const ReadInto* into;
+  };
+
   void pipeline(Node& n, Op op, const std::vector<std::size_t>& idx, const std::vector<std::string>& names,
-                std::span<std::byte* const> dsts, std::span<const std::byte* const> srcs, Clock::time_point dl,
-                std::vector<ObjectResult>* results, std::vector<std::size_t>* retry, std::map<std::size_t, Node*>* ask) REQUIRES(mu_) {
+                const Payloads& payloads, Clock::time_point dl, std::vector<KeyResult>* results,
+                std::vector<std::size_t>* retry, std::map<std::size_t, Node*>* ask) REQUIRES(mu_) {
     bool reused = false;
     redisContext* c = connect(n, dl, &reused);
-    if (!c) return;  // results stay kFailed
+    if (!c) {
+      for (auto i : idx) (*results)[i] = {ObjectResult::kFailed, failure_};
+      return;
+    }
     // A connection made before this call that fails now was most likely left stale by a server
     // restart: retry the group once on a fresh connection, without the reconnect backoff (the
     // next tasks used to fail storage_unavailable). A fresh connection that fails is the server.
     auto lost = [&]() REQUIRES(mu_) {
-      if (!reused) return fail_connection(n);
-      last_error_ = n.ctx && n.ctx->errstr[0] ? n.ctx->errstr : "connection lost";
+      if (!reused) {
+        fail_connection(n);
+        for (auto i : idx)
+          if ((*results)[i].result == ObjectResult::kFailed) (*results)[i].error = failure_;
+        return;
+      }
+      failure_ = n.ctx && n.ctx->errstr[0] ? n.ctx->errstr : "connection lost";
       n.drop();
-      for (auto i : idx) (*results)[i] = ObjectResult::kFailed;
+      for (auto i : idx) (*results)[i] = {ObjectResult::kFailed, failure_};
       retry->insert(retry->end(), idx.begin(), idx.end());
     };
     std::vector<bool> asking(idx.size(), false);
@@ -343,7 +373,7 @@ class RedisStore final : public ObjectStore {
         case Op::kExists: redisAppendCommand(c, "EXISTS %b", key.data(), key.size()); break;
         case Op::kDel: redisAppendCommand(c, "DEL %b", key.data(), key.size()); break;
         case Op::kSet:
-          if (!write_set(c, key, names[i], srcs[i], asking[j])) return lost();
+          if (!write_set(c, key, names[i], *payloads.srcs[i], asking[j])) return lost();
           break;
       }
     }
@@ -361,14 +391,14 @@ class RedisStore final : public ObjectStore {
         on_error_reply(std::string(r->str, r->len), i, names, results, retry, ask);
         continue;
       }
-      (*results)[i] = result_of(op, *r, names[i], op == Op::kGet ? dsts[i] : nullptr);  // dsts: GET only
+      (*results)[i] = result_of(op, *r, names[i], i, payloads.into);
     }
   }
 
   // An error reply to key i: a Cluster redirect (MOVED: the slot map changes; ASK: this key once)
   // queues the key for a retry; anything else fails it.
   void on_error_reply(const std::string& err, std::size_t i, const std::vector<std::string>& names,
-                      std::vector<ObjectResult>* results, std::vector<std::size_t>* retry,
+                      std::vector<KeyResult>* results, std::vector<std::size_t>* retry,
                       std::map<std::size_t, Node*>* ask) REQUIRES(mu_) {
     if (o_.cluster && (err.rfind("MOVED ", 0) == 0 || err.rfind("ASK ", 0) == 0)) {
       // "MOVED <slot> <host>:<port>" / "ASK <slot> <host>:<port>"
@@ -387,37 +417,39 @@ class RedisStore final : public ObjectStore {
         return;
       }
     }
-    last_error_ = err;
-    (*results)[i] = ObjectResult::kFailed;
+    (*results)[i] = {ObjectResult::kFailed, err};
   }
 
-  // What a non-error reply to `op` on `name` means; a GET's verified payload is copied to `dst`.
-  ObjectResult result_of(Op op, const redisReply& r, const std::string& name, std::byte* dst) const {
+  // What a non-error reply to `op` on `name` (key i) means; a GET's verified payload is copied
+  // into the pieces `into` gives for it (on_verified is the caller's, after the batch).
+  KeyResult result_of(Op op, const redisReply& r, const std::string& name, std::size_t i, const ReadInto* into) const {
     switch (op) {
       case Op::kGet: {
-        if (r.type == REDIS_REPLY_NIL) return ObjectResult::kMissing;
+        if (r.type == REDIS_REPLY_NIL) return {ObjectResult::kMissing, {}};
         if (r.type != REDIS_REPLY_STRING || static_cast<std::size_t>(r.len) != sizeof(ObjectHeader) + o_.store.object_bytes)
-          return ObjectResult::kCorrupt;  // truncated, padded or not ours
+          return {ObjectResult::kCorrupt, {}};  // truncated, padded or not ours
         ObjectHeader h{};
         std::memcpy(&h, r.str, sizeof h);
         std::span<const std::byte> payload(reinterpret_cast<const std::byte*>(r.str) + sizeof h, o_.store.object_bytes);
-        const auto verdict = verify_object(o_.store, name.substr(5), h, payload);
-        if (verdict == ObjectResult::kOk) std::memcpy(dst, payload.data(), payload.size());
-        return verdict;
+        if (const auto verdict = verify_object(o_.store, name.substr(5), h, payload); verdict != ObjectResult::kOk)
+          return {verdict, {}};
+        ReadInto landing;  // copies only; on_verified is called by read() outside the lock
+        landing.pieces = into->pieces;
+        return detail::land(landing, i, into->pieces(i), payload);
       }
-      case Op::kExists: return r.type == REDIS_REPLY_INTEGER && r.integer > 0 ? ObjectResult::kOk : ObjectResult::kMissing;
+      case Op::kExists:
+        return {r.type == REDIS_REPLY_INTEGER && r.integer > 0 ? ObjectResult::kOk : ObjectResult::kMissing, {}};
       case Op::kSet:
-      case Op::kDel: return ObjectResult::kOk;
+      case Op::kDel: return {ObjectResult::kOk, {}};
     }
-    return ObjectResult::kFailed;
+    return {ObjectResult::kFailed, "unknown operation"};
   }
 
   // Sends "[ASKING] SET key <header+payload>" straight to the socket (sendmsg, gathered), so the 1 MiB
   // payload goes from the caller's buffer to the kernel without a copy (hiredis would format it
   // into its output buffer). Only used while hiredis has nothing buffered, so order is kept.
-  bool write_set(redisContext* c, const std::string& key, const std::string& namespaced, const std::byte* src,
+  bool write_set(redisContext* c, const std::string& key, const std::string& namespaced, const ConstPieces& payload,
                  bool asking) {
-    std::span<const std::byte> payload(src, o_.store.object_bytes);
     const ObjectHeader h = make_header(o_.store, namespaced.substr(5), payload);
     if (c->obuf && sdslen(c->obuf) > 0) {
       // Something is queued in hiredis: flush it first so commands stay in order.
@@ -427,19 +459,23 @@ class RedisStore final : public ObjectStore {
     }
     std::string prefix = asking ? "*1\r\n$6\r\nASKING\r\n" : "";
     prefix += (o_.ttl_s > 0 ? "*5\r\n$3\r\nSET\r\n$" : "*3\r\n$3\r\nSET\r\n$") + std::to_string(key.size()) + "\r\n" +
-              key + "\r\n$" + std::to_string(sizeof h + payload.size()) + "\r\n";
+              key + "\r\n$" + std::to_string(sizeof h + o_.store.object_bytes) + "\r\n";
     // The value's CRLF, then with a TTL "EX <seconds>" (the object expires on the server).
     const std::string ttl = std::to_string(o_.ttl_s);
     const std::string suffix = o_.ttl_s > 0 ? "\r\n$2\r\nEX\r\n$" + std::to_string(ttl.size()) + "\r\n" + ttl + "\r\n" : "\r\n";
-    iovec iov[4] = {{prefix.data(), prefix.size()},
-                    {const_cast<ObjectHeader*>(&h), sizeof h},
-                    {const_cast<std::byte*>(payload.data()), payload.size()},
-                    {const_cast<char*>(suffix.data()), suffix.size()}};
-    int first = 0;
-    while (first < 4) {
+    // One piece per part of the payload (a block's tensors, in place), at most a few hundred:
+    // well under IOV_MAX (1024).
+    std::vector<iovec> iov;
+    iov.reserve(payload.size() + 3);
+    iov.push_back({prefix.data(), prefix.size()});
+    iov.push_back({const_cast<ObjectHeader*>(&h), sizeof h});
+    for (auto piece : payload) iov.push_back({const_cast<std::byte*>(piece.data()), piece.size()});
+    iov.push_back({const_cast<char*>(suffix.data()), suffix.size()});
+    std::size_t first = 0;
+    while (first < iov.size()) {
       msghdr msg{};
-      msg.msg_iov = iov + first;
-      msg.msg_iovlen = static_cast<std::size_t>(4 - first);
+      msg.msg_iov = iov.data() + first;
+      msg.msg_iovlen = iov.size() - first;
       // MSG_NOSIGNAL: a server that died must fail this call, not kill the process with SIGPIPE.
       const ssize_t w = ::sendmsg(c->fd, &msg, MSG_NOSIGNAL);
       if (w < 0) {
@@ -447,8 +483,8 @@ class RedisStore final : public ObjectStore {
         return false;  // includes the send timeout (EAGAIN)
       }
       auto left = static_cast<std::size_t>(w);
-      while (first < 4 && left >= iov[first].iov_len) left -= iov[first++].iov_len;
-      if (first < 4) {
+      while (first < iov.size() && left >= iov[first].iov_len) left -= iov[first++].iov_len;
+      if (first < iov.size()) {
         iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + left;
         iov[first].iov_len -= left;
       }
@@ -457,8 +493,8 @@ class RedisStore final : public ObjectStore {
   }
 
   void fail_connection(Node& n) REQUIRES(mu_) {
-    last_error_ = n.ctx && n.ctx->errstr[0] ? n.ctx->errstr : "connection lost";
-    n.failure = last_error_;
+    failure_ = n.ctx && n.ctx->errstr[0] ? n.ctx->errstr : "connection lost";
+    n.failure = failure_;
     n.drop();
     n.backoff_ms = 50;
     n.retry_at = Clock::now() + std::chrono::milliseconds(n.backoff_ms);
@@ -472,7 +508,9 @@ class RedisStore final : public ObjectStore {
   std::array<Node*, 16384> slots_ GUARDED_BY(mu_){};
   bool refresh_needed_ GUARDED_BY(mu_) = false;
   bool detect_pending_ GUARDED_BY(mu_) = false;  // no endpoint answered CLUSTER INFO yet
-  std::string last_error_ GUARDED_BY(mu_);
+  // The latest connection failure in words, read by the call holding mu_ that met it (its keys'
+  // errors, a node's backoff reason).
+  std::string failure_ GUARDED_BY(mu_);
   detail::Counters counters_;
 };
 

@@ -1,8 +1,6 @@
 #include "split_store.h"
 
 #include <algorithm>
-#include <atomic>
-#include <type_traits>
 
 namespace kvtd::storage::detail {
 namespace {
@@ -12,51 +10,19 @@ class SplitStore final : public ObjectStore {
   SplitStore(std::unique_ptr<ObjectStore> reads, std::unique_ptr<ObjectStore> writes)
       : reads_(std::move(reads)), writes_(std::move(writes)) {}
 
-  Result<std::size_t, StorageErrc> exists(std::span<const std::string> keys) override {
-    return noted(reads_, reads_->exists(keys));
+  // What each side does: reads on one, writes on the other.
+  StoreCapabilities capabilities() const override {
+    return {.reads_in_place = reads_->capabilities().reads_in_place,
+            .writes_pieces = writes_->capabilities().writes_pieces};
   }
-  Result<std::vector<ObjectResult>, StorageErrc> get(std::span<const std::string> keys,
-                                                     std::span<std::byte* const> dsts) override {
-    return noted(reads_, reads_->get(keys, dsts));
-  }
-  Result<std::vector<ObjectResult>, StorageErrc> get_each(std::span<const std::string> keys,
-                                                          std::span<std::byte* const> dsts,
-                                                          const ObjectHook& on_ok) override {
-    return noted(reads_, reads_->get_each(keys, dsts, on_ok));
-  }
-  bool lends_payloads() const override { return reads_->lends_payloads(); }
-  Result<std::vector<ObjectResult>, StorageErrc> get_lent(std::span<const std::string> keys,
-                                                          const LentHook& on_object) override {
-    return noted(reads_, reads_->get_lent(keys, on_object));
-  }
-  bool reads_parts() const override { return reads_->reads_parts(); }
-  Result<std::vector<ObjectResult>, StorageErrc> get_parts(std::span<const std::string> keys, const PartsOf& parts_of,
-                                                           const ObjectHook& on_ok) override {
-    return noted(reads_, reads_->get_parts(keys, parts_of, on_ok));
-  }
-
-  Result<std::vector<ObjectResult>, StorageErrc> put(std::span<const std::string> keys,
-                                                     std::span<const std::byte* const> srcs) override {
-    return noted(writes_, writes_->put(keys, srcs));
-  }
-  Result<std::vector<ObjectResult>, StorageErrc> put_each(std::span<const std::string> keys,
-                                                          std::span<const std::byte* const> srcs,
-                                                          const FillHook& before_put) override {
-    return noted(writes_, writes_->put_each(keys, srcs, before_put));
-  }
-  bool writes_parts() const override { return writes_->writes_parts(); }
-  Result<std::vector<ObjectResult>, StorageErrc> put_parts(std::span<const std::string> keys,
-                                                           std::span<const Parts> objects) override {
-    return noted(writes_, writes_->put_parts(keys, objects));
+  Result<std::size_t, StorageErrc> exists(std::span<const std::string> keys) override { return reads_->exists(keys); }
+  BatchResult read(std::span<const std::string> keys, const ReadInto& into) override { return reads_->read(keys, into); }
+  BatchResult write(std::span<const std::string> keys, const WriteFrom& from) override {
+    return writes_->write(keys, from);
   }
   // Both sides see the same store: the write side walks it.
   Result<GcReport, StorageErrc> collect(const GcRequest& request) override { return writes_->collect(request); }
-
-  Status<StorageErrc> remove(std::span<const std::string> keys) override {
-    auto r = writes_->remove(keys);
-    if (!r.ok()) last_failed_.store(writes_.get(), std::memory_order_relaxed);
-    return r;
-  }
+  Status<StorageErrc> remove(std::span<const std::string> keys) override { return writes_->remove(keys); }
 
   // Gets are counted where they ran, puts where they ran.
   StoreStats stats() const override {
@@ -74,27 +40,8 @@ class SplitStore final : public ObjectStore {
     s.sized = r.sized || w.sized;
     return s;
   }
-  // The error of the side whose call failed last.
-  std::string last_error() const override {
-    const ObjectStore* side = last_failed_.load(std::memory_order_relaxed);
-    return (side != nullptr ? side : writes_.get())->last_error();
-  }
-
  private:
-  // Remembers `side` as the last to fail when `r` failed or holds a failed object.
-  template <typename R>
-  R noted(const std::unique_ptr<ObjectStore>& side, R r) {
-    bool failed = !r.ok();
-    if constexpr (std::is_same_v<R, Result<std::vector<ObjectResult>, StorageErrc>>) {
-      if (r.ok())
-        for (auto x : *r) failed = failed || x == ObjectResult::kFailed;
-    }
-    if (failed) last_failed_.store(side.get(), std::memory_order_relaxed);
-    return r;
-  }
-
   std::unique_ptr<ObjectStore> reads_, writes_;
-  std::atomic<const ObjectStore*> last_failed_{nullptr};
 };
 
 }  // namespace

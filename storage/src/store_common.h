@@ -1,9 +1,10 @@
-// Internal: what both stores share: argument checks for a batch, and the call counters
-// (relaxed atomics: stats are advisory).
+// Internal: what both stores share: argument checks for a batch, landing a verified payload in
+// a read's pieces, and the call counters (relaxed atomics: stats are advisory).
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
 
@@ -21,6 +22,45 @@ inline Status<StorageErrc> check_batch(std::span<const std::string> keys, std::s
   return {};
 }
 inline Status<StorageErrc> check_keys(std::span<const std::string> keys) { return check_batch(keys, keys.size(), ""); }
+
+// Every key valid, and a read's destination given.
+inline Status<StorageErrc> check_read(std::span<const std::string> keys, const ReadInto& into) {
+  if (!into.pieces) return make_error(StorageErrc::kInvalidArgument, "a read needs ReadInto::pieces");
+  return check_keys(keys);
+}
+inline Status<StorageErrc> check_write(std::span<const std::string> keys, const WriteFrom& from) {
+  if (!from.pieces) return make_error(StorageErrc::kInvalidArgument, "a write needs WriteFrom::pieces");
+  return check_keys(keys);
+}
+
+template <typename Piece>
+std::uint64_t bytes_in(const std::vector<Piece>& pieces) {
+  std::uint64_t n = 0;
+  for (const auto& p : pieces) n += p.size();
+  return n;
+}
+
+// Object i's pieces must hold exactly one object: "" if they do, else why not (the key's error).
+template <typename Piece>
+std::string pieces_mismatch(std::size_t i, const std::vector<Piece>& pieces, std::uint64_t object_bytes) {
+  const std::uint64_t n = bytes_in(pieces);
+  if (n == object_bytes) return {};
+  return "object " + std::to_string(i) + "'s pieces hold " + std::to_string(n) + " bytes, not " +
+         std::to_string(object_bytes);
+}
+
+// Copies verified `payload` into object i's pieces and reports it verified; a key whose pieces do
+// not add up to the payload fails, naming the mismatch.
+inline KeyResult land(const ReadInto& into, std::size_t i, const Pieces& pieces, std::span<const std::byte> payload) {
+  if (auto bad = pieces_mismatch(i, pieces, payload.size()); !bad.empty()) return {ObjectResult::kFailed, bad};
+  std::size_t at = 0;
+  for (auto piece : pieces) {
+    std::memcpy(piece.data(), payload.data() + at, piece.size());
+    at += piece.size();
+  }
+  if (into.on_verified) into.on_verified(i);
+  return {ObjectResult::kOk, {}};
+}
 
 struct Counters {
   std::atomic<std::uint64_t> puts{0}, put_failures{0}, gets{0}, hits{0}, misses{0}, corrupt{0};

@@ -53,7 +53,7 @@ class DirectReadsTest : public ::testing::Test {
   void put(const std::string& key, const std::vector<std::byte>& bytes) {
     const std::string keys[1] = {key};
     const std::byte* srcs[1] = {bytes.data()};
-    auto r = buffered_->put(keys, srcs);
+    auto r = write_from(*buffered_, keys, srcs, kObject);
     ASSERT_TRUE(r.ok() && (*r)[0] == ObjectResult::kOk);
   }
   fs::path file_of(const std::string& key) const {
@@ -63,7 +63,7 @@ class DirectReadsTest : public ::testing::Test {
   }
 };
 
-TEST_F(DirectReadsTest, EveryLoadInterfaceReturnsTheVerifiedBytes) {
+TEST_F(DirectReadsTest, EveryReadShapeReturnsTheVerifiedBytes) {
   std::vector<std::string> keys;
   std::vector<std::vector<std::byte>> want;
   for (std::uint32_t i = 0; i < 40; ++i) {  // more than one window of reads in flight
@@ -74,29 +74,31 @@ TEST_F(DirectReadsTest, EveryLoadInterfaceReturnsTheVerifiedBytes) {
   std::vector<std::vector<std::byte>> out(keys.size(), std::vector<std::byte>(kObject));
   std::vector<std::byte*> dsts;
   for (auto& o : out) dsts.push_back(o.data());
-  auto got = direct_->get(keys, dsts);
+  auto got = read_to(*direct_, keys, dsts, kObject);
   ASSERT_TRUE(got.ok()) << got.error().message;
   for (std::size_t i = 0; i < keys.size(); ++i) {
     EXPECT_EQ((*got)[i], ObjectResult::kOk);
     EXPECT_EQ(out[i], want[i]) << keys[i];
   }
-  std::vector<std::vector<std::byte>> lent(keys.size());
-  auto l = direct_->get_lent(keys, [&](std::size_t i, std::span<const std::byte> p) { lent[i].assign(p.begin(), p.end()); });
-  ASSERT_TRUE(l.ok());
-  for (std::size_t i = 0; i < keys.size(); ++i) EXPECT_EQ(lent[i], want[i]) << keys[i];
-  // Into three pieces of a destination, as a layer-first block's tensors are.
+  // Into three pieces of a destination, as a layer-first block's tensors are, verified bytes or not.
   std::vector<std::byte> a(1000), b(kObject - 3000), c(2000);
   const std::string one[1] = {"k7"};
-  auto p = direct_->get_parts(one, [&](std::size_t) {
-    return std::vector<std::span<std::byte>>{std::span(a), std::span(b), std::span(c)};
-  }, {});
-  ASSERT_TRUE(p.ok());
-  EXPECT_EQ((*p)[0], ObjectResult::kOk);
-  std::vector<std::byte> joined(a);
-  joined.insert(joined.end(), b.begin(), b.end());
-  joined.insert(joined.end(), c.begin(), c.end());
-  EXPECT_EQ(joined, want[7]);
-  EXPECT_EQ(direct_->stats().hits, 81u);
+  for (bool unverified_ok : {false, true}) {
+    ReadInto into;
+    into.unverified_bytes_ok = unverified_ok;
+    into.pieces = [&](std::size_t) { return Pieces{std::span(a), std::span(b), std::span(c)}; };
+    std::size_t verified = 0;
+    into.on_verified = [&](std::size_t) { ++verified; };
+    auto p = direct_->read(one, into);
+    ASSERT_TRUE(p.ok());
+    EXPECT_EQ((*p)[0], ObjectResult::kOk);
+    EXPECT_EQ(verified, 1u);
+    std::vector<std::byte> joined(a);
+    joined.insert(joined.end(), b.begin(), b.end());
+    joined.insert(joined.end(), c.begin(), c.end());
+    EXPECT_EQ(joined, want[7]);
+  }
+  EXPECT_EQ(direct_->stats().hits, 42u);
 }
 
 TEST_F(DirectReadsTest, CorruptTruncatedPaddedAndSwappedObjectsAreMissesThatNeverReachTheCaller) {
@@ -118,7 +120,7 @@ TEST_F(DirectReadsTest, CorruptTruncatedPaddedAndSwappedObjectsAreMissesThatNeve
   std::vector<std::vector<std::byte>> out(keys.size(), mine);
   std::vector<std::byte*> dsts;
   for (auto& o : out) dsts.push_back(o.data());
-  auto got = direct_->get(keys, dsts);
+  auto got = read_to(*direct_, keys, dsts, kObject);
   ASSERT_TRUE(got.ok()) << got.error().message;
   for (std::size_t i = 0; i < 5; ++i) {
     EXPECT_EQ((*got)[i], ObjectResult::kCorrupt) << keys[i];

@@ -81,21 +81,23 @@ class FileStoreTest : public ::testing::Test {
     for (auto& b : v) b = static_cast<std::byte>(rng());
     return v;
   }
-  static void put_one(ObjectStore& s, const std::string& key, const std::vector<std::byte>& bytes,
-                      ObjectResult want = ObjectResult::kOk) {
+  static KeyResult put_one(ObjectStore& s, const std::string& key, const std::vector<std::byte>& bytes,
+                           ObjectResult want = ObjectResult::kOk) {
     const std::string keys[1] = {key};
     const std::byte* srcs[1] = {bytes.data()};
-    auto r = s.put(keys, srcs);
-    ASSERT_TRUE(r.ok()) << r.error().message;
-    EXPECT_EQ((*r)[0], want) << object_result_name((*r)[0]);
+    auto r = write_from(s, keys, srcs, kObject);
+    EXPECT_TRUE(r.ok()) << r.error().message;
+    if (!r.ok()) return {ObjectResult::kFailed, r.error().message};
+    EXPECT_EQ((*r)[0], want) << object_result_name((*r)[0].result) << " " << (*r)[0].error;
+    return (*r)[0];
   }
   static ObjectResult get_one(ObjectStore& s, const std::string& key, std::vector<std::byte>* out) {
     out->assign(kObject, std::byte{0});
     const std::string keys[1] = {key};
     std::byte* dsts[1] = {out->data()};
-    auto r = s.get(keys, dsts);
+    auto r = read_to(s, keys, dsts, kObject);
     EXPECT_TRUE(r.ok());
-    return r.ok() ? (*r)[0] : ObjectResult::kFailed;
+    return r.ok() ? (*r)[0].result : ObjectResult::kFailed;
   }
   std::vector<std::string> object_files() const {
     std::vector<std::string> out;

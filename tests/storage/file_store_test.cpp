@@ -32,13 +32,13 @@ TEST_F(FileStoreTest, BatchRoundTripAndLeadingExists) {
     data.push_back(object(i));
   }
   for (auto& d : data) srcs.push_back(d.data());
-  auto put = s->put(keys, srcs);
+  auto put = write_from(*s, keys, srcs, kObject);
   ASSERT_TRUE(put.ok());
   for (auto r : *put) EXPECT_EQ(r, ObjectResult::kOk);
   std::vector<std::vector<std::byte>> back(16, std::vector<std::byte>(kObject));
   std::vector<std::byte*> dsts;
   for (auto& b : back) dsts.push_back(b.data());
-  auto got = s->get(keys, dsts);
+  auto got = read_to(*s, keys, dsts, kObject);
   ASSERT_TRUE(got.ok());
   for (std::size_t i = 0; i < 16; ++i) {
     EXPECT_EQ((*got)[i], ObjectResult::kOk);
@@ -71,24 +71,25 @@ TEST_F(FileStoreTest, DirectoriesRemovedUnderTheStoreAreMadeAgainOnPut) {
 // disk, same checksum, read back whole.
 TEST_F(FileStoreTest, ObjectFromPartsEqualsObjectFromOneBuffer) {
   auto s = open(options());
-  ASSERT_TRUE(s->writes_parts());
+  ASSERT_TRUE(s->capabilities().writes_pieces);
   const auto whole = object(7);
   put_one(*s, "one", whole);
-  ObjectStore::Parts parts;
+  ConstPieces parts;
   for (std::size_t off = 0; off < kObject; off += kObject / 8) parts.emplace_back(whole.data() + off, kObject / 8);
-  const std::string keys[1] = {"parts"};
-  const ObjectStore::Parts objects[1] = {parts};
-  auto r = s->put_parts(keys, objects);
+  const std::string keys[2] = {"parts", "short"};
+  WriteFrom from;
+  from.pieces = [&](std::size_t i) -> std::optional<ConstPieces> {
+    return i == 0 ? parts : ConstPieces(parts.begin(), parts.end() - 1);
+  };
+  auto r = s->write(keys, from);
   ASSERT_TRUE(r.ok()) << r.error().message;
-  EXPECT_EQ((*r)[0], ObjectResult::kOk);
+  EXPECT_EQ((*r)[0], ObjectResult::kOk) << (*r)[0].error;
   std::vector<std::byte> back;
   ASSERT_EQ(get_one(*s, "parts", &back), ObjectResult::kOk);
   EXPECT_EQ(back, whole);
-  // Parts that do not add up to one object are refused before anything is written.
-  ObjectStore::Parts short_parts{parts.begin(), parts.end() - 1};
-  const ObjectStore::Parts bad[1] = {short_parts};
-  const std::string bad_key[1] = {"short"};
-  EXPECT_FALSE(s->put_parts(bad_key, bad).ok());
+  // Parts that do not add up to one object fail that key, saying so, and nothing is written.
+  EXPECT_EQ((*r)[1], ObjectResult::kFailed);
+  EXPECT_NE((*r)[1].error.find("pieces hold"), std::string::npos) << (*r)[1].error;
   EXPECT_EQ(get_one(*s, "short", &back), ObjectResult::kMissing);
 }
 
@@ -175,20 +176,20 @@ TEST_F(FileStoreTest, CorruptObjectLeavesTheCallersBufferUntouchedAndTrailingByt
     std::vector<std::byte> out = mine;
     const std::string keys[1] = {key};
     std::byte* dsts[1] = {out.data()};
-    auto r = s->get(keys, dsts);
+    auto r = read_to(*s, keys, dsts, kObject);
     ASSERT_TRUE(r.ok());
     EXPECT_EQ((*r)[0], ObjectResult::kCorrupt) << key;
     EXPECT_EQ(out, mine) << "the caller's buffer changed on a failed get of " << key;
   }
 }
 
-// A load read each object into the store's own buffer, verified it there, and
-// copied it again into the destination. get_parts reads straight into the destination's pieces
-// (here three, as a layer-first block's tensors are) and verifies there; a corrupt, truncated or
-// foreign object is kCorrupt (its pieces are the caller's to ignore).
-TEST_F(FileStoreTest, GetPartsReadsIntoTheDestinationsPiecesAndVerifiesThere) {
+// A load read each object into the store's own buffer, verified it there, and copied it again
+// into the destination. A read that allows unverified bytes goes straight into the destination's
+// pieces (here three, as a layer-first block's tensors are) and verifies there; a corrupt,
+// truncated or foreign object is kCorrupt (its pieces are the caller's to ignore).
+TEST_F(FileStoreTest, AReadInPlaceLandsInTheDestinationsPiecesAndVerifiesThere) {
   auto s = open(options());
-  ASSERT_TRUE(s->reads_parts());
+  ASSERT_TRUE(s->capabilities().reads_in_place);
   const auto a = object(3);
   put_one(*s, "a", a);
   put_one(*s, "b", object(4));
@@ -196,15 +197,14 @@ TEST_F(FileStoreTest, GetPartsReadsIntoTheDestinationsPiecesAndVerifiesThere) {
   const std::string keys[2] = {"a", "b"};
   std::vector<std::size_t> verified;
   std::mutex mu;
-  auto r = s->get_parts(
-      std::span(keys, 1),
-      [&](std::size_t) {
-        return std::vector<std::span<std::byte>>{first, second, third};
-      },
-      [&](std::size_t i) {
-        std::lock_guard<std::mutex> g(mu);
-        verified.push_back(i);
-      });
+  ReadInto into;
+  into.unverified_bytes_ok = true;
+  into.pieces = [&](std::size_t) { return Pieces{first, second, third}; };
+  into.on_verified = [&](std::size_t i) {
+    std::lock_guard<std::mutex> g(mu);
+    verified.push_back(i);
+  };
+  auto r = s->read(std::span(keys, 1), into);
   ASSERT_TRUE(r.ok()) << r.error().message;
   EXPECT_EQ((*r)[0], ObjectResult::kOk);
   EXPECT_EQ(verified, std::vector<std::size_t>{0});
@@ -219,17 +219,17 @@ TEST_F(FileStoreTest, GetPartsReadsIntoTheDestinationsPiecesAndVerifiesThere) {
       io.seekp(static_cast<std::streamoff>(sizeof(ObjectHeader) + kObject / 2));
       io.put('\x5a');
     }
-  auto bad = s->get_parts(
-      std::span(keys + 1, 1), [&](std::size_t) { return std::vector<std::span<std::byte>>{first, second, third}; },
-      {});
+  into.on_verified = {};
+  auto bad = s->read(std::span(keys + 1, 1), into);
   ASSERT_TRUE(bad.ok());
   EXPECT_EQ((*bad)[0], ObjectResult::kCorrupt);
-  // Pieces that add up to less than the object: trailing bytes, corrupt.
+  // Pieces that add up to less than the object fail that key, naming the mismatch.
   std::vector<std::byte> short_piece(kObject - 1);
-  auto trailing = s->get_parts(
-      std::span(keys, 1), [&](std::size_t) { return std::vector<std::span<std::byte>>{short_piece}; }, {});
-  ASSERT_TRUE(trailing.ok());
-  EXPECT_EQ((*trailing)[0], ObjectResult::kCorrupt);
+  into.pieces = [&](std::size_t) { return Pieces{short_piece}; };
+  auto mismatch = s->read(std::span(keys, 1), into);
+  ASSERT_TRUE(mismatch.ok());
+  EXPECT_EQ((*mismatch)[0], ObjectResult::kFailed);
+  EXPECT_NE((*mismatch)[0].error.find("pieces hold"), std::string::npos) << (*mismatch)[0].error;
 }
 
 // A put whose key is the least recently used object while another put evicts: the eviction must
@@ -301,7 +301,7 @@ TEST_F(FileStoreTest, NoSpaceFailsThatPutAndKeepsTheOldObject) {
   const auto old = object(1);
   put_one(*s, "k", old);
   faulty.write_error = ENOSPC;
-  put_one(*s, "k", object(2), ObjectResult::kFailed);
+  const KeyResult replaced = put_one(*s, "k", object(2), ObjectResult::kFailed);
   put_one(*s, "new", object(3), ObjectResult::kFailed);
   faulty.write_error = 0;
   std::vector<std::byte> out;
@@ -309,7 +309,9 @@ TEST_F(FileStoreTest, NoSpaceFailsThatPutAndKeepsTheOldObject) {
   EXPECT_EQ(out, old);
   EXPECT_EQ(get_one(*s, "new", &out), ObjectResult::kMissing);
   EXPECT_EQ(s->stats().put_failures, 2u);
-  EXPECT_NE(s->last_error().find("No space left on device"), std::string::npos) << s->last_error();
+  // The key's own cause comes back with its result.
+  EXPECT_NE(replaced.error.find("No space left on device"), std::string::npos) << replaced.error;
+  EXPECT_NE(replaced.error.find("/k.kvo"), std::string::npos) << replaced.error;
   for (const auto& f : object_files()) EXPECT_EQ(f.find(".tmp-"), std::string::npos) << "temporary left: " << f;
 }
 

@@ -83,10 +83,10 @@ TEST_F(RedisStandalone, PipelinedBatchRoundTripAndLeadingExists) {
   ASSERT_TRUE(server_.ready());
   auto s = open(options({server_.endpoint()}));
   Batch b(32);
-  auto put = s->put(b.keys, b.srcs);
+  auto put = write_from(*s, b.keys, b.srcs, kObject);
   ASSERT_TRUE(put.ok()) << put.error().message;
   for (auto r : *put) ASSERT_EQ(r, ObjectResult::kOk);
-  auto got = s->get(b.keys, b.dsts);
+  auto got = read_to(*s, b.keys, b.dsts, kObject);
   ASSERT_TRUE(got.ok());
   for (std::size_t i = 0; i < 32; ++i) {
     EXPECT_EQ((*got)[i], ObjectResult::kOk);
@@ -103,7 +103,7 @@ TEST_F(RedisStandalone, OverwrittenTruncatedAndForeignValuesAreMisses) {
   ASSERT_TRUE(server_.ready());
   auto s = open(options({server_.endpoint()}));
   Batch b(3);
-  ASSERT_TRUE(s->put(b.keys, b.srcs).ok());
+  ASSERT_TRUE(write_from(*s, b.keys, b.srcs, kObject).ok());
   StoreOptions so{"llama", 0x1234, kObject};
   const std::string k0 = "kvtd:" + namespaced_key(so, "blk0"), k1 = "kvtd:" + namespaced_key(so, "blk1"),
                     k2 = "kvtd:" + namespaced_key(so, "blk2");
@@ -115,7 +115,7 @@ TEST_F(RedisStandalone, OverwrittenTruncatedAndForeignValuesAreMisses) {
   const std::string keys[4] = {"blk0", "blk1", "blk2", "blk9"};
   std::vector<std::byte> out(4 * kObject);
   std::byte* dsts[4] = {out.data(), out.data() + kObject, out.data() + 2 * kObject, out.data() + 3 * kObject};
-  auto got = s->get(keys, dsts);
+  auto got = read_to(*s, keys, dsts, kObject);
   ASSERT_TRUE(got.ok());
   EXPECT_EQ((*got)[0], ObjectResult::kCorrupt);
   EXPECT_EQ((*got)[1], ObjectResult::kCorrupt);
@@ -125,7 +125,7 @@ TEST_F(RedisStandalone, OverwrittenTruncatedAndForeignValuesAreMisses) {
   // Another model's namespace does not see them at all.
   auto other = open(options({server_.endpoint()}, false, "qwen"));
   std::byte* one[1] = {out.data()};
-  EXPECT_EQ((*other->get(std::span<const std::string>(keys + 2, 1), one))[0], ObjectResult::kMissing);
+  EXPECT_EQ((*read_to(*other, std::span<const std::string>(keys + 2, 1), one, kObject))[0], ObjectResult::kMissing);
 }
 
 // Zero-copy puts once raised SIGPIPE on a dead server and killed the process.
@@ -133,13 +133,15 @@ TEST_F(RedisStandalone, KilledServerFailsPutsWithoutSigpipeAndReconnectsAfterRes
   ASSERT_TRUE(server_.ready());
   auto s = open(options({server_.endpoint()}));
   Batch b(8);
-  ASSERT_TRUE(s->put(b.keys, b.srcs).ok());
+  ASSERT_TRUE(write_from(*s, b.keys, b.srcs, kObject).ok());
   server_.kill9();
   const auto t0 = std::chrono::steady_clock::now();
-  auto put = s->put(b.keys, b.srcs);
+  auto put = write_from(*s, b.keys, b.srcs, kObject);
   ASSERT_TRUE(put.ok());
-  for (auto r : *put) EXPECT_EQ(r, ObjectResult::kFailed);
-  EXPECT_FALSE(s->last_error().empty());
+  for (const auto& r : *put) {
+    EXPECT_EQ(r, ObjectResult::kFailed);
+    EXPECT_FALSE(r.error.empty()) << "each failed key says why";
+  }
   auto ex = s->exists(b.keys);
   ASSERT_FALSE(ex.ok());
   EXPECT_EQ(ex.error().code, StorageErrc::kUnavailable);
@@ -148,7 +150,7 @@ TEST_F(RedisStandalone, KilledServerFailsPutsWithoutSigpipeAndReconnectsAfterRes
   ASSERT_TRUE(server_.ready());
   ASSERT_TRUE(test::eventually(
       [&] {
-        auto r = s->put(b.keys, b.srcs);
+        auto r = write_from(*s, b.keys, b.srcs, kObject);
         return r.ok() && (*r)[0] == ObjectResult::kOk;
       },
       5s));
@@ -162,22 +164,22 @@ TEST_F(RedisStandalone, TheFirstCallsAfterAServerRestartSucceed) {
   ASSERT_TRUE(server_.ready());
   auto s = open(options({server_.endpoint()}));
   Batch b(4);
-  ASSERT_TRUE(s->put(b.keys, b.srcs).ok());
+  ASSERT_TRUE(write_from(*s, b.keys, b.srcs, kObject).ok());
   server_.kill9();
   server_.start();  // restarted while the store's connection sat idle
   ASSERT_TRUE(server_.ready());
-  auto put = s->put(b.keys, b.srcs);  // the very first call after the restart
+  auto put = write_from(*s, b.keys, b.srcs, kObject);  // the very first call after the restart
   ASSERT_TRUE(put.ok()) << put.error().message;
-  for (auto r : *put) EXPECT_EQ(r, ObjectResult::kOk) << s->last_error();
+  for (const auto& r : *put) EXPECT_EQ(r, ObjectResult::kOk) << r.error;
   auto ex = s->exists(b.keys);
   ASSERT_TRUE(ex.ok()) << ex.error().message;
   EXPECT_EQ(*ex, 4u);
   server_.kill9();
   server_.start();
   ASSERT_TRUE(server_.ready());
-  auto got = s->get(b.keys, b.dsts);  // a read after a restart: a miss (no persistence), not a failure
+  auto got = read_to(*s, b.keys, b.dsts, kObject);  // a read after a restart: a miss (no persistence), not a failure
   ASSERT_TRUE(got.ok());
-  for (auto r : *got) EXPECT_EQ(r, ObjectResult::kMissing) << s->last_error();
+  for (const auto& r : *got) EXPECT_EQ(r, ObjectResult::kMissing) << r.error;
 }
 
 TEST_F(RedisStandalone, ServerKilledMidBatchFailsThatBatchWithinTheDeadline) {
@@ -185,14 +187,14 @@ TEST_F(RedisStandalone, ServerKilledMidBatchFailsThatBatchWithinTheDeadline) {
   auto o = options({server_.endpoint()});
   auto s = open(o);
   Batch warm(1, "warm");
-  ASSERT_TRUE(s->put(warm.keys, warm.srcs).ok());  // connected
+  ASSERT_TRUE(write_from(*s, warm.keys, warm.srcs, kObject).ok());  // connected
   // Certainly mid-batch: the server is frozen, so the 16 MiB pipeline fills the socket buffers
   // and the put is stuck writing when the server dies. (A kill after a fixed sleep could land
   // before or after the batch, and the test then asserted only that put returned.)
   server_.freeze();
   Batch big(256, "mid");
-  Result<std::vector<ObjectResult>, StorageErrc> put = std::vector<ObjectResult>{};
-  std::thread writer([&] { put = s->put(big.keys, big.srcs); });
+  BatchResult put = std::vector<KeyResult>{};
+  std::thread writer([&] { put = write_from(*s, big.keys, big.srcs, kObject); });
   std::this_thread::sleep_for(100ms);
   server_.kill9();
   const auto t0 = std::chrono::steady_clock::now();
@@ -201,17 +203,19 @@ TEST_F(RedisStandalone, ServerKilledMidBatchFailsThatBatchWithinTheDeadline) {
   ASSERT_TRUE(put.ok());  // per-key results
   ASSERT_EQ(put->size(), big.keys.size());
   // No reply ever came back, so no key may claim to be stored.
-  for (std::size_t i = 0; i < put->size(); ++i) EXPECT_EQ((*put)[i], ObjectResult::kFailed) << "key " << i;
-  EXPECT_FALSE(s->last_error().empty());
+  for (std::size_t i = 0; i < put->size(); ++i) {
+    EXPECT_EQ((*put)[i], ObjectResult::kFailed) << "key " << i;
+    EXPECT_FALSE((*put)[i].error.empty()) << "key " << i << " says why it failed";
+  }
   server_.start();
   ASSERT_TRUE(server_.ready());
   ASSERT_TRUE(test::eventually(
       [&] {
-        auto r = s->put(big.keys, big.srcs);
-        return r.ok() && std::all_of(r->begin(), r->end(), [](ObjectResult x) { return x == ObjectResult::kOk; });
+        auto r = write_from(*s, big.keys, big.srcs, kObject);
+        return r.ok() && std::all_of(r->begin(), r->end(), [](const KeyResult& x) { return x == ObjectResult::kOk; });
       },
       5s));
-  auto got = s->get(big.keys, big.dsts);
+  auto got = read_to(*s, big.keys, big.dsts, kObject);
   ASSERT_TRUE(got.ok());
   for (std::size_t i = 0; i < big.keys.size(); ++i) ASSERT_EQ(big.back[i], big.data[i]);
 }
@@ -240,7 +244,7 @@ TEST(RedisPassword, ComesFromAnEnvironmentVariableOrAFile) {
   ::setenv("KVTD_TEST_REDIS_PASSWORD", "s3cret", 1);
   auto s = open_redis_store(o);
   ASSERT_TRUE(s.ok());
-  auto r = (*s)->put(b.keys, b.srcs);
+  auto r = write_from(**s, b.keys, b.srcs, kObject);
   ASSERT_TRUE(r.ok());
   EXPECT_EQ((*r)[0], ObjectResult::kOk);
 
@@ -249,7 +253,7 @@ TEST(RedisPassword, ComesFromAnEnvironmentVariableOrAFile) {
   std::ofstream(o.password_file) << "wrong\n";
   auto bad = open_redis_store(o);
   ASSERT_TRUE(bad.ok());
-  auto denied = (*bad)->get(b.keys, b.dsts);
+  auto denied = read_to(**bad, b.keys, b.dsts, kObject);
   ASSERT_TRUE(denied.ok());
   EXPECT_EQ((*denied)[0], ObjectResult::kFailed);
   fs::remove_all(dir);
@@ -270,11 +274,11 @@ TEST_F(RedisStandalone, CollectionRemovesOtherVersionsByScanAndKeepsWhatLoads) {
   Batch old_version(40, "old"), current(8, "cur");
   for (auto& k : old_version.keys) k += "-v1";
   for (auto& k : current.keys) k += "-v2";
-  ASSERT_TRUE(s->put(old_version.keys, old_version.srcs).ok());
-  ASSERT_TRUE(s->put(current.keys, current.srcs).ok());
+  ASSERT_TRUE(write_from(*s, old_version.keys, old_version.srcs, kObject).ok());
+  ASSERT_TRUE(write_from(*s, current.keys, current.srcs, kObject).ok());
   auto other_model = open(options({server_.endpoint()}, false, "mistral"));
   Batch theirs(3, "theirs");
-  ASSERT_TRUE(other_model->put(theirs.keys, theirs.srcs).ok());
+  ASSERT_TRUE(write_from(*other_model, theirs.keys, theirs.srcs, kObject).ok());
   server_.command({"SET", "unrelated", "x"});  // not kvtd's: never looked at
 
   auto dry = keep_version(2);
@@ -291,7 +295,7 @@ TEST_F(RedisStandalone, CollectionRemovesOtherVersionsByScanAndKeepsWhatLoads) {
   EXPECT_EQ(done->removed, 40u);
   EXPECT_EQ(done->removed_bytes, 40 * (kObject + sizeof(ObjectHeader)));
   EXPECT_EQ(*s->exists(old_version.keys), 0u);
-  auto got = s->get(current.keys, current.dsts);
+  auto got = read_to(*s, current.keys, current.dsts, kObject);
   ASSERT_TRUE(got.ok());
   for (std::size_t i = 0; i < current.keys.size(); ++i) {
     EXPECT_EQ((*got)[i], ObjectResult::kOk);
@@ -320,19 +324,19 @@ TEST_F(RedisStandalone, ATtlMakesObjectsExpireOnTheServer) {
   o.ttl_s = 600;
   auto s = open(o);
   Batch b(2);
-  ASSERT_TRUE(s->put(b.keys, b.srcs).ok());
+  ASSERT_TRUE(write_from(*s, b.keys, b.srcs, kObject).ok());
   const std::string ttl = server_.command({"TTL", "kvtd:llama/0000000000001234/blk0"});
   ASSERT_FALSE(ttl.empty());
   const long seconds = std::stol(ttl);
   EXPECT_GT(seconds, 590);
   EXPECT_LE(seconds, 600);
-  auto got = s->get(b.keys, b.dsts);  // a SET with EX still stores the whole object
+  auto got = read_to(*s, b.keys, b.dsts, kObject);  // a SET with EX still stores the whole object
   ASSERT_TRUE(got.ok());
   EXPECT_EQ((*got)[1], ObjectResult::kOk);
   EXPECT_EQ(b.back[1], b.data[1]);
   auto plain = open(options({server_.endpoint()}));
   Batch c(1, "forever");
-  ASSERT_TRUE(plain->put(c.keys, c.srcs).ok());
+  ASSERT_TRUE(write_from(*plain, c.keys, c.srcs, kObject).ok());
   EXPECT_EQ(server_.command({"TTL", "kvtd:llama/0000000000001234/forever0"}), "-1");
 }
 
@@ -376,7 +380,7 @@ TEST_F(RedisClusterTest, BatchesSpanAllMastersAndMovedIsFollowedAfterASlotMigrat
   auto s = open_redis_store(o);
   ASSERT_TRUE(s.ok()) << s.error().message;
   Batch b(48);
-  auto put = (*s)->put(b.keys, b.srcs);
+  auto put = write_from(**s, b.keys, b.srcs, kObject);
   ASSERT_TRUE(put.ok());
   for (auto r : *put) ASSERT_EQ(r, ObjectResult::kOk);
   std::size_t on_each[3] = {0, 0, 0};
@@ -404,7 +408,7 @@ TEST_F(RedisClusterTest, BatchesSpanAllMastersAndMovedIsFollowedAfterASlotMigrat
   {
     const std::string k[1] = {"blk3"};
     std::byte* d[1] = {b.back[3].data()};
-    auto got = (*s)->get(k, d);
+    auto got = read_to(**s, k, d, kObject);
     ASSERT_TRUE(got.ok());
     EXPECT_EQ((*got)[0], ObjectResult::kOk) << "ASK redirect not followed";
     EXPECT_EQ(b.back[3], b.data[3]);
@@ -412,7 +416,7 @@ TEST_F(RedisClusterTest, BatchesSpanAllMastersAndMovedIsFollowedAfterASlotMigrat
   for (auto& n : nodes_) EXPECT_EQ(n->command({"CLUSTER", "SETSLOT", slot_s, "NODE", to_id}), "OK");
 
   std::fill(b.back[3].begin(), b.back[3].end(), std::byte{0});
-  auto got = (*s)->get(b.keys, b.dsts);
+  auto got = read_to(**s, b.keys, b.dsts, kObject);
   ASSERT_TRUE(got.ok());
   for (std::size_t i = 0; i < b.keys.size(); ++i) {
     EXPECT_EQ((*got)[i], ObjectResult::kOk) << b.keys[i];
@@ -434,8 +438,8 @@ TEST_F(RedisClusterTest, CollectionScansEveryMaster) {
   Batch old_version(48, "old"), current(8, "cur");
   for (auto& k : old_version.keys) k += "-v1";
   for (auto& k : current.keys) k += "-v2";
-  ASSERT_TRUE((*s)->put(old_version.keys, old_version.srcs).ok());
-  ASSERT_TRUE((*s)->put(current.keys, current.srcs).ok());
+  ASSERT_TRUE(write_from(**s, old_version.keys, old_version.srcs, kObject).ok());
+  ASSERT_TRUE(write_from(**s, current.keys, current.srcs, kObject).ok());
   int masters_holding_old = 0;
   for (auto& n : nodes_) masters_holding_old += n->command({"DBSIZE"}) != "0";
   ASSERT_EQ(masters_holding_old, 3) << "the keys should spread over all three masters";

@@ -1,5 +1,5 @@
-// KV events: the engine key recovered from a stored object's name (what an
-// eviction reports), and the publisher's refusals. The wire format itself is checked by a real
+// KV events: the publisher's refusals (the engine key an eviction reports is recovered by
+// storage::StoredName, tests/unit/object_name_test.cpp). The wire format itself is checked by a real
 // subscriber decoding with python3-msgpack (tests/python/test_kv_events.py).
 #include <gtest/gtest.h>
 
@@ -13,26 +13,12 @@
 #include <thread>
 #include <vector>
 
-#include "kvtd/daemon/storage_executor.h"
 #include "kvtd/events/kv_events.h"
 #include "kvtd/metrics/registry.h"
 #include "msgpack_writer.h"  // events/src: the encoder itself
 
 namespace kvtd {
 namespace {
-
-TEST(KvEvents, EngineKeyOfAStoredNameUndoesTheExecutorsNaming) {
-  using daemon::engine_key_of;
-  EXPECT_EQ(engine_key_of("1001.w0-0.r0", ""), "1001");
-  EXPECT_EQ(engine_key_of("pfx:07.w3-12.r15", ""), "pfx:07");
-  EXPECT_EQ(engine_key_of("a.b.w1-2.r0", ""), "a.b");  // dots in the engine's key stay
-  EXPECT_EQ(engine_key_of("abc.RL-STEP12.w0-4.r1", "RL-STEP12"), "abc");
-  EXPECT_EQ(engine_key_of("abc.w0-4.r1", "RL-STEP12"), std::nullopt);  // not of this prefix
-  EXPECT_EQ(engine_key_of("abc.w0-4", ""), std::nullopt);
-  EXPECT_EQ(engine_key_of("abc.wx-4.r1", ""), std::nullopt);
-  EXPECT_EQ(engine_key_of(".w0-0.r0", ""), std::nullopt);
-  EXPECT_EQ(engine_key_of("abc.w0-0.r", ""), std::nullopt);
-}
 
 TEST(KvEvents, PublisherRefusesWhatItCannotServe) {
   events::KvEventsOptions o;

@@ -1,6 +1,7 @@
-// The storage executor against a scripted store: a load the store cut
-// short is storage_unavailable, not a miss; a CANCEL stops a write between small steps, and it
-// answers truthfully whether it will stop the task.
+// The storage executor against the scripted store: every read and write path moves the exact
+// bytes; a load the store cut short is storage_unavailable, not a miss; a failed write names its
+// own key's cause; a CANCEL stops a write between small steps, and it answers truthfully whether
+// it will stop the task.
 #include <gtest/gtest.h>
 
 #include <condition_variable>
@@ -14,6 +15,7 @@
 #include "kvtd/daemon/storage_executor.h"
 #include "kvtd/engine/engine_session.h"
 #include "kvtd/storage/object_store.h"
+#include "scripted_store.h"
 #include "test_support.h"
 
 namespace kvtd::daemon {
@@ -23,61 +25,6 @@ using proto::TaskKind;
 using proto::TaskStatus;
 using storage::ObjectResult;
 using storage::StorageErrc;
-
-// An in-memory store whose failures and pauses the test scripts.
-class ScriptedStore final : public storage::ObjectStore {
- public:
-  explicit ScriptedStore(std::size_t object_bytes) : bytes_(object_bytes) {}
-
-  std::set<std::string> fail_on_get;     // present for exists(), but get() fails (server gone)
-  std::set<std::string> vanish_on_get;   // present for exists(), missing for get() (evicted between)
-  std::function<void()> on_put;          // runs inside every put() (a slow store)
-
-  Result<std::size_t, StorageErrc> exists(std::span<const std::string> keys) override {
-    std::lock_guard<std::mutex> g(mu_);
-    std::size_t n = 0;
-    while (n < keys.size() && (objects_.count(keys[n]) || fail_on_get.count(keys[n]) || vanish_on_get.count(keys[n]))) ++n;
-    return n;
-  }
-  Result<std::vector<ObjectResult>, StorageErrc> get(std::span<const std::string> keys,
-                                                     std::span<std::byte* const> dsts) override {
-    std::lock_guard<std::mutex> g(mu_);
-    std::vector<ObjectResult> out(keys.size(), ObjectResult::kMissing);
-    for (std::size_t i = 0; i < keys.size(); ++i) {
-      if (fail_on_get.count(keys[i])) {
-        out[i] = ObjectResult::kFailed;
-        last_error_ = "Connection reset by peer";
-      } else if (auto it = objects_.find(keys[i]); it != objects_.end()) {
-        std::memcpy(dsts[i], it->second.data(), bytes_);
-        out[i] = ObjectResult::kOk;
-      }
-    }
-    return out;
-  }
-  Result<std::vector<ObjectResult>, StorageErrc> put(std::span<const std::string> keys,
-                                                     std::span<const std::byte* const> srcs) override {
-    if (on_put) on_put();
-    std::lock_guard<std::mutex> g(mu_);
-    for (std::size_t i = 0; i < keys.size(); ++i) objects_[keys[i]].assign(srcs[i], srcs[i] + bytes_);
-    return std::vector<ObjectResult>(keys.size(), ObjectResult::kOk);
-  }
-  Status<StorageErrc> remove(std::span<const std::string>) override { return {}; }
-  storage::StoreStats stats() const override { return {}; }
-  std::string last_error() const override {
-    std::lock_guard<std::mutex> g(mu_);
-    return last_error_;
-  }
-  std::size_t size() const {
-    std::lock_guard<std::mutex> g(mu_);
-    return objects_.size();
-  }
-
- private:
-  std::size_t bytes_;
-  mutable std::mutex mu_;
-  std::map<std::string, std::vector<std::byte>> objects_;
-  std::string last_error_;
-};
 
 using proto::Outcome;
 
@@ -92,7 +39,8 @@ class StorageExecutorTest : public ::testing::Test {
   std::unique_ptr<endpoint::RankEndpoint> ep_;
   std::unique_ptr<DeviceBackend> backend_ = make_host_backend();
   std::vector<std::byte> device_ = std::vector<std::byte>(kObject * kBlocks, std::byte{7});
-  ScriptedStore store_{kObject};
+  storage::StoreCapabilities capabilities_;  // the store's, set before SetUp
+  std::unique_ptr<test::ScriptedStore> store_;
   std::unique_ptr<StorageExecutor> exec_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -104,7 +52,7 @@ class StorageExecutorTest : public ::testing::Test {
   std::unique_ptr<StorageExecutor> make_executor(endpoint::RankEndpoint& ep, std::vector<std::byte>& device,
                                                  std::map<std::uint64_t, Outcome>& done) {
     StorageTargets t;
-    t.store = &store_;
+    t.store = store_.get();
     t.store_name = "scripted store";
     t.config.io_threads = 1;
     t.config.staging_mib = 8;
@@ -123,6 +71,7 @@ class StorageExecutorTest : public ::testing::Test {
   }
 
   void SetUp() override {
+    store_ = std::make_unique<test::ScriptedStore>(kObject, capabilities_);
     engine::SessionOptions o;
     o.suffix = suffix_;
     o.geometry = g_;
@@ -173,20 +122,31 @@ TEST_F(StorageExecutorTest, ALoadTheStoreCutShortIsUnavailableWithTheBlocksBefor
   ASSERT_EQ(wait(submit(TaskKind::kStorageWrite, 1, keys("a", 6))).status, TaskStatus::kOk);
   std::vector<std::string> stored;
   // The stored names carry the weight version and rank: read them back through exists order.
-  store_.fail_on_get.insert("a2.w0-0.r0");
+  store_->fail_on_read["a2.w0-0.r0"] = "Connection reset by peer";
   const auto cut = wait(submit(TaskKind::kStorageRead, 2, keys("a", 6)));
   EXPECT_EQ(cut.status, TaskStatus::kStorageUnavailable) << cut.message;
   EXPECT_EQ(cut.blocks, 2u);
   EXPECT_NE(cut.message.find("Connection reset by peer"), std::string::npos) << cut.message;
   // A real miss stays a miss: ok with the blocks before it.
-  store_.fail_on_get.clear();
-  store_.vanish_on_get.insert("b9.w0-0.r0");
+  store_->fail_on_read.clear();
+  store_->vanish_on_read.insert("b9.w0-0.r0");
   ASSERT_EQ(wait(submit(TaskKind::kStorageWrite, 3, keys("b", 3))).status, TaskStatus::kOk);
   auto with_hole = keys("b", 3);
   with_hole.push_back("b9");
   const auto miss = wait(submit(TaskKind::kStorageRead, 4, with_hole));
   EXPECT_EQ(miss.status, TaskStatus::kOk) << miss.message;
   EXPECT_EQ(miss.blocks, 3u);
+}
+
+// A failed write's message came from a store-wide "last error" that another worker's failure
+// could overwrite: each key's cause now comes back with its result.
+TEST_F(StorageExecutorTest, AFailedWriteNamesItsOwnKeysCause) {
+  store_->fail_on_write["e2.w0-0.r0"] = "No space left on device";
+  store_->fail_on_write["e3.w0-0.r0"] = "Permission denied";
+  const auto failed = wait(submit(TaskKind::kStorageWrite, 5, keys("e", 4)));
+  EXPECT_EQ(failed.status, TaskStatus::kStorageError) << failed.message;
+  EXPECT_NE(failed.message.find("2 of 4 objects not written: No space left on device (write e2"), std::string::npos)
+      << failed.message;
 }
 
 // Cancellation was checked between chunks of up to 2,048 objects, so a CANCEL answered
@@ -197,7 +157,7 @@ TEST_F(StorageExecutorTest, ACancelStopsAWriteAtItsNextStepAndAnswersTruthfully)
   std::condition_variable gate_cv;
   int entered = 0;
   bool open = false;
-  store_.on_put = [&] {
+  store_->on_write = [&] {
     std::unique_lock<std::mutex> lk(gate_mu);
     ++entered;
     gate_cv.notify_all();
@@ -220,7 +180,7 @@ TEST_F(StorageExecutorTest, ACancelStopsAWriteAtItsNextStepAndAnswersTruthfully)
   const auto stopped = wait(10);
   EXPECT_EQ(stopped.status, TaskStatus::kCancelled) << stopped.message;
   EXPECT_EQ(stopped.blocks, 4u) << "it stopped after the step in flight";
-  EXPECT_EQ(store_.size(), 4u);
+  EXPECT_EQ(store_->size(), 4u);
 
   // Four objects: one step, which is the last: a CANCEL during it cannot stop it, and says so.
   {
@@ -236,6 +196,40 @@ TEST_F(StorageExecutorTest, ACancelStopsAWriteAtItsNextStepAndAnswersTruthfully)
   EXPECT_EQ(finished.status, TaskStatus::kOk) << finished.message;
   EXPECT_EQ(finished.blocks, 4u);
 }
+
+// Every path between the blocks and the store, by what the store can do: read in place or into
+// verified copies, write from the blocks' pieces or through staging. Each moves the exact bytes,
+// and a corrupt object is never counted loaded, even where its bytes landed in the block first.
+class StorePathTest : public StorageExecutorTest,
+                      public ::testing::WithParamInterface<std::pair<bool, bool>> {
+ protected:
+  StorePathTest() { capabilities_ = {.reads_in_place = GetParam().first, .writes_pieces = GetParam().second}; }
+};
+
+TEST_P(StorePathTest, WritesAndLoadsMoveTheExactBytes) {
+  for (std::size_t i = 0; i < device_.size(); ++i) device_[i] = static_cast<std::byte>((i * 131 + i / kObject) & 0xff);
+  const auto written = device_;
+  ASSERT_EQ(wait(submit(TaskKind::kStorageWrite, 1, keys("x", 6))).status, TaskStatus::kOk);
+  for (std::size_t b = 0; b < 6; ++b) {
+    const auto object = store_->stored("x" + std::to_string(b) + ".w0-0.r0");
+    ASSERT_EQ(object.size(), kObject) << "block " << b;
+    EXPECT_EQ(0, std::memcmp(object.data(), written.data() + b * kObject, kObject)) << "block " << b;
+  }
+  std::fill(device_.begin(), device_.end(), std::byte{0});
+  store_->corrupt_on_read.insert("x4.w0-0.r0");
+  const auto loaded = wait(submit(TaskKind::kStorageRead, 2, keys("x", 6)));
+  EXPECT_EQ(loaded.status, TaskStatus::kOk) << loaded.message;
+  EXPECT_EQ(loaded.blocks, 4u) << "a corrupt object is a miss: the blocks before it are loaded";
+  EXPECT_EQ(0, std::memcmp(device_.data(), written.data(), 4 * kObject));
+}
+
+INSTANTIATE_TEST_SUITE_P(Capabilities, StorePathTest,
+                         ::testing::Values(std::pair{false, false}, std::pair{true, false}, std::pair{false, true},
+                                           std::pair{true, true}),
+                         [](const auto& param_info) {
+                           return std::string(param_info.param.first ? "InPlace" : "Verified") +
+                                  (param_info.param.second ? "Pieces" : "Staged");
+                         });
 
 // The storage phases across two ranks in one process (the agreement through the session's real
 // shared memory, a scripted store): each rank loads only the prefix every rank has, the MIN.

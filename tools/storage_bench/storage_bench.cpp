@@ -117,13 +117,13 @@ int main(int argc, char** argv) {
     ::sync();  // every timed phase starts with no dirty pages left by the previous one
     auto t0 = Clock::now();
     for (auto& k : keys) {
-      auto r = store->put(k, srcs);
+      auto r = kvtd::storage::write_from(*store, k, srcs, object);
       if (!r.ok() || (*r)[0] != kvtd::storage::ObjectResult::kOk) return std::fprintf(stderr, "put failed\n"), 1;
     }
     put_gbs.push_back(total / since(t0) / 1e9);
     t0 = Clock::now();
     for (auto& k : keys) {
-      auto r = store->get(k, dsts);
+      auto r = kvtd::storage::read_to(*store, k, dsts, object);
       if (!r.ok() || (*r)[0] != kvtd::storage::ObjectResult::kOk) return std::fprintf(stderr, "get failed\n"), 1;
     }
     get_gbs.push_back(total / since(t0) / 1e9);

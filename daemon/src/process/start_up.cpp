@@ -10,6 +10,7 @@
 #include "kvtd/daemon/storage_executor.h"
 #include "kvtd/ipc/shared_object.h"
 #include "kvtd/storage/file_store.h"
+#include "kvtd/storage/object_name.h"
 #include "kvtd/storage/redis_store.h"
 
 namespace kvtd::daemon {
@@ -46,7 +47,7 @@ Result<OpenedStore, config::ConfigErrc> open_store(const config::DaemonConfig& c
     fo.direct_reads = sc.direct_reads;
     if (kv_events != nullptr)
       fo.on_evict = [kv_events, prefix = sc.key_prefix](const std::string& name) {
-        if (auto key = engine_key_of(name, prefix)) kv_events->removed({*key});
+        if (auto ours = storage::StoredName::parse(name, prefix)) kv_events->removed({ours->key});
       };
     fo.capacity_bytes = static_cast<std::uint64_t>(sc.capacity_gib * static_cast<double>(1ull << 30));
     fo.sync = sc.fsync == config::StorageFsync::kNone   ? storage::SyncPolicy::kNone

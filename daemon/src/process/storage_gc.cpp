@@ -9,6 +9,7 @@
 #include "kvtd/daemon/storage_executor.h"
 #include "kvtd/events/kv_events.h"
 #include "kvtd/ipc/clock.h"
+#include "kvtd/storage/object_name.h"
 #include "kvtd/storage/object_store.h"
 
 namespace kvtd::daemon {
@@ -19,7 +20,8 @@ namespace {
 // every layout, replicated MLA included). "Unknown" counts as stored: no removal is announced.
 bool still_stored(storage::ObjectStore& store, const config::DaemonConfig& cfg, const std::string& key,
                   std::uint64_t keep_wv) {
-  const std::string name = stored_name(key, cfg.storage.key_prefix, cfg.storage.weight_version, keep_wv, 0);
+  const std::string name =
+      storage::StoredName{key, cfg.storage.key_prefix, cfg.storage.weight_version, keep_wv, 0}.encode();
   auto n = store.exists(std::span<const std::string>(&name, 1));
   return !n.ok() || *n == 1;
 }
@@ -50,17 +52,18 @@ control::Reply collect_storage(const config::DaemonConfig& cfg, storage::ObjectS
   std::unordered_set<std::string> kept_keys;
   const bool tell = kv_events != nullptr;
   request.keep_name = [config_wv, keep_wv, tell, &kept_keys, &cfg](const std::string& name) {
-    const auto parsed = parse_stored_name(name);
+    const auto parsed = storage::StoredName::parse(name);
     const bool keep = !parsed || (parsed->config_weight_version == config_wv && parsed->task_weight_version == keep_wv);
     if (keep && tell)
-      if (auto key = engine_key_of(name, cfg.storage.key_prefix)) kept_keys.insert(std::move(*key));
+      if (auto ours = storage::StoredName::parse(name, cfg.storage.key_prefix)) kept_keys.insert(std::move(ours->key));
     return keep;
   };
   std::vector<std::string> removed_keys;  // this group's, for the routers
   if (tell)
     request.on_removed = [&](const std::string& model, const std::string& name) {
       if (model != cfg.model_id) return;
-      if (auto key = engine_key_of(name, cfg.storage.key_prefix)) removed_keys.push_back(std::move(*key));
+      if (auto ours = storage::StoredName::parse(name, cfg.storage.key_prefix))
+        removed_keys.push_back(std::move(ours->key));
     };
   auto report = store->collect(request);
   if (!report.ok()) {

@@ -188,7 +188,7 @@ struct StorageExecutor::Impl {
   void run_load(const Prepared& p, std::byte* slice);
   // One chunk of a load: read, verified and scattered into `ids` through `slice`. The objects'
   // results, or nullopt when the chunk ended the task (completed as failed here).
-  std::optional<std::vector<storage::ObjectResult>> load_chunk(const Prepared& p, std::span<const std::int32_t> ids,
+  std::optional<std::vector<storage::KeyResult>> load_chunk(const Prepared& p, std::span<const std::int32_t> ids,
                                                               std::span<const std::string> keys, std::byte* slice);
 
   void run_write(const Prepared& p, std::byte* slice);
@@ -202,7 +202,7 @@ struct StorageExecutor::Impl {
 
   // The outcome of one chunk's put: false (the task completed as failed) unless every object
   // was written.
-  bool check_put(const StorageWork& w, const Result<std::vector<storage::ObjectResult>, storage::StorageErrc>& put,
+  bool check_put(const StorageWork& w, const storage::BatchResult& put,
                  std::size_t c, std::int64_t start);
 
 

@@ -64,8 +64,8 @@ std::string cause_of(const std::string& error) {
 
 }  // namespace
 
-bool StorageExecutor::Impl::check_put(const StorageWork& w, const Result<std::vector<storage::ObjectResult>, storage::StorageErrc>& put,
-               std::size_t c, std::int64_t start) {
+bool StorageExecutor::Impl::check_put(const StorageWork& w, const storage::BatchResult& put, std::size_t c,
+                                      std::int64_t start) {
   if (!put.ok()) {
     finish(w, proto::Outcome::failed(status_of(put.error().code, StoreCall::kWrite), unavailable(put.error().message)),
            start);
@@ -73,15 +73,21 @@ bool StorageExecutor::Impl::check_put(const StorageWork& w, const Result<std::ve
   }
   std::size_t failed = 0;
   auto status = TaskStatus::kOk;
+  std::string cause;
   for (std::size_t i = 0; i < c; ++i) {
-    failed += (*put)[i] != storage::ObjectResult::kOk;
-    if (status == TaskStatus::kOk) status = status_of((*put)[i], StoreCall::kWrite);
+    const auto& key = (*put)[i];
+    if (key.ok()) continue;
+    ++failed;
+    if (status == TaskStatus::kOk) {  // the first failed object's status and its own cause
+      status = status_of(key.result, StoreCall::kWrite);
+      cause = cause_of(key.error);
+    }
   }
   if (failed != 0) {
     // Each object is whole or absent (the stores write then rename); the others stand.
     finish(w,
            proto::Outcome::failed(status, unavailable(std::to_string(failed) + " of " + std::to_string(c) +
-                                                      " objects not written: " + cause_of(t.store->last_error()))),
+                                                      " objects not written: " + cause)),
            start);
     return false;
   }
@@ -110,52 +116,38 @@ bool StorageExecutor::Impl::may_continue(std::uint64_t id, bool last_step) {
   return true;
 }
 
-std::optional<std::vector<storage::ObjectResult>> StorageExecutor::Impl::load_chunk(
+std::optional<std::vector<storage::KeyResult>> StorageExecutor::Impl::load_chunk(
     const Prepared& p, std::span<const std::int32_t> ids, std::span<const std::string> keys, std::byte* slice) {
   const auto& w = p.work;
   const bool host = (w.header.flags & proto::kTaskFlagHostBlocks) != 0;
   const auto& tensors = host ? t.host_tensors : t.device_tensors;
   DeviceError scatter_error;  // set by the store's I/O threads
-  auto read = [&]() -> Result<std::vector<storage::ObjectResult>, storage::StorageErrc> {
+  storage::ReadInto into;
+  // A block's bytes may land before they are verified: a block whose object fails verification
+  // never counts as loaded (a host block stays invalid: marked before the load, valid only for
+  // the loaded prefix; a device block lies past blocks_done, like a block after a miss).
+  into.unverified_bytes_ok = true;
+  if (host || backend.tensors_host_accessible()) {
     // Blocks the CPU can write (host-pool blocks; device blocks of a backend whose tensors are
-    // host memory), where the store reads into parts: each object is read straight into its
-    // block's pieces and verified there (one copy, from the kernel into place). A block whose
-    // object fails verification holds its bytes but never counts as loaded: a host block stays
-    // invalid (marked before the load, valid only for the loaded prefix), a device block lies
-    // past blocks_done, like a block after a miss. On 2 cores the scratch copy this saves was a
-    // quarter of a warm read's CPU time (STORAGE_READ 6.4 -> 7.4 GB/s, scripts/bench.sh).
-    if ((host || backend.tensors_host_accessible()) && t.store->reads_parts())
-      return t.store->get_parts(keys, [&](std::size_t i) { return block_pieces(tensors, ids[i]); }, {});
-    // Otherwise (device memory) blocks get verified bytes only, each object scattered into its
-    // block on the store's I/O thread that read it while later objects are still being read. An
-    // object after a miss on this rank may land in its (reserved) block too; only the leading
-    // blocks_done are reported loaded. Lent payloads (the file store's cache-warm buffers;
-    // pageable: only where the CPU does the scatter) or this worker's staging (pinned: for a DMA).
-    auto scatter = [&](std::size_t i, const std::byte* payload) {
-      const auto one = ids.subspan(i, 1);
-      if (host) {
-        kernels::scatter_from_staging_host(tensors, one, payload);
-      } else if (auto s2 = backend.scatter_from_staging(tensors, one, payload); !s2.ok()) {
+    // host memory): each object goes straight into its block's pieces. A store that reads in
+    // place reads and verifies it there (one copy, from the kernel into place; on 2 cores the
+    // scratch copy this saves was a quarter of a warm read's CPU time, STORAGE_READ 6.4 -> 7.4
+    // GB/s, scripts/bench.sh); others copy each verified payload in.
+    into.pieces = [&](std::size_t i) { return block_pieces(tensors, ids[i]); };
+  } else {
+    // Device memory (CUDA): each object is read into its slot of this worker's pinned staging and
+    // verified there, then its DMA goes from the slot on the store's I/O thread that read it,
+    // while later objects are still being read. No CPU copy between the read and the DMA, and a
+    // slot whose object fails is never copied to the device. An object after a miss on this rank
+    // may land in its (reserved) block too; only the leading blocks_done are reported loaded.
+    auto slot = [&](std::size_t i) { return slice + i * t.object_bytes; };
+    into.pieces = [&](std::size_t i) { return storage::Pieces{{slot(i), t.object_bytes}}; };
+    into.on_verified = [&](std::size_t i) {
+      if (auto s2 = backend.scatter_from_staging(tensors, ids.subspan(i, 1), slot(i)); !s2.ok())
         scatter_error.set(s2.error().message);
-      }
     };
-    if (t.store->lends_payloads() && (host || backend.tensors_host_accessible()))
-      return t.store->get_lent(keys, [&](std::size_t i, std::span<const std::byte> payload) { scatter(i, payload.data()); });
-    // Device memory (CUDA): each object is read straight into its slot of this worker's pinned
-    // staging and verified there, then its DMA goes from the slot; the store's I/O threads keep
-    // several objects reading, hashing and copying at once. No CPU copy between the read and the
-    // DMA, and a slot whose object fails is never copied to the device.
-    if (t.store->reads_parts()) {
-      auto slot = [&](std::size_t i) { return slice + i * t.object_bytes; };
-      return t.store->get_parts(
-          keys, [&](std::size_t i) { return std::vector<std::span<std::byte>>{{slot(i), t.object_bytes}}; },
-          [&](std::size_t i) { scatter(i, slot(i)); });
-    }
-    std::vector<std::byte*> dst(keys.size());
-    for (std::size_t i = 0; i < keys.size(); ++i) dst[i] = slice + i * t.object_bytes;
-    return t.store->get_each(keys, std::span(dst), [&](std::size_t i) { scatter(i, dst[i]); });
-  };
-  auto got = read();
+  }
+  auto got = t.store->read(keys, into);
   if (!got.ok()) {
     finish(w, proto::Outcome::failed(status_of(got.error().code, StoreCall::kRead), unavailable(got.error().message)),
            p.start);
@@ -191,10 +183,10 @@ void StorageExecutor::Impl::run_load(const Prepared& p, std::byte* slice) {
     auto got = load_chunk(p, ids, std::span(p.stored).subspan(loaded, c), slice);
     if (!got) return;  // finished as failed
     std::size_t ok = 0;
-    while (ok < c && (*got)[ok] == storage::ObjectResult::kOk) ++ok;
+    while (ok < c && (*got)[ok].ok()) ++ok;
     if (host && pool != nullptr) pool->mark_valid(ids.first(ok));
     loaded += ok;
-    if (ok < c && status_of((*got)[ok], StoreCall::kRead) != TaskStatus::kOk) {
+    if (ok < c && status_of((*got)[ok].result, StoreCall::kRead) != TaskStatus::kOk) {
       // The store failed (a server that died, an I/O error), which is not a miss: the engine
       // must be able to tell "not stored" from "store down". The blocks before it are loaded.
       {
@@ -203,10 +195,10 @@ void StorageExecutor::Impl::run_load(const Prepared& p, std::byte* slice) {
         st.bytes_read += ok * t.object_bytes;
       }
       finish(w,
-             proto::Outcome::stopped(status_of((*got)[ok], StoreCall::kRead), loaded,
+             proto::Outcome::stopped(status_of((*got)[ok].result, StoreCall::kRead), loaded,
                                      unavailable("the store failed reading key " + w.section.keys[loaded] + " after " +
                                                  std::to_string(loaded) + " of " + std::to_string(n) +
-                                                 " blocks: " + t.store->last_error())),
+                                                 " blocks: " + (*got)[ok].error)),
              start);
       return;
     }
@@ -217,7 +209,7 @@ void StorageExecutor::Impl::run_load(const Prepared& p, std::byte* slice) {
     }
     if (ok < c) {
       KVTD_INFO("task {}: {} of key {} on this rank; loaded {} of {} agreed blocks", w.header.task_id,
-                storage::object_result_name((*got)[ok]), w.section.keys[loaded], loaded, n);
+                storage::object_result_name((*got)[ok].result), w.section.keys[loaded], loaded, n);
       break;
     }
   }
@@ -253,7 +245,7 @@ void StorageExecutor::Impl::run_write(const Prepared& p, std::byte* slice) {
   }
   // MLA: the cache is replicated, one copy serves every rank; rank 0 writes it.
   const bool writer = !t.replicated || ep.rank() == 0;
-  const bool in_place = t.store->writes_parts() && (host || backend.tensors_host_accessible());
+  const bool in_place = t.store->capabilities().writes_pieces && (host || backend.tensors_host_accessible());
   std::size_t written = skip;
   const std::size_t step = cancel_step();
   while (written < stored.size()) {
@@ -288,40 +280,31 @@ bool StorageExecutor::Impl::write_chunk(const Prepared& p, std::size_t from, std
   const auto& tensors = host ? t.host_tensors : t.device_tensors;
   const auto chunk_ids = std::span(p.ids).subspan(from, c);
   const auto names = std::span(p.stored).subspan(from, c);
+  storage::WriteFrom source;
   if (in_place) {
     // The blocks are readable where they are (host pool; host-backend tensors): each object is
     // written straight from its pieces, no staging copy. Adjacent pieces merge, so a page-first
     // host block is one piece: the object exactly as it lies in the pool.
-    std::vector<storage::ObjectStore::Parts> objects(c);
-    for (std::size_t i = 0; i < c; ++i) {
-      objects[i].reserve(tensors.size());
-      for (const auto& tensor : tensors) {
-        const std::byte* at = tensor.base + static_cast<std::uint64_t>(chunk_ids[i]) * tensor.stride;
-        auto& parts = objects[i];
-        if (!parts.empty() && parts.back().data() + parts.back().size() == at)
-          parts.back() = {parts.back().data(), parts.back().size() + tensor.block_bytes};
-        else
-          parts.emplace_back(at, tensor.block_bytes);
-      }
-    }
-    return check_put(w, t.store->put_parts(names, objects), c, p.start);
+    source.pieces = [&](std::size_t i) -> std::optional<storage::ConstPieces> {
+      const auto pieces = block_pieces(tensors, chunk_ids[i]);
+      return storage::ConstPieces(pieces.begin(), pieces.end());
+    };
+    return check_put(w, t.store->write(names, source), c, p.start);
   }
-  std::vector<const std::byte*> src(c);
-  for (std::size_t i = 0; i < c; ++i) src[i] = slice + i * t.object_bytes;
-  // Each object is gathered into staging on the I/O thread that writes it next.
+  // Each object is gathered into its slot of staging on the I/O thread that writes it next.
   DeviceError gather_error;  // set by the store's I/O threads
-  auto put = t.store->put_each(names, src, [&](std::size_t i) {
+  source.pieces = [&](std::size_t i) -> std::optional<storage::ConstPieces> {
     const auto one = chunk_ids.subspan(i, 1);
-    auto* to = const_cast<std::byte*>(src[i]);
+    std::byte* to = slice + i * t.object_bytes;
     if (host) {
       kernels::gather_to_staging_host(tensors, one, to);
-      return true;
+    } else if (auto gathered = backend.gather_to_staging(tensors, one, to); !gathered.ok()) {
+      gather_error.set(gathered.error().message);
+      return std::nullopt;  // never store what a failed gather left in staging
     }
-    auto gathered = backend.gather_to_staging(tensors, one, to);
-    if (gathered.ok()) return true;
-    gather_error.set(gathered.error().message);
-    return false;  // never store what a failed gather left in staging
-  });
+    return storage::ConstPieces{{to, t.object_bytes}};
+  };
+  auto put = t.store->write(names, source);
   if (auto e = gather_error.get(); !e.empty()) {
     finish(w, proto::Outcome::failed(TaskStatus::kDeviceError, e), p.start);
     return false;

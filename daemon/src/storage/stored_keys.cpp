@@ -10,6 +10,7 @@
 #include "kvtd/ipc/clock.h"
 #include "kvtd/ipc/wait.h"
 #include "kvtd/storage/object_format.h"
+#include "kvtd/storage/object_name.h"
 #include "kvtd/events/kv_events.h"
 #include "kvtd/storage/object_store.h"
 #include "storage/executor_impl.h"
@@ -54,60 +55,7 @@ std::string StorageExecutor::Impl::stored_key(const std::string& key, const std:
   const std::uint32_t slice_rank = t.replicated ? 0 : ep.rank();
   // FastDeploy's RL prefix (from version.yaml) joins the weight version: KV of other weights
   // is never found.
-  return stored_name(key, key_prefix, t.config.weight_version, task_weight_version, slice_rank);
-}
-
-std::string stored_name(const std::string& key, const std::string& key_prefix, std::uint64_t config_weight_version,
-                        std::uint64_t task_weight_version, std::uint32_t rank) {
-  const std::string prefix = key_prefix.empty() ? "" : "." + key_prefix;
-  return key + prefix + ".w" + std::to_string(config_weight_version) + "-" + std::to_string(task_weight_version) +
-         ".r" + std::to_string(rank);
-}
-
-namespace {
-
-// Strips `tail` from the end of `s` when `s` ends with it.
-bool strip_suffix(std::string& s, const std::string& tail) {
-  if (s.size() < tail.size() || s.compare(s.size() - tail.size(), tail.size(), tail) != 0) return false;
-  s.resize(s.size() - tail.size());
-  return true;
-}
-
-bool all_digits(const std::string& s, std::size_t from, std::size_t to) {
-  if (from >= to) return false;
-  for (std::size_t i = from; i < to; ++i)
-    if (s[i] < '0' || s[i] > '9') return false;
-  return true;
-}
-
-}  // namespace
-
-std::optional<StoredName> parse_stored_name(const std::string& stored_name) {
-  StoredName out;
-  std::string s = stored_name;
-  const auto r = s.rfind(".r");
-  if (r == std::string::npos || !all_digits(s, r + 2, s.size()) || s.size() - r - 2 > 4) return std::nullopt;
-  out.rank = static_cast<std::uint32_t>(std::stoul(s.substr(r + 2)));
-  s.resize(r);
-  const auto w = s.rfind(".w");
-  const auto dash = s.find('-', w == std::string::npos ? 0 : w);
-  if (w == std::string::npos || dash == std::string::npos || !all_digits(s, w + 2, dash) || !all_digits(s, dash + 1, s.size()) ||
-      dash - w - 2 > 19 || s.size() - dash - 1 > 19)
-    return std::nullopt;
-  out.config_weight_version = std::stoull(s.substr(w + 2, dash - w - 2));
-  out.task_weight_version = std::stoull(s.substr(dash + 1));
-  s.resize(w);
-  if (s.empty()) return std::nullopt;
-  out.key = std::move(s);
-  return out;
-}
-
-std::optional<std::string> engine_key_of(const std::string& stored_name, const std::string& key_prefix) {
-  auto parsed = parse_stored_name(stored_name);
-  if (!parsed) return std::nullopt;
-  if (!key_prefix.empty() && !strip_suffix(parsed->key, "." + key_prefix)) return std::nullopt;
-  if (parsed->key.empty()) return std::nullopt;
-  return std::move(parsed->key);
+  return storage::StoredName{key, key_prefix, t.config.weight_version, task_weight_version, slice_rank}.encode();
 }
 
 void StorageExecutor::Impl::count_uses(const std::vector<std::string>& keys) {

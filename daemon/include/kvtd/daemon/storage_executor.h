@@ -64,25 +64,6 @@ std::uint64_t layout_fingerprint(const proto::CacheGeometry& g);
 // worker's slice of the staging holds one object of `object_bytes`.
 std::uint32_t storage_io_threads(const config::StorageConfig& c, std::uint64_t object_bytes, unsigned cpus);
 
-// A stored object's name taken apart: the engine's key (with ".<key_prefix>" still on it when one
-// was set), the deployment's --weight-version, the engine's weight version of the task that
-// wrote it, and the rank whose slice it holds; nullopt for a name kvtd did not make.
-struct StoredName {
-  std::string key;
-  std::uint64_t config_weight_version = 0, task_weight_version = 0;
-  std::uint32_t rank = 0;
-};
-std::optional<StoredName> parse_stored_name(const std::string& stored_name);
-// The stored name of a rank's slice of `key` (the inverse of parse_stored_name): key, then
-// ".<key_prefix>" when one is set, ".w<config>-<task weight version>", ".r<rank>".
-std::string stored_name(const std::string& key, const std::string& key_prefix, std::uint64_t config_weight_version,
-                        std::uint64_t task_weight_version, std::uint32_t rank);
-
-// The engine's key of a stored object's name (the inverse of the executor's naming: key, then
-// ".<key_prefix>" when one is set, ".w<config>-<task weight version>", ".r<rank>"); nullopt for
-// a name kvtd did not make. `key_prefix` is --storage-key-prefix's (empty: none).
-std::optional<std::string> engine_key_of(const std::string& stored_name, const std::string& key_prefix);
-
 // "" when --storage-staging-mib over --storage-io-threads gives each worker room for at least
 // one object of `object_bytes`, else the problem in words (start-up refuses it with exit 2).
 std::string staging_problem(const config::StorageConfig& c, std::uint64_t object_bytes);

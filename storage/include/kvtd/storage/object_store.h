@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -74,118 +75,91 @@ struct GcReport {
   std::uint64_t examined = 0;  // objects looked at
   std::uint64_t removed = 0, removed_bytes = 0;  // objects (and their bytes) removed, or that would be
   std::uint64_t kept = 0;
-  std::uint64_t failed = 0;   // removals that failed (named in last_error())
+  std::uint64_t failed = 0;   // removals that failed (the first named in first_failure)
+  std::string first_failure;
   std::uint64_t foreign = 0;  // named like objects but not written by kvtd: never removed
   bool complete = true;       // false: the deadline stopped the walk; run it again to go on
 };
 
-// Whether `request` keeps an object of `model`, layout `fingerprint_hex` (16 hex digits) and
-// `name` within that namespace.
-bool gc_keeps(const GcRequest& request, const std::string& own_model, const std::string& model,
-              const std::string& fingerprint_hex, const std::string& name);
+struct ObjectName;
+// Whether `request` keeps `object` (a store of `own_model` collecting).
+bool gc_keeps(const GcRequest& request, const std::string& own_model, const ObjectName& object);
+
+// One key's answer within a batch: its result and, when it failed, why in words (e.g. "write
+// <path>: No space left on device", "Connection reset by peer"). Returned with the results, so the
+// reason is the one of this key, never another worker's.
+struct KeyResult {
+  ObjectResult result = ObjectResult::kMissing;
+  std::string error;  // kFailed: the cause; otherwise empty
+  bool ok() const { return result == ObjectResult::kOk; }
+  bool operator==(ObjectResult r) const { return result == r; }  // a key's answer is its result
+};
+using BatchResult = Result<std::vector<KeyResult>, StorageErrc>;
+
+// What a store does without a copy of its own; each store declares it once.
+struct StoreCapabilities {
+  bool reads_in_place = false;  // reads straight into ReadInto pieces and verifies there (vectored read)
+  bool writes_pieces = false;   // writes an object from scattered pieces without gathering them
+};
+
+using Pieces = std::vector<std::span<std::byte>>;
+using ConstPieces = std::vector<std::span<const std::byte>>;
+
+// Where a read puts each object. The store calls these on its I/O threads, concurrently for
+// different objects.
+struct ReadInto {
+  // Object i's destination: consecutive pieces, object_bytes in all (a key whose pieces do not
+  // add up fails, naming it). Required.
+  std::function<Pieces(std::size_t index)> pieces;
+  // Object i verified into its pieces (so a caller can move it on while later ones are read). May
+  // be empty.
+  std::function<void(std::size_t index)> on_verified;
+  // The pieces may receive bytes before they are verified: a store that reads in place then
+  // skips its own buffer, and a key whose result is not kOk leaves its pieces unspecified. When
+  // false, the pieces receive an object's bytes only once verified.
+  bool unverified_bytes_ok = false;
+};
+
+// Where a write takes each object.
+struct WriteFrom {
+  // Object i's payload as consecutive pieces (object_bytes in all), asked right before it is
+  // written, on the I/O thread that writes it (so a caller can gather it into staging there).
+  // nullopt: object i is not written and its result is kFailed with `refused` as the cause.
+  std::function<std::optional<ConstPieces>(std::size_t index)> pieces;
+  std::string refused = "its bytes could not be gathered";
+};
 
 class ObjectStore {
  public:
   virtual ~ObjectStore() = default;
+  virtual StoreCapabilities capabilities() const = 0;
   // How many of `keys`, from the first, are stored (stops at the first hole).
   virtual Result<std::size_t, StorageErrc> exists(std::span<const std::string> keys) = 0;
-  // Reads each key into its destination (object_bytes each). Per-key results.
-  virtual Result<std::vector<ObjectResult>, StorageErrc> get(std::span<const std::string> keys,
-                                                             std::span<std::byte* const> destinations) = 0;
-  // Writes each key from its source (object_bytes each), replacing what was there. Per-key results.
-  virtual Result<std::vector<ObjectResult>, StorageErrc> put(std::span<const std::string> keys,
-                                                             std::span<const std::byte* const> sources) = 0;
+  // Reads and verifies each key into where `into` says. Per-key results; a corrupt, truncated or
+  // foreign object is kCorrupt and never lands as verified.
+  virtual BatchResult read(std::span<const std::string> keys, const ReadInto& into) = 0;
+  // Writes each key from what `from` gives, replacing what was there; each object is whole or
+  // absent. Per-key results.
+  virtual BatchResult write(std::span<const std::string> keys, const WriteFrom& from) = 0;
   virtual Status<StorageErrc> remove(std::span<const std::string> keys) = 0;
 
   // Garbage collection: removes the stored objects `request` does not keep (see GcRequest),
   // walking the whole store (the file store's root; Redis: SCAN over every master, never
   // KEYS) until done or its deadline, and reports what it freed. Objects of this store's own
   // namespace leave its accounting (capacity, bytes stored) as they go.
-  virtual Result<GcReport, StorageErrc> collect(const GcRequest& request) {
-    (void)request;
-    return make_error(StorageErrc::kInvalidArgument, "this store cannot collect garbage");
-  }
-
-  // Per-object hooks, so a caller can overlap its own work with the store's I/O. Hooks run on
-  // the store's I/O threads, concurrently for different objects; the defaults below run them
-  // around one whole-batch call.
-  using ObjectHook = std::function<void(std::size_t index)>;
-  // Like get(); then on_ok(i) once object i verified into destinations[i].
-  virtual Result<std::vector<ObjectResult>, StorageErrc> get_each(std::span<const std::string> keys,
-                                                                  std::span<std::byte* const> destinations,
-                                                                  const ObjectHook& on_ok) {
-    auto r = get(keys, destinations);
-    if (r.ok() && on_ok)
-      for (std::size_t i = 0; i < r->size(); ++i)
-        if ((*r)[i] == ObjectResult::kOk) on_ok(i);
-    return r;
-  }
-  // Whether get_lent works: the store reads each object into a buffer of its own (one per I/O
-  // thread, reused, so it stays in cache) and lends it out once verified.
-  virtual bool lends_payloads() const { return false; }
-  // Reads and verifies each key; on_object(i, payload) is called with a verified object's
-  // payload, valid only during that call, on the I/O thread that read it. Per-key results.
-  using LentHook = std::function<void(std::size_t index, std::span<const std::byte> payload)>;
-  virtual Result<std::vector<ObjectResult>, StorageErrc> get_lent(std::span<const std::string> keys,
-                                                                  const LentHook& on_object) {
-    (void)on_object;
-    return make_error(StorageErrc::kInvalidArgument, "this store does not lend payloads (" +
-                                                         std::to_string(keys.size()) + " objects)");
-  }
-
-  // Whether get_parts works: the store reads each object straight into the pieces of its
-  // destination (a vectored read) and verifies it there, with no copy of its own.
-  virtual bool reads_parts() const { return false; }
-  // Reads each key into the consecutive pieces parts_of(i) gives (object_bytes in all) and
-  // verifies it there, on the store's I/O threads; on_ok(i) once object i verified. A key whose
-  // result is not kOk may have left any bytes in its pieces: the caller must not use them.
-  using PartsOf = std::function<std::vector<std::span<std::byte>>(std::size_t index)>;
-  virtual Result<std::vector<ObjectResult>, StorageErrc> get_parts(std::span<const std::string> keys,
-                                                                   const PartsOf& parts_of, const ObjectHook& on_ok) {
-    (void)parts_of;
-    (void)on_ok;
-    return make_error(StorageErrc::kInvalidArgument, "this store does not read into parts (" +
-                                                         std::to_string(keys.size()) + " objects)");
-  }
-
-  // Whether put_parts writes scattered parts without gathering them first (the file store's
-  // writev); when false, callers gather into their own staging and use put/put_each.
-  virtual bool writes_parts() const { return false; }
-  // Like put(), each object's payload given as consecutive parts (e.g. one block's K and V of
-  // every layer, in place): the stored object is their concatenation. Only where writes_parts().
-  using Parts = std::vector<std::span<const std::byte>>;
-  virtual Result<std::vector<ObjectResult>, StorageErrc> put_parts(std::span<const std::string> keys,
-                                                                   std::span<const Parts> objects) {
-    (void)objects;
-    return make_error(StorageErrc::kInvalidArgument, "this store cannot write scattered parts (" +
-                                                         std::to_string(keys.size()) + " objects)");
-  }
-  // Like put(); before_put(i) fills sources[i] right before object i is written. When it returns
-  // false the object is not written and its result is kFailed.
-  using FillHook = std::function<bool(std::size_t index)>;
-  virtual Result<std::vector<ObjectResult>, StorageErrc> put_each(std::span<const std::string> keys,
-                                                                  std::span<const std::byte* const> sources,
-                                                                  const FillHook& before_put) {
-    std::vector<std::string> ok_keys;
-    std::vector<const std::byte*> ok_sources;
-    std::vector<std::size_t> where;
-    for (std::size_t i = 0; i < keys.size(); ++i)
-      if (!before_put || before_put(i)) {
-        ok_keys.push_back(keys[i]);
-        ok_sources.push_back(sources[i]);
-        where.push_back(i);
-      }
-    auto r = put(ok_keys, ok_sources);
-    if (!r.ok()) return r;
-    std::vector<ObjectResult> out(keys.size(), ObjectResult::kFailed);
-    for (std::size_t j = 0; j < where.size(); ++j) out[where[j]] = (*r)[j];
-    return out;
-  }
+  virtual Result<GcReport, StorageErrc> collect(const GcRequest& request) = 0;
   virtual StoreStats stats() const = 0;
-  // The most recent per-key failure, in words (e.g. "write ...: No space left on device",
-  // "Connection refused"), or "" if none: the detail behind ObjectResult::kFailed.
-  virtual std::string last_error() const = 0;
 };
+
+// The simple shapes, over read()/write(): each object whole in one buffer of object_bytes.
+// read_to's destinations receive verified bytes only.
+BatchResult read_to(ObjectStore& store, std::span<const std::string> keys, std::span<std::byte* const> destinations,
+                    std::uint64_t object_bytes);
+BatchResult write_from(ObjectStore& store, std::span<const std::string> keys,
+                       std::span<const std::byte* const> sources, std::uint64_t object_bytes);
+
+// The cause of the first kFailed key in `results`, or "" if none failed.
+std::string first_error(const std::vector<KeyResult>& results);
 
 // Keys: 1..200 characters of [A-Za-z0-9_.:-] (block hashes, hex or base64url-ish).
 bool valid_key(const std::string& key);

@@ -1,0 +1,32 @@
+// The simple read and write shapes over ObjectStore::read/write, and a batch's first cause.
+#include "kvtd/storage/object_store.h"
+
+namespace kvtd::storage {
+
+BatchResult read_to(ObjectStore& store, std::span<const std::string> keys, std::span<std::byte* const> destinations,
+                    std::uint64_t object_bytes) {
+  if (destinations.size() != keys.size())
+    return make_error(StorageErrc::kInvalidArgument, std::to_string(keys.size()) + " keys but " +
+                                                         std::to_string(destinations.size()) + " destinations");
+  ReadInto into;
+  into.pieces = [&](std::size_t i) { return Pieces{{destinations[i], object_bytes}}; };
+  return store.read(keys, into);
+}
+
+BatchResult write_from(ObjectStore& store, std::span<const std::string> keys, std::span<const std::byte* const> sources,
+                       std::uint64_t object_bytes) {
+  if (sources.size() != keys.size())
+    return make_error(StorageErrc::kInvalidArgument,
+                      std::to_string(keys.size()) + " keys but " + std::to_string(sources.size()) + " sources");
+  WriteFrom from;
+  from.pieces = [&](std::size_t i) { return std::optional<ConstPieces>(ConstPieces{{sources[i], object_bytes}}); };
+  return store.write(keys, from);
+}
+
+std::string first_error(const std::vector<KeyResult>& results) {
+  for (const auto& r : results)
+    if (r.result == ObjectResult::kFailed) return r.error;
+  return {};
+}
+
+}  // namespace kvtd::storage
