@@ -363,7 +363,7 @@ class RedisStore final : public ObjectStore {
     for (std::size_t j = 0; j < idx.size(); ++j) {
       const std::size_t i = idx[j];
       if (ask->count(i)) {
-        if (op != Op::kSet) redisAppendCommand(c, "ASKING");  // write_set sends its own
+        if (op != Op::kSet) redisAppendCommand(c, "ASKING");  // send_set sends its own
         asking[j] = true;
         ask->erase(i);
       }
@@ -373,7 +373,9 @@ class RedisStore final : public ObjectStore {
         case Op::kExists: redisAppendCommand(c, "EXISTS %b", key.data(), key.size()); break;
         case Op::kDel: redisAppendCommand(c, "DEL %b", key.data(), key.size()); break;
         case Op::kSet:
-          if (!write_set(c, key, names[i], *payloads.srcs[i], asking[j])) return lost();
+          if (!detail::send_set(c, key, make_header(o_.store, key.substr(5), *payloads.srcs[i]), *payloads.srcs[i],
+                                o_.store.object_bytes, o_.ttl_s, asking[j]))
+            return lost();
           break;
       }
     }
@@ -443,53 +445,6 @@ class RedisStore final : public ObjectStore {
       case Op::kDel: return {ObjectResult::kOk, {}};
     }
     return {ObjectResult::kFailed, "unknown operation"};
-  }
-
-  // Sends "[ASKING] SET key <header+payload>" straight to the socket (sendmsg, gathered), so the 1 MiB
-  // payload goes from the caller's buffer to the kernel without a copy (hiredis would format it
-  // into its output buffer). Only used while hiredis has nothing buffered, so order is kept.
-  bool write_set(redisContext* c, const std::string& key, const std::string& namespaced, const ConstPieces& payload,
-                 bool asking) {
-    const ObjectHeader h = make_header(o_.store, namespaced.substr(5), payload);
-    if (c->obuf && sdslen(c->obuf) > 0) {
-      // Something is queued in hiredis: flush it first so commands stay in order.
-      int done = 0;
-      while (!done)
-        if (redisBufferWrite(c, &done) != REDIS_OK) return false;
-    }
-    std::string prefix = asking ? "*1\r\n$6\r\nASKING\r\n" : "";
-    prefix += (o_.ttl_s > 0 ? "*5\r\n$3\r\nSET\r\n$" : "*3\r\n$3\r\nSET\r\n$") + std::to_string(key.size()) + "\r\n" +
-              key + "\r\n$" + std::to_string(sizeof h + o_.store.object_bytes) + "\r\n";
-    // The value's CRLF, then with a TTL "EX <seconds>" (the object expires on the server).
-    const std::string ttl = std::to_string(o_.ttl_s);
-    const std::string suffix = o_.ttl_s > 0 ? "\r\n$2\r\nEX\r\n$" + std::to_string(ttl.size()) + "\r\n" + ttl + "\r\n" : "\r\n";
-    // One piece per part of the payload (a block's tensors, in place), at most a few hundred:
-    // well under IOV_MAX (1024).
-    std::vector<iovec> iov;
-    iov.reserve(payload.size() + 3);
-    iov.push_back({prefix.data(), prefix.size()});
-    iov.push_back({const_cast<ObjectHeader*>(&h), sizeof h});
-    for (auto piece : payload) iov.push_back({const_cast<std::byte*>(piece.data()), piece.size()});
-    iov.push_back({const_cast<char*>(suffix.data()), suffix.size()});
-    std::size_t first = 0;
-    while (first < iov.size()) {
-      msghdr msg{};
-      msg.msg_iov = iov.data() + first;
-      msg.msg_iovlen = iov.size() - first;
-      // MSG_NOSIGNAL: a server that died must fail this call, not kill the process with SIGPIPE.
-      const ssize_t w = ::sendmsg(c->fd, &msg, MSG_NOSIGNAL);
-      if (w < 0) {
-        if (errno == EINTR) continue;
-        return false;  // includes the send timeout (EAGAIN)
-      }
-      auto left = static_cast<std::size_t>(w);
-      while (first < iov.size() && left >= iov[first].iov_len) left -= iov[first++].iov_len;
-      if (first < iov.size()) {
-        iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + left;
-        iov[first].iov_len -= left;
-      }
-    }
-    return true;
   }
 
   void fail_connection(Node& n) REQUIRES(mu_) {

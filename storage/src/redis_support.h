@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 
+#include "kvtd/storage/object_format.h"
 #include "kvtd/storage/object_store.h"
 
 namespace kvtd::storage::detail {
@@ -55,5 +56,13 @@ inline bool parse_endpoint(const std::string& e, std::string* host, int* port) {
 // the server did not answer (the reason in *error).
 std::optional<unsigned long long> gc_scan_step(redisContext* c, unsigned long long cursor, const GcRequest& request,
                                                const std::string& own_model, GcReport* report, std::string* error);
+
+// Sends "[ASKING] SET <key> <h + payload> [EX ttl_s]" straight to c's socket (sendmsg, gathered),
+// so the payload goes from the caller's pieces (payload_bytes in all) to the kernel without a
+// copy (hiredis would format it into its output buffer); anything hiredis had queued is flushed
+// first, so commands stay in order. False when the connection failed (the reply is read later
+// with the pipeline's others).
+bool send_set(redisContext* c, const std::string& key, const ObjectHeader& h, const ConstPieces& payload,
+              std::uint64_t payload_bytes, std::int64_t ttl_s, bool asking);
 
 }  // namespace kvtd::storage::detail
