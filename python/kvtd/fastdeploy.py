@@ -7,7 +7,7 @@ launch_cache_manager only (docs/engines.md "Using kvtd from FastDeploy" has the 
 KvtdCacheQueue (KvtdCacheQueue.for_fastdeploy) instead of the EngineCacheQueue client, and starts
 `kvtd` with FastDeploy's own launch flags instead of the Python manager. Its worker, scheduler
 and signals stay as they are: FastDeploy's worker publishes its KV tensors by name
-(set_data_ipc), and the daemons open those names (daemon/src/process/fastdeploy_ipc.h).
+(set_data_ipc), and the daemons open those names (daemon/process/fastdeploy_ipc.h).
 
 The queue, with FastDeploy's semantics (inter_communicator/engine_cache_queue.py):
   put_transfer_task((SWAP2CPU|SWAP2GPU, transfer_task_id, swap_node_ids, gpu_block_ids, cpu_block_ids))

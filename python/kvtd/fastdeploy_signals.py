@@ -13,7 +13,7 @@ Tensor names. FastDeploy's GPU worker publishes each KV cache tensor with set_da
 struct shmStruct { size_t nprocesses; cudaIpcMemHandle_t memHandle; } (cuda_multiprocess.h,
 72 bytes on x86-64) named key_caches_<layer>_rank<rank>.device<device> (value_caches_,
 key_cache_scales_, value_cache_scales_; worker/gpu_model_runner.py initialize_kv_cache). kvtd's
-daemon opens them (daemon/src/process/fastdeploy_ipc.h); publish_tensor_name() writes one, for a test
+daemon opens them (daemon/process/fastdeploy_ipc.h); publish_tensor_name() writes one, for a test
 "worker" on the host backend, whose handle bytes hold a shared-memory object name.
 
 Thread-safety: a Signal is a view of shared memory; element reads and writes are single int32

@@ -1,5 +1,5 @@
-// The block tracker (daemon/src/serve/block_tracker.h) in-process: which work waits for which.
-#include "serve/block_tracker.h"
+// The block tracker (daemon/serve/block_tracker.h) in-process: which work waits for which.
+#include "block_tracker.h"
 
 #include <gtest/gtest.h>
 

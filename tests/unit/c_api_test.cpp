@@ -241,7 +241,7 @@ TEST(CApi, RegisterSubmitAndWaitWithAnAttachedRank) {
 // sees CLEAR_CACHE then RESTORE_CACHE, the second after the re-registered tensors.
 // A registry with some tensors but not all is the engine's mistake and is refused naming one
 // missing; none at all is how a FastDeploy engine publishes (its worker publishes the tensors by
-// name and the daemons open those: daemon/src/fastdeploy_ipc.h).
+// name and the daemons open those: daemon/process/fastdeploy_ipc.h).
 TEST(CApi, PublishTakesEveryTensorOrNoneButNotSome) {
   const std::string suffix = "capi_partial_" + std::to_string(getpid());
   const kvtd_geometry g = c_geometry(2);

@@ -1,12 +1,12 @@
-// The dispatcher's parked queue (daemon/src/serve/parked_queue.h) in-process, with a real block
+// The dispatcher's parked queue (daemon/serve/parked_queue.h) in-process, with a real block
 // tracker: which parked work may overtake which, and what a CANCEL of a parked task leaves.
-#include "serve/parked_queue.h"
+#include "parked_queue.h"
 
 #include <gtest/gtest.h>
 
 #include <vector>
 
-#include "serve/block_tracker.h"
+#include "block_tracker.h"
 
 namespace kvtd::daemon {
 namespace {

@@ -4,7 +4,7 @@
 
 #include <tuple>
 
-#include "storage/status_of.h"
+#include "kvtd/daemon/status_of.h"
 
 namespace kvtd::daemon {
 namespace {

@@ -1,4 +1,4 @@
-// How many storage workers a daemon runs (daemon/include/kvtd/daemon/storage_executor.h).
+// How many storage workers a daemon runs (daemon/storage/include/kvtd/daemon/storage_executor.h).
 #include <gtest/gtest.h>
 
 #include "kvtd/daemon/storage_executor.h"

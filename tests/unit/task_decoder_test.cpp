@@ -1,6 +1,6 @@
-// The dispatcher's task decoder (daemon/src/serve/task_decoder.h) in-process: records built with
+// The dispatcher's task decoder (daemon/serve/task_decoder.h) in-process: records built with
 // the wire format's one encoder (kvtd/ipc/task_codec.h), decoded against a small cache shape.
-#include "serve/task_decoder.h"
+#include "task_decoder.h"
 
 #include <gtest/gtest.h>
 

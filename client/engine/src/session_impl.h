@@ -132,7 +132,7 @@ struct EngineSession::Impl {
   bool registry_writable() const REQUIRES(mu);
 
   // Every tensor of the geometry registered, or none at all (the daemons then open
-  // the tensors FastDeploy's worker published by name: daemon/src/fastdeploy_ipc.h), or the
+  // the tensors FastDeploy's worker published by name: daemon/process/fastdeploy_ipc.h), or the
   // first one missing named.
   Status<IpcErrc> registry_complete() const REQUIRES(mu);
 

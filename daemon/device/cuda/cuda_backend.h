@@ -1,0 +1,257 @@
+// cuda_backend.h (daemon-internal, CUDA builds only) - the CUDA device backend: the engine's
+// tensors opened from IPC handles, one lane (stream, staging mirrors, events) per direction,
+// copies enqueued by plan (runs by cudaMemcpyAsync; scattered blocks by cudaMemcpyBatchAsync or
+// the copy kernels). cuda_backend.cpp: device memory and tensors; copy_lanes.cpp: the copies and
+// the storage transforms; enqueue.cpp: the enqueue modes.
+//
+// Thread-safety: each lane's state is guarded by its mutex (one copy per direction at a time);
+// tensor opening and memory calls come from the daemon's main thread while no copy runs.
+#pragma once
+
+#include <cuda.h>  // CUresult, CUdeviceptr: the driver entry point of allocation_bytes
+#include <cuda_runtime_api.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <map>
+#include <vector>
+
+#include "cuda/cuda_check.h"
+#include "cuda/mirror.h"
+#include "kvtd/base/mutex.h"
+#include "kvtd/daemon/device_backend.h"
+#include "kvtd/kernels/cuda_copy.h"
+
+namespace kvtd::daemon::cuda {
+
+// The copy kernels' part of a block per warp, bytes (0: a warp per whole block). Whole blocks:
+// on an H100 (PCIe Gen5) parts of 4, 8, 16 or 32 KiB moved 8-64 KiB blocks within +-3% of whole
+// blocks, both ways, and storage loads no faster (docs/gpu.md); the parts stay for other links.
+inline constexpr std::uint64_t kDefaultKernelPieceBytes = 0;
+// KVTD_KERNEL_PIECE_KIB when set (a benchmark's sweep), else kDefaultKernelPieceBytes.
+std::uint64_t kernel_piece_bytes();
+
+class CudaBackend final : public DeviceBackend {
+  struct Lane;  // defined below; named early for the helpers' signatures
+
+ public:
+  // piece_bytes: the copy kernels move each block in parts of about this many bytes, one warp
+  // per part (0: a warp per whole block); see kvtd/kernels/cuda_copy.h.
+  CudaBackend(int device, ScatterMode mode, std::size_t copy_batch_max, std::uint64_t piece_bytes)
+      : device_(device), mode_(mode), copy_batch_max_(copy_batch_max), piece_bytes_(piece_bytes) {}
+
+  ~CudaBackend() override {
+    close_tensors();  // drains both lanes first: nothing below is freed under a copy
+    if (cudaSetDevice(device_) != cudaSuccess) (void)cudaGetLastError();
+    // Lanes release their mirrors, events and stream in their own destructors.
+    for (void* p : host_) cudaFreeHost(p);
+    for (auto [p, n] : registered_) {
+      cudaHostUnregister(p);
+      munmap(p, n);
+    }
+    for (void* p : device_allocs_) cudaFree(p);
+    for (void* p : exported_) cudaFree(p);
+  }
+
+  Status<DeviceErrc> init();
+
+  const char* name() const override { return "cuda"; }
+  std::string device_footprint() override;
+
+  // Logs the device's compute mode (a warning where the engine and kvtd cannot share it) and its
+  // free memory once this daemon's context exists.
+  void report_device_sharing();
+
+  // Makes this backend's device current; every entry point calls it first.
+  Status<DeviceErrc> use_device();
+
+  Result<std::byte*, DeviceErrc> open_tensor(const proto::TensorDesc& d) override;
+
+  // Waits for both lanes (their locks, then their streams) before unmapping anything, whatever
+  // the caller did: a copy still running would otherwise read or write unmapped memory.
+  void close_tensors() override;
+
+  Result<std::byte*, DeviceErrc> alloc_host(std::size_t bytes) override;
+
+  void free_host(std::byte* ptr) override;
+
+  Status<DeviceErrc> pin_host(std::byte* addr, std::size_t bytes) override;
+
+  void unpin_host(std::byte* addr) override;
+
+  int numa_node() const override { return numa_node_; }
+  bool broken() const override { return g_context_lost.load(std::memory_order_acquire); }
+
+  Result<ExportedTensor, DeviceErrc> create_exported(std::size_t bytes, const std::string&) override;
+
+  void free_exported() override;
+
+  Result<std::byte*, DeviceErrc> alloc_device(std::size_t bytes) override;
+
+  // On a lane's own stream, not cudaMemcpy: the legacy default stream does not wait for the
+  // lanes' non-blocking streams, so a plain cudaMemcpy could race a copy still in flight there.
+  Status<DeviceErrc> write_device(std::byte* dst, const std::byte* src, std::size_t bytes) override;
+
+  Status<DeviceErrc> read_device(std::byte* dst, const std::byte* src, std::size_t bytes) override;
+
+  Status<DeviceErrc> plain_copy(Lane& lane, std::byte* dst, const std::byte* src, std::size_t bytes);
+
+  Status<DeviceErrc> copy(Direction dir, const kernels::CopyPlan& plan,
+                          std::span<const kernels::CopyTarget> targets) override;
+
+  Status<DeviceErrc> copy_layerwise(Direction dir, const kernels::CopyPlan& plan,
+                                    std::span<const kernels::CopyTarget> targets, std::size_t per_layer,
+                                    const LayerCallback& on_layer_enqueued, const LayerCallback& on_layer_done) override;
+
+  Status<DeviceErrc> copy_layerwise_locked(Lane& lane, const kernels::CopyPlan& plan,
+                                           std::span<const kernels::CopyTarget> targets, std::size_t per_layer,
+                                           const LayerCallback& on_layer_enqueued, const LayerCallback& on_layer_done) REQUIRES(lane.mu);
+
+  Result<std::vector<std::array<std::uint8_t, proto::kHandleBytes>>, DeviceErrc> export_layer_events(
+      std::uint32_t layers) override;
+
+  Status<DeviceErrc> await_engine_event(const std::array<std::uint8_t, proto::kEngineEventBytes>& handle,
+                                        const GiveUp& give_up) override;
+
+  std::int64_t busy_since_ns() const override;
+
+  Result<std::vector<std::uint64_t>, DeviceErrc> device_checksums(Direction dir,
+                                                                 std::span<const kernels::CopyTarget> targets,
+                                                                 std::span<const std::int32_t> ids) override;
+
+  Result<std::vector<std::uint64_t>, DeviceErrc> copy_with_checksums(Direction dir, const kernels::CopyPlan& plan,
+                                                                    std::span<const kernels::CopyTarget> targets,
+                                                                    std::span<const std::int32_t> ids) override;
+
+  Status<DeviceErrc> gather_to_staging(std::span<const kernels::LayerTensor> tensors,
+                                       std::span<const std::int32_t> ids, std::byte* staging) override;
+
+  Status<DeviceErrc> scatter_from_staging(std::span<const kernels::LayerTensor> tensors,
+                                          std::span<const std::int32_t> ids, const std::byte* staging) override;
+
+ private:
+  // One direction's stream and staging. Owns its stream, events and mirrors (RAII).
+  struct Lane {
+    // One copy at a time per direction: the mirrors and the batch arrays are rewritten by each.
+    Mutex mu;
+    cudaStream_t stream = nullptr;  // set once when the backend is made
+    Mirror ids GUARDED_BY(mu);      // [single_src..., single_dst...] (int32) or staging ids
+    Mirror table GUARDED_BY(mu);    // CopyTarget or LayerTensor table for the one-launch kernels
+    std::vector<std::byte> table_contents GUARDED_BY(mu);  // what table.dev holds (see upload_table)
+    void* table_dev GUARDED_BY(mu) = nullptr;              // table.dev when table_contents was uploaded
+    Mirror offsets GUARDED_BY(mu);  // staging offsets per tensor
+    Mirror sums GUARDED_BY(mu);     // --verify-swaps: the checksum kernel's table, then its results
+    std::vector<cudaEvent_t> events GUARDED_BY(mu);
+    std::vector<void*> batch_dst GUARDED_BY(mu);
+    std::vector<void*> batch_src GUARDED_BY(mu);
+    std::vector<std::size_t> batch_size GUARDED_BY(mu);
+    // When the copy now holding `mu` started (monotonic ns), 0 when none: the stuck-copy watchdog
+    // reads it from another thread (busy_since_ns).
+    std::atomic<std::int64_t> busy_since{0};
+
+    Lane() = default;
+    Lane(const Lane&) = delete;
+    Lane& operator=(const Lane&) = delete;
+    ~Lane() {
+      drain();
+      for (auto ev : events)
+        if (cudaEventDestroy(ev) != cudaSuccess) (void)cudaGetLastError();
+      if (stream && cudaStreamDestroy(stream) != cudaSuccess) (void)cudaGetLastError();
+    }
+    // Waits until nothing enqueued on the stream still runs; a failure (a broken context) is
+    // cleared from the last-error slot: the task that met it already failed.
+    void drain() {
+      if (stream && cudaStreamSynchronize(stream) != cudaSuccess) (void)cudaGetLastError();
+    }
+  };
+
+  Lane& lane_of(Direction d) { return lanes_[d == Direction::kToHost ? 0 : 1]; }
+
+  // Marks `lane` busy from construction to destruction (one copy, under lane.mu).
+  class BusyMark {
+   public:
+    explicit BusyMark(Lane& lane);
+    ~BusyMark() { lane_.busy_since.store(0, std::memory_order_release); }
+    BusyMark(const BusyMark&) = delete;
+    BusyMark& operator=(const BusyMark&) = delete;
+
+   private:
+    Lane& lane_;
+  };
+
+  // copy, device_checksums and copy_with_checksums: the copy (when copy_first) and the checksum
+  // kernel (when ids) enqueued on the lane's stream, one synchronisation. On failure the lane is
+  // drained first: nothing enqueued still writes once the caller hears of it.
+  Result<std::vector<std::uint64_t>, DeviceErrc> run_with_checksums(Direction dir, const kernels::CopyPlan& plan,
+                                                                    std::span<const kernels::CopyTarget> targets,
+                                                                    std::span<const std::int32_t> ids, bool copy_first);
+  // Enqueues the checksum kernel over blocks `ids` of `targets`' device sides and the copy of its
+  // results into the lane's pinned mirror; returns where they land once the stream is done.
+  Result<const std::uint64_t*, DeviceErrc> enqueue_checksums(Lane& lane, Direction dir,
+                                                             std::span<const kernels::CopyTarget> targets,
+                                                             std::span<const std::int32_t> ids) REQUIRES(lane.mu);
+
+  // Per-layer events, interprocess so the engine can open them (which requires no timing).
+  Status<DeviceErrc> ensure_events(Lane& lane, std::size_t layers) REQUIRES(lane.mu);
+
+  // Uploads the scattered ids (and the target table for the all-layers kernel).
+  Status<DeviceErrc> stage_plan(Lane& lane, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets) REQUIRES(lane.mu);
+
+  // Uploads a target table unless the device copy holds these bytes already: the swap targets of
+  // an attached cache never change, so steady-state tasks upload only their ids.
+  Status<DeviceErrc> upload_table(Lane& lane, const void* table, std::size_t bytes) REQUIRES(lane.mu);
+
+  // Enqueues runs and scattered blocks of `targets` (which start at index `first` of the staged
+  // table). `all_layers` lets the all-layers kernel cover every target in one launch.
+  Status<DeviceErrc> enqueue(Lane& lane, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets,
+                             bool all_layers, std::size_t first = 0) REQUIRES(lane.mu);
+
+  Status<DeviceErrc> enqueue_batch(Lane& lane, const kernels::CopyPlan& plan,
+                                   std::span<const kernels::CopyTarget> targets) REQUIRES(lane.mu);
+
+  Status<DeviceErrc> transform(Lane& lane, std::span<const kernels::LayerTensor> tensors,
+                               std::span<const std::int32_t> ids, std::byte* staging, bool gather);
+
+  Status<DeviceErrc> transform_locked(Lane& lane, std::span<const kernels::LayerTensor> tensors,
+                                      std::span<const std::int32_t> ids, std::byte* staging, bool gather) REQUIRES(lane.mu);
+
+  // The engine's events, opened once per handle (cudaIpcOpenEventHandle) and destroyed by
+  // close_tensors; at most kMaxEngineEvents, then the oldest set is let go (CUDA defers a
+  // destroyed event's release until work waiting on it no longer needs it).
+  static constexpr std::size_t kMaxEngineEvents = 4096;
+  Result<cudaEvent_t, DeviceErrc> engine_event(const std::array<std::uint8_t, proto::kEngineEventBytes>& handle);
+  void destroy_engine_events();
+  void destroy_engine_events_locked() REQUIRES(engine_events_mu_);
+  Mutex engine_events_mu_;
+  std::map<std::array<std::uint8_t, proto::kEngineEventBytes>, cudaEvent_t> engine_events_ GUARDED_BY(engine_events_mu_);
+
+  int device_;
+  ScatterMode mode_;
+  std::size_t copy_batch_max_;  // copies per cudaMemcpyBatchAsync call
+  std::uint64_t piece_bytes_;   // the kernels' part of a block per warp (0: whole blocks)
+  // Parts per block for the kernels, for blocks of at most `max_block_bytes`.
+  std::uint32_t pieces(std::uint64_t max_block_bytes) const {
+    return kernels::pieces_for(max_block_bytes, piece_bytes_);
+  }
+  std::array<Lane, 2> lanes_;
+  // The bytes the allocation holds from `base` on (cuMemGetAddressRange); 0 when the driver
+  // cannot say (then bounds go unchecked, with a warning).
+  static std::uint64_t allocation_bytes(void* base);
+
+  struct Opened {
+    void* base;           // what cudaIpcOpenMemHandle returned
+    std::uint64_t bytes;  // allocation_bytes(base)
+  };
+  std::map<std::array<std::uint8_t, proto::kHandleBytes>, Opened> opened_;
+  std::vector<void*> host_;
+  std::vector<void*> device_allocs_;
+  std::vector<void*> exported_;  // create_exported: FastDeploy's worker maps these
+  std::vector<std::pair<void*, std::size_t>> registered_;  // NUMA-placed, cudaHostRegister'ed
+  int numa_node_ = -1;
+  bool host_pointers_ = true;  // cudaDevAttrCanUseHostPointerForRegisteredMem
+  std::uint32_t pci_bus_id_ = 0;  // proto/pci.h packing; 0 unknown
+};
+
+}  // namespace kvtd::daemon::cuda

@@ -1,0 +1,417 @@
+#include "kvtd/daemon/host_pool.h"
+
+#include "pool_pinner.h"
+
+#include <sys/vfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <numeric>
+#include <atomic>
+#include <chrono>
+#include <utility>
+#include <cstdio>
+#include <cerrno>
+#include <cstring>
+
+#include "kvtd/daemon/log.h"
+#include "kvtd/daemon/numa.h"
+#include "kvtd/ipc/shared_object.h"
+#include "kvtd/proto/checked.h"
+
+namespace kvtd::daemon {
+namespace {
+
+constexpr std::uint64_t kPoolMagic = 0x4c4f4f5044545640ULL;  // "@VTDPOOL"
+constexpr std::uint32_t kPoolVersion = 2;  // 2: host layout
+constexpr std::uint64_t kPage = 4096;
+
+// The first page of the pool object. Written once by the creating daemon (magic last), then
+// only read; a restarted daemon trusts the object only if every field equals what it would write.
+struct PoolHeader {
+  std::uint64_t magic;
+  std::uint32_t version;
+  std::uint32_t rank;
+  std::uint64_t generation;
+  proto::CacheGeometry geometry;
+  std::uint64_t valid_offset;  // one byte per host block
+  std::uint64_t data_offset;   // first region
+  std::uint64_t object_bytes;
+  std::uint32_t layout;  // config::HostLayout
+  std::uint32_t reserved;
+};
+static_assert(std::is_standard_layout_v<PoolHeader>);
+static_assert(sizeof(PoolHeader) <= kPage);
+
+struct PoolLayout {
+  std::uint64_t valid_offset = kPage, data_offset = 0, total = 0;
+  std::vector<std::uint64_t> region_offset;  // by layer * kinds + kind; ~0 = none
+  std::uint64_t page_stride = 0;             // page-first: bytes of one block, every layer
+};
+
+bool layout_of(const proto::CacheGeometry& g, config::HostLayout layout, PoolLayout* out) {
+  PoolLayout l;
+  std::uint64_t v = 0;
+  if (!proto::checked_align_up(g.num_host_blocks, kPage, &v)) return false;
+  l.data_offset = kPage + v;
+  std::uint64_t at = l.data_offset;
+  l.region_offset.assign(std::size_t{g.num_layers} * proto::kTensorKinds, ~0ull);
+  if (layout == config::HostLayout::kPageFirst && g.num_host_blocks != 0) {  // no blocks: no regions
+    // Block b of (layer, kind) at data + b * stride + the (layer, kind) offset inside a block:
+    // the order of a stored object (layer-major, then key, value, key scale, value scale).
+    const auto sizes = proto::geometry_sizes(g);
+    if (sizes.problem != nullptr) return false;
+    l.page_stride = sizes.block_bytes_all_layers;
+    std::uint64_t in_block = 0;
+    for (std::uint32_t layer = 0; layer < g.num_layers; ++layer)
+      for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
+        const std::uint64_t bb = g.block_bytes(static_cast<proto::TensorKind>(k));
+        if (bb == 0) continue;
+        l.region_offset[layer * proto::kTensorKinds + k] = at + in_block;
+        in_block += bb;
+      }
+    std::uint64_t bytes = 0, aligned = 0;
+    if (!proto::checked_mul(l.page_stride, g.num_host_blocks, &bytes) || !proto::checked_align_up(bytes, kPage, &aligned) ||
+        !proto::checked_add(at, aligned, &l.total))
+      return false;
+    *out = std::move(l);
+    return true;
+  }
+  for (std::uint32_t layer = 0; layer < g.num_layers; ++layer)
+    for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
+      std::uint64_t bytes = 0, aligned = 0;
+      if (!proto::checked_mul(g.block_bytes(static_cast<proto::TensorKind>(k)), g.num_host_blocks, &bytes)) return false;
+      if (bytes == 0) continue;
+      l.region_offset[layer * proto::kTensorKinds + k] = at;
+      // Page-aligned regions: DMA and memcpy friendly.
+      if (!proto::checked_align_up(bytes, kPage, &aligned) || !proto::checked_add(at, aligned, &at)) return false;
+    }
+  l.total = at;
+  *out = std::move(l);
+  return true;
+}
+
+std::uint64_t lcm_with_page(std::uint64_t unit) {
+  std::uint64_t out = 0;
+  return unit != 0 && proto::checked_mul(unit / std::gcd(unit, kPage), kPage, &out) ? out : 0;
+}
+
+// A region of the pool in memory order: where it starts, its bytes up to the next region (or the
+// object's end), and the bytes one block takes in it.
+struct PinRegion {
+  std::uint64_t offset, bytes, block_bytes;
+};
+
+std::vector<PinRegion> pin_regions(const proto::CacheGeometry& g, const PoolLayout& l) {
+  std::vector<PinRegion> out;
+  if (l.page_stride != 0) {
+    out.push_back({l.data_offset, l.total - l.data_offset, l.page_stride});
+    return out;
+  }
+  for (std::size_t i = 0; i < l.region_offset.size(); ++i) {
+    if (l.region_offset[i] == ~0ull) continue;
+    std::uint64_t end = 0;  // the next region, or the object's end: regions are consecutive
+    for (std::size_t j = i + 1; j < l.region_offset.size() && end == 0; ++j)
+      if (l.region_offset[j] != ~0ull) end = l.region_offset[j];
+    if (end == 0) end = l.total;
+    out.push_back({l.region_offset[i], end - l.region_offset[i],
+                   g.block_bytes(static_cast<proto::TensorKind>(i % proto::kTensorKinds))});
+  }
+  return out;
+}
+
+// A pool pinned whole before serving: whole regions merged while they fit in `chunk`, a region
+// larger than that split at multiples of lcm(block bytes, page). So no block, and no page, is in
+// two registrations (cudaHostRegister refuses overlapping ranges, and a copy of one block must
+// stay inside one), and no call exceeds the chunk (drivers refuse one of >= 512 GiB). The pool's
+// header and validity bytes are read by the CPU only and stay unpinned.
+std::vector<std::pair<std::uint64_t, std::uint64_t>> whole_pool_pieces(const std::vector<PinRegion>& regions,
+                                                                       std::uint64_t chunk) {
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> out;
+  for (const PinRegion& r : regions) {
+    if (r.bytes == 0) continue;
+    if (r.bytes <= chunk) {
+      if (!out.empty() && out.back().first + out.back().second == r.offset && out.back().second + r.bytes <= chunk)
+        out.back().second += r.bytes;
+      else
+        out.emplace_back(r.offset, r.bytes);
+      continue;
+    }
+    const std::uint64_t unit = lcm_with_page(r.block_bytes);
+    const std::uint64_t step = (unit == 0 || unit >= chunk) ? r.bytes : chunk / unit * unit;
+    for (std::uint64_t at = 0; at < r.bytes; at += step) out.emplace_back(r.offset + at, std::min(step, r.bytes - at));
+  }
+  return out;
+}
+
+// The pieces the pool is pinned in, ordered by the first block each holds. A pool of at most
+// plan.first_bytes: the whole-pool pieces, all "from block 0" (pinned before serving). A larger
+// one in slices of block ranges, each slice one piece per region: the first about first_bytes in
+// all, each next twice the last, up to chunk bytes per piece. Slice bounds are multiples of a
+// block count that keeps every piece's start on a page in every region.
+std::vector<detail::PinPiece> pin_pieces(const proto::CacheGeometry& g, const PoolLayout& l, std::byte* base,
+                                 const HostPool::PinPlan& plan) {
+  const std::vector<PinRegion> regions = pin_regions(g, l);
+  std::uint64_t per_block = 0, largest = 0, align_blocks = 1;
+  for (const PinRegion& r : regions) {
+    per_block += r.block_bytes;
+    largest = std::max(largest, r.block_bytes);
+    const std::uint64_t unit = lcm_with_page(r.block_bytes);  // bytes; a multiple of the block
+    const std::uint64_t blocks = unit == 0 ? 0 : unit / r.block_bytes;
+    align_blocks = blocks == 0 ? 0 : std::lcm(align_blocks, blocks);
+    if (align_blocks == 0 || align_blocks > g.num_host_blocks) align_blocks = 0;
+    if (align_blocks == 0) break;
+  }
+  std::vector<detail::PinPiece> out;
+  const std::uint64_t n = g.num_host_blocks;
+  std::uint64_t pool_bytes = 0;
+  const bool whole = align_blocks == 0 || per_block == 0 || !proto::checked_mul(per_block, n, &pool_bytes) ||
+                     pool_bytes <= plan.first_bytes;
+  if (whole) {
+    for (const auto& [offset, bytes] : whole_pool_pieces(regions, plan.chunk_bytes)) out.push_back({base + offset, bytes, 0});
+    return out;
+  }
+  const auto round = [&](std::uint64_t blocks) { return std::max(align_blocks, blocks / align_blocks * align_blocks); };
+  const std::uint64_t most = round(plan.chunk_bytes / largest);  // a piece's blocks within the chunk
+  std::uint64_t slice = std::min(most, round(plan.first_bytes / per_block));
+  for (std::uint64_t b0 = 0; b0 < n; b0 += slice, slice = std::min(most, slice * 2)) {
+    const std::uint64_t b1 = std::min(n, b0 + slice);
+    for (const PinRegion& r : regions) {
+      const std::uint64_t from = b0 * r.block_bytes, to = b1 == n ? r.bytes : b1 * r.block_bytes;
+      out.push_back({base + r.offset + from, to - from, static_cast<std::uint32_t>(b0)});
+    }
+  }
+  return out;
+}
+
+std::string mib(std::uint64_t b) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(b) / (1 << 20));
+  return buf;
+}
+
+}  // namespace
+
+std::uint64_t HostPool::object_bytes(const proto::CacheGeometry& g, config::HostLayout layout) {
+  PoolLayout l;
+  return layout_of(g, layout, &l) ? l.total : 0;
+}
+
+Result<std::uint64_t, DeviceErrc> HostPool::hugetlbfs_page_bytes(const std::string& dir) {
+  constexpr long kHugetlbfsMagic = 0x958458f6;  // linux/magic.h HUGETLBFS_MAGIC
+  struct statfs f {};
+  if (::statfs(dir.c_str(), &f) != 0)
+    return make_error(DeviceErrc::kAllocFailed, "--host-pool-hugepages: " + dir + ": " + std::strerror(errno) +
+                                                    " (mount one: mount -t hugetlbfs none " + dir + ")");
+  if (static_cast<long>(f.f_type) != kHugetlbfsMagic)
+    return make_error(DeviceErrc::kAllocFailed, "--host-pool-hugepages: " + dir +
+                                                    " is not a hugetlbfs mount (mount -t hugetlbfs none " + dir +
+                                                    ", or name one with --hugetlbfs-dir)");
+  return static_cast<std::uint64_t>(f.f_bsize);
+}
+
+namespace {
+
+PoolHeader header_of(const proto::CacheGeometry& g, std::uint64_t generation, std::uint32_t rank,
+                     config::HostLayout layout, const PoolLayout& l) {
+  PoolHeader h{};
+  h.magic = kPoolMagic;
+  h.version = kPoolVersion;
+  h.rank = rank;
+  h.generation = generation;
+  h.geometry = g;
+  h.valid_offset = l.valid_offset;
+  h.data_offset = l.data_offset;
+  h.object_bytes = l.total;
+  h.layout = static_cast<std::uint32_t>(layout);
+  return h;
+}
+
+std::atomic_ref<std::uint64_t> magic_of(std::byte* object) {
+  return std::atomic_ref<std::uint64_t>(*reinterpret_cast<std::uint64_t*>(object));
+}
+
+// The pool a previous daemon of this session left behind, if it is exactly ours (owner, mode,
+// size, complete header equal to `want`); anything else under the name is removed (its blocks are
+// lost) and null returned.
+std::unique_ptr<ipc::SharedObject> reopen_if_ours(const std::string& name, const std::string& dir, std::uint64_t mapped,
+                                                  const PoolHeader& want) {
+  auto old = ipc::SharedObject::open(name, dir);
+  if (!old.ok()) return nullptr;
+  auto& o = *old;
+  bool same = o->owner_uid() == getuid() && (o->mode() & 077) == 0 && o->size() == mapped;
+  if (same) {
+    PoolHeader have;
+    std::memcpy(&have, o->data(), sizeof have);
+    same = magic_of(o->data()).load(std::memory_order_acquire) == kPoolMagic && std::memcmp(&have, &want, sizeof have) == 0;
+  }
+  if (same) return std::move(o);
+  KVTD_WARN("host pool object {} does not match this session and geometry; recreating it (its blocks are lost)", name);
+  o.reset();
+  ipc::SharedObject::remove(name, dir);
+  return nullptr;
+}
+
+// Room for a new pool of `total` bytes (`mapped` in pages of `page`): free huge pages in the
+// kernel's reserve (`dir` set), or free bytes in /dev/shm; refused naming the counts.
+Status<DeviceErrc> check_room(const std::string& dir, std::uint64_t page, std::uint64_t mapped, std::uint64_t total,
+                              std::uint32_t blocks) {
+  if (!dir.empty()) {
+    const std::int64_t free_pages = ipc::free_huge_pages(page);
+    if (free_pages >= 0 && static_cast<std::uint64_t>(free_pages) < mapped / page)
+      return make_error(DeviceErrc::kAllocFailed,
+                        "--host-pool-hugepages: the host pool needs " + std::to_string(mapped / page) + " pages of " +
+                            std::to_string(page >> 10) + " kB (" + mib(total) + ", " + std::to_string(blocks) +
+                            " blocks) and the kernel has " + std::to_string(free_pages) +
+                            " free (HugePages_Free less HugePages_Rsvd in /proc/meminfo); reserve more (sysctl -w "
+                            "vm.nr_hugepages=...) or lower --num-host-blocks");
+    return {};
+  }
+  if (const std::int64_t free_now = ipc::shm_free_bytes(); free_now >= 0 && static_cast<std::uint64_t>(free_now) < total)
+    return make_error(DeviceErrc::kAllocFailed,
+                      "host pool needs " + mib(total) + " (" + std::to_string(blocks) + " blocks) in /dev/shm, which has " +
+                          mib(static_cast<std::uint64_t>(free_now)) +
+                          " free; enlarge it (mount -o remount,size=... /dev/shm) or lower --num-host-blocks");
+  return {};
+}
+
+// A new pool object with its header written (magic last, with release: a restarted daemon that
+// acquires it sees a complete header), its pages placed on `numa_node` (-1: anywhere).
+Result<std::unique_ptr<ipc::SharedObject>, DeviceErrc> create_pool_object(const std::string& name, const std::string& dir,
+                                                                          const PoolHeader& want, int numa_node) {
+  auto created = ipc::SharedObject::create(
+      name, want.object_bytes,
+      [numa_node](void* addr, std::size_t bytes) {
+        std::string why;
+        if (numa_node >= 0 && !bind_to_numa_node(addr, bytes, numa_node, &why))
+          KVTD_WARN("host pool not placed on NUMA node {}: {}", numa_node, why);
+      },
+      dir);
+  if (!created.ok()) return make_error(DeviceErrc::kAllocFailed, "host pool: " + created.error().message);
+  auto o = std::move(created).value();
+  std::memcpy(o->data(), &want, sizeof want);
+  magic_of(o->data()).store(0, std::memory_order_relaxed);
+  magic_of(o->data()).store(kPoolMagic, std::memory_order_release);
+  return o;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend, const proto::CacheGeometry& g,
+                                                             std::uint64_t generation, std::uint32_t rank,
+                                                             config::HostLayout layout, int numa_node,
+                                                             const PinPlan& pin, const std::string& hugetlbfs_dir) {
+  PoolLayout l;
+  if (!layout_of(g, layout, &l) || l.total >= proto::kMaxSizeBytes)
+    return make_error(DeviceErrc::kAllocFailed, "host pool size overflows");
+  std::uint64_t page = 4096, mapped = l.total;  // hugetlbfs maps whole huge pages only
+  if (!hugetlbfs_dir.empty()) {
+    auto huge = hugetlbfs_page_bytes(hugetlbfs_dir);
+    if (!huge.ok()) return std::move(huge).error();
+    page = *huge;
+    mapped = (l.total + page - 1) / page * page;
+  }
+  const std::string name = ipc::session_object_name(generation, "host" + std::to_string(rank));
+  const PoolHeader want = header_of(g, generation, rank, layout, l);
+
+  std::unique_ptr<HostPool> pool(new HostPool());
+  pool->backend_ = &backend;
+  pool->blocks_ = g.num_host_blocks;
+  pool->sums_kept_ = std::make_unique<std::atomic<std::uint16_t>[]>(g.num_host_blocks);
+  pool->page_bytes_ = page;
+  pool->object_ = reopen_if_ours(name, hugetlbfs_dir, mapped, want);
+  pool->restored_ = pool->object_ != nullptr;
+  if (!pool->object_) {
+    KVTD_TRY(check_room(hugetlbfs_dir, page, mapped, l.total, g.num_host_blocks));
+    auto created = create_pool_object(name, hugetlbfs_dir, want, numa_node);
+    if (!created.ok()) return std::move(created).error();
+    pool->object_ = std::move(created).value();
+  }
+
+  std::byte* base = pool->object_->data();
+  std::vector<detail::PinPiece> pieces;
+  if (backend.pins_memory()) pieces = pin_pieces(g, l, base, pin);
+  pool->pinner_ = std::make_unique<detail::PoolPinner>(backend, std::move(pieces), g.num_host_blocks, pin.on_progress);
+  KVTD_TRY(pool->pinner_->pin_first());
+  pool->pinner_->start_background(pin.threads);
+  pool->valid_ = reinterpret_cast<std::uint8_t*>(base + l.valid_offset);
+  pool->regions_.assign(l.region_offset.size(), nullptr);
+  for (std::size_t i = 0; i < l.region_offset.size(); ++i)
+    if (l.region_offset[i] != ~0ull) pool->regions_[i] = base + l.region_offset[i];
+  pool->total_ = l.total;
+  pool->geometry_ = g;
+  pool->page_stride_ = l.page_stride;
+  return pool;
+}
+
+std::uint32_t HostPool::pinned_blocks() const { return pinner_->pinned_blocks(); }
+
+Status<DeviceErrc> HostPool::wait_pinned(std::uint32_t end,
+                                         const std::function<std::optional<std::string>()>& give_up) {
+  return pinner_->wait_pinned(end, give_up);
+}
+
+HostPool::PinProgress HostPool::pin_progress() const { return pinner_->progress(); }
+
+HostPool::~HostPool() = default;
+
+const std::string& HostPool::name() const { return object_->name(); }
+
+std::uint64_t HostPool::stride(proto::TensorKind kind) const {
+  return page_stride_ != 0 ? page_stride_ : geometry_.block_bytes(kind);
+}
+
+void HostPool::remove() { ipc::SharedObject::remove(object_->name(), object_->dir()); }
+
+std::size_t HostPool::valid_blocks() const {
+  std::size_t n = 0;
+  for (std::uint32_t b = 0; b < blocks_; ++b)
+    n += std::atomic_ref<std::uint8_t>(valid_[b]).load(std::memory_order_acquire) == 1;
+  return n;
+}
+
+void HostPool::mark_invalid(std::span<const std::int32_t> ids) {
+  // Sequentially consistent read-modify-writes (a locked instruction, a full barrier on x86; no
+  // fence, which TSan cannot model): the clears are in memory before the copy that follows
+  // writes a byte of these blocks, so a crash mid-copy leaves them invalid.
+  for (auto id : ids) {
+    (void)std::atomic_ref<std::uint8_t>(valid_[id]).exchange(0, std::memory_order_seq_cst);
+    sums_kept_[id].store(0, std::memory_order_relaxed);
+  }
+}
+
+void HostPool::mark_all_invalid() {
+  for (std::uint32_t id = 0; id < blocks_; ++id) {
+    (void)std::atomic_ref<std::uint8_t>(valid_[id]).exchange(0, std::memory_order_seq_cst);
+    sums_kept_[id].store(0, std::memory_order_relaxed);
+  }
+}
+
+void HostPool::set_checksums(std::int32_t id, std::span<const std::uint64_t> sums) {
+  if (sums.empty() || sums.size() > 65535) return;
+  std::call_once(sums_once_, [&] {
+    sums_per_block_ = sums.size();
+    sums_.assign(std::size_t{blocks_} * sums_per_block_, 0);
+  });
+  if (sums.size() != sums_per_block_) return;
+  std::copy(sums.begin(), sums.end(), sums_.begin() + static_cast<std::ptrdiff_t>(std::size_t(id) * sums_per_block_));
+  sums_kept_[id].store(static_cast<std::uint16_t>(sums.size()), std::memory_order_release);
+}
+
+std::span<const std::uint64_t> HostPool::checksums(std::int32_t id) const {
+  const std::uint16_t n = sums_kept_[id].load(std::memory_order_acquire);
+  if (n == 0) return {};
+  return std::span<const std::uint64_t>(sums_).subspan(std::size_t(id) * sums_per_block_, n);
+}
+
+void HostPool::mark_valid(std::span<const std::int32_t> ids) {
+  for (auto id : ids) std::atomic_ref<std::uint8_t>(valid_[id]).store(1, std::memory_order_release);
+}
+
+std::optional<std::int32_t> HostPool::first_invalid(std::span<const std::int32_t> ids) const {
+  for (auto id : ids)
+    if (std::atomic_ref<std::uint8_t>(valid_[id]).load(std::memory_order_acquire) != 1) return id;
+  return std::nullopt;
+}
+
+}  // namespace kvtd::daemon

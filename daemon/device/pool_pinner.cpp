@@ -1,0 +1,178 @@
+#include "pool_pinner.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+#include "kvtd/daemon/log.h"
+#include "kvtd/ipc/clock.h"
+
+namespace kvtd::daemon::detail {
+namespace {
+
+std::string size_text(std::uint64_t b) {
+  char buf[32];
+  if (b < (1ull << 30)) std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(b) / (1ull << 20));
+  else std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(b) / (1ull << 30));
+  return buf;
+}
+
+}  // namespace
+
+PoolPinner::PoolPinner(HostMemory& backend, std::vector<PinPiece> pieces, std::uint32_t num_blocks,
+                       OnProgress on_progress)
+    : backend_(backend),
+      pieces_(std::move(pieces)),
+      num_blocks_(num_blocks),
+      on_progress_(std::move(on_progress)),
+      bytes_total_([this] {
+        std::uint64_t n = 0;
+        for (const auto& piece : pieces_) n += piece.bytes;
+        return n;
+      }()),
+      pinned_(std::make_unique<std::atomic<bool>[]>(pieces_.size())) {
+  MutexLock g(mu_);
+  advance_watermark();  // no pieces (nothing to pin): every block is usable
+}
+
+PoolPinner::~PoolPinner() {
+  stop_.store(true, std::memory_order_release);
+  for (auto& t : threads_) t.join();
+  for (std::size_t i = 0; i < pieces_.size(); ++i)
+    if (pinned_[i].load(std::memory_order_acquire)) backend_.unpin_host(pieces_[i].addr);
+}
+
+std::string PoolPinner::piece_text(std::size_t i) const {
+  return "piece " + std::to_string(i + 1) + " of " + std::to_string(pieces_.size()) + ", " +
+         size_text(pieces_[i].bytes) + " from block " + std::to_string(pieces_[i].first_block);
+}
+
+Status<DeviceErrc> PoolPinner::pin_one(std::size_t i) {
+  if (auto st = backend_.pin_host(pieces_[i].addr, pieces_[i].bytes); !st.ok())
+    return make_error(st.error().code, "pinning the host pool (" + piece_text(i) + "): " + st.error().message);
+  pinned_[i].store(true, std::memory_order_release);
+  const std::uint64_t bytes = bytes_pinned_.fetch_add(pieces_[i].bytes, std::memory_order_relaxed) + pieces_[i].bytes;
+  registrations_.fetch_add(1, std::memory_order_relaxed);
+  if (on_progress_) on_progress_(bytes, static_cast<double>(ipc::monotonic_now_ns() - start_ns_) / 1e9);
+  return {};
+}
+
+Status<DeviceErrc> PoolPinner::pin_first() {
+  start_ns_ = ipc::monotonic_now_ns();
+  std::size_t i = 0;
+  for (; i < pieces_.size() && pieces_[i].first_block == 0; ++i) {
+    if (auto st = pin_one(i); !st.ok()) {
+      for (std::size_t j = 0; j < i; ++j)
+        if (pinned_[j].exchange(false, std::memory_order_acq_rel)) backend_.unpin_host(pieces_[j].addr);
+      return st;
+    }
+  }
+  next_.store(i, std::memory_order_relaxed);
+  first_seconds_ = static_cast<double>(ipc::monotonic_now_ns() - start_ns_) / 1e9;
+  MutexLock g(mu_);
+  advance_watermark();
+  return {};
+}
+
+void PoolPinner::start_background(std::uint32_t threads) {
+  const std::size_t left = pieces_.size() - std::min(pieces_.size(), next_.load(std::memory_order_relaxed));
+  const std::size_t n = std::min<std::size_t>(std::max<std::uint32_t>(threads, 1), left);
+  {
+    MutexLock g(mu_);
+    threads_running_ = n;
+    if (n == 0) all_seconds_ = first_seconds_;
+  }
+  const std::uint64_t first = bytes_pinned_.load(std::memory_order_relaxed);
+  if (n == 0 && !pieces_.empty())
+    KVTD_INFO("host pool pinned: {} in {} registration{} ({:.3f} s, {:.2f} GB/s)", size_text(first), pieces_.size(),
+              pieces_.size() == 1 ? "" : "s", first_seconds_,
+              static_cast<double>(first) / std::max(first_seconds_, 1e-9) / 1e9);
+  if (n > 0)
+    KVTD_INFO("host pool: blocks below {} pinned ({}) in {:.3f} s, serving; the other {} pieces pinned on {} "
+              "background thread{}",
+              pinned_blocks(), size_text(first), first_seconds_, left, n, n == 1 ? "" : "s");
+  for (std::size_t t = 0; t < n; ++t) threads_.emplace_back([this] { background_loop(); });
+}
+
+void PoolPinner::background_loop() {
+  for (;;) {
+    if (stop_.load(std::memory_order_acquire)) break;
+    const std::size_t i = next_.fetch_add(1, std::memory_order_acq_rel);
+    if (i >= pieces_.size()) break;
+    auto st = pin_one(i);
+    MutexLock g(mu_);
+    if (!st.ok()) {
+      // The blocks from this piece on stay unusable; swaps needing them fail naming this.
+      if (error_.empty()) error_ = st.error().message;
+      KVTD_ERROR("{}; swaps of host blocks from {} on will fail", st.error().message, pieces_[i].first_block);
+      stop_.store(true, std::memory_order_release);
+      cv_.notify_all();
+      break;
+    }
+    advance_watermark();
+  }
+  MutexLock g(mu_);
+  if (--threads_running_ == 0 && error_.empty() && lowest_unpinned_ == pieces_.size()) {
+    all_seconds_ = static_cast<double>(ipc::monotonic_now_ns() - start_ns_) / 1e9;
+    const std::uint64_t bytes = bytes_pinned_.load(std::memory_order_relaxed);
+    KVTD_INFO("host pool pinned: {} in {} registrations ({:.3f} s, {:.2f} GB/s; the first blocks after {:.3f} s)",
+              size_text(bytes), pieces_.size(), all_seconds_, static_cast<double>(bytes) / std::max(all_seconds_, 1e-9) / 1e9,
+              first_seconds_);
+  }
+  cv_.notify_all();
+}
+
+void PoolPinner::advance_watermark() {
+  while (lowest_unpinned_ < pieces_.size() && pinned_[lowest_unpinned_].load(std::memory_order_acquire))
+    ++lowest_unpinned_;
+  watermark_.store(lowest_unpinned_ < pieces_.size() ? pieces_[lowest_unpinned_].first_block : num_blocks_,
+                   std::memory_order_release);
+  cv_.notify_all();
+}
+
+Status<DeviceErrc> PoolPinner::wait_pinned(std::uint32_t end,
+                                           const std::function<std::optional<std::string>()>& give_up) {
+  if (pinned_blocks() >= end) return {};
+  const std::int64_t start = ipc::monotonic_now_ns();
+  waits_.fetch_add(1, std::memory_order_relaxed);
+  Status<DeviceErrc> out;
+  for (;;) {
+    {
+      MutexLock g(mu_);
+      // A short slice: give_up() (deadline, engine, shutdown) runs without the lock.
+      cv_.wait_for(g, std::chrono::milliseconds(5),
+                   [&]() REQUIRES(mu_) { return pinned_blocks() >= end || !error_.empty(); });
+      if (pinned_blocks() >= end) break;
+      if (!error_.empty()) {
+        out = make_error(DeviceErrc::kAllocFailed, "host block " + std::to_string(pinned_blocks()) +
+                                                       " and up are not pinned: " + error_);
+        break;
+      }
+    }
+    if (auto why = give_up()) {
+      out = make_error(DeviceErrc::kAllocFailed, "host blocks up to " + std::to_string(end - 1) +
+                                                     " were still being pinned (blocks below " +
+                                                     std::to_string(pinned_blocks()) + " are): " + *why);
+      break;
+    }
+  }
+  wait_ns_.fetch_add(static_cast<std::uint64_t>(ipc::monotonic_now_ns() - start), std::memory_order_relaxed);
+  return out;
+}
+
+HostPoolPinProgress PoolPinner::progress() const {
+  HostPoolPinProgress p;
+  p.bytes_pinned = bytes_pinned_.load(std::memory_order_relaxed);
+  p.bytes_total = bytes_total_;
+  p.registrations = registrations_.load(std::memory_order_relaxed);
+  p.pieces = pieces_.size();
+  p.first_seconds = first_seconds_;
+  p.waits = waits_.load(std::memory_order_relaxed);
+  p.wait_ns = wait_ns_.load(std::memory_order_relaxed);
+  MutexLock g(mu_);
+  p.all_seconds = all_seconds_;
+  p.error = error_;
+  return p;
+}
+
+}  // namespace kvtd::daemon::detail

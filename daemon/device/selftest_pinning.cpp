@@ -1,0 +1,112 @@
+// Pinning figures of `kvtd selftest` (selftest_parts.h): how fast cudaHostRegister pins each kind
+// of memory a host pool can live in. On the H100 machine private anonymous memory pinned at 18-21
+// GB/s and the daemon's MAP_SHARED /dev/shm pool at 3.3-4.0 GB/s: the pool's mapping, not the
+// driver, set the start-up time, so each way is measured side by side.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "selftest_parts.h"
+#include "kvtd/daemon/host_pool.h"
+#include "kvtd/ipc/shared_object.h"
+
+namespace kvtd::daemon::selftest {
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+// Pins [p, p + bytes) in `threads` registrations made at once (1: one call), times it, unpins it.
+// Returns GB/s, or a negative number after a FAIL line.
+double time_pin(HostMemory& backend, std::byte* p, std::size_t bytes, std::uint32_t threads, const std::string& what,
+                Tally& tally) {
+  const std::size_t step = (bytes / threads + 4095) / 4096 * 4096;
+  std::vector<std::pair<std::byte*, std::size_t>> pieces;
+  for (std::size_t at = 0; at < bytes; at += step) pieces.emplace_back(p + at, std::min(step, bytes - at));
+  std::vector<Status<DeviceErrc>> results(pieces.size());
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> pinning;
+  for (std::size_t i = 1; i < pieces.size(); ++i)
+    pinning.emplace_back([&, i] { results[i] = backend.pin_host(pieces[i].first, pieces[i].second); });
+  results[0] = backend.pin_host(pieces[0].first, pieces[0].second);
+  for (auto& t : pinning) t.join();
+  const double secs = seconds_since(start);
+  std::string error;
+  for (std::size_t i = 0; i < pieces.size(); ++i) {
+    if (results[i].ok()) backend.unpin_host(pieces[i].first);
+    else if (error.empty()) error = results[i].error().message;
+  }
+  tally.check(error.empty(), "pin " + std::to_string(bytes >> 20) + " MiB of " + what, error);
+  return error.empty() ? static_cast<double>(bytes) / secs / 1e9 : -1.0;
+}
+
+void print(const std::string& what, std::size_t bytes, double gbps, double reference) {
+  char ratio[40] = "";
+  if (reference > 0) std::snprintf(ratio, sizeof ratio, " = %.2fx private memory", gbps / reference);
+  std::printf("pinning [%s]: %zu MiB at %.2f GB/s%s (a host pool of N GB takes N / this at start)\n", what.c_str(),
+              bytes >> 20, gbps, ratio);
+}
+
+// A shared-memory object of `bytes` in `dir` (empty: /dev/shm), every page allocated, as the
+// host pool's; removed on return. Null after a SKIP line when it cannot be made.
+std::unique_ptr<ipc::SharedObject> pool_like_object(const std::string& dir, std::size_t bytes) {
+  const std::string name = "kvtd_" + std::to_string(getuid()) + "_selftest_pin_" + std::to_string(getpid());
+  ipc::SharedObject::remove(name, dir);
+  auto o = ipc::SharedObject::create(name, bytes, {}, dir);
+  ipc::SharedObject::remove(name, dir);  // the mapping stays; nothing is left behind
+  if (!o.ok()) {
+    std::printf("SKIP  pinning [%s]: %s\n", dir.empty() ? "/dev/shm" : dir.c_str(), o.error().message.c_str());
+    return nullptr;
+  }
+  return std::move(o).value();
+}
+
+}  // namespace
+
+void measure_pinning(HostMemory& backend, std::uint32_t mib, std::uint32_t threads, const std::string& hugetlbfs_dir,
+                     Tally& tally) {
+  if (mib == 0 || !backend.pins_memory()) return;
+  const std::size_t bytes = std::size_t{mib} << 20;
+  double reference = -1;
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    tally.check(false, "pin " + std::to_string(mib) + " MiB", "mmap failed");
+  } else {
+    std::memset(p, 0, bytes);  // faulted in first, as the pool's pages are before it is pinned
+    reference = time_pin(backend, static_cast<std::byte*>(p), bytes, 1, "private memory", tally);
+    if (reference > 0) print("private 4 KiB pages", bytes, reference, -1);
+    munmap(p, bytes);
+  }
+  if (auto shm = pool_like_object({}, bytes)) {
+    const double one = time_pin(backend, shm->data(), bytes, 1, "a /dev/shm object", tally);
+    if (one > 0) print("/dev/shm, one call", bytes, one, reference);
+    if (threads > 1) {
+      const double many = time_pin(backend, shm->data(), bytes, threads, "a /dev/shm object", tally);
+      if (many > 0) print("/dev/shm, " + std::to_string(threads) + " threads", bytes, many, reference);
+    }
+  }
+  auto page = HostPool::hugetlbfs_page_bytes(hugetlbfs_dir);
+  if (!page.ok()) {
+    std::printf("SKIP  pinning [hugetlbfs]: %s\n", page.error().message.c_str());
+    return;
+  }
+  const std::size_t huge_bytes = (bytes + *page - 1) / *page * *page;
+  if (const std::int64_t free_pages = ipc::free_huge_pages(*page);
+      free_pages >= 0 && static_cast<std::uint64_t>(free_pages) < huge_bytes / *page) {
+    std::printf("SKIP  pinning [hugetlbfs]: %zu pages of %llu kB needed, %lld free (sysctl vm.nr_hugepages)\n",
+                huge_bytes / *page, static_cast<unsigned long long>(*page >> 10), static_cast<long long>(free_pages));
+    return;
+  }
+  if (auto huge = pool_like_object(hugetlbfs_dir, huge_bytes)) {
+    const double gbps = time_pin(backend, huge->data(), huge_bytes, 1, "huge pages", tally);
+    if (gbps > 0) print("hugetlbfs " + std::to_string(*page >> 10) + " kB pages, one call", huge_bytes, gbps, reference);
+  }
+}
+
+}  // namespace kvtd::daemon::selftest

@@ -1,0 +1,82 @@
+// cache_mapping.h (daemon-internal) - mapping the engine's KV tensors of this rank: from the
+// engine's registry, or by FastDeploy's names (the tensors its worker published, or the cache
+// this daemon makes for it with --create_cache_tensor), each paired with its host-pool region.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "kvtd/config/daemon_config.h"
+#include "kvtd/daemon/device_backend.h"
+#include "kvtd/daemon/host_pool.h"
+#include "kvtd/daemon/task_runner.h"
+#include "kvtd/endpoint/rank_endpoint.h"
+#include "fastdeploy_ipc.h"
+
+namespace kvtd::daemon {
+
+// Whether the engine registered no tensor of this rank: then FastDeploy's worker published them
+// by name (fastdeploy_ipc.h). A registry with some tensors but not all is the engine's error,
+// reported by attach_cache naming the first one missing.
+bool registered_none(const endpoint::RankEndpoint& ep);
+
+// With FastDeploy's flags, waits until FastDeploy's worker says its KV cache exists
+// (cache_ready_signal.<port>[rank] == 1), as FastDeploy's own transfer manager does. The heartbeat
+// runs meanwhile. False when asked to stop or the engine went away.
+bool wait_for_fastdeploy_cache(const config::DaemonConfig& cfg, const endpoint::RankEndpoint& ep,
+                               const std::atomic<bool>& stop);
+
+// Where this rank's tensors come from: the engine's registry; or, when the engine registered
+// none, FastDeploy's names. Borrows everything it is given; one mapping pass at a time.
+class TensorSource {
+ public:
+  TensorSource(endpoint::RankEndpoint& ep, TensorMapper& backend, std::int32_t device_id, bool by_names,
+               const FastDeployOwnedCache* owned)
+      : ep_(ep), backend_(backend), device_id_(device_id), owned_(owned), by_names_(by_names) {}
+
+  // The device address of the tensor's first byte.
+  Result<std::byte*, DeviceErrc> open(std::uint32_t l, proto::TensorKind kind) {
+    if (by_names_ && owned_ != nullptr) return owned_->tensor(l, kind);
+    const proto::TensorDesc* d = ep_.tensor(l, kind);
+    proto::TensorDesc named{};
+    if (by_names_) {
+      auto r = read_fastdeploy_tensor(ep_.geometry(), ep_.rank(), l, kind, device_id_);
+      if (!r.ok()) return std::move(r).error();
+      named = *r;
+      d = &named;
+    }
+    if (!d)
+      return make_error(DeviceErrc::kOpenFailed, std::string(proto::tensor_kind_name(kind)) + " tensor of layer " +
+                                                     std::to_string(l) + " is not registered");
+    return backend_.open_tensor(*d);
+  }
+
+  std::string describe(std::size_t tensors) const {
+    if (!by_names_) return "";
+    const auto example = fastdeploy_tensor_name(proto::TensorKind::kKey, 0, ep_.rank(), device_id_);
+    return owned_ != nullptr ? "made the " + std::to_string(tensors) + " tensors of this rank's cache and published " +
+                                   "them by FastDeploy's names for its worker (e.g. " + example + ")"
+                             : "the engine registered no tensors: opened the " + std::to_string(tensors) +
+                                   " tensors FastDeploy's worker published by name (e.g. " + example + ")";
+  }
+
+ private:
+  endpoint::RankEndpoint& ep_;
+  TensorMapper& backend_;
+  std::int32_t device_id_;
+  const FastDeployOwnedCache* owned_;
+  bool by_names_;
+};
+
+// Maps every tensor of this rank and pairs it with its host-pool region.
+Result<AttachedCache, DeviceErrc> attach_cache(const proto::CacheGeometry& g, TensorSource& source, HostPool& pool);
+
+// FastDeploy's --create_cache_tensor: makes this rank's cache, publishes it by FastDeploy's names
+// and tells FastDeploy's worker (cache_ready_signal[rank] = 1), as its transfer manager does.
+Result<std::unique_ptr<FastDeployOwnedCache>, DeviceErrc> make_fastdeploy_cache(const config::DaemonConfig& cfg,
+                                                                               const endpoint::RankEndpoint& ep,
+                                                                               TensorMapper& backend);
+
+}  // namespace kvtd::daemon

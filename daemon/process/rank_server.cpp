@@ -1,0 +1,253 @@
+#include "rank_server.h"
+
+#include <thread>
+
+
+#include "kvtd/daemon/daemon_main.h"
+#include "kvtd/daemon/log.h"
+#include "kvtd/daemon/notify.h"
+#include "kvtd/ipc/clock.h"
+#include "cache_mapping.h"
+#include "kvtd/daemon/cleared_cache.h"
+#include "kvtd/daemon/completion_sink.h"
+
+namespace kvtd::daemon {
+
+using endpoint::RankEndpoint;
+
+int RankServer::run() {
+  std::uint64_t last_generation = 0;
+  while (!stop_.load()) {
+    endpoint::EndpointOptions eo;
+    eo.suffix = cfg_.session_suffix;
+    eo.rank = cfg_.rank;
+    eo.expected = s_.geometry;
+    eo.attach_timeout_ns = cfg_.attach_timeout_ns();
+    eo.engine_timeout_ns = cfg_.engine_timeout_ns();
+    eo.skip_generation = last_generation;
+    eo.stop = &stop_;
+    eo.on_waiting = [](const std::string& what) { KVTD_INFO("{}", what); };
+    eo.on_poll = [] { notify_watchdog(); };
+    notify_status("waiting for session");
+    KVTD_INFO("waiting for session suffix '{}'", cfg_.session_suffix);
+    auto ep = RankEndpoint::attach(eo);
+    if (!ep.ok()) {
+      const auto code = ep.error().code;
+      if (code == ipc::IpcErrc::kClosed) break;  // stop requested while waiting
+      KVTD_ERROR("cannot attach: {}", ep.error().message);
+      if (code == ipc::IpcErrc::kTimeout) return kExitAttachTimeout;
+      if (code == ipc::IpcErrc::kCorrupt) return kExitSessionCorrupt;
+      if (code == ipc::IpcErrc::kSystem || code == ipc::IpcErrc::kNoSpace) return kExitBackend;
+      return kExitSessionRefused;
+    }
+    last_generation = (*ep)->generation();
+    if (auto code = serve_session(**ep)) return *code;
+  }
+  KVTD_INFO("stopped");
+  return kExitOk;
+}
+
+std::optional<int> RankServer::serve_session(RankEndpoint& ep) {
+  // An operator's clear or restore asked of the previous session is not this one's.
+  s_.control_state.clear_requested.store(false);
+  s_.control_state.restore_requested.store(false);
+  // Heartbeat from the grant on: mapping (or creating) the host pool and opening the tensors can
+  // take seconds for large caches, and a granted rank that is silent that long is fenced.
+  Heartbeat heartbeat(ep, cfg_.heartbeat_period_ns());
+  const std::int64_t granted_ns = ipc::monotonic_now_ns();
+  notify_status("attached to session " + cfg_.session_suffix + "; mapping the cache and the host pool");
+  HostPool::PinPlan pin;
+  pin.threads = cfg_.host_pool_pin_threads;
+  pin.first_bytes = std::uint64_t{cfg_.host_pool_pin_first_mib} << 20;
+  pin.on_progress = [&registry = s_.registry](std::uint64_t bytes, double seconds) {
+    registry.set_host_pool_pinning(bytes, static_cast<std::uint64_t>(seconds * 1000.0));
+  };
+  auto pool = HostPool::open(*s_.backend, s_.geometry, ep.generation(), cfg_.rank, cfg_.host_layout, s_.numa_node,
+                             pin, cfg_.host_pool_hugepages ? cfg_.hugetlbfs_dir : std::string());
+  if (!pool.ok()) {
+    KVTD_ERROR("host pool: {}", pool.error().message);
+    return kExitBackend;
+  }
+  if ((*pool)->restored())
+    KVTD_INFO("host pool {} re-mapped from a previous daemon of this session: {} of {} blocks hold data",
+              (*pool)->name(), (*pool)->valid_blocks(), cfg_.num_host_blocks);
+  if (cfg_.host_pool_hugepages)
+    KVTD_INFO("host pool in {} kB pages under {}", (*pool)->page_bytes() >> 10, cfg_.hugetlbfs_dir);
+  Session s{ep, **pool, heartbeat, std::nullopt, nullptr};
+  s.granted_ns = granted_ns;
+  // One pass per mapping of the engine's cache: a weight update (CLEAR_CACHE ... RESTORE_CACHE, or
+  // `kvtd ctl clear|restore`) closes it and later maps the re-registered tensors.
+  Step step = ep.tensors_loaded() ? live(s, /*after_restore=*/false) : Step::kCleared;
+  while (step == Step::kCleared) {
+    step = cleared(s);
+    if (step == Step::kLive) step = live(s, /*after_restore=*/true);
+  }
+  if (step == Step::kExit) return s.exit_code;
+  end_session(s);
+  return std::nullopt;
+}
+
+RankServer::Step RankServer::cleared(Session& s) {
+  s.ep.set_ready(proto::kReadyHostPool);
+  s_.registry.set_attached(true, s.ep.epoch());
+  s_.control_state.attached(s.ep.generation());
+  s_.control_state.set_cache(ControlState::Cache::kCleared);
+  notify_status("cache cleared for a weight update; waiting for restore");
+  KVTD_INFO("cache cleared: holding no mapping of the engine's tensors until restore");
+  s.heartbeat.serving();
+  notify_ready();
+  auto& control = s_.control_state;
+  const auto out = serve_cleared(s.ep, s.pool, stop_, &control.restore_requested, [&control] { control.restore_refused(); });
+  switch (out.why) {
+    case ClearedExit::Why::kStopped: s.why = TaskRunner::Exit::kStopped; return Step::kEnd;
+    case ClearedExit::Why::kSessionLost: s.why = TaskRunner::Exit::kSessionLost; return Step::kEnd;
+    case ClearedExit::Why::kRingCorrupt: s.why = TaskRunner::Exit::kRingCorrupt; return Step::kEnd;
+    case ClearedExit::Why::kRestore: break;
+  }
+  s.restore_task = out.restore_task;
+  auto loaded = s.ep.load_tensors();
+  if (!loaded.ok() || !*loaded) {
+    fail_restore(s, loaded.ok() ? "the engine's cache state is cleared: it registers its tensors and restores"
+                                : "tensor registry: " + loaded.error().message);
+    return Step::kCleared;
+  }
+  return Step::kLive;
+}
+
+RankServer::Step RankServer::live(Session& s, bool after_restore) {
+  const bool by_names = registered_none(s.ep);
+  if (by_names && cfg_.fastdeploy.create_cache_tensor && !s.owned) {
+    auto made = make_fastdeploy_cache(cfg_, s.ep, *s_.backend);
+    if (!made.ok()) {
+      KVTD_ERROR("cannot make the KV cache for FastDeploy's worker (--create_cache_tensor): {}", made.error().message);
+      if (!after_restore) {
+        s.exit_code = kExitBackend;
+        return Step::kExit;
+      }
+      fail_restore(s, made.error().message);
+      return Step::kCleared;
+    }
+    s.owned = std::move(made).value();
+  } else if (by_names && !s.owned && !wait_for_fastdeploy_cache(cfg_, s.ep, stop_)) {
+    s.why = stop_.load() ? TaskRunner::Exit::kStopped : TaskRunner::Exit::kSessionLost;
+    return Step::kEnd;
+  }
+  auto cache = map_cache(s);
+  if (!cache.ok()) {
+    s_.backend->close_tensors();
+    if (!after_restore) {  // the first mapping, right after attach
+      KVTD_ERROR("cannot map the cache tensors: {}", cache.error().message);
+      s.exit_code = kExitBackend;
+      return Step::kExit;
+    }
+    fail_restore(s, cache.error().message);  // stay cleared; the engine clears and restores again
+    return Step::kCleared;
+  }
+  auto events = s_.backend->export_layer_events(s_.geometry.num_layers);
+  if (!events.ok()) {
+    KVTD_ERROR("cannot create the per-layer events: {}", events.error().message);
+    s_.backend->close_tensors();
+    s.exit_code = kExitBackend;
+    return Step::kExit;
+  }
+  s.ep.publish_layer_events(*events);
+  return serve_mapped(s, std::move(cache).value());
+}
+
+Result<AttachedCache, DeviceErrc> RankServer::map_cache(Session& s) {
+  TensorSource source(s.ep, *s_.backend, cfg_.device_id, registered_none(s.ep), s.owned.get());
+  auto cache = attach_cache(s_.geometry, source, s.pool);
+  if (!cache.ok()) return cache;
+  cache->storage.store = s_.store.get();
+  cache->storage.kv_events = s_.kv_events.get();
+  cache->storage.metrics = &s_.registry;
+  cache->storage.store_name = s_.store_name;
+  cache->storage.config = cfg_.storage;
+  cache->storage.config.io_threads =
+      storage_io_threads(cfg_.storage, s_.geometry.bytes_per_block_all_layers(), std::thread::hardware_concurrency());
+  cache->storage.numa_node = s_.numa_node;
+  cache->numa_node = s_.numa_node;
+  cache->metrics = &s_.registry;
+  cache->summary_period_ns = static_cast<std::int64_t>(cfg_.log_summary_period_s * 1e9);
+  cache->engine_event_timeout_ns = static_cast<std::int64_t>(cfg_.engine_event_timeout_s * 1e9);
+  cache->verify_swaps = cfg_.verify_swaps;
+  cache->granted_ns = s.granted_ns;
+  s_.registry.set_host_pool_bytes(s.pool.total_bytes());
+  return cache;
+}
+
+RankServer::Step RankServer::serve_mapped(Session& s, AttachedCache cache) {
+  TaskRunner runner(s.ep, *s_.backend, std::move(cache));
+  s.ep.set_ready(proto::kReadyCacheAttached | proto::kReadyHostPool);
+  if (s.restore_task) {
+    KVTD_INFO("cache restored (task {}): the re-registered tensors are mapped", s.restore_task->task_id);
+    CompletionSink(s.ep, nullptr).write(*s.restore_task, proto::Outcome::done("tensors re-opened"),
+                                        ipc::monotonic_now_ns());
+    s.restore_task.reset();
+  }
+  KVTD_INFO("attached to session generation {:016x} as epoch {}; serving", s.ep.generation(), s.ep.epoch());
+  notify_status("serving session " + cfg_.session_suffix);
+  notify_ready();
+  s.heartbeat.serving();
+  s_.registry.set_attached(true, s.ep.epoch());
+  s_.control_state.attached(s.ep.generation());
+  s_.control_state.set_cache(ControlState::Cache::kLive);  // a clear accepted from here on is kept
+  s.why = runner.run(stop_, &s_.control_state.clear_requested);
+  const auto st = runner.stats();
+  KVTD_INFO("{}: {} tasks ok, {} failed, {} dropped (revoked epoch), {} bytes to host, {} bytes to device; "
+            "storage: {} tasks, {} objects read ({} bytes), {} written ({} bytes), {} backups skipped",
+            s.why == TaskRunner::Exit::kCleared ? "mapping closed" : "session done", st.tasks_ok, st.tasks_failed,
+            st.tasks_dropped, st.bytes_to_host, st.bytes_to_device, st.storage.tasks, st.storage.objects_read,
+            st.storage.bytes_read, st.storage.objects_written, st.storage.bytes_written, st.storage.backups_skipped);
+  if (s.why == TaskRunner::Exit::kDeviceLost) {
+    KVTD_ERROR("the device context is lost (a sticky CUDA error; see the failed task above): every later "
+               "copy would fail. Exiting with code {} so the service restarts with a new context",
+               kExitDeviceLost);
+    s.ep.set_ready(0);
+    s_.registry.set_attached(false, 0);
+    s_.control_state.detached();
+    notify_status("device context lost; exiting for a restart");
+    s.exit_code = kExitDeviceLost;
+    return Step::kExit;
+  }
+  if (s.why != TaskRunner::Exit::kCleared) return Step::kEnd;
+  close_for_clear(s, runner);
+  return Step::kCleared;
+}
+
+void RankServer::close_for_clear(Session& s, const TaskRunner& runner) {
+  // Every task before the clear has completed; nothing touches the tensors any more.
+  s.ep.set_ready(proto::kReadyHostPool);
+  s_.backend->close_tensors();
+  s.owned.reset();  // FastDeploy's worker released it before the clear (the adapter waits for that)
+  if (auto clear = runner.clear_task()) {
+    finish_clear(s.ep, s.pool, *clear);
+  } else if (s_.control_state.clear_drops_host_tier.exchange(false)) {
+    s.pool.mark_all_invalid();
+    KVTD_INFO("host tier dropped with the clear");
+  }
+}
+
+void RankServer::fail_restore(Session& s, const std::string& message) {
+  KVTD_ERROR("cannot restore the cache: {}", message);
+  if (!s.restore_task) return;
+  CompletionSink(s.ep, nullptr).write(*s.restore_task, proto::Outcome::failed(proto::TaskStatus::kDeviceError, message),
+                                      ipc::monotonic_now_ns());
+  s.restore_task.reset();
+}
+
+void RankServer::end_session(Session& s) {
+  s.ep.set_ready(0);
+  s_.registry.set_attached(false, 0);
+  s_.control_state.detached();
+  s_.backend->close_tensors();
+  s.owned.reset();
+  // The session is over for us unless we are stopping: nobody will read this pool again (a new
+  // session is a new generation with a new pool).
+  if (s.why != TaskRunner::Exit::kStopped) s.pool.remove();
+  if (s.why == TaskRunner::Exit::kRingCorrupt) KVTD_ERROR("task ring framing is corrupt; detached, waiting for a new session");
+  if (s.why == TaskRunner::Exit::kSessionLost)
+    KVTD_WARN("engine closed the session or stopped heartbeating; detached{}", stop_.load() ? "" : ", waiting for a new session");
+}
+
+}  // namespace kvtd::daemon

@@ -1,0 +1,77 @@
+// rank_server.h (daemon-internal) - the daemon's life as a state machine, one session after
+// another:
+//
+//   waiting --attach--> live <--clear / restore--> cleared
+//      ^                  |                           |
+//      +----- detached <--+---------------------------+   (session ended, lost, or stop)
+//
+// waiting: no session (RankEndpoint::attach waits for one). live: the engine's tensors are
+// mapped and a TaskRunner serves the ring. cleared: a weight update closed every mapping;
+// serve_cleared answers the ring until a restore maps the new tensors. detached: the session is
+// over for this rank; the pool is removed unless we are stopping (a restarted daemon of the same
+// session re-maps it). A sticky device error exits the process from live (exit 7).
+//
+// Thread-safety: run() on one thread; the services it borrows are thread-safe where shared.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+
+#include "kvtd/config/daemon_config.h"
+#include "kvtd/daemon/host_pool.h"
+#include "kvtd/daemon/task_runner.h"
+#include "kvtd/endpoint/rank_endpoint.h"
+#include "fastdeploy_ipc.h"
+#include "heartbeat.h"
+#include "start_up.h"
+
+namespace kvtd::daemon {
+
+class RankServer {
+ public:
+  // Borrows all three; they outlive the server.
+  RankServer(const config::DaemonConfig& cfg, Services& services, std::atomic<bool>& stop)
+      : cfg_(cfg), s_(services), stop_(stop) {}
+  RankServer(const RankServer&) = delete;
+  RankServer& operator=(const RankServer&) = delete;
+
+  // Serves sessions until stop; returns the process exit code (daemon_main.h).
+  int run();
+
+ private:
+  // One attached session's state.
+  struct Session {
+    endpoint::RankEndpoint& ep;
+    HostPool& pool;
+    Heartbeat& heartbeat;
+    std::optional<proto::TaskRecordHeader> restore_task;  // RESTORE_CACHE to complete once live
+    // --create_cache_tensor: the cache this daemon made for FastDeploy's worker while mapped.
+    std::unique_ptr<FastDeployOwnedCache> owned;
+    TaskRunner::Exit why = TaskRunner::Exit::kStopped;  // why the session ended (kEnd)
+    int exit_code = 0;                                   // the process must exit with it (kExit)
+    std::int64_t granted_ns = 0;                         // when the engine granted it (monotonic)
+  };
+  // What a state hands over to: the next state, or the end of the session, or of the process.
+  enum class Step { kLive, kCleared, kEnd, kExit };
+
+  // Attached session -> nullopt when it ended (wait for the next), else the exit code.
+  std::optional<int> serve_session(endpoint::RankEndpoint& ep);
+  Step cleared(Session& s);
+  // Maps the tensors and serves them; `after_restore`: a failure keeps the rank cleared instead
+  // of exiting (the engine clears and restores again).
+  Step live(Session& s, bool after_restore);
+  Result<AttachedCache, DeviceErrc> map_cache(Session& s);
+  Step serve_mapped(Session& s, AttachedCache cache);
+  // The cache was cleared: closes the mappings and completes the clear.
+  void close_for_clear(Session& s, const TaskRunner& runner);
+  void fail_restore(Session& s, const std::string& message);
+  void end_session(Session& s);
+
+  const config::DaemonConfig& cfg_;
+  Services& s_;
+  std::atomic<bool>& stop_;
+};
+
+}  // namespace kvtd::daemon

@@ -1,0 +1,119 @@
+// Phase 1 of a storage task, on the agreement thread: checked, selected, asked of the store and
+// agreed across ranks (MIN); a task that fails here aborts its agreement so the peers stop waiting.
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <thread>
+
+#include "kvtd/daemon/log.h"
+#include "kvtd/daemon/numa.h"
+#include "kvtd/ipc/clock.h"
+#include "kvtd/ipc/wait.h"
+#include "kvtd/storage/object_format.h"
+#include "kvtd/storage/object_store.h"
+#include "executor_impl.h"
+
+namespace kvtd::daemon {
+
+void StorageExecutor::Impl::fail_before_agreement(const StorageWork& w, TaskStatus s, std::int64_t start, const std::string& msg) {
+  abort_agreement(w, s);
+  ep.leave_agreements(w.header.seq + 1);  // the agreement thread runs tasks in ring order
+  finish(w, proto::Outcome::failed(s, msg), start);
+}
+
+bool StorageExecutor::Impl::may_agree(const StorageWork& w, std::int64_t start) {
+  if (w.answered) {  // the engine has its completion; the peers are told
+    abort_agreement(w, *w.answered);
+    ep.leave_agreements(w.header.seq + 1);
+    return false;
+  }
+  {
+    MutexLock g(stats_mu);
+    ++st.tasks;
+  }
+  if (revoked(w)) return false;
+  if (w.header.deadline_ns != 0 && start > w.header.deadline_ns) {
+    fail_before_agreement(w, TaskStatus::kDeadlineExceeded, start,
+                          "deadline passed " + std::to_string((start - w.header.deadline_ns) / 1000) +
+                              " us before execution");
+    return false;
+  }
+  if (is_cancelled(w.header.task_id)) {
+    fail_before_agreement(w, TaskStatus::kCancelled, start, "cancelled before it started");
+    return false;
+  }
+  if (t.store != nullptr) return true;
+  if ((w.header.flags & (proto::kTaskFlagPolicyBackup | proto::kTaskFlagEvictBackup)) != 0) {
+    // No storage tier here: nothing to back up to, not an error on this rank. The peers are told
+    // (they do have a store, or they would not wait): a mismatch is their failure.
+    abort_agreement(w, TaskStatus::kStorageUnavailable);
+    ep.leave_agreements(w.header.seq + 1);
+    finish(w, proto::Outcome::written(0, w.section.keys.size()), start);
+    return false;
+  }
+  fail_before_agreement(w, TaskStatus::kStorageUnavailable, start, t.no_store_reason);
+  return false;
+}
+
+bool StorageExecutor::Impl::agree_phase(Prepared& p) {
+  const auto& w = p.work;
+  p.start = ipc::monotonic_now_ns();
+  const auto kind = static_cast<TaskKind>(w.header.kind);
+  if (!may_agree(w, p.start)) return false;
+  std::vector<std::size_t> which;
+  if (kind == TaskKind::kStorageWrite) {
+    which = selected_by_policy(w);
+  } else {
+    count_uses(w.section.keys);
+    which.resize(w.section.keys.size());
+    std::iota(which.begin(), which.end(), std::size_t{0});
+  }
+  auto key_prefix = key_prefix_for(w.section.args.weight_version);
+  if (!key_prefix.ok()) {
+    fail_before_agreement(w, TaskStatus::kStorageUnavailable, p.start, "storage key prefix: " + key_prefix.error().message);
+    return false;
+  }
+  for (auto i : which) {
+    p.stored.push_back(stored_key(w.section.keys[i], *key_prefix, w.section.args.weight_version));
+    if (!w.blocks.empty()) p.ids.push_back(w.blocks[i]);
+  }
+  p.which = std::move(which);
+  auto agreed = local_then_agree(w, p.stored, p.start);
+  if (!agreed) return false;
+  p.agreed = *agreed;
+  if (kind != TaskKind::kStorageWrite && t.metrics != nullptr)
+    t.metrics->storage_lookup(kind, p.agreed, p.stored.size() - p.agreed);
+  return needs_objects_moved(p, kind);
+}
+
+bool StorageExecutor::Impl::needs_objects_moved(const Prepared& p, TaskKind kind) {
+  const auto& w = p.work;
+  switch (kind) {
+    case TaskKind::kStorageQuery:
+      finish(w, proto::Outcome::ok(p.agreed), p.start);
+      return false;
+    case TaskKind::kPrefetch:
+      if (p.agreed < w.section.args.min_hits) {
+        finish(w, proto::Outcome::ok(), p.start);  // revoked: fewer hits than asked for, nothing kept
+        return false;
+      }
+      [[fallthrough]];
+    case TaskKind::kStorageRead:
+      if (p.agreed == 0) {
+        finish(w, proto::Outcome::ok(), p.start);
+        return false;
+      }
+      return true;
+    case TaskKind::kStorageWrite:
+      if (p.agreed == p.stored.size()) {
+        finish(w, proto::Outcome::written(0, w.section.keys.size()), p.start);
+        return false;
+      }
+      return true;
+    default:
+      finish(w, proto::Outcome::failed(TaskStatus::kInternal, "not a storage task"), p.start);
+      return false;
+  }
+}
+
+}  // namespace kvtd::daemon
