@@ -39,26 +39,6 @@ proto::CacheGeometry DaemonConfig::geometry() const {
   return g;
 }
 
-const char* scatter_mode_name(ScatterMode m) {
-  switch (m) {
-    case ScatterMode::kKernelAllLayers: return "kernel";
-    case ScatterMode::kKernelPerLayer: return "kernel-per-layer";
-    case ScatterMode::kBatch: return "batch";
-    case ScatterMode::kMemcpy: return "memcpy";
-  }
-  return "?";
-}
-
-bool parse_scatter_mode(const std::string& text, ScatterMode* out) {
-  for (auto m : {ScatterMode::kKernelAllLayers, ScatterMode::kKernelPerLayer, ScatterMode::kBatch, ScatterMode::kMemcpy}) {
-    if (text == scatter_mode_name(m)) {
-      *out = m;
-      return true;
-    }
-  }
-  return false;
-}
-
 const char* verify_swaps_name(VerifySwaps v) {
   switch (v) {
     case VerifySwaps::kOff: return "off";

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <sstream>
 
+#include "kvtd/base/log_levels.h"
 #include "kvtd/base/version.h"
 #include "kvtd/config/daemon_config.h"
 #include "kvtd/proto/names.h"
@@ -284,12 +285,11 @@ Status<ConfigErrc> resolve_devices(RawFlags& f, DaemonConfig& c) {
   c.scatter_mode_given = f.scatter_opt->count() > 0;
   if (!parse_verify_swaps(f.verify_swaps, &c.verify_swaps))
     return bad("--verify-swaps: '" + f.verify_swaps + "' is not one of off, sampled, full");
-  if (!parse_scatter_mode(f.scatter, &c.scatter_mode))
+  if (!daemon::parse_scatter_mode(f.scatter, &c.scatter_mode))
     return bad("--scatter-mode: '" + f.scatter + "' is not one of kernel, kernel-per-layer, batch, memcpy");
 
-  if (f.host_layout == "layer_first") c.host_layout = HostLayout::kLayerFirst;
-  else if (f.host_layout == "page_first") c.host_layout = HostLayout::kPageFirst;
-  else return bad("--host-layout: '" + f.host_layout + "' is not one of layer_first, page_first");
+  if (!daemon::parse_host_layout(f.host_layout, &c.host_layout))
+    return bad("--host-layout: '" + f.host_layout + "' is not one of layer_first, page_first");
 
   if (c.hugetlbfs_dir.empty() || c.hugetlbfs_dir[0] != '/')
     return bad("--hugetlbfs-dir: '" + c.hugetlbfs_dir + "' is not an absolute path");
@@ -336,7 +336,7 @@ Status<ConfigErrc> resolve_session(RawFlags& f, DaemonConfig& c) {
 }
 
 Status<ConfigErrc> resolve_runtime(const RawFlags& f, DaemonConfig& c) {
-  if (!valid_log_level(c.log_level))
+  if (!kvtd::valid_log_level(c.log_level))
     return bad("--log-level: '" + c.log_level + "' is not one of " + kLogLevelList);
   if (!(c.engine_timeout_s >= 0.001 && c.engine_timeout_s <= kMaxEngineTimeoutS))
     return bad("--engine-timeout: " + seconds(c.engine_timeout_s) + " must be in [0.001, 3600] seconds");

@@ -1,3 +1,4 @@
+#include "kvtd/base/log_levels.h"
 #include "kvtd/control/control.h"
 #include "kvtd/proto/names.h"
 
@@ -171,9 +172,9 @@ Result<Request, ControlErrc> parse_request(const std::string& text) {
     if (level == j.end() || !level->is_string())
       return make_error(ControlErrc::kInvalidArgument, "log-level needs \"level\"");
     r.level = level->get<std::string>();
-    if (!config::valid_log_level(r.level))
+    if (!kvtd::valid_log_level(r.level))
       return make_error(ControlErrc::kInvalidArgument,
-                        "level '" + r.level.substr(0, 32) + "' is not one of " + config::kLogLevelList);
+                        "level '" + r.level.substr(0, 32) + "' is not one of " + kvtd::kLogLevelList);
   }
   return r;
 }

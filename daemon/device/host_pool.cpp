@@ -37,7 +37,7 @@ struct PoolHeader {
   std::uint64_t valid_offset;  // one byte per host block
   std::uint64_t data_offset;   // first region
   std::uint64_t object_bytes;
-  std::uint32_t layout;  // config::HostLayout
+  std::uint32_t layout;  // HostLayout
   std::uint32_t reserved;
 };
 static_assert(std::is_standard_layout_v<PoolHeader>);
@@ -49,14 +49,14 @@ struct PoolLayout {
   std::uint64_t page_stride = 0;             // page-first: bytes of one block, every layer
 };
 
-bool layout_of(const proto::CacheGeometry& g, config::HostLayout layout, PoolLayout* out) {
+bool layout_of(const proto::CacheGeometry& g, HostLayout layout, PoolLayout* out) {
   PoolLayout l;
   std::uint64_t v = 0;
   if (!proto::checked_align_up(g.num_host_blocks, kPage, &v)) return false;
   l.data_offset = kPage + v;
   std::uint64_t at = l.data_offset;
   l.region_offset.assign(std::size_t{g.num_layers} * proto::kTensorKinds, ~0ull);
-  if (layout == config::HostLayout::kPageFirst && g.num_host_blocks != 0) {  // no blocks: no regions
+  if (layout == HostLayout::kPageFirst && g.num_host_blocks != 0) {  // no blocks: no regions
     // Block b of (layer, kind) at data + b * stride + the (layer, kind) offset inside a block:
     // the order of a stored object (layer-major, then key, value, key scale, value scale).
     const auto sizes = proto::geometry_sizes(g);
@@ -192,7 +192,7 @@ std::string mib(std::uint64_t b) {
 
 }  // namespace
 
-std::uint64_t HostPool::object_bytes(const proto::CacheGeometry& g, config::HostLayout layout) {
+std::uint64_t HostPool::object_bytes(const proto::CacheGeometry& g, HostLayout layout) {
   PoolLayout l;
   return layout_of(g, layout, &l) ? l.total : 0;
 }
@@ -213,7 +213,7 @@ Result<std::uint64_t, DeviceErrc> HostPool::hugetlbfs_page_bytes(const std::stri
 namespace {
 
 PoolHeader header_of(const proto::CacheGeometry& g, std::uint64_t generation, std::uint32_t rank,
-                     config::HostLayout layout, const PoolLayout& l) {
+                     HostLayout layout, const PoolLayout& l) {
   PoolHeader h{};
   h.magic = kPoolMagic;
   h.version = kPoolVersion;
@@ -299,7 +299,7 @@ Result<std::unique_ptr<ipc::SharedObject>, DeviceErrc> create_pool_object(const 
 
 Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend, const proto::CacheGeometry& g,
                                                              std::uint64_t generation, std::uint32_t rank,
-                                                             config::HostLayout layout, int numa_node,
+                                                             HostLayout layout, int numa_node,
                                                              const PinPlan& pin, const std::string& hugetlbfs_dir) {
   PoolLayout l;
   if (!layout_of(g, layout, &l) || l.total >= proto::kMaxSizeBytes)

@@ -264,14 +264,14 @@ void declare_options(CLI::App& app, SelftestOptions& o) {
 }
 
 // The scatter modes to check: the one named, or every one; false (after a message) for a bad name.
-bool modes_of(const SelftestOptions& o, std::vector<config::ScatterMode>* modes) {
+bool modes_of(const SelftestOptions& o, std::vector<ScatterMode>* modes) {
   if (o.mode_name.empty()) {
-    *modes = {config::ScatterMode::kKernelAllLayers, config::ScatterMode::kKernelPerLayer, config::ScatterMode::kBatch,
-              config::ScatterMode::kMemcpy};
+    *modes = {ScatterMode::kKernelAllLayers, ScatterMode::kKernelPerLayer, ScatterMode::kBatch,
+              ScatterMode::kMemcpy};
     return true;
   }
-  config::ScatterMode m{};
-  if (!config::parse_scatter_mode(o.mode_name, &m)) {
+  ScatterMode m{};
+  if (!parse_scatter_mode(o.mode_name, &m)) {
     std::fprintf(stderr, "kvtd selftest: --scatter-mode '%s' is not one of kernel, kernel-per-layer, batch, memcpy\n",
                  o.mode_name.c_str());
     return false;
@@ -321,8 +321,8 @@ int run_selftest(int argc, char** argv) {
     return app.exit(e) == 0 ? 0 : 2;
   }
   o.bench.layers = o.bench_layers;
-  o.bench.host_layout = o.host_layout == "page_first" ? config::HostLayout::kPageFirst : config::HostLayout::kLayerFirst;
-  std::vector<config::ScatterMode> modes;
+  o.bench.host_layout = o.host_layout == "page_first" ? HostLayout::kPageFirst : HostLayout::kLayerFirst;
+  std::vector<ScatterMode> modes;
   if (!modes_of(o, &modes)) return 2;
 
   // Forked before this process touches the device: a CUDA context does not survive fork.
@@ -339,7 +339,7 @@ int run_selftest(int argc, char** argv) {
     }
     auto b = make_cuda_backend(o.device_id, modes[m]);
     if (!b.ok()) {
-      if (modes[m] == config::ScatterMode::kBatch && cuda_compiled_in() && modes.size() > 1 &&
+      if (modes[m] == ScatterMode::kBatch && cuda_compiled_in() && modes.size() > 1 &&
           b.error().message.find("CUDA 13") != std::string::npos) {
         std::printf("SKIP  mode batch: %s\n", b.error().message.c_str());
         continue;
@@ -347,7 +347,7 @@ int run_selftest(int argc, char** argv) {
       std::fprintf(stderr, "kvtd selftest: no usable GPU for --device-backend cuda: %s\n", b.error().message.c_str());
       return kSelftestUnavailable;
     }
-    check_backend(**b, config::scatter_mode_name(modes[m]), m == 0, o, peer, contiguous, tally);
+    check_backend(**b, scatter_mode_name(modes[m]), m == 0, o, peer, contiguous, tally);
   }
   if (peer.pid > 0) tally.check(false, "cross-process check", "no backend ran it");
   std::printf("selftest (%s): %d passed, %d failed\n", o.backend_name.c_str(), tally.passed, tally.failed);

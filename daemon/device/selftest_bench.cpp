@@ -95,7 +95,7 @@ bool measure_bandwidth(DeviceBackend& backend, const std::string& mode, const Be
     std::printf("bandwidth %-9s [%s] %2u KiB: %.2f GB/s%s (%u %s blocks x %zu tensors, %s host pool%s%s)\n",
                 direction_name(dir), s.contiguous ? "contiguous" : mode.c_str(), s.kib, gb / secs, ratio, s.blocks,
                 s.contiguous ? "consecutive" : "random", t.size(),
-                s.host_layout == config::HostLayout::kPageFirst ? "page_first" : "layer_first",
+                s.host_layout == HostLayout::kPageFirst ? "page_first" : "layer_first",
                 s.layerwise ? ", layer by layer" : "", note);
   }
   (*pool)->remove();

@@ -90,7 +90,7 @@ std::int32_t export_engine(DeviceBackend& b, int device_id, std::vector<std::byt
 
 // The engine's process: exports, waits for the daemon's swaps, then checks its tensors.
 int engine_main(const std::string& backend_name, int device_id, int in, int out) {
-  auto made = backend_name == "cuda" ? make_cuda_backend(device_id, config::ScatterMode::kBatch)
+  auto made = backend_name == "cuda" ? make_cuda_backend(device_id, ScatterMode::kBatch)
                                      : Result<std::unique_ptr<DeviceBackend>, DeviceErrc>(make_host_backend());
   Exported ex{};
   std::vector<std::byte*> tensors;

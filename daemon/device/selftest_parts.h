@@ -36,7 +36,7 @@ struct BenchShape {
   std::uint32_t blocks = 256;
   bool contiguous = false;
   bool layerwise = false;
-  config::HostLayout host_layout = config::HostLayout::kLayerFirst;
+  HostLayout host_layout = HostLayout::kLayerFirst;
 };
 
 // Prints GB/s per direction; false (after a FAIL line) when a copy or an allocation failed.

@@ -83,10 +83,10 @@ Result<OpenedStore, config::ConfigErrc> open_store(const config::DaemonConfig& c
 Result<std::unique_ptr<DeviceBackend>, DeviceErrc> open_backend(const config::DaemonConfig& cfg) {
   if (cfg.device_backend != config::DeviceBackendKind::kCuda) return make_host_backend();
   auto b = make_cuda_backend(cfg.device_id, cfg.scatter_mode, cfg.copy_batch_max);
-  if (!b.ok() && !cfg.scatter_mode_given && cfg.scatter_mode == config::ScatterMode::kBatch &&
+  if (!b.ok() && !cfg.scatter_mode_given && cfg.scatter_mode == ScatterMode::kBatch &&
       b.error().message.find("cudaMemcpyBatchAsync") != std::string::npos) {
     KVTD_INFO("this build has no cudaMemcpyBatchAsync: scattered blocks go through the copy kernel");
-    b = make_cuda_backend(cfg.device_id, config::ScatterMode::kKernelAllLayers, cfg.copy_batch_max);
+    b = make_cuda_backend(cfg.device_id, ScatterMode::kKernelAllLayers, cfg.copy_batch_max);
   }
   return b;
 }

@@ -90,7 +90,7 @@ TEST_F(HostPoolHugePagesTest, APoolInHugePagesSurvivesADaemonRestartAndGoesWithT
   const auto g = small_geometry();
   const auto free_before = ipc::free_huge_pages(kHuge);
   {
-    auto pool = HostPool::open(*backend_, g, generation(), 0, config::HostLayout::kLayerFirst, -1,
+    auto pool = HostPool::open(*backend_, g, generation(), 0, daemon::HostLayout::kLayerFirst, -1,
                                HostPool::PinPlan(), dir_);
     ASSERT_TRUE(pool.ok()) << pool.error().message;
     EXPECT_FALSE((*pool)->restored());
@@ -104,7 +104,7 @@ TEST_F(HostPoolHugePagesTest, APoolInHugePagesSurvivesADaemonRestartAndGoesWithT
   struct stat st {};
   ASSERT_EQ(::stat(file_of(0).c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
-  auto again = HostPool::open(*backend_, g, generation(), 0, config::HostLayout::kLayerFirst, -1,
+  auto again = HostPool::open(*backend_, g, generation(), 0, daemon::HostLayout::kLayerFirst, -1,
                               HostPool::PinPlan(), dir_);
   ASSERT_TRUE(again.ok()) << again.error().message;
   EXPECT_TRUE((*again)->restored());
@@ -122,7 +122,7 @@ TEST_F(HostPoolHugePagesTest, TooFewFreeHugePagesIsRefusedNamingTheCounts) {
   const std::int64_t have = ipc::free_huge_pages(kHuge);
   // Blocks of 64 KiB x 4 tensors: 8 blocks a page; one page more than the kernel has free.
   const auto blocks = static_cast<std::uint32_t>((have + 1) * 8);
-  auto pool = HostPool::open(*backend_, small_geometry(blocks), generation() + 1, 0, config::HostLayout::kLayerFirst,
+  auto pool = HostPool::open(*backend_, small_geometry(blocks), generation() + 1, 0, daemon::HostLayout::kLayerFirst,
                              -1, HostPool::PinPlan(), dir_);
   ASSERT_FALSE(pool.ok());
   const std::string& why = pool.error().message;
@@ -135,7 +135,7 @@ TEST_F(HostPoolHugePagesTest, TooFewFreeHugePagesIsRefusedNamingTheCounts) {
 
 TEST_F(HostPoolHugePagesTest, ADirectoryThatIsNotHugetlbfsIsRefusedByName) {
   const std::string plain = ::testing::TempDir();
-  auto pool = HostPool::open(*backend_, small_geometry(), generation() + 2, 0, config::HostLayout::kLayerFirst, -1,
+  auto pool = HostPool::open(*backend_, small_geometry(), generation() + 2, 0, daemon::HostLayout::kLayerFirst, -1,
                              HostPool::PinPlan(), plain);
   ASSERT_FALSE(pool.ok());
   EXPECT_NE(pool.error().message.find("is not a hugetlbfs mount"), std::string::npos) << pool.error().message;
@@ -144,7 +144,7 @@ TEST_F(HostPoolHugePagesTest, ADirectoryThatIsNotHugetlbfsIsRefusedByName) {
 
 TEST_F(HostPoolHugePagesTest, ADeadSessionsPoolInTheMountIsSwept) {
   // A session that no longer exists (no segment names its generation) left its pool here.
-  auto pool = HostPool::open(*backend_, small_geometry(), generation() + 3, 0, config::HostLayout::kLayerFirst, -1,
+  auto pool = HostPool::open(*backend_, small_geometry(), generation() + 3, 0, daemon::HostLayout::kLayerFirst, -1,
                              HostPool::PinPlan(), dir_);
   ASSERT_TRUE(pool.ok()) << pool.error().message;
   pool->reset();

@@ -52,13 +52,13 @@ TEST(DaemonFlags, HostPoolHugePagesAndTheirMount) {
 TEST(DaemonFlags, ScatterModeDefaultsToTheCopyEnginesAndKnowsWhenItWasAsked) {
   auto c = parse(kBase);
   ASSERT_TRUE(c.ok()) << c.error().message;
-  EXPECT_EQ(c->scatter_mode, config::ScatterMode::kBatch);
+  EXPECT_EQ(c->scatter_mode, daemon::ScatterMode::kBatch);
   EXPECT_FALSE(c->scatter_mode_given);
   auto args = kBase;
   args.insert(args.end(), {"--scatter-mode", "kernel"});
   auto k = parse(args);
   ASSERT_TRUE(k.ok()) << k.error().message;
-  EXPECT_EQ(k->scatter_mode, config::ScatterMode::kKernelAllLayers);
+  EXPECT_EQ(k->scatter_mode, daemon::ScatterMode::kKernelAllLayers);
   EXPECT_TRUE(k->scatter_mode_given);
 }
 

@@ -24,12 +24,12 @@
 namespace kvtd::daemon {
 namespace {
 
-using config::ScatterMode;
+using daemon::ScatterMode;
 
 constexpr ScatterMode kModes[] = {ScatterMode::kKernelAllLayers, ScatterMode::kKernelPerLayer, ScatterMode::kBatch,
                                   ScatterMode::kMemcpy};
 
-const char* mode_name(ScatterMode m) { return config::scatter_mode_name(m); }
+const char* mode_name(ScatterMode m) { return daemon::scatter_mode_name(m); }
 
 std::unique_ptr<DeviceBackend> backend_or_skip(ScatterMode mode) {
   auto b = make_cuda_backend(0, mode);

@@ -235,7 +235,7 @@ TEST(CudaLimits, TheHostPoolIsPinnedInPiecesOfWholeBlocks) {
   std::copy(shape, shape + 4, g.key_shape);
   std::copy(shape, shape + 4, g.value_shape);
   setenv("KVTD_CUDASIM_HOST_REGISTER_MAX", "1048577", 1);
-  for (auto layout : {config::HostLayout::kLayerFirst, config::HostLayout::kPageFirst}) {
+  for (auto layout : {daemon::HostLayout::kLayerFirst, daemon::HostLayout::kPageFirst}) {
     const std::uint64_t generation = 0x51000000u + static_cast<std::uint64_t>(getpid()) * 4 + static_cast<int>(layout);
     cudasim::reset_faults();
     HostPool::PinPlan plan;

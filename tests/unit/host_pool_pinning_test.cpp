@@ -79,8 +79,8 @@ const auto kNever = []() -> std::optional<std::string> { return std::nullopt; };
 // first swap) and nothing could wait for part of it.
 TEST_F(HostPoolPinning, OpenPinsTheFirstBlocksAndThreadsPinTheRestLowestFirst) {
   const auto g = geometry();
-  for (auto layout : {config::HostLayout::kLayerFirst, config::HostLayout::kPageFirst}) {
-    SCOPED_TRACE(layout == config::HostLayout::kPageFirst ? "page_first" : "layer_first");
+  for (auto layout : {daemon::HostLayout::kLayerFirst, daemon::HostLayout::kPageFirst}) {
+    SCOPED_TRACE(layout == daemon::HostLayout::kPageFirst ? "page_first" : "layer_first");
     setenv("KVTD_CUDASIM_PIN_MBPS", "64", 1);  // 32 MiB: half a second on one thread
     auto pool = HostPool::open(*backend_, g, generation(static_cast<int>(layout)), 0, layout, -1, plan(2));
     ASSERT_TRUE(pool.ok()) << pool.error().message;
@@ -105,7 +105,7 @@ TEST_F(HostPoolPinning, OpenPinsTheFirstBlocksAndThreadsPinTheRestLowestFirst) {
 TEST_F(HostPoolPinning, APoolNoLargerThanTheFirstShareIsPinnedWholeByOpen) {
   auto g = geometry();
   g.num_host_blocks = 8;  // exactly 1 MiB
-  auto pool = HostPool::open(*backend_, g, generation(2), 0, config::HostLayout::kLayerFirst, -1, plan(2));
+  auto pool = HostPool::open(*backend_, g, generation(2), 0, daemon::HostLayout::kLayerFirst, -1, plan(2));
   ASSERT_TRUE(pool.ok()) << pool.error().message;
   EXPECT_EQ((*pool)->pinned_blocks(), 8u);
   EXPECT_EQ((*pool)->pin_progress().registrations, 1u) << "four regions, consecutive: one registration";
@@ -120,7 +120,7 @@ TEST_F(HostPoolPinning, AFailedPieceIsNamedToEveryWaitForItsBlocks) {
   // layer_first: the first slice is 4 registrations (one per region); the 6th call is the second
   // slice's second region (blocks 8-23).
   cudasim::inject_fault("cudaHostRegister", 6, cudaErrorMemoryAllocation);
-  auto pool = HostPool::open(*backend_, g, generation(3), 0, config::HostLayout::kLayerFirst, -1, plan(1));
+  auto pool = HostPool::open(*backend_, g, generation(3), 0, daemon::HostLayout::kLayerFirst, -1, plan(1));
   ASSERT_TRUE(pool.ok()) << pool.error().message;
   HostPool& p = **pool;
   EXPECT_TRUE(p.wait_pinned(8, kNever).ok());
@@ -137,7 +137,7 @@ TEST_F(HostPoolPinning, AFailedPieceIsNamedToEveryWaitForItsBlocks) {
 TEST_F(HostPoolPinning, AWaitGivesUpWithTheCallersReason) {
   const auto g = geometry();
   setenv("KVTD_CUDASIM_PIN_MBPS", "8", 1);  // 32 MiB: 4 s on one thread
-  auto pool = HostPool::open(*backend_, g, generation(4), 0, config::HostLayout::kLayerFirst, -1, plan(1));
+  auto pool = HostPool::open(*backend_, g, generation(4), 0, daemon::HostLayout::kLayerFirst, -1, plan(1));
   ASSERT_TRUE(pool.ok()) << pool.error().message;
   int polls = 0;
   auto st = (*pool)->wait_pinned(g.num_host_blocks, [&]() -> std::optional<std::string> {
@@ -157,7 +157,7 @@ TEST_F(HostPoolPinning, APoolDestroyedWhilePinningStopsItsThreadsAndUnpinsWhatTh
   const auto g = geometry();
   setenv("KVTD_CUDASIM_PIN_MBPS", "16", 1);  // 32 MiB: 2 s on one thread
   {
-    auto pool = HostPool::open(*backend_, g, generation(5), 0, config::HostLayout::kPageFirst, -1, plan(3));
+    auto pool = HostPool::open(*backend_, g, generation(5), 0, daemon::HostLayout::kPageFirst, -1, plan(3));
     ASSERT_TRUE(pool.ok()) << pool.error().message;
     EXPECT_LT((*pool)->pinned_blocks(), g.num_host_blocks);
     (*pool)->remove();

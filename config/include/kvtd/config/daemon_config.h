@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "kvtd/daemon/device_modes.h"
 #include "kvtd/proto/expected.h"
 #include "kvtd/proto/geometry.h"
 
@@ -26,27 +27,7 @@ enum class ConfigErrc {
 // --numa-node auto: the node sysfs gives for the rank's GPU (none on the host backend).
 inline constexpr int kNumaAuto = -2;
 
-// How the host pool lays out its blocks (see daemon/host_pool.h).
-enum class HostLayout : std::uint32_t { kLayerFirst = 0, kPageFirst = 1 };
-
 enum class DeviceBackendKind { kHost, kCuda };
-
-// How the CUDA backend moves scattered (non-run) blocks; runs are one cudaMemcpyAsync each
-// (in batch mode they join the batch).
-//
-// Default: batch. kvtd is a process of its own, so without MPS its kernels run in their own
-// context and time-slice with the engine's on the SMs: a copy kernel stalls the model's compute
-// for its time slice. The copy engines are scheduled apart from the SMs, so a batch of DMA copies
-// overlaps the engine's kernels. With MPS (contexts share the SMs) `kernel` may move many small
-// blocks with less per-copy overhead; measure with `kvtd selftest` on the target GPU. Builds whose
-// toolkit has no cudaMemcpyBatchAsync (before CUDA 13) fall back to `kernel` unless the flag asks.
-enum class ScatterMode {
-  kKernelAllLayers,  // "kernel": one warp-per-block launch for every layer and tensor
-  kKernelPerLayer,   // "kernel-per-layer": one launch per layer and tensor
-  kBatch,            // "batch": cudaMemcpyBatchAsync, copy engines instead of SMs (default)
-  kMemcpy,           // "memcpy": one cudaMemcpyAsync per block (reference; slow for small blocks)
-};
-const char* scatter_mode_name(ScatterMode m);
 
 // --verify-swaps: checksums of swapped blocks, computed where the device blocks are as they go
 // out and again after they come back in; a mismatch fails the swap-in (status integrity).
@@ -58,8 +39,6 @@ enum class VerifySwaps {
 inline constexpr std::int32_t kVerifySampleEvery = 8;
 const char* verify_swaps_name(VerifySwaps v);
 bool parse_verify_swaps(const std::string& text, VerifySwaps* out);
-// Parses a scatter_mode_name; false for anything else.
-bool parse_scatter_mode(const std::string& text, ScatterMode* out);
 
 enum class StorageBackendKind { kNone, kFile, kRedis };
 enum class WritePolicy {
@@ -153,11 +132,11 @@ struct DaemonConfig {
   proto::CacheDtype cache_dtype = proto::CacheDtype::kBFloat16;
   std::string session_suffix;
   DeviceBackendKind device_backend = DeviceBackendKind::kHost;
-  ScatterMode scatter_mode = ScatterMode::kBatch;
+  daemon::ScatterMode scatter_mode = daemon::ScatterMode::kBatch;
   bool scatter_mode_given = false;     // --scatter-mode was on the command line
   VerifySwaps verify_swaps = VerifySwaps::kSampled;
   std::uint32_t copy_batch_max = 4096;  // copies per cudaMemcpyBatchAsync call (--copy-batch-max)
-  HostLayout host_layout = HostLayout::kLayerFirst;
+  daemon::HostLayout host_layout = daemon::HostLayout::kLayerFirst;
   bool host_pool_hugepages = false;    // the host pool in huge pages: a file in hugetlbfs_dir
   std::string hugetlbfs_dir = "/dev/hugepages";
   std::uint32_t host_pool_pin_threads = 4;  // background cudaHostRegister threads (--host-pool-pin-threads)
@@ -191,14 +170,6 @@ struct DaemonConfig {
   std::int64_t attach_timeout_ns() const { return static_cast<std::int64_t>(attach_timeout_s * 1e9); }
   std::int64_t heartbeat_period_ns() const { return static_cast<std::int64_t>(heartbeat_period_s * 1e9); }
 };
-
-// The log levels --log-level and the control socket's log-level accept (spdlog's names).
-inline constexpr const char* kLogLevelList = "trace, debug, info, warn, error, critical, off";
-constexpr bool valid_log_level(std::string_view level) {
-  for (std::string_view l : {"trace", "debug", "info", "warn", "error", "critical", "off"})
-    if (level == l) return true;
-  return false;
-}
 
 // Ranges of the duration flags, in seconds.
 inline constexpr double kMaxEngineTimeoutS = 3600;

@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "kvtd/config/daemon_config.h"
+#include "kvtd/daemon/device_modes.h"
 #include "kvtd/kernels/copy_plan.h"
 #include "kvtd/kernels/host_copy.h"
 #include "kvtd/kernels/layout.h"
@@ -41,8 +41,6 @@ enum class DeviceErrc {
 };
 
 enum class Direction { kToHost, kToDevice };
-
-using config::ScatterMode;
 
 // A backend is four narrow interfaces; each consumer takes only the one it uses (the task
 // runner a CopyEngine, the host pool HostMemory, the cache mapping a TensorMapper, the storage

@@ -33,7 +33,7 @@
 #include <string>
 #include <vector>
 
-#include "kvtd/config/daemon_config.h"
+#include "kvtd/daemon/device_modes.h"
 #include "kvtd/daemon/device_backend.h"
 #include "kvtd/proto/geometry.h"
 
@@ -84,7 +84,7 @@ class HostPool {
   // counts, when the kernel has too few free.
   static Result<std::unique_ptr<HostPool>, DeviceErrc> open(HostMemory& backend, const proto::CacheGeometry& g,
                                                             std::uint64_t generation, std::uint32_t rank,
-                                                            config::HostLayout layout = config::HostLayout::kLayerFirst,
+                                                            HostLayout layout = HostLayout::kLayerFirst,
                                                             int numa_node = -1, const PinPlan& pin = PinPlan(),
                                                             const std::string& hugetlbfs_dir = {});
   ~HostPool();
@@ -142,7 +142,7 @@ class HostPool {
 
   // Bytes the pool object of this geometry needs (header, validity map, regions); 0 on overflow.
   static std::uint64_t object_bytes(const proto::CacheGeometry& g,
-                                    config::HostLayout layout = config::HostLayout::kLayerFirst);
+                                    HostLayout layout = HostLayout::kLayerFirst);
 
  private:
   HostPool() = default;
