@@ -46,7 +46,7 @@ constexpr std::size_t kMaxParked = 4096;
 // nothing is released: a parked swap waits for a release by at most that long.
 constexpr std::int64_t kParkPollMinNs = 50'000, kParkPollMaxNs = 2'000'000;
 
-struct TaskRunner::Impl {
+struct TaskRunner::Impl final : StorageListener {
   endpoint::RankEndpoint& ep;
   CopyEngine& backend;  // the lanes' copies
   AttachedCache cache;
@@ -135,6 +135,12 @@ struct TaskRunner::Impl {
   void maybe_summarize(RunnerStats& last, std::int64_t& at);
 
   void release_storage(const StorageWork& sw);
+
+  // StorageListener: the storage executor's completions and releases, on its threads.
+  void storage_completed(const proto::TaskRecordHeader& h, const proto::Outcome& o, std::int64_t start_ns) override {
+    complete(h, o, start_ns);
+  }
+  void storage_released(const StorageWork& sw) override { release_storage(sw); }
 
   // Decodes one record (serve/task_decoder.h) and answers what the dispatcher answers itself;
   // true when `w` is a task to run.

@@ -21,18 +21,14 @@ TaskRunner::Impl::Impl(endpoint::RankEndpoint& e, DeviceBackend& b, AttachedCach
       parked(cache.host_blocks, cache.device_blocks),
       sink(ep, cache.metrics) {
   for (auto bytes : cache.block_bytes) block_bytes_all_layers += bytes * cache.num_layers;
-  auto complete_fn = [this](const proto::TaskRecordHeader& h, const proto::Outcome& o, std::int64_t start) {
-    complete(h, o, start);
-  };
-  auto release_fn = [this](const StorageWork& sw) { release_storage(sw); };
-  auto ex = StorageExecutor::create(ep, b, b, cache.pool, cache.storage, complete_fn, release_fn);
+  auto ex = StorageExecutor::create(ep, b, b, cache.pool, cache.storage, *this);
   if (!ex.ok()) {
     // Storage tasks then fail, naming why; swaps are unaffected.
     KVTD_ERROR("storage tasks disabled: {}", ex.error().message);
     StorageTargets none = cache.storage;
     none.store = nullptr;
     none.no_store_reason = "storage tasks are disabled on this rank: " + ex.error().message;
-    ex = StorageExecutor::create(ep, b, b, cache.pool, none, complete_fn, release_fn);
+    ex = StorageExecutor::create(ep, b, b, cache.pool, none, *this);
   }
   MutexLock g(stats_mu);  // no other thread yet; the locks keep the analysis whole
   if (ex.ok()) {

@@ -1,19 +1,17 @@
 // Phase 1 of a storage task, on the agreement thread: checked, selected, asked of the store and
 // agreed across ranks (MIN); a task that fails here aborts its agreement so the peers stop waiting.
-#include <algorithm>
-#include <cstring>
 #include <numeric>
-#include <thread>
 
-#include "kvtd/daemon/log.h"
-#include "kvtd/daemon/numa.h"
-#include "kvtd/ipc/clock.h"
-#include "kvtd/ipc/wait.h"
-#include "kvtd/storage/object_format.h"
-#include "kvtd/storage/object_store.h"
 #include "executor_impl.h"
+#include "kvtd/ipc/clock.h"
+#include "kvtd/storage/object_store.h"
 
 namespace kvtd::daemon {
+
+void StorageExecutor::Impl::abort_agreement(const StorageWork& w, TaskStatus why) {
+  ep.abort_agreement(w.header.seq, why);
+  if (t.metrics != nullptr) t.metrics->agreement_failed(why, /*this_rank=*/true);
+}
 
 void StorageExecutor::Impl::fail_before_agreement(const StorageWork& w, TaskStatus s, std::int64_t start, const std::string& msg) {
   abort_agreement(w, s);
@@ -29,7 +27,7 @@ bool StorageExecutor::Impl::may_agree(const StorageWork& w, std::int64_t start) 
   }
   {
     MutexLock g(stats_mu);
-    ++st.tasks;
+    ++tasks;
   }
   if (revoked(w)) return false;
   if (w.header.deadline_ns != 0 && start > w.header.deadline_ns) {
@@ -38,7 +36,7 @@ bool StorageExecutor::Impl::may_agree(const StorageWork& w, std::int64_t start) 
                               " us before execution");
     return false;
   }
-  if (is_cancelled(w.header.task_id)) {
+  if (queues.is_cancelled(w.header.task_id)) {
     fail_before_agreement(w, TaskStatus::kCancelled, start, "cancelled before it started");
     return false;
   }
@@ -62,19 +60,19 @@ bool StorageExecutor::Impl::agree_phase(Prepared& p) {
   if (!may_agree(w, p.start)) return false;
   std::vector<std::size_t> which;
   if (kind == TaskKind::kStorageWrite) {
-    which = selected_by_policy(w);
+    which = policy.selected(w);
   } else {
-    count_uses(w.section.keys);
+    policy.count_uses(w.section.keys);
     which.resize(w.section.keys.size());
     std::iota(which.begin(), which.end(), std::size_t{0});
   }
-  auto key_prefix = key_prefix_for(w.section.args.weight_version);
+  auto key_prefix = names.key_prefix_for(w.section.args.weight_version);
   if (!key_prefix.ok()) {
     fail_before_agreement(w, TaskStatus::kStorageUnavailable, p.start, "storage key prefix: " + key_prefix.error().message);
     return false;
   }
   for (auto i : which) {
-    p.stored.push_back(stored_key(w.section.keys[i], *key_prefix, w.section.args.weight_version));
+    p.stored.push_back(names.of(w.section.keys[i], *key_prefix, w.section.args.weight_version));
     if (!w.blocks.empty()) p.ids.push_back(w.blocks[i]);
   }
   p.which = std::move(which);
@@ -84,6 +82,27 @@ bool StorageExecutor::Impl::agree_phase(Prepared& p) {
   if (kind != TaskKind::kStorageWrite && t.metrics != nullptr)
     t.metrics->storage_lookup(kind, p.agreed, p.stored.size() - p.agreed);
   return needs_objects_moved(p, kind);
+}
+
+std::optional<std::uint32_t> StorageExecutor::Impl::local_then_agree(const StorageWork& w,
+                                                                    const std::vector<std::string>& keys,
+                                                                    std::int64_t start) {
+  auto local = t.store->exists(keys);
+  if (!local.ok()) {
+    const auto code = local.error().code;
+    fail_before_agreement(w, code == storage::StorageErrc::kUnavailable ? TaskStatus::kStorageUnavailable
+                                                                        : TaskStatus::kStorageError,
+                          start, unavailable(local.error().message));
+    return std::nullopt;
+  }
+  auto agreed = ep.agree(w.header.seq, static_cast<std::uint32_t>(*local), w.header.deadline_ns);
+  if (!agreed.ok()) {
+    if (revoked(w)) return std::nullopt;  // the engine failed it already
+    if (t.metrics != nullptr) t.metrics->agreement_failed(agreed.error().code, /*this_rank=*/false);
+    finish(w, proto::Outcome::failed(agreed.error().code, agreed.error().message), start);
+    return std::nullopt;
+  }
+  return *agreed;
 }
 
 bool StorageExecutor::Impl::needs_objects_moved(const Prepared& p, TaskKind kind) {

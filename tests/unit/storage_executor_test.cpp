@@ -9,11 +9,13 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <thread>
 
 #include "endpoint_helpers.h"
 #include "kvtd/daemon/device_backend.h"
 #include "kvtd/daemon/storage_executor.h"
 #include "kvtd/engine/engine_session.h"
+#include "kvtd/ipc/clock.h"
 #include "kvtd/storage/object_store.h"
 #include "scripted_store.h"
 #include "test_support.h"
@@ -40,7 +42,21 @@ class StorageExecutorTest : public ::testing::Test {
   std::unique_ptr<DeviceBackend> backend_ = make_host_backend();
   std::vector<std::byte> device_ = std::vector<std::byte>(kObject * kBlocks, std::byte{7});
   storage::StoreCapabilities capabilities_;  // the store's, set before SetUp
+  std::uint32_t backup_max_age_ms_ = 10'000;
   std::unique_ptr<test::ScriptedStore> store_;
+  // Records each rank's completions in its map (the executors' listener).
+  struct Recorder final : StorageListener {
+    Recorder(StorageExecutorTest& test, std::map<std::uint64_t, Outcome>& done) : test_(test), done_(done) {}
+    void storage_completed(const proto::TaskRecordHeader& h, const Outcome& o, std::int64_t) override {
+      std::lock_guard<std::mutex> g(test_.mu_);
+      done_[h.task_id] = o;
+      test_.cv_.notify_all();
+    }
+    void storage_released(const StorageWork&) override {}
+    StorageExecutorTest& test_;
+    std::map<std::uint64_t, Outcome>& done_;
+  };
+  std::vector<std::unique_ptr<Recorder>> listeners_;  // before the executors: they outlive them
   std::unique_ptr<StorageExecutor> exec_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -56,16 +72,12 @@ class StorageExecutorTest : public ::testing::Test {
     t.store_name = "scripted store";
     t.config.io_threads = 1;
     t.config.staging_mib = 8;
+    t.config.write_policy = config::WritePolicy::kWriteThrough;  // backups are stored
+    t.config.backup_max_age_ms = backup_max_age_ms_;
     t.object_bytes = kObject;
     t.device_tensors.push_back(kernels::LayerTensor{device.data(), kObject, kObject});
-    auto e = StorageExecutor::create(
-        ep, *backend_, *backend_, nullptr, std::move(t),
-        [this, &done](const proto::TaskRecordHeader& h, const Outcome& o, std::int64_t) {
-          std::lock_guard<std::mutex> g(mu_);
-          done[h.task_id] = o;
-          cv_.notify_all();
-        },
-        [](const StorageWork&) {});
+    listeners_.push_back(std::make_unique<Recorder>(*this, done));
+    auto e = StorageExecutor::create(ep, *backend_, *backend_, nullptr, std::move(t), *listeners_.back());
     EXPECT_TRUE(e.ok()) << e.error().message;
     return e.ok() ? std::move(e).value() : nullptr;
   }
@@ -147,6 +159,34 @@ TEST_F(StorageExecutorTest, AFailedWriteNamesItsOwnKeysCause) {
   EXPECT_EQ(failed.status, TaskStatus::kStorageError) << failed.message;
   EXPECT_NE(failed.message.find("2 of 4 objects not written: No space left on device (write e2"), std::string::npos)
       << failed.message;
+}
+
+// A backup that phase 1 skipped (it had waited past --storage-backup-max-age-ms) left phase 1
+// looking busy since it took that backup, so every backup arriving after the age bound was
+// skipped as "the store has held storage tasks" while the store was idle.
+TEST_F(StorageExecutorTest, ABackupSkippedInPhaseOneLeavesLaterBackupsStored) {
+  backup_max_age_ms_ = 100;
+  exec_.reset();
+  exec_ = make_executor(*ep_, device_, done_);
+  auto backup = [&](std::uint64_t id, std::int64_t submit_ns) {
+    StorageWork w;
+    w.header.task_id = id;
+    w.header.seq = ++seq_;
+    w.header.kind = static_cast<std::uint16_t>(TaskKind::kStorageWrite);
+    w.header.flags = proto::kTaskFlagPolicyBackup;
+    w.header.submit_ns = submit_ns;
+    w.epoch = ep_->epoch();
+    w.section.keys = keys("g" + std::to_string(id) + "_", 2);
+    w.blocks = {0, 1};
+    exec_->submit(std::move(w));
+    return id;
+  };
+  const auto old = wait(backup(20, ipc::monotonic_now_ns() - 10'000'000'000));
+  EXPECT_EQ(old.status, TaskStatus::kBackupSkipped) << old.message;
+  std::this_thread::sleep_for(std::chrono::milliseconds(3 * backup_max_age_ms_));  // the store stays idle
+  const auto fresh = wait(backup(21, ipc::monotonic_now_ns()));
+  EXPECT_EQ(fresh.status, TaskStatus::kOk) << fresh.message;
+  EXPECT_EQ(store_->size(), 2u);
 }
 
 // Cancellation was checked between chunks of up to 2,048 objects, so a CANCEL answered

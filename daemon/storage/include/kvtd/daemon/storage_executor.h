@@ -103,21 +103,28 @@ struct StorageStats {
   std::uint64_t backups_skipped = 0;  // backups not written: the store was behind, or their swap failed
 };
 
+// Where the executor reports, implemented by its owner (the task runner). Called on the
+// executor's threads, concurrently; it must not call back into the executor.
+class StorageListener {
+ public:
+  virtual ~StorageListener() = default;
+  // One task's outcome on this rank (its header, what it did, when it started).
+  virtual void storage_completed(const proto::TaskRecordHeader& header, const proto::Outcome& outcome,
+                                 std::int64_t start_ns) = 0;
+  // After each task, completed or dropped: its blocks may be released.
+  virtual void storage_released(const StorageWork& work) = 0;
+};
+
 class StorageExecutor {
  public:
-  // Reports one task's outcome (header, what this rank did, when it started).
-  using Complete = std::function<void(const proto::TaskRecordHeader&, const proto::Outcome&, std::int64_t start_ns)>;
-  // Called after each task (completed or dropped), to release its blocks.
-  using Release = std::function<void(const StorageWork&)>;
-
   // Why an executor could not be made: the flags leave a worker's slice of the staging too small
   // for one object (an operator must change them), or the staging could not be allocated.
   enum class SetupErrc { kStagingTooSmall, kNoMemory };
   // `copies` moves objects' bytes between the tensors and staging; `host_memory` gives the staging.
+  // `listener` (outlives the executor) hears every completion and release.
   static Result<std::unique_ptr<StorageExecutor>, SetupErrc> create(endpoint::RankEndpoint& ep, CopyEngine& copies,
                                                                       HostMemory& host_memory, HostPool* pool,
-                                                                      StorageTargets targets, Complete complete,
-                                                                      Release release);
+                                                                      StorageTargets targets, StorageListener& listener);
   ~StorageExecutor();
   StorageExecutor(const StorageExecutor&) = delete;
   StorageExecutor& operator=(const StorageExecutor&) = delete;

@@ -1,0 +1,271 @@
+// Phase 2 of a storage task, on an I/O worker: objects between the blocks and the store through the
+// worker's staging slice, with the cancel, revocation and deadline checks between steps.
+#include "object_mover.h"
+
+#include <algorithm>
+
+#include "kvtd/daemon/log.h"
+#include "kvtd/daemon/status_of.h"
+#include "kvtd/events/kv_events.h"
+#include "kvtd/ipc/clock.h"
+#include "kvtd/kernels/host_copy.h"
+
+namespace kvtd::daemon {
+
+
+namespace {
+
+// A device error met by one of several I/O threads of one chunk (the last one is kept).
+class DeviceError {
+ public:
+  void set(std::string message) {
+    MutexLock g(mu_);
+    text_ = std::move(message);
+  }
+  std::string get() const {
+    MutexLock g(mu_);
+    return text_;
+  }
+
+ private:
+  mutable Mutex mu_;
+  std::string text_ GUARDED_BY(mu_);
+};
+
+// The pieces of block `id` in `tensors`, in the stored object's order (every tensor's block, layer
+// by layer); adjacent pieces are merged (a page-first host pool gives one).
+std::vector<std::span<std::byte>> block_pieces(std::span<const kernels::LayerTensor> tensors, std::int32_t id) {
+  std::vector<std::span<std::byte>> pieces;
+  pieces.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    std::byte* at = t.base + static_cast<std::uint64_t>(id) * t.stride;
+    if (!pieces.empty() && pieces.back().data() + pieces.back().size() == at)
+      pieces.back() = std::span<std::byte>(pieces.back().data(), pieces.back().size() + t.block_bytes);
+    else
+      pieces.emplace_back(at, t.block_bytes);
+  }
+  return pieces;
+}
+
+}  // namespace
+
+namespace {
+
+// "write /long/path/x.kvo: No space left on device" -> "No space left on device (write /long/...)".
+std::string cause_of(const std::string& error) {
+  const auto at = error.rfind(": ");
+  if (at == std::string::npos) return error;
+  return error.substr(at + 2) + " (" + error.substr(0, at) + ")";
+}
+
+}  // namespace
+
+using proto::Outcome;
+using proto::TaskStatus;
+
+ObjectMover::Moved ObjectMover::stats() const {
+  MutexLock g(mu_);
+  return moved_;
+}
+
+std::size_t ObjectMover::cancel_step() const {
+  constexpr std::uint64_t kStepBytes = 4ull << 20;
+  const std::uint64_t by_bytes = t_.object_bytes == 0 ? 1 : std::max<std::uint64_t>(1, kStepBytes / t_.object_bytes);
+  const std::uint64_t step = std::max<std::uint64_t>(by_bytes, t_.config.io_threads);
+  return static_cast<std::size_t>(std::max<std::uint64_t>(1, std::min<std::uint64_t>(step, chunk_objects_)));
+}
+
+std::optional<Outcome> ObjectMover::check_put(const storage::BatchResult& put, std::size_t c) {
+  if (!put.ok())
+    return Outcome::failed(status_of(put.error().code, StoreCall::kWrite), unavailable(put.error().message));
+  std::size_t failed = 0;
+  auto status = TaskStatus::kOk;
+  std::string cause;
+  for (std::size_t i = 0; i < c; ++i) {
+    const auto& key = (*put)[i];
+    if (key.ok()) continue;
+    ++failed;
+    if (status == TaskStatus::kOk) {  // the first failed object's status and its own cause
+      status = status_of(key.result, StoreCall::kWrite);
+      cause = cause_of(key.error);
+    }
+  }
+  if (failed != 0)  // each object is whole or absent (the stores write then rename); the others stand
+    return Outcome::failed(status, unavailable(std::to_string(failed) + " of " + std::to_string(c) +
+                                               " objects not written: " + cause));
+  MutexLock g(mu_);
+  moved_.objects_written += c;
+  moved_.bytes_written += c * t_.object_bytes;
+  return std::nullopt;
+}
+
+ObjectMover::Step ObjectMover::load_chunk(const Prepared& p, std::span<const std::int32_t> ids,
+                                          std::span<const std::string> keys, std::byte* slice) {
+  const bool host = (p.work.header.flags & proto::kTaskFlagHostBlocks) != 0;
+  const auto& tensors = host ? t_.host_tensors : t_.device_tensors;
+  DeviceError scatter_error;  // set by the store's I/O threads
+  storage::ReadInto into;
+  // A block's bytes may land before they are verified: a block whose object fails verification
+  // never counts as loaded (a host block stays invalid: marked before the load, valid only for
+  // the loaded prefix; a device block lies past blocks_done, like a block after a miss).
+  into.unverified_bytes_ok = true;
+  if (host || copies_.tensors_host_accessible()) {
+    // Blocks the CPU can write (host-pool blocks; device blocks of a backend whose tensors are
+    // host memory): each object goes straight into its block's pieces. A store that reads in
+    // place reads and verifies it there (one copy, from the kernel into place; on 2 cores the
+    // scratch copy this saves was a quarter of a warm read's CPU time, STORAGE_READ 6.4 -> 7.4
+    // GB/s, scripts/bench.sh); others copy each verified payload in.
+    into.pieces = [&](std::size_t i) { return block_pieces(tensors, ids[i]); };
+  } else {
+    // Device memory (CUDA): each object is read into its slot of this worker's pinned staging and
+    // verified there, then its DMA goes from the slot on the store's I/O thread that read it,
+    // while later objects are still being read. No CPU copy between the read and the DMA, and a
+    // slot whose object fails is never copied to the device. An object after a miss on this rank
+    // may land in its (reserved) block too; only the leading blocks_done are reported loaded.
+    auto slot = [&](std::size_t i) { return slice + i * t_.object_bytes; };
+    into.pieces = [&](std::size_t i) { return storage::Pieces{{slot(i), t_.object_bytes}}; };
+    into.on_verified = [&](std::size_t i) {
+      if (auto s2 = copies_.scatter_from_staging(tensors, ids.subspan(i, 1), slot(i)); !s2.ok())
+        scatter_error.set(s2.error().message);
+    };
+  }
+  auto got = t_.store->read(keys, into);
+  if (!got.ok())
+    return {{}, Outcome::failed(status_of(got.error().code, StoreCall::kRead), unavailable(got.error().message))};
+  if (auto e = scatter_error.get(); !e.empty()) return {{}, Outcome::failed(TaskStatus::kDeviceError, e)};
+  return {std::move(got).value(), std::nullopt};
+}
+
+std::optional<Outcome> ObjectMover::failed_read(const Prepared& p, const storage::KeyResult& key, std::size_t loaded,
+                                                std::size_t of) const {
+  const auto status = status_of(key.result, StoreCall::kRead);
+  if (status == TaskStatus::kOk) return std::nullopt;  // a miss
+  // The store failed (a server that died, an I/O error), which is not a miss: the engine must be
+  // able to tell "not stored" from "store down". The blocks before it are loaded.
+  return Outcome::stopped(status, loaded,
+                          unavailable("the store failed reading key " + p.work.section.keys[p.which[loaded]] +
+                                      " after " + std::to_string(loaded) + " of " + std::to_string(of) +
+                                      " blocks: " + key.error));
+}
+
+std::optional<Outcome> ObjectMover::load(const Prepared& p, std::byte* slice) {
+  const auto& w = p.work;
+  const bool host = (w.header.flags & proto::kTaskFlagHostBlocks) != 0;
+  const std::size_t n = p.agreed;
+  std::size_t loaded = 0;
+  const std::size_t step = cancel_step();
+  while (loaded < n) {
+    if (auto late = past_deadline(w, loaded, n)) return late;
+    const std::size_t c = std::min(step, n - loaded);
+    if (!queues_.may_continue(w.header.task_id, loaded + c == n))
+      return Outcome::stopped(TaskStatus::kCancelled, loaded,
+                              "cancelled after " + std::to_string(loaded) + " of " + std::to_string(n) + " blocks");
+    const auto ids = std::span(p.ids).subspan(loaded, c);
+    if (revoked(w)) return std::nullopt;  // checked right before writing engine memory
+    if (host && pool_ != nullptr) pool_->mark_invalid(ids);
+    auto got = load_chunk(p, ids, std::span(p.stored).subspan(loaded, c), slice);
+    if (got.ended) return got.ended;
+    std::size_t ok = 0;
+    while (ok < c && got.keys[ok].ok()) ++ok;
+    if (host && pool_ != nullptr) pool_->mark_valid(ids.first(ok));
+    {
+      MutexLock g(mu_);
+      moved_.objects_read += ok;
+      moved_.bytes_read += ok * t_.object_bytes;
+    }
+    loaded += ok;
+    if (ok == c) continue;
+    if (auto failed = failed_read(p, got.keys[ok], loaded, n)) return failed;
+    KVTD_INFO("task {}: {} of key {} on this rank; loaded {} of {} agreed blocks", w.header.task_id,
+              storage::object_result_name(got.keys[ok].result), w.section.keys[p.which[loaded]], loaded, n);
+    break;
+  }
+  return Outcome::ok(loaded);
+}
+
+std::optional<Outcome> ObjectMover::write(const Prepared& p, std::byte* slice) {
+  const auto& w = p.work;
+  const bool host = (w.header.flags & proto::kTaskFlagHostBlocks) != 0;
+  const auto& stored = p.stored;
+  const std::size_t skip = p.agreed;
+  const std::uint64_t skipped = (w.section.keys.size() - p.which.size()) + skip;
+  // Agreed, but then waited for a write worker past its age: the workers are held by a slow store.
+  const std::int64_t waited_ms = (ipc::monotonic_now_ns() - p.queued_ns) / 1'000'000;
+  if (is_backup(w) && waited_ms > static_cast<std::int64_t>(t_.config.backup_max_age_ms))
+    return Outcome::failed(TaskStatus::kBackupSkipped, "backup skipped: it waited " + std::to_string(waited_ms) +
+                                                           " ms for a write worker (--storage-backup-max-age-ms " +
+                                                           std::to_string(t_.config.backup_max_age_ms) + ")")
+        .with_skipped(w.section.keys.size());
+  if (host && pool_ != nullptr)
+    if (auto bad = pool_->first_invalid(std::span(p.ids).subspan(skip)))
+      return Outcome::failed(TaskStatus::kHostTierLost, "host block " + std::to_string(*bad) +
+                                                            " holds no data written in this session; nothing stored");
+  // MLA: the cache is replicated, one copy serves every rank; rank 0 writes it.
+  const bool writer = !t_.replicated || ep_.rank() == 0;
+  const bool in_place = t_.store->capabilities().writes_pieces && (host || copies_.tensors_host_accessible());
+  std::size_t written = skip;
+  const std::size_t step = cancel_step();
+  while (written < stored.size()) {
+    if (revoked(w)) return std::nullopt;
+    if (auto late = past_deadline(w, written - skip, stored.size() - skip)) return late;
+    const std::size_t c = std::min(step, stored.size() - written);
+    if (!queues_.may_continue(w.header.task_id, written + c == stored.size()))
+      return Outcome::stopped(TaskStatus::kCancelled, written - skip,
+                              "cancelled after writing " + std::to_string(written - skip) + " of " +
+                                  std::to_string(stored.size() - skip) + " blocks")
+          .with_skipped(skipped);
+    if (writer)
+      if (auto ended = write_chunk(p, written, c, in_place, slice)) return ended;
+    written += c;
+  }
+  if (t_.kv_events != nullptr && writer && written > skip) {
+    std::vector<std::string> keys;
+    keys.reserve(written - skip);
+    for (std::size_t i = skip; i < written; ++i) keys.push_back(w.section.keys[p.which[i]]);
+    t_.kv_events->stored(std::move(keys));
+  }
+  return Outcome::written(written - skip, skipped);
+}
+
+std::optional<Outcome> ObjectMover::write_chunk(const Prepared& p, std::size_t from, std::size_t c, bool in_place,
+                                                std::byte* slice) {
+  const bool host = (p.work.header.flags & proto::kTaskFlagHostBlocks) != 0;
+  const auto& tensors = host ? t_.host_tensors : t_.device_tensors;
+  const auto chunk_ids = std::span(p.ids).subspan(from, c);
+  const auto names = std::span(p.stored).subspan(from, c);
+  storage::WriteFrom source;
+  if (in_place) {
+    // The blocks are readable where they are (host pool; host-backend tensors): each object is
+    // written straight from its pieces, no staging copy. Adjacent pieces merge, so a page-first
+    // host block is one piece: the object exactly as it lies in the pool.
+    source.pieces = [&](std::size_t i) -> std::optional<storage::ConstPieces> {
+      const auto pieces = block_pieces(tensors, chunk_ids[i]);
+      return storage::ConstPieces(pieces.begin(), pieces.end());
+    };
+    return check_put(t_.store->write(names, source), c);
+  }
+  // Each object is gathered into its slot of staging on the I/O thread that writes it next.
+  DeviceError gather_error;  // set by the store's I/O threads
+  source.pieces = [&](std::size_t i) -> std::optional<storage::ConstPieces> {
+    const auto one = chunk_ids.subspan(i, 1);
+    std::byte* to = slice + i * t_.object_bytes;
+    if (host) {
+      kernels::gather_to_staging_host(tensors, one, to);
+    } else if (auto gathered = copies_.gather_to_staging(tensors, one, to); !gathered.ok()) {
+      gather_error.set(gathered.error().message);
+      return std::nullopt;  // never store what a failed gather left in staging
+    }
+    return storage::ConstPieces{{to, t_.object_bytes}};
+  };
+  auto put = t_.store->write(names, source);
+  if (auto e = gather_error.get(); !e.empty()) return Outcome::failed(TaskStatus::kDeviceError, e);
+  return check_put(put, c);
+}
+
+std::optional<Outcome> ObjectMover::past_deadline(const StorageWork& w, std::size_t done, std::size_t of) const {
+  if (w.header.deadline_ns == 0 || ipc::monotonic_now_ns() <= w.header.deadline_ns) return std::nullopt;
+  return Outcome::failed(TaskStatus::kDeadlineExceeded,
+                         "deadline passed after " + std::to_string(done) + " of " + std::to_string(of) + " blocks");
+}
+
+}  // namespace kvtd::daemon

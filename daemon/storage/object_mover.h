@@ -1,0 +1,80 @@
+// object_mover.h (daemon/storage private) - phase 2 of a storage task, on an I/O worker: the
+// agreed objects between the blocks and the store, through the worker's staging slice, in steps
+// of at most ~4 MiB with the cancel, revocation and deadline checks between them. It reports
+// what the task did as an Outcome and leaves completing it to its caller.
+//
+// Thread-safety: load() and write() run on several workers at once, each with its own slice;
+// stats() from any thread. Not copyable.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvtd/base/mutex.h"
+#include "kvtd/daemon/storage_executor.h"
+#include "kvtd/storage/object_store.h"
+#include "task_queues.h"
+
+namespace kvtd::daemon {
+
+class ObjectMover {
+ public:
+  // `targets`, `copies`, `pool`, `queues` and `ep` outlive the mover; `chunk_objects` objects fit
+  // one worker's slice.
+  ObjectMover(const StorageTargets& targets, CopyEngine& copies, HostPool* pool, TaskQueues& queues,
+              endpoint::RankEndpoint& ep, std::size_t chunk_objects)
+      : t_(targets), copies_(copies), pool_(pool), queues_(queues), ep_(ep), chunk_objects_(chunk_objects) {}
+  ObjectMover(const ObjectMover&) = delete;
+  ObjectMover& operator=(const ObjectMover&) = delete;
+
+  // STORAGE_READ and PREFETCH: loads the agreed prefix of `p` through `slice`. The outcome to
+  // report, or nullopt when the engine revoked the task (it has failed it already: no completion,
+  // and no engine memory written after the check).
+  std::optional<proto::Outcome> load(const Prepared& p, std::byte* slice);
+  // STORAGE_WRITE: stores what is not stored yet, through `slice` or from the blocks in place.
+  std::optional<proto::Outcome> write(const Prepared& p, std::byte* slice);
+
+  struct Moved {
+    std::uint64_t objects_read = 0, objects_written = 0, bytes_read = 0, bytes_written = 0;
+  };
+  Moved stats() const EXCLUDES(mu_);
+
+  // Why this rank's work must stop without a completion: the engine revoked its epoch.
+  bool revoked(const StorageWork& w) const { return w.epoch != ep_.epoch() || !ep_.granted(); }
+
+ private:
+  // What a step of a load or write ended with: results per object, or the task's outcome.
+  struct Step {
+    std::vector<storage::KeyResult> keys;
+    std::optional<proto::Outcome> ended;
+  };
+  std::size_t cancel_step() const;
+  Step load_chunk(const Prepared& p, std::span<const std::int32_t> ids, std::span<const std::string> keys,
+                  std::byte* slice);
+  // The outcome of a load that stopped at object `at` of a step; nullopt if it is a miss.
+  std::optional<proto::Outcome> failed_read(const Prepared& p, const storage::KeyResult& key, std::size_t loaded,
+                                            std::size_t of) const;
+  // Objects [from, from + c) of write `p`: nullopt when written, else the task's outcome.
+  std::optional<proto::Outcome> write_chunk(const Prepared& p, std::size_t from, std::size_t c, bool in_place,
+                                            std::byte* slice);
+  std::optional<proto::Outcome> check_put(const storage::BatchResult& put, std::size_t c);
+  std::optional<proto::Outcome> past_deadline(const StorageWork& w, std::size_t done, std::size_t of) const;
+  // The cause first, the store (whose name may hold a long path) last: completion messages are
+  // cut at 167 characters.
+  std::string unavailable(const std::string& what) const { return what + " (" + t_.store_name + ")"; }
+
+  const StorageTargets& t_;
+  CopyEngine& copies_;
+  HostPool* const pool_;
+  TaskQueues& queues_;
+  endpoint::RankEndpoint& ep_;
+  const std::size_t chunk_objects_;
+  mutable Mutex mu_;
+  Moved moved_ GUARDED_BY(mu_);
+};
+
+}  // namespace kvtd::daemon
