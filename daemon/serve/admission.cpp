@@ -32,11 +32,10 @@ void TaskRunner::Impl::start(Work&& w, int lane, std::int64_t now) {
     return;
   }
   const bool layerwise = (w.header.flags & proto::kTaskFlagLayerwise) != 0;
-  if (!layerwise && lanes[lane].outstanding.load(std::memory_order_acquire) == 0 &&
-      task_bytes(w) <= kInlineMaxBytes) {
-    execute_and_release(w, lane);
+  if (!layerwise && lanes.idle(lane) && lanes.task_bytes(w) <= kInlineMaxBytes) {
+    lanes.run_inline(w, lane);
   } else {
-    enqueue(std::move(w), lane);
+    lanes.enqueue(std::move(w), lane);
   }
 }
 

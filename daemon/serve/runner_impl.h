@@ -1,12 +1,12 @@
-// runner_impl.h (daemon-internal) - the task runner's private state, shared by the files that
-// each hold one of its parts: task_runner.cpp (the facade, the dispatcher loop, decoding and
-// completions), admission.cpp (admitting, parking and starting decoded tasks) and swap_lanes.cpp
-// (the two swap lanes: their queues, threads and copies).
+// runner_impl.h (daemon/serve private) - the task runner: the dispatcher over the objects it
+// holds: the block tracker, the parked queue, the completion sink, the swap lanes (swap_lanes.h)
+// and the storage executor. task_runner.cpp holds the facade, the dispatcher loop, decoding and
+// completions; admission.cpp admits, parks and starts decoded tasks.
 //
-// Threads: the dispatcher (run()'s caller) reads the ring, decodes, admits and starts tasks; one
-// thread per swap lane executes its queue in order; the storage executor has its own. Locks:
-// each lane's `mu` (its queue) and `stats_mu` (figures, the executor's ownership), each taken
-// alone and never across a copy or a wait.
+// Threads: the dispatcher (run()'s caller) reads the ring, decodes, admits and starts tasks; the
+// lanes and the storage executor have their own, and report back through SwapReports and
+// StorageListener. `stats_mu` (figures, the executor's ownership) is never held across a copy or
+// a wait.
 #pragma once
 
 #include <atomic>
@@ -22,6 +22,7 @@
 #include "block_tracker.h"
 #include "kvtd/daemon/completion_sink.h"
 #include "parked_queue.h"
+#include "swap_lanes.h"
 #include "swap_outcomes.h"
 #include "work.h"
 
@@ -46,11 +47,10 @@ constexpr std::size_t kMaxParked = 4096;
 // nothing is released: a parked swap waits for a release by at most that long.
 constexpr std::int64_t kParkPollMinNs = 50'000, kParkPollMaxNs = 2'000'000;
 
-struct TaskRunner::Impl final : StorageListener {
+struct TaskRunner::Impl final : StorageListener, SwapReports {
   endpoint::RankEndpoint& ep;
   CopyEngine& backend;  // the lanes' copies
   AttachedCache cache;
-  std::uint64_t block_bytes_all_layers = 0;  // what one block of a task moves, every layer and tensor
 
   BlockTracker tracker;  // which blocks each lane has in flight: cross-lane order
   // Tasks read but not admitted yet, and the tracker generation of their last check (dispatcher
@@ -59,20 +59,11 @@ struct TaskRunner::Impl final : StorageListener {
   std::uint32_t parked_checked_at = 0;
   std::int64_t park_poll_ns = kParkPollMinNs;
   CompletionSink sink;   // the one writer of completions
+  SwapLanes lanes;       // the two swap lanes and their threads
   // Outcomes of swaps whose backup follows them, for the backup; and the swap (dispatcher thread
   // only) whose backup must be the next record read, or 0.
   SwapOutcomes swap_outcomes;
   std::uint64_t backup_pair_swap = 0;
-
-  struct Lane {
-    Mutex mu;
-    std::deque<Work> queue GUARDED_BY(mu);
-    std::atomic<std::uint32_t> word{0};
-    std::atomic<std::uint32_t> waiters{0};
-    std::atomic<bool> closing{false};
-    std::atomic<std::uint32_t> outstanding{0};  // queued or executing on the lane thread
-    std::thread thread;
-  } lanes[2];
 
   mutable Mutex stats_mu;
   RunnerStats stats GUARDED_BY(stats_mu);
@@ -86,42 +77,19 @@ struct TaskRunner::Impl final : StorageListener {
 
   Impl(endpoint::RankEndpoint& e, DeviceBackend& b, AttachedCache c);
 
-  static int lane_of(TaskKind k) { return k == TaskKind::kSwapToHost ? 0 : 1; }
-  // Waits on the host for swap `w`'s engine event, bounded by the engine's liveness, the task's
-  // deadline, cache.engine_event_timeout_ns and the lane's closing (kEventNotFired past them).
-  Status<DeviceErrc> await_engine_event(const Work& w, std::int64_t start);
-  // Why swap `w` cannot start, or nullopt: its deadline passed, its host blocks are not pinned
-  // (after a bounded wait) or hold nothing valid (swap-in), or the engine's event never fired.
-  // Marks a swap-out's host blocks invalid before the copy may touch them.
-  std::optional<std::pair<TaskStatus, std::string>> prepare_swap(Work& w, int lane, std::int64_t start);
-  // Waits until the host pool has pinned every host block of swap `w` (the pool pins in the
-  // background after its first blocks), bounded by the task's deadline, the lane's closing and
-  // kPinStallNs without progress; counted in the metrics when it had to wait. The task's failure
-  // status and message when it gave up.
-  std::optional<std::pair<TaskStatus, std::string>> await_pinned(const Work& w, int lane, std::int64_t start);
-  static constexpr std::int64_t kPinStallNs = 60'000'000'000;
-  // Logs the first swap served since the session was granted (time to first swap), once.
-  void note_first_swap(std::int64_t now);
-  std::atomic<bool> first_swap_noted{false};
+  static int lane_of(TaskKind k) { return SwapLanes::lane_of(k); }
 
-  // ---- swap_checksums.cpp (--verify-swaps) ----
-  // The blocks of swap `w` whose checksums are taken: at swap-out its sampled (device, host)
-  // pairs; at swap-in those of them whose host block has checksums kept in this process.
-  struct VerifiedBlocks {
-    std::vector<std::int32_t> device, host;
-  };
-  VerifiedBlocks blocks_to_verify(const Work& w, bool swap_in, std::size_t targets) const;
-  // Runs swap `w`'s copy on `lane` (whole, or layer by layer with progress for the engine) and
-  // returns the checksums of `verify`'s device blocks taken after it (swap_lanes.cpp).
-  Result<std::vector<std::uint64_t>, DeviceErrc> copy_swap(const Work& w, int lane, const VerifiedBlocks& verify);
-  // After a swap-out: keeps `sums` (device_checksums' layout) with the host blocks.
-  void keep_checksums(const VerifiedBlocks& v, std::span<const std::uint64_t> sums, std::size_t targets);
-  // After a swap-in: compares `sums` with those kept at swap-out; the integrity failure, or nullopt.
-  std::optional<std::pair<TaskStatus, std::string>> check_checksums(const VerifiedBlocks& v,
-                                                                     std::span<const std::uint64_t> sums,
-                                                                     std::size_t targets) const;
-  std::uint64_t task_bytes(const Work& w) const {
-    return block_bytes_all_layers * static_cast<std::uint64_t>(w.plan.num_blocks);
+  // SwapReports: the lanes' completions and figures.
+  void swap_completed(const proto::TaskRecordHeader& h, const proto::Outcome& o, std::int64_t start_ns) override {
+    complete(h, o, start_ns);
+  }
+  void swap_moved(int lane, std::uint64_t bytes) override {
+    MutexLock g(stats_mu);
+    (lane == 0 ? stats.bytes_to_host : stats.bytes_to_device) += bytes;
+  }
+  void swaps_dropped(std::size_t n) override {
+    MutexLock g(stats_mu);
+    stats.tasks_dropped += n;
   }
 
   // ---- task_runner.cpp ----
@@ -193,15 +161,7 @@ struct TaskRunner::Impl final : StorageListener {
   // dropped (nothing they would do could reach the engine).
   void settle_parked(TaskRunner::Exit exit);
 
-  // ---- swap_lanes.cpp ----
-
-  void enqueue(Work&& w, int lane);
-
-  void execute(Work& w, int lane);
-
-  void lane_loop(int lane);
-
-  void execute_and_release(Work& w, int lane);
+  // ---- the lanes, the parked tasks and the executor together ----
 
   // Removes every queued (not yet executing) task; they belong to a revoked epoch.
   std::size_t drop_queued();

@@ -1,4 +1,4 @@
-// The task runner's two swap lanes: queues, threads and the copies they execute.
+// The two swap lanes: queues, threads and the swaps they execute.
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -8,13 +8,56 @@
 #include "kvtd/daemon/notify.h"
 #include "kvtd/ipc/clock.h"
 #include "kvtd/ipc/wait.h"
-#include "runner_impl.h"
+#include "swap_lanes.h"
 #include "kvtd/daemon/status_of.h"
 
 namespace kvtd::daemon {
 
-void TaskRunner::Impl::enqueue(Work&& w, int lane) {
-  auto& l = lanes[lane];
+using proto::TaskKind;
+using proto::TaskStatus;
+
+namespace {
+constexpr std::int64_t kPollSliceNs = 50'000'000;  // how often an idle lane re-checks its closing
+}  // namespace
+
+SwapLanes::SwapLanes(endpoint::RankEndpoint& ep, CopyEngine& copies, const AttachedCache& cache, BlockTracker& tracker,
+                     SwapReports& reports)
+    : ep_(ep), copies_(copies), cache_(cache), tracker_(tracker), reports_(reports) {
+  for (auto bytes : cache_.block_bytes) block_bytes_all_layers_ += bytes * cache_.num_layers;
+}
+
+void SwapLanes::start() {
+  for (int d = 0; d < 2; ++d) lanes_[d].thread = std::thread([this, d] { lane_loop(d); });
+}
+
+void SwapLanes::close() {
+  for (auto& l : lanes_) {
+    l.closing.store(true, std::memory_order_release);
+    ipc::bump_and_wake(l.word, &l.waiters);
+  }
+  for (auto& l : lanes_)
+    if (l.thread.joinable()) l.thread.join();
+}
+
+std::size_t SwapLanes::drop_queued() {
+  std::size_t n = 0;
+  for (int lane = 0; lane < 2; ++lane) {
+    std::deque<Work> q;
+    {
+      MutexLock g(lanes_[lane].mu);
+      q.swap(lanes_[lane].queue);
+    }
+    for (auto& w : q) {
+      tracker_.release(tracked_task(w), lane);
+      lanes_[lane].outstanding.fetch_sub(1, std::memory_order_acq_rel);
+      ++n;
+    }
+  }
+  return n;
+}
+
+void SwapLanes::enqueue(Work&& w, int lane) {
+  auto& l = lanes_[lane];
   l.outstanding.fetch_add(1, std::memory_order_acq_rel);
   {
     MutexLock g(l.mu);
@@ -23,24 +66,24 @@ void TaskRunner::Impl::enqueue(Work&& w, int lane) {
   ipc::bump_and_wake(l.word, &l.waiters);
 }
 
-void TaskRunner::Impl::execute(Work& w, int lane) {
+void SwapLanes::execute(Work& w, int lane) {
   const auto& h = w.header;
   const std::int64_t start = ipc::monotonic_now_ns();
   if (auto failed = prepare_swap(w, lane, start)) {
-    complete(h, proto::Outcome::failed(failed->first, failed->second), start);
+    reports_.swap_completed(h, proto::Outcome::failed(failed->first, failed->second), start);
     return;
   }
-  const auto& targets = lane == 0 ? cache.to_host : cache.to_device;
+  const auto& targets = lane == 0 ? cache_.to_host : cache_.to_device;
   // --verify-swaps: the blocks whose checksums this swap takes (kept at swap-out, compared at swap-in).
   const VerifiedBlocks verify = blocks_to_verify(w, lane == 1, targets.size());
   auto copied = copy_swap(w, lane, verify);
   if (!copied.ok()) {
-    complete(h, proto::Outcome::failed(status_of(copied.error().code), copied.error().message), start);
+    reports_.swap_completed(h, proto::Outcome::failed(status_of(copied.error().code), copied.error().message), start);
     return;
   }
   const std::vector<std::uint64_t>& sums = *copied;
   if (sums.size() != verify.device.size() * targets.size()) {
-    complete(h,
+    reports_.swap_completed(h,
              proto::Outcome::failed(TaskStatus::kDeviceError,
                                     "--verify-swaps: the device returned " + std::to_string(sums.size()) +
                                         " checksums for " + std::to_string(verify.device.size()) + " blocks x " +
@@ -48,41 +91,37 @@ void TaskRunner::Impl::execute(Work& w, int lane) {
              start);
     return;
   }
-  if (lane == 0 && cache.pool != nullptr) {
+  if (lane == 0 && cache_.pool != nullptr) {
     // The checksums first: a block is valid only with what --verify-swaps checks it against.
     keep_checksums(verify, sums, targets.size());
-    cache.pool->mark_valid(w.host_ids);
+    cache_.pool->mark_valid(w.host_ids);
   }
-  if (lane == 1 && cache.pool != nullptr) {
+  if (lane == 1 && cache_.pool != nullptr) {
     if (auto bad = check_checksums(verify, sums, targets.size())) {
-      complete(h, proto::Outcome::failed(bad->first, bad->second), start);
+      reports_.swap_completed(h, proto::Outcome::failed(bad->first, bad->second), start);
       return;
     }
   }
-  const std::uint64_t bytes = task_bytes(w);
-  {
-    MutexLock g(stats_mu);
-    (lane == 0 ? stats.bytes_to_host : stats.bytes_to_device) += bytes;
-  }
-  complete(h, proto::Outcome::swapped(static_cast<std::uint64_t>(w.plan.num_blocks), cache.num_layers), start);
-  if (!first_swap_noted.load(std::memory_order_relaxed)) note_first_swap(ipc::monotonic_now_ns());
+  reports_.swap_moved(lane, task_bytes(w));
+  reports_.swap_completed(h, proto::Outcome::swapped(static_cast<std::uint64_t>(w.plan.num_blocks), cache_.num_layers), start);
+  if (!first_swap_noted_.load(std::memory_order_relaxed)) note_first_swap(ipc::monotonic_now_ns());
 }
 
-std::optional<std::pair<TaskStatus, std::string>> TaskRunner::Impl::prepare_swap(Work& w, int lane, std::int64_t start) {
+std::optional<SwapLanes::Failure> SwapLanes::prepare_swap(Work& w, int lane, std::int64_t start) {
   const auto& h = w.header;
   if (h.deadline_ns != 0 && start > h.deadline_ns)
     return std::make_pair(TaskStatus::kDeadlineExceeded,
                           "deadline passed " + std::to_string((start - h.deadline_ns) / 1000) + " us before execution");
   if (auto failed = await_pinned(w, lane, start))
     return std::make_pair(failed->first, failed->second + "; nothing was copied");
-  if (lane == 1 && cache.pool != nullptr) {
-    if (auto bad = cache.pool->first_invalid(w.host_ids))
+  if (lane == 1 && cache_.pool != nullptr) {
+    if (auto bad = cache_.pool->first_invalid(w.host_ids))
       return std::make_pair(TaskStatus::kHostTierLost,
                             "host block " + std::to_string(*bad) +
                                 " holds no data written in this session (the host pool was lost with a daemon restart, "
                                 "or the write into it failed or never happened)");
   }
-  if (lane == 0 && cache.pool != nullptr) cache.pool->mark_invalid(w.host_ids);
+  if (lane == 0 && cache_.pool != nullptr) cache_.pool->mark_invalid(w.host_ids);
   // The engine's GPU work on these blocks first: its event must have fired before a byte moves.
   if (w.engine_event) {
     const auto st = await_engine_event(w, start);
@@ -97,47 +136,47 @@ std::optional<std::pair<TaskStatus, std::string>> TaskRunner::Impl::prepare_swap
   return std::nullopt;
 }
 
-Result<std::vector<std::uint64_t>, DeviceErrc> TaskRunner::Impl::copy_swap(const Work& w, int lane,
+Result<std::vector<std::uint64_t>, DeviceErrc> SwapLanes::copy_swap(const Work& w, int lane,
                                                                           const VerifiedBlocks& verify) {
   const auto& h = w.header;
-  const auto& targets = lane == 0 ? cache.to_host : cache.to_device;
+  const auto& targets = lane == 0 ? cache_.to_host : cache_.to_device;
   if ((h.flags & proto::kTaskFlagLayerwise) == 0) {
     // The checksums ride behind the copy on its stream: one synchronisation for both.
-    return backend.copy_with_checksums(lane == 0 ? Direction::kToHost : Direction::kToDevice, w.plan, targets,
+    return copies_.copy_with_checksums(lane == 0 ? Direction::kToHost : Direction::kToDevice, w.plan, targets,
                                        verify.device);
   }
-  ep.progress_begin(h);
+  ep_.progress_begin(h);
   std::uint32_t queued = 0, done = 0;
-  KVTD_TRY(backend.copy_layerwise(
-      Direction::kToDevice, w.plan, targets, targets.size() / cache.num_layers,
+  KVTD_TRY(copies_.copy_layerwise(
+      Direction::kToDevice, w.plan, targets, targets.size() / cache_.num_layers,
       [&](std::uint32_t layer) {
         queued = layer + 1;
-        ep.progress_update(h, queued, done);  // the engine may cudaStreamWaitEvent from here
+        ep_.progress_update(h, queued, done);  // the engine may cudaStreamWaitEvent from here
       },
       [&](std::uint32_t layer) {
         done = layer + 1;
-        ep.progress_update(h, queued, done);
+        ep_.progress_update(h, queued, done);
       }));
   if (verify.device.empty()) return std::vector<std::uint64_t>{};
-  return backend.device_checksums(Direction::kToDevice, targets, verify.device);
+  return copies_.device_checksums(Direction::kToDevice, targets, verify.device);
 }
 
-std::optional<std::pair<TaskStatus, std::string>> TaskRunner::Impl::await_pinned(const Work& w, int lane,
+std::optional<SwapLanes::Failure> SwapLanes::await_pinned(const Work& w, int lane,
                                                                                   std::int64_t start) {
   // Once the whole pool is pinned (always, on a backend that pins nothing) there is nothing to look up.
-  if (cache.pool == nullptr || w.host_ids.empty() || cache.pool->pinned_blocks() >= cache.host_blocks)
+  if (cache_.pool == nullptr || w.host_ids.empty() || cache_.pool->pinned_blocks() >= cache_.host_blocks)
     return std::nullopt;
   std::int32_t top = 0;
   for (auto id : w.host_ids) top = std::max(top, id);
   const auto end = static_cast<std::uint32_t>(top) + 1;
-  if (cache.pool->pinned_blocks() >= end) return std::nullopt;
+  if (cache_.pool->pinned_blocks() >= end) return std::nullopt;
   const auto& h = w.header;
-  std::uint32_t seen = cache.pool->pinned_blocks();
+  std::uint32_t seen = cache_.pool->pinned_blocks();
   std::int64_t progress_at = start;
   bool late = false;
-  auto st = cache.pool->wait_pinned(end, [&]() -> std::optional<std::string> {
+  auto st = cache_.pool->wait_pinned(end, [&]() -> std::optional<std::string> {
     const std::int64_t now = ipc::monotonic_now_ns();
-    if (const std::uint32_t p = cache.pool->pinned_blocks(); p != seen) {
+    if (const std::uint32_t p = cache_.pool->pinned_blocks(); p != seen) {
       seen = p;
       progress_at = now;
     }
@@ -145,20 +184,20 @@ std::optional<std::pair<TaskStatus, std::string>> TaskRunner::Impl::await_pinned
       late = true;
       return "the task's deadline passed after " + std::to_string((now - start) / 1'000'000) + " ms of waiting";
     }
-    if (lanes[lane].closing.load(std::memory_order_acquire)) return std::string("the cache is being released");
+    if (lanes_[lane].closing.load(std::memory_order_acquire)) return std::string("the cache is being released");
     if (now - progress_at > kPinStallNs)
       return "pinning made no progress for " + std::to_string(kPinStallNs / 1'000'000'000) + " s";
     return std::nullopt;
   });
-  if (cache.metrics != nullptr) cache.metrics->host_pool_pin_wait(ipc::monotonic_now_ns() - start);
+  if (cache_.metrics != nullptr) cache_.metrics->host_pool_pin_wait(ipc::monotonic_now_ns() - start);
   if (st.ok()) return std::nullopt;
   return std::make_pair(late ? TaskStatus::kDeadlineExceeded : TaskStatus::kDeviceError, st.error().message);
 }
 
-void TaskRunner::Impl::note_first_swap(std::int64_t now) {
-  if (first_swap_noted.exchange(true, std::memory_order_acq_rel) || cache.granted_ns == 0) return;
+void SwapLanes::note_first_swap(std::int64_t now) {
+  if (first_swap_noted_.exchange(true, std::memory_order_acq_rel) || cache_.granted_ns == 0) return;
   std::string pinned;
-  const auto p = cache.pool != nullptr ? cache.pool->pin_progress() : HostPool::PinProgress{};
+  const auto p = cache_.pool != nullptr ? cache_.pool->pin_progress() : HostPool::PinProgress{};
   if (p.bytes_total != 0) {  // a backend that pins
     char buf[160];
     std::snprintf(buf, sizeof buf, "; host pool: first blocks pinned in %.3f s, %.2f of %.2f GiB pinned now",
@@ -166,30 +205,30 @@ void TaskRunner::Impl::note_first_swap(std::int64_t now) {
                   static_cast<double>(p.bytes_total) / (1ull << 30));
     pinned = buf;
   }
-  KVTD_INFO("first swap served {:.3f} s after the session was granted{}", static_cast<double>(now - cache.granted_ns) / 1e9,
+  KVTD_INFO("first swap served {:.3f} s after the session was granted{}", static_cast<double>(now - cache_.granted_ns) / 1e9,
             pinned);
 }
 
-Status<DeviceErrc> TaskRunner::Impl::await_engine_event(const Work& w, std::int64_t start) {
+Status<DeviceErrc> SwapLanes::await_engine_event(const Work& w, std::int64_t start) {
   const auto& h = w.header;
-  const std::int64_t bound_ns = cache.engine_event_timeout_ns;
-  return backend.await_engine_event(*w.engine_event, [&]() -> std::optional<std::string> {
+  const std::int64_t bound_ns = cache_.engine_event_timeout_ns;
+  return copies_.await_engine_event(*w.engine_event, [&]() -> std::optional<std::string> {
     const std::int64_t now = ipc::monotonic_now_ns();
     // A dead engine's pending record never completes (the exporter is gone): the heartbeat says so.
-    if (!ep.engine_alive()) return "the engine stopped heartbeating (it died or hangs) with its record still pending";
+    if (!ep_.engine_alive()) return "the engine stopped heartbeating (it died or hangs) with its record still pending";
     if (h.deadline_ns != 0 && now > h.deadline_ns)
       return "the task's deadline passed after " + std::to_string((now - start) / 1'000'000) + " ms of waiting";
     if (bound_ns > 0 && now - start > bound_ns)
       return "not within " + std::to_string(bound_ns / 1'000'000) + " ms (--engine-event-timeout) while the engine lives";
-    if (lanes[lane_of(static_cast<TaskKind>(h.kind))].closing.load(std::memory_order_acquire))
+    if (lanes_[lane_of(static_cast<TaskKind>(h.kind))].closing.load(std::memory_order_acquire))
       return "the daemon is stopping";
     return std::nullopt;
   });
 }
 
-void TaskRunner::Impl::lane_loop(int lane) {
-  start_copy_thread(lane == 0 ? "kvtd-lane0" : "kvtd-lane1", cache.numa_node);
-  auto& l = lanes[lane];
+void SwapLanes::lane_loop(int lane) {
+  start_copy_thread(lane == 0 ? "kvtd-lane0" : "kvtd-lane1", cache_.numa_node);
+  auto& l = lanes_[lane];
   for (;;) {
     const std::uint32_t seen = l.word.load(std::memory_order_acquire);
     Work w;
@@ -212,45 +251,15 @@ void TaskRunner::Impl::lane_loop(int lane) {
   }
 }
 
-void TaskRunner::Impl::execute_and_release(Work& w, int lane) {
+void SwapLanes::execute_and_release(Work& w, int lane) {
   // Checked right before touching memory: once the engine revoked the epoch this work was read
   // under, it has failed the task and may reuse its blocks, so the work is dropped unrun.
-  if (w.epoch != ep.epoch() || !ep.granted()) {
-    MutexLock g(stats_mu);
-    ++stats.tasks_dropped;
+  if (w.epoch != ep_.epoch() || !ep_.granted()) {
+    reports_.swaps_dropped(1);
   } else {
     execute(w, lane);
   }
-  tracker.release(tracked_task(w), lane);
-}
-
-std::size_t TaskRunner::Impl::drop_queued() {
-  std::size_t n = 0;
-  for (int lane = 0; lane < 2; ++lane) {
-    std::deque<Work> q;
-    {
-      MutexLock g(lanes[lane].mu);
-      q.swap(lanes[lane].queue);
-    }
-    for (auto& w : q) {
-      tracker.release(tracked_task(w), lane);
-      lanes[lane].outstanding.fetch_sub(1, std::memory_order_acq_rel);
-      ++n;
-    }
-  }
-  n += parked.take_all().size();  // never admitted: nothing to release
-  if (storage) n += storage->drop_queued();
-  swap_outcomes.forget_all();  // the revoked epoch's backups will not ask
-  if (n != 0) {
-    MutexLock g(stats_mu);
-    stats.tasks_dropped += n;
-  }
-  return n;
-}
-
-void TaskRunner::Impl::wait_until_idle() {
-  start_all_parked();
-  tracker.wait_until_idle(kPollSliceNs, [] { notify_watchdog(); });
+  tracker_.release(tracked_task(w), lane);
 }
 
 }  // namespace kvtd::daemon

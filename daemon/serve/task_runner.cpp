@@ -19,8 +19,8 @@ TaskRunner::Impl::Impl(endpoint::RankEndpoint& e, DeviceBackend& b, AttachedCach
       cache(std::move(c)),
       tracker(cache.host_blocks, cache.device_blocks),
       parked(cache.host_blocks, cache.device_blocks),
-      sink(ep, cache.metrics) {
-  for (auto bytes : cache.block_bytes) block_bytes_all_layers += bytes * cache.num_layers;
+      sink(ep, cache.metrics),
+      lanes(ep, b, cache, tracker, *this) {
   auto ex = StorageExecutor::create(ep, b, b, cache.pool, cache.storage, *this);
   if (!ex.ok()) {
     // Storage tasks then fail, naming why; swaps are unaffected.
@@ -47,7 +47,7 @@ void TaskRunner::Impl::complete(const proto::TaskRecordHeader& h, const proto::O
     else ++stats.tasks_failed;
     stats.queue_wait_ns_max = std::max(stats.queue_wait_ns_max, CompletionSink::queue_wait_ns(h, start_ns));
   }
-  sink.report(h, o, start_ns, moves ? o.blocks * block_bytes_all_layers : 0);
+  sink.report(h, o, start_ns, moves ? o.blocks * lanes.block_bytes() : 0);
 }
 
 void TaskRunner::Impl::maybe_summarize(RunnerStats& last, std::int64_t& at) {
@@ -208,12 +208,7 @@ std::optional<TaskRunner::Exit> TaskRunner::Impl::on_ring_event(endpoint::RankEn
 }
 
 void TaskRunner::Impl::shut_down() {
-  for (auto& l : lanes) {
-    l.closing.store(true, std::memory_order_release);
-    ipc::bump_and_wake(l.word, &l.waiters);
-  }
-  for (auto& l : lanes)
-    if (l.thread.joinable()) l.thread.join();
+  lanes.close();
   std::unique_ptr<StorageExecutor> executor;
   {
     MutexLock g(stats_mu);
@@ -225,6 +220,23 @@ void TaskRunner::Impl::shut_down() {
     MutexLock g(stats_mu);
     storage_final = executor->stats();
   }
+}
+
+std::size_t TaskRunner::Impl::drop_queued() {
+  std::size_t n = lanes.drop_queued();
+  n += parked.take_all().size();  // never admitted: nothing to release
+  if (storage) n += storage->drop_queued();
+  swap_outcomes.forget_all();  // the revoked epoch's backups will not ask
+  if (n != 0) {
+    MutexLock g(stats_mu);
+    stats.tasks_dropped += n;
+  }
+  return n;
+}
+
+void TaskRunner::Impl::wait_until_idle() {
+  start_all_parked();
+  tracker.wait_until_idle(kPollSliceNs, [] { notify_watchdog(); });
 }
 
 RunnerStats TaskRunner::Impl::snapshot_stats() const {
@@ -246,7 +258,7 @@ std::optional<proto::TaskRecordHeader> TaskRunner::clear_task() const { return i
 
 TaskRunner::Exit TaskRunner::run(const std::atomic<bool>& stop, const std::atomic<bool>* clear_requested) {
   auto* impl = impl_.get();
-  for (int d = 0; d < 2; ++d) impl->lanes[d].thread = std::thread([impl, d] { impl->lane_loop(d); });
+  impl->lanes.start();
   const Exit exit = impl->dispatch_loop(stop, clear_requested);
   impl->settle_parked(exit);
   impl->shut_down();

@@ -1,0 +1,119 @@
+// swap_lanes.h (daemon/serve private) - the two swap lanes (device -> host, host -> device): their
+// queues and threads, and the swaps they execute: the checks before a byte moves (deadline, host
+// blocks pinned and valid, the engine's event), the copy (whole, or layer by layer with progress
+// for the engine), --verify-swaps' checksums, and the host blocks' validity after it.
+//
+// Threads: one per lane runs its queue in order; run_inline() runs a swap on the caller's thread
+// (the dispatcher's, for a small swap when its lane is idle). Each lane's queue has its own lock,
+// never held across a copy or a wait. Not copyable.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "block_tracker.h"
+#include "kvtd/base/mutex.h"
+#include "kvtd/daemon/task_runner.h"
+#include "work.h"
+
+namespace kvtd::daemon {
+
+// Where the lanes report, implemented by the task runner; called on the lane threads (and on the
+// dispatcher for inline runs).
+class SwapReports {
+ public:
+  virtual ~SwapReports() = default;
+  virtual void swap_completed(const proto::TaskRecordHeader& h, const proto::Outcome& o, std::int64_t start_ns) = 0;
+  // `bytes` moved by a swap that completed ok on `lane` (0: to host, 1: to device).
+  virtual void swap_moved(int lane, std::uint64_t bytes) = 0;
+  // `n` swaps of a revoked epoch dropped unrun (the engine has failed them already).
+  virtual void swaps_dropped(std::size_t n) = 0;
+};
+
+class SwapLanes {
+ public:
+  static constexpr std::int64_t kPinStallNs = 60'000'000'000;  // a pin wait gives up past this without progress
+
+  // Everything given outlives the lanes; a swap's blocks are released in `tracker` once it ends.
+  SwapLanes(endpoint::RankEndpoint& ep, CopyEngine& copies, const AttachedCache& cache, BlockTracker& tracker,
+            SwapReports& reports);
+  SwapLanes(const SwapLanes&) = delete;
+  SwapLanes& operator=(const SwapLanes&) = delete;
+
+  static int lane_of(proto::TaskKind k) { return k == proto::TaskKind::kSwapToHost ? 0 : 1; }
+  void start();  // the lane threads
+  // Closes the lanes: each drains its queue, then its thread ends and is joined.
+  void close();
+  void enqueue(Work&& w, int lane);
+  // Runs `w` on this thread and releases its blocks (unrun if its epoch was revoked).
+  void run_inline(Work& w, int lane) { execute_and_release(w, lane); }
+  bool idle(int lane) const { return lanes_[lane].outstanding.load(std::memory_order_acquire) == 0; }
+  // What one block moves, every layer and tensor; and a swap's blocks, so.
+  std::uint64_t block_bytes() const { return block_bytes_all_layers_; }
+  std::uint64_t task_bytes(const Work& w) const {
+    return block_bytes_all_layers_ * static_cast<std::uint64_t>(w.plan.num_blocks);
+  }
+  // Removes every queued (not yet executing) swap, its blocks released; how many.
+  std::size_t drop_queued();
+
+ private:
+  struct Lane {
+    Mutex mu;
+    std::deque<Work> queue GUARDED_BY(mu);
+    std::atomic<std::uint32_t> word{0};
+    std::atomic<std::uint32_t> waiters{0};
+    std::atomic<bool> closing{false};
+    std::atomic<std::uint32_t> outstanding{0};  // queued or executing
+    std::thread thread;
+  };
+  // The blocks of a swap whose checksums are taken: at swap-out its sampled (device, host)
+  // pairs; at swap-in those of them whose host block has checksums kept in this process.
+  struct VerifiedBlocks {
+    std::vector<std::int32_t> device, host;
+  };
+  using Failure = std::pair<proto::TaskStatus, std::string>;
+
+  void lane_loop(int lane);
+  void execute_and_release(Work& w, int lane);
+  void execute(Work& w, int lane);
+  // Why swap `w` cannot start, or nullopt: its deadline passed, its host blocks are not pinned
+  // (after a bounded wait) or hold nothing valid (swap-in), or the engine's event never fired.
+  // Marks a swap-out's host blocks invalid before the copy may touch them.
+  std::optional<Failure> prepare_swap(Work& w, int lane, std::int64_t start);
+  // Waits until the host pool has pinned every host block of `w` (it pins in the background
+  // after its first blocks), bounded by the deadline, the lane's closing and kPinStallNs without
+  // progress; counted in the metrics when it had to wait.
+  std::optional<Failure> await_pinned(const Work& w, int lane, std::int64_t start);
+  // Waits on the host for `w`'s engine event, bounded by the engine's liveness, the deadline,
+  // cache.engine_event_timeout_ns and the lane's closing (kEventNotFired past them).
+  Status<DeviceErrc> await_engine_event(const Work& w, std::int64_t start);
+  // Runs `w`'s copy and returns the checksums of `verify`'s device blocks taken after it.
+  Result<std::vector<std::uint64_t>, DeviceErrc> copy_swap(const Work& w, int lane, const VerifiedBlocks& verify);
+  // Logs the first swap served since the session was granted (time to first swap), once.
+  void note_first_swap(std::int64_t now);
+
+  // ---- swap_checksums.cpp (--verify-swaps) ----
+  VerifiedBlocks blocks_to_verify(const Work& w, bool swap_in, std::size_t targets) const;
+  // After a swap-out: keeps `sums` (device_checksums' layout) with the host blocks.
+  void keep_checksums(const VerifiedBlocks& v, std::span<const std::uint64_t> sums, std::size_t targets);
+  // After a swap-in: compares `sums` with those kept at swap-out; the integrity failure, or nullopt.
+  std::optional<Failure> check_checksums(const VerifiedBlocks& v, std::span<const std::uint64_t> sums,
+                                         std::size_t targets) const;
+
+  endpoint::RankEndpoint& ep_;
+  CopyEngine& copies_;
+  const AttachedCache& cache_;
+  BlockTracker& tracker_;
+  SwapReports& reports_;
+  std::uint64_t block_bytes_all_layers_ = 0;
+  std::atomic<bool> first_swap_noted_{false};
+  Lane lanes_[2];
+};
+
+}  // namespace kvtd::daemon
