@@ -1,26 +1,14 @@
 // Completion merging: each rank's report folded into one result per task (the lowest failing
-// rank's status, MIN blocks), and the waits for it.
-#include <signal.h>
-#include <sys/types.h>
-#include <unistd.h>
+// rank's status, MIN blocks, a CANCEL's one answer).
+#include "completion_merger.h"
 
 #include <algorithm>
-#include <cerrno>
-#include <chrono>
-#include <cstring>
-#include <random>
 #include <string>
-#include <thread>
-
-#include "kvtd/ipc/populate.h"
-#include "kvtd/ipc/process.h"
-#include "kvtd/ipc/task_codec.h"
-#include "kvtd/ipc/wait.h"
-#include "kvtd/proto/names.h"
-#include "completion_merger.h"
-#include "session_impl.h"
+#include <vector>
 
 namespace kvtd::engine {
+
+using proto::TaskStatus;
 
 void CompletionMerger::expect(std::uint64_t task_id, std::uint64_t seq, std::uint32_t expected, std::int64_t submit_ns,
                               std::uint64_t cancels) {
@@ -151,44 +139,6 @@ std::optional<std::uint64_t> CompletionMerger::seq_of(std::uint64_t task_id) con
 std::uint32_t CompletionMerger::reported(std::uint64_t task_id) const {
   auto it = pending_.find(task_id);
   return it == pending_.end() ? 0 : it->second.reported;
-}
-
-void EngineSession::Impl::merge(const proto::CompletionRecord& rec) {
-  if (rec.rank >= geo.num_ranks) return;
-  std::string msg(rec.message, strnlen(rec.message, sizeof rec.message));
-  merger.note_times(rec.task_id, rec.start_ns, rec.end_ns);
-  (void)merger.report(rec.task_id, rec.rank, static_cast<TaskStatus>(rec.status), rec.blocks_done, std::move(msg),
-                      rec.blocks_skipped, clock->now_ns());
-}
-
-void EngineSession::Impl::fail_rank(std::uint32_t rank, TaskStatus status, const std::string& why) {
-  if (merger.fail_rank(rank, status, why, clock->now_ns()) != 0) wake_completion_waiters();
-}
-
-Result<TaskResult, IpcErrc> EngineSession::Impl::wait_result(std::uint64_t task_id, std::int64_t timeout_ns) {
-  auto* impl = this;
-  const std::int64_t deadline = deadline_after(impl->clock->now_ns(), timeout_ns);
-  for (;;) {
-    if (closing.load(std::memory_order_seq_cst)) return closing_error();
-    const std::uint32_t seen = h->completion_word.load(std::memory_order_acquire);
-    {
-      MutexLock g(impl->mu);
-      impl->service(false);
-      if (auto r = impl->merger.take(task_id)) return std::move(*r);
-      if (!impl->merger.pending(task_id))
-        return make_error(IpcErrc::kUnknownTask, "task " + std::to_string(task_id) +
-                                                     " is not pending (never submitted, already collected, or dropped "
-                                                     "as one of more than " +
-                                                     std::to_string(impl->opts.max_uncollected_results) +
-                                                     " uncollected results)");
-    }
-    const std::int64_t now = impl->clock->now_ns();
-    if (now >= deadline)
-      return make_error(IpcErrc::kTimeout, "task " + std::to_string(task_id) + " not complete after " +
-                                               std::to_string(timeout_ns / 1'000'000) + " ms");
-    (void)wait_on_word(h->completion_word, seen, std::min(deadline, monotonic_now_ns() + impl->opts.service_period_ns),
-                       &h->completion_waiters);
-  }
 }
 
 }  // namespace kvtd::engine
