@@ -37,20 +37,52 @@ def room_of(rel):
     return best
 
 
-def public_headers(root):
-    """'kvtd/...' include path -> the room whose include/ holds it."""
-    owners = {}
+def tree_files(root):
+    """Every file under the rooms' top folders, as a path relative to root."""
     for dirpath, dirs, files in os.walk(root):
         rel_dir = os.path.relpath(dirpath, root)
         if rel_dir != "." and rel_dir.split("/")[0] not in TOP_FOLDERS:
             dirs[:] = []
             continue
         for f in files:
-            rel = os.path.join(rel_dir, f)
-            m = re.match(r"(.*?)/include/(kvtd/.*)", rel)
-            if m:
-                owners[m.group(2)] = room_of(m.group(1) + "/")
+            yield os.path.normpath(os.path.join(rel_dir, f))
+
+
+def public_headers(root):
+    """'kvtd/...' include path -> the room whose include/ holds it."""
+    owners = {}
+    for rel in tree_files(root):
+        m = re.match(r"(.*?)/include/(kvtd/.*)", rel)
+        if m:
+            owners[m.group(2)] = room_of(m.group(1) + "/")
     return owners
+
+
+def include_problems(root, rel, room, owners, prefix_owner):
+    """What is wrong with the includes of source `rel` of `room`, one line each."""
+    problems = []
+    with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as fh:
+        text = fh.read()
+    for m in re.finditer(r'^\s*#\s*include\s+"([^"]+)"', text, re.M):
+        inc = m.group(1)
+        where = f"{rel}:{text.count(chr(10), 0, m.start()) + 1}: #include \"{inc}\""
+        if inc.startswith("kvtd/"):
+            owner = owners.get(inc) or prefix_owner.get(os.path.dirname(inc))
+            if owner is None:
+                problems.append(f"{where}: no room's include/ has it")
+            elif owner != room and FLOORS[owner] >= FLOORS[room]:
+                problems.append(f"{where}: {room} (floor {FLOORS[room]}) leans on {owner} "
+                                f"(floor {FLOORS[owner]}): only lower floors")
+            continue
+        # A private header: it must lie in this room (beside the file or under the room).
+        candidates = [os.path.normpath(os.path.join(os.path.dirname(rel), inc))]
+        candidates += [os.path.normpath(os.path.join(room, sub, inc)) for sub in ("", "src", "include")]
+        found = [c for c in candidates if os.path.exists(os.path.join(root, c))]
+        if not found:
+            problems.append(f"{where}: not a header of {room} (another room's private header?)")
+        elif room_of(found[0]) != room:
+            problems.append(f"{where}: a private header of {room_of(found[0])}, not of {room}")
+    return problems
 
 
 def main():
@@ -58,41 +90,14 @@ def main():
     owners = public_headers(root)
     prefix_owner = {os.path.dirname(k): v for k, v in owners.items()}  # generated headers (version.h)
     problems = []
-    for dirpath, dirs, files in os.walk(root):
-        rel_dir = os.path.relpath(dirpath, root)
-        if rel_dir != "." and rel_dir.split("/")[0] not in TOP_FOLDERS:
-            dirs[:] = []
+    for rel in tree_files(root):
+        if not rel.endswith(SOURCES):
             continue
-        for f in files:
-            if not f.endswith(SOURCES):
-                continue
-            rel = os.path.normpath(os.path.join(rel_dir, f))
-            room = room_of(rel)
-            if room is None:
-                problems.append(f"{rel}: in no room of tests/scripts/rooms_test.py's floors: add its folder")
-                continue
-            with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as fh:
-                text = fh.read()
-            for line_no, inc in ((text.count("\n", 0, m.start()) + 1, m.group(1))
-                                 for m in re.finditer(r'^\s*#\s*include\s+"([^"]+)"', text, re.M)):
-                where = f"{rel}:{line_no}: #include \"{inc}\""
-                if inc.startswith("kvtd/"):
-                    owner = owners.get(inc) or prefix_owner.get(os.path.dirname(inc))
-                    if owner is None:
-                        problems.append(f"{where}: no room's include/ has it")
-                    elif owner != room and FLOORS[owner] >= FLOORS[room]:
-                        problems.append(f"{where}: {room} (floor {FLOORS[room]}) leans on {owner} "
-                                        f"(floor {FLOORS[owner]}): only lower floors")
-                    continue
-                # A private header: it must lie in this room (beside the file or under the room).
-                beside = os.path.normpath(os.path.join(os.path.dirname(rel), inc))
-                candidates = [beside] + [os.path.normpath(os.path.join(room, sub, inc))
-                                         for sub in ("", "src", "include")]
-                found = [c for c in candidates if os.path.exists(os.path.join(root, c))]
-                if not found:
-                    problems.append(f"{where}: not a header of {room} (another room's private header?)")
-                elif room_of(found[0]) != room:
-                    problems.append(f"{where}: a private header of {room_of(found[0])}, not of {room}")
+        room = room_of(rel)
+        if room is None:
+            problems.append(f"{rel}: in no room of tests/scripts/rooms_test.py's floors: add its folder")
+        else:
+            problems += include_problems(root, rel, room, owners, prefix_owner)
     for p in problems:
         print(p)
     if problems:
