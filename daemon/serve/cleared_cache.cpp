@@ -8,14 +8,13 @@
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/notify.h"
 #include "kvtd/ipc/task_codec.h"
+#include "work.h"
 
 namespace kvtd::daemon {
 namespace {
 
 using proto::TaskKind;
 using proto::TaskStatus;
-
-constexpr std::int64_t kPollSliceNs = 50'000'000;  // how often the loop re-checks stop and requests
 
 void send(endpoint::RankEndpoint& ep, const proto::TaskRecordHeader& h, TaskStatus status, std::uint64_t blocks,
           std::int64_t start_ns, const std::string& message) {

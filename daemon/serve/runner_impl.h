@@ -31,7 +31,6 @@ namespace kvtd::daemon {
 using proto::TaskKind;
 using proto::TaskStatus;
 
-constexpr std::int64_t kPollSliceNs = 50'000'000;  // how often idle threads re-check stop flags
 // A task that moves at most this many bytes (per rank) runs on the dispatcher thread itself
 // when its lane is idle: a thread hand-off costs more than such a copy, and an idle lane means
 // nothing of that direction is queued ahead of it (a parked task of that direction does not

@@ -16,10 +16,6 @@ namespace kvtd::daemon {
 using proto::TaskKind;
 using proto::TaskStatus;
 
-namespace {
-constexpr std::int64_t kPollSliceNs = 50'000'000;  // how often an idle lane re-checks its closing
-}  // namespace
-
 SwapLanes::SwapLanes(endpoint::RankEndpoint& ep, CopyEngine& copies, const AttachedCache& cache, BlockTracker& tracker,
                      SwapReports& reports)
     : ep_(ep), copies_(copies), cache_(cache), tracker_(tracker), reports_(reports) {

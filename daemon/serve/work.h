@@ -14,6 +14,10 @@
 
 namespace kvtd::daemon {
 
+// How often the serving threads (dispatcher, lanes, the cleared-cache loop) waking from an idle
+// wait re-check their stop flags and requests.
+constexpr std::int64_t kPollSliceNs = 50'000'000;
+
 struct Work {
   proto::TaskRecordHeader header{};
   std::uint32_t epoch = 0;               // the grant under which the record was read

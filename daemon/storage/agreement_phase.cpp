@@ -3,6 +3,7 @@
 #include <numeric>
 
 #include "executor_impl.h"
+#include "kvtd/daemon/status_of.h"
 #include "kvtd/ipc/clock.h"
 #include "kvtd/storage/object_store.h"
 
@@ -89,10 +90,8 @@ std::optional<std::uint32_t> StorageExecutor::Impl::local_then_agree(const Stora
                                                                     std::int64_t start) {
   auto local = t.store->exists(keys);
   if (!local.ok()) {
-    const auto code = local.error().code;
-    fail_before_agreement(w, code == storage::StorageErrc::kUnavailable ? TaskStatus::kStorageUnavailable
-                                                                        : TaskStatus::kStorageError,
-                          start, unavailable(local.error().message));
+    fail_before_agreement(w, status_of(local.error().code, StoreCall::kLookup), start,
+                          unavailable(local.error().message));
     return std::nullopt;
   }
   auto agreed = ep.agree(w.header.seq, static_cast<std::uint32_t>(*local), w.header.deadline_ns);

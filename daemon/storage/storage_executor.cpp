@@ -87,8 +87,7 @@ void StorageExecutor::Impl::agreement_loop() {
       continue;
     }
     if (backup) p.backup_bytes = (p.stored.size() - p.agreed) * t.object_bytes;
-    const bool write = static_cast<TaskKind>(p.work.header.kind) == TaskKind::kStorageWrite;
-    queues.to_objects(std::move(p), write);
+    queues.to_objects(std::move(p));
   }
   queues.agreement_ended();
 }

@@ -81,7 +81,8 @@ std::string TaskQueues::over_backup_bound_locked(std::uint64_t bytes) {
   return "";
 }
 
-void TaskQueues::to_objects(Prepared&& p, bool write) {
+void TaskQueues::to_objects(Prepared&& p) {
+  const bool write = static_cast<proto::TaskKind>(p.work.header.kind) == proto::TaskKind::kStorageWrite;
   {
     MutexLock g(mu_);
     p.queued_ns = ipc::monotonic_now_ns();

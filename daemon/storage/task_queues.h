@@ -63,7 +63,7 @@ class TaskQueues {
   // The queue bound's reason to skip a backup of `bytes`, or "".
   std::string over_backup_bound(std::uint64_t bytes) EXCLUDES(mu_);
   // Hands `p` to phase 2 (a write at low priority; its backup_bytes join the backpressure).
-  void to_objects(Prepared&& p, bool write) EXCLUDES(mu_);
+  void to_objects(Prepared&& p) EXCLUDES(mu_);
   // Phase 1 has exited: workers stop once phase 2's queues are empty.
   void agreement_ended() EXCLUDES(mu_);
 

@@ -24,6 +24,7 @@
 #include "store_common.h"
 #include "kvtd/proto/names.h"
 #include "kvtd/storage/object_format.h"
+#include "kvtd/storage/object_name.h"
 
 namespace kvtd::storage {
 namespace {
@@ -35,9 +36,7 @@ class FileStore final : public ObjectStore {
  public:
   FileStore(const FileStoreOptions& o, std::unique_ptr<FileSystem> owned)
       : opts_(o), owned_fs_(std::move(owned)), fs_(o.fs ? o.fs : owned_fs_.get()) {
-    char fp[17];
-    std::snprintf(fp, sizeof fp, "%016llx", static_cast<unsigned long long>(o.store.layout_fingerprint));
-    dir_ = o.root + "/" + o.store.model_id + "/" + fp;
+    dir_ = o.root + "/" + o.store.model_id + "/" + fingerprint_hex(o.store.layout_fingerprint);
     if (o.direct_reads) direct_ = std::make_unique<detail::DirectObjectReader>(*fs_, o.store);
   }
 
@@ -89,9 +88,13 @@ class FileStore final : public ObjectStore {
 
   BatchResult read(std::span<const std::string> keys, const ReadInto& into) override {
     KVTD_TRY(detail::check_read(keys, into));
+    auto verified = [&](std::size_t i, const KeyResult& r) {
+      if (r.ok() && into.on_verified) into.on_verified(i);
+      return r;
+    };
     if (direct_) {  // verified in the aligned buffer, then copied into the pieces
       return read_direct(keys, [&](std::size_t i, std::span<const std::byte> payload) {
-        return detail::land(into, i, into.pieces(i), payload);
+        return verified(i, detail::land(i, into.pieces(i), payload));
       });
     }
     std::vector<KeyResult> out(keys.size());
@@ -102,8 +105,7 @@ class FileStore final : public ObjectStore {
         return;
       }
       if (into.unverified_bytes_ok) {  // straight into the pieces, verified there
-        out[i] = read_one(keys[i], pieces);
-        if (out[i].ok() && into.on_verified) into.on_verified(i);
+        out[i] = verified(i, read_one(keys[i], pieces));
         return;
       }
       // Read into private scratch and verify there: the caller's pieces receive the payload only
@@ -111,7 +113,7 @@ class FileStore final : public ObjectStore {
       Scratch scratch(*this);
       const auto payload = scratch.span();
       out[i] = read_one(keys[i], Pieces{payload});
-      if (out[i].ok()) out[i] = detail::land(into, i, pieces, payload);
+      if (out[i].ok()) out[i] = verified(i, detail::land(i, pieces, payload));
     });
     return out;
   }

@@ -23,10 +23,6 @@ std::optional<std::uint64_t> parse_decimal(std::string_view s, std::size_t max_d
 
 constexpr std::size_t kMaxVersionDigits = 20;  // any 64-bit value
 constexpr std::size_t kMaxRankDigits = 4;
-// The key part: an engine key, or one with its prefix joined when parsed without it (so only the
-// store's own bound, which the whole name met, applies).
-bool valid_engine_key(std::string_view key) { return proto::valid_object_key(key); }
-
 }  // namespace
 
 std::string StoredName::encode() const {
@@ -62,7 +58,9 @@ std::optional<StoredName> StoredName::parse(std::string_view text, std::string_v
     text = text.substr(0, text.size() - tail.size());
     out.key_prefix = key_prefix;
   }
-  if (!valid_engine_key(text)) return std::nullopt;
+  // The key part: an engine key, or one with its prefix joined when parsed without it (so only
+  // the store's own bound, which the whole name met, applies).
+  if (!proto::valid_object_key(text)) return std::nullopt;
   out.key = text;
   return out;
 }

@@ -1,4 +1,4 @@
-// The simple read and write shapes over ObjectStore::read/write, and a batch's first cause.
+// The simple read and write shapes over ObjectStore::read/write.
 #include "kvtd/storage/object_store.h"
 
 namespace kvtd::storage {
@@ -21,12 +21,6 @@ BatchResult write_from(ObjectStore& store, std::span<const std::string> keys, st
   WriteFrom from;
   from.pieces = [&](std::size_t i) { return std::optional<ConstPieces>(ConstPieces{{sources[i], object_bytes}}); };
   return store.write(keys, from);
-}
-
-std::string first_error(const std::vector<KeyResult>& results) {
-  for (const auto& r : results)
-    if (r.result == ObjectResult::kFailed) return r.error;
-  return {};
 }
 
 }  // namespace kvtd::storage

@@ -435,9 +435,7 @@ class RedisStore final : public ObjectStore {
         std::span<const std::byte> payload(reinterpret_cast<const std::byte*>(r.str) + sizeof h, o_.store.object_bytes);
         if (const auto verdict = verify_object(o_.store, name.substr(5), h, payload); verdict != ObjectResult::kOk)
           return {verdict, {}};
-        ReadInto landing;  // copies only; on_verified is called by read() outside the lock
-        landing.pieces = into->pieces;
-        return detail::land(landing, i, into->pieces(i), payload);
+        return detail::land(i, into->pieces(i), payload);  // on_verified: by read(), outside the lock
       }
       case Op::kExists:
         return {r.type == REDIS_REPLY_INTEGER && r.integer > 0 ? ObjectResult::kOk : ObjectResult::kMissing, {}};

@@ -12,16 +12,12 @@
 
 namespace kvtd::storage::detail {
 
-// Every key valid, and `buffers` (destinations or sources, named by `noun`) one per key.
-inline Status<StorageErrc> check_batch(std::span<const std::string> keys, std::size_t buffers, const char* noun) {
-  if (keys.size() != buffers)
-    return make_error(StorageErrc::kInvalidArgument,
-                      std::to_string(keys.size()) + " keys but " + std::to_string(buffers) + " " + noun);
+// Every key valid.
+inline Status<StorageErrc> check_keys(std::span<const std::string> keys) {
   for (const auto& k : keys)
     if (!valid_key(k)) return make_error(StorageErrc::kInvalidArgument, "invalid key '" + k + "'");
   return {};
 }
-inline Status<StorageErrc> check_keys(std::span<const std::string> keys) { return check_batch(keys, keys.size(), ""); }
 
 // Every key valid, and a read's destination given.
 inline Status<StorageErrc> check_read(std::span<const std::string> keys, const ReadInto& into) {
@@ -49,16 +45,15 @@ std::string pieces_mismatch(std::size_t i, const std::vector<Piece>& pieces, std
          std::to_string(object_bytes);
 }
 
-// Copies verified `payload` into object i's pieces and reports it verified; a key whose pieces do
-// not add up to the payload fails, naming the mismatch.
-inline KeyResult land(const ReadInto& into, std::size_t i, const Pieces& pieces, std::span<const std::byte> payload) {
+// Copies verified `payload` into object i's pieces; a key whose pieces do not add up to the payload
+// fails, naming the mismatch. The caller reports it verified.
+inline KeyResult land(std::size_t i, const Pieces& pieces, std::span<const std::byte> payload) {
   if (auto bad = pieces_mismatch(i, pieces, payload.size()); !bad.empty()) return {ObjectResult::kFailed, bad};
   std::size_t at = 0;
   for (auto piece : pieces) {
     std::memcpy(piece.data(), payload.data() + at, piece.size());
     at += piece.size();
   }
-  if (into.on_verified) into.on_verified(i);
   return {ObjectResult::kOk, {}};
 }
 

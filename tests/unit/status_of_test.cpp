@@ -24,6 +24,12 @@ TEST(StatusOf, AWholeStoreCallThatFailed) {
       {StorageErrc::kProtocol, StoreCall::kWrite, TaskStatus::kStorageError},
       {StorageErrc::kInvalidArgument, StoreCall::kRead, TaskStatus::kStorageError},
       {StorageErrc::kInvalidArgument, StoreCall::kWrite, TaskStatus::kStorageError},
+      // A lookup (exists) the store could not answer: unreachable is worth a retry, anything
+      // else is the store's error.
+      {StorageErrc::kUnavailable, StoreCall::kLookup, TaskStatus::kStorageUnavailable},
+      {StorageErrc::kIo, StoreCall::kLookup, TaskStatus::kStorageError},
+      {StorageErrc::kProtocol, StoreCall::kLookup, TaskStatus::kStorageError},
+      {StorageErrc::kInvalidArgument, StoreCall::kLookup, TaskStatus::kStorageError},
   };
   for (const auto& [e, call, want] : table)
     EXPECT_EQ(status_of(e, call), want) << static_cast<int>(e) << (call == StoreCall::kRead ? " read" : " write");

@@ -41,9 +41,9 @@ TaskQueues::Limits limits(std::uint32_t write_workers = 1) {
 TEST(TaskQueues, LoadsGoFirstAndWritesTakeAtMostTheirWorkers) {
   test::Watchdog dog(30);
   TaskQueues q(limits(1));
-  q.to_objects(prepared(1, proto::TaskKind::kStorageWrite), true);
-  q.to_objects(prepared(2, proto::TaskKind::kStorageWrite), true);
-  q.to_objects(prepared(3, proto::TaskKind::kStorageRead), false);
+  q.to_objects(prepared(1, proto::TaskKind::kStorageWrite));
+  q.to_objects(prepared(2, proto::TaskKind::kStorageWrite));
+  q.to_objects(prepared(3, proto::TaskKind::kStorageRead));
   auto first = q.next_to_move();
   ASSERT_TRUE(first.has_value());
   EXPECT_EQ(first->p.work.header.task_id, 3u) << "the load goes before the writes queued ahead of it";
@@ -85,7 +85,7 @@ TEST(TaskQueues, ACancelIsAnsweredTruthfullyAgainstTheLastStep) {
 
 TEST(TaskQueues, ABackupPastTheQueueBoundIsRefusedNamingTheFlag) {
   TaskQueues q(limits());
-  q.to_objects(prepared(1, proto::TaskKind::kStorageWrite, 1 << 20), true);  // the whole bound waits
+  q.to_objects(prepared(1, proto::TaskKind::kStorageWrite, 1 << 20));  // the whole bound waits
   auto backup = work(2, proto::TaskKind::kStorageWrite);
   const auto why = q.admit(backup, 4096, ipc::monotonic_now_ns());
   EXPECT_NE(why.find("--storage-backup-queue-mib 1"), std::string::npos) << why;

@@ -158,9 +158,6 @@ BatchResult read_to(ObjectStore& store, std::span<const std::string> keys, std::
 BatchResult write_from(ObjectStore& store, std::span<const std::string> keys,
                        std::span<const std::byte* const> sources, std::uint64_t object_bytes);
 
-// The cause of the first kFailed key in `results`, or "" if none failed.
-std::string first_error(const std::vector<KeyResult>& results);
-
 // Keys: 1..200 characters of [A-Za-z0-9_.:-] (block hashes, hex or base64url-ish).
 bool valid_key(const std::string& key);
 

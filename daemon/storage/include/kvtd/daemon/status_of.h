@@ -17,7 +17,8 @@
 
 namespace kvtd::daemon {
 
-enum class StoreCall { kRead, kWrite };
+// kLookup: exists(), before any agreement (a failed lookup is never taken for "not stored").
+enum class StoreCall { kLookup, kRead, kWrite };
 
 // A whole store call that failed.
 proto::TaskStatus status_of(storage::StorageErrc e, StoreCall call);
