@@ -66,6 +66,37 @@ class Geometry(ctypes.Structure):
     ]
 
 
+class GroupTensor(ctypes.Structure):
+    _fields_ = [("element_bytes", ctypes.c_uint32), ("ndim", ctypes.c_uint32), ("dims", ctypes.c_int64 * 3)]
+
+
+class CacheGroup(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_uint32),
+        ("num_tensors", ctypes.c_uint32),
+        ("block_tokens", ctypes.c_uint32),
+        ("window_tokens", ctypes.c_uint32),
+        ("device_blocks", ctypes.c_int64),
+        ("host_blocks", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+        ("layers", ctypes.c_uint64 * 8),
+        ("tensors", GroupTensor * 4),
+    ]
+
+
+MAX_GROUPS = 8
+
+
+class CacheGroups(ctypes.Structure):
+    _fields_ = [
+        ("num_ranks", ctypes.c_uint32),
+        ("num_groups", ctypes.c_uint32),
+        ("page_tokens", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+        ("groups", CacheGroup * MAX_GROUPS),
+    ]
+
+
 class Completion(ctypes.Structure):
     _fields_ = [
         ("task_id", ctypes.c_uint64),
@@ -153,6 +184,11 @@ _sig("kvtd_version", _c.c_char_p)
 _sig("kvtd_geometry_check", _c.c_int, _c.POINTER(Geometry), *_err)
 _sig("kvtd_tensor_shape", _c.c_int, _c.POINTER(Geometry), _c.c_uint32, _c.c_uint32, _c.POINTER(_c.c_int64),
      _c.POINTER(_c.c_uint32), _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), *_err)
+_sig("kvtd_groups_check", _c.c_int, _c.POINTER(CacheGroups), *_err)
+_sig("kvtd_groups_of_geometry", _c.c_int, _c.POINTER(Geometry), _c.c_int, _c.POINTER(CacheGroups), *_err)
+_sig("kvtd_group_sizes", _c.c_int, _c.POINTER(CacheGroups), _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), *_err)
+_sig("kvtd_group_hits", _c.c_int, _c.POINTER(CacheGroups), _c.c_uint32, _c.POINTER(_c.c_uint8),
+     _c.POINTER(_c.c_uint32), _c.POINTER(_c.c_uint32), *_err)
 _sig("kvtd_session_create", _c.c_int, _c.c_char_p, _c.POINTER(Geometry), _c.POINTER(_sess), *_err)
 _sig("kvtd_session_destroy", None, _sess)
 _sig("kvtd_session_geometry", _c.c_int, _sess, _c.POINTER(Geometry))

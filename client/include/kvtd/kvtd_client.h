@@ -98,6 +98,41 @@ typedef struct kvtd_geometry {
   int64_t extra_device_blocks; /* device blocks of each extra layer (0 without extra layers) */
 } kvtd_geometry;
 
+/* A KV cache as cache groups (kvtd/proto/cache_groups.h says the rules): hybrid models keep
+ * sliding-window, full-attention, state (Mamba / linear attention), MLA latent and indexer
+ * caches side by side. Layer l of a group: bit l % 64 of layers[l / 64]. */
+enum {
+  KVTD_GROUP_FULL_ATTENTION = 1,
+  KVTD_GROUP_MLA_LATENT = 2,
+  KVTD_GROUP_SLIDING_WINDOW = 3,
+  KVTD_GROUP_STATE = 4,
+  KVTD_GROUP_INDEXER = 5
+};
+#define KVTD_MAX_GROUPS 8
+typedef struct kvtd_group_tensor {
+  uint32_t element_bytes;  /* 1, 2 or 4 */
+  uint32_t ndim;           /* 1..3: dims of one block (slot), the block dimension left out */
+  int64_t dims[3];
+} kvtd_group_tensor;
+typedef struct kvtd_cache_group {
+  uint32_t kind;           /* KVTD_GROUP_* */
+  uint32_t num_tensors;    /* tensors per layer, 1..4 */
+  uint32_t block_tokens;   /* page_tokens; 0 for a state group (one slot per request) */
+  uint32_t window_tokens;  /* sliding window only */
+  int64_t device_blocks;
+  uint32_t host_blocks;
+  uint32_t reserved;       /* 0 */
+  uint64_t layers[8];
+  kvtd_group_tensor tensors[4];
+} kvtd_cache_group;
+typedef struct kvtd_cache_groups {
+  uint32_t num_ranks;
+  uint32_t num_groups;     /* 1..KVTD_MAX_GROUPS */
+  uint32_t page_tokens;    /* tokens per storage key */
+  uint32_t reserved;       /* 0 */
+  kvtd_cache_group groups[KVTD_MAX_GROUPS];
+} kvtd_cache_groups;
+
 typedef struct kvtd_completion {
   uint64_t task_id;
   int32_t status;          /* 0 ok, else the lowest failing rank's status (kvtd_status_name) */
@@ -155,6 +190,22 @@ KVTD_API const char* kvtd_version(void);
 KVTD_API int kvtd_geometry_check(const kvtd_geometry* geometry, char* err, size_t err_len);
 KVTD_API int kvtd_tensor_shape(const kvtd_geometry* geometry, uint32_t layer, uint32_t kind, int64_t shape[4],
                                uint32_t* ndim, uint64_t* block_bytes, uint64_t* bytes, char* err, size_t err_len);
+
+/* The cache-group rules, asked of the library:
+ * kvtd_groups_check: KVTD_OK for a valid group list, else KVTD_E_INVALID naming the first problem.
+ * kvtd_groups_of_geometry: a single-shape geometry as groups (mla != 0: declared MLA latent).
+ * kvtd_group_sizes: per group, one block across its layers and tensors and its host pool bytes
+ *   (arrays of KVTD_MAX_GROUPS; either may be null).
+ * kvtd_group_hits: the loadable prefix of num_keys keys given present[g * num_keys + k] (nonzero:
+ *   group g's object of key k is stored): *pages where every group's rule holds, group_pages[g]
+ *   each group's own answer (may be null). */
+KVTD_API int kvtd_groups_check(const kvtd_cache_groups* groups, char* err, size_t err_len);
+KVTD_API int kvtd_groups_of_geometry(const kvtd_geometry* geometry, int mla, kvtd_cache_groups* out, char* err,
+                                     size_t err_len);
+KVTD_API int kvtd_group_sizes(const kvtd_cache_groups* groups, uint64_t block_bytes[KVTD_MAX_GROUPS],
+                              uint64_t host_pool_bytes[KVTD_MAX_GROUPS], char* err, size_t err_len);
+KVTD_API int kvtd_group_hits(const kvtd_cache_groups* groups, uint32_t num_keys, const uint8_t* present,
+                             uint32_t* pages, uint32_t group_pages[KVTD_MAX_GROUPS], char* err, size_t err_len);
 
 KVTD_API int kvtd_session_create(const char* suffix, const kvtd_geometry* geometry, kvtd_session** out, char* err,
                                  size_t err_len);
