@@ -39,6 +39,12 @@ proto::CacheGeometry DaemonConfig::geometry() const {
   return g;
 }
 
+std::string DaemonConfig::object_slicing(proto::ObjectSlicing* out) const {
+  const proto::CacheGeometry g = geometry();
+  // MLA is inferred from the missing value cache until sessions declare their cache groups.
+  return proto::object_slicing(g, rank, !g.has_value(), storage.object_heads, storage.kv_heads, out);
+}
+
 const char* verify_swaps_name(VerifySwaps v) {
   switch (v) {
     case VerifySwaps::kOff: return "off";

@@ -13,6 +13,7 @@
 #include "kvtd/config/daemon_config.h"
 #include "kvtd/proto/names.h"
 #include "flag_groups.h"
+#include "kvtd/proto/object_slices.h"
 #include "raw_flags.h"
 #include "instance.h"
 
@@ -367,6 +368,7 @@ Status<ConfigErrc> resolve_runtime(const RawFlags& f, DaemonConfig& c) {
 
   if (const auto why = proto::geometry_problem(c.geometry()); !why.empty())
     return bad("--key-cache-shape/--value-cache-shape/--num-layers/--num-host-blocks: " + why);
+  if (const auto why = c.object_slicing_problem(); !why.empty()) return bad(why);
   return {};
 }
 

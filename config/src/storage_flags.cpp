@@ -34,6 +34,12 @@ void declare_storage_flags(CLI::App& app, RawFlags& f, DaemonConfig& c) {
                  "Backups of swapped-out blocks: write_through | write_through_selective | write_back");
   app.add_option("--write-threshold", st.write_threshold, "write_through_selective: times a key is seen before backup");
   app.add_option("--weight-version", st.weight_version, "Weight version label of this deployment (namespaces keys)");
+  app.add_option("--storage-object-heads", st.object_heads,
+                 "KV heads per stored object: deployments of any TP size whose heads per rank it divides share "
+                 "stored KV (0 = one object per rank slice, this TP size only)");
+  app.add_option("--storage-kv-heads", st.kv_heads,
+                 "The model's KV heads when fewer than the ranks (heads replicated across ranks); 0 = heads per "
+                 "rank x ranks");
 }
 
 Status<ConfigErrc> resolve_storage(const RawFlags& f, DaemonConfig& c) {
@@ -92,6 +98,8 @@ Status<ConfigErrc> resolve_storage(const RawFlags& f, DaemonConfig& c) {
   if (st.backup_max_age_ms < 1 || st.backup_max_age_ms > 3'600'000)
     return bad("--storage-backup-max-age-ms: " + std::to_string(st.backup_max_age_ms) + " must be in [1, 3600000]");
   if (st.write_threshold < 1) return bad("--write-threshold: must be at least 1");
+  if (st.object_heads > 4096) return bad("--storage-object-heads: " + std::to_string(st.object_heads) + " must be in [0, 4096]");
+  if (st.kv_heads > 4096) return bad("--storage-kv-heads: " + std::to_string(st.kv_heads) + " must be in [0, 4096]");
   // Every deployment that shares a store must say which model its KV belongs to: two fine-tunes of
   // one shape under the default namespace would load each other's KV.
   if (st.backend != StorageBackendKind::kNone && f.model_id_opt->count() == 0 && c.fastdeploy.model_path.empty())

@@ -59,8 +59,7 @@ Result<AttachedCache, DeviceErrc> attach_cache(const proto::CacheGeometry& g, Te
     c.storage.device_tensors.push_back(kernels::LayerTensor{*dev, bb, bb});
     c.storage.host_tensors.push_back(kernels::LayerTensor{host, bb, hs});
   }
-  c.storage.object_bytes = g.bytes_per_block_all_layers();
-  c.storage.replicated = !g.has_value();
+  c.storage.object_bytes = g.bytes_per_block_all_layers();  // by rank; the server sets the slicing
   if (auto what = source.describe(c.to_host.size()); !what.empty()) KVTD_INFO("{}", what);
   return c;
 }

@@ -163,6 +163,8 @@ Result<AttachedCache, DeviceErrc> RankServer::map_cache(Session& s) {
   cache->storage.metrics = &s_.registry;
   cache->storage.store_name = s_.store_name;
   cache->storage.config = cfg_.storage;
+  cache->storage.slicing = s_.slicing;
+  cache->storage.object_bytes = s_.geometry.bytes_per_block_all_layers() / s_.slicing.parts;
   cache->storage.config.io_threads =
       storage_io_threads(cfg_.storage, s_.geometry.bytes_per_block_all_layers(), std::thread::hardware_concurrency());
   cache->storage.numa_node = s_.numa_node;

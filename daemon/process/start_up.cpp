@@ -28,17 +28,19 @@ struct OpenedStore {
 };
 
 Result<OpenedStore, config::ConfigErrc> open_store(const config::DaemonConfig& cfg, const proto::CacheGeometry& g,
+                                                   const proto::ObjectSlicing& slicing,
                                                    events::KvEventPublisher* kv_events) {
   const auto& sc = cfg.storage;
   OpenedStore out;
   if (sc.backend == config::StorageBackendKind::kNone) return out;
   storage::StoreOptions so;
   so.model_id = cfg.model_id;
-  so.layout_fingerprint = layout_fingerprint(g);
-  so.object_bytes = g.bytes_per_block_all_layers();
+  so.layout_fingerprint = layout_fingerprint(g, slicing);
+  const std::uint64_t key_bytes = g.bytes_per_block_all_layers();
+  so.object_bytes = key_bytes / slicing.parts;
   config::StorageConfig sized = sc;
-  sized.io_threads = storage_io_threads(sc, so.object_bytes, std::thread::hardware_concurrency());
-  if (auto why = staging_problem(sized, so.object_bytes); !why.empty())
+  sized.io_threads = storage_io_threads(sc, key_bytes, std::thread::hardware_concurrency());
+  if (auto why = staging_problem(sized, key_bytes); !why.empty())
     return make_error(config::ConfigErrc::kInvalidValue, why);
   if (sc.backend == config::StorageBackendKind::kFile) {
     storage::FileStoreOptions fo;
@@ -240,9 +242,13 @@ std::optional<int> start_up(const config::DaemonConfig& cfg, std::atomic<bool>& 
                                           : std::string("no node to bind to (--numa-node ") +
                                                 (cfg.numa_node == -1 ? "none)" : "auto, and the backend knows none)"));
   s.geometry = cfg.geometry();
+  if (auto why = cfg.object_slicing(&s.slicing); !why.empty()) {  // checked with the flags already
+    KVTD_ERROR("{}", why);
+    return kExitBadFlags;
+  }
   log_pool_room(cfg, s);
   if (auto failed = open_kv_events(cfg, s)) return failed;
-  auto store = open_store(cfg, s.geometry, s.kv_events.get());
+  auto store = open_store(cfg, s.geometry, s.slicing, s.kv_events.get());
   if (!store.ok()) {
     KVTD_ERROR("storage: {}", store.error().message);
     return kExitBadFlags;
@@ -251,9 +257,13 @@ std::optional<int> start_up(const config::DaemonConfig& cfg, std::atomic<bool>& 
   s.probe_store = std::move(store->probe);
   s.store_name = store->name;
   if (s.store)
-    KVTD_INFO("storage: {} (model {}, layout fingerprint {:016x}, weight version {}), write policy {}, {} I/O "
+    KVTD_INFO("storage: {} (model {}, layout fingerprint {:016x}, weight version {}, {}), write policy {}, {} I/O "
               "threads, {} MiB staging, {} reads",
-              s.store_name, cfg.model_id, layout_fingerprint(s.geometry), cfg.storage.weight_version,
+              s.store_name, cfg.model_id, layout_fingerprint(s.geometry, s.slicing), cfg.storage.weight_version,
+              s.slicing.replicated ? "one copy for every TP size (replicated cache)"
+              : s.slicing.by_head  ? std::to_string(s.slicing.parts) + " objects of " +
+                                        std::to_string(s.slicing.heads_per_part) + " KV heads per block, any TP size"
+                                   : std::string("one object per rank's slice, this TP size only"),
               static_cast<int>(cfg.storage.write_policy),
               storage_io_threads(cfg.storage, s.geometry.bytes_per_block_all_layers(), std::thread::hardware_concurrency()),
               cfg.storage.staging_mib,

@@ -16,12 +16,14 @@ namespace kvtd::daemon {
 
 namespace {
 
-// Whether rank 0's slice of `key` at the kept weight version is in the store (rank 0 writes
-// every layout, replicated MLA included). "Unknown" counts as stored: no removal is announced.
-bool still_stored(storage::ObjectStore& store, const config::DaemonConfig& cfg, const std::string& key,
-                  std::uint64_t keep_wv) {
+// Whether rank 0's first object of `key` at the kept weight version is in the store (rank 0
+// writes every layout, replicated MLA included; by head, its first object is head 0's).
+// "Unknown" counts as stored: no removal is announced.
+bool still_stored(storage::ObjectStore& store, const config::DaemonConfig& cfg, const proto::ObjectSlicing& slicing,
+                  const std::string& key, std::uint64_t keep_wv) {
   const std::string name =
-      storage::StoredName{key, cfg.storage.key_prefix, cfg.storage.weight_version, keep_wv, 0}.encode();
+      storage::StoredName{key, cfg.storage.key_prefix, cfg.storage.weight_version, keep_wv, 0, slicing.by_head}
+          .encode();
   auto n = store.exists(std::span<const std::string>(&name, 1));
   return !n.ok() || *n == 1;
 }
@@ -42,7 +44,13 @@ control::Reply collect_storage(const config::DaemonConfig& cfg, storage::ObjectS
   }
   storage::GcRequest request;
   request.keep_models = gc.keep_models;
-  request.keep_fingerprint = layout_fingerprint(cfg.geometry());
+  proto::ObjectSlicing slicing;
+  if (auto why = cfg.object_slicing(&slicing); !why.empty()) {  // checked with the flags already
+    reply.ok = false;
+    reply.error = why;
+    return reply;
+  }
+  request.keep_fingerprint = layout_fingerprint(cfg.geometry(), slicing);
   request.dry_run = gc.dry_run;
   request.deadline_ns = ipc::monotonic_now_ns() + static_cast<std::int64_t>(gc.max_seconds * 1e9);
   const std::uint64_t config_wv = cfg.storage.weight_version;
@@ -78,7 +86,7 @@ control::Reply collect_storage(const config::DaemonConfig& cfg, storage::ObjectS
     std::erase_if(removed_keys, [&](const std::string& key) {
       if (kept_keys.count(key) != 0) return true;
       // A walk cut short by its time limit may not have reached the kept version: ask the store.
-      return !report->complete && still_stored(*store, cfg, key, keep_wv);
+      return !report->complete && still_stored(*store, cfg, slicing, key, keep_wv);
     });
     if (!removed_keys.empty()) kv_events->removed(std::move(removed_keys));
   }

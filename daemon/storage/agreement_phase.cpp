@@ -72,29 +72,34 @@ bool StorageExecutor::Impl::agree_phase(Prepared& p) {
     fail_before_agreement(w, TaskStatus::kStorageUnavailable, p.start, "storage key prefix: " + key_prefix.error().message);
     return false;
   }
+  p.parts = t.slicing.parts;
+  p.stored.reserve(which.size() * p.parts);
   for (auto i : which) {
-    p.stored.push_back(names.of(w.section.keys[i], *key_prefix, w.section.args.weight_version));
+    for (std::uint32_t part = 0; part < p.parts; ++part)
+      p.stored.push_back(names.of(w.section.keys[i], *key_prefix, w.section.args.weight_version, part));
     if (!w.blocks.empty()) p.ids.push_back(w.blocks[i]);
   }
   p.which = std::move(which);
-  auto agreed = local_then_agree(w, p.stored, p.start);
+  auto agreed = local_then_agree(w, p.stored, p.parts, p.start);
   if (!agreed) return false;
   p.agreed = *agreed;
   if (kind != TaskKind::kStorageWrite && t.metrics != nullptr)
-    t.metrics->storage_lookup(kind, p.agreed, p.stored.size() - p.agreed);
+    t.metrics->storage_lookup(kind, p.agreed, p.keys() - p.agreed);
   return needs_objects_moved(p, kind);
 }
 
 std::optional<std::uint32_t> StorageExecutor::Impl::local_then_agree(const StorageWork& w,
-                                                                    const std::vector<std::string>& keys,
-                                                                    std::int64_t start) {
-  auto local = t.store->exists(keys);
+                                                                    const std::vector<std::string>& objects,
+                                                                    std::uint32_t parts, std::int64_t start) {
+  auto local = t.store->exists(objects);
   if (!local.ok()) {
     fail_before_agreement(w, status_of(local.error().code, StoreCall::kLookup), start,
                           unavailable(local.error().message));
     return std::nullopt;
   }
-  auto agreed = ep.agree(w.header.seq, static_cast<std::uint32_t>(*local), w.header.deadline_ns);
+  // A key is here when every part of it is: the leading objects present, in whole keys.
+  const auto keys_here = static_cast<std::uint32_t>(*local / parts);
+  auto agreed = ep.agree(w.header.seq, keys_here, w.header.deadline_ns);
   if (!agreed.ok()) {
     if (revoked(w)) return std::nullopt;  // the engine failed it already
     if (t.metrics != nullptr) t.metrics->agreement_failed(agreed.error().code, /*this_rank=*/false);
@@ -123,7 +128,7 @@ bool StorageExecutor::Impl::needs_objects_moved(const Prepared& p, TaskKind kind
       }
       return true;
     case TaskKind::kStorageWrite:
-      if (p.agreed == p.stored.size()) {
+      if (p.agreed == p.keys()) {
         finish(w, proto::Outcome::written(0, w.section.keys.size()), p.start);
         return false;
       }

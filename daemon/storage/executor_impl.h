@@ -32,7 +32,7 @@ struct StorageExecutor::Impl {
         t(std::move(targets)),
         listener(l),
         queues(limits),
-        names(t.config, t.replicated ? 0 : e.rank(), t.kv_events),
+        names(t.config, t.slicing, e.rank(), t.kv_events),
         policy(t.config),
         mover(t, copies, pool, queues, e, chunk_objects) {}
 
@@ -72,10 +72,11 @@ struct StorageExecutor::Impl {
   // Whether `w` may take part in the agreement: false when it was already answered, revoked, past
   // its deadline, cancelled, or there is no store (each completed here, the peers told).
   bool may_agree(const StorageWork& w, std::int64_t start);
-  // The leading stored count of `keys` on this rank, agreed across ranks. On failure the task
-  // has been completed (or dropped) and nullopt is returned.
-  std::optional<std::uint32_t> local_then_agree(const StorageWork& w, const std::vector<std::string>& keys,
-                                                std::int64_t start);
+  // The leading keys whose every part (`parts` consecutive objects of `objects`) is stored on
+  // this rank, agreed across ranks (MIN). On failure the task has been completed (or dropped)
+  // and nullopt is returned.
+  std::optional<std::uint32_t> local_then_agree(const StorageWork& w, const std::vector<std::string>& objects,
+                                                std::uint32_t parts, std::int64_t start);
   // After the agreement: true when `p` has objects to move in phase 2, else it is completed here
   // (a query's answer, a load with no hits, a write with everything stored already).
   bool needs_objects_moved(const Prepared& p, TaskKind kind);

@@ -49,6 +49,19 @@ std::vector<std::span<std::byte>> block_pieces(std::span<const kernels::LayerTen
 
 }  // namespace
 
+std::vector<std::vector<kernels::LayerTensor>> part_views(std::span<const kernels::LayerTensor> tensors,
+                                                          std::uint32_t parts) {
+  // Heads are the outermost dimension of every tensor's block: part p is the p-th equal share of
+  // each block, at the same stride.
+  std::vector<std::vector<kernels::LayerTensor>> out(parts);
+  for (std::uint32_t p = 0; p < parts; ++p)
+    for (const auto& t : tensors) {
+      const std::uint64_t share = t.block_bytes / parts;
+      out[p].push_back(kernels::LayerTensor{t.base + p * share, share, t.stride});
+    }
+  return out;
+}
+
 namespace {
 
 // "write /long/path/x.kvo: No space left on device" -> "No space left on device (write /long/...)".
@@ -70,9 +83,11 @@ ObjectMover::Moved ObjectMover::stats() const {
 
 std::size_t ObjectMover::cancel_step() const {
   constexpr std::uint64_t kStepBytes = 4ull << 20;
-  const std::uint64_t by_bytes = t_.object_bytes == 0 ? 1 : std::max<std::uint64_t>(1, kStepBytes / t_.object_bytes);
+  const std::uint64_t key_bytes = t_.key_bytes();
+  const std::uint64_t by_bytes = key_bytes == 0 ? 1 : std::max<std::uint64_t>(1, kStepBytes / key_bytes);
   const std::uint64_t step = std::max<std::uint64_t>(by_bytes, t_.config.io_threads);
-  return static_cast<std::size_t>(std::max<std::uint64_t>(1, std::min<std::uint64_t>(step, chunk_objects_)));
+  const std::uint64_t fits = chunk_objects_ / t_.slicing.parts;  // every part of a key in the slice
+  return static_cast<std::size_t>(std::max<std::uint64_t>(1, std::min<std::uint64_t>(step, fits)));
 }
 
 std::optional<Outcome> ObjectMover::check_put(const storage::BatchResult& put, std::size_t c) {
@@ -100,9 +115,10 @@ std::optional<Outcome> ObjectMover::check_put(const storage::BatchResult& put, s
 }
 
 ObjectMover::Step ObjectMover::load_chunk(const Prepared& p, std::span<const std::int32_t> ids,
-                                          std::span<const std::string> keys, std::byte* slice) {
+                                          std::span<const std::string> objects, std::byte* slice) {
   const bool host = (p.work.header.flags & proto::kTaskFlagHostBlocks) != 0;
-  const auto& tensors = host ? t_.host_tensors : t_.device_tensors;
+  const auto& parts = host ? host_parts_ : device_parts_;
+  const std::uint32_t n = p.parts;  // object i is part i % n of block ids[i / n]
   DeviceError scatter_error;  // set by the store's I/O threads
   storage::ReadInto into;
   // A block's bytes may land before they are verified: a block whose object fails verification
@@ -115,7 +131,7 @@ ObjectMover::Step ObjectMover::load_chunk(const Prepared& p, std::span<const std
     // place reads and verifies it there (one copy, from the kernel into place; on 2 cores the
     // scratch copy this saves was a quarter of a warm read's CPU time, STORAGE_READ 6.4 -> 7.4
     // GB/s, scripts/bench.sh); others copy each verified payload in.
-    into.pieces = [&](std::size_t i) { return block_pieces(tensors, ids[i]); };
+    into.pieces = [&](std::size_t i) { return block_pieces(parts[i % n], ids[i / n]); };
   } else {
     // Device memory (CUDA): each object is read into its slot of this worker's pinned staging and
     // verified there, then its DMA goes from the slot on the store's I/O thread that read it,
@@ -125,11 +141,11 @@ ObjectMover::Step ObjectMover::load_chunk(const Prepared& p, std::span<const std
     auto slot = [&](std::size_t i) { return slice + i * t_.object_bytes; };
     into.pieces = [&](std::size_t i) { return storage::Pieces{{slot(i), t_.object_bytes}}; };
     into.on_verified = [&](std::size_t i) {
-      if (auto s2 = copies_.scatter_from_staging(tensors, ids.subspan(i, 1), slot(i)); !s2.ok())
+      if (auto s2 = copies_.scatter_from_staging(parts[i % n], ids.subspan(i / n, 1), slot(i)); !s2.ok())
         scatter_error.set(s2.error().message);
     };
   }
-  auto got = t_.store->read(keys, into);
+  auto got = t_.store->read(objects, into);
   if (!got.ok())
     return {{}, Outcome::failed(status_of(got.error().code, StoreCall::kRead), unavailable(got.error().message))};
   if (auto e = scatter_error.get(); !e.empty()) return {{}, Outcome::failed(TaskStatus::kDeviceError, e)};
@@ -163,21 +179,23 @@ std::optional<Outcome> ObjectMover::load(const Prepared& p, std::byte* slice) {
     const auto ids = std::span(p.ids).subspan(loaded, c);
     if (revoked(w)) return std::nullopt;  // checked right before writing engine memory
     if (host && pool_ != nullptr) pool_->mark_invalid(ids);
-    auto got = load_chunk(p, ids, std::span(p.stored).subspan(loaded, c), slice);
+    auto got = load_chunk(p, ids, std::span(p.stored).subspan(loaded * p.parts, c * p.parts), slice);
     if (got.ended) return got.ended;
-    std::size_t ok = 0;
-    while (ok < c && got.keys[ok].ok()) ++ok;
+    std::size_t ok_objects = 0;  // a key is loaded when every part of it is
+    while (ok_objects < c * p.parts && got.keys[ok_objects].ok()) ++ok_objects;
+    const std::size_t ok = ok_objects / p.parts;
     if (host && pool_ != nullptr) pool_->mark_valid(ids.first(ok));
     {
       MutexLock g(mu_);
-      moved_.objects_read += ok;
-      moved_.bytes_read += ok * t_.object_bytes;
+      moved_.objects_read += ok * p.parts;
+      moved_.bytes_read += ok * t_.key_bytes();
     }
     loaded += ok;
     if (ok == c) continue;
-    if (auto failed = failed_read(p, got.keys[ok], loaded, n)) return failed;
+    const auto& first_bad = got.keys[ok_objects];
+    if (auto failed = failed_read(p, first_bad, loaded, n)) return failed;
     KVTD_INFO("task {}: {} of key {} on this rank; loaded {} of {} agreed blocks", w.header.task_id,
-              storage::object_result_name(got.keys[ok].result), w.section.keys[p.which[loaded]], loaded, n);
+              storage::object_result_name(first_bad.result), w.section.keys[p.which[loaded]], loaded, n);
     break;
   }
   return Outcome::ok(loaded);
@@ -186,7 +204,7 @@ std::optional<Outcome> ObjectMover::load(const Prepared& p, std::byte* slice) {
 std::optional<Outcome> ObjectMover::write(const Prepared& p, std::byte* slice) {
   const auto& w = p.work;
   const bool host = (w.header.flags & proto::kTaskFlagHostBlocks) != 0;
-  const auto& stored = p.stored;
+  const std::size_t keys = p.keys();
   const std::size_t skip = p.agreed;
   const std::uint64_t skipped = (w.section.keys.size() - p.which.size()) + skip;
   // Agreed, but then waited for a write worker past its age: the workers are held by a slow store.
@@ -200,29 +218,29 @@ std::optional<Outcome> ObjectMover::write(const Prepared& p, std::byte* slice) {
     if (auto bad = pool_->first_invalid(std::span(p.ids).subspan(skip)))
       return Outcome::failed(TaskStatus::kHostTierLost, "host block " + std::to_string(*bad) +
                                                             " holds no data written in this session; nothing stored");
-  // MLA: the cache is replicated, one copy serves every rank; rank 0 writes it.
-  const bool writer = !t_.replicated || ep_.rank() == 0;
+  // One copy of a replicated slice is enough (MLA: rank 0; a head on several ranks: its first).
+  const bool writer = t_.slicing.writer;
   const bool in_place = t_.store->capabilities().writes_pieces && (host || copies_.tensors_host_accessible());
   std::size_t written = skip;
   const std::size_t step = cancel_step();
-  while (written < stored.size()) {
+  while (written < keys) {
     if (revoked(w)) return std::nullopt;
-    if (auto late = past_deadline(w, written - skip, stored.size() - skip)) return late;
-    const std::size_t c = std::min(step, stored.size() - written);
-    if (!queues_.may_continue(w.header.task_id, written + c == stored.size()))
+    if (auto late = past_deadline(w, written - skip, keys - skip)) return late;
+    const std::size_t c = std::min(step, keys - written);
+    if (!queues_.may_continue(w.header.task_id, written + c == keys))
       return Outcome::stopped(TaskStatus::kCancelled, written - skip,
                               "cancelled after writing " + std::to_string(written - skip) + " of " +
-                                  std::to_string(stored.size() - skip) + " blocks")
+                                  std::to_string(keys - skip) + " blocks")
           .with_skipped(skipped);
     if (writer)
       if (auto ended = write_chunk(p, written, c, in_place, slice)) return ended;
     written += c;
   }
   if (t_.kv_events != nullptr && writer && written > skip) {
-    std::vector<std::string> keys;
-    keys.reserve(written - skip);
-    for (std::size_t i = skip; i < written; ++i) keys.push_back(w.section.keys[p.which[i]]);
-    t_.kv_events->stored(std::move(keys));
+    std::vector<std::string> stored_keys;  // one event per key, whatever its parts
+    stored_keys.reserve(written - skip);
+    for (std::size_t i = skip; i < written; ++i) stored_keys.push_back(w.section.keys[p.which[i]]);
+    t_.kv_events->stored(std::move(stored_keys));
   }
   return Outcome::written(written - skip, skipped);
 }
@@ -230,28 +248,29 @@ std::optional<Outcome> ObjectMover::write(const Prepared& p, std::byte* slice) {
 std::optional<Outcome> ObjectMover::write_chunk(const Prepared& p, std::size_t from, std::size_t c, bool in_place,
                                                 std::byte* slice) {
   const bool host = (p.work.header.flags & proto::kTaskFlagHostBlocks) != 0;
-  const auto& tensors = host ? t_.host_tensors : t_.device_tensors;
+  const auto& parts = host ? host_parts_ : device_parts_;
+  const std::uint32_t n = p.parts;  // object i is part i % n of block chunk_ids[i / n]
   const auto chunk_ids = std::span(p.ids).subspan(from, c);
-  const auto names = std::span(p.stored).subspan(from, c);
+  const auto names = std::span(p.stored).subspan(from * n, c * n);
   storage::WriteFrom source;
   if (in_place) {
     // The blocks are readable where they are (host pool; host-backend tensors): each object is
     // written straight from its pieces, no staging copy. Adjacent pieces merge, so a page-first
     // host block is one piece: the object exactly as it lies in the pool.
     source.pieces = [&](std::size_t i) -> std::optional<storage::ConstPieces> {
-      const auto pieces = block_pieces(tensors, chunk_ids[i]);
+      const auto pieces = block_pieces(parts[i % n], chunk_ids[i / n]);
       return storage::ConstPieces(pieces.begin(), pieces.end());
     };
-    return check_put(t_.store->write(names, source), c);
+    return check_put(t_.store->write(names, source), c * n);
   }
   // Each object is gathered into its slot of staging on the I/O thread that writes it next.
   DeviceError gather_error;  // set by the store's I/O threads
   source.pieces = [&](std::size_t i) -> std::optional<storage::ConstPieces> {
-    const auto one = chunk_ids.subspan(i, 1);
+    const auto one = chunk_ids.subspan(i / n, 1);
     std::byte* to = slice + i * t_.object_bytes;
     if (host) {
-      kernels::gather_to_staging_host(tensors, one, to);
-    } else if (auto gathered = copies_.gather_to_staging(tensors, one, to); !gathered.ok()) {
+      kernels::gather_to_staging_host(parts[i % n], one, to);
+    } else if (auto gathered = copies_.gather_to_staging(parts[i % n], one, to); !gathered.ok()) {
       gather_error.set(gathered.error().message);
       return std::nullopt;  // never store what a failed gather left in staging
     }
@@ -259,7 +278,7 @@ std::optional<Outcome> ObjectMover::write_chunk(const Prepared& p, std::size_t f
   };
   auto put = t_.store->write(names, source);
   if (auto e = gather_error.get(); !e.empty()) return Outcome::failed(TaskStatus::kDeviceError, e);
-  return check_put(put, c);
+  return check_put(put, c * n);
 }
 
 std::optional<Outcome> ObjectMover::past_deadline(const StorageWork& w, std::size_t done, std::size_t of) const {

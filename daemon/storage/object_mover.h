@@ -21,13 +21,25 @@
 
 namespace kvtd::daemon {
 
+// Each part's share of `tensors`: part p of `parts` is the p-th equal share of every tensor's
+// block (a run of heads; kvtd/proto/object_slices.h), at the tensor's stride.
+std::vector<std::vector<kernels::LayerTensor>> part_views(std::span<const kernels::LayerTensor> tensors,
+                                                          std::uint32_t parts);
+
 class ObjectMover {
  public:
   // `targets`, `copies`, `pool`, `queues` and `ep` outlive the mover; `chunk_objects` objects fit
   // one worker's slice.
   ObjectMover(const StorageTargets& targets, CopyEngine& copies, HostPool* pool, TaskQueues& queues,
               endpoint::RankEndpoint& ep, std::size_t chunk_objects)
-      : t_(targets), copies_(copies), pool_(pool), queues_(queues), ep_(ep), chunk_objects_(chunk_objects) {}
+      : t_(targets),
+        copies_(copies),
+        pool_(pool),
+        queues_(queues),
+        ep_(ep),
+        chunk_objects_(chunk_objects),
+        device_parts_(part_views(targets.device_tensors, targets.slicing.parts)),
+        host_parts_(part_views(targets.host_tensors, targets.slicing.parts)) {}
   ObjectMover(const ObjectMover&) = delete;
   ObjectMover& operator=(const ObjectMover&) = delete;
 
@@ -53,7 +65,8 @@ class ObjectMover {
     std::optional<proto::Outcome> ended;
   };
   std::size_t cancel_step() const;
-  Step load_chunk(const Prepared& p, std::span<const std::int32_t> ids, std::span<const std::string> keys,
+  // Blocks `ids` of `p` from their objects (`p.parts` per block, block by block).
+  Step load_chunk(const Prepared& p, std::span<const std::int32_t> ids, std::span<const std::string> objects,
                   std::byte* slice);
   // The outcome of a load that stopped at object `at` of a step; nullopt if it is a miss.
   std::optional<proto::Outcome> failed_read(const Prepared& p, const storage::KeyResult& key, std::size_t loaded,
@@ -73,6 +86,9 @@ class ObjectMover {
   TaskQueues& queues_;
   endpoint::RankEndpoint& ep_;
   const std::size_t chunk_objects_;
+  // The tensors as the objects cut them: one view list per part (one part: the whole blocks).
+  const std::vector<std::vector<kernels::LayerTensor>> device_parts_;
+  const std::vector<std::vector<kernels::LayerTensor>> host_parts_;
   mutable Mutex mu_;
   Moved moved_ GUARDED_BY(mu_);
 };

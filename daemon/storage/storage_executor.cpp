@@ -10,10 +10,12 @@
 
 namespace kvtd::daemon {
 
-std::uint64_t layout_fingerprint(const proto::CacheGeometry& g) {
+std::uint64_t layout_fingerprint(const proto::CacheGeometry& g, const proto::ObjectSlicing& slicing) {
   // Only what shapes an object's bytes; fixed-width fields hashed in a fixed order.
   // f[3] was a constant 2 before scale sizes varied and f[10] was 0 before extra layers: the
-  // fingerprint of every earlier geometry is unchanged, so what was stored stays readable.
+  // fingerprint of every earlier geometry stored by rank is unchanged, so what was stored stays
+  // readable. Objects by head and replicated ones get their own recipe tags (f[11]), which no
+  // TP size enters.
   std::uint64_t f[12] = {g.dtype, g.num_layers, g.num_ranks, g.has_scales() ? g.scale_element_bytes() : 2u};
   f[10] = g.num_extra_layers;
   for (int i = 1; i < 4; ++i) {
@@ -21,6 +23,14 @@ std::uint64_t layout_fingerprint(const proto::CacheGeometry& g) {
     f[6 + i] = static_cast<std::uint64_t>(g.value_shape[i]);
   }
   f[11] = 0x6b767464u;  // "kvtd": a version of this recipe
+  if (slicing.replicated) {
+    f[2] = 0;
+    f[11] = 0x6b76746452ull << 8;  // "kvtdR": one copy for every TP size
+  } else if (slicing.by_head) {
+    f[2] = slicing.total_heads;
+    f[4] = f[7] = slicing.heads_per_part;  // an object's heads, not a rank's
+    f[11] = 0x6b76746448ull << 8;  // "kvtdH": objects of heads_per_part heads
+  }
   return storage::hash_bytes(f, sizeof f);
 }
 
@@ -37,7 +47,7 @@ std::string staging_problem(const config::StorageConfig& c, std::uint64_t object
   if (object_bytes != 0 && per_worker >= object_bytes) return "";
   return "--storage-staging-mib " + std::to_string(c.staging_mib) + " over " + std::to_string(threads) +
          " --storage-io-threads gives each worker " + std::to_string(per_worker) +
-         " bytes, less than one stored object (" + std::to_string(object_bytes) +
+         " bytes, less than one block's stored objects (" + std::to_string(object_bytes) +
          " bytes: one block, every layer); raise the staging or lower the threads";
 }
 
@@ -55,7 +65,7 @@ std::string StorageExecutor::Impl::backup_skip_reason(const StorageWork& w, std:
   if (age_ms > static_cast<std::int64_t>(t.config.backup_max_age_ms))
     return "backup skipped: it waited " + std::to_string(age_ms) + " ms for the store (--storage-backup-max-age-ms " +
            std::to_string(t.config.backup_max_age_ms) + ")";
-  return queues.over_backup_bound(w.section.keys.size() * t.object_bytes);
+  return queues.over_backup_bound(w.section.keys.size() * t.key_bytes());
 }
 
 void StorageExecutor::Impl::skip_before_agreement(const StorageWork& w, std::int64_t now, const std::string& why) {
@@ -86,7 +96,7 @@ void StorageExecutor::Impl::agreement_loop() {
       forget(p.work);
       continue;
     }
-    if (backup) p.backup_bytes = (p.stored.size() - p.agreed) * t.object_bytes;
+    if (backup) p.backup_bytes = (p.which.size() - p.agreed) * t.key_bytes();
     queues.to_objects(std::move(p));
   }
   queues.agreement_ended();
@@ -109,11 +119,11 @@ void StorageExecutor::Impl::worker_loop(std::size_t index) {
 Result<std::unique_ptr<StorageExecutor>, StorageExecutor::SetupErrc> StorageExecutor::create(
     endpoint::RankEndpoint& ep, CopyEngine& copies, HostMemory& host_memory, HostPool* pool, StorageTargets t,
     StorageListener& listener) {
-  const std::uint64_t threads = storage_io_threads(t.config, t.object_bytes, std::thread::hardware_concurrency());
+  const std::uint64_t threads = storage_io_threads(t.config, t.key_bytes(), std::thread::hardware_concurrency());
   t.config.io_threads = static_cast<std::uint32_t>(threads);  // what the workers and cancel steps count on
   const std::uint64_t per_worker = (t.config.staging_mib << 20) / threads;
   if (t.store != nullptr) {
-    if (auto why = staging_problem(t.config, t.object_bytes); !why.empty())
+    if (auto why = staging_problem(t.config, t.key_bytes()); !why.empty())
       return make_error(SetupErrc::kStagingTooSmall, why);
   }
   TaskQueues::Limits limits;
@@ -155,7 +165,7 @@ void StorageExecutor::close() {
 void StorageExecutor::submit(StorageWork&& w) {
   auto* impl = impl_.get();
   std::optional<std::uint64_t> backup_bytes;
-  if (is_backup(w) && !w.answered && impl->t.store != nullptr) backup_bytes = w.section.keys.size() * impl->t.object_bytes;
+  if (is_backup(w) && !w.answered && impl->t.store != nullptr) backup_bytes = w.section.keys.size() * impl->t.key_bytes();
   const auto skip = impl->queues.admit(w, backup_bytes, ipc::monotonic_now_ns());
   if (!skip.empty()) skip_backup(std::move(w), skip);
 }

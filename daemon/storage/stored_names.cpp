@@ -34,11 +34,13 @@ Result<std::string, config::ConfigErrc> StoredNames::key_prefix_for(std::uint64_
   return current_prefix_;
 }
 
-std::string StoredNames::of(const std::string& key, const std::string& key_prefix,
-                            std::uint64_t task_weight_version) const {
+std::string StoredNames::of(const std::string& key, const std::string& key_prefix, std::uint64_t task_weight_version,
+                            std::uint32_t part) const {
   // FastDeploy's RL prefix (from version.yaml) joins the weight version: KV of other weights
   // is never found.
-  return storage::StoredName{key, key_prefix, config_.weight_version, task_weight_version, slice_rank_}.encode();
+  return storage::StoredName{key, key_prefix, config_.weight_version, task_weight_version, slicing_.slice_of(part, rank_),
+                             slicing_.by_head}
+      .encode();
 }
 
 }  // namespace kvtd::daemon

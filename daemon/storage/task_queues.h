@@ -27,9 +27,12 @@ struct Prepared {
   StorageWork work;
   std::int64_t start = 0;
   std::vector<std::size_t> which;   // indices into work.section.keys that take part
-  std::vector<std::string> stored;  // their stored names
+  std::uint32_t parts = 1;          // objects per key (StorageTargets::slicing)
+  std::vector<std::string> stored;  // their stored names: `parts` per key, key by key
   std::vector<std::int32_t> ids;    // their blocks
-  std::uint32_t agreed = 0;
+  std::uint32_t agreed = 0;         // keys (every part stored) agreed across ranks
+
+  std::size_t keys() const { return stored.size() / parts; }
   std::uint64_t backup_bytes = 0;   // a backup's bytes still to write, counted in the backpressure
   std::int64_t queued_ns = 0;       // when phase 1 handed it to the workers
 };

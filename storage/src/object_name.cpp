@@ -28,18 +28,20 @@ constexpr std::size_t kMaxRankDigits = 4;
 std::string StoredName::encode() const {
   std::string out = key;
   if (!key_prefix.empty()) out += "." + key_prefix;
-  return out + ".w" + std::to_string(config_weight_version) + "-" + std::to_string(task_weight_version) + ".r" +
-         std::to_string(rank);
+  return out + ".w" + std::to_string(config_weight_version) + "-" + std::to_string(task_weight_version) +
+         (by_head ? ".h" : ".r") + std::to_string(rank);
 }
 
 std::optional<StoredName> StoredName::parse(std::string_view text, std::string_view key_prefix) {
   if (!proto::valid_object_key(text)) return std::nullopt;  // a store takes nothing else
   StoredName out;
-  const auto r = text.rfind(".r");
-  if (r == std::string_view::npos) return std::nullopt;
+  const auto r = text.rfind('.');
+  if (r == std::string_view::npos || r + 1 >= text.size() || (text[r + 1] != 'r' && text[r + 1] != 'h'))
+    return std::nullopt;
   const auto rank = parse_decimal(text.substr(r + 2), kMaxRankDigits);
   if (!rank) return std::nullopt;
   out.rank = static_cast<std::uint32_t>(*rank);
+  out.by_head = text[r + 1] == 'h';
   text = text.substr(0, r);
   const auto w = text.rfind(".w");
   if (w == std::string_view::npos) return std::nullopt;

@@ -22,6 +22,8 @@ TEST(StoredName, EveryEncodedNameParsesBackToItsParts) {
       {"abc", "RL-STEP12", 0, 4, 1},         // FastDeploy's RL prefix
       {"abc", "v1.2", 7, 7, 9999},           // a prefix with dots, the largest rank
       {"k", "", UINT64_MAX, UINT64_MAX, 0},  // the largest weight versions
+      {"k", "", 1, 2, 6, true},              // an object of heads 6.. (--storage-object-heads)
+      {"x.h5.w1", "RL-1", 0, 0, 0, true},    // a key and a prefix that look like the suffix
   };
   for (const auto& n : names) {
     const std::string text = n.encode();
@@ -43,11 +45,12 @@ TEST(StoredName, TheEnginesKeyComesBackWithOrWithoutAPrefix) {
   EXPECT_EQ(key_of("abc.RL-STEP12.w0-4.r1", ""), "abc.RL-STEP12");  // no prefix given: it stays on
   EXPECT_EQ(key_of("abc.w0-4.r1", "RL-STEP12"), std::nullopt);      // not of this prefix
   EXPECT_EQ(key_of(".RL-STEP12.w0-4.r1", "RL-STEP12"), std::nullopt);
+  EXPECT_EQ(key_of("abc.RL-STEP12.w0-4.h12", "RL-STEP12"), "abc");
 }
 
 TEST(StoredName, WhatKvtdDidNotMakeDoesNotParse) {
   for (const char* text : {"abc.w0-4", "abc.wx-4.r1", ".w0-0.r0", "abc.w0-0.r", "abc.w01-0.r0", "abc.w0-00.r0",
-                           "abc.w0-0.r01", "abc.w0-0.r12345", "abc.w18446744073709551616-0.r0", "abc.w-0.r0",
+                           "abc.w0-0.r01", "abc.w0-0.r12345", "abc.w0-0.h", "abc.w0-0.h01", "abc.w0-0.x1", "abc.w18446744073709551616-0.r0", "abc.w-0.r0",
                            "abc.w0.r0", "a/b.w0-0.r0", "a b.w0-0.r0", "", "abc"})
     EXPECT_FALSE(StoredName::parse(text).has_value()) << text;
   EXPECT_FALSE(StoredName::parse(std::string(195, 'k') + ".w0-0.r0").has_value()) << "over a storage key's 200";

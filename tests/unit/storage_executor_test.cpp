@@ -43,6 +43,7 @@ class StorageExecutorTest : public ::testing::Test {
   std::vector<std::byte> device_ = std::vector<std::byte>(kObject * kBlocks, std::byte{7});
   storage::StoreCapabilities capabilities_;  // the store's, set before SetUp
   std::uint32_t backup_max_age_ms_ = 10'000;
+  proto::ObjectSlicing slicing_;  // how blocks are cut into objects, set before SetUp
   std::unique_ptr<test::ScriptedStore> store_;
   // Records each rank's completions in its map (the executors' listener).
   struct Recorder final : StorageListener {
@@ -74,7 +75,8 @@ class StorageExecutorTest : public ::testing::Test {
     t.config.staging_mib = 8;
     t.config.write_policy = config::WritePolicy::kWriteThrough;  // backups are stored
     t.config.backup_max_age_ms = backup_max_age_ms_;
-    t.object_bytes = kObject;
+    t.slicing = slicing_;
+    t.object_bytes = kObject / slicing_.parts;
     t.device_tensors.push_back(kernels::LayerTensor{device.data(), kObject, kObject});
     listeners_.push_back(std::make_unique<Recorder>(*this, done));
     auto e = StorageExecutor::create(ep, *backend_, *backend_, nullptr, std::move(t), *listeners_.back());
@@ -83,7 +85,7 @@ class StorageExecutorTest : public ::testing::Test {
   }
 
   void SetUp() override {
-    store_ = std::make_unique<test::ScriptedStore>(kObject, capabilities_);
+    store_ = std::make_unique<test::ScriptedStore>(kObject / slicing_.parts, capabilities_);
     engine::SessionOptions o;
     o.suffix = suffix_;
     o.geometry = g_;
@@ -270,6 +272,46 @@ INSTANTIATE_TEST_SUITE_P(Capabilities, StorePathTest,
                            return std::string(param_info.param.first ? "InPlace" : "Verified") +
                                   (param_info.param.second ? "Pieces" : "Staged");
                          });
+
+// Objects by head (--storage-object-heads): a block is several objects, each the same share of
+// every tensor's block, and a key is stored, found and loaded only when every part of it is.
+class PartsTest : public StorageExecutorTest {
+ protected:
+  PartsTest() {
+    slicing_.by_head = true;
+    slicing_.parts = 2;
+    slicing_.heads_per_part = 1;
+    slicing_.first_head = 4;
+    slicing_.total_heads = 8;
+  }
+};
+
+TEST_F(PartsTest, EachPartHoldsItsShareAndAKeyLoadsOnlyWhole) {
+  for (std::size_t i = 0; i < device_.size(); ++i) device_[i] = static_cast<std::byte>(i * 7 / kObject + i % 251);
+  const std::vector<std::byte> written = device_;
+  store_->fail_on_write["h1.w0-0.h5"] = "No space left on device";  // key 1 lacks its second part
+  const auto w = wait(submit(TaskKind::kStorageWrite, 1, keys("h", 4)));
+  EXPECT_EQ(w.status, TaskStatus::kStorageError) << w.message;
+  EXPECT_EQ(store_->size(), 7u);
+  for (int k : {0, 2, 3})
+    for (int part = 0; part < 2; ++part) {
+      const auto got = store_->stored("h" + std::to_string(k) + ".w0-0.h" + std::to_string(4 + part));
+      const auto* share = written.data() + k * kObject + part * (kObject / 2);
+      ASSERT_EQ(got.size(), kObject / 2);
+      EXPECT_EQ(std::memcmp(got.data(), share, got.size()), 0) << "key " << k << " part " << part;
+    }
+  std::fill(device_.begin(), device_.end(), std::byte{0});
+  const auto r = wait(submit(TaskKind::kStorageRead, 2, keys("h", 4)));
+  EXPECT_EQ(r.status, TaskStatus::kOk) << r.message;
+  EXPECT_EQ(r.blocks, 1u) << "key 1 lacks a part: the prefix found ends before it";
+  EXPECT_EQ(std::memcmp(device_.data(), written.data(), kObject), 0);
+
+  // Found whole, then one part fails verification: the key is not loaded.
+  store_->corrupt_on_read.insert("h3.w0-0.h5");
+  const auto r2 = wait(submit(TaskKind::kStorageRead, 3, {"h2", "h3", "h0"}));
+  EXPECT_EQ(r2.status, TaskStatus::kOk) << r2.message;
+  EXPECT_EQ(r2.blocks, 1u) << "h3's second part is corrupt";
+}
 
 // The storage phases across two ranks in one process (the agreement through the session's real
 // shared memory, a scripted store): each rank loads only the prefix every rank has, the MIN.

@@ -15,6 +15,7 @@
 #include "kvtd/daemon/device_modes.h"
 #include "kvtd/proto/expected.h"
 #include "kvtd/proto/geometry.h"
+#include "kvtd/proto/object_slices.h"
 
 namespace kvtd::config {
 
@@ -72,6 +73,13 @@ struct StorageConfig {
   WritePolicy write_policy = WritePolicy::kNone;
   std::uint32_t write_threshold = 2;
   std::uint64_t weight_version = 0;      // deployment's weight label, part of every key
+  // KV heads per stored object (--storage-object-heads; kvtd/proto/object_slices.h): 0 stores
+  // each rank's slice as one object, readable at this TP size only; N > 0 stores objects of N
+  // heads, readable by a deployment of any TP size whose heads per rank N divides.
+  std::uint32_t object_heads = 0;
+  // The model's KV heads (--storage-kv-heads), when fewer than ranks (each head replicated on
+  // ranks / heads ranks); 0: heads per rank x ranks.
+  std::uint32_t kv_heads = 0;
   // FastDeploy's RL key prefix ("RL-STEP12", from <--model_path>/version.yaml), part of every
   // key when set, so a weight update never loads KV of the old weights. Empty: not used.
   std::string key_prefix;
@@ -165,6 +173,13 @@ struct DaemonConfig {
   std::vector<std::string> ignored_flags;  // FastDeploy flags given that kvtd accepts and ignores
 
   proto::CacheGeometry geometry() const;
+  // How this rank cuts its blocks into stored objects (kvtd/proto/object_slices.h): "" and *out
+  // filled, or the problem naming the flag. A cache without a value tensor is replicated (MLA).
+  std::string object_slicing(proto::ObjectSlicing* out) const;
+  std::string object_slicing_problem() const {
+    proto::ObjectSlicing unused;
+    return object_slicing(&unused);
+  }
   // The durations in nanoseconds (validated ranges keep these far from overflow).
   std::int64_t engine_timeout_ns() const { return static_cast<std::int64_t>(engine_timeout_s * 1e9); }
   std::int64_t attach_timeout_ns() const { return static_cast<std::int64_t>(attach_timeout_s * 1e9); }

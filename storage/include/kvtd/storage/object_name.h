@@ -3,7 +3,8 @@
 //
 //   object-name  = model "/" fingerprint "/" name
 //   name         = a storage key; the daemon's are stored-names
-//   stored-name  = key [ "." key-prefix ] ".w" config-version "-" task-version ".r" rank
+//   stored-name  = key [ "." key-prefix ] ".w" config-version "-" task-version slice
+//   slice        = ".r" rank | ".h" first-head
 //
 //   model          1-64 of [A-Za-z0-9_.-]              (proto::valid_model_id)
 //   fingerprint    16 lowercase hex digits              (the cache layout's fingerprint)
@@ -13,6 +14,8 @@
 //   *-version      decimal, no leading zero, 64 bits (a weight version)
 //   rank           decimal, no leading zero, at most 4 digits (the rank's slice; 0 for a
 //                  replicated cache)
+//   first-head     decimal, no leading zero, at most 4 digits: the object holds the KV heads from
+//                  this one on (--storage-object-heads; kvtd/proto/object_slices.h)
 //
 // The file store keeps an object at <root>/<model>/<fingerprint>/<2 hex fan-out>/<name>.kvo,
 // Redis under "kvtd:" + object-name. Both parsers are exact inverses of the encoders: what parses
@@ -34,7 +37,8 @@ struct StoredName {
   std::string key_prefix;  // "" when none
   std::uint64_t config_weight_version = 0;  // --storage-weight-version
   std::uint64_t task_weight_version = 0;    // the task's weight version
-  std::uint32_t rank = 0;
+  std::uint32_t rank = 0;     // the slice: the rank, or with by_head the first KV head
+  bool by_head = false;       // ".h<first head>" instead of ".r<rank>"
 
   std::string encode() const;
   // The parts of `text`. With a non-empty `key_prefix`, the key must end in "." + key_prefix

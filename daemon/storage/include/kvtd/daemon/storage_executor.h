@@ -55,9 +55,12 @@ class MetricsRegistry;
 
 namespace kvtd::daemon {
 
-// The layout fingerprint of a geometry's stored objects: dtype, heads, block size, head dim,
-// layers, ranks and which tensors exist (not the block counts, which do not change an object).
-std::uint64_t layout_fingerprint(const proto::CacheGeometry& g);
+// The layout fingerprint of a geometry's stored objects as `slicing` cuts them: what shapes an
+// object's bytes (dtype, heads, block size, head dim, layers, which tensors exist; not the block
+// counts). The TP size is in it only where the bytes depend on it: objects by rank of a cache
+// split by head. Objects by head carry the model's heads and the heads per object instead, and a
+// replicated (MLA) cache neither, so every TP size finds the same namespace.
+std::uint64_t layout_fingerprint(const proto::CacheGeometry& g, const proto::ObjectSlicing& slicing);
 
 // The storage workers to run: --storage-io-threads when given; otherwise half of `cpus`, 2 to 8
 // (reads and hashing are CPU-bound, a store's latency wants several in flight), lowered until each
@@ -76,8 +79,13 @@ struct StorageTargets {
   config::StorageConfig config;
   std::vector<kernels::LayerTensor> device_tensors;  // layer-major, present kinds
   std::vector<kernels::LayerTensor> host_tensors;    // the host pool's regions, same order
+  // How a block is cut into objects (kvtd/proto/object_slices.h): `slicing.parts` objects per
+  // key, each holding the same share of every tensor's block (a run of heads), `object_bytes`
+  // each. Default: one object of the whole block, by rank.
+  proto::ObjectSlicing slicing;
   std::uint64_t object_bytes = 0;
-  bool replicated = false;                // MLA: one copy shared by every rank
+  // Bytes one key moves on this rank: every part of its block.
+  std::uint64_t key_bytes() const { return object_bytes * slicing.parts; }
   int numa_node = -1;                     // the I/O workers run on this node's CPUs (-1: anywhere)
   // Rank 0 with --kv-events-endpoint: told of every object it stores and of weight-version
   // changes (not owned; outlives the executor). Null elsewhere.
