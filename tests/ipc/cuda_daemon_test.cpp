@@ -238,5 +238,44 @@ TEST_F(CudaDaemonTest, StorageLoadsGoFromVerifiedPinnedStagingIntoDeviceBlocks) 
   std::filesystem::remove_all(store);
 }
 
+// Objects by head (--storage-object-heads 1): each rank's block is one object per head, gathered
+// from and scattered into its share of every device tensor's block through pinned staging.
+TEST_F(CudaDaemonTest, StorageObjectsByHeadMoveEachHeadsShareOfTheDeviceBlocks) {
+  const std::string store = ::testing::TempDir() + "/" + suffix_ + "_cuda_heads";
+  std::filesystem::remove_all(store);
+  ASSERT_NO_FATAL_FAILURE(start_cuda_engine());
+  const std::vector<std::string> extra = {"--storage-backend", "file",           "--storage-path", store,
+                                          "--model-id",        "m1",             "--storage-object-heads", "1"};
+  for (std::uint32_t r = 0; r < g_.num_ranks; ++r) daemons_.push_back(start_cuda_daemon(r, "kernel", 0, extra));
+  ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok()) << test::read_file(log_path(0));
+  const std::vector<std::string> keys = {"h0", "h1", "h2"};
+  const std::vector<std::int32_t> src = {3, 11, 5};
+  TaskRequest w;
+  w.kind = TaskKind::kStorageWrite;
+  w.keys = keys;
+  w.blocks = src;
+  auto wr = submit_and_wait(w);
+  ASSERT_TRUE(wr.ok()) << (wr.failures.empty() ? "" : wr.failures[0].message);
+  std::size_t objects = 0;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(store))
+    objects += e.is_regular_file() && e.path().extension() == ".kvo";
+  EXPECT_EQ(objects, 3u * g_.num_ranks * static_cast<std::size_t>(g_.key_shape[1]));
+  const std::vector<std::int32_t> dst = {25, 26, 27};
+  ASSERT_NO_FATAL_FAILURE(scribble(dst));
+  TaskRequest rd;
+  rd.kind = TaskKind::kStorageRead;
+  rd.keys = keys;
+  rd.blocks = dst;
+  auto got = submit_and_wait(rd);
+  ASSERT_TRUE(got.ok()) << (got.failures.empty() ? "" : got.failures[0].message);
+  EXPECT_EQ(got.blocks_done, 3u);
+  for (std::uint32_t r = 0; r < g_.num_ranks; ++r)
+    for (std::uint32_t l = 0; l < g_.num_layers; ++l)
+      for (std::size_t i = 0; i < dst.size(); ++i)
+        ASSERT_TRUE(holds(r, l, dst[i], src[i])) << "rank " << r << " layer " << l << " block " << dst[i];
+  daemons_.clear();
+  std::filesystem::remove_all(store);
+}
+
 }  // namespace
 }  // namespace kvtd
