@@ -165,6 +165,18 @@ daemon_extra=(--storage-backend file --storage-path "$sdir/daemon" --model-id be
 with_daemons 1 8 4 64 128 128 8 -- --mode storage-throughput --storage file --blocks-per-task 32 \
   --storage-blocks 1024 --in-flight 4
 rm -rf "$sdir/daemon"
+echo "== stored by head (--storage-object-heads) vs by rank: 1 rank, 4 KV heads, 1 MiB blocks, alternating"
+for round in 1 2 3; do
+  for heads in 0 4 1; do
+    rm -rf "$sdir/daemon"
+    daemon_extra=(--storage-backend file --storage-path "$sdir/daemon" --model-id bench --storage-object-heads "$heads")
+    echo -n "--storage-object-heads $heads: "
+    with_daemons 1 8 4 64 128 128 8 -- --mode storage-throughput --storage file --blocks-per-task 32 \
+      --storage-blocks 1024 | grep -o "STORAGE_[A-Z]* [0-9.]* GB/s per rank" | tr '\n' ' '
+    echo
+  done
+done
+rm -rf "$sdir/daemon"
 echo "== storage tasks on host-pool blocks, 1 rank (loads read each object straight into the block's pieces)"
 for layout in layer_first page_first; do
   rm -rf "$sdir/daemon"
