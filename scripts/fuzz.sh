@@ -19,7 +19,7 @@ ninja -C "$build" -j "$(nproc)" | grep -v '^\[' || true
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 out=${KVTD_FUZZ_OUT:-/tmp/kvtd-fuzz}
 mkdir -p "$out"
-for target in fuzz_task_record fuzz_session_header fuzz_object_header fuzz_object_name fuzz_config fuzz_control_request fuzz_version_yaml; do
+for target in fuzz_task_record fuzz_session_header fuzz_object_header fuzz_object_name fuzz_cache_groups fuzz_config fuzz_control_request fuzz_version_yaml; do
   work=$(mktemp -d)
   cp "$KVTD_ROOT/tests/fuzz/corpus/$target/"* "$work/"
   echo "== $target for ${seconds}s"
