@@ -183,37 +183,59 @@ TEST_F(CudaDaemonTest, LayerEventsOpenInTheEngineAndFireAfterTheirLayer) {
   for (auto ev : opened) cudaEventDestroy(ev);
 }
 
-// A load from the file store reads each object straight into
-// its slot of the worker's pinned staging, verifies it there and DMAs it from the slot. Every
-// loaded byte is checked in device memory; an object corrupted on disk is a miss whose block keeps
-// what it held (its slot is never copied to the device).
-TEST_F(CudaDaemonTest, StorageLoadsGoFromVerifiedPinnedStagingIntoDeviceBlocks) {
-  const std::string store = ::testing::TempDir() + "/" + suffix_ + "_cuda_store";
-  std::filesystem::remove_all(store);
-  ASSERT_NO_FATAL_FAILURE(start_cuda_engine());
-  const std::vector<std::string> extra = {"--storage-backend", "file", "--storage-path", store, "--model-id", "m1"};
-  for (std::uint32_t r = 0; r < g_.num_ranks; ++r) daemons_.push_back(start_cuda_daemon(r, "kernel", 0, extra));
-  ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok()) << test::read_file(log_path(0));
-  const std::vector<std::string> keys = {"c0", "c1", "c2", "c3"};
-  const std::vector<std::int32_t> src = {1, 2, 17, 9}, dst = {20, 21, 22, 30};
-  TaskRequest w;
-  w.kind = TaskKind::kStorageWrite;
-  w.keys = keys;
-  w.blocks = src;
-  auto wr = submit_and_wait(w);
-  ASSERT_TRUE(wr.ok()) << (wr.failures.empty() ? "" : wr.failures[0].message);
-  ASSERT_NO_FATAL_FAILURE(scribble(dst));
+// Starts CUDA daemons over a file store at `store` (plus `flags`), stores blocks `src` under
+// `keys`, scribbles over `dst` and loads the keys into it: every byte of every rank and layer
+// checked. Returns the read request for reuse: its spans point at `keys` and `dst`.
+class CudaStorageTest : public CudaDaemonTest {
+ protected:
+  TaskRequest store_then_load(const std::string& store, const std::vector<std::string>& flags,
+                              const std::vector<std::string>& keys, const std::vector<std::int32_t>& src,
+                              const std::vector<std::int32_t>& dst);
+};
+
+TaskRequest CudaStorageTest::store_then_load(const std::string& store, const std::vector<std::string>& flags,
+                                             const std::vector<std::string>& keys,
+                                             const std::vector<std::int32_t>& src,
+                                             const std::vector<std::int32_t>& dst) {
+  CudaStorageTest& t = *this;
+  std::vector<std::string> extra = {"--storage-backend", "file", "--storage-path", store, "--model-id", "m1"};
+  extra.insert(extra.end(), flags.begin(), flags.end());
   TaskRequest rd;
   rd.kind = TaskKind::kStorageRead;
   rd.keys = keys;
   rd.blocks = dst;
-  auto got = submit_and_wait(rd);
-  ASSERT_TRUE(got.ok()) << (got.failures.empty() ? "" : got.failures[0].message);
-  EXPECT_EQ(got.blocks_done, 4u);
-  for (std::uint32_t r = 0; r < g_.num_ranks; ++r)
-    for (std::uint32_t l = 0; l < g_.num_layers; ++l)
+  for (std::uint32_t r = 0; r < t.g_.num_ranks; ++r) t.daemons_.push_back(t.start_cuda_daemon(r, "kernel", 0, extra));
+  EXPECT_TRUE(t.engine_->wait_ready(30'000'000'000).ok()) << test::read_file(t.log_path(0));
+  TaskRequest w;
+  w.kind = TaskKind::kStorageWrite;
+  w.keys = keys;
+  w.blocks = src;
+  auto wr = t.submit_and_wait(w);
+  EXPECT_TRUE(wr.ok()) << (wr.failures.empty() ? "" : wr.failures[0].message);
+  t.scribble(dst);
+  auto got = t.submit_and_wait(rd);
+  EXPECT_TRUE(got.ok()) << (got.failures.empty() ? "" : got.failures[0].message);
+  EXPECT_EQ(got.blocks_done, keys.size());
+  for (std::uint32_t r = 0; r < t.g_.num_ranks; ++r)
+    for (std::uint32_t l = 0; l < t.g_.num_layers; ++l)
       for (std::size_t i = 0; i < dst.size(); ++i)
-        ASSERT_TRUE(holds(r, l, dst[i], src[i])) << "rank " << r << " layer " << l << " block " << dst[i];
+        EXPECT_TRUE(t.holds(r, l, dst[i], src[i])) << "rank " << r << " layer " << l << " block " << dst[i];
+  return rd;
+}
+
+// A load from the file store reads each object straight into
+// its slot of the worker's pinned staging, verifies it there and DMAs it from the slot. Every
+// loaded byte is checked in device memory; an object corrupted on disk is a miss whose block keeps
+// what it held (its slot is never copied to the device).
+TEST_F(CudaStorageTest, StorageLoadsGoFromVerifiedPinnedStagingIntoDeviceBlocks) {
+  const std::string store = ::testing::TempDir() + "/" + suffix_ + "_cuda_store";
+  std::filesystem::remove_all(store);
+  ASSERT_NO_FATAL_FAILURE(start_cuda_engine());
+  // Named: the returned request's spans point at them.
+  const std::vector<std::string> keys = {"c0", "c1", "c2", "c3"};
+  const std::vector<std::int32_t> src = {1, 2, 17, 9}, dst = {20, 21, 22, 30};
+  const TaskRequest rd = store_then_load(store, {}, keys, src, dst);
+  ASSERT_FALSE(HasFailure());
   // Rank 0's object of c0 corrupted on disk: a miss there, so nothing loads (the MIN over ranks is
   // 0), and rank 0's block 20 still holds what it held, not the corrupt bytes.
   std::size_t corrupted = 0;
@@ -240,39 +262,15 @@ TEST_F(CudaDaemonTest, StorageLoadsGoFromVerifiedPinnedStagingIntoDeviceBlocks) 
 
 // Objects by head (--storage-object-heads 1): each rank's block is one object per head, gathered
 // from and scattered into its share of every device tensor's block through pinned staging.
-TEST_F(CudaDaemonTest, StorageObjectsByHeadMoveEachHeadsShareOfTheDeviceBlocks) {
+TEST_F(CudaStorageTest, StorageObjectsByHeadMoveEachHeadsShareOfTheDeviceBlocks) {
   const std::string store = ::testing::TempDir() + "/" + suffix_ + "_cuda_heads";
   std::filesystem::remove_all(store);
   ASSERT_NO_FATAL_FAILURE(start_cuda_engine());
-  const std::vector<std::string> extra = {"--storage-backend", "file",           "--storage-path", store,
-                                          "--model-id",        "m1",             "--storage-object-heads", "1"};
-  for (std::uint32_t r = 0; r < g_.num_ranks; ++r) daemons_.push_back(start_cuda_daemon(r, "kernel", 0, extra));
-  ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok()) << test::read_file(log_path(0));
-  const std::vector<std::string> keys = {"h0", "h1", "h2"};
-  const std::vector<std::int32_t> src = {3, 11, 5};
-  TaskRequest w;
-  w.kind = TaskKind::kStorageWrite;
-  w.keys = keys;
-  w.blocks = src;
-  auto wr = submit_and_wait(w);
-  ASSERT_TRUE(wr.ok()) << (wr.failures.empty() ? "" : wr.failures[0].message);
+  store_then_load(store, {"--storage-object-heads", "1"}, {"h0", "h1", "h2"}, {3, 11, 5}, {25, 26, 27});
   std::size_t objects = 0;
   for (const auto& e : std::filesystem::recursive_directory_iterator(store))
     objects += e.is_regular_file() && e.path().extension() == ".kvo";
-  EXPECT_EQ(objects, 3u * g_.num_ranks * static_cast<std::size_t>(g_.key_shape[1]));
-  const std::vector<std::int32_t> dst = {25, 26, 27};
-  ASSERT_NO_FATAL_FAILURE(scribble(dst));
-  TaskRequest rd;
-  rd.kind = TaskKind::kStorageRead;
-  rd.keys = keys;
-  rd.blocks = dst;
-  auto got = submit_and_wait(rd);
-  ASSERT_TRUE(got.ok()) << (got.failures.empty() ? "" : got.failures[0].message);
-  EXPECT_EQ(got.blocks_done, 3u);
-  for (std::uint32_t r = 0; r < g_.num_ranks; ++r)
-    for (std::uint32_t l = 0; l < g_.num_layers; ++l)
-      for (std::size_t i = 0; i < dst.size(); ++i)
-        ASSERT_TRUE(holds(r, l, dst[i], src[i])) << "rank " << r << " layer " << l << " block " << dst[i];
+  EXPECT_EQ(objects, 3u * g_.num_ranks * static_cast<std::size_t>(g_.key_shape[1])) << "one object per head";
   daemons_.clear();
   std::filesystem::remove_all(store);
 }
