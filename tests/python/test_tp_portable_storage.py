@@ -115,3 +115,45 @@ def test_object_heads_that_do_not_divide_a_ranks_heads_are_refused_by_name(tmp_p
     out = subprocess.run(args, capture_output=True, text=True, timeout=30)
     assert out.returncode == 2
     assert "--storage-object-heads 4 does not divide this rank's 2 KV heads" in out.stderr + out.stdout
+
+
+def test_heads_on_several_ranks_are_written_once_and_read_by_each(cluster, tmp_path):
+    """2 KV heads at TP 4: ranks 0-1 hold head 0, ranks 2-3 head 1 (vLLM and sglang give rank r head
+    r / (ranks / heads)). By rank and by head alike, the first rank of a head writes it, every
+    rank holding it reads it, and by head a TP-2 deployment loads the same objects."""
+    keys = [f"g{i}" for i in range(3)]
+
+    def replicated_heads(tp):
+        return kvtd.Geometry(num_ranks=tp, num_layers=LAYERS, key_shape=(32, 1, 4, 8), value_shape=(32, 1, 4, 8),
+                             num_host_blocks=8)
+
+    for mode, store in (("by rank", tmp_path / "r"), ("by head", tmp_path / "h")):
+        more = ["--storage-kv-heads", "2"] + (["--storage-object-heads", "1"] if mode == "by head" else [])
+        w = cluster(replicated_heads(4), store_flags(store, *more))
+        s = w.ready()
+        fill(s, w.geometry, seed=11)
+        for r in (1, 3):  # a head's ranks hold the same bytes, as in a real engine
+            for layer in range(LAYERS):
+                for k in ("key", "value"):
+                    s.host_tensor(r, layer, k, dtype=torch.uint8).copy_(s.host_tensor(r - 1, layer, k, dtype=torch.uint8))
+        assert s.wait(s.storage_write(keys, [0, 1, 2])).ok
+        objects = [f for _, _, files in __import__("os").walk(store) for f in files if f.endswith(".kvo")]
+        assert len(objects) == 2 * len(keys), f"{mode}: one copy of each head"
+        want = {(r, layer, k): s.host_tensor(r, layer, k, dtype=torch.uint8)[[0, 1, 2]].clone()
+                for r in range(4) for layer in range(LAYERS) for k in ("key", "value")}
+        for r in range(4):
+            for layer in range(LAYERS):
+                for k in ("key", "value"):
+                    s.host_tensor(r, layer, k, dtype=torch.uint8)[[9, 10, 11]] = 0
+        assert s.wait(s.storage_read(keys, [9, 10, 11])).blocks_done == 3, mode
+        for (r, layer, k), v in want.items():
+            assert torch.equal(s.host_tensor(r, layer, k, dtype=torch.uint8)[[9, 10, 11]], v), (mode, r, layer, k)
+        if mode == "by head":
+            r2 = cluster(replicated_heads(2), store_flags(store, "--storage-object-heads", "1"))
+            s2 = r2.ready()
+            assert s2.wait(s2.storage_read(keys, [4, 5, 6])).blocks_done == 3
+            for layer in range(LAYERS):
+                for k in ("key", "value"):
+                    for rank2, rank4 in ((0, 0), (1, 2)):
+                        got = s2.host_tensor(rank2, layer, k, dtype=torch.uint8)[[4, 5, 6]]
+                        assert torch.equal(got, want[(rank4, layer, k)]), (rank2, layer, k)

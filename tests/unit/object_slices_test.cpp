@@ -77,6 +77,12 @@ TEST(ObjectSlicingTest, HeadsOnSeveralRanksAreWrittenByTheFirstOfThem) {
   EXPECT_EQ(r2.first_head, 1u);
   EXPECT_TRUE(r2.writer);
   EXPECT_EQ(r2.total_heads, 2u);
+  // By rank, a rank that does not write reads the writer's object: the first rank of its head.
+  const ObjectSlicing b1 = slicing(g, 1, false, 0, 2), b3 = slicing(g, 3, false, 0, 2);
+  EXPECT_FALSE(b1.writer);
+  EXPECT_EQ(b1.slice_of(0, 1), 0u);
+  EXPECT_EQ(b3.slice_of(0, 3), 2u);
+  EXPECT_EQ(slicing(g, 3, false, 0).slice_of(0, 3), 3u) << "without --storage-kv-heads each rank is its own";
 }
 
 TEST(ObjectSlicingTest, WhatCannotWorkIsRefusedNamingTheFlag) {

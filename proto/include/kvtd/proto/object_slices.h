@@ -33,11 +33,13 @@ struct ObjectSlicing {
   std::uint32_t heads_per_part = 0; // by_head: KV heads in one object
   std::uint32_t first_head = 0;     // by_head: this rank's first global KV head
   std::uint32_t total_heads = 0;    // by_head: the model's KV heads
+  std::uint32_t head_replicas = 1;  // ranks holding each head (--storage-kv-heads below the ranks)
 
-  // The slice id in the name of part `part` of rank `rank`'s block: a first head; or the rank,
-  // 0 for a replicated cache.
+  // The slice id in the name of part `part` of rank `rank`'s block: a first head; or the rank
+  // that writes this rank's heads (itself, the first rank holding its head, 0 for a replicated
+  // cache).
   constexpr std::uint32_t slice_of(std::uint32_t part, std::uint32_t rank) const {
-    return by_head ? first_head + part * heads_per_part : replicated ? 0 : rank;
+    return by_head ? first_head + part * heads_per_part : replicated ? 0 : rank / head_replicas * head_replicas;
   }
 };
 
@@ -68,6 +70,7 @@ inline std::string object_slicing(const CacheGeometry& g, std::uint32_t rank, bo
     replicas = g.num_ranks / kv_heads;
   }
   s.writer = rank % replicas == 0;
+  s.head_replicas = static_cast<std::uint32_t>(replicas);
   if (object_heads == 0) {
     *out = s;
     return "";
