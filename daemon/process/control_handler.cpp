@@ -1,5 +1,6 @@
 #include "kvtd/base/mutex.h"
 #include "kvtd/daemon/control_handler.h"
+#include "kvtd/daemon/storage_executor.h"
 #include "storage_gc.h"
 
 #include "kvtd/base/version.h"
@@ -7,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <nlohmann/json.hpp>
 
 #include "kvtd/daemon/log.h"
@@ -25,6 +27,22 @@ std::int64_t unix_ms() {
 // How long `clear` / `restore` wait for the serving loop before answering: tasks in flight
 // finish first. The reply then says where it got to; `kvtd ctl status` shows the rest.
 constexpr std::int64_t kCacheWaitMs = 20'000;
+
+// The store and the namespace this rank's objects go to: deployments that share stored KV across
+// TP sizes show the same layout fingerprint.
+json storage_status(const config::DaemonConfig& cfg, const std::string& store_name) {
+  json j{{"backend", store_name.empty() ? "none" : store_name}};
+  proto::ObjectSlicing s;
+  if (store_name.empty() || !cfg.object_slicing(&s).empty()) return j;
+  char fp[17];
+  std::snprintf(fp, sizeof fp, "%016llx", static_cast<unsigned long long>(layout_fingerprint(cfg.geometry(), s)));
+  j["layout_fingerprint"] = fp;
+  j["objects"] = s.replicated ? "replicated" : s.by_head ? "by_head" : "by_rank";
+  j["objects_per_block"] = s.parts;
+  if (s.by_head) j["heads_per_object"] = s.heads_per_part;
+  j["writes"] = s.writer;
+  return j;
+}
 
 json status_of(const config::DaemonConfig& cfg, const metrics::MetricsRegistry& reg, const std::string& store_name,
                const ControlState& state, const metrics::HealthRoutes& health) {
@@ -58,7 +76,7 @@ json status_of(const config::DaemonConfig& cfg, const metrics::MetricsRegistry& 
       {"host_pool_pin_ms", reg.host_pool_pin_ms()},
       {"host_pool_pinned_bytes", reg.host_pool_pinned_bytes()},
       {"host_pool_pin_waits", reg.host_pool_pin_waits()},
-      {"storage", {{"backend", store_name.empty() ? "none" : store_name}}},
+      {"storage", storage_status(cfg, store_name)},
       {"last_errors", reg.last_errors()},
   };
   // The same facts /healthz and /readyz answer.

@@ -10,6 +10,10 @@ sglang's and vLLM's per-rank caches hold the rank's heads, head = rank * heads_p
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+
 import torch
 
 import kvtd
@@ -49,6 +53,14 @@ def fill(s, g, seed):
                 t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
 
 
+def storage_status(c):
+    """Each rank's `kvtd ctl status` storage section."""
+    out = subprocess.run([os.environ["KVTD_BINARY"], "ctl", "--session", c.suffix, "--json", "status"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [r["result"]["storage"] for r in json.loads(out.stdout)]
+
+
 def store_flags(store, *more):
     return ["--storage-backend", "file", "--storage-path", str(store), "--model-id", "tp", *more]
 
@@ -63,9 +75,14 @@ def test_kv_written_at_tp2_loads_at_tp4_and_tp1_byte_for_byte(cluster, tmp_path)
     assert s2.wait(s2.storage_write(keys, [0, 1, 2, 3, 4])).ok
     written = heads_of(s2, w.geometry, [0, 1, 2, 3, 4])
 
+    namespaces = {st["layout_fingerprint"] for st in storage_status(w)}
+    assert [st["objects_per_block"] for st in storage_status(w)] == [2, 2]
     for tp in (4, 1):
         r = cluster(geometry(tp), by_head)
         s = r.ready()
+        status = storage_status(r)
+        assert all(st["objects"] == "by_head" and st["heads_per_object"] == 2 for st in status)
+        namespaces |= {st["layout_fingerprint"] for st in status}
         assert s.wait(s.storage_query(keys)).blocks_done == 5, f"TP {tp} finds every key"
         res = s.wait(s.storage_read(keys, [20, 21, 22, 23, 24]))
         assert res.blocks_done == 5, f"TP {tp}"
@@ -73,14 +90,18 @@ def test_kv_written_at_tp2_loads_at_tp4_and_tp1_byte_for_byte(cluster, tmp_path)
         for where, want in written.items():
             assert torch.equal(loaded[where], want), f"TP {tp}: layer/kind {where} differs"
 
+    assert len(namespaces) == 1, f"one namespace for every TP size, `kvtd ctl status` shows {namespaces}"
+
     # Stored by rank, objects belong to their TP size: a TP-4 deployment finds none of TP 2's.
     by_rank = store_flags(tmp_path / "by_rank")
     w2 = cluster(geometry(2), by_rank)
     s = w2.ready()
     fill(s, w2.geometry, seed=8)
     assert s.wait(s.storage_write(keys, [0, 1, 2, 3, 4])).ok
-    r4 = cluster(geometry(4), by_rank).ready()
+    c4 = cluster(geometry(4), by_rank)
+    r4 = c4.ready()
     assert r4.wait(r4.storage_query(keys)).blocks_done == 0
+    assert storage_status(w2)[0]["layout_fingerprint"] != storage_status(c4)[0]["layout_fingerprint"]
 
 
 def test_a_replicated_cache_written_once_loads_at_any_tp(cluster, tmp_path):

@@ -37,6 +37,16 @@ std::string gb(std::uint64_t bytes) {
   return b;
 }
 
+// "file store /x (by_head 2 per object, layout 0123...)": the backend and, with a store, the
+// namespace its objects go to.
+std::string storage_line(const json& st) {
+  std::string out = st["backend"].get<std::string>();
+  if (!st.contains("objects")) return out;
+  out += " (" + st["objects"].get<std::string>();
+  if (st.contains("heads_per_object")) out += " " + std::to_string(st["heads_per_object"].get<unsigned>()) + " per object";
+  return out + ", layout " + st["layout_fingerprint"].get<std::string>() + ")";
+}
+
 // One readable line per rank for `status`.
 void print_status(std::uint32_t rank, const json& r) {
   std::uint64_t ok = 0, failed = 0;
@@ -52,7 +62,7 @@ void print_status(std::uint32_t rank, const json& r) {
               gb(r["host_pool_bytes"].get<std::uint64_t>()).c_str(),
               gb(r.value("host_pool_pinned_bytes", std::uint64_t{0})).c_str(),
               static_cast<double>(r.value("host_pool_pin_ms", std::uint64_t{0})) / 1000.0,
-              r["storage"]["backend"].get<std::string>().c_str(),
+              storage_line(r["storage"]).c_str(),
               r["draining"].get<bool>() ? "  DRAINING" : (r.value("cache", "") == "cleared" ? "  CACHE CLEARED" : ""),
               errors.empty() ? "" : ("\n         last error: " + errors.back().get<std::string>()).c_str());
 }
