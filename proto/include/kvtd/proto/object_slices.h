@@ -79,6 +79,9 @@ inline std::string object_slicing(const CacheGeometry& g, std::uint32_t rank, bo
     return "--storage-object-heads " + std::to_string(object_heads) + " does not divide this rank's " +
            std::to_string(per_rank) + " KV heads: a rank reads and writes whole objects; every TP size sharing the "
            "store needs a value dividing its heads per rank (1 always does)";
+  if (split / replicas > 9999)  // a stored name's head is at most 4 digits (object_name.h)
+    return "--storage-object-heads: a cache of " + std::to_string(split / replicas) +
+           " KV heads cannot be stored by head (at most 9999)";
   s.by_head = true;
   s.heads_per_part = object_heads;
   s.parts = static_cast<std::uint32_t>(per_rank / object_heads);
