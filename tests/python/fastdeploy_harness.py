@@ -42,21 +42,14 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from kvtd import fastdeploy_signals as fds
+from reference_source import reference_source
 
 ROOT = Path(__file__).resolve().parents[2]
 DIFF = ROOT / "docs" / "fastdeploy" / "launch_cache_manager.diff"
 
 
 def fastdeploy_source() -> Optional[Path]:
-    env = os.environ.get("KVTD_FASTDEPLOY_SRC")
-    candidates = [Path(env)] if env else []
-    candidates.append(ROOT.parent / "shared" / "reference" / "fastdeploy")
-    # Where this project's machines keep the shared references, for clones made elsewhere (CI).
-    candidates.append(Path("/work/shared/reference/fastdeploy"))
-    for c in candidates:
-        if (c / "fastdeploy" / "cache_manager" / "prefix_cache_manager.py").exists():
-            return c
-    return None
+    return reference_source("KVTD_FASTDEPLOY_SRC", "fastdeploy", "fastdeploy/cache_manager/prefix_cache_manager.py")
 
 
 def skip_reason() -> str:

@@ -1,27 +1,19 @@
 """sglang's own source for tests: v0.5.18 in $KVTD_SGLANG_SRC, else ../shared/reference/sglang beside
 the checkout, else /work/shared/reference/sglang (see its PROVENANCE: hicache_storage.py imports on
-Debian's torch 1.13 with no stub at all)."""
+Debian's torch 1.13 with nothing replaced; HiCacheFile's evictor needs one helper of the
+unvendored sglang.srt.utils, below)."""
 
 from __future__ import annotations
 
-import os
 import sys
 import types
 from pathlib import Path
 from typing import Optional
 
-ROOT = Path(__file__).resolve().parents[2]
-
+from reference_source import reference_source
 
 def sglang_source() -> Optional[Path]:
-    env = os.environ.get("KVTD_SGLANG_SRC")
-    candidates = [Path(env)] if env else []
-    candidates.append(ROOT.parent / "shared" / "reference" / "sglang")
-    candidates.append(Path("/work/shared/reference/sglang"))
-    for c in candidates:
-        if (c / "python" / "sglang" / "srt" / "mem_cache" / "hicache_storage.py").exists():
-            return c
-    return None
+    return reference_source("KVTD_SGLANG_SRC", "sglang", "python/sglang/srt/mem_cache/hicache_storage.py")
 
 
 def skip_reason() -> str:
@@ -29,7 +21,7 @@ def skip_reason() -> str:
             "../shared/reference/sglang beside this checkout")
 
 
-def _stub_utils():
+def _stand_in_for_unvendored_utils():
     """sglang.srt.utils is not vendored (PROVENANCE); HiCacheFile's evictor imports one helper from it,
     human_readable_int, to parse its optional size limit (lru_file_evictor.py:34-53). The tests set
     no limit, so the stand-in parses plain integers only and refuses anything else."""
@@ -55,6 +47,6 @@ def import_hicache_storage():
     path = str(src / "python")
     if path not in sys.path:
         sys.path.insert(0, path)
-    _stub_utils()
+    _stand_in_for_unvendored_utils()
     import sglang.srt.mem_cache.hicache_storage as hs  # noqa: E402
     return hs
