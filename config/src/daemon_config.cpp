@@ -1,5 +1,7 @@
 #include "kvtd/config/daemon_config.h"
 
+#include "kvtd/proto/session.h"
+
 
 #include "kvtd/config/version_yaml.h"
 #include "small_file.h"
@@ -24,6 +26,7 @@ constexpr long long kMaxVersionYamlBytes = 64 * 1024;
 }  // namespace
 
 proto::CacheGeometry DaemonConfig::geometry() const {
+  if (proto::is_group_session(cache_groups)) return proto::envelope_of(cache_groups);
   proto::CacheGeometry g{};
   g.num_ranks = mp_num;
   g.num_layers = num_layers + num_extra_layers;
@@ -40,6 +43,13 @@ proto::CacheGeometry DaemonConfig::geometry() const {
 }
 
 std::string DaemonConfig::object_slicing(proto::ObjectSlicing* out) const {
+  if (proto::is_group_session(cache_groups)) {  // nothing is stored (no storage backend with groups)
+    *out = proto::ObjectSlicing{};
+    return storage.object_heads != 0 || storage.kv_heads != 0
+               ? "--storage-object-heads/--storage-kv-heads: not with --cache-group (storage of group sessions is not "
+                 "served yet)"
+               : "";
+  }
   const proto::CacheGeometry g = geometry();
   // MLA is inferred from the missing value cache until sessions declare their cache groups.
   return proto::object_slicing(g, rank, !g.has_value(), storage.object_heads, storage.kv_heads, out);

@@ -11,6 +11,8 @@
 #include "kvtd/base/log_levels.h"
 #include "kvtd/base/version.h"
 #include "kvtd/config/daemon_config.h"
+#include "kvtd/proto/group_spec.h"
+#include "kvtd/proto/session.h"
 #include "kvtd/proto/names.h"
 #include "flag_groups.h"
 #include "kvtd/proto/object_slices.h"
@@ -91,6 +93,10 @@ void declare_rank_flags(CLI::App& app, RawFlags& f) {
   app.add_option("--default-dtype,--default_dtype", f.default_dtype,
                  "block_wise_fp8 scale elements: bfloat16 | float16 (2 bytes) | float32 (4 bytes)");
   app.add_option("--num-host-blocks,--num_cpu_blocks", f.host_blocks, "Blocks in the pinned host pool");
+  app.add_option("--cache-group", f.cache_groups,
+                 "One cache group (repeat per group; replaces --key-cache-shape and --num-layers): "
+                 "kind=...,layers=...,tensors=...,device_blocks=N,host_blocks=N[,block_tokens=N][,window=N]")
+      ->take_all();
   app.add_option("--key-cache-shape,--key_cache_shape", f.key_shape,
                  "blocks,kv_heads,block_size,head_dim (required, or FastDeploy 2.0/2.1's four flags below)");
   // FastDeploy 2.0/2.1 described the cache by these instead of the shapes (key and value alike).
@@ -225,7 +231,21 @@ Status<ConfigErrc> resolve_ranks(RawFlags& f, DaemonConfig& c) {
   return {};
 }
 
+// --cache-group: the cache as groups; the single-shape flags must stay unset.
+Status<ConfigErrc> resolve_groups(RawFlags& f, DaemonConfig& c) {
+  if (!f.key_shape.empty() || !f.value_shape.empty() || f.fd_blocks_opt->count() != 0)
+    return bad("--cache-group: describes the whole cache; leave out --key-cache-shape, --value-cache-shape and "
+               "FastDeploy's shape flags");
+  if (f.extra_layers != 0 || !f.speculative_json.empty())
+    return bad("--cache-group: extra (MTP) layers are a group of their own; leave out --num-extra-layers and "
+               "--speculative-config");
+  if (auto why = proto::groups_from_specs(f.cache_groups, c.mp_num, &c.cache_groups); !why.empty())
+    return bad("--cache-group: " + why);
+  return {};
+}
+
 Status<ConfigErrc> resolve_cache(RawFlags& f, DaemonConfig& c) {
+  if (!f.cache_groups.empty()) return resolve_groups(f, c);
   const std::size_t fd_shape_flags =
       f.fd_blocks_opt->count() + f.fd_heads_opt->count() + f.fd_bs_opt->count() + f.fd_hd_opt->count();
   if (f.key_shape.empty() && fd_shape_flags == 4) {
@@ -366,8 +386,15 @@ Status<ConfigErrc> resolve_runtime(const RawFlags& f, DaemonConfig& c) {
     return bad("--heartbeat-period: " + seconds(c.heartbeat_period_s) +
                " must be in [0.001, 1] seconds; the engine counts a rank dead after 3 s of silence");
 
-  if (const auto why = proto::geometry_problem(c.geometry()); !why.empty())
+  if (proto::is_group_session(c.cache_groups)) {
+    if (c.storage.backend != StorageBackendKind::kNone)
+      return bad("--storage-backend: not with --cache-group yet (storage tasks of a session with cache groups are "
+                 "not served; swaps are)");
+    if (c.fastdeploy.create_cache_tensor)
+      return bad("--create_cache_tensor: not with --cache-group (FastDeploy's cache is a single shape)");
+  } else if (const auto why = proto::geometry_problem(c.geometry()); !why.empty()) {
     return bad("--key-cache-shape/--value-cache-shape/--num-layers/--num-host-blocks: " + why);
+  }
   if (const auto why = c.object_slicing_problem(); !why.empty()) return bad(why);
   return {};
 }

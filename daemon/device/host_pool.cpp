@@ -1,5 +1,8 @@
 #include "kvtd/daemon/host_pool.h"
 
+#include "kvtd/proto/group_slots.h"
+#include "kvtd/proto/names.h"
+
 #include "pool_pinner.h"
 
 #include <sys/vfs.h>
@@ -23,7 +26,7 @@ namespace kvtd::daemon {
 namespace {
 
 constexpr std::uint64_t kPoolMagic = 0x4c4f4f5044545640ULL;  // "@VTDPOOL"
-constexpr std::uint32_t kPoolVersion = 2;  // 2: host layout
+constexpr std::uint32_t kPoolVersion = 3;  // 2: host layout; 3: PoolShape and group
 constexpr std::uint64_t kPage = 4096;
 
 // The first page of the pool object. Written once by the creating daemon (magic last), then
@@ -33,7 +36,9 @@ struct PoolHeader {
   std::uint32_t version;
   std::uint32_t rank;
   std::uint64_t generation;
-  proto::CacheGeometry geometry;
+  PoolShape shape;
+  std::uint32_t group;
+  std::uint32_t reserved0;
   std::uint64_t valid_offset;  // one byte per host block
   std::uint64_t data_offset;   // first region
   std::uint64_t object_bytes;
@@ -49,7 +54,7 @@ struct PoolLayout {
   std::uint64_t page_stride = 0;             // page-first: bytes of one block, every layer
 };
 
-bool layout_of(const proto::CacheGeometry& g, HostLayout layout, PoolLayout* out) {
+bool layout_of(const PoolShape& g, HostLayout layout, PoolLayout* out) {
   PoolLayout l;
   std::uint64_t v = 0;
   if (!proto::checked_align_up(g.num_host_blocks, kPage, &v)) return false;
@@ -59,9 +64,8 @@ bool layout_of(const proto::CacheGeometry& g, HostLayout layout, PoolLayout* out
   if (layout == HostLayout::kPageFirst && g.num_host_blocks != 0) {  // no blocks: no regions
     // Block b of (layer, kind) at data + b * stride + the (layer, kind) offset inside a block:
     // the order of a stored object (layer-major, then key, value, key scale, value scale).
-    const auto sizes = proto::geometry_sizes(g);
-    if (sizes.problem != nullptr) return false;
-    l.page_stride = sizes.block_bytes_all_layers;
+    l.page_stride = g.block_bytes_all_layers();
+    if (l.page_stride == 0) return false;
     std::uint64_t in_block = 0;
     for (std::uint32_t layer = 0; layer < g.num_layers; ++layer)
       for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
@@ -102,7 +106,7 @@ struct PinRegion {
   std::uint64_t offset, bytes, block_bytes;
 };
 
-std::vector<PinRegion> pin_regions(const proto::CacheGeometry& g, const PoolLayout& l) {
+std::vector<PinRegion> pin_regions(const PoolShape& g, const PoolLayout& l) {
   std::vector<PinRegion> out;
   if (l.page_stride != 0) {
     out.push_back({l.data_offset, l.total - l.data_offset, l.page_stride});
@@ -149,7 +153,7 @@ std::vector<std::pair<std::uint64_t, std::uint64_t>> whole_pool_pieces(const std
 // one in slices of block ranges, each slice one piece per region: the first about first_bytes in
 // all, each next twice the last, up to chunk bytes per piece. Slice bounds are multiples of a
 // block count that keeps every piece's start on a page in every region.
-std::vector<detail::PinPiece> pin_pieces(const proto::CacheGeometry& g, const PoolLayout& l, std::byte* base,
+std::vector<detail::PinPiece> pin_pieces(const PoolShape& g, const PoolLayout& l, std::byte* base,
                                  const HostPool::PinPlan& plan) {
   const std::vector<PinRegion> regions = pin_regions(g, l);
   std::uint64_t per_block = 0, largest = 0, align_blocks = 1;
@@ -192,7 +196,34 @@ std::string mib(std::uint64_t b) {
 
 }  // namespace
 
-std::uint64_t HostPool::object_bytes(const proto::CacheGeometry& g, HostLayout layout) {
+std::uint64_t PoolShape::block_bytes_all_layers() const {
+  std::uint64_t per_layer = 0, out = 0;
+  for (const std::uint64_t b : tensor_block_bytes)
+    if (!proto::checked_add(per_layer, b, &per_layer)) return 0;
+  if (!proto::checked_mul(per_layer, num_layers, &out) || out >= proto::kMaxSizeBytes) return 0;
+  return out;
+}
+
+PoolShape PoolShape::of(const proto::CacheGeometry& g) {
+  PoolShape s;
+  s.num_layers = g.num_layers;
+  s.num_host_blocks = g.num_host_blocks;
+  for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) s.tensor_block_bytes[k] = g.block_bytes(static_cast<proto::TensorKind>(k));
+  return s;
+}
+
+PoolShape PoolShape::of(const proto::CacheGroups& gs, std::uint32_t group) {
+  PoolShape s;
+  if (group >= gs.num_groups || group >= proto::kMaxGroups) return s;
+  const proto::CacheGroup& c = gs.groups[group];
+  s.num_layers = c.num_layers();
+  s.num_host_blocks = c.host_blocks;
+  for (std::uint32_t t = 0; t < c.num_tensors && t < proto::kTensorKinds; ++t)
+    s.tensor_block_bytes[t] = proto::group_tensor_block_bytes(c.tensors[t]);
+  return s;
+}
+
+std::uint64_t HostPool::object_bytes(const PoolShape& g, HostLayout layout) {
   PoolLayout l;
   return layout_of(g, layout, &l) ? l.total : 0;
 }
@@ -212,14 +243,15 @@ Result<std::uint64_t, DeviceErrc> HostPool::hugetlbfs_page_bytes(const std::stri
 
 namespace {
 
-PoolHeader header_of(const proto::CacheGeometry& g, std::uint64_t generation, std::uint32_t rank,
+PoolHeader header_of(const PoolShape& g, std::uint64_t generation, std::uint32_t rank, std::uint32_t group,
                      HostLayout layout, const PoolLayout& l) {
   PoolHeader h{};
   h.magic = kPoolMagic;
   h.version = kPoolVersion;
   h.rank = rank;
   h.generation = generation;
-  h.geometry = g;
+  h.shape = g;
+  h.group = group;
   h.valid_offset = l.valid_offset;
   h.data_offset = l.data_offset;
   h.object_bytes = l.total;
@@ -297,9 +329,9 @@ Result<std::unique_ptr<ipc::SharedObject>, DeviceErrc> create_pool_object(const 
 
 }  // namespace
 
-Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend, const proto::CacheGeometry& g,
+Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend, const PoolShape& g,
                                                              std::uint64_t generation, std::uint32_t rank,
-                                                             HostLayout layout, int numa_node,
+                                                             std::uint32_t group, HostLayout layout, int numa_node,
                                                              const PinPlan& pin, const std::string& hugetlbfs_dir) {
   PoolLayout l;
   if (!layout_of(g, layout, &l) || l.total >= proto::kMaxSizeBytes)
@@ -311,8 +343,8 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend
     page = *huge;
     mapped = (l.total + page - 1) / page * page;
   }
-  const std::string name = ipc::session_object_name(generation, "host" + std::to_string(rank));
-  const PoolHeader want = header_of(g, generation, rank, layout, l);
+  const std::string name = ipc::session_object_name(generation, proto::host_pool_object(rank, group));
+  const PoolHeader want = header_of(g, generation, rank, group, layout, l);
 
   std::unique_ptr<HostPool> pool(new HostPool());
   pool->backend_ = &backend;
@@ -339,7 +371,7 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend
   for (std::size_t i = 0; i < l.region_offset.size(); ++i)
     if (l.region_offset[i] != ~0ull) pool->regions_[i] = base + l.region_offset[i];
   pool->total_ = l.total;
-  pool->geometry_ = g;
+  pool->shape_ = g;
   pool->page_stride_ = l.page_stride;
   return pool;
 }
@@ -358,7 +390,7 @@ HostPool::~HostPool() = default;
 const std::string& HostPool::name() const { return object_->name(); }
 
 std::uint64_t HostPool::stride(proto::TensorKind kind) const {
-  return page_stride_ != 0 ? page_stride_ : geometry_.block_bytes(kind);
+  return page_stride_ != 0 ? page_stride_ : shape_.block_bytes(kind);
 }
 
 void HostPool::remove() { ipc::SharedObject::remove(object_->name(), object_->dir()); }

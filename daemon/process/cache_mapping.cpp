@@ -11,9 +11,9 @@
 namespace kvtd::daemon {
 
 bool registered_none(const endpoint::RankEndpoint& ep) {
-  const auto& g = ep.geometry();
-  for (const auto [l, kind] : proto::tensors_of(g))
-    if (ep.tensor(l, kind) != nullptr) return false;
+  for (std::uint32_t l = 0; l < ep.geometry().num_layers; ++l)
+    for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k)
+      if (ep.tensor(l, static_cast<proto::TensorKind>(k)) != nullptr) return false;
   return true;
 }
 
@@ -38,8 +38,23 @@ bool wait_for_fastdeploy_cache(const config::DaemonConfig& cfg, const endpoint::
   }
 }
 
-Result<AttachedCache, DeviceErrc> attach_cache(const proto::CacheGeometry& g, TensorSource& source, HostPool& pool) {
-  AttachedCache c;
+namespace {
+
+// Pairs one device tensor (block bytes bb) with its host-pool region and adds both directions.
+Status<DeviceErrc> add_target(GroupCache& c, std::byte* dev, std::byte* host, std::uint64_t bb, std::uint64_t host_stride) {
+  if (host == nullptr) {
+    host = dev;  // no host blocks: every task fails validation anyway
+    host_stride = bb;
+  }
+  // Device tensors are packed; the host side strides by the pool's layout.
+  c.to_host.push_back(kernels::CopyTarget{dev, host, bb, bb, host_stride});
+  c.to_device.push_back(kernels::CopyTarget{host, dev, bb, host_stride, bb});
+  return {};
+}
+
+Result<AttachedCache, DeviceErrc> attach_single(const proto::CacheGeometry& g, TensorSource& source, HostPool& pool) {
+  AttachedCache out;
+  GroupCache c;
   c.pool = &pool;
   c.device_blocks = g.usable_device_blocks();  // ids a swap may use: valid in every layer, extra ones too
   c.host_blocks = g.num_host_blocks;
@@ -51,16 +66,67 @@ Result<AttachedCache, DeviceErrc> attach_cache(const proto::CacheGeometry& g, Te
     if (!dev.ok()) return std::move(dev).error();
     std::byte* host = pool.region(l, kind);
     const auto bb = g.block_bytes(kind);
-    if (host == nullptr) host = *dev;  // no host blocks: every task fails validation anyway
-    // Device tensors are packed; the host side strides by the pool's layout.
-    const std::uint64_t hs = host == *dev ? bb : pool.stride(kind);
-    c.to_host.push_back(kernels::CopyTarget{*dev, host, bb, bb, hs});
-    c.to_device.push_back(kernels::CopyTarget{host, *dev, bb, hs, bb});
-    c.storage.device_tensors.push_back(kernels::LayerTensor{*dev, bb, bb});
-    c.storage.host_tensors.push_back(kernels::LayerTensor{host, bb, hs});
+    KVTD_TRY(add_target(c, *dev, host, bb, host == nullptr ? bb : pool.stride(kind)));
+    out.storage.device_tensors.push_back(kernels::LayerTensor{*dev, bb, bb});
+    out.storage.host_tensors.push_back(kernels::LayerTensor{host == nullptr ? *dev : host, bb,
+                                                            host == nullptr ? bb : pool.stride(kind)});
   }
-  c.storage.object_bytes = g.bytes_per_block_all_layers();  // by rank; the server sets the slicing
-  if (auto what = source.describe(c.to_host.size()); !what.empty()) KVTD_INFO("{}", what);
+  out.storage.object_bytes = g.bytes_per_block_all_layers();  // by rank; the server sets the slicing
+  out.device_blocks = c.device_blocks;
+  out.host_blocks = c.host_blocks;
+  out.groups.push_back(std::move(c));
+  return out;
+}
+
+// One GroupCache per cache group: its layers in order, each layer's slots of the group (its
+// tensors, kvtd/proto/group_slots.h), paired with the group's own pool (pool layer = the group's
+// layer index).
+Result<AttachedCache, DeviceErrc> attach_groups(const proto::CacheGroups& gs, TensorSource& source,
+                                                const HostPools& pools) {
+  AttachedCache out;
+  out.group_session = true;
+  const proto::GroupIdSpace ids = proto::id_space(gs);
+  for (std::uint32_t g = 0; g < gs.num_groups; ++g) {
+    const proto::CacheGroup& group = gs.groups[g];
+    HostPool& pool = *pools.at(g);
+    GroupCache c;
+    c.pool = &pool;
+    c.device_blocks = group.device_blocks;
+    c.host_blocks = group.host_blocks;
+    c.device_base = ids.device_base[g];
+    c.host_base = ids.host_base[g];
+    c.num_layers = group.num_layers();
+    for (std::uint32_t t = 0; t < group.num_tensors; ++t) c.block_bytes.push_back(proto::group_tensor_block_bytes(group.tensors[t]));
+    std::uint32_t local = 0;
+    for (std::uint32_t l = 0; l < proto::kMaxLayers; ++l) {
+      if (!group.has_layer(l)) continue;
+      for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
+        const proto::GroupSlot at = proto::group_slot(gs, l, k);
+        if (at.group != static_cast<std::int32_t>(g)) continue;
+        auto dev = source.open(l, static_cast<proto::TensorKind>(k));
+        if (!dev.ok()) return std::move(dev).error();
+        const auto tensor = static_cast<proto::TensorKind>(at.tensor);
+        std::byte* host = pool.region(local, tensor);
+        KVTD_TRY(add_target(c, *dev, host, c.block_bytes[at.tensor], pool.stride(tensor)));
+      }
+      ++local;
+    }
+    out.groups.push_back(std::move(c));
+  }
+  out.device_blocks = ids.device_blocks();
+  out.host_blocks = ids.host_blocks();
+  return out;
+}
+
+}  // namespace
+
+Result<AttachedCache, DeviceErrc> attach_cache(const proto::CacheGeometry& g, const proto::CacheGroups& gs,
+                                               TensorSource& source, const HostPools& pools) {
+  auto c = proto::is_group_session(gs) ? attach_groups(gs, source, pools) : attach_single(g, source, *pools.at(0));
+  if (!c.ok()) return c;
+  std::size_t tensors = 0;
+  for (const auto& group : c->groups) tensors += group.to_host.size();
+  if (auto what = source.describe(tensors); !what.empty()) KVTD_INFO("{}", what);
   return c;
 }
 

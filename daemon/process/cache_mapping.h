@@ -38,6 +38,9 @@ class TensorSource {
 
   // The device address of the tensor's first byte.
   Result<std::byte*, DeviceErrc> open(std::uint32_t l, proto::TensorKind kind) {
+    if (by_names_ && proto::is_group_session(ep_.groups()))
+      return make_error(DeviceErrc::kOpenFailed, "the engine registered no tensors of this rank (a session with cache "
+                                                 "groups registers them all; FastDeploy's names are single-shape)");
     if (by_names_ && owned_ != nullptr) return owned_->tensor(l, kind);
     const proto::TensorDesc* d = ep_.tensor(l, kind);
     proto::TensorDesc named{};
@@ -70,8 +73,10 @@ class TensorSource {
   bool by_names_;
 };
 
-// Maps every tensor of this rank and pairs it with its host-pool region.
-Result<AttachedCache, DeviceErrc> attach_cache(const proto::CacheGeometry& g, TensorSource& source, HostPool& pool);
+// Maps every tensor of this rank and pairs it with its host-pool region: one group of every layer
+// for a single-shape geometry (`gs` all zero, pools[0]), else one per cache group (pools[g]).
+Result<AttachedCache, DeviceErrc> attach_cache(const proto::CacheGeometry& g, const proto::CacheGroups& gs,
+                                               TensorSource& source, const HostPools& pools);
 
 // FastDeploy's --create_cache_tensor: makes this rank's cache, publishes it by FastDeploy's names
 // and tells FastDeploy's worker (cache_ready_signal[rank] = 1), as its transfer manager does.

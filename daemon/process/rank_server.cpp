@@ -22,6 +22,7 @@ int RankServer::run() {
     eo.suffix = cfg_.session_suffix;
     eo.rank = cfg_.rank;
     eo.expected = s_.geometry;
+    eo.expected_groups = s_.groups;
     eo.attach_timeout_ns = cfg_.attach_timeout_ns();
     eo.engine_timeout_ns = cfg_.engine_timeout_ns();
     eo.skip_generation = last_generation;
@@ -56,24 +57,9 @@ std::optional<int> RankServer::serve_session(RankEndpoint& ep) {
   Heartbeat heartbeat(ep, cfg_.heartbeat_period_ns());
   const std::int64_t granted_ns = ipc::monotonic_now_ns();
   notify_status("attached to session " + cfg_.session_suffix + "; mapping the cache and the host pool");
-  HostPool::PinPlan pin;
-  pin.threads = cfg_.host_pool_pin_threads;
-  pin.first_bytes = std::uint64_t{cfg_.host_pool_pin_first_mib} << 20;
-  pin.on_progress = [&registry = s_.registry](std::uint64_t bytes, double seconds) {
-    registry.set_host_pool_pinning(bytes, static_cast<std::uint64_t>(seconds * 1000.0));
-  };
-  auto pool = HostPool::open(*s_.backend, s_.geometry, ep.generation(), cfg_.rank, cfg_.host_layout, s_.numa_node,
-                             pin, cfg_.host_pool_hugepages ? cfg_.hugetlbfs_dir : std::string());
-  if (!pool.ok()) {
-    KVTD_ERROR("host pool: {}", pool.error().message);
-    return kExitBackend;
-  }
-  if ((*pool)->restored())
-    KVTD_INFO("host pool {} re-mapped from a previous daemon of this session: {} of {} blocks hold data",
-              (*pool)->name(), (*pool)->valid_blocks(), cfg_.num_host_blocks);
-  if (cfg_.host_pool_hugepages)
-    KVTD_INFO("host pool in {} kB pages under {}", (*pool)->page_bytes() >> 10, cfg_.hugetlbfs_dir);
-  Session s{ep, **pool, heartbeat, std::nullopt, nullptr};
+  auto pools = open_pools(ep);
+  if (!pools.ok()) return pools.error().code;
+  Session s{ep, *pools, heartbeat, std::nullopt, nullptr};
   s.granted_ns = granted_ns;
   // One pass per mapping of the engine's cache: a weight update (CLEAR_CACHE ... RESTORE_CACHE, or
   // `kvtd ctl clear|restore`) closes it and later maps the re-registered tensors.
@@ -87,6 +73,33 @@ std::optional<int> RankServer::serve_session(RankEndpoint& ep) {
   return std::nullopt;
 }
 
+Result<HostPools, int> RankServer::open_pools(const RankEndpoint& ep) {
+  HostPool::PinPlan pin;
+  pin.threads = cfg_.host_pool_pin_threads;
+  pin.first_bytes = std::uint64_t{cfg_.host_pool_pin_first_mib} << 20;
+  pin.on_progress = [&registry = s_.registry](std::uint64_t bytes, double seconds) {
+    registry.set_host_pool_pinning(bytes, static_cast<std::uint64_t>(seconds * 1000.0));
+  };
+  const bool grouped = proto::is_group_session(s_.groups);
+  std::vector<std::unique_ptr<HostPool>> out;
+  for (std::uint32_t g = 0; g < (grouped ? s_.groups.num_groups : 1u); ++g) {
+    const PoolShape shape = grouped ? PoolShape::of(s_.groups, g) : PoolShape::of(s_.geometry);
+    auto pool = HostPool::open(*s_.backend, shape, ep.generation(), cfg_.rank, g, cfg_.host_layout, s_.numa_node, pin,
+                               cfg_.host_pool_hugepages ? cfg_.hugetlbfs_dir : std::string());
+    if (!pool.ok()) {
+      KVTD_ERROR("host pool{}: {}", grouped ? " of cache group " + std::to_string(g) : "", pool.error().message);
+      return make_error(kExitBackend, pool.error().message);
+    }
+    if ((*pool)->restored())
+      KVTD_INFO("host pool {} re-mapped from a previous daemon of this session: {} of {} blocks hold data",
+                (*pool)->name(), (*pool)->valid_blocks(), shape.num_host_blocks);
+    if (cfg_.host_pool_hugepages)
+      KVTD_INFO("host pool in {} kB pages under {}", (*pool)->page_bytes() >> 10, cfg_.hugetlbfs_dir);
+    out.push_back(std::move(pool).value());
+  }
+  return HostPools(std::move(out));
+}
+
 RankServer::Step RankServer::cleared(Session& s) {
   s.ep.set_ready(proto::kReadyHostPool);
   s_.registry.set_attached(true, s.ep.epoch());
@@ -97,7 +110,7 @@ RankServer::Step RankServer::cleared(Session& s) {
   s.heartbeat.serving();
   notify_ready();
   auto& control = s_.control_state;
-  const auto out = serve_cleared(s.ep, s.pool, stop_, &control.restore_requested, [&control] { control.restore_refused(); });
+  const auto out = serve_cleared(s.ep, s.pools, stop_, &control.restore_requested, [&control] { control.restore_refused(); });
   switch (out.why) {
     case ClearedExit::Why::kStopped: s.why = TaskRunner::Exit::kStopped; return Step::kEnd;
     case ClearedExit::Why::kSessionLost: s.why = TaskRunner::Exit::kSessionLost; return Step::kEnd;
@@ -156,7 +169,7 @@ RankServer::Step RankServer::live(Session& s, bool after_restore) {
 
 Result<AttachedCache, DeviceErrc> RankServer::map_cache(Session& s) {
   TensorSource source(s.ep, *s_.backend, cfg_.device_id, registered_none(s.ep), s.owned.get());
-  auto cache = attach_cache(s_.geometry, source, s.pool);
+  auto cache = attach_cache(s_.geometry, s_.groups, source, s.pools);
   if (!cache.ok()) return cache;
   cache->storage.store = s_.store.get();
   cache->storage.kv_events = s_.kv_events.get();
@@ -174,7 +187,7 @@ Result<AttachedCache, DeviceErrc> RankServer::map_cache(Session& s) {
   cache->engine_event_timeout_ns = static_cast<std::int64_t>(cfg_.engine_event_timeout_s * 1e9);
   cache->verify_swaps = cfg_.verify_swaps;
   cache->granted_ns = s.granted_ns;
-  s_.registry.set_host_pool_bytes(s.pool.total_bytes());
+  s_.registry.set_host_pool_bytes(s.pools.total_bytes());
   return cache;
 }
 
@@ -223,9 +236,9 @@ void RankServer::close_for_clear(Session& s, const TaskRunner& runner) {
   s_.backend->close_tensors();
   s.owned.reset();  // FastDeploy's worker released it before the clear (the adapter waits for that)
   if (auto clear = runner.clear_task()) {
-    finish_clear(s.ep, s.pool, *clear);
+    finish_clear(s.ep, s.pools, *clear);
   } else if (s_.control_state.clear_drops_host_tier.exchange(false)) {
-    s.pool.mark_all_invalid();
+    s.pools.mark_all_invalid();
     KVTD_INFO("host tier dropped with the clear");
   }
 }
@@ -246,7 +259,7 @@ void RankServer::end_session(Session& s) {
   s.owned.reset();
   // The session is over for us unless we are stopping: nobody will read this pool again (a new
   // session is a new generation with a new pool).
-  if (s.why != TaskRunner::Exit::kStopped) s.pool.remove();
+  if (s.why != TaskRunner::Exit::kStopped) s.pools.remove();
   if (s.why == TaskRunner::Exit::kRingCorrupt) KVTD_ERROR("task ring framing is corrupt; detached, waiting for a new session");
   if (s.why == TaskRunner::Exit::kSessionLost)
     KVTD_WARN("engine closed the session or stopped heartbeating; detached{}", stop_.load() ? "" : ", waiting for a new session");

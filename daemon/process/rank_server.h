@@ -44,7 +44,7 @@ class RankServer {
   // One attached session's state.
   struct Session {
     endpoint::RankEndpoint& ep;
-    HostPool& pool;
+    HostPools& pools;  // one per cache group (one for a single-shape geometry)
     Heartbeat& heartbeat;
     std::optional<proto::TaskRecordHeader> restore_task;  // RESTORE_CACHE to complete once live
     // --create_cache_tensor: the cache this daemon made for FastDeploy's worker while mapped.
@@ -59,6 +59,8 @@ class RankServer {
   // Attached session -> nullopt when it ended (wait for the next), else the exit code.
   std::optional<int> serve_session(endpoint::RankEndpoint& ep);
   Step cleared(Session& s);
+  // This rank's host pools of the session (one per cache group), or the exit code.
+  Result<HostPools, int> open_pools(const endpoint::RankEndpoint& ep);
   // Maps the tensors and serves them; `after_restore`: a failure keeps the rank cleared instead
   // of exiting (the engine clears and restores again).
   Step live(Session& s, bool after_restore);

@@ -123,17 +123,29 @@ std::optional<int> open_kv_events(const config::DaemonConfig& cfg, Services& s) 
 // a session re-maps the pool it already has, which needs no new space; HostPool::open refuses
 // (exit 5) when it must create a pool that does not fit.
 void log_pool_room(const config::DaemonConfig& cfg, const Services& s) {
-  const std::uint64_t pool_bytes = HostPool::object_bytes(s.geometry, cfg.host_layout);
+  std::uint64_t pool_bytes = 0;
+  std::string blocks;
+  if (proto::is_group_session(s.groups)) {
+    for (std::uint32_t g = 0; g < s.groups.num_groups; ++g) {
+      const PoolShape shape = PoolShape::of(s.groups, g);
+      pool_bytes += HostPool::object_bytes(shape, cfg.host_layout);
+      blocks += fmt::format("{}group {} ({}): {} blocks x {} bytes", g == 0 ? "" : ", ", g,
+                            proto::group_kind_name(s.groups.groups[g].group_kind()), shape.num_host_blocks,
+                            shape.block_bytes_all_layers());
+    }
+  } else {
+    pool_bytes = HostPool::object_bytes(s.geometry, cfg.host_layout);
+    blocks = fmt::format("{} blocks x {} bytes per block, all layers", cfg.num_host_blocks,
+                         s.geometry.bytes_per_block_all_layers());
+  }
   const std::int64_t shm_free = cfg.host_pool_hugepages ? -1 : ipc::shm_free_bytes();
   // In huge pages, HostPool::open checks the kernel's free pages and names the counts.
   const std::string room = cfg.host_pool_hugepages
                                ? "in huge pages under " + cfg.hugetlbfs_dir
                                : fmt::format("/dev/shm has {:.1f} MiB free", static_cast<double>(shm_free) / (1 << 20));
-  KVTD_INFO("kvtd {}rank {}/{} device {} backend={} host pool {:.1f} MiB ({} blocks x {} bytes per block, all "
-            "layers); {}",
+  KVTD_INFO("kvtd {}rank {}/{} device {} backend={} host pool {:.1f} MiB ({}); {}",
             cfg.group.empty() ? std::string() : "group " + cfg.group + " ", cfg.rank, cfg.mp_num, cfg.device_id,
-            s.backend->name(), static_cast<double>(pool_bytes) / (1 << 20), cfg.num_host_blocks,
-            s.geometry.bytes_per_block_all_layers(), room);
+            s.backend->name(), static_cast<double>(pool_bytes) / (1 << 20), blocks, room);
   if (shm_free >= 0 && static_cast<std::uint64_t>(shm_free) < pool_bytes)
     KVTD_WARN("a new host pool needs {:.1f} MiB in /dev/shm but only {:.1f} MiB are free: unless this rank's "
               "pool of the session exists already, attaching will fail; enlarge /dev/shm (mount -o "
@@ -242,6 +254,7 @@ std::optional<int> start_up(const config::DaemonConfig& cfg, std::atomic<bool>& 
                                           : std::string("no node to bind to (--numa-node ") +
                                                 (cfg.numa_node == -1 ? "none)" : "auto, and the backend knows none)"));
   s.geometry = cfg.geometry();
+  s.groups = cfg.cache_groups;
   if (auto why = cfg.object_slicing(&s.slicing); !why.empty()) {  // checked with the flags already
     KVTD_ERROR("{}", why);
     return kExitBadFlags;

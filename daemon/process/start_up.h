@@ -28,7 +28,8 @@ struct Services {
   std::unique_ptr<DeviceBackend> backend;
   std::unique_ptr<StuckCopyWatch> stuck_copy_watch;  // after the backend: destroyed before it
   int numa_node = -1;                // where the host pool and copy threads live (-1: anywhere)
-  proto::CacheGeometry geometry{};   // from the flags
+  proto::CacheGeometry geometry{};   // from the flags (with --cache-group: the groups' envelope)
+  proto::CacheGroups groups{};       // from --cache-group (num_groups 0: a single-shape geometry)
   proto::ObjectSlicing slicing;      // how this rank's blocks are stored (the flags checked it)
   // Rank 0 with --kv-events-endpoint (else null). Before the store: its eviction hook uses it.
   std::unique_ptr<events::KvEventPublisher> kv_events;

@@ -26,16 +26,16 @@ void send(endpoint::RankEndpoint& ep, const proto::TaskRecordHeader& h, TaskStat
 
 }  // namespace
 
-void finish_clear(endpoint::RankEndpoint& ep, HostPool& pool, const proto::TaskRecordHeader& clear) {
+void finish_clear(endpoint::RankEndpoint& ep, HostPools& pools, const proto::TaskRecordHeader& clear) {
   const std::int64_t start = ipc::monotonic_now_ns();
   const bool drop = (clear.flags & proto::kTaskFlagDropHostTier) != 0;
-  if (drop) pool.mark_all_invalid();
+  if (drop) pools.mark_all_invalid();
   KVTD_INFO("cache cleared (task {}): every mapping of the engine's KV tensors is closed{}", clear.task_id,
             drop ? "; host tier dropped" : "");
   send(ep, clear, TaskStatus::kOk, 0, start, drop ? "mappings closed, host tier dropped" : "mappings closed");
 }
 
-ClearedExit serve_cleared(endpoint::RankEndpoint& ep, HostPool& pool, const std::atomic<bool>& stop,
+ClearedExit serve_cleared(endpoint::RankEndpoint& ep, HostPools& pools, const std::atomic<bool>& stop,
                           std::atomic<bool>* restore_requested, const std::function<void()>& on_restore_refused) {
   std::vector<std::byte> record;
   for (;;) {
@@ -69,7 +69,7 @@ ClearedExit serve_cleared(endpoint::RankEndpoint& ep, HostPool& pool, const std:
     const auto kind = static_cast<TaskKind>(h.kind);
     if (kind == TaskKind::kRestoreCache) return {ClearedExit::Why::kRestore, h};
     if (kind == TaskKind::kClearCache) {
-      finish_clear(ep, pool, h);
+      finish_clear(ep, pools, h);
       continue;
     }
     if (kind == TaskKind::kCancel) {  // nothing runs here that it could stop

@@ -23,6 +23,7 @@
 #include "kvtd/daemon/completion_sink.h"
 #include "parked_queue.h"
 #include "swap_lanes.h"
+#include "task_decoder.h"
 #include "swap_outcomes.h"
 #include "work.h"
 
@@ -50,6 +51,7 @@ struct TaskRunner::Impl final : StorageListener, SwapReports {
   endpoint::RankEndpoint& ep;
   CopyEngine& backend;  // the lanes' copies
   AttachedCache cache;
+  std::vector<GroupShape> group_shapes;  // what the decoder checks ids against, per cache group
 
   BlockTracker tracker;  // which blocks each lane has in flight: cross-lane order
   // Tasks read but not admitted yet, and the tracker generation of their last check (dispatcher

@@ -19,7 +19,11 @@ using proto::TaskStatus;
 SwapLanes::SwapLanes(endpoint::RankEndpoint& ep, CopyEngine& copies, const AttachedCache& cache, BlockTracker& tracker,
                      SwapReports& reports)
     : ep_(ep), copies_(copies), cache_(cache), tracker_(tracker), reports_(reports) {
-  for (auto bytes : cache_.block_bytes) block_bytes_all_layers_ += bytes * cache_.num_layers;
+  for (const GroupCache& g : cache_.groups) {
+    std::uint64_t sum = 0;
+    for (auto bytes : g.block_bytes) sum += bytes * g.num_layers;
+    group_block_bytes_.push_back(sum);
+  }
 }
 
 void SwapLanes::start() {
@@ -69,38 +73,41 @@ void SwapLanes::execute(Work& w, int lane) {
     reports_.swap_completed(h, proto::Outcome::failed(failed->first, failed->second), start);
     return;
   }
-  const auto& targets = lane == 0 ? cache_.to_host : cache_.to_device;
-  // --verify-swaps: the blocks whose checksums this swap takes (kept at swap-out, compared at swap-in).
-  const VerifiedBlocks verify = blocks_to_verify(w, lane == 1, targets.size());
-  auto copied = copy_swap(w, lane, verify);
-  if (!copied.ok()) {
-    reports_.swap_completed(h, proto::Outcome::failed(status_of(copied.error().code), copied.error().message), start);
-    return;
-  }
-  const std::vector<std::uint64_t>& sums = *copied;
-  if (sums.size() != verify.device.size() * targets.size()) {
-    reports_.swap_completed(h,
-             proto::Outcome::failed(TaskStatus::kDeviceError,
-                                    "--verify-swaps: the device returned " + std::to_string(sums.size()) +
-                                        " checksums for " + std::to_string(verify.device.size()) + " blocks x " +
-                                        std::to_string(targets.size()) + " tensors"),
-             start);
-    return;
-  }
-  if (lane == 0 && cache_.pool != nullptr) {
-    // The checksums first: a block is valid only with what --verify-swaps checks it against.
-    keep_checksums(verify, sums, targets.size());
-    cache_.pool->mark_valid(w.host_ids);
-  }
-  if (lane == 1 && cache_.pool != nullptr) {
-    if (auto bad = check_checksums(verify, sums, targets.size())) {
-      reports_.swap_completed(h, proto::Outcome::failed(bad->first, bad->second), start);
+  std::uint64_t blocks = 0;
+  for (const SwapPart& p : w.parts) {
+    if (auto failed = move_part(w, p, lane)) {
+      reports_.swap_completed(h, proto::Outcome::failed(failed->first, failed->second), start);
       return;
     }
+    blocks += static_cast<std::uint64_t>(p.plan.num_blocks);
   }
   reports_.swap_moved(lane, task_bytes(w));
-  reports_.swap_completed(h, proto::Outcome::swapped(static_cast<std::uint64_t>(w.plan.num_blocks), cache_.num_layers), start);
+  reports_.swap_completed(h, proto::Outcome::swapped(blocks, ep_.geometry().num_layers), start);
   if (!first_swap_noted_.load(std::memory_order_relaxed)) note_first_swap(ipc::monotonic_now_ns());
+}
+
+std::optional<SwapLanes::Failure> SwapLanes::move_part(const Work& w, const SwapPart& p, int lane) {
+  const GroupCache& g = cache_.groups[p.group];
+  const auto& targets = lane == 0 ? g.to_host : g.to_device;
+  const std::string in_group = cache_.groups.size() > 1 ? " (cache group " + std::to_string(p.group) + ")" : "";
+  // --verify-swaps: the blocks whose checksums this swap takes (kept at swap-out, compared at swap-in).
+  const VerifiedBlocks verify = blocks_to_verify(p, lane == 1, targets.size());
+  auto copied = copy_swap(w, p, lane, verify);
+  if (!copied.ok()) return std::make_pair(status_of(copied.error().code), copied.error().message + in_group);
+  const std::vector<std::uint64_t>& sums = *copied;
+  if (sums.size() != verify.device.size() * targets.size())
+    return std::make_pair(TaskStatus::kDeviceError, "--verify-swaps: the device returned " + std::to_string(sums.size()) +
+                                                        " checksums for " + std::to_string(verify.device.size()) +
+                                                        " blocks x " + std::to_string(targets.size()) + " tensors" +
+                                                        in_group);
+  if (lane == 0 && g.pool != nullptr) {
+    // The checksums first: a block is valid only with what --verify-swaps checks it against.
+    keep_checksums(p.group, verify, sums, targets.size());
+    g.pool->mark_valid(p.host_ids);
+  }
+  if (lane == 1 && g.pool != nullptr)
+    if (auto bad = check_checksums(p.group, verify, sums, targets.size())) return bad;
+  return std::nullopt;
 }
 
 std::optional<SwapLanes::Failure> SwapLanes::prepare_swap(Work& w, int lane, std::int64_t start) {
@@ -110,14 +117,17 @@ std::optional<SwapLanes::Failure> SwapLanes::prepare_swap(Work& w, int lane, std
                           "deadline passed " + std::to_string((start - h.deadline_ns) / 1000) + " us before execution");
   if (auto failed = await_pinned(w, lane, start))
     return std::make_pair(failed->first, failed->second + "; nothing was copied");
-  if (lane == 1 && cache_.pool != nullptr) {
-    if (auto bad = cache_.pool->first_invalid(w.host_ids))
+  for (const SwapPart& p : w.parts) {
+    const GroupCache& g = cache_.groups[p.group];
+    if (lane != 1 || g.pool == nullptr) continue;
+    if (auto bad = g.pool->first_invalid(p.host_ids))
       return std::make_pair(TaskStatus::kHostTierLost,
-                            "host block " + std::to_string(*bad) +
+                            "host block " + std::to_string(g.host_base + *bad) +
                                 " holds no data written in this session (the host pool was lost with a daemon restart, "
                                 "or the write into it failed or never happened)");
   }
-  if (lane == 0 && cache_.pool != nullptr) cache_.pool->mark_invalid(w.host_ids);
+  for (const SwapPart& p : w.parts)
+    if (lane == 0 && cache_.groups[p.group].pool != nullptr) cache_.groups[p.group].pool->mark_invalid(p.host_ids);
   // The engine's GPU work on these blocks first: its event must have fired before a byte moves.
   if (w.engine_event) {
     const auto st = await_engine_event(w, start);
@@ -132,19 +142,22 @@ std::optional<SwapLanes::Failure> SwapLanes::prepare_swap(Work& w, int lane, std
   return std::nullopt;
 }
 
-Result<std::vector<std::uint64_t>, DeviceErrc> SwapLanes::copy_swap(const Work& w, int lane,
-                                                                          const VerifiedBlocks& verify) {
+Result<std::vector<std::uint64_t>, DeviceErrc> SwapLanes::copy_swap(const Work& w, const SwapPart& p, int lane,
+                                                                    const VerifiedBlocks& verify) {
   const auto& h = w.header;
-  const auto& targets = lane == 0 ? cache_.to_host : cache_.to_device;
+  const GroupCache& g = cache_.groups[p.group];
+  const auto& targets = lane == 0 ? g.to_host : g.to_device;
   if ((h.flags & proto::kTaskFlagLayerwise) == 0) {
     // The checksums ride behind the copy on its stream: one synchronisation for both.
-    return copies_.copy_with_checksums(lane == 0 ? Direction::kToHost : Direction::kToDevice, w.plan, targets,
+    return copies_.copy_with_checksums(lane == 0 ? Direction::kToHost : Direction::kToDevice, p.plan, targets,
                                        verify.device);
   }
+  // Layer by layer: the decoder admits it only with one group (a single-shape session), whose
+  // layers are the session's.
   ep_.progress_begin(h);
   std::uint32_t queued = 0, done = 0;
   KVTD_TRY(copies_.copy_layerwise(
-      Direction::kToDevice, w.plan, targets, targets.size() / cache_.num_layers,
+      Direction::kToDevice, p.plan, targets, targets.size() / g.num_layers,
       [&](std::uint32_t layer) {
         queued = layer + 1;
         ep_.progress_update(h, queued, done);  // the engine may cudaStreamWaitEvent from here
@@ -157,23 +170,30 @@ Result<std::vector<std::uint64_t>, DeviceErrc> SwapLanes::copy_swap(const Work& 
   return copies_.device_checksums(Direction::kToDevice, targets, verify.device);
 }
 
-std::optional<SwapLanes::Failure> SwapLanes::await_pinned(const Work& w, int lane,
-                                                                                  std::int64_t start) {
+std::optional<SwapLanes::Failure> SwapLanes::await_pinned(const Work& w, int lane, std::int64_t start) {
+  for (const SwapPart& p : w.parts)
+    if (auto failed = await_pinned_part(w, p, lane, start)) return failed;
+  return std::nullopt;
+}
+
+std::optional<SwapLanes::Failure> SwapLanes::await_pinned_part(const Work& w, const SwapPart& p, int lane,
+                                                                std::int64_t start) {
+  HostPool* const pool = cache_.groups[p.group].pool;
   // Once the whole pool is pinned (always, on a backend that pins nothing) there is nothing to look up.
-  if (cache_.pool == nullptr || w.host_ids.empty() || cache_.pool->pinned_blocks() >= cache_.host_blocks)
+  if (pool == nullptr || p.host_ids.empty() || pool->pinned_blocks() >= cache_.groups[p.group].host_blocks)
     return std::nullopt;
   std::int32_t top = 0;
-  for (auto id : w.host_ids) top = std::max(top, id);
+  for (auto id : p.host_ids) top = std::max(top, id);
   const auto end = static_cast<std::uint32_t>(top) + 1;
-  if (cache_.pool->pinned_blocks() >= end) return std::nullopt;
+  if (pool->pinned_blocks() >= end) return std::nullopt;
   const auto& h = w.header;
-  std::uint32_t seen = cache_.pool->pinned_blocks();
+  std::uint32_t seen = pool->pinned_blocks();
   std::int64_t progress_at = start;
   bool late = false;
-  auto st = cache_.pool->wait_pinned(end, [&]() -> std::optional<std::string> {
+  auto st = pool->wait_pinned(end, [&]() -> std::optional<std::string> {
     const std::int64_t now = ipc::monotonic_now_ns();
-    if (const std::uint32_t p = cache_.pool->pinned_blocks(); p != seen) {
-      seen = p;
+    if (const std::uint32_t pinned = pool->pinned_blocks(); pinned != seen) {
+      seen = pinned;
       progress_at = now;
     }
     if (h.deadline_ns != 0 && now > h.deadline_ns) {
@@ -193,7 +213,8 @@ std::optional<SwapLanes::Failure> SwapLanes::await_pinned(const Work& w, int lan
 void SwapLanes::note_first_swap(std::int64_t now) {
   if (first_swap_noted_.exchange(true, std::memory_order_acq_rel) || cache_.granted_ns == 0) return;
   std::string pinned;
-  const auto p = cache_.pool != nullptr ? cache_.pool->pin_progress() : HostPool::PinProgress{};
+  HostPool* const pool = cache_.groups.empty() ? nullptr : cache_.groups[0].pool;
+  const auto p = pool != nullptr ? pool->pin_progress() : HostPool::PinProgress{};
   if (p.bytes_total != 0) {  // a backend that pins
     char buf[160];
     std::snprintf(buf, sizeof buf, "; host pool: first blocks pinned in %.3f s, %.2f of %.2f GiB pinned now",

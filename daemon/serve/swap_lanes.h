@@ -54,10 +54,13 @@ class SwapLanes {
   // Runs `w` on this thread and releases its blocks (unrun if its epoch was revoked).
   void run_inline(Work& w, int lane) { execute_and_release(w, lane); }
   bool idle(int lane) const { return lanes_[lane].outstanding.load(std::memory_order_acquire) == 0; }
-  // What one block moves, every layer and tensor; and a swap's blocks, so.
-  std::uint64_t block_bytes() const { return block_bytes_all_layers_; }
+  // What one block moves, every layer and tensor (0 in a session with several cache groups, whose
+  // blocks differ in size); and what a swap's blocks move, exactly.
+  std::uint64_t block_bytes() const { return cache_.groups.size() == 1 ? group_block_bytes_[0] : 0; }
   std::uint64_t task_bytes(const Work& w) const {
-    return block_bytes_all_layers_ * static_cast<std::uint64_t>(w.plan.num_blocks);
+    std::uint64_t sum = 0;
+    for (const SwapPart& p : w.parts) sum += group_block_bytes_[p.group] * static_cast<std::uint64_t>(p.plan.num_blocks);
+    return sum;
   }
   // Removes every queued (not yet executing) swap, its blocks released; how many.
   std::size_t drop_queued();
@@ -90,28 +93,35 @@ class SwapLanes {
   // after its first blocks), bounded by the deadline, the lane's closing and kPinStallNs without
   // progress; counted in the metrics when it had to wait.
   std::optional<Failure> await_pinned(const Work& w, int lane, std::int64_t start);
+  std::optional<Failure> await_pinned_part(const Work& w, const SwapPart& p, int lane, std::int64_t start);
   // Waits on the host for `w`'s engine event, bounded by the engine's liveness, the deadline,
   // cache.engine_event_timeout_ns and the lane's closing (kEventNotFired past them).
   Status<DeviceErrc> await_engine_event(const Work& w, std::int64_t start);
-  // Runs `w`'s copy and returns the checksums of `verify`'s device blocks taken after it.
-  Result<std::vector<std::uint64_t>, DeviceErrc> copy_swap(const Work& w, int lane, const VerifiedBlocks& verify);
+  // Runs part `p` of `w`'s copy and returns the checksums of `verify`'s device blocks taken after it.
+  Result<std::vector<std::uint64_t>, DeviceErrc> copy_swap(const Work& w, const SwapPart& p, int lane,
+                                                           const VerifiedBlocks& verify);
+  // Copies part `p` and settles its host blocks: valid after a swap-out (with their checksums),
+  // compared after a swap-in. The failure, or nullopt.
+  std::optional<Failure> move_part(const Work& w, const SwapPart& p, int lane);
   // Logs the first swap served since the session was granted (time to first swap), once.
   void note_first_swap(std::int64_t now);
 
   // ---- swap_checksums.cpp (--verify-swaps) ----
-  VerifiedBlocks blocks_to_verify(const Work& w, bool swap_in, std::size_t targets) const;
-  // After a swap-out: keeps `sums` (device_checksums' layout) with the host blocks.
-  void keep_checksums(const VerifiedBlocks& v, std::span<const std::uint64_t> sums, std::size_t targets);
+  // Ids in `p`'s group (its host pool's blocks).
+  VerifiedBlocks blocks_to_verify(const SwapPart& p, bool swap_in, std::size_t targets) const;
+  // After a swap-out: keeps `sums` (device_checksums' layout) with the host blocks of `group`.
+  void keep_checksums(std::uint32_t group, const VerifiedBlocks& v, std::span<const std::uint64_t> sums,
+                      std::size_t targets);
   // After a swap-in: compares `sums` with those kept at swap-out; the integrity failure, or nullopt.
-  std::optional<Failure> check_checksums(const VerifiedBlocks& v, std::span<const std::uint64_t> sums,
-                                         std::size_t targets) const;
+  std::optional<Failure> check_checksums(std::uint32_t group, const VerifiedBlocks& v,
+                                         std::span<const std::uint64_t> sums, std::size_t targets) const;
 
   endpoint::RankEndpoint& ep_;
   CopyEngine& copies_;
   const AttachedCache& cache_;
   BlockTracker& tracker_;
   SwapReports& reports_;
-  std::uint64_t block_bytes_all_layers_ = 0;
+  std::vector<std::uint64_t> group_block_bytes_;  // per group: one block, every layer and tensor
   std::atomic<bool> first_swap_noted_{false};
   Lane lanes_[2];
 };

@@ -80,6 +80,70 @@ DecodedRecord& decode_storage(DecodedRecord& d, std::span<const std::int32_t> se
   return d;
 }
 
+// Group `g`'s index in `shape` whose ids on one side hold `id`; -1 when none does.
+int group_of(const CacheShape& shape, std::int64_t id, bool device) {
+  for (std::size_t g = 0; g < shape.groups.size(); ++g) {
+    const GroupShape& x = shape.groups[g];
+    const std::int64_t base = device ? x.device_base : x.host_base, n = device ? x.device_blocks : x.host_blocks;
+    if (id >= base && id < base + n) return static_cast<int>(g);
+  }
+  return -1;
+}
+
+// A swap's pairs cut by cache group, each group's planned in its own ids: false (d failed) when a
+// pair leaves its group or a group's plan is refused.
+bool plan_parts(std::span<const std::int32_t> src, std::span<const std::int32_t> dst, bool to_host,
+                const CacheShape& shape, DecodedRecord& d) {
+  const char* side_note = to_host ? " (source: device blocks, destination: host blocks)"
+                                  : " (source: host blocks, destination: device blocks)";
+  const std::size_t n = shape.groups.size();
+  std::vector<std::vector<std::int32_t>> from(n), to(n);
+  if (n == 1) {
+    from[0].assign(src.begin(), src.end());
+    to[0].assign(dst.begin(), dst.end());
+  } else {
+    if (src.size() != dst.size()) {
+      fail(d, TaskStatus::kLengthMismatch,
+           std::to_string(src.size()) + " source and " + std::to_string(dst.size()) + " destination blocks" + side_note);
+      return false;
+    }
+    for (std::size_t i = 0; i < src.size(); ++i) {
+      const int g = group_of(shape, src[i], to_host);
+      const int h = group_of(shape, dst[i], !to_host);
+      if (g < 0 || g != h) {
+        auto where = [](int x) { return x < 0 ? std::string("outside every cache group") : "in cache group " + std::to_string(x); };
+        fail(d, TaskStatus::kIdOutOfRange,
+             "pair " + std::to_string(i) + ": source block " + std::to_string(src[i]) + " is " + where(g) +
+                 " and destination block " + std::to_string(dst[i]) + " is " + where(h) +
+                 "; a pair stays inside one group" + side_note);
+        return false;
+      }
+      const GroupShape& x = shape.groups[static_cast<std::size_t>(g)];
+      from[g].push_back(static_cast<std::int32_t>(src[i] - (to_host ? x.device_base : x.host_base)));
+      to[g].push_back(static_cast<std::int32_t>(dst[i] - (to_host ? x.host_base : x.device_base)));
+    }
+  }
+  for (std::size_t g = 0; g < n; ++g) {
+    if (n > 1 && from[g].empty()) continue;
+    const GroupShape& x = shape.groups[g];
+    auto plan = kernels::plan_copy(from[g], to[g], to_host ? x.device_blocks : x.host_blocks,
+                                   to_host ? x.host_blocks : x.device_blocks, x.block_bytes);
+    if (!plan.ok()) {
+      fail(d, status_of(plan.error().code),
+           (n > 1 ? "cache group " + std::to_string(g) + " (its own block ids): " : std::string()) +
+               plan.error().message + side_note);
+      return false;
+    }
+    SwapPart part;
+    part.group = static_cast<std::uint32_t>(g);
+    part.plan = std::move(plan).value();
+    part.device_ids = to_host ? std::move(from[g]) : std::move(to[g]);
+    part.host_ids = to_host ? std::move(to[g]) : std::move(from[g]);
+    d.work.parts.push_back(std::move(part));
+  }
+  return true;
+}
+
 }  // namespace
 
 DecodedRecord decode_record(std::span<const std::byte> record, const CacheShape& shape, std::int64_t now) {
@@ -97,15 +161,18 @@ DecodedRecord decode_record(std::span<const std::byte> record, const CacheShape&
     d.action = Action::kRestore;
     return d;
   }
+  if (proto::is_storage_kind(kind) && shape.group_session) {
+    d.abort_agreement = kind != TaskKind::kCancel;
+    return fail(d, TaskStatus::kMalformed,
+                std::string(proto::task_kind_name(kind)) +
+                    ": storage tasks of a session with cache groups are not served yet (swaps are)");
+  }
   if (proto::is_storage_kind(kind)) return decode_storage(d, src, dst, shape, now);
   const bool to_host = kind == TaskKind::kSwapToHost;
-  auto plan = kernels::plan_copy(src, dst, to_host ? shape.device_blocks : shape.host_blocks,
-                                 to_host ? shape.host_blocks : shape.device_blocks, shape.block_bytes);
-  if (!plan.ok()) {
-    const char* side_note = to_host ? " (source: device blocks, destination: host blocks)"
-                                    : " (source: host blocks, destination: device blocks)";
-    return fail(d, status_of(plan.error().code), plan.error().message + side_note);
-  }
+  if (shape.group_session && (h.flags & proto::kTaskFlagLayerwise) != 0)
+    return fail(d, TaskStatus::kMalformed,
+                "layer-by-layer loads of a session with cache groups are not served yet: load it whole");
+  if (!plan_parts(src, dst, to_host, shape, d)) return d;
   if (h.deadline_ns != 0 && now > h.deadline_ns) return fail(d, TaskStatus::kDeadlineExceeded, late(h, now));
   if (!decoded->events.empty()) {
     const std::size_t n = decoded->events.size() / proto::kEngineEventBytes;
@@ -117,7 +184,6 @@ DecodedRecord decode_record(std::span<const std::byte> record, const CacheShape&
     d.work.engine_event = ev;
   }
   d.action = Action::kRun;
-  d.work.plan = std::move(plan).value();
   d.work.device_ids.assign(to_host ? src.begin() : dst.begin(), to_host ? src.end() : dst.end());
   d.work.host_ids.assign(to_host ? dst.begin() : src.begin(), to_host ? dst.end() : src.end());
   return d;

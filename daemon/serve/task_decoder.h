@@ -12,13 +12,21 @@
 
 namespace kvtd::daemon {
 
+// One cache group's share of the id spaces and its per-tensor block bytes.
+struct GroupShape {
+  std::int64_t device_base = 0, device_blocks = 0;  // ids [base, base + blocks) on each side
+  std::int64_t host_base = 0, host_blocks = 0;
+  std::span<const std::uint64_t> block_bytes;  // per tensor of a layer
+};
+
 // The block counts and per-tensor block bytes a task is checked against.
 struct CacheShape {
-  std::int64_t device_blocks = 0;  // ids a swap may use: valid in every layer
+  std::int64_t device_blocks = 0;  // ids a swap may use (every group's): valid in every layer
   std::int64_t host_blocks = 0;
-  std::span<const std::uint64_t> block_bytes;  // per present tensor kind
+  std::span<const GroupShape> groups;  // at least one; one group: bases 0 and the totals above
   std::uint32_t rank = 0;       // whose engine event of a swap's per-rank list is this daemon's
   std::uint32_t num_ranks = 1;  // how many the list must hold
+  bool group_session = false;   // storage tasks and layer-by-layer loads are refused (not served yet)
 };
 
 struct DecodedRecord {

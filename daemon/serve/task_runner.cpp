@@ -21,14 +21,19 @@ TaskRunner::Impl::Impl(endpoint::RankEndpoint& e, DeviceBackend& b, AttachedCach
       parked(cache.host_blocks, cache.device_blocks),
       sink(ep, cache.metrics),
       lanes(ep, b, cache, tracker, *this) {
-  auto ex = StorageExecutor::create(ep, b, b, cache.pool, cache.storage, *this);
+  for (const GroupCache& g : cache.groups)
+    group_shapes.push_back(GroupShape{g.device_base, g.device_blocks, g.host_base, g.host_blocks, g.block_bytes});
+  // Storage is served for a single-shape session only: its one pool (a group session's storage
+  // tasks are refused by the decoder).
+  HostPool* const pool = cache.groups.empty() ? nullptr : cache.groups[0].pool;
+  auto ex = StorageExecutor::create(ep, b, b, pool, cache.storage, *this);
   if (!ex.ok()) {
     // Storage tasks then fail, naming why; swaps are unaffected.
     KVTD_ERROR("storage tasks disabled: {}", ex.error().message);
     StorageTargets none = cache.storage;
     none.store = nullptr;
     none.no_store_reason = "storage tasks are disabled on this rank: " + ex.error().message;
-    ex = StorageExecutor::create(ep, b, b, cache.pool, none, *this);
+    ex = StorageExecutor::create(ep, b, b, pool, none, *this);
   }
   MutexLock g(stats_mu);  // no other thread yet; the locks keep the analysis whole
   if (ex.ok()) {
@@ -89,8 +94,8 @@ void TaskRunner::Impl::release_storage(const StorageWork& sw) {
 bool TaskRunner::Impl::decode(const std::vector<std::byte>& rec, Work& w) {
   const std::int64_t now = ipc::monotonic_now_ns();
   auto d = decode_record(rec,
-                         CacheShape{cache.device_blocks, cache.host_blocks, cache.block_bytes, ep.rank(),
-                                    ep.geometry().num_ranks},
+                         CacheShape{cache.device_blocks, cache.host_blocks, group_shapes, ep.rank(),
+                                    ep.geometry().num_ranks, cache.group_session},
                          now);
   const std::uint32_t epoch = w.epoch;  // the grant it was read under: not the decoder's to know
   w = std::move(d.work);

@@ -18,13 +18,22 @@ namespace kvtd::daemon {
 // wait re-check their stop flags and requests.
 constexpr std::int64_t kPollSliceNs = 50'000'000;
 
+// The blocks of one cache group a swap moves, in the group's own ids (the task's ids less the
+// group's bases).
+struct SwapPart {
+  std::uint32_t group = 0;
+  kernels::CopyPlan plan;
+  std::vector<std::int32_t> host_ids;
+  std::vector<std::int32_t> device_ids;
+};
+
 struct Work {
   proto::TaskRecordHeader header{};
   std::uint32_t epoch = 0;               // the grant under which the record was read
-  kernels::CopyPlan plan;                // swaps
+  std::vector<SwapPart> parts;           // swaps: one per cache group it names, in group order
   // A swap's engine event (this rank's, copied out of the record): its copy waits for it.
   std::optional<std::array<std::uint8_t, proto::kEngineEventBytes>> engine_event;
-  std::vector<std::int32_t> host_ids;    // the blocks it touches, for the block tracker
+  std::vector<std::int32_t> host_ids;    // the blocks it touches (the task's ids), for the block tracker
   std::vector<std::int32_t> device_ids;
   bool storage = false;
   StorageWork storage_work;              // when `storage`

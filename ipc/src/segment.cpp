@@ -316,7 +316,8 @@ SessionLayout compute_layout(const proto::CacheGeometry& g, std::uint64_t ring_b
 }
 
 proto::SessionHeader* init_session(const SessionView& view, const proto::CacheGeometry& g,
-                                   std::uint32_t completion_capacity, std::int64_t now_ns) {
+                                   const proto::CacheGroups& groups, std::uint32_t completion_capacity,
+                                   std::int64_t now_ns) {
   auto* h = new (view.base) proto::SessionHeader();
   for (std::uint32_t r = 0; r < g.num_ranks; ++r) {
     new (view.completion_control(r)) proto::CompletionRingControl();
@@ -336,6 +337,7 @@ proto::SessionHeader* init_session(const SessionView& view, const proto::CacheGe
   h->creator_uid = static_cast<std::uint32_t>(getuid());
   h->completion_capacity = completion_capacity;
   h->geometry = g;
+  h->groups = groups;
   h->registry_offset = layout.registry_offset;
   h->registry_count = layout.registry_count;
   h->task_ring_offset = layout.ring_offset;
@@ -361,6 +363,7 @@ HeaderCopy copy_header(const proto::SessionHeader& h) {
   c.completion_capacity = h.completion_capacity;
   c.generation = h.generation;
   std::memcpy(&c.geometry, &h.geometry, sizeof c.geometry);
+  std::memcpy(&c.groups, &h.groups, sizeof c.groups);
   c.registry_offset = h.registry_offset;
   c.registry_count = h.registry_count;
   c.task_ring_offset = h.task_ring_offset;
@@ -379,7 +382,7 @@ Result<SessionLayout, IpcErrc> validate_header(const HeaderCopy& h, std::uint64_
                                                 " (header of " + std::to_string(h.header_bytes) +
                                                 " bytes); this build speaks " +
                                                 std::to_string(proto::kSessionLayoutVersion));
-  if (auto why = proto::geometry_problem(h.geometry); !why.empty())
+  if (auto why = proto::session_cache_problem(h.geometry, h.groups); !why.empty())
     return make_error(IpcErrc::kCorrupt, "corrupt session header: geometry: " + why);
   if (auto why = check_ring_sizes(h.task_ring_bytes, h.completion_capacity); !why.empty())
     return make_error(IpcErrc::kCorrupt, "corrupt session header: " + why);
@@ -435,6 +438,32 @@ std::string geometry_mismatch(const proto::CacheGeometry& have, const proto::Cac
   for (int i = 0; i < 4; ++i) {
     if (have.value_shape[i] != want.value_shape[i])
       return "value_cache_shape: session has " + shape(have.value_shape) + ", flags say " + shape(want.value_shape);
+  }
+  return "";
+}
+
+std::string groups_mismatch(const proto::CacheGroups& have, const proto::CacheGroups& want) {
+  if (have.num_groups != want.num_groups)
+    return "cache groups: session has " + std::to_string(have.num_groups) + ", flags say " +
+           std::to_string(want.num_groups) + " (0: a single-shape geometry)";
+  if (have.page_tokens != want.page_tokens)
+    return "page tokens: session has " + std::to_string(have.page_tokens) + ", flags say " +
+           std::to_string(want.page_tokens);
+  for (std::uint32_t g = 0; g < have.num_groups && g < proto::kMaxGroups; ++g) {
+    const auto& a = have.groups[g];
+    const auto& b = want.groups[g];
+    const std::string at = "cache group " + std::to_string(g) + " ";
+    if (a.kind != b.kind)
+      return at + "kind: session has " + proto::group_kind_name(a.group_kind()) + ", flags say " +
+             proto::group_kind_name(b.group_kind());
+    if (std::memcmp(a.layers, b.layers, sizeof a.layers) != 0) return at + "layers differ";
+    if (a.device_blocks != b.device_blocks)
+      return at + "device blocks: session has " + std::to_string(a.device_blocks) + ", flags say " +
+             std::to_string(b.device_blocks);
+    if (a.host_blocks != b.host_blocks)
+      return at + "host blocks: session has " + std::to_string(a.host_blocks) + ", flags say " +
+             std::to_string(b.host_blocks);
+    if (std::memcmp(&a, &b, sizeof a) != 0) return at + "tensors, block tokens or window differ";
   }
   return "";
 }

@@ -18,7 +18,18 @@ using proto::TaskStatus;
 using Action = DecodedRecord::Action;
 
 const std::vector<std::uint64_t> kBlockBytes{64, 64};
-const CacheShape kShape{16, 8, kBlockBytes};  // 16 device blocks, 8 host blocks
+const GroupShape kOneGroup[] = {{0, 16, 0, 8, kBlockBytes}};
+const CacheShape kShape{16, 8, kOneGroup};  // 16 device blocks, 8 host blocks
+
+// Two cache groups side by side (kvtd/proto/group_slots.h): device ids 0-15 and 16-19, host ids
+// 0-7 and 8-13.
+const std::vector<std::uint64_t> kStateBytes{4096};
+const GroupShape kTwoGroups[] = {{0, 16, 0, 8, kBlockBytes}, {16, 4, 8, 6, kStateBytes}};
+CacheShape two_groups() {
+  CacheShape s{20, 14, kTwoGroups};
+  s.group_session = true;
+  return s;
+}
 
 std::vector<std::byte> record(TaskKind kind, std::vector<std::int32_t> src, std::vector<std::int32_t> dst,
                               std::uint16_t flags = 0, std::uint32_t num_keys = 0, std::int64_t deadline = 0) {
@@ -41,7 +52,8 @@ std::vector<std::int32_t> section(std::vector<std::string> keys, std::uint64_t c
 TEST(TaskDecoder, ASwapBecomesAPlanWithItsBlocksOnEachSide) {
   auto d = decode_record(record(TaskKind::kSwapToHost, {1, 2}, {3, 4}), kShape, 0);
   ASSERT_EQ(d.action, Action::kRun) << d.message;
-  EXPECT_EQ(d.work.plan.num_blocks, 2);
+  ASSERT_EQ(d.work.parts.size(), 1u);
+  EXPECT_EQ(d.work.parts[0].plan.num_blocks, 2);
   EXPECT_EQ(d.work.device_ids, (std::vector<std::int32_t>{1, 2}));
   EXPECT_EQ(d.work.host_ids, (std::vector<std::int32_t>{3, 4}));
   EXPECT_EQ(d.work.header.task_id, 42u);
@@ -182,6 +194,57 @@ TEST(TaskDecoder, ATruncatedRecordIsMalformed) {
   auto d = decode_record(rec, kShape, 0);
   ASSERT_EQ(d.action, Action::kFail);
   EXPECT_EQ(d.status, TaskStatus::kMalformed);
+}
+
+}  // namespace
+}  // namespace kvtd::daemon
+
+namespace kvtd::daemon {
+namespace {
+
+TEST(TaskDecoder, ASwapOverTwoGroupsIsOnePartPerGroupInItsOwnIds) {
+  // Device 3 -> host 5 (group 0), device 17 -> host 9 and device 16 -> host 13 (group 1).
+  auto d = decode_record(record(TaskKind::kSwapToHost, {3, 17, 16}, {5, 9, 13}), two_groups(), 0);
+  ASSERT_EQ(d.action, Action::kRun) << d.message;
+  ASSERT_EQ(d.work.parts.size(), 2u);
+  EXPECT_EQ(d.work.parts[0].group, 0u);
+  EXPECT_EQ(d.work.parts[0].device_ids, (std::vector<std::int32_t>{3}));
+  EXPECT_EQ(d.work.parts[0].host_ids, (std::vector<std::int32_t>{5}));
+  EXPECT_EQ(d.work.parts[1].group, 1u);
+  EXPECT_EQ(d.work.parts[1].device_ids, (std::vector<std::int32_t>{1, 0}));
+  EXPECT_EQ(d.work.parts[1].host_ids, (std::vector<std::int32_t>{1, 5}));
+  EXPECT_EQ(d.work.parts[1].plan.num_blocks, 2);
+  // The block tracker sees the task's own ids.
+  EXPECT_EQ(d.work.device_ids, (std::vector<std::int32_t>{3, 17, 16}));
+  EXPECT_EQ(d.work.host_ids, (std::vector<std::int32_t>{5, 9, 13}));
+}
+
+TEST(TaskDecoder, APairThatLeavesItsGroupFailsNamingBothGroups) {
+  auto d = decode_record(record(TaskKind::kSwapToDevice, {9}, {2}), two_groups(), 0);  // host g1 -> device g0
+  ASSERT_EQ(d.action, Action::kFail);
+  EXPECT_EQ(d.status, TaskStatus::kIdOutOfRange);
+  EXPECT_NE(d.message.find("source block 9 is in cache group 1"), std::string::npos) << d.message;
+  EXPECT_NE(d.message.find("destination block 2 is in cache group 0"), std::string::npos) << d.message;
+  auto out = decode_record(record(TaskKind::kSwapToHost, {20}, {0}), two_groups(), 0);
+  EXPECT_EQ(out.status, TaskStatus::kIdOutOfRange);
+  EXPECT_NE(out.message.find("outside every cache group"), std::string::npos) << out.message;
+}
+
+TEST(TaskDecoder, TwoPairsWritingOneBlockOfAGroupAreRefused) {
+  auto d = decode_record(record(TaskKind::kSwapToHost, {16, 17}, {10, 10}), two_groups(), 0);
+  ASSERT_EQ(d.action, Action::kFail);
+  EXPECT_EQ(d.status, TaskStatus::kDuplicateDestination);
+  EXPECT_NE(d.message.find("cache group 1"), std::string::npos) << d.message;
+}
+
+TEST(TaskDecoder, AGroupSessionRefusesStorageTasksAndLayerByLayerLoadsByName) {
+  auto layerwise = decode_record(record(TaskKind::kSwapToDevice, {1}, {2}, proto::kTaskFlagLayerwise), two_groups(), 0);
+  EXPECT_EQ(layerwise.status, TaskStatus::kMalformed);
+  EXPECT_NE(layerwise.message.find("layer-by-layer"), std::string::npos) << layerwise.message;
+  auto query = decode_record(record(TaskKind::kStorageQuery, section({"k1"}), {}, 0, 1), two_groups(), 0);
+  EXPECT_EQ(query.status, TaskStatus::kMalformed);
+  EXPECT_TRUE(query.abort_agreement);  // the peers stop waiting for it
+  EXPECT_NE(query.message.find("cache groups"), std::string::npos) << query.message;
 }
 
 }  // namespace

@@ -119,13 +119,17 @@ TEST(TaskRunner, LayerEnqueuedIsPublishedBeforeTheLayersCopyIsDone) {
   AttachedCache cache;
   cache.device_blocks = g.num_device_blocks();
   cache.host_blocks = g.num_host_blocks;
-  cache.num_layers = g.num_layers;
-  cache.block_bytes = {g.block_bytes(proto::TensorKind::kKey), g.block_bytes(proto::TensorKind::kValue)};
+  GroupCache group;
+  group.device_blocks = cache.device_blocks;
+  group.host_blocks = cache.host_blocks;
+  group.num_layers = g.num_layers;
+  group.block_bytes = {g.block_bytes(proto::TensorKind::kKey), g.block_bytes(proto::TensorKind::kValue)};
   for (std::uint32_t l = 0; l < g.num_layers; ++l)
     for (int k = 0; k < 2; ++k) {
-      cache.to_host.push_back(kernels::packed_target(dev.data(), host.data(), cache.block_bytes[0]));
-      cache.to_device.push_back(kernels::packed_target(host.data(), dev.data(), cache.block_bytes[0]));
+      group.to_host.push_back(kernels::packed_target(dev.data(), host.data(), group.block_bytes[0]));
+      group.to_device.push_back(kernels::packed_target(host.data(), dev.data(), group.block_bytes[0]));
     }
+  cache.groups.push_back(std::move(group));
   TaskRunner runner(**ep, backend, std::move(cache));
   std::atomic<bool> stop{false};
   std::thread serve([&] { (void)runner.run(stop); });
@@ -202,7 +206,10 @@ TEST(TaskRunner, StorageWriteRunningOutOfSpaceFailsAndLeavesWholeObjects) {
   AttachedCache cache;
   cache.device_blocks = g.num_device_blocks();
   cache.host_blocks = g.num_host_blocks;
-  cache.num_layers = g.num_layers;
+  cache.groups.resize(1);
+  cache.groups[0].device_blocks = cache.device_blocks;
+  cache.groups[0].host_blocks = cache.host_blocks;
+  cache.groups[0].num_layers = g.num_layers;
   for (std::uint32_t l = 0; l < g.num_layers; ++l)
     for (auto kind : {proto::TensorKind::kKey, proto::TensorKind::kValue}) {
       auto dev = backend->open_tensor(*(*ep)->tensor(l, kind));

@@ -72,14 +72,23 @@ EngineSession::~EngineSession() {
   bump_and_wake(impl_->h->completion_word, nullptr);
   // The session's host pools end with it (a daemon restarted within the session re-maps its
   // rank's pool; nothing can use it after).
+  const std::uint32_t pools = std::max<std::uint32_t>(1, impl_->groups.num_groups);
   for (std::uint32_t r = 0; r < impl_->geo.num_ranks; ++r)
-    SharedObject::remove(detail::session_object_name(impl_->generation, "host" + std::to_string(r)));
+    for (std::uint32_t g = 0; g < pools; ++g)
+      SharedObject::remove(detail::session_object_name(impl_->generation, proto::host_pool_object(r, g)));
 }
 
 Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const SessionOptions& o) {
   if (!proto::valid_session_suffix(o.suffix))
     return make_error(IpcErrc::kInvalidArgument, "session suffix '" + o.suffix + "' must be 1-64 of [A-Za-z0-9_.-]");
-  if (auto why = proto::geometry_problem(o.geometry); !why.empty())
+  const bool grouped = proto::is_group_session(o.groups);
+  if (grouped) {
+    const proto::CacheGeometry zero{};
+    if (std::memcmp(&o.geometry, &zero, sizeof zero) != 0)
+      return make_error(IpcErrc::kInvalidArgument, "a session with cache groups takes its shape from them: leave geometry zero");
+  }
+  const proto::CacheGeometry geometry = grouped ? proto::envelope_of(o.groups) : o.geometry;
+  if (auto why = proto::session_cache_problem(geometry, o.groups); !why.empty())
     return make_error(IpcErrc::kInvalidArgument, "geometry: " + why);
   if (auto why = detail::check_ring_sizes(o.ring_bytes, o.completion_capacity); !why.empty())
     return make_error(IpcErrc::kInvalidArgument, why);
@@ -94,8 +103,9 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
   impl->opts = o;
   impl->clock = o.clock ? o.clock : &monotonic_clock();
   impl->name = detail::session_name(o.suffix);
-  impl->geo = o.geometry;
-  const auto layout = detail::compute_layout(o.geometry, o.ring_bytes, o.completion_capacity);
+  impl->geo = geometry;
+  impl->groups = o.groups;
+  const auto layout = detail::compute_layout(geometry, o.ring_bytes, o.completion_capacity);
 
   auto m = SharedObject::create(impl->name, layout.total_bytes);
   if (!m.ok() && m.error().code == IpcErrc::kInUse) {
@@ -114,21 +124,21 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
   impl->mapping = std::move(m).value();
   impl->mapping->set_unlink_on_destroy(true);
 
-  impl->view = detail::SessionView{impl->mapping->data(), layout, o.geometry.num_ranks, o.geometry.num_layers};
+  impl->view = detail::SessionView{impl->mapping->data(), layout, geometry.num_ranks, geometry.num_layers};
   impl->weight_version.store(o.weight_version);
-  impl->h = detail::init_session(impl->view, o.geometry, o.completion_capacity, impl->clock->now_ns());
+  impl->h = detail::init_session(impl->view, geometry, o.groups, o.completion_capacity, impl->clock->now_ns());
   impl->generation = impl->h->generation;
   auto* h = impl->h;
 
-  impl->ring = std::make_unique<TaskRingWriter>(h, impl->view.ring(), layout.ring_bytes, o.geometry.num_ranks);
-  for (std::uint32_t r = 0; r < o.geometry.num_ranks; ++r)
+  impl->ring = std::make_unique<TaskRingWriter>(h, impl->view.ring(), layout.ring_bytes, geometry.num_ranks);
+  for (std::uint32_t r = 0; r < geometry.num_ranks; ++r)
     impl->completions.emplace_back(impl->view.completion_control(r), impl->view.completion_records(r),
                                    o.completion_capacity);
   {
     MutexLock g(impl->mu);  // no other thread yet; the lock keeps the analysis whole
     impl->merger = CompletionMerger(o.max_uncollected_results);
     impl->arena_tensor.assign(layout.registry_count, nullptr);
-    impl->rank_state.assign(o.geometry.num_ranks, Impl::RankState{});
+    impl->rank_state.assign(geometry.num_ranks, Impl::RankState{});
   }
   auto* raw = impl.get();
   impl->service_thread = std::thread([raw] { raw->service_loop(); });

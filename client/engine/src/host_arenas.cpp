@@ -53,9 +53,20 @@ Status<IpcErrc> EngineSession::create_host_device_tensors() {
     KVTD_TRY(impl_->free_arenas());
   const std::uint32_t incarnation = impl_->arena_incarnation++;
   for (std::uint32_t r = 0; r < g.num_ranks; ++r) {
+    const auto& gs = impl_->groups;
+    auto each_tensor = [&](auto&& f) -> Status<IpcErrc> {
+      for (std::uint32_t l = 0; l < g.num_layers; ++l)
+        for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k)
+          if (const auto d = proto::expected_tensor(g, gs, r, l, k); d.bytes != 0) {
+            if (auto st = f(d); !st.ok()) return st;
+          }
+      return {};
+    };
     std::uint64_t total = 0;
-    for (const auto [l, kind] : proto::tensors_of(g))
-      total += (g.block_bytes(kind) * static_cast<std::uint64_t>(g.device_blocks(l)) + 255) / 256 * 256;
+    (void)each_tensor([&](const proto::TensorDesc& d) -> Status<IpcErrc> {
+      total += (d.bytes + 255) / 256 * 256;
+      return {};
+    });
     // Named by uid and generation, not by suffix, so the name always fits the 64-byte handle
     // and a sweep can tell whose session it belonged to.
     // After a clear the new arenas get new names (incarnation * 1000 + rank; kMaxRanks < 1000), so a
@@ -67,15 +78,17 @@ Status<IpcErrc> EngineSession::create_host_device_tensors() {
     if (!m.ok()) return std::move(m).error();
     (*m)->set_unlink_on_destroy(true);
     std::uint64_t offset = 0;
-    for (const auto [l, kind] : proto::tensors_of(g)) {
-      proto::TensorDesc d = proto::describe_tensor(g, r, l, kind);
+    auto registered = each_tensor([&](proto::TensorDesc d) -> Status<IpcErrc> {
       d.device_id = -1;
       d.offset = offset;
       std::memcpy(d.handle, arena.c_str(), arena.size() + 1);
       KVTD_TRY(impl_->register_tensor(d));
-      impl_->arena_tensor[proto::registry_index(g, r, l, kind)] = (*m)->data() + offset;
+      impl_->arena_tensor[proto::registry_index(g, r, d.layer, static_cast<proto::TensorKind>(d.kind))] =
+          (*m)->data() + offset;
       offset += (d.bytes + 255) / 256 * 256;
-    }
+      return {};
+    });
+    if (!registered.ok()) return registered;
     impl_->arenas.push_back(std::move(m).value());
   }
   return {};

@@ -53,7 +53,8 @@ struct EngineSession::Impl {
   std::unique_ptr<SharedObject> mapping;
   proto::SessionHeader* h = nullptr;   // for the atomics only
   detail::SessionView view;            // computed here, never read back from the header
-  proto::CacheGeometry geo{};          // private copy of the geometry
+  proto::CacheGeometry geo{};          // private copy of the geometry (a group session's envelope)
+  proto::CacheGroups groups{};         // private copy of the cache groups (num_groups 0: none)
   std::uint64_t generation = 0;
   std::unique_ptr<TaskRingWriter> ring;
   std::vector<CompletionRing> completions;

@@ -29,29 +29,32 @@ Status<IpcErrc> EngineSession::Impl::register_tensor(const proto::TensorDesc& d)
     return make_error(IpcErrc::kInvalidArgument, "tensor rank " + std::to_string(d.rank) + " layer " +
                                                      std::to_string(d.layer) + " kind " + std::to_string(d.kind) +
                                                      " is outside the geometry");
-  const auto kind = static_cast<proto::TensorKind>(d.kind);
-  if (!geo.has_tensor(kind))
-    return make_error(IpcErrc::kInvalidArgument,
-                      std::string("the geometry has no ") + proto::tensor_kind_name(kind) + " tensor");
-  // proto::geometry_problem bounded this product below 2^56 at create().
-  const std::uint64_t need = geo.block_bytes(kind) * static_cast<std::uint64_t>(geo.device_blocks(d.layer));
+  const proto::TensorDesc want = proto::expected_tensor(geo, groups, d.rank, d.layer, d.kind);
+  const std::string what = proto::is_group_session(groups)
+                               ? "slot " + std::to_string(d.kind) + " tensor"
+                               : std::string(proto::tensor_kind_name(static_cast<proto::TensorKind>(d.kind))) + " tensor";
+  if (want.bytes == 0)
+    return make_error(IpcErrc::kInvalidArgument, proto::is_group_session(groups)
+                                                     ? "layer " + std::to_string(d.layer) + " has no " + what + " in its groups"
+                                                     : "the geometry has no " + what);
+  // proto::geometry_problem bounded this size below 2^56 at create().
+  const std::uint64_t need = want.bytes;
   std::uint64_t end = 0;
   if (!proto::checked_add(d.offset, d.bytes, &end))
     return make_error(IpcErrc::kInvalidArgument, "tensor offset " + std::to_string(d.offset) + " plus " +
                                                      std::to_string(d.bytes) + " bytes overflows");
   if (d.bytes < need)
-    return make_error(IpcErrc::kInvalidArgument, std::string(proto::tensor_kind_name(kind)) + " tensor of layer " +
-                                                     std::to_string(d.layer) + " has " + std::to_string(d.bytes) +
-                                                     " bytes, the geometry needs " + std::to_string(need));
+    return make_error(IpcErrc::kInvalidArgument, what + " of layer " + std::to_string(d.layer) + " has " +
+                                                     std::to_string(d.bytes) + " bytes, the geometry needs " +
+                                                     std::to_string(need));
   // No device has 2^48 bytes (256 TiB): a size or offset beyond it is a caller's bug (a negative
   // number through an unsigned type), not a tensor.
   constexpr std::uint64_t kMaxTensorEnd = std::uint64_t{1} << 48;
   if (end > kMaxTensorEnd)
-    return make_error(IpcErrc::kInvalidArgument, std::string(proto::tensor_kind_name(kind)) + " tensor of layer " +
-                                                     std::to_string(d.layer) + ": offset " + std::to_string(d.offset) +
+    return make_error(IpcErrc::kInvalidArgument, what + " of layer " + std::to_string(d.layer) + ": offset " + std::to_string(d.offset) +
                                                      " plus " + std::to_string(d.bytes) +
                                                      " bytes is beyond any device (2^48 bytes)");
-  auto& slot = view.registry()[proto::registry_index(geo, d.rank, d.layer, kind)];
+  auto& slot = view.registry()[proto::registry_index(geo, d.rank, d.layer, static_cast<proto::TensorKind>(d.kind))];
   slot = d;
   slot.valid = 1;
   return {};

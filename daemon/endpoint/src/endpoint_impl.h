@@ -34,6 +34,7 @@ struct RankEndpoint::Impl {
   std::unique_ptr<SharedObject> mapping;
   detail::SessionView view;           // from the validated header: never re-read
   proto::CacheGeometry geometry{};    // private copy
+  proto::CacheGroups groups{};        // private copy (num_groups 0: a single-shape session)
   std::uint64_t generation = 0;       // private copy
   proto::SessionHeader* h = nullptr;  // for the atomics only
   std::vector<proto::TensorDesc> tensors;  // this rank's, by layer * kTensorKinds + kind

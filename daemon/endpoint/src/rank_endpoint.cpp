@@ -147,6 +147,8 @@ Result<std::optional<Published>, IpcErrc> read_published(const SharedObject& m, 
                                                       std::to_string(p.header.geometry.num_ranks) + " ranks");
   if (auto diff = detail::geometry_mismatch(p.header.geometry, o.expected); !diff.empty())
     return make_error(IpcErrc::kGeometryMismatch, "session " + name + " disagrees on " + diff);
+  if (auto diff = detail::groups_mismatch(p.header.groups, o.expected_groups); !diff.empty())
+    return make_error(IpcErrc::kGeometryMismatch, "session " + name + " disagrees on " + diff);
   return std::optional<Published>{std::move(p)};
 }
 
@@ -159,6 +161,7 @@ std::unique_ptr<RankEndpoint::Impl> RankEndpoint::Impl::over(const EndpointOptio
   impl->opts = o;
   impl->h = reinterpret_cast<proto::SessionHeader*>(m->data());
   impl->geometry = header.geometry;
+  impl->groups = header.groups;
   impl->generation = header.generation;
   impl->view.base = m->data();
   impl->view.layout = layout;
@@ -319,13 +322,14 @@ void RankEndpoint::heartbeat() { impl_->slot().heartbeat_ns.store(monotonic_now_
 void RankEndpoint::set_ready(std::uint32_t flags) { impl_->slot().ready_flags.store(flags, std::memory_order_release); }
 bool RankEndpoint::engine_alive() const { return impl_->engine_alive(); }
 const proto::CacheGeometry& RankEndpoint::geometry() const { return impl_->geometry; }
+const proto::CacheGroups& RankEndpoint::groups() const { return impl_->groups; }
 std::uint32_t RankEndpoint::rank() const { return impl_->opts.rank; }
 std::uint64_t RankEndpoint::generation() const { return impl_->generation; }
 std::uint32_t RankEndpoint::epoch() const { return impl_->epoch.load(std::memory_order_acquire); }
 
 const proto::TensorDesc* RankEndpoint::tensor(std::uint32_t layer, proto::TensorKind kind) const {
   const auto& g = impl_->geometry;
-  if (layer >= g.num_layers || !g.has_tensor(kind)) return nullptr;
+  if (layer >= g.num_layers || static_cast<std::uint32_t>(kind) >= proto::kTensorKinds) return nullptr;
   const auto* d = &impl_->tensors[std::size_t{layer} * proto::kTensorKinds + static_cast<std::uint32_t>(kind)];
   return d->valid ? d : nullptr;
 }

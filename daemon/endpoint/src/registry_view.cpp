@@ -35,25 +35,29 @@ Result<bool, IpcErrc> RankEndpoint::Impl::load_tensors() {
 Status<IpcErrc> RankEndpoint::Impl::copy_tensors() {
   const auto& g = geometry;
   tensors.assign(std::size_t{g.num_layers} * proto::kTensorKinds, proto::TensorDesc{});
-  for (const auto [l, kind] : proto::tensors_of(g)) {
-    const auto k = static_cast<std::uint32_t>(kind);
-    proto::TensorDesc d;
-    std::memcpy(&d, &view.registry()[proto::registry_index(g, opts.rank, l, kind)], sizeof d);
-    if (!d.valid) continue;  // reported by the caller when it needs the tensor
-    const std::string what = std::string(proto::tensor_kind_name(kind)) + " tensor of rank " +
-                             std::to_string(opts.rank) + " layer " + std::to_string(l);
-    if (d.rank != opts.rank || d.layer != l || d.kind != k)
-      return make_error(IpcErrc::kCorrupt, "registry entry of the " + what + " names rank " + std::to_string(d.rank) +
-                                               " layer " + std::to_string(d.layer) + " kind " + std::to_string(d.kind));
-    std::uint64_t need = 0, end = 0;
-    (void)proto::checked_mul(g.block_bytes(kind), static_cast<std::uint64_t>(g.device_blocks(l)), &need);
-    if (d.bytes < need || !proto::checked_add(d.offset, d.bytes, &end))
-      return make_error(IpcErrc::kCorrupt, "registry entry of the " + what + " has " + std::to_string(d.bytes) +
-                                               " bytes at offset " + std::to_string(d.offset) + "; the geometry needs " +
-                                               std::to_string(need));
-    d.valid = 1;
-    tensors[std::size_t{l} * proto::kTensorKinds + k] = d;
-  }
+  for (std::uint32_t l = 0; l < g.num_layers; ++l)
+    for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
+      const proto::TensorDesc want = proto::expected_tensor(g, groups, opts.rank, l, k);
+      if (want.bytes == 0) continue;  // no tensor in this slot
+      proto::TensorDesc d;
+      std::memcpy(&d, &view.registry()[proto::registry_index(g, opts.rank, l, static_cast<proto::TensorKind>(k))],
+                  sizeof d);
+      if (!d.valid) continue;  // reported by the caller when it needs the tensor
+      const std::string what = (proto::is_group_session(groups)
+                                    ? "slot " + std::to_string(k)
+                                    : std::string(proto::tensor_kind_name(static_cast<proto::TensorKind>(k)))) +
+                               " tensor of rank " + std::to_string(opts.rank) + " layer " + std::to_string(l);
+      if (d.rank != opts.rank || d.layer != l || d.kind != k)
+        return make_error(IpcErrc::kCorrupt, "registry entry of the " + what + " names rank " + std::to_string(d.rank) +
+                                                 " layer " + std::to_string(d.layer) + " kind " + std::to_string(d.kind));
+      std::uint64_t end = 0;
+      if (d.bytes < want.bytes || !proto::checked_add(d.offset, d.bytes, &end))
+        return make_error(IpcErrc::kCorrupt, "registry entry of the " + what + " has " + std::to_string(d.bytes) +
+                                                 " bytes at offset " + std::to_string(d.offset) + "; the geometry needs " +
+                                                 std::to_string(want.bytes));
+      d.valid = 1;
+      tensors[std::size_t{l} * proto::kTensorKinds + k] = d;
+    }
   return {};
 }
 

@@ -14,6 +14,7 @@
 
 #include "kvtd/daemon/device_modes.h"
 #include "kvtd/proto/expected.h"
+#include "kvtd/proto/cache_groups.h"
 #include "kvtd/proto/geometry.h"
 #include "kvtd/proto/object_slices.h"
 
@@ -138,6 +139,9 @@ struct DaemonConfig {
   std::int64_t key_cache_shape[4] = {0, 0, 0, 0};
   std::int64_t value_cache_shape[4] = {0, 0, 0, 0};  // all zero: no value cache
   proto::CacheDtype cache_dtype = proto::CacheDtype::kBFloat16;
+  // --cache-group (one per group, kvtd/proto/group_spec.h): the cache as groups instead of the
+  // single shape above (num_groups 0: the single shape). Swaps only, so far: no storage backend.
+  proto::CacheGroups cache_groups{};
   std::string session_suffix;
   DeviceBackendKind device_backend = DeviceBackendKind::kHost;
   daemon::ScatterMode scatter_mode = daemon::ScatterMode::kBatch;
@@ -172,6 +176,7 @@ struct DaemonConfig {
   FastDeployLaunch fastdeploy;
   std::vector<std::string> ignored_flags;  // FastDeploy flags given that kvtd accepts and ignores
 
+  // The single-shape geometry, or with --cache-group the groups' envelope (proto::envelope_of).
   proto::CacheGeometry geometry() const;
   // How this rank cuts its blocks into stored objects (kvtd/proto/object_slices.h): "" and *out
   // filled, or the problem naming the flag. A cache without a value tensor is replicated (MLA).

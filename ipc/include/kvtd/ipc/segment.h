@@ -36,7 +36,8 @@ inline constexpr std::uint32_t kMaxCompletionCapacity = 1u << 20;
 
 // "" when ring and completion sizes are in range (powers of two), else the problem.
 std::string check_ring_sizes(std::uint64_t ring_bytes, std::uint32_t completion_capacity);
-// Layout of a session; only for values that passed proto::geometry_problem and check_ring_sizes.
+// Layout of a session; only for values that passed proto::session_cache_problem and
+// check_ring_sizes (a group session passes its envelope: only ranks and layers size the layout).
 SessionLayout compute_layout(const proto::CacheGeometry& g, std::uint64_t ring_bytes,
                              std::uint32_t completion_capacity);
 
@@ -47,14 +48,18 @@ struct SessionView;
 // header (a random generation, the creator, the geometry, every offset of `view.layout`; state
 // kCreating; the engine heartbeat at `now_ns`) and stores the magic last with release, so a
 // daemon that acquires a non-zero magic sees every field. Returns the header.
+// `groups`: the session's cache groups (all zero for a single-shape geometry; then `g` is the
+// geometry, else `g` is proto::envelope_of(groups)).
 proto::SessionHeader* init_session(const SessionView& view, const proto::CacheGeometry& g,
-                                   std::uint32_t completion_capacity, std::int64_t now_ns);
+                                   const proto::CacheGroups& groups, std::uint32_t completion_capacity,
+                                   std::int64_t now_ns);
 
 // The fields of a header that define its layout, copied out of shared memory once.
 struct HeaderCopy {
   std::uint32_t layout_version = 0, header_bytes = 0, completion_capacity = 0;
   std::uint64_t generation = 0;
   proto::CacheGeometry geometry{};
+  proto::CacheGroups groups{};
   std::uint64_t registry_offset = 0, registry_count = 0, task_ring_offset = 0, task_ring_bytes = 0;
   std::uint64_t completion_offset = 0, completion_stride = 0, total_bytes = 0;
   std::uint64_t progress_offset = 0, progress_stride = 0;
@@ -110,6 +115,9 @@ using ipc::session_object_name;
 
 // Names the first geometry field on which `have` and `want` differ, or "" when equal.
 std::string geometry_mismatch(const proto::CacheGeometry& have, const proto::CacheGeometry& want);
+// Names the first cache group on which `have` and `want` differ (its kind, layers, block counts,
+// tensors), or "" when equal.
+std::string groups_mismatch(const proto::CacheGroups& have, const proto::CacheGroups& want);
 std::string errno_text(const char* what);
 
 }  // namespace kvtd::ipc::detail

@@ -247,6 +247,11 @@ inline std::string layers_problem(const CacheGroups& gs) {
       slot = static_cast<int>(g);
     }
     if (attention < 0) return "layer " + std::to_string(l) + " is in no attention group (layers must be 0..n-1)";
+    const std::uint32_t tensors =
+        gs.groups[attention].num_tensors + (indexer >= 0 ? gs.groups[indexer].num_tensors : 0u);
+    if (tensors > kTensorKinds)
+      return "layer " + std::to_string(l) + " has " + std::to_string(tensors) + " tensors across its groups, at most " +
+             std::to_string(kTensorKinds) + " (a session registers 4 per layer)";
     const GroupKind beside = gs.groups[attention].group_kind();
     if (indexer >= 0 && beside != GroupKind::kMlaLatent && beside != GroupKind::kFullAttention)
       return "layer " + std::to_string(l) + ": an indexer group sits beside MLA or full attention, not " +
@@ -278,6 +283,16 @@ inline std::string geometry_problem(const CacheGroups& gs) {
       return "group " + std::to_string(g) + " (" + group_kind_name(gs.groups[g].group_kind()) + "): " + why;
   }
   if (auto why = detail::layers_problem(gs); !why.empty()) return why;
+  std::int64_t device_total = 0, host_total = 0;
+  for (std::uint32_t g = 0; g < gs.num_groups; ++g) {
+    device_total += gs.groups[g].device_blocks;  // each < 2^31, at most 8: no overflow
+    host_total += gs.groups[g].host_blocks;
+  }
+  if (device_total > INT32_MAX)
+    return "the groups' device blocks together (" + std::to_string(device_total) +
+           ") must be < 2^31: a task names them in one id space";
+  if (host_total > INT32_MAX)
+    return "the groups' host blocks together (" + std::to_string(host_total) + ") must be < 2^31";
   if (const auto s = group_sizes(gs); s.problem != nullptr) return s.problem;
   return "";
 }

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <string>
 #include <string_view>
 
 namespace kvtd::proto {
@@ -26,6 +28,14 @@ constexpr bool valid_session_suffix(std::string_view s) { return valid_name(s, 6
 constexpr bool valid_model_id(std::string_view s) { return valid_name(s, 64); }
 // Storage object key (a block hash): a file name in the file store.
 constexpr bool valid_object_key(std::string_view s) { return valid_name(s, 200, /*allow_colon=*/true); }
+
+// The session object (ipc::session_object_name's `what`) of rank `rank`'s host pool of cache group
+// `group`: "host<rank>" for group 0 (the one pool of a single-shape session, as ever), else
+// "host<1000 + rank * 8 + group>" (ranks < 16, groups < 8): digits after "host", as the sweep of
+// stale objects expects, and never a name of group 0.
+inline std::string host_pool_object(std::uint32_t rank, std::uint32_t group) {
+  return "host" + std::to_string(group == 0 ? rank : 1000 + rank * 8 + group);
+}
 
 static_assert(valid_session_suffix("9923") && !valid_session_suffix("a/b") && !valid_session_suffix(".."));
 static_assert(valid_object_key("abc:12") && !valid_model_id("abc:12"));

@@ -22,17 +22,21 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <string>
 #include <type_traits>
 
+#include "kvtd/proto/cache_groups.h"
 #include "kvtd/proto/geometry.h"
+#include "kvtd/proto/group_slots.h"
 #include "kvtd/proto/task.h"
 
 namespace kvtd::proto {
 
 inline constexpr std::uint64_t kSessionMagic = 0x5353455344545640ULL;  // "@VTDSESS"
 // 2: RankSlot::owner; 3: agreement region; 4: scale bytes, extra layers; 5: cache_state;
-// 6: ProgressControl::events_epoch; 7: RankSlot::agreement_left
-inline constexpr std::uint32_t kSessionLayoutVersion = 7;
+// 6: ProgressControl::events_epoch; 7: RankSlot::agreement_left; 8: SessionHeader::groups
+inline constexpr std::uint32_t kSessionLayoutVersion = 8;
 
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
@@ -86,6 +90,72 @@ inline TensorDesc describe_tensor(const CacheGeometry& g, std::uint32_t rank, st
   d.shape[0] = g.device_blocks(layer);
   d.bytes = g.block_bytes(kind) * static_cast<std::uint64_t>(g.device_blocks(layer));
   return d;
+}
+
+// A session with cache groups (SessionHeader::groups) describes each tensor by its group: slot
+// `slot` of `layer` (group_slot) holds that group's tensor, [device_blocks, dims...] of
+// element_bytes; dtype is the element bytes (no CacheDtype applies). A zero descriptor (rank,
+// layer and kind only) when the slot is empty.
+inline TensorDesc describe_group_tensor(const CacheGroups& gs, std::uint32_t rank, std::uint32_t layer,
+                                        std::uint32_t slot) {
+  TensorDesc d{};
+  d.rank = rank;
+  d.layer = layer;
+  d.kind = slot;
+  const GroupSlot at = group_slot(gs, layer, slot);
+  if (at.group < 0) return d;
+  const CacheGroup& c = gs.groups[at.group];
+  const GroupTensor& t = c.tensors[at.tensor];
+  d.dtype = t.element_bytes;
+  d.ndim = t.ndim + 1;
+  d.shape[0] = c.device_blocks;
+  for (std::uint32_t i = 0; i < t.ndim && i + 1 < 4; ++i) d.shape[i + 1] = t.dims[i];
+  d.bytes = group_tensor_block_bytes(t) * static_cast<std::uint64_t>(c.device_blocks);
+  return d;
+}
+
+// The `geometry` a session with cache groups carries: the ranks and layers of its groups (what
+// sizes the registry and the progress blocks), every other field 0. The groups say the rest.
+constexpr CacheGeometry envelope_of(const CacheGroups& gs) {
+  CacheGeometry g{};
+  g.num_ranks = gs.num_ranks;
+  g.num_layers = detail::layer_count(gs);
+  return g;
+}
+
+inline bool is_group_session(const CacheGroups& gs) { return gs.num_groups != 0; }
+
+// The descriptor a session's cache implies for registry slot (rank, layer, slot), whichever way
+// the cache is described (slot = TensorKind for a single-shape geometry); bytes 0 when the
+// slot holds no tensor.
+inline TensorDesc expected_tensor(const CacheGeometry& g, const CacheGroups& gs, std::uint32_t rank,
+                                  std::uint32_t layer, std::uint32_t slot) {
+  if (is_group_session(gs)) return describe_group_tensor(gs, rank, layer, slot);
+  const auto kind = static_cast<TensorKind>(slot);
+  if (slot >= kTensorKinds || !g.has_tensor(kind)) {
+    TensorDesc d{};
+    d.rank = rank;
+    d.layer = layer;
+    d.kind = slot;
+    return d;
+  }
+  return describe_tensor(g, rank, layer, kind);
+}
+
+// The one validation of what a session's header says its cache is: a single-shape geometry
+// (groups all zero), or cache groups with their envelope as geometry. "" when valid.
+inline std::string session_cache_problem(const CacheGeometry& g, const CacheGroups& gs) {
+  if (!is_group_session(gs)) {
+    const CacheGroups zero{};
+    if (std::memcmp(&gs, &zero, sizeof gs) != 0) return "groups: num_groups is 0 but other fields are set";
+    return geometry_problem(g);
+  }
+  if (auto why = geometry_problem(gs); !why.empty()) return "groups: " + why;
+  const CacheGeometry want = envelope_of(gs);
+  if (std::memcmp(&g, &want, sizeof g) != 0)
+    return "geometry of a group session must carry only num_ranks " + std::to_string(want.num_ranks) +
+           " and num_layers " + std::to_string(want.num_layers);
+  return "";
 }
 
 struct alignas(64) RankSlot {
@@ -229,13 +299,16 @@ struct alignas(64) SessionHeader {
   std::atomic<std::uint32_t> progress_waiters;
 
   RankSlot ranks[kMaxRanks];
+  // Cache groups (num_groups 0: the single-shape `geometry` describes the cache). Written by the
+  // engine before publish, never changed after.
+  CacheGroups groups;
 };
 static_assert(std::is_standard_layout_v<SessionHeader>);
 static_assert(offsetof(SessionHeader, geometry) == 40);
 static_assert(offsetof(SessionHeader, cache_state) == 208);
 static_assert(offsetof(SessionHeader, engine_heartbeat_ns) == 256);
 static_assert(offsetof(SessionHeader, ranks) % 64 == 0);
-static_assert(sizeof(SessionHeader) == 512 + kMaxRanks * sizeof(RankSlot));
+static_assert(offsetof(SessionHeader, groups) == 512 + kMaxRanks * sizeof(RankSlot));
 
 constexpr std::size_t registry_index(const CacheGeometry& g, std::uint32_t rank, std::uint32_t layer,
                                      TensorKind k) {

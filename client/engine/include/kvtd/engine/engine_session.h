@@ -47,6 +47,10 @@ using ipc::IpcErrc;
 struct SessionOptions {
   std::string suffix;                    // [A-Za-z0-9_.-]{1,64}, e.g. the engine's ipc_suffix
   proto::CacheGeometry geometry{};
+  // Cache groups (kvtd/proto/cache_groups.h) instead of `geometry` (leave it zero): tensors are
+  // registered per layer slot (proto::group_slot) and tasks name blocks in the groups' id space
+  // (proto::id_space). num_groups 0: the single-shape geometry.
+  proto::CacheGroups groups{};
   std::uint64_t ring_bytes = 1u << 20;   // task ring size, power of two >= 4096
   std::uint32_t completion_capacity = 4096;  // per rank; also the in-flight task limit
   std::int64_t rank_timeout_ns = 3'000'000'000;   // heartbeat age that makes a rank dead

@@ -31,10 +31,12 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvtd/daemon/device_modes.h"
 #include "kvtd/daemon/device_backend.h"
+#include "kvtd/proto/cache_groups.h"
 #include "kvtd/proto/geometry.h"
 
 namespace kvtd::ipc {
@@ -45,6 +47,25 @@ namespace kvtd::daemon {
 namespace detail {
 class PoolPinner;
 }
+
+// What one pool holds: `host_blocks` blocks of `num_layers` layers, each layer with the same
+// tensors (slot k: block_bytes[k] bytes per block, 0 = none). A single-shape geometry is one
+// pool of every layer; a session with cache groups keeps one pool per group, of its layers.
+// Plain value, standard layout (it is part of the pool object's header).
+struct PoolShape {
+  std::uint32_t num_layers = 0;
+  std::uint32_t num_host_blocks = 0;
+  std::uint64_t tensor_block_bytes[proto::kTensorKinds] = {};
+
+  std::uint64_t block_bytes(proto::TensorKind k) const { return tensor_block_bytes[static_cast<std::uint32_t>(k)]; }
+  // One block across every layer and tensor; 0 when that overflows kMaxSizeBytes.
+  std::uint64_t block_bytes_all_layers() const;
+
+  static PoolShape of(const proto::CacheGeometry& g);
+  // Group `group`'s pool: its layers (in layer order), its tensors, its host blocks.
+  static PoolShape of(const proto::CacheGroups& gs, std::uint32_t group);
+};
+static_assert(std::is_standard_layout_v<PoolShape>);
 
 // How the pool is pinned for DMA (the CUDA backend; the host backend pins nothing).
 struct HostPoolPinPlan {
@@ -82,11 +103,20 @@ class HostPool {
   // pins it as `pin` says. `hugetlbfs_dir`: empty for /dev/shm, else a hugetlbfs mount the pool is
   // a file in (huge pages: fewer TLB misses and page-table entries to pin); refused, naming the
   // counts, when the kernel has too few free.
+  // `group`: which of the rank's pools (proto::host_pool_object names it), 0 for a single shape.
+  static Result<std::unique_ptr<HostPool>, DeviceErrc> open(HostMemory& backend, const PoolShape& shape,
+                                                            std::uint64_t generation, std::uint32_t rank,
+                                                            std::uint32_t group, HostLayout layout = HostLayout::kLayerFirst,
+                                                            int numa_node = -1, const PinPlan& pin = PinPlan(),
+                                                            const std::string& hugetlbfs_dir = {});
+  // The one pool of a single-shape geometry.
   static Result<std::unique_ptr<HostPool>, DeviceErrc> open(HostMemory& backend, const proto::CacheGeometry& g,
                                                             std::uint64_t generation, std::uint32_t rank,
                                                             HostLayout layout = HostLayout::kLayerFirst,
                                                             int numa_node = -1, const PinPlan& pin = PinPlan(),
-                                                            const std::string& hugetlbfs_dir = {});
+                                                            const std::string& hugetlbfs_dir = {}) {
+    return open(backend, PoolShape::of(g), generation, rank, 0, layout, numa_node, pin, hugetlbfs_dir);
+  }
   ~HostPool();
   HostPool(const HostPool&) = delete;
   HostPool& operator=(const HostPool&) = delete;
@@ -141,8 +171,10 @@ class HostPool {
   static Result<std::uint64_t, DeviceErrc> hugetlbfs_page_bytes(const std::string& dir);
 
   // Bytes the pool object of this geometry needs (header, validity map, regions); 0 on overflow.
-  static std::uint64_t object_bytes(const proto::CacheGeometry& g,
-                                    HostLayout layout = HostLayout::kLayerFirst);
+  static std::uint64_t object_bytes(const PoolShape& shape, HostLayout layout = HostLayout::kLayerFirst);
+  static std::uint64_t object_bytes(const proto::CacheGeometry& g, HostLayout layout = HostLayout::kLayerFirst) {
+    return object_bytes(PoolShape::of(g), layout);
+  }
 
  private:
   HostPool() = default;
@@ -161,8 +193,39 @@ class HostPool {
   std::size_t total_ = 0;
   bool restored_ = false;
   std::uint64_t page_bytes_ = 4096;
-  proto::CacheGeometry geometry_{};
+  PoolShape shape_{};
   std::uint64_t page_stride_ = 0;  // 0: layer_first
+};
+
+// A rank's host pools: one per cache group (one for a single-shape geometry), group order.
+// Owns them. Thread-safety: as HostPool's; the list is fixed once opened.
+class HostPools {
+ public:
+  HostPools() = default;
+  explicit HostPools(std::vector<std::unique_ptr<HostPool>> pools) : pools_(std::move(pools)) {}
+  std::size_t size() const { return pools_.size(); }
+  HostPool* at(std::size_t group) const { return group < pools_.size() ? pools_[group].get() : nullptr; }
+  // Every pool's blocks invalid (a weight update made the host tier stale).
+  void mark_all_invalid() {
+    for (auto& p : pools_) p->mark_all_invalid();
+  }
+  // Unlinks every pool object (the session is over).
+  void remove() {
+    for (auto& p : pools_) p->remove();
+  }
+  std::size_t total_bytes() const {
+    std::size_t n = 0;
+    for (const auto& p : pools_) n += p->total_bytes();
+    return n;
+  }
+  std::size_t valid_blocks() const {
+    std::size_t n = 0;
+    for (const auto& p : pools_) n += p->valid_blocks();
+    return n;
+  }
+
+ private:
+  std::vector<std::unique_ptr<HostPool>> pools_;
 };
 
 }  // namespace kvtd::daemon

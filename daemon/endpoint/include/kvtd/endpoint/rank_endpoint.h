@@ -35,7 +35,8 @@ using ipc::IpcErrc;  // the session contract's error codes (kvtd/ipc/errors.h)
 struct EndpointOptions {
   std::string suffix;
   std::uint32_t rank = 0;
-  proto::CacheGeometry expected{};          // from the daemon's flags
+  proto::CacheGeometry expected{};          // from the daemon's flags (a group session: the groups' envelope)
+  proto::CacheGroups expected_groups{};     // from the daemon's flags; num_groups 0: a single-shape session
   std::int64_t attach_timeout_ns = 0;       // 0 = wait for the session forever
   std::int64_t grant_timeout_ns = 5'000'000'000;
   std::int64_t engine_timeout_ns = 5'000'000'000;  // engine heartbeat age that counts as gone
@@ -117,9 +118,12 @@ class RankEndpoint {
 
   // The session's geometry, validated and copied at attach.
   const proto::CacheGeometry& geometry() const;
+  // The session's cache groups (num_groups 0 for a single-shape session), validated and copied at
+  // attach.
+  const proto::CacheGroups& groups() const;
   // This rank's registered tensor (a private copy made by load_tensors(), checked for rank,
   // layer, kind and size), or null if the geometry has none of that kind or the cache was
-  // cleared when it was loaded.
+  // cleared when it was loaded. In a group session `kind` is the layer's slot (proto::group_slot).
   const proto::TensorDesc* tensor(std::uint32_t layer, proto::TensorKind kind) const;
   std::uint32_t rank() const;
   std::uint64_t generation() const;

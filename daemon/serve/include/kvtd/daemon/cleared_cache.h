@@ -15,7 +15,7 @@ namespace kvtd::daemon {
 
 // Completes a CLEAR_CACHE once the mappings are closed: drops the host tier first when the task
 // asks (its KV belongs to the old weights).
-void finish_clear(endpoint::RankEndpoint& ep, HostPool& pool, const proto::TaskRecordHeader& clear);
+void finish_clear(endpoint::RankEndpoint& ep, HostPools& pools, const proto::TaskRecordHeader& clear);
 
 struct ClearedExit {
   enum class Why { kRestore, kStopped, kSessionLost, kRingCorrupt } why = Why::kStopped;
@@ -28,7 +28,7 @@ struct ClearedExit {
 // (an operator's `kvtd ctl restore`, reset here) finds the engine's state live, or after a
 // re-grant that finds it live; else at stop or when the session ends.
 // `on_restore_refused` is called when a requested restore is turned down.
-ClearedExit serve_cleared(endpoint::RankEndpoint& ep, HostPool& pool, const std::atomic<bool>& stop,
+ClearedExit serve_cleared(endpoint::RankEndpoint& ep, HostPools& pools, const std::atomic<bool>& stop,
                           std::atomic<bool>* restore_requested, const std::function<void()>& on_restore_refused);
 
 }  // namespace kvtd::daemon
