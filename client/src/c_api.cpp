@@ -149,6 +149,22 @@ int kvtd_session_create(const char* suffix, const kvtd_geometry* g, kvtd_session
   });
 }
 
+int kvtd_session_create_groups(const char* suffix, const kvtd_cache_groups* groups, kvtd_session** out, char* err,
+                               size_t err_len) {
+  return guarded(err, err_len, [&]() -> int {
+    if (!suffix || !groups || !out) return invalid(err, err_len, "suffix, groups and out must not be null");
+    *out = nullptr;
+    kvtd::engine::SessionOptions o;
+    o.suffix = suffix;
+    std::memcpy(&o.groups, groups, sizeof o.groups);  // same layout (static_assert in c_api_geometry.cpp)
+    if (o.groups.num_groups == 0) return invalid(err, err_len, "num_groups must be at least 1");
+    auto s = kvtd::engine::EngineSession::create(o);
+    if (!s.ok()) return report(s, err, err_len);
+    *out = kvtd::c_api::adopt_session(std::move(s).value());
+    return KVTD_OK;
+  });
+}
+
 void kvtd_session_destroy(kvtd_session* s) {
   (void)guarded(nullptr, 0, [&]() -> int {
     if (s == nullptr) return KVTD_OK;
@@ -215,10 +231,9 @@ void* kvtd_host_device_tensor(kvtd_session* s, uint32_t rank, uint32_t layer, ui
   if (s != nullptr && !use.live()) return nullptr;
   if (bytes) *bytes = 0;
   if (!s || kind >= proto::kTensorKinds) return nullptr;
-  const auto& g = use->geometry();
   const auto k = static_cast<proto::TensorKind>(kind);
   std::byte* p = use->host_device_tensor(rank, layer, k);  // null outside the geometry; no-throw
-  if (p && bytes) *bytes = g.block_bytes(k) * static_cast<std::uint64_t>(g.device_blocks(layer));
+  if (p && bytes) *bytes = proto::expected_tensor(use->geometry(), use->groups(), rank, layer, kind).bytes;
   return p;
 }
 

@@ -8,6 +8,7 @@
 #include "kvtd/base/version.h"
 #include "kvtd/kvtd_client.h"
 #include "kvtd/proto/cache_groups.h"
+#include "kvtd/proto/group_spec.h"
 #include "kvtd/proto/group_hits.h"
 #include "kvtd/proto/session.h"
 
@@ -78,6 +79,23 @@ int kvtd_groups_check(const kvtd_cache_groups* groups, char* err, size_t err_len
   return guarded(err, err_len, [&]() -> int {
     proto::CacheGroups gs{};
     if (auto why = copy_groups(groups, &gs); !why.empty()) return invalid(err, err_len, why);
+    return KVTD_OK;
+  });
+}
+
+int kvtd_group_spec(const kvtd_cache_groups* groups, uint32_t group, char* out, size_t out_len, char* err,
+                    size_t err_len) {
+  if (!groups || !out) return invalid(err, err_len, "null cache groups or output");
+  return guarded(err, err_len, [&]() -> int {
+    proto::CacheGroups gs{};
+    if (auto why = copy_groups(groups, &gs); !why.empty()) return invalid(err, err_len, why);
+    if (group >= gs.num_groups)
+      return invalid(err, err_len, "group " + std::to_string(group) + " of " + std::to_string(gs.num_groups));
+    const std::string text = proto::format_group_spec(gs.groups[group]);
+    if (text.size() + 1 > out_len)
+      return invalid(err, err_len, "the spec needs " + std::to_string(text.size() + 1) + " bytes, the buffer has " +
+                                       std::to_string(out_len));
+    std::memcpy(out, text.c_str(), text.size() + 1);
     return KVTD_OK;
   });
 }

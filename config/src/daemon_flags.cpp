@@ -236,7 +236,7 @@ Status<ConfigErrc> resolve_groups(RawFlags& f, DaemonConfig& c) {
   if (!f.key_shape.empty() || !f.value_shape.empty() || f.fd_blocks_opt->count() != 0)
     return bad("--cache-group: describes the whole cache; leave out --key-cache-shape, --value-cache-shape and "
                "FastDeploy's shape flags");
-  if (f.extra_layers != 0 || !f.speculative_json.empty())
+  if (f.extra_layers > 0 || f.extra_blocks >= 0 || !f.speculative_json.empty())
     return bad("--cache-group: extra (MTP) layers are a group of their own; leave out --num-extra-layers and "
                "--speculative-config");
   if (auto why = proto::groups_from_specs(f.cache_groups, c.mp_num, &c.cache_groups); !why.empty())

@@ -189,7 +189,9 @@ _sig("kvtd_groups_of_geometry", _c.c_int, _c.POINTER(Geometry), _c.c_int, _c.POI
 _sig("kvtd_group_sizes", _c.c_int, _c.POINTER(CacheGroups), _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64), *_err)
 _sig("kvtd_group_hits", _c.c_int, _c.POINTER(CacheGroups), _c.c_uint32, _c.POINTER(_c.c_uint8),
      _c.POINTER(_c.c_uint32), _c.POINTER(_c.c_uint32), *_err)
+_sig("kvtd_group_spec", _c.c_int, _c.POINTER(CacheGroups), _c.c_uint32, _c.c_char_p, _c.c_size_t, *_err)
 _sig("kvtd_session_create", _c.c_int, _c.c_char_p, _c.POINTER(Geometry), _c.POINTER(_sess), *_err)
+_sig("kvtd_session_create_groups", _c.c_int, _c.c_char_p, _c.POINTER(CacheGroups), _c.POINTER(_sess), *_err)
 _sig("kvtd_session_destroy", None, _sess)
 _sig("kvtd_session_geometry", _c.c_int, _sess, _c.POINTER(Geometry))
 _sig("kvtd_register_tensor", _c.c_int, _sess, _c.c_uint32, _c.c_uint32, _c.c_uint32, _c.c_int32,

@@ -113,6 +113,39 @@ class CacheGroups:
             raise ValueError(f"cache groups: {err.value.decode()}")
         return pages.value, list(per[:len(self.groups)])
 
+    def spec(self, group: int) -> str:
+        """Group `group` as the daemon's --cache-group text (the library's one encoder)."""
+        out, err = ctypes.create_string_buffer(4096), ctypes.create_string_buffer(_ERR_LEN)
+        if n.lib.kvtd_group_spec(ctypes.byref(self.to_native()), group, out, len(out), err, _ERR_LEN) != 0:
+            raise ValueError(f"cache groups: {err.value.decode()}")
+        return out.value.decode()
+
+    def daemon_flags(self) -> List[str]:
+        """The flags that give a daemon these groups: --cache-group once per group."""
+        flags: List[str] = []
+        for i in range(len(self.groups)):
+            flags += ["--cache-group", self.spec(i)]
+        return flags
+
+    def id_bases(self) -> List[Tuple[int, int]]:
+        """Per group: its first (device, host) block id in a task's id space, where the groups'
+        blocks sit side by side in group order (kvtd/proto/group_slots.h)."""
+        out, device, host = [], 0, 0
+        for g in self.groups:
+            out.append((device, host))
+            device, host = device + g.device_blocks, host + g.host_blocks
+        return out
+
+    def slots(self, layer: int) -> List[Tuple[int, int]]:
+        """(group, tensor) of each registry slot of `layer`: its attention group's tensors, then
+        its indexer group's (kvtd/proto/group_slots.h)."""
+        out = []
+        for indexer in (False, True):
+            for i, g in enumerate(self.groups):
+                if layer in g.layers and (g.kind == "indexer") == indexer:
+                    out += [(i, t) for t in range(len(g.tensors))]
+        return out
+
     def by_kind(self) -> Dict[str, List[int]]:
         out: Dict[str, List[int]] = {}
         for i, g in enumerate(self.groups):

@@ -147,13 +147,24 @@ class Session:
     "kvtd_<uid>_<suffix>"; close() (or leaving the `with` block) removes it and every object it
     made, and attached daemons detach."""
 
-    def __init__(self, suffix: str, geometry: Geometry):
+    def __init__(self, suffix: str, geometry: Optional[Geometry] = None, *, groups=None):
+        """A session over `geometry` (one shape for every layer), or over cache `groups`
+        (kvtd.cache_groups.CacheGroups: hybrid models; swaps only so far). Exactly one of them."""
+        if (geometry is None) == (groups is None):
+            raise ValueError("give a geometry or cache groups, not both or neither")
         self.geometry = geometry
+        self.groups = groups
         self._tls = threading.local()  # one error buffer per calling thread
         self._h = ctypes.c_void_p()
         self._close_lock = threading.Lock()
-        native = geometry.to_native()
-        rc = n.lib.kvtd_session_create(suffix.encode(), ctypes.byref(native), ctypes.byref(self._h), self._errbuf(), _ERR_LEN)
+        if groups is not None:
+            native = groups.to_native()
+            rc = n.lib.kvtd_session_create_groups(suffix.encode(), ctypes.byref(native), ctypes.byref(self._h),
+                                                  self._errbuf(), _ERR_LEN)
+        else:
+            native = geometry.to_native()
+            rc = n.lib.kvtd_session_create(suffix.encode(), ctypes.byref(native), ctypes.byref(self._h),
+                                           self._errbuf(), _ERR_LEN)
         self._check(rc, "create session " + suffix)
         self.suffix = suffix
         self._keepalive = []  # torch tensors registered by handle: kept alive with the session

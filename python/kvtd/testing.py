@@ -36,8 +36,15 @@ def find_binary() -> str:
     return str(tree) if tree.exists() else "kvtd"
 
 
-def daemon_args(binary: str, suffix: str, rank: int, g: Geometry, extra: Sequence[str] = ()) -> List[str]:
-    """The flags that make a daemon agree with `g` (host backend unless `extra` names one)."""
+def daemon_args(binary: str, suffix: str, rank: int, g, extra: Sequence[str] = ()) -> List[str]:
+    """The flags that make a daemon agree with `g`, a Geometry or CacheGroups (host backend
+    unless `extra` names one)."""
+    if hasattr(g, "daemon_flags"):  # cache groups
+        args = [binary, "--rank", str(rank), "--mp-num", str(g.num_ranks), *g.daemon_flags(), "--session", suffix,
+                "--engine-timeout", "2", "--heartbeat-period", "0.02"]
+        if "--device-backend" not in extra:
+            args += ["--device-backend", "host"]
+        return args + list(extra)
     shape = ",".join(str(int(v)) for v in g.key_shape)
     args = [binary, "--rank", str(rank), "--mp-num", str(g.num_ranks),
             "--num-layers", str(g.num_layers - g.num_extra_layers), "--num-host-blocks", str(g.num_host_blocks),

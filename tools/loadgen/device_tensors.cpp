@@ -34,9 +34,7 @@ std::unique_ptr<DeviceTensors> DeviceTensors::create(engine::EngineSession& s, b
     std::uint64_t total = 0;
     for (std::uint32_t l = 0; l < g.num_layers; ++l)
       for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k)
-        if (g.has_tensor(static_cast<proto::TensorKind>(k)))
-          total += (g.block_bytes(static_cast<proto::TensorKind>(k)) * static_cast<std::uint64_t>(g.device_blocks(l)) + 255) /
-                   256 * 256;
+        total += (proto::expected_tensor(g, s.groups(), r, l, k).bytes + 255) / 256 * 256;
     void* arena = nullptr;
     cudaIpcMemHandle_t h{};
     if (auto e = cudaMalloc(&arena, total); e != cudaSuccess) {
@@ -56,8 +54,8 @@ std::unique_ptr<DeviceTensors> DeviceTensors::create(engine::EngineSession& s, b
     for (std::uint32_t l = 0; l < g.num_layers; ++l)
       for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
         const auto kind = static_cast<proto::TensorKind>(k);
-        if (!g.has_tensor(kind)) continue;
-        proto::TensorDesc d = proto::describe_tensor(g, r, l, kind);
+        proto::TensorDesc d = proto::expected_tensor(g, s.groups(), r, l, k);  // slot k of a group session
+        if (d.bytes == 0) continue;
         d.device_id = device;
         d.pci_bus_id = proto::parse_pci_bus_id(bus).value_or(0);
         d.offset = offset;

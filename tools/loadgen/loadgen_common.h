@@ -25,6 +25,7 @@ struct Options {
   std::uint32_t storage_blocks = 0, in_flight = 1;
   bool storage_host_blocks = false;  // storage-throughput: tasks on host-pool blocks (filled by swaps first)
   bool cold_read = false;  // storage-throughput: the page cache dropped before the read phase (root)
+  std::vector<std::string> cache_groups;  // --cache-group specs (kvtd/proto/group_spec.h); empty: one shape
   std::string session = "loadgen";
   std::string mode = "verify";
   std::uint32_t ranks = 2, layers = 32, kv_heads = 8, block_size = 64, head_dim = 128;
@@ -75,17 +76,35 @@ struct Cache {
   bool push() { return t->push(); }
   bool pull() { return t->pull(); }
 
+  // f(rank, layer, slot, tensor, bytes per block) for every tensor of the session.
   template <typename F>
   void for_each_tensor(F&& f) {
+    for_each_group_tensor([&](std::uint32_t r, std::uint32_t l, std::uint32_t k, std::byte* base, std::uint64_t bb,
+                              std::uint32_t) { f(r, l, k, base, bb); });
+  }
+  // The same, with the cache group the tensor belongs to (0 for a single-shape session).
+  template <typename F>
+  void for_each_group_tensor(F&& f) {
+    const auto& gs = s->groups();
     for (std::uint32_t r = 0; r < g->num_ranks; ++r)
       for (std::uint32_t l = 0; l < g->num_layers; ++l)
         for (std::uint32_t k = 0; k < kvtd::proto::kTensorKinds; ++k) {
-          const auto kind = static_cast<TensorKind>(k);
-          if (!g->has_tensor(kind)) continue;
-          f(r, l, k, t->view(r, l, kind), g->block_bytes(kind));
+          const auto d = kvtd::proto::expected_tensor(*g, gs, r, l, k);
+          if (d.bytes == 0) continue;
+          const auto group = kvtd::proto::is_group_session(gs) ? kvtd::proto::group_slot(gs, l, k).group : 0;
+          f(r, l, k, t->view(r, l, static_cast<TensorKind>(k)), d.bytes / static_cast<std::uint64_t>(d.shape[0]),
+            static_cast<std::uint32_t>(group));
         }
   }
 };
+
+// One cache group's share of a task's block ids (kvtd/proto/group_slots.h); a single-shape
+// session is one group.
+struct BlockGroup {
+  std::int64_t device_base = 0, device_blocks = 0, host_base = 0, host_blocks = 0;
+  std::uint64_t block_bytes = 0;  // one block, every layer and tensor, per rank
+};
+std::vector<BlockGroup> block_groups(const EngineSession& s);
 
 // Submits one swap and waits; prints why on failure. Checks every block was moved. `latency_ns`:
 // submit to wait's return; `result` (optional): the merged result, for its ranks' times.

@@ -242,6 +242,7 @@ std::size_t EngineSession::in_flight() const {
 }
 
 const proto::CacheGeometry& EngineSession::geometry() const { return impl_->geo; }
+const proto::CacheGroups& EngineSession::groups() const { return impl_->groups; }
 
 const std::string& EngineSession::name() const { return impl_->name; }
 

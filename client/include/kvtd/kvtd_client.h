@@ -200,6 +200,9 @@ KVTD_API int kvtd_tensor_shape(const kvtd_geometry* geometry, uint32_t layer, ui
  *   group g's object of key k is stored): *pages where every group's rule holds, group_pages[g]
  *   each group's own answer (may be null). */
 KVTD_API int kvtd_groups_check(const kvtd_cache_groups* groups, char* err, size_t err_len);
+/* kvtd_group_spec: group `group` as the text of the daemon's --cache-group flag (NUL-terminated). */
+KVTD_API int kvtd_group_spec(const kvtd_cache_groups* groups, uint32_t group, char* out, size_t out_len, char* err,
+                             size_t err_len);
 KVTD_API int kvtd_groups_of_geometry(const kvtd_geometry* geometry, int mla, kvtd_cache_groups* out, char* err,
                                      size_t err_len);
 KVTD_API int kvtd_group_sizes(const kvtd_cache_groups* groups, uint64_t block_bytes[KVTD_MAX_GROUPS],
@@ -209,6 +212,13 @@ KVTD_API int kvtd_group_hits(const kvtd_cache_groups* groups, uint32_t num_keys,
 
 KVTD_API int kvtd_session_create(const char* suffix, const kvtd_geometry* geometry, kvtd_session** out, char* err,
                                  size_t err_len);
+/* A session whose cache is cache groups (swaps only, so far; storage tasks fail naming why).
+ * Tensors are registered per layer slot: slot k of a layer holds its attention group's tensors,
+ * then its indexer group's (kvtd/proto/group_slots.h); kvtd_host_device_tensor's `kind` is that
+ * slot. Tasks name blocks in one id space: group g's block b is the sum of the block counts of
+ * groups 0..g-1 (device or host side) plus b. */
+KVTD_API int kvtd_session_create_groups(const char* suffix, const kvtd_cache_groups* groups, kvtd_session** out,
+                                        char* err, size_t err_len);
 KVTD_API void kvtd_session_destroy(kvtd_session* s);
 /* The session's geometry as validated at create. */
 KVTD_API int kvtd_session_geometry(kvtd_session* s, kvtd_geometry* out);

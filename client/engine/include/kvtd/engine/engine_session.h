@@ -233,6 +233,9 @@ class EngineSession {
   std::size_t in_flight() const;
 
   const proto::CacheGeometry& geometry() const;
+  // The session's cache groups (num_groups 0 for a single-shape session; geometry() is then the
+  // groups' envelope otherwise).
+  const proto::CacheGroups& groups() const;
   const std::string& name() const;
   std::uint64_t generation() const;
 

@@ -1,0 +1,119 @@
+"""Sessions whose cache is cache groups, served by real daemons (host backend): the geometries of
+four real models, built from their published config.json fields (kvtd.models; the configs are
+cited in test_models.py), each swapped out and back in, every byte of every group's tensors
+compared. Plus what a group session refuses, by name.
+
+The wire shape (kvtd/proto/group_slots.h): slot k of a layer holds its attention group's tensors,
+then its indexer group's; a task names blocks in one id space, the groups' blocks side by side."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvtd
+from kvtd import models
+
+from test_models import DEEPSEEK_V32, GPT_OSS_20B, LLAMA_31_8B, QWEN3_NEXT_80B
+
+# Small block counts: the tensors stay a few MiB per rank while every layer and tensor is real.
+MODELS = {
+    "llama-3.1-8b": lambda: models.plain_attention(LLAMA_31_8B, 2, device_blocks=8, host_blocks=12),
+    "gpt-oss-20b": lambda: models.sliding_and_full(GPT_OSS_20B, 2, device_blocks=8, host_blocks=12),
+    "qwen3-next-80b": lambda: models.linear_and_full(QWEN3_NEXT_80B, 4, device_blocks=8, host_blocks=12,
+                                                     state_slots=4, host_state_slots=6),
+    "deepseek-v3.2": lambda: models.mla_with_indexer(DEEPSEEK_V32, 1, device_blocks=8, host_blocks=12),
+}
+
+
+def block_bytes(tensor):
+    element_bytes, dims = tensor
+    return element_bytes * int(np.prod(dims))
+
+
+def views(s, groups, rank, group):
+    """[(layer, slot, bytes per block, the device tensor as uint8)] of `group` on `rank`."""
+    out = []
+    for layer in groups.groups[group].layers:
+        for slot, (g, t) in enumerate(groups.slots(layer)):
+            if g == group:
+                out.append((layer, slot, block_bytes(groups.groups[g].tensors[t]), s.host_array(rank, layer, slot)))
+    return out
+
+
+def blocks_of(view, ids):
+    _, _, bb, a = view
+    return np.stack([a[b * bb:(b + 1) * bb] for b in ids])
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_groups_bytes_swap_out_and_back_in(cluster, name):
+    groups = MODELS[name]()
+    groups.check()
+    c = cluster(groups)
+    s = c.ready()
+    rng = np.random.default_rng(7)
+    for r in range(groups.num_ranks):
+        for layer in range(max(max(g.layers) for g in groups.groups) + 1):
+            for slot in range(len(groups.slots(layer))):
+                a = s.host_array(r, layer, slot)
+                a[:] = rng.integers(0, 256, a.size, dtype=np.uint8)
+    bases = groups.id_bases()
+    src, host, back = [], [], []  # device ids out, host ids, device ids back in: every group in one task
+    for g, (db, hb) in zip(groups.groups, bases):
+        n = min(3, g.device_blocks // 2, g.host_blocks)
+        src += [db + i for i in range(n)]
+        host += [hb + g.host_blocks - 1 - i for i in range(n)]
+        back += [db + g.device_blocks - 1 - i for i in range(n)]
+    before = {(r, i): [blocks_of(v, [x - bases[i][0] for x in src if groups_of(bases, groups, x) == i])
+                       for v in views(s, groups, r, i)]
+              for r in range(groups.num_ranks) for i in range(len(groups.groups))}
+    out = s.wait(s.swap_to_host(src, host))
+    assert out.blocks_done == len(src)
+    for r in range(groups.num_ranks):  # the source blocks change after the swap-out: nothing reads them
+        for i in range(len(groups.groups)):
+            for v in views(s, groups, r, i):
+                v[3][:v[2] * 3] = 0
+    assert s.wait(s.swap_to_device(host, back)).blocks_done == len(src)
+    for r in range(groups.num_ranks):
+        for i in range(len(groups.groups)):
+            came = [x - bases[i][0] for x in back if groups_of(bases, groups, x) == i]
+            for v, want in zip(views(s, groups, r, i), before[(r, i)]):
+                assert np.array_equal(blocks_of(v, came), want), f"rank {r} group {i} layer {v[0]} slot {v[1]}"
+
+
+def groups_of(bases, groups, device_id):
+    for i, (db, _) in enumerate(bases):
+        if db <= device_id < db + groups.groups[i].device_blocks:
+            return i
+    return -1
+
+
+def test_a_group_session_refuses_what_it_does_not_serve_yet_by_name(cluster):
+    groups = MODELS["gpt-oss-20b"]()
+    c = cluster(groups)
+    s = c.ready()
+    (db0, hb0), (db1, hb1) = groups.id_bases()
+    with pytest.raises(kvtd.TaskFailed, match="is in cache group 0.*is in cache group 1"):
+        s.wait(s.swap_to_host([db0], [hb1]))
+    with pytest.raises(kvtd.TaskFailed, match="storage tasks of a session with cache groups"):
+        s.wait(s.storage_query(["k0"]))
+    with pytest.raises(kvtd.TaskFailed, match="layer-by-layer"):
+        s.wait(s.swap_to_device([hb0], [db0], layerwise=True))
+    assert s.wait(s.swap_to_host([db1], [hb1])).blocks_done == 1  # the session still serves
+
+
+def test_a_daemon_whose_groups_differ_from_the_session_refuses_it_naming_the_group(tmp_path):
+    groups = MODELS["gpt-oss-20b"]()
+    other = models.sliding_and_full(GPT_OSS_20B, 2, device_blocks=9, host_blocks=12)
+    suffix = f"py_groups_mismatch_{tmp_path.name[-8:]}"
+    d = kvtd.testing.Daemons(None, suffix, other, ["--attach-timeout", "10"])
+    with kvtd.Session(suffix, groups=groups) as s:
+        s.create_host_device_tensors()
+        s.publish()
+        d.start()
+        code = d.procs[0].wait(30)
+        logs = d.logs()
+        d.stop()
+    assert code == 3, logs  # kExitSessionRefused
+    assert "cache group 0 device blocks: session has 8, flags say 9" in logs, logs
