@@ -244,6 +244,17 @@ Status<ConfigErrc> resolve_groups(RawFlags& f, DaemonConfig& c) {
   return {};
 }
 
+// What a daemon of cache groups does not serve yet: refused by name, once every flag is resolved.
+Status<ConfigErrc> resolve_group_limits(const DaemonConfig& c) {
+  if (!proto::is_group_session(c.cache_groups)) return {};
+  if (c.storage.backend != StorageBackendKind::kNone)
+    return bad("--storage-backend: not with --cache-group yet (storage tasks of a session with cache groups are not "
+               "served; swaps are)");
+  if (c.fastdeploy.create_cache_tensor)
+    return bad("--create_cache_tensor: not with --cache-group (FastDeploy's cache is a single shape)");
+  return {};
+}
+
 Status<ConfigErrc> resolve_cache(RawFlags& f, DaemonConfig& c) {
   if (!f.cache_groups.empty()) return resolve_groups(f, c);
   const std::size_t fd_shape_flags =
@@ -387,11 +398,7 @@ Status<ConfigErrc> resolve_runtime(const RawFlags& f, DaemonConfig& c) {
                " must be in [0.001, 1] seconds; the engine counts a rank dead after 3 s of silence");
 
   if (proto::is_group_session(c.cache_groups)) {
-    if (c.storage.backend != StorageBackendKind::kNone)
-      return bad("--storage-backend: not with --cache-group yet (storage tasks of a session with cache groups are "
-                 "not served; swaps are)");
-    if (c.fastdeploy.create_cache_tensor)
-      return bad("--create_cache_tensor: not with --cache-group (FastDeploy's cache is a single shape)");
+    // Checked with the groups (resolve_groups) and what they cannot serve yet (resolve_group_limits).
   } else if (const auto why = proto::geometry_problem(c.geometry()); !why.empty()) {
     return bad("--key-cache-shape/--value-cache-shape/--num-layers/--num-host-blocks: " + why);
   }
@@ -439,6 +446,7 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   KVTD_TRY(resolve_session(f, c));
   KVTD_TRY(resolve_runtime(f, c));
   KVTD_TRY(resolve_storage(f, c));
+  KVTD_TRY(resolve_group_limits(c));
   KVTD_TRY(resolve_lifecycle(c));
   KVTD_TRY(resolve_kv_events(c));
   return c;

@@ -44,6 +44,30 @@ json storage_status(const config::DaemonConfig& cfg, const std::string& store_na
   return j;
 }
 
+// A daemon of cache groups (--cache-group): each group's shape, host pool and the bytes swaps
+// moved of it; an empty list for a single-shape cache.
+json groups_status(const config::DaemonConfig& cfg, const metrics::MetricsRegistry& reg) {
+  json out = json::array();
+  const auto& gs = cfg.cache_groups;
+  const auto pools = reg.cache_groups();
+  for (std::uint32_t g = 0; g < gs.num_groups && g < proto::kMaxGroups; ++g) {
+    const auto& c = gs.groups[g];
+    json j{{"group", g},
+           {"kind", proto::group_kind_name(c.group_kind())},
+           {"layers", c.num_layers()},
+           {"tensors_per_layer", c.num_tensors},
+           {"device_blocks", c.device_blocks},
+           {"host_blocks", c.host_blocks},
+           {"block_bytes", proto::group_sizes(gs).block_bytes[g]},
+           {"host_pool_bytes", g < pools.size() ? pools[g].host_pool_bytes : 0},
+           {"bytes_to_host", reg.group_swap_bytes(g, metrics::Direction::kToHost)},
+           {"bytes_to_device", reg.group_swap_bytes(g, metrics::Direction::kToDevice)}};
+    if (c.window_tokens != 0) j["window_tokens"] = c.window_tokens;
+    out.push_back(std::move(j));
+  }
+  return out;
+}
+
 json status_of(const config::DaemonConfig& cfg, const metrics::MetricsRegistry& reg, const std::string& store_name,
                const ControlState& state, const metrics::HealthRoutes& health) {
   json tasks = json::array();
@@ -77,6 +101,7 @@ json status_of(const config::DaemonConfig& cfg, const metrics::MetricsRegistry& 
       {"host_pool_pinned_bytes", reg.host_pool_pinned_bytes()},
       {"host_pool_pin_waits", reg.host_pool_pin_waits()},
       {"storage", storage_status(cfg, store_name)},
+      {"cache_groups", groups_status(cfg, reg)},
       {"last_errors", reg.last_errors()},
   };
   // The same facts /healthz and /readyz answer.

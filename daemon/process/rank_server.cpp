@@ -188,6 +188,13 @@ Result<AttachedCache, DeviceErrc> RankServer::map_cache(Session& s) {
   cache->verify_swaps = cfg_.verify_swaps;
   cache->granted_ns = s.granted_ns;
   s_.registry.set_host_pool_bytes(s.pools.total_bytes());
+  if (proto::is_group_session(s_.groups)) {
+    std::vector<metrics::MetricsRegistry::GroupFigures> figures;
+    for (std::uint32_t g = 0; g < s_.groups.num_groups; ++g)
+      figures.push_back({proto::group_kind_name(s_.groups.groups[g].group_kind()), s.pools.at(g)->total_bytes(),
+                         s_.groups.groups[g].host_blocks});
+    s_.registry.set_cache_groups(std::move(figures));
+  }
   return cache;
 }
 

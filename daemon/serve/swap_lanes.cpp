@@ -82,6 +82,10 @@ void SwapLanes::execute(Work& w, int lane) {
     blocks += static_cast<std::uint64_t>(p.plan.num_blocks);
   }
   reports_.swap_moved(lane, task_bytes(w));
+  if (cache_.metrics != nullptr && cache_.group_session)
+    for (const SwapPart& p : w.parts)
+      cache_.metrics->group_swap_bytes(p.group, lane == 0 ? metrics::Direction::kToHost : metrics::Direction::kToDevice,
+                                       group_block_bytes_[p.group] * static_cast<std::uint64_t>(p.plan.num_blocks));
   reports_.swap_completed(h, proto::Outcome::swapped(blocks, ep_.geometry().num_layers), start);
   if (!first_swap_noted_.load(std::memory_order_relaxed)) note_first_swap(ipc::monotonic_now_ns());
 }

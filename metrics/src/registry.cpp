@@ -153,6 +153,7 @@ std::string MetricsRegistry::render() const {
     }
   }
   render_storage(out);
+  render_groups(out);
   const struct {
     const char* name;
     const char* help;

@@ -117,3 +117,29 @@ def test_a_daemon_whose_groups_differ_from_the_session_refuses_it_naming_the_gro
         d.stop()
     assert code == 3, logs  # kExitSessionRefused
     assert "cache group 0 device blocks: session has 8, flags say 9" in logs, logs
+
+
+def test_ctl_status_counts_each_groups_pool_and_swapped_bytes(cluster):
+    import json
+    import os
+    import subprocess
+
+    groups = MODELS["gpt-oss-20b"]()
+    c = cluster(groups)
+    s = c.ready()
+    (db0, hb0), (db1, hb1) = groups.id_bases()
+    s.wait(s.swap_to_host([db0, db0 + 1, db0 + 2, db1, db1 + 1], [hb0, hb0 + 1, hb0 + 2, hb1, hb1 + 1]))
+    s.wait(s.swap_to_device([hb1], [db1 + 5]))
+    (block0, pool0), (block1, pool1) = groups.sizes()
+    ctl = [os.environ.get("KVTD_BINARY", kvtd.testing.find_binary()), "ctl", "--session", c.suffix]
+    out = subprocess.run(ctl + ["--json", "status"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for rank in (r["result"] for r in json.loads(out.stdout)):
+        g0, g1 = rank["cache_groups"]
+        assert (g0["kind"], g0["layers"], g0["window_tokens"]) == ("sliding_window", 12, 128)
+        assert (g0["block_bytes"], g1["block_bytes"]) == (block0, block1)
+        assert g0["host_pool_bytes"] >= pool0 and g1["host_pool_bytes"] >= pool1
+        assert (g0["bytes_to_host"], g0["bytes_to_device"]) == (3 * block0, 0)
+        assert (g1["bytes_to_host"], g1["bytes_to_device"]) == (2 * block1, block1)
+    text = subprocess.run(ctl + ["status"], capture_output=True, text=True, timeout=60).stdout
+    assert "group 1 full_attention" in text, text

@@ -647,3 +647,58 @@ TEST(CApi, TheLibraryAnswersTheGeometrysShapesAndItsVersion) {
 
 }  // namespace
 }  // namespace kvtd::ipc
+
+namespace kvtd {
+namespace {
+
+// A state group (layer 0) and a full-attention group (layer 1), one rank.
+kvtd_cache_groups c_groups() {
+  kvtd_cache_groups gs{};
+  gs.num_ranks = 1;
+  gs.num_groups = 2;
+  gs.page_tokens = 4;
+  gs.groups[0].kind = KVTD_GROUP_STATE;
+  gs.groups[0].num_tensors = 1;
+  gs.groups[0].device_blocks = 3;
+  gs.groups[0].host_blocks = 5;
+  gs.groups[0].layers[0] = 1;
+  gs.groups[0].tensors[0] = {4, 1, {16, 0, 0}};
+  gs.groups[1].kind = KVTD_GROUP_FULL_ATTENTION;
+  gs.groups[1].num_tensors = 2;
+  gs.groups[1].block_tokens = 4;
+  gs.groups[1].device_blocks = 8;
+  gs.groups[1].host_blocks = 6;
+  gs.groups[1].layers[0] = 2;
+  gs.groups[1].tensors[0] = gs.groups[1].tensors[1] = {2, 2, {4, 8, 0}};
+  return gs;
+}
+
+TEST(CApi, AGroupSessionMakesEachSlotsTensorAndSpellsItsGroupsAsFlags) {
+  char err[256] = {0};
+  const kvtd_cache_groups gs = c_groups();
+  kvtd_session* s = nullptr;
+  ASSERT_EQ(kvtd_session_create_groups(test::unique_suffix("cgroups").c_str(), &gs, &s, err, sizeof err), KVTD_OK) << err;
+  ASSERT_EQ(kvtd_create_host_device_tensors(s, err, sizeof err), KVTD_OK) << err;
+  std::uint64_t bytes = 0;
+  EXPECT_NE(kvtd_host_device_tensor(s, 0, 0, 0, &bytes), nullptr);
+  EXPECT_EQ(bytes, 3u * 16 * 4);  // the state slot tensor
+  EXPECT_NE(kvtd_host_device_tensor(s, 0, 1, 1, &bytes), nullptr);
+  EXPECT_EQ(bytes, 8u * 4 * 8 * 2);  // layer 1's value tensor
+  EXPECT_EQ(kvtd_host_device_tensor(s, 0, 0, 1, &bytes), nullptr);  // layer 0 has one slot
+  kvtd_session_destroy(s);
+
+  char spec[512] = {0};
+  ASSERT_EQ(kvtd_group_spec(&gs, 1, spec, sizeof spec, err, sizeof err), KVTD_OK) << err;
+  EXPECT_STREQ(spec, "kind=full_attention,layers=1,tensors=4x8@2+4x8@2,device_blocks=8,host_blocks=6,block_tokens=4");
+  EXPECT_EQ(kvtd_group_spec(&gs, 2, spec, sizeof spec, err, sizeof err), KVTD_E_INVALID);
+  EXPECT_EQ(kvtd_group_spec(&gs, 1, spec, 8, err, sizeof err), KVTD_E_INVALID);
+  EXPECT_NE(std::string(err).find("the buffer has 8"), std::string::npos) << err;
+
+  kvtd_cache_groups bad = gs;
+  bad.groups[1].layers[0] = 3;  // layer 0 in two attention groups
+  EXPECT_EQ(kvtd_session_create_groups("cgroups_bad", &bad, &s, err, sizeof err), KVTD_E_INVALID);
+  EXPECT_NE(std::string(err).find("layer 0 is in groups 0 and 1"), std::string::npos) << err;
+}
+
+}  // namespace
+}  // namespace kvtd

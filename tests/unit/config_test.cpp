@@ -472,3 +472,47 @@ TEST_F(InstanceFlags, BadInstancesAndConflictsAreNamed) {
 
 }  // namespace
 }  // namespace kvtd::config
+
+namespace kvtd::config {
+namespace {
+
+const std::string kSliding =
+    "kind=sliding_window,layers=0-2:2,tensors=4x16x64@2+4x16x64@2,device_blocks=32,host_blocks=40,block_tokens=16,"
+    "window=128";
+const std::string kFull = "kind=full_attention,layers=1,tensors=4x16x64@2+4x16x64@2,device_blocks=64,host_blocks=48,"
+                          "block_tokens=16";
+
+TEST(DaemonFlags, CacheGroupsDescribeTheWholeCache) {
+  auto c = parse({"--rank", "0", "--mp-num", "2", "--cache-group", kSliding, "--cache-group", kFull, "--session", "s"});
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  ASSERT_EQ(c->cache_groups.num_groups, 2u);
+  EXPECT_EQ(c->cache_groups.num_ranks, 2u);
+  EXPECT_EQ(c->cache_groups.page_tokens, 16u);
+  EXPECT_EQ(c->cache_groups.groups[0].window_tokens, 128u);
+  EXPECT_EQ(c->cache_groups.groups[1].host_blocks, 48u);
+  const auto g = c->geometry();  // the envelope: ranks and layers
+  EXPECT_EQ(g.num_layers, 3u);
+  EXPECT_EQ(g.num_ranks, 2u);
+  EXPECT_EQ(g.num_host_blocks, 0u);
+}
+
+TEST(DaemonFlags, CacheGroupsRefuseWhatTheyCannotServeByName) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--cache-group", kSliding, "--key-cache-shape", "4,1,16,8"}, "leave out --key-cache-shape"},
+      {{"--cache-group", kSliding, "--num-extra-layers", "1"}, "extra (MTP) layers are a group of their own"},
+      {{"--cache-group", kSliding}, "layer 1 is in no attention group"},
+      {{"--cache-group", "kind=full_attention"}, "cache group 0: missing layers"},
+      {{"--cache-group", kSliding, "--cache-group", kFull, "--storage-backend", "file", "--storage-path", "/tmp/x", "--model-id", "m"},
+       "--storage-backend: not with --cache-group"},
+  };
+  for (const auto& [more, want] : cases) {
+    std::vector<std::string> args{"--rank", "0", "--session", "s"};
+    args.insert(args.end(), more.begin(), more.end());
+    auto c = parse(args);
+    ASSERT_FALSE(c.ok()) << want;
+    EXPECT_NE(c.error().message.find(want), std::string::npos) << c.error().message;
+  }
+}
+
+}  // namespace
+}  // namespace kvtd::config

@@ -65,6 +65,13 @@ void print_status(std::uint32_t rank, const json& r) {
               storage_line(r["storage"]).c_str(),
               r["draining"].get<bool>() ? "  DRAINING" : (r.value("cache", "") == "cleared" ? "  CACHE CLEARED" : ""),
               errors.empty() ? "" : ("\n         last error: " + errors.back().get<std::string>()).c_str());
+  for (const auto& g : r.value("cache_groups", json::array()))  // a cache of several groups: one line each
+    std::printf("         group %u %-14s %3u layers  %lld device / %u host blocks of %s  host pool %s  to host %s  "
+                "to device %s\n",
+                g["group"].get<unsigned>(), g["kind"].get<std::string>().c_str(), g["layers"].get<unsigned>(),
+                g["device_blocks"].get<long long>(), g["host_blocks"].get<unsigned>(),
+                gb(g["block_bytes"].get<std::uint64_t>()).c_str(), gb(g["host_pool_bytes"].get<std::uint64_t>()).c_str(),
+                gb(g["bytes_to_host"].get<std::uint64_t>()).c_str(), gb(g["bytes_to_device"].get<std::uint64_t>()).c_str());
 }
 
 // One line per rank for `storage gc`.

@@ -49,6 +49,19 @@ class MetricsRegistry {
   // A swap that waited `ns` for its host blocks to be pinned.
   void host_pool_pin_wait(std::int64_t ns);
   void set_ring_depth(std::uint64_t bytes);
+  // A session with cache groups: each group's kind name and host pool bytes (empty: none, and
+  // the per-group series are not exported). Set at each mapping of the cache.
+  struct GroupFigures {
+    std::string kind;
+    std::uint64_t host_pool_bytes = 0;
+    std::uint64_t host_blocks = 0;
+  };
+  void set_cache_groups(std::vector<GroupFigures> groups);
+  // Bytes a swap moved of cache group `group`'s blocks (direction kToHost or kToDevice).
+  void group_swap_bytes(std::uint32_t group, Direction d, std::uint64_t bytes);
+  std::uint64_t group_swap_bytes(std::uint32_t group, Direction d) const;
+  std::vector<GroupFigures> cache_groups() const;
+  static constexpr std::uint32_t kMaxGroups = 8;  // proto::kMaxGroups
   // What the storage tier counted, for kvtd_storage_operations_total. The registry knows no store:
   // the daemon provides these figures (metrics/ does not depend on storage/).
   struct StoreFigures {
@@ -131,6 +144,9 @@ class MetricsRegistry {
   std::atomic<std::uint64_t> host_pool_pin_waits_{0};
   std::atomic<std::uint64_t> host_pool_pin_wait_ns_{0};
   std::atomic<std::uint64_t> ring_depth_{0};
+  std::array<std::array<std::atomic<std::uint64_t>, 2>, kMaxGroups> group_bytes_{};  // [group][to host, to device]
+  std::vector<GroupFigures> groups_ GUARDED_BY(store_mu_);
+  void render_groups(std::string& out) const;
   // [kind][0 hit, 1 miss] for the lookup kinds; [status][0 peer, 1 this rank].
   std::array<std::array<std::atomic<std::uint64_t>, 2>, kKinds> lookups_{};
   std::array<std::array<std::atomic<std::uint64_t>, 2>, kStatuses> agreement_failures_{};
