@@ -99,6 +99,26 @@ echo "== swap throughput, 128 KiB blocks, random ids, 32 layers x K+V, 16 blocks
 for ranks in 1 2; do
   with_daemons "$ranks" 32 8 64 128 128 96 -- --mode throughput --blocks-per-task 16 --seconds 4
 done
+echo "== cache groups: four real models' caches (tools/bench/model_groups.py, from their config.json), every group's"
+echo "   blocks in each task: verify, then throughput at 16 blocks of each group per task"
+for spec in "llama-3.1-8b 2" "gpt-oss-20b 2" "qwen3-next-80b 2" "deepseek-v3.2 1"; do
+  read -r model tp <<< "$spec"
+  mapfile -t groups < <(/usr/bin/python3 "$KVTD_ROOT/tools/bench/model_groups.py" "$model" "$tp")
+  suffix="bench$$_$RANDOM"
+  pids=()
+  for ((r = 0; r < tp; r++)); do
+    "$kvtd" --rank $r --mp-num "$tp" "${groups[@]}" --session "$suffix" --log-level warn &
+    pids+=($!)
+  done
+  echo -n "$model TP $tp: "
+  "$loadgen" --session "$suffix" --ranks "$tp" "${groups[@]}" --mode verify --iterations 10 --blocks-per-task 8 \
+    2>/dev/null | grep -o "verify:.*"
+  echo -n "$model TP $tp: "
+  "$loadgen" --session "$suffix" --ranks "$tp" "${groups[@]}" --mode throughput --blocks-per-task 16 --seconds 4 \
+    2>/dev/null | grep -o "throughput:.*"
+  for p in "${pids[@]}"; do kill -TERM "$p"; wait "$p" || true; done
+  pids=()
+done
 echo "== swap throughput as above, page-first host pool (--host-layout page_first: the transform is in the copy)"
 daemon_extra=(--host-layout page_first)
 for ranks in 1 2; do

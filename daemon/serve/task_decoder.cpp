@@ -97,11 +97,22 @@ bool plan_parts(std::span<const std::int32_t> src, std::span<const std::int32_t>
   const char* side_note = to_host ? " (source: device blocks, destination: host blocks)"
                                   : " (source: host blocks, destination: device blocks)";
   const std::size_t n = shape.groups.size();
+  if (n == 1) {  // one group, ids as given: no cutting (the common case, kept as lean as before groups)
+    const GroupShape& x = shape.groups[0];
+    auto plan = kernels::plan_copy(src, dst, to_host ? x.device_blocks : x.host_blocks,
+                                   to_host ? x.host_blocks : x.device_blocks, x.block_bytes);
+    if (!plan.ok()) {
+      fail(d, status_of(plan.error().code), plan.error().message + side_note);
+      return false;
+    }
+    SwapPart& part = d.work.parts.emplace_back();
+    part.plan = std::move(plan).value();
+    part.device_ids.assign(to_host ? src.begin() : dst.begin(), to_host ? src.end() : dst.end());
+    part.host_ids.assign(to_host ? dst.begin() : src.begin(), to_host ? dst.end() : src.end());
+    return true;
+  }
   std::vector<std::vector<std::int32_t>> from(n), to(n);
-  if (n == 1) {
-    from[0].assign(src.begin(), src.end());
-    to[0].assign(dst.begin(), dst.end());
-  } else {
+  {
     if (src.size() != dst.size()) {
       fail(d, TaskStatus::kLengthMismatch,
            std::to_string(src.size()) + " source and " + std::to_string(dst.size()) + " destination blocks" + side_note);
@@ -124,14 +135,13 @@ bool plan_parts(std::span<const std::int32_t> src, std::span<const std::int32_t>
     }
   }
   for (std::size_t g = 0; g < n; ++g) {
-    if (n > 1 && from[g].empty()) continue;
+    if (from[g].empty()) continue;
     const GroupShape& x = shape.groups[g];
     auto plan = kernels::plan_copy(from[g], to[g], to_host ? x.device_blocks : x.host_blocks,
                                    to_host ? x.host_blocks : x.device_blocks, x.block_bytes);
     if (!plan.ok()) {
       fail(d, status_of(plan.error().code),
-           (n > 1 ? "cache group " + std::to_string(g) + " (its own block ids): " : std::string()) +
-               plan.error().message + side_note);
+           "cache group " + std::to_string(g) + " (its own block ids): " + plan.error().message + side_note);
       return false;
     }
     SwapPart part;
