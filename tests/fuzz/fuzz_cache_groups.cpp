@@ -1,16 +1,22 @@
 // libFuzzer target: cache groups and object slicing on arbitrary bytes, as a hostile engine could
 // write them into shared memory or the C ABI. Whatever geometry_problem accepts must size without
 // overflow and answer a loadable prefix that every group's rule holds at, with no longer one that
-// does; whatever object_slicing accepts must cut the rank's heads exactly.
+// does, and place each group's tensors in a layer's slots exactly once and its blocks inside one
+// id space below 2^31; whatever object_slicing accepts must cut the rank's heads exactly; a group
+// spec the parser accepts must come back unchanged from its encoder.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvtd/proto/cache_groups.h"
 #include "kvtd/proto/group_hits.h"
+#include "kvtd/proto/group_slots.h"
+#include "kvtd/proto/group_spec.h"
 #include "kvtd/proto/object_slices.h"
 
 namespace {
@@ -40,6 +46,19 @@ void check_groups(const std::uint8_t* data, std::size_t size) {
     }
     return true;
   };
+  // Slots: each group's tensor t once in each of its layers, nothing else.
+  const GroupIdSpace ids = id_space(gs);
+  if (ids.device_blocks() > INT32_MAX || ids.host_blocks() > INT32_MAX) std::abort();
+  for (std::uint32_t l = 0; l < kMaxLayers; ++l) {
+    std::uint32_t seen[kMaxGroups] = {};
+    for (std::uint32_t k = 0; k < kTensorKinds; ++k) {
+      const GroupSlot at = group_slot(gs, l, k);
+      if (at.group < 0) continue;
+      if (!gs.groups[at.group].has_layer(l) || at.tensor != seen[at.group]++) std::abort();
+    }
+    for (std::uint32_t g = 0; g < gs.num_groups; ++g)
+      if (seen[g] != (gs.groups[g].has_layer(l) ? gs.groups[g].num_tensors : 0u)) std::abort();
+  }
   const GroupHits h = loadable_prefix(gs, keys, present);
   if (h.pages > keys || !holds(h.pages)) std::abort();
   for (std::uint32_t p = h.pages + 1; p <= keys; ++p)
@@ -69,11 +88,21 @@ void check_slicing(const std::uint8_t* data, std::size_t size) {
   }
 }
 
+void check_spec(const std::uint8_t* data, std::size_t size) {
+  const std::string_view text(reinterpret_cast<const char*>(data), size);
+  CacheGroup c{};
+  if (!parse_group_spec(text, &c).empty()) return;
+  CacheGroup back{};
+  const std::string again = format_group_spec(c);
+  if (!parse_group_spec(again, &back).empty() || std::memcmp(&back, &c, sizeof c) != 0) std::abort();
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size == 0) return 0;
   if (data[0] & 1) check_slicing(data + 1, size - 1);
+  else if (data[0] & 2) check_spec(data + 1, size - 1);
   else check_groups(data + 1, size - 1);
   return 0;
 }

@@ -117,6 +117,9 @@ TEST(GroupSpecTest, EveryBadSpecIsNamed) {
       {"kind=state,layers=0,tensors=8@4,host_blocks=8", "missing device_blocks"},
       {"kind=state,layers=0,tensors=8@4,device_blocks=4,host_blocks=8,colour=red", "unknown key 'colour'"},
       {"kind=state,layers,tensors=8@4,device_blocks=4,host_blocks=8", "'layers' is not key=value"},
+      // A second tensors= would add past the group's four tensors (found writing the fuzz target).
+      {"kind=state,layers=0,tensors=8@4+8@4+8@4,tensors=8@4+8@4,device_blocks=4,host_blocks=8",
+       "key 'tensors' is given twice"},
   };
   CacheGroup c{};
   EXPECT_EQ(parse_group_spec(ok, &c), "");

@@ -95,10 +95,14 @@ inline std::string spec_tensors(std::string_view v, CacheGroup* c) {
 inline std::string parse_group_spec(std::string_view spec, CacheGroup* out) {
   *out = CacheGroup{};
   bool kind = false, layers = false, tensors = false, device = false, host = false;
+  std::vector<std::string_view> keys;
   for (std::string_view item : detail::spec_split(spec, ',')) {
     const auto eq = item.find('=');
     if (eq == std::string_view::npos) return "'" + std::string(item) + "' is not key=value";
     const std::string_view key = item.substr(0, eq), v = item.substr(eq + 1);
+    for (std::string_view k : keys)
+      if (k == key) return "key '" + std::string(key) + "' is given twice";
+    keys.push_back(key);
     std::uint64_t n = 0;
     if (key == "kind") {
       out->kind = static_cast<std::uint32_t>(group_kind_from_name(v));
