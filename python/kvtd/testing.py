@@ -74,14 +74,24 @@ class Daemons:
     def log(self, rank: int) -> str:
         return os.path.join(self.log_dir, f"{self.suffix}_rank{rank}.log")
 
+    def _spawn(self, rank: int) -> subprocess.Popen:
+        with open(self.log(rank), "ab") as out:
+            return subprocess.Popen(daemon_args(self.binary, self.suffix, rank, self.geometry, self.extra),
+                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    preexec_fn=_die_with_parent)
+
     def start(self) -> "Daemons":
         for r in range(self.geometry.num_ranks):
-            out = open(self.log(r), "ab")
-            self.procs.append(subprocess.Popen(daemon_args(self.binary, self.suffix, r, self.geometry, self.extra),
-                                               stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                               preexec_fn=_die_with_parent))
-            out.close()
+            self.procs.append(self._spawn(r))
         return self
+
+    def kill_and_restart(self, rank: int) -> None:
+        """SIGKILLs rank `rank`'s daemon (a crash: nothing orderly runs) and starts it again with
+        the same flags, as systemd's Restart=on-failure does."""
+        p = self.procs[rank]
+        p.kill()
+        p.wait()
+        self.procs[rank] = self._spawn(rank)
 
     def stop(self, timeout: float = 10.0) -> List[Optional[int]]:
         codes = []

@@ -143,3 +143,33 @@ def test_ctl_status_counts_each_groups_pool_and_swapped_bytes(cluster):
         assert (g1["bytes_to_host"], g1["bytes_to_device"]) == (2 * block1, block1)
     text = subprocess.run(ctl + ["status"], capture_output=True, text=True, timeout=60).stdout
     assert "group 1 full_attention" in text, text
+
+
+def test_every_groups_host_blocks_survive_a_daemon_crash_and_restart(cluster):
+    """A daemon killed with SIGKILL and started again within the session re-maps each group's host
+    pool (kvtd_<uid>_<generation>_host<r> and host<1000 + 8r + g>): blocks swapped out before the
+    crash swap back in byte for byte."""
+    groups = MODELS["qwen3-next-80b"]()  # a state group and a full-attention group, 4 ranks
+    c = cluster(groups)
+    s = c.ready()
+    rng = np.random.default_rng(11)
+    for r in range(groups.num_ranks):
+        for layer in range(48):
+            for slot in range(len(groups.slots(layer))):
+                a = s.host_array(r, layer, slot)
+                a[:] = rng.integers(0, 256, a.size, dtype=np.uint8)
+    (d0, h0), (d1, h1) = groups.id_bases()
+    src, host, back = [d0, d0 + 1, d1 + 2, d1 + 3], [h0 + 5, h0 + 4, h1 + 9, h1 + 8], [d0 + 3, d0 + 2, d1 + 6, d1 + 7]
+    before = {(r, i): [blocks_of(v, [x - (d0, d1)[i] for x in src if groups_of(groups.id_bases(), groups, x) == i])
+                       for v in views(s, groups, r, i)] for r in range(groups.num_ranks) for i in range(2)}
+    s.wait(s.swap_to_host(src, host))
+    c.daemons.kill_and_restart(2)
+    s.wait_ready(30)
+    assert s.wait(s.swap_to_device(host, back)).blocks_done == len(back)
+    for r in range(groups.num_ranks):
+        for i in range(2):
+            came = [x - (d0, d1)[i] for x in back if groups_of(groups.id_bases(), groups, x) == i]
+            for v, want in zip(views(s, groups, r, i), before[(r, i)]):
+                assert np.array_equal(blocks_of(v, came), want), f"rank {r} group {i} layer {v[0]} slot {v[1]}"
+    with open(c.daemons.log(2), errors="replace") as f:
+        assert f.read().count("re-mapped from a previous daemon") == 2, c.daemons.logs()  # one pool per group
