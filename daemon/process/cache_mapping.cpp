@@ -59,6 +59,7 @@ Result<AttachedCache, DeviceErrc> attach_single(const proto::CacheGeometry& g, T
   c.device_blocks = g.usable_device_blocks();  // ids a swap may use: valid in every layer, extra ones too
   c.host_blocks = g.num_host_blocks;
   c.num_layers = g.num_layers;
+  for (std::uint32_t l = 0; l < g.num_layers; ++l) c.layers.push_back(l);
   for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k)
     if (g.has_tensor(static_cast<proto::TensorKind>(k))) c.block_bytes.push_back(g.block_bytes(static_cast<proto::TensorKind>(k)));
   for (const auto [l, kind] : proto::tensors_of(g)) {
@@ -100,6 +101,7 @@ Result<AttachedCache, DeviceErrc> attach_groups(const proto::CacheGroups& gs, Te
     std::uint32_t local = 0;
     for (std::uint32_t l = 0; l < proto::kMaxLayers; ++l) {
       if (!group.has_layer(l)) continue;
+      c.layers.push_back(l);
       for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
         const proto::GroupSlot at = proto::group_slot(gs, l, k);
         if (at.group != static_cast<std::int32_t>(g)) continue;

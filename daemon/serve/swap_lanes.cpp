@@ -73,9 +73,18 @@ void SwapLanes::execute(Work& w, int lane) {
     reports_.swap_completed(h, proto::Outcome::failed(failed->first, failed->second), start);
     return;
   }
+  // Several groups layer by layer: copied here in the session's layer order; move_part then
+  // settles each part (checksums, validity).
+  const bool by_layer_here = (h.flags & proto::kTaskFlagLayerwise) != 0 && cache_.groups.size() > 1;
+  if (by_layer_here) {
+    if (auto st = copy_groups_layerwise(w); !st.ok()) {
+      reports_.swap_completed(h, proto::Outcome::failed(status_of(st.error().code), st.error().message), start);
+      return;
+    }
+  }
   std::uint64_t blocks = 0;
   for (const SwapPart& p : w.parts) {
-    if (auto failed = move_part(w, p, lane)) {
+    if (auto failed = move_part(w, p, lane, by_layer_here)) {
       reports_.swap_completed(h, proto::Outcome::failed(failed->first, failed->second), start);
       return;
     }
@@ -90,15 +99,38 @@ void SwapLanes::execute(Work& w, int lane) {
   if (!first_swap_noted_.load(std::memory_order_relaxed)) note_first_swap(ipc::monotonic_now_ns());
 }
 
-std::optional<SwapLanes::Failure> SwapLanes::move_part(const Work& w, const SwapPart& p, int lane) {
+Status<DeviceErrc> SwapLanes::copy_groups_layerwise(const Work& w) {
+  const auto& h = w.header;
+  ep_.progress_begin(h);
+  std::vector<std::size_t> next(w.parts.size(), 0);  // each part's first target of its next layer
+  std::vector<std::size_t> at(w.parts.size(), 0);    // each part's index into its group's layers
+  const std::uint32_t layers = ep_.geometry().num_layers;
+  for (std::uint32_t l = 0; l < layers; ++l) {
+    for (std::size_t i = 0; i < w.parts.size(); ++i) {
+      const GroupCache& g = cache_.groups[w.parts[i].group];
+      if (at[i] >= g.layers.size() || g.layers[at[i]] != l) continue;
+      const std::size_t per_layer = g.to_device.size() / g.num_layers;
+      KVTD_TRY(copies_.copy(Direction::kToDevice, w.parts[i].plan,
+                            std::span<const kernels::CopyTarget>(g.to_device.data() + next[i], per_layer)));
+      next[i] += per_layer;
+      ++at[i];
+    }
+    ep_.progress_update(h, l + 1, l + 1);
+  }
+  return {};
+}
+
+std::optional<SwapLanes::Failure> SwapLanes::move_part(const Work& w, const SwapPart& p, int lane, bool copied) {
   const GroupCache& g = cache_.groups[p.group];
   const auto& targets = lane == 0 ? g.to_host : g.to_device;
   const std::string in_group = cache_.groups.size() > 1 ? " (cache group " + std::to_string(p.group) + ")" : "";
   // --verify-swaps: the blocks whose checksums this swap takes (kept at swap-out, compared at swap-in).
   const VerifiedBlocks verify = blocks_to_verify(p, lane == 1, targets.size());
-  auto copied = copy_swap(w, p, lane, verify);
-  if (!copied.ok()) return std::make_pair(status_of(copied.error().code), copied.error().message + in_group);
-  const std::vector<std::uint64_t>& sums = *copied;
+  auto moved = copied ? (verify.device.empty() ? Result<std::vector<std::uint64_t>, DeviceErrc>(std::vector<std::uint64_t>{})
+                                               : copies_.device_checksums(Direction::kToDevice, targets, verify.device))
+                      : copy_swap(w, p, lane, verify);
+  if (!moved.ok()) return std::make_pair(status_of(moved.error().code), moved.error().message + in_group);
+  const std::vector<std::uint64_t>& sums = *moved;
   if (sums.size() != verify.device.size() * targets.size())
     return std::make_pair(TaskStatus::kDeviceError, "--verify-swaps: the device returned " + std::to_string(sums.size()) +
                                                         " checksums for " + std::to_string(verify.device.size()) +

@@ -102,7 +102,12 @@ class SwapLanes {
                                                            const VerifiedBlocks& verify);
   // Copies part `p` and settles its host blocks: valid after a swap-out (with their checksums),
   // compared after a swap-in. The failure, or nullopt.
-  std::optional<Failure> move_part(const Work& w, const SwapPart& p, int lane);
+  std::optional<Failure> move_part(const Work& w, const SwapPart& p, int lane, bool copied = false);
+  // A layer-by-layer load naming several cache groups: for each of the session's layers in
+  // order, that layer's tensors of every part, then its progress (queued and done at once: each
+  // copy has completed when it returns, so no per-layer event is recorded; an engine waiting on
+  // one finds it complete).
+  Status<DeviceErrc> copy_groups_layerwise(const Work& w);
   // Logs the first swap served since the session was granted (time to first swap), once.
   void note_first_swap(std::int64_t now);
 

@@ -179,9 +179,6 @@ DecodedRecord decode_record(std::span<const std::byte> record, const CacheShape&
   }
   if (proto::is_storage_kind(kind)) return decode_storage(d, src, dst, shape, now);
   const bool to_host = kind == TaskKind::kSwapToHost;
-  if (shape.group_session && (h.flags & proto::kTaskFlagLayerwise) != 0)
-    return fail(d, TaskStatus::kMalformed,
-                "layer-by-layer loads of a session with cache groups are not served yet: load it whole");
   if (!plan_parts(src, dst, to_host, shape, d)) return d;
   if (h.deadline_ns != 0 && now > h.deadline_ns) return fail(d, TaskStatus::kDeadlineExceeded, late(h, now));
   if (!decoded->events.empty()) {

@@ -237,10 +237,11 @@ TEST(TaskDecoder, TwoPairsWritingOneBlockOfAGroupAreRefused) {
   EXPECT_NE(d.message.find("cache group 1"), std::string::npos) << d.message;
 }
 
-TEST(TaskDecoder, AGroupSessionRefusesStorageTasksAndLayerByLayerLoadsByName) {
-  auto layerwise = decode_record(record(TaskKind::kSwapToDevice, {1}, {2}, proto::kTaskFlagLayerwise), two_groups(), 0);
-  EXPECT_EQ(layerwise.status, TaskStatus::kMalformed);
-  EXPECT_NE(layerwise.message.find("layer-by-layer"), std::string::npos) << layerwise.message;
+TEST(TaskDecoder, AGroupSessionRefusesStorageTasksByName) {
+  auto layerwise = decode_record(record(TaskKind::kSwapToDevice, {1, 9}, {2, 17}, proto::kTaskFlagLayerwise),
+                                 two_groups(), 0);
+  EXPECT_EQ(layerwise.action, Action::kRun) << layerwise.message;  // layer by layer: served
+  EXPECT_EQ(layerwise.work.parts.size(), 2u);
   auto query = decode_record(record(TaskKind::kStorageQuery, section({"k1"}), {}, 0, 1), two_groups(), 0);
   EXPECT_EQ(query.status, TaskStatus::kMalformed);
   EXPECT_TRUE(query.abort_agreement);  // the peers stop waiting for it

@@ -212,7 +212,8 @@ KVTD_API int kvtd_group_hits(const kvtd_cache_groups* groups, uint32_t num_keys,
 
 KVTD_API int kvtd_session_create(const char* suffix, const kvtd_geometry* geometry, kvtd_session** out, char* err,
                                  size_t err_len);
-/* A session whose cache is cache groups (swaps only, so far; storage tasks fail naming why).
+/* A session whose cache is cache groups (swaps, whole or layer by layer; storage tasks fail naming
+ * why).
  * Tensors are registered per layer slot: slot k of a layer holds its attention group's tensors,
  * then its indexer group's (kvtd/proto/group_slots.h); kvtd_host_device_tensor's `kind` is that
  * slot. Tasks name blocks in one id space: group g's block b is the sum of the block counts of

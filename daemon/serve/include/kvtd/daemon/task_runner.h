@@ -51,6 +51,7 @@ struct GroupCache {
   std::int64_t device_base = 0;                // its first id in a task's device (host) id space
   std::int64_t host_base = 0;
   std::uint32_t num_layers = 0;
+  std::vector<std::uint32_t> layers;  // the session's layer of each of its layers, ascending
   HostPool* pool = nullptr;  // validity of its host blocks; borrowed, outlives the runner
 };
 
