@@ -4,15 +4,12 @@
 
 #include "kvtd/base/mutex.h"
 #include "kvtd/metrics/registry.h"
+#include "exposition_line.h"
 
 namespace kvtd::metrics {
 namespace {
 
-void line(std::string& out, const char* fmt, auto... args) {
-  char buf[256];
-  const int n = std::snprintf(buf, sizeof buf, fmt, args...);
-  if (n > 0) out.append(buf, static_cast<std::size_t>(n) < sizeof buf ? static_cast<std::size_t>(n) : sizeof buf - 1);
-}
+using detail::line;
 
 }  // namespace
 

@@ -11,6 +11,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "kvtd/ipc/populate.h"
 #include "kvtd/ipc/process.h"
@@ -53,20 +54,13 @@ Status<IpcErrc> EngineSession::create_host_device_tensors() {
     KVTD_TRY(impl_->free_arenas());
   const std::uint32_t incarnation = impl_->arena_incarnation++;
   for (std::uint32_t r = 0; r < g.num_ranks; ++r) {
-    const auto& gs = impl_->groups;
-    auto each_tensor = [&](auto&& f) -> Status<IpcErrc> {
-      for (std::uint32_t l = 0; l < g.num_layers; ++l)
-        for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k)
-          if (const auto d = proto::expected_tensor(g, gs, r, l, k); d.bytes != 0) {
-            if (auto st = f(d); !st.ok()) return st;
-          }
-      return {};
-    };
+    // Every tensor of rank r, single shape or groups alike (slot k of each layer).
+    std::vector<proto::TensorDesc> tensors;
+    for (std::uint32_t l = 0; l < g.num_layers; ++l)
+      for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k)
+        if (const auto d = proto::expected_tensor(g, impl_->groups, r, l, k); d.bytes != 0) tensors.push_back(d);
     std::uint64_t total = 0;
-    (void)each_tensor([&](const proto::TensorDesc& d) -> Status<IpcErrc> {
-      total += (d.bytes + 255) / 256 * 256;
-      return {};
-    });
+    for (const auto& d : tensors) total += (d.bytes + 255) / 256 * 256;
     // Named by uid and generation, not by suffix, so the name always fits the 64-byte handle
     // and a sweep can tell whose session it belonged to.
     // After a clear the new arenas get new names (incarnation * 1000 + rank; kMaxRanks < 1000), so a
@@ -78,7 +72,7 @@ Status<IpcErrc> EngineSession::create_host_device_tensors() {
     if (!m.ok()) return std::move(m).error();
     (*m)->set_unlink_on_destroy(true);
     std::uint64_t offset = 0;
-    auto registered = each_tensor([&](proto::TensorDesc d) -> Status<IpcErrc> {
+    for (proto::TensorDesc d : tensors) {
       d.device_id = -1;
       d.offset = offset;
       std::memcpy(d.handle, arena.c_str(), arena.size() + 1);
@@ -86,9 +80,7 @@ Status<IpcErrc> EngineSession::create_host_device_tensors() {
       impl_->arena_tensor[proto::registry_index(g, r, d.layer, static_cast<proto::TensorKind>(d.kind))] =
           (*m)->data() + offset;
       offset += (d.bytes + 255) / 256 * 256;
-      return {};
-    });
-    if (!registered.ok()) return registered;
+    }
     impl_->arenas.push_back(std::move(m).value());
   }
   return {};
