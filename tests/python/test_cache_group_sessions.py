@@ -200,3 +200,32 @@ def test_a_layer_by_layer_load_of_several_groups_moves_every_layers_bytes(cluste
                 assert np.array_equal(s.host_array(r, layer, slot).reshape(8, -1)[6], want[(r, layer, slot)]), \
                     f"layer {layer} reported before rank {r} slot {slot} was in place"
     assert s.wait(tid).blocks_done == 2
+
+
+def test_a_weight_update_remaps_every_group_and_drop_host_tier_drops_each_groups_pool(cluster):
+    """clear_caches / new tensors / restore_caches in a group session: each group's host blocks
+    come back into the new tensors byte for byte; a clear that drops the host tier drops every
+    group's pool (a swap-in of either group then fails host_tier_lost)."""
+    groups = MODELS["deepseek-v3.2"]()
+    c = cluster(groups)
+    s = c.ready()
+    rng = np.random.default_rng(3)
+    for layer in range(61):
+        for slot in range(2):
+            a = s.host_array(0, layer, slot)
+            a[:] = rng.integers(0, 256, a.size, dtype=np.uint8)
+    (d0, h0), (d1, h1) = groups.id_bases()
+    want = {(layer, slot): s.host_array(0, layer, slot).reshape(8, -1)[2].copy() for layer in range(61) for slot in (0, 1)}
+    s.wait(s.swap_to_host([d0 + 2, d1 + 2], [h0 + 1, h1 + 1]))
+    s.clear_caches(weight_version=2)
+    s.free_host_device_tensors()
+    s.create_host_device_tensors()  # new arenas, zero-filled
+    s.restore_caches()
+    s.wait(s.swap_to_device([h0 + 1, h1 + 1], [d0 + 5, d1 + 5]))
+    for (layer, slot), block in want.items():
+        assert np.array_equal(s.host_array(0, layer, slot).reshape(8, -1)[5], block), (layer, slot)
+    s.clear_caches(drop_host_tier=True)
+    s.restore_caches()
+    for ids in ([h0 + 1], [h1 + 1]):  # the latent's pool and the indexer's
+        r = s.wait(s.swap_to_device(ids, [d0 + 6] if ids[0] < h1 else [d1 + 6]), check=False)
+        assert r.status_name == "host_tier_lost", r

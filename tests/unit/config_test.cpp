@@ -1,4 +1,5 @@
 #include "kvtd/config/daemon_config.h"
+#include "kvtd/proto/group_spec.h"
 
 #include <gtest/gtest.h>
 
@@ -494,6 +495,17 @@ TEST(DaemonFlags, CacheGroupsDescribeTheWholeCache) {
   EXPECT_EQ(g.num_layers, 3u);
   EXPECT_EQ(g.num_ranks, 2u);
   EXPECT_EQ(g.num_host_blocks, 0u);
+}
+
+TEST(DaemonFlags, CacheGroupsComeFromAConfigFile) {
+  const std::string path = ::testing::TempDir() + "/kvtd_groups.toml";
+  std::ofstream(path) << "rank = 1\nmp-num = 2\nsession = \"hybrid\"\ncache-group = [\"" << kSliding << "\", \""
+                      << kFull << "\"]\n";
+  auto c = parse({"--config", path});
+  ASSERT_TRUE(c.ok()) << c.error().message;
+  ASSERT_EQ(c->cache_groups.num_groups, 2u);
+  EXPECT_EQ(proto::format_group_spec(c->cache_groups.groups[0]), kSliding);
+  EXPECT_EQ(proto::format_group_spec(c->cache_groups.groups[1]), kFull);
 }
 
 TEST(DaemonFlags, CacheGroupsRefuseWhatTheyCannotServeByName) {
