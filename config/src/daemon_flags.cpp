@@ -85,14 +85,15 @@ void declare_rank_flags(CLI::App& app, RawFlags& f) {
   app.add_option("--device-id,--device_id", f.device_id,
                  "CUDA device ordinal of this rank, or auto: --device-base + rank");
   app.add_option("--device-base", f.device_base, "First device of this group (for --device-id auto)");
-  app.add_option("--num-layers,--num_layers", f.num_layers, "Model layers with a KV cache (extra MTP layers not counted)");
+  f.single_shape_opts.push_back(app.add_option("--num-layers,--num_layers", f.num_layers, "Model layers with a KV cache (extra MTP layers not counted)"));
   app.add_option("--num-extra-layers", f.extra_layers, "Extra (MTP / speculative) cache layers after the model's");
   app.add_option("--extra-device-blocks", f.extra_blocks, "Device blocks of each extra layer (default: the key shape's)");
   app.add_option("--speculative-config,--speculative_config", f.speculative_json,
                  "FastDeploy JSON: num_extra_cache_layer, num_gpu_block_expand_ratio");
   app.add_option("--default-dtype,--default_dtype", f.default_dtype,
                  "block_wise_fp8 scale elements: bfloat16 | float16 (2 bytes) | float32 (4 bytes)");
-  app.add_option("--num-host-blocks,--num_cpu_blocks", f.host_blocks, "Blocks in the pinned host pool");
+  f.single_shape_opts.push_back(
+      app.add_option("--num-host-blocks,--num_cpu_blocks", f.host_blocks, "Blocks in the pinned host pool"));
   app.add_option("--cache-group", f.cache_groups,
                  "One cache group (repeat per group; replaces --key-cache-shape and --num-layers): "
                  "kind=...,layers=...,tensors=...,device_blocks=N,host_blocks=N[,block_tokens=N][,window=N]")
@@ -105,7 +106,8 @@ void declare_rank_flags(CLI::App& app, RawFlags& f) {
   f.fd_bs_opt = app.add_option("--block_size", f.fd_block_size, "FastDeploy 2.0/2.1: tokens per block");
   f.fd_hd_opt = app.add_option("--head_dim", f.fd_head_dim, "FastDeploy 2.0/2.1: head dimension");
   app.add_option("--value-cache-shape,--value_cache_shape", f.value_shape, "Same as key; omit for MLA (no value cache)");
-  app.add_option("--cache-dtype,--cache_dtype", f.dtype, "bfloat16 | float16 | uint8 | block_wise_fp8");
+  f.single_shape_opts.push_back(
+      app.add_option("--cache-dtype,--cache_dtype", f.dtype, "bfloat16 | float16 | uint8 | block_wise_fp8"));
 }
 
 // Session, backends, host pool, logging, control, metrics, timeouts, model id, FastDeploy names.
@@ -236,6 +238,10 @@ Status<ConfigErrc> resolve_groups(RawFlags& f, DaemonConfig& c) {
   if (!f.key_shape.empty() || !f.value_shape.empty() || f.fd_blocks_opt->count() != 0)
     return bad("--cache-group: describes the whole cache; leave out --key-cache-shape, --value-cache-shape and "
                "FastDeploy's shape flags");
+  for (const CLI::Option* o : f.single_shape_opts)
+    if (o->count() != 0)
+      return bad("--cache-group: describes the whole cache (each group its layers, tensors and blocks); leave out " +
+                 o->get_name());
   if (f.extra_layers > 0 || f.extra_blocks >= 0 || !f.speculative_json.empty())
     return bad("--cache-group: extra (MTP) layers are a group of their own; leave out --num-extra-layers and "
                "--speculative-config");

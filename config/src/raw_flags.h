@@ -20,6 +20,7 @@ struct RawFlags {
   CLI::Option* rank_opt = nullptr;
   std::int64_t extra_layers = -1, extra_blocks = -1;
   std::vector<std::string> cache_groups;  // --cache-group, one per group
+  std::vector<CLI::Option*> single_shape_opts;  // what --cache-group replaces (refused beside it)
   std::string key_shape, value_shape, dtype = "bfloat16", default_dtype = "bfloat16", speculative_json;
   // FastDeploy 2.0/2.1 described the cache by these instead of the shapes (key and value alike).
   std::int64_t fd_gpu_blocks = 0, fd_kv_heads = 0, fd_block_size = 0, fd_head_dim = 0;

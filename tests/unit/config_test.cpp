@@ -512,6 +512,8 @@ TEST(DaemonFlags, CacheGroupsRefuseWhatTheyCannotServeByName) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--cache-group", kSliding, "--key-cache-shape", "4,1,16,8"}, "leave out --key-cache-shape"},
       {{"--cache-group", kSliding, "--num-extra-layers", "1"}, "extra (MTP) layers are a group of their own"},
+      {{"--cache-group", kSliding, "--cache-group", kFull, "--num-host-blocks", "64"}, "leave out --num-host-blocks"},
+      {{"--cache-group", kSliding, "--cache-group", kFull, "--num_layers", "3"}, "leave out --num-layers"},
       {{"--cache-group", kSliding}, "layer 1 is in no attention group"},
       {{"--cache-group", "kind=full_attention"}, "cache group 0: missing layers"},
       {{"--cache-group", kSliding, "--cache-group", kFull, "--storage-backend", "file", "--storage-path", "/tmp/x", "--model-id", "m"},
