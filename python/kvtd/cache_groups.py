@@ -136,6 +136,21 @@ class CacheGroups:
             device, host = device + g.device_blocks, host + g.host_blocks
         return out
 
+    def device_ids(self, group: int, blocks: Sequence[int]) -> List[int]:
+        """Group `group`'s device blocks as a task names them (its base added); checked in range."""
+        return self._ids(group, blocks, 0, self.groups[group].device_blocks, "device")
+
+    def host_ids(self, group: int, blocks: Sequence[int]) -> List[int]:
+        """Group `group`'s host blocks as a task names them (its base added); checked in range."""
+        return self._ids(group, blocks, 1, self.groups[group].host_blocks, "host")
+
+    def _ids(self, group, blocks, side, count, what):
+        base = self.id_bases()[group][side]
+        for b in blocks:
+            if not 0 <= b < count:
+                raise ValueError(f"cache group {group}: {what} block {b} is outside [0, {count})")
+        return [base + b for b in blocks]
+
     def slots(self, layer: int) -> List[Tuple[int, int]]:
         """(group, tensor) of each registry slot of `layer`: its attention group's tensors, then
         its indexer group's (kvtd/proto/group_slots.h)."""

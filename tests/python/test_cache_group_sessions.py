@@ -125,9 +125,11 @@ def test_ctl_status_counts_each_groups_pool_and_swapped_bytes(cluster):
     groups = MODELS["gpt-oss-20b"]()
     c = cluster(groups)
     s = c.ready()
-    (db0, hb0), (db1, hb1) = groups.id_bases()
-    s.wait(s.swap_to_host([db0, db0 + 1, db0 + 2, db1, db1 + 1], [hb0, hb0 + 1, hb0 + 2, hb1, hb1 + 1]))
-    s.wait(s.swap_to_device([hb1], [db1 + 5]))
+    s.wait(s.swap_to_host(groups.device_ids(0, [0, 1, 2]) + groups.device_ids(1, [0, 1]),
+                          groups.host_ids(0, [0, 1, 2]) + groups.host_ids(1, [0, 1])))
+    s.wait(s.swap_to_device(groups.host_ids(1, [0]), groups.device_ids(1, [5])))
+    with pytest.raises(ValueError, match="cache group 1: host block 12 is outside"):
+        groups.host_ids(1, [12])
     (block0, pool0), (block1, pool1) = groups.sizes()
     ctl = [os.environ.get("KVTD_BINARY", kvtd.testing.find_binary()), "ctl", "--session", c.suffix]
     out = subprocess.run(ctl + ["--json", "status"], capture_output=True, text=True, timeout=60)
