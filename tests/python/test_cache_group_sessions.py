@@ -178,8 +178,8 @@ def test_every_groups_host_blocks_survive_a_daemon_crash_and_restart(cluster):
 def test_a_layer_by_layer_load_of_several_groups_moves_every_layers_bytes(cluster):
     """The sliding and full-attention layers of gpt-oss interleave: the load goes through the
     session's layers in order, each group's tensors of the layer, and wait_layer(l) counts the
-    session's layers. (That a layer is reported only after its copies returned is by construction,
-    SwapLanes::copy_groups_layerwise; the host backend finishes too fast to catch it early here.)"""
+    session's layers. (That a layer is reported only after its copies returned is
+    task_runner_test's AGroupSessionsLayerIsReportedOnlyOnceItsCopyReturned, with held copies.)"""
     groups = MODELS["gpt-oss-20b"]()
     c = cluster(groups)
     s = c.ready()

@@ -46,7 +46,26 @@ class HeldCopiesBackend final : public DeviceBackend {
   void free_host(std::byte*) override {}
   Status<DeviceErrc> pin_host(std::byte*, std::size_t) override { return {}; }
   void unpin_host(std::byte*) override {}
-  Status<DeviceErrc> copy(Direction, const kernels::CopyPlan&, std::span<const kernels::CopyTarget>) override { return {}; }
+  // copy(): at once, unless hold_copies() was called: then each copy waits until allow_copies()
+  // let that many copies through in all.
+  void hold_copies() {
+    std::lock_guard<std::mutex> g(mu_);
+    held_ = true;
+  }
+  void allow_copies(int total) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      allowed_ = total;
+    }
+    cv_.notify_all();
+  }
+  Status<DeviceErrc> copy(Direction, const kernels::CopyPlan&, std::span<const kernels::CopyTarget>) override {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (!held_) return {};
+    if (!cv_.wait_for(lk, 20s, [&] { return copies_ < allowed_; })) return make_error(DeviceErrc::kCopyFailed, "held");
+    ++copies_;
+    return {};
+  }
   Status<DeviceErrc> copy_layerwise(Direction, const kernels::CopyPlan&, std::span<const kernels::CopyTarget> targets,
                                     std::size_t per_layer, const LayerCallback& on_enqueued,
                                     const LayerCallback& on_done) override {
@@ -79,16 +98,20 @@ class HeldCopiesBackend final : public DeviceBackend {
   std::mutex mu_;
   std::condition_variable cv_;
   bool released_ = false;
+  bool held_ = false;
+  int allowed_ = 0, copies_ = 0;
 };
 
 // An engine (host-backend tensors) and the endpoint of its only rank, in this process.
 struct OneRankSession {
   Result<std::unique_ptr<engine::EngineSession>, ipc::IpcErrc> engine = make_error(ipc::IpcErrc::kNotReady, "");
   Result<std::unique_ptr<endpoint::RankEndpoint>, ipc::IpcErrc> ep = make_error(ipc::IpcErrc::kNotReady, "");
-  void start(const std::string& suffix, const proto::CacheGeometry& g) {
+  void start(const std::string& suffix, const proto::CacheGeometry& g, const proto::CacheGroups& groups = {}) {
     engine::SessionOptions o;
     o.suffix = suffix;
     o.geometry = g;
+    o.groups = groups;
+    if (proto::is_group_session(groups)) o.geometry = {};
     o.service_period_ns = 2'000'000;
     engine = engine::EngineSession::create(o);
     ASSERT_TRUE(engine.ok()) << engine.error().message;
@@ -97,6 +120,7 @@ struct OneRankSession {
     endpoint::EndpointOptions eo;
     eo.suffix = suffix;
     eo.expected = g;
+    eo.expected_groups = groups;
     eo.attach_timeout_ns = 5'000'000'000;
     ep = endpoint::RankEndpoint::attach(eo);
     ASSERT_TRUE(ep.ok()) << ep.error().message;
@@ -159,6 +183,80 @@ TEST(TaskRunner, LayerEnqueuedIsPublishedBeforeTheLayersCopyIsDone) {
   serve.join();
 }
 
+
+// A layer-by-layer load over several cache groups goes through the session's layers in order and
+// reports layer l only once the copies of its tensors returned: here group 0 holds layers 0 and 2,
+// group 1 layer 1, and each layer's one copy is let through one at a time.
+TEST(TaskRunner, AGroupSessionsLayerIsReportedOnlyOnceItsCopyReturned) {
+  test::Watchdog dog(60);
+  proto::CacheGroups gs{};
+  gs.num_ranks = 1;
+  gs.num_groups = 2;
+  gs.page_tokens = 4;
+  for (std::uint32_t i = 0; i < 2; ++i) {
+    auto& c = gs.groups[i];
+    c.kind = static_cast<std::uint32_t>(i == 0 ? proto::GroupKind::kSlidingWindow : proto::GroupKind::kFullAttention);
+    c.window_tokens = i == 0 ? 8 : 0;
+    c.block_tokens = 4;
+    c.num_tensors = 1;
+    c.tensors[0] = {2, 2, {4, 8, 0}};
+    c.device_blocks = 4;
+    c.host_blocks = 4;
+  }
+  gs.groups[0].add_layer(0);
+  gs.groups[0].add_layer(2);
+  gs.groups[1].add_layer(1);
+  const auto g = proto::envelope_of(gs);
+  OneRankSession session;
+  ASSERT_NO_FATAL_FAILURE(session.start(test::unique_suffix("glayers"), g, gs));
+  auto& engine = session.engine;
+
+  HeldCopiesBackend backend;
+  backend.hold_copies();
+  std::vector<std::byte> dev(4096), host(4096);
+  AttachedCache cache;
+  cache.group_session = true;
+  cache.device_blocks = cache.host_blocks = 8;
+  for (std::uint32_t i = 0; i < 2; ++i) {
+    GroupCache group;
+    group.device_blocks = group.host_blocks = 4;
+    group.device_base = group.host_base = 4 * i;
+    group.block_bytes = {64};
+    group.layers = i == 0 ? std::vector<std::uint32_t>{0, 2} : std::vector<std::uint32_t>{1};
+    group.num_layers = static_cast<std::uint32_t>(group.layers.size());
+    for (std::size_t l = 0; l < group.layers.size(); ++l) {
+      group.to_host.push_back(kernels::packed_target(dev.data(), host.data(), 64));
+      group.to_device.push_back(kernels::packed_target(host.data(), dev.data(), 64));
+    }
+    cache.groups.push_back(std::move(group));
+  }
+  TaskRunner runner(**session.ep, backend, std::move(cache));
+  std::atomic<bool> stop{false};
+  std::thread serve([&] { (void)runner.run(stop); });
+
+  const std::vector<std::int32_t> src{1, 5}, dst{2, 6};  // block 1 -> 2 of group 0, 1 -> 2 of group 1
+  engine::TaskRequest req;
+  req.kind = proto::TaskKind::kSwapToDevice;
+  req.src = src;
+  req.dst = dst;
+  req.layerwise = true;
+  auto id = (*engine)->submit(req);
+  ASSERT_TRUE(id.ok()) << id.error().message;
+  for (std::uint32_t layer = 0; layer < 3; ++layer) {
+    auto early = (*engine)->wait_layer(*id, layer, 100'000'000);
+    ASSERT_FALSE(early.ok()) << "layer " << layer << " reported before its copy returned";
+    EXPECT_EQ(early.error().code, ipc::IpcErrc::kTimeout);
+    backend.allow_copies(static_cast<int>(layer) + 1);
+    auto st = (*engine)->wait_layer(*id, layer, 5'000'000'000);
+    EXPECT_TRUE(st.ok()) << "layer " << layer << ": " << st.error().message;
+  }
+  auto r = (*engine)->wait(*id, 5'000'000'000);
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->ok()) << (r->failures.empty() ? "" : r->failures[0].message);
+  EXPECT_EQ(r->blocks_done, 2u);
+  stop = true;
+  serve.join();
+}
 
 // Fails every write_file after the first `ok_writes` with ENOSPC, leaving half a temporary
 // file behind as a real full disk would.
