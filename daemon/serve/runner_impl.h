@@ -81,8 +81,9 @@ struct TaskRunner::Impl final : StorageListener, SwapReports {
   static int lane_of(TaskKind k) { return SwapLanes::lane_of(k); }
 
   // SwapReports: the lanes' completions and figures.
-  void swap_completed(const proto::TaskRecordHeader& h, const proto::Outcome& o, std::int64_t start_ns) override {
-    complete(h, o, start_ns);
+  void swap_completed(const proto::TaskRecordHeader& h, const proto::Outcome& o, std::int64_t start_ns,
+                      std::uint64_t bytes) override {
+    complete(h, o, start_ns, bytes);
   }
   void swap_moved(int lane, std::uint64_t bytes) override {
     MutexLock g(stats_mu);
@@ -97,7 +98,9 @@ struct TaskRunner::Impl final : StorageListener, SwapReports {
 
   // Every completion of this runner (and of its storage executor) goes through the sink; the
   // runner's own figures are counted first, so they are current once the engine has the result.
-  void complete(const proto::TaskRecordHeader& h, const proto::Outcome& o, std::int64_t start_ns);
+  // `bytes`: what the task moved, when its executor knows it (swaps); else blocks x bytes per block.
+  void complete(const proto::TaskRecordHeader& h, const proto::Outcome& o, std::int64_t start_ns,
+                std::optional<std::uint64_t> bytes = std::nullopt);
 
   // Every cache.summary_period_ns while tasks complete: one info line of what happened since the
   // last one (a quiet rank logs nothing). Called from the dispatcher loop.

@@ -70,7 +70,7 @@ void SwapLanes::execute(Work& w, int lane) {
   const auto& h = w.header;
   const std::int64_t start = ipc::monotonic_now_ns();
   if (auto failed = prepare_swap(w, lane, start)) {
-    reports_.swap_completed(h, proto::Outcome::failed(failed->first, failed->second), start);
+    reports_.swap_completed(h, proto::Outcome::failed(failed->first, failed->second), start, 0);
     return;
   }
   // Several groups layer by layer: copied here in the session's layer order; move_part then
@@ -78,14 +78,14 @@ void SwapLanes::execute(Work& w, int lane) {
   const bool by_layer_here = (h.flags & proto::kTaskFlagLayerwise) != 0 && cache_.groups.size() > 1;
   if (by_layer_here) {
     if (auto st = copy_groups_layerwise(w); !st.ok()) {
-      reports_.swap_completed(h, proto::Outcome::failed(status_of(st.error().code), st.error().message), start);
+      reports_.swap_completed(h, proto::Outcome::failed(status_of(st.error().code), st.error().message), start, 0);
       return;
     }
   }
   std::uint64_t blocks = 0;
   for (const SwapPart& p : w.parts) {
     if (auto failed = move_part(w, p, lane, by_layer_here)) {
-      reports_.swap_completed(h, proto::Outcome::failed(failed->first, failed->second), start);
+      reports_.swap_completed(h, proto::Outcome::failed(failed->first, failed->second), start, 0);
       return;
     }
     blocks += static_cast<std::uint64_t>(p.plan.num_blocks);
@@ -95,7 +95,7 @@ void SwapLanes::execute(Work& w, int lane) {
     for (const SwapPart& p : w.parts)
       cache_.metrics->group_swap_bytes(p.group, lane == 0 ? metrics::Direction::kToHost : metrics::Direction::kToDevice,
                                        group_block_bytes_[p.group] * static_cast<std::uint64_t>(p.plan.num_blocks));
-  reports_.swap_completed(h, proto::Outcome::swapped(blocks, ep_.geometry().num_layers), start);
+  reports_.swap_completed(h, proto::Outcome::swapped(blocks, ep_.geometry().num_layers), start, task_bytes(w));
   if (!first_swap_noted_.load(std::memory_order_relaxed)) note_first_swap(ipc::monotonic_now_ns());
 }
 

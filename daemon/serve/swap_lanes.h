@@ -29,7 +29,9 @@ namespace kvtd::daemon {
 class SwapReports {
  public:
   virtual ~SwapReports() = default;
-  virtual void swap_completed(const proto::TaskRecordHeader& h, const proto::Outcome& o, std::int64_t start_ns) = 0;
+  // `bytes`: what the swap moved (every group's blocks, each at its own size); 0 when it failed.
+  virtual void swap_completed(const proto::TaskRecordHeader& h, const proto::Outcome& o, std::int64_t start_ns,
+                              std::uint64_t bytes) = 0;
   // `bytes` moved by a swap that completed ok on `lane` (0: to host, 1: to device).
   virtual void swap_moved(int lane, std::uint64_t bytes) = 0;
   // `n` swaps of a revoked epoch dropped unrun (the engine has failed them already).
@@ -54,9 +56,9 @@ class SwapLanes {
   // Runs `w` on this thread and releases its blocks (unrun if its epoch was revoked).
   void run_inline(Work& w, int lane) { execute_and_release(w, lane); }
   bool idle(int lane) const { return lanes_[lane].outstanding.load(std::memory_order_acquire) == 0; }
-  // What one block moves, every layer and tensor (0 in a session with several cache groups, whose
-  // blocks differ in size); and what a swap's blocks move, exactly.
-  std::uint64_t block_bytes() const { return cache_.groups.size() == 1 ? group_block_bytes_[0] : 0; }
+  // What one block moves, every layer and tensor (of the first group: a session with several cache
+  // groups reports each swap's exact bytes with its completion); and what a swap's blocks move.
+  std::uint64_t block_bytes() const { return group_block_bytes_.empty() ? 0 : group_block_bytes_[0]; }
   std::uint64_t task_bytes(const Work& w) const {
     std::uint64_t sum = 0;
     for (const SwapPart& p : w.parts) sum += group_block_bytes_[p.group] * static_cast<std::uint64_t>(p.plan.num_blocks);

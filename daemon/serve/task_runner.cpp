@@ -42,7 +42,8 @@ TaskRunner::Impl::Impl(endpoint::RankEndpoint& e, DeviceBackend& b, AttachedCach
   }
 }
 
-void TaskRunner::Impl::complete(const proto::TaskRecordHeader& h, const proto::Outcome& o, std::int64_t start_ns) {
+void TaskRunner::Impl::complete(const proto::TaskRecordHeader& h, const proto::Outcome& o, std::int64_t start_ns,
+                                std::optional<std::uint64_t> bytes) {
   const auto kind = static_cast<TaskKind>(h.kind);
   if (kind == TaskKind::kSwapToHost && (h.flags & proto::kTaskFlagBackupPair) != 0) swap_outcomes.record(h.task_id, o.status);
   const bool moves = kind != TaskKind::kStorageQuery && kind != TaskKind::kCancel && !proto::is_cache_control_kind(kind);
@@ -52,7 +53,7 @@ void TaskRunner::Impl::complete(const proto::TaskRecordHeader& h, const proto::O
     else ++stats.tasks_failed;
     stats.queue_wait_ns_max = std::max(stats.queue_wait_ns_max, CompletionSink::queue_wait_ns(h, start_ns));
   }
-  sink.report(h, o, start_ns, moves ? o.blocks * lanes.block_bytes() : 0);
+  sink.report(h, o, start_ns, bytes ? *bytes : moves ? o.blocks * lanes.block_bytes() : 0);
 }
 
 void TaskRunner::Impl::maybe_summarize(RunnerStats& last, std::int64_t& at) {

@@ -141,6 +141,8 @@ def test_ctl_status_counts_each_groups_pool_and_swapped_bytes(cluster):
         assert g0["host_pool_bytes"] >= pool0 and g1["host_pool_bytes"] >= pool1
         assert (g0["bytes_to_host"], g0["bytes_to_device"]) == (3 * block0, 0)
         assert (g1["bytes_to_host"], g1["bytes_to_device"]) == (2 * block1, block1)
+        # The rank's totals count each group's blocks at their own size.
+        assert rank["bytes"]["to_host"] == 3 * block0 + 2 * block1 and rank["bytes"]["to_device"] == block1
     text = subprocess.run(ctl + ["status"], capture_output=True, text=True, timeout=60).stdout
     assert "group 1 full_attention" in text, text
 
