@@ -98,6 +98,12 @@ int main(int argc, char** argv) {
   CLI::App app{"kvtd-loadgen - engine stand-in: swaps KV blocks through kvtd and checks every byte"};
   declare_flags(app, o);
   CLI11_PARSE(app, argc, argv);
+  for (const char* flag : {"--layers", "--kv-heads", "--block-size", "--head-dim", "--dtype", "--device-blocks",
+                           "--host-blocks"})
+    if (!o.cache_groups.empty() && app.count(flag) != 0) {
+      std::fprintf(stderr, "kvtd-loadgen: --cache-group describes the whole cache; leave out %s\n", flag);
+      return 2;
+    }
   kvtd::engine::SessionOptions so;
   if (auto why = session_options(o, &so); !why.empty()) {
     std::fprintf(stderr, "kvtd-loadgen: %s\n", why.c_str());
