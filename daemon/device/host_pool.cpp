@@ -223,6 +223,13 @@ PoolShape PoolShape::of(const proto::CacheGroups& gs, std::uint32_t group) {
   return s;
 }
 
+std::vector<PoolShape> PoolShape::of_session(const proto::CacheGeometry& g, const proto::CacheGroups& gs) {
+  if (gs.num_groups == 0) return {of(g)};
+  std::vector<PoolShape> out;
+  for (std::uint32_t i = 0; i < gs.num_groups && i < proto::kMaxGroups; ++i) out.push_back(of(gs, i));
+  return out;
+}
+
 std::uint64_t HostPool::object_bytes(const PoolShape& g, HostLayout layout) {
   PoolLayout l;
   return layout_of(g, layout, &l) ? l.total : 0;

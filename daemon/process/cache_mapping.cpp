@@ -41,7 +41,7 @@ bool wait_for_fastdeploy_cache(const config::DaemonConfig& cfg, const endpoint::
 namespace {
 
 // Pairs one device tensor (block bytes bb) with its host-pool region and adds both directions.
-Status<DeviceErrc> add_target(GroupCache& c, std::byte* dev, std::byte* host, std::uint64_t bb, std::uint64_t host_stride) {
+void add_target(GroupCache& c, std::byte* dev, std::byte* host, std::uint64_t bb, std::uint64_t host_stride) {
   if (host == nullptr) {
     host = dev;  // no host blocks: every task fails validation anyway
     host_stride = bb;
@@ -49,7 +49,6 @@ Status<DeviceErrc> add_target(GroupCache& c, std::byte* dev, std::byte* host, st
   // Device tensors are packed; the host side strides by the pool's layout.
   c.to_host.push_back(kernels::CopyTarget{dev, host, bb, bb, host_stride});
   c.to_device.push_back(kernels::CopyTarget{host, dev, bb, host_stride, bb});
-  return {};
 }
 
 Result<AttachedCache, DeviceErrc> attach_single(const proto::CacheGeometry& g, TensorSource& source, HostPool& pool) {
@@ -67,7 +66,7 @@ Result<AttachedCache, DeviceErrc> attach_single(const proto::CacheGeometry& g, T
     if (!dev.ok()) return std::move(dev).error();
     std::byte* host = pool.region(l, kind);
     const auto bb = g.block_bytes(kind);
-    KVTD_TRY(add_target(c, *dev, host, bb, host == nullptr ? bb : pool.stride(kind)));
+    add_target(c, *dev, host, bb, host == nullptr ? bb : pool.stride(kind));
     out.storage.device_tensors.push_back(kernels::LayerTensor{*dev, bb, bb});
     out.storage.host_tensors.push_back(kernels::LayerTensor{host == nullptr ? *dev : host, bb,
                                                             host == nullptr ? bb : pool.stride(kind)});
@@ -109,7 +108,7 @@ Result<AttachedCache, DeviceErrc> attach_groups(const proto::CacheGroups& gs, Te
         if (!dev.ok()) return std::move(dev).error();
         const auto tensor = static_cast<proto::TensorKind>(at.tensor);
         std::byte* host = pool.region(local, tensor);
-        KVTD_TRY(add_target(c, *dev, host, c.block_bytes[at.tensor], pool.stride(tensor)));
+        add_target(c, *dev, host, c.block_bytes[at.tensor], pool.stride(tensor));
       }
       ++local;
     }

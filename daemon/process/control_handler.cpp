@@ -50,6 +50,7 @@ json groups_status(const config::DaemonConfig& cfg, const metrics::MetricsRegist
   json out = json::array();
   const auto& gs = cfg.cache_groups;
   const auto pools = reg.cache_groups();
+  const proto::GroupSizes sizes = proto::group_sizes(gs);
   for (std::uint32_t g = 0; g < gs.num_groups && g < proto::kMaxGroups; ++g) {
     const auto& c = gs.groups[g];
     json j{{"group", g},
@@ -58,7 +59,7 @@ json groups_status(const config::DaemonConfig& cfg, const metrics::MetricsRegist
            {"tensors_per_layer", c.num_tensors},
            {"device_blocks", c.device_blocks},
            {"host_blocks", c.host_blocks},
-           {"block_bytes", proto::group_sizes(gs).block_bytes[g]},
+           {"block_bytes", sizes.block_bytes[g]},
            {"host_pool_bytes", g < pools.size() ? pools[g].host_pool_bytes : 0},
            {"bytes_to_host", reg.group_swap_bytes(g, metrics::Direction::kToHost)},
            {"bytes_to_device", reg.group_swap_bytes(g, metrics::Direction::kToDevice)}};

@@ -81,9 +81,10 @@ Result<HostPools, int> RankServer::open_pools(const RankEndpoint& ep) {
     registry.set_host_pool_pinning(bytes, static_cast<std::uint64_t>(seconds * 1000.0));
   };
   const bool grouped = proto::is_group_session(s_.groups);
+  const std::vector<PoolShape> shapes = PoolShape::of_session(s_.geometry, s_.groups);
   std::vector<std::unique_ptr<HostPool>> out;
-  for (std::uint32_t g = 0; g < (grouped ? s_.groups.num_groups : 1u); ++g) {
-    const PoolShape shape = grouped ? PoolShape::of(s_.groups, g) : PoolShape::of(s_.geometry);
+  for (std::uint32_t g = 0; g < shapes.size(); ++g) {
+    const PoolShape& shape = shapes[g];
     auto pool = HostPool::open(*s_.backend, shape, ep.generation(), cfg_.rank, g, cfg_.host_layout, s_.numa_node, pin,
                                cfg_.host_pool_hugepages ? cfg_.hugetlbfs_dir : std::string());
     if (!pool.ok()) {
@@ -191,8 +192,7 @@ Result<AttachedCache, DeviceErrc> RankServer::map_cache(Session& s) {
   if (proto::is_group_session(s_.groups)) {
     std::vector<metrics::MetricsRegistry::GroupFigures> figures;
     for (std::uint32_t g = 0; g < s_.groups.num_groups; ++g)
-      figures.push_back({proto::group_kind_name(s_.groups.groups[g].group_kind()), s.pools.at(g)->total_bytes(),
-                         s_.groups.groups[g].host_blocks});
+      figures.push_back({proto::group_kind_name(s_.groups.groups[g].group_kind()), s.pools.at(g)->total_bytes()});
     s_.registry.set_cache_groups(std::move(figures));
   }
   return cache;

@@ -125,18 +125,15 @@ std::optional<int> open_kv_events(const config::DaemonConfig& cfg, Services& s) 
 void log_pool_room(const config::DaemonConfig& cfg, const Services& s) {
   std::uint64_t pool_bytes = 0;
   std::string blocks;
-  if (proto::is_group_session(s.groups)) {
-    for (std::uint32_t g = 0; g < s.groups.num_groups; ++g) {
-      const PoolShape shape = PoolShape::of(s.groups, g);
-      pool_bytes += HostPool::object_bytes(shape, cfg.host_layout);
-      blocks += fmt::format("{}group {} ({}): {} blocks x {} bytes", g == 0 ? "" : ", ", g,
-                            proto::group_kind_name(s.groups.groups[g].group_kind()), shape.num_host_blocks,
-                            shape.block_bytes_all_layers());
-    }
-  } else {
-    pool_bytes = HostPool::object_bytes(s.geometry, cfg.host_layout);
-    blocks = fmt::format("{} blocks x {} bytes per block, all layers", cfg.num_host_blocks,
-                         s.geometry.bytes_per_block_all_layers());
+  const std::vector<PoolShape> shapes = PoolShape::of_session(s.geometry, s.groups);
+  for (std::uint32_t g = 0; g < shapes.size(); ++g) {
+    pool_bytes += HostPool::object_bytes(shapes[g], cfg.host_layout);
+    blocks += proto::is_group_session(s.groups)
+                  ? fmt::format("{}group {} ({}): {} blocks x {} bytes", g == 0 ? "" : ", ", g,
+                                proto::group_kind_name(s.groups.groups[g].group_kind()), shapes[g].num_host_blocks,
+                                shapes[g].block_bytes_all_layers())
+                  : fmt::format("{} blocks x {} bytes per block, all layers", shapes[g].num_host_blocks,
+                                shapes[g].block_bytes_all_layers());
   }
   const std::int64_t shm_free = cfg.host_pool_hugepages ? -1 : ipc::shm_free_bytes();
   // In huge pages, HostPool::open checks the kernel's free pages and names the counts.

@@ -17,7 +17,7 @@ namespace {
 TEST(GroupMetricsTest, EachGroupsPoolAndSwappedBytesAreLabelledByGroupAndKind) {
   MetricsRegistry reg;
   EXPECT_EQ(reg.render().find("kvtd_cache_group_"), std::string::npos);  // a single-shape cache
-  reg.set_cache_groups({{"sliding_window", 4096, 8}, {"state", 1 << 20, 2}});
+  reg.set_cache_groups({{"sliding_window", 4096}, {"state", 1 << 20}});
   reg.group_swap_bytes(0, Direction::kToHost, 300);
   reg.group_swap_bytes(1, Direction::kToDevice, 7);
   reg.group_swap_bytes(1, Direction::kStorageRead, 99);  // not a swap direction: ignored

@@ -127,6 +127,17 @@ struct OneRankSession {
   }
 };
 
+// A SWAP_TO_DEVICE of host blocks `src` into device blocks `dst`, layer by layer.
+Result<std::uint64_t, ipc::IpcErrc> submit_layerwise_load(engine::EngineSession& e, std::vector<std::int32_t> src,
+                                                           std::vector<std::int32_t> dst) {
+  engine::TaskRequest req;
+  req.kind = proto::TaskKind::kSwapToDevice;
+  req.src = src;
+  req.dst = dst;
+  req.layerwise = true;
+  return e.submit(req);
+}
+
 // The enqueued stage was published only together with the done stage, so an engine waiting to
 // cudaStreamWaitEvent on layer l's event waited for the copy itself instead.
 TEST(TaskRunner, LayerEnqueuedIsPublishedBeforeTheLayersCopyIsDone) {
@@ -158,13 +169,7 @@ TEST(TaskRunner, LayerEnqueuedIsPublishedBeforeTheLayersCopyIsDone) {
   std::atomic<bool> stop{false};
   std::thread serve([&] { (void)runner.run(stop); });
 
-  const std::vector<std::int32_t> src{1, 2}, dst{3, 4};
-  engine::TaskRequest req;
-  req.kind = proto::TaskKind::kSwapToDevice;
-  req.src = src;
-  req.dst = dst;
-  req.layerwise = true;
-  auto id = (*engine)->submit(req);
+  auto id = submit_layerwise_load(**engine, {1, 2}, {3, 4});
   ASSERT_TRUE(id.ok()) << id.error().message;
   // Every layer is queued while no copy has finished.
   for (std::uint32_t l = 0; l < g.num_layers; ++l) {
@@ -234,13 +239,7 @@ TEST(TaskRunner, AGroupSessionsLayerIsReportedOnlyOnceItsCopyReturned) {
   std::atomic<bool> stop{false};
   std::thread serve([&] { (void)runner.run(stop); });
 
-  const std::vector<std::int32_t> src{1, 5}, dst{2, 6};  // block 1 -> 2 of group 0, 1 -> 2 of group 1
-  engine::TaskRequest req;
-  req.kind = proto::TaskKind::kSwapToDevice;
-  req.src = src;
-  req.dst = dst;
-  req.layerwise = true;
-  auto id = (*engine)->submit(req);
+  auto id = submit_layerwise_load(**engine, {1, 5}, {2, 6});  // block 1 -> 2 of group 0, 1 -> 2 of group 1
   ASSERT_TRUE(id.ok()) << id.error().message;
   for (std::uint32_t layer = 0; layer < 3; ++layer) {
     auto early = (*engine)->wait_layer(*id, layer, 100'000'000);

@@ -30,9 +30,7 @@ Status<IpcErrc> EngineSession::Impl::register_tensor(const proto::TensorDesc& d)
                                                      std::to_string(d.layer) + " kind " + std::to_string(d.kind) +
                                                      " is outside the geometry");
   const proto::TensorDesc want = proto::expected_tensor(geo, groups, d.rank, d.layer, d.kind);
-  const std::string what = proto::is_group_session(groups)
-                               ? "slot " + std::to_string(d.kind) + " tensor"
-                               : std::string(proto::tensor_kind_name(static_cast<proto::TensorKind>(d.kind))) + " tensor";
+  const std::string what = proto::slot_name(groups, d.kind) + " tensor";
   if (want.bytes == 0)
     return make_error(IpcErrc::kInvalidArgument, proto::is_group_session(groups)
                                                      ? "layer " + std::to_string(d.layer) + " has no " + what + " in its groups"

@@ -43,10 +43,8 @@ Status<IpcErrc> RankEndpoint::Impl::copy_tensors() {
       std::memcpy(&d, &view.registry()[proto::registry_index(g, opts.rank, l, static_cast<proto::TensorKind>(k))],
                   sizeof d);
       if (!d.valid) continue;  // reported by the caller when it needs the tensor
-      const std::string what = (proto::is_group_session(groups)
-                                    ? "slot " + std::to_string(k)
-                                    : std::string(proto::tensor_kind_name(static_cast<proto::TensorKind>(k)))) +
-                               " tensor of rank " + std::to_string(opts.rank) + " layer " + std::to_string(l);
+      const std::string what = proto::slot_name(groups, k) + " tensor of rank " + std::to_string(opts.rank) +
+                               " layer " + std::to_string(l);
       if (d.rank != opts.rank || d.layer != l || d.kind != k)
         return make_error(IpcErrc::kCorrupt, "registry entry of the " + what + " names rank " + std::to_string(d.rank) +
                                                  " layer " + std::to_string(d.layer) + " kind " + std::to_string(d.kind));

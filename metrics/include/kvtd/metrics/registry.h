@@ -54,7 +54,6 @@ class MetricsRegistry {
   struct GroupFigures {
     std::string kind;
     std::uint64_t host_pool_bytes = 0;
-    std::uint64_t host_blocks = 0;
   };
   void set_cache_groups(std::vector<GroupFigures> groups);
   // Bytes a swap moved of cache group `group`'s blocks (direction kToHost or kToDevice).

@@ -125,6 +125,12 @@ constexpr CacheGeometry envelope_of(const CacheGroups& gs) {
 
 inline bool is_group_session(const CacheGroups& gs) { return gs.num_groups != 0; }
 
+// A registry slot in messages: its tensor kind ("key", ...) for a single shape, "slot k" for groups.
+inline std::string slot_name(const CacheGroups& gs, std::uint32_t slot) {
+  if (gs.num_groups != 0 || slot >= kTensorKinds) return "slot " + std::to_string(slot);
+  return tensor_kind_name(static_cast<TensorKind>(slot));
+}
+
 // The descriptor a session's cache implies for registry slot (rank, layer, slot), whichever way
 // the cache is described (slot = TensorKind for a single-shape geometry); bytes 0 when the
 // slot holds no tensor.

@@ -64,6 +64,8 @@ struct PoolShape {
   static PoolShape of(const proto::CacheGeometry& g);
   // Group `group`'s pool: its layers (in layer order), its tensors, its host blocks.
   static PoolShape of(const proto::CacheGroups& gs, std::uint32_t group);
+  // A rank's pools of a session: one of `g` (groups all zero), else one per group, group order.
+  static std::vector<PoolShape> of_session(const proto::CacheGeometry& g, const proto::CacheGroups& gs);
 };
 static_assert(std::is_standard_layout_v<PoolShape>);
 
