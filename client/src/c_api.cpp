@@ -89,7 +89,7 @@ int submit_checked(kvtd::engine::EngineSession* s, const kvtd_task& t, uint64_t*
   if (!s || !task_id) return invalid(err, len, "session and task_id must not be null");
   std::vector<std::string> keys;
   kvtd::engine::TaskRequest r;
-  if (int rc = to_request(t, &keys, &r, err, len); rc != KVTD_OK) return rc;
+  if (int rc = to_request(t, &keys, &r, err, len, s->groups().num_groups); rc != KVTD_OK) return rc;
   if (num_events != 0 && events == nullptr) return invalid(err, len, "engine events must not be null");
   using Event = std::array<std::uint8_t, proto::kEngineEventBytes>;
   r.engine_events = std::span<const Event>(reinterpret_cast<const Event*>(events), num_events);

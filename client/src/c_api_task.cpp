@@ -2,6 +2,8 @@
 // that the C header mirrors the internal enums and structs it is cast or copied to.
 #include "c_api_task.h"
 
+#include <algorithm>
+
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -54,7 +56,8 @@ static_assert(sizeof(kvtd_completion) == 40, "kvtd_completion is part of the ABI
 
 }  // namespace
 
-int to_request(const kvtd_task& t, std::vector<std::string>* keys, kvtd::engine::TaskRequest* r, char* err, size_t len) {
+int to_request(const kvtd_task& t, std::vector<std::string>* keys, kvtd::engine::TaskRequest* r, char* err, size_t len,
+               std::uint32_t groups) {
   if (t.kind < 1 || t.kind > static_cast<int32_t>(proto::kMaxTaskKind))
     return invalid(err, len, "task kind " + std::to_string(t.kind) + " is not one of KVTD_SWAP_TO_HOST..KVTD_CANCEL");
   constexpr uint32_t kKnown = KVTD_STORAGE_HOST_BLOCKS | KVTD_STORAGE_EVICT_BACKUP | KVTD_TASK_LAYERWISE;
@@ -73,12 +76,14 @@ int to_request(const kvtd_task& t, std::vector<std::string>* keys, kvtd::engine:
   if ((t.flags & KVTD_TASK_LAYERWISE) != 0 && kind != proto::TaskKind::kSwapToDevice)
     return invalid(err, len, "KVTD_TASK_LAYERWISE is for KVTD_SWAP_TO_DEVICE only");
   if (t.deadline_ns < 0) return invalid(err, len, "deadline_ns must be 0 (none) or a CLOCK_MONOTONIC time");
+  // A group session's storage task names a block per key and group (-1: the group has none).
+  const size_t num_blocks = needs_blocks ? t.num_keys * std::max<std::uint32_t>(groups, 1) : 0;
   // A negative id is what a caller's id of 2^31 or more becomes in an int32: refused here, naming
   // it, rather than sent on as another block.
   for (const auto& [ids, count, what] : {std::tuple{t.src, t.n, "src"}, std::tuple{t.dst, t.n, "dst"},
-                                        std::tuple{t.blocks, needs_blocks ? t.num_keys : 0, "blocks"}})
+                                        std::tuple{t.blocks, num_blocks, "blocks"}})
     for (size_t i = 0; ids != nullptr && i < count; ++i)
-      if (ids[i] < 0)
+      if (ids[i] < 0 && !(groups != 0 && ids == t.blocks && ids[i] == -1))
         return invalid(err, len, std::string(what) + "[" + std::to_string(i) + "] is " + std::to_string(ids[i]) +
                                      ": block ids are 0..2147483647 (a larger id wrapped in a 32-bit field?)");
   keys->reserve(t.num_keys);
@@ -90,7 +95,7 @@ int to_request(const kvtd_task& t, std::vector<std::string>* keys, kvtd::engine:
   r->src = {t.src, t.n};
   r->dst = {t.dst, t.n};
   r->keys = *keys;
-  if (needs_blocks && t.num_keys > 0) r->blocks = {t.blocks, t.num_keys};
+  if (needs_blocks && t.num_keys > 0) r->blocks = {t.blocks, num_blocks};
   r->host_blocks = (t.flags & KVTD_STORAGE_HOST_BLOCKS) != 0;
   r->evict_backup = (t.flags & KVTD_STORAGE_EVICT_BACKUP) != 0;
   r->layerwise = (t.flags & KVTD_TASK_LAYERWISE) != 0;

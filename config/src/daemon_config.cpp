@@ -43,11 +43,11 @@ proto::CacheGeometry DaemonConfig::geometry() const {
 }
 
 std::string DaemonConfig::object_slicing(proto::ObjectSlicing* out) const {
-  if (proto::is_group_session(cache_groups)) {  // nothing is stored (no storage backend with groups)
+  if (proto::is_group_session(cache_groups)) {  // each group is stored by rank (an MLA group once)
     *out = proto::ObjectSlicing{};
     return storage.object_heads != 0 || storage.kv_heads != 0
-               ? "--storage-object-heads/--storage-kv-heads: not with --cache-group (storage of group sessions is not "
-                 "served yet)"
+               ? "--storage-object-heads/--storage-kv-heads: not with --cache-group (a session of cache groups stores "
+                 "each group by rank, an MLA latent group once for every TP size)"
                : "";
   }
   const proto::CacheGeometry g = geometry();

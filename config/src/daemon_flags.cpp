@@ -253,9 +253,6 @@ Status<ConfigErrc> resolve_groups(RawFlags& f, DaemonConfig& c) {
 // What a daemon of cache groups does not serve yet: refused by name, once every flag is resolved.
 Status<ConfigErrc> resolve_group_limits(const DaemonConfig& c) {
   if (!proto::is_group_session(c.cache_groups)) return {};
-  if (c.storage.backend != StorageBackendKind::kNone)
-    return bad("--storage-backend: not with --cache-group yet (storage tasks of a session with cache groups are not "
-               "served; swaps are)");
   if (c.fastdeploy.create_cache_tensor)
     return bad("--create_cache_tensor: not with --cache-group (FastDeploy's cache is a single shape)");
   return {};

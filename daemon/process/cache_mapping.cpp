@@ -7,6 +7,7 @@
 #include "kvtd/daemon/notify.h"
 #include "kvtd/ipc/clock.h"
 #include "kvtd/ipc/shared_object.h"
+#include "kvtd/proto/group_hits.h"
 
 namespace kvtd::daemon {
 
@@ -90,6 +91,12 @@ Result<AttachedCache, DeviceErrc> attach_groups(const proto::CacheGroups& gs, Te
     const proto::CacheGroup& group = gs.groups[g];
     HostPool& pool = *pools.at(g);
     GroupCache c;
+    GroupStorage stored;  // the storage tasks' view of the same tensors (its store set by the server)
+    stored.pool = &pool;
+    stored.device_base = ids.device_base[g];
+    stored.host_base = ids.host_base[g];
+    stored.trailing = proto::trailing_pages(group, gs.page_tokens);
+    stored.replicated = group.replicated();
     c.pool = &pool;
     c.device_blocks = group.device_blocks;
     c.host_blocks = group.host_blocks;
@@ -108,12 +115,19 @@ Result<AttachedCache, DeviceErrc> attach_groups(const proto::CacheGroups& gs, Te
         if (!dev.ok()) return std::move(dev).error();
         const auto tensor = static_cast<proto::TensorKind>(at.tensor);
         std::byte* host = pool.region(local, tensor);
-        add_target(c, *dev, host, c.block_bytes[at.tensor], pool.stride(tensor));
+        const std::uint64_t bb = c.block_bytes[at.tensor];
+        add_target(c, *dev, host, bb, pool.stride(tensor));
+        stored.device_tensors.push_back(kernels::LayerTensor{*dev, bb, bb});
+        stored.host_tensors.push_back(host == nullptr ? kernels::LayerTensor{*dev, bb, bb}
+                                                      : kernels::LayerTensor{host, bb, pool.stride(tensor)});
+        stored.object_bytes += bb;
       }
       ++local;
     }
     out.groups.push_back(std::move(c));
+    out.storage.groups.push_back(std::move(stored));
   }
+  out.storage.layout = gs;
   out.device_blocks = ids.device_blocks();
   out.host_blocks = ids.host_blocks();
   return out;

@@ -35,6 +35,10 @@ json storage_status(const config::DaemonConfig& cfg, const std::string& store_na
   proto::ObjectSlicing s;
   if (store_name.empty() || !cfg.object_slicing(&s).empty()) return j;
   char fp[17];
+  if (proto::is_group_session(cfg.cache_groups)) {  // a namespace per group: cache_groups[].layout_fingerprint
+    j["objects"] = "by_cache_group";
+    return j;
+  }
   std::snprintf(fp, sizeof fp, "%016llx", static_cast<unsigned long long>(layout_fingerprint(cfg.geometry(), s)));
   j["layout_fingerprint"] = fp;
   j["objects"] = s.replicated ? "replicated" : s.by_head ? "by_head" : "by_rank";
@@ -64,6 +68,11 @@ json groups_status(const config::DaemonConfig& cfg, const metrics::MetricsRegist
            {"bytes_to_host", reg.group_swap_bytes(g, metrics::Direction::kToHost)},
            {"bytes_to_device", reg.group_swap_bytes(g, metrics::Direction::kToDevice)}};
     if (c.window_tokens != 0) j["window_tokens"] = c.window_tokens;
+    // Its stored objects' namespace (a store is shared across TP sizes only by a replicated group).
+    char fp[17];
+    std::snprintf(fp, sizeof fp, "%016llx", static_cast<unsigned long long>(group_fingerprint(gs, g)));
+    j["layout_fingerprint"] = fp;
+    j["stored"] = c.replicated() ? "replicated" : "by_rank";
     out.push_back(std::move(j));
   }
   return out;
@@ -173,18 +182,18 @@ ControlState::Wait ControlState::wait_cache(Cache want, std::int64_t timeout_ms)
 
 Result<std::unique_ptr<control::ControlServer>, control::ControlErrc> start_control(
     const config::DaemonConfig& cfg, const metrics::MetricsRegistry& registry, const std::string& store_name,
-    ControlState& state, std::atomic<bool>& stop, metrics::HealthRoutes health, storage::ObjectStore* store,
+    ControlState& state, std::atomic<bool>& stop, metrics::HealthRoutes health, std::vector<storage::ObjectStore*> stores,
     events::KvEventPublisher* kv_events) {
   auto dir = control::runtime_dir();
   if (!dir.ok()) return make_error(dir.error().code, "control socket directory: " + dir.error().message);
   const std::string path = control::socket_path(*dir, cfg.session_suffix, cfg.data_parallel_id, cfg.rank);
-  auto handler = [&cfg, &registry, store_name, &state, &stop, health, store,
+  auto handler = [&cfg, &registry, store_name, &state, &stop, health, stores,
                   kv_events](const control::Request& r) -> control::Reply {
     control::Reply reply;
     if (r.command == "storage-gc") {
       // Up to max_seconds (an hour): beside the control loop, so a status meanwhile is answered.
       control::Reply later;
-      later.later = [&cfg, store, kv_events, gc = r.gc] { return collect_storage(cfg, store, kv_events, gc); };
+      later.later = [&cfg, stores, kv_events, gc = r.gc] { return collect_storage(cfg, stores, kv_events, gc); };
       return later;
     }
     if (r.command == "status") {

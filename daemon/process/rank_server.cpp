@@ -179,8 +179,16 @@ Result<AttachedCache, DeviceErrc> RankServer::map_cache(Session& s) {
   cache->storage.config = cfg_.storage;
   cache->storage.slicing = s_.slicing;
   cache->storage.object_bytes = s_.geometry.bytes_per_block_all_layers() / s_.slicing.parts;
+  if (!cache->storage.groups.empty()) {  // staging slots hold the largest group's object
+    cache->storage.object_bytes = 0;
+    for (std::uint32_t g = 0; g < cache->storage.groups.size(); ++g) {
+      GroupStorage& stored = cache->storage.groups[g];
+      stored.store = s_.store ? s_.store_of_group(g) : nullptr;
+      cache->storage.object_bytes = std::max(cache->storage.object_bytes, stored.object_bytes);
+    }
+  }
   cache->storage.config.io_threads =
-      storage_io_threads(cfg_.storage, s_.geometry.bytes_per_block_all_layers(), std::thread::hardware_concurrency());
+      storage_io_threads(cfg_.storage, cache->storage.key_bytes(), std::thread::hardware_concurrency());
   cache->storage.numa_node = s_.numa_node;
   cache->numa_node = s_.numa_node;
   cache->metrics = &s_.registry;

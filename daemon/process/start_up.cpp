@@ -27,21 +27,23 @@ struct OpenedStore {
   std::string name;
 };
 
-Result<OpenedStore, config::ConfigErrc> open_store(const config::DaemonConfig& cfg, const proto::CacheGeometry& g,
-                                                   const proto::ObjectSlicing& slicing,
+// What one namespace of the store holds: its fingerprint, its objects' bytes and its share of
+// --storage-capacity-gib.
+struct Namespace {
+  std::uint64_t fingerprint = 0;
+  std::uint64_t object_bytes = 0;
+  double capacity_share = 1.0;
+};
+
+Result<OpenedStore, config::ConfigErrc> open_store(const config::DaemonConfig& cfg, const Namespace& ns,
                                                    events::KvEventPublisher* kv_events) {
   const auto& sc = cfg.storage;
   OpenedStore out;
   if (sc.backend == config::StorageBackendKind::kNone) return out;
   storage::StoreOptions so;
   so.model_id = cfg.model_id;
-  so.layout_fingerprint = layout_fingerprint(g, slicing);
-  const std::uint64_t key_bytes = g.bytes_per_block_all_layers();
-  so.object_bytes = key_bytes / slicing.parts;
-  config::StorageConfig sized = sc;
-  sized.io_threads = storage_io_threads(sc, key_bytes, std::thread::hardware_concurrency());
-  if (auto why = staging_problem(sized, key_bytes); !why.empty())
-    return make_error(config::ConfigErrc::kInvalidValue, why);
+  so.layout_fingerprint = ns.fingerprint;
+  so.object_bytes = ns.object_bytes;
   if (sc.backend == config::StorageBackendKind::kFile) {
     storage::FileStoreOptions fo;
     fo.store = so;
@@ -51,7 +53,7 @@ Result<OpenedStore, config::ConfigErrc> open_store(const config::DaemonConfig& c
       fo.on_evict = [kv_events, prefix = sc.key_prefix](const std::string& name) {
         if (auto ours = storage::StoredName::parse(name, prefix)) kv_events->removed({ours->key});
       };
-    fo.capacity_bytes = static_cast<std::uint64_t>(sc.capacity_gib * static_cast<double>(1ull << 30));
+    fo.capacity_bytes = static_cast<std::uint64_t>(sc.capacity_gib * ns.capacity_share * static_cast<double>(1ull << 30));
     fo.sync = sc.fsync == config::StorageFsync::kNone   ? storage::SyncPolicy::kNone
               : sc.fsync == config::StorageFsync::kData ? storage::SyncPolicy::kData
                                                         : storage::SyncPolicy::kFull;
@@ -78,6 +80,50 @@ Result<OpenedStore, config::ConfigErrc> open_store(const config::DaemonConfig& c
   out.probe = std::move(probe).value();
   out.name = "redis " + sc.redis_endpoints.front() + (sc.redis_endpoints.size() > 1 ? " (+" + std::to_string(sc.redis_endpoints.size() - 1) + ")" : "");
   return out;
+}
+
+// The staging the flags give must hold one key's objects per worker: "" or the problem.
+std::string staging_check(const config::StorageConfig& sc, std::uint64_t key_bytes) {
+  config::StorageConfig sized = sc;
+  sized.io_threads = storage_io_threads(sc, key_bytes, std::thread::hardware_concurrency());
+  return staging_problem(sized, key_bytes);
+}
+
+// The stores of this rank: one namespace for a single-shape cache; one per cache group (its
+// objects one block of the group, --storage-capacity-gib shared by their bytes per key).
+std::optional<int> open_stores(const config::DaemonConfig& cfg, Services& s) {
+  std::vector<Namespace> spaces;
+  std::uint64_t key_bytes = s.geometry.bytes_per_block_all_layers();
+  if (proto::is_group_session(s.groups)) {
+    const proto::GroupSizes sizes = proto::group_sizes(s.groups);
+    key_bytes = 0;
+    for (std::uint32_t g = 0; g < s.groups.num_groups; ++g) key_bytes += sizes.block_bytes[g];
+    for (std::uint32_t g = 0; g < s.groups.num_groups; ++g)
+      spaces.push_back(Namespace{group_fingerprint(s.groups, g), sizes.block_bytes[g],
+                                 static_cast<double>(sizes.block_bytes[g]) / static_cast<double>(key_bytes)});
+  } else {
+    spaces.push_back(Namespace{layout_fingerprint(s.geometry, s.slicing), key_bytes / s.slicing.parts, 1.0});
+  }
+  if (cfg.storage.backend == config::StorageBackendKind::kNone) return std::nullopt;
+  if (auto why = staging_check(cfg.storage, key_bytes); !why.empty()) {
+    KVTD_ERROR("storage: {}", why);
+    return kExitBadFlags;
+  }
+  for (std::size_t i = 0; i < spaces.size(); ++i) {
+    auto store = open_store(cfg, spaces[i], s.kv_events.get());
+    if (!store.ok()) {
+      KVTD_ERROR("storage: {}", store.error().message);
+      return kExitBadFlags;
+    }
+    if (i != 0) {
+      s.group_stores.push_back(std::move(store->store));
+      continue;
+    }
+    s.store = std::move(store->store);
+    s.probe_store = std::move(store->probe);
+    s.store_name = store->name;
+  }
+  return std::nullopt;
 }
 
 // The backend the flags name. CUDA's default scatter mode falls back to the copy kernel when this
@@ -153,13 +199,28 @@ void log_pool_room(const config::DaemonConfig& cfg, const Services& s) {
 // The metrics server (when --metrics-port) and the control socket (status, drain, log-level,
 // clear, restore: control_handler.cpp).
 std::optional<int> open_servers(const config::DaemonConfig& cfg, std::atomic<bool>& stop, Services& s) {
-  if (const storage::ObjectStore* store = s.store.get())
-    s.registry.set_store_figures([store] {
-      const auto st = store->stats();
-      return metrics::MetricsRegistry::StoreFigures{st.puts,      st.put_failures, st.hits,         st.misses,
-                                                     st.corrupt,   st.evictions,    st.sized,        st.bytes_stored,
-                                                     st.objects_stored};
+  if (s.store) {
+    // Every namespace of this rank (a group session's one per cache group) counts.
+    std::vector<const storage::ObjectStore*> stores{s.store.get()};
+    for (const auto& g : s.group_stores) stores.push_back(g.get());
+    s.registry.set_store_figures([stores] {
+      metrics::MetricsRegistry::StoreFigures f{};
+      f.sized = true;
+      for (const storage::ObjectStore* store : stores) {
+        const auto st = store->stats();
+        f.puts += st.puts;
+        f.put_failures += st.put_failures;
+        f.hits += st.hits;
+        f.misses += st.misses;
+        f.corrupt += st.corrupt;
+        f.evictions += st.evictions;
+        f.sized = f.sized && st.sized;
+        f.bytes_stored += st.bytes_stored;
+        f.objects_stored += st.objects_stored;
+      }
+      return f;
     });
+  }
   if (const events::KvEventPublisher* events = s.kv_events.get())
     s.registry.set_kv_event_figures([events] {
       const auto st = events->stats();
@@ -188,8 +249,11 @@ std::optional<int> open_servers(const config::DaemonConfig& cfg, std::atomic<boo
     KVTD_INFO("Prometheus metrics on http://{}:{}/metrics, health probes on /healthz and /readyz", cfg.metrics_address,
               s.metrics_server->port());
   }
+  std::vector<storage::ObjectStore*> stores;
+  if (s.store) stores.push_back(s.store.get());
+  for (const auto& g : s.group_stores) stores.push_back(g.get());
   auto control = start_control(cfg, s.registry, s.store_name, s.control_state, stop, health_routes(sources),
-                               s.store.get(), s.kv_events.get());
+                               std::move(stores), s.kv_events.get());
   if (!control.ok() && control.error().code != control::ControlErrc::kInUse) {
     KVTD_ERROR("{}", control.error().message);
     return kExitBadFlags;
@@ -258,15 +322,14 @@ std::optional<int> start_up(const config::DaemonConfig& cfg, std::atomic<bool>& 
   }
   log_pool_room(cfg, s);
   if (auto failed = open_kv_events(cfg, s)) return failed;
-  auto store = open_store(cfg, s.geometry, s.slicing, s.kv_events.get());
-  if (!store.ok()) {
-    KVTD_ERROR("storage: {}", store.error().message);
-    return kExitBadFlags;
-  }
-  s.store = std::move(store->store);
-  s.probe_store = std::move(store->probe);
-  s.store_name = store->name;
-  if (s.store)
+  if (auto failed = open_stores(cfg, s)) return failed;
+  if (s.store && proto::is_group_session(s.groups)) {
+    for (std::uint32_t g = 0; g < s.groups.num_groups; ++g)
+      KVTD_INFO("storage: cache group {} ({}) in {} (model {}, layout fingerprint {:016x}, {} bytes per object, {})", g,
+                proto::group_kind_name(s.groups.groups[g].group_kind()), s.store_name, cfg.model_id,
+                group_fingerprint(s.groups, g), proto::group_sizes(s.groups).block_bytes[g],
+                s.groups.groups[g].replicated() ? "one copy for every TP size, rank 0 writes" : "by rank");
+  } else if (s.store) {
     KVTD_INFO("storage: {} (model {}, layout fingerprint {:016x}, weight version {}, {}), write policy {}, {} I/O "
               "threads, {} MiB staging, {} reads",
               s.store_name, cfg.model_id, layout_fingerprint(s.geometry, s.slicing), cfg.storage.weight_version,
@@ -278,6 +341,7 @@ std::optional<int> start_up(const config::DaemonConfig& cfg, std::atomic<bool>& 
               storage_io_threads(cfg.storage, s.geometry.bytes_per_block_all_layers(), std::thread::hardware_concurrency()),
               cfg.storage.staging_mib,
               cfg.storage.direct_reads ? "direct (O_DIRECT, io_uring)" : "buffered (page cache)");
+  }
   return open_servers(cfg, stop, s);
 }
 

@@ -33,7 +33,14 @@ struct Services {
   proto::ObjectSlicing slicing;      // how this rank's blocks are stored (the flags checked it)
   // Rank 0 with --kv-events-endpoint (else null). Before the store: its eviction hook uses it.
   std::unique_ptr<events::KvEventPublisher> kv_events;
-  std::unique_ptr<storage::ObjectStore> store;  // null: --storage-backend none
+  std::unique_ptr<storage::ObjectStore> store;  // null: --storage-backend none; with groups, group 0's
+  // With --cache-group, groups 1.. (each group's objects are a namespace of their own,
+  // group_fingerprint, with their own size); the probe and the metrics ask `store`.
+  std::vector<std::unique_ptr<storage::ObjectStore>> group_stores;
+  // The store of cache group `g` (0: `store`).
+  storage::ObjectStore* store_of_group(std::uint32_t g) const {
+    return g == 0 ? store.get() : group_stores.at(g - 1).get();
+  }
   std::unique_ptr<storage::ObjectStore> probe_store;  // Redis: the probe's own connections; else null
   std::string store_name;
   metrics::MetricsRegistry registry;  // counters survive sessions

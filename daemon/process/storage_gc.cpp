@@ -28,11 +28,29 @@ bool still_stored(storage::ObjectStore& store, const config::DaemonConfig& cfg, 
   return !n.ok() || *n == 1;
 }
 
+// `request` over each of `stores` (a session of cache groups: a store per group's namespace).
+// The first walk removes; the others bring their stores' capacity accounting up to date with what
+// it removed from their namespaces (they find nothing more), so their counts add up.
+Result<storage::GcReport, storage::StorageErrc> collect_every(const std::vector<storage::ObjectStore*>& stores,
+                                                              const storage::GcRequest& request) {
+  auto report = stores.front()->collect(request);
+  for (std::size_t i = 1; report.ok() && i < stores.size() && !request.dry_run; ++i) {
+    auto more = stores[i]->collect(request);
+    if (!more.ok()) return std::move(more).error();
+    report->removed += more->removed;
+    report->removed_bytes += more->removed_bytes;
+    report->failed += more->failed;
+    report->complete = report->complete && more->complete;
+  }
+  return report;
+}
+
 }  // namespace
 
-control::Reply collect_storage(const config::DaemonConfig& cfg, storage::ObjectStore* store,
+control::Reply collect_storage(const config::DaemonConfig& cfg, const std::vector<storage::ObjectStore*>& stores,
                                events::KvEventPublisher* kv_events, const control::Request::StorageGc& gc) {
   control::Reply reply;
+  storage::ObjectStore* const store = stores.empty() ? nullptr : stores.front();
   if (store == nullptr) {
     reply.ok = false;
     reply.error = "no storage tier on this rank (--storage-backend none): nothing to collect";
@@ -51,6 +69,11 @@ control::Reply collect_storage(const config::DaemonConfig& cfg, storage::ObjectS
     return reply;
   }
   request.keep_fingerprint = layout_fingerprint(cfg.geometry(), slicing);
+  if (proto::is_group_session(cfg.cache_groups)) {  // every group's namespace is this deployment's
+    request.keep_fingerprint = group_fingerprint(cfg.cache_groups, 0);
+    for (std::uint32_t g = 1; g < cfg.cache_groups.num_groups; ++g)
+      request.also_keep_fingerprints.push_back(group_fingerprint(cfg.cache_groups, g));
+  }
   request.dry_run = gc.dry_run;
   request.deadline_ns = ipc::monotonic_now_ns() + static_cast<std::int64_t>(gc.max_seconds * 1e9);
   const std::uint64_t config_wv = cfg.storage.weight_version;
@@ -73,7 +96,7 @@ control::Reply collect_storage(const config::DaemonConfig& cfg, storage::ObjectS
       if (auto ours = storage::StoredName::parse(name, cfg.storage.key_prefix))
         removed_keys.push_back(std::move(ours->key));
     };
-  auto report = store->collect(request);
+  auto report = collect_every(stores, request);
   if (!report.ok()) {
     reply.ok = false;
     reply.error = report.error().message;

@@ -35,6 +35,40 @@ std::string late(const proto::TaskRecordHeader& h, std::int64_t now) {
   return "deadline passed " + std::to_string((now - h.deadline_ns) / 1000) + " us before dispatch";
 }
 
+// A storage task's block ids (one per key, or a group session's per key and group): each in range
+// (a group's in its own group's ids; -1 allowed there: no block), none loaded twice. False (d
+// failed) naming the first bad one.
+bool storage_ids_valid(std::span<const std::int32_t> ids, std::size_t keys, bool host, TaskKind kind,
+                       const CacheShape& shape, DecodedRecord& d) {
+  const std::int64_t limit = host ? shape.host_blocks : shape.device_blocks;
+  const bool loads = kind == TaskKind::kStorageRead || kind == TaskKind::kPrefetch;
+  std::vector<std::uint8_t> seen(loads ? static_cast<std::size_t>(limit) : 0);
+  const char* side = host ? "host" : "device";
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    std::int64_t lo = 0, hi = limit;
+    std::string group;
+    if (shape.group_session) {
+      const std::size_t g = i / keys;
+      if (ids[i] == -1) continue;
+      const GroupShape& x = shape.groups[g];
+      lo = host ? x.host_base : x.device_base;
+      hi = lo + (host ? x.host_blocks : x.device_blocks);
+      group = " (cache group " + std::to_string(g) + ", key " + std::to_string(i % keys) + ")";
+    }
+    if (ids[i] < lo || ids[i] >= hi) {
+      fail(d, TaskStatus::kIdOutOfRange,
+           std::string(side) + " block id " + std::to_string(ids[i]) + " at position " + std::to_string(i) + group +
+               " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + ")");
+      return false;
+    }
+    if (loads && seen[static_cast<std::size_t>(ids[i])]++) {
+      fail(d, TaskStatus::kDuplicateDestination, "block id " + std::to_string(ids[i]) + " is loaded twice");
+      return false;
+    }
+  }
+  return true;
+}
+
 // A storage record: its section decoded, its blocks checked; CANCEL answered by the caller.
 DecodedRecord& decode_storage(DecodedRecord& d, std::span<const std::int32_t> section,
                               std::span<const std::int32_t> ids, const CacheShape& shape, std::int64_t now) {
@@ -49,25 +83,20 @@ DecodedRecord& decode_storage(DecodedRecord& d, std::span<const std::int32_t> se
     d.cancel_task_id = sec->args.cancel_task_id;
     return d;
   }
+  // A group session's record names a block per key and group, group-major (-1: none).
+  const std::size_t per_key = shape.group_session ? shape.groups.size() : 1;
   if (kind == TaskKind::kStorageQuery) {
     if (!ids.empty()) return fail(d, TaskStatus::kMalformed, "STORAGE_QUERY carries keys only");
-  } else if (ids.size() != sec->keys.size()) {
+  } else if (ids.size() != sec->keys.size() * per_key) {
     return fail(d, TaskStatus::kLengthMismatch,
-                std::to_string(sec->keys.size()) + " keys for " + std::to_string(ids.size()) + " blocks");
+                std::to_string(sec->keys.size()) + " keys for " + std::to_string(ids.size()) + " blocks" +
+                    (per_key == 1 ? std::string()
+                                  : " (a session of " + std::to_string(per_key) +
+                                        " cache groups names a block per key and group, group-major)"));
   }
   const bool host = (h.flags & proto::kTaskFlagHostBlocks) != 0;
   if (kind == TaskKind::kPrefetch && !host) return fail(d, TaskStatus::kMalformed, "PREFETCH loads into host blocks only");
-  const std::int64_t limit = host ? shape.host_blocks : shape.device_blocks;
-  const bool loads = kind == TaskKind::kStorageRead || kind == TaskKind::kPrefetch;
-  std::vector<std::uint8_t> seen(loads ? static_cast<std::size_t>(limit) : 0);
-  for (std::size_t i = 0; i < ids.size(); ++i) {
-    if (ids[i] < 0 || ids[i] >= limit)
-      return fail(d, TaskStatus::kIdOutOfRange,
-                  std::string(host ? "host" : "device") + " block id " + std::to_string(ids[i]) + " at position " +
-                      std::to_string(i) + " is outside [0, " + std::to_string(limit) + ")");
-    if (loads && seen[static_cast<std::size_t>(ids[i])]++)
-      return fail(d, TaskStatus::kDuplicateDestination, "block id " + std::to_string(ids[i]) + " is loaded twice");
-  }
+  if (!storage_ids_valid(ids, sec->keys.size(), host, kind, shape, d)) return d;
   if (h.deadline_ns != 0 && now > h.deadline_ns) return fail(d, TaskStatus::kDeadlineExceeded, late(h, now));
   d.action = Action::kRun;
   d.abort_agreement = false;
@@ -76,7 +105,9 @@ DecodedRecord& decode_storage(DecodedRecord& d, std::span<const std::int32_t> se
   if ((h.flags & proto::kTaskFlagBackupPair) != 0) d.work.backup_of_swap = h.after_task_id;
   d.work.storage_work.section = std::move(sec).value();
   d.work.storage_work.blocks.assign(ids.begin(), ids.end());
-  (host ? d.work.host_ids : d.work.device_ids).assign(ids.begin(), ids.end());
+  auto& held = host ? d.work.host_ids : d.work.device_ids;  // the blocks the task reads or writes
+  for (const std::int32_t id : ids)
+    if (id >= 0) held.push_back(id);
   return d;
 }
 
@@ -170,12 +201,6 @@ DecodedRecord decode_record(std::span<const std::byte> record, const CacheShape&
   if (kind == TaskKind::kRestoreCache) {
     d.action = Action::kRestore;
     return d;
-  }
-  if (proto::is_storage_kind(kind) && shape.group_session) {
-    d.abort_agreement = kind != TaskKind::kCancel;
-    return fail(d, TaskStatus::kMalformed,
-                std::string(proto::task_kind_name(kind)) +
-                    ": storage tasks of a session with cache groups are not served yet (swaps are)");
   }
   if (proto::is_storage_kind(kind)) return decode_storage(d, src, dst, shape, now);
   const bool to_host = kind == TaskKind::kSwapToHost;

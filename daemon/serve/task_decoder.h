@@ -26,7 +26,7 @@ struct CacheShape {
   std::span<const GroupShape> groups;  // at least one; one group: bases 0 and the totals above
   std::uint32_t rank = 0;       // whose engine event of a swap's per-rank list is this daemon's
   std::uint32_t num_ranks = 1;  // how many the list must hold
-  bool group_session = false;   // storage tasks are refused (not served yet)
+  bool group_session = false;   // storage tasks name a block per key and group (-1: none)
 };
 
 struct DecodedRecord {

@@ -72,6 +72,7 @@ bool StorageExecutor::Impl::agree_phase(Prepared& p) {
     fail_before_agreement(w, TaskStatus::kStorageUnavailable, p.start, "storage key prefix: " + key_prefix.error().message);
     return false;
   }
+  if (!t.groups.empty()) return agree_groups(p, std::move(which), *key_prefix);
   p.parts = t.slicing.parts;
   p.stored.reserve(which.size() * p.parts);
   for (auto i : which) {
@@ -98,8 +99,12 @@ std::optional<std::uint32_t> StorageExecutor::Impl::local_then_agree(const Stora
     return std::nullopt;
   }
   // A key is here when every part of it is: the leading objects present, in whole keys.
-  const auto keys_here = static_cast<std::uint32_t>(*local / parts);
-  auto agreed = ep.agree(w.header.seq, keys_here, w.header.deadline_ns);
+  return agree_on(w, static_cast<std::uint32_t>(*local / parts), start);
+}
+
+std::optional<std::uint32_t> StorageExecutor::Impl::agree_on(const StorageWork& w, std::uint32_t local,
+                                                            std::int64_t start) {
+  auto agreed = ep.agree(w.header.seq, local, w.header.deadline_ns);
   if (!agreed.ok()) {
     if (revoked(w)) return std::nullopt;  // the engine failed it already
     if (t.metrics != nullptr) t.metrics->agreement_failed(agreed.error().code, /*this_rank=*/false);

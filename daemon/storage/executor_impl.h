@@ -77,6 +77,16 @@ struct StorageExecutor::Impl {
   // and nullopt is returned.
   std::optional<std::uint32_t> local_then_agree(const StorageWork& w, const std::vector<std::string>& objects,
                                                 std::uint32_t parts, std::int64_t start);
+  // This rank's `local` count agreed across ranks (MIN); nullopt (completed or dropped) on failure.
+  std::optional<std::uint32_t> agree_on(const StorageWork& w, std::uint32_t local, std::int64_t start);
+  // Phase 1 of a group session's task (group_agreement.cpp): each (key, group) object asked of
+  // its group's store, the loadable prefix by the groups' rules (or, for a write, the leading keys
+  // stored whole) agreed across ranks, then the units phase 2 moves: a load only the pages each
+  // group's rule needs at the agreed point; a write every group's block of the keys after it.
+  bool agree_groups(Prepared& p, std::vector<std::size_t> which, const std::string& key_prefix);
+  template <typename Present, typename Block>
+  std::uint32_t local_answer(TaskKind kind, std::uint32_t n, Present& present, Block& block,
+                             const std::vector<std::vector<bool>>& here) const;
   // After the agreement: true when `p` has objects to move in phase 2, else it is completed here
   // (a query's answer, a load with no hits, a write with everything stored already).
   bool needs_objects_moved(const Prepared& p, TaskKind kind);

@@ -90,7 +90,8 @@ std::size_t ObjectMover::cancel_step() const {
   return static_cast<std::size_t>(std::max<std::uint64_t>(1, std::min<std::uint64_t>(step, fits)));
 }
 
-std::optional<Outcome> ObjectMover::check_put(const storage::BatchResult& put, std::size_t c) {
+std::optional<Outcome> ObjectMover::check_put(const storage::BatchResult& put, std::size_t c,
+                                              std::uint64_t object_bytes) {
   if (!put.ok())
     return Outcome::failed(status_of(put.error().code, StoreCall::kWrite), unavailable(put.error().message));
   std::size_t failed = 0;
@@ -110,15 +111,15 @@ std::optional<Outcome> ObjectMover::check_put(const storage::BatchResult& put, s
                                                " objects not written: " + cause));
   MutexLock g(mu_);
   moved_.objects_written += c;
-  moved_.bytes_written += c * t_.object_bytes;
+  moved_.bytes_written += c * object_bytes;
   return std::nullopt;
 }
 
-ObjectMover::Step ObjectMover::load_chunk(const Prepared& p, std::span<const std::int32_t> ids,
+ObjectMover::Step ObjectMover::load_chunk(const ObjectTarget& target, bool host, std::span<const std::int32_t> ids,
                                           std::span<const std::string> objects, std::byte* slice) {
-  const bool host = (p.work.header.flags & proto::kTaskFlagHostBlocks) != 0;
-  const auto& parts = host ? host_parts_ : device_parts_;
-  const std::uint32_t n = p.parts;  // object i is part i % n of block ids[i / n]
+  const auto& parts = *target.views;
+  const std::size_t n = parts.size();  // object i is view i % n of block ids[i / n]
+  const std::uint64_t object_bytes = target.object_bytes;
   DeviceError scatter_error;  // set by the store's I/O threads
   storage::ReadInto into;
   // A block's bytes may land before they are verified: a block whose object fails verification
@@ -138,14 +139,14 @@ ObjectMover::Step ObjectMover::load_chunk(const Prepared& p, std::span<const std
     // while later objects are still being read. No CPU copy between the read and the DMA, and a
     // slot whose object fails is never copied to the device. An object after a miss on this rank
     // may land in its (reserved) block too; only the leading blocks_done are reported loaded.
-    auto slot = [&](std::size_t i) { return slice + i * t_.object_bytes; };
-    into.pieces = [&](std::size_t i) { return storage::Pieces{{slot(i), t_.object_bytes}}; };
+    auto slot = [&](std::size_t i) { return slice + i * object_bytes; };
+    into.pieces = [&](std::size_t i) { return storage::Pieces{{slot(i), object_bytes}}; };
     into.on_verified = [&](std::size_t i) {
       if (auto s2 = copies_.scatter_from_staging(parts[i % n], ids.subspan(i / n, 1), slot(i)); !s2.ok())
         scatter_error.set(s2.error().message);
     };
   }
-  auto got = t_.store->read(objects, into);
+  auto got = target.store->read(objects, into);
   if (!got.ok())
     return {{}, Outcome::failed(status_of(got.error().code, StoreCall::kRead), unavailable(got.error().message))};
   if (auto e = scatter_error.get(); !e.empty()) return {{}, Outcome::failed(TaskStatus::kDeviceError, e)};
@@ -165,6 +166,7 @@ std::optional<Outcome> ObjectMover::failed_read(const Prepared& p, const storage
 }
 
 std::optional<Outcome> ObjectMover::load(const Prepared& p, std::byte* slice) {
+  if (!t_.groups.empty()) return load_groups(p, slice);
   const auto& w = p.work;
   const bool host = (w.header.flags & proto::kTaskFlagHostBlocks) != 0;
   const std::size_t n = p.agreed;
@@ -179,7 +181,7 @@ std::optional<Outcome> ObjectMover::load(const Prepared& p, std::byte* slice) {
     const auto ids = std::span(p.ids).subspan(loaded, c);
     if (revoked(w)) return std::nullopt;  // checked right before writing engine memory
     if (host && pool_ != nullptr) pool_->mark_invalid(ids);
-    auto got = load_chunk(p, ids, std::span(p.stored).subspan(loaded * p.parts, c * p.parts), slice);
+    auto got = load_chunk(parts_target(host), host, ids, std::span(p.stored).subspan(loaded * p.parts, c * p.parts), slice);
     if (got.ended) return got.ended;
     std::size_t ok_objects = 0;  // a key is loaded when every part of it is
     while (ok_objects < c * p.parts && got.keys[ok_objects].ok()) ++ok_objects;
@@ -202,18 +204,13 @@ std::optional<Outcome> ObjectMover::load(const Prepared& p, std::byte* slice) {
 }
 
 std::optional<Outcome> ObjectMover::write(const Prepared& p, std::byte* slice) {
+  if (!t_.groups.empty()) return write_groups(p, slice);
   const auto& w = p.work;
   const bool host = (w.header.flags & proto::kTaskFlagHostBlocks) != 0;
   const std::size_t keys = p.keys();
   const std::size_t skip = p.agreed;
   const std::uint64_t skipped = (w.section.keys.size() - p.which.size()) + skip;
-  // Agreed, but then waited for a write worker past its age: the workers are held by a slow store.
-  const std::int64_t waited_ms = (ipc::monotonic_now_ns() - p.queued_ns) / 1'000'000;
-  if (is_backup(w) && waited_ms > static_cast<std::int64_t>(t_.config.backup_max_age_ms))
-    return Outcome::failed(TaskStatus::kBackupSkipped, "backup skipped: it waited " + std::to_string(waited_ms) +
-                                                           " ms for a write worker (--storage-backup-max-age-ms " +
-                                                           std::to_string(t_.config.backup_max_age_ms) + ")")
-        .with_skipped(w.section.keys.size());
+  if (auto late = stale_backup(p)) return late;
   if (host && pool_ != nullptr)
     if (auto bad = pool_->first_invalid(std::span(p.ids).subspan(skip)))
       return Outcome::failed(TaskStatus::kHostTierLost, "host block " + std::to_string(*bad) +
@@ -245,13 +242,29 @@ std::optional<Outcome> ObjectMover::write(const Prepared& p, std::byte* slice) {
   return Outcome::written(written - skip, skipped);
 }
 
+std::optional<Outcome> ObjectMover::stale_backup(const Prepared& p) const {
+  // Agreed, but then waited for a write worker past its age: the workers are held by a slow store.
+  const std::int64_t waited_ms = (ipc::monotonic_now_ns() - p.queued_ns) / 1'000'000;
+  if (!is_backup(p.work) || waited_ms <= static_cast<std::int64_t>(t_.config.backup_max_age_ms)) return std::nullopt;
+  return Outcome::failed(TaskStatus::kBackupSkipped, "backup skipped: it waited " + std::to_string(waited_ms) +
+                                                         " ms for a write worker (--storage-backup-max-age-ms " +
+                                                         std::to_string(t_.config.backup_max_age_ms) + ")")
+      .with_skipped(p.work.section.keys.size());
+}
+
 std::optional<Outcome> ObjectMover::write_chunk(const Prepared& p, std::size_t from, std::size_t c, bool in_place,
                                                 std::byte* slice) {
   const bool host = (p.work.header.flags & proto::kTaskFlagHostBlocks) != 0;
-  const auto& parts = host ? host_parts_ : device_parts_;
-  const std::uint32_t n = p.parts;  // object i is part i % n of block chunk_ids[i / n]
-  const auto chunk_ids = std::span(p.ids).subspan(from, c);
-  const auto names = std::span(p.stored).subspan(from * n, c * n);
+  return write_objects(parts_target(host), host, std::span(p.ids).subspan(from, c),
+                       std::span(p.stored).subspan(from * p.parts, c * p.parts), in_place, slice);
+}
+
+std::optional<Outcome> ObjectMover::write_objects(const ObjectTarget& target, bool host,
+                                                  std::span<const std::int32_t> chunk_ids,
+                                                  std::span<const std::string> names, bool in_place, std::byte* slice) {
+  const auto& parts = *target.views;
+  const std::size_t n = parts.size();  // object i is view i % n of block chunk_ids[i / n]
+  const std::uint64_t object_bytes = target.object_bytes;
   storage::WriteFrom source;
   if (in_place) {
     // The blocks are readable where they are (host pool; host-backend tensors): each object is
@@ -261,24 +274,24 @@ std::optional<Outcome> ObjectMover::write_chunk(const Prepared& p, std::size_t f
       const auto pieces = block_pieces(parts[i % n], chunk_ids[i / n]);
       return storage::ConstPieces(pieces.begin(), pieces.end());
     };
-    return check_put(t_.store->write(names, source), c * n);
+    return check_put(target.store->write(names, source), names.size(), object_bytes);
   }
   // Each object is gathered into its slot of staging on the I/O thread that writes it next.
   DeviceError gather_error;  // set by the store's I/O threads
   source.pieces = [&](std::size_t i) -> std::optional<storage::ConstPieces> {
     const auto one = chunk_ids.subspan(i / n, 1);
-    std::byte* to = slice + i * t_.object_bytes;
+    std::byte* to = slice + i * object_bytes;
     if (host) {
       kernels::gather_to_staging_host(parts[i % n], one, to);
     } else if (auto gathered = copies_.gather_to_staging(parts[i % n], one, to); !gathered.ok()) {
       gather_error.set(gathered.error().message);
       return std::nullopt;  // never store what a failed gather left in staging
     }
-    return storage::ConstPieces{{to, t_.object_bytes}};
+    return storage::ConstPieces{{to, object_bytes}};
   };
-  auto put = t_.store->write(names, source);
+  auto put = target.store->write(names, source);
   if (auto e = gather_error.get(); !e.empty()) return Outcome::failed(TaskStatus::kDeviceError, e);
-  return check_put(put, c * n);
+  return check_put(put, names.size(), object_bytes);
 }
 
 std::optional<Outcome> ObjectMover::past_deadline(const StorageWork& w, std::size_t done, std::size_t of) const {

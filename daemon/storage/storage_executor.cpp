@@ -34,6 +34,23 @@ std::uint64_t layout_fingerprint(const proto::CacheGeometry& g, const proto::Obj
   return storage::hash_bytes(f, sizeof f);
 }
 
+std::uint64_t group_fingerprint(const proto::CacheGroups& gs, std::uint32_t g) {
+  // Fixed-width fields in a fixed order, under a recipe tag of their own ("kvtdG") that no
+  // single-shape geometry's hash starts from.
+  const proto::CacheGroup& c = gs.groups[g];
+  std::uint64_t f[8 + proto::kLayerWords + 4 * proto::kMaxGroupTensors] = {
+      0x6b76746447ull << 8, c.kind, c.num_tensors, c.block_tokens, c.window_tokens, gs.page_tokens,
+      c.replicated() ? 0u : gs.num_ranks, 0};
+  std::size_t at = 8;
+  for (std::uint64_t w : c.layers) f[at++] = w;
+  for (std::uint32_t t = 0; t < proto::kMaxGroupTensors; ++t) {
+    const proto::GroupTensor& x = c.tensors[t];
+    f[at++] = std::uint64_t{x.element_bytes} << 32 | x.ndim;
+    for (std::uint32_t d = 0; d < proto::kMaxGroupTensorDims; ++d) f[at++] = static_cast<std::uint64_t>(x.dims[d]);
+  }
+  return storage::hash_bytes(f, sizeof f);
+}
+
 std::uint32_t storage_io_threads(const config::StorageConfig& c, std::uint64_t object_bytes, unsigned cpus) {
   if (c.io_threads != 0) return c.io_threads;
   std::uint64_t n = std::clamp<std::uint64_t>(cpus / 2, 2, 8);

@@ -43,4 +43,10 @@ std::string StoredNames::of(const std::string& key, const std::string& key_prefi
       .encode();
 }
 
+std::string StoredNames::of_group(const std::string& key, const std::string& key_prefix,
+                                  std::uint64_t task_weight_version, bool replicated) const {
+  return storage::StoredName{key, key_prefix, config_.weight_version, task_weight_version, replicated ? 0 : rank_, false}
+      .encode();
+}
+
 }  // namespace kvtd::daemon

@@ -40,6 +40,10 @@ class StoredNames {
   // (kvtd/storage/object_name.h).
   std::string of(const std::string& key, const std::string& key_prefix, std::uint64_t task_weight_version,
                  std::uint32_t part) const;
+  // The stored name of this rank's object of `key` in a cache group's namespace (one object per
+  // block, by rank; rank 0's for a `replicated` group).
+  std::string of_group(const std::string& key, const std::string& key_prefix, std::uint64_t task_weight_version,
+                       bool replicated) const;
 
  private:
   // The last task weight version seen, for KV events: a change clears what routers know.

@@ -31,6 +31,13 @@ struct Prepared {
   std::vector<std::string> stored;  // their stored names: `parts` per key, key by key
   std::vector<std::int32_t> ids;    // their blocks
   std::uint32_t agreed = 0;         // keys (every part stored) agreed across ranks
+  // A group session's task: an object per (key, group) it moves, `stored` holding their names
+  // (parts 1, `ids` unused). key: index into `which`; id: the group's own block id.
+  struct Unit {
+    std::uint32_t key = 0, group = 0;
+    std::int32_t id = -1;
+  };
+  std::vector<Unit> units;
 
   std::size_t keys() const { return stored.size() / parts; }
   std::uint64_t backup_bytes = 0;   // a backup's bytes still to write, counted in the backpressure

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import _native as n
 from .geometry import Geometry
@@ -143,6 +143,23 @@ class CacheGroups:
     def host_ids(self, group: int, blocks: Sequence[int]) -> List[int]:
         """Group `group`'s host blocks as a task names them (its base added); checked in range."""
         return self._ids(group, blocks, 1, self.groups[group].host_blocks, "host")
+
+    def storage_blocks(self, per_group: Sequence[Sequence[Optional[int]]], host: bool = False) -> List[int]:
+        """A storage task's blocks in a group session: `per_group[g][k]` is group g's own block
+        (device, or host with host=True) of key k, None where the group has none (a state saved
+        only at some keys, a window's early pages). Flattened group-major in the task's id space,
+        None as -1: what kvtd_task.blocks holds."""
+        if len(per_group) != len(self.groups):
+            raise ValueError(f"{len(per_group)} block lists for {len(self.groups)} cache groups")
+        keys = {len(b) for b in per_group}
+        if len(keys) > 1:
+            raise ValueError(f"the groups' block lists differ in length ({sorted(keys)}): one entry per key")
+        out: List[int] = []
+        for g, blocks in enumerate(per_group):
+            side, count = (1, self.groups[g].host_blocks) if host else (0, self.groups[g].device_blocks)
+            for b in blocks:
+                out += [-1] if b is None else self._ids(g, [b], side, count, "host" if host else "device")
+        return out
 
     def _ids(self, group, blocks, side, count, what):
         base = self.id_bases()[group][side]

@@ -67,9 +67,10 @@ class TaskResult:
 _ID_LIMIT = 2**31  # block ids are int32 on the wire
 
 
-def _ids(values: Optional[Iterable[int]], what: str):
+def _ids(values: Optional[Iterable[int]], what: str, allow_none: bool = False):
     """Block ids as an int32 array. One outside [0, 2**31) is refused: ctypes would wrap it onto
-    another block (2**32 + 5 is block 5) and the task would move that block and answer ok."""
+    another block (2**32 + 5 is block 5) and the task would move that block and answer ok.
+    `allow_none`: -1 stands for no block (a group session's storage task)."""
     if values is None:
         return None, 0
     seq = list(values)
@@ -78,9 +79,9 @@ def _ids(values: Optional[Iterable[int]], what: str):
             lo, hi = min(seq), max(seq)
         except TypeError:
             lo = hi = None
-        if lo is None or lo < 0 or hi >= _ID_LIMIT:
+        if lo is None or lo < (-1 if allow_none else 0) or hi >= _ID_LIMIT:
             for i, v in enumerate(seq):
-                if isinstance(v, float) or not (0 <= v < _ID_LIMIT):
+                if isinstance(v, float) or not ((allow_none and v == -1) or 0 <= v < _ID_LIMIT):
                     raise ValueError(f"{what}[{i}] = {v!r} is not a block id in [0, 2**31)")
     return (ctypes.c_int32 * len(seq))(*seq), len(seq)
 
@@ -149,7 +150,7 @@ class Session:
 
     def __init__(self, suffix: str, geometry: Optional[Geometry] = None, *, groups=None):
         """A session over `geometry` (one shape for every layer), or over cache `groups`
-        (kvtd.cache_groups.CacheGroups: hybrid models; swaps only so far). Exactly one of them."""
+        (kvtd.cache_groups.CacheGroups: hybrid models). Exactly one of them."""
         if (geometry is None) == (groups is None):
             raise ValueError("give a geometry or cache groups, not both or neither")
         self.geometry = geometry
@@ -359,10 +360,19 @@ class Session:
             key_arr = (ctypes.c_char_p * len(encoded))(*encoded)
             t.keys = ctypes.cast(key_arr, ctypes.POINTER(ctypes.c_char_p))
             t.num_keys = len(encoded)
-        blk_arr, nb = _ids(blocks, "blocks")
+        per_key = 1
+        if blocks is not None and self.groups is not None:
+            # A group session names a block per key and group: lists per group (their own ids,
+            # None for none), or the flattened group-major list kvtd_task.blocks holds.
+            blocks = list(blocks)
+            if blocks and isinstance(blocks[0], (list, tuple)):
+                blocks = self.groups.storage_blocks(blocks, host=host_blocks)
+            per_key = len(self.groups.groups)
+        blk_arr, nb = _ids(blocks, "blocks", allow_none=self.groups is not None)
         if blk_arr is not None:
-            if nb != t.num_keys:
-                raise ValueError(f"{t.num_keys} keys for {nb} blocks")
+            if nb != t.num_keys * per_key:
+                raise ValueError(f"{t.num_keys} keys for {nb} blocks"
+                                 + (f" ({per_key} cache groups: a block per key and group)" if per_key > 1 else ""))
             t.blocks = ctypes.cast(blk_arr, ctypes.POINTER(ctypes.c_int32))
         # ctypes would wrap each of these silently (min_hits 2**32 + 1 is 1).
         t.min_hits = _u64(min_hits, "min_hits", 2**32)
@@ -392,10 +402,14 @@ class Session:
         return self.submit(SWAP_TO_DEVICE, host_blocks, device_blocks, layerwise=layerwise, **kw)
 
     def storage_query(self, keys, **kw) -> int:
-        """blocks_done = how many leading keys every rank has stored."""
+        """blocks_done = how many leading keys every rank has stored (a session of cache groups:
+        the longest prefix every group's rule allows, kvtd/proto/group_hits.h)."""
         return self.submit(STORAGE_QUERY, keys=keys, **kw)
 
     def storage_read(self, keys, blocks, *, host_blocks: bool = False, **kw) -> int:
+        """Loads the longest prefix of `keys` every rank can load into `blocks` (one per key; a
+        session of cache groups: a list per group, None where a group has no block, and only the
+        pages each group's rule needs at that point are loaded)."""
         return self.submit(STORAGE_READ, keys=keys, blocks=blocks, host_blocks=host_blocks, **kw)
 
     def storage_write(self, keys, blocks, *, host_blocks: bool = False, **kw) -> int:

@@ -1,6 +1,8 @@
 // The simple read and write shapes over ObjectStore::read/write.
 #include "kvtd/storage/object_store.h"
 
+#include <algorithm>
+
 namespace kvtd::storage {
 
 BatchResult read_to(ObjectStore& store, std::span<const std::string> keys, std::span<std::byte* const> destinations,
@@ -21,6 +23,19 @@ BatchResult write_from(ObjectStore& store, std::span<const std::string> keys, st
   WriteFrom from;
   from.pieces = [&](std::size_t i) { return std::optional<ConstPieces>(ConstPieces{{sources[i], object_bytes}}); };
   return store.write(keys, from);
+}
+
+Result<std::vector<bool>, StorageErrc> presence(ObjectStore& store, std::span<const std::string> keys) {
+  std::vector<bool> out(keys.size(), false);
+  std::size_t at = 0;
+  while (at < keys.size()) {
+    auto run = store.exists(keys.subspan(at));
+    if (!run.ok()) return std::move(run).error();
+    const std::size_t n = std::min(*run, keys.size() - at);
+    for (std::size_t i = 0; i < n; ++i) out[at + i] = true;
+    at += n + 1;  // keys[at + n], if any, is the hole that ended the run
+  }
+  return out;
 }
 
 }  // namespace kvtd::storage

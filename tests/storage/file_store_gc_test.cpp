@@ -147,5 +147,24 @@ TEST_F(FileStoreGc, APassedDeadlineStopsTheWalkAndSaysSo) {
   EXPECT_EQ(r->removed, 3u);
 }
 
+// A session of cache groups stores each group in a namespace of its own: a collection keeps all
+// of them (GcRequest::also_keep_fingerprints), and still removes a layout the deployment left.
+TEST_F(FileStoreGc, EveryCacheGroupsNamespaceIsKept) {
+  auto group0 = open(options());
+  auto group1 = open(options(0, nullptr, "llama", 0x2222));
+  auto gone = open(options(0, nullptr, "llama", 0x3333));
+  put_one(*group0, name(0, 1), object(1));
+  put_one(*group1, name(0, 1), object(2));
+  put_one(*gone, name(0, 1), object(3));
+  auto request = keep_version(1);
+  request.also_keep_fingerprints = {0x2222};
+  auto done = group0->collect(request);
+  ASSERT_TRUE(done.ok()) << done.error().message;
+  EXPECT_EQ(done->removed, 1u);  // the layout no group has
+  const std::string key = name(0, 1);
+  EXPECT_EQ(*group1->exists(std::span(&key, 1)), 1u);
+  EXPECT_EQ(*gone->exists(std::span(&key, 1)), 0u);
+}
+
 }  // namespace
 }  // namespace kvtd::storage

@@ -513,5 +513,18 @@ TEST(ObjectFormat, TheChecksumIsPlainXxh3WhicheverVectorUnitComputesIt) {
   }
 }
 
+// presence(): each key on its own, holes included (a group session's trailing rules need it).
+TEST_F(FileStoreTest, PresenceAnswersEachKeyThroughHoles) {
+  auto store = open(options());
+  for (const char* k : {"a", "c", "d", "f"}) put_one(*store, k, object(1));
+  const std::vector<std::string> keys{"a", "b", "c", "d", "e", "f"};
+  auto here = presence(*store, keys);
+  ASSERT_TRUE(here.ok()) << here.error().message;
+  EXPECT_EQ(*here, (std::vector<bool>{true, false, true, true, false, true}));
+  auto none = presence(*store, std::vector<std::string>{});
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->empty());
+}
+
 }  // namespace
 }  // namespace kvtd::storage

@@ -516,8 +516,9 @@ TEST(DaemonFlags, CacheGroupsRefuseWhatTheyCannotServeByName) {
       {{"--cache-group", kSliding, "--cache-group", kFull, "--num_layers", "3"}, "leave out --num-layers"},
       {{"--cache-group", kSliding}, "layer 1 is in no attention group"},
       {{"--cache-group", "kind=full_attention"}, "cache group 0: missing layers"},
-      {{"--cache-group", kSliding, "--cache-group", kFull, "--storage-backend", "file", "--storage-path", "/tmp/x", "--model-id", "m"},
-       "--storage-backend: not with --cache-group"},
+      {{"--cache-group", kSliding, "--cache-group", kFull, "--storage-backend", "file", "--storage-path", "/tmp/x",
+        "--model-id", "m", "--storage-object-heads", "1"},
+       "--storage-object-heads/--storage-kv-heads: not with --cache-group"},
   };
   for (const auto& [more, want] : cases) {
     std::vector<std::string> args{"--rank", "0", "--session", "s"};

@@ -237,15 +237,42 @@ TEST(TaskDecoder, TwoPairsWritingOneBlockOfAGroupAreRefused) {
   EXPECT_NE(d.message.find("cache group 1"), std::string::npos) << d.message;
 }
 
-TEST(TaskDecoder, AGroupSessionRefusesStorageTasksByName) {
+TEST(TaskDecoder, AGroupSessionsLayerwiseSwapIsCutByGroup) {
   auto layerwise = decode_record(record(TaskKind::kSwapToDevice, {1, 9}, {2, 17}, proto::kTaskFlagLayerwise),
                                  two_groups(), 0);
   EXPECT_EQ(layerwise.action, Action::kRun) << layerwise.message;  // layer by layer: served
   EXPECT_EQ(layerwise.work.parts.size(), 2u);
+}
+
+// A group session's storage task names a block per key and group, group-major, -1 for none
+// (daemon/storage/group_agreement.cpp).
+TEST(TaskDecoder, AGroupSessionsStorageTaskNamesABlockPerKeyAndGroup) {
   auto query = decode_record(record(TaskKind::kStorageQuery, section({"k1"}), {}, 0, 1), two_groups(), 0);
-  EXPECT_EQ(query.status, TaskStatus::kMalformed);
-  EXPECT_TRUE(query.abort_agreement);  // the peers stop waiting for it
-  EXPECT_NE(query.message.find("cache groups"), std::string::npos) << query.message;
+  EXPECT_EQ(query.action, Action::kRun) << query.message;
+  auto read = decode_record(record(TaskKind::kStorageRead, section({"k1", "k2"}), {3, 4, -1, 17}, 0, 2),
+                            two_groups(), 0);
+  ASSERT_EQ(read.action, Action::kRun) << read.message;
+  EXPECT_EQ(read.work.storage_work.blocks, (std::vector<std::int32_t>{3, 4, -1, 17}));
+  EXPECT_EQ(read.work.device_ids, (std::vector<std::int32_t>{3, 4, 17}));  // what the hazards track
+}
+
+TEST(TaskDecoder, AGroupSessionsStorageTaskWithABlockOutsideItsGroupIsRefusedNamingIt) {
+  auto count = decode_record(record(TaskKind::kStorageWrite, section({"k1", "k2"}), {3, 4}, 0, 2), two_groups(), 0);
+  EXPECT_EQ(count.status, TaskStatus::kLengthMismatch);
+  EXPECT_TRUE(count.abort_agreement);  // the peers stop waiting for it
+  EXPECT_NE(count.message.find("a block per key and group"), std::string::npos) << count.message;
+  auto outside = decode_record(record(TaskKind::kStorageWrite, section({"k1"}), {16, 17}, 0, 1), two_groups(), 0);
+  EXPECT_EQ(outside.status, TaskStatus::kIdOutOfRange);
+  EXPECT_NE(outside.message.find("(cache group 0, key 0) is outside [0, 16)"), std::string::npos) << outside.message;
+  auto host = decode_record(record(TaskKind::kStorageRead, section({"k1"}), {0, 7}, proto::kTaskFlagHostBlocks, 1),
+                            two_groups(), 0);
+  EXPECT_EQ(host.status, TaskStatus::kIdOutOfRange);
+  EXPECT_NE(host.message.find("host block id 7 at position 1 (cache group 1, key 0) is outside [8, 14)"),
+            std::string::npos)
+      << host.message;
+  // -1 is "none" in a group session only; a single-shape task's -1 is out of range.
+  auto single = decode_record(record(TaskKind::kStorageWrite, section({"k1"}), {-1}, 0, 1), kShape, 0);
+  EXPECT_EQ(single.status, TaskStatus::kIdOutOfRange);
 }
 
 }  // namespace

@@ -54,47 +54,61 @@ Encoded encode_storage(proto::TaskKind kind, std::uint16_t flags, const TaskRequ
   return e;
 }
 
-// Turns a request into the records it submits (a swap with keys adds its backup), or an error.
-Result<std::vector<Encoded>, IpcErrc> encode_request(const TaskRequest& req, std::uint64_t weight_version) {
+// A swap's record, and its backup STORAGE_WRITE when it carries keys.
+Result<std::vector<Encoded>, IpcErrc> encode_swap(const TaskRequest& req, std::uint64_t weight_version,
+                                                  std::uint32_t groups) {
   using proto::TaskKind;
   std::vector<Encoded> out;
   const auto kind = req.kind;
-  if (kind == TaskKind::kSwapToHost || kind == TaskKind::kSwapToDevice) {
-    Encoded e;
-    e.hdr.kind = static_cast<std::uint16_t>(kind);
-    e.hdr.format_version = proto::kTaskFormatVersion;
-    e.hdr.after_task_id = req.after_task_id;
-    e.hdr.deadline_ns = req.deadline_ns;
-    if (req.layerwise) {
-      if (kind != TaskKind::kSwapToDevice)
-        return make_error(IpcErrc::kInvalidArgument, "layer-by-layer is only for SWAP_TO_DEVICE tasks");
-      e.hdr.flags = proto::kTaskFlagLayerwise;
-    }
-    e.src.assign(req.src.begin(), req.src.end());
-    e.dst.assign(req.dst.begin(), req.dst.end());
-    for (const auto& ev : req.engine_events) {
-      const auto* b = reinterpret_cast<const std::byte*>(ev.data());
-      e.events.insert(e.events.end(), b, b + ev.size());
-    }
-    if (!req.keys.empty()) e.hdr.flags |= proto::kTaskFlagBackupPair;
-    out.push_back(std::move(e));
-    if (!req.keys.empty()) {
-      if (kind != TaskKind::kSwapToHost)
-        return make_error(IpcErrc::kInvalidArgument, "keys on a swap are only for SWAP_TO_HOST (its backup)");
-      if (req.keys.size() != req.dst.size())
-        return make_error(IpcErrc::kInvalidArgument, std::to_string(req.keys.size()) + " keys for " +
-                                                         std::to_string(req.dst.size()) + " destination host blocks");
-      KVTD_TRY(check_keys(req.keys));
-      TaskRequest backup = req;
-      backup.after_task_id = 0;  // set to the swap's id as both are pushed: stored only if it went ok
-      out.push_back(encode_storage(TaskKind::kStorageWrite,
-                                   proto::kTaskFlagHostBlocks | proto::kTaskFlagPolicyBackup |
-                                       proto::kTaskFlagBackupPair,
-                                   backup, req.keys, req.dst, weight_version));
-      out.back().after_first_record = true;
-    }
-    return out;
+  Encoded e;
+  e.hdr.kind = static_cast<std::uint16_t>(kind);
+  e.hdr.format_version = proto::kTaskFormatVersion;
+  e.hdr.after_task_id = req.after_task_id;
+  e.hdr.deadline_ns = req.deadline_ns;
+  if (req.layerwise) {
+    if (kind != TaskKind::kSwapToDevice)
+      return make_error(IpcErrc::kInvalidArgument, "layer-by-layer is only for SWAP_TO_DEVICE tasks");
+    e.hdr.flags = proto::kTaskFlagLayerwise;
   }
+  e.src.assign(req.src.begin(), req.src.end());
+  e.dst.assign(req.dst.begin(), req.dst.end());
+  for (const auto& ev : req.engine_events) {
+    const auto* b = reinterpret_cast<const std::byte*>(ev.data());
+    e.events.insert(e.events.end(), b, b + ev.size());
+  }
+  if (!req.keys.empty()) e.hdr.flags |= proto::kTaskFlagBackupPair;
+  out.push_back(std::move(e));
+  if (!req.keys.empty()) {
+    if (kind != TaskKind::kSwapToHost)
+      return make_error(IpcErrc::kInvalidArgument, "keys on a swap are only for SWAP_TO_HOST (its backup)");
+    if (groups != 0)
+      return make_error(IpcErrc::kInvalidArgument,
+                        "keys on a swap: a session of cache groups backs up with a STORAGE_WRITE of its own (a "
+                        "block per key and group)");
+    if (req.keys.size() != req.dst.size())
+      return make_error(IpcErrc::kInvalidArgument, std::to_string(req.keys.size()) + " keys for " +
+                                                       std::to_string(req.dst.size()) + " destination host blocks");
+    KVTD_TRY(check_keys(req.keys));
+    TaskRequest backup = req;
+    backup.after_task_id = 0;  // set to the swap's id as both are pushed: stored only if it went ok
+    out.push_back(encode_storage(TaskKind::kStorageWrite,
+                                 proto::kTaskFlagHostBlocks | proto::kTaskFlagPolicyBackup |
+                                     proto::kTaskFlagBackupPair,
+                                 backup, req.keys, req.dst, weight_version));
+    out.back().after_first_record = true;
+  }
+  return out;
+}
+
+// Turns a request into the records it submits (a swap with keys adds its backup), or an error.
+// `groups`: the session's cache groups (0: a single shape); their storage tasks name a block per
+// key and group, group-major, -1 where a group has none.
+Result<std::vector<Encoded>, IpcErrc> encode_request(const TaskRequest& req, std::uint64_t weight_version,
+                                                     std::uint32_t groups) {
+  using proto::TaskKind;
+  std::vector<Encoded> out;
+  const auto kind = req.kind;
+  if (kind == TaskKind::kSwapToHost || kind == TaskKind::kSwapToDevice) return encode_swap(req, weight_version, groups);
   if (proto::is_cache_control_kind(kind))
     return make_error(IpcErrc::kInvalidArgument, std::string(proto::task_kind_name(kind)) +
                                                      " is submitted by clear_caches() / restore_caches()");
@@ -121,9 +135,13 @@ Result<std::vector<Encoded>, IpcErrc> encode_request(const TaskRequest& req, std
       if (!req.host_blocks) return make_error(IpcErrc::kInvalidArgument, "PREFETCH loads into host blocks only");
       [[fallthrough]];
     default:
-      if (req.keys.size() != req.blocks.size())
-        return make_error(IpcErrc::kInvalidArgument, std::to_string(req.keys.size()) + " keys for " +
-                                                         std::to_string(req.blocks.size()) + " blocks");
+      if (req.keys.size() * std::max<std::uint32_t>(groups, 1) != req.blocks.size())
+        return make_error(IpcErrc::kInvalidArgument,
+                          std::to_string(req.keys.size()) + " keys for " + std::to_string(req.blocks.size()) +
+                              " blocks" +
+                              (groups == 0 ? std::string()
+                                           : " (a session of " + std::to_string(groups) +
+                                                 " cache groups names a block per key and group, group-major)"));
       if (req.evict_backup) {
         if (kind != TaskKind::kStorageWrite || !req.host_blocks)
           return make_error(IpcErrc::kInvalidArgument, "evict_backup is for STORAGE_WRITE of host blocks");
@@ -147,7 +165,7 @@ Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
                                  std::to_string(impl_->geo.num_ranks) + " ranks (one per rank, in rank order)"
                            : std::string("engine events are for swap tasks; ") + proto::task_kind_name(req.kind) +
                                  " takes none");
-  auto encoded = encode_request(req, impl_->weight_version.load());
+  auto encoded = encode_request(req, impl_->weight_version.load(), groups().num_groups);
   if (!encoded.ok()) return std::move(encoded).error();
   return impl_->submit_encoded(*encoded, req.submit_timeout_ns, false);
 }

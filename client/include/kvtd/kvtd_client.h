@@ -147,7 +147,8 @@ typedef struct kvtd_completion {
  *            SWAP_TO_HOST with keys (one per dst host block) also submits its backup
  *            STORAGE_WRITE with id + 1, which the daemons' write policy carries out or skips.
  *   storage: keys (num_keys NUL-terminated keys, 1..128 of [A-Za-z0-9_.:-]) and blocks (one per
- *            key; null for STORAGE_QUERY); PREFETCH: min_hits; CANCEL: cancel_task_id only.
+ *            key; a session of cache groups: one per key and group, see kvtd_session_create_groups;
+ *            null for STORAGE_QUERY); PREFETCH: min_hits; CANCEL: cancel_task_id only.
  * Every kind: deadline_ns (absolute CLOCK_MONOTONIC, 0 = none), after_task_id (run after that
  * task, 0 = none), submit_timeout_ms (how long submit may wait for ring room; 0 = do not wait). */
 typedef struct kvtd_task {
@@ -212,12 +213,15 @@ KVTD_API int kvtd_group_hits(const kvtd_cache_groups* groups, uint32_t num_keys,
 
 KVTD_API int kvtd_session_create(const char* suffix, const kvtd_geometry* geometry, kvtd_session** out, char* err,
                                  size_t err_len);
-/* A session whose cache is cache groups (swaps, whole or layer by layer; storage tasks fail naming
- * why).
+/* A session whose cache is cache groups (swaps, whole or layer by layer, and storage tasks).
  * Tensors are registered per layer slot: slot k of a layer holds its attention group's tensors,
  * then its indexer group's (kvtd/proto/group_slots.h); kvtd_host_device_tensor's `kind` is that
  * slot. Tasks name blocks in one id space: group g's block b is the sum of the block counts of
- * groups 0..g-1 (device or host side) plus b. */
+ * groups 0..g-1 (device or host side) plus b. A storage task's blocks are num_keys x num_groups,
+ * group-major (group g's block of key k at g * num_keys + k, in that id space; -1: the group has
+ * none there). A load takes, at the longest prefix every group's rule allows on every rank
+ * (kvtd_group_hits), only the pages each rule needs; a write stores every named block. A swap
+ * with keys (its backup) is refused: submit the STORAGE_WRITE. */
 KVTD_API int kvtd_session_create_groups(const char* suffix, const kvtd_cache_groups* groups, kvtd_session** out,
                                         char* err, size_t err_len);
 KVTD_API void kvtd_session_destroy(kvtd_session* s);

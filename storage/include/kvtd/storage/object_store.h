@@ -58,12 +58,15 @@ struct StoreStats {
 
 // What a garbage collection keeps. An object is removed when its model is not in
 // `keep_models` (only when that list is non-empty: other models are left alone otherwise),
-// when it is of this model but another layout than `keep_fingerprint`, or when keep_name (given
+// when it is of this model but another layout than `keep_fingerprint` (and those of
+// `also_keep_fingerprints`: a session of cache groups stores each group in a namespace of its
+// own), or when keep_name (given
 // the object's name within its namespace) says no. Objects of a name kvtd did not make, and
 // temporaries, are never touched.
 struct GcRequest {
   std::vector<std::string> keep_models;
   std::uint64_t keep_fingerprint = 0;
+  std::vector<std::uint64_t> also_keep_fingerprints;
   std::function<bool(const std::string& name)> keep_name;  // empty: every name of a kept namespace stays
   std::int64_t deadline_ns = 0;  // CLOCK_MONOTONIC; the walk stops there (0: no limit)
   bool dry_run = false;          // count what would go, remove nothing
@@ -157,6 +160,10 @@ BatchResult read_to(ObjectStore& store, std::span<const std::string> keys, std::
                     std::uint64_t object_bytes);
 BatchResult write_from(ObjectStore& store, std::span<const std::string> keys,
                        std::span<const std::byte* const> sources, std::uint64_t object_bytes);
+
+// Which of `keys` are stored, each on its own (holes included), over exists(): one call per run
+// of stored keys and per hole, so a batch with few holes costs a call or two.
+Result<std::vector<bool>, StorageErrc> presence(ObjectStore& store, std::span<const std::string> keys);
 
 // Keys: 1..200 characters of [A-Za-z0-9_.:-] (block hashes, hex or base64url-ish).
 bool valid_key(const std::string& key);

@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "kvtd/base/mutex.h"
 #include "kvtd/config/daemon_config.h"
@@ -69,10 +70,11 @@ const char* cache_state_name(ControlState::Cache c);
 // Binds the rank's control socket in the runtime directory (and cfg.control_endpoint). The
 // registry, state and stop flag must outlive the returned server, and so must what `health`'s
 // routes read (status shows their answers under "health").
-// `store` and `kv_events` (either may be null) serve `storage gc` and must outlive the server too.
+// `stores` (this rank's namespaces: one, or one per cache group; empty without a store) and
+// `kv_events` (may be null) serve `storage gc` and must outlive the server too.
 Result<std::unique_ptr<control::ControlServer>, control::ControlErrc> start_control(
     const config::DaemonConfig& cfg, const metrics::MetricsRegistry& registry, const std::string& store_name,
     ControlState& state, std::atomic<bool>& stop, metrics::HealthRoutes health = {},
-    storage::ObjectStore* store = nullptr, events::KvEventPublisher* kv_events = nullptr);
+    std::vector<storage::ObjectStore*> stores = {}, events::KvEventPublisher* kv_events = nullptr);
 
 }  // namespace kvtd::daemon

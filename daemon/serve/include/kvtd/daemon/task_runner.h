@@ -58,7 +58,7 @@ struct GroupCache {
 // The copy targets of one attached cache, built once per attach.
 struct AttachedCache {
   std::vector<GroupCache> groups;  // at least one
-  bool group_session = false;      // the session declared cache groups (storage is not served yet)
+  bool group_session = false;      // the session declared cache groups
   std::int64_t device_blocks = 0;  // every group's ids: the task's id space
   std::int64_t host_blocks = 0;
   int numa_node = -1;        // the swap lanes run on this node's CPUs (-1: anywhere)

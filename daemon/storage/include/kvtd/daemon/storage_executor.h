@@ -39,6 +39,7 @@
 #include "kvtd/endpoint/rank_endpoint.h"
 #include "kvtd/ipc/task_codec.h"
 #include "kvtd/kernels/layout.h"
+#include "kvtd/proto/cache_groups.h"
 #include "kvtd/proto/outcome.h"
 #include "kvtd/proto/task.h"
 
@@ -62,6 +63,13 @@ namespace kvtd::daemon {
 // replicated (MLA) cache neither, so every TP size finds the same namespace.
 std::uint64_t layout_fingerprint(const proto::CacheGeometry& g, const proto::ObjectSlicing& slicing);
 
+// The layout fingerprint of cache group `g`'s stored objects (each group of a session is a
+// namespace of its own, its objects one block of every layer and tensor of the group): its kind,
+// tensors, layers, tokens per block and window, and the TP size unless the group is replicated
+// (MLA latent: every TP size reads rank 0's objects). Not the block counts. `gs` passed
+// geometry_problem.
+std::uint64_t group_fingerprint(const proto::CacheGroups& gs, std::uint32_t g);
+
 // The storage workers to run: --storage-io-threads when given; otherwise half of `cpus`, 2 to 8
 // (reads and hashing are CPU-bound, a store's latency wants several in flight), lowered until each
 // worker's slice of the staging holds one object of `object_bytes`.
@@ -70,6 +78,19 @@ std::uint32_t storage_io_threads(const config::StorageConfig& c, std::uint64_t o
 // "" when --storage-staging-mib over --storage-io-threads gives each worker room for at least
 // one object of `object_bytes`, else the problem in words (start-up refuses it with exit 2).
 std::string staging_problem(const config::StorageConfig& c, std::uint64_t object_bytes);
+
+// One cache group's share of a group session's storage: a namespace of its own
+// (group_fingerprint) whose objects are one block of the group, every layer and tensor.
+struct GroupStorage {
+  storage::ObjectStore* store = nullptr;  // the group's namespace; borrowed, outlives the executor
+  std::vector<kernels::LayerTensor> device_tensors;  // the group's layers x tensors, layer-major
+  std::vector<kernels::LayerTensor> host_tensors;    // its host pool's regions, same order
+  std::uint64_t object_bytes = 0;
+  std::int64_t device_base = 0, host_base = 0;  // its first id in a task's device (host) id space
+  HostPool* pool = nullptr;        // validity of its host blocks; borrowed
+  std::uint32_t trailing = 0;      // pages before a prefix's end it needs; 0: every page (group_hits.h)
+  bool replicated = false;         // stored once by rank 0 under rank 0's name, read by every rank
+};
 
 // What the executor needs from the attached cache.
 struct StorageTargets {
@@ -84,8 +105,18 @@ struct StorageTargets {
   // each. Default: one object of the whole block, by rank.
   proto::ObjectSlicing slicing;
   std::uint64_t object_bytes = 0;
-  // Bytes one key moves on this rank: every part of its block.
-  std::uint64_t key_bytes() const { return object_bytes * slicing.parts; }
+  // Bytes one key moves on this rank: every part of its block (a group session: every group's).
+  std::uint64_t key_bytes() const {
+    if (groups.empty()) return object_bytes * slicing.parts;
+    std::uint64_t sum = 0;
+    for (const auto& g : groups) sum += g.object_bytes;
+    return sum;
+  }
+  // A session of cache groups (`groups` one per group of `layout`, `object_bytes` the largest
+  // group object, `store` group 0's): a task names each key's block per group and each group's
+  // rule says what a prefix needs (kvtd/proto/group_hits.h). Empty: a single-shape session.
+  proto::CacheGroups layout{};
+  std::vector<GroupStorage> groups;
   int numa_node = -1;                     // the I/O workers run on this node's CPUs (-1: anywhere)
   // Rank 0 with --kv-events-endpoint: told of every object it stores and of weight-version
   // changes (not owned; outlives the executor). Null elsewhere.
@@ -99,6 +130,8 @@ struct StorageWork {
   proto::TaskRecordHeader header{};
   std::uint32_t epoch = 0;
   ipc::StorageSection section;
+  // One per key; a group session's: one per key and group, group-major (group g's block of key
+  // k at g x keys + k, in the task's id space), -1 where the group has none.
   std::vector<std::int32_t> blocks;
   // Completed already with this status (cancelled while it waited in the dispatcher, or a backup
   // skipped on arrival), its blocks released: phase 1 only aborts and leaves its agreement, in

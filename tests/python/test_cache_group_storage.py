@@ -1,0 +1,199 @@
+"""Storage tasks of sessions whose cache is cache groups, served by real daemons (host backend,
+file store): the geometries of four real models (kvtd.models; configs cited in test_models.py)
+stored and loaded back, every byte of every group compared, and the loadable prefix by the groups'
+rules (kvtd/proto/group_hits.h) answered across ranks, gaps in a group included.
+
+A task names one block per key and group, group-major, -1 (None in Python) where a group has
+none (daemon/storage/group_agreement.cpp). Each group's objects are a namespace of their own in
+the store (its layout fingerprint, `kvtd ctl status` cache_groups[].layout_fingerprint).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+import kvtd
+
+from test_cache_group_sessions import MODELS, blocks_of, views
+
+N = 4  # keys (pages) per task
+
+
+def storage_flags(tmp_path):
+    return ["--storage-backend", "file", "--storage-path", str(tmp_path / "store"), "--model-id", "m",
+            "--storage-staging-mib", "64"]
+
+
+def trailing(groups, g):
+    """Pages before a prefix's end group g needs (0: every page), as kvtd/proto/group_hits.h says."""
+    c = groups.groups[g]
+    if c.kind == "state":
+        return 1
+    if c.kind == "sliding_window":
+        return max(1, math.ceil(c.window_tokens / groups.page_tokens))
+    return 0
+
+
+def fill(s, groups, seed):
+    rng = np.random.default_rng(seed)
+    for r in range(groups.num_ranks):
+        for layer in range(max(max(g.layers) for g in groups.groups) + 1):
+            for slot in range(len(groups.slots(layer))):
+                a = s.host_array(r, layer, slot)
+                a[:] = rng.integers(0, 256, a.size, dtype=np.uint8)
+
+
+def zero(s, groups):
+    for r in range(groups.num_ranks):
+        for g in range(len(groups.groups)):
+            for v in views(s, groups, r, g):
+                v[3][:] = 0
+
+
+def written_ids(groups):
+    """Per group, the block each key is stored from: every page of a block group; a state group's
+    state saved only at keys 1 and N-1 (a gap at the others, as an engine saves it at some points)."""
+    out = []
+    for c in groups.groups:
+        if c.kind == "state":
+            out.append([None, 0, None, 1])
+        else:
+            out.append(list(range(N)))
+    return out
+
+
+def read_ids(groups):
+    """Per group, where each key is loaded: other blocks than it was stored from."""
+    out = []
+    for c in groups.groups:
+        if c.kind == "state":
+            out.append([2, 3, 0, 1][:N] if c.device_blocks >= 4 else [None] * (N - 1) + [c.device_blocks - 1])
+        else:
+            out.append([c.device_blocks - 1 - i for i in range(N)])
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_groups_pages_are_stored_and_only_what_each_rule_needs_loads_back(cluster, tmp_path, name):
+    groups = MODELS[name]()
+    c = cluster(groups, storage_flags(tmp_path))
+    s = c.ready()
+    fill(s, groups, 3)
+    keys = [f"{name}-p{i}" for i in range(N)]
+    wrote = written_ids(groups)
+    before = {(r, g): [blocks_of(v, [b for b in wrote[g] if b is not None]) for v in views(s, groups, r, g)]
+              for r in range(groups.num_ranks) for g in range(len(groups.groups))}
+    assert s.wait(s.storage_write(keys, wrote)).blocks_done == N
+    # Written again: every key is stored whole on every rank, nothing to write.
+    again = s.wait(s.storage_write(keys, wrote))
+    assert (again.blocks_done, again.blocks_skipped) == (0, N)
+    assert s.wait(s.storage_query(keys)).blocks_done == N
+    # The state saved at key 1 ends a 2-page prefix; none at key 2 ends a 3-page one.
+    has_state = any(g.kind == "state" for g in groups.groups)
+    assert s.wait(s.storage_query(keys[:3])).blocks_done == (2 if has_state else 3)
+    zero(s, groups)
+    back = read_ids(groups)
+    assert s.wait(s.storage_read(keys, back)).blocks_done == N
+    for r in range(groups.num_ranks):
+        for g in range(len(groups.groups)):
+            need = trailing(groups, g)
+            stored = [i for i, b in enumerate(wrote[g]) if b is not None]
+            loaded = [i for i in range(N) if need == 0 or i >= N - need]
+            for v, want in zip(views(s, groups, r, g), before[(r, g)]):
+                for i in range(N):
+                    if back[g][i] is None:
+                        continue
+                    got = blocks_of(v, [back[g][i]])[0]
+                    if i in loaded:
+                        assert np.array_equal(got, want[stored.index(i)]), f"rank {r} group {g} layer {v[0]} key {i}"
+                    else:  # outside the rule: never read, so never written
+                        assert not got.any(), f"rank {r} group {g} layer {v[0]} key {i} was loaded"
+
+
+def test_a_load_that_names_no_block_where_a_rule_needs_one_stops_before_that_point(cluster, tmp_path):
+    groups = MODELS["qwen3-next-80b"]()  # full attention beside per-request state, 4 ranks
+    c = cluster(groups, storage_flags(tmp_path))
+    s = c.ready()
+    fill(s, groups, 5)
+    keys = [f"q{i}" for i in range(N)]
+    state = next(i for i, g in enumerate(groups.groups) if g.kind == "state")
+    wrote = [[0, 1, 2, 3]] * len(groups.groups)
+    assert s.wait(s.storage_write(keys, wrote)).blocks_done == N
+    back = [[4, 5, 6, 7] if g != state else [2, None, 3, None] for g in range(len(groups.groups))]
+    # The state of keys 1 and 3 has nowhere to go: the longest loadable prefix ends after key 2.
+    assert s.wait(s.storage_read(keys, back)).blocks_done == 3
+
+
+def group_dirs(c, tmp_path):
+    ctl = [os.environ.get("KVTD_BINARY", kvtd.testing.find_binary()), "ctl", "--session", c.suffix]
+    out = subprocess.run(ctl + ["--json", "status"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rank0 = json.loads(out.stdout)[0]["result"]
+    assert rank0["storage"]["objects"] == "by_cache_group"
+    return [str(tmp_path / "store" / "m" / g["layout_fingerprint"]) for g in rank0["cache_groups"]]
+
+
+def test_the_ranks_agree_on_the_min_of_their_loadable_prefixes(cluster, tmp_path):
+    groups = MODELS["gpt-oss-20b"]()  # sliding window (128 tokens: 8 pages) beside full attention, TP 2
+    c = cluster(groups, storage_flags(tmp_path))
+    s = c.ready()
+    fill(s, groups, 9)
+    keys = [f"w{i}" for i in range(N)]
+    assert s.wait(s.storage_write(keys, [list(range(N))] * 2)).blocks_done == N
+    window = next(i for i, g in enumerate(groups.groups) if g.kind == "sliding_window")
+    victim = glob.glob(os.path.join(group_dirs(c, tmp_path)[window], "*", "w1.*r1.kvo"))
+    assert len(victim) == 1
+    os.remove(victim[0])
+    # Rank 1 can load 1 page (w0), rank 0 all 4: the MIN, 1, holds on both and loads.
+    assert s.wait(s.storage_query(keys)).blocks_done == 1
+    assert s.wait(s.storage_read(keys, [[7, 6, 5, 4]] * 2)).blocks_done == 1
+
+
+def test_a_rank_whose_state_is_missing_at_the_agreed_point_loads_nothing_and_the_merge_is_zero(cluster, tmp_path):
+    """The ranks agree on the MIN of their loadable prefixes in one round; a trailing rule need not
+    hold on a rank at a smaller point. Rank 0 lost the state of s3 (it can load 3 pages), rank 1
+    that of s2 (it can load 4, but not 3): rank 1 loads nothing, so the merged answer is 0 blocks,
+    never 3 pages whose state rank 1 does not have (daemon/storage/group_agreement.cpp)."""
+    groups = MODELS["qwen3-next-80b"]()  # per-request state beside full attention, TP 4
+    c = cluster(groups, storage_flags(tmp_path))
+    s = c.ready()
+    fill(s, groups, 13)
+    keys = [f"s{i}" for i in range(N)]
+    assert s.wait(s.storage_write(keys, [list(range(N))] * 2)).blocks_done == N
+    state = next(i for i, g in enumerate(groups.groups) if g.kind == "state")
+    for rank, key in ((0, "s3"), (1, "s2")):
+        victim = glob.glob(os.path.join(group_dirs(c, tmp_path)[state], "*", f"{key}.*r{rank}.kvo"))
+        assert len(victim) == 1
+        os.remove(victim[0])
+    assert s.wait(s.storage_query(keys)).blocks_done == 3  # the MIN of 3 and 4 (and 4, 4)
+    zero(s, groups)
+    full = 1 - state
+    back = [None, None]
+    back[full], back[state] = [4, 5, 6, 7], [0, 1, 2, 3]
+    assert s.wait(s.storage_read(keys, back)).blocks_done == 0
+    # Asked for the 2 pages every rank can load, every rank loads them.
+    assert s.wait(s.storage_read(keys[:2], [b[:2] for b in back])).blocks_done == 2
+
+
+def test_a_group_sessions_storage_task_with_the_wrong_block_count_is_refused_naming_the_layout(cluster, tmp_path):
+    groups = MODELS["gpt-oss-20b"]()
+    c = cluster(groups, storage_flags(tmp_path))
+    s = c.ready()
+    with pytest.raises(ValueError, match=r"2 keys for 2 blocks \(2 cache groups"):
+        s.storage_write(["a", "b"], [0, 1])
+    with pytest.raises(ValueError, match="cache group 1: device block 99 is outside"):
+        s.storage_write(["a"], [[0], [99]])
+    with pytest.raises(ValueError, match="differ in length"):
+        s.storage_write(["a"], [[0], [1, 2]])
+    # The daemon checks each group's ids too (a caller of the C ABI passes them flat).
+    (db0, _), (db1, _) = groups.id_bases()
+    with pytest.raises(kvtd.TaskFailed, match=r"cache group 0, key 0\) is outside"):
+        s.wait(s.storage_write(["a"], [db1, db1]))
+    assert s.wait(s.storage_write(["a"], [db0, db1])).blocks_done == 1
