@@ -96,7 +96,7 @@ Result<AttachedCache, DeviceErrc> attach_groups(const proto::CacheGroups& gs, Te
     stored.device_base = ids.device_base[g];
     stored.host_base = ids.host_base[g];
     stored.trailing = proto::trailing_pages(group, gs.page_tokens);
-    stored.replicated = group.replicated();
+    stored.replicated = proto::group_replicated(gs, g);
     c.pool = &pool;
     c.device_blocks = group.device_blocks;
     c.host_blocks = group.host_blocks;

@@ -72,7 +72,7 @@ json groups_status(const config::DaemonConfig& cfg, const metrics::MetricsRegist
     char fp[17];
     std::snprintf(fp, sizeof fp, "%016llx", static_cast<unsigned long long>(group_fingerprint(gs, g)));
     j["layout_fingerprint"] = fp;
-    j["stored"] = c.replicated() ? "replicated" : "by_rank";
+    j["stored"] = proto::group_replicated(gs, g) ? "replicated" : "by_rank";
     out.push_back(std::move(j));
   }
   return out;

@@ -328,7 +328,7 @@ std::optional<int> start_up(const config::DaemonConfig& cfg, std::atomic<bool>& 
       KVTD_INFO("storage: cache group {} ({}) in {} (model {}, layout fingerprint {:016x}, {} bytes per object, {})", g,
                 proto::group_kind_name(s.groups.groups[g].group_kind()), s.store_name, cfg.model_id,
                 group_fingerprint(s.groups, g), proto::group_sizes(s.groups).block_bytes[g],
-                s.groups.groups[g].replicated() ? "one copy for every TP size, rank 0 writes" : "by rank");
+                proto::group_replicated(s.groups, g) ? "one copy for every TP size, rank 0 writes" : "by rank");
   } else if (s.store) {
     KVTD_INFO("storage: {} (model {}, layout fingerprint {:016x}, weight version {}, {}), write policy {}, {} I/O "
               "threads, {} MiB staging, {} reads",

@@ -40,7 +40,7 @@ std::uint64_t group_fingerprint(const proto::CacheGroups& gs, std::uint32_t g) {
   const proto::CacheGroup& c = gs.groups[g];
   std::uint64_t f[8 + proto::kLayerWords + 4 * proto::kMaxGroupTensors] = {
       0x6b76746447ull << 8, c.kind, c.num_tensors, c.block_tokens, c.window_tokens, gs.page_tokens,
-      c.replicated() ? 0u : gs.num_ranks, 0};
+      proto::group_replicated(gs, g) ? 0u : gs.num_ranks, 0};
   std::size_t at = 8;
   for (std::uint64_t w : c.layers) f[at++] = w;
   for (std::uint32_t t = 0; t < proto::kMaxGroupTensors; ++t) {

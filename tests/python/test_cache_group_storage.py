@@ -20,8 +20,10 @@ import numpy as np
 import pytest
 
 import kvtd
+from kvtd import models
 
 from test_cache_group_sessions import MODELS, blocks_of, views
+from test_models import DEEPSEEK_V32
 
 N = 4  # keys (pages) per task
 
@@ -197,3 +199,54 @@ def test_a_group_sessions_storage_task_with_the_wrong_block_count_is_refused_nam
     with pytest.raises(kvtd.TaskFailed, match=r"cache group 0, key 0\) is outside"):
         s.wait(s.storage_write(["a"], [db1, db1]))
     assert s.wait(s.storage_write(["a"], [db0, db1])).blocks_done == 1
+
+
+@pytest.mark.parametrize("reader_tp", [1, 4])
+def test_deepseek_v32_stored_at_tp2_loads_byte_exact_at_another_tp(cluster, tmp_path, reader_tp):
+    """Stored KV shared across TP sizes: DeepSeek-V3.2's MLA latent and the indexer beside it are
+    the same bytes on every rank (proto::group_replicated), so rank 0 stores them once, in a
+    namespace without the TP size, and every rank of any TP size loads them."""
+    flags = storage_flags(tmp_path)
+    writer_groups = models.mla_with_indexer(DEEPSEEK_V32, 2, device_blocks=8, host_blocks=4)
+    w = cluster(writer_groups, flags).ready()
+    fill(w, writer_groups, 21)
+    keys = [f"ds{i}" for i in range(N)]
+    assert w.wait(w.storage_write(keys, [list(range(N))] * 2)).blocks_done == N
+    stored = {g: [blocks_of(v, list(range(N))) for v in views(w, writer_groups, 0, g)] for g in range(2)}
+    reader_groups = models.mla_with_indexer(DEEPSEEK_V32, reader_tp, device_blocks=8, host_blocks=4)
+    r = cluster(reader_groups, flags).ready()
+    assert r.wait(r.storage_query(keys)).blocks_done == N
+    assert r.wait(r.storage_read(keys, [[7, 6, 5, 4]] * 2)).blocks_done == N
+    for rank in range(reader_tp):
+        for g in range(2):
+            for v, want in zip(views(r, reader_groups, rank, g), stored[g]):
+                assert np.array_equal(blocks_of(v, [7, 6, 5, 4]), want), f"rank {rank} group {g} layer {v[0]}"
+
+
+def test_host_blocks_of_every_group_are_stored_and_prefetched_back(cluster, tmp_path):
+    """KVTD_STORAGE_HOST_BLOCKS in a group session: each group's host pool is written from and
+    prefetched into, its blocks valid only once loaded; a swap brings them to the device."""
+    groups = MODELS["gpt-oss-20b"]()
+    c = cluster(groups, storage_flags(tmp_path))
+    s = c.ready()
+    fill(s, groups, 17)
+    keys = [f"h{i}" for i in range(N)]
+    out_dev = [groups.device_ids(g, range(N)) for g in range(2)]
+    out_host = [groups.host_ids(g, range(N)) for g in range(2)]
+    assert s.wait(s.swap_to_host(out_dev[0] + out_dev[1], out_host[0] + out_host[1])).blocks_done == 2 * N
+    before = {(r, g): [blocks_of(v, list(range(N))) for v in views(s, groups, r, g)]
+              for r in range(groups.num_ranks) for g in range(2)}
+    assert s.wait(s.storage_write(keys, [list(range(N))] * 2, host_blocks=True)).blocks_done == N
+    # A host block of this session that holds nothing is refused, naming its group.
+    with pytest.raises(kvtd.TaskFailed, match="host block 11 of cache group 1 holds no data"):
+        s.wait(s.storage_write(["x"], [[0], [11]], host_blocks=True))
+    back = [[N + i for i in range(N)]] * 2
+    assert s.wait(s.prefetch(keys, back, min_hits=N)).blocks_done == N
+    zero(s, groups)
+    dev_back = [groups.device_ids(g, [7 - i for i in range(N)]) for g in range(2)]
+    host_back = [groups.host_ids(g, back[g]) for g in range(2)]
+    assert s.wait(s.swap_to_device(host_back[0] + host_back[1], dev_back[0] + dev_back[1])).blocks_done == 2 * N
+    for r in range(groups.num_ranks):
+        for g in range(2):
+            for v, want in zip(views(s, groups, r, g), before[(r, g)]):
+                assert np.array_equal(blocks_of(v, [7 - i for i in range(N)]), want), f"rank {r} group {g} layer {v[0]}"

@@ -112,6 +112,10 @@ TEST(CacheGroupsTest, AnIndexerSitsBesideMlaAndNowhereElse) {
   gs.groups[1].tensors[0] = {1, 2, {64, 132, 0}};
   EXPECT_EQ(geometry_problem(gs), "");
   EXPECT_TRUE(gs.groups[0].replicated());
+  EXPECT_TRUE(group_replicated(gs, 1));  // the indexer beside MLA: the same bytes on every rank
+  gs.groups[0].kind = static_cast<std::uint32_t>(GroupKind::kFullAttention);
+  EXPECT_FALSE(group_replicated(gs, 0));
+  EXPECT_FALSE(group_replicated(gs, 1));  // beside a head-split cache: by rank
   gs.groups[0].kind = static_cast<std::uint32_t>(GroupKind::kSlidingWindow);
   gs.groups[0].window_tokens = 128;
   EXPECT_NE(geometry_problem(gs).find("beside MLA or full attention, not sliding_window"), std::string::npos)

@@ -94,7 +94,8 @@ struct CacheGroup {
       for (; w != 0; w &= w - 1) ++n;
     return n;
   }
-  // A replicated group's bytes are the same on every rank (MLA latent): rank 0's copy serves all.
+  // An MLA latent's bytes are the same on every rank: rank 0's copy serves all. (An indexer beside
+  // one is too: group_replicated below, which needs the other groups.)
   constexpr bool replicated() const { return group_kind() == GroupKind::kMlaLatent; }
 };
 static_assert(std::is_standard_layout_v<CacheGroup> && std::is_trivially_copyable_v<CacheGroup>);
@@ -108,6 +109,25 @@ struct CacheGroups {
   CacheGroup groups[kMaxGroups];
 };
 static_assert(std::is_standard_layout_v<CacheGroups> && std::is_trivially_copyable_v<CacheGroups>);
+
+// Whether group `g`'s bytes are the same on every rank, so rank 0 stores it once for every TP
+// size: an MLA latent, and an indexer whose every layer's attention group is an MLA latent (the
+// DeepSeek-V3.2 indexer keys: sglang backs them up from TP rank 0 only under MLA,
+// managers/cache_controller.py:485-490 with hybrid_cache/hybrid_cache_controller.py:698-718,
+// where only Mamba state and Mooncake's MHA drafts are sharded).
+constexpr bool group_replicated(const CacheGroups& gs, std::uint32_t g) {
+  const CacheGroup& c = gs.groups[g];
+  if (c.replicated()) return true;
+  if (c.group_kind() != GroupKind::kIndexer) return false;
+  for (std::uint32_t l = 0; l < kMaxLayers; ++l) {
+    if (!c.has_layer(l)) continue;
+    for (std::uint32_t h = 0; h < gs.num_groups && h < kMaxGroups; ++h) {
+      const CacheGroup& a = gs.groups[h];
+      if (h != g && is_attention_kind(a.group_kind()) && a.has_layer(l) && !a.replicated()) return false;
+    }
+  }
+  return true;
+}
 
 // Sizes a group list implies, in checked 64-bit arithmetic (each below kMaxSizeBytes).
 struct GroupSizes {
