@@ -2,7 +2,8 @@
 # Benchmarks behind the figures of docs/figures.md: task round trip (1 and 2 ranks), swap throughput next
 # to memcpy (1 and 2 ranks), planning cost per block, the storage backends alone, storage tasks
 # through the daemons next to them, the agreement round trip, daemon memory during a large read,
-# the cost of metrics on the round trip, a page-first host pool, the Python client's round trip and throughput (as a
+# the cost of metrics on the round trip, storage of cache groups next to sglang's HiCacheFile v2
+# (tools/bench/group_storage.sh), a page-first host pool, the Python client's round trip and throughput (as a
 # ratio to kvtd-loadgen's), and a Python peer of sglang's
 # HiCacheFile mechanism. Prints figures; asserts nothing.
 # --plot DIR: instead, sweep swap and storage throughput over block size and rank count and draw
@@ -119,6 +120,7 @@ for spec in "llama-3.1-8b 2" "gpt-oss-20b 2" "qwen3-next-80b 2" "deepseek-v3.2 1
   for p in "${pids[@]}"; do kill -TERM "$p"; wait "$p" || true; done
   pids=()
 done
+"$KVTD_ROOT/tools/bench/group_storage.sh" "$KVTD_BUILD_DIR" 2 512
 echo "== swap throughput as above, page-first host pool (--host-layout page_first: the transform is in the copy)"
 daemon_extra=(--host-layout page_first)
 for ranks in 1 2; do

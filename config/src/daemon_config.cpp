@@ -51,7 +51,9 @@ std::string DaemonConfig::object_slicing(proto::ObjectSlicing* out) const {
                : "";
   }
   const proto::CacheGeometry g = geometry();
-  // MLA is inferred from the missing value cache until sessions declare their cache groups.
+  // A single-shape cache is FastDeploy's launch line, where an empty value cache shape is how
+  // FastDeploy itself declares MLA (fastdeploy/worker/gpu_model_runner.py:1616-1629 creates no
+  // value cache then): one latent, replicated. A session of cache groups declares the kind.
   return proto::object_slicing(g, rank, !g.has_value(), storage.object_heads, storage.kv_heads, out);
 }
 

@@ -188,7 +188,7 @@ Result<AttachedCache, DeviceErrc> RankServer::map_cache(Session& s) {
     }
   }
   cache->storage.config.io_threads =
-      storage_io_threads(cfg_.storage, cache->storage.key_bytes(), std::thread::hardware_concurrency());
+      storage_io_threads(cfg_.storage, cache->storage.staged_bytes(), std::thread::hardware_concurrency());
   cache->storage.numa_node = s_.numa_node;
   cache->numa_node = s_.numa_node;
   cache->metrics = &s_.registry;

@@ -93,19 +93,24 @@ std::string staging_check(const config::StorageConfig& sc, std::uint64_t key_byt
 // objects one block of the group, --storage-capacity-gib shared by their bytes per key).
 std::optional<int> open_stores(const config::DaemonConfig& cfg, Services& s) {
   std::vector<Namespace> spaces;
-  std::uint64_t key_bytes = s.geometry.bytes_per_block_all_layers();
+  // What a worker's staging slice must hold: a key's objects (one group's object at a time).
+  std::uint64_t staged = s.geometry.bytes_per_block_all_layers();
   if (proto::is_group_session(s.groups)) {
     const proto::GroupSizes sizes = proto::group_sizes(s.groups);
-    key_bytes = 0;
-    for (std::uint32_t g = 0; g < s.groups.num_groups; ++g) key_bytes += sizes.block_bytes[g];
+    std::uint64_t key_bytes = 0;
+    staged = 0;
+    for (std::uint32_t g = 0; g < s.groups.num_groups; ++g) {
+      key_bytes += sizes.block_bytes[g];
+      staged = std::max(staged, sizes.block_bytes[g]);
+    }
     for (std::uint32_t g = 0; g < s.groups.num_groups; ++g)
       spaces.push_back(Namespace{group_fingerprint(s.groups, g), sizes.block_bytes[g],
                                  static_cast<double>(sizes.block_bytes[g]) / static_cast<double>(key_bytes)});
   } else {
-    spaces.push_back(Namespace{layout_fingerprint(s.geometry, s.slicing), key_bytes / s.slicing.parts, 1.0});
+    spaces.push_back(Namespace{layout_fingerprint(s.geometry, s.slicing), staged / s.slicing.parts, 1.0});
   }
   if (cfg.storage.backend == config::StorageBackendKind::kNone) return std::nullopt;
-  if (auto why = staging_check(cfg.storage, key_bytes); !why.empty()) {
+  if (auto why = staging_check(cfg.storage, staged); !why.empty()) {
     KVTD_ERROR("storage: {}", why);
     return kExitBadFlags;
   }
@@ -153,7 +158,9 @@ std::optional<int> open_kv_events(const config::DaemonConfig& cfg, Services& s) 
   o.format = *events::parse_kv_events_format(e.format);  // checked by the flags
   o.topic = e.topic;
   o.medium = e.medium;
-  o.block_size = static_cast<std::uint32_t>(cfg.key_cache_shape[2]);
+  // Tokens per stored key: a block's, or a session of cache groups' page.
+  o.block_size = proto::is_group_session(cfg.cache_groups) ? cfg.cache_groups.page_tokens
+                                                            : static_cast<std::uint32_t>(cfg.key_cache_shape[2]);
   o.data_parallel_rank = cfg.data_parallel_id;
   auto p = events::KvEventPublisher::open(o);
   if (!p.ok()) {

@@ -10,6 +10,7 @@
 
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/status_of.h"
+#include "kvtd/events/kv_events.h"
 #include "kvtd/ipc/clock.h"
 #include "object_mover.h"
 
@@ -125,6 +126,11 @@ std::optional<Outcome> ObjectMover::write_groups(const Prepared& p, std::byte* s
     if (auto ended = write_objects(group_target(run.group, host), host, run_ids(p, run),
                                    std::span(p.stored).subspan(run.from, run.to - run.from), in_place, slice))
       return ended;
+  }
+  if (t_.kv_events != nullptr && keys != 0) {  // rank 0 only: one event per key written, whatever its groups
+    std::vector<std::string> stored_keys;
+    for (std::size_t i = p.agreed; i < p.which.size(); ++i) stored_keys.push_back(w.section.keys[p.which[i]]);
+    t_.kv_events->stored(std::move(stored_keys));
   }
   return Outcome::written(keys, skipped);
 }

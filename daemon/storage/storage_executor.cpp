@@ -136,11 +136,11 @@ void StorageExecutor::Impl::worker_loop(std::size_t index) {
 Result<std::unique_ptr<StorageExecutor>, StorageExecutor::SetupErrc> StorageExecutor::create(
     endpoint::RankEndpoint& ep, CopyEngine& copies, HostMemory& host_memory, HostPool* pool, StorageTargets t,
     StorageListener& listener) {
-  const std::uint64_t threads = storage_io_threads(t.config, t.key_bytes(), std::thread::hardware_concurrency());
+  const std::uint64_t threads = storage_io_threads(t.config, t.staged_bytes(), std::thread::hardware_concurrency());
   t.config.io_threads = static_cast<std::uint32_t>(threads);  // what the workers and cancel steps count on
   const std::uint64_t per_worker = (t.config.staging_mib << 20) / threads;
   if (t.store != nullptr) {
-    if (auto why = staging_problem(t.config, t.key_bytes()); !why.empty())
+    if (auto why = staging_problem(t.config, t.staged_bytes()); !why.empty())
       return make_error(SetupErrc::kStagingTooSmall, why);
   }
   TaskQueues::Limits limits;

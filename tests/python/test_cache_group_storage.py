@@ -142,13 +142,21 @@ def group_dirs(c, tmp_path):
     return [str(tmp_path / "store" / "m" / g["layout_fingerprint"]) for g in rank0["cache_groups"]]
 
 
-def test_the_ranks_agree_on_the_min_of_their_loadable_prefixes(cluster, tmp_path):
-    groups = MODELS["gpt-oss-20b"]()  # sliding window (128 tokens: 8 pages) beside full attention, TP 2
+def stored_everything(cluster, tmp_path, name, prefix):
+    """A session of `name`'s groups with a file store, blocks 0..N-1 of both groups stored as keys
+    <prefix>0..: (groups, cluster, session, keys)."""
+    groups = MODELS[name]()
     c = cluster(groups, storage_flags(tmp_path))
     s = c.ready()
     fill(s, groups, 9)
-    keys = [f"w{i}" for i in range(N)]
+    keys = [f"{prefix}{i}" for i in range(N)]
     assert s.wait(s.storage_write(keys, [list(range(N))] * 2)).blocks_done == N
+    return groups, c, s, keys
+
+
+def test_the_ranks_agree_on_the_min_of_their_loadable_prefixes(cluster, tmp_path):
+    # Sliding window (128 tokens: 8 pages) beside full attention, TP 2.
+    groups, c, s, keys = stored_everything(cluster, tmp_path, "gpt-oss-20b", "w")
     window = next(i for i, g in enumerate(groups.groups) if g.kind == "sliding_window")
     victim = glob.glob(os.path.join(group_dirs(c, tmp_path)[window], "*", "w1.*r1.kvo"))
     assert len(victim) == 1
@@ -163,12 +171,8 @@ def test_a_rank_whose_state_is_missing_at_the_agreed_point_loads_nothing_and_the
     hold on a rank at a smaller point. Rank 0 lost the state of s3 (it can load 3 pages), rank 1
     that of s2 (it can load 4, but not 3): rank 1 loads nothing, so the merged answer is 0 blocks,
     never 3 pages whose state rank 1 does not have (daemon/storage/group_agreement.cpp)."""
-    groups = MODELS["qwen3-next-80b"]()  # per-request state beside full attention, TP 4
-    c = cluster(groups, storage_flags(tmp_path))
-    s = c.ready()
-    fill(s, groups, 13)
-    keys = [f"s{i}" for i in range(N)]
-    assert s.wait(s.storage_write(keys, [list(range(N))] * 2)).blocks_done == N
+    # Per-request state beside full attention, TP 4.
+    groups, c, s, keys = stored_everything(cluster, tmp_path, "qwen3-next-80b", "s")
     state = next(i for i, g in enumerate(groups.groups) if g.kind == "state")
     for rank, key in ((0, "s3"), (1, "s2")):
         victim = glob.glob(os.path.join(group_dirs(c, tmp_path)[state], "*", f"{key}.*r{rank}.kvo"))
@@ -250,3 +254,22 @@ def test_host_blocks_of_every_group_are_stored_and_prefetched_back(cluster, tmp_
         for g in range(2):
             for v, want in zip(views(s, groups, r, g), before[(r, g)]):
                 assert np.array_equal(blocks_of(v, [7 - i for i in range(N)]), want), f"rank {r} group {g} layer {v[0]}"
+
+
+def test_a_group_sessions_writes_are_told_as_kv_events_one_per_key(cluster, tmp_path):
+    """Rank 0 publishes what the store holds (--kv-events-endpoint, vLLM's layout: test_kv_events.py);
+    a group session's key is one event whatever its groups, its block size the page's tokens."""
+    from test_kv_events import Subscriber, events_of
+    endpoint = f"ipc://{tmp_path}/events.sock"
+    groups = MODELS["gpt-oss-20b"]()
+    c = cluster(groups, storage_flags(tmp_path) + ["--kv-events-endpoint", endpoint])
+    s = c.ready()
+    sub = Subscriber(endpoint)
+    try:
+        assert s.wait(s.storage_write(["2001", "2002"], [[0, 1], [0, 1]])).blocks_done == 2
+        got = sub.batches(lambda b: len(events_of(b)) >= 1)
+        stored = events_of(got)[0]
+        assert (stored["type"], stored["block_hashes"], stored["block_size"]) == ("BlockStored", [2001, 2002],
+                                                                                 groups.page_tokens)
+    finally:
+        sub.close()

@@ -71,7 +71,9 @@ std::string session_options(const kvtd::loadgen::Options& o, kvtd::engine::Sessi
   kvtd::engine::SessionOptions& so = *out;
   so.suffix = o.session;
   if (!o.cache_groups.empty()) {
-    if (o.mode.rfind("storage", 0) == 0) return "--cache-group: the storage modes are not served for cache groups yet";
+    if (o.mode.rfind("storage", 0) == 0 && (o.storage_host_blocks || o.cold_read || o.storage_phase != "both"))
+      return "--cache-group: the storage modes move device blocks in one engine process (leave out "
+             "--storage-host-blocks, --cold-read and --storage-phase)";
     if (auto why = kvtd::proto::groups_from_specs(o.cache_groups, o.ranks, &so.groups); !why.empty())
       return "--cache-group: " + why;
     return "";
@@ -141,8 +143,9 @@ int main(int argc, char** argv) {
   if (o.mode == "verify" || o.mode == "all") rc = rc ? rc : run_verify(s, o);
   if (o.mode == "latency" || o.mode == "all") rc = rc ? rc : run_latency(s, o);
   if (o.mode == "throughput" || o.mode == "all") rc = rc ? rc : run_throughput(s, o);
-  if (o.mode == "storage-verify") rc = run_storage_verify(s, o);
-  if (o.mode == "storage-throughput") rc = run_storage_throughput(s, o);
+  const bool grouped = kvtd::proto::is_group_session(s.groups());
+  if (o.mode == "storage-verify") rc = grouped ? run_group_storage_verify(s, o) : run_storage_verify(s, o);
+  if (o.mode == "storage-throughput") rc = grouped ? run_group_storage_throughput(s, o) : run_storage_throughput(s, o);
   if (o.mode == "storage-latency") rc = run_storage_latency(s, o);
   return rc;
 }

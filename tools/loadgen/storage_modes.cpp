@@ -265,7 +265,8 @@ int run_storage_throughput(EngineSession& s, const Options& o) {
 int run_storage_latency(EngineSession& s, const Options& o) {
   const auto& g = s.geometry();
   const auto key = block_keys(o.key_prefix + "-lat", 0, 1);
-  if (!storage_task(s, TaskKind::kStorageWrite, key, {0}, false, o.task_timeout_s)) return 1;
+  const auto blocks = proto::is_group_session(s.groups()) ? group_key_blocks(s, 1) : std::vector<std::int32_t>{0};
+  if (!storage_task(s, TaskKind::kStorageWrite, key, blocks, false, o.task_timeout_s)) return 1;
   std::vector<std::int64_t> samples;
   const std::uint32_t warmup = std::min<std::uint32_t>(1000, o.latency_samples / 10 + 1);
   for (std::uint32_t i = 0; i < warmup + o.latency_samples; ++i) {

@@ -14,4 +14,12 @@ int run_storage_verify(EngineSession& s, const Options& o);
 int run_storage_throughput(EngineSession& s, const Options& o);
 int run_storage_latency(EngineSession& s, const Options& o);
 
+// The same modes for a session of cache groups (group_storage_modes.cpp): a block per key and
+// group, the state saved at a task's last key; a load checked against each group's rule.
+int run_group_storage_verify(EngineSession& s, const Options& o);
+int run_group_storage_throughput(EngineSession& s, const Options& o);
+// The blocks of a task of `n` keys in a session of cache groups (keys in blocks [0, n) of each
+// block group, a state in slot 0 at the last key), group-major, -1 for none.
+std::vector<std::int32_t> group_key_blocks(const EngineSession& s, std::size_t n);
+
 }  // namespace kvtd::loadgen

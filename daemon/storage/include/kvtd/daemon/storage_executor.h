@@ -106,6 +106,9 @@ struct StorageTargets {
   proto::ObjectSlicing slicing;
   std::uint64_t object_bytes = 0;
   // Bytes one key moves on this rank: every part of its block (a group session: every group's).
+  // The bytes a worker's staging slice must hold at least: a key's objects, or a group session's
+  // largest object (phase 2 moves one group's objects at a time).
+  std::uint64_t staged_bytes() const { return groups.empty() ? key_bytes() : object_bytes; }
   std::uint64_t key_bytes() const {
     if (groups.empty()) return object_bytes * slicing.parts;
     std::uint64_t sum = 0;
