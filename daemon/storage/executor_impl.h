@@ -84,6 +84,11 @@ struct StorageExecutor::Impl {
   // stored whole) agreed across ranks, then the units phase 2 moves: a load only the pages each
   // group's rule needs at the agreed point; a write every group's block of the keys after it.
   bool agree_groups(Prepared& p, std::vector<std::size_t> which, const std::string& key_prefix);
+  // Which of a group task's objects this rank's stores hold (here[g][i], names in group_names):
+  // every key for a query, else only those the task names a block for (a key without one is
+  // neither loaded nor written). False when a store failed: the task is completed.
+  bool group_presence(const Prepared& p, const std::string& key_prefix,
+                      std::vector<std::vector<std::string>>& group_names, std::vector<std::vector<bool>>& here);
   template <typename Present, typename Block>
   std::uint32_t local_answer(TaskKind kind, std::uint32_t n, Present& present, Block& block,
                              const std::vector<std::vector<bool>>& here) const;

@@ -52,6 +52,34 @@ std::uint32_t StorageExecutor::Impl::local_answer(TaskKind kind, std::uint32_t n
   return local;
 }
 
+bool StorageExecutor::Impl::group_presence(const Prepared& p, const std::string& key_prefix,
+                                           std::vector<std::vector<std::string>>& group_names,
+                                           std::vector<std::vector<bool>>& here) {
+  const auto& w = p.work;
+  const bool query = static_cast<TaskKind>(w.header.kind) == TaskKind::kStorageQuery;
+  for (std::uint32_t g = 0; g < t.groups.size(); ++g) {
+    std::vector<std::string> asked;
+    std::vector<std::size_t> at;
+    for (std::size_t i = 0; i < p.which.size(); ++i) {
+      group_names[g].push_back(names.of_group(w.section.keys[p.which[i]], key_prefix, w.section.args.weight_version,
+                                              t.groups[g].replicated));
+      if (!query && group_block(t, w, g, p.which[i]) < 0) continue;  // nothing to load into or write from
+      asked.push_back(group_names[g].back());
+      at.push_back(i);
+    }
+    here[g].assign(p.which.size(), false);
+    if (asked.empty()) continue;
+    auto found = storage::presence(*t.groups[g].store, asked);
+    if (!found.ok()) {
+      fail_before_agreement(w, status_of(found.error().code, StoreCall::kLookup), p.start,
+                            unavailable("cache group " + std::to_string(g) + ": " + found.error().message));
+      return false;
+    }
+    for (std::size_t j = 0; j < at.size(); ++j) here[g][at[j]] = (*found)[j];
+  }
+  return true;
+}
+
 bool StorageExecutor::Impl::agree_groups(Prepared& p, std::vector<std::size_t> which, const std::string& key_prefix) {
   const auto& w = p.work;
   const auto kind = static_cast<TaskKind>(w.header.kind);
@@ -61,18 +89,7 @@ bool StorageExecutor::Impl::agree_groups(Prepared& p, std::vector<std::size_t> w
   // here[g][i]: group g's object of key which[i] is stored on this rank.
   std::vector<std::vector<std::string>> group_names(num_groups);
   std::vector<std::vector<bool>> here(num_groups);
-  for (std::uint32_t g = 0; g < num_groups; ++g) {
-    for (auto k : p.which)
-      group_names[g].push_back(names.of_group(w.section.keys[k], key_prefix, w.section.args.weight_version,
-                                              t.groups[g].replicated));
-    auto found = storage::presence(*t.groups[g].store, group_names[g]);
-    if (!found.ok()) {
-      fail_before_agreement(w, status_of(found.error().code, StoreCall::kLookup), p.start,
-                            unavailable("cache group " + std::to_string(g) + ": " + found.error().message));
-      return false;
-    }
-    here[g] = std::move(found).value();
-  }
+  if (!group_presence(p, key_prefix, group_names, here)) return false;
   auto block = [&](std::uint32_t g, std::uint32_t i) { return group_block(t, w, g, p.which[i]); };
   // A load's page counts only where the task gives it a block; a query asks what is stored.
   auto present = [&](std::uint32_t g, std::uint32_t i) {

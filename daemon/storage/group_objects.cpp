@@ -124,8 +124,10 @@ std::optional<Outcome> ObjectMover::write_groups(const Prepared& p, std::byte* s
     // One copy of a replicated group is enough: rank 0's, under rank 0's name.
     if (t_.groups[run.group].replicated && ep_.rank() != 0) continue;
     if (auto ended = write_objects(group_target(run.group, host), host, run_ids(p, run),
-                                   std::span(p.stored).subspan(run.from, run.to - run.from), in_place, slice))
+                                   std::span(p.stored).subspan(run.from, run.to - run.from), in_place, slice)) {
+      ended->message = "cache group " + std::to_string(run.group) + ": " + ended->message;
       return ended;
+    }
   }
   if (t_.kv_events != nullptr && keys != 0) {  // rank 0 only: one event per key written, whatever its groups
     std::vector<std::string> stored_keys;

@@ -371,5 +371,98 @@ TEST_F(TwoRankStorageTest, EachRankLoadsOnlyThePrefixEveryRankHas) {
   EXPECT_EQ(r1.blocks, 2u);
 }
 
+// A session of cache groups (daemon/storage/group_agreement.cpp, group_objects.cpp): a full-attention
+// group of 1 MiB blocks beside a state group of 64 KiB slots, each in a store of its own.
+class GroupStorageTest : public StorageExecutorTest {
+ protected:
+  static constexpr std::size_t kState = 64 << 10;
+  std::unique_ptr<test::ScriptedStore> state_store_ = std::make_unique<test::ScriptedStore>(kState);
+  std::vector<std::byte> state_ = std::vector<std::byte>(kState * 4, std::byte{3});
+
+  void SetUp() override {
+    ASSERT_NO_FATAL_FAILURE(StorageExecutorTest::SetUp());
+    exec_.reset();
+    StorageTargets t;
+    t.store = store_.get();
+    t.store_name = "scripted store";
+    t.config.io_threads = 1;
+    t.config.staging_mib = 8;
+    t.layout.num_ranks = 1;
+    t.layout.num_groups = 2;
+    t.layout.page_tokens = 16;
+    t.layout.groups[0].kind = static_cast<std::uint32_t>(proto::GroupKind::kFullAttention);
+    t.layout.groups[0].block_tokens = 16;
+    t.layout.groups[1].kind = static_cast<std::uint32_t>(proto::GroupKind::kState);
+    GroupStorage full, state;
+    full.store = store_.get();
+    full.device_tensors.push_back(kernels::LayerTensor{device_.data(), kObject, kObject});
+    full.object_bytes = kObject;
+    state.store = state_store_.get();
+    state.device_tensors.push_back(kernels::LayerTensor{state_.data(), kState, kState});
+    state.object_bytes = kState;
+    state.device_base = kBlocks;
+    state.trailing = 1;
+    t.groups = {full, state};
+    t.object_bytes = kObject;
+    listeners_.push_back(std::make_unique<Recorder>(*this, done_));
+    auto e = StorageExecutor::create(*ep_, *backend_, *backend_, nullptr, std::move(t), *listeners_.back());
+    ASSERT_TRUE(e.ok()) << e.error().message;
+    exec_ = std::move(e).value();
+  }
+  // `keys` with full-attention blocks `full` and state slots `state` (-1: none), group-major.
+  std::uint64_t submit_groups(TaskKind kind, std::uint64_t id, const std::vector<std::string>& keys,
+                              const std::vector<std::int32_t>& full, const std::vector<std::int32_t>& state) {
+    StorageWork w;
+    w.header.task_id = id;
+    w.header.seq = ++seq_;
+    w.header.kind = static_cast<std::uint16_t>(kind);
+    w.epoch = ep_->epoch();
+    w.section.keys = keys;
+    w.blocks = full;
+    for (auto s : state) w.blocks.push_back(s < 0 ? -1 : static_cast<std::int32_t>(kBlocks) + s);
+    exec_->submit(std::move(w));
+    return id;
+  }
+};
+
+// A load whose state the store fails to read is storage_unavailable naming the group, and
+// reports nothing loaded: the full-attention pages before it are no prefix without their state.
+TEST_F(GroupStorageTest, ALoadWhoseStateTheStoreFailsIsUnavailableAndLoadsNothing) {
+  ASSERT_EQ(wait(submit_groups(TaskKind::kStorageWrite, 1, keys("g", 3), {0, 1, 2}, {-1, -1, 0})).status,
+            TaskStatus::kOk);
+  state_store_->fail_on_read["g2.w0-0.r0"] = "Connection reset by peer";
+  const auto cut = wait(submit_groups(TaskKind::kStorageRead, 2, keys("g", 3), {5, 6, 7}, {-1, -1, 1}));
+  EXPECT_EQ(cut.status, TaskStatus::kStorageUnavailable) << cut.message;
+  EXPECT_EQ(cut.blocks, 0u);
+  EXPECT_NE(cut.message.find("cache group 1"), std::string::npos) << cut.message;
+  EXPECT_NE(cut.message.find("Connection reset by peer"), std::string::npos) << cut.message;
+}
+
+// An object gone between the agreement and its read (evicted) is a miss: ok, nothing loaded.
+TEST_F(GroupStorageTest, AnObjectGoneBeforeItsReadIsAMissThatLoadsNothing) {
+  ASSERT_EQ(wait(submit_groups(TaskKind::kStorageWrite, 1, keys("h", 3), {0, 1, 2}, {-1, -1, 0})).status,
+            TaskStatus::kOk);
+  store_->vanish_on_read.insert("hx.w0-0.r0");  // there for the agreement, gone for the read
+  const auto miss = wait(submit_groups(TaskKind::kStorageRead, 2, {"h0", "hx", "h2"}, {5, 6, 7}, {-1, -1, 1}));
+  EXPECT_EQ(miss.status, TaskStatus::kOk) << miss.message;
+  EXPECT_EQ(miss.blocks, 0u);
+  // Without it the load is whole: the state saved at the third key ends a 3-page prefix.
+  store_->vanish_on_read.clear();
+  const auto whole = wait(submit_groups(TaskKind::kStorageRead, 3, keys("h", 3), {5, 6, 7}, {-1, -1, 1}));
+  EXPECT_EQ(whole.blocks, 3u) << whole.message;
+  EXPECT_EQ(std::memcmp(state_.data() + kState, state_.data(), kState), 0) << "slot 1 holds slot 0's state";
+}
+
+// A write fails naming its own group and cause; the other group's objects stand.
+TEST_F(GroupStorageTest, AFailedWriteOfOneGroupNamesItsCause) {
+  state_store_->fail_on_write["w1.w0-0.r0"] = "No space left on device";
+  const auto failed = wait(submit_groups(TaskKind::kStorageWrite, 1, keys("w", 2), {0, 1}, {-1, 0}));
+  EXPECT_EQ(failed.status, TaskStatus::kStorageError) << failed.message;
+  EXPECT_NE(failed.message.find("cache group 1: 1 of 1 objects not written: No space left on device (write w1"),
+            std::string::npos)
+      << failed.message;
+  EXPECT_EQ(store_->size(), 2u);  // both full-attention pages were written first
+}
+
 }  // namespace
 }  // namespace kvtd::daemon
