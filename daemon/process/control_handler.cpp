@@ -66,7 +66,9 @@ json groups_status(const config::DaemonConfig& cfg, const metrics::MetricsRegist
            {"block_bytes", sizes.block_bytes[g]},
            {"host_pool_bytes", g < pools.size() ? pools[g].host_pool_bytes : 0},
            {"bytes_to_host", reg.group_swap_bytes(g, metrics::Direction::kToHost)},
-           {"bytes_to_device", reg.group_swap_bytes(g, metrics::Direction::kToDevice)}};
+           {"bytes_to_device", reg.group_swap_bytes(g, metrics::Direction::kToDevice)},
+           {"storage_bytes_read", reg.group_storage_bytes(g, metrics::Direction::kStorageRead)},
+           {"storage_bytes_written", reg.group_storage_bytes(g, metrics::Direction::kStorageWrite)}};
     if (c.window_tokens != 0) j["window_tokens"] = c.window_tokens;
     // Its stored objects' namespace (a store is shared across TP sizes only by a replicated group).
     char fp[17];

@@ -11,6 +11,7 @@
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/status_of.h"
 #include "kvtd/events/kv_events.h"
+#include "kvtd/metrics/registry.h"
 #include "kvtd/ipc/clock.h"
 #include "object_mover.h"
 
@@ -79,11 +80,13 @@ std::optional<Outcome> ObjectMover::load_groups(const Prepared& p, std::byte* sl
       }
     }
     if (host && pool != nullptr) pool->mark_valid(valid);  // each verified object's block holds it
+    const std::uint64_t read_bytes = valid.size() * t_.groups[run.group].object_bytes;
     {
       MutexLock g(mu_);
       moved_.objects_read += valid.size();
-      moved_.bytes_read += valid.size() * t_.groups[run.group].object_bytes;
+      moved_.bytes_read += read_bytes;
     }
+    if (t_.metrics != nullptr) t_.metrics->group_storage_bytes(run.group, metrics::Direction::kStorageRead, read_bytes);
     if (first_bad == nullptr) continue;
     const std::string& key = w.section.keys[p.which[p.units[bad_at].key]];
     const std::string what = "key " + key + " of cache group " + std::to_string(run.group);
@@ -128,6 +131,9 @@ std::optional<Outcome> ObjectMover::write_groups(const Prepared& p, std::byte* s
       ended->message = "cache group " + std::to_string(run.group) + ": " + ended->message;
       return ended;
     }
+    if (t_.metrics != nullptr)
+      t_.metrics->group_storage_bytes(run.group, metrics::Direction::kStorageWrite,
+                                      (run.to - run.from) * t_.groups[run.group].object_bytes);
   }
   if (t_.kv_events != nullptr && keys != 0) {  // rank 0 only: one event per key written, whatever its groups
     std::vector<std::string> stored_keys;

@@ -1,5 +1,5 @@
 // Per cache group figures (a session with cache groups): each group's host pool and the bytes
-// swaps moved of its blocks, labelled by group and kind.
+// swaps and storage tasks moved of it, labelled by group and kind.
 #include <cstdio>
 
 #include "kvtd/base/mutex.h"
@@ -34,6 +34,16 @@ std::uint64_t MetricsRegistry::group_swap_bytes(std::uint32_t group, Direction d
   return group_bytes_[group][d == Direction::kToHost ? 0 : 1].load(std::memory_order_relaxed);
 }
 
+void MetricsRegistry::group_storage_bytes(std::uint32_t group, Direction d, std::uint64_t bytes) {
+  if (group >= kMaxGroups || (d != Direction::kStorageRead && d != Direction::kStorageWrite)) return;
+  group_bytes_[group][static_cast<std::size_t>(d)].fetch_add(bytes, std::memory_order_relaxed);
+}
+
+std::uint64_t MetricsRegistry::group_storage_bytes(std::uint32_t group, Direction d) const {
+  if (group >= kMaxGroups || (d != Direction::kStorageRead && d != Direction::kStorageWrite)) return 0;
+  return group_bytes_[group][static_cast<std::size_t>(d)].load(std::memory_order_relaxed);
+}
+
 void MetricsRegistry::render_groups(std::string& out) const {
   const std::vector<GroupFigures> groups = cache_groups();
   if (groups.empty()) return;
@@ -48,6 +58,14 @@ void MetricsRegistry::render_groups(std::string& out) const {
     for (int d = 0; d < 2; ++d)
       line(out, "kvtd_cache_group_swap_bytes_total{group=\"%zu\",kind=\"%s\",direction=\"%s\"} %llu\n", i,
            groups[i].kind.c_str(), d == 0 ? "to_host" : "to_device",
+           static_cast<unsigned long long>(group_bytes_[i][static_cast<std::size_t>(d)].load(std::memory_order_relaxed)));
+  out += "# HELP kvtd_cache_group_storage_bytes_total Bytes storage tasks moved of each cache group's objects, by "
+         "direction.\n"
+         "# TYPE kvtd_cache_group_storage_bytes_total counter\n";
+  for (std::size_t i = 0; i < groups.size(); ++i)
+    for (int d = 2; d < 4; ++d)
+      line(out, "kvtd_cache_group_storage_bytes_total{group=\"%zu\",kind=\"%s\",direction=\"%s\"} %llu\n", i,
+           groups[i].kind.c_str(), d == 2 ? "read" : "written",
            static_cast<unsigned long long>(group_bytes_[i][static_cast<std::size_t>(d)].load(std::memory_order_relaxed)));
 }
 

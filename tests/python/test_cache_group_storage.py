@@ -103,6 +103,15 @@ def test_every_groups_pages_are_stored_and_only_what_each_rule_needs_loads_back(
     zero(s, groups)
     back = read_ids(groups)
     assert s.wait(s.storage_read(keys, back)).blocks_done == N
+    # Each group's bytes, counted by what moved (kvtd ctl status; /metrics the same counters).
+    sizes = groups.sizes()
+    for r, rank in enumerate(status(c)):
+        for g, got in enumerate(rank["cache_groups"]):
+            stored = sum(b is not None for b in wrote[g])
+            loaded = N if trailing(groups, g) == 0 else min(N, trailing(groups, g))
+            writes = r == 0 or got["stored"] == "by_rank"  # a replicated group: rank 0 writes
+            assert got["storage_bytes_written"] == (stored * sizes[g][0] if writes else 0), (r, g, got)
+            assert got["storage_bytes_read"] == loaded * sizes[g][0], (r, g, got)
     for r in range(groups.num_ranks):
         for g in range(len(groups.groups)):
             need = trailing(groups, g)
@@ -133,11 +142,16 @@ def test_a_load_that_names_no_block_where_a_rule_needs_one_stops_before_that_poi
     assert s.wait(s.storage_read(keys, back)).blocks_done == 3
 
 
-def group_dirs(c, tmp_path):
+def status(c):
+    """`kvtd ctl --json status` of every rank."""
     ctl = [os.environ.get("KVTD_BINARY", kvtd.testing.find_binary()), "ctl", "--session", c.suffix]
     out = subprocess.run(ctl + ["--json", "status"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    rank0 = json.loads(out.stdout)[0]["result"]
+    return [r["result"] for r in json.loads(out.stdout)]
+
+
+def group_dirs(c, tmp_path):
+    rank0 = status(c)[0]
     assert rank0["storage"]["objects"] == "by_cache_group"
     return [str(tmp_path / "store" / "m" / g["layout_fingerprint"]) for g in rank0["cache_groups"]]
 

@@ -22,15 +22,22 @@ TEST(GroupMetricsTest, EachGroupsPoolAndSwappedBytesAreLabelledByGroupAndKind) {
   reg.group_swap_bytes(1, Direction::kToDevice, 7);
   reg.group_swap_bytes(1, Direction::kStorageRead, 99);  // not a swap direction: ignored
   reg.group_swap_bytes(9, Direction::kToHost, 99);       // no such group: ignored
+  reg.group_storage_bytes(1, Direction::kStorageWrite, 5);
+  reg.group_storage_bytes(0, Direction::kToHost, 99);    // not a storage direction: ignored
   const std::string text = reg.render();
   for (const std::string want :
        {"kvtd_cache_group_host_pool_bytes{group=\"0\",kind=\"sliding_window\"} 4096\n",
         "kvtd_cache_group_host_pool_bytes{group=\"1\",kind=\"state\"} 1048576\n",
         "kvtd_cache_group_swap_bytes_total{group=\"0\",kind=\"sliding_window\",direction=\"to_host\"} 300\n",
         "kvtd_cache_group_swap_bytes_total{group=\"1\",kind=\"state\",direction=\"to_device\"} 7\n",
-        "kvtd_cache_group_swap_bytes_total{group=\"1\",kind=\"state\",direction=\"to_host\"} 0\n"})
+        "kvtd_cache_group_swap_bytes_total{group=\"1\",kind=\"state\",direction=\"to_host\"} 0\n",
+        "kvtd_cache_group_swap_bytes_total{group=\"1\",kind=\"state\",direction=\"to_device\"} 7\n",
+        "kvtd_cache_group_storage_bytes_total{group=\"1\",kind=\"state\",direction=\"written\"} 5\n",
+        "kvtd_cache_group_storage_bytes_total{group=\"0\",kind=\"sliding_window\",direction=\"read\"} 0\n"})
     EXPECT_NE(text.find(want), std::string::npos) << want << text;
   EXPECT_EQ(reg.group_swap_bytes(1, Direction::kToDevice), 7u);
+  EXPECT_EQ(reg.group_storage_bytes(1, Direction::kStorageWrite), 5u);
+  EXPECT_EQ(reg.group_swap_bytes(1, Direction::kStorageRead), 0u);  // the storage counters stay apart
   if (std::system("command -v promtool > /dev/null 2>&1") != 0) GTEST_SKIP() << "promtool is not installed";
   const std::string file = ::testing::TempDir() + "/group_metrics.prom";
   { std::ofstream(file) << text; }

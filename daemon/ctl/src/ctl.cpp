@@ -67,11 +67,13 @@ void print_status(std::uint32_t rank, const json& r) {
               errors.empty() ? "" : ("\n         last error: " + errors.back().get<std::string>()).c_str());
   for (const auto& g : r.value("cache_groups", json::array()))  // a cache of several groups: one line each
     std::printf("         group %u %-14s %3u layers  %lld device / %u host blocks of %s  host pool %s  to host %s  "
-                "to device %s\n",
+                "to device %s  stored read %s written %s\n",
                 g["group"].get<unsigned>(), g["kind"].get<std::string>().c_str(), g["layers"].get<unsigned>(),
                 g["device_blocks"].get<long long>(), g["host_blocks"].get<unsigned>(),
                 gb(g["block_bytes"].get<std::uint64_t>()).c_str(), gb(g["host_pool_bytes"].get<std::uint64_t>()).c_str(),
-                gb(g["bytes_to_host"].get<std::uint64_t>()).c_str(), gb(g["bytes_to_device"].get<std::uint64_t>()).c_str());
+                gb(g["bytes_to_host"].get<std::uint64_t>()).c_str(), gb(g["bytes_to_device"].get<std::uint64_t>()).c_str(),
+                gb(g.value("storage_bytes_read", std::uint64_t{0})).c_str(),
+                gb(g.value("storage_bytes_written", std::uint64_t{0})).c_str());
 }
 
 // One line per rank for `storage gc`.

@@ -59,6 +59,9 @@ class MetricsRegistry {
   // Bytes a swap moved of cache group `group`'s blocks (direction kToHost or kToDevice).
   void group_swap_bytes(std::uint32_t group, Direction d, std::uint64_t bytes);
   std::uint64_t group_swap_bytes(std::uint32_t group, Direction d) const;
+  // Bytes storage tasks moved of cache group `group`'s objects (kStorageRead or kStorageWrite).
+  void group_storage_bytes(std::uint32_t group, Direction d, std::uint64_t bytes);
+  std::uint64_t group_storage_bytes(std::uint32_t group, Direction d) const;
   std::vector<GroupFigures> cache_groups() const;
   static constexpr std::uint32_t kMaxGroups = 8;  // proto::kMaxGroups
   // What the storage tier counted, for kvtd_storage_operations_total. The registry knows no store:
@@ -143,7 +146,8 @@ class MetricsRegistry {
   std::atomic<std::uint64_t> host_pool_pin_waits_{0};
   std::atomic<std::uint64_t> host_pool_pin_wait_ns_{0};
   std::atomic<std::uint64_t> ring_depth_{0};
-  std::array<std::array<std::atomic<std::uint64_t>, 2>, kMaxGroups> group_bytes_{};  // [group][to host, to device]
+  // [group][Direction]: swaps (to host, to device) and storage tasks (read, written).
+  std::array<std::array<std::atomic<std::uint64_t>, 4>, kMaxGroups> group_bytes_{};
   std::vector<GroupFigures> groups_ GUARDED_BY(store_mu_);
   void render_groups(std::string& out) const;
   // [kind][0 hit, 1 miss] for the lookup kinds; [status][0 peer, 1 this rank].
