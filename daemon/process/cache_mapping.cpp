@@ -87,6 +87,7 @@ Result<AttachedCache, DeviceErrc> attach_groups(const proto::CacheGroups& gs, Te
   AttachedCache out;
   out.group_session = true;
   const proto::GroupIdSpace ids = proto::id_space(gs);
+  const proto::GroupSizes sizes = proto::group_sizes(gs);
   for (std::uint32_t g = 0; g < gs.num_groups; ++g) {
     const proto::CacheGroup& group = gs.groups[g];
     HostPool& pool = *pools.at(g);
@@ -97,6 +98,7 @@ Result<AttachedCache, DeviceErrc> attach_groups(const proto::CacheGroups& gs, Te
     stored.host_base = ids.host_base[g];
     stored.trailing = proto::trailing_pages(group, gs.page_tokens);
     stored.replicated = proto::group_replicated(gs, g);
+    stored.object_bytes = sizes.block_bytes[g];  // one block of the group, every layer and tensor
     c.pool = &pool;
     c.device_blocks = group.device_blocks;
     c.host_blocks = group.host_blocks;
@@ -120,7 +122,6 @@ Result<AttachedCache, DeviceErrc> attach_groups(const proto::CacheGroups& gs, Te
         stored.device_tensors.push_back(kernels::LayerTensor{*dev, bb, bb});
         stored.host_tensors.push_back(host == nullptr ? kernels::LayerTensor{*dev, bb, bb}
                                                       : kernels::LayerTensor{host, bb, pool.stride(tensor)});
-        stored.object_bytes += bb;
       }
       ++local;
     }

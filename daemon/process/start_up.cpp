@@ -82,13 +82,6 @@ Result<OpenedStore, config::ConfigErrc> open_store(const config::DaemonConfig& c
   return out;
 }
 
-// The staging the flags give must hold one key's objects per worker: "" or the problem.
-std::string staging_check(const config::StorageConfig& sc, std::uint64_t key_bytes) {
-  config::StorageConfig sized = sc;
-  sized.io_threads = storage_io_threads(sc, key_bytes, std::thread::hardware_concurrency());
-  return staging_problem(sized, key_bytes);
-}
-
 // The stores of this rank: one namespace for a single-shape cache; one per cache group (its
 // objects one block of the group, --storage-capacity-gib shared by their bytes per key).
 std::optional<int> open_stores(const config::DaemonConfig& cfg, Services& s) {
@@ -110,7 +103,7 @@ std::optional<int> open_stores(const config::DaemonConfig& cfg, Services& s) {
     spaces.push_back(Namespace{layout_fingerprint(s.geometry, s.slicing), staged / s.slicing.parts, 1.0});
   }
   if (cfg.storage.backend == config::StorageBackendKind::kNone) return std::nullopt;
-  if (auto why = staging_check(cfg.storage, staged); !why.empty()) {
+  if (auto why = staging_problem(cfg.storage, staged); !why.empty()) {
     KVTD_ERROR("storage: {}", why);
     return kExitBadFlags;
   }
@@ -208,9 +201,7 @@ void log_pool_room(const config::DaemonConfig& cfg, const Services& s) {
 std::optional<int> open_servers(const config::DaemonConfig& cfg, std::atomic<bool>& stop, Services& s) {
   if (s.store) {
     // Every namespace of this rank (a group session's one per cache group) counts.
-    std::vector<const storage::ObjectStore*> stores{s.store.get()};
-    for (const auto& g : s.group_stores) stores.push_back(g.get());
-    s.registry.set_store_figures([stores] {
+    s.registry.set_store_figures([stores = s.stores()] {
       metrics::MetricsRegistry::StoreFigures f{};
       f.sized = true;
       for (const storage::ObjectStore* store : stores) {
@@ -256,11 +247,8 @@ std::optional<int> open_servers(const config::DaemonConfig& cfg, std::atomic<boo
     KVTD_INFO("Prometheus metrics on http://{}:{}/metrics, health probes on /healthz and /readyz", cfg.metrics_address,
               s.metrics_server->port());
   }
-  std::vector<storage::ObjectStore*> stores;
-  if (s.store) stores.push_back(s.store.get());
-  for (const auto& g : s.group_stores) stores.push_back(g.get());
   auto control = start_control(cfg, s.registry, s.store_name, s.control_state, stop, health_routes(sources),
-                               std::move(stores), s.kv_events.get());
+                               s.stores(), s.kv_events.get());
   if (!control.ok() && control.error().code != control::ControlErrc::kInUse) {
     KVTD_ERROR("{}", control.error().message);
     return kExitBadFlags;

@@ -41,6 +41,13 @@ struct Services {
   storage::ObjectStore* store_of_group(std::uint32_t g) const {
     return g == 0 ? store.get() : group_stores.at(g - 1).get();
   }
+  // Every namespace's store of this rank, `store` first (empty without a store).
+  std::vector<storage::ObjectStore*> stores() const {
+    std::vector<storage::ObjectStore*> out;
+    if (store) out.push_back(store.get());
+    for (const auto& g : group_stores) out.push_back(g.get());
+    return out;
+  }
   std::unique_ptr<storage::ObjectStore> probe_store;  // Redis: the probe's own connections; else null
   std::string store_name;
   metrics::MetricsRegistry registry;  // counters survive sessions

@@ -68,11 +68,11 @@ control::Reply collect_storage(const config::DaemonConfig& cfg, const std::vecto
     reply.error = why;
     return reply;
   }
-  request.keep_fingerprint = layout_fingerprint(cfg.geometry(), slicing);
   if (proto::is_group_session(cfg.cache_groups)) {  // every group's namespace is this deployment's
-    request.keep_fingerprint = group_fingerprint(cfg.cache_groups, 0);
-    for (std::uint32_t g = 1; g < cfg.cache_groups.num_groups; ++g)
-      request.also_keep_fingerprints.push_back(group_fingerprint(cfg.cache_groups, g));
+    for (std::uint32_t g = 0; g < cfg.cache_groups.num_groups; ++g)
+      request.keep_fingerprints.push_back(group_fingerprint(cfg.cache_groups, g));
+  } else {
+    request.keep_fingerprints = {layout_fingerprint(cfg.geometry(), slicing)};
   }
   request.dry_run = gc.dry_run;
   request.deadline_ns = ipc::monotonic_now_ns() + static_cast<std::int64_t>(gc.max_seconds * 1e9);

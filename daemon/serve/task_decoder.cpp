@@ -105,9 +105,7 @@ DecodedRecord& decode_storage(DecodedRecord& d, std::span<const std::int32_t> se
   if ((h.flags & proto::kTaskFlagBackupPair) != 0) d.work.backup_of_swap = h.after_task_id;
   d.work.storage_work.section = std::move(sec).value();
   d.work.storage_work.blocks.assign(ids.begin(), ids.end());
-  auto& held = host ? d.work.host_ids : d.work.device_ids;  // the blocks the task reads or writes
-  for (const std::int32_t id : ids)
-    if (id >= 0) held.push_back(id);
+  (host ? d.work.host_ids : d.work.device_ids) = d.work.storage_work.named_blocks();
   return d;
 }
 

@@ -88,9 +88,8 @@ void TaskRunner::Impl::maybe_summarize(RunnerStats& last, std::int64_t& at) {
 void TaskRunner::Impl::release_storage(const StorageWork& sw) {
   Work w;
   w.header = sw.header;
-  auto& held = (sw.header.flags & proto::kTaskFlagHostBlocks) ? w.host_ids : w.device_ids;
-  for (const std::int32_t id : sw.blocks)
-    if (id >= 0) held.push_back(id);  // what the decoder tracked: a group session's -1 names no block
+  // What the decoder tracked: a group session's -1 names no block.
+  ((sw.header.flags & proto::kTaskFlagHostBlocks) ? w.host_ids : w.device_ids) = sw.named_blocks();
   tracker.release(tracked_task(w), kStorageLane);
 }
 

@@ -91,10 +91,8 @@ bool StorageExecutor::Impl::agree_groups(Prepared& p, std::vector<std::size_t> w
   std::vector<std::vector<bool>> here(num_groups);
   if (!group_presence(p, key_prefix, group_names, here)) return false;
   auto block = [&](std::uint32_t g, std::uint32_t i) { return group_block(t, w, g, p.which[i]); };
-  // A load's page counts only where the task gives it a block; a query asks what is stored.
-  auto present = [&](std::uint32_t g, std::uint32_t i) {
-    return here[g][i] && (kind == TaskKind::kStorageQuery || block(g, i) >= 0);
-  };
+  // A load's page counts only where the task gives it a block: group_presence asked no other.
+  auto present = [&](std::uint32_t g, std::uint32_t i) { return here[g][i]; };
   auto agreed = agree_on(w, local_answer(kind, n, present, block, here), p.start);
   if (!agreed) return false;
   p.agreed = *agreed;

@@ -67,7 +67,7 @@ std::optional<Outcome> ObjectMover::load_groups(const Prepared& p, std::byte* sl
     if (host && pool != nullptr) pool->mark_invalid(ids);
     auto got = load_chunk(group_target(run.group, host), host, ids,
                           std::span(p.stored).subspan(run.from, run.to - run.from), slice);
-    if (got.ended) return Outcome::stopped(got.ended->status, 0, got.ended->message);
+    if (got.ended) return got.ended;  // failed: no block counts as loaded
     std::vector<std::int32_t> valid;
     const storage::KeyResult* first_bad = nullptr;
     std::size_t bad_at = 0;
@@ -107,13 +107,15 @@ std::optional<Outcome> ObjectMover::write_groups(const Prepared& p, std::byte* s
   const std::uint64_t keys = p.which.size() - p.agreed;
   if (auto late = stale_backup(p)) return late;
   const auto runs = group_runs(p);
-  if (host)
-    for (const GroupRun& run : runs)
-      if (HostPool* pool = t_.groups[run.group].pool; pool != nullptr)
-        if (auto bad = pool->first_invalid(run_ids(p, run)))
-          return Outcome::failed(TaskStatus::kHostTierLost,
-                                 "host block " + std::to_string(*bad) + " of cache group " + std::to_string(run.group) +
-                                     " holds no data written in this session; nothing stored");
+  std::vector<std::vector<std::int32_t>> ids;  // each run's blocks
+  for (const GroupRun& run : runs) {
+    ids.push_back(run_ids(p, run));
+    if (HostPool* pool = t_.groups[run.group].pool; host && pool != nullptr)
+      if (auto bad = pool->first_invalid(ids.back()))
+        return Outcome::failed(TaskStatus::kHostTierLost,
+                               "host block " + std::to_string(*bad) + " of cache group " + std::to_string(run.group) +
+                                   " holds no data written in this session; nothing stored");
+  }
   const bool in_place = t_.store->capabilities().writes_pieces && (host || copies_.tensors_host_accessible());
   for (std::size_t r = 0; r < runs.size(); ++r) {
     const GroupRun& run = runs[r];
@@ -126,7 +128,7 @@ std::optional<Outcome> ObjectMover::write_groups(const Prepared& p, std::byte* s
           .with_skipped(skipped);
     // One copy of a replicated group is enough: rank 0's, under rank 0's name.
     if (t_.groups[run.group].replicated && ep_.rank() != 0) continue;
-    if (auto ended = write_objects(group_target(run.group, host), host, run_ids(p, run),
+    if (auto ended = write_objects(group_target(run.group, host), host, ids[r],
                                    std::span(p.stored).subspan(run.from, run.to - run.from), in_place, slice)) {
       ended->message = "cache group " + std::to_string(run.group) + ": " + ended->message;
       return ended;

@@ -157,8 +157,8 @@ class CacheGroups:
         out: List[int] = []
         for g, blocks in enumerate(per_group):
             side, count = (1, self.groups[g].host_blocks) if host else (0, self.groups[g].device_blocks)
-            for b in blocks:
-                out += [-1] if b is None else self._ids(g, [b], side, count, "host" if host else "device")
+            named = iter(self._ids(g, [b for b in blocks if b is not None], side, count, "host" if host else "device"))
+            out += [-1 if b is None else next(named) for b in blocks]
         return out
 
     def _ids(self, group, blocks, side, count, what):

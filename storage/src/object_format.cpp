@@ -45,9 +45,8 @@ bool gc_keeps(const GcRequest& r, const std::string& own_model, const ObjectName
   if (!kept.empty() && std::find(kept.begin(), kept.end(), object.model) == kept.end())
     return false;  // a model the operator did not name
   if (object.model != own_model) return true;  // another model's layouts and names are its own business
-  if (object.fingerprint != r.keep_fingerprint &&
-      std::find(r.also_keep_fingerprints.begin(), r.also_keep_fingerprints.end(), object.fingerprint) ==
-          r.also_keep_fingerprints.end())
+  const auto& kept_layouts = r.keep_fingerprints;
+  if (std::find(kept_layouts.begin(), kept_layouts.end(), object.fingerprint) == kept_layouts.end())
     return false;  // a layout this deployment no longer has
   return !r.keep_name || r.keep_name(object.name);
 }

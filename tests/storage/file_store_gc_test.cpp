@@ -18,7 +18,7 @@ std::string name(int i, int weight_version) { return "k" + std::to_string(i) + "
 
 GcRequest keep_version(int weight_version, std::uint64_t fingerprint = 0xabcdef) {
   GcRequest r;
-  r.keep_fingerprint = fingerprint;
+  r.keep_fingerprints = {fingerprint};
   const std::string tail = "-" + std::to_string(weight_version) + ".r0";
   r.keep_name = [tail](const std::string& n) { return n.size() > tail.size() && n.compare(n.size() - tail.size(), tail.size(), tail) == 0; };
   return r;
@@ -148,7 +148,7 @@ TEST_F(FileStoreGc, APassedDeadlineStopsTheWalkAndSaysSo) {
 }
 
 // A session of cache groups stores each group in a namespace of its own: a collection keeps all
-// of them (GcRequest::also_keep_fingerprints), and still removes a layout the deployment left.
+// of them (GcRequest::keep_fingerprints), and still removes a layout the deployment left.
 TEST_F(FileStoreGc, EveryCacheGroupsNamespaceIsKept) {
   auto group0 = open(options());
   auto group1 = open(options(0, nullptr, "llama", 0x2222));
@@ -157,7 +157,7 @@ TEST_F(FileStoreGc, EveryCacheGroupsNamespaceIsKept) {
   put_one(*group1, name(0, 1), object(2));
   put_one(*gone, name(0, 1), object(3));
   auto request = keep_version(1);
-  request.also_keep_fingerprints = {0x2222};
+  request.keep_fingerprints.push_back(0x2222);
   auto done = group0->collect(request);
   ASSERT_TRUE(done.ok()) << done.error().message;
   EXPECT_EQ(done->removed, 1u);  // the layout no group has

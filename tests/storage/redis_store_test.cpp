@@ -262,7 +262,7 @@ TEST(RedisPassword, ComesFromAnEnvironmentVariableOrAFile) {
 // Garbage collection by SCAN (never KEYS) and objects that expire on their own.
 GcRequest keep_version(int weight_version) {
   GcRequest r;
-  r.keep_fingerprint = 0x1234;
+  r.keep_fingerprints = {0x1234};
   const std::string tail = "-v" + std::to_string(weight_version);
   r.keep_name = [tail](const std::string& n) { return n.size() > tail.size() && n.compare(n.size() - tail.size(), tail.size(), tail) == 0; };
   return r;

@@ -107,13 +107,18 @@ class StorageExecutorTest : public ::testing::Test {
     engine_.reset();
   }
 
-  std::uint64_t submit(TaskKind kind, std::uint64_t id, const std::vector<std::string>& keys) {
+  // Task `id` of `kind` over `keys` on rank 0, next in ring order (its blocks left to the caller).
+  StorageWork work(TaskKind kind, std::uint64_t id, const std::vector<std::string>& keys) {
     StorageWork w;
     w.header.task_id = id;
     w.header.seq = ++seq_;
     w.header.kind = static_cast<std::uint16_t>(kind);
     w.epoch = ep_->epoch();
     w.section.keys = keys;
+    return w;
+  }
+  std::uint64_t submit(TaskKind kind, std::uint64_t id, const std::vector<std::string>& keys) {
+    StorageWork w = work(kind, id, keys);
     for (std::size_t i = 0; i < keys.size(); ++i) w.blocks.push_back(static_cast<std::int32_t>(i));
     exec_->submit(std::move(w));
     return id;
@@ -412,12 +417,7 @@ class GroupStorageTest : public StorageExecutorTest {
   // `keys` with full-attention blocks `full` and state slots `state` (-1: none), group-major.
   std::uint64_t submit_groups(TaskKind kind, std::uint64_t id, const std::vector<std::string>& keys,
                               const std::vector<std::int32_t>& full, const std::vector<std::int32_t>& state) {
-    StorageWork w;
-    w.header.task_id = id;
-    w.header.seq = ++seq_;
-    w.header.kind = static_cast<std::uint16_t>(kind);
-    w.epoch = ep_->epoch();
-    w.section.keys = keys;
+    StorageWork w = work(kind, id, keys);
     w.blocks = full;
     for (auto s : state) w.blocks.push_back(s < 0 ? -1 : static_cast<std::int32_t>(kBlocks) + s);
     exec_->submit(std::move(w));

@@ -48,29 +48,6 @@ bool loads(const GroupRule& r, std::size_t i, std::size_t n) {
   return r.trailing == 0 || i + r.trailing >= n;
 }
 
-std::optional<engine::TaskResult> one_task(EngineSession& s, TaskKind kind, const std::vector<std::string>& keys,
-                                           const std::vector<std::int32_t>& blocks, double timeout_s) {
-  engine::TaskRequest req;
-  req.kind = kind;
-  req.keys = keys;
-  req.blocks = blocks;
-  req.submit_timeout_ns = static_cast<std::int64_t>(timeout_s * 1e9);
-  auto id = s.submit(req);
-  auto r = id.ok() ? s.wait(*id, static_cast<std::int64_t>(timeout_s * 1e9)) : std::move(id).error();
-  if (!r.ok() || !r->ok()) {
-    std::fprintf(stderr, "%s: %s\n", proto::task_kind_name(kind),
-                 !r.ok() ? r.error().message.c_str() : r->failures[0].message.c_str());
-    return std::nullopt;
-  }
-  return *r;
-}
-
-std::vector<std::string> keys_of(const std::string& prefix, std::size_t first, std::size_t n) {
-  std::vector<std::string> k;
-  for (std::size_t i = 0; i < n; ++i) k.push_back(prefix + "-" + std::to_string(first + i));
-  return k;
-}
-
 }  // namespace
 
 std::vector<std::int32_t> group_key_blocks(const EngineSession& s, std::size_t n) {
@@ -102,11 +79,11 @@ int run_group_storage_verify(EngineSession& s, const Options& o) {
                  static_cast<long long>(room));
     return 2;
   }
-  const auto keys = keys_of(o.key_prefix, 0, n);
+  const auto keys = block_keys(o.key_prefix, 0, n);
   const auto t0 = Clock::now();
-  auto w = one_task(s, TaskKind::kStorageWrite, keys, task_blocks(bgs, rules, n, 0, 0), o.task_timeout_s);
+  auto w = storage_task(s, TaskKind::kStorageWrite, keys, task_blocks(bgs, rules, n, 0, 0), false, o.task_timeout_s);
   if (!w || w->blocks_done + w->blocks_skipped != n) return 1;
-  auto q = one_task(s, TaskKind::kStorageQuery, keys, {}, o.task_timeout_s);
+  auto q = storage_task(s, TaskKind::kStorageQuery, keys, {}, false, o.task_timeout_s);
   if (!q || q->blocks_done != n) {
     std::fprintf(stderr, "storage-verify: query found %llu of %zu keys loadable on every rank\n",
                  q ? static_cast<unsigned long long>(q->blocks_done) : 0ull, n);
@@ -119,8 +96,8 @@ int run_group_storage_verify(EngineSession& s, const Options& o) {
   });
   if (!c.push()) return 1;
   constexpr std::int64_t state_into = 1;
-  auto rd = one_task(s, TaskKind::kStorageRead, keys,
-                     task_blocks(bgs, rules, n, static_cast<std::int64_t>(n), state_into), o.task_timeout_s);
+  auto rd = storage_task(s, TaskKind::kStorageRead, keys,
+                         task_blocks(bgs, rules, n, static_cast<std::int64_t>(n), state_into), false, o.task_timeout_s);
   if (!rd || rd->blocks_done != n || !c.pull()) return 1;
   std::uint64_t verified = 0;
   bool bad = false;
@@ -166,7 +143,8 @@ int run_group_storage_throughput(EngineSession& s, const Options& o) {
     const auto t0 = Clock::now();
     for (std::size_t done = 0; done < total; done += per_task) {
       const std::size_t m = std::min(per_task, total - done);
-      auto r = one_task(s, kind, keys_of(prefix, done, m), task_blocks(bgs, rules, m, 0, 0), o.task_timeout_s);
+      auto r = storage_task(s, kind, block_keys(prefix, done, m), task_blocks(bgs, rules, m, 0, 0), false,
+                            o.task_timeout_s);
       if (!r || r->blocks_done != m) return false;
       for (std::size_t g = 0; g < bgs.size(); ++g)
         for (std::size_t i = 0; i < m; ++i)

@@ -10,13 +10,6 @@
 #include <numeric>
 
 namespace kvtd::loadgen {
-namespace {
-
-std::vector<std::int32_t> range_ids(std::int32_t first, std::size_t n) {
-  std::vector<std::int32_t> v(n);
-  std::iota(v.begin(), v.end(), first);
-  return v;
-}
 
 std::vector<std::string> block_keys(const std::string& prefix, std::size_t first, std::size_t n) {
   std::vector<std::string> k;
@@ -24,10 +17,9 @@ std::vector<std::string> block_keys(const std::string& prefix, std::size_t first
   return k;
 }
 
-// One storage task, synchronously; the merged result, or nullopt after printing why it failed.
 std::optional<engine::TaskResult> storage_task(EngineSession& s, TaskKind kind, const std::vector<std::string>& keys,
                                             const std::vector<std::int32_t>& blocks, bool host, double timeout_s,
-                                            std::uint32_t min_hits = 0) {
+                                            std::uint32_t min_hits) {
   engine::TaskRequest req;
   req.kind = kind;
   req.keys = keys;
@@ -52,6 +44,14 @@ std::optional<engine::TaskResult> storage_task(EngineSession& s, TaskKind kind, 
     return std::nullopt;
   }
   return *r;
+}
+
+namespace {
+
+std::vector<std::int32_t> range_ids(std::int32_t first, std::size_t n) {
+  std::vector<std::int32_t> v(n);
+  std::iota(v.begin(), v.end(), first);
+  return v;
 }
 
 // Checks that device blocks dst[i] hold the pattern of block orig[i] on every rank.

@@ -6,9 +6,20 @@
 //   storage-latency:    STORAGE_QUERY of one stored key: the agreement round trip, p50/p99.
 #pragma once
 
+#include <optional>
+#include <string>
+#include <vector>
+
 #include "loadgen_common.h"
 
 namespace kvtd::loadgen {
+
+// Keys "<prefix>-<first>" ... "<prefix>-<first + n - 1>".
+std::vector<std::string> block_keys(const std::string& prefix, std::size_t first, std::size_t n);
+// One storage task, synchronously; the merged result, or nullopt after printing why it failed.
+std::optional<engine::TaskResult> storage_task(EngineSession& s, TaskKind kind, const std::vector<std::string>& keys,
+                                               const std::vector<std::int32_t>& blocks, bool host, double timeout_s,
+                                               std::uint32_t min_hits = 0);
 
 int run_storage_verify(EngineSession& s, const Options& o);
 int run_storage_throughput(EngineSession& s, const Options& o);

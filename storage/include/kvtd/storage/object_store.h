@@ -58,15 +58,13 @@ struct StoreStats {
 
 // What a garbage collection keeps. An object is removed when its model is not in
 // `keep_models` (only when that list is non-empty: other models are left alone otherwise),
-// when it is of this model but another layout than `keep_fingerprint` (and those of
-// `also_keep_fingerprints`: a session of cache groups stores each group in a namespace of its
-// own), or when keep_name (given
+// when it is of this model but a layout not in `keep_fingerprints` (one, or a session of cache
+// groups' one per group: each group is a namespace of its own), or when keep_name (given
 // the object's name within its namespace) says no. Objects of a name kvtd did not make, and
 // temporaries, are never touched.
 struct GcRequest {
   std::vector<std::string> keep_models;
-  std::uint64_t keep_fingerprint = 0;
-  std::vector<std::uint64_t> also_keep_fingerprints;
+  std::vector<std::uint64_t> keep_fingerprints;
   std::function<bool(const std::string& name)> keep_name;  // empty: every name of a kept namespace stays
   std::int64_t deadline_ns = 0;  // CLOCK_MONOTONIC; the walk stops there (0: no limit)
   bool dry_run = false;          // count what would go, remove nothing

@@ -66,7 +66,8 @@ std::uint64_t layout_fingerprint(const proto::CacheGeometry& g, const proto::Obj
 // The layout fingerprint of cache group `g`'s stored objects (each group of a session is a
 // namespace of its own, its objects one block of every layer and tensor of the group): its kind,
 // tensors, layers, tokens per block and window, and the TP size unless the group is replicated
-// (MLA latent: every TP size reads rank 0's objects). Not the block counts. `gs` passed
+// (proto::group_replicated: an MLA latent, an indexer beside it; every TP size reads rank 0's
+// objects). Not the block counts. `gs` passed
 // geometry_problem.
 std::uint64_t group_fingerprint(const proto::CacheGroups& gs, std::uint32_t g);
 
@@ -105,10 +106,10 @@ struct StorageTargets {
   // each. Default: one object of the whole block, by rank.
   proto::ObjectSlicing slicing;
   std::uint64_t object_bytes = 0;
-  // Bytes one key moves on this rank: every part of its block (a group session: every group's).
   // The bytes a worker's staging slice must hold at least: a key's objects, or a group session's
   // largest object (phase 2 moves one group's objects at a time).
   std::uint64_t staged_bytes() const { return groups.empty() ? key_bytes() : object_bytes; }
+  // Bytes one key moves on this rank: every part of its block (a group session: every group's).
   std::uint64_t key_bytes() const {
     if (groups.empty()) return object_bytes * slicing.parts;
     std::uint64_t sum = 0;
@@ -136,6 +137,13 @@ struct StorageWork {
   // One per key; a group session's: one per key and group, group-major (group g's block of key
   // k at g x keys + k, in the task's id space), -1 where the group has none.
   std::vector<std::int32_t> blocks;
+  // The blocks the task reads or writes: `blocks` without the -1 entries (what its hazards hold).
+  std::vector<std::int32_t> named_blocks() const {
+    std::vector<std::int32_t> out;
+    for (const std::int32_t id : blocks)
+      if (id >= 0) out.push_back(id);
+    return out;
+  }
   // Completed already with this status (cancelled while it waited in the dispatcher, or a backup
   // skipped on arrival), its blocks released: phase 1 only aborts and leaves its agreement, in
   // ring order as every task does.
