@@ -11,8 +11,11 @@
 # processes, GB/s by direction and block size over the daemon's shared-memory host pool,
 # pinning time, the daemon's own device memory), then page_first and layer by layer; the demo check with
 # the engine's tensors in device memory and two CUDA daemons; one daemon under kvtd-loadgen with
-# device tensors (verify, one-block round trip, 16 and 128 blocks a task: scripts/gpu/
-# through_daemon.sh), in the default scatter mode and in kernel mode; the Python client (real torch CUDA
+# device tensors (verify, one-block round trip, 16 and 128 blocks a task, the Python client in the
+# same shape: scripts/gpu/through_daemon.sh), in the default scatter mode and in kernel mode; what
+# --verify-swaps costs (scripts/gpu/verify_cost.sh); storage tasks between a file store and device
+# blocks next to the HiCacheFile peer (scripts/gpu/storage_device.sh); a 32 GiB host pool's time to
+# its first swap (scripts/gpu/pool_start.sh); the Python client (real torch CUDA
 # tensors on a GPU, scripts/gpu/torch_check.py; the stand-in's driver on cudasim); memcheck of the
 # kernels where compute-sanitizer exists. Exit status: 0 when nothing failed, 1 otherwise.
 #
@@ -21,13 +24,14 @@
 # --bin whether it is a build tree or a flat staged folder; the tests it runs take KVTD_BINARY,
 # KVTD_LOADGEN, KVTD_BIN_DIR and KVTD_CLIENT_LIBRARY (as .gpu/env.sh sets them) before the build
 # paths compiled into them. KVTD_SCATTER_MODE is for scripts/gpu/through_daemon.sh, set per step.
+# KVTD_GPU_CHECK_LOGS=DIR keeps each step's whole output in DIR (otherwise a temporary folder).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bin=${KVTD_BUILD_DIR:-$root/build-sim}
 while [ $# -gt 0 ]; do
   case $1 in
     --bin) bin=$2; shift 2 ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set /p' "$0" | sed '$d'; exit 0 ;;
     *) echo "gpu-check: unknown argument '$1' (usage: gpu-check.sh [--bin DIR])" >&2; exit 2 ;;
   esac
 done
@@ -54,8 +58,11 @@ export KVTD_BINARY=${KVTD_BINARY:-$kvtd}
 [ -z "$loadgen" ] || export KVTD_LOADGEN=${KVTD_LOADGEN:-$loadgen}
 stand_in=0
 [ -n "$(find_prog cudasim_test)" ] && stand_in=1
-log=$(mktemp -d)
-trap 'rm -rf "$log"' EXIT
+if [ -n "${KVTD_GPU_CHECK_LOGS:-}" ]; then  # every step's whole output kept there (a device run's $OUT)
+  log=$KVTD_GPU_CHECK_LOGS; mkdir -p "$log"
+else
+  log=$(mktemp -d); trap 'rm -rf "$log"' EXIT
+fi
 rows=()
 failed=0
 
@@ -101,6 +108,14 @@ if [ -n "$loadgen" ]; then
   step "through the daemon (loadgen, device tensors)" 600 "$root/scripts/gpu/through_daemon.sh" "$kvtd" "$loadgen" "${small[@]}"
   step "through the daemon, kernel mode" 600 env KVTD_SCATTER_MODE=kernel "$root/scripts/gpu/through_daemon.sh" "$kvtd" \
     "$loadgen" "${small[@]}"
+  # What --verify-swaps costs (off, full, sampled alternating), storage between a file store and
+  # device blocks next to the HiCacheFile peer, and a 32 GiB host pool's time to its first swap.
+  step "verify-swaps cost, kernel mode" 600 env KVTD_SCATTER_MODE=kernel "$root/scripts/gpu/verify_cost.sh" "$kvtd" \
+    "$loadgen" "${small[@]}"
+  step "verify-swaps cost, default mode" 600 "$root/scripts/gpu/verify_cost.sh" "$kvtd" "$loadgen" "${small[@]}"
+  step "storage into device blocks (file store)" 600 env KVTD_PYTHON="$python" "$root/scripts/gpu/storage_device.sh" \
+    "$kvtd" "$loadgen" "${small[@]}"
+  step "host pool start-up (32 GiB)" 600 "$root/scripts/gpu/pool_start.sh" "$kvtd" "$loadgen" 32 "${small[@]}"
 else
   skip "demo check" "no kvtd-loadgen under $bin"
 fi
@@ -145,6 +160,13 @@ grep -hE '^(FIGURE|CHECK)' "$log"/python_client*.log 2>/dev/null | sed 's/^/  /'
 for f in "$log"/through_the_daemon*.log; do  # one daemon, device tensors: each figure with its mode
   [ -f "$f" ] || continue
   m=$(grep -m1 '^scatter mode' "$f" | sed 's/^scatter mode: //')
-  grep -hE '^(latency|throughput)( breakdown \(| ratio:|:)' "$f" | sed "s/^/  [$m] /"
+  grep -hE '^(latency|throughput)( breakdown \(| ratio:|:| python client:)' "$f" | sed "s/^/  [$m] /"
 done
+for f in "$log"/verify_swaps_cost*.log; do
+  [ -f "$f" ] || continue
+  m=$(grep -m1 '^scatter mode' "$f" | sed 's/^scatter mode: //')
+  grep -hE '^verify-swaps cost:' "$f" | sed "s/^/  [$m] /"
+done
+grep -hE '^storage device blocks' "$log"/storage_into*.log 2>/dev/null | sed 's/^/  /'
+grep -hE '^(host pool of|  )' "$log"/host_pool*.log 2>/dev/null | sed 's/^/  /'
 exit $failed

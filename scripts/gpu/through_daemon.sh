@@ -38,4 +38,18 @@ rates=$(sed -n 's/^throughput: .* swap \([0-9.]*\) GB\/s per rank.*/\1/p' "$out"
 read -r r16 r128 <<< "$rates"
 [ -n "${r16:-}" ] && [ -n "${r128:-}" ] &&
   echo "throughput ratio: 16-block tasks $r16 GB/s / 128-block tasks $r128 GB/s = $(awk -v a="$r16" -v b="$r128" 'BEGIN { printf "%.2f", a / b }')x (goal >= 0.9)"
+# The Python client in the same shape (torch CUDA tensors, one task in flight, alternating out and
+# in): its cost over the C++ client's at 32 and 256 MiB tasks (goal: within 10% from 8 MiB up).
+python=${KVTD_PYTHON:-/usr/bin/python3}
+if [ ${#small[@]} -eq 0 ] && "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  for per in 16 128; do
+    c=$(sed -n 's/^throughput: '"$per"' random blocks.* swap \([0-9.]*\) GB\/s per rank.*/\1/p' "$out")
+    py=$(KVTD_BINARY="$kvtd" "$python" "$(dirname "$0")/../../tools/bench/python_roundtrip.py" --mode throughput \
+      --device cuda --blocks-per-task "$per" --layers 32 --heads 8 --block-size 16 --head-dim 128 --device-blocks "$dev" \
+      --host-blocks "$host" --seconds 4 | sed -n 's/.* swap \([0-9.]*\) GB\/s per rank.*/\1/p')
+    echo "throughput python client: $per blocks a task $py GB/s, C++ $c GB/s = $(awk -v a="$py" -v b="$c" 'BEGIN { printf "%.2f", a / b }')x (goal >= 0.9)"
+  done
+else
+  echo "(python client figure skipped: no torch with CUDA in $python, or --small)"
+fi
 echo "through the daemon: OK"

@@ -4,7 +4,8 @@ so the figures side by side are the cost of the Python layer. --mode latency: on
 SWAP_TO_HOST round trips, submit + wait (1 layer, 2 KiB key + 2 KiB value per block, as `--mode
 latency`). --mode throughput: tasks of --blocks-per-task random blocks, one in flight,
 alternating out and in (32 layers x K/V of 128 KiB block-tensors, 128 device and 96 host blocks,
-as bench.sh's `--mode throughput` section), GB/s per rank as the median of 5 rounds.
+as bench.sh's `--mode throughput` section; --device cuda: torch CUDA tensors of the shape given, as
+scripts/gpu/through_daemon.sh compares with kvtd-loadgen), GB/s per rank as the median of 5 rounds.
 Starts its own daemons. Prints figures; asserts nothing."""
 
 from __future__ import annotations
@@ -44,28 +45,48 @@ def latency(args) -> None:
                   f"p99 {pct(0.99):.1f} us, p99.9 {pct(0.999):.1f} us")
 
 
+def _tensors(s, g, args):
+    """The engine's KV tensors: shared-memory stand-ins (host backend) or torch CUDA tensors, one
+    allocation for every layer as an engine's (kept alive by the returned reference)."""
+    if args.device != "cuda":
+        s.create_host_device_tensors()
+        return None
+    import torch
+    shape = g.key_shape
+    kv = torch.zeros(g.num_layers, 2, *shape, dtype=torch.bfloat16, device="cuda")
+    for layer in range(g.num_layers):
+        s.register_torch_tensor(0, layer, "key", kv[layer, 0])
+        s.register_torch_tensor(0, layer, "value", kv[layer, 1])
+    torch.cuda.synchronize()
+    return kv
+
+
 def throughput(args) -> None:
-    shape = (128, 8, 64, 128)  # 128 KiB per block-tensor in bf16: 8 MiB per block over 32 layers x K/V
-    g = kvtd.Geometry(num_ranks=args.ranks, num_layers=32, key_shape=shape, value_shape=shape, num_host_blocks=96,
-                      dtype="bfloat16")
-    n = args.blocks_per_task
-    block_bytes = 32 * 2 * 8 * 64 * 128 * 2
+    # Default: 128 KiB per block-tensor in bf16 (8 MiB per block over 32 layers x K/V); --device cuda
+    # (scripts/gpu/through_daemon.sh) passes its own shape so the C++ figure beside it is comparable.
+    shape = (args.device_blocks, args.heads, args.block_size, args.head_dim)
+    g = kvtd.Geometry(num_ranks=args.ranks, num_layers=args.layers, key_shape=shape, value_shape=shape,
+                      num_host_blocks=args.host_blocks, dtype="bfloat16")
+    n, ndev, nhost = args.blocks_per_task, args.device_blocks, args.host_blocks
+    block_bytes = args.layers * 2 * args.heads * args.block_size * args.head_dim * 2
     suffix = f"pybench{os.getpid()}"
     rng = random.Random(1)
-    with kvtd.testing.Daemons(None, suffix, g, ["--log-level", "warn"]):
+    extra = ["--log-level", "warn"] + (["--device-backend", "cuda", "--numa-node", "auto"] if args.device == "cuda" else [])
+    extra += ["--scatter-mode", os.environ["KVTD_SCATTER_MODE"]] if os.environ.get("KVTD_SCATTER_MODE") else []
+    with kvtd.testing.Daemons(None, suffix, g, extra):
         with kvtd.Session(suffix, g) as s:
-            s.create_host_device_tensors()
+            keep = _tensors(s, g, args)  # noqa: F841 (the tensors live as long as the session)
             s.publish()
-            s.wait_ready(30)
-            for h in range(0, 96, n):  # every host block written once, so any swap-in reads written bytes
-                hs = list(range(h, min(96, h + n)))
+            s.wait_ready(60)
+            for h in range(0, nhost, n):  # every host block written once, so any swap-in reads written bytes
+                hs = list(range(h, min(nhost, h + n)))
                 s.wait(s.swap_to_host(list(range(len(hs))), hs))
             rates, tasks = [], 0
             for _ in range(5):
                 busy, done = 0.0, 0
                 end = time.perf_counter() + args.seconds / 5
                 while time.perf_counter() < end or done < 2:
-                    d, h = rng.sample(range(128), n), rng.sample(range(96), n)
+                    d, h = rng.sample(range(ndev), n), rng.sample(range(nhost), n)
                     t0 = time.perf_counter()
                     if tasks % 2:
                         s.wait(s.swap_to_device(h, d))
@@ -87,6 +108,14 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=20000)
     ap.add_argument("--blocks-per-task", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--device", choices=("host", "cuda"), default="host",
+                    help="throughput: the engine's tensors in shared memory (host backend) or torch CUDA tensors")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--device-blocks", type=int, default=128)
+    ap.add_argument("--host-blocks", type=int, default=96)
     args = ap.parse_args()
     (throughput if args.mode == "throughput" else latency)(args)
     return 0
