@@ -371,7 +371,7 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend
   std::vector<detail::PinPiece> pieces;
   if (backend.pins_memory()) pieces = pin_pieces(g, l, base, pin);
   pool->pinner_ = std::make_unique<detail::PoolPinner>(backend, std::move(pieces), g.num_host_blocks, pin.on_progress);
-  KVTD_TRY(pool->pinner_->pin_first());
+  KVTD_TRY(pool->pinner_->pin_first(pin.threads));
   pool->pinner_->start_background(pin.threads);
   pool->valid_ = reinterpret_cast<std::uint8_t*>(base + l.valid_offset);
   pool->regions_.assign(l.region_offset.size(), nullptr);

@@ -1,7 +1,9 @@
 // Pins a host pool for DMA in pieces: the pieces holding the first blocks on the caller's thread,
 // the rest on background threads, lowest blocks first, so the daemon serves within seconds of
 // mapping even a terabyte pool (pinning a MAP_SHARED pool ran at 3-4 GB/s on an H100 machine:
-// minutes per terabyte). A swap waits only for the pieces its blocks are in.
+// minutes per terabyte). A swap waits only for the pieces its blocks are in. Each piece's pages
+// are faulted in on the pinning threads in parallel, outside the driver; the registrations
+// themselves run one at a time, with a pause after each for the serving threads' CUDA calls.
 //
 // The watermark: every block below pinned_blocks() is pinned in every region of the pool. Pieces
 // are ordered by their first block, so it is the first block of the lowest piece not yet pinned.
@@ -44,8 +46,9 @@ class PoolPinner {
   PoolPinner(const PoolPinner&) = delete;
   PoolPinner& operator=(const PoolPinner&) = delete;
 
-  // Pins the pieces whose first block is 0 on this thread; on failure unpins them and says which.
-  Status<DeviceErrc> pin_first();
+  // Pins the pieces whose first block is 0 (their pages faulted in on `threads` threads first);
+  // on failure unpins them and says which.
+  Status<DeviceErrc> pin_first(std::uint32_t threads);
   // Pins the other pieces on `threads` threads (at least 1), lowest first.
   void start_background(std::uint32_t threads);
 
@@ -58,7 +61,8 @@ class PoolPinner {
   HostPoolPinProgress progress() const;
 
  private:
-  Status<DeviceErrc> pin_one(std::size_t i);
+  // Faults piece i in (unless `populated`) and registers it, one registration at a time.
+  Status<DeviceErrc> pin_one(std::size_t i, bool populated);
   void background_loop();
   void advance_watermark() REQUIRES(mu_);
   std::string piece_text(std::size_t i) const;
@@ -78,6 +82,7 @@ class PoolPinner {
   double first_seconds_ = 0;
   std::vector<std::thread> threads_;
 
+  Mutex register_mu_;  // held across one registration: the pinning threads register one at a time
   mutable Mutex mu_;
   CondVar cv_;
   std::size_t lowest_unpinned_ GUARDED_BY(mu_) = 0;

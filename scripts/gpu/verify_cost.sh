@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # scripts/gpu/verify_cost.sh KVTD LOADGEN [--small] - what --verify-swaps costs on the device: one
-# CUDA daemon and kvtd-loadgen with device tensors (the shape of through_daemon.sh: 32 layers x K/V,
-# 32 KiB block-tensors), swap throughput at 128 and 16 blocks per task with --verify-swaps off, full,
-# sampled, off, full (alternating, so drift shows as a difference between the two offs), then the
+# CUDA daemon and kvtd-loadgen with device tensors (the block shape of through_daemon.sh: 32
+# layers x K/V, 32 KiB block-tensors; 512 device and 256 host blocks, so each run starts in
+# seconds), swap throughput at 128 and 16 blocks per task with --verify-swaps off, full, sampled,
+# off, full (alternating, so drift shows as a difference between the two offs), then the
 # one-block round trip off and full. Prints each figure and full's cost against the mean of the offs
 # (goal: <= 3%). The scatter mode is the daemon's default unless KVTD_SCATTER_MODE names one. --small:
 # the stand-in in CI (few blocks, short rounds). Run by scripts/gpu-check.sh.
 set -euo pipefail
 kvtd=$1 loadgen=$2
-dev=2048 host=1024 seconds=2 samples=5000 settings="off full sampled off full"
+dev=512 host=256 seconds=2 samples=5000 settings="off full sampled off full"
 [ "${3:-}" = --small ] && { dev=256; host=128; seconds=0.3; samples=20; settings="off full sampled"; }
 shape="$dev,8,16,128" suffix="vc$$"
 mode=()

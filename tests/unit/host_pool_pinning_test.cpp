@@ -6,9 +6,14 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <fcntl.h>
+
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include "cuda_runtime_api.h"
 #include "kvtd/cudasim/control.h"
@@ -163,6 +168,59 @@ TEST_F(HostPoolPinning, APoolDestroyedWhilePinningStopsItsThreadsAndUnpinsWhatTh
     (*pool)->remove();
   }
   EXPECT_EQ(cudasim::calls("cudaHostRegister"), cudasim::calls("cudaHostUnregister"));
+}
+
+// Whether the page holding `p` is mapped in this process's page table (/proc/self/pagemap bit 63).
+bool page_present(const std::byte* p) {
+  const int fd = ::open("/proc/self/pagemap", O_RDONLY);
+  if (fd < 0) return false;
+  std::uint64_t entry = 0;
+  const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
+  const off_t at = static_cast<off_t>(reinterpret_cast<std::uintptr_t>(p) / page * sizeof entry);
+  const bool ok = pread(fd, &entry, sizeof entry, at) == static_cast<ssize_t>(sizeof entry);
+  ::close(fd);
+  return ok && (entry >> 63) != 0;
+}
+
+// Host memory that records how its pins were made: how many ran at once, and whether the pages
+// of each piece were already faulted in when it was asked (its first, middle and last page).
+class RecordingPins : public HostMemory {
+ public:
+  Result<std::byte*, DeviceErrc> alloc_host(std::size_t bytes) override {
+    return static_cast<std::byte*>(std::calloc(1, bytes));
+  }
+  void free_host(std::byte* ptr) override { std::free(ptr); }
+  Status<DeviceErrc> pin_host(std::byte* addr, std::size_t bytes) override {
+    const int now = ++in_pin_;
+    int seen = most_at_once_.load();
+    while (now > seen && !most_at_once_.compare_exchange_weak(seen, now)) {
+    }
+    for (const std::byte* p : {addr, addr + bytes / 2, addr + bytes - 1})
+      if (!page_present(p)) ++pins_of_absent_pages_;
+    ++pins_;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));  // a registration takes time
+    --in_pin_;
+    return {};
+  }
+  void unpin_host(std::byte*) override {}
+
+  std::atomic<int> in_pin_{0}, most_at_once_{0}, pins_{0}, pins_of_absent_pages_{0};
+};
+
+// Before: each pinning thread called cudaHostRegister on pages never touched in this process, so
+// the driver faulted them in under its own lock; on an H100 machine four threads pinned a 32 GiB
+// pool at 2.3 GB/s (one: 3.3) and the first swap waited 20 s, until they were all done. Now every
+// piece's pages are faulted in beforehand, outside the driver, and registrations run one at a time.
+TEST_F(HostPoolPinning, PagesAreFaultedInBeforeTheirRegistrationAndRegistrationsRunOneAtATime) {
+  const auto g = geometry();
+  RecordingPins pins;
+  auto pool = HostPool::open(pins, g, generation(6), 0, daemon::HostLayout::kLayerFirst, -1, plan(4));
+  ASSERT_TRUE(pool.ok()) << pool.error().message;
+  ASSERT_TRUE((*pool)->wait_pinned(g.num_host_blocks, kNever).ok());
+  EXPECT_GT(pins.pins_.load(), 8) << "the pool was not pinned in pieces";
+  EXPECT_EQ(pins.pins_of_absent_pages_.load(), 0) << "pages were left for the driver to fault in";
+  EXPECT_EQ(pins.most_at_once_.load(), 1) << "registrations ran at once";
+  (*pool)->remove();
 }
 
 }  // namespace

@@ -10,7 +10,9 @@
 namespace kvtd::ipc {
 
 // Populates [addr, addr+bytes) for writing (MADV_POPULATE_WRITE, or touching each page on
-// kernels before 5.14). Thread-safety: call before sharing the mapping with other threads.
+// kernels before 5.14); the contents never change. Thread-safety: threads may populate disjoint
+// ranges at once; on old kernels nothing else may write the range meanwhile (the touch is an
+// atomic add of 0 to one byte per page).
 void populate_for_write(void* addr, std::size_t bytes);
 
 }  // namespace kvtd::ipc
