@@ -160,7 +160,7 @@ grep -hE '^(FIGURE|CHECK)' "$log"/python_client*.log 2>/dev/null | sed 's/^/  /'
 for f in "$log"/through_the_daemon*.log; do  # one daemon, device tensors: each figure with its mode
   [ -f "$f" ] || continue
   m=$(grep -m1 '^scatter mode' "$f" | sed 's/^scatter mode: //')
-  grep -hE '^(latency|throughput)( breakdown \(| ratio:|:| python client:)' "$f" | sed "s/^/  [$m] /"
+  grep -hE '^((latency|throughput)( breakdown \(| ratio:|:| python client:)|copy wait:)' "$f" | sed "s/^/  [$m] /"
 done
 for f in "$log"/verify_swaps_cost*.log; do
   [ -f "$f" ] || continue

@@ -129,6 +129,11 @@ void declare_runtime_flags(CLI::App& app, RawFlags& f, DaemonConfig& c) {
                  "CUDA batch mode: at most this many copies per cudaMemcpyBatchAsync call (a task's are split "
                  "into calls of this size; drivers have failed on ~52K in one call)")
       ->check(CLI::Range(1u, 32768u));
+  app.add_option("--copy-wait-spin-us", c.copy_wait_spin_us,
+                 "CUDA: a copy lane sleeps on the host until shortly before its copy should end, then polls for "
+                 "it within a window this wide, yielding the core, before it sleeps in the driver (whose wake-up "
+                 "costs tens of microseconds a task); 0: the driver's wait alone")
+      ->check(CLI::Range(0u, 100000u));
   app.add_option("--numa-node", f.numa,
                  "Host pool memory and copy threads: auto (the GPU's node from sysfs) | none | <node>");
   app.add_option("--host-layout", f.host_layout,

@@ -124,6 +124,13 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
   return fail(sticky_error());
 }
 
+cudaError_t cudaStreamQuery(cudaStream_t s) {
+  if (const cudaError_t e = enter("cudaStreamQuery"); e != cudaSuccess) return e;
+  if (const cudaError_t e = sticky_error(); e != cudaSuccess) return fail(e);
+  // Not an error: cudaErrorNotReady is not recorded as the last error.
+  return stream_idle(s) ? cudaSuccess : cudaErrorNotReady;
+}
+
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   if (const cudaError_t e = enter("cudaStreamSynchronize"); e != cudaSuccess) return e;
   drain(s);

@@ -38,6 +38,18 @@ struct Faults {
   std::map<std::string, std::uint64_t> calls GUARDED_BY(mu);
   std::map<std::pair<std::string, std::uint64_t>, cudaError_t> planned GUARDED_BY(mu);
   std::set<std::pair<std::string, std::uint64_t>> hangs GUARDED_BY(mu);
+  // KVTD_CUDASIM_CALL_COUNTS=FILE: every runtime function's call count, one "name count" line
+  // each, written at exit (how many CUDA calls a daemon makes per task, which the stand-in can
+  // count where it cannot time them).
+  ~Faults() {
+    const char* path = std::getenv("KVTD_CUDASIM_CALL_COUNTS");
+    if (path == nullptr) return;
+    if (std::FILE* out = std::fopen(path, "w")) {
+      MutexLock g(mu);
+      for (const auto& [name, n] : calls) std::fprintf(out, "%s %llu\n", name.c_str(), static_cast<unsigned long long>(n));
+      std::fclose(out);
+    }
+  }
   Faults() {
     if (const char* us = std::getenv("KVTD_CUDASIM_OP_DELAY_US")) g_op_delay_us = static_cast<std::uint32_t>(std::atoi(us));
     if (const char* spec = std::getenv("KVTD_CUDASIM_FAULTS")) {
@@ -216,6 +228,22 @@ void drain(cudaStream_t s) {
   if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) return drain_blocking_streams();
   MutexLock lk(s->mu);
   s->cv.wait(lk, [s]() REQUIRES(s->mu) { return s->queue.empty() && !s->running; });
+}
+
+bool stream_idle(cudaStream_t s) {
+  if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) {
+    std::vector<cudaStream_t> all;
+    {
+      MutexLock g(g_streams_mu);
+      for (auto b : g_streams)
+        if (!(b->flags & cudaStreamNonBlocking)) all.push_back(b);
+    }
+    for (auto b : all)
+      if (!stream_idle(b)) return false;
+    return true;
+  }
+  MutexLock lk(s->mu);
+  return s->queue.empty() && !s->running;
 }
 
 void drain_blocking_streams() {

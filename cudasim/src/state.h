@@ -67,6 +67,8 @@ namespace cudasim {
 cudaError_t submit(cudaStream_t s, Op op);
 // Waits until everything enqueued on `s` before this call ran.
 void drain(cudaStream_t s);
+// Whether nothing enqueued on `s` is waiting or running (the legacy stream: every blocking one).
+bool stream_idle(cudaStream_t s);
 void drain_blocking_streams();
 void drain_all_streams();
 // A new stream's worker thread starts and the stream is counted as existing; forget_stream

@@ -7,7 +7,7 @@ namespace kvtd::daemon {
 bool cuda_compiled_in() { return false; }
 bool cuda_stand_in() { return false; }
 
-Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int, ScatterMode, std::size_t) {
+Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int, ScatterMode, std::size_t, std::uint32_t) {
   return make_error(DeviceErrc::kUnavailable, "this kvtd was built without the CUDA toolkit; use --device-backend host");
 }
 

@@ -128,11 +128,12 @@ std::optional<int> open_stores(const config::DaemonConfig& cfg, Services& s) {
 // build's runtime has no cudaMemcpyBatchAsync.
 Result<std::unique_ptr<DeviceBackend>, DeviceErrc> open_backend(const config::DaemonConfig& cfg) {
   if (cfg.device_backend != config::DeviceBackendKind::kCuda) return make_host_backend();
-  auto b = make_cuda_backend(cfg.device_id, cfg.scatter_mode, cfg.copy_batch_max);
+  auto b = make_cuda_backend(cfg.device_id, cfg.scatter_mode, cfg.copy_batch_max, cfg.copy_wait_spin_us);
   if (!b.ok() && !cfg.scatter_mode_given && cfg.scatter_mode == ScatterMode::kBatch &&
       b.error().message.find("cudaMemcpyBatchAsync") != std::string::npos) {
     KVTD_INFO("this build has no cudaMemcpyBatchAsync: scattered blocks go through the copy kernel");
-    b = make_cuda_backend(cfg.device_id, ScatterMode::kKernelAllLayers, cfg.copy_batch_max);
+    b = make_cuda_backend(cfg.device_id, ScatterMode::kKernelAllLayers, cfg.copy_batch_max,
+                          cfg.copy_wait_spin_us);
   }
   return b;
 }

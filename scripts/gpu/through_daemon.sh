@@ -17,14 +17,15 @@ log=$(mktemp /tmp/kvtd_through_daemon.XXXXXX.log)
 daemon=
 stop() { [ -z "$daemon" ] || { kill -TERM "$daemon" 2>/dev/null; wait "$daemon" || echo "daemon exit $?"; }; daemon=; }
 trap 'stop; rm -f "$log"' EXIT
+dflags=() sink=  # more daemon flags; where run's figure lines go (default: $out)
 run() {  # blocks per task, loadgen mode, extra...
   local per=$1 m=$2; shift 2
   "$kvtd" --rank 0 --num-layers 32 --num-host-blocks "$host" --key-cache-shape "$shape" --value-cache-shape "$shape" \
-    --session "$suffix" --device-backend cuda --numa-node auto --log-level info "${mode[@]}" >"$log" 2>&1 &
+    --session "$suffix" --device-backend cuda --numa-node auto --log-level info "${mode[@]}" "${dflags[@]}" >"$log" 2>&1 &
   daemon=$!
   "$loadgen" --session "$suffix" --ranks 1 --layers 32 --kv-heads 8 --block-size 16 --head-dim 128 \
     --device-blocks "$dev" --host-blocks "$host" --device-tensors cuda --blocks-per-task "$per" --mode "$m" \
-    --task-timeout 120 "${small[@]}" "$@" 2>/dev/null | grep -E '^(verify|latency|throughput)[: ]' | tee -a "$out" ||
+    --task-timeout 120 "${small[@]}" "$@" 2>/dev/null | grep -E '^(verify|latency|throughput)[: ]' | tee -a "${sink:-$out}" ||
     { cat "$log" >&2; return 1; }
   stop
 }
@@ -38,6 +39,19 @@ rates=$(sed -n 's/^throughput: .* swap \([0-9.]*\) GB\/s per rank.*/\1/p' "$out"
 read -r r16 r128 <<< "$rates"
 [ -n "${r16:-}" ] && [ -n "${r128:-}" ] &&
   echo "throughput ratio: 16-block tasks $r16 GB/s / 128-block tasks $r128 GB/s = $(awk -v a="$r16" -v b="$r128" 'BEGIN { printf "%.2f", a / b }')x (goal >= 0.9)"
+# The lane's copy wait (--copy-wait-spin-us, default 200): the round trip and 16-block tasks again
+# with the driver's blocking wait alone, as before it, in the same step.
+if [ $is_small = 0 ]; then
+  cmp=$(mktemp /tmp/kvtd_through_daemon_cmp.XXXXXX)
+  dflags=(--copy-wait-spin-us 0); sink=$cmp
+  run 16 latency --latency-samples "$samples" >/dev/null
+  run 16 throughput >/dev/null
+  dflags=(); sink=
+  p0=$(sed -n 's/^latency: .*p50 \([0-9.]*\) us.*/\1/p' "$cmp"); t0=$(sed -n 's/^throughput: .* swap \([0-9.]*\) GB\/s per rank.*/\1/p' "$cmp")
+  p1=$(sed -n 's/^latency: .*p50 \([0-9.]*\) us.*/\1/p' "$out")
+  echo "copy wait: one-block round trip p50 $p1 us with the poll window, $p0 us with the driver's wait alone; 16-block tasks $r16 GB/s, $t0 GB/s"
+  rm -f "$cmp"
+fi
 # The Python client in the same shape (torch CUDA tensors, one task in flight, alternating out and
 # in): its cost over the C++ client's at 32 and 256 MiB tasks (goal: within 10% from 8 MiB up).
 python=${KVTD_PYTHON:-/usr/bin/python3}

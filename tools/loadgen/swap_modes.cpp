@@ -234,7 +234,12 @@ void print_parts(const char* what, const RoundTripParts& p) {
 
 int run_latency(EngineSession& s, const Options& o) {
   const auto& g = s.geometry();
-  std::vector<std::int32_t> one{0}, one_h{0};
+  // Device block 0 of the first group out to its host blocks in turn (at most 8), so one task in
+  // eight names a block --verify-swaps sampled checks, as in use; always host block 0 (which it
+  // picks) made every sample pay the checksum.
+  const BlockGroup first = block_groups(s).front();
+  const std::int64_t host_span = std::max<std::int64_t>(1, std::min<std::int64_t>(8, first.host_blocks));
+  std::vector<std::int32_t> one{static_cast<std::int32_t>(first.device_base)}, one_h{0};
   std::vector<std::int64_t> samples;
   samples.reserve(o.latency_samples);
   RoundTripParts parts;
@@ -243,6 +248,7 @@ int run_latency(EngineSession& s, const Options& o) {
   for (std::uint32_t i = 0; i < warmup + o.latency_samples; ++i) {
     std::int64_t ns = 0;
     kvtd::engine::TaskResult r;
+    one_h[0] = static_cast<std::int32_t>(first.host_base + static_cast<std::int64_t>(i) % host_span);
     if (!run_task(s, TaskKind::kSwapToHost, one, one_h, o.task_timeout_s, &ns, &r)) return 1;
     const std::int64_t returned = kvtd::ipc::monotonic_now_ns();
     if (i < warmup) continue;

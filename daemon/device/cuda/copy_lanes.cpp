@@ -27,10 +27,10 @@ Status<DeviceErrc> CudaBackend::plain_copy(Lane& lane, std::byte* dst, const std
   MutexLock g(lane.mu);
   BusyMark busy(lane);
   KVTD_CUDA_TRY(cudaSetDevice(device_));
-  auto st = [&]() -> Status<DeviceErrc> {
+  auto st = [&]() REQUIRES(lane.mu) -> Status<DeviceErrc> {
+    const std::int64_t enqueued = ipc::monotonic_now_ns();
     KVTD_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, lane.stream));
-    KVTD_CUDA_TRY(cudaStreamSynchronize(lane.stream));
-    return {};
+    return wait_lane(lane, bytes, enqueued);
   }();
   if (!st.ok()) lane.drain();
   return st;
@@ -198,6 +198,10 @@ Result<std::vector<std::uint64_t>, DeviceErrc> CudaBackend::run_with_checksums(
   BusyMark busy(lane);
   KVTD_CUDA_TRY(cudaSetDevice(device_));
   auto st = [&]() REQUIRES(lane.mu) -> Status<DeviceErrc> {
+    const std::int64_t enqueued = ipc::monotonic_now_ns();
+    std::uint64_t bytes = 0;
+    if (copy_first)
+      for (const auto& t : targets) bytes += t.block_bytes * static_cast<std::uint64_t>(plan.num_blocks);
     if (copy_first) {
       KVTD_TRY(stage_plan(lane, plan, targets));
       KVTD_TRY(enqueue(lane, plan, targets, /*all_layers=*/true));
@@ -208,7 +212,7 @@ Result<std::vector<std::uint64_t>, DeviceErrc> CudaBackend::run_with_checksums(
       if (!r.ok()) return std::move(r).error();
       results = *r;
     }
-    KVTD_CUDA_TRY(cudaStreamSynchronize(lane.stream));  // the copy and the sums: one wait
+    KVTD_TRY(wait_lane(lane, bytes, enqueued));  // the copy and the sums: one wait
     if (results != nullptr) std::memcpy(out.data(), results, out.size() * sizeof(std::uint64_t));
     return {};
   }();

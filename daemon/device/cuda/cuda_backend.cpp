@@ -308,7 +308,8 @@ bool cuda_stand_in() { return false; }
 #endif
 
 Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int device_id, ScatterMode mode,
-                                                                     std::size_t copy_batch_max) {
+                                                                     std::size_t copy_batch_max,
+                                                                     std::uint32_t copy_wait_spin_us) {
   if (mode == ScatterMode::kBatch && !cuda::kHaveBatchCopy)
     return make_error(DeviceErrc::kUnavailable, "--scatter-mode batch needs cudaMemcpyBatchAsync (CUDA 13 or newer)");
   int count = 0;
@@ -318,7 +319,7 @@ Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int device_
     return make_error(DeviceErrc::kUnavailable, "--device-id " + std::to_string(device_id) + " but only " +
                                                     std::to_string(count) + " CUDA devices are visible");
   auto b = std::make_unique<cuda::CudaBackend>(device_id, mode, std::max<std::size_t>(copy_batch_max, 1),
-                                               cuda::kernel_piece_bytes());
+                                               cuda::kernel_piece_bytes(), copy_wait_spin_us);
   KVTD_TRY(b->init());
   return std::unique_ptr<DeviceBackend>(std::move(b));
 }

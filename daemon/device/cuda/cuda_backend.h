@@ -39,8 +39,15 @@ class CudaBackend final : public DeviceBackend {
  public:
   // piece_bytes: the copy kernels move each block in parts of about this many bytes, one warp
   // per part (0: a warp per whole block); see kvtd/kernels/cuda_copy.h.
-  CudaBackend(int device, ScatterMode mode, std::size_t copy_batch_max, std::uint64_t piece_bytes)
-      : device_(device), mode_(mode), copy_batch_max_(copy_batch_max), piece_bytes_(piece_bytes) {}
+  // wait_spin_us: a lane polls for its copy's end in a window this wide around when it should
+  // end, sleeping on the host before it (0: it blocks in the driver at once); see copy_wait.h.
+  CudaBackend(int device, ScatterMode mode, std::size_t copy_batch_max, std::uint64_t piece_bytes,
+              std::uint32_t wait_spin_us = 0)
+      : device_(device),
+        mode_(mode),
+        copy_batch_max_(copy_batch_max),
+        piece_bytes_(piece_bytes),
+        wait_spin_us_(wait_spin_us) {}
 
   ~CudaBackend() override {
     close_tensors();  // drains both lanes first: nothing below is freed under a copy
@@ -147,6 +154,7 @@ class CudaBackend final : public DeviceBackend {
     std::vector<void*> batch_dst GUARDED_BY(mu);
     std::vector<void*> batch_src GUARDED_BY(mu);
     std::vector<std::size_t> batch_size GUARDED_BY(mu);
+    double bytes_per_ns GUARDED_BY(mu) = 0;  // the lane's recent copy rate (copy_wait.h), 0: unknown
     // When the copy now holding `mu` started (monotonic ns), 0 when none: the stuck-copy watchdog
     // reads it from another thread (busy_since_ns).
     std::atomic<std::int64_t> busy_since{0};
@@ -168,6 +176,9 @@ class CudaBackend final : public DeviceBackend {
   };
 
   Lane& lane_of(Direction d) { return lanes_[d == Direction::kToHost ? 0 : 1]; }
+  // Waits until the `bytes` enqueued on the lane at `enqueued_ns` (monotonic) are done: a host
+  // sleep, polls, then the driver's blocking wait, as copy_wait.h plans (copy_wait.cpp).
+  Status<DeviceErrc> wait_lane(Lane& lane, std::uint64_t bytes, std::int64_t enqueued_ns) REQUIRES(lane.mu);
 
   // Marks `lane` busy from construction to destruction (one copy, under lane.mu).
   class BusyMark {
@@ -231,6 +242,7 @@ class CudaBackend final : public DeviceBackend {
   ScatterMode mode_;
   std::size_t copy_batch_max_;  // copies per cudaMemcpyBatchAsync call
   std::uint64_t piece_bytes_;   // the kernels' part of a block per warp (0: whole blocks)
+  std::uint32_t wait_spin_us_;  // copy_wait.h's poll window (0: block in the driver at once)
   // Parts per block for the kernels, for blocks of at most `max_block_bytes`.
   std::uint32_t pieces(std::uint64_t max_block_bytes) const {
     return kernels::pieces_for(max_block_bytes, piece_bytes_);

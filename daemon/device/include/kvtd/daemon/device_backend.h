@@ -225,10 +225,13 @@ std::unique_ptr<DeviceBackend> make_host_backend();
 // Fails with kUnavailable and the reason when CUDA is not compiled in or no device/driver exists,
 // or when `mode` is kBatch and this toolkit has no cudaMemcpyBatchAsync.
 // `copy_batch_max` caps the copies of one cudaMemcpyBatchAsync call (batch mode): a task's are
-// enqueued in calls of at most that many.
+// enqueued in calls of at most that many. `copy_wait_spin_us`: a copy lane polls for its copy's
+// end in a window this wide around when it should end, sleeping on the host before it, rather
+// than sleeping in the driver until the device wakes it (0: the driver's wait alone).
 Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int device_id,
                                                                      ScatterMode mode = ScatterMode::kKernelAllLayers,
-                                                                     std::size_t copy_batch_max = 4096);
+                                                                     std::size_t copy_batch_max = 4096,
+                                                                     std::uint32_t copy_wait_spin_us = 0);
 bool cuda_compiled_in();
 // Whether the CUDA backend runs on cudasim, the CPU stand-in of the CUDA runtime (test builds).
 bool cuda_stand_in();
