@@ -75,6 +75,7 @@ class SwapLanes {
     std::atomic<std::uint32_t> waiters{0};
     std::atomic<bool> closing{false};
     std::atomic<std::uint32_t> outstanding{0};  // queued or executing
+    std::atomic<std::int64_t> poll_until_ns{0};  // expect_next_swap(): the lane polls until then
     std::thread thread;
   };
   // The blocks of a swap whose checksums are taken: at swap-out its sampled (device, host)
@@ -85,6 +86,10 @@ class SwapLanes {
   using Failure = std::pair<proto::TaskStatus, std::string>;
 
   void lane_loop(int lane);
+  // After a swap: the dispatcher and the other lanes poll for the next task for a while (a caller
+  // with one task in flight submits right after the completion, often in the other direction),
+  // so it does not wait for sleeping threads' wake-ups.
+  void expect_next_swap(int lane);
   void execute_and_release(Work& w, int lane);
   void execute(Work& w, int lane);
   // Why swap `w` cannot start, or nullopt: its deadline passed, its host blocks are not pinned

@@ -83,6 +83,11 @@ WaitResult wait_on_word(const std::atomic<std::uint32_t>& word, std::uint32_t se
   return result;
 }
 
+void wake_sleepers(const std::atomic<std::uint32_t>& word, const std::atomic<std::uint32_t>* waiters) {
+  if (waiters == nullptr || waiters->load(std::memory_order_seq_cst) != 0)
+    futex(&word, FUTEX_WAKE, 0x7fffffff, nullptr);
+}
+
 void bump_and_wake(std::atomic<std::uint32_t>& word, const std::atomic<std::uint32_t>* waiters) {
   word.fetch_add(1, std::memory_order_seq_cst);
   if (waiters == nullptr || waiters->load(std::memory_order_seq_cst) != 0) {

@@ -32,5 +32,20 @@ TEST(WaitOnWord, SleeperIsWokenByBump) {
   t.join();
 }
 
+// RankEndpoint::expect_task_soon wakes its dispatcher asleep on the engine's publish word; the
+// word is the engine's, so the wake must leave it as it is.
+TEST(WaitOnWord, WakeSleepersWakesWithoutChangingTheWord) {
+  std::atomic<std::uint32_t> word{7}, waiters{0};
+  std::thread t([&] {
+    while (waiters.load() == 0) std::this_thread::yield();
+    wake_sleepers(word, &waiters);
+  });
+  const auto t0 = monotonic_now_ns();
+  EXPECT_EQ(wait_on_word(word, 7, t0 + 10'000'000'000, &waiters, 0), WaitResult::kChanged);
+  EXPECT_LT(monotonic_now_ns() - t0, 5'000'000'000) << "the sleeper was not woken";
+  EXPECT_EQ(word.load(), 7u);
+  t.join();
+}
+
 }  // namespace
 }  // namespace kvtd::ipc

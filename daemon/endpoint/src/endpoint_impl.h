@@ -44,6 +44,7 @@ struct RankEndpoint::Impl {
   Mutex complete_mu;  // the ring has one producer: the threads that complete tasks take turns
   std::unique_ptr<CompletionRing> completions PT_GUARDED_BY(complete_mu);
   std::atomic<std::uint32_t> epoch{0};  // written by the dispatcher, read by executor threads
+  std::atomic<std::int64_t> poll_until_ns{0};  // expect_task_soon(): next_task polls until then
   std::uint64_t owner = 0;  // our owner word, once claimed
 
   proto::RankSlot& slot() { return h->ranks[opts.rank]; }

@@ -261,8 +261,16 @@ RankEndpoint::Next RankEndpoint::next_task(std::vector<std::byte>& record, std::
     if (!impl->engine_alive()) return Next::kLost;
     const std::int64_t now = monotonic_now_ns();
     if (now >= deadline_ns) return Next::kTimeout;
-    (void)wait_on_word(h->publish_word, seen, deadline_ns, &h->consumer_waiters, 50'000);
+    const std::int64_t poll = std::max<std::int64_t>(50'000, impl->poll_until_ns.load(std::memory_order_relaxed) - now);
+    (void)wait_on_word(h->publish_word, seen, deadline_ns, &h->consumer_waiters, poll);
   }
+}
+
+void RankEndpoint::expect_task_soon(std::int64_t window_ns) {
+  impl_->poll_until_ns.store(monotonic_now_ns() + window_ns, std::memory_order_relaxed);
+  // Our own dispatcher may be asleep on the engine's word: wake it without changing the word
+  // (every rank's sleeping dispatcher re-checks once; the engine's state is untouched).
+  wake_sleepers(impl_->h->publish_word, &impl_->h->consumer_waiters);
 }
 
 Status<IpcErrc> RankEndpoint::complete(const proto::CompletionRecord& record) {

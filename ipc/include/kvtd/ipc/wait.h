@@ -27,5 +27,8 @@ WaitResult wait_on_word(const std::atomic<std::uint32_t>& word, std::uint32_t se
 
 // Bumps *word and wakes every sleeper if `waiters` says there may be one.
 void bump_and_wake(std::atomic<std::uint32_t>& word, const std::atomic<std::uint32_t>* waiters);
+// Wakes every sleeper on *word without changing it (they see a spurious wake-up and re-check),
+// if `waiters` says there may be one.
+void wake_sleepers(const std::atomic<std::uint32_t>& word, const std::atomic<std::uint32_t>* waiters);
 
 }  // namespace kvtd::ipc

@@ -69,6 +69,10 @@ class RankEndpoint {
 
   // Publishes one completion record. Fails only if the engine stopped draining (ring full).
   Status<IpcErrc> complete(const proto::CompletionRecord& record);
+  // Says the next task is likely within `window_ns` (an engine with one task in flight submits
+  // right after a completion): a next_task() asleep is woken and polls the ring, yielding the
+  // core, until then, so the submit does not wait for a sleeping thread's wake-up. Any thread.
+  void expect_task_soon(std::int64_t window_ns);
 
   // Layer progress of a layer-by-layer task (see proto::LayerProgressSlot): begin once, then
   // update after each layer; every update wakes an engine waiting in wait_layer().
