@@ -232,6 +232,10 @@ std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& obj
 
   std::set<std::uint64_t> live;
   std::vector<std::string> dead_sessions;
+  // A directory listing is not a snapshot: one taken while another engine is creating its
+  // session may hold its new arena but not its segment. Objects touched in the last 30 s are
+  // therefore never swept; an orphan is always older than that by the next sweep.
+  const time_t fresh_after = time(nullptr) - 30;
   for (const auto& n : names) {
     std::uint64_t gen = 0;
     if (session_object_generation(n, &gen)) continue;
@@ -241,7 +245,17 @@ std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& obj
     const auto* h = reinterpret_cast<const proto::SessionHeader*>((*o)->data());
     const std::uint64_t magic =
         std::atomic_ref<std::uint64_t>(const_cast<std::uint64_t&>(h->magic)).load(std::memory_order_acquire);
-    if (magic == 0) return removed;  // a session being created: its objects may not be visible yet
+    if (magic == 0) {
+      // A session being created: its objects may not be visible yet, so nothing is swept now.
+      // One untouched for 30 s was abandoned mid-creation (its creator died): it is swept as a
+      // dead session's, not left to stop every later sweep.
+      struct stat st {};
+      if (lstat(("/dev/shm/" + n).c_str(), &st) == 0 && st.st_mtime < fresh_after) {
+        dead_sessions.push_back(n);
+        continue;
+      }
+      return removed;
+    }
     if (magic != proto::kSessionMagic) continue;
     const auto creator = static_cast<pid_t>(h->creator_pid);
     const bool alive = creator > 0 && (kill(creator, 0) == 0 || errno != ESRCH);
@@ -250,10 +264,6 @@ std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& obj
     else if (!alive)
       dead_sessions.push_back(n);
   }
-  // A directory listing is not a snapshot: one taken while another engine is creating its
-  // session may hold its new arena but not its segment. Objects touched in the last 30 s are
-  // therefore never swept; an orphan is always older than that by the next sweep.
-  const time_t fresh_after = time(nullptr) - 30;
   auto sweep_objects_in = [&](const std::string& dir, const std::vector<std::string>& in_dir) {
     for (const auto& n : in_dir) {
       std::uint64_t gen = 0;
