@@ -230,15 +230,22 @@ void drain(cudaStream_t s) {
   s->cv.wait(lk, [s]() REQUIRES(s->mu) { return s->queue.empty() && !s->running; });
 }
 
+namespace {
+
+// The streams that synchronise with the legacy stream (created without cudaStreamNonBlocking).
+std::vector<cudaStream_t> blocking_streams() {
+  std::vector<cudaStream_t> all;
+  MutexLock g(g_streams_mu);
+  for (auto s : g_streams)
+    if (!(s->flags & cudaStreamNonBlocking)) all.push_back(s);
+  return all;
+}
+
+}  // namespace
+
 bool stream_idle(cudaStream_t s) {
   if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) {
-    std::vector<cudaStream_t> all;
-    {
-      MutexLock g(g_streams_mu);
-      for (auto b : g_streams)
-        if (!(b->flags & cudaStreamNonBlocking)) all.push_back(b);
-    }
-    for (auto b : all)
+    for (auto b : blocking_streams())
       if (!stream_idle(b)) return false;
     return true;
   }
@@ -247,13 +254,7 @@ bool stream_idle(cudaStream_t s) {
 }
 
 void drain_blocking_streams() {
-  std::vector<cudaStream_t> all;
-  {
-    MutexLock g(g_streams_mu);
-    for (auto s : g_streams)
-      if (!(s->flags & cudaStreamNonBlocking)) all.push_back(s);
-  }
-  for (auto s : all) drain(s);
+  for (auto s : blocking_streams()) drain(s);
 }
 
 void drain_all_streams() {

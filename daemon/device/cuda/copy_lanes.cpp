@@ -199,10 +199,9 @@ Result<std::vector<std::uint64_t>, DeviceErrc> CudaBackend::run_with_checksums(
   KVTD_CUDA_TRY(cudaSetDevice(device_));
   auto st = [&]() REQUIRES(lane.mu) -> Status<DeviceErrc> {
     const std::int64_t enqueued = ipc::monotonic_now_ns();
-    std::uint64_t bytes = 0;
-    if (copy_first)
-      for (const auto& t : targets) bytes += t.block_bytes * static_cast<std::uint64_t>(plan.num_blocks);
+    std::uint64_t bytes = 0;  // what the wait expects to move (the checksums alone: nothing)
     if (copy_first) {
+      for (const auto& t : targets) bytes += t.block_bytes * static_cast<std::uint64_t>(plan.num_blocks);
       KVTD_TRY(stage_plan(lane, plan, targets));
       KVTD_TRY(enqueue(lane, plan, targets, /*all_layers=*/true));
     }
