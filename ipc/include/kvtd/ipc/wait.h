@@ -28,7 +28,9 @@ WaitResult wait_on_word(const std::atomic<std::uint32_t>& word, std::uint32_t se
 // Bumps *word and wakes every sleeper if `waiters` says there may be one.
 void bump_and_wake(std::atomic<std::uint32_t>& word, const std::atomic<std::uint32_t>* waiters);
 // Wakes every sleeper on *word without changing it (they see a spurious wake-up and re-check),
-// if `waiters` says there may be one.
+// if `waiters` says there may be one. A hint only: a waiter between counting itself in `waiters`
+// and entering the kernel misses it (the word did not change), so it sleeps on until the word
+// changes or its deadline; callers must be correct without the wake.
 void wake_sleepers(const std::atomic<std::uint32_t>& word, const std::atomic<std::uint32_t>* waiters);
 
 }  // namespace kvtd::ipc

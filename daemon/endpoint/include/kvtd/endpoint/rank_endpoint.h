@@ -72,6 +72,8 @@ class RankEndpoint {
   // Says the next task is likely within `window_ns` (an engine with one task in flight submits
   // right after a completion): a next_task() asleep is woken and polls the ring, yielding the
   // core, until then, so the submit does not wait for a sleeping thread's wake-up. Any thread.
+  // Best effort: one falling asleep at that instant misses the wake and sleeps until the engine
+  // publishes, as it would have without this call (see ipc::wake_sleepers).
   void expect_task_soon(std::int64_t window_ns);
 
   // Layer progress of a layer-by-layer task (see proto::LayerProgressSlot): begin once, then
