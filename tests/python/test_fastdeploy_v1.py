@@ -1,0 +1,68 @@
+"""kvtd as FastDeploy cache manager v1's transfer path, proven with FastDeploy's own v1 code.
+
+Each scenario of fastdeploy_v1_scenarios.py runs in a process of its own (FastDeploy's package
+there is the v1 reference; the v0 harness in this process loads another copy), under a watchdog:
+a hang fails the test after WATCHDOG_S. FastDeploy's CacheManager schedules, its CacheController
+per rank swaps through kvtd.fastdeploy_v1 against real daemons (host backend), every KV byte is
+compared per layer on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fastdeploy_v1_harness as fh
+
+pytestmark = pytest.mark.skipif(fh.source() is None, reason=fh.skip_reason())
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+WATCHDOG_S = 120
+
+
+def run(scenario: str, tp: int) -> str:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), str(HERE), env.get("PYTHONPATH", "")])
+    env.setdefault("KVTD_BINARY", str(ROOT / "build" / "daemon" / "kvtd"))
+    try:
+        out = subprocess.run([sys.executable, str(HERE / "fastdeploy_v1_scenarios.py"), scenario, str(tp)],
+                             env=env, capture_output=True, text=True, timeout=WATCHDOG_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{scenario} (tp {tp}) hung for {WATCHDOG_S} s\n{e.stdout}\n{e.stderr}")
+    assert out.returncode == 0 and out.stdout.rstrip().endswith("ok"), \
+        f"{scenario} (tp {tp}) exit {out.returncode}\n{out.stdout[-4000:]}\n{out.stderr[-8000:]}"
+    return out.stdout
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fastdeploys_scheduler_evicts_under_pressure_and_swaps_back_every_byte(tp):
+    run("evict_and_swap_back", tp)
+
+
+def test_a_failed_eviction_answers_at_once_and_its_host_blocks_never_load():
+    run("failed_eviction_answers_at_once", 1)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_daemon_killed_mid_load_fails_the_load_and_reports_no_later_layer(tp):
+    out = run("daemon_killed_mid_load", tp)
+    assert "reported 1 of 32 layers" in out or "reported" in out, out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_local_rank_at_least_the_tp_size_finds_its_tensors(tp):
+    run("local_rank_beyond_tp", tp)
+
+
+def test_fastdeploys_plugin_loader_installs_kvtd_only_when_switched_on():
+    run("plugin_entry_point", 1)
+
+
+def test_fastdeploys_own_transfer_manager_unit_tests_pass_against_kvtds_and_the_process_exits_cleanly():
+    out = run("fastdeploy_unit_tests", 1)
+    assert "Ran 27 tests" in out, out
