@@ -12,11 +12,12 @@ are tasks of a one-rank kvtd session served by that rank's daemon:
   made (cache_controller.py:216-238 names them with local_rank % tensor_parallel_size while
   FastDeploy's own manager looks them up with the raw local rank, transfer_manager.py:173-176, so
   a local rank >= the TP size finds nothing there; here the names are parsed, never rebuilt).
-* The host blocks live in the daemon's host pool (shared memory that outlives a worker crash
-  and is what a restarted daemon maps again), not in the worker's private cuda_host_alloc
-  memory: the controller's host allocations (cache_controller.py:617-631) get address space
-  reserved with no access and no memory behind it, so nothing can read a host block outside
-  kvtd by mistake and no host memory is pinned twice.
+* The host blocks live in the daemon's host pool (shared memory a restarted daemon maps again,
+  so a daemon crash loses no host KV; it goes with the session, so a worker restart still
+  starts with an empty host tier), not in the worker's private cuda_host_alloc memory: the
+  controller's host allocations (cache_controller.py:617-631) get address space reserved with
+  no access and no memory behind it, so nothing can read a host block outside kvtd by mistake
+  and no host memory is pinned twice.
 * evict_to_host_async returns once the bytes are in the host pool (or the copy failed): the
   controller marks an eviction done when it returns (cache_controller.py:718-735) and waits for
   pending evictions before the next submit and, under write_back, before the load

@@ -143,14 +143,15 @@ def load(device: ShmDevice, install: bool = True):
 
 
 def fd_config(v1, *, tp: int, layers: int, gpu_blocks: int, cpu_blocks: int, kv_heads: int, block_size: int,
-              head_dim: int, write_policy: str = "write_back", port: int = 0):
+              head_dim: int, write_policy: str = "write_back", port: int = 0, fp8: bool = False):
+    """fp8: block_wise_fp8, as FastDeploy configures it (uint8 cache, float32 scales per token)."""
     ns = types.SimpleNamespace
     cache = ns(total_block_num=gpu_blocks, num_cpu_blocks=cpu_blocks, block_size=block_size, enable_prefix_caching=True,
                write_policy=write_policy, write_through_threshold=1, kvcache_storage_backend=None,
-               cache_dtype="bfloat16", get_cache_bytes=v1.get_cache_bytes)
+               cache_dtype="block_wise_fp8" if fp8 else "bfloat16", get_cache_bytes=v1.get_cache_bytes)
     return ns(cache_config=cache,
               model_config=ns(num_hidden_layers=layers, dtype="bfloat16"),
-              quant_config=ns(kv_cache_quant_type=None),
+              quant_config=ns(kv_cache_quant_type="block_wise_fp8" if fp8 else None),
               parallel_config=ns(tensor_parallel_size=tp, engine_worker_queue_port=port),
               speculative_config=ns(num_extra_cache_layer=0),
               shape=(kv_heads, block_size, head_dim))

@@ -37,18 +37,20 @@ def kv_of(hash_value: str, rank: int, layer: int, kind: int, nbytes: int) -> tor
 
 class Deployment:
     def __init__(self, tp: int, gpu_blocks: int, cpu_blocks: int, layers: int = LAYERS, heads: int = HEADS,
-                 head_dim: int = HEAD_DIM, first_local_rank: int = 0, install=True):
+                 head_dim: int = HEAD_DIM, first_local_rank: int = 0, install=True, fp8: bool = False):
         self.device = fh.ShmDevice()
         self.v1 = fh.load(self.device, install=install)
         os.environ["KVTD_FDV1_SESSION"] = f"fdv1t_{uuid.uuid4().hex[:8]}"
         os.environ["KVTD_FDV1_READY_TIMEOUT"] = "30"
         self.tp, self.layers = tp, layers
+        self.kinds = (0, 1, 2, 3) if fp8 else (0, 1)  # key, value, key scales, value scales
         self.cfg = fh.fd_config(self.v1, tp=tp, layers=layers, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
-                                kv_heads=heads, block_size=BLOCK_SIZE, head_dim=head_dim)
+                                kv_heads=heads, block_size=BLOCK_SIZE, head_dim=head_dim, fp8=fp8)
         self.controllers = [self.v1.CacheController(self.cfg, local_rank=first_local_rank + r, device_id=first_local_rank + r)
                             for r in range(tp)]
         shape = (gpu_blocks, heads, BLOCK_SIZE, head_dim)
-        g = Geometry(num_ranks=1, num_layers=layers, key_shape=shape, value_shape=shape, num_host_blocks=cpu_blocks)
+        g = Geometry(num_ranks=1, num_layers=layers, key_shape=shape, value_shape=shape, num_host_blocks=cpu_blocks,
+                     dtype="block_wise_fp8" if fp8 else "bfloat16", scale_bytes=4)
         self.daemons = [Daemons(None, c.transfer_manager.session_suffix, g).start() for c in self.controllers]
         for c in self.controllers:
             c.initialize_kv_cache(fh.AttentionBackend(self.cfg), gpu_blocks)
@@ -71,7 +73,7 @@ class Deployment:
     # -- the model --------------------------------------------------------------------------------
     def _bytes(self, rank: int, layer: int, kind: int) -> torch.Tensor:
         names = self.controllers[rank]._get_cache_names(layer)
-        t = self.controllers[rank].cache_kvs_map[names["key" if kind == 0 else "value"]]
+        t = self.controllers[rank].cache_kvs_map[names[("key", "value", "key_scale", "value_scale")[kind]]]
         return t.view(torch.uint8).view(t.shape[0], -1)
 
     def forward(self, req) -> None:
@@ -79,14 +81,14 @@ class Deployment:
         for i, block in enumerate(req.block_tables[req.computed_from:], start=req.computed_from):
             for r in range(self.tp):
                 for layer in range(self.layers):
-                    for kind in (0, 1):
+                    for kind in self.kinds:
                         view = self._bytes(r, layer, kind)
                         view[block].copy_(kv_of(req.prompt_hashes[i], r, layer, kind, view.shape[1]))
 
     def check_layer(self, req, layer: int, upto: int) -> None:
         for i in range(upto):
             for r in range(self.tp):
-                for kind in (0, 1):
+                for kind in self.kinds:
                     view = self._bytes(r, layer, kind)
                     want = kv_of(req.prompt_hashes[i], r, layer, kind, view.shape[1])
                     if not torch.equal(view[req.block_tables[i]], want):
@@ -144,12 +146,21 @@ class Deployment:
         return evict, swap
 
 
+def finished(meta, timeout: float = 10.0):
+    """The metadata once the controller's transfer thread wrote its outcome (it does so after the
+    last layer is reported)."""
+    deadline = time.monotonic() + timeout
+    while not meta.success and meta.error_message is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return meta
+
+
 def hashes(prefix: str, n: int):
     return [f"{prefix}{i}" for i in range(n)]
 
 
-def evict_and_swap_back(tp: int) -> None:
-    d = Deployment(tp, gpu_blocks=8, cpu_blocks=16)
+def evict_and_swap_back(tp: int, fp8: bool = False) -> None:
+    d = Deployment(tp, gpu_blocks=8, cpu_blocks=16, fp8=fp8)
     try:
         a = d.schedule("a", hashes("a", 6))
         d.step([a])
@@ -169,10 +180,7 @@ def evict_and_swap_back(tp: int) -> None:
         evict, swap = d.step([a2])
         assert evict is not None and len(evict.src_block_ids) == 7, evict
         assert swap is not None and len(swap.src_block_ids) == 6, swap
-        deadline = time.monotonic() + 10
-        while not swap.success and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert swap.success, swap.error_message
+        assert finished(swap).success, swap.error_message
         for c in d.controllers:
             stats = c.transfer_manager.get_stats()
             assert stats["kvtd_evictions"] == 2 and stats["kvtd_loads"] == 1 and stats["kvtd_failures"] == 0, stats
@@ -199,10 +207,7 @@ def failed_eviction_answers_at_once(tp: int) -> None:
         reported = []
         load = d.meta(src_block_ids=[3], dst_block_ids=[5])  # never written
         counter = d.controllers[0].submit_swap_tasks(None, load)
-        deadline = time.monotonic() + 10
-        while load.error_message is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert load.success is False and load.error_message, load
+        assert finished(load).success is False and load.error_message, load
         for layer in range(d.layers):
             reported.append(counter.is_layer_done(layer))
         assert not any(reported), f"layers reported done after a failed load: {reported}"
@@ -356,7 +361,43 @@ def fastdeploy_unit_tests(tp: int) -> None:
     assert result.wasSuccessful() and result.testsRun == len(FASTDEPLOY_UNIT_TESTS), result
 
 
-SCENARIOS = {"fastdeploy_unit_tests": fastdeploy_unit_tests,"local_rank_beyond_tp": local_rank_beyond_tp, "plugin_entry_point": plugin_entry_point,
+def fp8_evict_and_swap_back(tp: int) -> None:
+    """The same with block_wise_fp8: uint8 caches and float32 scale tensors per layer, named
+    key_cache_scales_<layer>_rank<r>.device<d> (cache_controller.py:281-313); every scale byte too."""
+    evict_and_swap_back(tp, fp8=True)
+
+
+def host_tier_survives_a_daemon_restart(tp: int) -> None:
+    """Blocks evicted, then every rank's daemon SIGKILLed and restarted (systemd's
+    Restart=on-failure): the load after it brings back every byte from the pool the new daemon
+    mapped again (FastDeploy's own host cache is private memory of its worker)."""
+    d = Deployment(tp, gpu_blocks=8, cpu_blocks=16)
+    try:
+        a = d.schedule("a", hashes("a", 6))
+        d.step([a])
+        b = d.schedule("b", hashes("b", 8))
+        evict, _ = d.step([b])
+        assert evict is not None and evict.success, evict
+        for daemons in d.daemons:
+            daemons.kill_and_restart(0)
+        deadline = time.monotonic() + 30
+        for c in d.controllers:
+            s = c.transfer_manager._ready_session()
+            while s.rank_ready(0) != 3:
+                assert time.monotonic() < deadline, "the restarted daemon did not attach within 30 s"
+                time.sleep(0.02)
+        a2 = d.schedule("a2", hashes("a", 6) + hashes("c", 1))
+        _, swap = d.step([a2])
+        assert swap is not None and len(swap.src_block_ids) == 6 and finished(swap).success, swap
+    except BaseException:
+        print(d.logs(), file=sys.stderr)
+        raise
+    finally:
+        d.close()
+
+
+SCENARIOS = {"host_tier_survives_a_daemon_restart": host_tier_survives_a_daemon_restart,
+             "fp8_evict_and_swap_back": fp8_evict_and_swap_back, "fastdeploy_unit_tests": fastdeploy_unit_tests,"local_rank_beyond_tp": local_rank_beyond_tp, "plugin_entry_point": plugin_entry_point,
              "evict_and_swap_back": evict_and_swap_back,
              "failed_eviction_answers_at_once": failed_eviction_answers_at_once,
              "daemon_killed_mid_load": daemon_killed_mid_load}

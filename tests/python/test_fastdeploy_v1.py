@@ -44,6 +44,16 @@ def test_fastdeploys_scheduler_evicts_under_pressure_and_swaps_back_every_byte(t
     run("evict_and_swap_back", tp)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_block_wise_fp8_caches_and_their_scales_swap_back_every_byte(tp):
+    run("fp8_evict_and_swap_back", tp)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_host_tier_survives_a_daemon_restart_between_eviction_and_load(tp):
+    run("host_tier_survives_a_daemon_restart", tp)
+
+
 def test_a_failed_eviction_answers_at_once_and_its_host_blocks_never_load():
     run("failed_eviction_answers_at_once", 1)
 
