@@ -15,3 +15,8 @@ case "$loaded" in
 esac
 test -f "$prefix/include/kvtd/kvtd_client.h"
 test -x "$prefix/bin/kvtd"
+# FastDeploy finds kvtd's plugin (kvtd.fastdeploy_v1) through the installed dist-info's entry point.
+plugin=$(cd / && PYTHONPATH="$prefix/lib/python3/dist-packages" "$python" -c \
+  'from importlib.metadata import entry_points; print([e.value for e in entry_points(group="fastdeploy.model_register_plugins") if e.name == "kvtd"])')
+echo "fastdeploy plugin $plugin"
+test "$plugin" = "['kvtd.fastdeploy_v1:register']"
