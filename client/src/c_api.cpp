@@ -135,18 +135,33 @@ int64_t kvtd_now_ns(void) {
   return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
 }
 
-int kvtd_session_create(const char* suffix, const kvtd_geometry* g, kvtd_session** out, char* err, size_t err_len) {
+namespace {
+
+int create_session(const char* suffix, const kvtd_geometry* g, bool adopt, kvtd_session** out, char* err,
+                   size_t err_len) {
   return guarded(err, err_len, [&]() -> int {
     if (!suffix || !g || !out) return invalid(err, err_len, "suffix, geometry and out must not be null");
     *out = nullptr;
     kvtd::engine::SessionOptions o;
     o.suffix = suffix;
+    o.adopt_host_tier = adopt;
     std::memcpy(&o.geometry, g, sizeof o.geometry);  // same layout (static_assert above); validated by create
     auto s = kvtd::engine::EngineSession::create(o);
     if (!s.ok()) return report(s, err, err_len);
     *out = kvtd::c_api::adopt_session(std::move(s).value());
     return KVTD_OK;
   });
+}
+
+}  // namespace
+
+int kvtd_session_create(const char* suffix, const kvtd_geometry* g, kvtd_session** out, char* err, size_t err_len) {
+  return create_session(suffix, g, false, out, err, err_len);
+}
+
+int kvtd_session_create_adopting(const char* suffix, const kvtd_geometry* g, kvtd_session** out, char* err,
+                                 size_t err_len) {
+  return create_session(suffix, g, true, out, err, err_len);
 }
 
 int kvtd_session_create_groups(const char* suffix, const kvtd_cache_groups* groups, kvtd_session** out, char* err,
@@ -372,6 +387,11 @@ const char* kvtd_session_name(kvtd_session* s) {
 uint64_t kvtd_session_generation(kvtd_session* s) {
   const kvtd::c_api::SessionUse use(s);
   return use.live() ? use->generation() : 0;
+}
+
+uint64_t kvtd_session_adopted_generation(kvtd_session* s) {
+  const kvtd::c_api::SessionUse use(s);
+  return use.live() ? use->adopted_generation() : 0;
 }
 
 int kvtd_wait(kvtd_session* s, uint64_t task_id, int64_t timeout_ms, kvtd_completion* out, char* err,

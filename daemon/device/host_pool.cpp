@@ -5,6 +5,7 @@
 
 #include "pool_pinner.h"
 
+#include <sys/stat.h>
 #include <sys/vfs.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 #include <utility>
 #include <cstdio>
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 
 #include "kvtd/daemon/log.h"
@@ -291,6 +293,37 @@ std::unique_ptr<ipc::SharedObject> reopen_if_ours(const std::string& name, const
   return nullptr;
 }
 
+// A dead session's pool (`from`) taken over under this session's name (`name`): only when no
+// pool is under `name` yet and `from` is exactly `want` but for its generation, which must be
+// `from_generation`. Its header gets the new generation (magic cleared while it changes), then it
+// is renamed. False, leaving it to the sweep, when anything differs.
+bool take_over(const std::string& from, std::uint64_t from_generation, const std::string& name, const std::string& dir,
+               std::uint64_t mapped, const PoolHeader& want) {
+  const std::string at = dir.empty() ? std::string("/dev/shm") : dir;
+  struct stat st {};
+  if (lstat((at + "/" + name).c_str(), &st) == 0) return false;  // ours already: re-mapped as usual
+  auto old = ipc::SharedObject::open(from, dir);
+  if (!old.ok()) return false;
+  auto& o = *old;
+  PoolHeader have;
+  if (o->owner_uid() != getuid() || (o->mode() & 077) != 0 || o->size() != mapped) return false;
+  std::memcpy(&have, o->data(), sizeof have);
+  if (magic_of(o->data()).load(std::memory_order_acquire) != kPoolMagic || have.generation != from_generation) return false;
+  have.generation = want.generation;
+  if (std::memcmp(&have, &want, sizeof have) != 0) {
+    KVTD_WARN("host pool {} of the session this one follows differs in shape or layout; not taken over", from);
+    return false;
+  }
+  magic_of(o->data()).store(0, std::memory_order_relaxed);
+  std::memcpy(o->data() + offsetof(PoolHeader, generation), &want.generation, sizeof want.generation);
+  magic_of(o->data()).store(kPoolMagic, std::memory_order_release);
+  if (::rename((at + "/" + from).c_str(), (at + "/" + name).c_str()) != 0) {
+    KVTD_WARN("host pool {} not taken over: rename to {} failed: {}", from, name, std::strerror(errno));
+    return false;
+  }
+  return true;
+}
+
 // Room for a new pool of `total` bytes (`mapped` in pages of `page`): free huge pages in the
 // kernel's reserve (`dir` set), or free bytes in /dev/shm; refused naming the counts.
 Status<DeviceErrc> check_room(const std::string& dir, std::uint64_t page, std::uint64_t mapped, std::uint64_t total,
@@ -339,7 +372,8 @@ Result<std::unique_ptr<ipc::SharedObject>, DeviceErrc> create_pool_object(const 
 Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend, const PoolShape& g,
                                                              std::uint64_t generation, std::uint32_t rank,
                                                              std::uint32_t group, HostLayout layout, int numa_node,
-                                                             const PinPlan& pin, const std::string& hugetlbfs_dir) {
+                                                             const PinPlan& pin, const std::string& hugetlbfs_dir,
+                                                             std::uint64_t adopt_generation) {
   PoolLayout l;
   if (!layout_of(g, layout, &l) || l.total >= proto::kMaxSizeBytes)
     return make_error(DeviceErrc::kAllocFailed, "host pool size overflows");
@@ -358,6 +392,10 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend
   pool->blocks_ = g.num_host_blocks;
   pool->sums_kept_ = std::make_unique<std::atomic<std::uint16_t>[]>(g.num_host_blocks);
   pool->page_bytes_ = page;
+  if (adopt_generation != 0 && adopt_generation != generation &&
+      take_over(ipc::session_object_name(adopt_generation, proto::host_pool_object(rank, group)), adopt_generation, name,
+                hugetlbfs_dir, mapped, want))
+    pool->adopted_ = adopt_generation;
   pool->object_ = reopen_if_ours(name, hugetlbfs_dir, mapped, want);
   pool->restored_ = pool->object_ != nullptr;
   if (!pool->object_) {

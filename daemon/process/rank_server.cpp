@@ -7,6 +7,7 @@
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/notify.h"
 #include "kvtd/ipc/clock.h"
+#include "kvtd/ipc/shared_object.h"
 #include "cache_mapping.h"
 #include "kvtd/daemon/cleared_cache.h"
 #include "kvtd/daemon/completion_sink.h"
@@ -80,25 +81,39 @@ Result<HostPools, int> RankServer::open_pools(const RankEndpoint& ep) {
   pin.on_progress = [&registry = s_.registry](std::uint64_t bytes, double seconds) {
     registry.set_host_pool_pinning(bytes, static_cast<std::uint64_t>(seconds * 1000.0));
   };
+  // A dead engine's pools not taken over go first: the new ones may need their room.
+  if (ep.adopt_host_tier_of() != kept_generation_) drop_kept_pools(0);
   const bool grouped = proto::is_group_session(s_.groups);
   const std::vector<PoolShape> shapes = PoolShape::of_session(s_.geometry, s_.groups);
   std::vector<std::unique_ptr<HostPool>> out;
   for (std::uint32_t g = 0; g < shapes.size(); ++g) {
     const PoolShape& shape = shapes[g];
     auto pool = HostPool::open(*s_.backend, shape, ep.generation(), cfg_.rank, g, cfg_.host_layout, s_.numa_node, pin,
-                               cfg_.host_pool_hugepages ? cfg_.hugetlbfs_dir : std::string());
+                               cfg_.host_pool_hugepages ? cfg_.hugetlbfs_dir : std::string(), ep.adopt_host_tier_of());
     if (!pool.ok()) {
       KVTD_ERROR("host pool{}: {}", grouped ? " of cache group " + std::to_string(g) : "", pool.error().message);
       return make_error(kExitBackend, pool.error().message);
     }
-    if ((*pool)->restored())
+    if ((*pool)->adopted() != 0)
+      KVTD_INFO("host pool {} taken over from the dead session {:016x} this one follows: {} of {} blocks hold data",
+                (*pool)->name(), (*pool)->adopted(), (*pool)->valid_blocks(), shape.num_host_blocks);
+    else if ((*pool)->restored())
       KVTD_INFO("host pool {} re-mapped from a previous daemon of this session: {} of {} blocks hold data",
                 (*pool)->name(), (*pool)->valid_blocks(), shape.num_host_blocks);
     if (cfg_.host_pool_hugepages)
       KVTD_INFO("host pool in {} kB pages under {}", (*pool)->page_bytes() >> 10, cfg_.hugetlbfs_dir);
     out.push_back(std::move(pool).value());
   }
+  drop_kept_pools(0);  // taken over (renamed away) or not ours to take: gone either way
   return HostPools(std::move(out));
+}
+
+void RankServer::drop_kept_pools(std::uint64_t adopting) {
+  if (adopting != 0 && adopting == kept_generation_) return;
+  const std::string dir = cfg_.host_pool_hugepages ? cfg_.hugetlbfs_dir : std::string();
+  for (const auto& name : kept_pools_) ipc::SharedObject::remove(name, dir);
+  kept_pools_.clear();
+  kept_generation_ = 0;
 }
 
 RankServer::Step RankServer::cleared(Session& s) {
@@ -273,8 +288,16 @@ void RankServer::end_session(Session& s) {
   s_.backend->close_tensors();
   s.owned.reset();
   // The session is over for us unless we are stopping: nobody will read this pool again (a new
-  // session is a new generation with a new pool).
-  if (s.why != TaskRunner::Exit::kStopped) s.pools.remove();
+  // session is a new generation with a new pool) - unless its engine is gone rather than
+  // finished: then the next session of this suffix may take it over (adopt_host_tier; an
+  // engine that closes its session removes the pools itself), and else the next sweep removes it.
+  if (s.why == TaskRunner::Exit::kSessionLost) {
+    drop_kept_pools(0);
+    kept_generation_ = s.ep.generation();
+    for (std::size_t g = 0; g < s.pools.size(); ++g) kept_pools_.push_back(s.pools.at(g)->name());
+  } else if (s.why != TaskRunner::Exit::kStopped) {
+    s.pools.remove();
+  }
   if (s.why == TaskRunner::Exit::kRingCorrupt) KVTD_ERROR("task ring framing is corrupt; detached, waiting for a new session");
   if (s.why == TaskRunner::Exit::kSessionLost)
     KVTD_WARN("engine closed the session or stopped heartbeating; detached{}", stop_.load() ? "" : ", waiting for a new session");

@@ -15,6 +15,8 @@
 #pragma once
 
 #include <atomic>
+#include <string>
+#include <vector>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -71,9 +73,17 @@ class RankServer {
   void fail_restore(Session& s, const std::string& message);
   void end_session(Session& s);
 
+  // Removes the pools kept from a dead engine's session unless `adopting` is its generation
+  // (then they were taken over, or are removed after the attempt).
+  void drop_kept_pools(std::uint64_t adopting);
+
   const config::DaemonConfig& cfg_;
   Services& s_;
   std::atomic<bool>& stop_;
+  // The pools of the last session whose engine died, left for the next session of the suffix to
+  // take over (adopt_host_tier): their generation and object names. Only the run() thread.
+  std::uint64_t kept_generation_ = 0;
+  std::vector<std::string> kept_pools_;
 };
 
 }  // namespace kvtd::daemon

@@ -2,9 +2,7 @@
 
 #include "kvtd/ipc/clock.h"
 
-#include <dirent.h>
 #include <fcntl.h>
-#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -19,7 +17,6 @@
 #include <new>
 #include <random>
 #include <ctime>
-#include <set>
 
 #include "kvtd/proto/checked.h"
 
@@ -181,110 +178,6 @@ Result<std::unique_ptr<SharedObject>, IpcErrc> SharedObject::open(const std::str
   return o;
 }
 
-namespace {
-
-// The entries of directory `at` whose names start with `prefix` (none when it cannot be read).
-std::vector<std::string> names_with_prefix(const std::string& at, const std::string& prefix) {
-  std::vector<std::string> found;
-  if (DIR* dir = opendir(at.c_str())) {
-    while (dirent* e = readdir(dir)) {
-      const std::string n = e->d_name;
-      if (n.compare(0, prefix.size(), prefix) == 0) found.push_back(n);
-    }
-    closedir(dir);
-  }
-  return found;
-}
-
-// Per-session objects: "<prefix><16 hex>_dev<digits>", "_host<digits>" or "_fdcache<digits>" (a
-// daemon's exported cache); true with the generation for one of those.
-bool parse_session_object(const std::string& n, const std::string& prefix, std::uint64_t* gen) {
-  const std::string rest = n.substr(prefix.size());
-  if (rest.size() < 18 || rest[16] != '_') return false;
-  const std::string tail = rest.substr(17);
-  std::size_t digits_at = 0;
-  if (tail.compare(0, 3, "dev") == 0) digits_at = 3;
-  else if (tail.compare(0, 4, "host") == 0) digits_at = 4;
-  else if (tail.compare(0, 7, "fdcache") == 0) digits_at = 7;
-  else return false;
-  if (digits_at == tail.size()) return false;
-  for (std::size_t i = digits_at; i < tail.size(); ++i)
-    if (tail[i] < '0' || tail[i] > '9') return false;
-  const std::string hex = rest.substr(0, 16);
-  for (char c : hex)
-    if (!std::isxdigit(static_cast<unsigned char>(c))) return false;
-  *gen = std::strtoull(hex.c_str(), nullptr, 16);
-  return true;
-}
-
-}  // namespace
-
-std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& object_dirs) {
-  std::vector<std::string> removed;
-  const std::string prefix = "kvtd_" + std::to_string(getuid()) + "_";
-  auto list = [&](const std::string& at) { return names_with_prefix(at, prefix); };
-  const std::vector<std::string> names = list("/dev/shm");
-  if (names.empty() && object_dirs.empty()) return removed;
-
-  auto session_object_generation = [&](const std::string& n, std::uint64_t* gen) {
-    return parse_session_object(n, prefix, gen);
-  };
-
-  std::set<std::uint64_t> live;
-  std::vector<std::string> dead_sessions;
-  // A directory listing is not a snapshot: one taken while another engine is creating its
-  // session may hold its new arena but not its segment. Objects touched in the last 30 s are
-  // therefore never swept; an orphan is always older than that by the next sweep.
-  const time_t fresh_after = time(nullptr) - 30;
-  for (const auto& n : names) {
-    std::uint64_t gen = 0;
-    if (session_object_generation(n, &gen)) continue;
-    auto o = SharedObject::open(n);
-    if (!o.ok()) continue;
-    if ((*o)->owner_uid() != getuid() || (*o)->size() < sizeof(proto::SessionHeader)) continue;
-    const auto* h = reinterpret_cast<const proto::SessionHeader*>((*o)->data());
-    const std::uint64_t magic =
-        std::atomic_ref<std::uint64_t>(const_cast<std::uint64_t&>(h->magic)).load(std::memory_order_acquire);
-    if (magic == 0) {
-      // A session being created: its objects may not be visible yet, so nothing is swept now.
-      // One untouched for 30 s was abandoned mid-creation (its creator died): it is swept as a
-      // dead session's, not left to stop every later sweep.
-      struct stat st {};
-      if (lstat(("/dev/shm/" + n).c_str(), &st) == 0 && st.st_mtime < fresh_after) {
-        dead_sessions.push_back(n);
-        continue;
-      }
-      return removed;
-    }
-    if (magic != proto::kSessionMagic) continue;
-    const auto creator = static_cast<pid_t>(h->creator_pid);
-    const bool alive = creator > 0 && (kill(creator, 0) == 0 || errno != ESRCH);
-    if (alive && h->state.load(std::memory_order_acquire) != static_cast<std::uint32_t>(proto::SessionState::kClosed))
-      live.insert(h->generation);
-    else if (!alive)
-      dead_sessions.push_back(n);
-  }
-  auto sweep_objects_in = [&](const std::string& dir, const std::vector<std::string>& in_dir) {
-    for (const auto& n : in_dir) {
-      std::uint64_t gen = 0;
-      struct stat st {};
-      if (session_object_generation(n, &gen) && !live.count(gen) &&
-          lstat(((dir.empty() ? std::string("/dev/shm") : dir) + "/" + n).c_str(), &st) == 0 &&
-          S_ISREG(st.st_mode) && st.st_uid == getuid() && st.st_mtime < fresh_after) {
-        SharedObject::remove(n, dir);
-        removed.push_back(dir.empty() ? n : dir + "/" + n);
-      }
-    }
-  };
-  sweep_objects_in("", names);
-  for (const auto& dir : object_dirs) sweep_objects_in(dir, list(dir));
-  for (const auto& n : dead_sessions) {
-    SharedObject::remove(n);
-    removed.push_back(n);
-  }
-  return removed;
-}
-
 namespace detail {
 
 std::string errno_text(const char* what) { return std::string(what) + ": " + std::strerror(errno); }
@@ -372,6 +265,7 @@ HeaderCopy copy_header(const proto::SessionHeader& h) {
   c.header_bytes = h.header_bytes;
   c.completion_capacity = h.completion_capacity;
   c.generation = h.generation;
+  c.adopt_host_tier_of = h.adopt_host_tier_of;
   std::memcpy(&c.geometry, &h.geometry, sizeof c.geometry);
   std::memcpy(&c.groups, &h.groups, sizeof c.groups);
   c.registry_offset = h.registry_offset;
@@ -418,6 +312,7 @@ Result<SessionLayout, IpcErrc> validate_header(const HeaderCopy& h, std::uint64_
 }
 
 std::string session_name(const std::string& suffix) { return "kvtd_" + std::to_string(getuid()) + "_" + suffix; }
+
 
 std::string geometry_mismatch(const proto::CacheGeometry& have, const proto::CacheGeometry& want) {
   auto shape = [](const std::int64_t* s) {

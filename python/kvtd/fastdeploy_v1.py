@@ -12,9 +12,11 @@ are tasks of a one-rank kvtd session served by that rank's daemon:
   made (cache_controller.py:216-238 names them with local_rank % tensor_parallel_size while
   FastDeploy's own manager looks them up with the raw local rank, transfer_manager.py:173-176, so
   a local rank >= the TP size finds nothing there; here the names are parsed, never rebuilt).
-* The host blocks live in the daemon's host pool (shared memory a restarted daemon maps again,
-  so a daemon crash loses no host KV; it goes with the session, so a worker restart still
-  starts with an empty host tier), not in the worker's private cuda_host_alloc memory: the
+* The host blocks live in the daemon's host pool, not in the worker's private cuda_host_alloc
+  memory: a restarted daemon maps the pool again, and a restarted worker's session takes over
+  the pool its dead predecessor left (Session(adopt_host_tier=True); $KVTD_FDV1_ADOPT_HOST_TIER=0
+  turns it off), so the host blocks FastDeploy's CacheManager (in the engine process, alive
+  across a worker restart) still names hold what it thinks they hold. The
   controller's host allocations (cache_controller.py:617-631) get address space reserved with
   no access and no memory behind it, so nothing can read a host block outside kvtd by mistake
   and no host memory is pinned twice.
@@ -92,6 +94,7 @@ class KvtdCacheTransferManager:
         self._suffix = session_suffix(config, local_rank)
         self._ready_timeout = float(os.environ.get("KVTD_FDV1_READY_TIMEOUT", "120"))
         self._task_timeout = float(os.environ.get("KVTD_FDV1_TASK_TIMEOUT", "60"))
+        self._adopt = os.environ.get("KVTD_FDV1_ADOPT_HOST_TIER", "1") != "0"
         self._lock = threading.RLock()
         self._cache_kvs_map: Dict[str, Any] = {}
         self._host_cache_kvs_map: Dict[str, Any] = {}
@@ -139,7 +142,7 @@ class KvtdCacheTransferManager:
             with self._lock:
                 tensors = dict(self._tensors)
             g = geometry_of(tensors, self._num_layers, self._num_host_blocks)
-            s = Session(self._suffix, g)
+            s = Session(self._suffix, g, adopt_host_tier=self._adopt)
             with self._lock:
                 if self._closed:
                     s.close()
@@ -164,8 +167,10 @@ class KvtdCacheTransferManager:
                     s.close()
                     return
                 self._session = s
-            log.info("kvtd session %s ready for rank %d (%d layers, %d host blocks)", self._suffix,
-                     self._local_rank, self._num_layers, self._num_host_blocks)
+            log.info("kvtd session %s ready for rank %d (%d layers, %d host blocks%s)", self._suffix,
+                     self._local_rank, self._num_layers, self._num_host_blocks,
+                     f"; host tier of the dead session {s.adopted_host_tier:016x} taken over"
+                     if s.adopted_host_tier else "")
         except Exception as e:  # kept and named by every swap that follows
             if self._closed:
                 return  # closed while waiting: nothing will swap
@@ -367,6 +372,7 @@ class KvtdCacheTransferManager:
                     "has_device_cache": bool(self._tensors),
                     "has_host_cache": self._num_host_blocks > 0 and bool(self._host_cache_kvs_map),
                     "kvtd_session_ready": self._session is not None,
+                    "kvtd_adopted_host_tier": self._session.adopted_host_tier if self._session is not None else 0,
                     "is_fp8": self._is_fp8_quantization(), "kvtd_session": self._suffix,
                     "kvtd_evictions": self._counts["evict"], "kvtd_loads": self._counts["load"],
                     "kvtd_failures": len(self.failures)}

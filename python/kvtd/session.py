@@ -148,9 +148,13 @@ class Session:
     "kvtd_<uid>_<suffix>"; close() (or leaving the `with` block) removes it and every object it
     made, and attached daemons detach."""
 
-    def __init__(self, suffix: str, geometry: Optional[Geometry] = None, *, groups=None):
+    def __init__(self, suffix: str, geometry: Optional[Geometry] = None, *, groups=None,
+                 adopt_host_tier: bool = False):
         """A session over `geometry` (one shape for every layer), or over cache `groups`
-        (kvtd.cache_groups.CacheGroups: hybrid models). Exactly one of them."""
+        (kvtd.cache_groups.CacheGroups: hybrid models). Exactly one of them. adopt_host_tier
+        (geometry only): if this suffix's previous session died with the same geometry, its
+        daemons' host pools are taken over and the blocks it wrote stay loadable (an engine
+        restarted beside the same daemons); `adopted_host_tier` then says so."""
         if (geometry is None) == (groups is None):
             raise ValueError("give a geometry or cache groups, not both or neither")
         self.geometry = geometry
@@ -158,14 +162,16 @@ class Session:
         self._tls = threading.local()  # one error buffer per calling thread
         self._h = ctypes.c_void_p()
         self._close_lock = threading.Lock()
+        if groups is not None and adopt_host_tier:
+            raise ValueError("adopt_host_tier is for a session over one geometry, not cache groups")
         if groups is not None:
             native = groups.to_native()
             rc = n.lib.kvtd_session_create_groups(suffix.encode(), ctypes.byref(native), ctypes.byref(self._h),
                                                   self._errbuf(), _ERR_LEN)
         else:
             native = geometry.to_native()
-            rc = n.lib.kvtd_session_create(suffix.encode(), ctypes.byref(native), ctypes.byref(self._h),
-                                           self._errbuf(), _ERR_LEN)
+            create = n.lib.kvtd_session_create_adopting if adopt_host_tier else n.lib.kvtd_session_create
+            rc = create(suffix.encode(), ctypes.byref(native), ctypes.byref(self._h), self._errbuf(), _ERR_LEN)
         self._check(rc, "create session " + suffix)
         self.suffix = suffix
         self._keepalive = []  # torch tensors registered by handle: kept alive with the session
@@ -433,6 +439,11 @@ class Session:
     def name(self) -> str:
         """The shared-memory segment's name ("kvtd_<uid>_<suffix>")."""
         return n.lib.kvtd_session_name(self._handle()).decode()
+
+    @property
+    def adopted_host_tier(self) -> int:
+        """The generation of the dead session whose host tier this one took over, 0 if none."""
+        return n.lib.kvtd_session_adopted_generation(self._handle())
 
     @property
     def generation(self) -> int:

@@ -54,6 +54,14 @@ def test_the_host_tier_survives_a_daemon_restart_between_eviction_and_load(tp):
     run("host_tier_survives_a_daemon_restart", tp)
 
 
+def test_the_host_tier_survives_a_worker_restart_beside_the_same_daemon():
+    run("host_tier_survives_a_worker_restart", 1)
+
+
+def test_without_adoption_a_restarted_workers_load_of_the_old_host_blocks_fails_reporting_no_layer():
+    run("host_tier_not_adopted_when_switched_off", 1)
+
+
 def test_a_failed_eviction_answers_at_once_and_its_host_blocks_never_load():
     run("failed_eviction_answers_at_once", 1)
 

@@ -224,6 +224,12 @@ KVTD_API int kvtd_session_create(const char* suffix, const kvtd_geometry* geomet
  * with keys (its backup) is refused: submit the STORAGE_WRITE. */
 KVTD_API int kvtd_session_create_groups(const char* suffix, const kvtd_cache_groups* groups, kvtd_session** out,
                                         char* err, size_t err_len);
+/* Like kvtd_session_create, and if this suffix's previous session died (its creator is gone, it
+ * was not destroyed) with the same geometry, takes over its daemons' host pools: every host block
+ * it wrote stays loadable (an engine worker restarted beside the same daemons). Without such a
+ * session it is kvtd_session_create. kvtd_session_adopted_generation says which, if any. */
+KVTD_API int kvtd_session_create_adopting(const char* suffix, const kvtd_geometry* geometry, kvtd_session** out,
+                                          char* err, size_t err_len);
 KVTD_API void kvtd_session_destroy(kvtd_session* s);
 /* The session's geometry as validated at create. */
 KVTD_API int kvtd_session_geometry(kvtd_session* s, kvtd_geometry* out);
@@ -267,6 +273,8 @@ KVTD_API uint64_t kvtd_weight_version(kvtd_session* s);
 /* The segment's name ("kvtd_<uid>_<suffix>") and random generation; "" / 0 for a null session. */
 KVTD_API const char* kvtd_session_name(kvtd_session* s);
 KVTD_API uint64_t kvtd_session_generation(kvtd_session* s);
+/* The generation of the dead session whose host tier this one took over, 0 if none. */
+KVTD_API uint64_t kvtd_session_adopted_generation(kvtd_session* s);
 
 /* Waits for the merged result: KVTD_OK (done, ok), KVTD_E_TASK_FAILED (done, failed: message in
  * err), KVTD_E_TIMEOUT, KVTD_E_UNKNOWN_TASK. A result is handed out once (wait or poll). */

@@ -58,6 +58,7 @@ proto::SessionHeader* init_session(const SessionView& view, const proto::CacheGe
 struct HeaderCopy {
   std::uint32_t layout_version = 0, header_bytes = 0, completion_capacity = 0;
   std::uint64_t generation = 0;
+  std::uint64_t adopt_host_tier_of = 0;  // a dead session's generation whose host pools to take over
   proto::CacheGeometry geometry{};
   proto::CacheGroups groups{};
   std::uint64_t registry_offset = 0, registry_count = 0, task_ring_offset = 0, task_ring_bytes = 0;
@@ -112,6 +113,13 @@ struct SessionView {
 // "kvtd_<uid>_<suffix>"; the suffix is checked by proto::valid_session_suffix.
 std::string session_name(const std::string& suffix);
 using ipc::session_object_name;
+
+// The generation of the session segment `name` if its engine died (creator gone, not closed) and
+// it had exactly this geometry and these cache groups, else 0: a new session of the same suffix
+// may take over its daemons' host pools (SessionOptions::adopt_host_tier). Reads the segment as
+// hostile input: magic, layout version and size first, one copy of the header.
+std::uint64_t adoptable_generation(const std::string& name, const proto::CacheGeometry& geometry,
+                                   const proto::CacheGroups& groups);
 
 // Names the first geometry field on which `have` and `want` differ, or "" when equal.
 std::string geometry_mismatch(const proto::CacheGeometry& have, const proto::CacheGeometry& want);

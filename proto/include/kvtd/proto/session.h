@@ -285,6 +285,10 @@ struct alignas(64) SessionHeader {
   std::uint64_t progress_offset;    // first rank's ProgressControl
   std::uint64_t progress_stride;    // bytes per rank progress block
   std::atomic<std::uint32_t> cache_state;  // CacheState, written by the engine
+  // Generation of this suffix's previous session, which died (its creator is gone) with this
+  // very geometry, whose daemons' host pools this session takes over: the blocks it wrote stay
+  // loadable. 0: none (a new session starts with an empty host tier). Written before publish.
+  std::uint64_t adopt_host_tier_of;
 
   alignas(64) std::atomic<std::int64_t> engine_heartbeat_ns;
   std::atomic<std::uint32_t> engine_pid;
@@ -312,6 +316,7 @@ struct alignas(64) SessionHeader {
 static_assert(std::is_standard_layout_v<SessionHeader>);
 static_assert(offsetof(SessionHeader, geometry) == 40);
 static_assert(offsetof(SessionHeader, cache_state) == 208);
+static_assert(offsetof(SessionHeader, adopt_host_tier_of) == 216);
 static_assert(offsetof(SessionHeader, engine_heartbeat_ns) == 256);
 static_assert(offsetof(SessionHeader, ranks) % 64 == 0);
 static_assert(offsetof(SessionHeader, groups) == 512 + kMaxRanks * sizeof(RankSlot));

@@ -61,6 +61,11 @@ struct SessionOptions {
   Fencer fencer;                         // defaults to fence_process (tests inject failures)
   std::size_t max_uncollected_results = 65536;  // finished results kept for poll/wait; oldest dropped
   std::uint64_t weight_version = 0;      // initial weight version (see set_weight_version)
+  // Take over the host tier of this suffix's previous session if it died (its creator is gone)
+  // with the same geometry and cache groups: its daemons' host pools are kept and every block
+  // it wrote stays loadable (an engine worker restarted beside the same daemons). Only blocks
+  // the new session's own bookkeeping still names are worth anything; the engine decides.
+  bool adopt_host_tier = false;
 };
 
 // One task. Swaps use src/dst; storage tasks use keys, blocks and the fields after them:
@@ -238,6 +243,8 @@ class EngineSession {
   const proto::CacheGroups& groups() const;
   const std::string& name() const;
   std::uint64_t generation() const;
+  // The dead session whose host tier this one took over (SessionOptions::adopt_host_tier), or 0.
+  std::uint64_t adopted_generation() const;
 
  private:
   struct Impl;

@@ -106,11 +106,16 @@ class HostPool {
   // a file in (huge pages: fewer TLB misses and page-table entries to pin); refused, naming the
   // counts, when the kernel has too few free.
   // `group`: which of the rank's pools (proto::host_pool_object names it), 0 for a single shape.
+  // `adopt_generation` (nonzero): a dead session of the same suffix whose pool this session takes
+  // over (RankEndpoint::adopt_host_tier_of) when it has no pool yet and that one is exactly ours
+  // but for the generation: renamed to this session's name, its blocks kept; restored() is then
+  // true and adopted() names it.
   static Result<std::unique_ptr<HostPool>, DeviceErrc> open(HostMemory& backend, const PoolShape& shape,
                                                             std::uint64_t generation, std::uint32_t rank,
                                                             std::uint32_t group, HostLayout layout = HostLayout::kLayerFirst,
                                                             int numa_node = -1, const PinPlan& pin = PinPlan(),
-                                                            const std::string& hugetlbfs_dir = {});
+                                                            const std::string& hugetlbfs_dir = {},
+                                                            std::uint64_t adopt_generation = 0);
   // The one pool of a single-shape geometry.
   static Result<std::unique_ptr<HostPool>, DeviceErrc> open(HostMemory& backend, const proto::CacheGeometry& g,
                                                             std::uint64_t generation, std::uint32_t rank,
@@ -119,6 +124,8 @@ class HostPool {
                                                             const std::string& hugetlbfs_dir = {}) {
     return open(backend, PoolShape::of(g), generation, rank, 0, layout, numa_node, pin, hugetlbfs_dir);
   }
+  // The generation whose pool open() took over, or 0.
+  std::uint64_t adopted() const { return adopted_; }
   ~HostPool();
   HostPool(const HostPool&) = delete;
   HostPool& operator=(const HostPool&) = delete;
@@ -194,6 +201,7 @@ class HostPool {
   std::vector<std::byte*> regions_;
   std::size_t total_ = 0;
   bool restored_ = false;
+  std::uint64_t adopted_ = 0;
   std::uint64_t page_bytes_ = 4096;
   PoolShape shape_{};
   std::uint64_t page_stride_ = 0;  // 0: layer_first

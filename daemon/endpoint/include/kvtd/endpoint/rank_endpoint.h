@@ -133,6 +133,9 @@ class RankEndpoint {
   const proto::TensorDesc* tensor(std::uint32_t layer, proto::TensorKind kind) const;
   std::uint32_t rank() const;
   std::uint64_t generation() const;
+  // The generation of a dead session of this suffix whose host pools this one takes over (the
+  // engine found it with this geometry), or 0. Read once at attach.
+  std::uint64_t adopt_host_tier_of() const;
   std::uint32_t epoch() const;
 
  private:
