@@ -84,6 +84,13 @@ TEST(HostTierAdoption, APoolOfAnotherShapeIsNotTakenOver) {
   ipc::SharedObject::remove(pool_name(dead));
 }
 
+// An object an hour old: the sweep spares what was touched in the last 30 s.
+void leave_old_object(const std::string& name) {
+  ASSERT_TRUE(ipc::SharedObject::create(name, 4096).ok());
+  const timespec hour_ago[2] = {{time(nullptr) - 3600, 0}, {time(nullptr) - 3600, 0}};
+  ASSERT_EQ(utimensat(AT_FDCWD, ("/dev/shm/" + name).c_str(), hour_ago, 0), 0);
+}
+
 // The generation a child engine's session had, after the child died without closing it.
 std::uint64_t dead_engine_session(const std::string& suffix, const proto::CacheGeometry& g) {
   int fds[2];
@@ -121,9 +128,7 @@ TEST(HostTierAdoption, TheEngineFindsItsDeadPredecessorWithTheSameGeometryOnly) 
 
   // Its pool survives the new session's sweep and the new session names it for its daemons.
   const std::string dead_pool = pool_name(dead);
-  ASSERT_TRUE(ipc::SharedObject::create(dead_pool, 4096).ok());
-  const timespec hour_ago[2] = {{time(nullptr) - 3600, 0}, {time(nullptr) - 3600, 0}};
-  ASSERT_EQ(utimensat(AT_FDCWD, ("/dev/shm/" + dead_pool).c_str(), hour_ago, 0), 0);
+  ASSERT_NO_FATAL_FAILURE(leave_old_object(dead_pool));
   SessionOptions o;
   o.suffix = suffix;
   o.geometry = g;
@@ -143,9 +148,7 @@ TEST(HostTierAdoption, WithoutTheOptionTheDeadSessionsPoolIsSwept) {
   const std::uint64_t dead = dead_engine_session(suffix, g);
   ASSERT_NE(dead, 0u);
   const std::string dead_pool = pool_name(dead);
-  ASSERT_TRUE(ipc::SharedObject::create(dead_pool, 4096).ok());
-  const timespec hour_ago[2] = {{time(nullptr) - 3600, 0}, {time(nullptr) - 3600, 0}};
-  ASSERT_EQ(utimensat(AT_FDCWD, ("/dev/shm/" + dead_pool).c_str(), hour_ago, 0), 0);
+  ASSERT_NO_FATAL_FAILURE(leave_old_object(dead_pool));
   SessionOptions o;
   o.suffix = suffix;
   o.geometry = g;
