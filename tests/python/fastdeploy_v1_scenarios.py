@@ -363,13 +363,56 @@ def fastdeploy_unit_tests(tp: int) -> None:
     assert result.wasSuccessful() and result.testsRun == len(FASTDEPLOY_UNIT_TESTS), result
 
 
+def four_callers_at_once(tp: int) -> None:
+    """The controller's 4 transfer threads call one manager at once: each thread evicts its own
+    device blocks to its own host blocks and loads them back into other device blocks, 20
+    rounds; every byte of every round is checked."""
+    d = Deployment(tp, gpu_blocks=32, cpu_blocks=16)
+    try:
+        errors = []
+
+        def caller(t: int) -> None:
+            tm = d.controllers[0].transfer_manager
+            src, host, dst = [4 * t, 4 * t + 1], [4 * t, 4 * t + 1], [16 + 4 * t, 16 + 4 * t + 1]
+            try:
+                for round_ in range(20):
+                    for layer in range(d.layers):
+                        for kind in d.kinds:
+                            view = d._bytes(0, layer, kind)
+                            for i, b in enumerate(src):
+                                view[b].copy_(kv_of(f"t{t}r{round_}b{i}", 0, layer, kind, view.shape[1]))
+                    assert tm.evict_to_host_async(src, host), list(tm.failures)
+                    done = []
+                    assert tm.load_layers_to_device_async(list(range(d.layers)), host, dst, done.append), \
+                        list(tm.failures)
+                    assert done == list(range(d.layers)), done
+                    for layer in range(d.layers):
+                        for kind in d.kinds:
+                            view = d._bytes(0, layer, kind)
+                            for i, b in enumerate(dst):
+                                want = kv_of(f"t{t}r{round_}b{i}", 0, layer, kind, view.shape[1])
+                                assert torch.equal(view[b], want), f"thread {t} round {round_} layer {layer} block {b}"
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(f"thread {t}: {e!r}")
+
+        threads = [threading.Thread(target=caller, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert d.controllers[0].transfer_manager.get_stats()["kvtd_loads"] == 80
+    finally:
+        d.close()
+
+
 def fp8_evict_and_swap_back(tp: int) -> None:
     """The same with block_wise_fp8: uint8 caches and float32 scale tensors per layer, named
     key_cache_scales_<layer>_rank<r>.device<d> (cache_controller.py:281-313); every scale byte too."""
     evict_and_swap_back(tp, fp8=True)
 
 
-SCENARIOS = {"fp8_evict_and_swap_back": fp8_evict_and_swap_back, "fastdeploy_unit_tests": fastdeploy_unit_tests,
+SCENARIOS = {"four_callers_at_once": four_callers_at_once, "fp8_evict_and_swap_back": fp8_evict_and_swap_back, "fastdeploy_unit_tests": fastdeploy_unit_tests,
              "local_rank_beyond_tp": local_rank_beyond_tp, "plugin_entry_point": plugin_entry_point,
              "evict_and_swap_back": evict_and_swap_back,
              "failed_eviction_answers_at_once": failed_eviction_answers_at_once,

@@ -62,6 +62,10 @@ def test_without_adoption_a_restarted_workers_load_of_the_old_host_blocks_fails_
     run("host_tier_not_adopted_when_switched_off", 1)
 
 
+def test_four_callers_at_once_each_get_their_own_bytes_back():
+    run("four_callers_at_once", 1)
+
+
 def test_a_failed_eviction_answers_at_once_and_its_host_blocks_never_load():
     run("failed_eviction_answers_at_once", 1)
 
