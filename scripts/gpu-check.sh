@@ -16,8 +16,10 @@
 # --verify-swaps costs (scripts/gpu/verify_cost.sh); storage tasks between a file store and device
 # blocks next to the HiCacheFile peer (scripts/gpu/storage_device.sh); a 32 GiB host pool's time to
 # its first swap (scripts/gpu/pool_start.sh); the Python client (real torch CUDA
-# tensors on a GPU, scripts/gpu/torch_check.py; the stand-in's driver on cudasim); memcheck of the
-# kernels where compute-sanitizer exists. Exit status: 0 when nothing failed, 1 otherwise.
+# tensors on a GPU, scripts/gpu/torch_check.py; the stand-in's driver on cudasim); FastDeploy
+# cache manager v1's own code swapping device tensors through kvtd (scripts/gpu/fastdeploy_v1.sh,
+# torch CUDA; its source from $KVTD_FASTDEPLOY_V1_SRC); memcheck of the kernels where
+# compute-sanitizer exists. Exit status: 0 when nothing failed, 1 otherwise.
 #
 # Environment: KVTD_PYTHON, the python with torch (default /usr/bin/python3; on the GPU machines
 # torch lives in a venv: KVTD_PYTHON=/opt/torch/.venv/bin/python3). Programs are found under
@@ -133,6 +135,13 @@ elif "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() el
   # The GEMM's slowdown is the price of kernel mode (the copies use SMs): measured, not assumed.
   step "python client (torch CUDA), kernel mode" 600 env KVTD_BINARY="$kvtd" KVTD_CLIENT_LIBRARY="$client" \
     KVTD_SCATTER_MODE=kernel PYTHONPATH="$root/python" "$python" "$root/scripts/gpu/torch_check.py"
+  fdv1=${KVTD_FASTDEPLOY_V1_SRC:-$root/../shared/reference/fastdeploy-v1}
+  if [ -f "$fdv1/fastdeploy/cache_manager/v1/cache_controller.py" ]; then
+    step "FastDeploy v1 (device tensors)" 600 env KVTD_FASTDEPLOY_V1_SRC="$fdv1" \
+      "$root/scripts/gpu/fastdeploy_v1.sh" "$kvtd" "$client" "$python"
+  else
+    skip "FastDeploy v1 (device tensors)" "no FastDeploy v1 source: set KVTD_FASTDEPLOY_V1_SRC"
+  fi
 else
   skip "python client (torch CUDA)" "no torch with CUDA in $python"
 fi

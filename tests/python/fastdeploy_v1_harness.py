@@ -85,6 +85,35 @@ class ShmDevice:
         self.names.clear()
 
 
+class CudaDevice:
+    """paddle.full's stand-in on a GPU (KVTD_FDV1_DEVICE=cuda, scripts/gpu-check.sh): torch CUDA
+    tensors on the current device, which kvtd registers by their allocation's CUDA IPC handle, as
+    it does paddle's."""
+
+    def full(self, shape, fill_value=0, dtype="float32"):
+        import torch
+
+        dt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8,
+              "float32": torch.float32}[str(dtype)]
+        return torch.full([int(d) for d in shape], fill_value, dtype=dt, device=f"cuda:{torch.cuda.current_device()}")
+
+    def close(self) -> None:
+        pass
+
+
+def on_gpu() -> bool:
+    return os.environ.get("KVTD_FDV1_DEVICE") == "cuda"
+
+
+def make_device():
+    """Where the "GPU" tensors live: shared memory for kvtd's host backend, or a real GPU."""
+    return CudaDevice() if on_gpu() else ShmDevice()
+
+
+def daemon_flags() -> List[str]:
+    return ["--device-backend", "cuda"] if on_gpu() else []
+
+
 def _module(name: str, **attrs) -> types.ModuleType:
     m = types.ModuleType(name)
     m.__dict__.update(attrs)
@@ -114,7 +143,7 @@ def _get_cache_bytes(config_py: Path):
     raise AssertionError(f"no get_cache_bytes in {config_py}")
 
 
-def load(device: ShmDevice, install: bool = True):
+def load(device, install: bool = True):
     """Imports FastDeploy's v1 package with the stand-ins, then installs kvtd (as its plugin does
     with KVTD_FASTDEPLOY_V1=1). Returns the package."""
     src = source()

@@ -53,7 +53,7 @@ def host_tier_survives_a_daemon_restart(tp: int) -> None:
 def _worker(suffix_prefix: str, gpu_blocks: int, cpu_blocks: int):
     """One FastDeploy worker of rank 0: its controller, its device tensors (ShmDevice)."""
     os.environ["KVTD_FDV1_SESSION"] = suffix_prefix
-    device = fh.ShmDevice()
+    device = fh.make_device()
     v1 = fh.load(device)
     cfg = fh.fd_config(v1, tp=1, layers=LAYERS, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, kv_heads=HEADS,
                        block_size=BLOCK_SIZE, head_dim=HEAD_DIM)
@@ -95,7 +95,7 @@ def host_tier_survives_a_worker_restart(tp: int, adopt: bool = True) -> None:
     prefix = f"fdv1w_{uuid.uuid4().hex[:8]}"
     shape = (8, HEADS, BLOCK_SIZE, HEAD_DIM)
     g = Geometry(num_ranks=1, num_layers=LAYERS, key_shape=shape, value_shape=shape, num_host_blocks=16)
-    daemons = Daemons(None, f"{prefix}_r0", g).start()
+    daemons = Daemons(None, f"{prefix}_r0", g, fh.daemon_flags()).start()
     try:
         env = dict(os.environ, KVTD_TEST_PREFIX=prefix)
         first = subprocess.run([sys.executable, SCENARIOS_FILE, "worker_that_dies_after_evicting", "1"], env=env,
@@ -119,7 +119,7 @@ def host_tier_survives_a_worker_restart(tp: int, adopt: bool = True) -> None:
                 for kind in (0, 1):
                     view = _view(c, layer, kind)
                     for b, dst in zip(range(6), [7, 6, 5, 4, 3, 2]):
-                        if not torch.equal(view[dst], kv_of(f"w{b}", 0, layer, kind, view.shape[1])):
+                        if not torch.equal(view[dst], kv_of(f"w{b}", 0, layer, kind, view.shape[1]).to(view.device)):
                             raise AssertionError(f"layer {layer} kind {kind}: device block {dst} is not host block "
                                                  f"{10 + b}'s KV from the first worker")
         finally:

@@ -40,7 +40,7 @@ def kv_of(hash_value: str, rank: int, layer: int, kind: int, nbytes: int) -> tor
 class Deployment:
     def __init__(self, tp: int, gpu_blocks: int, cpu_blocks: int, layers: int = LAYERS, heads: int = HEADS,
                  head_dim: int = HEAD_DIM, first_local_rank: int = 0, install=True, fp8: bool = False):
-        self.device = fh.ShmDevice()
+        self.device = fh.make_device()
         self.v1 = fh.load(self.device, install=install)
         os.environ["KVTD_FDV1_SESSION"] = f"fdv1t_{uuid.uuid4().hex[:8]}"
         os.environ["KVTD_FDV1_READY_TIMEOUT"] = "30"
@@ -53,7 +53,8 @@ class Deployment:
         shape = (gpu_blocks, heads, BLOCK_SIZE, head_dim)
         g = Geometry(num_ranks=1, num_layers=layers, key_shape=shape, value_shape=shape, num_host_blocks=cpu_blocks,
                      dtype="block_wise_fp8" if fp8 else "bfloat16", scale_bytes=4)
-        self.daemons = [Daemons(None, c.transfer_manager.session_suffix, g).start() for c in self.controllers]
+        self.daemons = [Daemons(None, c.transfer_manager.session_suffix, g, fh.daemon_flags()).start()
+                        for c in self.controllers]
         for c in self.controllers:
             c.initialize_kv_cache(fh.AttentionBackend(self.cfg), gpu_blocks)
         self.manager = self.v1.CacheManager(self.cfg)
@@ -92,7 +93,7 @@ class Deployment:
             for r in range(self.tp):
                 for kind in self.kinds:
                     view = self._bytes(r, layer, kind)
-                    want = kv_of(req.prompt_hashes[i], r, layer, kind, view.shape[1])
+                    want = kv_of(req.prompt_hashes[i], r, layer, kind, view.shape[1]).to(view.device)
                     if not torch.equal(view[req.block_tables[i]], want):
                         raise AssertionError(f"rank {r} layer {layer} kind {kind}: block {req.block_tables[i]} "
                                              f"(prefix block {i}) does not hold its KV")
@@ -390,7 +391,7 @@ def four_callers_at_once(tp: int) -> None:
                         for kind in d.kinds:
                             view = d._bytes(0, layer, kind)
                             for i, b in enumerate(dst):
-                                want = kv_of(f"t{t}r{round_}b{i}", 0, layer, kind, view.shape[1])
+                                want = kv_of(f"t{t}r{round_}b{i}", 0, layer, kind, view.shape[1]).to(view.device)
                                 assert torch.equal(view[b], want), f"thread {t} round {round_} layer {layer} block {b}"
             except BaseException as e:  # noqa: BLE001 - reported below
                 errors.append(f"thread {t}: {e!r}")
