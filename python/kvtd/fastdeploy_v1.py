@@ -81,7 +81,8 @@ class KvtdCacheTransferManager:
     """FastDeploy v1's CacheTransferManager (v1/transfer_manager.py) over kvtd: same constructor,
     same public methods and results. The session is made and published in the background once
     the controller set both maps; its daemon (`kvtd --session <session_suffix()> --rank 0 ...`)
-    must join within $KVTD_FDV1_READY_TIMEOUT seconds (default 120) of the first swap."""
+    must join within $KVTD_FDV1_READY_TIMEOUT seconds (default 120) of that; a swap waits for it
+    that long, then fails naming why."""
 
     def __init__(self, config, local_rank: int = 0, device_id: int = 0):
         self.config = config
@@ -101,6 +102,7 @@ class KvtdCacheTransferManager:
         self._tensors: Dict[tuple, Any] = {}
         self._session: Optional[Session] = None
         self._unready: Optional[Session] = None  # made, not yet ready: close() must reach it
+        self._late: Optional[Session] = None  # published, no daemon within the ready timeout
         self._closed = False
         self._connecting: Optional[threading.Thread] = None
         self._connect_error: Optional[str] = None
@@ -156,6 +158,16 @@ class KvtdCacheTransferManager:
                     s.register_tensor(0, layer, kind, handle, offset, nbytes, device)
                 s.publish()
                 s.wait_ready(self._ready_timeout)
+            except Timeout as e:
+                # No daemon yet: the published session stays, so a daemon started late (systemd
+                # restarting it) still serves this worker; each swap looks again.
+                with self._lock:
+                    self._unready = None
+                    self._late, self._connect_error = s, f"kvtd session {self._suffix}: {e}"
+                if self._closed:
+                    s.close()
+                log.error("%s; the worker waits on for its daemon", self._connect_error)
+                return
             except BaseException:
                 s.close()
                 raise
@@ -187,7 +199,20 @@ class KvtdCacheTransferManager:
         with self._lock:
             if self._session is not None:
                 return self._session
-            raise KvtdError(self._connect_error or f"kvtd session {self._suffix} is still being made")
+            late = self._late
+        if late is not None:
+            try:
+                late.wait_ready(1.0)
+            except Timeout:
+                raise KvtdError(f"{self._connect_error} (and still none)") from None
+            with self._lock:
+                if self._late is late and not self._closed:
+                    self._session, self._late = late, None
+                    log.info("kvtd session %s ready for rank %d: its daemon joined late", self._suffix,
+                             self._local_rank)
+                if self._session is not None:
+                    return self._session
+        raise KvtdError(self._connect_error or f"kvtd session {self._suffix} is still being made")
 
     # -- swaps -----------------------------------------------------------------------------------
     def _refuse(self, what: str, device_ids, host_ids) -> Optional[str]:
@@ -206,9 +231,13 @@ class KvtdCacheTransferManager:
     def _fail(self, what: str, message: str) -> bool:
         text = f"{what} on rank {self._local_rank}: {message}"
         self.failures.append(text)
-        self._counts[what + " failed"] += 1
+        self._count(what + " failed")
         log.error("%s", text)
         return False
+
+    def _count(self, what: str) -> None:
+        with self._lock:  # four transfer threads: += on a Counter is not atomic
+            self._counts[what] += 1
 
     def _begin(self, mode: int) -> None:
         with self._lock:
@@ -246,7 +275,7 @@ class KvtdCacheTransferManager:
             r = self._finish(s, tid, cancel=False)
             if not r.ok:
                 return self._fail("evict", f"task {tid}: {r.status_name} {r.message}")
-            self._counts["evict"] += 1
+            self._count("evict")
             return True
         except KvtdError as e:
             return self._fail("evict", str(e))
@@ -280,7 +309,7 @@ class KvtdCacheTransferManager:
             r = self._finish(s, tid, cancel=False)
             if not r.ok:
                 return self._fail("load", f"task {tid}: {r.status_name} {r.message}")
-            self._counts["load"] += 1
+            self._count("load")
             return True
         except KvtdError as e:
             return self._fail("load", str(e))
@@ -388,8 +417,8 @@ class KvtdCacheTransferManager:
         still waiting for its daemon stops waiting. Idempotent."""
         with self._lock:
             self._closed = True
-            sessions = [x for x in (self._session, self._unready) if x is not None]
-            self._session = None
+            sessions = [x for x in (self._session, self._unready, self._late) if x is not None]
+            self._session = self._late = None
             t = self._connecting
         for x in sessions:
             x.close()

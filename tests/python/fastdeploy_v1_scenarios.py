@@ -39,11 +39,12 @@ def kv_of(hash_value: str, rank: int, layer: int, kind: int, nbytes: int) -> tor
 
 class Deployment:
     def __init__(self, tp: int, gpu_blocks: int, cpu_blocks: int, layers: int = LAYERS, heads: int = HEADS,
-                 head_dim: int = HEAD_DIM, first_local_rank: int = 0, install=True, fp8: bool = False):
+                 head_dim: int = HEAD_DIM, first_local_rank: int = 0, install=True, fp8: bool = False,
+                 start_daemons: bool = True):
         self.device = fh.make_device()
         self.v1 = fh.load(self.device, install=install)
         os.environ["KVTD_FDV1_SESSION"] = f"fdv1t_{uuid.uuid4().hex[:8]}"
-        os.environ["KVTD_FDV1_READY_TIMEOUT"] = "30"
+        os.environ.setdefault("KVTD_FDV1_READY_TIMEOUT", "30")
         self.tp, self.layers = tp, layers
         self.kinds = (0, 1, 2, 3) if fp8 else (0, 1)  # key, value, key scales, value scales
         self.cfg = fh.fd_config(self.v1, tp=tp, layers=layers, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
@@ -53,8 +54,10 @@ class Deployment:
         shape = (gpu_blocks, heads, BLOCK_SIZE, head_dim)
         g = Geometry(num_ranks=1, num_layers=layers, key_shape=shape, value_shape=shape, num_host_blocks=cpu_blocks,
                      dtype="block_wise_fp8" if fp8 else "bfloat16", scale_bytes=4)
-        self.daemons = [Daemons(None, c.transfer_manager.session_suffix, g, fh.daemon_flags()).start()
+        self.daemons = [Daemons(None, c.transfer_manager.session_suffix, g, fh.daemon_flags())
                         for c in self.controllers]
+        for d in self.daemons if start_daemons else []:
+            d.start()
         for c in self.controllers:
             c.initialize_kv_cache(fh.AttentionBackend(self.cfg), gpu_blocks)
         self.manager = self.v1.CacheManager(self.cfg)
@@ -407,13 +410,35 @@ def four_callers_at_once(tp: int) -> None:
         d.close()
 
 
+def daemon_starts_late(tp: int) -> None:
+    """No daemon within the ready timeout: swaps fail naming it (no exception into FastDeploy);
+    the daemon started later (systemd bringing it up) serves the same worker without a restart."""
+    os.environ["KVTD_FDV1_READY_TIMEOUT"] = "1"
+    d = Deployment(tp, gpu_blocks=8, cpu_blocks=8, start_daemons=False)
+    os.environ["KVTD_FDV1_READY_TIMEOUT"] = "30"
+    try:
+        tm = d.controllers[0].transfer_manager
+        assert not tm.evict_to_host_async([1], [2]), "an eviction with no daemon succeeded"
+        assert "wait_ready" in tm.failures[-1] or "ready" in tm.failures[-1], list(tm.failures)
+        d.daemons[0].start()
+        deadline = time.monotonic() + 30
+        while not tm.evict_to_host_async([1], [2]):
+            assert time.monotonic() < deadline, f"the late daemon never served: {list(tm.failures)[-3:]}"
+            time.sleep(0.2)
+        done = []
+        assert tm.load_layers_to_device_async(list(range(d.layers)), [2], [5], done.append), list(tm.failures)
+        assert done == list(range(d.layers))
+    finally:
+        d.close()
+
+
 def fp8_evict_and_swap_back(tp: int) -> None:
     """The same with block_wise_fp8: uint8 caches and float32 scale tensors per layer, named
     key_cache_scales_<layer>_rank<r>.device<d> (cache_controller.py:281-313); every scale byte too."""
     evict_and_swap_back(tp, fp8=True)
 
 
-SCENARIOS = {"four_callers_at_once": four_callers_at_once, "fp8_evict_and_swap_back": fp8_evict_and_swap_back, "fastdeploy_unit_tests": fastdeploy_unit_tests,
+SCENARIOS = {"daemon_starts_late": daemon_starts_late, "four_callers_at_once": four_callers_at_once, "fp8_evict_and_swap_back": fp8_evict_and_swap_back, "fastdeploy_unit_tests": fastdeploy_unit_tests,
              "local_rank_beyond_tp": local_rank_beyond_tp, "plugin_entry_point": plugin_entry_point,
              "evict_and_swap_back": evict_and_swap_back,
              "failed_eviction_answers_at_once": failed_eviction_answers_at_once,

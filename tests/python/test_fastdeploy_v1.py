@@ -66,6 +66,10 @@ def test_four_callers_at_once_each_get_their_own_bytes_back():
     run("four_callers_at_once", 1)
 
 
+def test_a_daemon_started_late_serves_the_worker_that_waited_for_it():
+    run("daemon_starts_late", 1)
+
+
 def test_a_failed_eviction_answers_at_once_and_its_host_blocks_never_load():
     run("failed_eviction_answers_at_once", 1)
 
