@@ -82,7 +82,7 @@ Result<HostPools, int> RankServer::open_pools(const RankEndpoint& ep) {
     registry.set_host_pool_pinning(bytes, static_cast<std::uint64_t>(seconds * 1000.0));
   };
   // A dead engine's pools not taken over go first: the new ones may need their room.
-  if (ep.adopt_host_tier_of() != kept_generation_) drop_kept_pools(0);
+  if (ep.adopt_host_tier_of() != kept_generation_) drop_kept_pools();
   const bool grouped = proto::is_group_session(s_.groups);
   const std::vector<PoolShape> shapes = PoolShape::of_session(s_.geometry, s_.groups);
   std::vector<std::unique_ptr<HostPool>> out;
@@ -104,12 +104,11 @@ Result<HostPools, int> RankServer::open_pools(const RankEndpoint& ep) {
       KVTD_INFO("host pool in {} kB pages under {}", (*pool)->page_bytes() >> 10, cfg_.hugetlbfs_dir);
     out.push_back(std::move(pool).value());
   }
-  drop_kept_pools(0);  // taken over (renamed away) or not ours to take: gone either way
+  drop_kept_pools();  // taken over (renamed away) or not ours to take: gone either way
   return HostPools(std::move(out));
 }
 
-void RankServer::drop_kept_pools(std::uint64_t adopting) {
-  if (adopting != 0 && adopting == kept_generation_) return;
+void RankServer::drop_kept_pools() {
   const std::string dir = cfg_.host_pool_hugepages ? cfg_.hugetlbfs_dir : std::string();
   for (const auto& name : kept_pools_) ipc::SharedObject::remove(name, dir);
   kept_pools_.clear();
@@ -292,7 +291,7 @@ void RankServer::end_session(Session& s) {
   // finished: then the next session of this suffix may take it over (adopt_host_tier; an
   // engine that closes its session removes the pools itself), and else the next sweep removes it.
   if (s.why == TaskRunner::Exit::kSessionLost) {
-    drop_kept_pools(0);
+    drop_kept_pools();
     kept_generation_ = s.ep.generation();
     for (std::size_t g = 0; g < s.pools.size(); ++g) kept_pools_.push_back(s.pools.at(g)->name());
   } else if (s.why != TaskRunner::Exit::kStopped) {

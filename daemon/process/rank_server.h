@@ -73,9 +73,8 @@ class RankServer {
   void fail_restore(Session& s, const std::string& message);
   void end_session(Session& s);
 
-  // Removes the pools kept from a dead engine's session unless `adopting` is its generation
-  // (then they were taken over, or are removed after the attempt).
-  void drop_kept_pools(std::uint64_t adopting);
+  // Removes the pools kept from a dead engine's session (one taken over was renamed away).
+  void drop_kept_pools();
 
   const config::DaemonConfig& cfg_;
   Services& s_;
