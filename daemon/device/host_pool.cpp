@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <optional>
 #include <atomic>
 #include <chrono>
 #include <utility>
@@ -272,6 +273,16 @@ std::atomic_ref<std::uint64_t> magic_of(std::byte* object) {
   return std::atomic_ref<std::uint64_t>(*reinterpret_cast<std::uint64_t*>(object));
 }
 
+// The header of a pool object this uid made private and complete (magic written), `mapped` bytes
+// long; nullopt for anything else.
+std::optional<PoolHeader> complete_header(ipc::SharedObject& o, std::uint64_t mapped) {
+  if (o.owner_uid() != getuid() || (o.mode() & 077) != 0 || o.size() != mapped) return std::nullopt;
+  if (magic_of(o.data()).load(std::memory_order_acquire) != kPoolMagic) return std::nullopt;
+  PoolHeader have;
+  std::memcpy(&have, o.data(), sizeof have);
+  return have;
+}
+
 // The pool a previous daemon of this session left behind, if it is exactly ours (owner, mode,
 // size, complete header equal to `want`); anything else under the name is removed (its blocks are
 // lost) and null returned.
@@ -280,13 +291,8 @@ std::unique_ptr<ipc::SharedObject> reopen_if_ours(const std::string& name, const
   auto old = ipc::SharedObject::open(name, dir);
   if (!old.ok()) return nullptr;
   auto& o = *old;
-  bool same = o->owner_uid() == getuid() && (o->mode() & 077) == 0 && o->size() == mapped;
-  if (same) {
-    PoolHeader have;
-    std::memcpy(&have, o->data(), sizeof have);
-    same = magic_of(o->data()).load(std::memory_order_acquire) == kPoolMagic && std::memcmp(&have, &want, sizeof have) == 0;
-  }
-  if (same) return std::move(o);
+  const auto have = complete_header(*o, mapped);
+  if (have && std::memcmp(&*have, &want, sizeof want) == 0) return std::move(o);
   KVTD_WARN("host pool object {} does not match this session and geometry; recreating it (its blocks are lost)", name);
   o.reset();
   ipc::SharedObject::remove(name, dir);
@@ -305,12 +311,10 @@ bool take_over(const std::string& from, std::uint64_t from_generation, const std
   auto old = ipc::SharedObject::open(from, dir);
   if (!old.ok()) return false;
   auto& o = *old;
-  PoolHeader have;
-  if (o->owner_uid() != getuid() || (o->mode() & 077) != 0 || o->size() != mapped) return false;
-  std::memcpy(&have, o->data(), sizeof have);
-  if (magic_of(o->data()).load(std::memory_order_acquire) != kPoolMagic || have.generation != from_generation) return false;
-  have.generation = want.generation;
-  if (std::memcmp(&have, &want, sizeof have) != 0) {
+  auto have = complete_header(*o, mapped);
+  if (!have || have->generation != from_generation) return false;
+  have->generation = want.generation;
+  if (std::memcmp(&*have, &want, sizeof want) != 0) {
     KVTD_WARN("host pool {} of the session this one follows differs in shape or layout; not taken over", from);
     return false;
   }

@@ -22,6 +22,11 @@ namespace kvtd::ipc {
 
 namespace {
 
+// The session header's magic, read once with acquire: complete only once it is kSessionMagic.
+std::uint64_t magic_of(const proto::SessionHeader& h) {
+  return std::atomic_ref<std::uint64_t>(const_cast<std::uint64_t&>(h.magic)).load(std::memory_order_acquire);
+}
+
 // The entries of directory `at` whose names start with `prefix` (none when it cannot be read).
 std::vector<std::string> names_with_prefix(const std::string& at, const std::string& prefix) {
   std::vector<std::string> found;
@@ -82,8 +87,7 @@ std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& obj
     if (!o.ok()) continue;
     if ((*o)->owner_uid() != getuid() || (*o)->size() < sizeof(proto::SessionHeader)) continue;
     const auto* h = reinterpret_cast<const proto::SessionHeader*>((*o)->data());
-    const std::uint64_t magic =
-        std::atomic_ref<std::uint64_t>(const_cast<std::uint64_t&>(h->magic)).load(std::memory_order_acquire);
+    const std::uint64_t magic = magic_of(*h);
     if (magic == 0) {
       // A session being created: its objects may not be visible yet, so nothing is swept now.
       // One untouched for 30 s was abandoned mid-creation (its creator died): it is swept as a
@@ -96,8 +100,7 @@ std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& obj
       return removed;
     }
     if (magic != proto::kSessionMagic) continue;
-    const auto creator = static_cast<pid_t>(h->creator_pid);
-    const bool alive = creator > 0 && (kill(creator, 0) == 0 || errno != ESRCH);
+    const bool alive = detail::process_alive(static_cast<pid_t>(h->creator_pid));
     if (alive && h->state.load(std::memory_order_acquire) != static_cast<std::uint32_t>(proto::SessionState::kClosed))
       live.insert(h->generation);
     else if (!alive)
@@ -126,20 +129,19 @@ std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& obj
 
 namespace detail {
 
+bool process_alive(pid_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno != ESRCH); }
+
 std::uint64_t adoptable_generation(const std::string& name, const proto::CacheGeometry& geometry,
                                    const proto::CacheGroups& groups) {
   auto old = SharedObject::open(name);
   if (!old.ok() || (*old)->owner_uid() != getuid() || (*old)->size() < sizeof(proto::SessionHeader)) return 0;
   const auto* h = reinterpret_cast<const proto::SessionHeader*>((*old)->data());
-  const std::uint64_t magic =
-      std::atomic_ref<std::uint64_t>(const_cast<std::uint64_t&>(h->magic)).load(std::memory_order_acquire);
-  if (magic != proto::kSessionMagic) return 0;
+  if (magic_of(*h) != proto::kSessionMagic) return 0;
   const HeaderCopy copy = copy_header(*h);
   if (copy.layout_version != proto::kSessionLayoutVersion || copy.header_bytes != sizeof(proto::SessionHeader)) return 0;
   // An engine that closed its session removed the pools itself; only a dead one leaves them.
   if (h->state.load(std::memory_order_acquire) == static_cast<std::uint32_t>(proto::SessionState::kClosed)) return 0;
-  const auto creator = static_cast<pid_t>(h->creator_pid);
-  if (creator <= 0 || kill(creator, 0) == 0 || errno != ESRCH) return 0;
+  if (process_alive(static_cast<pid_t>(h->creator_pid))) return 0;
   if (!geometry_mismatch(copy.geometry, geometry).empty() || !groups_mismatch(copy.groups, groups).empty()) return 0;
   return copy.generation;
 }

@@ -99,6 +99,7 @@ class KvtdCacheTransferManager:
         self._lock = threading.RLock()
         self._cache_kvs_map: Dict[str, Any] = {}
         self._host_cache_kvs_map: Dict[str, Any] = {}
+        self._host_ptrs: Dict[tuple, int] = {}  # (layer, kind) -> the controller's host pointer
         self._tensors: Dict[tuple, Any] = {}
         self._session: Optional[Session] = None
         self._unready: Optional[Session] = None  # made, not yet ready: close() must reach it
@@ -129,10 +130,13 @@ class KvtdCacheTransferManager:
             self._tensors = tensors
 
     def set_host_cache_kvs_map(self, host_cache_kvs_map: Dict[str, Any]) -> None:
-        """The controller's host allocations (kvtd's reservations: see reserve_host). With host
-        blocks and device tensors known, the session is made and published in the background."""
+        """The controller's host allocations by FastDeploy's names (kvtd's reservations: see
+        reserve_host; ValueError naming a name that is not FastDeploy's). With host blocks and
+        device tensors known, the session is made and published in the background."""
+        host_ptrs = parse_names(host_cache_kvs_map)
         with self._lock:
             self._host_cache_kvs_map = host_cache_kvs_map
+            self._host_ptrs = host_ptrs
             if self._num_host_blocks <= 0 or not self._tensors or self._connecting is not None or self._closed:
                 return
             self._connecting = threading.Thread(target=self._connect, name=f"kvtd-fdv1-r{self._local_rank}",
@@ -215,7 +219,7 @@ class KvtdCacheTransferManager:
         raise KvtdError(self._connect_error or f"kvtd session {self._suffix} is still being made")
 
     # -- swaps -----------------------------------------------------------------------------------
-    def _refuse(self, what: str, device_ids, host_ids) -> Optional[str]:
+    def _refuse(self, device_ids, host_ids) -> Optional[str]:
         """Why FastDeploy's own manager would return False for these ids, or None."""
         if self._num_host_blocks <= 0:
             return "no host blocks (num_cpu_blocks is 0)"
@@ -262,25 +266,33 @@ class KvtdCacheTransferManager:
             except Timeout:
                 log.warning("task %d has not ended after %.0f s; still waiting", tid, self._task_timeout)
 
+    def _swap(self, what: str, mode: int, device_ids, host_ids, move: Callable[[Session], Optional[str]]) -> bool:
+        """Runs one swap: FastDeploy's refusals first, then `move(session)`, which returns None
+        when every byte arrived or what failed. Never raises into FastDeploy's thread."""
+        why = self._refuse(device_ids, host_ids)
+        if why:
+            return self._fail(what, why)
+        self._begin(mode)
+        try:
+            failed = move(self._ready_session())
+            if failed:
+                return self._fail(what, failed)
+            self._count(what)
+            return True
+        except KvtdError as e:
+            return self._fail(what, str(e))
+        finally:
+            self._end(mode)
+
     def evict_to_host_async(self, device_block_ids: List[int], host_block_ids: List[int]) -> bool:
         """Copies every layer of the device blocks into the host blocks and returns once they
         are in the host pool: True, or False after a failure (kept in `failures`)."""
-        why = self._refuse("evict", device_block_ids, host_block_ids)
-        if why:
-            return self._fail("evict", why)
-        self._begin(EVICT)
-        try:
-            s = self._ready_session()
+        def move(s: Session) -> Optional[str]:
             tid = s.swap_to_host(list(device_block_ids), list(host_block_ids))
             r = self._finish(s, tid, cancel=False)
-            if not r.ok:
-                return self._fail("evict", f"task {tid}: {r.status_name} {r.message}")
-            self._count("evict")
-            return True
-        except KvtdError as e:
-            return self._fail("evict", str(e))
-        finally:
-            self._end(EVICT)
+            return None if r.ok else f"task {tid}: {r.status_name} {r.message}"
+
+        return self._swap("evict", EVICT, device_block_ids, host_block_ids, move)
 
     def load_layers_to_device_async(self, layer_indices: List[int], host_block_ids: List[int],
                                     device_block_ids: List[int], on_layer_complete: Optional[Callable] = None) -> bool:
@@ -288,33 +300,23 @@ class KvtdCacheTransferManager:
         on_layer_complete(layer) for each of `layer_indices`, in order, once that layer is in
         device memory. At the first failure no further layer is reported; returns True only if
         every layer arrived."""
-        why = self._refuse("load", device_block_ids, host_block_ids)
-        if why:
-            return self._fail("load", why)
-        self._begin(LOAD)
-        try:
-            s = self._ready_session()
+        def move(s: Session) -> Optional[str]:
             tid = s.swap_to_device(list(host_block_ids), list(device_block_ids), layerwise=True)
             for layer in layer_indices:
                 try:
                     s.wait_layer(tid, int(layer), self._task_timeout)
                 except KvtdError as e:
                     r = self._finish(s, tid, cancel=isinstance(e, Timeout))
-                    return self._fail("load", f"task {tid}: layer {layer} not loaded ({e}); {r.status_name} {r.message}")
+                    return f"task {tid}: layer {layer} not loaded ({e}); {r.status_name} {r.message}"
                 if on_layer_complete is not None:
                     try:
                         on_layer_complete(layer)
                     except Exception:  # FastDeploy's own manager ignores these too
                         log.exception("on_layer_complete(%s) raised", layer)
             r = self._finish(s, tid, cancel=False)
-            if not r.ok:
-                return self._fail("load", f"task {tid}: {r.status_name} {r.message}")
-            self._count("load")
-            return True
-        except KvtdError as e:
-            return self._fail("load", str(e))
-        finally:
-            self._end(LOAD)
+            return None if r.ok else f"task {tid}: {r.status_name} {r.message}"
+
+        return self._swap("load", LOAD, device_block_ids, host_block_ids, move)
 
     # -- streams and events ----------------------------------------------------------------------
     def _wait_idle(self, mode: int) -> None:
@@ -383,10 +385,7 @@ class KvtdCacheTransferManager:
         with self._lock:
             if self._num_host_blocks <= 0 or not 0 <= layer_idx < self._num_layers:
                 return 0
-            for name, ptr in self._host_cache_kvs_map.items():
-                if parse_names({name: None}).keys() == {(layer_idx, kind)}:
-                    return ptr
-        return 0
+            return self._host_ptrs.get((layer_idx, kind), 0)
 
     def get_host_key_ptr(self, layer_idx: int) -> int:
         return self._host_ptr(layer_idx, KEY)

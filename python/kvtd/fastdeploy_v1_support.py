@@ -102,8 +102,8 @@ def tensor_location(tensor):
 
 
 def parse_names(cache_kvs_map: Dict[str, Any]) -> Dict[tuple, Any]:
-    """{(layer, kind): tensor} from the controller's names; every name must be FastDeploy's and
-    name one rank and one device."""
+    """{(layer, kind): value} from a map by the controller's names (device tensors, or host
+    pointers); every name must be FastDeploy's and name one rank and one device."""
     out, ranks = {}, set()
     for name, tensor in cache_kvs_map.items():
         m = _NAME.match(name)

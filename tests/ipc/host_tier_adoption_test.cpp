@@ -87,8 +87,7 @@ TEST(HostTierAdoption, APoolOfAnotherShapeIsNotTakenOver) {
 // An object an hour old: the sweep spares what was touched in the last 30 s.
 void leave_old_object(const std::string& name) {
   ASSERT_TRUE(ipc::SharedObject::create(name, 4096).ok());
-  const timespec hour_ago[2] = {{time(nullptr) - 3600, 0}, {time(nullptr) - 3600, 0}};
-  ASSERT_EQ(utimensat(AT_FDCWD, ("/dev/shm/" + name).c_str(), hour_ago, 0), 0);
+  ASSERT_TRUE(test::make_hour_old(name));
 }
 
 // The generation a child engine's session had, after the child died without closing it.

@@ -43,6 +43,7 @@ import numpy as np
 
 from kvtd import fastdeploy_signals as fds
 from reference_source import reference_source
+from reference_source import stand_in_module as _module
 
 ROOT = Path(__file__).resolve().parents[2]
 DIFF = ROOT / "docs" / "fastdeploy" / "launch_cache_manager.diff"
@@ -116,13 +117,6 @@ class FMQ:
     def queue(self, name, role):
         assert role == "producer"
         return _FmqQueue(name)
-
-
-def _module(name: str, **attrs) -> types.ModuleType:
-    m = types.ModuleType(name)
-    m.__dict__.update(attrs)
-    sys.modules[name] = m
-    return m
 
 
 def _hash_function(utils_py: Path):

@@ -27,13 +27,13 @@ import ast
 import logging
 import mmap
 import os
-import sys
 import types
 import uuid
 from pathlib import Path
 from typing import List, Optional
 
 from reference_source import reference_source
+from reference_source import stand_in_module as _module
 
 
 def source() -> Optional[Path]:
@@ -112,13 +112,6 @@ def make_device():
 
 def daemon_flags() -> List[str]:
     return ["--device-backend", "cuda"] if on_gpu() else []
-
-
-def _module(name: str, **attrs) -> types.ModuleType:
-    m = types.ModuleType(name)
-    m.__dict__.update(attrs)
-    sys.modules[name] = m
-    return m
 
 
 def _package(name: str, path: Path) -> None:

@@ -14,7 +14,7 @@ import uuid
 import torch
 
 import fastdeploy_v1_harness as fh
-from fastdeploy_v1_scenarios import (BLOCK_SIZE, HEAD_DIM, HEADS, LAYERS, Deployment, finished, hashes, kv_of)
+from fastdeploy_v1_scenarios import (BLOCK_SIZE, HEAD_DIM, HEADS, LAYERS, Deployment, finished, hashes, kv_bytes, kv_of)
 from kvtd import Geometry
 from kvtd.testing import Daemons
 
@@ -62,18 +62,13 @@ def _worker(suffix_prefix: str, gpu_blocks: int, cpu_blocks: int):
     return device, c
 
 
-def _view(c, layer: int, kind: int):
-    t = c.cache_kvs_map[c._get_cache_names(layer)["key" if kind == 0 else "value"]]
-    return t.view(torch.uint8).view(t.shape[0], -1)
-
-
 def worker_that_dies_after_evicting(tp: int) -> None:
     """The first worker: writes KV into device blocks 0..5, evicts them to host blocks 10..15
     through its controller, then dies by SIGKILL (nothing orderly runs)."""
     device, c = _worker(os.environ["KVTD_TEST_PREFIX"], 8, 16)
     for layer in range(LAYERS):
         for kind in (0, 1):
-            view = _view(c, layer, kind)
+            view = kv_bytes(c, layer, kind)
             for b in range(6):
                 view[b].copy_(kv_of(f"w{b}", 0, layer, kind, view.shape[1]))
     from fastdeploy.cache_manager.v1.metadata import CacheSwapMetadata
@@ -117,7 +112,7 @@ def host_tier_survives_a_worker_restart(tp: int, adopt: bool = True) -> None:
             assert stats["kvtd_adopted_host_tier"] != 0, stats
             for layer in range(LAYERS):
                 for kind in (0, 1):
-                    view = _view(c, layer, kind)
+                    view = kv_bytes(c, layer, kind)
                     for b, dst in zip(range(6), [7, 6, 5, 4, 3, 2]):
                         if not torch.equal(view[dst], kv_of(f"w{b}", 0, layer, kind, view.shape[1]).to(view.device)):
                             raise AssertionError(f"layer {layer} kind {kind}: device block {dst} is not host block "

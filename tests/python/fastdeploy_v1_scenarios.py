@@ -37,6 +37,14 @@ def kv_of(hash_value: str, rank: int, layer: int, kind: int, nbytes: int) -> tor
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
 
 
+def kv_bytes(controller, layer: int, kind: int) -> torch.Tensor:
+    """The controller's cache tensor of (layer, kind) as [blocks, bytes of a block]: key, value,
+    key scales, value scales by FastDeploy's names."""
+    names = controller._get_cache_names(layer)
+    t = controller.cache_kvs_map[names[("key", "value", "key_scale", "value_scale")[kind]]]
+    return t.view(torch.uint8).view(t.shape[0], -1)
+
+
 class Deployment:
     def __init__(self, tp: int, gpu_blocks: int, cpu_blocks: int, layers: int = LAYERS, heads: int = HEADS,
                  head_dim: int = HEAD_DIM, first_local_rank: int = 0, install=True, fp8: bool = False,
@@ -78,9 +86,7 @@ class Deployment:
 
     # -- the model --------------------------------------------------------------------------------
     def _bytes(self, rank: int, layer: int, kind: int) -> torch.Tensor:
-        names = self.controllers[rank]._get_cache_names(layer)
-        t = self.controllers[rank].cache_kvs_map[names[("key", "value", "key_scale", "value_scale")[kind]]]
-        return t.view(torch.uint8).view(t.shape[0], -1)
+        return kv_bytes(self.controllers[rank], layer, kind)
 
     def forward(self, req) -> None:
         """Writes the KV of every block the request computed (those past its matched prefix)."""
@@ -445,52 +451,7 @@ def fp8_evict_and_swap_back(tp: int) -> None:
     evict_and_swap_back(tp, fp8=True)
 
 
-def bench(tp: int) -> None:
-    """Figures, not a test: what the v1 adapter adds over kvtd's own Python session on the same
-    daemon. 32 layers x K/V, 16 KiB block-tensors, 16 blocks a task, alternating evict and load,
-    p50 over 200 rounds each: the adapter (evict_to_host_async; load_layers_to_device_async with
-    every layer reported) against Session.swap_to_host + wait and swap_to_device(layerwise) with
-    wait_layer per layer, the same calls the adapter makes."""
-    import statistics
-
-    layers, n = 32, 16
-    d = Deployment(1, gpu_blocks=64, cpu_blocks=64, layers=layers, heads=8, head_dim=512)  # 16 KiB: 8x4x512 bf16
-    try:
-        tm = d.controllers[0].transfer_manager
-        s = tm._ready_session()
-        dev, host = list(range(n)), list(range(n))
-        rows = {}
-
-        def timed(fn, rounds=200):
-            out = []
-            for _ in range(rounds):
-                t0 = time.perf_counter()
-                fn()
-                out.append((time.perf_counter() - t0) * 1e6)
-            return statistics.median(out)
-
-        def raw_load():
-            tid = s.swap_to_device(host, dev, layerwise=True)
-            for layer in range(layers):
-                s.wait_layer(tid, layer)
-            s.wait(tid)
-
-        for _ in range(20):  # warm
-            assert tm.evict_to_host_async(dev, host) and tm.load_layers_to_device_async(range(layers), host, dev)
-        rows["evict"] = (timed(lambda: tm.evict_to_host_async(dev, host)), timed(lambda: s.wait(s.swap_to_host(dev, host))))
-        rows["load, every layer reported"] = (timed(lambda: tm.load_layers_to_device_async(range(layers), host, dev, None)),
-                                              timed(raw_load))
-        nbytes = n * layers * 2 * 16384
-        print(f"FIGURE fastdeploy v1 adapter, host backend, {n} blocks x {layers} layers x K/V x 16 KiB "
-              f"({nbytes >> 20} MiB a task), p50 of 200")
-        for what, (adapter, raw) in rows.items():
-            print(f"FIGURE   {what}: adapter {adapter:.0f} us, kvtd Session {raw:.0f} us, "
-                  f"adapter/session {adapter / raw:.2f}x ({nbytes / adapter / 1e3:.2f} GB/s)")
-    finally:
-        d.close()
-
-
-SCENARIOS = {"bench": bench, "daemon_starts_late": daemon_starts_late, "four_callers_at_once": four_callers_at_once, "fp8_evict_and_swap_back": fp8_evict_and_swap_back, "fastdeploy_unit_tests": fastdeploy_unit_tests,
+SCENARIOS = {"daemon_starts_late": daemon_starts_late, "four_callers_at_once": four_callers_at_once, "fp8_evict_and_swap_back": fp8_evict_and_swap_back, "fastdeploy_unit_tests": fastdeploy_unit_tests,
              "local_rank_beyond_tp": local_rank_beyond_tp, "plugin_entry_point": plugin_entry_point,
              "evict_and_swap_back": evict_and_swap_back,
              "failed_eviction_answers_at_once": failed_eviction_answers_at_once,
@@ -498,9 +459,11 @@ SCENARIOS = {"bench": bench, "daemon_starts_late": daemon_starts_late, "four_cal
 
 if __name__ == "__main__":
     threading.excepthook = lambda args: print(f"thread {args.thread.name}: {args.exc_value!r}", file=sys.stderr)
+    import fastdeploy_v1_bench
     import fastdeploy_v1_restarts
 
     SCENARIOS.update(fastdeploy_v1_restarts.SCENARIOS)
+    SCENARIOS.update(fastdeploy_v1_bench.SCENARIOS)
     if sys.argv[1] in ("plugin_entry_point", "fastdeploy_unit_tests"):
         fh.load(fh.ShmDevice(), install=False)
     SCENARIOS[sys.argv[1]](int(sys.argv[2]))

@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -14,6 +15,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <functional>
 #include <string>
 #include <string>
@@ -138,6 +140,13 @@ inline std::string read_file(const std::string& path) {
 
 // "t<pid>_<name>", cut to the 64-character suffix limit (with a hash of the full name, so two
 // long names that share a prefix stay distinct): test names once pushed it over with 5-digit pids.
+// Dates /dev/shm/<name> an hour back: the sweep spares objects touched in the last 30 s (they
+// may belong to a session mid-creation), so a test's orphan must look old. False on failure.
+inline bool make_hour_old(const std::string& shm_name) {
+  const timespec hour_ago[2] = {{time(nullptr) - 3600, 0}, {time(nullptr) - 3600, 0}};
+  return utimensat(AT_FDCWD, ("/dev/shm/" + shm_name).c_str(), hour_ago, 0) == 0;
+}
+
 inline std::string unique_suffix(const std::string& name) {
   // Built by appending: GCC 12 at -O3 reports a false -Wrestrict for "literal" + std::string&&
   // (GCC bug 105651), which broke -DCMAKE_BUILD_TYPE=Release with warnings as errors.

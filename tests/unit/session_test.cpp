@@ -421,9 +421,7 @@ TEST(Session, SweepRemovesObjectsOfDeadSessionsOnly) {
   const std::string orphan_pool = session_object_name(0x0123456789abcdefull, "host3");
   for (const auto& n : {orphan, orphan_pool}) {
     ASSERT_TRUE(SharedObject::create(n, 4096).ok());
-    // An hour old: objects touched in the last 30 s are never swept (they may be mid-creation).
-    const timespec hour_ago[2] = {{time(nullptr) - 3600, 0}, {time(nullptr) - 3600, 0}};
-    ASSERT_EQ(utimensat(AT_FDCWD, ("/dev/shm/" + n).c_str(), hour_ago, 0), 0);
+    ASSERT_TRUE(test::make_hour_old(n));
   }
   const std::string fresh = session_object_name(0x0123456789abcdeeull, "dev0");
   ASSERT_TRUE(SharedObject::create(fresh, 4096).ok());
@@ -449,8 +447,7 @@ TEST(Session, ASessionAbandonedMidCreationDoesNotStopTheSweep) {
   const std::string orphan = session_object_name(0x0123456789abcd01ull, "dev0");
   for (const auto& n : {abandoned, orphan}) {
     ASSERT_TRUE(SharedObject::create(n, sizeof(proto::SessionHeader)).ok());  // zero-filled: no magic
-    const timespec hour_ago[2] = {{time(nullptr) - 3600, 0}, {time(nullptr) - 3600, 0}};
-    ASSERT_EQ(utimensat(AT_FDCWD, ("/dev/shm/" + n).c_str(), hour_ago, 0), 0);
+    ASSERT_TRUE(test::make_hour_old(n));
   }
   EXPECT_TRUE(test::eventually([&] {
     (void)sweep_stale_objects();

@@ -118,7 +118,7 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
     pid_t creator = 0;
     if (old.ok() && (*old)->size() >= sizeof(proto::SessionHeader))
       creator = static_cast<pid_t>(reinterpret_cast<proto::SessionHeader*>((*old)->data())->creator_pid);
-    const bool alive = creator > 0 && (kill(creator, 0) == 0 || errno != ESRCH);
+    const bool alive = detail::process_alive(creator);
     if (alive || !o.replace_stale)
       return make_error(IpcErrc::kInUse, "session " + impl->name + " is owned by live process " + std::to_string(creator));
     SharedObject::remove(impl->name);

@@ -9,6 +9,8 @@
 // pointer of either side.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -113,6 +115,10 @@ struct SessionView {
 // "kvtd_<uid>_<suffix>"; the suffix is checked by proto::valid_session_suffix.
 std::string session_name(const std::string& suffix);
 using ipc::session_object_name;
+
+// Whether a session's creator (or any process `pid`) may still run: not only when it is known
+// gone (ESRCH). A pid of 0 or less is gone.
+bool process_alive(pid_t pid);
 
 // The generation of the session segment `name` if its engine died (creator gone, not closed) and
 // it had exactly this geometry and these cache groups, else 0: a new session of the same suffix
