@@ -389,11 +389,6 @@ uint64_t kvtd_session_generation(kvtd_session* s) {
   return use.live() ? use->generation() : 0;
 }
 
-uint64_t kvtd_session_adopted_generation(kvtd_session* s) {
-  const kvtd::c_api::SessionUse use(s);
-  return use.live() ? use->adopted_generation() : 0;
-}
-
 int kvtd_wait(kvtd_session* s, uint64_t task_id, int64_t timeout_ms, kvtd_completion* out, char* err,
               size_t err_len) {
   const kvtd::c_api::SessionUse use(s);

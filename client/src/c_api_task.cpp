@@ -38,6 +38,7 @@ KVTD_SAME(KVTD_KEY_SCALE, proto::TensorKind::kKeyScale);
 KVTD_SAME(KVTD_VALUE_SCALE, proto::TensorKind::kValueScale);
 KVTD_SAME(KVTD_READY_CACHE, proto::kReadyCacheAttached);
 KVTD_SAME(KVTD_READY_HOST_POOL, proto::kReadyHostPool);
+KVTD_SAME(KVTD_READY_HOST_TIER_TAKEN_OVER, proto::kReadyHostTierTakenOver);
 #undef KVTD_SAME
 // kvtd_geometry is copied into proto::CacheGeometry with memcpy: every field at the same offset.
 #define KVTD_SAME_FIELD(f) static_assert(offsetof(kvtd_geometry, f) == offsetof(proto::CacheGeometry, f), #f)

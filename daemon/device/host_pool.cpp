@@ -3,6 +3,7 @@
 #include "kvtd/proto/group_slots.h"
 #include "kvtd/proto/names.h"
 
+#include "pool_object.h"
 #include "pool_pinner.h"
 
 #include <sys/stat.h>
@@ -22,34 +23,14 @@
 
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/numa.h"
+#include "kvtd/ipc/process.h"
 #include "kvtd/ipc/shared_object.h"
 #include "kvtd/proto/checked.h"
 
 namespace kvtd::daemon {
 namespace {
 
-constexpr std::uint64_t kPoolMagic = 0x4c4f4f5044545640ULL;  // "@VTDPOOL"
-constexpr std::uint32_t kPoolVersion = 3;  // 2: host layout; 3: PoolShape and group
-constexpr std::uint64_t kPage = 4096;
-
-// The first page of the pool object. Written once by the creating daemon (magic last), then
-// only read; a restarted daemon trusts the object only if every field equals what it would write.
-struct PoolHeader {
-  std::uint64_t magic;
-  std::uint32_t version;
-  std::uint32_t rank;
-  std::uint64_t generation;
-  PoolShape shape;
-  std::uint32_t group;
-  std::uint32_t reserved0;
-  std::uint64_t valid_offset;  // one byte per host block
-  std::uint64_t data_offset;   // first region
-  std::uint64_t object_bytes;
-  std::uint32_t layout;  // HostLayout
-  std::uint32_t reserved;
-};
-static_assert(std::is_standard_layout_v<PoolHeader>);
-static_assert(sizeof(PoolHeader) <= kPage);
+constexpr std::uint64_t kPage = pool_object::kHeaderBytes;  // the header page; regions are page-aligned
 
 struct PoolLayout {
   std::uint64_t valid_offset = kPage, data_offset = 0, total = 0;
@@ -191,11 +172,6 @@ std::vector<detail::PinPiece> pin_pieces(const PoolShape& g, const PoolLayout& l
   return out;
 }
 
-std::string mib(std::uint64_t b) {
-  char buf[48];
-  std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(b) / (1 << 20));
-  return buf;
-}
 
 }  // namespace
 
@@ -251,133 +227,12 @@ Result<std::uint64_t, DeviceErrc> HostPool::hugetlbfs_page_bytes(const std::stri
   return static_cast<std::uint64_t>(f.f_bsize);
 }
 
-namespace {
-
-PoolHeader header_of(const PoolShape& g, std::uint64_t generation, std::uint32_t rank, std::uint32_t group,
-                     HostLayout layout, const PoolLayout& l) {
-  PoolHeader h{};
-  h.magic = kPoolMagic;
-  h.version = kPoolVersion;
-  h.rank = rank;
-  h.generation = generation;
-  h.shape = g;
-  h.group = group;
-  h.valid_offset = l.valid_offset;
-  h.data_offset = l.data_offset;
-  h.object_bytes = l.total;
-  h.layout = static_cast<std::uint32_t>(layout);
-  return h;
-}
-
-std::atomic_ref<std::uint64_t> magic_of(std::byte* object) {
-  return std::atomic_ref<std::uint64_t>(*reinterpret_cast<std::uint64_t*>(object));
-}
-
-// The header of a pool object this uid made private and complete (magic written), `mapped` bytes
-// long; nullopt for anything else.
-std::optional<PoolHeader> complete_header(ipc::SharedObject& o, std::uint64_t mapped) {
-  if (o.owner_uid() != getuid() || (o.mode() & 077) != 0 || o.size() != mapped) return std::nullopt;
-  if (magic_of(o.data()).load(std::memory_order_acquire) != kPoolMagic) return std::nullopt;
-  PoolHeader have;
-  std::memcpy(&have, o.data(), sizeof have);
-  return have;
-}
-
-// The pool a previous daemon of this session left behind, if it is exactly ours (owner, mode,
-// size, complete header equal to `want`); anything else under the name is removed (its blocks are
-// lost) and null returned.
-std::unique_ptr<ipc::SharedObject> reopen_if_ours(const std::string& name, const std::string& dir, std::uint64_t mapped,
-                                                  const PoolHeader& want) {
-  auto old = ipc::SharedObject::open(name, dir);
-  if (!old.ok()) return nullptr;
-  auto& o = *old;
-  const auto have = complete_header(*o, mapped);
-  if (have && std::memcmp(&*have, &want, sizeof want) == 0) return std::move(o);
-  KVTD_WARN("host pool object {} does not match this session and geometry; recreating it (its blocks are lost)", name);
-  o.reset();
-  ipc::SharedObject::remove(name, dir);
-  return nullptr;
-}
-
-// A dead session's pool (`from`) taken over under this session's name (`name`): only when no
-// pool is under `name` yet and `from` is exactly `want` but for its generation, which must be
-// `from_generation`. Its header gets the new generation (magic cleared while it changes), then it
-// is renamed. False, leaving it to the sweep, when anything differs.
-bool take_over(const std::string& from, std::uint64_t from_generation, const std::string& name, const std::string& dir,
-               std::uint64_t mapped, const PoolHeader& want) {
-  const std::string at = dir.empty() ? std::string("/dev/shm") : dir;
-  struct stat st {};
-  if (lstat((at + "/" + name).c_str(), &st) == 0) return false;  // ours already: re-mapped as usual
-  auto old = ipc::SharedObject::open(from, dir);
-  if (!old.ok()) return false;
-  auto& o = *old;
-  auto have = complete_header(*o, mapped);
-  if (!have || have->generation != from_generation) return false;
-  have->generation = want.generation;
-  if (std::memcmp(&*have, &want, sizeof want) != 0) {
-    KVTD_WARN("host pool {} of the session this one follows differs in shape or layout; not taken over", from);
-    return false;
-  }
-  magic_of(o->data()).store(0, std::memory_order_relaxed);
-  std::memcpy(o->data() + offsetof(PoolHeader, generation), &want.generation, sizeof want.generation);
-  magic_of(o->data()).store(kPoolMagic, std::memory_order_release);
-  if (::rename((at + "/" + from).c_str(), (at + "/" + name).c_str()) != 0) {
-    KVTD_WARN("host pool {} not taken over: rename to {} failed: {}", from, name, std::strerror(errno));
-    return false;
-  }
-  return true;
-}
-
-// Room for a new pool of `total` bytes (`mapped` in pages of `page`): free huge pages in the
-// kernel's reserve (`dir` set), or free bytes in /dev/shm; refused naming the counts.
-Status<DeviceErrc> check_room(const std::string& dir, std::uint64_t page, std::uint64_t mapped, std::uint64_t total,
-                              std::uint32_t blocks) {
-  if (!dir.empty()) {
-    const std::int64_t free_pages = ipc::free_huge_pages(page);
-    if (free_pages >= 0 && static_cast<std::uint64_t>(free_pages) < mapped / page)
-      return make_error(DeviceErrc::kAllocFailed,
-                        "--host-pool-hugepages: the host pool needs " + std::to_string(mapped / page) + " pages of " +
-                            std::to_string(page >> 10) + " kB (" + mib(total) + ", " + std::to_string(blocks) +
-                            " blocks) and the kernel has " + std::to_string(free_pages) +
-                            " free (HugePages_Free less HugePages_Rsvd in /proc/meminfo); reserve more (sysctl -w "
-                            "vm.nr_hugepages=...) or lower --num-host-blocks");
-    return {};
-  }
-  if (const std::int64_t free_now = ipc::shm_free_bytes(); free_now >= 0 && static_cast<std::uint64_t>(free_now) < total)
-    return make_error(DeviceErrc::kAllocFailed,
-                      "host pool needs " + mib(total) + " (" + std::to_string(blocks) + " blocks) in /dev/shm, which has " +
-                          mib(static_cast<std::uint64_t>(free_now)) +
-                          " free; enlarge it (mount -o remount,size=... /dev/shm) or lower --num-host-blocks");
-  return {};
-}
-
-// A new pool object with its header written (magic last, with release: a restarted daemon that
-// acquires it sees a complete header), its pages placed on `numa_node` (-1: anywhere).
-Result<std::unique_ptr<ipc::SharedObject>, DeviceErrc> create_pool_object(const std::string& name, const std::string& dir,
-                                                                          const PoolHeader& want, int numa_node) {
-  auto created = ipc::SharedObject::create(
-      name, want.object_bytes,
-      [numa_node](void* addr, std::size_t bytes) {
-        std::string why;
-        if (numa_node >= 0 && !bind_to_numa_node(addr, bytes, numa_node, &why))
-          KVTD_WARN("host pool not placed on NUMA node {}: {}", numa_node, why);
-      },
-      dir);
-  if (!created.ok()) return make_error(DeviceErrc::kAllocFailed, "host pool: " + created.error().message);
-  auto o = std::move(created).value();
-  std::memcpy(o->data(), &want, sizeof want);
-  magic_of(o->data()).store(0, std::memory_order_relaxed);
-  magic_of(o->data()).store(kPoolMagic, std::memory_order_release);
-  return o;
-}
-
-}  // namespace
 
 Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend, const PoolShape& g,
                                                              std::uint64_t generation, std::uint32_t rank,
                                                              std::uint32_t group, HostLayout layout, int numa_node,
                                                              const PinPlan& pin, const std::string& hugetlbfs_dir,
-                                                             std::uint64_t adopt_generation) {
+                                                             std::uint64_t take_over_generation) {
   PoolLayout l;
   if (!layout_of(g, layout, &l) || l.total >= proto::kMaxSizeBytes)
     return make_error(DeviceErrc::kAllocFailed, "host pool size overflows");
@@ -389,27 +244,29 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend
     mapped = (l.total + page - 1) / page * page;
   }
   const std::string name = ipc::session_object_name(generation, proto::host_pool_object(rank, group));
-  const PoolHeader want = header_of(g, generation, rank, group, layout, l);
+  const pool_object::Header want =
+      pool_object::header_of(g, generation, rank, group, layout, l.valid_offset, l.data_offset, l.total);
 
   std::unique_ptr<HostPool> pool(new HostPool());
   pool->backend_ = &backend;
   pool->blocks_ = g.num_host_blocks;
   pool->sums_kept_ = std::make_unique<std::atomic<std::uint16_t>[]>(g.num_host_blocks);
   pool->page_bytes_ = page;
-  if (adopt_generation != 0 && adopt_generation != generation &&
-      take_over(ipc::session_object_name(adopt_generation, proto::host_pool_object(rank, group)), adopt_generation, name,
-                hugetlbfs_dir, mapped, want))
-    pool->adopted_ = adopt_generation;
-  pool->object_ = reopen_if_ours(name, hugetlbfs_dir, mapped, want);
+  if (take_over_generation != 0 && take_over_generation != generation &&
+      pool_object::take_over(ipc::session_object_name(take_over_generation, proto::host_pool_object(rank, group)),
+                take_over_generation, name, hugetlbfs_dir, mapped, want))
+    pool->adopted_ = take_over_generation;
+  pool->object_ = pool_object::reopen_if_ours(name, hugetlbfs_dir, mapped, want);
   pool->restored_ = pool->object_ != nullptr;
   if (!pool->object_) {
-    KVTD_TRY(check_room(hugetlbfs_dir, page, mapped, l.total, g.num_host_blocks));
-    auto created = create_pool_object(name, hugetlbfs_dir, want, numa_node);
+    KVTD_TRY(pool_object::check_room(hugetlbfs_dir, page, mapped, l.total, g.num_host_blocks));
+    auto created = pool_object::create(name, hugetlbfs_dir, want, numa_node);
     if (!created.ok()) return std::move(created).error();
     pool->object_ = std::move(created).value();
   }
 
   std::byte* base = pool->object_->data();
+  pool_object::hold(base);
   std::vector<detail::PinPiece> pieces;
   if (backend.pins_memory()) pieces = pin_pieces(g, l, base, pin);
   pool->pinner_ = std::make_unique<detail::PoolPinner>(backend, std::move(pieces), g.num_host_blocks, pin.on_progress);

@@ -17,6 +17,13 @@ namespace kvtd::daemon {
 using endpoint::RankEndpoint;
 
 int RankServer::run() {
+  const int code = serve_sessions();
+  // Kept pools are for this daemon to hand on; nobody can take them over once it is gone.
+  drop_kept_pools();
+  return code;
+}
+
+int RankServer::serve_sessions() {
   std::uint64_t last_generation = 0;
   while (!stop_.load()) {
     endpoint::EndpointOptions eo;
@@ -62,6 +69,8 @@ std::optional<int> RankServer::serve_session(RankEndpoint& ep) {
   if (!pools.ok()) return pools.error().code;
   Session s{ep, *pools, heartbeat, std::nullopt, nullptr};
   s.granted_ns = granted_ns;
+  for (std::size_t g = 0; g < s.pools.size(); ++g)
+    if (s.pools.at(g)->adopted() != 0) s.pool_ready |= proto::kReadyHostTierTakenOver;
   // One pass per mapping of the engine's cache: a weight update (CLEAR_CACHE ... RESTORE_CACHE, or
   // `kvtd ctl clear|restore`) closes it and later maps the re-registered tensors.
   Step step = ep.tensors_loaded() ? live(s, /*after_restore=*/false) : Step::kCleared;
@@ -82,14 +91,15 @@ Result<HostPools, int> RankServer::open_pools(const RankEndpoint& ep) {
     registry.set_host_pool_pinning(bytes, static_cast<std::uint64_t>(seconds * 1000.0));
   };
   // A dead engine's pools not taken over go first: the new ones may need their room.
-  if (ep.adopt_host_tier_of() != kept_generation_) drop_kept_pools();
+  if (!ep.take_over_host_tier()) drop_kept_pools();
+  const std::uint64_t take_over = kept_generation_;
   const bool grouped = proto::is_group_session(s_.groups);
   const std::vector<PoolShape> shapes = PoolShape::of_session(s_.geometry, s_.groups);
   std::vector<std::unique_ptr<HostPool>> out;
   for (std::uint32_t g = 0; g < shapes.size(); ++g) {
     const PoolShape& shape = shapes[g];
     auto pool = HostPool::open(*s_.backend, shape, ep.generation(), cfg_.rank, g, cfg_.host_layout, s_.numa_node, pin,
-                               cfg_.host_pool_hugepages ? cfg_.hugetlbfs_dir : std::string(), ep.adopt_host_tier_of());
+                               cfg_.host_pool_hugepages ? cfg_.hugetlbfs_dir : std::string(), take_over);
     if (!pool.ok()) {
       KVTD_ERROR("host pool{}: {}", grouped ? " of cache group " + std::to_string(g) : "", pool.error().message);
       return make_error(kExitBackend, pool.error().message);
@@ -115,8 +125,26 @@ void RankServer::drop_kept_pools() {
   kept_generation_ = 0;
 }
 
+void RankServer::release_pools(const Session& s) {
+  // A stopping daemon leaves the pools to its successor (a restart within the session re-maps
+  // them). Else the session is over for us: nobody reads this pool again (a new session is a new
+  // generation with a new pool) - unless its engine died rather than closed the session: its
+  // restart may take the pools over, so they are kept (this daemon stays their holder) until the
+  // next session takes them or does not.
+  if (s.why == TaskRunner::Exit::kStopped) return;
+  if (s.why == TaskRunner::Exit::kSessionLost && !s.ep.engine_closed()) {
+    drop_kept_pools();
+    kept_generation_ = s.ep.generation();
+    for (std::size_t g = 0; g < s.pools.size(); ++g) kept_pools_.push_back(s.pools.at(g)->name());
+    KVTD_INFO("engine gone without closing session {:016x}: keeping its host pool for the engine's restart",
+              s.ep.generation());
+    return;
+  }
+  s.pools.remove();
+}
+
 RankServer::Step RankServer::cleared(Session& s) {
-  s.ep.set_ready(proto::kReadyHostPool);
+  s.ep.set_ready(s.pool_ready);
   s_.registry.set_attached(true, s.ep.epoch());
   s_.control_state.attached(s.ep.generation());
   s_.control_state.set_cache(ControlState::Cache::kCleared);
@@ -222,7 +250,7 @@ Result<AttachedCache, DeviceErrc> RankServer::map_cache(Session& s) {
 
 RankServer::Step RankServer::serve_mapped(Session& s, AttachedCache cache) {
   TaskRunner runner(s.ep, *s_.backend, std::move(cache));
-  s.ep.set_ready(proto::kReadyCacheAttached | proto::kReadyHostPool);
+  s.ep.set_ready(proto::kReadyCacheAttached | s.pool_ready);
   if (s.restore_task) {
     KVTD_INFO("cache restored (task {}): the re-registered tensors are mapped", s.restore_task->task_id);
     CompletionSink(s.ep, nullptr).write(*s.restore_task, proto::Outcome::done("tensors re-opened"),
@@ -261,7 +289,7 @@ RankServer::Step RankServer::serve_mapped(Session& s, AttachedCache cache) {
 
 void RankServer::close_for_clear(Session& s, const TaskRunner& runner) {
   // Every task before the clear has completed; nothing touches the tensors any more.
-  s.ep.set_ready(proto::kReadyHostPool);
+  s.ep.set_ready(s.pool_ready);
   s_.backend->close_tensors();
   s.owned.reset();  // FastDeploy's worker released it before the clear (the adapter waits for that)
   if (auto clear = runner.clear_task()) {
@@ -286,17 +314,7 @@ void RankServer::end_session(Session& s) {
   s_.control_state.detached();
   s_.backend->close_tensors();
   s.owned.reset();
-  // The session is over for us unless we are stopping: nobody will read this pool again (a new
-  // session is a new generation with a new pool) - unless its engine is gone rather than
-  // finished: then the next session of this suffix may take it over (adopt_host_tier; an
-  // engine that closes its session removes the pools itself), and else the next sweep removes it.
-  if (s.why == TaskRunner::Exit::kSessionLost) {
-    drop_kept_pools();
-    kept_generation_ = s.ep.generation();
-    for (std::size_t g = 0; g < s.pools.size(); ++g) kept_pools_.push_back(s.pools.at(g)->name());
-  } else if (s.why != TaskRunner::Exit::kStopped) {
-    s.pools.remove();
-  }
+  release_pools(s);
   if (s.why == TaskRunner::Exit::kRingCorrupt) KVTD_ERROR("task ring framing is corrupt; detached, waiting for a new session");
   if (s.why == TaskRunner::Exit::kSessionLost)
     KVTD_WARN("engine closed the session or stopped heartbeating; detached{}", stop_.load() ? "" : ", waiting for a new session");

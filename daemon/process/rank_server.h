@@ -54,10 +54,15 @@ class RankServer {
     TaskRunner::Exit why = TaskRunner::Exit::kStopped;  // why the session ended (kEnd)
     int exit_code = 0;                                   // the process must exit with it (kExit)
     std::int64_t granted_ns = 0;                         // when the engine granted it (monotonic)
+    // The ready bits the host pools earn: kReadyHostPool, and kReadyHostTierTakenOver when they
+    // are the ones this daemon kept from the suffix's dead previous session.
+    std::uint32_t pool_ready = proto::kReadyHostPool;
   };
   // What a state hands over to: the next state, or the end of the session, or of the process.
   enum class Step { kLive, kCleared, kEnd, kExit };
 
+  // run() but for the kept pools: serves one session after another until stopped or failed.
+  int serve_sessions();
   // Attached session -> nullopt when it ended (wait for the next), else the exit code.
   std::optional<int> serve_session(endpoint::RankEndpoint& ep);
   Step cleared(Session& s);
@@ -75,12 +80,16 @@ class RankServer {
 
   // Removes the pools kept from a dead engine's session (one taken over was renamed away).
   void drop_kept_pools();
+  // The session ended: its pools are removed, or kept when its engine died (not closed) for the
+  // engine's restart to take over; this daemon stays their holder, so no sweep removes them.
+  void release_pools(const Session& s);
 
   const config::DaemonConfig& cfg_;
   Services& s_;
   std::atomic<bool>& stop_;
   // The pools of the last session whose engine died, left for the next session of the suffix to
-  // take over (adopt_host_tier): their generation and object names. Only the run() thread.
+  // take over (RankEndpoint::take_over_host_tier): their generation and object names. Only the
+  // run() thread.
   std::uint64_t kept_generation_ = 0;
   std::vector<std::string> kept_pools_;
 };

@@ -265,7 +265,7 @@ HeaderCopy copy_header(const proto::SessionHeader& h) {
   c.header_bytes = h.header_bytes;
   c.completion_capacity = h.completion_capacity;
   c.generation = h.generation;
-  c.adopt_host_tier_of = h.adopt_host_tier_of;
+  c.take_over_host_tier = h.take_over_host_tier;
   std::memcpy(&c.geometry, &h.geometry, sizeof c.geometry);
   std::memcpy(&c.groups, &h.groups, sizeof c.groups);
   c.registry_offset = h.registry_offset;

@@ -1,7 +1,7 @@
-// Sessions that are gone: sweeping what dead engines left in /dev/shm (and pool directories),
-// and finding the dead predecessor whose host pools a new session of the same suffix may take
-// over. Both read other processes' segments, so both treat them as hostile input.
+// Sessions that are gone: sweeping what dead engines left in /dev/shm (and pool directories).
+// It reads other processes' segments and pool headers, so it treats them as hostile input.
 #include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -15,7 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "kvtd/ipc/process.h"
 #include "kvtd/ipc/segment.h"
+#include "kvtd/proto/names.h"
 #include "kvtd/ipc/shared_object.h"
 
 namespace kvtd::ipc {
@@ -41,8 +43,9 @@ std::vector<std::string> names_with_prefix(const std::string& at, const std::str
 }
 
 // Per-session objects: "<prefix><16 hex>_dev<digits>", "_host<digits>" or "_fdcache<digits>" (a
-// daemon's exported cache); true with the generation for one of those.
-bool parse_session_object(const std::string& n, const std::string& prefix, std::uint64_t* gen) {
+// daemon's exported cache); true with the generation (and whether it is a host pool) for one of
+// those.
+bool parse_session_object(const std::string& n, const std::string& prefix, std::uint64_t* gen, bool* host_pool) {
   const std::string rest = n.substr(prefix.size());
   if (rest.size() < 18 || rest[16] != '_') return false;
   const std::string tail = rest.substr(17);
@@ -58,12 +61,26 @@ bool parse_session_object(const std::string& n, const std::string& prefix, std::
   for (char c : hex)
     if (!std::isxdigit(static_cast<unsigned char>(c))) return false;
   *gen = std::strtoull(hex.c_str(), nullptr, 16);
+  *host_pool = digits_at == 4;
   return true;
+}
+
+// Whether the host pool file at `path` names a live daemon as its holder. Read with one pread, not
+// mapped: the header is another process's (hostile) memory; a short or incomplete header names
+// no holder.
+bool pool_holder_alive(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) return false;
+  proto::HostPoolPrefix prefix{};
+  const ssize_t got = ::pread(fd, &prefix, sizeof prefix, 0);
+  ::close(fd);
+  return got == static_cast<ssize_t>(sizeof prefix) && prefix.magic == proto::kHostPoolMagic && prefix.holder != 0 &&
+         owner_alive(prefix.holder);
 }
 
 }  // namespace
 
-std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& object_dirs, std::uint64_t keep_generation) {
+std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& object_dirs) {
   std::vector<std::string> removed;
   const std::string prefix = "kvtd_" + std::to_string(getuid()) + "_";
   auto list = [&](const std::string& at) { return names_with_prefix(at, prefix); };
@@ -71,7 +88,8 @@ std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& obj
   if (names.empty() && object_dirs.empty()) return removed;
 
   auto session_object_generation = [&](const std::string& n, std::uint64_t* gen) {
-    return parse_session_object(n, prefix, gen);
+    bool host_pool = false;
+    return parse_session_object(n, prefix, gen, &host_pool);
   };
 
   std::set<std::uint64_t> live;
@@ -107,15 +125,20 @@ std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& obj
       dead_sessions.push_back(n);
   }
   auto sweep_objects_in = [&](const std::string& dir, const std::vector<std::string>& in_dir) {
+    const std::string at = dir.empty() ? std::string("/dev/shm") : dir;
     for (const auto& n : in_dir) {
       std::uint64_t gen = 0;
+      bool host_pool = false;
       struct stat st {};
-      if (session_object_generation(n, &gen) && !live.count(gen) && (keep_generation == 0 || gen != keep_generation) &&
-          lstat(((dir.empty() ? std::string("/dev/shm") : dir) + "/" + n).c_str(), &st) == 0 &&
-          S_ISREG(st.st_mode) && st.st_uid == getuid() && st.st_mtime < fresh_after) {
-        SharedObject::remove(n, dir);
-        removed.push_back(dir.empty() ? n : dir + "/" + n);
-      }
+      if (!parse_session_object(n, prefix, &gen, &host_pool) || live.count(gen) ||
+          lstat((at + "/" + n).c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != getuid() ||
+          st.st_mtime >= fresh_after)
+        continue;
+      // A dead engine's pool its daemon keeps for the engine's restart (or a pool of a session
+      // whose daemon has not yet seen its engine die): the daemon removes or hands it on.
+      if (host_pool && pool_holder_alive(at + "/" + n)) continue;
+      SharedObject::remove(n, dir);
+      removed.push_back(dir.empty() ? n : dir + "/" + n);
     }
   };
   sweep_objects_in("", names);
@@ -130,21 +153,6 @@ std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& obj
 namespace detail {
 
 bool process_alive(pid_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno != ESRCH); }
-
-std::uint64_t adoptable_generation(const std::string& name, const proto::CacheGeometry& geometry,
-                                   const proto::CacheGroups& groups) {
-  auto old = SharedObject::open(name);
-  if (!old.ok() || (*old)->owner_uid() != getuid() || (*old)->size() < sizeof(proto::SessionHeader)) return 0;
-  const auto* h = reinterpret_cast<const proto::SessionHeader*>((*old)->data());
-  if (magic_of(*h) != proto::kSessionMagic) return 0;
-  const HeaderCopy copy = copy_header(*h);
-  if (copy.layout_version != proto::kSessionLayoutVersion || copy.header_bytes != sizeof(proto::SessionHeader)) return 0;
-  // An engine that closed its session removed the pools itself; only a dead one leaves them.
-  if (h->state.load(std::memory_order_acquire) == static_cast<std::uint32_t>(proto::SessionState::kClosed)) return 0;
-  if (process_alive(static_cast<pid_t>(h->creator_pid))) return 0;
-  if (!geometry_mismatch(copy.geometry, geometry).empty() || !groups_mismatch(copy.groups, groups).empty()) return 0;
-  return copy.generation;
-}
 
 }  // namespace detail
 }  // namespace kvtd::ipc

@@ -45,6 +45,7 @@ TASK_LAYERWISE = 1 << 2
 
 READY_CACHE = 1 << 0
 READY_HOST_POOL = 1 << 1
+READY_HOST_TIER_TAKEN_OVER = 1 << 2
 
 LAYER_DONE = 0
 LAYER_ENQUEUED = 1
@@ -210,7 +211,6 @@ _sig("kvtd_set_weight_version", _c.c_int, _sess, _c.c_uint64)
 _sig("kvtd_weight_version", _c.c_uint64, _sess)
 _sig("kvtd_session_name", _c.c_char_p, _sess)
 _sig("kvtd_session_generation", _c.c_uint64, _sess)
-_sig("kvtd_session_adopted_generation", _c.c_uint64, _sess)
 _sig("kvtd_wait", _c.c_int, _sess, _c.c_uint64, _c.c_int64, _c.POINTER(Completion), *_err)
 _sig("kvtd_poll", _c.c_int, _sess, _c.c_uint64, _c.POINTER(Completion), *_err)
 _sig("kvtd_wait_layer", _c.c_int, _sess, _c.c_uint64, _c.c_uint32, _c.c_int64, _c.c_int, *_err)

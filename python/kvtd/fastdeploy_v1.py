@@ -14,8 +14,8 @@ are tasks of a one-rank kvtd session served by that rank's daemon:
   a local rank >= the TP size finds nothing there; here the names are parsed, never rebuilt).
 * The host blocks live in the daemon's host pool, not in the worker's private cuda_host_alloc
   memory: a restarted daemon maps the pool again, and a restarted worker's session takes over
-  the pool its dead predecessor left (Session(adopt_host_tier=True); $KVTD_FDV1_ADOPT_HOST_TIER=0
-  turns it off), so the host blocks FastDeploy's CacheManager (in the engine process, alive
+  the pool its daemon kept when the dead predecessor's session ended (Session(adopt_host_tier=
+  True); $KVTD_FDV1_ADOPT_HOST_TIER=0 turns it off), so the host blocks FastDeploy's CacheManager (in the engine process, alive
   across a worker restart) still names hold what it thinks they hold. The
   controller's host allocations (cache_controller.py:617-631) get address space reserved with
   no access and no memory behind it, so nothing can read a host block outside kvtd by mistake
@@ -185,8 +185,7 @@ class KvtdCacheTransferManager:
                 self._session = s
             log.info("kvtd session %s ready for rank %d (%d layers, %d host blocks%s)", self._suffix,
                      self._local_rank, self._num_layers, self._num_host_blocks,
-                     f"; host tier of the dead session {s.adopted_host_tier:016x} taken over"
-                     if s.adopted_host_tier else "")
+                     "; the host tier its dead predecessor left taken over" if s.host_tier_taken_over(0) else "")
         except Exception as e:  # kept and named by every swap that follows
             if self._closed:
                 return  # closed while waiting: nothing will swap
@@ -400,7 +399,7 @@ class KvtdCacheTransferManager:
                     "has_device_cache": bool(self._tensors),
                     "has_host_cache": self._num_host_blocks > 0 and bool(self._host_cache_kvs_map),
                     "kvtd_session_ready": self._session is not None,
-                    "kvtd_adopted_host_tier": self._session.adopted_host_tier if self._session is not None else 0,
+                    "kvtd_host_tier_taken_over": self._session is not None and self._session.host_tier_taken_over(0),
                     "is_fp8": self._is_fp8_quantization(), "kvtd_session": self._suffix,
                     "kvtd_evictions": self._counts["evict"], "kvtd_loads": self._counts["load"],
                     "kvtd_failures": len(self.failures)}

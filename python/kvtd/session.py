@@ -152,9 +152,10 @@ class Session:
                  adopt_host_tier: bool = False):
         """A session over `geometry` (one shape for every layer), or over cache `groups`
         (kvtd.cache_groups.CacheGroups: hybrid models). Exactly one of them. adopt_host_tier
-        (geometry only): if this suffix's previous session died with the same geometry, its
-        daemons' host pools are taken over and the blocks it wrote stay loadable (an engine
-        restarted beside the same daemons); `adopted_host_tier` then says so."""
+        (geometry only): if this suffix's previous session's engine died (it did not close), each
+        rank's daemon takes over the host pool it kept from it when that has the same shape, and
+        the blocks written there stay loadable (an engine restarted beside the same daemons);
+        `host_tier_taken_over` says which ranks did, once they are ready."""
         if (geometry is None) == (groups is None):
             raise ValueError("give a geometry or cache groups, not both or neither")
         self.geometry = geometry
@@ -440,10 +441,10 @@ class Session:
         """The shared-memory segment's name ("kvtd_<uid>_<suffix>")."""
         return n.lib.kvtd_session_name(self._handle()).decode()
 
-    @property
-    def adopted_host_tier(self) -> int:
-        """The generation of the dead session whose host tier this one took over, 0 if none."""
-        return n.lib.kvtd_session_adopted_generation(self._handle())
+    def host_tier_taken_over(self, rank: int) -> bool:
+        """Whether the live rank's host pool is the one its daemon kept from this suffix's dead
+        previous session (adopt_host_tier): known once the rank is ready, False before."""
+        return bool(self.rank_ready(rank) & n.READY_HOST_TIER_TAKEN_OVER)
 
     @property
     def generation(self) -> int:
@@ -522,7 +523,8 @@ class Session:
         return bool(n.lib.kvtd_rank_alive(self._handle(), rank))
 
     def rank_ready(self, rank: int) -> int:
-        """While the rank is alive, its ready bits: 1 = cache tensors mapped, 2 = host pool made."""
+        """While the rank is alive, its ready bits: 1 = cache tensors mapped, 2 = host pool made,
+        4 = host tier taken over (adopt_host_tier)."""
         return n.lib.kvtd_rank_ready(self._handle(), rank)
 
     @property

@@ -17,6 +17,7 @@
 #include "kvtd/daemon/device_backend.h"
 #include "kvtd/daemon/host_pool.h"
 #include "kvtd/ipc/shared_object.h"
+#include "test_support.h"
 
 namespace kvtd::daemon {
 namespace {
@@ -143,12 +144,15 @@ TEST_F(HostPoolHugePagesTest, ADirectoryThatIsNotHugetlbfsIsRefusedByName) {
 }
 
 TEST_F(HostPoolHugePagesTest, ADeadSessionsPoolInTheMountIsSwept) {
-  // A session that no longer exists (no segment names its generation) left its pool here.
-  auto pool = HostPool::open(*backend_, small_geometry(), generation() + 3, 0, daemon::HostLayout::kLayerFirst, -1,
-                             HostPool::PinPlan(), dir_);
-  ASSERT_TRUE(pool.ok()) << pool.error().message;
-  pool->reset();
-  const std::string file = dir_ + "/" + ipc::session_object_name(generation() + 3, "host0");
+  // A session that no longer exists (no segment names its generation) left its pool here, and
+  // the daemon that held it is gone too (a live holder keeps it: host_tier_adoption_test).
+  const std::uint64_t gen = generation() + 3;  // of this process's pid, not the child's
+  ASSERT_TRUE(test::in_dead_child([&] {
+    return HostPool::open(*backend_, small_geometry(), gen, 0, daemon::HostLayout::kLayerFirst, -1, HostPool::PinPlan(),
+                          dir_)
+        .ok();
+  }));
+  const std::string file = dir_ + "/" + ipc::session_object_name(gen, "host0");
   ASSERT_TRUE(fs::exists(file));
   // Fresh objects are never swept (another engine may be creating its session): age it.
   const utimbuf old{time(nullptr) - 120, time(nullptr) - 120};

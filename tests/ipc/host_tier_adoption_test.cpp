@@ -1,10 +1,11 @@
 // A restarted engine worker takes over its dead predecessor's host tier
-// (SessionOptions::adopt_host_tier): the engine finds the dead session of its suffix with the
-// same geometry (ipc::detail::adoptable_generation), keeps its pools from the sweep, and each
-// daemon renames the pool to the new session's name with its blocks (HostPool::open's
-// adopt_generation). Before, a dead engine's pools were removed by the daemon and every later
-// load of those host blocks failed host_tier_lost, though the engine's scheduler (a separate
-// process that lived on) still named them.
+// (SessionOptions::adopt_host_tier): the daemon keeps the dead engine's pool, naming itself its
+// holder, and renames it to the new session's name with its blocks when that session asks
+// (HostPool::open's take_over_generation). Before, a dead engine's pools were removed by the
+// daemon and every later load of those host blocks failed host_tier_lost, though the engine's
+// scheduler (a separate process that lived on) still named them; and then, while the engine
+// found its predecessor itself, any other engine's session created in between swept the dead
+// session and its pool first.
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -12,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "kvtd/daemon/device_backend.h"
@@ -84,82 +86,61 @@ TEST(HostTierAdoption, APoolOfAnotherShapeIsNotTakenOver) {
   ipc::SharedObject::remove(pool_name(dead));
 }
 
-// An object an hour old: the sweep spares what was touched in the last 30 s.
-void leave_old_object(const std::string& name) {
-  ASSERT_TRUE(ipc::SharedObject::create(name, 4096).ok());
-  ASSERT_TRUE(test::make_hour_old(name));
+// Leaves a pool of generation `gen` (no session has it) whose holder daemon is dead.
+void leave_pool_of_a_dead_daemon(const proto::CacheGeometry& g, std::uint64_t gen) {
+  ASSERT_TRUE(test::in_dead_child([&] {
+    auto backend = make_host_backend();
+    return HostPool::open(*backend, g, gen, 0).ok();  // the object stays: only remove() unlinks it
+  }));
 }
 
-// The generation a child engine's session had, after the child died without closing it.
-std::uint64_t dead_engine_session(const std::string& suffix, const proto::CacheGeometry& g) {
-  int fds[2];
-  EXPECT_EQ(pipe(fds), 0);
-  const pid_t child = fork();
-  if (child == 0) {
-    SessionOptions o;
-    o.suffix = suffix;
-    o.geometry = g;
-    auto s = EngineSession::create(o);
-    const std::uint64_t gen = s.ok() ? (*s)->generation() : 0;
-    (void)!write(fds[1], &gen, sizeof gen);
-    _exit(0);  // dies with the session open: nothing orderly runs
-  }
-  close(fds[1]);
-  std::uint64_t gen = 0;
-  EXPECT_EQ(read(fds[0], &gen, sizeof gen), static_cast<ssize_t>(sizeof gen));
-  close(fds[0]);
-  int status = 0;
-  waitpid(child, &status, 0);
-  return gen;
+// Sweeps until a sweep ran: another test's session mid-creation stops one (by design).
+void sweep_until(const std::function<bool()>& done) {
+  EXPECT_TRUE(test::eventually([&] {
+    (void)ipc::sweep_stale_objects();
+    return done();
+  }, std::chrono::seconds(10)));
 }
 
-TEST(HostTierAdoption, TheEngineFindsItsDeadPredecessorWithTheSameGeometryOnly) {
-  const auto suffix = test::unique_suffix("adopt");
+TEST(HostTierAdoption, ADeadEnginesPoolKeptByALiveDaemonSurvivesOtherEnginesSweeps) {
+  auto backend = make_host_backend();
   const auto g = test::small_geometry(1);
-  const std::uint64_t dead = dead_engine_session(suffix, g);
-  ASSERT_NE(dead, 0u);
-  const std::string name = ipc::detail::session_name(suffix);
-  EXPECT_EQ(ipc::detail::adoptable_generation(name, g, {}), dead);
-  auto other = g;
-  other.num_host_blocks += 1;
-  EXPECT_EQ(ipc::detail::adoptable_generation(name, other, {}), 0u) << "another geometry";
-  EXPECT_EQ(ipc::detail::adoptable_generation(ipc::detail::session_name(suffix + "x"), g, {}), 0u) << "no segment";
-
-  // Its pool survives the new session's sweep and the new session names it for its daemons.
-  const std::string dead_pool = pool_name(dead);
-  ASSERT_NO_FATAL_FAILURE(leave_old_object(dead_pool));
+  const std::uint64_t kept = 0x7c00000000000000ull + getpid(), orphan = kept + 1;
+  // Kept: this process is the daemon that holds it. Orphan: its daemon died with it.
+  ASSERT_NO_FATAL_FAILURE(leave_pool(*backend, g, kept));
+  ASSERT_NO_FATAL_FAILURE(leave_pool_of_a_dead_daemon(g, orphan));
+  ASSERT_TRUE(test::make_hour_old(pool_name(kept)));
+  ASSERT_TRUE(test::make_hour_old(pool_name(orphan)));
+  // Another engine's session: its create sweeps what dead sessions left.
   SessionOptions o;
-  o.suffix = suffix;
+  o.suffix = test::unique_suffix("sweeper");
   o.geometry = g;
+  auto other = EngineSession::create(o);
+  ASSERT_TRUE(other.ok()) << other.error().message;
+  sweep_until([&] { return !exists(pool_name(orphan)); });
+  EXPECT_TRUE(exists(pool_name(kept))) << "swept while the daemon that keeps it for the engine's restart lives";
+  ipc::SharedObject::remove(pool_name(kept));
+  ipc::SharedObject::remove(pool_name(orphan));
+}
+
+TEST(HostTierAdoption, TheEngineAsksItsDaemonsToTakeOverWithAFlag) {
+  SessionOptions o;
+  o.suffix = test::unique_suffix("adopt");
+  o.geometry = test::small_geometry(1);
   o.adopt_host_tier = true;
   auto s = EngineSession::create(o);
   ASSERT_TRUE(s.ok()) << s.error().message;
-  EXPECT_EQ((*s)->adopted_generation(), dead);
-  EXPECT_TRUE(exists(dead_pool)) << "swept although the new session takes it over";
-  // A live engine's session is never taken over.
-  EXPECT_EQ(ipc::detail::adoptable_generation(name, g, {}), 0u);
-  ipc::SharedObject::remove(dead_pool);
-}
-
-TEST(HostTierAdoption, WithoutTheOptionTheDeadSessionsPoolIsSwept) {
-  const auto suffix = test::unique_suffix("noadopt");
-  const auto g = test::small_geometry(1);
-  const std::uint64_t dead = dead_engine_session(suffix, g);
-  ASSERT_NE(dead, 0u);
-  const std::string dead_pool = pool_name(dead);
-  ASSERT_NO_FATAL_FAILURE(leave_old_object(dead_pool));
-  SessionOptions o;
-  o.suffix = suffix;
-  o.geometry = g;
-  auto s = EngineSession::create(o);
-  ASSERT_TRUE(s.ok()) << s.error().message;
-  EXPECT_EQ((*s)->adopted_generation(), 0u);
-  // Another test's session mid-creation may stop one sweep (by design): sweep until it ran.
-  EXPECT_TRUE(test::eventually([&] {
-    (void)ipc::sweep_stale_objects();
-    return !exists(dead_pool);
-  }, std::chrono::seconds(10)));
-  ipc::SharedObject::remove(dead_pool);
+  auto seg = ipc::SharedObject::open(ipc::detail::session_name(o.suffix));
+  ASSERT_TRUE(seg.ok());
+  const auto* h = reinterpret_cast<const proto::SessionHeader*>((*seg)->data());
+  EXPECT_EQ(h->take_over_host_tier, 1u) << "the daemon, not the engine, knows what it kept: a flag";
+  o.suffix += "n";
+  o.adopt_host_tier = false;
+  auto plain = EngineSession::create(o);
+  ASSERT_TRUE(plain.ok()) << plain.error().message;
+  auto plain_seg = ipc::SharedObject::open(ipc::detail::session_name(o.suffix));
+  ASSERT_TRUE(plain_seg.ok());
+  EXPECT_EQ(reinterpret_cast<const proto::SessionHeader*>((*plain_seg)->data())->take_over_host_tier, 0u);
 }
 
 }  // namespace

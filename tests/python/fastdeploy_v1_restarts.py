@@ -77,16 +77,32 @@ def worker_that_dies_after_evicting(tp: int) -> None:
     c.submit_swap_tasks(meta, None)
     c._wait_for_pending_evict_counters()
     assert finished(meta).success, meta.error_message
-    print("evicted", flush=True)
+    print(f"evicted {c.transfer_manager._ready_session().generation:016x}", flush=True)
     device.close()  # the device memory goes with the worker
     os.kill(os.getpid(), 9)
 
 
+def _another_engine_sweeps(dead_suffix: str, dead_pool: str, g: Geometry) -> None:
+    """Another engine on the machine creates a session while the worker is dead, its pool an hour
+    old (mmap writes do not refresh a pool's time, so a long-lived one always is): its create
+    sweeps what dead engines left. The dead worker's segment goes; the pool its daemon keeps must
+    not (CI once lost it this way: the restarted worker then found nothing to take over)."""
+    hour_ago = time.time() - 3600
+    os.utime(dead_pool, (hour_ago, hour_ago))
+    from kvtd import Session
+
+    with Session(f"{dead_suffix}_other", g):
+        pass
+    assert not os.path.exists(f"/dev/shm/kvtd_{os.getuid()}_{dead_suffix}"), "the dead session was not swept"
+    assert os.path.exists(dead_pool), "another engine's sweep removed the pool the daemon keeps"
+
+
 def host_tier_survives_a_worker_restart(tp: int, adopt: bool = True) -> None:
-    """The daemon outlives the worker. The first worker evicts blocks and dies (SIGKILL); the
-    engine's CacheManager still names those host blocks, so the restarted worker loads them:
-    every byte comes back from the pool its session took over. With KVTD_FDV1_ADOPT_HOST_TIER=0
-    the new session starts with an empty host tier and the load fails, reporting no layer."""
+    """The daemon outlives the worker. The first worker evicts blocks and dies (SIGKILL); another
+    engine's session sweeps meanwhile; the engine's CacheManager still names those host blocks,
+    so the restarted worker loads them: every byte comes back from the pool the daemon kept and
+    its session took over. With KVTD_FDV1_ADOPT_HOST_TIER=0 the daemon drops the kept pool, the
+    new session starts with an empty host tier and the load fails, reporting no layer."""
     prefix = f"fdv1w_{uuid.uuid4().hex[:8]}"
     shape = (8, HEADS, BLOCK_SIZE, HEAD_DIM)
     g = Geometry(num_ranks=1, num_layers=LAYERS, key_shape=shape, value_shape=shape, num_host_blocks=16)
@@ -96,6 +112,9 @@ def host_tier_survives_a_worker_restart(tp: int, adopt: bool = True) -> None:
         first = subprocess.run([sys.executable, SCENARIOS_FILE, "worker_that_dies_after_evicting", "1"], env=env,
                                capture_output=True, text=True, timeout=90)
         assert first.returncode == -9 and "evicted" in first.stdout, (first.returncode, first.stdout, first.stderr)
+        dead_generation = first.stdout.split("evicted ")[1].split()[0]
+        dead_pool = f"/dev/shm/kvtd_{os.getuid()}_{dead_generation}_host0"
+        _another_engine_sweeps(f"{prefix}_r0", dead_pool, g)
         if not adopt:
             os.environ["KVTD_FDV1_ADOPT_HOST_TIER"] = "0"
         device, c = _worker(prefix, 8, 16)
@@ -104,12 +123,13 @@ def host_tier_survives_a_worker_restart(tp: int, adopt: bool = True) -> None:
             done = []
             ok = tm.load_layers_to_device_async(list(range(LAYERS)), list(range(10, 16)), [7, 6, 5, 4, 3, 2], done.append)
             stats = tm.get_stats()
+            assert not os.path.exists(dead_pool), "the kept pool is neither taken over nor dropped"
             if not adopt:
-                assert not ok and done == [] and stats["kvtd_adopted_host_tier"] == 0, (ok, done, stats)
+                assert not ok and done == [] and not stats["kvtd_host_tier_taken_over"], (ok, done, stats)
                 assert any("host_tier_lost" in f for f in tm.failures), list(tm.failures)
                 return
             assert ok and done == list(range(LAYERS)), (ok, done, list(tm.failures))
-            assert stats["kvtd_adopted_host_tier"] != 0, stats
+            assert stats["kvtd_host_tier_taken_over"], stats
             for layer in range(LAYERS):
                 for kind in (0, 1):
                     view = kv_bytes(c, layer, kind)

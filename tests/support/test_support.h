@@ -138,8 +138,6 @@ inline std::string read_file(const std::string& path) {
   return out;
 }
 
-// "t<pid>_<name>", cut to the 64-character suffix limit (with a hash of the full name, so two
-// long names that share a prefix stay distinct): test names once pushed it over with 5-digit pids.
 // Dates /dev/shm/<name> an hour back: the sweep spares objects touched in the last 30 s (they
 // may belong to a session mid-creation), so a test's orphan must look old. False on failure.
 inline bool make_hour_old(const std::string& shm_name) {
@@ -147,6 +145,18 @@ inline bool make_hour_old(const std::string& shm_name) {
   return utimensat(AT_FDCWD, ("/dev/shm/" + shm_name).c_str(), hour_ago, 0) == 0;
 }
 
+// Runs `body` in a forked child that exits as soon as it returns (_exit: nothing the parent owns
+// is torn down twice); true when it returned true. What the child made names a dead process: a
+// host pool made there has a dead holder, as a SIGKILLed daemon's has.
+inline bool in_dead_child(const std::function<bool()>& body) {
+  const pid_t child = fork();
+  if (child == 0) _exit(body() ? 0 : 1);
+  int status = 0;
+  return child > 0 && waitpid(child, &status, 0) == child && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+// "t<pid>_<name>", cut to the 64-character suffix limit (with a hash of the full name, so two
+// long names that share a prefix stay distinct): test names once pushed it over with 5-digit pids.
 inline std::string unique_suffix(const std::string& name) {
   // Built by appending: GCC 12 at -O3 reports a false -Wrestrict for "literal" + std::string&&
   // (GCC bug 105651), which broke -DCMAKE_BUILD_TYPE=Release with warnings as errors.

@@ -96,12 +96,8 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
     return make_error(IpcErrc::kInvalidArgument, "rank_timeout_ns, service_period_ns and fence_timeout_ns must be positive");
   if (o.max_uncollected_results == 0) return make_error(IpcErrc::kInvalidArgument, "max_uncollected_results must be positive");
 
-  // The dead predecessor whose host pools we take over: found before the sweep, which would
-  // otherwise remove them with the rest of what it left.
-  const std::uint64_t adopted =
-      o.adopt_host_tier ? detail::adoptable_generation(detail::session_name(o.suffix), geometry, o.groups) : 0;
-  // Objects an engine killed with -9 left behind (its arenas, its daemons' host pools).
-  (void)sweep_stale_objects({}, adopted);
+  // Objects an engine killed with -9 left behind (its arenas, host pools no live daemon holds).
+  (void)sweep_stale_objects();
 
   auto impl = std::make_unique<Impl>();
   impl->opts = o;
@@ -132,8 +128,7 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
   impl->weight_version.store(o.weight_version);
   impl->h = detail::init_session(impl->view, geometry, o.groups, o.completion_capacity, impl->clock->now_ns());
   impl->generation = impl->h->generation;
-  impl->adopted_generation = adopted;
-  impl->h->adopt_host_tier_of = adopted;
+  impl->h->take_over_host_tier = o.adopt_host_tier ? 1 : 0;
   auto* h = impl->h;
 
   impl->ring = std::make_unique<TaskRingWriter>(h, impl->view.ring(), layout.ring_bytes, geometry.num_ranks);
@@ -253,6 +248,5 @@ const proto::CacheGroups& EngineSession::groups() const { return impl_->groups; 
 const std::string& EngineSession::name() const { return impl_->name; }
 
 std::uint64_t EngineSession::generation() const { return impl_->generation; }
-std::uint64_t EngineSession::adopted_generation() const { return impl_->adopted_generation; }
 
 }  // namespace kvtd::engine

@@ -56,7 +56,6 @@ struct EngineSession::Impl {
   proto::CacheGeometry geo{};          // private copy of the geometry (a group session's envelope)
   proto::CacheGroups groups{};         // private copy of the cache groups (num_groups 0: none)
   std::uint64_t generation = 0;
-  std::uint64_t adopted_generation = 0;  // SessionOptions::adopt_host_tier: whose pools we took
   std::unique_ptr<TaskRingWriter> ring;
   std::vector<CompletionRing> completions;
   std::vector<std::unique_ptr<SharedObject>> arenas GUARDED_BY(mu);  // host-backend device tensors

@@ -73,7 +73,9 @@ enum {
   KVTD_TASK_LAYERWISE = 1u << 2        /* SWAP_TO_DEVICE: layer by layer, with per-layer progress */
 };
 enum { KVTD_DTYPE_BFLOAT16 = 1, KVTD_DTYPE_FLOAT16 = 2, KVTD_DTYPE_UINT8 = 3, KVTD_DTYPE_BLOCK_WISE_FP8 = 4 };
-enum { KVTD_READY_CACHE = 1u << 0, KVTD_READY_HOST_POOL = 1u << 1 };
+/* KVTD_READY_HOST_TIER_TAKEN_OVER: the rank's host pool is the one its daemon kept when this
+ * suffix's previous session's engine died (kvtd_session_create_adopting). */
+enum { KVTD_READY_CACHE = 1u << 0, KVTD_READY_HOST_POOL = 1u << 1, KVTD_READY_HOST_TIER_TAKEN_OVER = 1u << 2 };
 enum { KVTD_KEY = 0, KVTD_VALUE = 1, KVTD_KEY_SCALE = 2, KVTD_VALUE_SCALE = 3 };
 /* kvtd_clear_caches flags */
 enum {
@@ -224,10 +226,11 @@ KVTD_API int kvtd_session_create(const char* suffix, const kvtd_geometry* geomet
  * with keys (its backup) is refused: submit the STORAGE_WRITE. */
 KVTD_API int kvtd_session_create_groups(const char* suffix, const kvtd_cache_groups* groups, kvtd_session** out,
                                         char* err, size_t err_len);
-/* Like kvtd_session_create, and if this suffix's previous session died (its creator is gone, it
- * was not destroyed) with the same geometry, takes over its daemons' host pools: every host block
- * it wrote stays loadable (an engine worker restarted beside the same daemons). Without such a
- * session it is kvtd_session_create. kvtd_session_adopted_generation says which, if any. */
+/* Like kvtd_session_create, and if this suffix's previous session's engine died (it was not
+ * destroyed), asks each rank's daemon to take over the host pool it kept from that session when
+ * the pool has exactly this geometry: every host block written there stays loadable (an engine
+ * worker restarted beside the same daemons). A rank that did shows
+ * KVTD_READY_HOST_TIER_TAKEN_OVER in kvtd_rank_ready once it is ready. */
 KVTD_API int kvtd_session_create_adopting(const char* suffix, const kvtd_geometry* geometry, kvtd_session** out,
                                           char* err, size_t err_len);
 KVTD_API void kvtd_session_destroy(kvtd_session* s);
@@ -273,8 +276,6 @@ KVTD_API uint64_t kvtd_weight_version(kvtd_session* s);
 /* The segment's name ("kvtd_<uid>_<suffix>") and random generation; "" / 0 for a null session. */
 KVTD_API const char* kvtd_session_name(kvtd_session* s);
 KVTD_API uint64_t kvtd_session_generation(kvtd_session* s);
-/* The generation of the dead session whose host tier this one took over, 0 if none. */
-KVTD_API uint64_t kvtd_session_adopted_generation(kvtd_session* s);
 
 /* Waits for the merged result: KVTD_OK (done, ok), KVTD_E_TASK_FAILED (done, failed: message in
  * err), KVTD_E_TIMEOUT, KVTD_E_UNKNOWN_TASK. A result is handed out once (wait or poll). */

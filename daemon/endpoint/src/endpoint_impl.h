@@ -36,7 +36,7 @@ struct RankEndpoint::Impl {
   proto::CacheGeometry geometry{};    // private copy
   proto::CacheGroups groups{};        // private copy (num_groups 0: a single-shape session)
   std::uint64_t generation = 0;       // private copy
-  std::uint64_t adopt_host_tier_of = 0;  // private copy (proto::SessionHeader)
+  bool take_over_host_tier = false;  // private copy (proto::SessionHeader)
   proto::SessionHeader* h = nullptr;  // for the atomics only
   std::vector<proto::TensorDesc> tensors;  // this rank's, by layer * kTensorKinds + kind
   bool loaded = false;                     // the last load_tensors() found the cache live

@@ -163,7 +163,7 @@ std::unique_ptr<RankEndpoint::Impl> RankEndpoint::Impl::over(const EndpointOptio
   impl->geometry = header.geometry;
   impl->groups = header.groups;
   impl->generation = header.generation;
-  impl->adopt_host_tier_of = header.adopt_host_tier_of == header.generation ? 0 : header.adopt_host_tier_of;
+  impl->take_over_host_tier = header.take_over_host_tier != 0;
   impl->view.base = m->data();
   impl->view.layout = layout;
   impl->view.num_ranks = header.geometry.num_ranks;
@@ -334,7 +334,10 @@ const proto::CacheGeometry& RankEndpoint::geometry() const { return impl_->geome
 const proto::CacheGroups& RankEndpoint::groups() const { return impl_->groups; }
 std::uint32_t RankEndpoint::rank() const { return impl_->opts.rank; }
 std::uint64_t RankEndpoint::generation() const { return impl_->generation; }
-std::uint64_t RankEndpoint::adopt_host_tier_of() const { return impl_->adopt_host_tier_of; }
+bool RankEndpoint::take_over_host_tier() const { return impl_->take_over_host_tier; }
+bool RankEndpoint::engine_closed() const {
+  return impl_->h->state.load(std::memory_order_acquire) == static_cast<std::uint32_t>(proto::SessionState::kClosed);
+}
 std::uint32_t RankEndpoint::epoch() const { return impl_->epoch.load(std::memory_order_acquire); }
 
 const proto::TensorDesc* RankEndpoint::tensor(std::uint32_t layer, proto::TensorKind kind) const {

@@ -60,7 +60,7 @@ proto::SessionHeader* init_session(const SessionView& view, const proto::CacheGe
 struct HeaderCopy {
   std::uint32_t layout_version = 0, header_bytes = 0, completion_capacity = 0;
   std::uint64_t generation = 0;
-  std::uint64_t adopt_host_tier_of = 0;  // a dead session's generation whose host pools to take over
+  std::uint64_t take_over_host_tier = 0;  // proto::SessionHeader::take_over_host_tier
   proto::CacheGeometry geometry{};
   proto::CacheGroups groups{};
   std::uint64_t registry_offset = 0, registry_count = 0, task_ring_offset = 0, task_ring_bytes = 0;
@@ -119,13 +119,6 @@ using ipc::session_object_name;
 // Whether a session's creator (or any process `pid`) may still run: not only when it is known
 // gone (ESRCH). A pid of 0 or less is gone.
 bool process_alive(pid_t pid);
-
-// The generation of the session segment `name` if its engine died (creator gone, not closed) and
-// it had exactly this geometry and these cache groups, else 0: a new session of the same suffix
-// may take over its daemons' host pools (SessionOptions::adopt_host_tier). Reads the segment as
-// hostile input: magic, layout version and size first, one copy of the header.
-std::uint64_t adoptable_generation(const std::string& name, const proto::CacheGeometry& geometry,
-                                   const proto::CacheGroups& groups);
 
 // Names the first geometry field on which `have` and `want` differ, or "" when equal.
 std::string geometry_mismatch(const proto::CacheGeometry& have, const proto::CacheGeometry& want);

@@ -80,10 +80,10 @@ std::int64_t shm_free_bytes();
 // creator is dead, and device arenas and host pools ("kvtd_<uid>_<generation>_dev<r>" /
 // "_host<r>") of sessions that no longer exist, in /dev/shm and in each of `object_dirs` (e.g. a
 // hugetlbfs mount holding host pools). Returns the names removed. Safe to run while sessions are
-// being created: it sweeps nothing while any segment is half-initialised. Objects of
-// `keep_generation` (nonzero) stay: a new session is taking over that dead session's host pools.
-std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& object_dirs = {},
-                                             std::uint64_t keep_generation = 0);
+// being created: it sweeps nothing while any segment is half-initialised. A host pool stays while
+// the daemon its header names as holder (proto::HostPoolPrefix) lives: a daemon keeps its dead
+// engine's pool for the engine's restart to take over (SessionHeader::take_over_host_tier).
+std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& object_dirs = {});
 
 // Huge pages of `page_bytes` the kernel has free for new mappings (free minus reserved, from
 // /sys/kernel/mm/hugepages), or -1 when it cannot tell.

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 namespace kvtd::proto {
 
@@ -36,6 +37,21 @@ constexpr bool valid_object_key(std::string_view s) { return valid_name(s, 200, 
 inline std::string host_pool_object(std::uint32_t rank, std::uint32_t group) {
   return "host" + std::to_string(group == 0 ? rank : 1000 + rank * 8 + group);
 }
+
+// What every host pool object starts with, for readers other than the daemon that holds it:
+// the sweep of dead sessions' objects (ipc::sweep_stale_objects) leaves a pool alone while the
+// daemon named by `holder` lives, so a pool the daemon keeps after its engine died (to hand it
+// to the engine's restart) survives other engines' sweeps. daemon::HostPool's header begins with
+// exactly these fields (static_asserts there); `holder` is written after `magic` is complete.
+struct HostPoolPrefix {
+  std::uint64_t magic;  // kHostPoolMagic once the header is complete
+  std::uint32_t version;
+  std::uint32_t rank;
+  std::uint64_t generation;
+  std::uint64_t holder;  // owner_word (pid, start time) of the daemon that has it mapped or kept
+};
+inline constexpr std::uint64_t kHostPoolMagic = 0x4c4f4f5044545640ULL;  // "@VTDPOOL"
+static_assert(std::is_standard_layout_v<HostPoolPrefix> && sizeof(HostPoolPrefix) == 32);
 
 static_assert(valid_session_suffix("9923") && !valid_session_suffix("a/b") && !valid_session_suffix(".."));
 static_assert(valid_object_key("abc:12") && !valid_model_id("abc:12"));

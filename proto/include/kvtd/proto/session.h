@@ -35,8 +35,9 @@ namespace kvtd::proto {
 
 inline constexpr std::uint64_t kSessionMagic = 0x5353455344545640ULL;  // "@VTDSESS"
 // 2: RankSlot::owner; 3: agreement region; 4: scale bytes, extra layers; 5: cache_state;
-// 6: ProgressControl::events_epoch; 7: RankSlot::agreement_left; 8: SessionHeader::groups
-inline constexpr std::uint32_t kSessionLayoutVersion = 8;
+// 6: ProgressControl::events_epoch; 7: RankSlot::agreement_left; 8: SessionHeader::groups;
+// 9: SessionHeader::take_over_host_tier (a flag the daemon acts on; was a dead generation)
+inline constexpr std::uint32_t kSessionLayoutVersion = 9;
 
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
@@ -53,6 +54,9 @@ enum class CacheState : std::uint32_t { kLive = 0, kCleared = 1 };
 enum ReadyFlag : std::uint32_t {
   kReadyCacheAttached = 1u << 0,  // rank mapped every tensor of its rank
   kReadyHostPool = 1u << 1,       // rank allocated its host pool
+  // Its host pool is the one its daemon kept from this suffix's dead previous session
+  // (SessionHeader::take_over_host_tier): the blocks that engine wrote stay loadable.
+  kReadyHostTierTakenOver = 1u << 2,
 };
 
 // One registered cache tensor of one rank and layer.
@@ -285,10 +289,12 @@ struct alignas(64) SessionHeader {
   std::uint64_t progress_offset;    // first rank's ProgressControl
   std::uint64_t progress_stride;    // bytes per rank progress block
   std::atomic<std::uint32_t> cache_state;  // CacheState, written by the engine
-  // Generation of this suffix's previous session, which died (its creator is gone) with this
-  // very geometry, whose daemons' host pools this session takes over: the blocks it wrote stay
-  // loadable. 0: none (a new session starts with an empty host tier). Written before publish.
-  std::uint64_t adopt_host_tier_of;
+  // 1: each rank's daemon takes over the host pool it kept when this suffix's previous session
+  // died (its engine gone, not closed), if that pool has exactly this rank's shape; the blocks
+  // written there stay loadable. 0: a new session starts with an empty host tier. The daemon,
+  // not the engine, knows what it kept: a dead engine's segment may already be swept. Written
+  // before publish.
+  std::uint64_t take_over_host_tier;
 
   alignas(64) std::atomic<std::int64_t> engine_heartbeat_ns;
   std::atomic<std::uint32_t> engine_pid;
@@ -316,7 +322,7 @@ struct alignas(64) SessionHeader {
 static_assert(std::is_standard_layout_v<SessionHeader>);
 static_assert(offsetof(SessionHeader, geometry) == 40);
 static_assert(offsetof(SessionHeader, cache_state) == 208);
-static_assert(offsetof(SessionHeader, adopt_host_tier_of) == 216);
+static_assert(offsetof(SessionHeader, take_over_host_tier) == 216);
 static_assert(offsetof(SessionHeader, engine_heartbeat_ns) == 256);
 static_assert(offsetof(SessionHeader, ranks) % 64 == 0);
 static_assert(offsetof(SessionHeader, groups) == 512 + kMaxRanks * sizeof(RankSlot));

@@ -61,10 +61,12 @@ struct SessionOptions {
   Fencer fencer;                         // defaults to fence_process (tests inject failures)
   std::size_t max_uncollected_results = 65536;  // finished results kept for poll/wait; oldest dropped
   std::uint64_t weight_version = 0;      // initial weight version (see set_weight_version)
-  // Take over the host tier of this suffix's previous session if it died (its creator is gone)
-  // with the same geometry and cache groups: its daemons' host pools are kept and every block
-  // it wrote stays loadable (an engine worker restarted beside the same daemons). Only blocks
-  // the new session's own bookkeeping still names are worth anything; the engine decides.
+  // Take over the host tier of this suffix's previous session if its engine died (it did not
+  // close the session): each rank's daemon kept that session's host pool and, if it has exactly
+  // this rank's shape, makes it this session's, so every block written there stays loadable (an
+  // engine worker restarted beside the same daemons). A rank that did shows
+  // proto::kReadyHostTierTakenOver in rank_ready_flags(). Only blocks the new session's own
+  // bookkeeping still names are worth anything; the engine decides.
   bool adopt_host_tier = false;
 };
 
@@ -232,8 +234,8 @@ class EngineSession {
 
   // Whether rank r is attached and its heartbeat is fresh.
   bool rank_alive(std::uint32_t rank) const;
-  // The rank's proto::ReadyFlag bits (cache mapped, host pool made) while it is alive, else 0:
-  // what FastDeploy's cache_ready / swap_space_ready signals say per rank.
+  // The rank's proto::ReadyFlag bits (cache mapped, host pool made, host tier taken over) while it
+  // is alive, else 0: what FastDeploy's cache_ready / swap_space_ready signals say per rank.
   std::uint32_t rank_ready_flags(std::uint32_t rank) const;
   std::size_t in_flight() const;
 
@@ -243,8 +245,6 @@ class EngineSession {
   const proto::CacheGroups& groups() const;
   const std::string& name() const;
   std::uint64_t generation() const;
-  // The dead session whose host tier this one took over (SessionOptions::adopt_host_tier), or 0.
-  std::uint64_t adopted_generation() const;
 
  private:
   struct Impl;

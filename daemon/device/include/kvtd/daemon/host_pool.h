@@ -6,9 +6,11 @@
 //
 // The object is named per session generation and rank ("kvtd_<uid>_<gen>_host<r>"), so a
 // daemon restarted within the same session (a crash under Restart=on-failure, a SIGTERM and
-// start) maps the same bytes again and loses nothing. The engine removes it when the session
-// ends; the daemon removes it when it learns the session is gone; sweep_stale_objects() removes
-// what a killed engine left. It is pinned for DMA (cudaHostRegister) by the CUDA backend and
+// start) maps the same bytes again and loses nothing. The engine removes it when it closes the
+// session. When the engine died instead, the daemon keeps it for the engine's restart to take
+// over (SessionHeader::take_over_host_tier) and removes it once a session does not; the object
+// names the daemon as its holder, and sweep_stale_objects() removes only what no live daemon
+// holds and no live session owns. It is pinned for DMA (cudaHostRegister) by the CUDA backend and
 // placed on the GPU's NUMA node before its pages are allocated.
 //
 // Every host block has a validity byte in the object: cleared before a write into the block
@@ -106,16 +108,17 @@ class HostPool {
   // a file in (huge pages: fewer TLB misses and page-table entries to pin); refused, naming the
   // counts, when the kernel has too few free.
   // `group`: which of the rank's pools (proto::host_pool_object names it), 0 for a single shape.
-  // `adopt_generation` (nonzero): a dead session of the same suffix whose pool this session takes
-  // over (RankEndpoint::adopt_host_tier_of) when it has no pool yet and that one is exactly ours
-  // but for the generation: renamed to this session's name, its blocks kept; restored() is then
-  // true and adopted() names it.
+  // `take_over_generation` (nonzero): a dead session of the same suffix whose pool this daemon
+  // kept (RankEndpoint::take_over_host_tier), taken over when this session has no pool yet and
+  // that one is exactly ours but for the generation: renamed to this session's name, its blocks
+  // kept; restored() is then true and adopted() names it. Every pool opened names this process
+  // its holder (proto::HostPoolPrefix), so no sweep removes it while we live.
   static Result<std::unique_ptr<HostPool>, DeviceErrc> open(HostMemory& backend, const PoolShape& shape,
                                                             std::uint64_t generation, std::uint32_t rank,
                                                             std::uint32_t group, HostLayout layout = HostLayout::kLayerFirst,
                                                             int numa_node = -1, const PinPlan& pin = PinPlan(),
                                                             const std::string& hugetlbfs_dir = {},
-                                                            std::uint64_t adopt_generation = 0);
+                                                            std::uint64_t take_over_generation = 0);
   // The one pool of a single-shape geometry.
   static Result<std::unique_ptr<HostPool>, DeviceErrc> open(HostMemory& backend, const proto::CacheGeometry& g,
                                                             std::uint64_t generation, std::uint32_t rank,

@@ -113,6 +113,7 @@ class RankEndpoint {
   void heartbeat();                        // stores now into this rank's heartbeat slot
   void set_ready(std::uint32_t flags);     // ReadyFlag bits
   bool engine_alive() const;               // published, not closed, heartbeat fresh
+  bool engine_closed() const;              // the engine closed the session (it did not die)
 
   // Weight updates (see proto::CacheState). cache_live(): the engine's cache state now.
   // load_tensors(): re-reads and checks this rank's tensor registry if the cache is live (true),
@@ -133,9 +134,9 @@ class RankEndpoint {
   const proto::TensorDesc* tensor(std::uint32_t layer, proto::TensorKind kind) const;
   std::uint32_t rank() const;
   std::uint64_t generation() const;
-  // The generation of a dead session of this suffix whose host pools this one takes over (the
-  // engine found it with this geometry), or 0. Read once at attach.
-  std::uint64_t adopt_host_tier_of() const;
+  // Whether the engine asks this rank's daemon to take over the host pool it kept from this
+  // suffix's dead previous session (proto::SessionHeader::take_over_host_tier). Read once at attach.
+  bool take_over_host_tier() const;
   std::uint32_t epoch() const;
 
  private:
