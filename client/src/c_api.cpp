@@ -137,14 +137,18 @@ int64_t kvtd_now_ns(void) {
 
 namespace {
 
-int create_session(const char* suffix, const kvtd_geometry* g, bool adopt, kvtd_session** out, char* err,
-                   size_t err_len) {
+int create_session(const char* suffix, const kvtd_geometry* g, const kvtd_session_options& opts, kvtd_session** out,
+                   char* err, size_t err_len) {
   return guarded(err, err_len, [&]() -> int {
     if (!suffix || !g || !out) return invalid(err, err_len, "suffix, geometry and out must not be null");
     *out = nullptr;
+    constexpr std::uint32_t known = KVTD_SESSION_ADOPT_HOST_TIER | KVTD_SESSION_ONLY_RANK;
+    if ((opts.flags & ~known) != 0)
+      return invalid(err, err_len, "unknown session option flags " + std::to_string(opts.flags & ~known));
     kvtd::engine::SessionOptions o;
     o.suffix = suffix;
-    o.adopt_host_tier = adopt;
+    o.adopt_host_tier = (opts.flags & KVTD_SESSION_ADOPT_HOST_TIER) != 0;
+    if (opts.flags & KVTD_SESSION_ONLY_RANK) o.only_rank = opts.only_rank;
     std::memcpy(&o.geometry, g, sizeof o.geometry);  // same layout (static_assert above); validated by create
     auto s = kvtd::engine::EngineSession::create(o);
     if (!s.ok()) return report(s, err, err_len);
@@ -156,12 +160,17 @@ int create_session(const char* suffix, const kvtd_geometry* g, bool adopt, kvtd_
 }  // namespace
 
 int kvtd_session_create(const char* suffix, const kvtd_geometry* g, kvtd_session** out, char* err, size_t err_len) {
-  return create_session(suffix, g, false, out, err, err_len);
+  return create_session(suffix, g, kvtd_session_options{0, 0}, out, err, err_len);
 }
 
 int kvtd_session_create_adopting(const char* suffix, const kvtd_geometry* g, kvtd_session** out, char* err,
                                  size_t err_len) {
-  return create_session(suffix, g, true, out, err, err_len);
+  return create_session(suffix, g, kvtd_session_options{KVTD_SESSION_ADOPT_HOST_TIER, 0}, out, err, err_len);
+}
+
+int kvtd_session_create_with(const char* suffix, const kvtd_geometry* g, const kvtd_session_options* options,
+                             kvtd_session** out, char* err, size_t err_len) {
+  return create_session(suffix, g, options ? *options : kvtd_session_options{0, 0}, out, err, err_len);
 }
 
 int kvtd_session_create_groups(const char* suffix, const kvtd_cache_groups* groups, kvtd_session** out, char* err,

@@ -266,6 +266,7 @@ HeaderCopy copy_header(const proto::SessionHeader& h) {
   c.completion_capacity = h.completion_capacity;
   c.generation = h.generation;
   c.take_over_host_tier = h.take_over_host_tier;
+  c.served_ranks = h.served_ranks;
   std::memcpy(&c.geometry, &h.geometry, sizeof c.geometry);
   std::memcpy(&c.groups, &h.groups, sizeof c.groups);
   c.registry_offset = h.registry_offset;
@@ -280,6 +281,17 @@ HeaderCopy copy_header(const proto::SessionHeader& h) {
   return c;
 }
 
+std::string ranks_text(std::uint32_t mask) {
+  std::string list;
+  int n = 0;
+  for (std::uint32_t r = 0; r < 32; ++r)
+    if (mask & (1u << r)) {
+      list += (list.empty() ? "" : ",") + std::to_string(r);
+      ++n;
+    }
+  return (n == 1 ? "rank " : "ranks ") + list;
+}
+
 Result<SessionLayout, IpcErrc> validate_header(const HeaderCopy& h, std::uint64_t mapping_bytes) {
   if (h.layout_version != proto::kSessionLayoutVersion || h.header_bytes != sizeof(proto::SessionHeader))
     return make_error(IpcErrc::kBadVersion, "layout version " + std::to_string(h.layout_version) +
@@ -290,6 +302,10 @@ Result<SessionLayout, IpcErrc> validate_header(const HeaderCopy& h, std::uint64_
     return make_error(IpcErrc::kCorrupt, "corrupt session header: geometry: " + why);
   if (auto why = check_ring_sizes(h.task_ring_bytes, h.completion_capacity); !why.empty())
     return make_error(IpcErrc::kCorrupt, "corrupt session header: " + why);
+  if ((std::uint64_t{h.served_ranks} >> h.geometry.num_ranks) != 0)
+    return make_error(IpcErrc::kCorrupt, "corrupt session header: served_ranks " + std::to_string(h.served_ranks) +
+                                             " names a rank beyond the geometry's " +
+                                             std::to_string(h.geometry.num_ranks));
   const SessionLayout want = compute_layout(h.geometry, h.task_ring_bytes, h.completion_capacity);
   auto field = [](const char* name, std::uint64_t have, std::uint64_t expect) -> std::string {
     if (have == expect) return "";

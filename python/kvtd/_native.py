@@ -98,6 +98,14 @@ class CacheGroups(ctypes.Structure):
     ]
 
 
+class SessionOptions(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint32), ("only_rank", ctypes.c_uint32)]
+
+
+SESSION_ADOPT_HOST_TIER = 1 << 0
+SESSION_ONLY_RANK = 1 << 1
+
+
 class Completion(ctypes.Structure):
     _fields_ = [
         ("task_id", ctypes.c_uint64),
@@ -194,6 +202,8 @@ _sig("kvtd_group_spec", _c.c_int, _c.POINTER(CacheGroups), _c.c_uint32, _c.c_cha
 _sig("kvtd_session_create", _c.c_int, _c.c_char_p, _c.POINTER(Geometry), _c.POINTER(_sess), *_err)
 _sig("kvtd_session_create_groups", _c.c_int, _c.c_char_p, _c.POINTER(CacheGroups), _c.POINTER(_sess), *_err)
 _sig("kvtd_session_create_adopting", _c.c_int, _c.c_char_p, _c.POINTER(Geometry), _c.POINTER(_sess), *_err)
+_sig("kvtd_session_create_with", _c.c_int, _c.c_char_p, _c.POINTER(Geometry), _c.POINTER(SessionOptions),
+     _c.POINTER(_sess), *_err)
 _sig("kvtd_session_destroy", None, _sess)
 _sig("kvtd_session_geometry", _c.c_int, _sess, _c.POINTER(Geometry))
 _sig("kvtd_register_tensor", _c.c_int, _sess, _c.c_uint32, _c.c_uint32, _c.c_uint32, _c.c_int32,

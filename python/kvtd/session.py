@@ -149,13 +149,16 @@ class Session:
     made, and attached daemons detach."""
 
     def __init__(self, suffix: str, geometry: Optional[Geometry] = None, *, groups=None,
-                 adopt_host_tier: bool = False):
+                 adopt_host_tier: bool = False, only_rank: Optional[int] = None):
         """A session over `geometry` (one shape for every layer), or over cache `groups`
         (kvtd.cache_groups.CacheGroups: hybrid models). Exactly one of them. adopt_host_tier
         (geometry only): if this suffix's previous session's engine died (it did not close), each
         rank's daemon takes over the host pool it kept from it when that has the same shape, and
         the blocks written there stay loadable (an engine restarted beside the same daemons);
-        `host_tier_taken_over` says which ranks did, once they are ready."""
+        `host_tier_taken_over` says which ranks did, once they are ready. only_rank (geometry
+        only): serve that rank of geometry.num_ranks alone, for an engine with one process per TP
+        rank, each making a session of its own (a suffix per rank); its daemon runs as that rank
+        (--rank r --mp-num num_ranks), so it stores objects as that rank's slice."""
         if (geometry is None) == (groups is None):
             raise ValueError("give a geometry or cache groups, not both or neither")
         self.geometry = geometry
@@ -163,16 +166,24 @@ class Session:
         self._tls = threading.local()  # one error buffer per calling thread
         self._h = ctypes.c_void_p()
         self._close_lock = threading.Lock()
-        if groups is not None and adopt_host_tier:
-            raise ValueError("adopt_host_tier is for a session over one geometry, not cache groups")
+        if groups is not None and (adopt_host_tier or only_rank is not None):
+            raise ValueError("adopt_host_tier and only_rank are for a session over one geometry, not cache groups")
         if groups is not None:
             native = groups.to_native()
             rc = n.lib.kvtd_session_create_groups(suffix.encode(), ctypes.byref(native), ctypes.byref(self._h),
                                                   self._errbuf(), _ERR_LEN)
         else:
             native = geometry.to_native()
-            create = n.lib.kvtd_session_create_adopting if adopt_host_tier else n.lib.kvtd_session_create
-            rc = create(suffix.encode(), ctypes.byref(native), ctypes.byref(self._h), self._errbuf(), _ERR_LEN)
+            opts = n.SessionOptions(0, 0)
+            if adopt_host_tier:
+                opts.flags |= n.SESSION_ADOPT_HOST_TIER
+            if only_rank is not None:
+                if not 0 <= only_rank < geometry.num_ranks:
+                    raise ValueError(f"only_rank {only_rank} is not a rank of the {geometry.num_ranks}-rank geometry")
+                opts.flags |= n.SESSION_ONLY_RANK
+                opts.only_rank = only_rank
+            rc = n.lib.kvtd_session_create_with(suffix.encode(), ctypes.byref(native), ctypes.byref(opts),
+                                                ctypes.byref(self._h), self._errbuf(), _ERR_LEN)
         self._check(rc, "create session " + suffix)
         self.suffix = suffix
         self._keepalive = []  # torch tensors registered by handle: kept alive with the session

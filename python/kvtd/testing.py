@@ -63,10 +63,13 @@ def daemon_args(binary: str, suffix: str, rank: int, g, extra: Sequence[str] = (
 
 class Daemons:
     def __init__(self, binary: Optional[str], suffix: str, geometry: Geometry, extra: Sequence[str] = (),
-                 log_dir: Optional[str] = None):
+                 log_dir: Optional[str] = None, ranks: Optional[Sequence[int]] = None):
+        """One daemon per rank of `geometry` for session `suffix`, or only for `ranks` (a session
+        that serves one rank: Session(only_rank=r))."""
         self.binary = binary or find_binary()
         self.suffix = suffix
         self.geometry = geometry
+        self.ranks = list(range(geometry.num_ranks) if ranks is None else ranks)
         self.extra = list(extra)
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="kvtd_logs_")
         self.procs: List[subprocess.Popen] = []
@@ -81,17 +84,18 @@ class Daemons:
                                     preexec_fn=_die_with_parent)
 
     def start(self) -> "Daemons":
-        for r in range(self.geometry.num_ranks):
+        for r in self.ranks:
             self.procs.append(self._spawn(r))
         return self
 
     def kill_and_restart(self, rank: int) -> None:
         """SIGKILLs rank `rank`'s daemon (a crash: nothing orderly runs) and starts it again with
         the same flags, as systemd's Restart=on-failure does."""
-        p = self.procs[rank]
+        i = self.ranks.index(rank)
+        p = self.procs[i]
         p.kill()
         p.wait()
-        self.procs[rank] = self._spawn(rank)
+        self.procs[i] = self._spawn(rank)
 
     def stop(self, timeout: float = 10.0) -> List[Optional[int]]:
         codes = []
@@ -109,7 +113,7 @@ class Daemons:
 
     def logs(self) -> str:
         text = []
-        for r in range(self.geometry.num_ranks):
+        for r in self.ranks:
             try:
                 text.append(f"--- rank {r} ---\n" + Path(self.log(r)).read_text(errors="replace")[-4000:])
             except OSError:

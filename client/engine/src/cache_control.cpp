@@ -30,12 +30,14 @@ Status<IpcErrc> EngineSession::Impl::registry_complete() const {
   bool any = false;
   for (std::uint64_t i = 0; i < view.layout.registry_count; ++i) any = any || reg[i].valid != 0;
   if (!any) return {};
-  for (std::uint32_t r = 0; r < geo.num_ranks; ++r)
+  for (std::uint32_t r = 0; r < geo.num_ranks; ++r) {
+    if (!serves(r)) continue;  // another process's session registers that rank's tensors
     for (const auto [l, kind] : proto::tensors_of(geo))
       if (!reg[proto::registry_index(geo, r, l, kind)].valid)
         return make_error(IpcErrc::kInvalidArgument, std::string("tensor ") + proto::tensor_kind_name(kind) +
                                                          " of rank " + std::to_string(r) + " layer " +
                                                          std::to_string(l) + " is not registered");
+  }
   return {};
 }
 

@@ -74,7 +74,7 @@ EngineSession::~EngineSession() {
   // rank's pool; nothing can use it after).
   const std::uint32_t pools = std::max<std::uint32_t>(1, impl_->groups.num_groups);
   for (std::uint32_t r = 0; r < impl_->geo.num_ranks; ++r)
-    for (std::uint32_t g = 0; g < pools; ++g)
+    for (std::uint32_t g = 0; g < pools && impl_->serves(r); ++g)
       SharedObject::remove(detail::session_object_name(impl_->generation, proto::host_pool_object(r, g)));
 }
 
@@ -95,6 +95,9 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
   if (o.rank_timeout_ns <= 0 || o.service_period_ns <= 0 || o.fence_timeout_ns <= 0)
     return make_error(IpcErrc::kInvalidArgument, "rank_timeout_ns, service_period_ns and fence_timeout_ns must be positive");
   if (o.max_uncollected_results == 0) return make_error(IpcErrc::kInvalidArgument, "max_uncollected_results must be positive");
+  if (o.only_rank && *o.only_rank >= geometry.num_ranks)
+    return make_error(IpcErrc::kInvalidArgument, "only_rank " + std::to_string(*o.only_rank) + " is not a rank of the " +
+                                                     std::to_string(geometry.num_ranks) + "-rank geometry");
 
   // Objects an engine killed with -9 left behind (its arenas, host pools no live daemon holds).
   (void)sweep_stale_objects();
@@ -129,6 +132,8 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
   impl->h = detail::init_session(impl->view, geometry, o.groups, o.completion_capacity, impl->clock->now_ns());
   impl->generation = impl->h->generation;
   impl->h->take_over_host_tier = o.adopt_host_tier ? 1 : 0;
+  impl->served = o.only_rank ? 1u << *o.only_rank : (1u << geometry.num_ranks) - 1;  // num_ranks <= kMaxRanks < 32
+  impl->h->served_ranks = o.only_rank ? impl->served : 0;
   auto* h = impl->h;
 
   impl->ring = std::make_unique<TaskRingWriter>(h, impl->view.ring(), layout.ring_bytes, geometry.num_ranks);
@@ -174,6 +179,7 @@ Status<IpcErrc> EngineSession::wait_ready(std::int64_t timeout_ns) {
     std::uint32_t missing = proto::kMaxRanks;
     for (std::uint32_t r = 0; r < impl_->geo.num_ranks; ++r) {
       const auto& s = impl_->h->ranks[r];
+      if (!impl_->serves(r)) continue;
       if (!s.attached.load() || (s.ready_flags.load() & want) != want) {
         missing = r;
         break;
@@ -223,7 +229,7 @@ Result<TaskResult, IpcErrc> EngineSession::wait(std::uint64_t task_id, std::int6
 bool EngineSession::rank_alive(std::uint32_t rank) const {
   const Impl::Gate gate(impl_.get());
   if (!gate.usable()) return false;
-  if (rank >= impl_->geo.num_ranks) return false;
+  if (!impl_->serves(rank)) return false;
   const auto& s = impl_->h->ranks[rank];
   return s.attached.load() != 0 && impl_->clock->now_ns() - s.heartbeat_ns.load() <= impl_->opts.rank_timeout_ns;
 }

@@ -54,6 +54,7 @@ Status<IpcErrc> EngineSession::create_host_device_tensors() {
     KVTD_TRY(impl_->free_arenas());
   const std::uint32_t incarnation = impl_->arena_incarnation++;
   for (std::uint32_t r = 0; r < g.num_ranks; ++r) {
+    if (!impl_->serves(r)) continue;  // another process's session makes that rank's arena
     // Every tensor of rank r, single shape or groups alike (slot k of each layer).
     std::vector<proto::TensorDesc> tensors;
     for (std::uint32_t l = 0; l < g.num_layers; ++l)

@@ -48,7 +48,7 @@ Status<IpcErrc> EngineSession::wait_layer(std::uint64_t task_id, std::uint32_t l
       const std::uint32_t reported = impl->merger.reported(task_id);
       bool all = true;
       for (std::uint32_t r = 0; r < impl->geo.num_ranks && all; ++r) {
-        if (reported & (1u << r)) continue;  // that rank finished the whole task
+        if (!impl->serves(r) || (reported & (1u << r))) continue;  // not ours, or finished the whole task
         auto* slot = impl->view.progress_slot(r, *seq);
         const std::uint64_t before = slot->task_id.load(std::memory_order_acquire);
         const std::uint32_t reached = stage == LayerStage::kDone ? slot->layers_done.load(std::memory_order_acquire)

@@ -44,6 +44,7 @@ void EngineSession::Impl::service(bool check_pids) {
   last_service_ns = now;
   for (std::uint32_t r = 0; r < geo.num_ranks; ++r) {
     auto& s = h->ranks[r];
+    if (!serves(r)) continue;  // never granted: its daemon serves another process's session
     if (rank_state[r].fencing) continue;  // no grant and no new verdict until the fence ends
     const std::uint32_t req = s.attach_request.load(std::memory_order_acquire);
     const bool attached = s.attached.load(std::memory_order_relaxed) != 0;

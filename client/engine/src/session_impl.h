@@ -55,6 +55,7 @@ struct EngineSession::Impl {
   detail::SessionView view;            // computed here, never read back from the header
   proto::CacheGeometry geo{};          // private copy of the geometry (a group session's envelope)
   proto::CacheGroups groups{};         // private copy of the cache groups (num_groups 0: none)
+  std::uint32_t served = 0;            // rank bit mask (see all_ranks_mask); set once at create
   std::uint64_t generation = 0;
   std::unique_ptr<TaskRingWriter> ring;
   std::vector<CompletionRing> completions;
@@ -150,7 +151,10 @@ struct EngineSession::Impl {
   Result<TaskResult, IpcErrc> wait_result(std::uint64_t task_id, std::int64_t timeout_ns);
   Result<TaskResult, IpcErrc> run_cache_control(proto::TaskKind kind, std::uint16_t flags, std::int64_t timeout_ns);
 
-  std::uint32_t all_ranks_mask() const { return geo.num_ranks >= 32 ? ~0u : (1u << geo.num_ranks) - 1; }
+  // The ranks this session serves (SessionOptions::only_rank; every rank of the geometry by
+  // default): the only ones it grants, waits for, expects results from and registers tensors of.
+  std::uint32_t all_ranks_mask() const { return served; }
+  bool serves(std::uint32_t r) const { return r < 32 && (served & (1u << r)) != 0; }
 
   void wake_completion_waiters() { bump_and_wake(h->completion_word, &h->completion_waiters); }
 

@@ -203,6 +203,7 @@ Result<std::uint64_t, IpcErrc> EngineSession::Impl::submit_encoded(std::vector<E
         return make_error(IpcErrc::kCacheCleared, "the KV cache of session " + impl->name +
                                                       " is cleared for a weight update: restore_caches() first");
       for (std::uint32_t r = 0; r < impl->geo.num_ranks; ++r) {
+        if (!impl->serves(r)) continue;
         if (cache_control && (impl->rank_state[r].fencing || impl->rank_state[r].unfenced))
           return make_error(IpcErrc::kNotReady, "rank " + std::to_string(r) + " went silent and " +
                                                     (impl->rank_state[r].fencing ? "is being stopped"

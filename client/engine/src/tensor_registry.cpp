@@ -29,6 +29,9 @@ Status<IpcErrc> EngineSession::Impl::register_tensor(const proto::TensorDesc& d)
     return make_error(IpcErrc::kInvalidArgument, "tensor rank " + std::to_string(d.rank) + " layer " +
                                                      std::to_string(d.layer) + " kind " + std::to_string(d.kind) +
                                                      " is outside the geometry");
+  if (!serves(d.rank))
+    return make_error(IpcErrc::kInvalidArgument, "tensor of rank " + std::to_string(d.rank) +
+                                                     ": this session serves " + detail::ranks_text(served) + " only");
   const proto::TensorDesc want = proto::expected_tensor(geo, groups, d.rank, d.layer, d.kind);
   const std::string what = proto::slot_name(groups, d.kind) + " tensor";
   if (want.bytes == 0)

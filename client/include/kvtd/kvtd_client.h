@@ -233,6 +233,19 @@ KVTD_API int kvtd_session_create_groups(const char* suffix, const kvtd_cache_gro
  * KVTD_READY_HOST_TIER_TAKEN_OVER in kvtd_rank_ready once it is ready. */
 KVTD_API int kvtd_session_create_adopting(const char* suffix, const kvtd_geometry* geometry, kvtd_session** out,
                                           char* err, size_t err_len);
+/* What kvtd_session_create_with takes beyond the geometry. KVTD_SESSION_ADOPT_HOST_TIER: as
+ * kvtd_session_create_adopting. KVTD_SESSION_ONLY_RANK: the session serves rank only_rank of the
+ * geometry's num_ranks alone, for an engine that runs one process per TP rank (each makes its own
+ * session, a suffix per rank); that rank's daemon runs as that rank of num_ranks, a daemon of
+ * another rank is refused. Other flag bits are refused (KVTD_E_INVALID). */
+enum { KVTD_SESSION_ADOPT_HOST_TIER = 1u << 0, KVTD_SESSION_ONLY_RANK = 1u << 1 };
+typedef struct kvtd_session_options {
+  uint32_t flags;     /* KVTD_SESSION_* bits */
+  uint32_t only_rank; /* with KVTD_SESSION_ONLY_RANK */
+} kvtd_session_options;
+KVTD_API int kvtd_session_create_with(const char* suffix, const kvtd_geometry* geometry,
+                                      const kvtd_session_options* options, kvtd_session** out, char* err,
+                                      size_t err_len);
 KVTD_API void kvtd_session_destroy(kvtd_session* s);
 /* The session's geometry as validated at create. */
 KVTD_API int kvtd_session_geometry(kvtd_session* s, kvtd_geometry* out);

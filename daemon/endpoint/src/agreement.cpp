@@ -149,8 +149,10 @@ Result<std::uint32_t, proto::TaskStatus> RankEndpoint::agree(std::uint64_t seq, 
   } leave{left, seq, ctrl};
   std::uint32_t agreed = count;
   std::uint32_t pending_mask = 0;
+  // A session serving one rank (one engine process per rank) agrees with nobody: each process's
+  // session answers for its rank, and the engine reduces across ranks itself.
   for (std::uint32_t r = 0; r < n; ++r)
-    if (r != me) pending_mask |= 1u << r;
+    if (r != me && (impl->agreeing_ranks & (1u << r))) pending_mask |= 1u << r;
   for (;;) {
     const std::uint32_t seen = ctrl->word.load(std::memory_order_acquire);
     for (std::uint32_t r = 0; r < n; ++r)

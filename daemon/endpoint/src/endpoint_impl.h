@@ -37,6 +37,8 @@ struct RankEndpoint::Impl {
   proto::CacheGroups groups{};        // private copy (num_groups 0: a single-shape session)
   std::uint64_t generation = 0;       // private copy
   bool take_over_host_tier = false;  // private copy (proto::SessionHeader)
+  // The ranks that agree on storage tasks: the session's served ranks (every rank by default).
+  std::uint32_t agreeing_ranks = 0;
   proto::SessionHeader* h = nullptr;  // for the atomics only
   std::vector<proto::TensorDesc> tensors;  // this rank's, by layer * kTensorKinds + kind
   bool loaded = false;                     // the last load_tensors() found the cache live

@@ -145,6 +145,11 @@ Result<std::optional<Published>, IpcErrc> read_published(const SharedObject& m, 
     return make_error(IpcErrc::kGeometryMismatch, "rank: this daemon is rank " + std::to_string(o.rank) +
                                                       " but the session has " +
                                                       std::to_string(p.header.geometry.num_ranks) + " ranks");
+  if (p.header.served_ranks != 0 && (p.header.served_ranks & (1u << o.rank)) == 0)
+    return make_error(IpcErrc::kGeometryMismatch,
+                      "rank: session " + name + " serves " + detail::ranks_text(p.header.served_ranks) +
+                          " only (an engine with one process per rank makes one session per rank) and this "
+                          "daemon is rank " + std::to_string(o.rank) + ": give it that rank's session");
   if (auto diff = detail::geometry_mismatch(p.header.geometry, o.expected); !diff.empty())
     return make_error(IpcErrc::kGeometryMismatch, "session " + name + " disagrees on " + diff);
   if (auto diff = detail::groups_mismatch(p.header.groups, o.expected_groups); !diff.empty())
@@ -164,6 +169,8 @@ std::unique_ptr<RankEndpoint::Impl> RankEndpoint::Impl::over(const EndpointOptio
   impl->groups = header.groups;
   impl->generation = header.generation;
   impl->take_over_host_tier = header.take_over_host_tier != 0;
+  // validate_header bounded served_ranks by num_ranks <= kMaxRanks < 32.
+  impl->agreeing_ranks = header.served_ranks != 0 ? header.served_ranks : (1u << header.geometry.num_ranks) - 1;
   impl->view.base = m->data();
   impl->view.layout = layout;
   impl->view.num_ranks = header.geometry.num_ranks;

@@ -61,6 +61,7 @@ struct HeaderCopy {
   std::uint32_t layout_version = 0, header_bytes = 0, completion_capacity = 0;
   std::uint64_t generation = 0;
   std::uint64_t take_over_host_tier = 0;  // proto::SessionHeader::take_over_host_tier
+  std::uint32_t served_ranks = 0;         // proto::SessionHeader::served_ranks
   proto::CacheGeometry geometry{};
   proto::CacheGroups groups{};
   std::uint64_t registry_offset = 0, registry_count = 0, task_ring_offset = 0, task_ring_bytes = 0;
@@ -126,5 +127,7 @@ std::string geometry_mismatch(const proto::CacheGeometry& have, const proto::Cac
 // tensors), or "" when equal.
 std::string groups_mismatch(const proto::CacheGroups& have, const proto::CacheGroups& want);
 std::string errno_text(const char* what);
+// "rank 3" or "ranks 0,2" for a served_ranks mask (proto::SessionHeader::served_ranks).
+std::string ranks_text(std::uint32_t mask);
 
 }  // namespace kvtd::ipc::detail

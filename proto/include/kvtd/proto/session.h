@@ -36,8 +36,9 @@ namespace kvtd::proto {
 inline constexpr std::uint64_t kSessionMagic = 0x5353455344545640ULL;  // "@VTDSESS"
 // 2: RankSlot::owner; 3: agreement region; 4: scale bytes, extra layers; 5: cache_state;
 // 6: ProgressControl::events_epoch; 7: RankSlot::agreement_left; 8: SessionHeader::groups;
-// 9: SessionHeader::take_over_host_tier (a flag the daemon acts on; was a dead generation)
-inline constexpr std::uint32_t kSessionLayoutVersion = 9;
+// 9: SessionHeader::take_over_host_tier (a flag the daemon acts on; was a dead generation);
+// 10: SessionHeader::served_ranks
+inline constexpr std::uint32_t kSessionLayoutVersion = 10;
 
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
@@ -295,6 +296,12 @@ struct alignas(64) SessionHeader {
   // not the engine, knows what it kept: a dead engine's segment may already be swept. Written
   // before publish.
   std::uint64_t take_over_host_tier;
+  // The ranks this session serves, a bit mask; 0: every rank of the geometry. An engine that runs
+  // one process per TP rank (sglang, vLLM) makes one session per process serving that rank only
+  // (SessionOptions::only_rank): its daemon is rank r of geometry.num_ranks, so the storage tier
+  // slices and names its objects as rank r of that many; a daemon of another rank is refused.
+  // Written before publish.
+  std::uint32_t served_ranks;
 
   alignas(64) std::atomic<std::int64_t> engine_heartbeat_ns;
   std::atomic<std::uint32_t> engine_pid;
@@ -323,6 +330,8 @@ static_assert(std::is_standard_layout_v<SessionHeader>);
 static_assert(offsetof(SessionHeader, geometry) == 40);
 static_assert(offsetof(SessionHeader, cache_state) == 208);
 static_assert(offsetof(SessionHeader, take_over_host_tier) == 216);
+static_assert(offsetof(SessionHeader, served_ranks) == 224);
+static_assert(kMaxRanks <= 32, "served_ranks is a 32-bit mask");
 static_assert(offsetof(SessionHeader, engine_heartbeat_ns) == 256);
 static_assert(offsetof(SessionHeader, ranks) % 64 == 0);
 static_assert(offsetof(SessionHeader, groups) == 512 + kMaxRanks * sizeof(RankSlot));

@@ -68,6 +68,13 @@ struct SessionOptions {
   // proto::kReadyHostTierTakenOver in rank_ready_flags(). Only blocks the new session's own
   // bookkeeping still names are worth anything; the engine decides.
   bool adopt_host_tier = false;
+  // Serve only this rank of the geometry's num_ranks: for an engine that runs one process per TP
+  // rank (sglang's schedulers, vLLM's workers), each of which makes a session of its own (a suffix
+  // per rank) for its rank alone. Its daemon runs as that rank of num_ranks (--rank r --mp-num n),
+  // so it maps that rank's tensors and stores objects as that rank's slice; a daemon of another
+  // rank is refused. No agreement across the processes' sessions: each answers for its rank
+  // (sglang MIN-reduces storage hits and loads across its ranks itself). Unset: every rank.
+  std::optional<std::uint32_t> only_rank;
 };
 
 // One task. Swaps use src/dst; storage tasks use keys, blocks and the fields after them:
