@@ -73,9 +73,11 @@ EngineSession::~EngineSession() {
   // The session's host pools end with it (a daemon restarted within the session re-maps its
   // rank's pool; nothing can use it after).
   const std::uint32_t pools = std::max<std::uint32_t>(1, impl_->groups.num_groups);
-  for (std::uint32_t r = 0; r < impl_->geo.num_ranks; ++r)
-    for (std::uint32_t g = 0; g < pools && impl_->serves(r); ++g)
+  for (std::uint32_t r = 0; r < impl_->geo.num_ranks; ++r) {
+    if (!impl_->serves(r)) continue;  // no daemon of ours made one
+    for (std::uint32_t g = 0; g < pools; ++g)
       SharedObject::remove(detail::session_object_name(impl_->generation, proto::host_pool_object(r, g)));
+  }
 }
 
 Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const SessionOptions& o) {
