@@ -6,7 +6,6 @@
 #include "pool_object.h"
 #include "pool_pinner.h"
 
-#include <sys/stat.h>
 #include <sys/vfs.h>
 #include <unistd.h>
 
@@ -14,16 +13,12 @@
 #include <numeric>
 #include <optional>
 #include <atomic>
-#include <chrono>
 #include <utility>
-#include <cstdio>
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
 
 #include "kvtd/daemon/log.h"
-#include "kvtd/daemon/numa.h"
-#include "kvtd/ipc/process.h"
 #include "kvtd/ipc/shared_object.h"
 #include "kvtd/proto/checked.h"
 
@@ -172,7 +167,6 @@ std::vector<detail::PinPiece> pin_pieces(const PoolShape& g, const PoolLayout& l
   return out;
 }
 
-
 }  // namespace
 
 std::uint64_t PoolShape::block_bytes_all_layers() const {
@@ -227,7 +221,6 @@ Result<std::uint64_t, DeviceErrc> HostPool::hugetlbfs_page_bytes(const std::stri
   return static_cast<std::uint64_t>(f.f_bsize);
 }
 
-
 Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend, const PoolShape& g,
                                                              std::uint64_t generation, std::uint32_t rank,
                                                              std::uint32_t group, HostLayout layout, int numa_node,
@@ -254,7 +247,7 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend
   pool->page_bytes_ = page;
   if (take_over_generation != 0 && take_over_generation != generation &&
       pool_object::take_over(ipc::session_object_name(take_over_generation, proto::host_pool_object(rank, group)),
-                take_over_generation, name, hugetlbfs_dir, mapped, want))
+                             take_over_generation, name, hugetlbfs_dir, mapped, want))
     pool->adopted_ = take_over_generation;
   pool->object_ = pool_object::reopen_if_ours(name, hugetlbfs_dir, mapped, want);
   pool->restored_ = pool->object_ != nullptr;

@@ -8,6 +8,7 @@
 #include "kvtd/daemon/notify.h"
 #include "kvtd/ipc/clock.h"
 #include "kvtd/ipc/shared_object.h"
+#include "kvtd/proto/names.h"
 #include "cache_mapping.h"
 #include "kvtd/daemon/cleared_cache.h"
 #include "kvtd/daemon/completion_sink.h"
@@ -119,9 +120,11 @@ Result<HostPools, int> RankServer::open_pools(const RankEndpoint& ep) {
 }
 
 void RankServer::drop_kept_pools() {
+  if (kept_generation_ == 0) return;
   const std::string dir = cfg_.host_pool_hugepages ? cfg_.hugetlbfs_dir : std::string();
-  for (const auto& name : kept_pools_) ipc::SharedObject::remove(name, dir);
-  kept_pools_.clear();
+  const std::size_t pools = PoolShape::of_session(s_.geometry, s_.groups).size();
+  for (std::uint32_t g = 0; g < pools; ++g)
+    ipc::SharedObject::remove(ipc::session_object_name(kept_generation_, proto::host_pool_object(cfg_.rank, g)), dir);
   kept_generation_ = 0;
 }
 
@@ -135,7 +138,6 @@ void RankServer::release_pools(const Session& s) {
   if (s.why == TaskRunner::Exit::kSessionLost && !s.ep.engine_closed()) {
     drop_kept_pools();
     kept_generation_ = s.ep.generation();
-    for (std::size_t g = 0; g < s.pools.size(); ++g) kept_pools_.push_back(s.pools.at(g)->name());
     KVTD_INFO("engine gone without closing session {:016x}: keeping its host pool for the engine's restart",
               s.ep.generation());
     return;

@@ -87,11 +87,10 @@ class RankServer {
   const config::DaemonConfig& cfg_;
   Services& s_;
   std::atomic<bool>& stop_;
-  // The pools of the last session whose engine died, left for the next session of the suffix to
-  // take over (RankEndpoint::take_over_host_tier): their generation and object names. Only the
-  // run() thread.
+  // The session whose engine died and whose pools (named by it, this rank and each cache group)
+  // are left for the next session of the suffix to take over (RankEndpoint::take_over_host_tier);
+  // 0: none. Only the run() thread.
   std::uint64_t kept_generation_ = 0;
-  std::vector<std::string> kept_pools_;
 };
 
 }  // namespace kvtd::daemon

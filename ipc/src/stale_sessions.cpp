@@ -45,7 +45,8 @@ std::vector<std::string> names_with_prefix(const std::string& at, const std::str
 // Per-session objects: "<prefix><16 hex>_dev<digits>", "_host<digits>" or "_fdcache<digits>" (a
 // daemon's exported cache); true with the generation (and whether it is a host pool) for one of
 // those.
-bool parse_session_object(const std::string& n, const std::string& prefix, std::uint64_t* gen, bool* host_pool) {
+bool parse_session_object(const std::string& n, const std::string& prefix, std::uint64_t* gen,
+                          bool* host_pool = nullptr) {
   const std::string rest = n.substr(prefix.size());
   if (rest.size() < 18 || rest[16] != '_') return false;
   const std::string tail = rest.substr(17);
@@ -61,7 +62,7 @@ bool parse_session_object(const std::string& n, const std::string& prefix, std::
   for (char c : hex)
     if (!std::isxdigit(static_cast<unsigned char>(c))) return false;
   *gen = std::strtoull(hex.c_str(), nullptr, 16);
-  *host_pool = digits_at == 4;
+  if (host_pool) *host_pool = digits_at == 4;
   return true;
 }
 
@@ -87,11 +88,6 @@ std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& obj
   const std::vector<std::string> names = list("/dev/shm");
   if (names.empty() && object_dirs.empty()) return removed;
 
-  auto session_object_generation = [&](const std::string& n, std::uint64_t* gen) {
-    bool host_pool = false;
-    return parse_session_object(n, prefix, gen, &host_pool);
-  };
-
   std::set<std::uint64_t> live;
   std::vector<std::string> dead_sessions;
   // A directory listing is not a snapshot: one taken while another engine is creating its
@@ -100,7 +96,7 @@ std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& obj
   const time_t fresh_after = time(nullptr) - 30;
   for (const auto& n : names) {
     std::uint64_t gen = 0;
-    if (session_object_generation(n, &gen)) continue;
+    if (parse_session_object(n, prefix, &gen)) continue;
     auto o = SharedObject::open(n);
     if (!o.ok()) continue;
     if ((*o)->owner_uid() != getuid() || (*o)->size() < sizeof(proto::SessionHeader)) continue;

@@ -134,8 +134,8 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
   impl->h = detail::init_session(impl->view, geometry, o.groups, o.completion_capacity, impl->clock->now_ns());
   impl->generation = impl->h->generation;
   impl->h->take_over_host_tier = o.adopt_host_tier ? 1 : 0;
-  impl->served = o.only_rank ? 1u << *o.only_rank : (1u << geometry.num_ranks) - 1;  // num_ranks <= kMaxRanks < 32
-  impl->h->served_ranks = o.only_rank ? impl->served : 0;
+  impl->h->served_ranks = o.only_rank ? 1u << *o.only_rank : 0;
+  impl->served = proto::ranks_served(impl->h->served_ranks, geometry.num_ranks);
   auto* h = impl->h;
 
   impl->ring = std::make_unique<TaskRingWriter>(h, impl->view.ring(), layout.ring_bytes, geometry.num_ranks);

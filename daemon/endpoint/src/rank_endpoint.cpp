@@ -169,8 +169,7 @@ std::unique_ptr<RankEndpoint::Impl> RankEndpoint::Impl::over(const EndpointOptio
   impl->groups = header.groups;
   impl->generation = header.generation;
   impl->take_over_host_tier = header.take_over_host_tier != 0;
-  // validate_header bounded served_ranks by num_ranks <= kMaxRanks < 32.
-  impl->agreeing_ranks = header.served_ranks != 0 ? header.served_ranks : (1u << header.geometry.num_ranks) - 1;
+  impl->agreeing_ranks = proto::ranks_served(header.served_ranks, header.geometry.num_ranks);  // validated
   impl->view.base = m->data();
   impl->view.layout = layout;
   impl->view.num_ranks = header.geometry.num_ranks;

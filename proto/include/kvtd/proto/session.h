@@ -332,6 +332,12 @@ static_assert(offsetof(SessionHeader, cache_state) == 208);
 static_assert(offsetof(SessionHeader, take_over_host_tier) == 216);
 static_assert(offsetof(SessionHeader, served_ranks) == 224);
 static_assert(kMaxRanks <= 32, "served_ranks is a 32-bit mask");
+
+// The ranks a session serves as a mask: SessionHeader::served_ranks, or every rank of the
+// geometry when it is 0. `num_ranks` at most kMaxRanks.
+constexpr std::uint32_t ranks_served(std::uint32_t served_ranks, std::uint32_t num_ranks) {
+  return served_ranks != 0 ? served_ranks : (std::uint32_t{1} << num_ranks) - 1;
+}
 static_assert(offsetof(SessionHeader, engine_heartbeat_ns) == 256);
 static_assert(offsetof(SessionHeader, ranks) % 64 == 0);
 static_assert(offsetof(SessionHeader, groups) == 512 + kMaxRanks * sizeof(RankSlot));
