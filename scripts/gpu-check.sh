@@ -27,14 +27,23 @@
 # KVTD_LOADGEN, KVTD_BIN_DIR and KVTD_CLIENT_LIBRARY (as .gpu/env.sh sets them) before the build
 # paths compiled into them. KVTD_SCATTER_MODE is for scripts/gpu/through_daemon.sh, set per step.
 # KVTD_GPU_CHECK_LOGS=DIR keeps each step's whole output in DIR (otherwise a temporary folder).
+# --steps REGEX runs only the steps whose names match (grep -E, case-insensitive), the rest say
+# SKIP "not selected": a device call is limited to 10 minutes and a session to 15, so a whole
+# check may take two calls (say which steps each ran). --list prints the step names and exits.
+# KVTD_GPU_CHECK_STEP_LIMIT=SECONDS caps every step's deadline (one stuck step cannot eat a call).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bin=${KVTD_BUILD_DIR:-$root/build-sim}
+selected=''
+list_only=0
 while [ $# -gt 0 ]; do
   case $1 in
     --bin) bin=$2; shift 2 ;;
+    --steps) selected=$2; shift 2
+      echo | grep -qE "$selected" 2>/dev/null; [ $? -le 1 ] || { echo "gpu-check: --steps '$selected' is not an extended regex" >&2; exit 2; } ;;
+    --list) list_only=1; shift ;;
     -h|--help) sed -n '2,/^set /p' "$0" | sed '$d'; exit 0 ;;
-    *) echo "gpu-check: unknown argument '$1' (usage: gpu-check.sh [--bin DIR])" >&2; exit 2 ;;
+    *) echo "gpu-check: unknown argument '$1' (usage: gpu-check.sh [--bin DIR] [--steps REGEX] [--list])" >&2; exit 2 ;;
   esac
 done
 [ -d "$bin" ] || { echo "gpu-check: --bin $bin is not a directory" >&2; exit 2; }
@@ -71,6 +80,9 @@ failed=0
 # step NAME SECONDS COMMAND...: runs the command under a deadline, keeps its output.
 step() {
   local name=$1 limit=$2; shift 2
+  if [ $list_only -eq 1 ]; then echo "$name"; return 0; fi
+  if [ -n "$selected" ] && ! grep -qiE -- "$selected" <<<"$name"; then skip "$name" "not selected (--steps)"; return 0; fi
+  [ -z "${KVTD_GPU_CHECK_STEP_LIMIT:-}" ] || [ "$limit" -le "$KVTD_GPU_CHECK_STEP_LIMIT" ] || limit=$KVTD_GPU_CHECK_STEP_LIMIT
   local out="$log/$(echo "$name" | tr -c 'a-zA-Z0-9' _).log" start rc
   start=$(date +%s)
   timeout --kill-after=10 "$limit" "$@" >"$out" 2>&1
@@ -84,7 +96,7 @@ step() {
     echo "---- $name (exit $rc) ----"; tail -40 "$out"
   fi
 }
-skip() { rows+=("SKIP|$1|-|$2"); }
+skip() { [ $list_only -eq 1 ] || rows+=("SKIP|$1|-|$2"); }
 
 # The figure lines a step printed, joined (selftest bandwidth, pinning; gtest totals).
 summary() {
@@ -153,6 +165,7 @@ else
   skip "compute-sanitizer memcheck" "$([ $stand_in -eq 1 ] && echo 'stand-in build' || echo 'compute-sanitizer not found')"
 fi
 
+[ $list_only -eq 0 ] || exit 0
 echo
 echo "kvtd gpu-check: $([ $stand_in -eq 1 ] && echo 'CUDA runtime stand-in (cudasim): no GPU figure below is a GPU figure' || \
   (command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1 || echo 'CUDA device'))"

@@ -132,7 +132,8 @@ void declare_runtime_flags(CLI::App& app, RawFlags& f, DaemonConfig& c) {
   app.add_option("--copy-wait-spin-us", c.copy_wait_spin_us,
                  "CUDA: a copy lane sleeps on the host until shortly before its copy should end, then polls for "
                  "it within a window this wide, yielding the core, before it sleeps in the driver (whose wake-up "
-                 "costs tens of microseconds a task); 0: the driver's wait alone")
+                 "costs tens of microseconds a task); 0 (default): the driver's wait alone, which measured faster on an "
+                 "H100 than a 200 us window")
       ->check(CLI::Range(0u, 100000u));
   app.add_option("--numa-node", f.numa,
                  "Host pool memory and copy threads: auto (the GPU's node from sysfs) | none | <node>");

@@ -447,12 +447,15 @@ CUresult cudasim_cuMemGetAddressRange(CUdeviceptr* base, size_t* size, CUdevicep
 
 // The two driver calls kvtd's Python client makes through ctypes (python/kvtd/tensors.py), as
 // libcuda exports them, so its handle logic runs against the stand-in's allocations.
+// Unlike the runtime, they need a current context on the calling thread (contexts.cpp).
 CUresult cuMemGetAddressRange(CUdeviceptr* base, size_t* size, CUdeviceptr dptr) {
+  if (!has_current_context()) return CUDA_ERROR_INVALID_CONTEXT;
   return cudasim_cuMemGetAddressRange(base, size, dptr);
 }
 
 CUresult cuIpcGetMemHandle(CUipcMemHandle* handle, CUdeviceptr dptr) {
   static_assert(sizeof(CUipcMemHandle) == sizeof(cudaIpcMemHandle_t));
+  if (!has_current_context()) return CUDA_ERROR_INVALID_CONTEXT;
   if (!handle) return CUDA_ERROR_INVALID_VALUE;
   cudaIpcMemHandle_t h{};
   const cudaError_t e = cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(dptr));

@@ -169,6 +169,7 @@ void set_sticky(cudaError_t e) {
 }
 
 cudaError_t enter(const char* function) {
+  make_primary_context_current();
   tl_async_fault = cudaSuccess;
   tl_hang = false;
   auto& f = faults();

@@ -39,6 +39,12 @@ cudaError_t enter(const char* function);
 cudaError_t take_async_fault();
 int current_device();
 int device_count();
+// The driver API's current context of the calling thread (contexts.cpp). As with cudart, the
+// first runtime call on a thread makes its device's primary context current (enter() does);
+// a thread that made none has no context, and driver calls on memory then fail
+// CUDA_ERROR_INVALID_CONTEXT, as FastDeploy's transfer threads found on an H100.
+void make_primary_context_current();
+bool has_current_context();
 
 // --- streams -------------------------------------------------------------------------------
 // One operation on a stream: returns an error to poison the context (async faults).

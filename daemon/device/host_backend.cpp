@@ -1,5 +1,12 @@
 // Host device backend: "device" tensors are shared-memory objects created by the engine side.
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <string_view>
+#include <utility>
 
 #include <boost/interprocess/mapped_region.hpp>
 #include <boost/interprocess/shared_memory_object.hpp>
@@ -39,6 +46,72 @@ Result<std::vector<std::uint64_t>, DeviceErrc> CopyEngine::copy_with_checksums(D
 namespace {
 namespace bip = boost::interprocess;
 
+// One opened "device" object: a /dev/shm object, or memory an engine process made and names by
+// its descriptor. Move-only; unmaps on destruction.
+struct Mapping {
+  std::unique_ptr<bip::mapped_region> region;  // a /dev/shm object
+  void* addr = nullptr;
+  std::size_t size = 0;
+  bool unmap = false;  // an engine descriptor's mapping (region is null)
+
+  Mapping() = default;
+  Mapping(Mapping&& o) noexcept
+      : region(std::move(o.region)), addr(std::exchange(o.addr, nullptr)), size(o.size), unmap(std::exchange(o.unmap, false)) {}
+  Mapping& operator=(Mapping&&) = delete;
+  Mapping(const Mapping&) = delete;
+  ~Mapping() {
+    if (unmap && addr) munmap(addr, size);
+  }
+};
+
+Result<Mapping, DeviceErrc> map_shm_object(const std::string& name) {
+  try {
+    bip::shared_memory_object shm(bip::open_only, name.c_str(), bip::read_write);
+    Mapping m;
+    m.region = std::make_unique<bip::mapped_region>(shm, bip::read_write);
+    m.addr = m.region->get_address();
+    m.size = m.region->get_size();
+    return m;
+  } catch (const bip::interprocess_exception& e) {
+    return make_error(DeviceErrc::kOpenFailed, "cannot open device tensor object " + name + ": " + e.what());
+  }
+}
+
+// Memory an engine made without a name, a memfd (sglang's host pool with "allocator": "shm",
+// mem_cache/storage/mmap/mmap_allocator.py:160-167 at v0.5.18), named by the engine as
+// "/proc/<pid>/fd/<fd>": nothing else is accepted, and only a regular file (memfds are) is mapped.
+Result<Mapping, DeviceErrc> map_engine_fd(const std::string& path) {
+  const auto digits = [](std::string_view s) {
+    return !s.empty() && s.size() <= 10 && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  std::string_view rest(path);
+  rest.remove_prefix(6);  // "/proc/"
+  const std::size_t slash = rest.find("/fd/");
+  if (slash == std::string_view::npos || !digits(rest.substr(0, slash)) || !digits(rest.substr(slash + 4)))
+    return make_error(DeviceErrc::kOpenFailed, "device tensor object " + path +
+                                                   " is neither a shared-memory object name nor /proc/<pid>/fd/<fd>");
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0)
+    return make_error(DeviceErrc::kOpenFailed, "cannot open the engine's memory " + path + ": " + std::strerror(errno) +
+                                                   (errno == EACCES ? " (the daemon must run as the engine's user)" : ""));
+  struct stat st {};
+  Mapping m;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0) {
+    ::close(fd);
+    return make_error(DeviceErrc::kOpenFailed, "the engine's memory " + path + " is not a non-empty memfd or file");
+  }
+  m.size = static_cast<std::size_t>(st.st_size);
+  void* p = mmap(nullptr, m.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int mmap_errno = errno;
+  ::close(fd);
+  if (p == MAP_FAILED)
+    return make_error(DeviceErrc::kOpenFailed, "cannot map the engine's memory " + path + " (" +
+                                                   std::to_string(m.size) + " bytes): " + std::strerror(mmap_errno));
+  m.addr = p;
+  m.unmap = true;
+  return m;
+}
+
 class HostBackend final : public DeviceBackend {
  public:
   ~HostBackend() override {
@@ -57,21 +130,17 @@ class HostBackend final : public DeviceBackend {
     const std::string name(raw, len);
     auto it = maps_.find(name);
     if (it == maps_.end()) {
-      try {
-        bip::shared_memory_object shm(bip::open_only, name.c_str(), bip::read_write);
-        auto region = std::make_unique<bip::mapped_region>(shm, bip::read_write);
-        ipc::populate_for_write(region->get_address(), region->get_size());
-        it = maps_.emplace(name, std::move(region)).first;
-      } catch (const bip::interprocess_exception& e) {
-        return make_error(DeviceErrc::kOpenFailed, "cannot open device tensor object " + name + ": " + e.what());
-      }
+      auto opened = name.rfind("/proc/", 0) == 0 ? map_engine_fd(name) : map_shm_object(name);
+      if (!opened.ok()) return std::move(opened).error();
+      ipc::populate_for_write(opened->addr, opened->size);
+      it = maps_.emplace(name, std::move(*opened)).first;
     }
-    auto& region = *it->second;
-    if (d.offset > region.get_size() || d.bytes > region.get_size() - d.offset)
+    const Mapping& m = it->second;
+    if (d.offset > m.size || d.bytes > m.size - d.offset)
       return make_error(DeviceErrc::kOpenFailed, "tensor at offset " + std::to_string(d.offset) + " of " +
                                                      std::to_string(d.bytes) + " bytes exceeds object " + name +
-                                                     " of " + std::to_string(region.get_size()) + " bytes");
-    return static_cast<std::byte*>(region.get_address()) + d.offset;
+                                                     " of " + std::to_string(m.size) + " bytes");
+    return static_cast<std::byte*>(m.addr) + d.offset;
   }
 
   void close_tensors() override { maps_.clear(); }
@@ -165,7 +234,7 @@ class HostBackend final : public DeviceBackend {
   }
 
  private:
-  std::map<std::string, std::unique_ptr<bip::mapped_region>> maps_;
+  std::map<std::string, Mapping> maps_;
   std::vector<std::pair<void*, std::size_t>> host_;
   std::vector<std::unique_ptr<ipc::SharedObject>> exported_;
 };

@@ -64,6 +64,9 @@ PoolPinner::PoolPinner(HostMemory& backend, std::vector<PinPiece> pieces, std::u
 PoolPinner::~PoolPinner() {
   stop_.store(true, std::memory_order_release);
   for (auto& t : threads_) t.join();
+  if (const std::uint64_t pinned = bytes_pinned_.load(std::memory_order_relaxed); pinned < bytes_total_ && start_ns_ != 0)
+    KVTD_INFO("host pool closed while pinning: {} of {} pinned in {:.3f} s", size_text(pinned), size_text(bytes_total_),
+              static_cast<double>(ipc::monotonic_now_ns() - start_ns_) / 1e9);
   for (std::size_t i = 0; i < pieces_.size(); ++i)
     if (pinned_[i].load(std::memory_order_acquire)) backend_.unpin_host(pieces_[i].addr);
 }

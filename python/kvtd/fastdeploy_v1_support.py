@@ -92,7 +92,7 @@ def tensor_location(tensor):
     ptr = int(tensor.data_ptr())
     device = _on_gpu(tensor)
     if device is not None:
-        handle, offset = allocation_handle(ptr, nbytes)
+        handle, offset = allocation_handle(ptr, nbytes, device)
         return handle, offset, nbytes, device
     path, offset = _mapped_file(ptr)
     name = path[len("/dev/shm/"):].encode()

@@ -65,13 +65,72 @@ def _driver():
                                                 ctypes.c_uint64]
         lib.cuIpcGetMemHandle.restype = ctypes.c_int
         lib.cuIpcGetMemHandle.argtypes = [ctypes.c_char_p, ctypes.c_uint64]
+        for name, args in (("cuInit", [ctypes.c_uint]), ("cuDeviceGet", [ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
+                           ("cuCtxGetCurrent", [ctypes.POINTER(ctypes.c_void_p)]),
+                           ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]),
+                           ("cuDevicePrimaryCtxRelease_v2", [ctypes.c_int]),
+                           ("cuCtxPushCurrent_v2", [ctypes.c_void_p]),
+                           ("cuCtxPopCurrent_v2", [ctypes.POINTER(ctypes.c_void_p)])):
+            getattr(lib, name).restype = ctypes.c_int
+            getattr(lib, name).argtypes = args
         _driver_lib = lib
     return _driver_lib
 
 
-def allocation_handle(ptr: int, nbytes: int):
+class _PrimaryContext:
+    """Makes device `device`'s primary context (the one torch and the CUDA runtime use) current
+    for the driver calls below when the calling thread has none, and undoes it after.
+
+    The driver API needs a current context where the runtime makes one lazily: on the H100
+    (2026-11-28) FastDeploy v1's transfer threads registered torch tensors on threads that had
+    made no CUDA call, and cuMemGetAddressRange failed with CUresult 201
+    (CUDA_ERROR_INVALID_CONTEXT) for memory that was the device's."""
+
+    def __init__(self, lib, device: Optional[int]):
+        self._lib, self._device, self._pushed, self._retained = lib, device, False, None
+
+    def __enter__(self):
+        import ctypes
+
+        current = ctypes.c_void_p()
+        if self._device is None or self._lib.cuCtxGetCurrent(ctypes.byref(current)) != 0 or current.value:
+            return self
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        for rc, what in ((lambda: self._lib.cuInit(0), "cuInit"),
+                         (lambda: self._lib.cuDeviceGet(ctypes.byref(dev), self._device), "cuDeviceGet"),
+                         (lambda: self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")):
+            code = rc()
+            if code != 0:
+                raise ValueError(f"{what} for CUDA device {self._device} failed with CUresult {code}: this thread "
+                                 "has no current CUDA context and the device's primary one cannot be made current")
+        self._retained = dev.value
+        code = self._lib.cuCtxPushCurrent_v2(ctx)
+        if code != 0:
+            self._lib.cuDevicePrimaryCtxRelease_v2(self._retained)
+            raise ValueError(f"cuCtxPushCurrent of CUDA device {self._device}'s primary context failed with "
+                             f"CUresult {code}")
+        self._pushed = True
+        return self
+
+    def __exit__(self, *exc):
+        import ctypes
+
+        if self._pushed:
+            self._lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        if self._retained is not None:
+            self._lib.cuDevicePrimaryCtxRelease_v2(self._retained)
+        return False
+
+
+def allocation_handle(ptr: int, nbytes: int, device: Optional[int] = None):
     """(64-byte cudaIpcMemHandle_t of the allocation holding device address `ptr`, byte offset of
-    `ptr` in it), checked that `nbytes` from `ptr` stay inside the allocation."""
+    `ptr` in it), checked that `nbytes` from `ptr` stay inside the allocation. `device`: the CUDA
+    ordinal the memory is on, whose primary context is made current when this thread has none."""
+    with _PrimaryContext(_driver(), device):
+        return _allocation_handle(ptr, nbytes)
+
+
+def _allocation_handle(ptr: int, nbytes: int):
     import ctypes
 
     lib = _driver()
@@ -79,7 +138,7 @@ def allocation_handle(ptr: int, nbytes: int):
     rc = lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
     if rc != 0:
         raise ValueError(f"cuMemGetAddressRange({ptr:#x}) failed with CUresult {rc}: not device memory of "
-                         "this process's current CUDA context")
+                         "this process's current CUDA context" + (" (the thread has no current context)" if rc == 201 else ""))
     offset = ptr - base.value
     if offset + nbytes > size.value:
         raise ValueError(f"the tensor ({nbytes} bytes at offset {offset}) runs past the end of its "
@@ -106,5 +165,6 @@ def cuda_ipc_handle(tensor):
     if not tensor.is_contiguous():
         raise ValueError("a KV cache tensor must be contiguous")
     nbytes = tensor.numel() * tensor.element_size()
-    handle, offset = allocation_handle(int(tensor.data_ptr()), nbytes)
+    device = tensor.device.index
+    handle, offset = allocation_handle(int(tensor.data_ptr()), nbytes, None if device is None else int(device))
     return handle, offset, nbytes, int(tensor.device.index)

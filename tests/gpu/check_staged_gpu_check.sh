@@ -40,4 +40,12 @@ starts=$(grep -c -- '--device-backend cuda.*--heartbeat-period 0.02\|--heartbeat
   "$flat/kvtd.starts" 2>/dev/null || true)
 echo "the tests started the staged daemon ${starts:-0} times as a CUDA rank"
 [ "${starts:-0}" -gt 0 ] || { echo "FAIL: no test started the staged daemon" >&2; exit 1; }
+# --steps runs the named steps alone (a GPU session splits the check across calls), --list names them.
+steps=$(bash "$root/scripts/gpu-check.sh" --bin "$flat" --list)
+grep -qx 'demo check (engine tensors in device memory)' <<<"$steps" || { echo "FAIL: --list misses the demo check:" >&2; echo "$steps" >&2; exit 1; }
+one=$(bash "$root/scripts/gpu-check.sh" --bin "$flat" --steps '^cudasim_test$') || { echo "FAIL: --steps '^cudasim_test\$' failed:" >&2; echo "$one" >&2; exit 1; }
+ran=$(grep -cE '^PASS ' <<<"$one" || true)
+grep -qE '^PASS +cudasim_test ' <<<"$one" && [ "$ran" -eq 1 ] && grep -qE '^SKIP +demo check.*not selected' <<<"$one" ||
+  { echo "FAIL: --steps '^cudasim_test\$' should run that step alone:" >&2; echo "$one" >&2; exit 1; }
+bash "$root/scripts/gpu-check.sh" --bin "$flat" --steps '(' >/dev/null 2>&1 && { echo "FAIL: --steps '(' was taken" >&2; exit 1; }
 echo "staged gpu-check OK"

@@ -86,6 +86,46 @@ def test_an_interior_tensor_is_its_allocations_handle_plus_its_offset():
         cuda_ipc_handle(_CudaTensor(ctypes.addressof(host), 64))
 
 
+def test_a_tensor_registered_from_a_thread_that_made_no_cuda_call_gets_its_handle():
+    """FastDeploy v1 registers its workers' tensors on its transfer threads, which made no CUDA
+    call: on the H100 (2026-11-28) cuMemGetAddressRange failed there with CUresult 201
+    (CUDA_ERROR_INVALID_CONTEXT), because the driver API, unlike the runtime, needs a current
+    context. The stand-in now has that rule (cudasim/src/contexts.cpp); the library makes the
+    tensor's device's primary context current for its driver calls and leaves the thread as it
+    found it."""
+    from kvtd.tensors import _driver, cuda_ipc_handle
+
+    cuda = _cuda()
+    base = ctypes.c_void_p()
+    assert cuda.cudaMalloc(ctypes.byref(base), 1 << 20) == 0
+    expected = ctypes.create_string_buffer(64)
+    assert cuda.cudaIpcGetMemHandle(expected, base) == 0
+    out = {}
+
+    def fresh_thread():
+        lib = _driver()
+        before = ctypes.c_void_p()
+        assert lib.cuCtxGetCurrent(ctypes.byref(before)) == 0
+        base_out, size = ctypes.c_uint64(), ctypes.c_size_t()
+        out["bare"] = lib.cuMemGetAddressRange_v2(ctypes.byref(base_out), ctypes.byref(size), ctypes.c_uint64(base.value))
+        try:
+            out["got"] = cuda_ipc_handle(_CudaTensor(base.value + 8192, 4096))
+        except Exception as e:  # reported below, with what the thread had
+            out["error"] = e
+        after = ctypes.c_void_p()
+        assert lib.cuCtxGetCurrent(ctypes.byref(after)) == 0
+        out["current"] = (before.value, after.value)
+
+    t = threading.Thread(target=fresh_thread)
+    t.start()
+    t.join(30)
+    assert out["bare"] == 201, "the stand-in must refuse a driver call on a thread with no context"
+    assert "error" not in out, out.get("error")
+    handle, offset, nbytes, device = out["got"]
+    assert handle == expected.raw and (offset, nbytes, device) == (8192, 4096, 0)
+    assert out["current"] == (None, None), "the thread is left with no current context, as it was"
+
+
 def test_cuda_daemons_swap_tensors_registered_by_the_driver_handle():
     """Every layer's key and value tensor is a slice of one device allocation (as an engine's
     caching allocator hands them out); two CUDA daemons of the stand-in build open the handles,
