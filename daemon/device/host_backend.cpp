@@ -1,4 +1,5 @@
-// Host device backend: "device" tensors are shared-memory objects created by the engine side.
+// Host device backend: "device" tensors are shared-memory objects created by the engine side, or an
+// engine's own memory named by its descriptor (/proc/<pid>/fd/<fd>: sglang's memfd host pool).
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>

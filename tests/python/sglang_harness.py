@@ -50,3 +50,173 @@ def import_hicache_storage():
     _stand_in_for_unvendored_utils()
     import sglang.srt.mem_cache.hicache_storage as hs  # noqa: E402
     return hs
+
+
+def _stand_in_for_host_pool_imports():
+    """What pool_host/base.py imports beyond the vendored tree (PROVENANCE): sglang.srt.utils'
+    device probes (a CPU machine: every one False) and memory_pool's KVCache (the device pool's
+    base; the host pool only reads attributes of the device pool it is given)."""
+    from reference_source import stand_in_module
+
+    _stand_in_for_unvendored_utils()
+    utils = sys.modules["sglang.srt.utils"]
+    for probe in ("is_cuda", "is_hip", "is_npu", "is_xpu", "is_mps"):
+        setattr(utils, probe, lambda: False)
+    if "sglang.srt.mem_cache.memory_pool" not in sys.modules:
+        stand_in_module("sglang.srt.mem_cache.memory_pool", KVCache=type("KVCache", (), {}))
+
+
+def import_host_pool():
+    """(HostKVCache, ALLOC_MEMORY_FUNCS) from sglang's pool_host, loaded unmodified."""
+    import_hicache_storage()
+    _stand_in_for_host_pool_imports()
+    from sglang.srt.mem_cache.pool_host.base import HostKVCache  # noqa: E402
+    from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS  # noqa: E402
+    return HostKVCache, ALLOC_MEMORY_FUNCS
+
+
+class DevicePool:
+    """The attributes of sglang's MHA device pool (memory_pool.MHATokenToKVPool) the host pool
+    reads: its dtype, token count, layers and heads."""
+
+    def __init__(self, dtype, size, layer_num, head_num, head_dim):
+        self.store_dtype, self.dtype, self.size = dtype, dtype, size
+        self.layer_num, self.head_num, self.head_dim = layer_num, head_num, head_dim
+        self.start_layer, self.end_layer = 0, layer_num
+        self.device = "cpu"
+
+
+def mha_host_pool_class():
+    """A HostKVCache subclass standing in for MHATokenToKVPoolHost (mha.py), which needs torch >=
+    2.3: the same buffer dims per layout (mha.py:159-183), allocated through sglang's own
+    ALLOC_MEMORY_FUNCS and allocator (so "shm" is a memfd), and the same page views
+    (get_data_page, get_dummy_flat_data_page, set_from_flat_data_page: mha.py:501-555) that
+    sglang's generic page path uses. dtype.itemsize (torch 2.1) is element_size() here."""
+    HostKVCache, alloc_funcs = import_host_pool()
+    import torch
+
+    class MHAHostPool(HostKVCache):
+        def __init__(self, device_pool, host_to_device_ratio, page_size, layout, allocator_type="shm"):
+            self.target_layer_num = device_pool.layer_num
+            self.mtp_draft_device_pools = ()
+            super().__init__(device_pool, host_to_device_ratio, 0, page_size, layout, False, "cpu", allocator_type)
+
+        def get_size_per_token(self):
+            self.head_num, self.head_dim = self.device_pool.head_num, self.device_pool.head_dim
+            self.layer_num = self.target_layer_num
+            return self.head_num * self.head_dim * self.layer_num * torch.empty([], dtype=self.dtype).element_size() * 2
+
+        def init_kv_buffer(self):
+            per_token = (self.head_num, self.head_dim)
+            dims = {"layer_first": (2, self.layer_num, self.size) + per_token,
+                    "page_first": (2, self.size, self.layer_num) + per_token,
+                    "page_first_direct": (2, self.page_num, self.layer_num, self.page_size) + per_token,
+                    "page_head": (2, self.page_num, self.head_num, self.page_size, self.layer_num, self.head_dim),
+                    }[self.layout]
+            return alloc_funcs[self.device_pool.device](dims, dtype=self.dtype, device=self.device, pin_memory=False,
+                                                       allocator=self.allocator)
+
+        def _page_view(self, index):
+            if self.layout == "layer_first":
+                return self.kv_buffer[:, :, index:index + self.page_size]
+            if self.layout == "page_first":
+                return self.kv_buffer[:, index:index + self.page_size]
+            page = index // self.page_size
+            return self.kv_buffer[:, page:page + 1]
+
+        def get_data_page(self, index, flat=True):
+            v = self._page_view(index)
+            return v.flatten() if flat else v
+
+        def get_dummy_flat_data_page(self):
+            return torch.zeros(2 * self.layer_num * self.page_size * self.head_num * self.head_dim, dtype=self.dtype)
+
+        def set_from_flat_data_page(self, index, data_page):
+            v = self._page_view(index)
+            v.copy_(data_page.reshape(v.shape))
+
+        def load_to_device_per_layer(self, *a, **k):
+            raise NotImplementedError("no device here")
+
+        def backup_from_device_all_layer(self, *a, **k):
+            raise NotImplementedError("no device here")
+
+    return MHAHostPool
+
+
+def storage_config(tp_rank, tp_size, extra, mla=False, model="kvtd-test/model"):
+    hs = import_hicache_storage()
+    return hs.HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                                   attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
+                                   is_page_first_layout=False, model_name=model, extra_config=extra)
+
+
+def backend_factory():
+    import_hicache_storage()
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+    return StorageBackendFactory
+
+
+class MLADevicePool:
+    """The attributes of sglang's MLA device pool (memory_pool.MLATokenToKVPool) the host pool
+    reads (mla.py:125-133)."""
+
+    def __init__(self, dtype, size, layer_num, kv_lora_rank, qk_rope_head_dim):
+        self.store_dtype, self.dtype, self.size, self.layer_num = dtype, dtype, size, layer_num
+        self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
+        self.start_layer, self.end_layer = 0, layer_num
+        self.device = "cpu"
+
+
+def mla_host_pool_class():
+    """A HostKVCache subclass standing in for MLATokenToKVPoolHost (mla.py, torch >= 2.3): one
+    latent per token and layer, buffer dims per layout (mla.py:138-160) and page views
+    (mla.py:524-581)."""
+    HostKVCache, alloc_funcs = import_host_pool()
+    import torch
+
+    class MLAHostPool(HostKVCache):
+        def __init__(self, device_pool, host_to_device_ratio, page_size, layout, allocator_type="shm"):
+            self.target_layer_num = device_pool.layer_num
+            self.mtp_draft_device_pools = ()
+            super().__init__(device_pool, host_to_device_ratio, 0, page_size, layout, False, "cpu", allocator_type)
+
+        def get_size_per_token(self):
+            self.layer_num = self.target_layer_num
+            self.kv_cache_dim = self.device_pool.kv_lora_rank + self.device_pool.qk_rope_head_dim
+            return self.kv_cache_dim * torch.empty([], dtype=self.dtype).element_size() * self.layer_num
+
+        def init_kv_buffer(self):
+            dims = {"layer_first": (self.layer_num, self.size, 1, self.kv_cache_dim),
+                    "page_first": (self.size, self.layer_num, 1, self.kv_cache_dim),
+                    "page_first_direct": (self.page_num, self.layer_num, self.page_size, 1, self.kv_cache_dim),
+                    }[self.layout]
+            return alloc_funcs[self.device_pool.device](dims, dtype=self.dtype, device=self.device, pin_memory=False,
+                                                       allocator=self.allocator)
+
+        def _page_view(self, index):
+            if self.layout == "layer_first":
+                return self.kv_buffer[:, index:index + self.page_size]
+            if self.layout == "page_first":
+                return self.kv_buffer[index:index + self.page_size]
+            page = index // self.page_size
+            return self.kv_buffer[page:page + 1]
+
+        def get_data_page(self, index, flat=True):
+            v = self._page_view(index)
+            return v.flatten() if flat else v
+
+        def get_dummy_flat_data_page(self):
+            return torch.zeros(self.layer_num * self.page_size * self.kv_cache_dim, dtype=self.dtype)
+
+        def set_from_flat_data_page(self, index, data_page):
+            v = self._page_view(index)
+            v.copy_(data_page.reshape(v.shape))
+
+        def load_to_device_per_layer(self, *a, **k):
+            raise NotImplementedError("no device here")
+
+        def backup_from_device_all_layer(self, *a, **k):
+            raise NotImplementedError("no device here")
+
+    return MLAHostPool

@@ -1,0 +1,286 @@
+"""kvtd as sglang's HiCache L3 storage backend (sglang v0.5.18), loaded by sglang's own factory:
+
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config '{"backend_name": "kvtd",
+      "module_path": "kvtd.sglang", "class_name": "KvtdHiCacheStorage", "interface_v1": 1,
+      "allocator": "shm", "kvtd_session": "sglang"}'
+
+sglang runs one scheduler process per TP rank; each makes one backend (StorageBackendFactory
+`_create_dynamic_backend`, mem_cache/storage/backend_factory.py:114-150, calls
+`cls(storage_config, kwargs)`), which makes a kvtd session serving that rank alone
+(`<kvtd_session>_r<tp_rank>`, Session(only_rank=r)) for that rank's daemon. With
+`"allocator": "shm"` sglang's host pool lives in a memfd (mmap_allocator.py:160-167; the fd is
+HostKVCache.fd, pool_host/base.py:175); the backend registers that memory with the session by the
+fd's /proc path, so the daemon maps the very pages sglang reads and writes, and loads and
+stores go straight between them and the store: this process never copies a page.
+
+Every call sglang makes is bounded and never raises into its threads (an exception kills the
+storage thread for the life of the process): a daemon that is down or does not answer within
+`kvtd_timeout_s` turns into misses and failed sets. A task given up on is cancelled and its final
+answer awaited before the call returns, so no daemon writes a page sglang was told failed (a
+daemon that dies ends its tasks; one whose copy never finishes exits on its own watchdog).
+
+Keys are sglang's strings, opaque to kvtd; kvtd namespaces them by the daemon's model id, the
+layout's fingerprint and the weight version. `clear()` (sglang's /clear_hicache_storage_backend,
+hiradix_cache.py:819-838) moves to the next weight version: everything stored before misses from
+then on, and `kvtd storage gc` reclaims it. `"kvtd_weight_version"` in the extra config starts at
+a given version (a restart after a weight update).
+
+The extra config's own keys: kvtd_session (session prefix, default "sglang"), kvtd_timeout_s (per
+call, default 5), kvtd_weight_version (default 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+from .errors import KvtdError, Timeout
+from .sglang_layout import PoolPlan, pages_of, plan_pool
+from .session import Session, now_ns
+
+log = logging.getLogger("kvtd.sglang")
+
+
+def _memfd_place(fd: int, address: int):
+    """("/proc/<pid>/fd/<fd>", byte offset of `address` in that file) for a buffer mapped from
+    the memfd `fd` in this process, checked against /proc/self/maps (same file by inode)."""
+    ino = os.fstat(fd).st_ino
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split(None, 5)
+            if len(parts) < 5:
+                continue
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            if start <= address < end:
+                if int(parts[4]) != ino:
+                    raise ValueError(f"the host pool at {address:#x} is not mapped from its allocator's fd {fd}")
+                return f"/proc/{os.getpid()}/fd/{fd}", address - start + int(parts[2], 16)
+    raise ValueError(f"the host pool at {address:#x} is not mapped")
+
+
+def plan_for(host, tp_size: int, mla: bool) -> PoolPlan:
+    """kvtd's geometry and tensors for sglang's HostKVCache `host` (MHA: head_num and head_dim;
+    MLA: kv_cache_dim)."""
+    buf = host.kv_buffer
+    width = int(host.kv_cache_dim) if mla else int(host.head_num) * int(host.head_dim)
+    return plan_pool(layout=host.layout, mla=mla, layer_num=int(host.layer_num), size=int(host.size),
+                     page_size=int(host.page_size), token_width=width,
+                     dtype_name=str(host.dtype).replace("torch.", ""), itemsize=int(buf.element_size()),
+                     tp_size=tp_size, buffer_bytes=int(buf.numel()) * int(buf.element_size()))
+
+
+def daemon_command(plan: PoolPlan, suffix: str, rank: int) -> List[str]:
+    """The daemon's command line for this rank (storage flags are the operator's to add)."""
+    g = plan.geometry
+    shape = ",".join(str(v) for v in g.key_shape)
+    cmd = ["kvtd", "--session", suffix, "--rank", str(rank), "--mp-num", str(g.num_ranks), "--device-backend", "host",
+           "--num-layers", str(g.num_layers), "--key-cache-shape", shape, "--cache-dtype", g.dtype,
+           "--num-host-blocks", "0"]
+    if g.value_shape is not None:
+        cmd += ["--value-cache-shape", shape]
+    return cmd
+
+
+class KvtdHiCacheStorage(HiCacheStorage):
+    """One sglang rank's L3 through its kvtd daemon. Thread-safe: sglang calls it from its
+    scheduler, prefetch, prefetch-io and backup threads at once."""
+
+    def __init__(self, storage_config, kwargs: Optional[Dict[str, Any]] = None):
+        extra = dict(storage_config.extra_config or {})
+        if not int(extra.get("interface_v1", 0)):
+            raise ValueError('kvtd.sglang moves pages in place: set "interface_v1": 1 in the extra config '
+                             "(sglang's other path copies every page through a tensor)")
+        self._rank, self._tp = int(storage_config.tp_rank), int(storage_config.tp_size)
+        self._mla = bool(storage_config.is_mla_model)
+        self._suffix = f"{extra.get('kvtd_session', 'sglang')}_r{self._rank}"
+        self._timeout = float(extra.get("kvtd_timeout_s", 5.0))
+        if self._timeout <= 0:
+            raise ValueError(f"kvtd_timeout_s must be positive, got {self._timeout}")
+        self._weight_version = int(extra.get("kvtd_weight_version", 0))
+        self._session: Optional[Session] = None
+        self._plan: Optional[PoolPlan] = None
+        self._lock = threading.Lock()
+        self._stats = {k: 0 for k in ("exists_calls", "pages_hit", "pages_missed", "pages_loaded", "pages_load_failed",
+                                      "pages_stored", "pages_store_failed", "calls_failed", "clears")}
+        self._last_warning = 0.0
+
+    # -- sglang's registration ------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        """Registers the rank's host pool with a session of its own (cache_controller.py:496-498
+        calls it once, after construction). A pool not in shared memory is refused by name."""
+        super().register_mem_pool_host(mem_pool_host)
+        fd = getattr(mem_pool_host, "fd", None)
+        if fd is None:
+            raise ValueError('kvtd.sglang reads and writes the host pool in place: set "allocator": "shm" in the '
+                             "extra config (the pool then lives in a memfd its daemon can map)")
+        plan = plan_for(mem_pool_host, self._tp, self._mla)
+        name, base = _memfd_place(int(fd), int(mem_pool_host.kv_buffer.data_ptr()))
+        handle = name.encode().ljust(64, b"\0")
+        s = Session(self._suffix, plan.geometry, only_rank=self._rank)
+        try:
+            for p in plan.pieces:
+                s.register_tensor(self._rank, p.layer, p.kind, handle, base + p.offset, p.nbytes)
+            s.set_weight_version(self._weight_version)
+            s.publish()
+        except Exception:
+            s.close()
+            raise
+        self._session, self._plan = s, plan
+        log.info("kvtd session %s for TP rank %d of %d (%s layout, %d pages of %d tokens); its daemon: %s",
+                 self._suffix, self._rank, self._tp, mem_pool_host.layout, plan.pages, plan.page_size,
+                 " ".join(daemon_command(plan, self._suffix, self._rank)))
+
+    def close(self) -> None:
+        with self._lock:
+            s, self._session = self._session, None
+        if s is not None:
+            s.close()
+
+    # -- the bounded task -----------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._stats[name] += n
+
+    def _warn(self, what: str, why) -> None:
+        now = time.monotonic()
+        if now - self._last_warning >= 5.0:  # a dead daemon would otherwise log every call
+            self._last_warning = now
+            log.warning("kvtd %s on %s: %s (counted as a miss or failed set)", what, self._suffix, why)
+
+    def _run(self, what: str, submit):
+        """`submit(session, deadline_ns)` -> task id; its final result, or None when the daemon
+        is down, late or the call failed. Never raises."""
+        s = self._session
+        if s is None:
+            self._warn(what, "no host pool registered")
+            return None
+        try:
+            if not s.rank_alive(self._rank):
+                self._count("calls_failed", 1)
+                self._warn(what, f"rank {self._rank}'s daemon is not attached")
+                return None
+            tid = submit(s, now_ns() + int(self._timeout * 1e9))
+            try:
+                r = s.wait(tid, self._timeout, check=False)
+            except Timeout:
+                r = self._final(s, tid)
+            if not r.ok:
+                self._count("calls_failed", 1)
+                self._warn(what, f"{r.status_name}: {r.message}")
+            return r
+        except Exception as e:  # noqa: BLE001 - sglang's threads must live on
+            self._count("calls_failed", 1)
+            self._warn(what, e)
+            return None
+
+    def _final(self, s: Session, tid: int):
+        """Cancels a task given up on and waits for its final answer: after it no copy of it runs,
+        so sglang may reuse the pages."""
+        try:
+            s.cancel(tid)
+        except KvtdError as e:
+            log.warning("cancel of kvtd task %d: %s", tid, e)
+        while True:
+            try:
+                return s.wait(tid, self._timeout, check=False)
+            except Timeout:
+                log.warning("kvtd task %d on %s has not ended; still waiting", tid, self._suffix)
+
+    def _pages(self, keys, host_indices) -> Optional[List[int]]:
+        plan = self._plan
+        pages = None if plan is None else pages_of(host_indices, len(keys), plan.page_size)
+        if pages is None or (plan is not None and any(p >= plan.pages for p in pages)):
+            self._warn("page indices", "host indices do not name whole pages of the registered pool")
+            return None
+        return pages
+
+    # -- sglang's calls ---------------------------------------------------------------------
+    def batch_exists(self, keys: List[str], extra_info=None) -> int:
+        """How many leading keys the store holds for this rank (sglang MIN-reduces it across
+        ranks itself: cache_controller.py:1100-1106)."""
+        if not keys:
+            return 0
+        self._count("exists_calls", 1)
+        r = self._run("query", lambda s, dl: s.storage_query(list(keys), deadline_ns=dl))
+        hits = r.blocks_done if r is not None and r.ok else 0
+        self._count("pages_hit", hits)
+        self._count("pages_missed", len(keys) - hits)
+        return hits
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_get_v1(self, keys: List[str], host_indices, extra_info=None) -> List[bool]:
+        """Loads each key's page into the host pool page sglang allocated for it, in place; True
+        for the leading pages that arrived (sglang stops at the first False: :963-978)."""
+        if not keys:
+            return []
+        pages = self._pages(keys, host_indices)
+        if pages is None:
+            return [False] * len(keys)
+        r = self._run("load", lambda s, dl: s.storage_read(list(keys), pages, deadline_ns=dl))
+        done = min(len(keys), r.blocks_done) if r is not None and r.ok else 0
+        self._count("pages_loaded", done)
+        self._count("pages_load_failed", len(keys) - done)
+        return [i < done for i in range(len(keys))]
+
+    def batch_set_v1(self, keys: List[str], host_indices, extra_info=None) -> List[bool]:
+        """Stores each key's page from the host pool, in place."""
+        if not keys:
+            return []
+        pages = self._pages(keys, host_indices)
+        if pages is None:
+            return [False] * len(keys)
+        r = self._run("store", lambda s, dl: s.storage_write(list(keys), pages, deadline_ns=dl))
+        ok = r is not None and r.ok
+        self._count("pages_stored" if ok else "pages_store_failed", len(keys))
+        return [ok] * len(keys)
+
+    # The page-at-a-time interface: `target_location` is the page's host indices, as for the
+    # batch calls (a tensor of the page's bytes would be a copy, which kvtd does not make).
+    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None):
+        if target_location is None or not self.batch_get_v1([key], target_location)[0]:
+            return None
+        return self.mem_pool_host.get_data_page(int(target_location[0]), flat=True)
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None):
+        if target_locations is None:
+            return [None] * len(keys)
+        return [self.get(k, loc) for k, loc in zip(keys, target_locations)]
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        return target_location is not None and self.batch_set_v1([key], target_location)[0]
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> bool:
+        return target_locations is not None and all(self.set(k, None, loc) for k, loc in zip(keys, target_locations))
+
+    def clear(self) -> None:
+        """Everything stored so far misses from now on (the next weight version)."""
+        s = self._session
+        self._weight_version += 1
+        self._count("clears", 1)
+        if s is not None:
+            try:
+                s.set_weight_version(self._weight_version)
+            except Exception as e:  # noqa: BLE001
+                self._warn("clear", e)
+
+    def set_weight_version(self, version: int) -> None:
+        """After a weight update: KV stored under other weights never loads."""
+        self._weight_version = int(version)
+        if self._session is not None:
+            self._session.set_weight_version(self._weight_version)
+
+    def get_stats(self):
+        with self._lock:
+            out = dict(self._stats)
+        out["weight_version"] = self._weight_version
+        out["session"] = self._suffix
+        return out

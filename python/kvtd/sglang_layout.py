@@ -1,0 +1,113 @@
+"""Where sglang's host KV pool keeps each page, as kvtd's geometry and tensors.
+
+sglang (v0.5.18) keeps one rank's host pool in one buffer, `kv_buffer`, whose dims depend on
+`layout` (mem_cache/pool_host/mha.py:159-183 for MHA, mla.py:138-160 for MLA). Its zero-copy
+backends move a page as the pieces `get_page_buffer_meta` names (mha.py:605-665): with
+`layer_first`, one piece per layer and K/V of `page_size` tokens; with `page_first`,
+`page_first_direct` and `page_head`, one piece for K and one for V of every layer's `page_size`
+tokens, V `layer_num * size` tokens after K. This module describes the same pieces to kvtd: a
+piece is one block of one registered tensor, so a page is block `first token // page_size` of
+every tensor, and a daemon reads and writes those bytes in place.
+
+kvtd sees a page's bytes as opaque: inside a piece sglang orders tokens before heads (page_head:
+heads before tokens), not kvtd's heads-first block, so the geometry declares one "head" as wide
+as a token's piece and a daemon must not store by head (`--storage-object-heads`); each layout
+is its own namespace (the fingerprint covers the widths), as sglang's own objects are.
+
+Pure: takes the pool's attributes, imports neither sglang nor torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+from .geometry import Geometry
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+_DTYPES = {2: ("bfloat16", "float16"), 1: ("uint8",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPiece:
+    """One registered tensor: (layer, kind) of kvtd's geometry at `offset` bytes into the pool's
+    buffer, `nbytes` long (every page's piece of it, page by page)."""
+
+    layer: int
+    kind: str
+    offset: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+    geometry: Geometry
+    pieces: List[PoolPiece]
+    page_size: int
+    pages: int
+    buffer_bytes: int
+
+
+def _kvtd_dtype(dtype_name: str, itemsize: int) -> str:
+    """kvtd's dtype for sglang's: bf16 and fp16 by name, one-byte types (fp8, uint8) as uint8."""
+    if itemsize == 2 and dtype_name in ("bfloat16", "float16"):
+        return dtype_name
+    if itemsize == 1:
+        return "uint8"
+    raise ValueError(f"sglang host pool dtype {dtype_name} ({itemsize} bytes) is not one kvtd stores "
+                     "(bfloat16, float16, or a one-byte type)")
+
+
+def plan_pool(*, layout: str, mla: bool, layer_num: int, size: int, page_size: int, token_width: int,
+              dtype_name: str, itemsize: int, tp_size: int, buffer_bytes: int) -> PoolPlan:
+    """kvtd's geometry and tensors for one rank's sglang host pool. `token_width`: elements of
+    one token in one layer (MHA: head_num * head_dim; MLA: kv_cache_dim); `size`: tokens (a
+    multiple of page_size, base.py:121-123); `buffer_bytes`: the buffer's length, checked against
+    what the layout needs. Raises ValueError naming the first problem."""
+    if layout not in LAYOUTS or (mla and layout == "page_head"):
+        allowed = [x for x in LAYOUTS if not (mla and x == "page_head")]
+        raise ValueError(f"sglang host pool layout {layout!r} is not one kvtd reads in place ({', '.join(allowed)})")
+    for name, v in (("layer_num", layer_num), ("size", size), ("page_size", page_size),
+                    ("token_width", token_width), ("tp_size", tp_size)):
+        if int(v) <= 0:
+            raise ValueError(f"sglang host pool {name} is {v}: must be positive")
+    if size % page_size:
+        raise ValueError(f"sglang host pool size {size} is not a multiple of its page size {page_size}")
+    dtype = _kvtd_dtype(dtype_name, itemsize)
+    pages = size // page_size
+    token_bytes = token_width * itemsize  # one token of one layer of one tensor
+    tensors = 1 if mla else 2
+    need = tensors * layer_num * size * token_bytes
+    if buffer_bytes < need:
+        raise ValueError(f"sglang host pool buffer holds {buffer_bytes} bytes; its layout needs {need}")
+    kinds = ["key"] if mla else ["key", "value"]
+    pieces: List[PoolPiece] = []
+    if layout == "layer_first":  # dims (2, L, size, ...) or MLA (L, size, ...)
+        layers, width = layer_num, token_width
+        for t, kind in enumerate(kinds):
+            for layer in range(layer_num):
+                pieces.append(PoolPiece(layer, kind, ((t * layer_num + layer) * size) * token_bytes,
+                                        size * token_bytes))
+    else:  # a page of every layer is one piece of each tensor; V starts layer_num * size tokens in
+        layers, width = 1, token_width * layer_num
+        for t, kind in enumerate(kinds):
+            pieces.append(PoolPiece(0, kind, t * layer_num * size * token_bytes, layer_num * size * token_bytes))
+    shape = (pages, 1, page_size, width)
+    g = Geometry(num_ranks=tp_size, num_layers=layers, key_shape=shape, value_shape=None if mla else shape,
+                 dtype=dtype)
+    return PoolPlan(g, pieces, page_size, pages, buffer_bytes)
+
+
+def pages_of(host_indices, count: int, page_size: int) -> Optional[List[int]]:
+    """The host pool page of each of `count` keys, from the token indices sglang passes
+    (cache_controller.py:1004-1006: `page_size` per key, the first of each the page's first
+    token), or None if they do not name whole pages."""
+    if len(host_indices) < count * page_size:
+        return None
+    out = []
+    for i in range(count):
+        first = int(host_indices[i * page_size])
+        if first % page_size or first < 0:
+            return None
+        out.append(first // page_size)
+    return out

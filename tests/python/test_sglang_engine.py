@@ -1,0 +1,314 @@
+"""kvtd as sglang's HiCache L3 backend, loaded and called by sglang v0.5.18's own code.
+
+sglang's StorageBackendFactory loads `kvtd.sglang` from the extra config ("dynamic": module_path,
+class_name; it checks issubclass(HiCacheStorage): storage/backend_factory.py:22-41, 114-150); the
+host pool is sglang's own HostKVCache base over its own ShmHostTensorAllocator (a memfd:
+pool_host/common.py:30-55, storage/mmap/mmap_allocator.py:139-202), with a subclass standing in for
+the torch-2-only MHATokenToKVPoolHost that keeps its buffer dims and page views
+(sglang_harness.mha_host_pool_class). The backend is then called as HiCacheController calls a
+zero-copy ("interface_v1") backend: register_mem_pool_host once (cache_controller.py:496-498),
+batch_exists on a batch of page keys (:1073), batch_get_v1(keys, host_indices) with page_size
+token indices per key (:963-978, :1002-1020), all(batch_set_v1(...)) for a backup (:1145-1148).
+
+The oracle is sglang's own HiCacheFile, called as the controller calls a non-v1 backend:
+batch_set of get_data_page per key (:1137-1143), batch_exists, and batch_get into dummy pages then
+set_from_flat_data_page (:980-1000). The same pages through both must give the same hit counts
+and the same bytes in the host pool.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import pytest
+import torch
+
+import kvtd
+import kvtd.testing
+
+import sglang_harness
+
+pytestmark = pytest.mark.skipif(sglang_harness.sglang_source() is None, reason=sglang_harness.skip_reason())
+
+PAGE = 4
+LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
+
+
+def extra_config(session):
+    return {"backend_name": "kvtd", "module_path": "kvtd.sglang", "class_name": "KvtdHiCacheStorage",
+            "interface_v1": 1, "allocator": "shm", "kvtd_session": session, "kvtd_timeout_s": 2}
+
+
+def host_pool(layout, layers=3, heads=2, head_dim=8, tokens=64):
+    cls = sglang_harness.mha_host_pool_class()
+    return cls(sglang_harness.DevicePool(torch.bfloat16, tokens, layers, heads, head_dim), 2.0, PAGE, layout)
+
+
+def fill_random(pool, seed):
+    g = torch.Generator().manual_seed(seed)
+    raw = pool.kv_buffer.view(torch.int16)
+    raw.copy_(torch.randint(-32768, 32767, raw.shape, generator=g, dtype=torch.int16))
+
+
+def same(a, b):
+    """Bit for bit (random bf16 bits hold NaNs, which torch.equal never finds equal)."""
+    return torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
+
+
+def indices(pages):
+    """The host indices sglang passes for these pages: page_size token indices each."""
+    return torch.tensor([p * PAGE + t for p in pages for t in range(PAGE)], dtype=torch.int64)
+
+
+class Rank:
+    """One sglang scheduler's storage side: its config, host pool, kvtd backend made by sglang's
+    factory, and its daemon (file store at `store`)."""
+
+    def __init__(self, tmp_path, layout, session, tp_rank=0, tp_size=1, store=None, start_daemon=True):
+        self.config = sglang_harness.storage_config(tp_rank, tp_size, extra_config(session))
+        self.pool = host_pool(layout)
+        self.backend = sglang_harness.backend_factory().create_backend("dynamic", self.config, self.pool)
+        self.backend.register_mem_pool_host(self.pool)
+        self.store = store or (tmp_path / "store")
+        self.daemons = None
+        if start_daemon:
+            self.start()
+
+    def start(self):
+        b = self.backend
+        self.daemons = kvtd.testing.Daemons(None, b._suffix, b._plan.geometry, ranks=[b._rank],
+                                            extra=["--storage-backend", "file", "--storage-path", str(self.store),
+                                                   "--model-id", "sgl"]).start()
+        b._session.wait_ready(30)
+
+    def close(self):
+        if self.daemons is not None:
+            self.daemons.stop()
+        self.backend.close()
+
+
+@pytest.fixture
+def session_name():
+    return f"sgl{uuid.uuid4().hex[:8]}"
+
+
+def test_the_factory_loads_kvtd_as_an_hicache_storage_and_refuses_a_copying_config(tmp_path, session_name):
+    hs = sglang_harness.import_hicache_storage()
+    from kvtd.sglang import KvtdHiCacheStorage
+
+    r = Rank(tmp_path, "layer_first", session_name, start_daemon=False)
+    try:
+        assert isinstance(r.backend, KvtdHiCacheStorage) and isinstance(r.backend, hs.HiCacheStorage)
+    finally:
+        r.close()
+    copying = dict(extra_config(session_name + "x"), interface_v1=0)
+    with pytest.raises(ValueError, match="interface_v1"):
+        sglang_harness.backend_factory().create_backend(
+            "dynamic", sglang_harness.storage_config(0, 1, copying), None)
+    # A host pool outside shared memory ("allocator" not "shm"): refused at registration, by name.
+    b = sglang_harness.backend_factory().create_backend(
+        "dynamic", sglang_harness.storage_config(0, 1, extra_config(session_name + "y")), None)
+    cls = sglang_harness.mha_host_pool_class()
+    plain = cls(sglang_harness.DevicePool(torch.bfloat16, 64, 3, 2, 8), 2.0, PAGE, "layer_first",
+                allocator_type="default")
+    with pytest.raises(ValueError, match='"allocator": "shm"'):
+        b.register_mem_pool_host(plain)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_backup_hit_query_and_load_match_sglangs_own_file_backend(tmp_path, session_name, layout):
+    hs = sglang_harness.import_hicache_storage()
+    r = Rank(tmp_path, layout, session_name)
+    oracle_pool = host_pool(layout)
+    oracle = hs.HiCacheFile(sglang_harness.storage_config(0, 1, None), file_path=str(tmp_path / "hicache"))
+    try:
+        fill_random(r.pool, 1)
+        oracle_pool.kv_buffer.copy_(r.pool.kv_buffer)
+        written = [3, 5, 6, 9, 10, 11]
+        keys = [f"k{p}" for p in written]
+        original = {p: r.pool.get_data_page(p * PAGE).clone() for p in written}
+        # Backup, as the controller's backup thread does for each backend kind.
+        assert all(r.backend.batch_set_v1(keys, indices(written)))
+        assert oracle.batch_set(keys, [oracle_pool.get_data_page(p * PAGE) for p in written])
+        # Hit query: a batch whose fourth key was never stored.
+        query = keys[:3] + ["never"] + keys[3:]
+        assert r.backend.batch_exists(query) == oracle.batch_exists(query) == 3
+        assert r.backend.batch_exists(keys) == oracle.batch_exists(keys) == len(keys)
+        # Load into other pages, both pools wiped first.
+        r.pool.kv_buffer.zero_()
+        oracle_pool.kv_buffer.zero_()
+        targets = [20, 2, 14, 27, 8, 1]
+        got = r.backend.batch_get_v1(keys, indices(targets))
+        assert got == [True] * len(keys)
+        data = oracle.batch_get(keys, [oracle_pool.get_dummy_flat_data_page() for _ in keys])
+        for t, page in zip(targets, data):
+            oracle_pool.set_from_flat_data_page(t * PAGE, page)
+        for p, t in zip(written, targets):
+            assert same(r.pool.get_data_page(t * PAGE), original[p]), f"page {p} loaded into {t}"
+        assert same(r.pool.kv_buffer, oracle_pool.kv_buffer), "kvtd and HiCacheFile loaded different bytes"
+        # A load whose third key is missing: the leading two arrive, as sglang stops at the first miss.
+        assert r.backend.batch_get_v1(keys[:2] + ["never"], indices([30, 31, 32])) == [True, True, False]
+    finally:
+        r.close()
+
+
+def test_a_weight_update_misses_where_sglangs_file_backend_still_hits(tmp_path, session_name):
+    hs = sglang_harness.import_hicache_storage()
+    r = Rank(tmp_path, "page_first", session_name)
+    oracle = hs.HiCacheFile(sglang_harness.storage_config(0, 1, None), file_path=str(tmp_path / "hicache"))
+    try:
+        fill_random(r.pool, 2)
+        keys = ["a", "b"]
+        assert all(r.backend.batch_set_v1(keys, indices([1, 2])))
+        assert oracle.batch_set(keys, [r.pool.get_data_page(p * PAGE) for p in (1, 2)])
+        assert r.backend.batch_exists(keys) == 2
+        r.backend.clear()  # sglang's /clear_hicache_storage_backend after new weights
+        assert r.backend.batch_exists(keys) == 0, "KV of the old weights must not hit"
+        assert r.backend.batch_get_v1(keys, indices([3, 4])) == [False, False]
+        assert oracle.batch_exists(keys) == 2, "sglang's own file backend still hits (sgl-project/sglang#26792)"
+        stats = r.backend.get_stats()
+        assert stats["clears"] == 1 and stats["weight_version"] == 1
+    finally:
+        r.close()
+
+
+def test_a_killed_daemon_gives_misses_and_failed_sets_never_an_exception_or_a_hang(tmp_path, session_name):
+    r = Rank(tmp_path, "layer_first", session_name)
+    try:
+        fill_random(r.pool, 3)
+        assert all(r.backend.batch_set_v1(["x", "y"], indices([1, 2])))
+        before = r.pool.kv_buffer.clone()
+        r.daemons.procs[0].send_signal(signal.SIGKILL)
+        r.daemons.procs[0].wait()
+        start = time.monotonic()
+        assert r.backend.batch_exists(["x", "y"]) == 0
+        assert r.backend.batch_get_v1(["x", "y"], indices([5, 6])) == [False, False]
+        assert r.backend.batch_set_v1(["z"], indices([7])) == [False]
+        assert not r.backend.exists("x")
+        took = time.monotonic() - start
+        # Bounded by the daemon's liveness (its heartbeat, --engine-timeout) and kvtd_timeout_s (2 s).
+        assert took < 10, f"calls against a dead daemon took {took:.1f} s"
+        assert same(r.pool.kv_buffer, before), "nothing may be written into the pool by a failed load"
+        assert r.backend.get_stats()["calls_failed"] >= 3
+        # The daemon restarts (systemd's Restart=on-failure): the store still holds what was set.
+        r.daemons.kill_and_restart(0)
+        r.backend._session.wait_ready(30)
+        assert r.backend.batch_exists(["x", "y"]) == 2
+        assert r.backend.batch_get_v1(["x", "y"], indices([5, 6])) == [True, True]
+        assert same(r.pool.get_data_page(5 * PAGE), before[:, :, 1 * PAGE:2 * PAGE].flatten())
+    finally:
+        r.close()
+
+
+def test_two_scheduler_processes_two_daemons_store_and_load_their_own_slices(tmp_path, session_name):
+    """TP 2 as sglang runs it: one process per rank, each with its backend, session and daemon.
+    Rank 1 backs up one page fewer, so the ranks' hit counts differ; sglang's MIN of them (done
+    here as its all_reduce does) is what both load, and each rank gets its own slice back."""
+    import json
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.join(here, "..", "..", "python"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    store = tmp_path / "store"
+    procs = [subprocess.Popen([sys.executable, os.path.join(here, "sglang_rank.py"), str(r), "2", session_name,
+                               str(store), str(4 - r)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=env) for r in range(2)]
+    try:
+        first = [json.loads(p.stdout.readline() or "{}") for p in procs]
+        assert [f.get("hits") for f in first] == [4, 3] and all(f.get("set_ok") for f in first), first
+        agreed = min(f["hits"] for f in first)
+        for p in procs:
+            p.stdin.write(f"{agreed}\n")
+            p.stdin.flush()
+        second = [json.loads(p.stdout.readline() or "{}") for p in procs]
+        assert all(s.get("loaded") == [True] * agreed and s.get("same") for s in second), second
+        assert [p.wait(60) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_mla_is_written_by_rank_0_and_read_by_every_rank(tmp_path, session_name, layout):
+    """MLA's latent is the same on every rank: sglang backs it up from TP rank 0 only
+    (cache_controller.py:485-490, backup_skip) and every rank loads it. kvtd stores it as one copy
+    (no TP size in its namespace), so rank 1 of the same deployment finds and loads what rank 0
+    stored, byte for byte, and HiCacheFile (which drops the rank from MLA names,
+    hicache_storage.py:381-382) agrees."""
+    hs = sglang_harness.import_hicache_storage()
+    cls = sglang_harness.mla_host_pool_class()
+    dev = sglang_harness.MLADevicePool(torch.bfloat16, 64, 3, 16, 8)
+    ranks = []
+    oracle = hs.HiCacheFile(sglang_harness.storage_config(0, 2, None, mla=True), file_path=str(tmp_path / "hicache"))
+    try:
+        for rank in range(2):
+            config = sglang_harness.storage_config(rank, 2, extra_config(session_name), mla=True)
+            pool = cls(dev, 2.0, PAGE, layout)
+            backend = sglang_harness.backend_factory().create_backend("dynamic", config, pool)
+            backend.register_mem_pool_host(pool)
+            d = kvtd.testing.Daemons(None, backend._suffix, backend._plan.geometry, ranks=[rank],
+                                     extra=["--storage-backend", "file", "--storage-path", str(tmp_path / "store"),
+                                            "--model-id", "sgl"]).start()
+            backend._session.wait_ready(30)
+            ranks.append((pool, backend, d))
+        (pool0, b0, _), (pool1, b1, _) = ranks
+        fill_random(pool0, 7)
+        keys, written = ["m1", "m2", "m3"], [2, 5, 7]
+        original = {p: pool0.get_data_page(p * PAGE).clone() for p in written}
+        assert all(b0.batch_set_v1(keys, indices(written)))  # rank 1 skips the backup, as sglang does
+        assert oracle.batch_set(keys, [pool0.get_data_page(p * PAGE) for p in written])
+        assert b0.batch_exists(keys) == b1.batch_exists(keys) == oracle.batch_exists(keys) == 3
+        assert b1.batch_get_v1(keys, indices([9, 10, 11])) == [True] * 3
+        for p, t in zip(written, [9, 10, 11]):
+            assert same(pool1.get_data_page(t * PAGE), original[p]), f"rank 1 page {t}"
+    finally:
+        for _, backend, d in ranks:
+            d.stop()
+            backend.close()
+
+
+def test_a_daemon_killed_mid_load_ends_the_call_with_misses_and_writes_nothing(tmp_path, session_name):
+    """The daemon is frozen (SIGSTOP) before a load, so the load is submitted and waiting when
+    the daemon is SIGKILLed, as in a crash mid-prefetch. The call, made from a thread as
+    sglang's prefetch-io thread makes it (cache_controller.py:1025-1040), returns misses within
+    its bound and raises nothing; the pages it named are untouched."""
+    import threading
+
+    r = Rank(tmp_path, "page_head", session_name)
+    try:
+        fill_random(r.pool, 4)
+        keys = ["q1", "q2", "q3"]
+        assert all(r.backend.batch_set_v1(keys, indices([1, 2, 3])))
+        r.pool.kv_buffer[:, 10:13].fill_(0)  # page_head: dim 1 is the page
+        before = r.pool.kv_buffer.clone()
+        daemon = r.daemons.procs[0]
+        daemon.send_signal(signal.SIGSTOP)
+        out = {}
+
+        def prefetch_io():
+            try:
+                out["got"] = r.backend.batch_get_v1(keys, indices([10, 11, 12]))
+            except BaseException as e:  # the test fails below if anything escapes
+                out["raised"] = e
+
+        t = threading.Thread(target=prefetch_io)
+        start = time.monotonic()
+        t.start()
+        time.sleep(0.5)
+        daemon.send_signal(signal.SIGKILL)
+        daemon.wait()
+        t.join(30)
+        took = time.monotonic() - start
+        assert not t.is_alive(), "the load hung after its daemon died"
+        assert "raised" not in out, out.get("raised")
+        assert out["got"] == [False] * 3
+        assert took < 15, f"the load took {took:.1f} s to give up"
+        assert same(r.pool.kv_buffer, before), "a page was written by a load that was reported failed"
+    finally:
+        r.close()
