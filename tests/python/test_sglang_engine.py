@@ -42,9 +42,13 @@ def extra_config(session):
             "interface_v1": 1, "allocator": "shm", "kvtd_session": session, "kvtd_timeout_s": 2}
 
 
-def host_pool(layout, layers=3, heads=2, head_dim=8, tokens=64):
+def device_pool(layers=3, heads=2, head_dim=8, tokens=64):
+    return sglang_harness.DevicePool(torch.bfloat16, tokens, layers, heads, head_dim)
+
+
+def host_pool(layout, dev=None):
     cls = sglang_harness.mha_host_pool_class()
-    return cls(sglang_harness.DevicePool(torch.bfloat16, tokens, layers, heads, head_dim), 2.0, PAGE, layout)
+    return cls(dev or device_pool(), 2.0, PAGE, layout)
 
 
 def fill_random(pool, seed):
@@ -312,3 +316,116 @@ def test_a_daemon_killed_mid_load_ends_the_call_with_misses_and_writes_nothing(t
         assert same(r.pool.kv_buffer, before), "a page was written by a load that was reported failed"
     finally:
         r.close()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_head"])
+def test_sglangs_hicache_controller_backs_up_and_prefetches_through_kvtd_as_through_hicache_file(
+        tmp_path, session_name, layout, monkeypatch):
+    """sglang's own HiCacheController (sglang_controller.py: its storage threads, its factory
+    call, its page functions) with kvtd attached, then with HiCacheFile attached: a backup of six
+    pages, a prefetch of those six pages and two never stored, the load into freshly allocated
+    host pages. Both give the same agreed hit count, the same completed tokens and the same bytes."""
+    import sglang_controller as sc
+
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path / "hicache"))
+    tokens = list(range(1000, 1000 + 6 * PAGE))
+    asked = tokens + list(range(5000, 5000 + 2 * PAGE))
+    seen = {}
+    for backend in ("dynamic", "file"):
+        dev = device_pool()
+        pool = host_pool(layout, dev)
+        cc = sc.controller(pool, dev, backend=backend, extra=extra_config(session_name) if backend == "dynamic" else None)
+        sched = sc.Scheduler(cc)
+        daemons = None
+        try:
+            # kvtd is called zero-copy (cache_controller.py:517-525), HiCacheFile through pages.
+            zero_copy = cc.page_get_func == cc._page_get_zero_copy and cc.page_set_func == cc._page_set_zero_copy
+            assert zero_copy == (backend == "dynamic")
+            if backend == "dynamic":
+                b = cc.storage_backend
+                daemons = kvtd.testing.Daemons(None, b._suffix, b._plan.geometry, ranks=[0],
+                                               extra=["--storage-backend", "file", "--storage-path",
+                                                      str(tmp_path / "store"), "--model-id", "sgl"]).start()
+                b._session.wait_ready(30)
+            fill_random(pool, 11)
+            written = pool.alloc(len(tokens))
+            pages = [int(written[i]) for i in range(0, len(tokens), PAGE)]
+            original = [pool.get_data_page(p).clone() for p in pages]
+            assert sched.backup(written, tokens) == len(tokens)
+            pool.kv_buffer.zero_()
+            op = sched.prefetch_hits("req", asked)
+            loaded, done = sched.load(op)
+            got = [pool.get_data_page(int(loaded[i])).clone() for i in range(0, done, PAGE)]
+            assert all(same(g, o) for g, o in zip(got, original)), f"{backend}: loaded pages differ from the backup"
+            seen[backend] = (op.storage_hit_count, done, torch.cat(got))
+        finally:
+            sched.stop()
+            if daemons is not None:
+                daemons.stop()
+    assert seen["dynamic"][:2] == seen["file"][:2] == (len(tokens), len(tokens))
+    assert same(seen["dynamic"][2], seen["file"][2])
+
+
+def test_two_scheduler_processes_agree_the_hit_count_through_sglangs_own_all_reduce(tmp_path, session_name):
+    """TP 2 with sglang's own HiCacheController in each scheduler process, a gloo group between
+    them: rank 0 backs up six pages, rank 1 five; the controllers' MIN all-reduce makes five the
+    hit count of both, and each loads its own five pages byte for byte through its daemon."""
+    import json
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.join(here, "..", "..", "python"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    init = tmp_path / "gloo_init"
+    procs = [subprocess.Popen([sys.executable, os.path.join(here, "sglang_rank_controller.py"), str(r), session_name,
+                               str(tmp_path / "store"), str(init), str(6 - r)], stdout=subprocess.PIPE, text=True,
+                              env=env) for r in range(2)]
+    try:
+        out = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
+        assert [o["backed"] for o in out] == [6 * PAGE, 5 * PAGE], out
+        assert [o["hits"] for o in out] == [5 * PAGE, 5 * PAGE], out
+        assert [o["done"] for o in out] == [5 * PAGE, 5 * PAGE] and all(o["same"] for o in out), out
+        assert [p.returncode for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def test_sglangs_storage_threads_live_on_through_a_killed_daemon(tmp_path, session_name):
+    """With sglang's own HiCacheController: the daemon is SIGKILLed after a backup; the next
+    prefetch finds no hit and the next backup completes nothing, but the controller's prefetch,
+    prefetch-io and backup threads are still alive (an exception would have ended them for the
+    life of the process), and once the daemon is back the same prefetch loads every page."""
+    import sglang_controller as sc
+
+    dev = device_pool()
+    pool = host_pool("page_first_direct", dev)
+    cc = sc.controller(pool, dev, extra=extra_config(session_name))
+    sched = sc.Scheduler(cc)
+    b = cc.storage_backend
+    d = kvtd.testing.Daemons(None, b._suffix, b._plan.geometry, ranks=[0],
+                             extra=["--storage-backend", "file", "--storage-path", str(tmp_path / "store"),
+                                    "--model-id", "sgl"]).start()
+    try:
+        b._session.wait_ready(30)
+        fill_random(pool, 12)
+        tokens = list(range(1000, 1000 + 4 * PAGE))
+        written = pool.alloc(len(tokens))
+        assert sched.backup(written, tokens) == len(tokens)
+        d.procs[0].send_signal(signal.SIGKILL)
+        d.procs[0].wait()
+        assert sched.prefetch_hits("after-kill", tokens).storage_hit_count == 0
+        more = pool.alloc(2 * PAGE)
+        assert sched.backup(more, list(range(7000, 7000 + 2 * PAGE))) == 0
+        threads = [cc.prefetch_thread, cc.backup_thread, cc.prefetch_io_aux_thread]
+        assert all(t.is_alive() for t in threads), "a storage thread of sglang died"
+        d.kill_and_restart(0)
+        b._session.wait_ready(30)
+        op = sched.prefetch_hits("after-restart", tokens)
+        assert op.storage_hit_count == len(tokens)
+        assert sched.load(op)[1] == len(tokens)
+    finally:
+        sched.stop()
+        d.stop()
