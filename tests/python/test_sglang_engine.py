@@ -393,11 +393,16 @@ def test_two_scheduler_processes_agree_the_hit_count_through_sglangs_own_all_red
                 p.kill()
 
 
-def test_sglangs_storage_threads_live_on_through_a_killed_daemon(tmp_path, session_name):
-    """With sglang's own HiCacheController: the daemon is SIGKILLed after a backup; the next
-    prefetch finds no hit and the next backup completes nothing, but the controller's prefetch,
-    prefetch-io and backup threads are still alive (an exception would have ended them for the
-    life of the process), and once the daemon is back the same prefetch loads every page."""
+def test_sglangs_storage_threads_live_on_through_a_daemon_killed_mid_prefetch(tmp_path, session_name):
+    """With sglang's own HiCacheController: after a backup and an agreed hit count, the daemon is
+    frozen (SIGSTOP) so the prefetch-io thread's load is in flight, then SIGKILLed. The load ends
+    with nothing completed and the operation terminated, as sglang handles a failed page
+    (cache_controller.py:963-978, 1016-1023), the pages it was given stay as they were, the
+    controller's prefetch, prefetch-io and backup threads are all alive (an exception would have
+    ended them for the life of the process), the next prefetch finds no hit and the next backup
+    completes nothing; once the daemon is back the same prefetch loads every page."""
+    import threading
+
     import sglang_controller as sc
 
     dev = device_pool()
@@ -414,8 +419,20 @@ def test_sglangs_storage_threads_live_on_through_a_killed_daemon(tmp_path, sessi
         tokens = list(range(1000, 1000 + 4 * PAGE))
         written = pool.alloc(len(tokens))
         assert sched.backup(written, tokens) == len(tokens)
+        op = sched.prefetch_hits("mid-load", tokens)
+        assert op.storage_hit_count == len(tokens)
+        before = pool.kv_buffer.clone()
+        d.procs[0].send_signal(signal.SIGSTOP)
+        out = {}
+        loader = threading.Thread(target=lambda: out.update(result=sched.load(op)))
+        loader.start()
+        time.sleep(0.5)
         d.procs[0].send_signal(signal.SIGKILL)
         d.procs[0].wait()
+        loader.join(30)
+        assert not loader.is_alive(), "the prefetch did not end after its daemon died"
+        assert out["result"][1] == 0 and op.is_terminated()
+        assert same(pool.kv_buffer, before), "a page was written by a load that failed"
         assert sched.prefetch_hits("after-kill", tokens).storage_hit_count == 0
         more = pool.alloc(2 * PAGE)
         assert sched.backup(more, list(range(7000, 7000 + 2 * PAGE))) == 0
