@@ -252,18 +252,8 @@ class KvtdCacheTransferManager:
             self._idle.notify_all()
 
     def _finish(self, s: Session, tid: int, cancel: bool):
-        """The task's final result: once the daemon reports it, no copy of it is running, so the
-        engine may reuse its blocks (a cancel first when the caller gives up waiting)."""
-        if cancel:
-            try:
-                s.cancel(tid)
-            except KvtdError as e:
-                log.warning("cancel of task %d: %s", tid, e)
-        while True:
-            try:
-                return s.wait(tid, self._task_timeout, check=False)
-            except Timeout:
-                log.warning("task %d has not ended after %.0f s; still waiting", tid, self._task_timeout)
+        """The task's final result (a cancel first when the caller gives up waiting)."""
+        return s.final_result(tid, cancel=cancel, timeout_each=self._task_timeout)
 
     def _swap(self, what: str, mode: int, device_ids, host_ids, move: Callable[[Session], Optional[str]]) -> bool:
         """Runs one swap: FastDeploy's refusals first, then `move(session)`, which returns None

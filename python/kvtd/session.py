@@ -18,6 +18,7 @@ session; do not use them after close().
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import mmap
 import dataclasses
@@ -27,7 +28,7 @@ from typing import Iterable, List, Optional, Sequence
 from . import _native as n
 from .geometry import (DTYPES, KEY, KEY_SCALE, VALUE, VALUE_SCALE, Geometry,  # noqa: F401 (re-exported)
                        _kind)
-from .errors import CacheControlFailed, TaskFailed, raise_for
+from .errors import CacheControlFailed, KvtdError, TaskFailed, Timeout, raise_for
 
 SWAP_TO_HOST = 1
 SWAP_TO_DEVICE = 2
@@ -38,6 +39,7 @@ PREFETCH = 6
 CANCEL = 7
 
 _ERR_LEN = 1024
+_log = logging.getLogger("kvtd.session")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,21 +128,28 @@ def now_ns() -> int:
     return n.lib.kvtd_now_ns()
 
 
-def _mapped_file(address: int):
-    """The shared-memory file mapped at `address` in this process and the address's offset in it
-    (from /proc/self/maps: start-end perms offset dev inode path)."""
+def mapping_of(address: int):
+    """(path, inode, offset of `address` in the file) of the file mapped at `address` in this
+    process (from /proc/self/maps: start-end perms offset dev inode path); path is "" for an
+    anonymous mapping. ValueError when nothing is mapped there."""
     with open("/proc/self/maps") as maps:
         for line in maps:
             parts = line.split(None, 5)
-            if len(parts) < 6:
+            if len(parts) < 5:
                 continue
             start, end = (int(x, 16) for x in parts[0].split("-"))
             if start <= address < end:
-                path = parts[5].strip()
-                if path.endswith(" (deleted)") or not path.startswith("/dev/shm/"):
-                    raise ValueError(f"address {address:#x} is not in a live shared-memory object ({path!r})")
-                return path, address - start + int(parts[2], 16)
+                path = parts[5].strip() if len(parts) == 6 else ""
+                return path, int(parts[4]), address - start + int(parts[2], 16)
     raise ValueError(f"address {address:#x} is not mapped")
+
+
+def _mapped_file(address: int):
+    """The shared-memory file mapped at `address` in this process and the address's offset in it."""
+    path, _, offset = mapping_of(address)
+    if path.endswith(" (deleted)") or not path.startswith("/dev/shm/"):
+        raise ValueError(f"address {address:#x} is not in a live shared-memory object ({path!r})")
+    return path, offset
 
 
 class Session:
@@ -478,6 +487,23 @@ class Session:
         c = n.Completion()
         rc = n.lib.kvtd_wait(self._handle(), task_id, _ms(timeout), ctypes.byref(c), self._errbuf(), _ERR_LEN)
         return self._result(rc, c, check, f"wait for task {task_id}")
+
+    def final_result(self, task_id: int, *, cancel: bool, timeout_each: float = 60.0) -> TaskResult:
+        """The task's final result, cancelling it first if `cancel`: once the daemons report it, no
+        copy of it runs, so the engine may reuse its blocks. Waits as long as the daemons live (a
+        dead daemon ends its tasks; one whose copy never finishes exits on its watchdog), logging
+        every `timeout_each` seconds; never raises TaskFailed (check=False)."""
+        if cancel:
+            try:
+                self.cancel(task_id)
+            except KvtdError as e:
+                _log.warning("cancel of task %d on %s: %s", task_id, self.suffix, e)
+        while True:
+            try:
+                return self.wait(task_id, timeout_each, check=False)
+            except Timeout:
+                _log.warning("task %d on %s has not ended after %.0f s; still waiting", task_id, self.suffix,
+                             timeout_each)
 
     def poll(self, task_id: int, *, check: bool = True) -> Optional[TaskResult]:
         """The merged result if every rank reported (handed out once), else None."""

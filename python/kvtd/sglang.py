@@ -39,9 +39,9 @@ from typing import Any, Dict, List, Optional
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from .errors import KvtdError, Timeout
+from .errors import Timeout
 from .sglang_layout import PoolPlan, pages_of, plan_pool
-from .session import Session, now_ns
+from .session import Session, mapping_of, now_ns
 
 log = logging.getLogger("kvtd.sglang")
 
@@ -49,18 +49,10 @@ log = logging.getLogger("kvtd.sglang")
 def _memfd_place(fd: int, address: int):
     """("/proc/<pid>/fd/<fd>", byte offset of `address` in that file) for a buffer mapped from
     the memfd `fd` in this process, checked against /proc/self/maps (same file by inode)."""
-    ino = os.fstat(fd).st_ino
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            parts = line.split(None, 5)
-            if len(parts) < 5:
-                continue
-            start, end = (int(x, 16) for x in parts[0].split("-"))
-            if start <= address < end:
-                if int(parts[4]) != ino:
-                    raise ValueError(f"the host pool at {address:#x} is not mapped from its allocator's fd {fd}")
-                return f"/proc/{os.getpid()}/fd/{fd}", address - start + int(parts[2], 16)
-    raise ValueError(f"the host pool at {address:#x} is not mapped")
+    _, inode, offset = mapping_of(address)
+    if inode != os.fstat(fd).st_ino:
+        raise ValueError(f"the host pool at {address:#x} is not mapped from its allocator's fd {fd}")
+    return f"/proc/{os.getpid()}/fd/{fd}", offset
 
 
 def plan_for(host, tp_size: int, mla: bool) -> PoolPlan:
@@ -167,8 +159,8 @@ class KvtdHiCacheStorage(HiCacheStorage):
             tid = submit(s, now_ns() + int(self._timeout * 1e9))
             try:
                 r = s.wait(tid, self._timeout, check=False)
-            except Timeout:
-                r = self._final(s, tid)
+            except Timeout:  # cancelled, and its final answer awaited: then sglang may reuse the pages
+                r = s.final_result(tid, cancel=True, timeout_each=self._timeout)
             if not r.ok:
                 self._count("calls_failed", 1)
                 self._warn(what, f"{r.status_name}: {r.message}")
@@ -177,19 +169,6 @@ class KvtdHiCacheStorage(HiCacheStorage):
             self._count("calls_failed", 1)
             self._warn(what, e)
             return None
-
-    def _final(self, s: Session, tid: int):
-        """Cancels a task given up on and waits for its final answer: after it no copy of it runs,
-        so sglang may reuse the pages."""
-        try:
-            s.cancel(tid)
-        except KvtdError as e:
-            log.warning("cancel of kvtd task %d: %s", tid, e)
-        while True:
-            try:
-                return s.wait(tid, self._timeout, check=False)
-            except Timeout:
-                log.warning("kvtd task %d on %s has not ended; still waiting", tid, self._suffix)
 
     def _pages(self, keys, host_indices) -> Optional[List[int]]:
         plan = self._plan

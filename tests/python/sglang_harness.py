@@ -86,6 +86,25 @@ class DevicePool:
         self.device = "cpu"
 
 
+class _PageViews:
+    """What both pool stand-ins do alike over their own `_page_view(first token)`: the flat page
+    sglang's page path reads and writes, and no device transfers (no device here)."""
+
+    def get_data_page(self, index, flat=True):
+        v = self._page_view(index)
+        return v.flatten() if flat else v
+
+    def set_from_flat_data_page(self, index, data_page):
+        v = self._page_view(index)
+        v.copy_(data_page.reshape(v.shape))
+
+    def load_to_device_per_layer(self, *a, **k):
+        raise NotImplementedError("no device here")
+
+    def backup_from_device_all_layer(self, *a, **k):
+        raise NotImplementedError("no device here")
+
+
 def mha_host_pool_class():
     """A HostKVCache subclass standing in for MHATokenToKVPoolHost (mha.py), which needs torch >=
     2.3: the same buffer dims per layout (mha.py:159-183), allocated through sglang's own
@@ -95,7 +114,7 @@ def mha_host_pool_class():
     HostKVCache, alloc_funcs = import_host_pool()
     import torch
 
-    class MHAHostPool(HostKVCache):
+    class MHAHostPool(_PageViews, HostKVCache):
         def __init__(self, device_pool, host_to_device_ratio, page_size, layout, allocator_type="shm"):
             self.target_layer_num = device_pool.layer_num
             self.mtp_draft_device_pools = ()
@@ -124,22 +143,8 @@ def mha_host_pool_class():
             page = index // self.page_size
             return self.kv_buffer[:, page:page + 1]
 
-        def get_data_page(self, index, flat=True):
-            v = self._page_view(index)
-            return v.flatten() if flat else v
-
         def get_dummy_flat_data_page(self):
             return torch.zeros(2 * self.layer_num * self.page_size * self.head_num * self.head_dim, dtype=self.dtype)
-
-        def set_from_flat_data_page(self, index, data_page):
-            v = self._page_view(index)
-            v.copy_(data_page.reshape(v.shape))
-
-        def load_to_device_per_layer(self, *a, **k):
-            raise NotImplementedError("no device here")
-
-        def backup_from_device_all_layer(self, *a, **k):
-            raise NotImplementedError("no device here")
 
     return MHAHostPool
 
@@ -175,7 +180,7 @@ def mla_host_pool_class():
     HostKVCache, alloc_funcs = import_host_pool()
     import torch
 
-    class MLAHostPool(HostKVCache):
+    class MLAHostPool(_PageViews, HostKVCache):
         def __init__(self, device_pool, host_to_device_ratio, page_size, layout, allocator_type="shm"):
             self.target_layer_num = device_pool.layer_num
             self.mtp_draft_device_pools = ()
@@ -202,21 +207,7 @@ def mla_host_pool_class():
             page = index // self.page_size
             return self.kv_buffer[page:page + 1]
 
-        def get_data_page(self, index, flat=True):
-            v = self._page_view(index)
-            return v.flatten() if flat else v
-
         def get_dummy_flat_data_page(self):
             return torch.zeros(self.layer_num * self.page_size * self.kv_cache_dim, dtype=self.dtype)
-
-        def set_from_flat_data_page(self, index, data_page):
-            v = self._page_view(index)
-            v.copy_(data_page.reshape(v.shape))
-
-        def load_to_device_per_layer(self, *a, **k):
-            raise NotImplementedError("no device here")
-
-        def backup_from_device_all_layer(self, *a, **k):
-            raise NotImplementedError("no device here")
 
     return MLAHostPool
