@@ -63,7 +63,8 @@ def plan_for(host, tp_size: int, mla: bool) -> PoolPlan:
     return plan_pool(layout=host.layout, mla=mla, layer_num=int(host.layer_num), size=int(host.size),
                      page_size=int(host.page_size), token_width=width,
                      dtype_name=str(host.dtype).replace("torch.", ""), itemsize=int(buf.element_size()),
-                     tp_size=tp_size, buffer_bytes=int(buf.numel()) * int(buf.element_size()))
+                     tp_size=tp_size, buffer_bytes=int(buf.numel()) * int(buf.element_size()),
+                     head_dim=0 if mla else int(host.head_dim))
 
 
 def daemon_command(plan: PoolPlan, suffix: str, rank: int) -> List[str]:

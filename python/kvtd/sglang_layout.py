@@ -9,10 +9,13 @@ tokens, V `layer_num * size` tokens after K. This module describes the same piec
 piece is one block of one registered tensor, so a page is block `first token // page_size` of
 every tensor, and a daemon reads and writes those bytes in place.
 
-kvtd sees a page's bytes as opaque: inside a piece sglang orders tokens before heads (page_head:
-heads before tokens), not kvtd's heads-first block, so the geometry declares one "head" as wide
-as a token's piece and a daemon must not store by head (`--storage-object-heads`); each layout
-is its own namespace (the fingerprint covers the widths), as sglang's own objects are.
+kvtd sees a piece's bytes in the order sglang keeps them, declared as kvtd's (heads, block size,
+head dim) outermost first: [token][layer][head][dim] for page_first, [layer][token][head][dim] for
+page_first_direct, [head][token][layer][dim] for page_head, [token][head][dim] per layer for
+layer_first. So every layout has a shape, hence a storage namespace, of its own: an object stored
+from one layout is never loaded into another's pages, which sglang's own HiCacheFile would do (its
+file names carry the model and TP rank, not the layout). Only page_head has real heads outermost;
+a daemon must not store the others by head (`--storage-object-heads`).
 
 Pure: takes the pool's attributes, imports neither sglang nor torch.
 """
@@ -59,9 +62,10 @@ def _kvtd_dtype(dtype_name: str, itemsize: int) -> str:
 
 
 def plan_pool(*, layout: str, mla: bool, layer_num: int, size: int, page_size: int, token_width: int,
-              dtype_name: str, itemsize: int, tp_size: int, buffer_bytes: int) -> PoolPlan:
+              dtype_name: str, itemsize: int, tp_size: int, buffer_bytes: int, head_dim: int = 0) -> PoolPlan:
     """kvtd's geometry and tensors for one rank's sglang host pool. `token_width`: elements of
-    one token in one layer (MHA: head_num * head_dim; MLA: kv_cache_dim); `size`: tokens (a
+    one token in one layer (MHA: head_num * head_dim; MLA: kv_cache_dim); `head_dim` (MHA
+    page_head: its pieces are heads outermost); `size`: tokens (a
     multiple of page_size, base.py:121-123); `buffer_bytes`: the buffer's length, checked against
     what the layout needs. Raises ValueError naming the first problem."""
     if layout not in LAYOUTS or (mla and layout == "page_head"):
@@ -71,6 +75,8 @@ def plan_pool(*, layout: str, mla: bool, layer_num: int, size: int, page_size: i
                     ("token_width", token_width), ("tp_size", tp_size)):
         if int(v) <= 0:
             raise ValueError(f"sglang host pool {name} is {v}: must be positive")
+    if layout == "page_head" and (head_dim <= 0 or token_width % head_dim):
+        raise ValueError(f"sglang page_head pool: head_dim {head_dim} does not divide a token's {token_width} elements")
     if size % page_size:
         raise ValueError(f"sglang host pool size {size} is not a multiple of its page size {page_size}")
     dtype = _kvtd_dtype(dtype_name, itemsize)
@@ -82,17 +88,23 @@ def plan_pool(*, layout: str, mla: bool, layer_num: int, size: int, page_size: i
         raise ValueError(f"sglang host pool buffer holds {buffer_bytes} bytes; its layout needs {need}")
     kinds = ["key"] if mla else ["key", "value"]
     pieces: List[PoolPiece] = []
-    if layout == "layer_first":  # dims (2, L, size, ...) or MLA (L, size, ...)
-        layers, width = layer_num, token_width
+    if layout == "layer_first":  # dims (2, L, size, ...) or MLA (L, size, ...): [token][head][dim] per layer
+        layers, shape = layer_num, (pages, 1, page_size, token_width)
         for t, kind in enumerate(kinds):
             for layer in range(layer_num):
                 pieces.append(PoolPiece(layer, kind, ((t * layer_num + layer) * size) * token_bytes,
                                         size * token_bytes))
     else:  # a page of every layer is one piece of each tensor; V starts layer_num * size tokens in
-        layers, width = 1, token_width * layer_num
+        layers = 1
+        # The piece's inner order, outermost first, as kvtd's (heads, block size, head dim): each
+        # layout a shape of its own, so a layout's objects are never loaded into another's pages.
+        heads = token_width // head_dim if layout == "page_head" else 1
+        shape = {"page_first": (pages, 1, page_size, layer_num * token_width),       # [token][layer][head][dim]
+                 "page_first_direct": (pages, layer_num, page_size, token_width),   # [layer][token][head][dim]
+                 "page_head": (pages, heads, page_size, layer_num * head_dim),      # [head][token][layer][dim]
+                 }[layout]
         for t, kind in enumerate(kinds):
             pieces.append(PoolPiece(0, kind, t * layer_num * size * token_bytes, layer_num * size * token_bytes))
-    shape = (pages, 1, page_size, width)
     g = Geometry(num_ranks=tp_size, num_layers=layers, key_shape=shape, value_shape=None if mla else shape,
                  dtype=dtype)
     return PoolPlan(g, pieces, page_size, pages, buffer_bytes)

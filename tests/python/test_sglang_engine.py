@@ -446,3 +446,27 @@ def test_sglangs_storage_threads_live_on_through_a_daemon_killed_mid_prefetch(tm
     finally:
         sched.stop()
         d.stop()
+
+
+def test_a_page_stored_from_one_layout_never_loads_into_anothers_pages(tmp_path, session_name):
+    """page_first and page_first_direct pages hold the same bytes in another order
+    ([token][layer]... against [layer][token]...). HiCacheFile names a file by key, model and TP
+    rank only (hicache_storage.py:378-384), so a server restarted with the other layout loads the
+    old file into its pages in the wrong order; kvtd's namespace holds the layout's shape, so the
+    same keys miss there."""
+    hs = sglang_harness.import_hicache_storage()
+    first = Rank(tmp_path, "page_first", session_name)
+    oracle = hs.HiCacheFile(sglang_harness.storage_config(0, 1, None), file_path=str(tmp_path / "hicache"))
+    try:
+        fill_random(first.pool, 21)
+        assert all(first.backend.batch_set_v1(["s1", "s2"], indices([1, 2])))
+        assert oracle.batch_set(["s1", "s2"], [first.pool.get_data_page(p * PAGE) for p in (1, 2)])
+    finally:
+        first.close()
+    direct = Rank(tmp_path, "page_first_direct", session_name + "d", store=tmp_path / "store")
+    try:
+        assert direct.backend.batch_exists(["s1", "s2"]) == 0
+        assert direct.backend.batch_get_v1(["s1", "s2"], indices([3, 4])) == [False, False]
+        assert oracle.batch_exists(["s1", "s2"]) == 2, "HiCacheFile would load them into the other layout"
+    finally:
+        direct.close()
