@@ -1,6 +1,7 @@
 #include "cache_mapping.h"
 
 #include <chrono>
+#include <cstring>
 #include <thread>
 
 #include "kvtd/daemon/log.h"
@@ -10,6 +11,16 @@
 #include "kvtd/proto/group_hits.h"
 
 namespace kvtd::daemon {
+
+std::optional<std::string> foreign_process_memory(const proto::TensorDesc& d, std::uint32_t engine_pid) {
+  const auto* raw = reinterpret_cast<const char*>(d.handle);
+  const std::string name(raw, strnlen(raw, sizeof d.handle));
+  if (name.rfind("/proc/", 0) != 0) return std::nullopt;
+  const std::string mine = "/proc/" + std::to_string(engine_pid) + "/fd/";
+  if (name.rfind(mine, 0) == 0) return std::nullopt;
+  return "tensor object " + name + " is not the memory of the engine that made the session (pid " +
+         std::to_string(engine_pid) + "): a daemon maps no other process's memory";
+}
 
 bool registered_none(const endpoint::RankEndpoint& ep) {
   for (std::uint32_t l = 0; l < ep.geometry().num_layers; ++l)

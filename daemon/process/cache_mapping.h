@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "kvtd/config/daemon_config.h"
@@ -27,6 +28,11 @@ bool registered_none(const endpoint::RankEndpoint& ep);
 // runs meanwhile. False when asked to stop or the engine went away.
 bool wait_for_fastdeploy_cache(const config::DaemonConfig& cfg, const endpoint::RankEndpoint& ep,
                                const std::atomic<bool>& stop);
+
+// A tensor that names a process's own memory (/proc/<pid>/fd/<fd>, the host backend) must name
+// the engine's, the process that made the session: a daemon running with more rights than its
+// engine must not map another process's memory for it. The reason when it does not, else none.
+std::optional<std::string> foreign_process_memory(const proto::TensorDesc& d, std::uint32_t engine_pid);
 
 // Where this rank's tensors come from: the engine's registry; or, when the engine registered
 // none, FastDeploy's names. Borrows everything it is given; one mapping pass at a time.
@@ -53,6 +59,7 @@ class TensorSource {
     if (!d)
       return make_error(DeviceErrc::kOpenFailed, std::string(proto::tensor_kind_name(kind)) + " tensor of layer " +
                                                      std::to_string(l) + " is not registered");
+    if (auto why = foreign_process_memory(*d, ep_.engine_pid())) return make_error(DeviceErrc::kOpenFailed, *why);
     return backend_.open_tensor(*d);
   }
 

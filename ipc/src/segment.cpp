@@ -265,6 +265,7 @@ HeaderCopy copy_header(const proto::SessionHeader& h) {
   c.header_bytes = h.header_bytes;
   c.completion_capacity = h.completion_capacity;
   c.generation = h.generation;
+  c.creator_pid = h.creator_pid;
   c.take_over_host_tier = h.take_over_host_tier;
   c.served_ranks = h.served_ranks;
   std::memcpy(&c.geometry, &h.geometry, sizeof c.geometry);

@@ -27,6 +27,7 @@ OTHER_PROGRAMS_FLAGS = {
     "--allow-root",  # lintian
     "--now",  # systemctl enable --now
     "--forward",  # patch
+    "--enable-hierarchical-cache", "--hicache-storage-backend", "--hicache-storage-backend-extra-config",  # sglang
 }
 
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")

@@ -470,3 +470,22 @@ def test_a_page_stored_from_one_layout_never_loads_into_anothers_pages(tmp_path,
         assert oracle.batch_exists(["s1", "s2"]) == 2, "HiCacheFile would load them into the other layout"
     finally:
         direct.close()
+
+
+def test_a_daemon_maps_the_memory_of_its_own_engine_only(tmp_path, session_name):
+    """A tensor may name a process's own memory (/proc/<pid>/fd/<fd>) only if that process made
+    the session: a daemon running with more rights than its engine (root under systemd) must not
+    map another process's memory on the engine's word. Here the session names pid 1's stdin."""
+    g = kvtd.Geometry(num_ranks=1, num_layers=1, key_shape=(4, 1, 4, 8), value_shape=(4, 1, 4, 8))
+    nbytes = g.block_bytes("key") * 4
+    with kvtd.Session(session_name, g) as s:
+        for kind in ("key", "value"):
+            s.register_tensor(0, 0, kind, b"/proc/1/fd/0".ljust(64, b"\0"), 0, nbytes)
+        s.publish()
+        with kvtd.testing.Daemons(None, session_name, g) as d:
+            with pytest.raises(Exception):
+                s.wait_ready(3)
+            deadline = time.monotonic() + 10
+            while "not the memory of the engine" not in d.logs() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert f"not the memory of the engine that made the session (pid {os.getpid()})" in d.logs(), d.logs()

@@ -36,6 +36,7 @@ struct RankEndpoint::Impl {
   proto::CacheGeometry geometry{};    // private copy
   proto::CacheGroups groups{};        // private copy (num_groups 0: a single-shape session)
   std::uint64_t generation = 0;       // private copy
+  std::uint32_t engine_pid = 0;       // private copy (SessionHeader::creator_pid)
   bool take_over_host_tier = false;  // private copy (proto::SessionHeader)
   // The ranks that agree on storage tasks: the session's served ranks (every rank by default).
   std::uint32_t agreeing_ranks = 0;

@@ -168,6 +168,7 @@ std::unique_ptr<RankEndpoint::Impl> RankEndpoint::Impl::over(const EndpointOptio
   impl->geometry = header.geometry;
   impl->groups = header.groups;
   impl->generation = header.generation;
+  impl->engine_pid = header.creator_pid;
   impl->take_over_host_tier = header.take_over_host_tier != 0;
   impl->agreeing_ranks = proto::ranks_served(header.served_ranks, header.geometry.num_ranks);  // validated
   impl->view.base = m->data();
@@ -340,6 +341,7 @@ const proto::CacheGeometry& RankEndpoint::geometry() const { return impl_->geome
 const proto::CacheGroups& RankEndpoint::groups() const { return impl_->groups; }
 std::uint32_t RankEndpoint::rank() const { return impl_->opts.rank; }
 std::uint64_t RankEndpoint::generation() const { return impl_->generation; }
+std::uint32_t RankEndpoint::engine_pid() const { return impl_->engine_pid; }
 bool RankEndpoint::take_over_host_tier() const { return impl_->take_over_host_tier; }
 bool RankEndpoint::engine_closed() const {
   return impl_->h->state.load(std::memory_order_acquire) == static_cast<std::uint32_t>(proto::SessionState::kClosed);

@@ -60,6 +60,7 @@ proto::SessionHeader* init_session(const SessionView& view, const proto::CacheGe
 struct HeaderCopy {
   std::uint32_t layout_version = 0, header_bytes = 0, completion_capacity = 0;
   std::uint64_t generation = 0;
+  std::uint32_t creator_pid = 0;          // proto::SessionHeader::creator_pid
   std::uint64_t take_over_host_tier = 0;  // proto::SessionHeader::take_over_host_tier
   std::uint32_t served_ranks = 0;         // proto::SessionHeader::served_ranks
   proto::CacheGeometry geometry{};

@@ -134,6 +134,9 @@ class RankEndpoint {
   const proto::TensorDesc* tensor(std::uint32_t layer, proto::TensorKind kind) const;
   std::uint32_t rank() const;
   std::uint64_t generation() const;
+  // The pid of the process that made the session (SessionHeader::creator_pid), read once at
+  // attach: the only process whose own memory (/proc/<pid>/fd/<fd>) a tensor may name.
+  std::uint32_t engine_pid() const;
   // Whether the engine asks this rank's daemon to take over the host pool it kept from this
   // suffix's dead previous session (proto::SessionHeader::take_over_host_tier). Read once at attach.
   bool take_over_host_tier() const;
