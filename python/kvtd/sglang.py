@@ -22,7 +22,7 @@ daemon that dies ends its tasks; one whose copy never finishes exits on its own 
 Keys are sglang's strings, opaque to kvtd; kvtd namespaces them by the daemon's model id, the
 layout's fingerprint and the weight version. `clear()` (sglang's /clear_hicache_storage_backend,
 hiradix_cache.py:819-838) moves to the next weight version: everything stored before misses from
-then on, and `kvtd storage gc` reclaims it. `"kvtd_weight_version"` in the extra config starts at
+then on, and `kvtd ctl storage gc --keep-weight-version` reclaims it. `"kvtd_weight_version"` in the extra config starts at
 a given version (a restart after a weight update).
 
 The extra config's own keys: kvtd_session (session prefix, default "sglang"), kvtd_timeout_s (per
