@@ -4,6 +4,8 @@
 // tensors through the IPC handles (base plus offset), run every scatter mode, export per-layer
 // events the engine opens, and open FastDeploy's tensors by name. Faults and delays injected
 // through the stand-in are in cuda_faults_test.
+#include <filesystem>
+
 #include "cuda_daemon_fixture.h"
 
 namespace kvtd {
@@ -117,6 +119,16 @@ TEST_F(FastDeployCudaTest, TheDaemonMakesTheCacheFastDeploysWorkerMapsWithCreate
   ASSERT_NO_FATAL_FAILURE(cuda_round_trip({1, 2, 3, 17, 9}, {4, 5, 6, 0, 11}, {20, 21, 22, 7, 30}));
   for (void* p : opened) EXPECT_EQ(cudaIpcCloseMemHandle(p), cudaSuccess);
   dev_.clear();
+  // The names this daemon published are its to remove when it stops: the test's teardown SIGKILLs
+  // what still runs, which left all 12 in /dev/shm after every CI run.
+  for (auto& d : daemons_) {
+    d.signal(SIGTERM);
+    ASSERT_EQ(d.wait_exit(std::chrono::seconds(30)), 0);
+  }
+  for (std::uint32_t r = 0; r < g_.num_ranks; ++r)
+    for (std::uint32_t l = 0; l < g_.num_layers; ++l)
+      for (const auto kind : {proto::TensorKind::kKey, proto::TensorKind::kValue})
+        EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + name_of(kind, l, r))) << name_of(kind, l, r);
 }
 
 // Every scatter mode (two per test: a test keeps two daemon incarnations' logs). A run (1, 2, 3
