@@ -6,17 +6,16 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <string_view>
-#include <utility>
-
-#include <boost/interprocess/mapped_region.hpp>
-#include <boost/interprocess/shared_memory_object.hpp>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kvtd/daemon/device_backend.h"
+#include "kvtd/daemon/engine_memory.h"
 #include "kvtd/ipc/populate.h"
 #include "kvtd/kernels/checksum.h"
 #include "kvtd/ipc/shared_object.h"
@@ -45,73 +44,78 @@ Result<std::vector<std::uint64_t>, DeviceErrc> CopyEngine::copy_with_checksums(D
 }
 
 namespace {
-namespace bip = boost::interprocess;
 
-// One opened "device" object: a /dev/shm object, or memory an engine process made and names by
-// its descriptor. Move-only; unmaps on destruction.
+// One opened "device" object, mapped whole; unmapped on destruction. Move-only.
 struct Mapping {
-  std::unique_ptr<bip::mapped_region> region;  // a /dev/shm object
   void* addr = nullptr;
   std::size_t size = 0;
-  bool unmap = false;  // an engine descriptor's mapping (region is null)
 
-  Mapping() = default;
-  Mapping(Mapping&& o) noexcept
-      : region(std::move(o.region)), addr(std::exchange(o.addr, nullptr)), size(o.size), unmap(std::exchange(o.unmap, false)) {}
+  Mapping(void* a, std::size_t n) : addr(a), size(n) {}
+  Mapping(Mapping&& o) noexcept : addr(std::exchange(o.addr, nullptr)), size(o.size) {}
   Mapping& operator=(Mapping&&) = delete;
   Mapping(const Mapping&) = delete;
   ~Mapping() {
-    if (unmap && addr) munmap(addr, size);
+    if (addr) munmap(addr, size);
   }
 };
 
-Result<Mapping, DeviceErrc> map_shm_object(const std::string& name) {
-  try {
-    bip::shared_memory_object shm(bip::open_only, name.c_str(), bip::read_write);
-    Mapping m;
-    m.region = std::make_unique<bip::mapped_region>(shm, bip::read_write);
-    m.addr = m.region->get_address();
-    m.size = m.region->get_size();
-    return m;
-  } catch (const bip::interprocess_exception& e) {
-    return make_error(DeviceErrc::kOpenFailed, "cannot open device tensor object " + name + ": " + e.what());
-  }
+// "/proc/<pid>/fd/<fd>" with both numbers plain digits: the pid and fd, else nullopt.
+std::optional<std::pair<std::uint32_t, std::uint32_t>> parse_engine_fd(std::string_view handle) {
+  const auto number = [](std::string_view s) -> std::optional<std::uint32_t> {
+    if (s.empty() || s.size() > 9 || !std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      return std::nullopt;
+    return static_cast<std::uint32_t>(std::stoul(std::string(s)));
+  };
+  constexpr std::string_view kProc = "/proc/", kFd = "/fd/";
+  if (handle.substr(0, kProc.size()) != kProc) return std::nullopt;
+  handle.remove_prefix(kProc.size());
+  const std::size_t at = handle.find(kFd);
+  if (at == std::string_view::npos) return std::nullopt;
+  const auto pid = number(handle.substr(0, at)), fd = number(handle.substr(at + kFd.size()));
+  if (!pid || !fd) return std::nullopt;
+  return std::pair{*pid, *fd};
 }
 
-// Memory an engine made without a name, a memfd (sglang's host pool with "allocator": "shm",
-// mem_cache/storage/mmap/mmap_allocator.py:160-167 at v0.5.18), named by the engine as
-// "/proc/<pid>/fd/<fd>": nothing else is accepted, and only a regular file (memfds are) is mapped.
-Result<Mapping, DeviceErrc> map_engine_fd(const std::string& path) {
-  const auto digits = [](std::string_view s) {
-    return !s.empty() && s.size() <= 10 && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
-  };
-  std::string_view rest(path);
-  rest.remove_prefix(6);  // "/proc/"
-  const std::size_t slash = rest.find("/fd/");
-  if (slash == std::string_view::npos || !digits(rest.substr(0, slash)) || !digits(rest.substr(slash + 4)))
-    return make_error(DeviceErrc::kOpenFailed, "device tensor object " + path +
+// Opens and maps a "device" object read-write: a /dev/shm object by its name, or an engine's own
+// memory by /proc/<pid>/fd/<fd> (a memfd: sglang's host pool with "allocator": "shm",
+// mem_cache/storage/mmap/mmap_allocator.py:160-167 at v0.5.18). Only a non-empty regular file is
+// mapped (shm objects and memfds are); a name holding '/' past a leading one, or a malformed /proc
+// form, is refused by name.
+Result<Mapping, DeviceErrc> map_object(const std::string& name) {
+  const bool engine_fd = name.rfind("/proc/", 0) == 0;
+  const std::string_view bare = std::string_view(name).substr(!name.empty() && name[0] == '/' ? 1 : 0);
+  if (engine_fd ? !parse_engine_fd(name) : bare.find('/') != std::string_view::npos)
+    return make_error(DeviceErrc::kOpenFailed, "device tensor object " + name +
                                                    " is neither a shared-memory object name nor /proc/<pid>/fd/<fd>");
+  const std::string path = engine_fd ? name : "/dev/shm/" + std::string(bare);
+  const std::string what = engine_fd ? "the engine's memory " + name : "device tensor object " + name;
   const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
   if (fd < 0)
-    return make_error(DeviceErrc::kOpenFailed, "cannot open the engine's memory " + path + ": " + std::strerror(errno) +
+    return make_error(DeviceErrc::kOpenFailed, "cannot open " + what + ": " + std::strerror(errno) +
                                                    (errno == EACCES ? " (the daemon must run as the engine's user)" : ""));
   struct stat st {};
-  Mapping m;
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0) {
     ::close(fd);
-    return make_error(DeviceErrc::kOpenFailed, "the engine's memory " + path + " is not a non-empty memfd or file");
+    return make_error(DeviceErrc::kOpenFailed, what + " is not a non-empty memfd or file");
   }
-  m.size = static_cast<std::size_t>(st.st_size);
-  void* p = mmap(nullptr, m.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const auto size = static_cast<std::size_t>(st.st_size);
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int mmap_errno = errno;
   ::close(fd);
   if (p == MAP_FAILED)
-    return make_error(DeviceErrc::kOpenFailed, "cannot map the engine's memory " + path + " (" +
-                                                   std::to_string(m.size) + " bytes): " + std::strerror(mmap_errno));
-  m.addr = p;
-  m.unmap = true;
-  return m;
+    return make_error(DeviceErrc::kOpenFailed, "cannot map " + what + " (" + std::to_string(size) +
+                                                   " bytes): " + std::strerror(mmap_errno));
+  return Mapping(p, size);
 }
+
+}  // namespace
+
+std::optional<std::uint32_t> engine_memory_pid(std::string_view handle) {
+  const auto parsed = parse_engine_fd(handle);
+  return parsed ? std::optional<std::uint32_t>(parsed->first) : std::nullopt;
+}
+
+namespace {
 
 class HostBackend final : public DeviceBackend {
  public:
@@ -131,7 +135,7 @@ class HostBackend final : public DeviceBackend {
     const std::string name(raw, len);
     auto it = maps_.find(name);
     if (it == maps_.end()) {
-      auto opened = name.rfind("/proc/", 0) == 0 ? map_engine_fd(name) : map_shm_object(name);
+      auto opened = map_object(name);
       if (!opened.ok()) return std::move(opened).error();
       ipc::populate_for_write(opened->addr, opened->size);
       it = maps_.emplace(name, std::move(*opened)).first;

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <thread>
 
+#include "kvtd/daemon/engine_memory.h"
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/notify.h"
 #include "kvtd/ipc/clock.h"
@@ -14,11 +15,10 @@ namespace kvtd::daemon {
 
 std::optional<std::string> foreign_process_memory(const proto::TensorDesc& d, std::uint32_t engine_pid) {
   const auto* raw = reinterpret_cast<const char*>(d.handle);
-  const std::string name(raw, strnlen(raw, sizeof d.handle));
-  if (name.rfind("/proc/", 0) != 0) return std::nullopt;
-  const std::string mine = "/proc/" + std::to_string(engine_pid) + "/fd/";
-  if (name.rfind(mine, 0) == 0) return std::nullopt;
-  return "tensor object " + name + " is not the memory of the engine that made the session (pid " +
+  const std::string_view name(raw, strnlen(raw, sizeof d.handle));
+  const auto pid = engine_memory_pid(name);
+  if (!pid || *pid == engine_pid) return std::nullopt;
+  return "tensor object " + std::string(name) + " is not the memory of the engine that made the session (pid " +
          std::to_string(engine_pid) + "): a daemon maps no other process's memory";
 }
 

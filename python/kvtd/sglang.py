@@ -146,35 +146,34 @@ class KvtdHiCacheStorage(HiCacheStorage):
             log.warning("kvtd %s on %s: %s (counted as a miss or failed set)", what, self._suffix, why)
 
     def _run(self, what: str, submit):
-        """`submit(session, deadline_ns)` -> task id; its final result, or None when the daemon
-        is down, late or the call failed. Never raises."""
+        """`submit(session, deadline_ns)` -> task id; its result when the task succeeded, else
+        None (the daemon down or late, the task failed, the call raised). Never raises."""
         s = self._session
         if s is None:
             self._warn(what, "no host pool registered")
             return None
         try:
             if not s.rank_alive(self._rank):
-                self._count("calls_failed", 1)
-                self._warn(what, f"rank {self._rank}'s daemon is not attached")
-                return None
-            tid = submit(s, now_ns() + int(self._timeout * 1e9))
-            try:
-                r = s.wait(tid, self._timeout, check=False)
-            except Timeout:  # cancelled, and its final answer awaited: then sglang may reuse the pages
-                r = s.final_result(tid, cancel=True, timeout_each=self._timeout)
-            if not r.ok:
-                self._count("calls_failed", 1)
-                self._warn(what, f"{r.status_name}: {r.message}")
-            return r
+                why = f"rank {self._rank}'s daemon is not attached"
+            else:
+                tid = submit(s, now_ns() + int(self._timeout * 1e9))
+                try:
+                    r = s.wait(tid, self._timeout, check=False)
+                except Timeout:  # cancelled, and its final answer awaited: then sglang may reuse the pages
+                    r = s.final_result(tid, cancel=True, timeout_each=self._timeout)
+                if r.ok:
+                    return r
+                why = f"{r.status_name}: {r.message}"
         except Exception as e:  # noqa: BLE001 - sglang's threads must live on
-            self._count("calls_failed", 1)
-            self._warn(what, e)
-            return None
+            why = e
+        self._count("calls_failed", 1)
+        self._warn(what, why)
+        return None
 
     def _pages(self, keys, host_indices) -> Optional[List[int]]:
         plan = self._plan
         pages = None if plan is None else pages_of(host_indices, len(keys), plan.page_size)
-        if pages is None or (plan is not None and any(p >= plan.pages for p in pages)):
+        if pages is None or any(p >= plan.pages for p in pages):
             self._warn("page indices", "host indices do not name whole pages of the registered pool")
             return None
         return pages
@@ -187,7 +186,7 @@ class KvtdHiCacheStorage(HiCacheStorage):
             return 0
         self._count("exists_calls", 1)
         r = self._run("query", lambda s, dl: s.storage_query(list(keys), deadline_ns=dl))
-        hits = r.blocks_done if r is not None and r.ok else 0
+        hits = r.blocks_done if r is not None else 0
         self._count("pages_hit", hits)
         self._count("pages_missed", len(keys) - hits)
         return hits
@@ -204,7 +203,7 @@ class KvtdHiCacheStorage(HiCacheStorage):
         if pages is None:
             return [False] * len(keys)
         r = self._run("load", lambda s, dl: s.storage_read(list(keys), pages, deadline_ns=dl))
-        done = min(len(keys), r.blocks_done) if r is not None and r.ok else 0
+        done = min(len(keys), r.blocks_done) if r is not None else 0
         self._count("pages_loaded", done)
         self._count("pages_load_failed", len(keys) - done)
         return [i < done for i in range(len(keys))]
@@ -217,7 +216,7 @@ class KvtdHiCacheStorage(HiCacheStorage):
         if pages is None:
             return [False] * len(keys)
         r = self._run("store", lambda s, dl: s.storage_write(list(keys), pages, deadline_ns=dl))
-        ok = r is not None and r.ok
+        ok = r is not None
         self._count("pages_stored" if ok else "pages_store_failed", len(keys))
         return [ok] * len(keys)
 
