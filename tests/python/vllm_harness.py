@@ -1,0 +1,93 @@
+"""vLLM's own source for tests: main 017e9f44 in $KVTD_VLLM_SRC, else ../shared/reference/vllm beside
+the checkout, else /work/shared/reference/vllm (see its PROVENANCE: what imports on Debian's torch
+1.13 and with which stand-ins).
+
+Stand-ins, only for what cannot load here (PROVENANCE, "Import check"): vllm.logger (init_logger,
+whose logger has warning_once/info_once), vllm.utils.math_utils (round_up, round_down, cdiv), and
+modules the offloading code imports only for type names or engine plumbing it does not run here
+(vllm.config, vllm.platforms, vllm.forward_context, vllm.v1.request, ...): those hand out an empty
+class for any name they are asked for. No logic of vLLM's is replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from pathlib import Path
+from typing import Optional
+
+from reference_source import reference_source, stand_in_module
+
+
+def vllm_source() -> Optional[Path]:
+    return reference_source("KVTD_VLLM_SRC", "vllm", "vllm/v1/kv_offload/base.py")
+
+
+def skip_reason() -> str:
+    return ("vLLM's source is not here: set KVTD_VLLM_SRC to a checkout of vLLM main 017e9f44, or place it at "
+            "../shared/reference/vllm beside this checkout")
+
+
+class _Logger(logging.LoggerAdapter):
+    def warning_once(self, msg, *args, **kw):
+        self.warning(msg, *args, **kw)
+
+    def info_once(self, msg, *args, **kw):
+        self.info(msg, *args, **kw)
+
+    def debug_once(self, msg, *args, **kw):
+        self.debug(msg, *args, **kw)
+
+
+def _names_module(name: str) -> types.ModuleType:
+    """A module that hands out an empty class for every name imported from it (for type
+    annotations and isinstance checks of engine parts these tests do not run)."""
+    m = stand_in_module(name)
+    made = {}
+
+    def __getattr__(attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        if attr not in made:
+            made[attr] = type(attr, (), {"__module__": name})
+        return made[attr]
+
+    m.__getattr__ = __getattr__
+    m.__path__ = []  # importable as a package too
+    return m
+
+
+_TYPE_ONLY_MODULES = [
+    "vllm.config", "vllm.config.kv_events", "vllm.platforms", "vllm.forward_context", "vllm.v1.request",
+    "vllm.v1.outputs", "vllm.v1.kv_cache_interface", "vllm.v1.core", "vllm.v1.core.kv_cache_utils",
+    "vllm.v1.core.kv_cache_manager", "vllm.v1.core.sched", "vllm.v1.core.sched.output", "vllm.v1.attention",
+    "vllm.v1.attention.backend", "vllm.triton_utils", "vllm.utils.torch_utils",
+    "vllm.distributed.device_communicators", "vllm.distributed.device_communicators.shm_broadcast",
+    "vllm.distributed.kv_transfer.kv_connector.utils", "vllm.distributed.kv_transfer.kv_connector.v1.metrics",
+    "vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector",
+]
+
+
+def _stand_ins():
+    if "vllm.logger" in sys.modules:
+        return
+    stand_in_module("vllm.logger", init_logger=lambda name: _Logger(logging.getLogger(name), {}))
+    stand_in_module("vllm.utils")
+    sys.modules["vllm.utils"].__path__ = []
+    stand_in_module("vllm.utils.math_utils", round_up=lambda x, m: (x + m - 1) // m * m,
+                    round_down=lambda x, m: x // m * m, cdiv=lambda a, b: -(-a // b))
+    for name in _TYPE_ONLY_MODULES:
+        if name not in sys.modules:
+            _names_module(name)
+
+
+def import_vllm():
+    """Puts vLLM's tree first on sys.path with the stand-ins in place; returns its path."""
+    src = vllm_source()
+    if src is None:
+        raise RuntimeError(skip_reason())
+    if str(src) not in sys.path:
+        sys.path.insert(0, str(src))
+    _stand_ins()
+    return src
