@@ -139,3 +139,38 @@ def test_vllms_own_code_stores_looks_up_and_loads_through_two_ranks_daemons(tmp_
     finally:
         for r in ranks:
             r.close()
+
+
+def test_a_killed_daemon_leaves_vllms_worker_code_running_and_records_what_failed(tmp_path):
+    """vLLM's worker asserts every transfer succeeded (worker.py:313-330, 361). Rank 1's daemon is
+    SIGKILLed; a store and a load through both ranks still complete in vLLM's eyes (no assert
+    fires), and rank 1's worker records the store's job and the load's GPU blocks as failed. What
+    vLLM is then told of them (recompute, not stored) is the next step of issue 36."""
+    import signal
+
+    base, _, _, common, _ = vllm_modules()
+    extra = {"spec_name": "KvtdOffloadingSpec", "spec_module_path": "kvtd.vllm", "kvtd_host_blocks": 16,
+             "kvtd_session": f"vl{uuid.uuid4().hex[:6]}", "kvtd_ready_timeout_s": 30}
+    ranks = [Rank(r, 2, extra, tmp_path) for r in range(2)]
+    manager = ranks[0].spec.get_manager()
+    try:
+        ctx = base.ReqContext("req-1")
+        keys = [base.make_offload_key(bytes([k]) * 16, 0) for k in range(3)]
+        ranks[1].daemons.procs[0].send_signal(signal.SIGKILL)
+        ranks[1].daemons.procs[0].wait()
+        out = manager.prepare_store(keys, ctx)
+        job = common.TransferJob("req-1", base.GPULoadStoreSpec([1, 2, 3], group_sizes=[3], block_indices=[0]),
+                                 out.store_spec)
+        md = common.OffloadingConnectorMetadata(load_jobs={}, store_jobs={1: job})
+        for r in ranks:
+            r.connector.prepare_store_kv(md)
+        assert run_step(ranks, common.OffloadingConnectorMetadata(load_jobs={}, store_jobs={}), 1, common)
+        assert ranks[1].connector.worker.failed_stores == {1} and not ranks[0].connector.worker.failed_stores
+        manager.complete_store(keys, ctx)
+        load = common.TransferJob("req-2", manager.prepare_load(keys, ctx),
+                                  base.GPULoadStoreSpec([7, 8, 9], group_sizes=[3], block_indices=[0]))
+        assert run_step(ranks, common.OffloadingConnectorMetadata(load_jobs={2: load}, store_jobs={}), 2, common)
+        assert ranks[1].connector.worker.failed_loads == {7, 8, 9} and not ranks[0].connector.worker.failed_loads
+    finally:
+        for r in ranks:
+            r.close()
