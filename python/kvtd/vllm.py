@@ -14,11 +14,13 @@ and turns submit_store / submit_load into swaps on its rank's daemon; the host t
 daemon's pool, so it outlives the worker. vLLM waits for every rank's acknowledgement of a job
 (scheduler.py:1549-1568), which is the cross-rank agreement.
 
-WORK IN PROGRESS (branch vllm-wip): failures are not yet carried to vLLM. Its worker asserts
-success (offloading/worker.py:313-330, 361), so a failed kvtd job is reported successful here and
-recorded (`failed_loads`, `failed_stores`); the plan is a connector subclass that returns the
-failed loads' GPU blocks from get_block_ids_with_load_errors (recompute) and marks failed stores
-complete_store(success=False).
+Failures (vLLM's worker asserts every job succeeded, offloading/worker.py:313-330, 361): a failed
+kvtd job is reported finished, and recorded. Use `"kv_connector": "KvtdOffloadingConnector",
+"kv_connector_module_path": "kvtd.vllm"` with `"kv_load_failure_policy": "recompute"`: the
+connector returns a failed load's GPU blocks from get_block_ids_with_load_errors, in the same pass
+in which get_finished reported the request (vLLM calls the two in that order, after each step), so
+vLLM recomputes them instead of running on bytes that did not arrive. WORK IN PROGRESS (branch
+vllm-wip): failed stores are recorded but the scheduler's manager still counts them stored.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from typing import Dict, List, Optional, Set
 from vllm.v1.kv_offload.base import (CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec, OffloadingManager,
                                      OffloadingSpec, OffloadingWorker, TransferResult)
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
 from .fastdeploy_v1_support import tensor_location
 from .geometry import Geometry
@@ -181,6 +185,20 @@ class KvtdOffloadingWorker(OffloadingWorker):
             if job is not None:
                 self._finish(job_id, job, self._session.final_result(job.task_id, cancel=False))
 
+    def take_failed_loads(self) -> Set[int]:
+        out, self.failed_loads = self.failed_loads, set()
+        return out
+
     def shutdown(self) -> None:
         self.wait(set(self._jobs))
         self._session.close()
+
+
+class KvtdOffloadingConnector(OffloadingConnector):
+    """vLLM's OffloadingConnector, telling vLLM which GPU blocks a kvtd load did not fill."""
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        w = self.connector_worker
+        if w is None or not isinstance(w.worker, KvtdOffloadingWorker):
+            return set()
+        return w.worker.take_failed_loads()

@@ -69,9 +69,19 @@ _TYPE_ONLY_MODULES = [
 ]
 
 
+class _Struct:
+    """msgspec.Struct's stand-in (msgspec is not in Debian 12): accepts the class keywords vLLM's
+    event structs use (array_like=, omit_defaults=, gc=, tag=), enough to import them."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__()
+
+
 def _stand_ins():
     if "vllm.logger" in sys.modules:
         return
+    if "msgspec" not in sys.modules:
+        stand_in_module("msgspec", Struct=_Struct, field=lambda *a, **k: None)
     stand_in_module("vllm.logger", init_logger=lambda name: _Logger(logging.getLogger(name), {}))
     stand_in_module("vllm.utils")
     sys.modules["vllm.utils"].__path__ = []
