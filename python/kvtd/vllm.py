@@ -20,7 +20,9 @@ kvtd job is reported finished, and recorded. Use `"kv_connector": "KvtdOffloadin
 connector returns a failed load's GPU blocks from get_block_ids_with_load_errors, in the same pass
 in which get_finished reported the request (vLLM calls the two in that order, after each step), so
 vLLM recomputes them instead of running on bytes that did not arrive. WORK IN PROGRESS (branch
-vllm-wip): failed stores are recorded but the scheduler's manager still counts them stored.
+vllm-wip): failed stores are recorded but the scheduler's manager still counts them stored, and a
+store refused before its daemon saw it leaves the host blocks' validity as it was (possibly an
+evicted key's older bytes, which a later load would take): not for use until that is closed.
 """
 
 from __future__ import annotations
