@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 from . import _native as n
 
@@ -44,6 +44,20 @@ class Geometry:
     scale_bytes: int = 2
     num_extra_layers: int = 0
     extra_device_blocks: int = 0
+
+    def daemon_flags(self) -> List[str]:
+        """The flags that give a daemon this geometry (its rank, session and backend are the caller's)."""
+        flags = ["--mp-num", str(self.num_ranks), "--num-layers", str(self.num_layers - self.num_extra_layers),
+                 "--num-host-blocks", str(self.num_host_blocks),
+                 "--key-cache-shape", ",".join(str(int(v)) for v in self.key_shape), "--cache-dtype", self.dtype]
+        if self.value_shape is not None:
+            flags += ["--value-cache-shape", ",".join(str(int(v)) for v in self.value_shape)]
+        if self.num_extra_layers:
+            flags += ["--num-extra-layers", str(self.num_extra_layers),
+                      "--extra-device-blocks", str(self.extra_device_blocks)]
+        if self.dtype == "block_wise_fp8" and self.scale_bytes == 4:
+            flags += ["--default-dtype", "float32"]
+        return flags
 
     def to_native(self) -> n.Geometry:
         if self.dtype not in DTYPES:

@@ -69,14 +69,7 @@ def plan_for(host, tp_size: int, mla: bool) -> PoolPlan:
 
 def daemon_command(plan: PoolPlan, suffix: str, rank: int) -> List[str]:
     """The daemon's command line for this rank (storage flags are the operator's to add)."""
-    g = plan.geometry
-    shape = ",".join(str(v) for v in g.key_shape)
-    cmd = ["kvtd", "--session", suffix, "--rank", str(rank), "--mp-num", str(g.num_ranks), "--device-backend", "host",
-           "--num-layers", str(g.num_layers), "--key-cache-shape", shape, "--cache-dtype", g.dtype,
-           "--num-host-blocks", "0"]
-    if g.value_shape is not None:
-        cmd += ["--value-cache-shape", shape]
-    return cmd
+    return ["kvtd", "--session", suffix, "--rank", str(rank), "--device-backend", "host", *plan.geometry.daemon_flags()]
 
 
 class KvtdHiCacheStorage(HiCacheStorage):

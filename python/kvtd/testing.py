@@ -39,25 +39,13 @@ def find_binary() -> str:
 def daemon_args(binary: str, suffix: str, rank: int, g, extra: Sequence[str] = ()) -> List[str]:
     """The flags that make a daemon agree with `g`, a Geometry or CacheGroups (host backend
     unless `extra` names one)."""
-    if hasattr(g, "daemon_flags"):  # cache groups
-        args = [binary, "--rank", str(rank), "--mp-num", str(g.num_ranks), *g.daemon_flags(), "--session", suffix,
-                "--engine-timeout", "2", "--heartbeat-period", "0.02"]
-        if "--device-backend" not in extra:
-            args += ["--device-backend", "host"]
-        return args + list(extra)
-    shape = ",".join(str(int(v)) for v in g.key_shape)
-    args = [binary, "--rank", str(rank), "--mp-num", str(g.num_ranks),
-            "--num-layers", str(g.num_layers - g.num_extra_layers), "--num-host-blocks", str(g.num_host_blocks),
-            "--key-cache-shape", shape, "--cache-dtype", g.dtype, "--session", suffix,
-            "--engine-timeout", "2", "--heartbeat-period", "0.02"]
+    flags = g.daemon_flags()
+    if "--mp-num" not in flags:  # cache groups name their groups only
+        flags = ["--mp-num", str(g.num_ranks), *flags]
+    args = [binary, "--rank", str(rank), *flags, "--session", suffix, "--engine-timeout", "2",
+            "--heartbeat-period", "0.02"]
     if "--device-backend" not in extra:
         args += ["--device-backend", "host"]
-    if g.value_shape is not None:
-        args += ["--value-cache-shape", ",".join(str(int(v)) for v in g.value_shape)]
-    if g.num_extra_layers:
-        args += ["--num-extra-layers", str(g.num_extra_layers), "--extra-device-blocks", str(g.extra_device_blocks)]
-    if g.dtype == "block_wise_fp8" and g.scale_bytes == 4:
-        args += ["--default-dtype", "float32"]
     return args + list(extra)
 
 

@@ -1,8 +1,11 @@
 """kvtd as vLLM's native KV offloading spec (vLLM main 017e9f44), loaded by vLLM's own factory:
 
-    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    --kv-transfer-config '{"kv_connector": "KvtdOffloadingConnector", "kv_connector_module_path": "kvtd.vllm",
+      "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
       "kv_connector_extra_config": {"spec_name": "KvtdOffloadingSpec", "spec_module_path": "kvtd.vllm",
         "kvtd_host_blocks": 65536, "kvtd_session": "vllm"}}'
+
+with one kvtd daemon per rank serving session `<kvtd_session>_r<rank>` (README, "vLLM").
 
 vLLM constructs the spec in its scheduler process and in every worker process
 (OffloadingSpecFactory.create_spec, v1/kv_offload/factory.py:52-56; offloading_connector.py:61-82).
@@ -14,15 +17,30 @@ and turns submit_store / submit_load into swaps on its rank's daemon; the host t
 daemon's pool, so it outlives the worker. vLLM waits for every rank's acknowledgement of a job
 (scheduler.py:1549-1568), which is the cross-rank agreement.
 
-Failures (vLLM's worker asserts every job succeeded, offloading/worker.py:313-330, 361): a failed
-kvtd job is reported finished, and recorded. Use `"kv_connector": "KvtdOffloadingConnector",
-"kv_connector_module_path": "kvtd.vllm"` with `"kv_load_failure_policy": "recompute"`: the
-connector returns a failed load's GPU blocks from get_block_ids_with_load_errors, in the same pass
-in which get_finished reported the request (vLLM calls the two in that order, after each step), so
-vLLM recomputes them instead of running on bytes that did not arrive. WORK IN PROGRESS (branch
-vllm-wip): failed stores are recorded but the scheduler's manager still counts them stored, and a
-store refused before its daemon saw it leaves the host blocks' validity as it was (possibly an
-evicted key's older bytes, which a later load would take): not for use until that is closed.
+Failures. vLLM's worker asserts every job succeeded ("we currently do not support job
+failures", offloading/worker.py:313-330, 361), so a kvtd task that fails is reported finished
+(success=True) and its failure travels beside it, in the worker metadata vLLM already carries from
+every worker to the scheduler (KvtdWorkerMetadata; the model runner calls get_finished, then
+get_block_ids_with_load_errors, then build_connector_worker_meta, in that order, each step:
+vllm/v1/worker/kv_connector_model_runner_mixin.py:99-110, not vendored):
+- a failed store: its host blocks reach the scheduler's KvtdOffloadingManager, which completes the
+  job's keys whose block failed on any rank with success=False (vLLM's own path for a failed store,
+  cpu/manager.py:239-265: the keys are removed and their blocks freed), so no lookup ever hits a
+  key some rank's daemon did not store;
+- a failed load: its GPU blocks are returned from get_block_ids_with_load_errors in the pass in
+  which get_finished reports the request, so vLLM recomputes them instead of running on bytes that
+  did not arrive (with vLLM's default `"kv_load_failure_policy": "fail"` the request fails
+  instead); its host blocks reach the manager too, which drops
+  those keys once no load holds them (a daemon that lost its pool would otherwise fail every load
+  of them again).
+A job is reported finished only once every daemon of the rank reported its task final, so no
+daemon writes into GPU blocks vLLM was told to recompute. Under vLLM's plain OffloadingConnector
+(nothing carries the failures) a failed job is reported failed: vLLM's worker asserts and stops,
+the loud outcome instead of a silent wrong byte.
+
+Replicated layouts (MLA): the spec leaves `replicated_layout` False, so every rank stores its own
+copy into its own daemon's pool (vLLM's CPU spec lets rank 0 write one copy into a region the
+ranks share, worker.py:55-57; kvtd's pools are per rank).
 """
 
 from __future__ import annotations
@@ -34,13 +52,14 @@ from typing import Dict, List, Optional, Set
 
 from vllm.v1.kv_offload.base import (CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec, OffloadingManager,
                                      OffloadingSpec, OffloadingWorker, TransferResult)
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
 from .fastdeploy_v1_support import tensor_location
 from .geometry import Geometry
 from .session import Session
+from .vllm_manager import KvtdOffloadingManager, KvtdWorkerMetadata
 
 log = logging.getLogger("kvtd.vllm")
 
@@ -68,7 +87,7 @@ class KvtdOffloadingSpec(OffloadingSpec):
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            self._manager = CPUOffloadingManager(num_blocks=self.num_blocks,
+            self._manager = KvtdOffloadingManager(num_blocks=self.num_blocks,
                                                  cache_policy=self.extra_config.get("eviction_policy", "lru"),
                                                  enable_events=self.kv_events_config.enable_kv_cache_events)
         return self._manager
@@ -96,11 +115,18 @@ def geometry_of(kv_caches: CanonicalKVCaches, world_size: int, host_blocks: int)
                     value_shape=shape if paired else None, dtype="uint8", num_host_blocks=host_blocks)
 
 
+def daemon_command(g: Geometry, suffix: str, rank: int, device: int) -> List[str]:
+    """The daemon's command line for this rank (storage and log flags are the operator's to add)."""
+    backend = ["--device-backend", "cuda", "--device-id", str(device)] if device >= 0 else ["--device-backend", "host"]
+    return ["kvtd", "--session", suffix, "--rank", str(rank), *backend, *g.daemon_flags()]
+
+
 @dataclasses.dataclass
 class _Job:
     task_id: int
     is_load: bool
     gpu_blocks: List[int]
+    host_blocks: List[int]
     nbytes: int
     started: float
 
@@ -126,15 +152,24 @@ class KvtdOffloadingWorker(OffloadingWorker):
         except Exception:
             s.close()
             raise
+        self.daemon_command = daemon_command(self._geometry, self.suffix, self._rank, device)
+        log.info("kvtd session %s published; rank %d's daemon: %s", self.suffix, self._rank,
+                 " ".join(self.daemon_command))
         self._session = s
         self._jobs: Dict[int, _Job] = {}
         self._done: List[TransferResult] = []
         self.failed_loads: Set[int] = set()  # GPU blocks whose load failed (to recompute)
         self.failed_stores: Set[int] = set()  # job ids whose store failed (not stored)
+        self._failed_host_stores: Set[int] = set()  # host blocks, for the scheduler's manager
+        self._failed_host_loads: Set[int] = set()
+        # Set by KvtdOffloadingConnector: failures reach vLLM beside the jobs, so a failed job may be
+        # reported finished. Under vLLM's plain OffloadingConnector a failed job is reported failed.
+        self.failures_reach_vllm = False
         try:
             s.wait_ready(spec.ready_timeout)
         except Exception as e:  # noqa: BLE001 - transfers fail (and are recorded) until it is there
-            log.warning("kvtd session %s: rank %d's daemon is not ready (%s)", self.suffix, self._rank, e)
+            log.warning("kvtd session %s: rank %d's daemon is not ready (%s); start it as: %s", self.suffix,
+                        self._rank, e, " ".join(self.daemon_command))
 
     def _submit(self, job_id: int, is_load: bool, gpu: List[int], host: List[int]) -> bool:
         nbytes = len(gpu) * self._block_bytes * self._tensors
@@ -142,10 +177,10 @@ class KvtdOffloadingWorker(OffloadingWorker):
             tid = (self._session.swap_to_device(host, gpu) if is_load else self._session.swap_to_host(gpu, host))
         except Exception as e:  # noqa: BLE001 - vLLM asserts the submit succeeded
             log.warning("kvtd %s of job %d not submitted: %s", "load" if is_load else "store", job_id, e)
-            self._record_failure(job_id, is_load, gpu)
-            self._done.append(TransferResult(job_id, True, nbytes, 0.0))
+            self._record_failure(job_id, is_load, gpu, host)
+            self._done.append(TransferResult(job_id, False, nbytes, 0.0))
             return True
-        self._jobs[job_id] = _Job(tid, is_load, gpu, nbytes, time.monotonic())
+        self._jobs[job_id] = _Job(tid, is_load, gpu, host, nbytes, time.monotonic())
         return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
@@ -154,18 +189,20 @@ class KvtdOffloadingWorker(OffloadingWorker):
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         return self._submit(job_id, True, [int(b) for b in dst_spec.block_ids], [int(b) for b in src_spec.block_ids])
 
-    def _record_failure(self, job_id: int, is_load: bool, gpu: List[int]) -> None:
+    def _record_failure(self, job_id: int, is_load: bool, gpu: List[int], host: List[int]) -> None:
         if is_load:
             self.failed_loads.update(gpu)
+            self._failed_host_loads.update(host)
         else:
             self.failed_stores.add(job_id)
+            self._failed_host_stores.update(host)
 
     def _finish(self, job_id: int, job: _Job, result) -> None:
         if not result.ok:
             log.warning("kvtd %s of job %d failed: %s: %s", "load" if job.is_load else "store", job_id,
                         result.status_name, result.message)
-            self._record_failure(job_id, job.is_load, job.gpu_blocks)
-        self._done.append(TransferResult(job_id, True, job.nbytes, time.monotonic() - job.started))
+            self._record_failure(job_id, job.is_load, job.gpu_blocks, job.host_blocks)
+        self._done.append(TransferResult(job_id, bool(result.ok), job.nbytes, time.monotonic() - job.started))
 
     def get_finished(self) -> List[TransferResult]:
         for job_id, job in list(self._jobs.items()):
@@ -179,6 +216,13 @@ class KvtdOffloadingWorker(OffloadingWorker):
             del self._jobs[job_id]
             self._finish(job_id, job, r)
         out, self._done = self._done, []
+        if self.failures_reach_vllm:  # carried beside the job by KvtdOffloadingConnector
+            return [TransferResult(r.job_id, True, r.transfer_size, r.transfer_time) for r in out]
+        for r in out:
+            if not r.success:
+                log.error('kvtd job %d failed and vLLM was not told which blocks: run kvtd.vllm with "kv_connector": '
+                          '"KvtdOffloadingConnector", "kv_connector_module_path": "kvtd.vllm"; reporting the job '
+                          'failed (vLLM stops rather than run on KV that did not arrive)', r.job_id)
         return out
 
     def wait(self, job_ids: Set[int]) -> None:
@@ -187,8 +231,19 @@ class KvtdOffloadingWorker(OffloadingWorker):
             if job is not None:
                 self._finish(job_id, job, self._session.final_result(job.task_id, cancel=False))
 
+    def wait_ready(self, timeout: float) -> None:
+        """Until this rank's daemon is attached (after it was restarted, say)."""
+        self._session.wait_ready(timeout)
+
     def take_failed_loads(self) -> Set[int]:
+        """GPU blocks of failed loads since the last call (vLLM recomputes them)."""
         out, self.failed_loads = self.failed_loads, set()
+        return out
+
+    def take_failed_host_blocks(self):
+        """(store, load) host blocks that failed since the last call, for the scheduler's manager."""
+        out = (self._failed_host_stores, self._failed_host_loads)
+        self._failed_host_stores, self._failed_host_loads = set(), set()
         return out
 
     def shutdown(self) -> None:
@@ -197,10 +252,40 @@ class KvtdOffloadingWorker(OffloadingWorker):
 
 
 class KvtdOffloadingConnector(OffloadingConnector):
-    """vLLM's OffloadingConnector, telling vLLM which GPU blocks a kvtd load did not fill."""
+    """vLLM's OffloadingConnector, carrying kvtd's failures: a failed load's GPU blocks to vLLM's
+    recompute path, and failed stores' and loads' host blocks to the scheduler's manager."""
+
+    def _kvtd_worker(self) -> Optional[KvtdOffloadingWorker]:
+        w = self.connector_worker
+        return w.worker if w is not None and isinstance(w.worker, KvtdOffloadingWorker) else None
+
+    def get_finished(self, finished_req_ids):
+        w = self._kvtd_worker()
+        if w is not None:
+            w.failures_reach_vllm = True  # this connector carries them (below)
+        return super().get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
-        w = self.connector_worker
-        if w is None or not isinstance(w.worker, KvtdOffloadingWorker):
-            return set()
-        return w.worker.take_failed_loads()
+        w = self._kvtd_worker()
+        return w.take_failed_loads() if w is not None else set()
+
+    def build_connector_worker_meta(self):
+        meta = super().build_connector_worker_meta()
+        w = self._kvtd_worker()
+        if w is None:
+            return meta
+        stores, loads = w.take_failed_host_blocks()
+        if meta is None and not stores and not loads:
+            return None
+        # Every worker hands out KvtdWorkerMetadata, so vLLM's pairwise aggregate keeps the failures.
+        base = meta if meta is not None else OffloadingWorkerMetadata()
+        return KvtdWorkerMetadata(completed_jobs=base.completed_jobs, transfer_stats=base.transfer_stats,
+                                  failed_store_blocks=stores, failed_load_blocks=loads)
+
+    def update_connector_output(self, connector_output) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        sched = self.connector_scheduler
+        if isinstance(meta, KvtdWorkerMetadata) and sched is not None and \
+                isinstance(sched.manager, KvtdOffloadingManager):
+            sched.manager.note_failures(meta.failed_store_blocks, meta.failed_load_blocks)
+        super().update_connector_output(connector_output)

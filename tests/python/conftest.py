@@ -45,7 +45,7 @@ class Cluster:
         self.geometry = geometry
         self.daemons = kvtd.testing.Daemons(None, self.suffix, geometry, extra)
         self.daemons.start()
-        grouped = hasattr(geometry, "daemon_flags")  # kvtd.cache_groups.CacheGroups
+        grouped = hasattr(geometry, "groups")  # kvtd.cache_groups.CacheGroups
         self.session = kvtd.Session(self.suffix, groups=geometry) if grouped else kvtd.Session(self.suffix, geometry)
         self.session.create_host_device_tensors()
 

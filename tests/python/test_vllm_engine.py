@@ -1,17 +1,19 @@
 """kvtd as vLLM's native KV offloading spec, loaded and driven by vLLM (main 017e9f44)'s own code.
 
 vLLM's OffloadingSpecFactory loads `kvtd.vllm` from the extra config (factory.py:29-56, asserts
-issubclass(OffloadingSpec)); the scheduler side is the spec's manager (vLLM's own
-CPUOffloadingManager); each rank's worker side is vLLM's own OffloadingConnectorWorker
-(offloading/worker.py) over the spec's worker. The scheduler's part, which needs vLLM's engine,
-is done as offloading/scheduler.py does it (cited per step): prepare_store then a store job per
-request, completions counted across every worker, complete_store; lookup, prepare_load, a load job,
-complete_load. The workers' GPU tensors are shared-memory tensors on the host backend.
+issubclass(OffloadingSpec)); the scheduler side is vLLM's own OffloadingConnectorScheduler over
+the spec's manager (vLLM's CPUOffloadingManager, told of kvtd's failures); each rank's worker side
+is vLLM's own OffloadingConnectorWorker over the spec's worker; both sit in
+kvtd.vllm.KvtdOffloadingConnector. vllm_engine.Engine plays the engine parts that are not vendored
+(the engine scheduler, the model runner's connector context, the output aggregator), cited there.
+The workers' GPU tensors are shared-memory tensors on the host backend.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import time
 import uuid
 
 import pytest
@@ -19,11 +21,13 @@ import torch
 
 import kvtd.testing
 
+import vllm_engine
 import vllm_harness
+from vllm_engine import Engine, Request, chunk_bytes
 
 pytestmark = pytest.mark.skipif(vllm_harness.vllm_source() is None, reason=vllm_harness.skip_reason())
 
-LAYERS, GPU_BLOCKS, PAGE = 2, 24, 4096
+LAYERS, GPU_BLOCKS, PAGE = 2, 40, 2048
 
 
 def vllm_modules():
@@ -36,37 +40,55 @@ def vllm_modules():
 def offloading_config(rank, world, extra):
     _, config, _, _, _ = vllm_modules()
     return config.OffloadingConfig(
-        groups=(config.OffloadingGroupConfig(tokens_per_block=16, layer_names=tuple(f"l{i}" for i in range(LAYERS))),),
-        worker_kv_bytes_per_block=2 * LAYERS * PAGE, enable_kv_cache_events=False, extra_config=extra,
+        groups=(config.OffloadingGroupConfig(tokens_per_block=vllm_engine.TOKENS_PER_BLOCK,
+                                             layer_names=tuple(f"l{i}" for i in range(LAYERS))),),
+        worker_kv_bytes_per_block=2 * LAYERS * PAGE, enable_kv_cache_events=True, extra_config=extra,
         engine_id="kvtdtest", model=config.OffloadingModelConfig(name="m", dtype="bfloat16"),
-        cache=config.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        cache=config.OffloadingCacheConfig(tokens_per_hash=vllm_engine.TOKENS_PER_BLOCK, blocks_per_chunk=1),
         parallel=config.OffloadingParallelConfig(rank=rank, world_size=world, tp_size=world, pp_size=1, pcp_size=1,
                                                  dcp_size=1, data_parallel_index=0, data_parallel_size=1,
                                                  data_parallel_rank_local=None, is_parallelism_agnostic=False))
 
 
-class Rank:
-    """One vLLM worker process's KV cache (shared memory: the host backend's "GPU"), its spec and
-    vLLM's OffloadingConnectorWorker over the spec's worker."""
+def extra_config(host_blocks=16, **more):
+    return {"spec_name": "KvtdOffloadingSpec", "spec_module_path": "kvtd.vllm", "kvtd_host_blocks": host_blocks,
+            "kvtd_session": f"vl{uuid.uuid4().hex[:6]}", "kvtd_ready_timeout_s": 30, **more}
 
-    def __init__(self, rank, world, extra, tmp_path):
+
+class Rank:
+    """One vLLM worker process: its KV cache (shared memory, the host backend's "GPU"), its spec,
+    vLLM's OffloadingConnectorWorker over the spec's worker, and its rank's daemon."""
+
+    def __init__(self, rank, world, extra):
         base, _, factory, _, worker = vllm_modules()
-        nbytes = 2 * LAYERS * GPU_BLOCKS * PAGE
+        self.rank, self.block_bytes = rank, 2 * LAYERS * PAGE
         self.path = f"/dev/shm/kvtd_vllm_test_{uuid.uuid4().hex[:8]}"
-        self.buffer = torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.int8)
+        self.buffer = torch.from_file(self.path, shared=True, size=2 * LAYERS * GPU_BLOCKS * PAGE, dtype=torch.int8)
         self.tensors = [self.buffer[i * GPU_BLOCKS * PAGE:(i + 1) * GPU_BLOCKS * PAGE].view(GPU_BLOCKS, PAGE)
                         for i in range(2 * LAYERS)]
         self.spec = factory.OffloadingSpecFactory.create_spec(offloading_config(rank, world, extra))
         caches = base.CanonicalKVCaches(tensors=[base.CanonicalKVCacheTensor(t, PAGE) for t in self.tensors],
                                         group_data_refs=[[base.CanonicalKVCacheRef(i, PAGE) for i in range(2 * LAYERS)]])
         from kvtd.vllm import geometry_of
-        g = geometry_of(caches, world, self.spec.num_blocks)
-        self.daemons = kvtd.testing.Daemons(None, f"{extra['kvtd_session']}_r{rank}", g, ranks=[rank]).start()
+        self.geometry = geometry_of(caches, world, self.spec.num_blocks)
+        self.daemons = kvtd.testing.Daemons(None, f"{extra['kvtd_session']}_r{rank}", self.geometry,
+                                            ranks=[rank]).start()
         self.connector = worker.OffloadingConnectorWorker(self.spec, None, None)
         self.connector._init_worker(caches)  # what register_kv_caches ends with (worker.py:66-67, 292)
 
+    def write_block(self, b, data):
+        for i, t in enumerate(self.tensors):
+            t[b].copy_(data[i * PAGE:(i + 1) * PAGE])
+
     def block(self, b):
         return torch.cat([t[b].clone() for t in self.tensors])
+
+    def kill_daemon(self):
+        self.daemons.procs[0].send_signal(signal.SIGKILL)
+        self.daemons.procs[0].wait()
+
+    def restart_daemon(self):
+        self.daemons.procs[0] = self.daemons._spawn(self.rank)
 
     def close(self):
         self.connector.shutdown()
@@ -74,124 +96,155 @@ class Rank:
         os.unlink(self.path)
 
 
-def run_step(ranks, metadata, job_id, common):
-    """One engine step on every rank (worker.py:319-330, 346-389), until each acknowledged
-    `job_id`; returns the aggregated worker metadata (summed across workers as vLLM does)."""
-    meta = None
-    for r in ranks:
-        r.connector.start_kv_transfers(metadata)
-    pending = set(range(len(ranks)))
-    for _ in range(2000):
-        for i in list(pending):
-            ranks[i].connector.get_finished(set())
-            m = ranks[i].connector.build_connector_worker_meta()
-            if m is not None:
-                meta = m if meta is None else meta.aggregate(m)
-                if job_id in m.completed_jobs:
-                    pending.discard(i)
-        if not pending:
-            return meta
-        import time
-        time.sleep(0.005)
-    raise TimeoutError(f"job {job_id} not acknowledged by every rank")
+def prompt(seed, chunks):
+    g = torch.Generator().manual_seed(seed)
+    return [int(t) for t in torch.randint(0, 32000, (chunks * vllm_engine.TOKENS_PER_BLOCK,), generator=g)]
 
 
-def test_vllms_own_code_stores_looks_up_and_loads_through_two_ranks_daemons(tmp_path):
-    base, _, _, common, _ = vllm_modules()
-    extra = {"spec_name": "KvtdOffloadingSpec", "spec_module_path": "kvtd.vllm", "kvtd_host_blocks": 16,
-             "kvtd_session": f"vl{uuid.uuid4().hex[:6]}", "kvtd_ready_timeout_s": 30}
-    ranks = [Rank(r, 2, extra, tmp_path) for r in range(2)]
-    manager = ranks[0].spec.get_manager()  # the scheduler's: vLLM's own CPUOffloadingManager
+def engine_of(world=2, **extra):
+    ranks = [Rank(r, world, extra_config(**extra)) for r in range(world)]
+    # The scheduler process's spec: one more construction, as vLLM makes in every process.
+    _, _, factory, _, _ = vllm_modules()
+    spec = factory.OffloadingSpecFactory.create_spec(offloading_config(0, world, ranks[0].spec.extra_config))
+    return Engine(spec, ranks, GPU_BLOCKS, [f"l{i}" for i in range(LAYERS)])
+
+
+def assert_loaded(engine, req, hit):
+    """Every GPU block the load filled holds, on every rank, the bytes the model computed."""
+    for rank in engine.ranks:
+        for i in range(hit // vllm_engine.TOKENS_PER_BLOCK):
+            b = engine.last_blocks[i]
+            if b not in engine.recomputed_blocks:
+                assert torch.equal(rank.block(b), chunk_bytes(rank.rank, req.block_hashes[i], rank.block_bytes)), \
+                    f"rank {rank.rank}: chunk {i} of {req.request_id} in GPU block {b}"
+
+
+def offload_keys(req):
+    from vllm.v1.kv_offload.base import make_offload_key
+    return [make_offload_key(h, 0) for h in req.block_hashes]
+
+
+def close(engine):
+    for r in engine.ranks:
+        r.close()
+
+
+def test_vllms_own_scheduler_and_workers_store_look_up_load_evict_and_reset_through_two_ranks_daemons():
+    engine = engine_of()
     from kvtd.vllm import KvtdOffloadingSpec
     try:
-        assert isinstance(ranks[0].spec, KvtdOffloadingSpec)
-        for i, r in enumerate(ranks):
-            r.buffer.copy_(torch.randint(-128, 127, r.buffer.shape, dtype=torch.int8,
-                                         generator=torch.Generator().manual_seed(i)))
-        ctx = base.ReqContext("req-1")
-        gpu = [3, 5, 7, 11, 12]
-        keys = [base.make_offload_key(bytes([k]) * 16, 0) for k in range(len(gpu))]
-        originals = [{b: r.block(b) for b in gpu} for r in ranks]
-        # Store (scheduler.py:1201-1245): the manager picks host blocks, one job for the request.
-        out = manager.prepare_store(keys, ctx)
-        job = common.TransferJob("req-1", base.GPULoadStoreSpec(gpu, group_sizes=[len(gpu)], block_indices=[0]),
-                                 out.store_spec)
-        md = common.OffloadingConnectorMetadata(load_jobs={}, store_jobs={1: job})
-        for r in ranks:
-            r.connector.prepare_store_kv(md)  # deferred to the next step (worker.py:332-344)
-        meta = run_step(ranks, common.OffloadingConnectorMetadata(load_jobs={}, store_jobs={}), 1, common)
-        assert meta.completed_jobs[1] == 2  # both workers (scheduler.py:1549-1566)
-        manager.complete_store(keys, ctx)
-        assert all(manager.lookup(k, ctx) == base.LookupResult.HIT for k in keys)
-        # The GPU blocks are reused; the load brings the blocks back elsewhere.
-        for r in ranks:
-            r.buffer.zero_()
-        src = manager.prepare_load(keys, ctx)
-        dst = [20, 0, 1, 2, 23]
-        load = common.TransferJob("req-2", src, base.GPULoadStoreSpec(dst, group_sizes=[len(dst)], block_indices=[0]))
-        meta = run_step(ranks, common.OffloadingConnectorMetadata(load_jobs={2: load}, store_jobs={}), 2, common)
-        assert meta.completed_jobs[2] == 2
-        manager.complete_load(keys, ctx)
-        for i, r in enumerate(ranks):
-            for g, d in zip(gpu, dst):
-                assert torch.equal(r.block(d), originals[i][g]), f"rank {i}: block {g} loaded into {d}"
-        assert not ranks[0].connector.worker.failed_loads and not ranks[0].connector.worker.failed_stores
+        assert isinstance(engine.ranks[0].spec, KvtdOffloadingSpec)
+        a, b, c = prompt(1, 5), prompt(2, 6), prompt(3, 6)
+        assert engine.serve(Request("a1", a)) == 0
+        hit = engine.serve(Request("a2", a))
+        assert hit == 5 * 16, "every chunk of the prompt"
+        assert_loaded(engine, Request("a2", a), hit)
+        # 16 host blocks: a's 5, b's 6, c's 6 do not fit, and vLLM's LRU policy evicts one of a's
+        # chunks. Which one is vLLM's choice: complete_load marks a load's keys evictable in the
+        # order of a set (scheduler.py:1568, TransferJobStatus.keys), so any of them may be first.
+        assert engine.serve(Request("b1", b)) == 0
+        assert engine.serve(Request("c1", c)) == 0
+        kept = [engine.manager.lookup(k, None).name for k in offload_keys(Request("a", a))]
+        assert kept.count("MISS") == 1, kept
+        hit = engine.serve(Request("a3", a))
+        assert hit == kept.index("MISS") * 16, "the prefix before the evicted chunk"
+        assert_loaded(engine, Request("a3", a), hit)
+        hit = engine.serve(Request("c2", c))
+        assert hit == 6 * 16
+        assert_loaded(engine, Request("c2", c), hit)
+        engine.scheduler.connector_scheduler.reset_cache()
+        assert engine.serve(Request("c3", c)) == 0, "after reset_cache nothing is offloaded"
+        hit = engine.serve(Request("c4", c))
+        assert hit == 6 * 16
+        assert_loaded(engine, Request("c4", c), hit)
+        media = {e.medium for e in engine.events}
+        assert media == {"CPU"}, media
+        assert any(type(e).__name__ == "BlockRemoved" for e in engine.events)
     finally:
-        for r in ranks:
-            r.close()
+        close(engine)
 
 
-def test_a_killed_daemon_leaves_vllms_worker_code_running_and_records_what_failed(tmp_path):
-    """vLLM's worker asserts every transfer succeeded (worker.py:313-330, 361). Rank 1's daemon is
-    SIGKILLed; a store and a load through both ranks still complete in vLLM's eyes (no assert
-    fires). Rank 1's worker records the store's job as failed, and the connector reports the load's
-    GPU blocks through get_block_ids_with_load_errors in the same pass as the request's get_finished
-    (vLLM then recomputes them). Failed stores reaching the scheduler's manager: still to do."""
-    import signal
-
-    base, _, _, common, _ = vllm_modules()
-    extra = {"spec_name": "KvtdOffloadingSpec", "spec_module_path": "kvtd.vllm", "kvtd_host_blocks": 16,
-             "kvtd_session": f"vl{uuid.uuid4().hex[:6]}", "kvtd_ready_timeout_s": 30}
-    ranks = [Rank(r, 2, extra, tmp_path) for r in range(2)]
-    manager = ranks[0].spec.get_manager()
+def test_a_store_a_killed_daemon_did_not_make_is_never_a_hit():
+    """Rank 1's daemon is SIGKILLed: the request's store fails on rank 1 (rank 0's succeeds). vLLM's
+    worker code asserts nothing (the job is reported finished); the failure reaches the scheduler's
+    manager, which completes those keys with success=False, so the same prompt misses instead of
+    loading rank 1's never-written host blocks. With the daemon back, stores and hits resume."""
+    engine = engine_of()
     try:
-        ctx = base.ReqContext("req-1")
-        keys = [base.make_offload_key(bytes([k]) * 16, 0) for k in range(3)]
-        ranks[1].daemons.procs[0].send_signal(signal.SIGKILL)
-        ranks[1].daemons.procs[0].wait()
-        out = manager.prepare_store(keys, ctx)
-        job = common.TransferJob("req-1", base.GPULoadStoreSpec([1, 2, 3], group_sizes=[3], block_indices=[0]),
-                                 out.store_spec)
-        md = common.OffloadingConnectorMetadata(load_jobs={}, store_jobs={1: job})
-        for r in ranks:
-            r.connector.prepare_store_kv(md)
-        assert run_step(ranks, common.OffloadingConnectorMetadata(load_jobs={}, store_jobs={}), 1, common)
-        assert ranks[1].connector.worker.failed_stores == {1} and not ranks[0].connector.worker.failed_stores
-        manager.complete_store(keys, ctx)
-        load = common.TransferJob("req-2", manager.prepare_load(keys, ctx),
-                                  base.GPULoadStoreSpec([7, 8, 9], group_sizes=[3], block_indices=[0]))
-        md = common.OffloadingConnectorMetadata(load_jobs={2: load}, store_jobs={})
-        # Each rank's pass as vLLM's model runner makes it: bind, start_load_kv, then after the
-        # step get_finished and get_block_ids_with_load_errors, in that order.
-        from kvtd.vllm import KvtdOffloadingConnector
-        seen = []
-        for r in ranks:
-            c = object.__new__(KvtdOffloadingConnector)  # its __init__ needs vLLM's engine config
-            c.connector_worker, c.connector_scheduler = r.connector, None
-            c.bind_connector_metadata(md)
-            c.start_load_kv(None)
-            recving, invalid = set(), set()
-            for _ in range(2000):
-                recving |= c.get_finished(set())[1]
-                invalid |= c.get_block_ids_with_load_errors()
-                if "req-2" in recving:
-                    break
-                import time
-                time.sleep(0.005)
-            c.clear_connector_metadata()
-            seen.append((recving, invalid))
-        assert seen[0] == ({"req-2"}, set()), "rank 0's load succeeded"
-        assert seen[1] == ({"req-2"}, {7, 8, 9}), "rank 1's failed load is reported for recompute with the request"
+        p = prompt(7, 4)
+        engine.ranks[1].kill_daemon()
+        assert engine.serve(Request("p1", p)) == 0
+        assert engine.serve(Request("p2", p)) == 0, "a store rank 1 never made must not be a hit"
+        engine.ranks[1].restart_daemon()
+        engine.ranks[1].connector.worker.wait_ready(30)
+        assert engine.serve(Request("p3", p)) == 0
+        hit = engine.serve(Request("p4", p))
+        assert hit == 4 * 16
+        assert_loaded(engine, Request("p4", p), hit)
     finally:
-        for r in ranks:
-            r.close()
+        close(engine)
+
+
+def test_a_store_refused_while_a_daemon_was_down_never_loads_the_blocks_older_bytes():
+    """4 host blocks. x is stored on both ranks; rank 1's daemon dies; y evicts x and its store is
+    refused on rank 1 (its daemon never sees it), so rank 1's host blocks still hold x's bytes,
+    valid. Rank 1's daemon comes back. Were y's keys counted stored, the next y would load x's
+    bytes on rank 1 with no error anywhere: the manager must count y's store failed (a miss)."""
+    engine = engine_of(host_blocks=4)
+    try:
+        x, y = prompt(11, 4), prompt(12, 4)
+        assert engine.serve(Request("x1", x)) == 0
+        engine.ranks[1].kill_daemon()
+        assert engine.serve(Request("y1", y)) == 0
+        engine.ranks[1].restart_daemon()
+        engine.ranks[1].connector.worker.wait_ready(30)
+        hit = engine.serve(Request("y2", y))
+        assert_loaded(engine, Request("y2", y), hit)
+        assert hit == 0, "y was never stored on rank 1"
+        assert engine.serve(Request("y3", y)) == 4 * 16
+        assert_loaded(engine, Request("y3", y), 4 * 16)
+    finally:
+        close(engine)
+
+
+def test_a_load_a_killed_daemon_cannot_serve_is_recomputed_and_forgotten():
+    """The prompt is stored on both ranks, then rank 1's daemon is SIGKILLed. The next request hits,
+    its load fails on rank 1: vLLM's worker code asserts nothing, get_block_ids_with_load_errors
+    names the GPU blocks in the pass that reports the request received, the engine recomputes them
+    (every byte right on both ranks), and the manager forgets the keys (the next lookup misses)."""
+    engine = engine_of()
+    try:
+        p = prompt(9, 4)
+        assert engine.serve(Request("q1", p)) == 0
+        engine.ranks[1].kill_daemon()
+        hit = engine.serve(Request("q2", p))
+        assert hit == 4 * 16
+        assert engine.recomputed_blocks == set(engine.last_blocks[:4])
+        for rank in engine.ranks:  # recomputed by the model, or loaded: the same bytes either way
+            for i in range(4):
+                assert torch.equal(rank.block(engine.last_blocks[i]),
+                                   chunk_bytes(rank.rank, Request("q", p).block_hashes[i], rank.block_bytes))
+        assert engine.serve(Request("q3", p)) == 0, "keys a load could not read are forgotten"
+    finally:
+        close(engine)
+
+
+def test_under_vllms_plain_offloading_connector_a_failed_job_stops_vllm_instead_of_passing():
+    """Without KvtdOffloadingConnector nothing carries a failure to vLLM's scheduler, so the worker
+    reports the job failed: vLLM's own worker asserts (offloading/worker.py:361) and stops, rather
+    than count a store made or run on a load that did not arrive."""
+    base, _, _, common, _ = vllm_modules()
+    rank = Rank(0, 1, extra_config())
+    try:
+        rank.kill_daemon()
+        job = common.TransferJob("r", base.GPULoadStoreSpec([1, 2], group_sizes=[2], block_indices=[0]),
+                                 rank.spec.get_manager().prepare_store(
+                                     offload_keys(Request("r", prompt(5, 2))), None).store_spec)
+        rank.connector.prepare_store_kv(common.OffloadingConnectorMetadata(load_jobs={}, store_jobs={0: job}))
+        rank.connector.start_kv_transfers(common.OffloadingConnectorMetadata(load_jobs={}, store_jobs={}))
+        with pytest.raises(AssertionError):
+            for _ in range(2000):
+                rank.connector.get_finished(set())
+                time.sleep(0.005)
+    finally:
+        rank.close()

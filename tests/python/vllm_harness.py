@@ -6,11 +6,15 @@ Stand-ins, only for what cannot load here (PROVENANCE, "Import check"): vllm.log
 whose logger has warning_once/info_once), vllm.utils.math_utils (round_up, round_down, cdiv), and
 modules the offloading code imports only for type names or engine plumbing it does not run here
 (vllm.config, vllm.platforms, vllm.forward_context, vllm.v1.request, ...): those hand out an empty
-class for any name they are asked for. No logic of vLLM's is replaced.
+class for any name they are asked for, except the few the offloading scheduler calls, which do
+what the engine's own do for a full-attention model (_engine_stand_ins, each cited). No logic of
+the vendored offloading code is replaced.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
 import sys
 import types
@@ -71,10 +75,70 @@ _TYPE_ONLY_MODULES = [
 
 class _Struct:
     """msgspec.Struct's stand-in (msgspec is not in Debian 12): accepts the class keywords vLLM's
-    event structs use (array_like=, omit_defaults=, gc=, tag=), enough to import them."""
+    event structs use (array_like=, omit_defaults=, gc=, tag=), and builds an instance from its
+    fields by keyword, defaults filled in from the class (what msgspec does; no encoding)."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__()
+
+    def __init__(self, **fields):
+        names = [n for c in reversed(type(self).__mro__) for n in getattr(c, "__annotations__", {})]
+        for n in names:
+            if n in fields:
+                setattr(self, n, fields.pop(n))
+            elif not hasattr(self, n):
+                raise TypeError(f"{type(self).__name__} needs {n}")
+        if fields:
+            raise TypeError(f"{type(self).__name__} has no fields {sorted(fields)}")
+
+
+class RequestStatus(enum.Enum):
+    """vllm.v1.request.RequestStatus's members the offloading scheduler compares with (its
+    is_finished() is the Request stand-in's; vllm/v1/request.py is not vendored)."""
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+
+def yield_req_data(scheduler_output):
+    """kv_connector/utils.py's yield_req_data (not vendored): (req_id, new block id groups,
+    preempted) for the step's new requests, then its cached ones."""
+    for req in scheduler_output.scheduled_new_reqs:
+        yield req.req_id, req.block_ids, False
+    cached = scheduler_output.scheduled_cached_reqs
+    for req_id, blocks in zip(cached.req_ids, cached.new_block_ids):
+        yield req_id, blocks, req_id in cached.resumed_req_ids
+
+
+class _SpecKind(enum.Enum):
+    FULL_ATTENTION = "full_attention"
+
+
+@dataclasses.dataclass
+class KVConnectorStats:
+    """kv_connector/v1/metrics.py's KVConnectorStats (not vendored): the dataclass holding `data`
+    that OffloadingConnectorStats (offloading/metrics.py) fills and aggregates itself."""
+    data: dict = dataclasses.field(default_factory=dict)
+
+
+def _engine_stand_ins():
+    """Names the offloading scheduler imports from engine modules that are not vendored, each
+    doing what the engine's does for a full-attention model: the request status, the scheduler
+    output's walk, the KV-event spec kind (v1/kv_cache_interface.py) and block hashes as bytes
+    (v1/core/kv_cache_utils.py: BlockHash is bytes; events carry it unconverted by default)."""
+    sys.modules["vllm.v1.request"].RequestStatus = RequestStatus
+    sys.modules["vllm.distributed.kv_transfer.kv_connector.v1.metrics"].KVConnectorStats = KVConnectorStats
+    sys.modules["vllm.distributed.kv_transfer.kv_connector.utils"].yield_req_data = yield_req_data
+    kci = sys.modules["vllm.v1.kv_cache_interface"]
+    kci.get_kv_cache_spec_kind = lambda spec: _SpecKind.FULL_ATTENTION
+    kci.get_kv_cache_spec_sliding_window = lambda spec: None
+    kcu = sys.modules["vllm.v1.core.kv_cache_utils"]
+    kcu.BlockHash = bytes
+    kcu.maybe_convert_block_hash = lambda h: h
 
 
 def _stand_ins():
@@ -90,6 +154,7 @@ def _stand_ins():
     for name in _TYPE_ONLY_MODULES:
         if name not in sys.modules:
             _names_module(name)
+    _engine_stand_ins()
 
 
 def import_vllm():

@@ -1,0 +1,101 @@
+"""The scheduler side of kvtd.vllm: vLLM's own CPUOffloadingManager over the daemons' host blocks,
+told which of its blocks a daemon failed to store or load (vLLM main 017e9f44).
+
+The manager runs in vLLM's scheduler process; the daemons' results reach it as host block ids in
+KvtdWorkerMetadata, summed across workers by vLLM's own aggregation (offloading/common.py:75-100)
+and handed to the connector's update_connector_output before vLLM completes the jobs
+(offloading/scheduler.py:1507-1585 calls complete_store / complete_load once every worker
+acknowledged a job). Host block ids identify a job's blocks: the manager hands a block to one
+pending store at a time, and every rank's daemon pool uses the manager's ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Collection, Set
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+from vllm.v1.kv_offload.base import OffloadingEvent, OffloadKey, ReqContext
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+
+@dataclasses.dataclass
+class KvtdWorkerMetadata(OffloadingWorkerMetadata):
+    """vLLM's worker metadata plus the host blocks whose kvtd store or load failed on this worker
+    (on any worker, once aggregated). Plain data: pickled from each worker to the scheduler."""
+
+    failed_store_blocks: Set[int] = dataclasses.field(default_factory=set)
+    failed_load_blocks: Set[int] = dataclasses.field(default_factory=set)
+
+    def aggregate(self, other):
+        merged = super().aggregate(other)
+        return KvtdWorkerMetadata(completed_jobs=merged.completed_jobs, transfer_stats=merged.transfer_stats,
+                                  failed_store_blocks=self.failed_store_blocks | getattr(other, "failed_store_blocks",
+                                                                                         set()),
+                                  failed_load_blocks=self.failed_load_blocks | getattr(other, "failed_load_blocks",
+                                                                                       set()))
+
+
+class KvtdOffloadingManager(CPUOffloadingManager):
+    """CPUOffloadingManager (its policies, events and accounting unchanged) that refuses to count a
+    failed kvtd store as stored and forgets blocks a load could not read. Not thread-safe, like
+    its base: vLLM calls it from the scheduler's thread only.
+
+    A failure noted for a job that vLLM has discarded (reset_cache, scheduler.py:1656-1695) can
+    only make a later store of the same block id count as failed once: the safe direction (a
+    miss, recomputed), and the note is cleared when the block is handed out again."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._failed_store_blocks: Set[int] = set()
+        self._failed_load_blocks: Set[int] = set()
+
+    def note_failures(self, store_blocks: Collection[int], load_blocks: Collection[int]) -> None:
+        """Host blocks whose store / load failed on some rank (before their jobs complete)."""
+        self._failed_store_blocks.update(int(b) for b in store_blocks)
+        self._failed_load_blocks.update(int(b) for b in load_blocks)
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext):
+        out = super().prepare_store(keys, req_context)
+        if out is not None:
+            for b in out.store_spec.block_ids.tolist():
+                self._failed_store_blocks.discard(b)
+                self._failed_load_blocks.discard(b)
+        return out
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        if success and self._failed_store_blocks:
+            failed = []
+            for key in keys:
+                block = self._policy.get(key)
+                if block is not None and not block.is_ready and block.block_id in self._failed_store_blocks:
+                    self._failed_store_blocks.discard(block.block_id)
+                    failed.append(key)
+            if failed:
+                super().complete_store(failed, req_context, success=False)  # removed, blocks freed
+                keys = [k for k in keys if k not in set(failed)]
+        super().complete_store(keys, req_context, success)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        super().complete_load(keys, req_context)
+        if not self._failed_load_blocks:
+            return
+        dropped = []
+        for key in keys:
+            block = self._policy.get(key)
+            if block is None or block.block_id not in self._failed_load_blocks or block.ref_cnt != 0:
+                continue  # still read by another load: dropped when that one completes
+            # What CPUOffloadingManager does to an evicted block (manager.py:196-216): out of the
+            # policy, no longer evictable, back to the free list, a removal event.
+            self._failed_load_blocks.discard(block.block_id)
+            self._policy.remove(key)
+            self._num_evictable_cache_blocks -= 1
+            self._free_block(block)
+            dropped.append(key)
+        if dropped and self.events is not None:
+            self.events.append(OffloadingEvent(keys=dropped, medium=self.medium, removed=True))
+
+    def reset_cache(self) -> None:
+        super().reset_cache()
+        self._failed_store_blocks.clear()
+        self._failed_load_blocks.clear()
