@@ -164,6 +164,34 @@ def test_vllms_own_scheduler_and_workers_store_look_up_load_evict_and_reset_thro
         close(engine)
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_workload_hits_as_it_does_with_vllms_own_cpu_manager(policy):
+    """The same requests through two engines: one whose scheduler has kvtd.vllm's manager, one whose
+    scheduler has vLLM's own CPUOffloadingManager (same size, same policy). With no failure the
+    hits are the same, request by request (eviction order included), and every loaded byte is
+    right. One process, so vLLM's set-ordered completions (see above) order alike in both."""
+    vllm_modules()
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+    prompts = [prompt(20 + i, n) for i, n in enumerate([3, 5, 4, 6, 2])]
+    order = [0, 0, 1, 2, 0, 3, 1, 4, 2, 0, 3, 3, 4, 1, 0]
+    hits = []
+    for peer in (False, True):
+        engine = engine_of(eviction_policy=policy)
+        if peer:
+            engine.scheduler.connector_scheduler.manager = CPUOffloadingManager(num_blocks=16, cache_policy=policy)
+        try:
+            got = []
+            for n, i in enumerate(order):
+                req = Request(f"w{n}", prompts[i])
+                got.append(engine.serve(req))
+                assert_loaded(engine, req, got[-1])
+            hits.append(got)
+        finally:
+            close(engine)
+    assert hits[0] == hits[1], hits
+    assert sum(h > 0 for h in hits[0]) >= 5, hits  # the workload does hit, and evicts (16 host blocks)
+
+
 def test_a_store_a_killed_daemon_did_not_make_is_never_a_hit():
     """Rank 1's daemon is SIGKILLed: the request's store fails on rank 1 (rank 0's succeeds). vLLM's
     worker code asserts nothing (the job is reported finished); the failure reaches the scheduler's
