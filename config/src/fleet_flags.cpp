@@ -13,7 +13,10 @@ void declare_kv_events_flags(CLI::App& app, DaemonConfig& c) {
   app.add_option("--kv-events-format", c.kv_events.format, "map (vLLM's current layout) | array (vLLM <= 0.10)");
   app.add_option("--kv-events-topic", c.kv_events.topic, "Topic frame of every event batch (default empty)");
   app.add_option("--kv-events-medium", c.kv_events.medium,
-                 "Medium named in the events (default DISK for the file store, REDIS for Redis)");
+                 "Medium named in the events (default STORAGE, vLLM's name for a storage tier)");
+  app.add_option("--kv-events-locality", c.kv_events.locality,
+                 "LOCAL | REMOTE | none: the events' locality (default LOCAL for the file store, REMOTE for "
+                 "Redis; none leaves it out)");
 }
 
 void declare_lifecycle_flags(CLI::App& app, DaemonConfig& c) {
@@ -41,7 +44,10 @@ Status<ConfigErrc> resolve_kv_events(DaemonConfig& c) {
   if (!known_scheme) return bad("--kv-events-endpoint: '" + e.endpoint + "' is not tcp://, ipc:// or inproc://");
   if (c.storage.backend == StorageBackendKind::kNone)
     return bad("--kv-events-endpoint: the events describe the storage tier, and --storage-backend is none");
-  if (e.medium.empty()) e.medium = c.storage.backend == StorageBackendKind::kFile ? "DISK" : "REDIS";
+  if (e.medium.empty()) e.medium = "STORAGE";  // vllm/distributed/kv_events.py: MEDIUM_STORAGE
+  if (e.locality.empty()) e.locality = c.storage.backend == StorageBackendKind::kFile ? "LOCAL" : "REMOTE";
+  if (e.locality != "LOCAL" && e.locality != "REMOTE" && e.locality != "none")
+    return bad("--kv-events-locality: '" + e.locality + "' is not LOCAL, REMOTE or none");
   return {};
 }
 

@@ -152,6 +152,7 @@ std::optional<int> open_kv_events(const config::DaemonConfig& cfg, Services& s) 
   o.format = *events::parse_kv_events_format(e.format);  // checked by the flags
   o.topic = e.topic;
   o.medium = e.medium;
+  o.locality = e.locality == "none" ? "" : e.locality;
   // Tokens per stored key: a block's, or a session of cache groups' page.
   o.block_size = proto::is_group_session(cfg.cache_groups) ? cfg.cache_groups.page_tokens
                                                             : static_cast<std::uint32_t>(cfg.key_cache_shape[2]);
@@ -162,7 +163,8 @@ std::optional<int> open_kv_events(const config::DaemonConfig& cfg, Services& s) 
     return kExitBadFlags;
   }
   s.kv_events = std::move(p).value();
-  KVTD_INFO("KV events ({} layout, medium {}) on {}", e.format, e.medium, s.kv_events->endpoint());
+  KVTD_INFO("KV events ({} layout, medium {}, locality {}) on {}", e.format, e.medium, e.locality,
+            s.kv_events->endpoint());
   return std::nullopt;
 }
 

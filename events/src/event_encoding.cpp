@@ -3,7 +3,8 @@
 // array_like, so each is a map whose first key is msgspec's tag field "type"; BlockStored's
 // fields without a default (block_hashes, parent_block_hash, token_ids, block_size, lora_id,
 // medium, lora_name) are always written, those with one (extra_keys, group_idx,
-// kv_cache_spec_*) are left out as omit_defaults leaves out their None. kArray is the earlier
+// kv_cache_spec_*) are left out as omit_defaults leaves out their None, but for locality
+// (LOCAL / REMOTE, vLLM main 017e9f44's kv_events.py:76, 101), written when the daemon names it. kArray is the earlier
 // layout (array_like=True, e.g. commit b4e69e0af33f and the releases that added medium and
 // lora_name): the same fields as arrays, the class name first; msgspec ignores trailing array
 // elements a decoder's struct does not have, so older subscribers read it too.
@@ -42,7 +43,11 @@ void event(MsgpackWriter& w, const KvEvent& e, const BatchFields& f) {
     if (map) w.str(field);
   };
   const char* type = e.kind == KvEventKind::kStored ? "BlockStored" : e.kind == KvEventKind::kRemoved ? "BlockRemoved" : "AllBlocksCleared";
-  const std::uint32_t fields = e.kind == KvEventKind::kStored ? 7 : e.kind == KvEventKind::kRemoved ? 2 : 0;
+  // locality (a default of None) is a map's only: in the array layout it would need every field
+  // before it, and vLLM <= 0.10 has none of them.
+  const bool locality = map && !f.locality.empty() && e.kind != KvEventKind::kCleared;
+  const std::uint32_t fields =
+      (e.kind == KvEventKind::kStored ? 7 : e.kind == KvEventKind::kRemoved ? 2 : 0) + (locality ? 1 : 0);
   if (map) {
     w.map(fields + 1);
     w.str("type");
@@ -68,6 +73,10 @@ void event(MsgpackWriter& w, const KvEvent& e, const BatchFields& f) {
   if (e.kind == KvEventKind::kStored) {
     named("lora_name");
     w.nil();
+  }
+  if (locality) {
+    named("locality");
+    w.str(f.locality);
   }
 }
 

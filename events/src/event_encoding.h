@@ -24,6 +24,7 @@ struct BatchFields {
   double ts = 0;  // seconds since the epoch, like vLLM's time.time()
   std::optional<std::int64_t> data_parallel_rank;
   std::string medium;
+  std::string locality;  // "" leaves it out (None, omitted by omit_defaults); kMap only
   std::uint32_t block_size = 0;
 };
 

@@ -97,6 +97,7 @@ struct KvEventPublisher::Impl {
     f.ts = wall_seconds();
     f.data_parallel_rank = options.data_parallel_rank;
     f.medium = options.medium;
+    f.locality = options.locality;
     f.block_size = options.block_size;
     const std::string payload = encode_batch(batch, f);
     unsigned char seq[8];

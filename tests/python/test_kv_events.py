@@ -4,7 +4,9 @@ vllm/distributed/kv_events.py (vllm-project/vllm 0181ea3173e5) - EventBatch(ts, 
 data_parallel_rank=None) and tagged events without array_like, so each event is a map whose
 "type" is the class name; BlockStored(block_hashes, parent_block_hash, token_ids, block_size,
 lora_id, medium, lora_name, ...defaults omitted); BlockRemoved(block_hashes, medium, ...);
-AllBlocksCleared(). The older array_like layout (commit b4e69e0af33f: arrays, the class name
+AllBlocksCleared(). Medium STORAGE and locality LOCAL / REMOTE as vLLM main 017e9f44 names a
+storage tier (kv_events.py:45-47, 76, 101; locality is a default-None field, so written in the map
+layout only). The older array_like layout (commit b4e69e0af33f: arrays, the class name
 first) is --kv-events-format array. Frames as ZmqEventPublisher._publisher_thread sends them:
 (topic, 8-byte big-endian sequence number, payload)."""
 
@@ -86,7 +88,8 @@ def test_stored_evicted_and_cleared_events_in_vllms_map_layout(cluster, tmp_path
         stored = batch["events"][0]
         # Rank 0 speaks for the group: one event, not one per rank.
         assert stored == {"type": "BlockStored", "block_hashes": [1001, 1002, 1003, 1004], "parent_block_hash": None,
-                          "token_ids": [], "block_size": 4, "lora_id": None, "medium": "DISK", "lora_name": None}
+                          "token_ids": [], "block_size": 4, "lora_id": None, "medium": "STORAGE", "lora_name": None,
+                          "locality": "LOCAL"}
         assert list(stored)[0] == "type"  # msgspec writes the tag first
 
         # Keys that are not decimal integers go out as their bytes (ExternalBlockHash = bytes | int).
@@ -95,7 +98,8 @@ def test_stored_evicted_and_cleared_events_in_vllms_map_layout(cluster, tmp_path
         got += sub.batches(lambda b: any(e["type"] == "BlockRemoved" for e in events_of(b)) and
                            any(e["type"] == "BlockStored" and b"pfx:07" in e["block_hashes"] for e in events_of(b)))
         removed = [h for e in events_of(got) if e["type"] == "BlockRemoved" for h in e["block_hashes"]]
-        assert all(e["medium"] == "DISK" for e in events_of(got) if e["type"] == "BlockRemoved")
+        assert all(e["medium"] == "STORAGE" and e["locality"] == "LOCAL"
+                   for e in events_of(got) if e["type"] == "BlockRemoved")
         assert 1001 in removed, removed  # the least recently used went first
         assert all(isinstance(h, (int, bytes)) for h in removed)
 
@@ -106,7 +110,7 @@ def test_stored_evicted_and_cleared_events_in_vllms_map_layout(cluster, tmp_path
         assert {"type": "AllBlocksCleared"} in events_of(got)
         assert [seq for _, seq, _ in got] == list(range(len(got)))  # consecutive, none lost
         logs = c.daemons.logs()
-        assert "KV events (map layout, medium DISK)" in logs and "rank 0 of this group publishes them" in logs
+        assert "KV events (map layout, medium STORAGE, locality LOCAL)" in logs and "rank 0 of this group publishes them" in logs
     finally:
         sub.close()
 

@@ -279,6 +279,30 @@ TEST(DaemonFlags, BadValuesNameTheFlag) {
   expect_rejected({"--kv-events-endpoint", "udp://x:1", "--storage-backend", "file", "--storage-path", "/tmp/x",
                    "--model-id", "m"},
                   "--kv-events-endpoint");
+  expect_rejected({"--kv-events-endpoint", "tcp://*:5557", "--kv-events-locality", "NEARBY", "--storage-backend",
+                   "file", "--storage-path", "/tmp/x", "--model-id", "m"},
+                  "--kv-events-locality");
+}
+
+// vLLM (main 017e9f44, kv_events.py:45-47, 76) names a storage tier's medium STORAGE and its
+// locality LOCAL or REMOTE; KV-aware routers (Dynamo) drop media they do not know, which the
+// DISK and REDIS kvtd named before were.
+TEST(DaemonFlags, KvEventsNameVllmsStorageMediumAndTheStoresLocality) {
+  auto file = parse({"--rank", "0", "--session", "s", "--key-cache-shape", "10,1,16,64", "--kv-events-endpoint",
+                     "tcp://*:5557", "--storage-backend", "file", "--storage-path", "/tmp/x", "--model-id", "m"});
+  ASSERT_TRUE(file.ok()) << file.error().message;
+  EXPECT_EQ(file->kv_events.medium, "STORAGE");
+  EXPECT_EQ(file->kv_events.locality, "LOCAL");
+  auto redis = parse({"--rank", "0", "--session", "s", "--key-cache-shape", "10,1,16,64", "--kv-events-endpoint",
+                      "tcp://*:5557", "--storage-backend", "redis", "--redis-endpoints", "127.0.0.1:6379",
+                      "--model-id", "m", "--kv-events-locality", "none"});
+  ASSERT_TRUE(redis.ok()) << redis.error().message;
+  EXPECT_EQ(redis->kv_events.locality, "none");
+  auto remote = parse({"--rank", "0", "--session", "s", "--key-cache-shape", "10,1,16,64", "--kv-events-endpoint",
+                       "tcp://*:5557", "--storage-backend", "redis", "--redis-endpoints", "127.0.0.1:6379",
+                       "--model-id", "m"});
+  ASSERT_TRUE(remote.ok()) << remote.error().message;
+  EXPECT_EQ(remote->kv_events.locality, "REMOTE");
 }
 
 TEST(DaemonFlags, MissingRequiredFlagIsNamed) {

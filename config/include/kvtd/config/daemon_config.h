@@ -122,7 +122,8 @@ struct KvEventsConfig {
   std::string endpoint;          // empty: no events
   std::string format = "map";    // map (vLLM's current layout) | array (vLLM <= 0.10)
   std::string topic;             // the first ZeroMQ frame of every batch
-  std::string medium;            // empty: DISK for the file store, REDIS for Redis
+  std::string medium;            // empty: STORAGE (vLLM's MEDIUM_STORAGE)
+  std::string locality;          // empty: LOCAL for the file store, REMOTE for Redis; "none": left out
 };
 
 struct DaemonConfig {

@@ -45,7 +45,8 @@ struct KvEventsOptions {
   std::string endpoint;
   KvEventsFormat format = KvEventsFormat::kMap;
   std::string topic;                       // first frame; "" like vLLM's default
-  std::string medium;                      // BlockStored/BlockRemoved "medium", e.g. "DISK"
+  std::string medium;                      // BlockStored/BlockRemoved "medium", e.g. "STORAGE"
+  std::string locality;                    // their "locality" (LOCAL / REMOTE); "" leaves it out
   std::uint32_t block_size = 0;            // tokens per block, BlockStored's block_size
   std::optional<std::int64_t> data_parallel_rank;  // omitted from the batch when unset
   std::size_t max_queued_events = 100'000;
