@@ -28,6 +28,7 @@ OTHER_PROGRAMS_FLAGS = {
     "--now",  # systemctl enable --now
     "--forward",  # patch
     "--enable-hierarchical-cache", "--hicache-storage-backend", "--hicache-storage-backend-extra-config",  # sglang
+    "--kv-transfer-config",  # vLLM
 }
 
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
