@@ -60,6 +60,7 @@ from .fastdeploy_v1_support import tensor_location
 from .geometry import Geometry
 from .session import Session
 from .vllm_manager import KvtdOffloadingManager, KvtdWorkerMetadata
+from .vllm_storage import WorkerStorage
 
 log = logging.getLogger("kvtd.vllm")
 
@@ -83,13 +84,18 @@ class KvtdOffloadingSpec(OffloadingSpec):
                              '"cpu_bytes_to_use" in kv_connector_extra_config')
         self.session_prefix = str(x.get("kvtd_session", f"vllm_{config.engine_id}"))
         self.ready_timeout = float(x.get("kvtd_ready_timeout_s", 120.0))
+        # A storage tier behind the host tier: the daemons run with a store and --write-policy
+        # write_through (kvtd/vllm_storage.py).
+        self.storage = bool(x.get("kvtd_storage", False))
+        self.weight_version = int(x.get("kvtd_weight_version", 0))
         self._manager: Optional[OffloadingManager] = None
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             self._manager = KvtdOffloadingManager(num_blocks=self.num_blocks,
                                                  cache_policy=self.extra_config.get("eviction_policy", "lru"),
-                                                 enable_events=self.kv_events_config.enable_kv_cache_events)
+                                                 enable_events=self.kv_events_config.enable_kv_cache_events,
+                                                 storage_ranks=self.config.parallel.world_size if self.storage else 0)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
@@ -156,6 +162,9 @@ class KvtdOffloadingWorker(OffloadingWorker):
         log.info("kvtd session %s published; rank %d's daemon: %s", self.suffix, self._rank,
                  " ".join(self.daemon_command))
         self._session = s
+        if spec.weight_version:
+            s.set_weight_version(spec.weight_version)
+        self.storage = WorkerStorage(s, log)
         self._jobs: Dict[int, _Job] = {}
         self._done: List[TransferResult] = []
         self.failed_loads: Set[int] = set()  # GPU blocks whose load failed (to recompute)
@@ -173,8 +182,12 @@ class KvtdOffloadingWorker(OffloadingWorker):
 
     def _submit(self, job_id: int, is_load: bool, gpu: List[int], host: List[int]) -> bool:
         nbytes = len(gpu) * self._block_bytes * self._tensors
+        keys = None if is_load else self.storage.keys_of_store(job_id)
         try:
-            tid = (self._session.swap_to_device(host, gpu) if is_load else self._session.swap_to_host(gpu, host))
+            tid = (self._session.swap_to_device(host, gpu) if is_load else
+                   self._session.swap_to_host(gpu, host, keys=keys))
+            if keys is not None:
+                self.storage.backup_submitted(tid)
         except Exception as e:  # noqa: BLE001 - vLLM asserts the submit succeeded
             log.warning("kvtd %s of job %d not submitted: %s", "load" if is_load else "store", job_id, e)
             self._record_failure(job_id, is_load, gpu, host)
@@ -205,6 +218,7 @@ class KvtdOffloadingWorker(OffloadingWorker):
         self._done.append(TransferResult(job_id, bool(result.ok), job.nbytes, time.monotonic() - job.started))
 
     def get_finished(self) -> List[TransferResult]:
+        self.storage.poll()
         for job_id, job in list(self._jobs.items()):
             try:
                 r = self._session.poll(job.task_id, check=False)
@@ -252,17 +266,38 @@ class KvtdOffloadingWorker(OffloadingWorker):
 
 
 class KvtdOffloadingConnector(OffloadingConnector):
-    """vLLM's OffloadingConnector, carrying kvtd's failures: a failed load's GPU blocks to vLLM's
-    recompute path, and failed stores' and loads' host blocks to the scheduler's manager."""
+    """vLLM's OffloadingConnector, carrying kvtd's failures (a failed load's GPU blocks to vLLM's
+    recompute path, failed stores' and loads' host blocks to the scheduler's manager) and the
+    storage tier's work (kvtd/vllm_storage.py) both ways."""
 
     def _kvtd_worker(self) -> Optional[KvtdOffloadingWorker]:
         w = self.connector_worker
         return w.worker if w is not None and isinstance(w.worker, KvtdOffloadingWorker) else None
 
+    def _kvtd_manager(self) -> Optional[KvtdOffloadingManager]:
+        s = self.connector_scheduler
+        return s.manager if s is not None and isinstance(s.manager, KvtdOffloadingManager) else None
+
+    # --- worker side ---
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        w = self._kvtd_worker()
+        if w is not None:  # flushed stores are submitted here, with this step's keys
+            w.storage.note_store_keys(getattr(kv_connector_metadata, "kvtd", None))
+        super().handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        super().start_load_kv(forward_context, **kwargs)
+        w = self._kvtd_worker()
+        if w is not None:
+            w.storage.submit(getattr(self._connector_metadata, "kvtd", None))
+
     def get_finished(self, finished_req_ids):
         w = self._kvtd_worker()
         if w is not None:
             w.failures_reach_vllm = True  # this connector carries them (below)
+            # vLLM queues this step's stores for the next step's start (worker.py:332-344).
+            w.storage.note_store_keys(getattr(self._connector_metadata, "kvtd", None))
         return super().get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
@@ -275,17 +310,29 @@ class KvtdOffloadingConnector(OffloadingConnector):
         if w is None:
             return meta
         stores, loads = w.take_failed_host_blocks()
-        if meta is None and not stores and not loads:
+        answers = w.storage.take_answers()
+        if meta is None and not stores and not loads and not answers:
             return None
         # Every worker hands out KvtdWorkerMetadata, so vLLM's pairwise aggregate keeps the failures.
         base = meta if meta is not None else OffloadingWorkerMetadata()
         return KvtdWorkerMetadata(completed_jobs=base.completed_jobs, transfer_stats=base.transfer_stats,
-                                  failed_store_blocks=stores, failed_load_blocks=loads)
+                                  failed_store_blocks=stores, failed_load_blocks=loads, storage_answers=answers)
+
+    # --- scheduler side ---
+
+    def build_connector_meta(self, scheduler_output):
+        meta = super().build_connector_meta(scheduler_output)
+        m = self._kvtd_manager()
+        if m is not None:
+            work = m.take_storage_work(meta.store_jobs)
+            if work is not None and not work.empty():
+                meta.kvtd = work
+        return meta
 
     def update_connector_output(self, connector_output) -> None:
         meta = connector_output.kv_connector_worker_meta
-        sched = self.connector_scheduler
-        if isinstance(meta, KvtdWorkerMetadata) and sched is not None and \
-                isinstance(sched.manager, KvtdOffloadingManager):
-            sched.manager.note_failures(meta.failed_store_blocks, meta.failed_load_blocks)
+        m = self._kvtd_manager()
+        if isinstance(meta, KvtdWorkerMetadata) and m is not None:
+            m.note_failures(meta.failed_store_blocks, meta.failed_load_blocks)
+            m.note_storage_answers(meta.storage_answers)
         super().update_connector_output(connector_output)

@@ -12,11 +12,13 @@ pending store at a time, and every rank's daemon pool uses the manager's ids.
 from __future__ import annotations
 
 import dataclasses
-from typing import Collection, Set
+from typing import Collection, Dict, Optional, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
-from vllm.v1.kv_offload.base import OffloadingEvent, OffloadKey, ReqContext
+from vllm.v1.kv_offload.base import LookupResult, OffloadingEvent, OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+from .vllm_storage import StorageTier, StorageWork, merge_answers
 
 
 @dataclasses.dataclass
@@ -26,14 +28,16 @@ class KvtdWorkerMetadata(OffloadingWorkerMetadata):
 
     failed_store_blocks: Set[int] = dataclasses.field(default_factory=set)
     failed_load_blocks: Set[int] = dataclasses.field(default_factory=set)
+    # Storage queries' and prefetches' answers: {id: (MIN blocks_done, workers that answered)}.
+    storage_answers: Dict[int, Tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     def aggregate(self, other):
         merged = super().aggregate(other)
-        return KvtdWorkerMetadata(completed_jobs=merged.completed_jobs, transfer_stats=merged.transfer_stats,
-                                  failed_store_blocks=self.failed_store_blocks | getattr(other, "failed_store_blocks",
-                                                                                         set()),
-                                  failed_load_blocks=self.failed_load_blocks | getattr(other, "failed_load_blocks",
-                                                                                       set()))
+        return KvtdWorkerMetadata(
+            completed_jobs=merged.completed_jobs, transfer_stats=merged.transfer_stats,
+            failed_store_blocks=self.failed_store_blocks | getattr(other, "failed_store_blocks", set()),
+            failed_load_blocks=self.failed_load_blocks | getattr(other, "failed_load_blocks", set()),
+            storage_answers=merge_answers(self.storage_answers, getattr(other, "storage_answers", {})))
 
 
 class KvtdOffloadingManager(CPUOffloadingManager):
@@ -45,10 +49,12 @@ class KvtdOffloadingManager(CPUOffloadingManager):
     only make a later store of the same block id count as failed once: the safe direction (a
     miss, recomputed), and the note is cleared when the block is handed out again."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, storage_ranks: int = 0, **kwargs):
+        """storage_ranks: the workers whose daemons hold a storage tier behind this one (0: none)."""
         super().__init__(*args, **kwargs)
         self._failed_store_blocks: Set[int] = set()
         self._failed_load_blocks: Set[int] = set()
+        self.storage: Optional[StorageTier] = StorageTier(storage_ranks) if storage_ranks > 0 else None
 
     def note_failures(self, store_blocks: Collection[int], load_blocks: Collection[int]) -> None:
         """Host blocks whose store / load failed on some rank (before their jobs complete)."""
@@ -58,10 +64,50 @@ class KvtdOffloadingManager(CPUOffloadingManager):
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext):
         out = super().prepare_store(keys, req_context)
         if out is not None:
-            for b in out.store_spec.block_ids.tolist():
+            for key, b in zip(out.keys_to_store, out.store_spec.block_ids.tolist()):
                 self._failed_store_blocks.discard(b)
                 self._failed_load_blocks.discard(b)
+                if self.storage is not None:
+                    self.storage.pending_store_keys[b] = key
         return out
+
+    # --- the storage tier behind this one (kvtd/vllm_storage.py) ---
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        result = super().lookup(key, req_context)
+        if result is not LookupResult.MISS or self.storage is None or req_context is None:
+            return result
+        return self.storage.lookup(key, req_context.req_id, self._promote)
+
+    def _promote(self, key: OffloadKey) -> Optional[int]:
+        """A host block for a key coming back from the store: write-pending, as for a store."""
+        out = self.prepare_store([key], None)
+        if out is None or not out.keys_to_store:
+            return None
+        block = int(out.store_spec.block_ids[0])
+        self.storage.pending_store_keys.pop(block, None)  # no store job writes it
+        return block
+
+    def on_schedule_end(self, context) -> None:
+        super().on_schedule_end(context)
+        if self.storage is not None:
+            self.storage.end_step()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        super().on_request_finished(req_context)
+        if self.storage is not None:
+            self.storage.request_finished(req_context.req_id)
+
+    def has_pending_work(self) -> bool:
+        return super().has_pending_work() or (self.storage is not None and self.storage.has_pending_work())
+
+    def take_storage_work(self, store_jobs) -> Optional[StorageWork]:
+        """The step's storage work for every worker (None without a storage tier)."""
+        return self.storage.take_work(store_jobs) if self.storage is not None else None
+
+    def note_storage_answers(self, answers: Dict[int, Tuple[int, int]]) -> None:
+        if self.storage is not None and answers:
+            self.storage.note_answers(answers, lambda keys, ok: keys and self.complete_store(keys, None, ok))
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         if success and self._failed_store_blocks:
@@ -99,3 +145,5 @@ class KvtdOffloadingManager(CPUOffloadingManager):
         super().reset_cache()
         self._failed_store_blocks.clear()
         self._failed_load_blocks.clear()
+        if self.storage is not None:
+            self.storage.reset()

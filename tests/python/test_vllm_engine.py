@@ -59,7 +59,7 @@ class Rank:
     """One vLLM worker process: its KV cache (shared memory, the host backend's "GPU"), its spec,
     vLLM's OffloadingConnectorWorker over the spec's worker, and its rank's daemon."""
 
-    def __init__(self, rank, world, extra):
+    def __init__(self, rank, world, extra, daemon_flags=()):
         base, _, factory, _, worker = vllm_modules()
         self.rank, self.block_bytes = rank, 2 * LAYERS * PAGE
         self.path = f"/dev/shm/kvtd_vllm_test_{uuid.uuid4().hex[:8]}"
@@ -72,7 +72,7 @@ class Rank:
         from kvtd.vllm import geometry_of
         self.geometry = geometry_of(caches, world, self.spec.num_blocks)
         self.daemons = kvtd.testing.Daemons(None, f"{extra['kvtd_session']}_r{rank}", self.geometry,
-                                            ranks=[rank]).start()
+                                            list(daemon_flags), ranks=[rank]).start()
         self.connector = worker.OffloadingConnectorWorker(self.spec, None, None)
         self.connector._init_worker(caches)  # what register_kv_caches ends with (worker.py:66-67, 292)
 
@@ -101,8 +101,9 @@ def prompt(seed, chunks):
     return [int(t) for t in torch.randint(0, 32000, (chunks * vllm_engine.TOKENS_PER_BLOCK,), generator=g)]
 
 
-def engine_of(world=2, **extra):
-    ranks = [Rank(r, world, extra_config(**extra)) for r in range(world)]
+def engine_of(world=2, daemon_flags=(), **extra):
+    config = extra_config(**extra)
+    ranks = [Rank(r, world, config, daemon_flags) for r in range(world)]
     # The scheduler process's spec: one more construction, as vLLM makes in every process.
     _, _, factory, _, _ = vllm_modules()
     spec = factory.OffloadingSpecFactory.create_spec(offloading_config(0, world, ranks[0].spec.extra_config))
@@ -276,3 +277,62 @@ def test_under_vllms_plain_offloading_connector_a_failed_job_stops_vllm_instead_
                 time.sleep(0.005)
     finally:
         rank.close()
+
+
+def store_flags(path):
+    """A file store behind every daemon, every swapped-out block backed up into it."""
+    return ["--storage-backend", "file", "--storage-path", str(path), "--model-id", "m", "--write-policy",
+            "write_through"]
+
+
+def test_the_storage_tier_serves_what_the_host_tier_forgot_through_vllms_own_scheduler(tmp_path):
+    """kvtd_storage: every block stored to the host tier is backed up to the file store by its
+    daemon. After vLLM's reset_cache the host tier holds nothing; the next request's lookup asks
+    the store (RETRY, vLLM asks again), every rank answers, the blocks are promoted into host blocks
+    (PREFETCH on each rank) and loaded to the GPU by vLLM's own load path, every byte right."""
+    engine = engine_of(daemon_flags=store_flags(tmp_path), kvtd_storage=True)
+    try:
+        p = prompt(31, 4)
+        assert engine.serve(Request("s1", p)) == 0
+        engine.scheduler.connector_scheduler.reset_cache()
+        hit = engine.serve(Request("s2", p))
+        assert hit == 4 * 16
+        assert_loaded(engine, Request("s2", p), hit)
+        assert engine.serve(Request("s3", p)) == 4 * 16, "promoted into the host tier: a plain hit now"
+    finally:
+        close(engine)
+
+
+def test_the_storage_tiers_hits_are_the_ranks_agreed_minimum(tmp_path):
+    """Rank 1 backs up only the first two chunks (its daemon was down when the other two were
+    stored); rank 0 holds all four. After the host tier is forgotten, the lookup agrees on the
+    MIN over the ranks: two chunks are promoted and loaded, the rest computed."""
+    engine = engine_of(daemon_flags=store_flags(tmp_path), kvtd_storage=True)
+    try:
+        p = prompt(41, 4)
+        assert engine.serve(Request("m1", p[:32])) == 0
+        engine.ranks[1].kill_daemon()
+        assert engine.serve(Request("m2", p)) == 2 * 16  # chunks 2, 3: stored on rank 0 only
+        engine.ranks[1].restart_daemon()
+        engine.ranks[1].connector.worker.wait_ready(30)
+        engine.scheduler.connector_scheduler.reset_cache()
+        sent = []
+        take = engine.manager.storage.take_work
+        engine.manager.storage.take_work = lambda jobs: sent.append(take(jobs)) or sent[-1]
+        hit = engine.serve(Request("m3", p))
+        assert hit == 2 * 16
+        assert_loaded(engine, Request("m3", p), hit)
+        prefetched = [keys for w in sent for keys, _ in w.prefetches.values()]
+        assert [len(k) for k in prefetched] == [2], "only what every rank holds is promoted"
+    finally:
+        close(engine)
+
+
+def test_a_new_weight_version_misses_what_the_old_weights_stored(tmp_path):
+    """vLLM's block hashes do not cover the weights; kvtd's object names do (kvtd_weight_version)."""
+    for version, expect in ((1, 0), (1, 4 * 16), (2, 0)):
+        engine = engine_of(daemon_flags=store_flags(tmp_path), kvtd_storage=True, kvtd_weight_version=version)
+        try:
+            assert engine.serve(Request("v", prompt(51, 4))) == expect, f"weights {version}"
+        finally:
+            close(engine)

@@ -183,7 +183,18 @@ class Engine:
         offload tier (0 on a miss), recomputing any GPU block a load could not fill."""
         sched = self.scheduler
         sched.on_new_request(req)
-        hit, load_async = sched.get_num_new_matched_tokens(req, 0)
+        looked_up = []
+
+        def look_up():  # None: the connector needs more time; vLLM asks again in a later step
+            looked_up.append(sched.get_num_new_matched_tokens(req, 0))
+            return looked_up[-1][0] is not None
+
+        while not look_up():
+            self.step()
+            if len(looked_up) > 3000:
+                raise TimeoutError(f"engine: the lookup of {req.request_id} never settled")
+            time.sleep(0.002)
+        hit, load_async = looked_up[-1]
         hit = hit or 0
         n_blocks = -(-req.num_prompt_tokens // TOKENS_PER_BLOCK)
         blocks = [self.free_gpu.pop(0) for _ in range(n_blocks)]
