@@ -38,6 +38,9 @@ daemon writes into GPU blocks vLLM was told to recompute. Under vLLM's plain Off
 (nothing carries the failures) a failed job is reported failed: vLLM's worker asserts and stops,
 the loud outcome instead of a silent wrong byte.
 
+A storage tier behind the host tier: `"kvtd_storage": true` with daemons that have a store and
+`--write-policy write_through` (kvtd/vllm_storage.py says how it is driven).
+
 Replicated layouts (MLA): the spec leaves `replicated_layout` False, so every rank stores its own
 copy into its own daemon's pool (vLLM's CPU spec lets rank 0 write one copy into a region the
 ranks share, worker.py:55-57; kvtd's pools are per rank).
