@@ -3,7 +3,8 @@
 # to memcpy (1 and 2 ranks), planning cost per block, the storage backends alone, storage tasks
 # through the daemons next to them, the agreement round trip, daemon memory during a large read,
 # the cost of metrics on the round trip, storage of cache groups next to sglang's HiCacheFile v2
-# (tools/bench/group_storage.sh), kvtd.sglang next to sglang's HiCacheFile (tools/bench/sglang_backend.py), a page-first host pool, the Python client's round trip and throughput (as a
+# (tools/bench/group_storage.sh), kvtd.sglang next to sglang's HiCacheFile (tools/bench/sglang_backend.py), kvtd.vllm's worker next to vLLM's copy
+# mechanism (tools/bench/vllm_offload.py), a page-first host pool, the Python client's round trip and throughput (as a
 # ratio to kvtd-loadgen's), and a Python peer of sglang's
 # HiCacheFile mechanism. Prints figures; asserts nothing.
 # --plot DIR: instead, sweep swap and storage throughput over block size and rank count and draw
@@ -127,6 +128,10 @@ for layout in page_first layer_first; do
     PYTHONPATH="$KVTD_ROOT/python:$KVTD_ROOT/tests/python" /usr/bin/python3 "$KVTD_ROOT/tools/bench/sglang_backend.py" \
     --layout "$layout" 2>/dev/null | grep '^FIGURE' || echo "(sglang backend bench: needs sglang's source, see tests/python/sglang_harness.py)"
 done
+echo "== vLLM's offloading worker through kvtd.vllm next to vLLM's copy mechanism (tools/bench/vllm_offload.py)"
+KVTD_BINARY="$KVTD_BUILD_DIR/daemon/kvtd" KVTD_CLIENT_LIBRARY="$KVTD_BUILD_DIR/client/libkvtd_client.so" \
+  PYTHONPATH="$KVTD_ROOT/python:$KVTD_ROOT/tests/python" /usr/bin/python3 "$KVTD_ROOT/tools/bench/vllm_offload.py" \
+  2>/dev/null | grep '^FIGURE' || echo "(vLLM offload bench: needs vLLM's source, see tests/python/vllm_harness.py)"
 echo "== swap throughput as above, page-first host pool (--host-layout page_first: the transform is in the copy)"
 daemon_extra=(--host-layout page_first)
 for ranks in 1 2; do

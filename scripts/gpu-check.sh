@@ -154,6 +154,14 @@ elif "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() el
   else
     skip "FastDeploy v1 (device tensors)" "no FastDeploy v1 source: set KVTD_FASTDEPLOY_V1_SRC"
   fi
+  vllm_src=${KVTD_VLLM_SRC:-$root/../shared/reference/vllm}
+  if [ -f "$vllm_src/vllm/v1/kv_offload/base.py" ]; then
+    step "vLLM offloading worker (device tensors)" 600 env KVTD_VLLM_SRC="$vllm_src" KVTD_BINARY="$kvtd" \
+      KVTD_CLIENT_LIBRARY="$client" PYTHONPATH="$root/python:$root/tests/python" "$python" \
+      "$root/tools/bench/vllm_offload.py" --device cuda --blocks 1024
+  else
+    skip "vLLM offloading worker (device tensors)" "no vLLM source: set KVTD_VLLM_SRC"
+  fi
 else
   skip "python client (torch CUDA)" "no torch with CUDA in $python"
 fi

@@ -1,0 +1,178 @@
+"""kvtd.vllm's worker against the mechanism of vLLM's own CPU worker, the same blocks, the same jobs.
+
+    PYTHONPATH=python:tests/python KVTD_BINARY=build/daemon/kvtd KVTD_CLIENT_LIBRARY=... \\
+      /usr/bin/python3 tools/bench/vllm_offload.py [--device cpu|cuda] [--layers 32] [--page-kib 32] \\
+      [--blocks 1024] [--job-blocks 64] [--rounds 3]
+
+One worker's canonical KV tensors (2 x layers tensors of (blocks, page) bytes: vLLM's canonical
+layout, a K and a V row of `--page-kib` per layer and block), stored to host blocks and loaded back
+in jobs of `--job-blocks` random blocks, as vLLM's OffloadingConnectorWorker submits them
+(submit_store / submit_load, then get_finished until every job is done).
+- kvtd: KvtdOffloadingWorker, its rank's daemon doing the copies (host backend with --device cpu:
+  the "GPU" is a shared-memory tensor; --device cuda: CUDA tensors through IPC handles).
+- vLLM's mechanism in the same process, per tensor: CPU -> GPU with vLLM's own Triton kernel
+  (v1/kv_offload/cpu/swap_blocks_triton.py, its path for pages under 28 KiB) where Triton runs;
+  otherwise, and GPU -> CPU, a copy per block and tensor into pinned host rows (vLLM's swap_blocks:
+  a cudaMemcpyAsync per block; vLLM's compiled ops batch them with cuMemcpyBatchAsync, which torch
+  does not expose, so on a GPU this peer is the slower of vLLM's two paths).
+Prints FIGURE lines: GB/s each way and kvtd's ratio, the median of --rounds. Every loaded byte is
+compared once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests" / "python")]
+
+import torch  # noqa: E402
+
+import kvtd.testing  # noqa: E402
+import vllm_harness  # noqa: E402
+
+
+def config(a, session):
+    from vllm.v1.kv_offload import config as c
+    page = a.page_kib * 1024
+    return c.OffloadingConfig(
+        groups=(c.OffloadingGroupConfig(tokens_per_block=16, layer_names=tuple(f"l{i}" for i in range(a.layers))),),
+        worker_kv_bytes_per_block=2 * a.layers * page, enable_kv_cache_events=False,
+        extra_config={"spec_name": "KvtdOffloadingSpec", "spec_module_path": "kvtd.vllm",
+                      "kvtd_host_blocks": a.blocks, "kvtd_session": session, "kvtd_ready_timeout_s": 60},
+        engine_id="bench", model=c.OffloadingModelConfig(name="m", dtype="bfloat16"),
+        cache=c.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=c.OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                                            data_parallel_index=0, data_parallel_size=1,
+                                            data_parallel_rank_local=None, is_parallelism_agnostic=False))
+
+
+def device_tensors(a):
+    page, n = a.page_kib * 1024, 2 * a.layers
+    if a.device == "cuda":
+        return [torch.randint(-128, 127, (a.blocks, page), dtype=torch.int8, device="cuda") for _ in range(n)], None
+    path = f"/dev/shm/kvtd_vllm_bench_{uuid.uuid4().hex[:8]}"
+    buf = torch.from_file(path, shared=True, size=n * a.blocks * page, dtype=torch.int8)
+    buf.copy_(torch.randint(-128, 127, buf.shape, dtype=torch.int8))
+    return [buf[i * a.blocks * page:(i + 1) * a.blocks * page].view(a.blocks, page) for i in range(n)], path
+
+
+def triton_load():
+    """vLLM's own Triton kernel for CPU -> GPU, with the real triton behind vllm.triton_utils; None if
+    Triton cannot run here."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+    sys.modules["vllm.triton_utils"].triton, sys.modules["vllm.triton_utils"].tl = triton, tl
+    from vllm.v1.kv_offload.cpu import swap_blocks_triton as k
+    return k
+
+
+def jobs_of(a, g):
+    perm = torch.randperm(a.blocks, generator=g).tolist()
+    host = torch.randperm(a.blocks, generator=g).tolist()
+    return [(perm[i:i + a.job_blocks], host[i:i + a.job_blocks]) for i in range(0, a.blocks, a.job_blocks)]
+
+
+def run_kvtd(worker, base, jobs, store):
+    for j, (gpu, host) in enumerate(jobs):
+        gspec = base.GPULoadStoreSpec(gpu, group_sizes=[len(gpu)], block_indices=[0])
+        from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+        hspec = CPULoadStoreSpec(host)
+        (worker.submit_store(j, gspec, hspec) if store else worker.submit_load(j, hspec, gspec))
+    done = set()
+    while len(done) < len(jobs):
+        for r in worker.get_finished():
+            assert r.success, f"job {r.job_id} failed"
+            done.add(r.job_id)
+
+
+def run_peer(tensors, hosts, jobs, store, kernel, a):
+    """A copy per block and tensor (what vLLM's swap_blocks does: a cudaMemcpyAsync per block; a
+    memcpy on the host), or vLLM's Triton kernel for loads where it runs."""
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    for gpu, host in jobs:
+        for t, h in zip(tensors, hosts):
+            if not store and kernel is not None:
+                page = t.shape[1]
+                src = torch.tensor([h.data_ptr() + b * page for b in host], dtype=torch.int64).pin_memory()
+                dst = torch.tensor([t.data_ptr() + b * page for b in gpu], dtype=torch.int64).pin_memory()
+                sizes = torch.full((len(gpu),), page, dtype=torch.int64).pin_memory()
+                kernel.swap_blocks_batch(src, dst, sizes, bytes_per_chunk=min(8192, 1 << (page - 1).bit_length()))
+                continue
+            for g, c in zip(gpu, host):
+                if store:
+                    h[c].copy_(t[g], non_blocking=True)
+                else:
+                    t[g].copy_(h[c], non_blocking=True)
+    sync()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--page-kib", type=int, default=32)
+    ap.add_argument("--blocks", type=int, default=512)
+    ap.add_argument("--job-blocks", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    vllm_harness.import_vllm()
+    from vllm.v1.kv_offload import base, factory
+    session = f"vlb{uuid.uuid4().hex[:6]}"
+    spec = factory.OffloadingSpecFactory.create_spec(config(a, session))
+    tensors, path = device_tensors(a)
+    page = a.page_kib * 1024
+    caches = base.CanonicalKVCaches(tensors=[base.CanonicalKVCacheTensor(t, page) for t in tensors],
+                                    group_data_refs=[[base.CanonicalKVCacheRef(i, page) for i in range(len(tensors))]])
+    from kvtd.vllm import geometry_of
+    extra = ["--device-backend", "cuda", "--device-id", str(torch.cuda.current_device())] if a.device == "cuda" else []
+    daemons = kvtd.testing.Daemons(None, f"{session}_r0", geometry_of(caches, 1, a.blocks), extra, ranks=[0]).start()
+    hosts = [torch.empty((a.blocks, page), dtype=torch.int8, pin_memory=a.device == "cuda") for _ in tensors]
+    kernel = triton_load() if a.device == "cuda" else None
+    nbytes = a.blocks * page * len(tensors)
+    figures = {k: [] for k in ("kvtd store", "peer store", "kvtd load", "peer load")}
+    try:
+        worker = spec.get_worker(caches)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(a.rounds):
+            jobs = jobs_of(a, g)
+            for name, fn in (("kvtd store", lambda: run_kvtd(worker, base, jobs, True)),
+                             ("peer store", lambda: run_peer(tensors, hosts, jobs, True, kernel, a)),
+                             ("kvtd load", lambda: run_kvtd(worker, base, jobs, False)),
+                             ("peer load", lambda: run_peer(tensors, hosts, jobs, False, kernel, a))):
+                t0 = time.perf_counter()
+                fn()
+                figures[name].append(nbytes / (time.perf_counter() - t0) / 1e9)
+        before = [t.clone() for t in tensors]
+        run_kvtd(worker, base, jobs, True)
+        for t in tensors:
+            t.zero_()
+        run_kvtd(worker, base, jobs, False)
+        assert all(torch.equal(x, y) for x, y in zip(tensors, before)), "a loaded byte differs"
+        med = {k: statistics.median(v) for k, v in figures.items()}
+        peer_load = "vLLM's Triton kernel" if kernel is not None else "a copy per block"
+        shape = (f"{a.blocks} blocks x {len(tensors)} tensors x {a.page_kib} KiB = {nbytes / 2**30:.2f} GiB, jobs of "
+                 f"{a.job_blocks} random blocks, {a.device}, median of {a.rounds}")
+        print(f"FIGURE vllm store (GPU -> host): kvtd {med['kvtd store']:.2f} GB/s, a copy per block "
+              f"{med['peer store']:.2f} GB/s = {med['kvtd store'] / med['peer store']:.2f}x; {shape}")
+        print(f"FIGURE vllm load (host -> GPU): kvtd {med['kvtd load']:.2f} GB/s, {peer_load} "
+              f"{med['peer load']:.2f} GB/s = {med['kvtd load'] / med['peer load']:.2f}x; {shape}")
+        worker.shutdown()
+        return 0
+    finally:
+        daemons.stop()
+        if path:
+            os.unlink(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
