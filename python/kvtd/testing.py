@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -76,14 +77,29 @@ class Daemons:
             self.procs.append(self._spawn(r))
         return self
 
-    def kill_and_restart(self, rank: int) -> None:
-        """SIGKILLs rank `rank`'s daemon (a crash: nothing orderly runs) and starts it again with
-        the same flags, as systemd's Restart=on-failure does."""
-        i = self.ranks.index(rank)
-        p = self.procs[i]
+    def kill(self, rank: int) -> None:
+        """SIGKILLs rank `rank`'s daemon (a crash: nothing orderly runs) and reaps it."""
+        p = self.procs[self.ranks.index(rank)]
         p.kill()
         p.wait()
+
+    def restart(self, rank: int) -> None:
+        """Starts rank `rank`'s daemon again with the same flags (after kill or its exit)."""
+        i = self.ranks.index(rank)
+        assert self.procs[i].poll() is not None, f"rank {rank}'s daemon is still running"
         self.procs[i] = self._spawn(rank)
+
+    def kill_and_restart(self, rank: int, session=None, timeout: float = 30.0) -> None:
+        """kill, then restart, as systemd's Restart=on-failure does. With `session`, the restart
+        waits until that session saw the old daemon go: until then its ready bits may still be the
+        old daemon's, and a wait_ready right after the restart would return on them."""
+        self.kill(rank)
+        deadline = time.monotonic() + timeout
+        while session is not None and session.rank_alive(rank):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank}'s killed daemon still counts alive after {timeout} s")
+            time.sleep(0.005)
+        self.restart(rank)
 
     def stop(self, timeout: float = 10.0) -> List[Optional[int]]:
         codes = []

@@ -32,11 +32,11 @@ def host_tier_survives_a_daemon_restart(tp: int) -> None:
         b = d.schedule("b", hashes("b", 8))
         evict, _ = d.step([b])
         assert evict is not None and evict.success, evict
-        for daemons in d.daemons:
-            daemons.kill_and_restart(0)
+        sessions = [c.transfer_manager._ready_session() for c in d.controllers]
+        for daemons, s in zip(d.daemons, sessions):
+            daemons.kill_and_restart(0, s)
         deadline = time.monotonic() + 30
-        for c in d.controllers:
-            s = c.transfer_manager._ready_session()
+        for s in sessions:
             while s.rank_ready(0) != 3:
                 assert time.monotonic() < deadline, "the restarted daemon did not attach within 30 s"
                 time.sleep(0.02)

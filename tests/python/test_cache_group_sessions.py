@@ -167,7 +167,7 @@ def test_every_groups_host_blocks_survive_a_daemon_crash_and_restart(cluster):
     before = {(r, i): [blocks_of(v, [x - (d0, d1)[i] for x in src if groups_of(groups.id_bases(), groups, x) == i])
                        for v in views(s, groups, r, i)] for r in range(groups.num_ranks) for i in range(2)}
     s.wait(s.swap_to_host(src, host))
-    c.daemons.kill_and_restart(2)
+    c.daemons.kill_and_restart(2, s)
     s.wait_ready(30)
     assert s.wait(s.swap_to_device(host, back)).blocks_done == len(back)
     for r in range(groups.num_ranks):

@@ -12,7 +12,6 @@ The workers' GPU tensors are shared-memory tensors on the host backend.
 from __future__ import annotations
 
 import os
-import signal
 import time
 import uuid
 
@@ -84,11 +83,10 @@ class Rank:
         return torch.cat([t[b].clone() for t in self.tensors])
 
     def kill_daemon(self):
-        self.daemons.procs[0].send_signal(signal.SIGKILL)
-        self.daemons.procs[0].wait()
+        self.daemons.kill(self.rank)
 
     def restart_daemon(self):
-        self.daemons.procs[0] = self.daemons._spawn(self.rank)
+        self.daemons.restart(self.rank)
 
     def close(self):
         self.connector.shutdown()
