@@ -78,9 +78,9 @@ class KvtdOffloadingSpec(OffloadingSpec):
             raise ValueError(f"kvtd.vllm moves whole GPU blocks: blocks_per_chunk is {self.blocks_per_chunk}, "
                              "set the offloaded block size to the GPU block size")
         self.num_blocks = int(x.get("kvtd_host_blocks", 0))
-        if self.num_blocks <= 0:
+        if self.num_blocks <= 0:  # vLLM's meaning: the bytes of every worker's copy together (cpu/spec.py:86-103)
             cpu_bytes = int(x.get("cpu_bytes_to_use", 0))
-            per_block = int(config.worker_kv_bytes_per_block)
+            per_block = int(config.worker_kv_bytes_per_block) * max(1, int(config.parallel.world_size))
             self.num_blocks = cpu_bytes // per_block if per_block > 0 else 0
         if self.num_blocks <= 0:
             raise ValueError('kvtd.vllm needs the host tier\'s size: "kvtd_host_blocks" (blocks per rank) or '

@@ -334,3 +334,14 @@ def test_a_new_weight_version_misses_what_the_old_weights_stored(tmp_path):
             assert engine.serve(Request("v", prompt(51, 4))) == expect, f"weights {version}"
         finally:
             close(engine)
+
+
+def test_cpu_bytes_to_use_means_what_it_means_to_vllms_own_cpu_spec():
+    """vLLM's CPU spec divides cpu_bytes_to_use by one block of every worker together
+    (cpu/spec.py:86-103): 2 workers x 8 KiB a block, 160 KiB -> 10 blocks (on each rank)."""
+    _, _, factory, _, _ = vllm_modules()
+    extra = {"spec_name": "KvtdOffloadingSpec", "spec_module_path": "kvtd.vllm", "cpu_bytes_to_use": 160 * 1024}
+    spec = factory.OffloadingSpecFactory.create_spec(offloading_config(1, 2, extra))
+    assert spec.num_blocks == 10
+    with pytest.raises(ValueError, match="host tier's size"):
+        factory.OffloadingSpecFactory.create_spec(offloading_config(0, 2, {**extra, "cpu_bytes_to_use": 0}))
