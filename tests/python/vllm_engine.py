@@ -8,9 +8,10 @@ model runner, KVOutputAggregator), making the connector calls in the order they 
   and, on a hit, a load (update_state_after_alloc) it waits for, unscheduled, until every worker
   reported it received (WAITING_FOR_REMOTE_KVS); GPU blocks in invalid_block_ids are recomputed
   (kv_load_failure_policy "recompute": computed tokens cut back to the first invalid block);
-- each step: build_connector_meta; per worker, as the model runner's context does it
-  (kv_connector_model_runner_mixin.py:78-112): handle_preemptions, bind, start_load_kv, the
-  forward pass, get_finished, get_block_ids_with_load_errors, build_connector_worker_meta, clear;
+- each step: build_connector_meta; per worker, handle_preemptions (the model runner calls it as
+  its step starts, gpu_model_runner.py) and then its connector context
+  (kv_connector_model_runner_mixin.py:78-112): bind, start_load_kv, the forward pass,
+  get_finished, get_block_ids_with_load_errors, build_connector_worker_meta, clear;
   then the outputs of all workers merged (finished_recving once every worker reported it,
   invalid blocks unioned, worker metadata aggregated pairwise) into update_connector_output;
 - a finished request: request_finished, then its id in the next step's finished_req_ids.
