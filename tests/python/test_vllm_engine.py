@@ -65,6 +65,13 @@ class Rank:
         self.buffer = torch.from_file(self.path, shared=True, size=2 * LAYERS * GPU_BLOCKS * PAGE, dtype=torch.int8)
         self.tensors = [self.buffer[i * GPU_BLOCKS * PAGE:(i + 1) * GPU_BLOCKS * PAGE].view(GPU_BLOCKS, PAGE)
                         for i in range(2 * LAYERS)]
+        try:
+            self._start(rank, world, extra, daemon_flags, base, factory, worker)
+        except BaseException:
+            os.unlink(self.path)
+            raise
+
+    def _start(self, rank, world, extra, daemon_flags, base, factory, worker):
         self.spec = factory.OffloadingSpecFactory.create_spec(offloading_config(rank, world, extra))
         caches = base.CanonicalKVCaches(tensors=[base.CanonicalKVCacheTensor(t, PAGE) for t in self.tensors],
                                         group_data_refs=[[base.CanonicalKVCacheRef(i, PAGE) for i in range(2 * LAYERS)]])
@@ -73,7 +80,11 @@ class Rank:
         self.daemons = kvtd.testing.Daemons(None, f"{extra['kvtd_session']}_r{rank}", self.geometry,
                                             list(daemon_flags), ranks=[rank]).start()
         self.connector = worker.OffloadingConnectorWorker(self.spec, None, None)
-        self.connector._init_worker(caches)  # what register_kv_caches ends with (worker.py:66-67, 292)
+        try:
+            self.connector._init_worker(caches)  # what register_kv_caches ends with (worker.py:66-67, 292)
+        except BaseException:
+            self.daemons.stop()
+            raise
 
     def write_block(self, b, data):
         for i, t in enumerate(self.tensors):
@@ -101,11 +112,18 @@ def prompt(seed, chunks):
 
 def engine_of(world=2, daemon_flags=(), **extra):
     config = extra_config(**extra)
-    ranks = [Rank(r, world, config, daemon_flags) for r in range(world)]
-    # The scheduler process's spec: one more construction, as vLLM makes in every process.
-    _, _, factory, _, _ = vllm_modules()
-    spec = factory.OffloadingSpecFactory.create_spec(offloading_config(0, world, ranks[0].spec.extra_config))
-    return Engine(spec, ranks, GPU_BLOCKS, [f"l{i}" for i in range(LAYERS)])
+    ranks = []
+    try:
+        for r in range(world):
+            ranks.append(Rank(r, world, config, daemon_flags))
+        # The scheduler process's spec: one more construction, as vLLM makes in every process.
+        _, _, factory, _, _ = vllm_modules()
+        spec = factory.OffloadingSpecFactory.create_spec(offloading_config(0, world, config))
+        return Engine(spec, ranks, GPU_BLOCKS, [f"l{i}" for i in range(LAYERS)])
+    except BaseException:
+        for r in ranks:  # their daemons and shared-memory "GPU" files
+            r.close()
+        raise
 
 
 def assert_loaded(engine, req, hit):
