@@ -63,7 +63,7 @@ from .fastdeploy_v1_support import tensor_location
 from .geometry import Geometry
 from .session import Session
 from .vllm_manager import KvtdOffloadingManager, KvtdWorkerMetadata
-from .vllm_storage import WorkerStorage
+from .vllm_storage import WorkerStorage, poll_task
 
 log = logging.getLogger("kvtd.vllm")
 
@@ -171,7 +171,6 @@ class KvtdOffloadingWorker(OffloadingWorker):
         self._jobs: Dict[int, _Job] = {}
         self._done: List[TransferResult] = []
         self.failed_loads: Set[int] = set()  # GPU blocks whose load failed (to recompute)
-        self.failed_stores: Set[int] = set()  # job ids whose store failed (not stored)
         self._failed_host_stores: Set[int] = set()  # host blocks, for the scheduler's manager
         self._failed_host_loads: Set[int] = set()
         # Set by KvtdOffloadingConnector: failures reach vLLM beside the jobs, so a failed job may be
@@ -193,7 +192,7 @@ class KvtdOffloadingWorker(OffloadingWorker):
                 self.storage.backup_submitted(tid)
         except Exception as e:  # noqa: BLE001 - vLLM asserts the submit succeeded
             log.warning("kvtd %s of job %d not submitted: %s", "load" if is_load else "store", job_id, e)
-            self._record_failure(job_id, is_load, gpu, host)
+            self._record_failure(is_load, gpu, host)
             self._done.append(TransferResult(job_id, False, nbytes, 0.0))
             return True
         self._jobs[job_id] = _Job(tid, is_load, gpu, host, nbytes, time.monotonic())
@@ -205,29 +204,24 @@ class KvtdOffloadingWorker(OffloadingWorker):
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         return self._submit(job_id, True, [int(b) for b in dst_spec.block_ids], [int(b) for b in src_spec.block_ids])
 
-    def _record_failure(self, job_id: int, is_load: bool, gpu: List[int], host: List[int]) -> None:
+    def _record_failure(self, is_load: bool, gpu: List[int], host: List[int]) -> None:
         if is_load:
             self.failed_loads.update(gpu)
             self._failed_host_loads.update(host)
         else:
-            self.failed_stores.add(job_id)
             self._failed_host_stores.update(host)
 
     def _finish(self, job_id: int, job: _Job, result) -> None:
         if not result.ok:
             log.warning("kvtd %s of job %d failed: %s: %s", "load" if job.is_load else "store", job_id,
                         result.status_name, result.message)
-            self._record_failure(job_id, job.is_load, job.gpu_blocks, job.host_blocks)
+            self._record_failure(job.is_load, job.gpu_blocks, job.host_blocks)
         self._done.append(TransferResult(job_id, bool(result.ok), job.nbytes, time.monotonic() - job.started))
 
     def get_finished(self) -> List[TransferResult]:
         self.storage.poll()
         for job_id, job in list(self._jobs.items()):
-            try:
-                r = self._session.poll(job.task_id, check=False)
-            except Exception as e:  # noqa: BLE001
-                log.warning("kvtd job %d: %s", job_id, e)
-                r = self._session.final_result(job.task_id, cancel=False)
+            r = poll_task(self._session, job.task_id)
             if r is None:
                 continue
             del self._jobs[job_id]

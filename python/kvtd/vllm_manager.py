@@ -119,7 +119,8 @@ class KvtdOffloadingManager(CPUOffloadingManager):
                     failed.append(key)
             if failed:
                 super().complete_store(failed, req_context, success=False)  # removed, blocks freed
-                keys = [k for k in keys if k not in set(failed)]
+                gone = set(failed)
+                keys = [k for k in keys if k not in gone]
         super().complete_store(keys, req_context, success)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:

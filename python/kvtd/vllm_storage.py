@@ -45,6 +45,15 @@ class StorageWork:
         return not (self.store_keys or self.queries or self.prefetches)
 
 
+def poll_task(session, task_id: int):
+    """The task's merged result once every rank reported it, else None; a session that cannot be
+    polled (a dead daemon) answers with the task's final result, which ends with the daemon."""
+    try:
+        return session.poll(task_id, check=False)
+    except Exception:  # noqa: BLE001
+        return session.final_result(task_id, cancel=False)
+
+
 def merge_answers(a: Dict[int, Tuple[int, int]], b: Dict[int, Tuple[int, int]]) -> Dict[int, Tuple[int, int]]:
     """{id: (MIN blocks_done, ranks reported)} of two workers' answers."""
     out = dict(a)
@@ -200,7 +209,7 @@ class WorkerStorage:
 
     def poll(self) -> None:
         for tid, (what, ident) in list(self._tasks.items()):
-            r = self._poll(tid)
+            r = poll_task(self._session, tid)
             if r is None:
                 continue
             del self._tasks[tid]
@@ -208,17 +217,11 @@ class WorkerStorage:
                 self._log.warning("kvtd storage %s %d failed: %s: %s", what, ident, r.status_name, r.message)
             self.answers[ident] = (int(r.blocks_done) if r.ok else 0, 1)
         for tid in list(self._backups):
-            r = self._poll(tid)
+            r = poll_task(self._session, tid)
             if r is not None:
                 self._backups.discard(tid)
                 if not r.ok and r.status_name != "backup_skipped":
                     self._log.warning("kvtd backup %d: %s: %s", tid, r.status_name, r.message)
-
-    def _poll(self, tid: int):
-        try:
-            return self._session.poll(tid, check=False)
-        except Exception:  # noqa: BLE001 - a dead daemon's tasks end; wait for their final word
-            return self._session.final_result(tid, cancel=False)
 
     def take_answers(self) -> Dict[int, Tuple[int, int]]:
         out, self.answers = self.answers, {}

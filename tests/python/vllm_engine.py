@@ -141,7 +141,7 @@ class Engine:
     def manager(self):
         return self.scheduler.connector_scheduler.manager
 
-    def step(self, new=(), forward=lambda: None):
+    def step(self, new=(), forward=lambda rank: None):
         """One engine step; returns (finished_recving, invalid_block_ids) merged over the workers."""
         out = scheduler_output(new, self._finished)
         self._finished = set()
@@ -149,11 +149,11 @@ class Engine:
         recving = self._recv_counts  # across steps: each worker reports a request once
         invalid: Set[int] = set()
         worker_meta = None
-        for w in self.workers:
+        for rank, w in zip(self.ranks, self.workers):
             w.handle_preemptions(meta)
             w.bind_connector_metadata(meta)
             w.start_load_kv(None)
-            forward()
+            forward(rank)
             for req_id in w.get_finished(out.finished_req_ids)[1]:
                 recving[req_id] = recving.get(req_id, 0) + 1
             invalid |= w.get_block_ids_with_load_errors()
@@ -184,18 +184,16 @@ class Engine:
         offload tier (0 on a miss), recomputing any GPU block a load could not fill."""
         sched = self.scheduler
         sched.on_new_request(req)
-        looked_up = []
-
-        def look_up():  # None: the connector needs more time; vLLM asks again in a later step
-            looked_up.append(sched.get_num_new_matched_tokens(req, 0))
-            return looked_up[-1][0] is not None
-
-        while not look_up():
+        # None: the connector needs more time; vLLM asks again in a later step.
+        hit, load_async = sched.get_num_new_matched_tokens(req, 0)
+        for _ in range(3000):
+            if hit is not None:
+                break
             self.step()
-            if len(looked_up) > 3000:
-                raise TimeoutError(f"engine: the lookup of {req.request_id} never settled")
             time.sleep(0.002)
-        hit, load_async = looked_up[-1]
+            hit, load_async = sched.get_num_new_matched_tokens(req, 0)
+        else:
+            raise TimeoutError(f"engine: the lookup of {req.request_id} never settled")
         hit = hit or 0
         n_blocks = -(-req.num_prompt_tokens // TOKENS_PER_BLOCK)
         blocks = [self.free_gpu.pop(0) for _ in range(n_blocks)]
@@ -220,15 +218,13 @@ class Engine:
                 self.recomputed_blocks.update(blocks[bad[0]:hit // TOKENS_PER_BLOCK])
         req.status = vllm_harness.RequestStatus.RUNNING
         first = req.num_computed_tokens // TOKENS_PER_BLOCK
-        todo = req.num_prompt_tokens - req.num_computed_tokens
+        to_compute = req.num_prompt_tokens - req.num_computed_tokens
 
-        def forward():  # the model computes the scheduled tokens' KV on every rank
-            for rank in self.ranks:
-                for i in range(first, n_blocks):
-                    if i < len(req.block_hashes):
-                        rank.write_block(blocks[i], chunk_bytes(rank.rank, req.block_hashes[i], rank.block_bytes))
+        def forward(rank):  # the model computes the scheduled tokens' KV, on this worker's rank
+            for i in range(first, min(n_blocks, len(req.block_hashes))):
+                rank.write_block(blocks[i], chunk_bytes(rank.rank, req.block_hashes[i], rank.block_bytes))
 
-        self.step(new=[(req, blocks, todo)], forward=forward)
+        self.step(new=[(req, blocks, to_compute)], forward=forward)
         req.num_computed_tokens = req.num_prompt_tokens
         req.status = vllm_harness.RequestStatus.FINISHED_STOPPED
         sched.request_finished(req, blocks)

@@ -92,11 +92,14 @@ def jobs_of(a, g):
 
 
 def run_kvtd(worker, base, jobs, store):
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
     for j, (gpu, host) in enumerate(jobs):
         gspec = base.GPULoadStoreSpec(gpu, group_sizes=[len(gpu)], block_indices=[0])
-        from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
         hspec = CPULoadStoreSpec(host)
-        (worker.submit_store(j, gspec, hspec) if store else worker.submit_load(j, hspec, gspec))
+        if store:
+            worker.submit_store(j, gspec, hspec)
+        else:
+            worker.submit_load(j, hspec, gspec)
     done = set()
     while len(done) < len(jobs):
         for r in worker.get_finished():
