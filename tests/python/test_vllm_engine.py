@@ -36,14 +36,15 @@ def vllm_modules():
     return base, config, factory, common, worker
 
 
-def offloading_config(rank, world, extra):
+def offloading_config(rank, world, extra, blocks_per_chunk=1):
     _, config, _, _, _ = vllm_modules()
     return config.OffloadingConfig(
         groups=(config.OffloadingGroupConfig(tokens_per_block=vllm_engine.TOKENS_PER_BLOCK,
                                              layer_names=tuple(f"l{i}" for i in range(LAYERS))),),
         worker_kv_bytes_per_block=2 * LAYERS * PAGE, enable_kv_cache_events=True, extra_config=extra,
         engine_id="kvtdtest", model=config.OffloadingModelConfig(name="m", dtype="bfloat16"),
-        cache=config.OffloadingCacheConfig(tokens_per_hash=vllm_engine.TOKENS_PER_BLOCK, blocks_per_chunk=1),
+        cache=config.OffloadingCacheConfig(tokens_per_hash=vllm_engine.TOKENS_PER_BLOCK,
+                                           blocks_per_chunk=blocks_per_chunk),
         parallel=config.OffloadingParallelConfig(rank=rank, world_size=world, tp_size=world, pp_size=1, pcp_size=1,
                                                  dcp_size=1, data_parallel_index=0, data_parallel_size=1,
                                                  data_parallel_rank_local=None, is_parallelism_agnostic=False))
@@ -363,3 +364,24 @@ def test_cpu_bytes_to_use_means_what_it_means_to_vllms_own_cpu_spec():
     assert spec.num_blocks == 10
     with pytest.raises(ValueError, match="host tier's size"):
         factory.OffloadingSpecFactory.create_spec(offloading_config(0, 2, {**extra, "cpu_bytes_to_use": 0}))
+    with pytest.raises(ValueError, match="host tier's size"):
+        factory.OffloadingSpecFactory.create_spec(offloading_config(0, 2, {**extra, "kvtd_host_blocks": -5,
+                                                                           "cpu_bytes_to_use": 1024}))
+    with pytest.raises(ValueError, match="blocks_per_chunk is 2"):
+        factory.OffloadingSpecFactory.create_spec(offloading_config(0, 2, extra, blocks_per_chunk=2))
+
+
+def test_a_stopped_daemon_is_fenced_and_its_store_counts_failed():
+    """SIGSTOP, not SIGKILL: rank 1's daemon stops answering mid-service. kvtd fences it (the
+    session's liveness, --engine-timeout 2 s here) before the job is reported, vLLM's code keeps
+    stepping, the store counts failed (the next lookup misses) and no load runs on it."""
+    import signal
+    engine = engine_of()
+    try:
+        p = prompt(61, 3)
+        engine.ranks[1].daemons.procs[0].send_signal(signal.SIGSTOP)
+        assert engine.serve(Request("t1", p)) == 0
+        assert engine.serve(Request("t2", p)) == 0, "a store a stopped daemon never made must not be a hit"
+        assert engine.ranks[1].daemons.procs[0].wait(30) is not None, "the stopped daemon was fenced (killed)"
+    finally:
+        close(engine)
