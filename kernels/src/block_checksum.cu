@@ -1,9 +1,11 @@
 // The device side of kvtd/kernels/checksum.h: one warp per (tensor, block), each lane summing a
-// strided share of the block's words, one atomic add per lane into the block's total.
+// strided share of the block's words as the copy kernels read them (warp_pass.h: 16-byte loads,
+// four in flight), one atomic add per lane into the block's total.
 #include <cuda_runtime.h>
 
 #include "kvtd/kernels/checksum.h"
 #include "launch.h"
+#include "warp_pass.h"
 
 namespace kvtd::kernels {
 namespace {
@@ -21,21 +23,7 @@ __global__ void block_sums(const LayerTensor* __restrict__ tensors, std::uint32_
   if (w >= count * num_tensors) return;
   const LayerTensor t = tensors[w / count];
   const auto* p = reinterpret_cast<const unsigned char*>(t.base) + static_cast<std::uint64_t>(ids[w % count]) * t.stride;
-  const std::uint64_t bytes = t.block_bytes, words = (bytes + 7) / 8;
-  const unsigned lane = threadIdx.x % 32;
-  unsigned long long sum = 0;
-  if (bytes % 8 == 0 && reinterpret_cast<std::uintptr_t>(p) % 8 == 0) {
-    const auto* q = reinterpret_cast<const unsigned long long*>(p);
-    for (std::uint64_t j = lane; j < words; j += 32) sum += __ldcs(q + j) * (2 * j + 1);
-  } else {  // byte by byte into little-endian words (odd sizes: fp8 scale tensors)
-    for (std::uint64_t j = lane; j < words; j += 32) {
-      unsigned long long word = 0;
-      for (std::uint64_t b = 0; b < 8 && j * 8 + b < bytes; ++b)
-        word |= static_cast<unsigned long long>(__ldcs(p + j * 8 + b)) << (8 * b);
-      sum += word * (2 * j + 1);
-    }
-  }
-  atomicAdd(out + w, sum);
+  atomicAdd(out + w, warp_pass</*kStore=*/false, /*kSum=*/true>(nullptr, p, t.block_bytes, threadIdx.x % 32, 0));
 }
 
 }  // namespace

@@ -116,4 +116,19 @@ Result<CopyPlan, PlanErrc> plan_copy(std::span<const std::int32_t> src, std::spa
   return plan;
 }
 
+CopyPlan singles_only(const CopyPlan& plan) {
+  CopyPlan out;
+  out.num_blocks = plan.num_blocks;
+  out.single_src.reserve(static_cast<std::size_t>(plan.num_blocks));
+  out.single_dst.reserve(static_cast<std::size_t>(plan.num_blocks));
+  for (const CopyRun& r : plan.runs)
+    for (std::int32_t k = 0; k < r.count; ++k) {
+      out.single_src.push_back(r.src + k);
+      out.single_dst.push_back(r.dst + k);
+    }
+  out.single_src.insert(out.single_src.end(), plan.single_src.begin(), plan.single_src.end());
+  out.single_dst.insert(out.single_dst.end(), plan.single_dst.begin(), plan.single_dst.end());
+  return out;
+}
+
 }  // namespace kvtd::kernels

@@ -2,43 +2,13 @@
 
 #include "kvtd/kernels/cuda_copy.h"
 #include "launch.h"
+#include "warp_pass.h"
 
 namespace kvtd::kernels {
 namespace {
 
 constexpr int kWarpsPerCta = 8;
 constexpr int kThreads = kWarpsPerCta * 32;
-
-__device__ __forceinline__ bool aligned_to(const void* p, std::uint64_t a) {
-  return reinterpret_cast<std::uintptr_t>(p) % a == 0;
-}
-
-// One warp copies `bytes` from s to d with the widest access both allow.
-__device__ __forceinline__ void warp_copy(unsigned char* __restrict__ d, const unsigned char* __restrict__ s,
-                                          std::uint64_t bytes, unsigned lane) {
-  if (bytes % 16 == 0 && aligned_to(s, 16) && aligned_to(d, 16)) {
-    const auto* sv = reinterpret_cast<const int4*>(s);
-    auto* dv = reinterpret_cast<int4*>(d);
-    const std::uint64_t n = bytes / 16;
-    std::uint64_t i = lane;
-    // Four loads in flight per lane before their stores: a load from host memory over PCIe takes
-    // microseconds, and one outstanding load per lane leaves the link mostly idle.
-    for (; i + 96 < n; i += 128) {
-      const int4 a = __ldcs(sv + i), b = __ldcs(sv + i + 32), c = __ldcs(sv + i + 64), e = __ldcs(sv + i + 96);
-      __stcs(dv + i, a);
-      __stcs(dv + i + 32, b);
-      __stcs(dv + i + 64, c);
-      __stcs(dv + i + 96, e);
-    }
-    for (; i < n; i += 32) __stcs(dv + i, __ldcs(sv + i));
-  } else if (bytes % 8 == 0 && aligned_to(s, 8) && aligned_to(d, 8)) {
-    const auto* sv = reinterpret_cast<const long long*>(s);
-    auto* dv = reinterpret_cast<long long*>(d);
-    for (std::uint64_t i = lane; i < bytes / 8; i += 32) __stcs(dv + i, __ldcs(sv + i));
-  } else {
-    for (std::uint64_t i = lane; i < bytes; i += 32) __stcs(d + i, __ldcs(s + i));
-  }
-}
 
 __device__ __forceinline__ std::int64_t global_warp() {
   return static_cast<std::int64_t>(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
@@ -54,12 +24,13 @@ __device__ __forceinline__ void piece_of(std::uint64_t bytes, std::uint32_t piec
   *len = (b + per < bytes ? b + per : bytes) - *begin;
 }
 
-// Copies part `p` of one block.
-__device__ __forceinline__ void copy_piece(unsigned char* d, const unsigned char* s, std::uint64_t bytes,
-                                           std::uint32_t pieces, std::uint32_t p) {
+// Copies part `p` of one block; with kSum returns this lane's share of the part's checksum.
+template <bool kSum = false>
+__device__ __forceinline__ unsigned long long copy_piece(unsigned char* d, const unsigned char* s,
+                                                         std::uint64_t bytes, std::uint32_t pieces, std::uint32_t p) {
   std::uint64_t begin = 0, len = 0;
   piece_of(bytes, pieces, p, &begin, &len);
-  if (len != 0) warp_copy(d + begin, s + begin, len, threadIdx.x % 32);
+  return len == 0 ? 0 : warp_pass</*kStore=*/true, kSum>(d + begin, s + begin, len, threadIdx.x % 32, begin);
 }
 
 // Warp w handles part (w % pieces) of block (w / pieces).
@@ -74,18 +45,23 @@ __global__ void scattered_one(CopyTarget t, const std::int32_t* __restrict__ src
 }
 
 // Warp w handles part (w % pieces) of block (w / pieces % count) of target (w / pieces / count):
-// the parts of one block in neighbouring warps, so a CTA's accesses stay contiguous.
+// the parts of one block in neighbouring warps, so a CTA's accesses stay contiguous. With kSum
+// each lane adds its share of the checksum into sums[w / pieces] (target * count + pair), which
+// the caller zeroed.
+template <bool kSum>
 __global__ void scattered_all(const CopyTarget* __restrict__ targets, std::uint32_t num_targets,
                               const std::int32_t* __restrict__ src_ids, const std::int32_t* __restrict__ dst_ids,
-                              std::int64_t count, std::uint32_t pieces) {
+                              std::int64_t count, std::uint32_t pieces, unsigned long long* sums) {
   const std::int64_t w = global_warp();
   if (w >= count * num_targets * pieces) return;
   const std::int64_t block = w / pieces;
   const CopyTarget t = targets[block / count];
   const std::int64_t i = block % count;
-  copy_piece(reinterpret_cast<unsigned char*>(t.dst) + static_cast<std::uint64_t>(dst_ids[i]) * t.dst_stride,
-             reinterpret_cast<const unsigned char*>(t.src) + static_cast<std::uint64_t>(src_ids[i]) * t.src_stride,
-             t.block_bytes, pieces, static_cast<std::uint32_t>(w % pieces));
+  const unsigned long long sum = copy_piece<kSum>(
+      reinterpret_cast<unsigned char*>(t.dst) + static_cast<std::uint64_t>(dst_ids[i]) * t.dst_stride,
+      reinterpret_cast<const unsigned char*>(t.src) + static_cast<std::uint64_t>(src_ids[i]) * t.src_stride,
+      t.block_bytes, pieces, static_cast<std::uint32_t>(w % pieces));
+  if constexpr (kSum) atomicAdd(sums + block, sum);
 }
 
 // Warp w handles part (w % pieces) of staged object (w / pieces / num_tensors), tensor
@@ -124,11 +100,19 @@ int launch_scattered_copy(const CopyTarget& t, const std::int32_t* d_src_ids, co
 }
 
 int launch_scattered_copy_all(const CopyTarget* d_targets, std::uint32_t num_targets, const std::int32_t* d_src_ids,
-                              const std::int32_t* d_dst_ids, std::int64_t count, void* stream, std::uint32_t pieces) {
+                              const std::int32_t* d_dst_ids, std::int64_t count, void* stream, std::uint32_t pieces,
+                              std::uint64_t* d_sums) {
   if (count <= 0 || num_targets == 0) return 0;
   if (pieces == 0) pieces = 1;
-  KVTD_LAUNCH(scattered_all, ctas_for(count * num_targets * pieces), kThreads, static_cast<cudaStream_t>(stream),
-              d_targets, num_targets, d_src_ids, d_dst_ids, count, pieces);
+  const unsigned ctas = ctas_for(count * num_targets * pieces);
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (d_sums != nullptr) {
+    KVTD_LAUNCH(scattered_all<true>, ctas, kThreads, s, d_targets, num_targets, d_src_ids, d_dst_ids, count, pieces,
+                reinterpret_cast<unsigned long long*>(d_sums));
+  } else {
+    KVTD_LAUNCH(scattered_all<false>, ctas, kThreads, s, d_targets, num_targets, d_src_ids, d_dst_ids, count, pieces,
+                static_cast<unsigned long long*>(nullptr));
+  }
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -44,6 +44,20 @@ TEST(CopyPlan, MergesRunsWhereBothSidesAreConsecutive) {
   EXPECT_EQ(p->num_blocks, 7);
 }
 
+TEST(CopyPlan, SinglesOnlyCutsRunsIntoTheSamePairs) {
+  std::vector<std::int32_t> src{4, 5, 6, 9, 10, 2, 7};
+  std::vector<std::int32_t> dst{0, 1, 2, 3, 8, 5, 6};
+  auto p = plan_copy(src, dst, 16, 16, kBytes);
+  ASSERT_TRUE(p.ok());
+  const CopyPlan s = singles_only(*p);
+  EXPECT_TRUE(s.runs.empty());
+  EXPECT_EQ(s.num_blocks, 7);
+  EXPECT_EQ(s.single_src, (std::vector<std::int32_t>{4, 5, 6, 9, 10, 2, 7}));  // the run's pairs first
+  EXPECT_EQ(s.single_dst, (std::vector<std::int32_t>{0, 1, 2, 3, 8, 5, 6}));
+  EXPECT_EQ(covered_pairs(s), covered_pairs(*p));
+  EXPECT_EQ(singles_only(CopyPlan{}).num_blocks, 0);
+}
+
 TEST(CopyPlan, RejectsEachInvalidInputClassWithItsCode) {
   std::vector<std::int32_t> ok_src{1, 2, 3}, ok_dst{4, 5, 6};
   auto code = [&](std::vector<std::int32_t> s, std::vector<std::int32_t> d, std::int64_t sb = 8, std::int64_t db = 8,

@@ -16,6 +16,7 @@
 #include <array>
 #include <atomic>
 #include <map>
+#include <optional>
 #include <vector>
 
 #include "cuda/cuda_check.h"
@@ -207,17 +208,36 @@ class CudaBackend final : public DeviceBackend {
   // Per-layer events, interprocess so the engine can open them (which requires no timing).
   Status<DeviceErrc> ensure_events(Lane& lane, std::size_t layers) REQUIRES(lane.mu);
 
-  // Uploads the scattered ids (and the target table for the all-layers kernel).
-  Status<DeviceErrc> stage_plan(Lane& lane, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets) REQUIRES(lane.mu);
+  // Uploads the scattered ids (and the target table for the all-layers kernel), followed in
+  // the same upload by `sum_words` zeroed words at sums_offset(): the summing copy's results.
+  Status<DeviceErrc> stage_plan(Lane& lane, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets,
+                                std::size_t sum_words = 0) REQUIRES(lane.mu);
+  // Where stage_plan puts the summing copy's words in lane.ids, for a plan of `singles` pairs.
+  static std::size_t sums_offset(std::size_t singles) { return (2 * singles * sizeof(std::int32_t) + 7) / 8 * 8; }
+
+  // Kernel mode's verified copy: the plan's every pair through the all-layers kernel, which sums
+  // the bytes it moves (one pass over them, one launch), and the copy of the sums behind it.
+  // Returns, once the stream is done, the sums in `ids`' order (out[t * ids.size() + k]) from
+  // `into`; nullopt when some id is none of the plan's device blocks (then the caller sums apart).
+  struct SummingCopy {
+    const std::uint64_t* results = nullptr;  // [target * pairs + pair], in lane.ids.host
+    std::size_t pairs = 0;
+    std::vector<std::size_t> pair_of_id;  // ids[k] is the device block of pair pair_of_id[k]
+  };
+  Result<std::optional<SummingCopy>, DeviceErrc> enqueue_summing_copy(Lane& lane, Direction dir,
+                                                                     const kernels::CopyPlan& plan,
+                                                                     std::span<const kernels::CopyTarget> targets,
+                                                                     std::span<const std::int32_t> ids) REQUIRES(lane.mu);
 
   // Uploads a target table unless the device copy holds these bytes already: the swap targets of
   // an attached cache never change, so steady-state tasks upload only their ids.
   Status<DeviceErrc> upload_table(Lane& lane, const void* table, std::size_t bytes) REQUIRES(lane.mu);
 
   // Enqueues runs and scattered blocks of `targets` (which start at index `first` of the staged
-  // table). `all_layers` lets the all-layers kernel cover every target in one launch.
+  // table). `all_layers` lets the all-layers kernel cover every target in one launch; `d_sums`
+  // (that kernel only: kernel mode, all layers) makes it sum what it copies (cuda_copy.h).
   Status<DeviceErrc> enqueue(Lane& lane, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets,
-                             bool all_layers, std::size_t first = 0) REQUIRES(lane.mu);
+                             bool all_layers, std::size_t first = 0, std::uint64_t* d_sums = nullptr) REQUIRES(lane.mu);
 
   Status<DeviceErrc> enqueue_batch(Lane& lane, const kernels::CopyPlan& plan,
                                    std::span<const kernels::CopyTarget> targets) REQUIRES(lane.mu);

@@ -11,13 +11,18 @@
 
 namespace kvtd::daemon::cuda {
 
-Status<DeviceErrc> CudaBackend::stage_plan(Lane& lane, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets) {
+Status<DeviceErrc> CudaBackend::stage_plan(Lane& lane, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets,
+                                           std::size_t sum_words) {
   const std::size_t n = plan.single_src.size();
   if (n == 0 || mode_ == ScatterMode::kBatch || mode_ == ScatterMode::kMemcpy) return {};
-  KVTD_TRY(lane.ids.reserve(2 * n * sizeof(std::int32_t)));
+  const std::size_t bytes = sum_words == 0 ? 2 * n * sizeof(std::int32_t) : sums_offset(n) + sum_words * sizeof(std::uint64_t);
+  KVTD_TRY(lane.ids.reserve(bytes));
   std::memcpy(lane.ids.host, plan.single_src.data(), n * sizeof(std::int32_t));
   std::memcpy(static_cast<std::int32_t*>(lane.ids.host) + n, plan.single_dst.data(), n * sizeof(std::int32_t));
-  KVTD_TRY(lane.ids.upload(2 * n * sizeof(std::int32_t), lane.stream));
+  // The sums start at zero (the kernel adds into them): zeroed here, they ride the ids' upload
+  // instead of costing a memset on the stream.
+  if (sum_words != 0) std::memset(static_cast<std::byte*>(lane.ids.host) + 2 * n * sizeof(std::int32_t), 0, bytes - 2 * n * sizeof(std::int32_t));
+  KVTD_TRY(lane.ids.upload(bytes, lane.stream));
   return upload_table(lane, targets.data(), targets.size_bytes());
 }
 
@@ -36,7 +41,9 @@ Status<DeviceErrc> CudaBackend::upload_table(Lane& lane, const void* table, std:
 }
 
 Status<DeviceErrc> CudaBackend::enqueue(Lane& lane, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets,
-                           bool all_layers, std::size_t first) {
+                           bool all_layers, std::size_t first, std::uint64_t* d_sums) {
+  if (d_sums != nullptr && !(mode_ == ScatterMode::kKernelAllLayers && all_layers))
+    return make_error(DeviceErrc::kCopyFailed, "a summing copy needs the all-layers kernel (kernel mode)");
   // Batch mode: runs and scattered blocks of every target in one cudaMemcpyBatchAsync.
   if (mode_ == ScatterMode::kBatch) return enqueue_batch(lane, plan, targets);
   for (const auto& t : targets)
@@ -63,7 +70,7 @@ Status<DeviceErrc> CudaBackend::enqueue(Lane& lane, const kernels::CopyPlan& pla
       if (all_layers || targets.size() > 1) {
         const auto* table = static_cast<const kernels::CopyTarget*>(lane.table.dev) + first;
         const int e = kernels::launch_scattered_copy_all(table, static_cast<std::uint32_t>(targets.size()), d_src,
-                                                         d_dst, static_cast<std::int64_t>(n), lane.stream, parts);
+                                                         d_dst, static_cast<std::int64_t>(n), lane.stream, parts, d_sums);
         if (e != 0) return make_error(errc_of(static_cast<cudaError_t>(e)), cuda_text("copy kernel", static_cast<cudaError_t>(e)));
         return {};
       }

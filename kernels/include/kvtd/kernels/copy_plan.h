@@ -47,6 +47,11 @@ struct CopyPlan {
                                                    std::int64_t src_blocks, std::int64_t dst_blocks,
                                                    std::span<const std::uint64_t> block_bytes);
 
+// The same pairs with every run cut into singles (runs' pairs first, in order, then the plan's
+// singles): for a copy that treats each pair alike, such as the copy kernel summing each pair
+// it copies for --verify-swaps.
+CopyPlan singles_only(const CopyPlan& plan);
+
 const char* plan_errc_name(PlanErrc e);
 
 }  // namespace kvtd::kernels

@@ -27,9 +27,12 @@ int launch_scattered_copy(const CopyTarget& target, const std::int32_t* d_src_id
                           std::int64_t count, void* stream, std::uint32_t pieces = 1);
 
 // Every tensor in one launch: `d_targets` is a device-accessible table of `num_targets` targets
-// (the layers' base pointers), the ids are shared by all of them.
+// (the layers' base pointers), the ids are shared by all of them. With `d_sums` (device memory of
+// num_targets * count words, zeroed by the caller before the launch) the same pass adds the
+// checksum (checksum.h) of the bytes it copied for pair i of target t into d_sums[t * count + i].
 int launch_scattered_copy_all(const CopyTarget* d_targets, std::uint32_t num_targets, const std::int32_t* d_src_ids,
-                              const std::int32_t* d_dst_ids, std::int64_t count, void* stream, std::uint32_t pieces = 1);
+                              const std::int32_t* d_dst_ids, std::int64_t count, void* stream, std::uint32_t pieces = 1,
+                              std::uint64_t* d_sums = nullptr);
 
 // Layout transform, same layout as gather_to_staging_host / scatter_from_staging_host.
 // `d_tensors` is a device-accessible table; `d_offsets[t]` is the byte offset of tensor t inside
