@@ -54,6 +54,21 @@ if [ $is_small = 0 ]; then
   echo "copy wait: one-block round trip p50 $p1 us with the driver's wait alone (default), $p0 us with a 200 us poll window; 16-block tasks $r16 GB/s, $t0 GB/s"
   rm -f "$cmp"
 fi
+# The copy kernel's parts (kernel mode): by default a launch too small to fill the GPU splits its
+# blocks between warps (a one-block task of 64 tensors is 64 warps with whole blocks: 512 in 4 KiB
+# parts), while a large one keeps whole blocks; KVTD_KERNEL_PIECE_KIB=0 keeps whole blocks always.
+# Both in the same step, so the line says whether the split pays (added 2026-11-28, not yet run).
+if [ $is_small = 0 ] && [ "${KVTD_SCATTER_MODE:-}" = kernel ]; then
+  cmp=$(mktemp /tmp/kvtd_through_daemon_cmp.XXXXXX)
+  sink=$cmp
+  KVTD_KERNEL_PIECE_KIB=0 run 16 latency --latency-samples "$samples" >/dev/null
+  KVTD_KERNEL_PIECE_KIB=0 run 16 throughput >/dev/null
+  sink=
+  p0=$(sed -n 's/^latency: .*p50 \([0-9.]*\) us.*/\1/p' "$cmp"); t0=$(sed -n 's/^throughput: .* swap \([0-9.]*\) GB\/s per rank.*/\1/p' "$cmp")
+  p1=$(sed -n 's/^latency: .*p50 \([0-9.]*\) us.*/\1/p' "$out")
+  echo "kernel parts: one-block round trip p50 $p1 us with parts for small launches (default), $p0 us with whole blocks; 16-block tasks $r16 GB/s, $t0 GB/s"
+  rm -f "$cmp"
+fi
 # The Python client in the same shape (torch CUDA tensors, one task in flight, alternating out and
 # in): its cost over the C++ client's at 32 and 256 MiB tasks (goal: within 10% from 8 MiB up).
 python=${KVTD_PYTHON:-/usr/bin/python3}

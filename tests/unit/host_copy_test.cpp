@@ -1,5 +1,6 @@
 #include "kvtd/kernels/host_copy.h"
 #include "kvtd/kernels/checksum.h"
+#include "kvtd/kernels/cuda_copy.h"
 
 #include <gtest/gtest.h>
 
@@ -187,6 +188,24 @@ TEST(BlockChecksum, EveryFlippedBitAndEveryMovedWordChangesIt) {
   }
   const std::uint64_t words[2] = {3, 5};  // 3 * 1 + 5 * 3
   EXPECT_EQ(block_checksum(reinterpret_cast<const std::byte*>(words), 16), 18u);
+}
+
+// The copy kernels' parts per block (cuda_copy.h: pure arithmetic, tested here where every build
+// runs it). A launch that fills the GPU keeps whole blocks; a small one splits, parts of 4 KiB at
+// the least, 64 at most.
+TEST(KernelParts, ASmallLaunchSplitsItsBlocksAndALargeOneDoesNot) {
+  const std::uint64_t fill = 132 * 32;  // an H100: 132 SMs, 32 warps each
+  EXPECT_EQ(pieces_to_fill(32768, 128 * 64, fill), 1u);  // 128 blocks x 64 tensors
+  EXPECT_EQ(pieces_to_fill(32768, fill, fill), 1u);
+  EXPECT_EQ(pieces_to_fill(32768, 16 * 64, fill), 5u);  // 16 blocks: 1,024 warps -> 5,120
+  EXPECT_EQ(pieces_to_fill(32768, 64, fill), 8u);       // one block: as many as 4 KiB parts allow
+  EXPECT_EQ(pieces_to_fill(1 << 20, 1, fill), 64u);      // one 1 MiB block: at most 64
+  EXPECT_EQ(pieces_to_fill(4096, 1, fill), 1u);         // nothing to cut below 2 x 4 KiB
+  EXPECT_EQ(pieces_to_fill(8191, 1, fill), 1u);
+  EXPECT_EQ(pieces_to_fill(8192, 1, fill), 2u);
+  EXPECT_EQ(pieces_to_fill(65536, 0, fill), 1u);        // an empty launch
+  EXPECT_EQ(pieces_for(65536, 0), 1u);                   // a fixed part: 0 = whole blocks
+  EXPECT_EQ(pieces_for(65536, 4096), 16u);
 }
 
 }  // namespace

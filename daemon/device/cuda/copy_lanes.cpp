@@ -333,7 +333,7 @@ Status<DeviceErrc> CudaBackend::transform_locked(Lane& lane, std::span<const ker
     KVTD_CUDA_TRY(cudaHostGetDevicePointer(&mapped, staging, 0));
     staging = static_cast<std::byte*>(mapped);
   }
-  const std::uint32_t parts = pieces(max_block);
+  const std::uint32_t parts = pieces(max_block, ids.size() * tensors.size());
   const int e = gather ? kernels::launch_gather_to_staging(table, offsets, nt, d_ids, count, staging, object, lane.stream,
                                                            parts)
                        : kernels::launch_scatter_from_staging(table, offsets, nt, d_ids, count, staging, object,

@@ -34,6 +34,10 @@ Status<DeviceErrc> CudaBackend::init() {
                           " cannot use host pointers of registered memory in kernels "
                           "(cudaDevAttrCanUseHostPointerForRegisteredMem is 0): use --scatter-mode batch or memcpy");
   host_pointers_ = host_pointers != 0;
+  if (int sms = 0; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_) == cudaSuccess && sms > 0)
+    fill_warps_ = static_cast<std::uint64_t>(sms) * kFillWarpsPerSm;
+  else
+    (void)cudaGetLastError();  // keep the default (108 SMs, an A100's)
   report_device_sharing();
   for (auto& lane : lanes_) {
     if (auto e = cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking); e != cudaSuccess)
@@ -285,17 +289,17 @@ namespace kvtd::daemon {
 
 namespace cuda {
 
-// KVTD_KERNEL_PIECE_KIB (a benchmark's sweep: docs/gpu.md) else the default: blocks larger than
-// a piece are copied by several warps.
-std::uint64_t kernel_piece_bytes() {
+// KVTD_KERNEL_PIECE_KIB (a benchmark's sweep: docs/gpu.md) fixes the part; unset, parts follow
+// each launch's size.
+std::optional<std::uint64_t> kernel_piece_bytes() {
   if (const char* v = std::getenv("KVTD_KERNEL_PIECE_KIB"); v != nullptr && *v != '\0') {
     char* end = nullptr;
     const unsigned long long kib = std::strtoull(v, &end, 10);
     if (end != v && *end == '\0' && kib <= 1024) return kib << 10;
-    KVTD_WARN("KVTD_KERNEL_PIECE_KIB='{}' is not a number of KiB in [0, 1024]; using {} KiB (0: whole blocks)", v,
-              kDefaultKernelPieceBytes >> 10);
+    KVTD_WARN("KVTD_KERNEL_PIECE_KIB='{}' is not a number of KiB in [0, 1024] (0: whole blocks); parts follow each "
+              "launch's size", v);
   }
-  return kDefaultKernelPieceBytes;
+  return std::nullopt;
 }
 
 }  // namespace cuda

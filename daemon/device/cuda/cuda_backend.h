@@ -27,22 +27,27 @@
 
 namespace kvtd::daemon::cuda {
 
-// The copy kernels' part of a block per warp, bytes (0: a warp per whole block). Whole blocks:
-// on an H100 (PCIe Gen5) parts of 4, 8, 16 or 32 KiB moved 8-64 KiB blocks within +-3% of whole
-// blocks, both ways, and storage loads no faster (docs/gpu.md); the parts stay for other links.
-inline constexpr std::uint64_t kDefaultKernelPieceBytes = 0;
-// KVTD_KERNEL_PIECE_KIB when set (a benchmark's sweep), else kDefaultKernelPieceBytes.
-std::uint64_t kernel_piece_bytes();
+// The copy kernels' part of a block per warp, bytes (0: a warp per whole block), when fixed by
+// KVTD_KERNEL_PIECE_KIB (a benchmark's sweep); unset (nullopt): whole blocks for a launch that
+// fills the GPU, parts for a smaller one (kernels::pieces_to_fill). On an H100 (PCIe Gen5) parts
+// of 4-32 KiB moved 256 blocks of 8-64 KiB within +-3% of whole blocks (docs/gpu.md): large
+// launches need no parts.
+std::optional<std::uint64_t> kernel_piece_bytes();
+
+// Warps a copy launch should have, per SM: 4 CTAs of 8 (the H100 sweep's 256 blocks x 16 tensors
+// had about 31 per SM and reached 0.95-1.0x of one contiguous copy).
+inline constexpr std::uint64_t kFillWarpsPerSm = 32;
 
 class CudaBackend final : public DeviceBackend {
   struct Lane;  // defined below; named early for the helpers' signatures
 
  public:
   // piece_bytes: the copy kernels move each block in parts of about this many bytes, one warp
-  // per part (0: a warp per whole block); see kvtd/kernels/cuda_copy.h.
+  // per part (0: a warp per whole block; nullopt: parts only for launches too small to fill the
+  // GPU); see kvtd/kernels/cuda_copy.h.
   // wait_spin_us: a lane polls for its copy's end in a window this wide around when it should
   // end, sleeping on the host before it (0: it blocks in the driver at once); see copy_wait.h.
-  CudaBackend(int device, ScatterMode mode, std::size_t copy_batch_max, std::uint64_t piece_bytes,
+  CudaBackend(int device, ScatterMode mode, std::size_t copy_batch_max, std::optional<std::uint64_t> piece_bytes,
               std::uint32_t wait_spin_us = 0)
       : device_(device),
         mode_(mode),
@@ -261,11 +266,13 @@ class CudaBackend final : public DeviceBackend {
   int device_;
   ScatterMode mode_;
   std::size_t copy_batch_max_;  // copies per cudaMemcpyBatchAsync call
-  std::uint64_t piece_bytes_;   // the kernels' part of a block per warp (0: whole blocks)
+  std::optional<std::uint64_t> piece_bytes_;  // the kernels' fixed part of a block per warp, if any
   std::uint32_t wait_spin_us_;  // copy_wait.h's poll window (0: block in the driver at once)
-  // Parts per block for the kernels, for blocks of at most `max_block_bytes`.
-  std::uint32_t pieces(std::uint64_t max_block_bytes) const {
-    return kernels::pieces_for(max_block_bytes, piece_bytes_);
+  std::uint64_t fill_warps_ = 108 * kFillWarpsPerSm;  // set by init() from the device's SMs
+  // Parts per block for a launch of `warps` warps with whole blocks of at most `max_block_bytes`.
+  std::uint32_t pieces(std::uint64_t max_block_bytes, std::uint64_t warps) const {
+    return piece_bytes_ ? kernels::pieces_for(max_block_bytes, *piece_bytes_)
+                        : kernels::pieces_to_fill(max_block_bytes, warps, fill_warps_);
   }
   std::array<Lane, 2> lanes_;
   // The bytes the allocation holds from `base` on (cuMemGetAddressRange); 0 when the driver

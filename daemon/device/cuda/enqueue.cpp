@@ -64,10 +64,11 @@ Status<DeviceErrc> CudaBackend::enqueue(Lane& lane, const kernels::CopyPlan& pla
   const auto* d_dst = d_src + n;
   std::uint64_t max_block = 0;
   for (const auto& t : targets) max_block = std::max<std::uint64_t>(max_block, t.block_bytes);
-  const std::uint32_t parts = pieces(max_block);
+  const bool one_launch = mode_ == ScatterMode::kKernelAllLayers && (all_layers || targets.size() > 1);
+  const std::uint32_t parts = pieces(max_block, n * (one_launch ? targets.size() : 1));
   switch (mode_) {
     case ScatterMode::kKernelAllLayers:
-      if (all_layers || targets.size() > 1) {
+      if (one_launch) {
         const auto* table = static_cast<const kernels::CopyTarget*>(lane.table.dev) + first;
         const int e = kernels::launch_scattered_copy_all(table, static_cast<std::uint32_t>(targets.size()), d_src,
                                                          d_dst, static_cast<std::int64_t>(n), lane.stream, parts, d_sums);

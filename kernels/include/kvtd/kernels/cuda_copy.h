@@ -8,8 +8,9 @@
 // part: 16-byte vector accesses when both addresses and the size are 16-byte aligned, else
 // 8-byte, else bytes; streaming (non-temporal) loads and stores so a swap does not evict the
 // model's working set from L2. Pointers may be device memory or mapped pinned host memory.
-// pieces_for() picks the count: large blocks split so that more warps keep the link busy
-// (a 64 KiB block as one warp is a long serial chain of PCIe round trips).
+// pieces_for() picks the count for a fixed part size, pieces_to_fill() for a launch too small to
+// keep the link busy with whole blocks (a 64 KiB block as one warp is a long serial chain of PCIe
+// round trips).
 //
 // Thread-safety: launches are asynchronous on the given stream; callers synchronise.
 #pragma once
@@ -51,6 +52,22 @@ constexpr std::uint32_t pieces_for(std::uint64_t max_block_bytes, std::uint64_t 
   if (piece_bytes == 0 || max_block_bytes <= piece_bytes) return 1;
   const std::uint64_t n = (max_block_bytes + piece_bytes - 1) / piece_bytes;
   return n > 64 ? 64u : static_cast<std::uint32_t>(n);
+}
+
+// The smallest part pieces_to_fill cuts: below it a warp's four 16-byte loads per lane (2 KiB)
+// are most of the part.
+inline constexpr std::uint64_t kMinFillPartBytes = 4096;
+
+// Parts per block for a launch that has `warps` warps with whole blocks: 1 when that reaches
+// `target_warps`, else as many as reach it, each part at least kMinFillPartBytes, at most 64. A
+// small launch (one block of 64 tensors: 64 warps, each a chain of PCIe round trips over 32 KiB)
+// otherwise leaves most of the GPU, and of the link, idle.
+constexpr std::uint32_t pieces_to_fill(std::uint64_t max_block_bytes, std::uint64_t warps, std::uint64_t target_warps) {
+  if (warps == 0 || warps >= target_warps) return 1;
+  const std::uint64_t want = (target_warps + warps - 1) / warps;
+  const std::uint64_t fit = max_block_bytes / kMinFillPartBytes;
+  const std::uint64_t n = want < fit ? want : fit;
+  return n <= 1 ? 1u : n > 64 ? 64u : static_cast<std::uint32_t>(n);
 }
 
 }  // namespace kvtd::kernels
