@@ -54,7 +54,7 @@ if [ $is_small = 0 ]; then
   echo "copy wait: one-block round trip p50 $p1 us with the driver's wait alone (default), $p0 us with a 200 us poll window; 16-block tasks $r16 GB/s, $t0 GB/s"
   rm -f "$cmp"
 fi
-# The copy kernel's parts (kernel mode): by default a launch too small to fill the GPU splits its
+# The copy kernel's parts (kernel mode): by default a launch of under 16 warps per SM splits its
 # blocks between warps (a one-block task of 64 tensors is 64 warps with whole blocks: 512 in 4 KiB
 # parts), while a large one keeps whole blocks; KVTD_KERNEL_PIECE_KIB=0 keeps whole blocks always.
 # Both in the same step, so the line says whether the split pays (added 2026-11-28, not yet run).

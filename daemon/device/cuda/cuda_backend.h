@@ -34,9 +34,10 @@ namespace kvtd::daemon::cuda {
 // launches need no parts.
 std::optional<std::uint64_t> kernel_piece_bytes();
 
-// Warps a copy launch should have, per SM: 4 CTAs of 8 (the H100 sweep's 256 blocks x 16 tensors
-// had about 31 per SM and reached 0.95-1.0x of one contiguous copy).
-inline constexpr std::uint64_t kFillWarpsPerSm = 32;
+// Warps a copy launch should have, per SM: 2 CTAs of 8. The H100 sweep's 256 blocks x 16 tensors
+// had about 31 per SM with whole blocks and reached 0.95-1.0x of one contiguous copy; launches of
+// that size keep whole blocks, as measured.
+inline constexpr std::uint64_t kFillWarpsPerSm = 16;
 
 class CudaBackend final : public DeviceBackend {
   struct Lane;  // defined below; named early for the helpers' signatures
