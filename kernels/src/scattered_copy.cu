@@ -65,18 +65,20 @@ __global__ void scattered_all(const CopyTarget* __restrict__ targets, std::uint3
 }
 
 // Warp w handles part (w % pieces) of staged object (w / pieces / num_tensors), tensor
-// (w / pieces % num_tensors).
+// (w / pieces % num_tensors). No `ids` (one object): its block is `only_id`.
 template <bool kGather>
 __global__ void staging_transform(const LayerTensor* __restrict__ tensors, const std::uint64_t* __restrict__ offsets,
-                                  std::uint32_t num_tensors, const std::int32_t* __restrict__ ids, std::int64_t count,
-                                  unsigned char* staging, std::uint64_t object_bytes, std::uint32_t pieces) {
+                                  std::uint32_t num_tensors, const std::int32_t* __restrict__ ids, std::int32_t only_id,
+                                  std::int64_t count, unsigned char* staging, std::uint64_t object_bytes,
+                                  std::uint32_t pieces) {
   const std::int64_t w = global_warp();
   if (w >= count * num_tensors * pieces) return;
   const std::int64_t part = w / pieces;
   const std::int64_t i = part / num_tensors;
   const auto t = static_cast<std::uint32_t>(part % num_tensors);
   const LayerTensor lt = tensors[t];
-  unsigned char* block = reinterpret_cast<unsigned char*>(lt.base) + static_cast<std::uint64_t>(ids[i]) * lt.stride;
+  const std::int32_t id = ids != nullptr ? ids[i] : only_id;
+  unsigned char* block = reinterpret_cast<unsigned char*>(lt.base) + static_cast<std::uint64_t>(id) * lt.stride;
   unsigned char* object = staging + static_cast<std::uint64_t>(i) * object_bytes + offsets[t];
   const auto p = static_cast<std::uint32_t>(w % pieces);
   if (kGather) {
@@ -118,11 +120,12 @@ int launch_scattered_copy_all(const CopyTarget* d_targets, std::uint32_t num_tar
 
 int launch_gather_to_staging(const LayerTensor* d_tensors, const std::uint64_t* d_offsets, std::uint32_t num_tensors,
                              const std::int32_t* d_ids, std::int64_t count, std::byte* staging,
-                             std::uint64_t object_bytes, void* stream, std::uint32_t pieces) {
+                             std::uint64_t object_bytes, void* stream, std::uint32_t pieces, std::int32_t only_id) {
   if (count <= 0 || num_tensors == 0) return 0;
+  if (d_ids == nullptr && count != 1) return static_cast<int>(cudaErrorInvalidValue);  // only_id names one
   if (pieces == 0) pieces = 1;
   KVTD_LAUNCH(staging_transform<true>, ctas_for(count * num_tensors * pieces), kThreads,
-              static_cast<cudaStream_t>(stream), d_tensors, d_offsets, num_tensors, d_ids, count,
+              static_cast<cudaStream_t>(stream), d_tensors, d_offsets, num_tensors, d_ids, only_id, count,
               reinterpret_cast<unsigned char*>(staging), object_bytes, pieces);
   return static_cast<int>(cudaGetLastError());
 }
@@ -130,11 +133,12 @@ int launch_gather_to_staging(const LayerTensor* d_tensors, const std::uint64_t* 
 int launch_scatter_from_staging(const LayerTensor* d_tensors, const std::uint64_t* d_offsets,
                                 std::uint32_t num_tensors, const std::int32_t* d_ids, std::int64_t count,
                                 const std::byte* staging, std::uint64_t object_bytes, void* stream,
-                                std::uint32_t pieces) {
+                                std::uint32_t pieces, std::int32_t only_id) {
   if (count <= 0 || num_tensors == 0) return 0;
+  if (d_ids == nullptr && count != 1) return static_cast<int>(cudaErrorInvalidValue);  // only_id names one
   if (pieces == 0) pieces = 1;
   KVTD_LAUNCH(staging_transform<false>, ctas_for(count * num_tensors * pieces), kThreads,
-              static_cast<cudaStream_t>(stream), d_tensors, d_offsets, num_tensors, d_ids, count,
+              static_cast<cudaStream_t>(stream), d_tensors, d_offsets, num_tensors, d_ids, only_id, count,
               const_cast<unsigned char*>(reinterpret_cast<const unsigned char*>(staging)), object_bytes, pieces);
   return static_cast<int>(cudaGetLastError());
 }

@@ -189,6 +189,53 @@ TEST_P(CudaBackendTest, StagingGatherAndScatterMatchTheHostTransform) {
   }
 }
 
+// The storage movers gather and scatter one object at a time (each on the I/O thread that writes
+// or read it), and each object paid two uploads before its launch: its id and the tensors'
+// offsets in an object. Now its id goes by value and the offsets ride the target's table, sent
+// once: the next objects of the same target upload nothing; the bytes are the host transform's.
+TEST_P(CudaBackendTest, AnObjectsTransformUploadsNothingOnceItsTargetsTableIsThere) {
+  auto b = backend_or_skip(GetParam());
+  if (!b) GTEST_SKIP() << "no usable GPU (and not the stand-in build)";
+  std::mt19937 rng(29);
+  const std::int32_t blocks = 8;
+  std::vector<DeviceTensor> dev;
+  std::vector<kernels::LayerTensor> tensors, shadows;
+  for (std::uint64_t bb : {std::uint64_t{20496}, std::uint64_t{40}, std::uint64_t{7}}) {
+    dev.push_back(make_device_tensor(*b, static_cast<std::size_t>(blocks) * bb, rng));
+    tensors.push_back(kernels::LayerTensor{dev.back().dev, bb, bb});
+    shadows.push_back(kernels::LayerTensor{dev.back().shadow.data(), bb, bb});
+  }
+  const std::size_t object = 20496 + 40 + 7;
+  auto staging = b->alloc_host(object);
+  ASSERT_TRUE(staging.ok());
+  std::vector<std::byte> expect(object);
+  for (std::int32_t id : {5, 2, 7}) {
+#ifdef KVTD_CUDA_SIM
+    cudasim::reset_faults();  // call counts start here
+#endif
+    const std::vector<std::int32_t> one{id};
+    auto st = b->gather_to_staging(tensors, one, *staging);
+    ASSERT_TRUE(st.ok()) << st.error().message;
+#ifdef KVTD_CUDA_SIM
+    if (id != 5) {
+      EXPECT_EQ(cudasim::calls("cudaMemcpyAsync"), 0u) << "object of block " << id << ": nothing to upload";
+    }
+#endif
+    kernels::gather_to_staging_host(shadows, one, expect.data());
+    ASSERT_EQ(0, std::memcmp(expect.data(), *staging, object)) << "block " << id;
+  }
+  // One object back into block 3, by value as well.
+  for (std::size_t i = 0; i < object; ++i) (*staging)[i] = static_cast<std::byte>(rng());
+  const std::vector<std::int32_t> to{3};
+  kernels::scatter_from_staging_host(shadows, to, *staging);
+  ASSERT_TRUE(b->scatter_from_staging(tensors, to, *staging).ok());
+  for (std::size_t t = 0; t < dev.size(); ++t) {
+    std::vector<std::byte> got(dev[t].shadow.size());
+    ASSERT_TRUE(b->read_device(got.data(), dev[t].dev, got.size()).ok());
+    ASSERT_EQ(got, dev[t].shadow) << "tensor " << t;
+  }
+}
+
 // --verify-swaps: the device's checksums of blocks, both sides of a target, equal the host's.
 TEST_P(CudaBackendTest, DeviceChecksumsEqualTheHostsOnEveryBlockSize) {
   auto b = backend_or_skip(GetParam());

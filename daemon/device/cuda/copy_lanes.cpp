@@ -310,22 +310,29 @@ Status<DeviceErrc> CudaBackend::transform(Lane& lane, std::span<const kernels::L
 
 Status<DeviceErrc> CudaBackend::transform_locked(Lane& lane, std::span<const kernels::LayerTensor> tensors,
                                     std::span<const std::int32_t> ids, std::byte* staging, bool gather) {
-  KVTD_TRY(lane.ids.reserve(ids.size_bytes()));
-  std::memcpy(lane.ids.host, ids.data(), ids.size_bytes());
-  KVTD_TRY(lane.ids.upload(ids.size_bytes(), lane.stream));
-  KVTD_TRY(upload_table(lane, tensors.data(), tensors.size_bytes()));
-  KVTD_TRY(lane.offsets.reserve(tensors.size() * sizeof(std::uint64_t)));
-  auto* off = static_cast<std::uint64_t*>(lane.offsets.host);
+  // One object (the storage movers' steady state) names its block by value: no ids upload.
+  const bool one = ids.size() == 1;
+  if (!one) {
+    KVTD_TRY(lane.ids.reserve(ids.size_bytes()));
+    std::memcpy(lane.ids.host, ids.data(), ids.size_bytes());
+    KVTD_TRY(lane.ids.upload(ids.size_bytes(), lane.stream));
+  }
+  // The tensors and each one's offset in an object, as one table: the same for every object of a
+  // target, so upload_table sends it once.
+  std::vector<std::byte> table(tensors.size_bytes() + tensors.size() * sizeof(std::uint64_t));
+  std::memcpy(table.data(), tensors.data(), tensors.size_bytes());
   std::uint64_t object = 0, max_block = 0;
   for (std::size_t t = 0; t < tensors.size(); ++t) {
-    off[t] = object;
+    std::memcpy(table.data() + tensors.size_bytes() + t * sizeof(std::uint64_t), &object, sizeof object);
     object += tensors[t].block_bytes;
     max_block = std::max<std::uint64_t>(max_block, tensors[t].block_bytes);
   }
-  KVTD_TRY(lane.offsets.upload(tensors.size() * sizeof(std::uint64_t), lane.stream));
-  const auto* table = static_cast<const kernels::LayerTensor*>(lane.table.dev);
-  const auto* offsets = static_cast<const std::uint64_t*>(lane.offsets.dev);
-  const auto* d_ids = static_cast<const std::int32_t*>(lane.ids.dev);
+  KVTD_TRY(upload_table(lane, table.data(), table.size()));
+  static_assert(sizeof(kernels::LayerTensor) % alignof(std::uint64_t) == 0, "the offsets follow the tensors aligned");
+  const auto* d_tensors = static_cast<const kernels::LayerTensor*>(lane.table.dev);
+  const auto* offsets = reinterpret_cast<const std::uint64_t*>(static_cast<const std::byte*>(lane.table.dev) + tensors.size_bytes());
+  const auto* d_ids = one ? nullptr : static_cast<const std::int32_t*>(lane.ids.dev);
+  const std::int32_t only_id = one ? ids[0] : 0;
   const auto count = static_cast<std::int64_t>(ids.size());
   const auto nt = static_cast<std::uint32_t>(tensors.size());
   if (!host_pointers_) {  // the kernel addresses the mapped staging by its device pointer
@@ -334,10 +341,10 @@ Status<DeviceErrc> CudaBackend::transform_locked(Lane& lane, std::span<const ker
     staging = static_cast<std::byte*>(mapped);
   }
   const std::uint32_t parts = pieces(max_block, ids.size() * tensors.size());
-  const int e = gather ? kernels::launch_gather_to_staging(table, offsets, nt, d_ids, count, staging, object, lane.stream,
-                                                           parts)
-                       : kernels::launch_scatter_from_staging(table, offsets, nt, d_ids, count, staging, object,
-                                                              lane.stream, parts);
+  const int e = gather ? kernels::launch_gather_to_staging(d_tensors, offsets, nt, d_ids, count, staging, object,
+                                                           lane.stream, parts, only_id)
+                       : kernels::launch_scatter_from_staging(d_tensors, offsets, nt, d_ids, count, staging, object,
+                                                              lane.stream, parts, only_id);
   if (e != 0) return make_error(errc_of(static_cast<cudaError_t>(e)), cuda_text("layout kernel", static_cast<cudaError_t>(e)));
   KVTD_CUDA_TRY(cudaStreamSynchronize(lane.stream));
   return {};

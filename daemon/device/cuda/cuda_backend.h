@@ -152,10 +152,9 @@ class CudaBackend final : public DeviceBackend {
     Mutex mu;
     cudaStream_t stream = nullptr;  // set once when the backend is made
     Mirror ids GUARDED_BY(mu);      // [single_src..., single_dst...] (int32) or staging ids
-    Mirror table GUARDED_BY(mu);    // CopyTarget or LayerTensor table for the one-launch kernels
+    Mirror table GUARDED_BY(mu);    // CopyTarget table, or LayerTensor table and object offsets
     std::vector<std::byte> table_contents GUARDED_BY(mu);  // what table.dev holds (see upload_table)
     void* table_dev GUARDED_BY(mu) = nullptr;              // table.dev when table_contents was uploaded
-    Mirror offsets GUARDED_BY(mu);  // staging offsets per tensor
     Mirror sums GUARDED_BY(mu);     // --verify-swaps: the checksum kernel's table, then its results
     std::vector<cudaEvent_t> events GUARDED_BY(mu);
     std::vector<void*> batch_dst GUARDED_BY(mu);

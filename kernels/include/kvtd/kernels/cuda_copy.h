@@ -38,13 +38,16 @@ int launch_scattered_copy_all(const CopyTarget* d_targets, std::uint32_t num_tar
 // Layout transform, same layout as gather_to_staging_host / scatter_from_staging_host.
 // `d_tensors` is a device-accessible table; `d_offsets[t]` is the byte offset of tensor t inside
 // one staged object (a prefix sum of block_bytes); `object_bytes` the size of one object.
+// `d_ids` may be nullptr for one object (count 1): its block is `only_id`, passed by value, so a
+// per-object transform uploads nothing (cudaErrorInvalidValue for nullptr with another count).
 int launch_gather_to_staging(const LayerTensor* d_tensors, const std::uint64_t* d_offsets, std::uint32_t num_tensors,
                              const std::int32_t* d_ids, std::int64_t count, std::byte* staging,
-                             std::uint64_t object_bytes, void* stream, std::uint32_t pieces = 1);
+                             std::uint64_t object_bytes, void* stream, std::uint32_t pieces = 1,
+                             std::int32_t only_id = 0);
 int launch_scatter_from_staging(const LayerTensor* d_tensors, const std::uint64_t* d_offsets,
                                 std::uint32_t num_tensors, const std::int32_t* d_ids, std::int64_t count,
                                 const std::byte* staging, std::uint64_t object_bytes, void* stream,
-                                std::uint32_t pieces = 1);
+                                std::uint32_t pieces = 1, std::int32_t only_id = 0);
 
 // Parts per block for blocks of at most `max_block_bytes`: one part per `piece_bytes` (0: whole
 // blocks), at least 1, at most 64.
