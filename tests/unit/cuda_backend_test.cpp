@@ -192,7 +192,8 @@ TEST_P(CudaBackendTest, StagingGatherAndScatterMatchTheHostTransform) {
 // The storage movers gather and scatter one object at a time (each on the I/O thread that writes
 // or read it), and each object paid two uploads before its launch: its id and the tensors'
 // offsets in an object. Now its id goes by value and the offsets ride the target's table, sent
-// once: the next objects of the same target upload nothing; the bytes are the host transform's.
+// once, in a table of its own: the next objects of the same target upload nothing, a swap-out
+// between them or not; the bytes are the host transform's.
 TEST_P(CudaBackendTest, AnObjectsTransformUploadsNothingOnceItsTargetsTableIsThere) {
   auto b = backend_or_skip(GetParam());
   if (!b) GTEST_SKIP() << "no usable GPU (and not the stand-in build)";
@@ -224,6 +225,25 @@ TEST_P(CudaBackendTest, AnObjectsTransformUploadsNothingOnceItsTargetsTableIsThe
     kernels::gather_to_staging_host(shadows, one, expect.data());
     ASSERT_EQ(0, std::memcmp(expect.data(), *staging, object)) << "block " << id;
   }
+  // A swap-out between two objects (write-through backs each one up) keeps its own table: the
+  // next object still uploads nothing.
+  auto swap_host = b->alloc_host(static_cast<std::size_t>(blocks) * 20496);
+  ASSERT_TRUE(swap_host.ok());
+  const auto swap = kernels::packed_target(dev[0].dev, *swap_host, 20496);
+  const std::vector<std::int32_t> from{6}, into{1};
+  auto plan = kernels::plan_copy(from, into, blocks, blocks, std::vector<std::uint64_t>{20496});
+  ASSERT_TRUE(plan.ok());
+  ASSERT_TRUE(b->copy(Direction::kToHost, *plan, std::span<const kernels::CopyTarget>(&swap, 1)).ok());
+#ifdef KVTD_CUDA_SIM
+  cudasim::reset_faults();
+#endif
+  const std::vector<std::int32_t> again{4};
+  ASSERT_TRUE(b->gather_to_staging(tensors, again, *staging).ok());
+#ifdef KVTD_CUDA_SIM
+  EXPECT_EQ(cudasim::calls("cudaMemcpyAsync"), 0u) << "the object after a swap-out";
+#endif
+  kernels::gather_to_staging_host(shadows, again, expect.data());
+  ASSERT_EQ(0, std::memcmp(expect.data(), *staging, object));
   // One object back into block 3, by value as well.
   for (std::size_t i = 0; i < object; ++i) (*staging)[i] = static_cast<std::byte>(rng());
   const std::vector<std::int32_t> to{3};

@@ -327,10 +327,11 @@ Status<DeviceErrc> CudaBackend::transform_locked(Lane& lane, std::span<const ker
     object += tensors[t].block_bytes;
     max_block = std::max<std::uint64_t>(max_block, tensors[t].block_bytes);
   }
-  KVTD_TRY(upload_table(lane, table.data(), table.size()));
+  KVTD_TRY(upload_table(lane, lane.layout_table, table.data(), table.size()));
   static_assert(sizeof(kernels::LayerTensor) % alignof(std::uint64_t) == 0, "the offsets follow the tensors aligned");
-  const auto* d_tensors = static_cast<const kernels::LayerTensor*>(lane.table.dev);
-  const auto* offsets = reinterpret_cast<const std::uint64_t*>(static_cast<const std::byte*>(lane.table.dev) + tensors.size_bytes());
+  const auto* layout = static_cast<const std::byte*>(lane.layout_table.mirror.dev);
+  const auto* d_tensors = reinterpret_cast<const kernels::LayerTensor*>(layout);
+  const auto* offsets = reinterpret_cast<const std::uint64_t*>(layout + tensors.size_bytes());
   const auto* d_ids = one ? nullptr : static_cast<const std::int32_t*>(lane.ids.dev);
   const std::int32_t only_id = one ? ids[0] : 0;
   const auto count = static_cast<std::int64_t>(ids.size());

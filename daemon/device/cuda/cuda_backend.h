@@ -146,15 +146,24 @@ class CudaBackend final : public DeviceBackend {
                                           std::span<const std::int32_t> ids, const std::byte* staging) override;
 
  private:
+  // A device table and what it holds. Owns its mirror.
+  struct CachedTable {
+    Mirror mirror;
+    std::vector<std::byte> contents;  // what mirror.dev holds (valid while dev == mirror.dev)
+    void* dev = nullptr;              // mirror.dev when contents was uploaded
+  };
+
   // One direction's stream and staging. Owns its stream, events and mirrors (RAII).
   struct Lane {
     // One copy at a time per direction: the mirrors and the batch arrays are rewritten by each.
     Mutex mu;
     cudaStream_t stream = nullptr;  // set once when the backend is made
     Mirror ids GUARDED_BY(mu);      // [single_src..., single_dst...] (int32) or staging ids
-    Mirror table GUARDED_BY(mu);    // CopyTarget table, or LayerTensor table and object offsets
-    std::vector<std::byte> table_contents GUARDED_BY(mu);  // what table.dev holds (see upload_table)
-    void* table_dev GUARDED_BY(mu) = nullptr;              // table.dev when table_contents was uploaded
+    // The tables the kernels index, each re-sent only when its bytes change (upload_table): the
+    // swaps' CopyTargets, and the storage transforms' LayerTensors with their object offsets,
+    // apart so that a backup after each swap-out (write-through) re-sends neither.
+    CachedTable table GUARDED_BY(mu);
+    CachedTable layout_table GUARDED_BY(mu);
     Mirror sums GUARDED_BY(mu);     // --verify-swaps: the checksum kernel's table, then its results
     std::vector<cudaEvent_t> events GUARDED_BY(mu);
     std::vector<void*> batch_dst GUARDED_BY(mu);
@@ -234,9 +243,9 @@ class CudaBackend final : public DeviceBackend {
                                                                      std::span<const kernels::CopyTarget> targets,
                                                                      std::span<const std::int32_t> ids) REQUIRES(lane.mu);
 
-  // Uploads a target table unless the device copy holds these bytes already: the swap targets of
+  // Uploads `bytes` into `t` (one of `lane`'s tables) unless it holds them already: the targets of
   // an attached cache never change, so steady-state tasks upload only their ids.
-  Status<DeviceErrc> upload_table(Lane& lane, const void* table, std::size_t bytes) REQUIRES(lane.mu);
+  Status<DeviceErrc> upload_table(Lane& lane, CachedTable& t, const void* table, std::size_t bytes) REQUIRES(lane.mu);
 
   // Enqueues runs and scattered blocks of `targets` (which start at index `first` of the staged
   // table). `all_layers` lets the all-layers kernel cover every target in one launch; `d_sums`

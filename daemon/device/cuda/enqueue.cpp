@@ -23,20 +23,20 @@ Status<DeviceErrc> CudaBackend::stage_plan(Lane& lane, const kernels::CopyPlan& 
   // instead of costing a memset on the stream.
   if (sum_words != 0) std::memset(static_cast<std::byte*>(lane.ids.host) + 2 * n * sizeof(std::int32_t), 0, bytes - 2 * n * sizeof(std::int32_t));
   KVTD_TRY(lane.ids.upload(bytes, lane.stream));
-  return upload_table(lane, targets.data(), targets.size_bytes());
+  return upload_table(lane, lane.table, targets.data(), targets.size_bytes());
 }
 
-Status<DeviceErrc> CudaBackend::upload_table(Lane& lane, const void* table, std::size_t bytes) {
+Status<DeviceErrc> CudaBackend::upload_table(Lane& lane, CachedTable& t, const void* table, std::size_t bytes) {
   const auto* p = static_cast<const std::byte*>(table);
-  if (lane.table.dev != nullptr && lane.table_dev == lane.table.dev && lane.table_contents.size() == bytes &&
-      std::memcmp(lane.table_contents.data(), p, bytes) == 0)
+  if (t.mirror.dev != nullptr && t.dev == t.mirror.dev && t.contents.size() == bytes &&
+      std::memcmp(t.contents.data(), p, bytes) == 0)
     return {};
-  lane.table_contents.clear();  // unknown until the upload below is enqueued
-  KVTD_TRY(lane.table.reserve(bytes));
-  std::memcpy(lane.table.host, p, bytes);
-  KVTD_TRY(lane.table.upload(bytes, lane.stream));
-  lane.table_contents.assign(p, p + bytes);
-  lane.table_dev = lane.table.dev;
+  t.contents.clear();  // unknown until the upload below is enqueued
+  KVTD_TRY(t.mirror.reserve(bytes));
+  std::memcpy(t.mirror.host, p, bytes);
+  KVTD_TRY(t.mirror.upload(bytes, lane.stream));
+  t.contents.assign(p, p + bytes);
+  t.dev = t.mirror.dev;
   return {};
 }
 
@@ -69,7 +69,7 @@ Status<DeviceErrc> CudaBackend::enqueue(Lane& lane, const kernels::CopyPlan& pla
   switch (mode_) {
     case ScatterMode::kKernelAllLayers:
       if (one_launch) {
-        const auto* table = static_cast<const kernels::CopyTarget*>(lane.table.dev) + first;
+        const auto* table = static_cast<const kernels::CopyTarget*>(lane.table.mirror.dev) + first;
         const int e = kernels::launch_scattered_copy_all(table, static_cast<std::uint32_t>(targets.size()), d_src,
                                                          d_dst, static_cast<std::int64_t>(n), lane.stream, parts, d_sums);
         if (e != 0) return make_error(errc_of(static_cast<cudaError_t>(e)), cuda_text("copy kernel", static_cast<cudaError_t>(e)));
