@@ -69,6 +69,21 @@ if [ $is_small = 0 ] && [ "${KVTD_SCATTER_MODE:-}" = kernel ]; then
   echo "kernel parts: one-block round trip p50 $p1 us with parts for small launches (default), $p0 us with whole blocks; 16-block tasks $r16 GB/s, $t0 GB/s"
   rm -f "$cmp"
 fi
+# The engine's completion forecast (default: a caller waiting for a swap polls around when the last
+# swap of its direction says it should report; --no-completion-forecast: 20 us of polling, then
+# sleep): 16-block tasks both ways in the same step, with the engine's part of the round trip
+# (report -> merged) that it is meant to cut (added 2026-11-28, not yet run on a GPU).
+if [ $is_small = 0 ]; then
+  cmp=$(mktemp /tmp/kvtd_through_daemon_cmp.XXXXXX)
+  sink=$cmp
+  run 16 throughput --no-completion-forecast >/dev/null
+  sink=
+  merged() { awk '/^throughput: 16 random/ {f = 1; next} f && /^throughput breakdown/ {print; exit}' "$1" |
+    sed -n 's/.*report -> engine merged \([0-9.]*\) us.*/\1/p'; }
+  t0=$(sed -n 's/^throughput: .* swap \([0-9.]*\) GB\/s per rank.*/\1/p' "$cmp")
+  echo "completion forecast: 16-block tasks $r16 GB/s with it (default), $t0 GB/s without; report -> merged p50 $(merged "$out") us, $(merged "$cmp") us"
+  rm -f "$cmp"
+fi
 # The Python client in the same shape (torch CUDA tensors, one task in flight, alternating out and
 # in): its cost over the C++ client's at 32 and 256 MiB tasks (goal: within 10% from 8 MiB up).
 python=${KVTD_PYTHON:-/usr/bin/python3}

@@ -64,12 +64,15 @@ void declare_flags(CLI::App& app, kvtd::loadgen::Options& o) {
                  "Where the KV tensors live: host (shared memory; daemons --device-backend host) or cuda (cudaMalloc, "
                  "IPC handles; daemons --device-backend cuda)")
       ->check(CLI::IsMember({"host", "cuda"}));
+  app.add_flag("--no-completion-forecast", o.no_completion_forecast,
+               "Wait for swaps as before the completion forecast: poll 20 us, then sleep (a comparison)");
 }
 
 // The session the flags describe (K and V of one shape, or --cache-group's groups); "" or why not.
 std::string session_options(const kvtd::loadgen::Options& o, kvtd::engine::SessionOptions* out) {
   kvtd::engine::SessionOptions& so = *out;
   so.suffix = o.session;
+  so.completion_forecast = !o.no_completion_forecast;
   if (!o.cache_groups.empty()) {
     if (o.mode.rfind("storage", 0) == 0 && (o.storage_host_blocks || o.cold_read || o.storage_phase != "both"))
       return "--cache-group: the storage modes move device blocks in one engine process (leave out "

@@ -37,6 +37,7 @@ struct Options {
   std::uint64_t seed = 42;
   bool wait_enter = false;
   std::string device_tensors = "host";  // host | cuda
+  bool no_completion_forecast = false;   // SessionOptions::completion_forecast off (an A/B of it)
   DeviceTensors* tensors = nullptr;     // set by main
 };
 

@@ -2,6 +2,8 @@
 // and the wait for one task's result.
 #include <algorithm>
 #include <cstring>
+#include <iterator>
+#include <optional>
 #include <string>
 
 #include "kvtd/ipc/wait.h"
@@ -9,16 +11,40 @@
 
 namespace kvtd::engine {
 
+namespace {
+constexpr std::int64_t kCompletionPollNs = 20'000;  // before sleeping, when no forecast says otherwise
+}  // namespace
+
 void EngineSession::Impl::merge(const proto::CompletionRecord& rec) {
   if (rec.rank >= geo.num_ranks) return;
   std::string msg(rec.message, strnlen(rec.message, sizeof rec.message));
   merger.note_times(rec.task_id, rec.start_ns, rec.end_ns);
-  (void)merger.report(rec.task_id, rec.rank, static_cast<TaskStatus>(rec.status), rec.blocks_done, std::move(msg),
-                      rec.blocks_skipped, clock->now_ns());
+  if (merger.report(rec.task_id, rec.rank, static_cast<TaskStatus>(rec.status), rec.blocks_done, std::move(msg),
+                    rec.blocks_skipped, clock->now_ns()))
+    swap_finished(rec.task_id);
 }
 
 void EngineSession::Impl::fail_rank(std::uint32_t rank, TaskStatus status, const std::string& why) {
-  if (merger.fail_rank(rank, status, why, clock->now_ns()) != 0) wake_completion_waiters();
+  if (merger.fail_rank(rank, status, why, clock->now_ns()) == 0) return;
+  for (auto it = swap_shapes.begin(); it != swap_shapes.end();)  // the swaps it failed
+    it = merger.pending(it->first) ? std::next(it) : swap_shapes.erase(it);
+  wake_completion_waiters();
+}
+
+void EngineSession::Impl::swap_finished(std::uint64_t task_id) {
+  const auto it = swap_shapes.find(task_id);
+  if (it == swap_shapes.end()) return;
+  if (const TaskResult* r = merger.peek(task_id); r != nullptr && r->ok())
+    forecast.learn(it->second.kind, it->second.blocks, it->second.submit_ns, r->first_start_ns, r->last_end_ns);
+  swap_shapes.erase(it);
+}
+
+std::optional<CompletionWait> EngineSession::Impl::completion_wait(std::uint64_t task_id) const {
+  const auto it = swap_shapes.find(task_id);
+  if (it == swap_shapes.end()) return std::nullopt;
+  const auto end = forecast.end_of(it->second.kind, it->second.blocks, it->second.submit_ns);
+  if (!end) return std::nullopt;
+  return plan_completion_wait(it->second.submit_ns, *end);
 }
 
 Result<TaskResult, IpcErrc> EngineSession::Impl::wait_result(std::uint64_t task_id, std::int64_t timeout_ns) {
@@ -27,8 +53,10 @@ Result<TaskResult, IpcErrc> EngineSession::Impl::wait_result(std::uint64_t task_
   for (;;) {
     if (closing.load(std::memory_order_seq_cst)) return closing_error();
     const std::uint32_t seen = h->completion_word.load(std::memory_order_acquire);
+    std::optional<CompletionWait> around;
     {
       MutexLock g(impl->mu);
+      around = impl->completion_wait(task_id);
       impl->service(false);
       if (auto r = impl->merger.take(task_id)) return std::move(*r);
       if (!impl->merger.pending(task_id))
@@ -42,8 +70,17 @@ Result<TaskResult, IpcErrc> EngineSession::Impl::wait_result(std::uint64_t task_
     if (now >= deadline)
       return make_error(IpcErrc::kTimeout, "task " + std::to_string(task_id) + " not complete after " +
                                                std::to_string(timeout_ns / 1'000'000) + " ms");
-    (void)wait_on_word(h->completion_word, seen, std::min(deadline, monotonic_now_ns() + impl->opts.service_period_ns),
-                       &h->completion_waiters);
+    // Around a swap's forecast end the waiter polls (a report then costs no wake-up); before it,
+    // it sleeps without polling; otherwise a short poll, then sleep.
+    std::int64_t until = std::min(deadline, monotonic_now_ns() + impl->opts.service_period_ns);
+    std::int64_t poll_ns = kCompletionPollNs;
+    if (around && now < around->sleep_until_ns) {
+      until = std::min(until, around->sleep_until_ns);
+      poll_ns = 0;
+    } else if (around && now < around->poll_until_ns) {
+      poll_ns = around->poll_until_ns - now;
+    }
+    (void)wait_on_word(h->completion_word, seen, until, &h->completion_waiters, poll_ns);
   }
 }
 

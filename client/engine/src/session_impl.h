@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "kvtd/base/mutex.h"
+#include "completion_forecast.h"
 #include "completion_merger.h"
 #include "kvtd/engine/engine_session.h"
 #include "kvtd/ipc/rings.h"
@@ -66,6 +67,14 @@ struct EngineSession::Impl {
   // Lock order: stop_mu before mu (the service loop takes mu inside stop_mu's scope).
   mutable Mutex mu;
   CompletionMerger merger GUARDED_BY(mu);  // pending tasks and their merged results
+  // Pending swaps (opts.completion_forecast): what the forecast needs when a caller waits for one.
+  struct SwapShape {
+    proto::TaskKind kind;
+    std::uint64_t blocks;
+    std::int64_t submit_ns;
+  };
+  std::unordered_map<std::uint64_t, SwapShape> swap_shapes GUARDED_BY(mu);
+  CompletionForecast forecast GUARDED_BY(mu);  // learned from the swaps that completed ok
   std::uint64_t next_task_id GUARDED_BY(mu) = 1;
   std::atomic<std::uint64_t> weight_version{0};
   // Weight updates (mirrored to h->cache_state): tasks are refused while cleared;
@@ -164,6 +173,11 @@ struct EngineSession::Impl {
 
   // Fails every task still waiting for `rank`.
   void fail_rank(std::uint32_t rank, TaskStatus status, const std::string& why) REQUIRES(mu);
+
+  // Swap `task_id` finished (completed, failed or dropped): learned from when it completed ok.
+  void swap_finished(std::uint64_t task_id) REQUIRES(mu);
+  // How wait_result should wait for `task_id`: around its forecast end, when it has one.
+  std::optional<CompletionWait> completion_wait(std::uint64_t task_id) const REQUIRES(mu);
 
   // Stops routing tasks to rank r and hands it to the service thread to fence: its
   // pending tasks fail only once it can no longer write (or, if it cannot be stopped, with
