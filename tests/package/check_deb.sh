@@ -10,6 +10,10 @@ set -euo pipefail
 build=$1
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
+# A tree where Python ran (the python tests, a bench) has python/kvtd/__pycache__: the package must
+# not carry it (an empty one was installed, and lintian failed on it). Made here, as Python would.
+/usr/bin/python3 -c 'import py_compile, sys; py_compile.compile(sys.argv[1])' \
+  "$(dirname "$0")/../../python/kvtd/__init__.py" || true
 cpack -G DEB --config "$build/CPackConfig.cmake" -B "$out" > "$out/cpack.log" 2>&1 || { cat "$out/cpack.log" >&2; exit 1; }
 deb=$(ls "$out"/kvtd_*.deb)
 echo "== $(basename "$deb"): $(stat -c %s "$deb") bytes"
@@ -22,6 +26,9 @@ for f in /usr/bin/kvtd /usr/lib/libkvtd_client.so.1 /usr/include/kvtd/kvtd_clien
          /usr/share/doc/kvtd/changelog.gz /usr/share/man/man1/kvtd.1.gz /usr/share/man/man1/kvtd-loadgen.1.gz; do
   grep -qx "$f" "$out/files" || { echo "the package lacks $f" >&2; cat "$out/files" >&2; exit 1; }
 done
+if grep -q '__pycache__' "$out/files"; then
+  echo "the package carries a __pycache__:" >&2; grep '__pycache__' "$out/files" >&2; exit 1
+fi
 if grep -v '^/usr/' "$out/files" | grep -v '^/$' | grep -q .; then
   echo "files outside /usr:" >&2; grep -v '^/usr/' "$out/files" >&2; exit 1
 fi
