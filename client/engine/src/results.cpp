@@ -2,9 +2,9 @@
 // and the wait for one task's result.
 #include <algorithm>
 #include <cstring>
-#include <iterator>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "kvtd/ipc/wait.h"
 #include "session_impl.h"
@@ -26,8 +26,10 @@ void EngineSession::Impl::merge(const proto::CompletionRecord& rec) {
 
 void EngineSession::Impl::fail_rank(std::uint32_t rank, TaskStatus status, const std::string& why) {
   if (merger.fail_rank(rank, status, why, clock->now_ns()) == 0) return;
-  for (auto it = swap_shapes.begin(); it != swap_shapes.end();)  // the swaps it failed
-    it = merger.pending(it->first) ? std::next(it) : swap_shapes.erase(it);
+  std::vector<std::uint64_t> failed;  // the swaps it ended
+  for (const auto& [id, shape] : swap_shapes)
+    if (!merger.pending(id)) failed.push_back(id);
+  for (const std::uint64_t id : failed) swap_finished(id);
   wake_completion_waiters();
 }
 
@@ -36,12 +38,14 @@ void EngineSession::Impl::swap_finished(std::uint64_t task_id) {
   if (it == swap_shapes.end()) return;
   if (const TaskResult* r = merger.peek(task_id); r != nullptr && r->ok())
     forecast.learn(it->second.kind, it->second.blocks, it->second.submit_ns, r->first_start_ns, r->last_end_ns);
+  --swaps_each_way[it->second.kind == proto::TaskKind::kSwapToHost ? 0 : 1];
   swap_shapes.erase(it);
 }
 
 std::optional<CompletionWait> EngineSession::Impl::completion_wait(std::uint64_t task_id) const {
   const auto it = swap_shapes.find(task_id);
-  if (it == swap_shapes.end()) return std::nullopt;
+  if (it == swap_shapes.end() || swaps_each_way[it->second.kind == proto::TaskKind::kSwapToHost ? 0 : 1] != 1)
+    return std::nullopt;
   const auto end = forecast.end_of(it->second.kind, it->second.blocks, it->second.submit_ns);
   if (!end) return std::nullopt;
   return plan_completion_wait(it->second.submit_ns, *end);

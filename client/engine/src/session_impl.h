@@ -74,6 +74,9 @@ struct EngineSession::Impl {
     std::int64_t submit_ns;
   };
   std::unordered_map<std::uint64_t, SwapShape> swap_shapes GUARDED_BY(mu);
+  // Of them, how many go each way (device->host, host->device): a swap queued behind another of
+  // its direction ends later than its own forecast says, so only a lone one is forecast.
+  std::uint32_t swaps_each_way[2] GUARDED_BY(mu) = {0, 0};
   CompletionForecast forecast GUARDED_BY(mu);  // learned from the swaps that completed ok
   std::uint64_t next_task_id GUARDED_BY(mu) = 1;
   std::atomic<std::uint64_t> weight_version{0};

@@ -75,10 +75,11 @@ struct SessionOptions {
   // rank is refused. No agreement across the processes' sessions: each answers for its rank
   // (sglang MIN-reduces storage hits and loads across its ranks itself). Unset: every rank.
   std::optional<std::uint32_t> only_rank;
-  // A caller waiting for a swap polls around when the last swap of its direction says it should
-  // end (scaled by its blocks, from the ranks' own timing), sleeping before that, instead of
-  // sleeping through the report and paying a wake-up. Costs the waiting thread a core for the
-  // window (an eighth of the swap's time, 40-400 us). false: poll 20 us, then sleep.
+  // A caller waiting for a swap, the only one in flight in its direction, polls around when the
+  // last swap of that direction says it should end (scaled by its blocks, from the ranks' own
+  // timing), sleeping before that, instead of sleeping through the report and paying a wake-up.
+  // Costs the waiting thread a core for the window (an eighth of the swap's time, 40-400 us).
+  // false, or several swaps in flight one way: poll 20 us, then sleep.
   bool completion_forecast = true;
 };
 
