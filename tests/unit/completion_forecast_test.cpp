@@ -20,6 +20,9 @@ TEST(CompletionForecast, ScalesTheLastSwapOfItsDirectionByBlocks) {
   EXPECT_FALSE(f.end_of(TaskKind::kSwapToDevice, 16, 0).has_value()) << "the other direction has its own";
   EXPECT_FALSE(f.end_of(TaskKind::kStorageRead, 16, 0).has_value()) << "storage waits on disks, not a rate";
   EXPECT_FALSE(f.end_of(TaskKind::kSwapToHost, 0, 0).has_value());
+  EXPECT_EQ(CompletionForecast::direction(TaskKind::kSwapToHost), 0);
+  EXPECT_EQ(CompletionForecast::direction(TaskKind::kSwapToDevice), 1);
+  EXPECT_EQ(CompletionForecast::direction(TaskKind::kPrefetch), -1);
   // The latest swap of a direction replaces the one before.
   f.learn(TaskKind::kSwapToHost, 8, 0, 20'000, 220'000);
   EXPECT_EQ(f.end_of(TaskKind::kSwapToHost, 16, 0), 20'000 + 400'000);

@@ -28,13 +28,15 @@ class CompletionForecast {
   // and for every other kind (storage tasks wait on disks and peers, not on a rate).
   std::optional<std::int64_t> end_of(proto::TaskKind kind, std::uint64_t blocks, std::int64_t submit_ns) const;
 
+  // A swap's direction: 0 device->host, 1 host->device; -1 for every other kind.
+  static int direction(proto::TaskKind kind);
+
  private:
   struct Last {
     std::uint64_t blocks = 0;  // 0: none learned
     std::int64_t lead_ns = 0;  // submit -> first start
     std::int64_t exec_ns = 0;  // first start -> last report
   };
-  static int direction(proto::TaskKind kind);  // 0 / 1 for the swaps, -1 otherwise
   Last last_[2];
 };
 

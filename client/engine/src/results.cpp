@@ -38,13 +38,13 @@ void EngineSession::Impl::swap_finished(std::uint64_t task_id) {
   if (it == swap_shapes.end()) return;
   if (const TaskResult* r = merger.peek(task_id); r != nullptr && r->ok())
     forecast.learn(it->second.kind, it->second.blocks, it->second.submit_ns, r->first_start_ns, r->last_end_ns);
-  --swaps_each_way[it->second.kind == proto::TaskKind::kSwapToHost ? 0 : 1];
+  --swaps_each_way[CompletionForecast::direction(it->second.kind)];
   swap_shapes.erase(it);
 }
 
 std::optional<CompletionWait> EngineSession::Impl::completion_wait(std::uint64_t task_id) const {
   const auto it = swap_shapes.find(task_id);
-  if (it == swap_shapes.end() || swaps_each_way[it->second.kind == proto::TaskKind::kSwapToHost ? 0 : 1] != 1)
+  if (it == swap_shapes.end() || swaps_each_way[CompletionForecast::direction(it->second.kind)] != 1)
     return std::nullopt;
   const auto end = forecast.end_of(it->second.kind, it->second.blocks, it->second.submit_ns);
   if (!end) return std::nullopt;

@@ -261,9 +261,9 @@ std::optional<std::uint64_t> EngineSession::Impl::push_locked(proto::TaskRecordH
   ++next_task_id;
   merger.expect(hdr.task_id, seq, expected != 0 ? expected : all_ranks_mask(), hdr.submit_ns, cancels);
   const auto kind = static_cast<proto::TaskKind>(hdr.kind);
-  if (opts.completion_forecast && (kind == proto::TaskKind::kSwapToHost || kind == proto::TaskKind::kSwapToDevice)) {
+  if (const int way = CompletionForecast::direction(kind); opts.completion_forecast && way >= 0) {
     swap_shapes[hdr.task_id] = SwapShape{kind, src.size(), hdr.submit_ns};
-    ++swaps_each_way[kind == proto::TaskKind::kSwapToHost ? 0 : 1];
+    ++swaps_each_way[way];
   }
   bump_and_wake(h->publish_word, &h->consumer_waiters);
   return hdr.task_id;
