@@ -11,9 +11,6 @@
 
 namespace kvtd::engine {
 
-namespace {
-constexpr std::int64_t kCompletionPollNs = 20'000;  // before sleeping, when no forecast says otherwise
-}  // namespace
 
 void EngineSession::Impl::merge(const proto::CompletionRecord& rec) {
   if (rec.rank >= geo.num_ranks) return;
@@ -77,7 +74,7 @@ Result<TaskResult, IpcErrc> EngineSession::Impl::wait_result(std::uint64_t task_
     // Around a swap's forecast end the waiter polls (a report then costs no wake-up); before it,
     // it sleeps without polling; otherwise a short poll, then sleep.
     std::int64_t until = std::min(deadline, monotonic_now_ns() + impl->opts.service_period_ns);
-    std::int64_t poll_ns = kCompletionPollNs;
+    std::int64_t poll_ns = ipc::kDefaultSpinNs;
     if (around && now < around->sleep_until_ns) {
       until = std::min(until, around->sleep_until_ns);
       poll_ns = 0;

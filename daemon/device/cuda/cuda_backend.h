@@ -146,11 +146,11 @@ class CudaBackend final : public DeviceBackend {
                                           std::span<const std::int32_t> ids, const std::byte* staging) override;
 
  private:
-  // A device table and what it holds. Owns its mirror.
+  // A device table and what it holds. Owns its mirror, which only upload_table grows (after
+  // clearing `contents`), so `contents` always describes the mirror it is next to.
   struct CachedTable {
     Mirror mirror;
-    std::vector<std::byte> contents;  // what mirror.dev holds (valid while dev == mirror.dev)
-    void* dev = nullptr;              // mirror.dev when contents was uploaded
+    std::vector<std::byte> contents;  // what mirror.dev holds; empty: unknown
   };
 
   // One direction's stream and staging. Owns its stream, events and mirrors (RAII).
@@ -231,8 +231,9 @@ class CudaBackend final : public DeviceBackend {
 
   // Kernel mode's verified copy: the plan's every pair through the all-layers kernel, which sums
   // the bytes it moves (one pass over them, one launch), and the copy of the sums behind it.
-  // Returns, once the stream is done, the sums in `ids`' order (out[t * ids.size() + k]) from
-  // `into`; nullopt when some id is none of the plan's device blocks (then the caller sums apart).
+  // Returns where the sums land once the stream is done (results[t * pairs + pair_of_id[k]] is
+  // target t's sum of ids[k]); nullopt, with nothing enqueued, when some id is none of the plan's
+  // device blocks (then the caller sums apart).
   struct SummingCopy {
     const std::uint64_t* results = nullptr;  // [target * pairs + pair], in lane.ids.host
     std::size_t pairs = 0;

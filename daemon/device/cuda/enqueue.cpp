@@ -15,35 +15,36 @@ Status<DeviceErrc> CudaBackend::stage_plan(Lane& lane, const kernels::CopyPlan& 
                                            std::size_t sum_words) {
   const std::size_t n = plan.single_src.size();
   if (n == 0 || mode_ == ScatterMode::kBatch || mode_ == ScatterMode::kMemcpy) return {};
-  const std::size_t bytes = sum_words == 0 ? 2 * n * sizeof(std::int32_t) : sums_offset(n) + sum_words * sizeof(std::uint64_t);
+  const std::size_t ids_bytes = 2 * n * sizeof(std::int32_t);
+  const std::size_t bytes = sum_words == 0 ? ids_bytes : sums_offset(n) + sum_words * sizeof(std::uint64_t);
   KVTD_TRY(lane.ids.reserve(bytes));
   std::memcpy(lane.ids.host, plan.single_src.data(), n * sizeof(std::int32_t));
   std::memcpy(static_cast<std::int32_t*>(lane.ids.host) + n, plan.single_dst.data(), n * sizeof(std::int32_t));
   // The sums start at zero (the kernel adds into them): zeroed here, they ride the ids' upload
   // instead of costing a memset on the stream.
-  if (sum_words != 0) std::memset(static_cast<std::byte*>(lane.ids.host) + 2 * n * sizeof(std::int32_t), 0, bytes - 2 * n * sizeof(std::int32_t));
+  std::memset(static_cast<std::byte*>(lane.ids.host) + ids_bytes, 0, bytes - ids_bytes);
   KVTD_TRY(lane.ids.upload(bytes, lane.stream));
   return upload_table(lane, lane.table, targets.data(), targets.size_bytes());
 }
 
 Status<DeviceErrc> CudaBackend::upload_table(Lane& lane, CachedTable& t, const void* table, std::size_t bytes) {
   const auto* p = static_cast<const std::byte*>(table);
-  if (t.mirror.dev != nullptr && t.dev == t.mirror.dev && t.contents.size() == bytes &&
-      std::memcmp(t.contents.data(), p, bytes) == 0)
+  if (t.mirror.dev != nullptr && t.contents.size() == bytes && std::memcmp(t.contents.data(), p, bytes) == 0)
     return {};
   t.contents.clear();  // unknown until the upload below is enqueued
   KVTD_TRY(t.mirror.reserve(bytes));
   std::memcpy(t.mirror.host, p, bytes);
   KVTD_TRY(t.mirror.upload(bytes, lane.stream));
   t.contents.assign(p, p + bytes);
-  t.dev = t.mirror.dev;
   return {};
 }
 
 Status<DeviceErrc> CudaBackend::enqueue(Lane& lane, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets,
                            bool all_layers, std::size_t first, std::uint64_t* d_sums) {
-  if (d_sums != nullptr && !(mode_ == ScatterMode::kKernelAllLayers && all_layers))
-    return make_error(DeviceErrc::kCopyFailed, "a summing copy needs the all-layers kernel (kernel mode)");
+  // The all-layers kernel covers every target in one launch (kernel mode).
+  const bool one_launch = mode_ == ScatterMode::kKernelAllLayers && (all_layers || targets.size() > 1);
+  if (d_sums != nullptr && (!one_launch || !plan.runs.empty()))  // runs would go uncounted
+    return make_error(DeviceErrc::kCopyFailed, "a summing copy needs the all-layers kernel and a plan of singles");
   // Batch mode: runs and scattered blocks of every target in one cudaMemcpyBatchAsync.
   if (mode_ == ScatterMode::kBatch) return enqueue_batch(lane, plan, targets);
   for (const auto& t : targets)
@@ -64,7 +65,6 @@ Status<DeviceErrc> CudaBackend::enqueue(Lane& lane, const kernels::CopyPlan& pla
   const auto* d_dst = d_src + n;
   std::uint64_t max_block = 0;
   for (const auto& t : targets) max_block = std::max<std::uint64_t>(max_block, t.block_bytes);
-  const bool one_launch = mode_ == ScatterMode::kKernelAllLayers && (all_layers || targets.size() > 1);
   const std::uint32_t parts = pieces(max_block, n * (one_launch ? targets.size() : 1));
   switch (mode_) {
     case ScatterMode::kKernelAllLayers:

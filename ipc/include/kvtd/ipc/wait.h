@@ -17,13 +17,16 @@ namespace kvtd::ipc {
 
 enum class WaitResult { kChanged, kTimedOut };
 
+// How long wait_on_word polls before it sleeps, unless told otherwise.
+inline constexpr std::int64_t kDefaultSpinNs = 20'000;
+
 // Returns kChanged once *word != seen (or on a spurious wake-up, which callers treat the same:
 // they re-check their condition), kTimedOut once CLOCK_MONOTONIC passes deadline_ns.
 // `spin_ns` bounds the polling before sleeping. `waiters` (may be null) is incremented while
 // this call sleeps, so wakers can skip the system call when nobody sleeps.
 WaitResult wait_on_word(const std::atomic<std::uint32_t>& word, std::uint32_t seen,
                         std::int64_t deadline_ns, std::atomic<std::uint32_t>* waiters,
-                        std::int64_t spin_ns = 20'000);
+                        std::int64_t spin_ns = kDefaultSpinNs);
 
 // Bumps *word and wakes every sleeper if `waiters` says there may be one.
 void bump_and_wake(std::atomic<std::uint32_t>& word, const std::atomic<std::uint32_t>* waiters);
