@@ -142,13 +142,15 @@ int create_session(const char* suffix, const kvtd_geometry* g, const kvtd_sessio
   return guarded(err, err_len, [&]() -> int {
     if (!suffix || !g || !out) return invalid(err, err_len, "suffix, geometry and out must not be null");
     *out = nullptr;
-    constexpr std::uint32_t known = KVTD_SESSION_ADOPT_HOST_TIER | KVTD_SESSION_ONLY_RANK;
+    constexpr std::uint32_t known =
+        KVTD_SESSION_ADOPT_HOST_TIER | KVTD_SESSION_ONLY_RANK | KVTD_SESSION_NO_COMPLETION_FORECAST;
     if ((opts.flags & ~known) != 0)
       return invalid(err, err_len, "unknown session option flags " + std::to_string(opts.flags & ~known));
     kvtd::engine::SessionOptions o;
     o.suffix = suffix;
     o.adopt_host_tier = (opts.flags & KVTD_SESSION_ADOPT_HOST_TIER) != 0;
     if (opts.flags & KVTD_SESSION_ONLY_RANK) o.only_rank = opts.only_rank;
+    o.completion_forecast = (opts.flags & KVTD_SESSION_NO_COMPLETION_FORECAST) == 0;
     std::memcpy(&o.geometry, g, sizeof o.geometry);  // same layout (static_assert above); validated by create
     auto s = kvtd::engine::EngineSession::create(o);
     if (!s.ok()) return report(s, err, err_len);
@@ -175,11 +177,24 @@ int kvtd_session_create_with(const char* suffix, const kvtd_geometry* g, const k
 
 int kvtd_session_create_groups(const char* suffix, const kvtd_cache_groups* groups, kvtd_session** out, char* err,
                                size_t err_len) {
+  return kvtd_session_create_groups_with(suffix, groups, nullptr, out, err, err_len);
+}
+
+int kvtd_session_create_groups_with(const char* suffix, const kvtd_cache_groups* groups,
+                                    const kvtd_session_options* options, kvtd_session** out, char* err,
+                                    size_t err_len) {
   return guarded(err, err_len, [&]() -> int {
     if (!suffix || !groups || !out) return invalid(err, err_len, "suffix, groups and out must not be null");
     *out = nullptr;
+    const std::uint32_t flags = options ? options->flags : 0;
+    // Adopting a host tier and serving one rank are defined for one geometry only.
+    if ((flags & ~std::uint32_t{KVTD_SESSION_NO_COMPLETION_FORECAST}) != 0)
+      return invalid(err, err_len,
+                     "session option flags " + std::to_string(flags & ~std::uint32_t{KVTD_SESSION_NO_COMPLETION_FORECAST}) +
+                         " do not apply to a session over cache groups (only KVTD_SESSION_NO_COMPLETION_FORECAST does)");
     kvtd::engine::SessionOptions o;
     o.suffix = suffix;
+    o.completion_forecast = (flags & KVTD_SESSION_NO_COMPLETION_FORECAST) == 0;
     std::memcpy(&o.groups, groups, sizeof o.groups);  // same layout (static_assert in c_api_geometry.cpp)
     if (o.groups.num_groups == 0) return invalid(err, err_len, "num_groups must be at least 1");
     auto s = kvtd::engine::EngineSession::create(o);
@@ -474,6 +489,17 @@ uint32_t kvtd_rank_ready(kvtd_session* s, uint32_t rank) {
   } catch (...) {
     return 0;
   }
+}
+
+int kvtd_session_forecast_waits(kvtd_session* s, kvtd_forecast_waits* out, char* err, size_t err_len) {
+  const kvtd::c_api::SessionUse use(s);
+  if (s != nullptr && !use.live()) return closed(err, err_len);
+  return guarded(err, err_len, [&]() -> int {
+    if (!s || !out) return invalid(err, err_len, "session and out must not be null");
+    const kvtd::engine::ForecastWaits w = use->forecast_waits();
+    *out = kvtd_forecast_waits{w.waits, w.before_window, w.in_window, w.after_window};
+    return KVTD_OK;
+  });
 }
 
 size_t kvtd_in_flight(kvtd_session* s) {

@@ -102,8 +102,14 @@ class SessionOptions(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint32), ("only_rank", ctypes.c_uint32)]
 
 
+class ForecastWaits(ctypes.Structure):
+    _fields_ = [("waits", ctypes.c_uint64), ("before_window", ctypes.c_uint64), ("in_window", ctypes.c_uint64),
+                ("after_window", ctypes.c_uint64)]
+
+
 SESSION_ADOPT_HOST_TIER = 1 << 0
 SESSION_ONLY_RANK = 1 << 1
+SESSION_NO_COMPLETION_FORECAST = 1 << 2
 
 
 class Completion(ctypes.Structure):
@@ -201,6 +207,8 @@ _sig("kvtd_group_hits", _c.c_int, _c.POINTER(CacheGroups), _c.c_uint32, _c.POINT
 _sig("kvtd_group_spec", _c.c_int, _c.POINTER(CacheGroups), _c.c_uint32, _c.c_char_p, _c.c_size_t, *_err)
 _sig("kvtd_session_create", _c.c_int, _c.c_char_p, _c.POINTER(Geometry), _c.POINTER(_sess), *_err)
 _sig("kvtd_session_create_groups", _c.c_int, _c.c_char_p, _c.POINTER(CacheGroups), _c.POINTER(_sess), *_err)
+_sig("kvtd_session_create_groups_with", _c.c_int, _c.c_char_p, _c.POINTER(CacheGroups), _c.POINTER(SessionOptions),
+     _c.POINTER(_sess), *_err)
 _sig("kvtd_session_create_adopting", _c.c_int, _c.c_char_p, _c.POINTER(Geometry), _c.POINTER(_sess), *_err)
 _sig("kvtd_session_create_with", _c.c_int, _c.c_char_p, _c.POINTER(Geometry), _c.POINTER(SessionOptions),
      _c.POINTER(_sess), *_err)
@@ -229,6 +237,7 @@ _sig("kvtd_layer_event", _c.c_int, _sess, _c.c_uint32, _c.c_uint32, _c.POINTER(_
 _sig("kvtd_rank_alive", _c.c_int, _sess, _c.c_uint32)
 _sig("kvtd_rank_ready", _c.c_uint32, _sess, _c.c_uint32)
 _sig("kvtd_in_flight", _c.c_size_t, _sess)
+_sig("kvtd_session_forecast_waits", _c.c_int, _sess, _c.POINTER(ForecastWaits), *_err)
 _sig("kvtd_clear_caches", _c.c_int, _sess, _c.c_uint32, _c.c_uint64, _c.c_int64, *_err)
 _sig("kvtd_restore_caches", _c.c_int, _sess, _c.c_int64, *_err)
 _sig("kvtd_cache_cleared", _c.c_int, _sess)

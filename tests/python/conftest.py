@@ -40,13 +40,15 @@ def small_geometry(ranks=2, layers=3, **kw):
 class Cluster:
     """A published session and its running daemons."""
 
-    def __init__(self, geometry, extra=(), name="t"):
+    def __init__(self, geometry, extra=(), name="t", session_kw=None):
         self.suffix = f"py_{name[:20]}_{uuid.uuid4().hex[:8]}"
         self.geometry = geometry
         self.daemons = kvtd.testing.Daemons(None, self.suffix, geometry, extra)
         self.daemons.start()
         grouped = hasattr(geometry, "groups")  # kvtd.cache_groups.CacheGroups
-        self.session = kvtd.Session(self.suffix, groups=geometry) if grouped else kvtd.Session(self.suffix, geometry)
+        kw = session_kw or {}
+        self.session = (kvtd.Session(self.suffix, groups=geometry, **kw) if grouped
+                        else kvtd.Session(self.suffix, geometry, **kw))
         self.session.create_host_device_tensors()
 
     def ready(self):
@@ -66,8 +68,8 @@ class Cluster:
 def cluster(request):
     made = []
 
-    def make(geometry=None, extra=()):
-        c = Cluster(geometry or small_geometry(), extra, request.node.name)
+    def make(geometry=None, extra=(), **session_kw):
+        c = Cluster(geometry or small_geometry(), extra, request.node.name, session_kw)
         made.append(c)
         return c
 

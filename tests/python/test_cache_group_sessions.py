@@ -103,6 +103,18 @@ def test_a_group_session_refuses_pairs_across_groups_by_name(cluster):
     assert s.wait(s.swap_to_host([db1], [hb1])).blocks_done == 1  # the session still serves
 
 
+def test_a_group_session_takes_completion_forecast_and_refuses_what_needs_one_geometry(cluster):
+    groups = MODELS["gpt-oss-20b"]()
+    c = cluster(groups, completion_forecast=False)
+    s = c.ready()
+    (db0, hb0), _ = groups.id_bases()
+    for i in range(3):
+        assert s.wait(s.swap_to_host([db0 + i], [hb0 + i])).blocks_done == 1
+    assert s.forecast_waits()["waits"] == 0
+    with pytest.raises(ValueError, match="not cache groups"):
+        kvtd.Session("py_groups_adopt", groups=groups, adopt_host_tier=True)
+
+
 def test_a_daemon_whose_groups_differ_from_the_session_refuses_it_naming_the_group(tmp_path):
     groups = MODELS["gpt-oss-20b"]()
     other = models.sliding_and_full(GPT_OSS_20B, 2, device_blocks=9, host_blocks=12)

@@ -60,6 +60,19 @@ def test_swap_round_trip_layer_by_layer_is_byte_exact(cluster):
     assert s.layer_event_handle(0, 0) is None  # host backend: no CUDA events
 
 
+def test_the_completion_forecast_counts_its_waits_and_can_be_turned_off(cluster):
+    """Each lone swap after the first is waited for around its forecast end (learned from the
+    swap before it), unless the session was made with completion_forecast=False."""
+    for on in (True, False):
+        c = cluster(completion_forecast=on)
+        s = c.ready()
+        for i in range(6):
+            assert s.wait(s.swap_to_host([i], [i])).ok
+        w = s.forecast_waits()
+        assert w["waits"] == w["before_window"] + w["in_window"] + w["after_window"]
+        assert w["waits"] == (5 if on else 0), (on, w)
+
+
 def test_failures_are_exceptions_carrying_code_and_status(cluster):
     c = cluster()
     s = c.ready()

@@ -237,6 +237,58 @@ TEST(CApi, RegisterSubmitAndWaitWithAnAttachedRank) {
   kvtd_session_destroy(s);
 }
 
+// Reports a swap as a daemon's copy lane does: ok, with the stamps of when it began and ended.
+void report_timed(RankEndpoint& ep, std::uint64_t id, std::uint64_t blocks, std::int64_t start_ns, std::int64_t end_ns) {
+  proto::CompletionRecord rec{};
+  rec.task_id = id;
+  rec.status = static_cast<std::int32_t>(TaskStatus::kOk);
+  rec.blocks_done = blocks;
+  rec.start_ns = start_ns;
+  rec.end_ns = end_ns;
+  ASSERT_TRUE(ep.complete(rec).ok());
+}
+
+// How many of `s`'s waits took a swap's result around a completion forecast, after two lone
+// swaps: the first one's stamps (a 2 ms copy) teach the forecast, the second is waited for with it
+// (reported at once, so taken before its window).
+std::uint64_t forecast_waits_after_two_swaps(const std::string& suffix, std::uint32_t flags) {
+  const kvtd_geometry g = c_geometry(1);
+  const kvtd_session_options opts{flags, 0};
+  kvtd_session* s = nullptr;
+  char err[256] = {0};
+  EXPECT_EQ(kvtd_session_create_with(suffix.c_str(), &g, &opts, &s, err, sizeof err), KVTD_OK) << err;
+  if (s == nullptr) return ~0ull;
+  std::uint8_t handle[64] = {'x'};
+  EXPECT_EQ(kvtd_register_tensor(s, 0, 0, 0, -1, handle, 0, 8 * 64, err, sizeof err), KVTD_OK) << err;
+  EXPECT_EQ(kvtd_publish(s, err, sizeof err), KVTD_OK) << err;
+  auto ep = RankEndpoint::attach(endpoint_options(suffix, 0, c_geometry_as_proto()));
+  EXPECT_TRUE(ep.ok()) << ep.error().message;
+  kvtd_forecast_waits w{};
+  if (ep.ok()) {
+    int32_t src[1] = {1}, dst[1] = {3};
+    for (int i = 0; i < 2; ++i) {
+      uint64_t id = 0;
+      EXPECT_EQ(kvtd_submit(s, KVTD_SWAP_TO_HOST, src, dst, 1, 1000, &id, err, sizeof err), KVTD_OK) << err;
+      const std::int64_t now = monotonic_now_ns();
+      report_timed(**ep, id, 1, now, now + 2'000'000);
+      kvtd_completion c{};
+      EXPECT_EQ(kvtd_wait(s, id, 1000, &c, err, sizeof err), KVTD_OK) << err;
+    }
+    EXPECT_EQ(kvtd_session_forecast_waits(s, &w, err, sizeof err), KVTD_OK) << err;
+    EXPECT_EQ(w.waits, w.before_window + w.in_window + w.after_window);
+  }
+  ep = make_error(IpcErrc::kClosed, "");  // detach before the session goes
+  kvtd_session_destroy(s);
+  return w.waits;
+}
+
+TEST(CApi, TheCompletionForecastIsOnByDefaultAndAFlagTurnsItOff) {
+  EXPECT_EQ(forecast_waits_after_two_swaps(test::unique_suffix("capifc1"), 0), 1u);
+  EXPECT_EQ(forecast_waits_after_two_swaps(test::unique_suffix("capifc2"), KVTD_SESSION_NO_COMPLETION_FORECAST), 0u);
+  char err[256] = {0};
+  EXPECT_EQ(kvtd_session_forecast_waits(nullptr, nullptr, err, sizeof err), KVTD_E_INVALID);
+}
+
 // Weight updates through the C ABI: clear refuses tasks until restore; the rank (a thread here)
 // sees CLEAR_CACHE then RESTORE_CACHE, the second after the re-registered tensors.
 // A registry with some tensors but not all is the engine's mistake and is refused naming one
@@ -698,6 +750,25 @@ TEST(CApi, AGroupSessionMakesEachSlotsTensorAndSpellsItsGroupsAsFlags) {
   bad.groups[1].layers[0] = 3;  // layer 0 in two attention groups
   EXPECT_EQ(kvtd_session_create_groups("cgroups_bad", &bad, &s, err, sizeof err), KVTD_E_INVALID);
   EXPECT_NE(std::string(err).find("layer 0 is in groups 0 and 1"), std::string::npos) << err;
+}
+
+TEST(CApi, AGroupSessionTakesOnlyTheOptionsThatApplyToIt) {
+  char err[256] = {0};
+  const kvtd_cache_groups gs = c_groups();
+  kvtd_session* s = nullptr;
+  const kvtd_session_options no_forecast{KVTD_SESSION_NO_COMPLETION_FORECAST, 0};
+  ASSERT_EQ(kvtd_session_create_groups_with(test::unique_suffix("cgroupsopt").c_str(), &gs, &no_forecast, &s, err,
+                                            sizeof err),
+            KVTD_OK)
+      << err;
+  kvtd_session_destroy(s);
+  for (const std::uint32_t flags : {std::uint32_t{KVTD_SESSION_ADOPT_HOST_TIER}, std::uint32_t{KVTD_SESSION_ONLY_RANK}, 1u << 9}) {
+    const kvtd_session_options opts{flags, 0};
+    s = nullptr;
+    EXPECT_EQ(kvtd_session_create_groups_with("cgroups_opt_bad", &gs, &opts, &s, err, sizeof err), KVTD_E_INVALID);
+    EXPECT_EQ(s, nullptr);
+    EXPECT_NE(std::string(err).find("do not apply to a session over cache groups"), std::string::npos) << err;
+  }
 }
 
 }  // namespace

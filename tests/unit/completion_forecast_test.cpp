@@ -54,5 +54,22 @@ TEST(CompletionForecast, TheWaitPollsAnEighthOfTheTaskAroundItsForecastWithinBou
   EXPECT_EQ(large.poll_until_ns, 30'200'000);
 }
 
+TEST(CompletionForecast, WhereAWaiterTookTheResultIsPlacedAgainstTheWindow) {
+  const CompletionWait w{1'000'000, 1'100'000};
+  struct Row {
+    std::int64_t taken_ns;
+    WaitLanding landing;
+  } rows[] = {
+      {0, WaitLanding::kBeforeWindow},          // the report came while the waiter slept
+      {999'999, WaitLanding::kBeforeWindow},
+      {1'000'000, WaitLanding::kInWindow},      // the window's bounds belong to it
+      {1'050'000, WaitLanding::kInWindow},
+      {1'100'000, WaitLanding::kInWindow},
+      {1'100'001, WaitLanding::kAfterWindow},   // it had gone back to sleep
+      {9'000'000, WaitLanding::kAfterWindow},
+  };
+  for (const Row& r : rows) EXPECT_EQ(landing_of(w, r.taken_ns), r.landing) << "taken at " << r.taken_ns;
+}
+
 }  // namespace
 }  // namespace kvtd::engine

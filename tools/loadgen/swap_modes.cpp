@@ -232,6 +232,23 @@ void print_parts(const char* what, const RoundTripParts& p) {
               what, p50(p.to_start), p50(p.execute), p50(p.to_merge), p50(p.to_caller));
 }
 
+// Where the waits of a run (since `before`) took their swaps' results relative to the completion
+// forecast's poll window: in it, the report cost no wake-up.
+void print_forecast_waits(const char* what, const EngineSession& s, const kvtd::engine::ForecastWaits& before) {
+  const auto now = s.forecast_waits();
+  const auto waits = now.waits - before.waits;
+  if (waits == 0) {
+    std::printf("%s completion forecast: no wait had one (--no-completion-forecast, or no lone swap)\n", what);
+    return;
+  }
+  std::printf("%s completion forecast: %llu waits took the result before the poll window %llu, in it %llu, "
+              "after it %llu\n",
+              what, static_cast<unsigned long long>(waits),
+              static_cast<unsigned long long>(now.before_window - before.before_window),
+              static_cast<unsigned long long>(now.in_window - before.in_window),
+              static_cast<unsigned long long>(now.after_window - before.after_window));
+}
+
 int run_latency(EngineSession& s, const Options& o) {
   const auto& g = s.geometry();
   // Device block 0 of the first group out to its host blocks in turn (at most 8), so one task in
@@ -243,6 +260,7 @@ int run_latency(EngineSession& s, const Options& o) {
   std::vector<std::int64_t> samples;
   samples.reserve(o.latency_samples);
   RoundTripParts parts;
+  kvtd::engine::ForecastWaits waits_before;
   const std::uint32_t warmup = std::min<std::uint32_t>(1000, o.latency_samples / 10 + 1);
   Progress bar("latency", o.latency_samples);
   for (std::uint32_t i = 0; i < warmup + o.latency_samples; ++i) {
@@ -251,6 +269,7 @@ int run_latency(EngineSession& s, const Options& o) {
     one_h[0] = static_cast<std::int32_t>(first.host_base + static_cast<std::int64_t>(i) % host_span);
     if (!run_task(s, TaskKind::kSwapToHost, one, one_h, o.task_timeout_s, &ns, &r)) return 1;
     const std::int64_t returned = kvtd::ipc::monotonic_now_ns();
+    if (i + 1 == warmup) waits_before = s.forecast_waits();
     if (i < warmup) continue;
     samples.push_back(ns);
     add_parts(parts, r, returned);
@@ -263,6 +282,7 @@ int run_latency(EngineSession& s, const Options& o) {
               static_cast<unsigned long long>(g.bytes_per_block_all_layers()), g.num_ranks, samples.size(), q(0.5),
               q(0.9), q(0.99), q(1.0));
   print_parts("latency", parts);
+  print_forecast_waits("latency", s, waits_before);
   return 0;
 }
 
@@ -363,6 +383,7 @@ int run_throughput(EngineSession& s, const Options& o) {
   std::vector<double> swap_rates, memcpy_rates;
   std::uint64_t tasks = 0;
   RoundTripParts parts;
+  const kvtd::engine::ForecastWaits waits_before = s.forecast_waits();
   std::vector<std::int32_t> d, h;
   for (int round = 0; round < rounds; ++round) {
     std::uint64_t round_tasks = 0;
@@ -387,6 +408,7 @@ int run_throughput(EngineSession& s, const Options& o) {
               describe(s, shape, chunk).c_str(), g.num_ranks, static_cast<unsigned long long>(tasks), swap_gbs,
               swap_gbs * g.num_ranks, memcpy_gbs, swap_gbs / memcpy_gbs);
   print_parts("throughput", parts);
+  print_forecast_waits("throughput", s, waits_before);
   return 0;
 }
 

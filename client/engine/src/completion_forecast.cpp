@@ -40,4 +40,9 @@ CompletionWait plan_completion_wait(std::int64_t submit_ns, std::int64_t end_ns)
   return CompletionWait{end_ns - half, end_ns + half};
 }
 
+WaitLanding landing_of(const CompletionWait& w, std::int64_t taken_ns) {
+  if (taken_ns < w.sleep_until_ns) return WaitLanding::kBeforeWindow;
+  return taken_ns <= w.poll_until_ns ? WaitLanding::kInWindow : WaitLanding::kAfterWindow;
+}
+
 }  // namespace kvtd::engine

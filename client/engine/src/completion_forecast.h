@@ -49,4 +49,10 @@ struct CompletionWait {
 };
 CompletionWait plan_completion_wait(std::int64_t submit_ns, std::int64_t end_ns);
 
+// Where a waiter took a forecast swap's result, by the session's clock when it took it: before
+// the window (it slept, and was woken by the report), inside it (polling: no wake-up paid), or
+// after it (it went back to sleep and was woken: the forecast was early, or the report late).
+enum class WaitLanding { kBeforeWindow, kInWindow, kAfterWindow };
+WaitLanding landing_of(const CompletionWait& w, std::int64_t taken_ns);
+
 }  // namespace kvtd::engine

@@ -250,6 +250,11 @@ std::size_t EngineSession::in_flight() const {
   return impl_->merger.pending_count();
 }
 
+ForecastWaits EngineSession::forecast_waits() const {
+  MutexLock g(impl_->mu);
+  return impl_->forecast_waits;
+}
+
 const proto::CacheGeometry& EngineSession::geometry() const { return impl_->geo; }
 const proto::CacheGroups& EngineSession::groups() const { return impl_->groups; }
 

@@ -48,9 +48,19 @@ std::optional<CompletionWait> EngineSession::Impl::completion_wait(std::uint64_t
   return plan_completion_wait(it->second.submit_ns, *end);
 }
 
+void EngineSession::Impl::count_forecast_wait(const CompletionWait& around, std::int64_t taken_ns) {
+  ++forecast_waits.waits;
+  switch (landing_of(around, taken_ns)) {
+    case WaitLanding::kBeforeWindow: ++forecast_waits.before_window; break;
+    case WaitLanding::kInWindow: ++forecast_waits.in_window; break;
+    case WaitLanding::kAfterWindow: ++forecast_waits.after_window; break;
+  }
+}
+
 Result<TaskResult, IpcErrc> EngineSession::Impl::wait_result(std::uint64_t task_id, std::int64_t timeout_ns) {
   auto* impl = this;
   const std::int64_t deadline = deadline_after(impl->clock->now_ns(), timeout_ns);
+  std::optional<CompletionWait> planned;  // the last forecast wait planned for it (none once merged)
   for (;;) {
     if (closing.load(std::memory_order_seq_cst)) return closing_error();
     const std::uint32_t seen = h->completion_word.load(std::memory_order_acquire);
@@ -58,8 +68,12 @@ Result<TaskResult, IpcErrc> EngineSession::Impl::wait_result(std::uint64_t task_
     {
       MutexLock g(impl->mu);
       around = impl->completion_wait(task_id);
+      if (around) planned = around;
       impl->service(false);
-      if (auto r = impl->merger.take(task_id)) return std::move(*r);
+      if (auto r = impl->merger.take(task_id)) {
+        if (planned) impl->count_forecast_wait(*planned, impl->clock->now_ns());
+        return std::move(*r);
+      }
       if (!impl->merger.pending(task_id))
         return make_error(IpcErrc::kUnknownTask, "task " + std::to_string(task_id) +
                                                      " is not pending (never submitted, already collected, or dropped "

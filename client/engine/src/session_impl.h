@@ -78,6 +78,7 @@ struct EngineSession::Impl {
   // its direction ends later than its own forecast says, so only a lone one is forecast.
   std::uint32_t swaps_each_way[2] GUARDED_BY(mu) = {0, 0};
   CompletionForecast forecast GUARDED_BY(mu);  // learned from the swaps that completed ok
+  ForecastWaits forecast_waits GUARDED_BY(mu);  // where waiters took forecast swaps' results
   std::uint64_t next_task_id GUARDED_BY(mu) = 1;
   std::atomic<std::uint64_t> weight_version{0};
   // Weight updates (mirrored to h->cache_state): tasks are refused while cleared;
@@ -181,6 +182,8 @@ struct EngineSession::Impl {
   void swap_finished(std::uint64_t task_id) REQUIRES(mu);
   // How wait_result should wait for `task_id`: around its forecast end, when it has one.
   std::optional<CompletionWait> completion_wait(std::uint64_t task_id) const REQUIRES(mu);
+  // A waiter took a result at `taken_ns` while waiting around `around`: counted.
+  void count_forecast_wait(const CompletionWait& around, std::int64_t taken_ns) REQUIRES(mu);
 
   // Stops routing tasks to rank r and hands it to the service thread to fence: its
   // pending tasks fail only once it can no longer write (or, if it cannot be stopped, with

@@ -237,8 +237,16 @@ KVTD_API int kvtd_session_create_adopting(const char* suffix, const kvtd_geometr
  * kvtd_session_create_adopting. KVTD_SESSION_ONLY_RANK: the session serves rank only_rank of the
  * geometry's num_ranks alone, for an engine that runs one process per TP rank (each makes its own
  * session, a suffix per rank); that rank's daemon runs as that rank of num_ranks, a daemon of
- * another rank is refused. Other flag bits are refused (KVTD_E_INVALID). */
-enum { KVTD_SESSION_ADOPT_HOST_TIER = 1u << 0, KVTD_SESSION_ONLY_RANK = 1u << 1 };
+ * another rank is refused. KVTD_SESSION_NO_COMPLETION_FORECAST: a kvtd_wait for a swap alone in
+ * flight in its direction does not poll around the swap's forecast end (by default it sleeps until
+ * just before it, then spends the waiting thread's core for a window of an eighth of the swap,
+ * 40-400 us, instead of paying a wake-up after the report); it polls 20 us, then sleeps, as for
+ * every other task. Other flag bits are refused (KVTD_E_INVALID). */
+enum {
+  KVTD_SESSION_ADOPT_HOST_TIER = 1u << 0,
+  KVTD_SESSION_ONLY_RANK = 1u << 1,
+  KVTD_SESSION_NO_COMPLETION_FORECAST = 1u << 2
+};
 typedef struct kvtd_session_options {
   uint32_t flags;     /* KVTD_SESSION_* bits */
   uint32_t only_rank; /* with KVTD_SESSION_ONLY_RANK */
@@ -246,6 +254,11 @@ typedef struct kvtd_session_options {
 KVTD_API int kvtd_session_create_with(const char* suffix, const kvtd_geometry* geometry,
                                       const kvtd_session_options* options, kvtd_session** out, char* err,
                                       size_t err_len);
+/* Like kvtd_session_create_groups, with options: only KVTD_SESSION_NO_COMPLETION_FORECAST applies
+ * to a session over cache groups; other flag bits are refused (KVTD_E_INVALID). */
+KVTD_API int kvtd_session_create_groups_with(const char* suffix, const kvtd_cache_groups* groups,
+                                             const kvtd_session_options* options, kvtd_session** out, char* err,
+                                             size_t err_len);
 KVTD_API void kvtd_session_destroy(kvtd_session* s);
 /* The session's geometry as validated at create. */
 KVTD_API int kvtd_session_geometry(kvtd_session* s, kvtd_geometry* out);
@@ -314,6 +327,17 @@ KVTD_API int kvtd_rank_alive(kvtd_session* s, uint32_t rank);
 KVTD_API uint32_t kvtd_rank_ready(kvtd_session* s, uint32_t rank);
 /* Tasks submitted and not yet collected. */
 KVTD_API size_t kvtd_in_flight(kvtd_session* s);
+/* Waits (kvtd_wait) that took a swap's result around its completion forecast (see
+ * KVTD_SESSION_NO_COMPLETION_FORECAST), by when the result was taken: before the poll window (the
+ * waiter slept and the report woke it), inside it (taken while polling, no wake-up paid), after it
+ * (the window missed). waits is the sum of the three. */
+typedef struct kvtd_forecast_waits {
+  uint64_t waits;
+  uint64_t before_window;
+  uint64_t in_window;
+  uint64_t after_window;
+} kvtd_forecast_waits;
+KVTD_API int kvtd_session_forecast_waits(kvtd_session* s, kvtd_forecast_waits* out, char* err, size_t err_len);
 
 /* Weight updates (an RL trainer swapping the weights under a live engine). kvtd_clear_caches
  * refuses new tasks (KVTD_E_CACHE_CLEARED), and returns KVTD_OK once every rank finished the

@@ -83,6 +83,16 @@ struct SessionOptions {
   bool completion_forecast = true;
 };
 
+// Waits (wait()) that returned a swap's result while it had a completion forecast, counted by
+// when the result was taken: before the poll window (the waiter slept and the report woke it),
+// inside it (taken while polling: no wake-up paid), after it (the window missed: a wake-up paid).
+struct ForecastWaits {
+  std::uint64_t waits = 0;  // before_window + in_window + after_window
+  std::uint64_t before_window = 0;
+  std::uint64_t in_window = 0;
+  std::uint64_t after_window = 0;
+};
+
 // One task. Swaps use src/dst; storage tasks use keys, blocks and the fields after them:
 //   STORAGE_QUERY(keys)                  -> blocks_done = leading hits, MIN over ranks
 //   STORAGE_READ(keys, blocks)           -> blocks_done = blocks loaded (the agreed prefix)
@@ -251,6 +261,9 @@ class EngineSession {
   // is alive, else 0: what FastDeploy's cache_ready / swap_space_ready signals say per rank.
   std::uint32_t rank_ready_flags(std::uint32_t rank) const;
   std::size_t in_flight() const;
+  // Waits that took a swap's result around its completion forecast (SessionOptions::
+  // completion_forecast), by where the result was taken: whether the forecast spares wake-ups.
+  ForecastWaits forecast_waits() const;
 
   const proto::CacheGeometry& geometry() const;
   // The session's cache groups (num_groups 0 for a single-shape session; geometry() is then the
