@@ -32,6 +32,12 @@ inline int invalid(char* err, size_t len, const std::string& msg) {
   return KVTD_E_INVALID;
 }
 
+// A call on a handle kvtd_session_destroy has retired.
+inline int closed(char* err, size_t len) {
+  put_error(err, len, "the session handle was destroyed: no call may use it after kvtd_session_destroy");
+  return KVTD_E_CLOSED;
+}
+
 // No exception may cross extern "C": every entry point runs its body through this.
 template <typename F>
 inline int guarded(char* err, size_t len, F&& body) noexcept {
