@@ -203,9 +203,9 @@ class FileStore final : public ObjectStore {
     return out;
   }
 
-  // Reads one object into the consecutive `pieces` of its payload (object_bytes in all) and
-  // verifies it there. One byte past the payload is asked for: an object with trailing bytes is
-  // not ours.
+  // Reads one object into the consecutive `pieces` of its payload (object_bytes in all),
+  // hashing each stretch as it is read (still in the cache), and verifies it. One byte past the
+  // payload is asked for: an object with trailing bytes is not ours.
   KeyResult read_one(const std::string& key, const Pieces& pieces) {
     const std::string path = path_of(key);
     ObjectHeader h{};
@@ -218,7 +218,10 @@ class FileStore final : public ObjectStore {
     parts.insert(parts.end(), pieces.begin(), pieces.end());
     parts.emplace_back(&trailing, 1);
     std::size_t read = 0;
-    const int e = fs_->read_file(path, parts, &read);
+    PayloadHasher payload;  // parts[1 .. pieces.size()]: not the header, not the trailing byte
+    const int e = fs_->read_file_streamed(path, parts, &read, [&](std::size_t part, std::span<const std::byte> bytes) {
+      if (part >= 1 && part <= pieces.size()) payload.update(bytes);
+    });
     ObjectResult r;
     std::string error;
     if (e == ENOENT) {
@@ -229,7 +232,7 @@ class FileStore final : public ObjectStore {
     } else if (read != sizeof h + payload_bytes) {
       r = ObjectResult::kCorrupt;  // truncated, or trailing bytes
     } else {
-      r = verify_object(opts_.store, namespaced_key(opts_.store, key), h, pieces);
+      r = verify_object(opts_.store, namespaced_key(opts_.store, key), h, payload);
     }
     counters_.count_get(r);
     if (r == ObjectResult::kOk) {

@@ -45,42 +45,18 @@ class PosixFileSystem final : public FileSystem {
   // pieces: header, 2 x layers blocks, one byte past the end); a short read resumes where it
   // stopped; end of file stops it (a truncated object).
   int read_file(const std::string& path, std::span<const std::span<std::byte>> parts, std::size_t* read) override {
-    *read = 0;
-    // Non-blocking, then checked: a FIFO (or a device) planted where an object belongs must not
-    // hold the load past its deadline; it is no object, so nothing is read (a corrupt object).
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0) return errno;
-    struct stat st {};
-    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-      ::close(fd);
-      return 0;
-    }
-    std::vector<iovec> iov;
-    iov.reserve(parts.size());
-    for (auto part : parts)
-      if (!part.empty()) iov.push_back(iovec{part.data(), part.size()});
-    int err = 0;
-    std::size_t at = 0;
-    while (at < iov.size()) {
-      const int count = static_cast<int>(std::min<std::size_t>(iov.size() - at, IOV_MAX));
-      const ssize_t n = ::readv(fd, iov.data() + at, count);
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        err = errno;
-        break;
-      }
-      if (n == 0) break;  // end of file: truncated object
-      *read += static_cast<std::size_t>(n);
-      // Skip the iovecs this read filled; shorten the one it filled in part.
-      auto left = static_cast<std::size_t>(n);
-      while (at < iov.size() && left >= iov[at].iov_len) left -= iov[at++].iov_len;
-      if (left != 0) {
-        iov[at].iov_base = static_cast<std::byte*>(iov[at].iov_base) + left;
-        iov[at].iov_len -= left;
-      }
-    }
-    ::close(fd);
-    return err;
+    return read_parts(path, parts, read, SIZE_MAX, nullptr);
+  }
+
+  // The same in readv calls of at most kStreamedChunk bytes, each stretch reported once read: the
+  // file store hashes it while it is still in the cache. A probe on 2 cores (1,024 x 1 MiB files,
+  // warm page cache, 2 threads, XXH3 dispatched; five alternating runs): reading 64 KiB and
+  // hashing it 6.24-6.65 GB/s, reading each file whole and hashing it after 5.40-6.11; a sweep of
+  // the chunk put 64-256 KiB ahead, 32 KiB behind (more calls) and 512 KiB back level (it no
+  // longer stays in the cache).
+  int read_file_streamed(const std::string& path, std::span<const std::span<std::byte>> parts, std::size_t* read,
+                         const Filled& on_filled) override {
+    return read_parts(path, parts, read, kStreamedChunk, &on_filled);
   }
 
   int rename(const std::string& from, const std::string& to) override {
@@ -131,9 +107,79 @@ class PosixFileSystem final : public FileSystem {
     return ec ? ec.value() : 0;
   }
   int read_direct(std::span<DirectRead> reads) override { return detail::read_direct_with_uring(reads); }
+
+ private:
+  static constexpr std::size_t kStreamedChunk = 128 << 10;
+
+  // Reads the parts in order, in readv calls of at most `chunk` bytes and IOV_MAX parts; a short
+  // read resumes where it stopped; end of file stops it (a truncated object). Each stretch read
+  // goes to *on_filled when given. Non-blocking open, then checked: a FIFO (or a device) planted
+  // where an object belongs must not hold the load past its deadline; it is no object, so
+  // nothing is read (a corrupt object).
+  static int read_parts(const std::string& path, std::span<const std::span<std::byte>> parts, std::size_t* read,
+                        std::size_t chunk, const Filled* on_filled) {
+    *read = 0;
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) return errno;
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+      ::close(fd);
+      return 0;
+    }
+    std::vector<iovec> iov;
+    iov.reserve(std::min<std::size_t>(parts.size(), IOV_MAX));
+    std::size_t part = 0, offset = 0;  // where the next byte read goes
+    int err = 0;
+    for (;;) {
+      while (part < parts.size() && offset == parts[part].size()) {  // filled, or empty
+        ++part;
+        offset = 0;
+      }
+      if (part == parts.size()) break;
+      iov.clear();
+      std::size_t want = 0;
+      for (std::size_t p = part, from = offset; p < parts.size() && iov.size() < IOV_MAX && want < chunk; ++p, from = 0) {
+        const std::size_t take = std::min(parts[p].size() - from, chunk - want);
+        if (take != 0) iov.push_back(iovec{parts[p].data() + from, take});
+        want += take;
+      }
+      const ssize_t n = ::readv(fd, iov.data(), static_cast<int>(iov.size()));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        err = errno;
+        break;
+      }
+      if (n == 0) break;  // end of file: truncated object
+      *read += static_cast<std::size_t>(n);
+      for (auto left = static_cast<std::size_t>(n); left != 0;) {  // n never passes the iovecs' end
+        while (offset == parts[part].size()) {
+          ++part;
+          offset = 0;
+        }
+        const std::size_t take = std::min(parts[part].size() - offset, left);
+        if (on_filled != nullptr) (*on_filled)(part, std::span<const std::byte>(parts[part].data() + offset, take));
+        offset += take;
+        left -= take;
+      }
+    }
+    ::close(fd);
+    return err;
+  }
 };
 
 }  // namespace
+
+int FileSystem::read_file_streamed(const std::string& path, std::span<const std::span<std::byte>> parts,
+                                   std::size_t* read, const Filled& on_filled) {
+  const int err = read_file(path, parts, read);
+  std::size_t left = *read;
+  for (std::size_t i = 0; i < parts.size() && left != 0; ++i) {
+    const std::size_t take = std::min(parts[i].size(), left);
+    if (take != 0) on_filled(i, parts[i].first(take));
+    left -= take;
+  }
+  return err;
+}
 
 std::unique_ptr<FileSystem> make_posix_file_system() { return std::make_unique<PosixFileSystem>(); }
 

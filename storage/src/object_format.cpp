@@ -72,17 +72,30 @@ ObjectHeader make_header(const StoreOptions& o, const std::string& namespaced,
     h.checksum = hash_bytes(parts[0].data(), parts[0].size());
     return h;
   }
-  // Streaming XXH3 over the parts equals XXH3 of their concatenation.
-  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> st(XXH3_createState(), &XXH3_freeState);
-  if (!st) throw std::bad_alloc();
-  XXH3_64bits_reset(st.get());
-  for (auto p : parts) {
-    KVTD_XXH3_UPDATE(st.get(), p.data(), p.size());
-    h.payload_bytes += p.size();
-  }
-  h.checksum = XXH3_64bits_digest(st.get());
+  PayloadHasher hash;
+  for (auto p : parts) hash.update(p);
+  h.payload_bytes = hash.bytes();
+  h.checksum = hash.digest();
   return h;
 }
+
+struct PayloadHasher::State {
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> xxh3{XXH3_createState(), &XXH3_freeState};
+};
+
+PayloadHasher::PayloadHasher() : state_(std::make_unique<State>()) {
+  if (!state_->xxh3) throw std::bad_alloc();
+  XXH3_64bits_reset(state_->xxh3.get());
+}
+
+PayloadHasher::~PayloadHasher() = default;
+
+void PayloadHasher::update(std::span<const std::byte> bytes) {
+  KVTD_XXH3_UPDATE(state_->xxh3.get(), bytes.data(), bytes.size());
+  bytes_ += bytes.size();
+}
+
+std::uint64_t PayloadHasher::digest() const { return XXH3_64bits_digest(state_->xxh3.get()); }
 
 bool written_by_kvtd(const ObjectHeader& h, const std::string& namespaced) {
   return h.magic == kObjectMagic && h.version == kObjectFormatVersion && h.reserved == 0 &&
@@ -104,16 +117,9 @@ bool header_fits(const StoreOptions& o, const std::string& namespaced, const Obj
 }  // namespace
 
 ObjectResult verify_object(const StoreOptions& o, const std::string& namespaced, const ObjectHeader& h,
-                           std::span<const std::span<std::byte>> parts) {
-  std::uint64_t bytes = 0;
-  for (auto p : parts) bytes += p.size();
-  if (!header_fits(o, namespaced, h, bytes)) return ObjectResult::kCorrupt;
-  if (parts.size() == 1) return hash_bytes(parts[0].data(), parts[0].size()) == h.checksum ? ObjectResult::kOk : ObjectResult::kCorrupt;
-  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> st(XXH3_createState(), &XXH3_freeState);
-  if (!st) throw std::bad_alloc();
-  XXH3_64bits_reset(st.get());
-  for (auto p : parts) KVTD_XXH3_UPDATE(st.get(), p.data(), p.size());
-  return XXH3_64bits_digest(st.get()) == h.checksum ? ObjectResult::kOk : ObjectResult::kCorrupt;
+                           const PayloadHasher& payload) {
+  if (!header_fits(o, namespaced, h, payload.bytes())) return ObjectResult::kCorrupt;
+  return payload.digest() == h.checksum ? ObjectResult::kOk : ObjectResult::kCorrupt;
 }
 
 ObjectResult verify_object(const StoreOptions& o, const std::string& namespaced, const ObjectHeader& h,

@@ -1,13 +1,12 @@
 // libFuzzer target: a stored object (header + payload) as read back from a store. verify_object
-// must accept only a whole object of this namespace with a matching checksum, and the parts
-// variant (a load into a destination's pieces) and the image variant (the O_DIRECT reader's whole
-// file) must give the same verdict.
+// must accept only a whole object of this namespace with a matching checksum, and the streamed
+// variant (a load into a destination's pieces, hashed as it is read) and the image variant (the
+// O_DIRECT reader's whole file) must give the same verdict.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <span>
-#include <vector>
 
 #include "kvtd/storage/object_format.h"
 
@@ -20,14 +19,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::span<const std::byte> payload(reinterpret_cast<const std::byte*>(data) + sizeof h, size - sizeof h);
   const std::string key = namespaced_key(o, "k0");
   const ObjectResult whole = verify_object(o, key, h, payload);
-  // The reader that loads into a destination's pieces verifies the same bytes in parts: it must
-  // agree with the whole-buffer verdict wherever the payload is cut (first byte of input picks).
-  std::vector<std::byte> copy(payload.begin(), payload.end());
-  const std::size_t cut1 = copy.empty() ? 0 : data[0] % (copy.size() + 1);
-  const std::size_t cut2 = cut1 + (copy.size() - cut1) / 2;
-  const std::span<std::byte> parts[3] = {std::span(copy).subspan(0, cut1), std::span(copy).subspan(cut1, cut2 - cut1),
-                                         std::span(copy).subspan(cut2)};
-  if (verify_object(o, key, h, std::span<const std::span<std::byte>>(parts)) != whole) std::abort();
+  // The reader that loads into a destination's pieces hashes the same bytes in stretches as they
+  // are read: it must agree with the whole-buffer verdict wherever the payload is cut (first
+  // byte of input picks).
+  const std::size_t cut1 = payload.empty() ? 0 : data[0] % (payload.size() + 1);
+  const std::size_t cut2 = cut1 + (payload.size() - cut1) / 2;
+  PayloadHasher streamed;
+  streamed.update(payload.subspan(0, cut1));
+  streamed.update(payload.subspan(cut1, cut2 - cut1));
+  streamed.update(payload.subspan(cut2));
+  if (verify_object(o, key, h, streamed) != whole) std::abort();
   // The O_DIRECT reader verifies the whole file image it read (header, payload and whatever
   // followed): exactly one whole object, else corrupt.
   const std::span<const std::byte> image(reinterpret_cast<const std::byte*>(data), size);

@@ -39,6 +39,10 @@ class FaultyFileSystem final : public FileSystem {
   int read_file(const std::string& p, std::span<const std::span<std::byte>> parts, std::size_t* n) override {
     return real->read_file(p, parts, n);
   }
+  int read_file_streamed(const std::string& p, std::span<const std::span<std::byte>> parts, std::size_t* n,
+                         const Filled& on_filled) override {
+    return real->read_file_streamed(p, parts, n, on_filled);
+  }
   int rename(const std::string& a, const std::string& b) override {
     if (int e = rename_error.load()) return e;
     return real->rename(a, b);

@@ -510,6 +510,14 @@ TEST(ObjectFormat, TheChecksumIsPlainXxh3WhicheverVectorUnitComputesIt) {
     const std::span<const std::byte> parts[3] = {std::span(data).first(n / 3), std::span(data).subspan(n / 3, n / 3),
                                                  std::span(data).subspan(2 * (n / 3), n - 2 * (n / 3))};
     EXPECT_EQ(make_header(so, "k", parts).checksum, XXH3_64bits(data.data(), n)) << n;
+    PayloadHasher streamed;  // as a load hashes it: in the stretches each read filled
+    for (std::size_t at = 0; at < n;) {
+      const std::size_t stretch = std::min<std::size_t>(n - at, 1 + (at * 7919) % (128 << 10));
+      streamed.update(std::span(data).subspan(at, stretch));
+      at += stretch;
+    }
+    EXPECT_EQ(streamed.digest(), XXH3_64bits(data.data(), n)) << n;
+    EXPECT_EQ(streamed.bytes(), n);
   }
 }
 

@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -41,6 +42,13 @@ class FileSystem {
   virtual int write_file(const std::string& path, std::span<const std::span<const std::byte>> parts, bool sync) = 0;
   // Reads up to the parts' sizes into them; *read gets the bytes actually read (short = truncated).
   virtual int read_file(const std::string& path, std::span<const std::span<std::byte>> parts, std::size_t* read) = 0;
+  // A stretch of parts[part] that a streamed read has just filled.
+  using Filled = std::function<void(std::size_t part, std::span<const std::byte> bytes)>;
+  // Like read_file, and calls on_filled with each stretch of the parts as it is read, in file
+  // order, so the caller can hash the bytes while they are still in the CPU's cache. The default
+  // reads whole with read_file, then reports each part's filled prefix.
+  virtual int read_file_streamed(const std::string& path, std::span<const std::span<std::byte>> parts,
+                                 std::size_t* read, const Filled& on_filled);
   virtual int rename(const std::string& from, const std::string& to) = 0;
   virtual int remove(const std::string& path) = 0;
   virtual int exists(const std::string& path, bool* present) = 0;

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -43,11 +44,28 @@ ObjectHeader make_header(const StoreOptions& o, const std::string& namespaced,
 // kOk if `header` and `payload` are a whole, uncorrupted object for this key; kCorrupt otherwise.
 ObjectResult verify_object(const StoreOptions& o, const std::string& namespaced, const ObjectHeader& header,
                            std::span<const std::byte> payload);
-// The same for a payload that lies in consecutive parts (hashed as one stream): a load that read
-// an object straight into the pieces of its destination verifies it there.
-ObjectResult verify_object(const StoreOptions& o, const std::string& namespaced, const ObjectHeader& header,
-                           std::span<const std::span<std::byte>> payload_parts);
 
+// The checksum of a payload computed as its bytes arrive, in order (streaming XXH3 of the parts
+// equals XXH3 of their concatenation). Thread-compatible; not copyable or movable.
+class PayloadHasher {
+ public:
+  PayloadHasher();
+  ~PayloadHasher();
+  PayloadHasher(const PayloadHasher&) = delete;
+  PayloadHasher& operator=(const PayloadHasher&) = delete;
+  void update(std::span<const std::byte> bytes);
+  std::uint64_t digest() const;
+  std::uint64_t bytes() const { return bytes_; }
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+  std::uint64_t bytes_ = 0;
+};
+// kOk if `header` is a whole object of this key whose payload, hashed as it was read, gave
+// `payload` (its byte count and digest); kCorrupt otherwise.
+ObjectResult verify_object(const StoreOptions& o, const std::string& namespaced, const ObjectHeader& header,
+                           const PayloadHasher& payload);
 // The same for a whole file image as read back (header, payload and anything after it): kOk only
 // for exactly one whole object of this key. The O_DIRECT reader verifies what it read this way.
 ObjectResult verify_object_image(const StoreOptions& o, const std::string& namespaced, std::span<const std::byte> image);

@@ -1,0 +1,144 @@
+// The file system under the file store (kvtd/storage/file_system.h): a streamed read reports every
+// byte it read, once, in file order, in stretches no longer than its chunk, whichever way the
+// parts cut the file; the interface's default (for file systems that only read whole) agrees.
+#include "kvtd/storage/file_system.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace kvtd::storage {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Reads whole only: the streamed read is the interface's default.
+class WholeReadsOnly final : public FileSystem {
+ public:
+  std::unique_ptr<FileSystem> real = make_posix_file_system();
+  int write_file(const std::string& p, std::span<const std::span<const std::byte>> parts, bool sync) override {
+    return real->write_file(p, parts, sync);
+  }
+  int read_file(const std::string& p, std::span<const std::span<std::byte>> parts, std::size_t* n) override {
+    return real->read_file(p, parts, n);
+  }
+  int rename(const std::string& a, const std::string& b) override { return real->rename(a, b); }
+  int remove(const std::string& p) override { return real->remove(p); }
+  int exists(const std::string& p, bool* present) override { return real->exists(p, present); }
+  int make_dirs(const std::string& p) override { return real->make_dirs(p); }
+  int sync_dir(const std::string& p) override { return real->sync_dir(p); }
+  int list_files(const std::string& r, std::vector<FileEntry>* out) override { return real->list_files(r, out); }
+};
+
+struct Stretch {
+  std::size_t part;
+  std::size_t offset;  // in its part
+  std::size_t bytes;
+};
+
+class StreamedReadTest : public ::testing::Test {
+ protected:
+  std::string path_ = (fs::path(::testing::TempDir()) / ("kvtd_streamed_" + std::to_string(::getpid()))).string();
+  std::vector<std::byte> content_;
+
+  void write_file(std::size_t bytes) {
+    content_.resize(bytes);
+    std::mt19937 rng(3);
+    for (auto& b : content_) b = static_cast<std::byte>(rng());
+    std::ofstream(path_, std::ios::binary).write(reinterpret_cast<const char*>(content_.data()),
+                                                 static_cast<std::streamsize>(bytes));
+  }
+  void TearDown() override { fs::remove(path_); }
+
+  // Reads into parts of `sizes` (zeroed first), checking each reported stretch against the part it
+  // names and against the file, in order; returns the stretches.
+  std::vector<Stretch> read(FileSystem& f, const std::vector<std::size_t>& sizes, std::size_t* read_bytes, int* err) {
+    buffers_.assign(sizes.size(), {});
+    std::vector<std::span<std::byte>> parts;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      buffers_[i].assign(sizes[i], std::byte{0});
+      parts.emplace_back(buffers_[i]);
+    }
+    std::vector<Stretch> out;
+    std::size_t file_offset = 0;
+    *err = f.read_file_streamed(path_, parts, read_bytes, [&](std::size_t part, std::span<const std::byte> b) {
+      ASSERT_LT(part, parts.size());
+      ASSERT_GE(b.data(), parts[part].data());
+      ASSERT_LE(b.data() + b.size(), parts[part].data() + parts[part].size());
+      ASSERT_LE(file_offset + b.size(), content_.size());
+      EXPECT_EQ(std::memcmp(b.data(), content_.data() + file_offset, b.size()), 0) << "at file offset " << file_offset;
+      out.push_back({part, static_cast<std::size_t>(b.data() - parts[part].data()), b.size()});
+      file_offset += b.size();
+    });
+    EXPECT_EQ(file_offset, *read_bytes) << "every byte read is reported, once";
+    return out;
+  }
+
+  std::vector<std::vector<std::byte>> buffers_;
+};
+
+// Consecutive stretches of one part follow each other; the parts come in order; empty parts are
+// never reported.
+void expect_in_order(const std::vector<Stretch>& s, std::size_t max_stretch) {
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    EXPECT_GT(s[i].bytes, 0u);
+    EXPECT_LE(s[i].bytes, max_stretch);
+    if (i == 0) continue;
+    if (s[i].part == s[i - 1].part)
+      EXPECT_EQ(s[i].offset, s[i - 1].offset + s[i - 1].bytes);
+    else
+      EXPECT_GT(s[i].part, s[i - 1].part);
+  }
+}
+
+TEST_F(StreamedReadTest, EveryByteIsReportedOnceInFileOrderInBoundedStretches) {
+  // 40-byte header, an empty part, parts larger and smaller than a 128 KiB chunk, a trailing byte.
+  const std::vector<std::size_t> sizes{40, 0, 300 << 10, 17, 0, 129 << 10, 1};
+  const std::size_t payload = 40 + (300 << 10) + 17 + (129 << 10);
+  write_file(payload);  // the trailing byte finds end of file
+  auto posix = make_posix_file_system();
+  std::size_t n = 0;
+  int err = -1;
+  const auto streamed = read(*posix, sizes, &n, &err);
+  EXPECT_EQ(err, 0);
+  EXPECT_EQ(n, payload);
+  expect_in_order(streamed, 128 << 10);
+  EXPECT_GT(streamed.size(), 5u) << "the large parts come in several chunks";
+  WholeReadsOnly whole;
+  const auto by_default = read(whole, sizes, &n, &err);
+  EXPECT_EQ(err, 0);
+  EXPECT_EQ(n, payload);
+  expect_in_order(by_default, SIZE_MAX);
+  EXPECT_EQ(by_default.size(), 4u) << "one stretch per non-empty part filled (not the trailing byte)";
+}
+
+TEST_F(StreamedReadTest, ATruncatedFileReportsOnlyWhatWasRead) {
+  write_file(100 << 10);
+  const std::vector<std::size_t> sizes{40, 1 << 20, 1};
+  auto posix = make_posix_file_system();
+  WholeReadsOnly whole;
+  for (FileSystem* f : {posix.get(), static_cast<FileSystem*>(&whole)}) {
+    std::size_t n = 0;
+    int err = -1;
+    const auto s = read(*f, sizes, &n, &err);
+    EXPECT_EQ(err, 0);
+    EXPECT_EQ(n, 100u << 10);
+    ASSERT_FALSE(s.empty());
+    EXPECT_EQ(s.back().part, 1u) << "nothing reported for the part past the end";
+  }
+  std::size_t n = 0;
+  int err = 0;
+  fs::remove(path_);
+  const auto none = read(*posix, sizes, &n, &err);
+  EXPECT_EQ(err, ENOENT);
+  EXPECT_TRUE(none.empty());
+}
+
+}  // namespace
+}  // namespace kvtd::storage
