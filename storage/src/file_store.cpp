@@ -242,22 +242,31 @@ class FileStore final : public ObjectStore {
     return {r, std::move(error)};
   }
 
-  // Writes one object (header + payload parts) to a temporary file and renames it in place.
+  // Writes one object (header + payload parts) to a temporary file and renames it in place. The
+  // payload goes first, each stretch hashed just before it is written (still in the cache), and
+  // the header, sealed with the checksum, last.
   KeyResult write_one(const std::string& key, std::span<const std::span<const std::byte>> payload) {
     const std::string path = path_of(key);
     const std::string dir = path.substr(0, path.rfind('/'));
-    const ObjectHeader h = make_header(opts_.store, namespaced_key(opts_.store, key), payload);
-    std::vector<std::span<const std::byte>> parts;
-    parts.reserve(payload.size() + 1);
-    parts.emplace_back(reinterpret_cast<const std::byte*>(&h), sizeof h);
-    parts.insert(parts.end(), payload.begin(), payload.end());
+    const std::string namespaced = namespaced_key(opts_.store, key);
     const std::string tmp = dir + "/" + kTmpPrefix + key + "-" + detail::unique_suffix();
+    auto write_tmp = [&] {  // a fresh header and hash each attempt
+      ObjectHeader h = header_before_payload(opts_.store, namespaced);
+      PayloadHasher hash;
+      std::vector<std::span<const std::byte>> parts;
+      parts.reserve(payload.size() + 1);
+      parts.emplace_back(reinterpret_cast<const std::byte*>(&h), sizeof h);
+      parts.insert(parts.end(), payload.begin(), payload.end());
+      return fs_->write_file_sealed(
+          tmp, parts, opts_.sync != SyncPolicy::kNone, [&](std::span<const std::byte> b) { hash.update(b); },
+          [&] { seal_header(h, hash); });
+    };
     const char* step = "write ";
-    int e = fs_->write_file(tmp, parts, opts_.sync != SyncPolicy::kNone);
+    int e = write_tmp();
     if (e == ENOENT && fs_->make_dirs(dir) == 0) {
       // The directory made at open was removed under us (an operator cleaning the store, a
       // tmpfiles rule): make it again instead of failing every later put.
-      e = fs_->write_file(tmp, parts, opts_.sync != SyncPolicy::kNone);
+      e = write_tmp();
     }
     if (e == 0) {
       // Eviction picks its victims from the index, so a path being renamed in is marked first and
@@ -274,7 +283,7 @@ class FileStore final : public ObjectStore {
       MutexLock g(mu_);
       if (--renaming_[path] == 0) renaming_.erase(path);
       if (e == 0) {
-        touch_locked(path, sizeof h + h.payload_bytes);
+        touch_locked(path, sizeof(ObjectHeader) + opts_.store.object_bytes);
         evict_locked(path);
       }
     }

@@ -23,22 +23,40 @@ class PosixFileSystem final : public FileSystem {
     const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (fd < 0) return errno;
     int err = 0;
+    off_t at = 0;
     for (auto part : parts) {
-      std::size_t done = 0;
-      while (done < part.size()) {
-        const ssize_t n = ::write(fd, part.data() + done, part.size() - done);
-        if (n < 0) {
-          if (errno == EINTR) continue;
-          err = errno;
-          break;
-        }
-        done += static_cast<std::size_t>(n);
-      }
-      if (err) break;
+      if ((err = write_at(fd, part, at)) != 0) break;
+      at += static_cast<off_t>(part.size());
     }
-    if (!err && sync && ::fsync(fd) != 0) err = errno;
-    if (::close(fd) != 0 && !err) err = errno;
-    return err;
+    return finish_write(fd, err, sync);
+  }
+
+  // The payload in writes of at most kSealedChunk bytes, each stretch shown to on_write first,
+  // then the header. What sets the chunk: a probe on 2 cores (1,024 x 1 MiB objects to ext4, 2
+  // threads, XXH3 of each; not committed), five alternating runs: 128 KiB writes 1.52-1.82 GB/s
+  // hashing each stretch first, 1.35-2.02 hashing the object first; one 1 MiB write 1.10-1.65
+  // and 1.10-1.45; then a sweep, three runs each: 128-256 KiB 1.78-2.06, 32-64 KiB 1.46-1.88,
+  // 512 KiB 1.50-1.92, 1 MiB 1.09-1.55.
+  int write_file_sealed(const std::string& path, std::span<const std::span<const std::byte>> parts, bool sync,
+                        const Writing& on_write, const std::function<void()>& seal) override {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) return errno;
+    int err = 0;
+    auto at = static_cast<off_t>(parts.empty() ? 0 : parts[0].size());
+    for (std::size_t p = 1; p < parts.size() && err == 0; ++p) {
+      for (std::size_t from = 0; from < parts[p].size() && err == 0;) {
+        const auto stretch = parts[p].subspan(from, std::min(kSealedChunk, parts[p].size() - from));
+        on_write(stretch);
+        err = write_at(fd, stretch, at);
+        at += static_cast<off_t>(stretch.size());
+        from += stretch.size();
+      }
+    }
+    if (err == 0) {
+      seal();
+      if (!parts.empty()) err = write_at(fd, parts[0], 0);
+    }
+    return finish_write(fd, err, sync);
   }
 
   // One readv per up to IOV_MAX parts (a load reads an object straight into its destination's
@@ -110,6 +128,27 @@ class PosixFileSystem final : public FileSystem {
 
  private:
   static constexpr std::size_t kStreamedChunk = 128 << 10;
+  static constexpr std::size_t kSealedChunk = 256 << 10;
+
+  // All of `bytes` at offset `at` (short writes resumed); 0 or an errno.
+  static int write_at(int fd, std::span<const std::byte> bytes, off_t at) {
+    std::size_t done = 0;
+    while (done < bytes.size()) {
+      const ssize_t n = ::pwrite(fd, bytes.data() + done, bytes.size() - done, at + static_cast<off_t>(done));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return errno;
+      }
+      done += static_cast<std::size_t>(n);
+    }
+    return 0;
+  }
+
+  static int finish_write(int fd, int err, bool sync) {
+    if (err == 0 && sync && ::fsync(fd) != 0) err = errno;
+    if (::close(fd) != 0 && err == 0) err = errno;
+    return err;
+  }
 
   // Reads the parts in order, in readv calls of at most `chunk` bytes and IOV_MAX parts; a short
   // read resumes where it stopped; end of file stops it (a truncated object). Each stretch read
@@ -168,6 +207,13 @@ class PosixFileSystem final : public FileSystem {
 };
 
 }  // namespace
+
+int FileSystem::write_file_sealed(const std::string& path, std::span<const std::span<const std::byte>> parts, bool sync,
+                                  const Writing& on_write, const std::function<void()>& seal) {
+  for (std::size_t p = 1; p < parts.size(); ++p) on_write(parts[p]);
+  seal();
+  return write_file(path, parts, sync);
+}
 
 int FileSystem::read_file_streamed(const std::string& path, std::span<const std::span<std::byte>> parts,
                                    std::size_t* read, const Filled& on_filled) {

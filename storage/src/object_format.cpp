@@ -62,11 +62,7 @@ ObjectHeader make_header(const StoreOptions& o, const std::string& namespaced, s
 
 ObjectHeader make_header(const StoreOptions& o, const std::string& namespaced,
                          std::span<const std::span<const std::byte>> parts) {
-  ObjectHeader h{};
-  h.magic = kObjectMagic;
-  h.version = kObjectFormatVersion;
-  h.layout_fingerprint = o.layout_fingerprint;
-  h.key_hash = hash_bytes(namespaced.data(), namespaced.size());
+  ObjectHeader h = header_before_payload(o, namespaced);
   if (parts.size() == 1) {
     h.payload_bytes = parts[0].size();
     h.checksum = hash_bytes(parts[0].data(), parts[0].size());
@@ -74,9 +70,22 @@ ObjectHeader make_header(const StoreOptions& o, const std::string& namespaced,
   }
   PayloadHasher hash;
   for (auto p : parts) hash.update(p);
-  h.payload_bytes = hash.bytes();
-  h.checksum = hash.digest();
+  seal_header(h, hash);
   return h;
+}
+
+ObjectHeader header_before_payload(const StoreOptions& o, const std::string& namespaced) {
+  ObjectHeader h{};
+  h.magic = kObjectMagic;
+  h.version = kObjectFormatVersion;
+  h.layout_fingerprint = o.layout_fingerprint;
+  h.key_hash = hash_bytes(namespaced.data(), namespaced.size());
+  return h;
+}
+
+void seal_header(ObjectHeader& h, const PayloadHasher& payload) {
+  h.payload_bytes = payload.bytes();
+  h.checksum = payload.digest();
 }
 
 struct PayloadHasher::State {

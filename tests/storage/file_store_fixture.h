@@ -36,6 +36,12 @@ class FaultyFileSystem final : public FileSystem {
     if (sync) ++synced_files;
     return real->write_file(p, parts, sync);
   }
+  int write_file_sealed(const std::string& p, std::span<const std::span<const std::byte>> parts, bool sync,
+                        const Writing& on_write, const std::function<void()>& seal) override {
+    if (write_error.load() != 0) return write_file(p, parts, sync);  // fails as a plain write would
+    if (sync) ++synced_files;
+    return real->write_file_sealed(p, parts, sync, on_write, seal);
+  }
   int read_file(const std::string& p, std::span<const std::span<std::byte>> parts, std::size_t* n) override {
     return real->read_file(p, parts, n);
   }

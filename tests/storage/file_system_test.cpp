@@ -1,6 +1,8 @@
 // The file system under the file store (kvtd/storage/file_system.h): a streamed read reports every
 // byte it read, once, in file order, in stretches no longer than its chunk, whichever way the
-// parts cut the file; the interface's default (for file systems that only read whole) agrees.
+// parts cut the file; a sealed write shows each payload stretch before writing it and writes the
+// header as sealed after them. The interface's defaults (for file systems that only read and
+// write whole) agree.
 #include "kvtd/storage/file_system.h"
 
 #include <gtest/gtest.h>
@@ -8,6 +10,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <iterator>
 #include <fstream>
 #include <random>
 #include <string>
@@ -138,6 +141,66 @@ TEST_F(StreamedReadTest, ATruncatedFileReportsOnlyWhatWasRead) {
   const auto none = read(*posix, sizes, &n, &err);
   EXPECT_EQ(err, ENOENT);
   EXPECT_TRUE(none.empty());
+}
+
+// Writes a 40-byte header and payload parts through write_file_sealed; the header is filled in by
+// seal() from what on_write saw (its byte count and a sum), as the file store seals its checksum.
+std::vector<std::byte> sealed_write(FileSystem& f, const std::string& path, const std::vector<std::vector<std::byte>>& payload,
+                                    std::vector<std::size_t>* stretches) {
+  std::byte header[40] = {};
+  std::vector<std::span<const std::byte>> parts{std::span<const std::byte>(header)};
+  for (const auto& p : payload) parts.emplace_back(p);
+  std::uint64_t seen = 0, sum = 0;
+  bool sealed = false;
+  const int err = f.write_file_sealed(
+      path, parts, false,
+      [&](std::span<const std::byte> b) {
+        EXPECT_FALSE(sealed) << "every stretch is shown before the seal";
+        stretches->push_back(b.size());
+        seen += b.size();
+        for (auto x : b) sum = sum * 31 + static_cast<std::uint8_t>(x);
+      },
+      [&] {
+        sealed = true;
+        std::memcpy(header, &seen, 8);
+        std::memcpy(header + 8, &sum, 8);
+      });
+  EXPECT_EQ(err, 0);
+  EXPECT_TRUE(sealed);
+  std::ifstream in(path, std::ios::binary);
+  const std::vector<char> raw((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::byte> file(raw.size());
+  if (!raw.empty()) std::memcpy(file.data(), raw.data(), raw.size());
+  return file;
+}
+
+TEST_F(StreamedReadTest, ASealedWriteShowsEveryPayloadStretchFirstAndWritesTheSealedHeader) {
+  std::mt19937 rng(5);
+  std::vector<std::vector<std::byte>> payload{std::vector<std::byte>(600 << 10), {}, std::vector<std::byte>(17),
+                                              std::vector<std::byte>(256 << 10)};
+  for (auto& p : payload)
+    for (auto& b : p) b = static_cast<std::byte>(rng());
+  auto posix = make_posix_file_system();
+  WholeReadsOnly whole;
+  std::vector<std::byte> files[2];
+  std::vector<std::size_t> stretches[2];
+  files[0] = sealed_write(*posix, path_, payload, &stretches[0]);
+  files[1] = sealed_write(whole, path_ + ".default", payload, &stretches[1]);
+  fs::remove(path_ + ".default");
+  EXPECT_EQ(files[0], files[1]) << "the same object either way";
+  const std::size_t payload_bytes = (600 << 10) + 17 + (256 << 10);
+  ASSERT_EQ(files[0].size(), 40 + payload_bytes);
+  std::uint64_t seen = 0;
+  std::memcpy(&seen, files[0].data(), 8);
+  EXPECT_EQ(seen, payload_bytes) << "the header as sealed";
+  std::size_t at = 40;
+  for (const auto& p : payload) {
+    EXPECT_EQ(std::memcmp(files[0].data() + at, p.data(), p.size()), 0);
+    at += p.size();
+  }
+  for (std::size_t s : stretches[0]) EXPECT_LE(s, 256u << 10);
+  EXPECT_EQ(stretches[0].size(), 3u + 1u + 1u) << "600 KiB in three writes, 17 bytes, 256 KiB";
+  EXPECT_EQ(stretches[1].size(), 4u) << "the default shows each part whole, the empty one too";
 }
 
 }  // namespace

@@ -49,6 +49,15 @@ class FileSystem {
   // reads whole with read_file, then reports each part's filled prefix.
   virtual int read_file_streamed(const std::string& path, std::span<const std::span<std::byte>> parts,
                                  std::size_t* read, const Filled& on_filled);
+  // A stretch of an object's payload about to be written.
+  using Writing = std::function<void(std::span<const std::byte> bytes)>;
+  // Like write_file, for an object whose first part (its header) depends on the others: writes
+  // parts[1..] first, from offset parts[0].size(), in writes of a bounded size, calling on_write
+  // with each stretch just before it is written (the file store hashes it there, while it is in
+  // the cache), then seal(), then parts[0] at offset 0; optionally fsyncs, closes. The default
+  // calls on_write with each part whole, then seal(), then write_file.
+  virtual int write_file_sealed(const std::string& path, std::span<const std::span<const std::byte>> parts, bool sync,
+                                const Writing& on_write, const std::function<void()>& seal);
   virtual int rename(const std::string& from, const std::string& to) = 0;
   virtual int remove(const std::string& path) = 0;
   virtual int exists(const std::string& path, bool* present) = 0;

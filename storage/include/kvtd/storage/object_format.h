@@ -62,6 +62,11 @@ class PayloadHasher {
   std::unique_ptr<State> state_;
   std::uint64_t bytes_ = 0;
 };
+// The header of an object of this key before its payload is known (no length, no checksum), and
+// the same once `payload` has hashed all of it: a writer that hashes each stretch just before
+// writing it seals the header last (make_header == seal_header(header_before_payload, hasher)).
+ObjectHeader header_before_payload(const StoreOptions& o, const std::string& namespaced);
+void seal_header(ObjectHeader& header, const PayloadHasher& payload);
 // kOk if `header` is a whole object of this key whose payload, hashed as it was read, gave
 // `payload` (its byte count and digest); kCorrupt otherwise.
 ObjectResult verify_object(const StoreOptions& o, const std::string& namespaced, const ObjectHeader& header,
