@@ -43,6 +43,28 @@ Result<std::vector<std::uint64_t>, DeviceErrc> CopyEngine::copy_with_checksums(D
   return device_checksums(dir, targets, ids);
 }
 
+Status<DeviceErrc> CopyEngine::copy_layerwise_checked(Direction dir, const kernels::CopyPlan& plan,
+                                                      std::span<const kernels::CopyTarget> targets,
+                                                      std::size_t targets_per_layer, std::span<const std::int32_t> ids,
+                                                      const LayerCallback& on_layer_enqueued,
+                                                      const CheckedLayer& on_layer_checked) {
+  std::optional<Error<DeviceErrc>> failed;  // a layer's checksums could not be taken: the rest are not
+  auto st = copy_layerwise(dir, plan, targets, targets_per_layer, on_layer_enqueued, [&](std::uint32_t layer) {
+    if (failed) return;
+    const std::size_t first = std::size_t{layer} * targets_per_layer;
+    const auto layer_targets = targets.subspan(first, std::min(targets_per_layer, targets.size() - first));
+    auto sums = device_checksums(dir, layer_targets, ids);
+    if (!sums.ok()) {
+      failed = std::move(sums).error();
+      return;
+    }
+    if (on_layer_checked) on_layer_checked(layer, *sums);
+  });
+  if (!st.ok()) return st;
+  if (failed) return std::move(*failed);
+  return {};
+}
+
 namespace {
 
 // One opened "device" object, mapped whole; unmapped on destruction. Move-only.

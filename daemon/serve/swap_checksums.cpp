@@ -60,4 +60,17 @@ std::optional<SwapLanes::Failure> SwapLanes::check_checksums(std::uint32_t group
   return std::nullopt;
 }
 
+bool SwapLanes::differs(std::uint32_t group, const VerifiedBlocks& v, std::span<const std::uint64_t> sums,
+                        std::size_t first) const {
+  const std::size_t n = v.device.size();
+  if (n == 0) return false;
+  const HostPool* pool = cache_.groups[group].pool;
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto kept = pool->checksums(v.host[i]);
+    for (std::size_t t = 0; t < sums.size() / n; ++t)
+      if (first + t >= kept.size() || sums[t * n + i] != kept[first + t]) return true;
+  }
+  return false;
+}
+
 }  // namespace kvtd::daemon

@@ -192,18 +192,40 @@ Result<std::vector<std::uint64_t>, DeviceErrc> SwapLanes::copy_swap(const Work& 
   // layers are the session's.
   ep_.progress_begin(h);
   std::uint32_t queued = 0, done = 0;
-  KVTD_TRY(copies_.copy_layerwise(
-      Direction::kToDevice, p.plan, targets, targets.size() / g.num_layers,
-      [&](std::uint32_t layer) {
-        queued = layer + 1;
-        ep_.progress_update(h, queued, done);  // the engine may cudaStreamWaitEvent from here
-      },
-      [&](std::uint32_t layer) {
+  const std::size_t per_layer = targets.size() / g.num_layers;
+  auto enqueued = [&](std::uint32_t layer) {
+    queued = layer + 1;
+    ep_.progress_update(h, queued, done);  // the engine may cudaStreamWaitEvent from here
+  };
+  if (verify.device.empty()) {
+    KVTD_TRY(copies_.copy_layerwise(Direction::kToDevice, p.plan, targets, per_layer, enqueued, [&](std::uint32_t layer) {
+      done = layer + 1;
+      ep_.progress_update(h, queued, done);
+    }));
+    return std::vector<std::uint64_t>{};
+  }
+  // --verify-swaps: each layer is checked before it is reported done, so an engine waiting for
+  // the layer on the host (wait_layer) never runs on a layer that changed in host memory; the
+  // first that differs holds back every later report, and move_part fails the task naming it.
+  const std::size_t n = verify.device.size();
+  std::vector<std::uint64_t> sums(targets.size() * n);  // device_checksums' layout, every layer
+  bool differed = false, misshapen = false;
+  KVTD_TRY(copies_.copy_layerwise_checked(
+      Direction::kToDevice, p.plan, targets, per_layer, verify.device, enqueued,
+      [&](std::uint32_t layer, std::span<const std::uint64_t> layer_sums) {
+        const std::size_t first = std::size_t{layer} * per_layer;
+        misshapen = misshapen || first >= targets.size() ||
+                    layer_sums.size() != std::min(per_layer, targets.size() - first) * n;
+        if (misshapen) return;  // reported below; no later layer is reported done
+        std::copy(layer_sums.begin(), layer_sums.end(), sums.begin() + static_cast<std::ptrdiff_t>(first * n));
+        differed = differed || differs(p.group, verify, layer_sums, first);
+        if (differed) return;
         done = layer + 1;
         ep_.progress_update(h, queued, done);
       }));
-  if (verify.device.empty()) return std::vector<std::uint64_t>{};
-  return copies_.device_checksums(Direction::kToDevice, targets, verify.device);
+  if (misshapen)
+    return make_error(DeviceErrc::kCopyFailed, "--verify-swaps: the device returned a layer's checksums in the wrong number");
+  return sums;
 }
 
 std::optional<SwapLanes::Failure> SwapLanes::await_pinned(const Work& w, int lane, std::int64_t start) {

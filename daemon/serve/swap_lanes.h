@@ -127,6 +127,9 @@ class SwapLanes {
   // After a swap-in: compares `sums` with those kept at swap-out; the integrity failure, or nullopt.
   std::optional<Failure> check_checksums(std::uint32_t group, const VerifiedBlocks& v,
                                          std::span<const std::uint64_t> sums, std::size_t targets) const;
+  // Whether the sums of targets [first, first + sums.size() / v.device.size()) of `group` differ
+  // from those kept at swap-out (a layer of a layer-by-layer swap-in, checked before it is reported).
+  bool differs(std::uint32_t group, const VerifiedBlocks& v, std::span<const std::uint64_t> sums, std::size_t first) const;
 
   endpoint::RankEndpoint& ep_;
   CopyEngine& copies_;

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 import time
 
@@ -58,6 +60,30 @@ def test_swap_round_trip_layer_by_layer_is_byte_exact(cluster):
     res = s.wait(tid)
     assert res.ok and res.blocks_done == 4
     assert s.layer_event_handle(0, 0) is None  # host backend: no CUDA events
+
+
+def test_a_host_byte_changed_after_swap_out_fails_the_swap_in_whole_and_layer_by_layer(cluster):
+    """--verify-swaps full on the host backend (the checksums taken by the CPU, per layer on a
+    layer-by-layer load): a byte of the host pool that changes between swap-out and swap-in fails
+    the swap-in with integrity, naming the layer and the blocks; a clean block still loads."""
+    g = small_geometry(ranks=1)
+    c = cluster(g, extra=["--verify-swaps", "full"])
+    s = c.ready()
+    fill_random(s, g)
+    assert s.wait(s.swap_to_host([3, 7], [0, 1])).ok
+    key1 = s.host_array(0, 1, "key")
+    block = len(key1) // g.key_shape[0]
+    needle = bytes(key1[7 * block:8 * block])  # device block 7's key in layer 1, now host block 1's
+    path = f"/dev/shm/kvtd_{os.getuid()}_{s.generation:016x}_host0"
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as pool:
+        at = pool.find(needle)
+        assert at >= 0, "the block's bytes are not in the host pool"
+        pool[at + 5] ^= 0x10
+    for layerwise, dst in ((True, [10, 11]), (False, [12, 13])):
+        r = s.wait(s.swap_to_device([0, 1], dst, layerwise=layerwise), check=False)
+        assert r.status_name == "integrity", (layerwise, r.status_name, r.message)
+        assert "layer 1 " in r.message and "host block 1 -> device block" in r.message, r.message
+    assert s.wait(s.swap_to_device([0], [14])).ok  # host block 0 is clean
 
 
 def test_the_completion_forecast_counts_its_waits_and_can_be_turned_off(cluster):

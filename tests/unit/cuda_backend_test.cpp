@@ -408,6 +408,67 @@ TEST_P(CudaBackendTest, KernelModeSumsTheBytesInTheCopysOwnPass) {
   }
 }
 
+// --verify-swaps on a layer-by-layer load took the checksums of every layer after the last one:
+// a second pass over the blocks, and every layer reported done before any was checked. Now each
+// layer's checksums come with the layer, once its event fired: in kernel mode summed by the
+// layer's own copy launch (one launch a layer, no checksum kernel), elsewhere by a checksum
+// kernel right behind the layer's copy.
+TEST_P(CudaBackendTest, ALayerByLayerCopyHandsOverEachLayersChecksumsOnceItIsDone) {
+  auto b = backend_or_skip(GetParam());
+  if (!b) GTEST_SKIP() << "no usable GPU (and not the stand-in build)";
+  std::mt19937 rng(29);
+  const std::int32_t blocks = 16;
+  const std::size_t layers = 3, per_layer = 2;
+  std::vector<std::uint64_t> sizes;
+  for (std::size_t l = 0; l < layers; ++l) sizes.insert(sizes.end(), {20496, 101});
+  std::vector<DeviceTensor> dev;
+  std::vector<std::byte*> host;
+  std::vector<kernels::CopyTarget> in;
+  for (std::uint64_t bb : sizes) {
+    dev.push_back(make_device_tensor(*b, blocks * bb, rng));
+    auto h = b->alloc_host(blocks * bb);
+    ASSERT_TRUE(h.ok());
+    for (std::uint64_t i = 0; i < blocks * bb; ++i) (*h)[i] = static_cast<std::byte>(rng());
+    host.push_back(*h);
+    in.push_back(kernels::packed_target(host.back(), dev.back().dev, bb));
+  }
+  const std::vector<std::int32_t> host_ids{3, 4, 5, 9, 0, 12}, dev_ids{7, 8, 9, 1, 14, 2};
+  auto plan = kernels::plan_copy(host_ids, dev_ids, blocks, blocks, sizes);
+  ASSERT_TRUE(plan.ok()) << plan.error().message;
+  const std::vector<std::int32_t> verify{8, 1, 2};  // from host blocks 4, 9, 12
+  const std::vector<std::int32_t> from{4, 9, 12};
+  std::vector<std::uint32_t> enqueued, checked;
+#ifdef KVTD_CUDA_SIM
+  cudasim::reset_faults();  // call counts start here
+#endif
+  auto st = b->copy_layerwise_checked(
+      Direction::kToDevice, *plan, in, per_layer, verify, [&](std::uint32_t l) { enqueued.push_back(l); },
+      [&](std::uint32_t l, std::span<const std::uint64_t> sums) {
+        checked.push_back(l);
+        ASSERT_EQ(sums.size(), per_layer * verify.size());
+        for (std::size_t t = 0; t < per_layer; ++t) {
+          const std::size_t target = l * per_layer + t;
+          for (std::size_t k = 0; k < verify.size(); ++k)
+            EXPECT_EQ(sums[t * verify.size() + k], kernels::block_checksum(host[target] + from[k] * sizes[target], sizes[target]))
+                << "layer " << l << ", tensor " << t << ", device block " << verify[k];
+          for (std::size_t i = 0; i < host_ids.size(); ++i) {  // the layer is in place by now
+            std::vector<std::byte> got(sizes[target]);
+            ASSERT_TRUE(b->read_device(got.data(), dev[target].dev + dev_ids[i] * sizes[target], sizes[target]).ok());
+            ASSERT_EQ(0, std::memcmp(got.data(), host[target] + host_ids[i] * sizes[target], sizes[target]));
+          }
+        }
+      });
+  ASSERT_TRUE(st.ok()) << st.error().message;
+  EXPECT_EQ(enqueued, (std::vector<std::uint32_t>{0, 1, 2}));
+  EXPECT_EQ(checked, (std::vector<std::uint32_t>{0, 1, 2}));
+#ifdef KVTD_CUDA_SIM
+  if (GetParam() == ScatterMode::kKernelAllLayers) {
+    // The read_device calls above are copies, not launches; one summing launch a layer.
+    EXPECT_EQ(cudasim::calls("cudaLaunchKernel"), layers) << "each layer's copy sums in its own pass";
+  }
+#endif
+}
+
 INSTANTIATE_TEST_SUITE_P(Modes, CudaBackendTest, ::testing::ValuesIn(kModes),
                          [](const auto& param_info) {
                            std::string n = mode_name(param_info.param);

@@ -1,6 +1,7 @@
 // The task runner against an in-process engine and a scripted device backend, for behaviour the
 // host backend cannot show (its copies finish the moment they are queued).
 #include "kvtd/daemon/task_runner.h"
+#include "kvtd/daemon/host_pool.h"
 
 #include <gtest/gtest.h>
 
@@ -77,6 +78,26 @@ class HeldCopiesBackend final : public DeviceBackend {
         return make_error(DeviceErrc::kCopyFailed, "never released");
     }
     for (std::uint32_t l = 0; l < layers; ++l) on_done(l);
+    return {};
+  }
+  // --verify-swaps on a layer-by-layer load: every layer's checksums are `kept_sum(target)` but
+  // those of layer `bad_layer`; handed over in order, then held until release().
+  static std::uint64_t kept_sum(std::size_t target) { return 1000 + target; }
+  std::uint32_t bad_layer = ~0u;
+  Status<DeviceErrc> copy_layerwise_checked(Direction, const kernels::CopyPlan&,
+                                            std::span<const kernels::CopyTarget> targets, std::size_t per_layer,
+                                            std::span<const std::int32_t> ids, const LayerCallback& on_enqueued,
+                                            const CheckedLayer& on_checked) override {
+    const auto layers = static_cast<std::uint32_t>(targets.size() / per_layer);
+    for (std::uint32_t l = 0; l < layers; ++l) on_enqueued(l);
+    for (std::uint32_t l = 0; l < layers; ++l) {
+      std::vector<std::uint64_t> sums;
+      for (std::size_t t = 0; t < per_layer; ++t)
+        for (std::size_t k = 0; k < ids.size(); ++k) sums.push_back(l == bad_layer ? 7 : kept_sum(l * per_layer + t));
+      on_checked(l, sums);
+    }
+    std::unique_lock<std::mutex> lk(mu_);
+    if (!cv_.wait_for(lk, 20s, [&] { return released_; })) return make_error(DeviceErrc::kCopyFailed, "never released");
     return {};
   }
   Result<std::vector<std::array<std::uint8_t, proto::kHandleBytes>>, DeviceErrc> export_layer_events(std::uint32_t) override {
@@ -188,6 +209,69 @@ TEST(TaskRunner, LayerEnqueuedIsPublishedBeforeTheLayersCopyIsDone) {
   serve.join();
 }
 
+
+// --verify-swaps on a layer-by-layer load took every layer's checksums only after the last layer,
+// by which time each layer had been reported done: an engine waiting for layer l on the host ran
+// on it, changed bytes and all, before the task failed. Now a layer is reported done only once its
+// checksums matched, and none after the first that differs; the task fails naming that layer.
+TEST(TaskRunner, ALayerByLayerLoadReportsOnlyTheLayersWhoseChecksumsMatched) {
+  test::Watchdog dog(60);
+  const auto g = test::small_geometry(1);  // 3 layers x K/V
+  const auto suffix = test::unique_suffix("checked");
+  OneRankSession session;
+  ASSERT_NO_FATAL_FAILURE(session.start(suffix, g));
+  auto& engine = session.engine;
+  auto& ep = session.ep;
+
+  HeldCopiesBackend backend;
+  backend.bad_layer = 1;
+  auto pool = HostPool::open(backend, g, (*engine)->generation(), 0);
+  ASSERT_TRUE(pool.ok()) << pool.error().message;
+  const std::int32_t host_ids[2] = {1, 2};
+  std::vector<std::uint64_t> kept;
+  for (std::size_t t = 0; t < 2 * g.num_layers; ++t) kept.push_back(HeldCopiesBackend::kept_sum(t));
+  for (const std::int32_t id : host_ids) (*pool)->set_checksums(id, kept);
+  (*pool)->mark_valid(host_ids);
+  std::vector<std::byte> dev(4096), host(4096);
+  AttachedCache cache;
+  cache.device_blocks = g.num_device_blocks();
+  cache.host_blocks = g.num_host_blocks;
+  cache.verify_swaps = config::VerifySwaps::kFull;
+  GroupCache group;
+  group.device_blocks = cache.device_blocks;
+  group.host_blocks = cache.host_blocks;
+  group.num_layers = g.num_layers;
+  group.pool = pool->get();
+  group.block_bytes = {g.block_bytes(proto::TensorKind::kKey), g.block_bytes(proto::TensorKind::kValue)};
+  for (std::uint32_t l = 0; l < g.num_layers; ++l)
+    for (int k = 0; k < 2; ++k) {
+      group.to_host.push_back(kernels::packed_target(dev.data(), host.data(), group.block_bytes[0]));
+      group.to_device.push_back(kernels::packed_target(host.data(), dev.data(), group.block_bytes[0]));
+    }
+  cache.groups.push_back(std::move(group));
+  TaskRunner runner(**ep, backend, std::move(cache));
+  std::atomic<bool> stop{false};
+  std::thread serve([&] { (void)runner.run(stop); });
+
+  auto id = submit_layerwise_load(**engine, {1, 2}, {3, 4});
+  ASSERT_TRUE(id.ok()) << id.error().message;
+  using Stage = engine::EngineSession::LayerStage;
+  EXPECT_TRUE((*engine)->wait_layer(*id, 0, 5'000'000'000, Stage::kDone).ok()) << "layer 0 matched: reported";
+  for (std::uint32_t l = 1; l < g.num_layers; ++l) {
+    auto st = (*engine)->wait_layer(*id, l, 200'000'000, Stage::kDone);
+    ASSERT_FALSE(st.ok()) << "layer " << l << " was reported done";
+    EXPECT_EQ(st.error().code, ipc::IpcErrc::kTimeout) << st.error().message;
+  }
+  backend.release();
+  auto r = (*engine)->wait(*id, 5'000'000'000);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, proto::TaskStatus::kIntegrity);
+  ASSERT_FALSE(r->failures.empty());
+  EXPECT_NE(r->failures[0].message.find("layer 1 "), std::string::npos) << r->failures[0].message;
+  stop = true;
+  serve.join();
+  (*pool)->remove();
+}
 
 // A layer-by-layer load over several cache groups goes through the session's layers in order and
 // reports layer l only once the copies of its tensors returned: here group 0 holds layers 0 and 2,

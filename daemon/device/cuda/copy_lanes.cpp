@@ -143,9 +143,8 @@ Status<DeviceErrc> CudaBackend::await_engine_event(const std::array<std::uint8_t
   }
 }
 
-Result<const std::uint64_t*, DeviceErrc> CudaBackend::enqueue_checksums(Lane& lane, Direction dir,
-                                                                       std::span<const kernels::CopyTarget> targets,
-                                                                       std::span<const std::int32_t> ids) {
+Result<CudaBackend::StagedChecksums, DeviceErrc> CudaBackend::stage_checksums(
+    Lane& lane, Direction dir, std::span<const kernels::CopyTarget> targets, std::span<const std::int32_t> ids) {
   // The device side of each target, as the checksum kernel's table, and the blocks' ids, in one
   // mirror [table | ids | results] uploaded by one copy: lane.ids may still feed a copy enqueued
   // before on this stream, so the checksum's ids never share it.
@@ -166,16 +165,34 @@ Result<const std::uint64_t*, DeviceErrc> CudaBackend::enqueue_checksums(Lane& la
   std::memcpy(host, table.data(), table_bytes);
   std::memcpy(host + ids_at, ids.data(), ids.size_bytes());
   KVTD_TRY(lane.sums.upload(ids_at + ids.size_bytes(), lane.stream));
-  auto* d_results = reinterpret_cast<std::uint64_t*>(dev + results_at);
-  const int e = kernels::launch_block_checksums(reinterpret_cast<const kernels::LayerTensor*>(dev),
-                                                static_cast<std::uint32_t>(table.size()),
-                                                reinterpret_cast<const std::int32_t*>(dev + ids_at),
-                                                static_cast<std::int64_t>(ids.size()), d_results, lane.stream);
+  StagedChecksums s;
+  s.table = reinterpret_cast<const kernels::LayerTensor*>(dev);
+  s.ids = reinterpret_cast<const std::int32_t*>(dev + ids_at);
+  s.num_ids = ids.size();
+  s.results = reinterpret_cast<std::uint64_t*>(dev + results_at);
+  s.host_results = reinterpret_cast<const std::uint64_t*>(host + results_at);
+  return s;
+}
+
+Status<DeviceErrc> CudaBackend::enqueue_staged_checksums(Lane& lane, const StagedChecksums& s, std::size_t first,
+                                                         std::size_t count) {
+  const std::size_t at = first * s.num_ids;
+  const int e = kernels::launch_block_checksums(s.table + first, static_cast<std::uint32_t>(count), s.ids,
+                                                static_cast<std::int64_t>(s.num_ids), s.results + at, lane.stream);
   if (e != 0)
     return make_error(errc_of(static_cast<cudaError_t>(e)), cuda_text("checksum kernel", static_cast<cudaError_t>(e)));
-  auto* h_results = host + results_at;
-  KVTD_CUDA_TRY(cudaMemcpyAsync(h_results, d_results, out_bytes, cudaMemcpyDeviceToHost, lane.stream));
-  return reinterpret_cast<const std::uint64_t*>(h_results);
+  KVTD_CUDA_TRY(cudaMemcpyAsync(const_cast<std::uint64_t*>(s.host_results) + at, s.results + at,
+                                count * s.num_ids * sizeof(std::uint64_t), cudaMemcpyDeviceToHost, lane.stream));
+  return {};
+}
+
+Result<const std::uint64_t*, DeviceErrc> CudaBackend::enqueue_checksums(Lane& lane, Direction dir,
+                                                                       std::span<const kernels::CopyTarget> targets,
+                                                                       std::span<const std::int32_t> ids) {
+  auto staged = stage_checksums(lane, dir, targets, ids);
+  if (!staged.ok()) return std::move(staged).error();
+  KVTD_TRY(enqueue_staged_checksums(lane, *staged, 0, targets.size()));
+  return staged->host_results;
 }
 
 Result<std::vector<std::uint64_t>, DeviceErrc> CudaBackend::device_checksums(
@@ -189,31 +206,38 @@ Result<std::vector<std::uint64_t>, DeviceErrc> CudaBackend::copy_with_checksums(
   return run_with_checksums(dir, plan, targets, ids, /*copy_first=*/true);
 }
 
-Result<std::optional<CudaBackend::SummingCopy>, DeviceErrc> CudaBackend::enqueue_summing_copy(
-    Lane& lane, Direction dir, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets,
-    std::span<const std::int32_t> ids) {
-  const kernels::CopyPlan pairs = kernels::singles_only(plan);
-  const std::vector<std::int32_t>& device_side = dir == Direction::kToHost ? pairs.single_src : pairs.single_dst;
+std::optional<CudaBackend::SummingCopy> CudaBackend::summing_pairs(Direction dir, const kernels::CopyPlan& plan,
+                                                                   std::span<const std::int32_t> ids) {
+  SummingCopy c;
+  c.plan = kernels::singles_only(plan);
+  const std::vector<std::int32_t>& device_side = dir == Direction::kToHost ? c.plan.single_src : c.plan.single_dst;
   std::unordered_map<std::int32_t, std::size_t> pair_of_block;
   pair_of_block.reserve(device_side.size());
   for (std::size_t i = 0; i < device_side.size(); ++i) pair_of_block.emplace(device_side[i], i);
-  SummingCopy c;
   c.pairs = device_side.size();
   c.pair_of_id.reserve(ids.size());
   for (const std::int32_t id : ids) {
     const auto it = pair_of_block.find(id);
-    if (it == pair_of_block.end()) return std::optional<SummingCopy>{};  // not a block this copy moves
+    if (it == pair_of_block.end()) return std::nullopt;  // not a block this copy moves
     c.pair_of_id.push_back(it->second);
   }
-  const std::size_t words = targets.size() * c.pairs;
-  KVTD_TRY(stage_plan(lane, pairs, targets, words));
-  const std::size_t at = sums_offset(c.pairs);
+  return c;
+}
+
+Result<std::optional<CudaBackend::SummingCopy>, DeviceErrc> CudaBackend::enqueue_summing_copy(
+    Lane& lane, Direction dir, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets,
+    std::span<const std::int32_t> ids) {
+  std::optional<SummingCopy> c = summing_pairs(dir, plan, ids);
+  if (!c) return c;
+  const std::size_t words = targets.size() * c->pairs;
+  KVTD_TRY(stage_plan(lane, c->plan, targets, words));
+  const std::size_t at = sums_offset(c->pairs);
   auto* d_sums = reinterpret_cast<std::uint64_t*>(static_cast<std::byte*>(lane.ids.dev) + at);
-  KVTD_TRY(enqueue(lane, pairs, targets, /*all_layers=*/true, 0, d_sums));
+  KVTD_TRY(enqueue(lane, c->plan, targets, /*all_layers=*/true, 0, d_sums));
   auto* h_sums = static_cast<std::byte*>(lane.ids.host) + at;
   KVTD_CUDA_TRY(cudaMemcpyAsync(h_sums, d_sums, words * sizeof(std::uint64_t), cudaMemcpyDeviceToHost, lane.stream));
-  c.results = reinterpret_cast<const std::uint64_t*>(h_sums);
-  return std::optional<SummingCopy>(std::move(c));
+  c->results = reinterpret_cast<const std::uint64_t*>(h_sums);
+  return c;
 }
 
 Result<std::vector<std::uint64_t>, DeviceErrc> CudaBackend::run_with_checksums(

@@ -122,6 +122,18 @@ class CudaBackend final : public DeviceBackend {
   Status<DeviceErrc> copy_layerwise_locked(Lane& lane, const kernels::CopyPlan& plan,
                                            std::span<const kernels::CopyTarget> targets, std::size_t per_layer,
                                            const LayerCallback& on_layer_enqueued, const LayerCallback& on_layer_done) REQUIRES(lane.mu);
+  // Each layer's copy and its checksums on the stream with the layer's event behind both: in
+  // kernel mode the layer's copy kernel sums (its plan cut into pairs), otherwise the checksum
+  // kernel runs right after the layer's copy.
+  Status<DeviceErrc> copy_layerwise_checked(Direction dir, const kernels::CopyPlan& plan,
+                                            std::span<const kernels::CopyTarget> targets, std::size_t per_layer,
+                                            std::span<const std::int32_t> ids, const LayerCallback& on_layer_enqueued,
+                                            const CheckedLayer& on_layer_checked) override;
+  Status<DeviceErrc> copy_layerwise_checked_locked(Lane& lane, Direction dir, const kernels::CopyPlan& plan,
+                                                   std::span<const kernels::CopyTarget> targets, std::size_t per_layer,
+                                                   std::span<const std::int32_t> ids,
+                                                   const LayerCallback& on_layer_enqueued,
+                                                   const CheckedLayer& on_layer_checked) REQUIRES(lane.mu);
 
   Result<std::vector<std::array<std::uint8_t, proto::kHandleBytes>>, DeviceErrc> export_layer_events(
       std::uint32_t layers) override;
@@ -218,6 +230,21 @@ class CudaBackend final : public DeviceBackend {
   Result<const std::uint64_t*, DeviceErrc> enqueue_checksums(Lane& lane, Direction dir,
                                                              std::span<const kernels::CopyTarget> targets,
                                                              std::span<const std::int32_t> ids) REQUIRES(lane.mu);
+  // The checksum kernel's inputs for every target, uploaded once (lane.sums: [table | ids |
+  // results]), so that it can then run over any range of targets: results[t * ids + k].
+  struct StagedChecksums {
+    const kernels::LayerTensor* table = nullptr;  // device
+    const std::int32_t* ids = nullptr;            // device
+    std::size_t num_ids = 0;
+    std::uint64_t* results = nullptr;             // device
+    const std::uint64_t* host_results = nullptr;  // where the results land, in lane.sums.host
+  };
+  Result<StagedChecksums, DeviceErrc> stage_checksums(Lane& lane, Direction dir,
+                                                      std::span<const kernels::CopyTarget> targets,
+                                                      std::span<const std::int32_t> ids) REQUIRES(lane.mu);
+  // The checksum kernel over targets [first, first + count) and the copy of their results home.
+  Status<DeviceErrc> enqueue_staged_checksums(Lane& lane, const StagedChecksums& s, std::size_t first,
+                                              std::size_t count) REQUIRES(lane.mu);
 
   // Per-layer events, interprocess so the engine can open them (which requires no timing).
   Status<DeviceErrc> ensure_events(Lane& lane, std::size_t layers) REQUIRES(lane.mu);
@@ -238,7 +265,12 @@ class CudaBackend final : public DeviceBackend {
     const std::uint64_t* results = nullptr;  // [target * pairs + pair], in lane.ids.host
     std::size_t pairs = 0;
     std::vector<std::size_t> pair_of_id;  // ids[k] is the device block of pair pair_of_id[k]
+    kernels::CopyPlan plan;                 // the plan in pairs only (kernels::singles_only)
   };
+  // The pairs of a summing copy of `plan` and which pair each of `ids` is; nullopt when some id
+  // is none of the plan's device blocks. Pure.
+  static std::optional<SummingCopy> summing_pairs(Direction dir, const kernels::CopyPlan& plan,
+                                                  std::span<const std::int32_t> ids);
   Result<std::optional<SummingCopy>, DeviceErrc> enqueue_summing_copy(Lane& lane, Direction dir,
                                                                      const kernels::CopyPlan& plan,
                                                                      std::span<const kernels::CopyTarget> targets,

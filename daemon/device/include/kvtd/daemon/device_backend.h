@@ -137,6 +137,19 @@ class CopyEngine {
       Direction dir, const kernels::CopyPlan& plan, std::span<const kernels::CopyTarget> targets,
       std::span<const std::int32_t> ids);
 
+  // copy_layerwise, checking as it goes (--verify-swaps on a layer-by-layer swap-in): once layer l
+  // is done, on_layer_checked(l, sums) gets the checksums of `ids` in that layer's targets
+  // (sums[t * ids.size() + i] for its t-th target, as device_checksums orders them), in layer
+  // order, so the caller can hold back reporting a layer until it checked it. The default sums
+  // each layer with device_checksums once its copy is done; CUDA sums in the layer's own copy
+  // kernel (kernel mode) or with a checksum kernel right behind it on the stream. Thread-safe.
+  using CheckedLayer = std::function<void(std::uint32_t layer, std::span<const std::uint64_t> sums)>;
+  virtual Status<DeviceErrc> copy_layerwise_checked(Direction dir, const kernels::CopyPlan& plan,
+                                                    std::span<const kernels::CopyTarget> targets,
+                                                    std::size_t targets_per_layer, std::span<const std::int32_t> ids,
+                                                    const LayerCallback& on_layer_enqueued,
+                                                    const CheckedLayer& on_layer_checked);
+
   // The monotonic time (ns) since which the oldest copy now running on a lane has been running,
   // or 0 when every lane is idle or waiting for an engine's event. A copy that never finishes
   // (a device that stopped) shows here; the daemon's watchdog acts on it. Any thread.
