@@ -11,6 +11,7 @@
 #include <random>
 
 #include "kvtd/storage/file_store.h"
+#include "forwarding_file_system.h"
 #include "kvtd/storage/object_format.h"
 
 namespace kvtd::storage {
@@ -134,22 +135,9 @@ TEST_F(DirectReadsTest, CorruptTruncatedPaddedAndSwappedObjectsAreMissesThatNeve
 
 // A file system without a direct path: the seam's default (EOPNOTSUPP), or one whose open with
 // O_DIRECT fails with EINVAL, as tmpfs before Linux 6.6 and some overlays do.
-class NoDirectFileSystem final : public FileSystem {
+class NoDirectFileSystem final : public test::ForwardingFileSystem {
  public:
   explicit NoDirectFileSystem(int per_read_error) : per_read_error_(per_read_error) {}
-  std::unique_ptr<FileSystem> real = make_posix_file_system();
-  int write_file(const std::string& p, std::span<const std::span<const std::byte>> parts, bool sync) override {
-    return real->write_file(p, parts, sync);
-  }
-  int read_file(const std::string& p, std::span<const std::span<std::byte>> parts, std::size_t* n) override {
-    return real->read_file(p, parts, n);
-  }
-  int rename(const std::string& a, const std::string& b) override { return real->rename(a, b); }
-  int remove(const std::string& p) override { return real->remove(p); }
-  int exists(const std::string& p, bool* present) override { return real->exists(p, present); }
-  int make_dirs(const std::string& p) override { return real->make_dirs(p); }
-  int sync_dir(const std::string& p) override { return real->sync_dir(p); }
-  int list_files(const std::string& r, std::vector<FileEntry>* out) override { return real->list_files(r, out); }
   int read_direct(std::span<DirectRead> reads) override {
     if (per_read_error_ == 0) return FileSystem::read_direct(reads);
     for (auto& r : reads) r.error = per_read_error_;

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "forwarding_file_system.h"
 #include "kvtd/storage/file_store.h"
 
 namespace kvtd::storage {
@@ -19,9 +20,8 @@ namespace fs = std::filesystem;
 constexpr std::uint64_t kObject = 4096 + 24;  // not a multiple of anything convenient
 
 // Wraps the real file system and fails chosen operations, like a full or read-only disk.
-class FaultyFileSystem final : public FileSystem {
+class FaultyFileSystem final : public test::ForwardingFileSystem {
  public:
-  std::unique_ptr<FileSystem> real = make_posix_file_system();
   std::atomic<int> write_error{0};   // errno returned by write_file (after writing half)
   std::atomic<int> rename_error{0};
   std::atomic<int> synced_files{0}, synced_dirs{0};
@@ -42,25 +42,14 @@ class FaultyFileSystem final : public FileSystem {
     if (sync) ++synced_files;
     return real->write_file_sealed(p, parts, sync, on_write, seal);
   }
-  int read_file(const std::string& p, std::span<const std::span<std::byte>> parts, std::size_t* n) override {
-    return real->read_file(p, parts, n);
-  }
-  int read_file_streamed(const std::string& p, std::span<const std::span<std::byte>> parts, std::size_t* n,
-                         const Filled& on_filled) override {
-    return real->read_file_streamed(p, parts, n, on_filled);
-  }
   int rename(const std::string& a, const std::string& b) override {
     if (int e = rename_error.load()) return e;
     return real->rename(a, b);
   }
-  int remove(const std::string& p) override { return real->remove(p); }
-  int exists(const std::string& p, bool* present) override { return real->exists(p, present); }
-  int make_dirs(const std::string& p) override { return real->make_dirs(p); }
   int sync_dir(const std::string& p) override {
     ++synced_dirs;
     return real->sync_dir(p);
   }
-  int list_files(const std::string& r, std::vector<FileEntry>* out) override { return real->list_files(r, out); }
 };
 
 class FileStoreTest : public ::testing::Test {

@@ -16,27 +16,24 @@
 #include <string>
 #include <vector>
 
+#include "forwarding_file_system.h"
+
 namespace kvtd::storage {
 namespace {
 
 namespace fs = std::filesystem;
 
-// Reads whole only: the streamed read is the interface's default.
-class WholeReadsOnly final : public FileSystem {
+// Reads and writes whole only: the streamed read and the sealed write are the interface's defaults.
+class WholeReadsOnly final : public test::ForwardingFileSystem {
  public:
-  std::unique_ptr<FileSystem> real = make_posix_file_system();
-  int write_file(const std::string& p, std::span<const std::span<const std::byte>> parts, bool sync) override {
-    return real->write_file(p, parts, sync);
+  int read_file_streamed(const std::string& p, std::span<const std::span<std::byte>> parts, std::size_t* n,
+                         const Filled& on_filled) override {
+    return FileSystem::read_file_streamed(p, parts, n, on_filled);
   }
-  int read_file(const std::string& p, std::span<const std::span<std::byte>> parts, std::size_t* n) override {
-    return real->read_file(p, parts, n);
+  int write_file_sealed(const std::string& p, std::span<const std::span<const std::byte>> parts, bool sync,
+                        const Writing& on_write, const std::function<void()>& seal) override {
+    return FileSystem::write_file_sealed(p, parts, sync, on_write, seal);
   }
-  int rename(const std::string& a, const std::string& b) override { return real->rename(a, b); }
-  int remove(const std::string& p) override { return real->remove(p); }
-  int exists(const std::string& p, bool* present) override { return real->exists(p, present); }
-  int make_dirs(const std::string& p) override { return real->make_dirs(p); }
-  int sync_dir(const std::string& p) override { return real->sync_dir(p); }
-  int list_files(const std::string& r, std::vector<FileEntry>* out) override { return real->list_files(r, out); }
 };
 
 struct Stretch {

@@ -16,6 +16,7 @@
 #include "kvtd/engine/engine_session.h"
 #include "kvtd/endpoint/rank_endpoint.h"
 #include "kvtd/storage/file_store.h"
+#include "forwarding_file_system.h"
 #include "test_support.h"
 
 namespace kvtd::daemon {
@@ -148,6 +149,28 @@ struct OneRankSession {
   }
 };
 
+// The cache of `g` as one group whose every target copies between `dev` and `host` (the scripted
+// backend moves no bytes), its host blocks' validity in `pool` when given.
+AttachedCache one_group_cache(const proto::CacheGeometry& g, std::vector<std::byte>& dev, std::vector<std::byte>& host,
+                              HostPool* pool = nullptr) {
+  AttachedCache cache;
+  cache.device_blocks = g.num_device_blocks();
+  cache.host_blocks = g.num_host_blocks;
+  GroupCache group;
+  group.device_blocks = cache.device_blocks;
+  group.host_blocks = cache.host_blocks;
+  group.num_layers = g.num_layers;
+  group.pool = pool;
+  group.block_bytes = {g.block_bytes(proto::TensorKind::kKey), g.block_bytes(proto::TensorKind::kValue)};
+  for (std::uint32_t l = 0; l < g.num_layers; ++l)
+    for (int k = 0; k < 2; ++k) {
+      group.to_host.push_back(kernels::packed_target(dev.data(), host.data(), group.block_bytes[0]));
+      group.to_device.push_back(kernels::packed_target(host.data(), dev.data(), group.block_bytes[0]));
+    }
+  cache.groups.push_back(std::move(group));
+  return cache;
+}
+
 // A SWAP_TO_DEVICE of host blocks `src` into device blocks `dst`, layer by layer.
 Result<std::uint64_t, ipc::IpcErrc> submit_layerwise_load(engine::EngineSession& e, std::vector<std::int32_t> src,
                                                            std::vector<std::int32_t> dst) {
@@ -172,21 +195,7 @@ TEST(TaskRunner, LayerEnqueuedIsPublishedBeforeTheLayersCopyIsDone) {
 
   HeldCopiesBackend backend;
   std::vector<std::byte> dev(4096), host(4096);
-  AttachedCache cache;
-  cache.device_blocks = g.num_device_blocks();
-  cache.host_blocks = g.num_host_blocks;
-  GroupCache group;
-  group.device_blocks = cache.device_blocks;
-  group.host_blocks = cache.host_blocks;
-  group.num_layers = g.num_layers;
-  group.block_bytes = {g.block_bytes(proto::TensorKind::kKey), g.block_bytes(proto::TensorKind::kValue)};
-  for (std::uint32_t l = 0; l < g.num_layers; ++l)
-    for (int k = 0; k < 2; ++k) {
-      group.to_host.push_back(kernels::packed_target(dev.data(), host.data(), group.block_bytes[0]));
-      group.to_device.push_back(kernels::packed_target(host.data(), dev.data(), group.block_bytes[0]));
-    }
-  cache.groups.push_back(std::move(group));
-  TaskRunner runner(**ep, backend, std::move(cache));
+  TaskRunner runner(**ep, backend, one_group_cache(g, dev, host));
   std::atomic<bool> stop{false};
   std::thread serve([&] { (void)runner.run(stop); });
 
@@ -233,22 +242,8 @@ TEST(TaskRunner, ALayerByLayerLoadReportsOnlyTheLayersWhoseChecksumsMatched) {
   for (const std::int32_t id : host_ids) (*pool)->set_checksums(id, kept);
   (*pool)->mark_valid(host_ids);
   std::vector<std::byte> dev(4096), host(4096);
-  AttachedCache cache;
-  cache.device_blocks = g.num_device_blocks();
-  cache.host_blocks = g.num_host_blocks;
+  AttachedCache cache = one_group_cache(g, dev, host, pool->get());
   cache.verify_swaps = config::VerifySwaps::kFull;
-  GroupCache group;
-  group.device_blocks = cache.device_blocks;
-  group.host_blocks = cache.host_blocks;
-  group.num_layers = g.num_layers;
-  group.pool = pool->get();
-  group.block_bytes = {g.block_bytes(proto::TensorKind::kKey), g.block_bytes(proto::TensorKind::kValue)};
-  for (std::uint32_t l = 0; l < g.num_layers; ++l)
-    for (int k = 0; k < 2; ++k) {
-      group.to_host.push_back(kernels::packed_target(dev.data(), host.data(), group.block_bytes[0]));
-      group.to_device.push_back(kernels::packed_target(host.data(), dev.data(), group.block_bytes[0]));
-    }
-  cache.groups.push_back(std::move(group));
   TaskRunner runner(**ep, backend, std::move(cache));
   std::atomic<bool> stop{false};
   std::thread serve([&] { (void)runner.run(stop); });
@@ -343,31 +338,24 @@ TEST(TaskRunner, AGroupSessionsLayerIsReportedOnlyOnceItsCopyReturned) {
 
 // Fails every write_file after the first `ok_writes` with ENOSPC, leaving half a temporary
 // file behind as a real full disk would.
-class FillingFileSystem final : public storage::FileSystem {
+class FillingFileSystem final : public test::ForwardingFileSystem {
  public:
   explicit FillingFileSystem(int ok_writes) : left_(ok_writes) {}
   int write_file(const std::string& p, std::span<const std::span<const std::byte>> parts, bool sync) override {
     if (left_.fetch_sub(1) <= 0) {
       const std::span<const std::byte> half[1] = {parts[0]};
-      real_->write_file(p, half, false);
+      real->write_file(p, half, false);
       return ENOSPC;
     }
-    return real_->write_file(p, parts, sync);
+    return real->write_file(p, parts, sync);
   }
-  int read_file(const std::string& p, std::span<const std::span<std::byte>> parts, std::size_t* n) override {
-    return real_->read_file(p, parts, n);
-  }
-  int rename(const std::string& a, const std::string& b) override { return real_->rename(a, b); }
-  int remove(const std::string& p) override { return real_->remove(p); }
-  int exists(const std::string& p, bool* present) override { return real_->exists(p, present); }
-  int make_dirs(const std::string& p) override { return real_->make_dirs(p); }
-  int sync_dir(const std::string& p) override { return real_->sync_dir(p); }
-  int list_files(const std::string& root, std::vector<storage::FileEntry>* out) override {
-    return real_->list_files(root, out);
+  // The store's sealed writes come through write_file above (the interface's default).
+  int write_file_sealed(const std::string& p, std::span<const std::span<const std::byte>> parts, bool sync,
+                        const Writing& on_write, const std::function<void()>& seal) override {
+    return FileSystem::write_file_sealed(p, parts, sync, on_write, seal);
   }
 
  private:
-  std::unique_ptr<storage::FileSystem> real_ = storage::make_posix_file_system();
   std::atomic<int> left_;
 };
 
