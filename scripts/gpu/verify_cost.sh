@@ -3,7 +3,8 @@
 # CUDA daemon and kvtd-loadgen with device tensors (the block shape of through_daemon.sh: 32
 # layers x K/V, 32 KiB block-tensors; 512 device and 256 host blocks, so each run starts in
 # seconds), swap throughput at 128 and 16 blocks per task with --verify-swaps off, full, sampled,
-# off, full (alternating, so drift shows as a difference between the two offs), then the
+# off, full (alternating, so drift shows as a difference between the two offs), 128-block tasks
+# whose swap-ins go layer by layer (each layer checked as it lands) off and full, then the
 # one-block round trip off and full. Prints each figure and full's cost against the mean of the offs
 # (goal: <= 3%). The scatter mode is the daemon's default unless KVTD_SCATTER_MODE names one. --small:
 # the stand-in in CI (few blocks, short rounds). Run by scripts/gpu-check.sh.
@@ -41,19 +42,27 @@ for per in 128 16; do
   done
 done
 for verify in off full; do
+  r=$(run "$verify" --mode throughput --blocks-per-task 128 --seconds "$seconds" --layerwise | rate)
+  echo "verify-swaps $verify, 128 blocks a task, swap-ins layer by layer: $r GB/s"
+  echo "lw $verify $r" >>"$out"
+done
+for verify in off full; do
   l=$(run "$verify" --mode latency --latency-samples "$samples" | p50)
   echo "verify-swaps $verify, one-block round trip: p50 $l us"
   echo "rt $verify $l" >>"$out"
 done
 # full's cost against the mean of the offs, per task size (goal <= 3%); the round trip's difference.
-awk '$1 != "rt" { s[$1 " " $2] += $3; n[$1 " " $2]++ }
+awk '$1 != "rt" && $1 != "lw" { s[$1 " " $2] += $3; n[$1 " " $2]++ }
      $1 == "rt" { rt[$2] = $3 }
+     $1 == "lw" { lw[$2] = $3 }
      END {
        for (p = 128; p >= 16; p -= 112) {
          off = s[p " off"] / n[p " off"]; full = s[p " full"] / n[p " full"]; smp = s[p " sampled"] / n[p " sampled"]
          printf "verify-swaps cost: %d blocks a task: off %.2f, sampled %.2f (%+.1f%%), full %.2f GB/s (%+.1f%%; goal >= -3%%)\n",
            p, off, smp, 100 * (smp / off - 1), full, 100 * (full / off - 1)
        }
+       printf "verify-swaps cost: 128 blocks a task, swap-ins layer by layer: off %.2f, full %.2f GB/s (%+.1f%%)\n",
+         lw["off"], lw["full"], 100 * (lw["full"] / lw["off"] - 1)
        printf "verify-swaps cost: one-block round trip p50 off %.1f us, full %.1f us (%+.1f us)\n", rt["off"], rt["full"], rt["full"] - rt["off"]
      }' "$out"
 echo "verify cost: OK"

@@ -66,6 +66,8 @@ void declare_flags(CLI::App& app, kvtd::loadgen::Options& o) {
       ->check(CLI::IsMember({"host", "cuda"}));
   app.add_flag("--no-completion-forecast", o.no_completion_forecast,
                "Wait for swaps as before the completion forecast: poll 20 us, then sleep (a comparison)");
+  app.add_flag("--layerwise", o.layerwise,
+               "throughput: swap-ins layer by layer (each layer reported as it lands; a session of one shape)");
 }
 
 // The session the flags describe (K and V of one shape, or --cache-group's groups); "" or why not.
@@ -74,6 +76,7 @@ std::string session_options(const kvtd::loadgen::Options& o, kvtd::engine::Sessi
   so.suffix = o.session;
   so.completion_forecast = !o.no_completion_forecast;
   if (!o.cache_groups.empty()) {
+    if (o.layerwise) return "--layerwise: a layer-by-layer swap-in needs a session of one shape (leave out --cache-group)";
     if (o.mode.rfind("storage", 0) == 0 && (o.storage_host_blocks || o.cold_read || o.storage_phase != "both"))
       return "--cache-group: the storage modes move device blocks in one engine process (leave out "
              "--storage-host-blocks, --cold-read and --storage-phase)";

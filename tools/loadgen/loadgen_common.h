@@ -38,6 +38,7 @@ struct Options {
   bool wait_enter = false;
   std::string device_tensors = "host";  // host | cuda
   bool no_completion_forecast = false;   // SessionOptions::completion_forecast off (an A/B of it)
+  bool layerwise = false;                // throughput: swap-ins layer by layer (TaskRequest::layerwise)
   DeviceTensors* tensors = nullptr;     // set by main
 };
 
@@ -111,6 +112,6 @@ std::vector<BlockGroup> block_groups(const EngineSession& s);
 // submit to wait's return; `result` (optional): the merged result, for its ranks' times.
 bool run_task(kvtd::engine::EngineSession& s, TaskKind kind, const std::vector<std::int32_t>& src,
               const std::vector<std::int32_t>& dst, double timeout_s, std::int64_t* latency_ns = nullptr,
-              kvtd::engine::TaskResult* result = nullptr);
+              kvtd::engine::TaskResult* result = nullptr, bool layerwise = false);
 
 }  // namespace kvtd::loadgen

@@ -20,11 +20,12 @@ namespace kvtd::loadgen {
 
 bool run_task(EngineSession& s, TaskKind kind, const std::vector<std::int32_t>& src,
               const std::vector<std::int32_t>& dst, double timeout_s, std::int64_t* latency_ns,
-              kvtd::engine::TaskResult* result) {
+              kvtd::engine::TaskResult* result, bool layerwise) {
   kvtd::engine::TaskRequest req;
   req.kind = kind;
   req.src = src;
   req.dst = dst;
+  req.layerwise = layerwise;
   const auto t0 = Clock::now();
   auto id = s.submit(req);
   if (!id.ok()) {
@@ -394,7 +395,7 @@ int run_throughput(EngineSession& s, const Options& o) {
       const auto t0 = Clock::now();
       kvtd::engine::TaskResult r;
       if (!run_task(s, in ? TaskKind::kSwapToDevice : TaskKind::kSwapToHost, in ? h : d, in ? d : h, o.task_timeout_s,
-                    nullptr, &r))
+                    nullptr, &r, in && o.layerwise))
         return 1;
       busy += seconds_since(t0);
       add_parts(parts, r, kvtd::ipc::monotonic_now_ns());
@@ -403,9 +404,9 @@ int run_throughput(EngineSession& s, const Options& o) {
     memcpy_rates.push_back(memcpy_rate(a, b, chunk, shape.bytes * round_tasks));
   }
   const double swap_gbs = median(swap_rates), memcpy_gbs = median(memcpy_rates);
-  std::printf("throughput: %s, %u ranks, %llu tasks: swap %.2f GB/s per rank (%.2f GB/s all ranks), plain memcpy "
+  std::printf("throughput: %s%s, %u ranks, %llu tasks: swap %.2f GB/s per rank (%.2f GB/s all ranks), plain memcpy "
               "%.2f GB/s, ratio %.2f (medians of 5 rounds)\n",
-              describe(s, shape, chunk).c_str(), g.num_ranks, static_cast<unsigned long long>(tasks), swap_gbs,
+              describe(s, shape, chunk).c_str(), o.layerwise ? ", swap-ins layer by layer" : "", g.num_ranks, static_cast<unsigned long long>(tasks), swap_gbs,
               swap_gbs * g.num_ranks, memcpy_gbs, swap_gbs / memcpy_gbs);
   print_parts("throughput", parts);
   print_forecast_waits("throughput", s, waits_before);
