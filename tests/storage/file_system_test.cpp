@@ -192,6 +192,7 @@ TEST_F(StreamedReadTest, ASealedWriteShowsEveryPayloadStretchFirstAndWritesTheSe
   EXPECT_EQ(seen, payload_bytes) << "the header as sealed";
   std::size_t at = 40;
   for (const auto& p : payload) {
+    if (p.empty()) continue;  // no data() to compare (memcmp must not see a null pointer)
     EXPECT_EQ(std::memcmp(files[0].data() + at, p.data(), p.size()), 0);
     at += p.size();
   }
