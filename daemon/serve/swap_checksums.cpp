@@ -37,15 +37,16 @@ void SwapLanes::keep_checksums(std::uint32_t group, const VerifiedBlocks& v, std
 
 std::optional<SwapLanes::Failure> SwapLanes::check_checksums(std::uint32_t group, const VerifiedBlocks& v,
                                                             std::span<const std::uint64_t> sums,
-                                                            std::size_t targets) const {
+                                                            std::size_t targets, std::size_t first) const {
   const GroupCache& g = cache_.groups[group];
   const std::size_t n = v.device.size();
+  if (n == 0) return std::nullopt;
   const std::size_t per_layer = g.num_layers == 0 ? 1 : std::max<std::size_t>(1, targets / g.num_layers);
   const std::string layer_of = cache_.groups.size() > 1 ? "cache group " + std::to_string(group) + ", its layer " : "layer ";
   for (std::size_t i = 0; i < n; ++i) {
-    const auto kept = g.pool->checksums(v.host[i]);
-    for (std::size_t t = 0; t < targets; ++t) {
-      const std::uint64_t now = sums[t * n + i];
+    const auto kept = g.pool->checksums(v.host[i]);  // one per target: blocks_to_verify chose it so
+    for (std::size_t t = first; t < first + sums.size() / n; ++t) {
+      const std::uint64_t now = sums[(t - first) * n + i];
       if (now == kept[t]) continue;
       char text[160];
       std::snprintf(text, sizeof text, "checksum %016" PRIx64 " after the copy, %016" PRIx64 " at swap-out", now, kept[t]);
@@ -58,19 +59,6 @@ std::optional<SwapLanes::Failure> SwapLanes::check_checksums(std::uint32_t group
     }
   }
   return std::nullopt;
-}
-
-bool SwapLanes::differs(std::uint32_t group, const VerifiedBlocks& v, std::span<const std::uint64_t> sums,
-                        std::size_t first) const {
-  const std::size_t n = v.device.size();
-  if (n == 0) return false;
-  const HostPool* pool = cache_.groups[group].pool;
-  for (std::size_t i = 0; i < n; ++i) {
-    const auto kept = pool->checksums(v.host[i]);
-    for (std::size_t t = 0; t < sums.size() / n; ++t)
-      if (first + t >= kept.size() || sums[t * n + i] != kept[first + t]) return true;
-  }
-  return false;
 }
 
 }  // namespace kvtd::daemon

@@ -218,7 +218,7 @@ Result<std::vector<std::uint64_t>, DeviceErrc> SwapLanes::copy_swap(const Work& 
                     layer_sums.size() != std::min(per_layer, targets.size() - first) * n;
         if (misshapen) return;  // reported below; no later layer is reported done
         std::copy(layer_sums.begin(), layer_sums.end(), sums.begin() + static_cast<std::ptrdiff_t>(first * n));
-        differed = differed || differs(p.group, verify, layer_sums, first);
+        differed = differed || check_checksums(p.group, verify, layer_sums, targets.size(), first).has_value();
         if (differed) return;
         done = layer + 1;
         ep_.progress_update(h, queued, done);

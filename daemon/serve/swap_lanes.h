@@ -124,12 +124,12 @@ class SwapLanes {
   // After a swap-out: keeps `sums` (device_checksums' layout) with the host blocks of `group`.
   void keep_checksums(std::uint32_t group, const VerifiedBlocks& v, std::span<const std::uint64_t> sums,
                       std::size_t targets);
-  // After a swap-in: compares `sums` with those kept at swap-out; the integrity failure, or nullopt.
+  // After a swap-in: compares `sums`, those of targets [first, first + sums.size() / blocks) of the
+  // `targets` the group has (all of them, or one layer of a layer-by-layer swap-in checked before
+  // it is reported), with those kept at swap-out; the integrity failure, or nullopt.
   std::optional<Failure> check_checksums(std::uint32_t group, const VerifiedBlocks& v,
-                                         std::span<const std::uint64_t> sums, std::size_t targets) const;
-  // Whether the sums of targets [first, first + sums.size() / v.device.size()) of `group` differ
-  // from those kept at swap-out (a layer of a layer-by-layer swap-in, checked before it is reported).
-  bool differs(std::uint32_t group, const VerifiedBlocks& v, std::span<const std::uint64_t> sums, std::size_t first) const;
+                                         std::span<const std::uint64_t> sums, std::size_t targets,
+                                         std::size_t first = 0) const;
 
   endpoint::RankEndpoint& ep_;
   CopyEngine& copies_;

@@ -74,6 +74,15 @@ DeviceTensor make_device_tensor(DeviceBackend& b, std::size_t bytes, std::mt1993
   return t;
 }
 
+// Host memory of the backend (pinned on CUDA) filled with random bytes; null if it failed.
+std::byte* make_host_tensor(DeviceBackend& b, std::size_t bytes, std::mt19937& rng) {
+  auto h = b.alloc_host(bytes);
+  EXPECT_TRUE(h.ok());
+  if (!h.ok()) return nullptr;
+  for (std::size_t i = 0; i < bytes; ++i) (*h)[i] = static_cast<std::byte>(rng());
+  return *h;
+}
+
 class CudaBackendTest : public ::testing::TestWithParam<ScatterMode> {};
 
 // Device -> host and host -> device, three layers, block sizes that take the 16-byte, 8-byte
@@ -344,10 +353,8 @@ TEST_P(CudaBackendTest, KernelModeSumsTheBytesInTheCopysOwnPass) {
   std::vector<std::byte*> host;
   for (std::uint64_t bb : sizes) {
     dev.push_back(make_device_tensor(*b, blocks * bb, rng));
-    auto h = b->alloc_host(blocks * bb);
-    ASSERT_TRUE(h.ok());
-    for (std::uint64_t i = 0; i < blocks * bb; ++i) (*h)[i] = static_cast<std::byte>(rng());
-    host.push_back(*h);
+    host.push_back(make_host_tensor(*b, blocks * bb, rng));
+    ASSERT_NE(host.back(), nullptr);
   }
   const std::vector<std::int32_t> host_ids{3, 4, 5, 9, 0, 12}, dev_ids{7, 8, 9, 1, 14, 2};
   auto plan = kernels::plan_copy(host_ids, dev_ids, blocks, blocks, sizes);
@@ -426,10 +433,8 @@ TEST_P(CudaBackendTest, ALayerByLayerCopyHandsOverEachLayersChecksumsOnceItIsDon
   std::vector<kernels::CopyTarget> in;
   for (std::uint64_t bb : sizes) {
     dev.push_back(make_device_tensor(*b, blocks * bb, rng));
-    auto h = b->alloc_host(blocks * bb);
-    ASSERT_TRUE(h.ok());
-    for (std::uint64_t i = 0; i < blocks * bb; ++i) (*h)[i] = static_cast<std::byte>(rng());
-    host.push_back(*h);
+    host.push_back(make_host_tensor(*b, blocks * bb, rng));
+    ASSERT_NE(host.back(), nullptr);
     in.push_back(kernels::packed_target(host.back(), dev.back().dev, bb));
   }
   const std::vector<std::int32_t> host_ids{3, 4, 5, 9, 0, 12}, dev_ids{7, 8, 9, 1, 14, 2};
