@@ -138,8 +138,8 @@ int create_session(const char* suffix, const kvtd_geometry* g, const kvtd_sessio
   return guarded(err, err_len, [&]() -> int {
     if (!suffix || !g || !out) return invalid(err, err_len, "suffix, geometry and out must not be null");
     *out = nullptr;
-    constexpr std::uint32_t known =
-        KVTD_SESSION_ADOPT_HOST_TIER | KVTD_SESSION_ONLY_RANK | KVTD_SESSION_NO_COMPLETION_FORECAST;
+    constexpr std::uint32_t known = KVTD_SESSION_ADOPT_HOST_TIER | KVTD_SESSION_ONLY_RANK |
+                                    KVTD_SESSION_NO_COMPLETION_FORECAST | KVTD_SESSION_KV_IDENTITY;
     if ((opts.flags & ~known) != 0)
       return invalid(err, err_len, "unknown session option flags " + std::to_string(opts.flags & ~known));
     kvtd::engine::SessionOptions o;
@@ -147,6 +147,7 @@ int create_session(const char* suffix, const kvtd_geometry* g, const kvtd_sessio
     o.adopt_host_tier = (opts.flags & KVTD_SESSION_ADOPT_HOST_TIER) != 0;
     if (opts.flags & KVTD_SESSION_ONLY_RANK) o.only_rank = opts.only_rank;
     o.completion_forecast = (opts.flags & KVTD_SESSION_NO_COMPLETION_FORECAST) == 0;
+    if (opts.flags & KVTD_SESSION_KV_IDENTITY) std::memcpy(&o.kv_identity, &opts.kv_identity, sizeof o.kv_identity);
     std::memcpy(&o.geometry, g, sizeof o.geometry);  // same layout (static_assert above); validated by create
     auto s = kvtd::engine::EngineSession::create(o);
     if (!s.ok()) return report(s, err, err_len);
@@ -158,17 +159,19 @@ int create_session(const char* suffix, const kvtd_geometry* g, const kvtd_sessio
 }  // namespace
 
 int kvtd_session_create(const char* suffix, const kvtd_geometry* g, kvtd_session** out, char* err, size_t err_len) {
-  return create_session(suffix, g, kvtd_session_options{0, 0}, out, err, err_len);
+  return create_session(suffix, g, kvtd_session_options{}, out, err, err_len);
 }
 
 int kvtd_session_create_adopting(const char* suffix, const kvtd_geometry* g, kvtd_session** out, char* err,
                                  size_t err_len) {
-  return create_session(suffix, g, kvtd_session_options{KVTD_SESSION_ADOPT_HOST_TIER, 0}, out, err, err_len);
+  kvtd_session_options adopting{};
+  adopting.flags = KVTD_SESSION_ADOPT_HOST_TIER;
+  return create_session(suffix, g, adopting, out, err, err_len);
 }
 
 int kvtd_session_create_with(const char* suffix, const kvtd_geometry* g, const kvtd_session_options* options,
                              kvtd_session** out, char* err, size_t err_len) {
-  return create_session(suffix, g, options ? *options : kvtd_session_options{0, 0}, out, err, err_len);
+  return create_session(suffix, g, options ? *options : kvtd_session_options{}, out, err, err_len);
 }
 
 int kvtd_session_create_groups(const char* suffix, const kvtd_cache_groups* groups, kvtd_session** out, char* err,
@@ -184,13 +187,16 @@ int kvtd_session_create_groups_with(const char* suffix, const kvtd_cache_groups*
     *out = nullptr;
     const std::uint32_t flags = options ? options->flags : 0;
     // Adopting a host tier and serving one rank are defined for one geometry only.
-    if ((flags & ~std::uint32_t{KVTD_SESSION_NO_COMPLETION_FORECAST}) != 0)
+    constexpr std::uint32_t known = KVTD_SESSION_NO_COMPLETION_FORECAST | KVTD_SESSION_KV_IDENTITY;
+    if ((flags & ~known) != 0)
       return invalid(err, err_len,
-                     "session option flags " + std::to_string(flags & ~std::uint32_t{KVTD_SESSION_NO_COMPLETION_FORECAST}) +
-                         " do not apply to a session over cache groups (only KVTD_SESSION_NO_COMPLETION_FORECAST does)");
+                     "session option flags " + std::to_string(flags & ~known) +
+                         " do not apply to a session over cache groups (only KVTD_SESSION_NO_COMPLETION_FORECAST "
+                         "and KVTD_SESSION_KV_IDENTITY do)");
     kvtd::engine::SessionOptions o;
     o.suffix = suffix;
     o.completion_forecast = (flags & KVTD_SESSION_NO_COMPLETION_FORECAST) == 0;
+    if (flags & KVTD_SESSION_KV_IDENTITY) std::memcpy(&o.kv_identity, &options->kv_identity, sizeof o.kv_identity);
     std::memcpy(&o.groups, groups, sizeof o.groups);  // same layout (static_assert in c_api_geometry.cpp)
     if (o.groups.num_groups == 0) return invalid(err, err_len, "num_groups must be at least 1");
     auto s = kvtd::engine::EngineSession::create(o);

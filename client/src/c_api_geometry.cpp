@@ -25,6 +25,11 @@ static_assert(offsetof(kvtd_cache_group, layers) == offsetof(proto::CacheGroup, 
 static_assert(offsetof(kvtd_cache_group, tensors) == offsetof(proto::CacheGroup, tensors));
 static_assert(offsetof(kvtd_cache_groups, groups) == offsetof(proto::CacheGroups, groups));
 static_assert(KVTD_MAX_GROUPS == proto::kMaxGroups);
+static_assert(sizeof(kvtd_kv_identity) == sizeof(proto::KvIdentity));
+static_assert(offsetof(kvtd_kv_identity, pp_rank) == offsetof(proto::KvIdentity, pp_rank));
+static_assert(offsetof(kvtd_kv_identity, cp_size) == offsetof(proto::KvIdentity, cp_size));
+static_assert(KVTD_KV_LAYOUT_REPLICATED == static_cast<int>(proto::KvLayout::kReplicated));
+static_assert(KVTD_KV_LAYOUT_PER_RANK == static_cast<int>(proto::KvLayout::kPerRank));
 static_assert(KVTD_GROUP_INDEXER == static_cast<int>(proto::GroupKind::kIndexer));
 static_assert(KVTD_GROUP_SLIDING_WINDOW == static_cast<int>(proto::GroupKind::kSlidingWindow));
 

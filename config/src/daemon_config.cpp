@@ -51,10 +51,18 @@ std::string DaemonConfig::object_slicing(proto::ObjectSlicing* out) const {
                : "";
   }
   const proto::CacheGeometry g = geometry();
-  // A single-shape cache is FastDeploy's launch line, where an empty value cache shape is how
-  // FastDeploy itself declares MLA (fastdeploy/worker/gpu_model_runner.py:1616-1629 creates no
-  // value cache then): one latent, replicated. A session of cache groups declares the kind.
-  return proto::object_slicing(g, rank, !g.has_value(), storage.object_heads, storage.kv_heads, out);
+  return proto::object_slicing(g, rank, kv_layout() == proto::KvLayout::kReplicated, storage.object_heads,
+                               storage.kv_heads, out);
+}
+
+proto::KvLayout DaemonConfig::kv_layout() const {
+  if (proto::is_group_session(cache_groups)) return proto::KvLayout::kUndeclared;
+  if (kv_identity.kv_layout() != proto::KvLayout::kUndeclared) return kv_identity.kv_layout();
+  // Undeclared: FastDeploy's launch line, where an empty value cache shape is how FastDeploy itself
+  // declares MLA (fastdeploy/worker/gpu_model_runner.py:1616-1629 creates no value cache then): one
+  // latent, replicated. Every engine adapter declares the layout instead (a cross-layer slab has
+  // no value tensor either and is per rank).
+  return geometry().has_value() ? proto::KvLayout::kPerRank : proto::KvLayout::kReplicated;
 }
 
 const char* verify_swaps_name(VerifySwaps v) {

@@ -433,6 +433,7 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
   declare_rank_flags(app, f);
   declare_runtime_flags(app, f, c);
   declare_storage_flags(app, f, c);
+  declare_identity_flags(app, f);
   declare_kv_events_flags(app, c);
   declare_lifecycle_flags(app, c);
   declare_compat_flags(app, f, c);
@@ -451,6 +452,7 @@ Result<DaemonConfig, ConfigErrc> parse_daemon_flags(int argc, const char* const*
     if (o->count() > 0) c.ignored_flags.push_back(o->get_name());
   KVTD_TRY(resolve_ranks(f, c));
   KVTD_TRY(resolve_cache(f, c));
+  KVTD_TRY(resolve_identity(f, c));
   KVTD_TRY(resolve_devices(f, c));
   KVTD_TRY(resolve_session(f, c));
   KVTD_TRY(resolve_runtime(f, c));

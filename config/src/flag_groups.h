@@ -15,6 +15,9 @@ void declare_storage_flags(CLI::App& app, RawFlags& f, DaemonConfig& c);
 // After the session and FastDeploy's flags (the store's default path and key prefix come from
 // FastDeploy's port and model path).
 [[nodiscard]] Status<ConfigErrc> resolve_storage(const RawFlags& f, DaemonConfig& c);
+void declare_identity_flags(CLI::App& app, RawFlags& f);
+// After resolve_cache (a layout is refused beside cache groups).
+[[nodiscard]] Status<ConfigErrc> resolve_identity(const RawFlags& f, DaemonConfig& c);
 void declare_kv_events_flags(CLI::App& app, DaemonConfig& c);
 void declare_lifecycle_flags(CLI::App& app, DaemonConfig& c);
 // After resolve_storage.

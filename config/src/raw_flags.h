@@ -32,6 +32,8 @@ struct RawFlags {
   std::string engine_pid;
   std::string storage_backend = "none", write_policy, fsync = "none", redis_endpoints, storage_io = "buffered";
   std::string ignored_s;
+  std::string kv_layout, kv_dtype;  // --kv-layout, --kv-dtype ("": not given)
+  std::int64_t pp_rank = 0, pp_size = 1, cp_rank = 0, cp_size = 1;
   std::vector<CLI::Option*> compat_opts;
 };
 

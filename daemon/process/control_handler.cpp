@@ -39,7 +39,7 @@ json storage_status(const config::DaemonConfig& cfg, const std::string& store_na
     j["objects"] = "by_cache_group";
     return j;
   }
-  std::snprintf(fp, sizeof fp, "%016llx", static_cast<unsigned long long>(layout_fingerprint(cfg.geometry(), s)));
+  std::snprintf(fp, sizeof fp, "%016llx", static_cast<unsigned long long>(layout_fingerprint(cfg.geometry(), s, cfg.kv_identity)));
   j["layout_fingerprint"] = fp;
   j["objects"] = s.replicated ? "replicated" : s.by_head ? "by_head" : "by_rank";
   j["objects_per_block"] = s.parts;
@@ -72,7 +72,7 @@ json groups_status(const config::DaemonConfig& cfg, const metrics::MetricsRegist
     if (c.window_tokens != 0) j["window_tokens"] = c.window_tokens;
     // Its stored objects' namespace (a store is shared across TP sizes only by a replicated group).
     char fp[17];
-    std::snprintf(fp, sizeof fp, "%016llx", static_cast<unsigned long long>(group_fingerprint(gs, g)));
+    std::snprintf(fp, sizeof fp, "%016llx", static_cast<unsigned long long>(group_fingerprint(gs, g, cfg.kv_identity)));
     j["layout_fingerprint"] = fp;
     j["stored"] = proto::group_replicated(gs, g) ? "replicated" : "by_rank";
     out.push_back(std::move(j));

@@ -32,6 +32,8 @@ int RankServer::serve_sessions() {
     eo.rank = cfg_.rank;
     eo.expected = s_.geometry;
     eo.expected_groups = s_.groups;
+    eo.expected_identity = cfg_.kv_identity;
+    eo.expected_layout = cfg_.kv_layout();
     eo.attach_timeout_ns = cfg_.attach_timeout_ns();
     eo.engine_timeout_ns = cfg_.engine_timeout_ns();
     eo.skip_generation = last_generation;

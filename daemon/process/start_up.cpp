@@ -97,10 +97,10 @@ std::optional<int> open_stores(const config::DaemonConfig& cfg, Services& s) {
       staged = std::max(staged, sizes.block_bytes[g]);
     }
     for (std::uint32_t g = 0; g < s.groups.num_groups; ++g)
-      spaces.push_back(Namespace{group_fingerprint(s.groups, g), sizes.block_bytes[g],
+      spaces.push_back(Namespace{group_fingerprint(s.groups, g, cfg.kv_identity), sizes.block_bytes[g],
                                  static_cast<double>(sizes.block_bytes[g]) / static_cast<double>(key_bytes)});
   } else {
-    spaces.push_back(Namespace{layout_fingerprint(s.geometry, s.slicing), staged / s.slicing.parts, 1.0});
+    spaces.push_back(Namespace{layout_fingerprint(s.geometry, s.slicing, cfg.kv_identity), staged / s.slicing.parts, 1.0});
   }
   if (cfg.storage.backend == config::StorageBackendKind::kNone) return std::nullopt;
   if (auto why = staging_problem(cfg.storage, staged); !why.empty()) {
@@ -325,12 +325,12 @@ std::optional<int> start_up(const config::DaemonConfig& cfg, std::atomic<bool>& 
     for (std::uint32_t g = 0; g < s.groups.num_groups; ++g)
       KVTD_INFO("storage: cache group {} ({}) in {} (model {}, layout fingerprint {:016x}, {} bytes per object, {})", g,
                 proto::group_kind_name(s.groups.groups[g].group_kind()), s.store_name, cfg.model_id,
-                group_fingerprint(s.groups, g), proto::group_sizes(s.groups).block_bytes[g],
+                group_fingerprint(s.groups, g, cfg.kv_identity), proto::group_sizes(s.groups).block_bytes[g],
                 proto::group_replicated(s.groups, g) ? "one copy for every TP size, rank 0 writes" : "by rank");
   } else if (s.store) {
     KVTD_INFO("storage: {} (model {}, layout fingerprint {:016x}, weight version {}, {}), write policy {}, {} I/O "
               "threads, {} MiB staging, {} reads",
-              s.store_name, cfg.model_id, layout_fingerprint(s.geometry, s.slicing), cfg.storage.weight_version,
+              s.store_name, cfg.model_id, layout_fingerprint(s.geometry, s.slicing, cfg.kv_identity), cfg.storage.weight_version,
               s.slicing.replicated ? "one copy for every TP size (replicated cache)"
               : s.slicing.by_head  ? std::to_string(s.slicing.parts) + " objects of " +
                                         std::to_string(s.slicing.heads_per_part) + " KV heads per block, any TP size"

@@ -70,9 +70,9 @@ control::Reply collect_storage(const config::DaemonConfig& cfg, const std::vecto
   }
   if (proto::is_group_session(cfg.cache_groups)) {  // every group's namespace is this deployment's
     for (std::uint32_t g = 0; g < cfg.cache_groups.num_groups; ++g)
-      request.keep_fingerprints.push_back(group_fingerprint(cfg.cache_groups, g));
+      request.keep_fingerprints.push_back(group_fingerprint(cfg.cache_groups, g, cfg.kv_identity));
   } else {
-    request.keep_fingerprints = {layout_fingerprint(cfg.geometry(), slicing)};
+    request.keep_fingerprints = {layout_fingerprint(cfg.geometry(), slicing, cfg.kv_identity)};
   }
   request.dry_run = gc.dry_run;
   request.deadline_ns = ipc::monotonic_now_ns() + static_cast<std::int64_t>(gc.max_seconds * 1e9);

@@ -10,7 +10,23 @@
 
 namespace kvtd::daemon {
 
-std::uint64_t layout_fingerprint(const proto::CacheGeometry& g, const proto::ObjectSlicing& slicing) {
+namespace {
+
+// The identity's share of a namespace: nothing when neither a dtype nor a stage is declared, so a
+// namespace stored before identities existed keeps its fingerprint. The dtype by its name's hash,
+// the stage and slice as rank and size, under a recipe tag of their own ("kvtdI").
+std::uint64_t with_identity(std::uint64_t fingerprint, const proto::KvIdentity& id) {
+  const std::string dtype = id.dtype_name();
+  if (dtype.empty() && !id.staged()) return fingerprint;
+  const std::uint64_t f[7] = {fingerprint, 0x6b76746449ull << 8, storage::hash_bytes(dtype.data(), dtype.size()),
+                              id.pp_rank, proto::stage_size(id.pp_size), id.cp_rank, proto::stage_size(id.cp_size)};
+  return storage::hash_bytes(f, sizeof f);
+}
+
+}  // namespace
+
+std::uint64_t layout_fingerprint(const proto::CacheGeometry& g, const proto::ObjectSlicing& slicing,
+                                 const proto::KvIdentity& id) {
   // Only what shapes an object's bytes; fixed-width fields hashed in a fixed order.
   // f[3] was a constant 2 before scale sizes varied and f[10] was 0 before extra layers: the
   // fingerprint of every earlier geometry stored by rank is unchanged, so what was stored stays
@@ -31,10 +47,10 @@ std::uint64_t layout_fingerprint(const proto::CacheGeometry& g, const proto::Obj
     f[4] = f[7] = slicing.heads_per_part;  // an object's heads, not a rank's
     f[11] = 0x6b76746448ull << 8;  // "kvtdH": objects of heads_per_part heads
   }
-  return storage::hash_bytes(f, sizeof f);
+  return with_identity(storage::hash_bytes(f, sizeof f), id);
 }
 
-std::uint64_t group_fingerprint(const proto::CacheGroups& gs, std::uint32_t g) {
+std::uint64_t group_fingerprint(const proto::CacheGroups& gs, std::uint32_t g, const proto::KvIdentity& id) {
   // Fixed-width fields in a fixed order, under a recipe tag of their own ("kvtdG") that no
   // single-shape geometry's hash starts from.
   const proto::CacheGroup& c = gs.groups[g];
@@ -48,7 +64,7 @@ std::uint64_t group_fingerprint(const proto::CacheGroups& gs, std::uint32_t g) {
     f[at++] = std::uint64_t{x.element_bytes} << 32 | x.ndim;
     for (std::uint32_t d = 0; d < proto::kMaxGroupTensorDims; ++d) f[at++] = static_cast<std::uint64_t>(x.dims[d]);
   }
-  return storage::hash_bytes(f, sizeof f);
+  return with_identity(storage::hash_bytes(f, sizeof f), id);
 }
 
 std::uint32_t storage_io_threads(const config::StorageConfig& c, std::uint64_t object_bytes, unsigned cpus) {

@@ -166,6 +166,7 @@ Result<std::unique_ptr<SharedObject>, IpcErrc> SharedObject::open(const std::str
   o->dir_ = dir;
   o->owner_uid_ = st.st_uid;
   o->mode_ = st.st_mode & 0777;
+  o->inode_ = st.st_ino;
   if (st.st_size <= 0) {
     close(fd);
     return make_error(IpcErrc::kNotFound, "shared memory object " + name + " is empty");
@@ -268,6 +269,7 @@ HeaderCopy copy_header(const proto::SessionHeader& h) {
   c.creator_pid = h.creator_pid;
   c.take_over_host_tier = h.take_over_host_tier;
   c.served_ranks = h.served_ranks;
+  std::memcpy(&c.kv_identity, &h.kv_identity, sizeof c.kv_identity);
   std::memcpy(&c.geometry, &h.geometry, sizeof c.geometry);
   std::memcpy(&c.groups, &h.groups, sizeof c.groups);
   c.registry_offset = h.registry_offset;
@@ -307,6 +309,11 @@ Result<SessionLayout, IpcErrc> validate_header(const HeaderCopy& h, std::uint64_
     return make_error(IpcErrc::kCorrupt, "corrupt session header: served_ranks " + std::to_string(h.served_ranks) +
                                              " names a rank beyond the geometry's " +
                                              std::to_string(h.geometry.num_ranks));
+  if (auto why = proto::kv_identity_problem(h.kv_identity); !why.empty())
+    return make_error(IpcErrc::kCorrupt, "corrupt session header: " + why);
+  if (h.kv_identity.kv_layout() != proto::KvLayout::kUndeclared && h.groups.num_groups != 0)
+    return make_error(IpcErrc::kCorrupt, "corrupt session header: a KV layout declared beside cache groups "
+                                         "(each group's kind declares its own)");
   const SessionLayout want = compute_layout(h.geometry, h.task_ring_bytes, h.completion_capacity);
   auto field = [](const char* name, std::uint64_t have, std::uint64_t expect) -> std::string {
     if (have == expect) return "";

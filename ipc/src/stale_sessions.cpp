@@ -6,6 +6,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <stdio.h>  // renameat2
+
 #include <atomic>
 #include <cctype>
 #include <cerrno>
@@ -79,9 +81,43 @@ bool pool_holder_alive(const std::string& path) {
          owner_alive(prefix.holder);
 }
 
+// Removes the dead session segment `n` of /dev/shm only if the name still holds the object judged
+// dead (inode `dead`). A sweep's listing is not a snapshot: between this sweep judging a session
+// dead and removing it, a new engine of the same suffix may have removed the dead segment and
+// made its own under the name (EngineSession::create does both), and removing by name unlinked
+// the live session, whose daemons then waited for it "to appear" forever (the flake of
+// CudaDaemonTest.AnEngineKilledWithItsEventPendingNeverWedgesTheDaemon under ctest -j 2). The
+// object is moved aside first (rename is atomic), checked there, and unlinked only if it is the
+// dead one; a live one goes back under its name (never over another: RENAME_NOREPLACE).
+bool remove_dead_session(const std::string& n, const std::string& prefix, ino_t dead) {
+  static std::atomic<std::uint64_t> moves{0};
+  const std::string at = "/dev/shm/" + n;
+  // '+' is in no session suffix and no generation: no engine or sweep takes this name for one.
+  const std::string aside =
+      "/dev/shm/" + prefix + "+swept_" + std::to_string(getpid()) + "_" + std::to_string(moves.fetch_add(1));
+  if (renameat2(AT_FDCWD, at.c_str(), AT_FDCWD, aside.c_str(), RENAME_NOREPLACE) != 0) return false;
+  struct stat st {};
+  if (lstat(aside.c_str(), &st) == 0 && st.st_ino == dead) {
+    ::unlink(aside.c_str());
+    return true;
+  }
+  // A live session was moved: back at once (its daemons retry a missing name). Should another
+  // object have taken the name meanwhile, this one stays aside: a later sweep removes it once its
+  // creator is dead, as it does any segment.
+  (void)renameat2(AT_FDCWD, aside.c_str(), AT_FDCWD, at.c_str(), RENAME_NOREPLACE);
+  return false;
+}
+
 }  // namespace
 
 std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& object_dirs) {
+  return detail::sweep_stale_objects_judged(object_dirs, {});
+}
+
+namespace detail {
+
+std::vector<std::string> sweep_stale_objects_judged(const std::vector<std::string>& object_dirs,
+                                                    const std::function<void()>& after_judging) {
   std::vector<std::string> removed;
   const std::string prefix = "kvtd_" + std::to_string(getuid()) + "_";
   auto list = [&](const std::string& at) { return names_with_prefix(at, prefix); };
@@ -89,7 +125,7 @@ std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& obj
   if (names.empty() && object_dirs.empty()) return removed;
 
   std::set<std::uint64_t> live;
-  std::vector<std::string> dead_sessions;
+  std::vector<std::pair<std::string, ino_t>> dead_sessions;  // name, the object judged dead
   // A directory listing is not a snapshot: one taken while another engine is creating its
   // session may hold its new arena but not its segment. Objects touched in the last 30 s are
   // therefore never swept; an orphan is always older than that by the next sweep.
@@ -107,8 +143,8 @@ std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& obj
       // One untouched for 30 s was abandoned mid-creation (its creator died): it is swept as a
       // dead session's, not left to stop every later sweep.
       struct stat st {};
-      if (lstat(("/dev/shm/" + n).c_str(), &st) == 0 && st.st_mtime < fresh_after) {
-        dead_sessions.push_back(n);
+      if (lstat(("/dev/shm/" + n).c_str(), &st) == 0 && st.st_mtime < fresh_after && st.st_ino == (*o)->inode()) {
+        dead_sessions.emplace_back(n, (*o)->inode());
         continue;
       }
       return removed;
@@ -118,7 +154,7 @@ std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& obj
     if (alive && h->state.load(std::memory_order_acquire) != static_cast<std::uint32_t>(proto::SessionState::kClosed))
       live.insert(h->generation);
     else if (!alive)
-      dead_sessions.push_back(n);
+      dead_sessions.emplace_back(n, (*o)->inode());
   }
   auto sweep_objects_in = [&](const std::string& dir, const std::vector<std::string>& in_dir) {
     const std::string at = dir.empty() ? std::string("/dev/shm") : dir;
@@ -139,14 +175,11 @@ std::vector<std::string> sweep_stale_objects(const std::vector<std::string>& obj
   };
   sweep_objects_in("", names);
   for (const auto& dir : object_dirs) sweep_objects_in(dir, list(dir));
-  for (const auto& n : dead_sessions) {
-    SharedObject::remove(n);
-    removed.push_back(n);
-  }
+  if (after_judging) after_judging();
+  for (const auto& [n, inode] : dead_sessions)
+    if (remove_dead_session(n, prefix, inode)) removed.push_back(n);
   return removed;
 }
-
-namespace detail {
 
 bool process_alive(pid_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno != ESRCH); }
 

@@ -9,11 +9,12 @@ from .errors import (CacheCleared, CacheControlFailed, Closed, InUse, InvalidArg
                      SystemFailure, TaskFailed, Timeout, UnknownTask, WrongProcess)
 from .session import (CANCEL, KEY, KEY_SCALE, PREFETCH, STORAGE_QUERY, STORAGE_READ, STORAGE_WRITE, SWAP_TO_DEVICE,
                       SWAP_TO_HOST, VALUE, VALUE_SCALE, Geometry, Session, TaskResult, now_ns)
+from .geometry import KvIdentity
 
 __version__ = _native.lib.kvtd_version().decode()  # the one version (kvtd/base/version.h)
 
 __all__ = [
-    "Geometry", "Session", "TaskResult", "now_ns",
+    "Geometry", "KvIdentity", "Session", "TaskResult", "now_ns",
     "KvtdError", "InvalidArgument", "Timeout", "RingFull", "NotReady", "UnknownTask", "InUse", "SystemFailure",
     "TaskFailed", "CacheCleared", "CacheControlFailed", "Closed", "WrongProcess",
     "SWAP_TO_HOST", "SWAP_TO_DEVICE", "STORAGE_QUERY", "STORAGE_READ", "STORAGE_WRITE", "PREFETCH", "CANCEL",

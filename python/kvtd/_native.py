@@ -98,8 +98,13 @@ class CacheGroups(ctypes.Structure):
     ]
 
 
+class KvIdentity(ctypes.Structure):
+    _fields_ = [("layout", ctypes.c_uint32), ("dtype", ctypes.c_char * 16), ("pp_rank", ctypes.c_uint16),
+                ("pp_size", ctypes.c_uint16), ("cp_rank", ctypes.c_uint16), ("cp_size", ctypes.c_uint16)]
+
+
 class SessionOptions(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint32), ("only_rank", ctypes.c_uint32)]
+    _fields_ = [("flags", ctypes.c_uint32), ("only_rank", ctypes.c_uint32), ("kv_identity", KvIdentity)]
 
 
 class ForecastWaits(ctypes.Structure):
@@ -110,6 +115,7 @@ class ForecastWaits(ctypes.Structure):
 SESSION_ADOPT_HOST_TIER = 1 << 0
 SESSION_ONLY_RANK = 1 << 1
 SESSION_NO_COMPLETION_FORECAST = 1 << 2
+SESSION_KV_IDENTITY = 1 << 3
 
 
 class Completion(ctypes.Structure):

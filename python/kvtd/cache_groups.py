@@ -10,7 +10,7 @@ import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import _native as n
-from .geometry import Geometry
+from .geometry import Geometry, KvIdentity
 
 _ERR_LEN = 1024
 
@@ -35,9 +35,13 @@ class CacheGroup:
 
 @dataclasses.dataclass(frozen=True)
 class CacheGroups:
+    """`identity`: the KV's dtype, pipeline stage and context-parallel slice (KvIdentity, its
+    layout left "": each group's kind declares it); the session declares it, daemon_flags gives it
+    to the daemon."""
     num_ranks: int
     page_tokens: int
     groups: Sequence[CacheGroup]
+    identity: Optional[KvIdentity] = None
 
     def to_native(self) -> n.CacheGroups:
         out = n.CacheGroups()
@@ -125,6 +129,8 @@ class CacheGroups:
         flags: List[str] = []
         for i in range(len(self.groups)):
             flags += ["--cache-group", self.spec(i)]
+        if self.identity is not None:
+            flags += self.identity.daemon_flags()
         return flags
 
     def id_bases(self) -> List[Tuple[int, int]]:

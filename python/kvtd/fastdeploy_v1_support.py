@@ -11,7 +11,7 @@ import re
 import threading
 from typing import Any, Dict, Optional
 
-from .geometry import KEY, KEY_SCALE, VALUE, VALUE_SCALE, Geometry
+from .geometry import KEY, KEY_SCALE, VALUE, VALUE_SCALE, Geometry, KvIdentity
 
 SWITCH = "KVTD_FASTDEPLOY_V1"
 _NAME = re.compile(r"^(key|value)_cache(s|_scales)_(\d+)_rank(\d+)\.device(\d+)$")
@@ -138,4 +138,7 @@ def geometry_of(tensors: Dict[tuple, Any], num_layers: int, num_host_blocks: int
     scale_bytes = int(tensors[(0, KEY_SCALE)].element_size()) if fp8 else 2
     return Geometry(num_ranks=1, num_layers=num_layers, key_shape=tuple(int(d) for d in key.shape),
                     value_shape=tuple(int(d) for d in value.shape) if value is not None else None,
-                    num_host_blocks=num_host_blocks, dtype=dtype, scale_bytes=scale_bytes)
+                    num_host_blocks=num_host_blocks, dtype=dtype, scale_bytes=scale_bytes,
+                    # One rank per session: no value cache is FastDeploy's MLA latent
+                    # (gpu_model_runner.py:1616-1629), declared rather than left to be inferred.
+                    identity=KvIdentity(layout="per_rank" if value is not None else "replicated"))

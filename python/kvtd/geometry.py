@@ -28,12 +28,66 @@ def _kind(kind) -> int:
     return int(kind)
 
 
+KV_LAYOUTS = {"": 0, "per_rank": 1, "replicated": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class KvIdentity:
+    """What the KV is beyond its shape (kvtd/proto/kv_identity.h). layout: "per_rank" (each rank
+    its own bytes: its heads, a cross-layer slab), "replicated" (an MLA latent, the same bytes on
+    every rank) or "" (undeclared: a cache without a value tensor is read as an MLA latent, as in
+    FastDeploy's launch line; cache groups declare theirs by kind). dtype: the engine's element
+    type by its own name ("bfloat16", "float8_e4m3fn"). The pipeline stage and context-parallel
+    slice of the rank's KV. The session carries it and each daemon is started with the same
+    (daemon_flags); the dtype and stage enter the storage namespace, so deployments that differ
+    in any never read each other's objects."""
+
+    layout: str = ""
+    dtype: str = ""
+    pp_rank: int = 0
+    pp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+
+    def __post_init__(self):
+        if self.layout not in KV_LAYOUTS:
+            raise ValueError(f"kv layout {self.layout!r} is not one of per_rank, replicated")
+        if self.dtype and not (len(self.dtype) < 16 and all(c.isdigit() or c == "_" or "a" <= c <= "z"
+                                                               for c in self.dtype)):
+            raise ValueError(f"kv dtype {self.dtype!r} must be 1-15 of [a-z0-9_]")
+        for what, rank, size in (("pp", self.pp_rank, self.pp_size), ("cp", self.cp_rank, self.cp_size)):
+            if not 1 <= size <= 1024 or not 0 <= rank < size:
+                raise ValueError(f"{what} rank {rank} is not a rank of {what} size {size}")
+
+    def daemon_flags(self) -> List[str]:
+        flags = ["--kv-layout", self.layout] if self.layout else []
+        if self.dtype:
+            flags += ["--kv-dtype", self.dtype]
+        if self.pp_size > 1:
+            flags += ["--pp-rank", str(self.pp_rank), "--pp-size", str(self.pp_size)]
+        if self.cp_size > 1:
+            flags += ["--cp-rank", str(self.cp_rank), "--cp-size", str(self.cp_size)]
+        return flags
+
+    def to_native(self) -> n.KvIdentity:
+        return n.KvIdentity(KV_LAYOUTS[self.layout], self.dtype.encode(), self.pp_rank, self.pp_size, self.cp_rank,
+                            self.cp_size)
+
+
+def kv_dtype_name(dtype) -> str:
+    """The name a torch dtype (or a string naming one) goes by in a KvIdentity: "bfloat16",
+    "float8_e4m3fn", ... (torch's own, without "torch.")."""
+    return str(dtype).replace("torch.", "").lower()
+
+
 @dataclasses.dataclass(frozen=True)
 class Geometry:
     """The KV cache every rank holds. Shapes are (blocks, kv_heads, block_size, head_dim), or
     3-D (blocks, kv_heads, block_size). `num_layers` counts every layer with a cache, the
     `num_extra_layers` MTP layers at the end included; those have `extra_device_blocks` blocks.
-    block_wise_fp8 adds key/value scale tensors of `scale_bytes` (2 or 4) per token."""
+    block_wise_fp8 adds key/value scale tensors of `scale_bytes` (2 or 4) per token. `identity`:
+    what the KV is beyond its shape (KvIdentity); the session declares it and daemon_flags gives
+    it to the daemon. Engine adapters always declare the layout."""
 
     num_ranks: int
     num_layers: int
@@ -44,6 +98,7 @@ class Geometry:
     scale_bytes: int = 2
     num_extra_layers: int = 0
     extra_device_blocks: int = 0
+    identity: Optional[KvIdentity] = None
 
     def daemon_flags(self) -> List[str]:
         """The flags that give a daemon this geometry (its rank, session and backend are the caller's)."""
@@ -57,6 +112,8 @@ class Geometry:
                       "--extra-device-blocks", str(self.extra_device_blocks)]
         if self.dtype == "block_wise_fp8" and self.scale_bytes == 4:
             flags += ["--default-dtype", "float32"]
+        if self.identity is not None:
+            flags += self.identity.daemon_flags()
         return flags
 
     def to_native(self) -> n.Geometry:

@@ -181,9 +181,13 @@ class Session:
         self._close_lock = threading.Lock()
         if groups is not None and (adopt_host_tier or only_rank is not None):
             raise ValueError("adopt_host_tier and only_rank are for a session over one geometry, not cache groups")
-        opts = n.SessionOptions(0, 0)
+        opts = n.SessionOptions()
         if not completion_forecast:
             opts.flags |= n.SESSION_NO_COMPLETION_FORECAST
+        identity = (geometry if geometry is not None else groups).identity
+        if identity is not None:  # the daemons' flags must say the same (Geometry.daemon_flags does)
+            opts.flags |= n.SESSION_KV_IDENTITY
+            opts.kv_identity = identity.to_native()
         if groups is not None:
             native = groups.to_native()
             rc = n.lib.kvtd_session_create_groups_with(suffix.encode(), ctypes.byref(native), ctypes.byref(opts),

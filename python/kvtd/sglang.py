@@ -7,7 +7,11 @@
 sglang runs one scheduler process per TP rank; each makes one backend (StorageBackendFactory
 `_create_dynamic_backend`, mem_cache/storage/backend_factory.py:114-150, calls
 `cls(storage_config, kwargs)`), which makes a kvtd session serving that rank alone
-(`<kvtd_session>_r<tp_rank>`, Session(only_rank=r)) for that rank's daemon. With
+(`<kvtd_session>_r<tp_rank>`, Session(only_rank=r)) for that rank's daemon; with pipeline or
+attention context parallelism `<kvtd_session>_pp<stage>_cp<slice>_r<tp_rank>` (session_suffix),
+and the stage, the slice and the pool's dtype are in the stored objects' namespace
+(kvtd.KvIdentity: the daemon is started with the same --pp-*, --cp-*, --kv-dtype, as the
+logged command line shows). With
 `"allocator": "shm"` sglang's host pool lives in a memfd (mmap_allocator.py:160-167; the fd is
 HostKVCache.fd, pool_host/base.py:175); the backend registers that memory with the session by the
 fd's /proc path, so the daemon maps the very pages sglang reads and writes, and loads and
@@ -55,16 +59,30 @@ def _memfd_place(fd: int, address: int):
     return f"/proc/{os.getpid()}/fd/{fd}", offset
 
 
-def plan_for(host, tp_size: int, mla: bool) -> PoolPlan:
+def plan_for(host, tp_size: int, mla: bool, pp: tuple = (0, 1), cp: tuple = (0, 1)) -> PoolPlan:
     """kvtd's geometry and tensors for sglang's HostKVCache `host` (MHA: head_num and head_dim;
-    MLA: kv_cache_dim)."""
+    MLA: kv_cache_dim), of pipeline stage `pp` and attention context-parallel slice `cp`, each
+    (rank, size)."""
     buf = host.kv_buffer
     width = int(host.kv_cache_dim) if mla else int(host.head_num) * int(host.head_dim)
     return plan_pool(layout=host.layout, mla=mla, layer_num=int(host.layer_num), size=int(host.size),
                      page_size=int(host.page_size), token_width=width,
                      dtype_name=str(host.dtype).replace("torch.", ""), itemsize=int(buf.element_size()),
                      tp_size=tp_size, buffer_bytes=int(buf.numel()) * int(buf.element_size()),
-                     head_dim=0 if mla else int(host.head_dim))
+                     head_dim=0 if mla else int(host.head_dim), pp=pp, cp=cp)
+
+
+def session_suffix(prefix: str, tp_rank: int, pp: tuple = (0, 1), cp: tuple = (0, 1)) -> str:
+    """`<prefix>[_pp<stage>][_cp<slice>]_r<tp_rank>`: every rank coordinate sglang gives a storage
+    backend (HiCacheStorageConfig), as its own HiCacheFile names files by them
+    (hicache_storage.py:382-388); a coordinate of size 1 is left out, so a deployment without
+    pipeline or context parallelism keeps `<prefix>_r<tp_rank>`."""
+    name = prefix
+    if pp[1] > 1:
+        name += f"_pp{pp[0]}"
+    if cp[1] > 1:
+        name += f"_cp{cp[0]}"
+    return f"{name}_r{tp_rank}"
 
 
 def daemon_command(plan: PoolPlan, suffix: str, rank: int) -> List[str]:
@@ -83,7 +101,12 @@ class KvtdHiCacheStorage(HiCacheStorage):
                              "(sglang's other path copies every page through a tensor)")
         self._rank, self._tp = int(storage_config.tp_rank), int(storage_config.tp_size)
         self._mla = bool(storage_config.is_mla_model)
-        self._suffix = f"{extra.get('kvtd_session', 'sglang')}_r{self._rank}"
+        # The pipeline stage and attention context-parallel slice (HiCacheStorageConfig): both in
+        # the session's name and the stored objects' namespace, or stage 1 loads stage 0's layers.
+        self._pp = (int(getattr(storage_config, "pp_rank", 0) or 0), int(getattr(storage_config, "pp_size", 1) or 1))
+        self._cp = (int(getattr(storage_config, "attn_cp_rank", 0) or 0),
+                    int(getattr(storage_config, "attn_cp_size", 1) or 1))
+        self._suffix = session_suffix(str(extra.get("kvtd_session", "sglang")), self._rank, self._pp, self._cp)
         self._timeout = float(extra.get("kvtd_timeout_s", 5.0))
         if self._timeout <= 0:
             raise ValueError(f"kvtd_timeout_s must be positive, got {self._timeout}")
@@ -104,7 +127,7 @@ class KvtdHiCacheStorage(HiCacheStorage):
         if fd is None:
             raise ValueError('kvtd.sglang reads and writes the host pool in place: set "allocator": "shm" in the '
                              "extra config (the pool then lives in a memfd its daemon can map)")
-        plan = plan_for(mem_pool_host, self._tp, self._mla)
+        plan = plan_for(mem_pool_host, self._tp, self._mla, self._pp, self._cp)
         name, base = _memfd_place(int(fd), int(mem_pool_host.kv_buffer.data_ptr()))
         handle = name.encode().ljust(64, b"\0")
         s = Session(self._suffix, plan.geometry, only_rank=self._rank)

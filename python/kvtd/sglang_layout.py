@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional
 
-from .geometry import Geometry
+from .geometry import Geometry, KvIdentity, kv_dtype_name
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 _DTYPES = {2: ("bfloat16", "float16"), 1: ("uint8",)}
@@ -62,12 +62,17 @@ def _kvtd_dtype(dtype_name: str, itemsize: int) -> str:
 
 
 def plan_pool(*, layout: str, mla: bool, layer_num: int, size: int, page_size: int, token_width: int,
-              dtype_name: str, itemsize: int, tp_size: int, buffer_bytes: int, head_dim: int = 0) -> PoolPlan:
+              dtype_name: str, itemsize: int, tp_size: int, buffer_bytes: int, head_dim: int = 0,
+              pp: tuple = (0, 1), cp: tuple = (0, 1)) -> PoolPlan:
     """kvtd's geometry and tensors for one rank's sglang host pool. `token_width`: elements of
     one token in one layer (MHA: head_num * head_dim; MLA: kv_cache_dim); `head_dim` (MHA
     page_head: its pieces are heads outermost); `size`: tokens (a
     multiple of page_size, base.py:121-123); `buffer_bytes`: the buffer's length, checked against
-    what the layout needs. Raises ValueError naming the first problem."""
+    what the layout needs. `pp`, `cp`: (rank, size) of the pipeline stage and attention
+    context-parallel slice the pool holds. The geometry declares its identity (KvIdentity): MLA
+    replicated, MHA per rank, the pool's own dtype by name (one-byte dtypes move as uint8 but
+    e4m3 and e5m2 never share a namespace), the stage and the slice. Raises ValueError naming the
+    first problem."""
     if layout not in LAYOUTS or (mla and layout == "page_head"):
         allowed = [x for x in LAYOUTS if not (mla and x == "page_head")]
         raise ValueError(f"sglang host pool layout {layout!r} is not one kvtd reads in place ({', '.join(allowed)})")
@@ -105,8 +110,10 @@ def plan_pool(*, layout: str, mla: bool, layer_num: int, size: int, page_size: i
                  }[layout]
         for t, kind in enumerate(kinds):
             pieces.append(PoolPiece(0, kind, t * layer_num * size * token_bytes, layer_num * size * token_bytes))
+    identity = KvIdentity(layout="replicated" if mla else "per_rank", dtype=kv_dtype_name(dtype_name),
+                          pp_rank=int(pp[0]), pp_size=int(pp[1]), cp_rank=int(cp[0]), cp_size=int(cp[1]))
     g = Geometry(num_ranks=tp_size, num_layers=layers, key_shape=shape, value_shape=None if mla else shape,
-                 dtype=dtype)
+                 dtype=dtype, identity=identity)
     return PoolPlan(g, pieces, page_size, pages, buffer_bytes)
 
 

@@ -43,7 +43,10 @@ A storage tier behind the host tier: `"kvtd_storage": true` with daemons that ha
 
 Replicated layouts (MLA): the spec leaves `replicated_layout` False, so every rank stores its own
 copy into its own daemon's pool (vLLM's CPU spec lets rank 0 write one copy into a region the
-ranks share, worker.py:55-57; kvtd's pools are per rank).
+ranks share, worker.py:55-57; kvtd's pools are per rank). The storage tier follows vLLM's
+OffloadingConfig.replicated_layout: set (a pure-MLA, TP-only deployment), rank 0's daemon stores
+one copy every rank reads; otherwise each rank stores and reads its own (the session and the
+daemon declare it: KvIdentity, `--kv-layout`, never inferred from the tensors).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import Offlo
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
 from .fastdeploy_v1_support import tensor_location
-from .geometry import Geometry
+from .geometry import Geometry, KvIdentity, kv_dtype_name
 from .session import Session
 from .vllm_manager import KvtdOffloadingManager, KvtdWorkerMetadata
 from .vllm_storage import WorkerStorage, poll_task
@@ -105,9 +108,16 @@ class KvtdOffloadingSpec(OffloadingSpec):
         return KvtdOffloadingWorker(self, kv_caches)
 
 
-def geometry_of(kv_caches: CanonicalKVCaches, world_size: int, host_blocks: int) -> Geometry:
-    """kvtd's geometry of a worker's canonical tensors: each (num_blocks, page bytes), pairs of
-    them as a layer's key and value (a single tensor, e.g. a cross-layer slab, is key only)."""
+def geometry_of(kv_caches: CanonicalKVCaches, world_size: int, host_blocks: int, *, replicated: bool = False,
+                dtype: str = "") -> Geometry:
+    """kvtd's geometry of a worker's canonical tensors: each (num_blocks, page bytes) tensor one
+    layer of kvtd's, key only. vLLM's canonical tensors are a layer's K or V (FlashAttention's
+    split), a layer's MLA latent, or one cross-layer slab (its default layout, `canonical_layout`
+    False: worker.py:245-290), and kvtd need not tell which: it moves every tensor's block. What
+    it must know is declared, never inferred from the tensor count: the layout is per rank unless
+    vLLM says every worker's bytes are identical (OffloadingConfig.replicated_layout: a pure-MLA,
+    TP-only deployment; offloading/config.py:118-135), and `dtype` is the cache's element type
+    (OffloadingConfig.model.dtype), which vLLM's byte-typed tensors do not carry."""
     tensors = [t.tensor for t in kv_caches.tensors]
     if not tensors:
         raise ValueError("vLLM handed kvtd no KV cache tensors")
@@ -118,10 +128,9 @@ def geometry_of(kv_caches: CanonicalKVCaches, world_size: int, host_blocks: int)
             raise ValueError(f"canonical KV tensor {i} is {tuple(t.shape)} ({row[i]} bytes per block): kvtd needs "
                              f"every tensor contiguous with {num_blocks} blocks of {row[0]} bytes (not yet: "
                              "groups of different page sizes)")
-    shape = (num_blocks, 1, 1, row[0])
-    paired = len(tensors) % 2 == 0
-    return Geometry(num_ranks=world_size, num_layers=len(tensors) // 2 if paired else len(tensors), key_shape=shape,
-                    value_shape=shape if paired else None, dtype="uint8", num_host_blocks=host_blocks)
+    identity = KvIdentity(layout="replicated" if replicated else "per_rank", dtype=kv_dtype_name(dtype) if dtype else "")
+    return Geometry(num_ranks=world_size, num_layers=len(tensors), key_shape=(num_blocks, 1, 1, row[0]),
+                    value_shape=None, dtype="uint8", num_host_blocks=host_blocks, identity=identity)
 
 
 def daemon_command(g: Geometry, suffix: str, rank: int, device: int) -> List[str]:
@@ -146,17 +155,16 @@ class KvtdOffloadingWorker(OffloadingWorker):
     def __init__(self, spec: KvtdOffloadingSpec, kv_caches: CanonicalKVCaches):
         p = spec.config.parallel
         self._rank, self._world = int(p.rank), int(p.world_size)
-        self._geometry = geometry_of(kv_caches, self._world, spec.num_blocks)
+        self._geometry = geometry_of(kv_caches, self._world, spec.num_blocks,
+                                     replicated=bool(spec.config.replicated_layout), dtype=spec.config.model.dtype)
         self._block_bytes = self._geometry.block_bytes("key")
         self._tensors = len(kv_caches.tensors)
         self.suffix = f"{spec.session_prefix}_r{self._rank}"
         s = Session(self.suffix, self._geometry, only_rank=self._rank)
         try:
-            paired = self._geometry.value_shape is not None
-            for i, t in enumerate(kv_caches.tensors):
+            for i, t in enumerate(kv_caches.tensors):  # tensor i is layer i of the geometry
                 handle, offset, nbytes, device = tensor_location(t.tensor)
-                layer, kind = (i // 2, "key" if i % 2 == 0 else "value") if paired else (i, "key")
-                s.register_tensor(self._rank, layer, kind, handle, offset, nbytes, device_id=device)
+                s.register_tensor(self._rank, i, "key", handle, offset, nbytes, device_id=device)
             s.publish()
         except Exception:
             s.close()

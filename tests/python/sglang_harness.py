@@ -149,10 +149,10 @@ def mha_host_pool_class():
     return MHAHostPool
 
 
-def storage_config(tp_rank, tp_size, extra, mla=False, model="kvtd-test/model"):
+def storage_config(tp_rank, tp_size, extra, mla=False, model="kvtd-test/model", pp=(0, 1), cp=(0, 1)):
     hs = import_hicache_storage()
-    return hs.HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                                   attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
+    return hs.HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp[0], pp_size=pp[1], attn_cp_rank=cp[0],
+                                   attn_cp_size=cp[1], is_mla_model=mla, enable_storage_metrics=False,
                                    is_page_first_layout=False, model_name=model, extra_config=extra)
 
 

@@ -71,8 +71,8 @@ class Rank:
     """One sglang scheduler's storage side: its config, host pool, kvtd backend made by sglang's
     factory, and its daemon (file store at `store`)."""
 
-    def __init__(self, tmp_path, layout, session, tp_rank=0, tp_size=1, store=None, start_daemon=True):
-        self.config = sglang_harness.storage_config(tp_rank, tp_size, extra_config(session))
+    def __init__(self, tmp_path, layout, session, tp_rank=0, tp_size=1, store=None, start_daemon=True, pp=(0, 1)):
+        self.config = sglang_harness.storage_config(tp_rank, tp_size, extra_config(session), pp=pp)
         self.pool = host_pool(layout)
         self.backend = sglang_harness.backend_factory().create_backend("dynamic", self.config, self.pool)
         self.backend.register_mem_pool_host(self.pool)
@@ -489,3 +489,60 @@ def test_a_daemon_maps_the_memory_of_its_own_engine_only(tmp_path, session_name)
             while "not the memory of the engine" not in d.logs() and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert f"not the memory of the engine that made the session (pid {os.getpid()})" in d.logs(), d.logs()
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_a_pipeline_stage_never_finds_or_loads_another_stages_layers(tmp_path, session_name, mla):
+    """Trust round 4: two pipeline stages of one model (equal depth, so equal shapes) on two nodes
+    share a store. Session and object names carried only the TP rank: stage 1's batch_exists
+    answered 2 where HiCacheFile answers 0 (it names files by PP rank, hicache_storage.py:382-388)
+    and its batch_get_v1 loaded stage 0's layers into its pool. Each stage is now a namespace of
+    its own (KvIdentity pp_rank/pp_size), MHA and MLA alike (an MLA latent drops the TP rank from
+    its names, never the stage)."""
+    hs = sglang_harness.import_hicache_storage()
+    stages = []
+    try:
+        for stage in range(2):
+            node = f"{session_name}n{stage}"  # each stage on a node of its own: its own /dev/shm, one store
+            config = sglang_harness.storage_config(0, 1, extra_config(node), mla=mla, pp=(stage, 2))
+            if mla:
+                dev = sglang_harness.MLADevicePool(torch.bfloat16, 64, 3, 16, 8)
+                pool = sglang_harness.mla_host_pool_class()(dev, 2.0, PAGE, "page_first")
+            else:
+                pool = host_pool("page_first")
+            backend = sglang_harness.backend_factory().create_backend("dynamic", config, pool)
+            backend.register_mem_pool_host(pool)
+            assert backend._suffix == f"{node}_pp{stage}_r0"
+            d = kvtd.testing.Daemons(None, backend._suffix, backend._plan.geometry, ranks=[0],
+                                     extra=["--storage-backend", "file", "--storage-path", str(tmp_path / "store"),
+                                            "--model-id", "sgl"]).start()
+            stages.append((pool, backend, d, config))
+            backend._session.wait_ready(30)
+        (pool0, b0, _, c0), (pool1, b1, _, c1) = stages
+        oracles = [hs.HiCacheFile(c, file_path=str(tmp_path / "hicache")) for c in (c0, c1)]
+        fill_random(pool0, 5)
+        pool1.kv_buffer.zero_()
+        keys = ["p1", "p2"]
+        assert all(b0.batch_set_v1(keys, indices([1, 2])))
+        assert oracles[0].batch_set(keys, [pool0.get_data_page(p * PAGE) for p in (1, 2)])
+        assert b0.batch_exists(keys) == oracles[0].batch_exists(keys) == 2
+        assert b1.batch_exists(keys) == oracles[1].batch_exists(keys) == 0
+        assert b1.batch_get_v1(keys, indices([3, 4])) == [False, False]
+        assert not pool1.kv_buffer.view(torch.int16).any(), "stage 1's pool got stage 0's bytes"
+    finally:
+        for _, backend, d, _ in stages:
+            d.stop()
+            backend.close()
+
+
+def test_every_one_byte_dtype_is_a_namespace_of_its_own():
+    """sglang's fp8 pools (e4m3, e5m2) move as uint8 bytes; their dtype names still differ in the
+    identity the session declares and the daemon's namespace takes (kvtd/proto/kv_identity.h)."""
+    from kvtd.sglang_layout import plan_pool
+    plans = {name: plan_pool(layout="page_first", mla=False, layer_num=2, size=16, page_size=4, token_width=8,
+                             dtype_name=name, itemsize=1, tp_size=1, buffer_bytes=2 * 2 * 16 * 8)
+             for name in ("float8_e4m3fn", "float8_e5m2", "uint8")}
+    assert {p.geometry.dtype for p in plans.values()} == {"uint8"}
+    assert [p.geometry.identity.dtype for p in plans.values()] == ["float8_e4m3fn", "float8_e5m2", "uint8"]
+    flags = plans["float8_e5m2"].geometry.daemon_flags()
+    assert flags[flags.index("--kv-dtype") + 1] == "float8_e5m2" and flags[flags.index("--kv-layout") + 1] == "per_rank"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+import types
 import uuid
 
 import pytest
@@ -52,44 +53,87 @@ def offloading_config(rank, world, extra, blocks_per_chunk=1):
 
 def extra_config(host_blocks=16, **more):
     return {"spec_name": "KvtdOffloadingSpec", "spec_module_path": "kvtd.vllm", "kvtd_host_blocks": host_blocks,
-            "kvtd_session": f"vl{uuid.uuid4().hex[:6]}", "kvtd_ready_timeout_s": 30, **more}
+            "kvtd_session": f"vl{uuid.uuid4().hex[:6]}", "kvtd_ready_timeout_s": 0.01, **more}
+
+
+class FlashAttentionStandIn:
+    """The two class methods of an attention backend vLLM's register_cross_layers_kv_cache asks
+    (worker.py:248-258), answering as FlashAttention's NHD layout does (vllm/v1/attention/backends/
+    flash_attn.py, not vendored): a layer's cache is (2, num_blocks, block_size, heads, head_size),
+    and the cross-layer tensor's physical order puts the blocks first, (num_blocks, layers, 2, ...)."""
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size):
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension=False):
+        return (2, 0, 1, 3, 4, 5) if include_num_layers_dimension else (0, 1, 2, 3, 4)
+
+
+def torch_2_untyped_storage():
+    """Tensor.untyped_storage() is torch 2's; Debian's torch 1.13 spells it storage().untyped().
+    vLLM's register_cross_layers_kv_cache calls it (worker.py:265); nothing else of it is replaced."""
+    if not hasattr(torch.Tensor, "untyped_storage"):
+        torch.Tensor.untyped_storage = lambda self: self.storage().untyped()
 
 
 class Rank:
     """One vLLM worker process: its KV cache (shared memory, the host backend's "GPU"), its spec,
-    vLLM's OffloadingConnectorWorker over the spec's worker, and its rank's daemon."""
+    vLLM's OffloadingConnectorWorker over the spec's worker, and its rank's daemon. cross_layer:
+    the KV is one slab of every layer, registered by vLLM's own register_cross_layers_kv_cache
+    (vLLM's default: OffloadingConnector.prefer_cross_layer_blocks is `not canonical_layout`,
+    offloading_connector.py:51-53); else one tensor per layer's K and V, as register_kv_caches
+    canonicalises FlashAttention's layers."""
 
-    def __init__(self, rank, world, extra, daemon_flags=()):
+    def __init__(self, rank, world, extra, daemon_flags=(), cross_layer=False, start_daemon=True):
         base, _, factory, _, worker = vllm_modules()
         self.rank, self.block_bytes = rank, 2 * LAYERS * PAGE
         self.path = f"/dev/shm/kvtd_vllm_test_{uuid.uuid4().hex[:8]}"
         self.buffer = torch.from_file(self.path, shared=True, size=2 * LAYERS * GPU_BLOCKS * PAGE, dtype=torch.int8)
-        self.tensors = [self.buffer[i * GPU_BLOCKS * PAGE:(i + 1) * GPU_BLOCKS * PAGE].view(GPU_BLOCKS, PAGE)
-                        for i in range(2 * LAYERS)]
+        if cross_layer:
+            self.tensors = [self.buffer.view(GPU_BLOCKS, 2 * LAYERS * PAGE)]
+        else:
+            self.tensors = [self.buffer[i * GPU_BLOCKS * PAGE:(i + 1) * GPU_BLOCKS * PAGE].view(GPU_BLOCKS, PAGE)
+                            for i in range(2 * LAYERS)]
         try:
-            self._start(rank, world, extra, daemon_flags, base, factory, worker)
+            self._start(rank, world, extra, base, factory, worker, cross_layer)
+            self.daemons = None
+            if start_daemon:
+                self.start_daemon(daemon_flags)
         except BaseException:
             os.unlink(self.path)
             raise
 
-    def _start(self, rank, world, extra, daemon_flags, base, factory, worker):
+    def _start(self, rank, world, extra, base, factory, worker, cross_layer):
         self.spec = factory.OffloadingSpecFactory.create_spec(offloading_config(rank, world, extra))
-        caches = base.CanonicalKVCaches(tensors=[base.CanonicalKVCacheTensor(t, PAGE) for t in self.tensors],
-                                        group_data_refs=[[base.CanonicalKVCacheRef(i, PAGE) for i in range(2 * LAYERS)]])
-        from kvtd.vllm import geometry_of
-        self.geometry = geometry_of(caches, world, self.spec.num_blocks)
-        self.daemons = kvtd.testing.Daemons(None, f"{extra['kvtd_session']}_r{rank}", self.geometry,
-                                            list(daemon_flags), ranks=[rank]).start()
-        self.connector = worker.OffloadingConnectorWorker(self.spec, None, None)
-        try:
-            self.connector._init_worker(caches)  # what register_kv_caches ends with (worker.py:66-67, 292)
-        except BaseException:
-            self.daemons.stop()
-            raise
+        if cross_layer:
+            torch_2_untyped_storage()
+            layer_spec = types.SimpleNamespace(page_size_bytes=2 * PAGE)  # one layer's K and V of a block
+            kv_cache_config = types.SimpleNamespace(kv_cache_groups=[types.SimpleNamespace(
+                kv_cache_spec=layer_spec, layer_names=[f"l{i}" for i in range(LAYERS)])])
+            self.connector = worker.OffloadingConnectorWorker(self.spec, None, kv_cache_config)
+            register = lambda: self.connector.register_cross_layers_kv_cache(self.buffer, FlashAttentionStandIn)
+        else:
+            caches = base.CanonicalKVCaches(
+                tensors=[base.CanonicalKVCacheTensor(t, PAGE) for t in self.tensors],
+                group_data_refs=[[base.CanonicalKVCacheRef(i, PAGE) for i in range(2 * LAYERS)]])
+            self.connector = worker.OffloadingConnectorWorker(self.spec, None, None)
+            # what register_kv_caches ends with (worker.py:66-67, 292)
+            register = lambda: self.connector._init_worker(caches)  # noqa: E731
+        register()  # the worker's session is published (ready_timeout 0: its daemon joins below)
+        self.geometry = self.connector.worker._geometry
+
+    def start_daemon(self, daemon_flags=()):
+        """The rank's daemon, started as the worker's logged command line says (its geometry's flags)."""
+        w = self.connector.worker
+        self.daemons = kvtd.testing.Daemons(None, w.suffix, self.geometry, list(daemon_flags), ranks=[self.rank]).start()
+        w._session.wait_ready(30)
 
     def write_block(self, b, data):
+        row = self.tensors[0].shape[1]
         for i, t in enumerate(self.tensors):
-            t[b].copy_(data[i * PAGE:(i + 1) * PAGE])
+            t[b].copy_(data[i * row:(i + 1) * row])
 
     def block(self, b):
         return torch.cat([t[b].clone() for t in self.tensors])
@@ -102,7 +146,8 @@ class Rank:
 
     def close(self):
         self.connector.shutdown()
-        self.daemons.stop()
+        if self.daemons is not None:
+            self.daemons.stop()
         os.unlink(self.path)
 
 
@@ -111,12 +156,12 @@ def prompt(seed, chunks):
     return [int(t) for t in torch.randint(0, 32000, (chunks * vllm_engine.TOKENS_PER_BLOCK,), generator=g)]
 
 
-def engine_of(world=2, daemon_flags=(), **extra):
+def engine_of(world=2, daemon_flags=(), cross_layer=False, **extra):
     config = extra_config(**extra)
     ranks = []
     try:
         for r in range(world):
-            ranks.append(Rank(r, world, config, daemon_flags))
+            ranks.append(Rank(r, world, config, daemon_flags, cross_layer=cross_layer))
         # The scheduler process's spec: one more construction, as vLLM makes in every process.
         _, _, factory, _, _ = vllm_modules()
         spec = factory.OffloadingSpecFactory.create_spec(offloading_config(0, world, config))
@@ -318,6 +363,51 @@ def test_the_storage_tier_serves_what_the_host_tier_forgot_through_vllms_own_sch
         assert engine.serve(Request("s3", p)) == 4 * 16, "promoted into the host tier: a plain hit now"
     finally:
         close(engine)
+
+
+def test_vllms_default_cross_layer_slab_loads_each_ranks_own_bytes_from_the_storage_tier(tmp_path):
+    """Trust round 4: vLLM's default registration hands each worker one cross-layer slab (no value
+    tensor). It was taken for an MLA latent: rank 0 alone stored, every rank read rank 0's objects,
+    and after reset_cache rank 1's blocks were loaded with rank 0's bytes, reported loaded. Now the
+    geometry declares the slab per rank; each rank stores and loads its own."""
+    engine = engine_of(daemon_flags=store_flags(tmp_path), kvtd_storage=True, cross_layer=True)
+    try:
+        assert all(r.geometry.identity.layout == "per_rank" for r in engine.ranks)
+        p = prompt(37, 4)
+        assert engine.serve(Request("x1", p)) == 0
+        engine.scheduler.connector_scheduler.reset_cache()
+        hit = engine.serve(Request("x2", p))
+        assert hit == 4 * 16
+        assert_loaded(engine, Request("x2", p), hit)
+        # <root>/<model>/<fingerprint>/<fan-out>/<key>.w0-0.r<rank>.kvo (storage/object_name.h)
+        slices = {f.name[:-len(".kvo")].rsplit(".", 1)[-1] for f in tmp_path.rglob("*.kvo")}
+        assert slices == {"r0", "r1"}, f"each rank stores its own objects: {sorted(slices)}"
+    finally:
+        close(engine)
+
+
+def test_a_daemon_started_without_the_slabs_layout_is_refused_not_served_rank_0s_bytes(tmp_path):
+    """A daemon started by hand without --kv-layout reads a value-less cache as an MLA latent
+    (FastDeploy's launch line). The session declares the slab per rank, so that daemon is refused
+    at attach, naming the flag, instead of loading rank 0's objects into rank 1's blocks; the
+    command line the worker logs (daemon_command) attaches."""
+    import subprocess
+    rank = Rank(1, 2, extra_config(), store_flags(tmp_path), cross_layer=True, start_daemon=False)
+    try:
+        w = rank.connector.worker
+        cmd = list(w.daemon_command)
+        assert cmd[cmd.index("--kv-layout") + 1] == "per_rank" and cmd[cmd.index("--kv-dtype") + 1] == "bfloat16"
+        i = cmd.index("--kv-layout")
+        by_hand = cmd[1:i] + cmd[i + 2:]
+        p = subprocess.run([kvtd.testing.find_binary(), *by_hand, *store_flags(tmp_path), "--attach-timeout", "20"],
+                           capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        assert p.returncode != 0, p.stderr[-2000:]
+        assert "--kv-layout per_rank" in p.stdout + p.stderr, (p.stdout + p.stderr)[-2000:]
+        assert not w._session.rank_alive(1)
+        rank.start_daemon(store_flags(tmp_path))
+        assert w._session.rank_alive(1)
+    finally:
+        rank.close()
 
 
 def test_the_storage_tiers_hits_are_the_ranks_agreed_minimum(tmp_path):

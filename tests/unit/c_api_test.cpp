@@ -253,7 +253,8 @@ void report_timed(RankEndpoint& ep, std::uint64_t id, std::uint64_t blocks, std:
 // (reported at once, so taken before its window).
 std::uint64_t forecast_waits_after_two_swaps(const std::string& suffix, std::uint32_t flags) {
   const kvtd_geometry g = c_geometry(1);
-  const kvtd_session_options opts{flags, 0};
+  kvtd_session_options opts{};
+  opts.flags = flags;
   kvtd_session* s = nullptr;
   char err[256] = {0};
   EXPECT_EQ(kvtd_session_create_with(suffix.c_str(), &g, &opts, &s, err, sizeof err), KVTD_OK) << err;
@@ -756,14 +757,16 @@ TEST(CApi, AGroupSessionTakesOnlyTheOptionsThatApplyToIt) {
   char err[256] = {0};
   const kvtd_cache_groups gs = c_groups();
   kvtd_session* s = nullptr;
-  const kvtd_session_options no_forecast{KVTD_SESSION_NO_COMPLETION_FORECAST, 0};
+  kvtd_session_options no_forecast{};
+  no_forecast.flags = KVTD_SESSION_NO_COMPLETION_FORECAST;
   ASSERT_EQ(kvtd_session_create_groups_with(test::unique_suffix("cgroupsopt").c_str(), &gs, &no_forecast, &s, err,
                                             sizeof err),
             KVTD_OK)
       << err;
   kvtd_session_destroy(s);
   for (const std::uint32_t flags : {std::uint32_t{KVTD_SESSION_ADOPT_HOST_TIER}, std::uint32_t{KVTD_SESSION_ONLY_RANK}, 1u << 9}) {
-    const kvtd_session_options opts{flags, 0};
+    kvtd_session_options opts{};
+    opts.flags = flags;
     s = nullptr;
     EXPECT_EQ(kvtd_session_create_groups_with("cgroups_opt_bad", &gs, &opts, &s, err, sizeof err), KVTD_E_INVALID);
     EXPECT_EQ(s, nullptr);

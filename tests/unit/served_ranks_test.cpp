@@ -92,13 +92,16 @@ TEST(ServedRanks, TheCApiRefusesUnknownOptionFlagsAndARankOutsideTheGeometry) {
   const std::string suffix = test::unique_suffix("served_c");
   char err[256] = {};
   kvtd_session* s = nullptr;
-  kvtd_session_options opts{1u << 7, 0};
+  kvtd_session_options opts{};
+  opts.flags = 1u << 7;
   EXPECT_EQ(kvtd_session_create_with(suffix.c_str(), &cg, &opts, &s, err, sizeof err), KVTD_E_INVALID);
   EXPECT_NE(std::string(err).find("unknown session option flags 128"), std::string::npos) << err;
-  opts = {KVTD_SESSION_ONLY_RANK, 2};
+  opts = kvtd_session_options{};
+  opts.flags = KVTD_SESSION_ONLY_RANK;
+  opts.only_rank = 2;
   EXPECT_NE(kvtd_session_create_with(suffix.c_str(), &cg, &opts, &s, err, sizeof err), KVTD_OK);
   EXPECT_NE(std::string(err).find("only_rank 2"), std::string::npos) << err;
-  opts = {KVTD_SESSION_ONLY_RANK, 1};
+  opts.only_rank = 1;
   ASSERT_EQ(kvtd_session_create_with(suffix.c_str(), &cg, &opts, &s, err, sizeof err), KVTD_OK) << err;
   kvtd_session_destroy(s);
 }

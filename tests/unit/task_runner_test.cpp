@@ -392,7 +392,7 @@ TEST(TaskRunner, StorageWriteRunningOutOfSpaceFailsAndLeavesWholeObjects) {
   std::filesystem::remove_all(root);
   FillingFileSystem fs(3);
   storage::FileStoreOptions fo;
-  fo.store = {"m", layout_fingerprint(g, proto::ObjectSlicing{}), g.bytes_per_block_all_layers()};
+  fo.store = {"m", layout_fingerprint(g, proto::ObjectSlicing{}, proto::KvIdentity{}), g.bytes_per_block_all_layers()};
   fo.root = root;
   fo.fs = &fs;
   fo.io_threads = 1;

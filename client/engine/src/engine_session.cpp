@@ -100,6 +100,11 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
   if (o.only_rank && *o.only_rank >= geometry.num_ranks)
     return make_error(IpcErrc::kInvalidArgument, "only_rank " + std::to_string(*o.only_rank) + " is not a rank of the " +
                                                      std::to_string(geometry.num_ranks) + "-rank geometry");
+  if (auto why = proto::kv_identity_problem(o.kv_identity); !why.empty())
+    return make_error(IpcErrc::kInvalidArgument, "kv_identity: " + why);
+  if (grouped && o.kv_identity.kv_layout() != proto::KvLayout::kUndeclared)
+    return make_error(IpcErrc::kInvalidArgument, "kv_identity: a session of cache groups declares each group's layout "
+                                                 "by its kind (mla_latent is replicated); leave the layout undeclared");
 
   // Objects an engine killed with -9 left behind (its arenas, host pools no live daemon holds).
   (void)sweep_stale_objects();
@@ -135,6 +140,7 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
   impl->generation = impl->h->generation;
   impl->h->take_over_host_tier = o.adopt_host_tier ? 1 : 0;
   impl->h->served_ranks = o.only_rank ? 1u << *o.only_rank : 0;
+  impl->h->kv_identity = o.kv_identity;
   impl->served = proto::ranks_served(impl->h->served_ranks, geometry.num_ranks);
   auto* h = impl->h;
 

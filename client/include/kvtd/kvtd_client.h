@@ -245,17 +245,38 @@ KVTD_API int kvtd_session_create_adopting(const char* suffix, const kvtd_geometr
 enum {
   KVTD_SESSION_ADOPT_HOST_TIER = 1u << 0,
   KVTD_SESSION_ONLY_RANK = 1u << 1,
-  KVTD_SESSION_NO_COMPLETION_FORECAST = 1u << 2
+  KVTD_SESSION_NO_COMPLETION_FORECAST = 1u << 2,
+  KVTD_SESSION_KV_IDENTITY = 1u << 3
 };
+/* What the KV is beyond its shape (KVTD_SESSION_KV_IDENTITY; kvtd/proto/kv_identity.h). layout:
+ * KVTD_KV_LAYOUT_PER_RANK (each rank its own bytes: heads, a cross-layer slab) or
+ * KVTD_KV_LAYOUT_REPLICATED (an MLA latent: every rank the same bytes); UNDECLARED reads a cache
+ * without a value tensor as an MLA latent (FastDeploy's launch line); a session of cache groups
+ * leaves it UNDECLARED. dtype: the engine's element type by its own name, 1-15 of [a-z0-9_],
+ * NUL-padded ("" none). pp_rank/pp_size, cp_rank/cp_size: the pipeline stage and
+ * context-parallel slice of the session's KV (sizes 0 or 1: none). Each daemon's --kv-layout,
+ * --kv-dtype, --pp-rank/--pp-size and --cp-rank/--cp-size must say the same, or it is refused at
+ * attach; dtype and stage enter the storage namespace. */
+enum { KVTD_KV_LAYOUT_UNDECLARED = 0, KVTD_KV_LAYOUT_PER_RANK = 1, KVTD_KV_LAYOUT_REPLICATED = 2 };
+typedef struct kvtd_kv_identity {
+  uint32_t layout;
+  char dtype[16];
+  uint16_t pp_rank, pp_size;
+  uint16_t cp_rank, cp_size;
+} kvtd_kv_identity;
+/* Callers built before KVTD_SESSION_KV_IDENTITY pass the struct without kv_identity: it is read
+ * only when that flag is set. */
 typedef struct kvtd_session_options {
   uint32_t flags;     /* KVTD_SESSION_* bits */
   uint32_t only_rank; /* with KVTD_SESSION_ONLY_RANK */
+  kvtd_kv_identity kv_identity; /* with KVTD_SESSION_KV_IDENTITY */
 } kvtd_session_options;
 KVTD_API int kvtd_session_create_with(const char* suffix, const kvtd_geometry* geometry,
                                       const kvtd_session_options* options, kvtd_session** out, char* err,
                                       size_t err_len);
-/* Like kvtd_session_create_groups, with options: only KVTD_SESSION_NO_COMPLETION_FORECAST applies
- * to a session over cache groups; other flag bits are refused (KVTD_E_INVALID). */
+/* Like kvtd_session_create_groups, with options: only KVTD_SESSION_NO_COMPLETION_FORECAST and
+ * KVTD_SESSION_KV_IDENTITY (its layout UNDECLARED) apply to a session over cache groups; other flag
+ * bits are refused (KVTD_E_INVALID). */
 KVTD_API int kvtd_session_create_groups_with(const char* suffix, const kvtd_cache_groups* groups,
                                              const kvtd_session_options* options, kvtd_session** out, char* err,
                                              size_t err_len);

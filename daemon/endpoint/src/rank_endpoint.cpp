@@ -154,6 +154,9 @@ Result<std::optional<Published>, IpcErrc> read_published(const SharedObject& m, 
     return make_error(IpcErrc::kGeometryMismatch, "session " + name + " disagrees on " + diff);
   if (auto diff = detail::groups_mismatch(p.header.groups, o.expected_groups); !diff.empty())
     return make_error(IpcErrc::kGeometryMismatch, "session " + name + " disagrees on " + diff);
+  if (auto diff = proto::kv_identity_mismatch(p.header.kv_identity, o.expected_layout, o.expected_identity);
+      !diff.empty())
+    return make_error(IpcErrc::kGeometryMismatch, "session " + name + " disagrees on " + diff);
   return std::optional<Published>{std::move(p)};
 }
 

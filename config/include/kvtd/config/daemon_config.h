@@ -16,6 +16,7 @@
 #include "kvtd/proto/expected.h"
 #include "kvtd/proto/cache_groups.h"
 #include "kvtd/proto/geometry.h"
+#include "kvtd/proto/kv_identity.h"
 #include "kvtd/proto/object_slices.h"
 
 namespace kvtd::config {
@@ -143,6 +144,9 @@ struct DaemonConfig {
   // --cache-group (one per group, kvtd/proto/group_spec.h): the cache as groups instead of the
   // single shape above (num_groups 0: the single shape). Swaps only, so far: no storage backend.
   proto::CacheGroups cache_groups{};
+  // --kv-layout, --kv-dtype, --pp-rank/--pp-size, --cp-rank/--cp-size: what the KV is beyond its
+  // shape (kvtd/proto/kv_identity.h). Part of the storage namespace; the session must declare the same.
+  proto::KvIdentity kv_identity{};
   std::string session_suffix;
   DeviceBackendKind device_backend = DeviceBackendKind::kHost;
   daemon::ScatterMode scatter_mode = daemon::ScatterMode::kBatch;
@@ -183,8 +187,11 @@ struct DaemonConfig {
   // The single-shape geometry, or with --cache-group the groups' envelope (proto::envelope_of).
   proto::CacheGeometry geometry() const;
   // How this rank cuts its blocks into stored objects (kvtd/proto/object_slices.h): "" and *out
-  // filled, or the problem naming the flag. A cache without a value tensor is replicated (MLA).
+  // filled, or the problem naming the flag. Replicated as kv_layout() says.
   std::string object_slicing(proto::ObjectSlicing* out) const;
+  // The layout this daemon acts on: --kv-layout, else FastDeploy's reading of its launch line (no
+  // value cache: an MLA latent, replicated). A session of cache groups: kUndeclared (per group).
+  proto::KvLayout kv_layout() const;
   std::string object_slicing_problem() const {
     proto::ObjectSlicing unused;
     return object_slicing(&unused);

@@ -13,7 +13,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "kvtd/ipc/errors.h"
 #include "kvtd/ipc/shared_object.h"
@@ -63,6 +65,7 @@ struct HeaderCopy {
   std::uint32_t creator_pid = 0;          // proto::SessionHeader::creator_pid
   std::uint64_t take_over_host_tier = 0;  // proto::SessionHeader::take_over_host_tier
   std::uint32_t served_ranks = 0;         // proto::SessionHeader::served_ranks
+  proto::KvIdentity kv_identity{};        // proto::SessionHeader::kv_identity
   proto::CacheGeometry geometry{};
   proto::CacheGroups groups{};
   std::uint64_t registry_offset = 0, registry_count = 0, task_ring_offset = 0, task_ring_bytes = 0;
@@ -121,6 +124,10 @@ using ipc::session_object_name;
 // Whether a session's creator (or any process `pid`) may still run: not only when it is known
 // gone (ESRCH). A pid of 0 or less is gone.
 bool process_alive(pid_t pid);
+// sweep_stale_objects, calling `after_judging` (tests: a new engine taking a dead session's name
+// right there) between judging which sessions are dead and removing them.
+std::vector<std::string> sweep_stale_objects_judged(const std::vector<std::string>& object_dirs,
+                                                    const std::function<void()>& after_judging);
 
 // Names the first geometry field on which `have` and `want` differ, or "" when equal.
 std::string geometry_mismatch(const proto::CacheGeometry& have, const proto::CacheGeometry& want);

@@ -53,6 +53,7 @@ class SharedObject {
   const std::string& dir() const { return dir_; }  // empty: /dev/shm
   uid_t owner_uid() const { return owner_uid_; }
   mode_t mode() const { return mode_; }
+  ino_t inode() const { return inode_; }  // of the object opened (open() only; 0 for create())
   bool created() const { return created_; }  // made by this process (not opened)
   void set_unlink_on_destroy(bool v) { unlink_ = v; }
 
@@ -64,6 +65,7 @@ class SharedObject {
   std::string dir_;
   uid_t owner_uid_ = 0;
   mode_t mode_ = 0;
+  ino_t inode_ = 0;
   bool created_ = false;
   bool unlink_ = false;
 };

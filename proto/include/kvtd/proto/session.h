@@ -29,6 +29,7 @@
 #include "kvtd/proto/cache_groups.h"
 #include "kvtd/proto/geometry.h"
 #include "kvtd/proto/group_slots.h"
+#include "kvtd/proto/kv_identity.h"
 #include "kvtd/proto/task.h"
 
 namespace kvtd::proto {
@@ -37,8 +38,8 @@ inline constexpr std::uint64_t kSessionMagic = 0x5353455344545640ULL;  // "@VTDS
 // 2: RankSlot::owner; 3: agreement region; 4: scale bytes, extra layers; 5: cache_state;
 // 6: ProgressControl::events_epoch; 7: RankSlot::agreement_left; 8: SessionHeader::groups;
 // 9: SessionHeader::take_over_host_tier (a flag the daemon acts on; was a dead generation);
-// 10: SessionHeader::served_ranks
-inline constexpr std::uint32_t kSessionLayoutVersion = 10;
+// 10: SessionHeader::served_ranks; 11: SessionHeader::kv_identity
+inline constexpr std::uint32_t kSessionLayoutVersion = 11;
 
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
@@ -302,6 +303,10 @@ struct alignas(64) SessionHeader {
   // slices and names its objects as rank r of that many; a daemon of another rank is refused.
   // Written before publish.
   std::uint32_t served_ranks;
+  // What the engine declares its KV to be (kv_identity.h): layout across ranks, element type,
+  // pipeline stage and context-parallel slice; a daemon whose flags declare otherwise is refused.
+  // All zero: nothing declared. Written before publish.
+  KvIdentity kv_identity;
 
   alignas(64) std::atomic<std::int64_t> engine_heartbeat_ns;
   std::atomic<std::uint32_t> engine_pid;
@@ -331,6 +336,7 @@ static_assert(offsetof(SessionHeader, geometry) == 40);
 static_assert(offsetof(SessionHeader, cache_state) == 208);
 static_assert(offsetof(SessionHeader, take_over_host_tier) == 216);
 static_assert(offsetof(SessionHeader, served_ranks) == 224);
+static_assert(offsetof(SessionHeader, kv_identity) == 228);
 static_assert(kMaxRanks <= 32, "served_ranks is a 32-bit mask");
 
 // The ranks a session serves as a mask: SessionHeader::served_ranks, or every rank of the

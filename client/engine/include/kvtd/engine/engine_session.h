@@ -75,6 +75,13 @@ struct SessionOptions {
   // rank is refused. No agreement across the processes' sessions: each answers for its rank
   // (sglang MIN-reduces storage hits and loads across its ranks itself). Unset: every rank.
   std::optional<std::uint32_t> only_rank;
+  // What the KV is beyond its shape (kvtd/proto/kv_identity.h): its layout across ranks (a
+  // single-shape geometry; cache groups declare theirs by kind), element type, pipeline stage and
+  // context-parallel slice. Each daemon's flags (--kv-layout, --kv-dtype, --pp-*, --cp-*) must
+  // declare the same or it is refused at attach; the dtype and stage enter the storage
+  // namespace. An engine that runs with a pipeline or a value-less cache declares them: left
+  // undeclared, a cache without a value tensor is taken for an MLA latent (FastDeploy's reading).
+  proto::KvIdentity kv_identity{};
   // A caller waiting for a swap, the only one in flight in its direction, polls around when the
   // last swap of that direction says it should end (scaled by its blocks, from the ranks' own
   // timing), sleeping before that, instead of sleeping through the report and paying a wake-up.

@@ -37,6 +37,10 @@ struct EndpointOptions {
   std::uint32_t rank = 0;
   proto::CacheGeometry expected{};          // from the daemon's flags (a group session: the groups' envelope)
   proto::CacheGroups expected_groups{};     // from the daemon's flags; num_groups 0: a single-shape session
+  // What the daemon's flags declare the KV to be (its dtype, stage, slice) and the layout it acts
+  // on (config::DaemonConfig::kv_layout): a session declaring otherwise is refused.
+  proto::KvIdentity expected_identity{};
+  proto::KvLayout expected_layout = proto::KvLayout::kUndeclared;
   std::int64_t attach_timeout_ns = 0;       // 0 = wait for the session forever
   std::int64_t grant_timeout_ns = 5'000'000'000;
   std::int64_t engine_timeout_ns = 5'000'000'000;  // engine heartbeat age that counts as gone

@@ -60,16 +60,18 @@ namespace kvtd::daemon {
 // object's bytes (dtype, heads, block size, head dim, layers, which tensors exist; not the block
 // counts). The TP size is in it only where the bytes depend on it: objects by rank of a cache
 // split by head. Objects by head carry the model's heads and the heads per object instead, and a
-// replicated (MLA) cache neither, so every TP size finds the same namespace.
-std::uint64_t layout_fingerprint(const proto::CacheGeometry& g, const proto::ObjectSlicing& slicing);
+// replicated (MLA) cache neither, so every TP size finds the same namespace. `id`: the KV's
+// declared dtype, pipeline stage and context-parallel slice (kvtd/proto/kv_identity.h), each
+// in it when declared (nothing declared: the fingerprint of a geometry as before identities).
+std::uint64_t layout_fingerprint(const proto::CacheGeometry& g, const proto::ObjectSlicing& slicing,
+                                 const proto::KvIdentity& id);
 
 // The layout fingerprint of cache group `g`'s stored objects (each group of a session is a
 // namespace of its own, its objects one block of every layer and tensor of the group): its kind,
 // tensors, layers, tokens per block and window, and the TP size unless the group is replicated
 // (proto::group_replicated: an MLA latent, an indexer beside it; every TP size reads rank 0's
-// objects). Not the block counts. `gs` passed
-// geometry_problem.
-std::uint64_t group_fingerprint(const proto::CacheGroups& gs, std::uint32_t g);
+// objects), and `id` as in layout_fingerprint. Not the block counts. `gs` passed geometry_problem.
+std::uint64_t group_fingerprint(const proto::CacheGroups& gs, std::uint32_t g, const proto::KvIdentity& id);
 
 // The storage workers to run: --storage-io-threads when given; otherwise half of `cpus`, 2 to 8
 // (reads and hashing are CPU-bound, a store's latency wants several in flight), lowered until each
