@@ -13,11 +13,19 @@
 
 namespace kvtd::daemon {
 
-std::optional<std::string> foreign_process_memory(const proto::TensorDesc& d, std::uint32_t engine_pid) {
+std::optional<std::string> foreign_process_memory(const proto::TensorDesc& d, std::uint32_t engine_pid,
+                                                  bool engine_in_our_pid_namespace) {
   const auto* raw = reinterpret_cast<const char*>(d.handle);
   const std::string_view name(raw, strnlen(raw, sizeof d.handle));
   const auto pid = engine_memory_pid(name);
-  if (!pid || *pid == engine_pid) return std::nullopt;
+  if (!pid) return std::nullopt;
+  // A pid names the engine only in its own pid namespace: here /proc/<pid> is someone else (or
+  // nobody), whatever the number says.
+  if (!engine_in_our_pid_namespace)
+    return "tensor object " + std::string(name) + " names a process by pid, and the engine runs in another pid " +
+           "namespace, where /proc/" + std::to_string(*pid) + " is not the engine: run the daemon in the engine's " +
+           "pid namespace (a pod with shareProcessNamespace: true) to map the engine's memory by its descriptor";
+  if (*pid == engine_pid) return std::nullopt;
   return "tensor object " + std::string(name) + " is not the memory of the engine that made the session (pid " +
          std::to_string(engine_pid) + "): a daemon maps no other process's memory";
 }

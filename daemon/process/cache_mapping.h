@@ -32,7 +32,8 @@ bool wait_for_fastdeploy_cache(const config::DaemonConfig& cfg, const endpoint::
 // A tensor that names a process's own memory (/proc/<pid>/fd/<fd>, the host backend) must name
 // the engine's, the process that made the session: a daemon running with more rights than its
 // engine must not map another process's memory for it. The reason when it does not, else none.
-std::optional<std::string> foreign_process_memory(const proto::TensorDesc& d, std::uint32_t engine_pid);
+std::optional<std::string> foreign_process_memory(const proto::TensorDesc& d, std::uint32_t engine_pid,
+                                                  bool engine_in_our_pid_namespace);
 
 // Where this rank's tensors come from: the engine's registry; or, when the engine registered
 // none, FastDeploy's names. Borrows everything it is given; one mapping pass at a time.
@@ -59,7 +60,7 @@ class TensorSource {
     if (!d)
       return make_error(DeviceErrc::kOpenFailed, std::string(proto::tensor_kind_name(kind)) + " tensor of layer " +
                                                      std::to_string(l) + " is not registered");
-    if (auto why = foreign_process_memory(*d, ep_.engine_pid())) return make_error(DeviceErrc::kOpenFailed, *why);
+    if (auto why = foreign_process_memory(*d, ep_.engine_pid(), ep_.engine_in_our_pid_namespace())) return make_error(DeviceErrc::kOpenFailed, *why);
     return backend_.open_tensor(*d);
   }
 

@@ -144,6 +144,9 @@ Result<std::unique_ptr<SharedObject>, IpcErrc> SharedObject::create(const std::s
                 "cannot allocate shared memory object " + shown + " of " + mib(bytes) + " (" + std::to_string(bytes) +
                     " bytes): " + std::strerror(e) + "; " + room_of(dir));
   }
+  struct stat st {};
+  if (fstat(fd, &st) != 0) return fail(IpcErrc::kSystem, detail::errno_text(("fstat " + shown).c_str()));
+  o->inode_ = st.st_ino;
   close(fd);
   o->unlink_ = false;
   return o;
@@ -270,6 +273,7 @@ HeaderCopy copy_header(const proto::SessionHeader& h) {
   c.take_over_host_tier = h.take_over_host_tier;
   c.served_ranks = h.served_ranks;
   std::memcpy(&c.kv_identity, &h.kv_identity, sizeof c.kv_identity);
+  c.engine_pid_namespace = h.engine_pid_namespace;
   std::memcpy(&c.geometry, &h.geometry, sizeof c.geometry);
   std::memcpy(&c.groups, &h.groups, sizeof c.groups);
   c.registry_offset = h.registry_offset;

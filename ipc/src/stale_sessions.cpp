@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "kvtd/ipc/liveness_lock.h"
 #include "kvtd/ipc/process.h"
 #include "kvtd/ipc/segment.h"
 #include "kvtd/proto/names.h"
@@ -140,17 +141,20 @@ std::vector<std::string> sweep_stale_objects_judged(const std::vector<std::strin
     const std::uint64_t magic = magic_of(*h);
     if (magic == 0) {
       // A session being created: its objects may not be visible yet, so nothing is swept now.
-      // One untouched for 30 s was abandoned mid-creation (its creator died): it is swept as a
-      // dead session's, not left to stop every later sweep.
+      // One untouched for 30 s whose creator holds no lock on it was abandoned mid-creation (its
+      // creator died): it is swept as a dead session's, not left to stop every later sweep.
       struct stat st {};
-      if (lstat(("/dev/shm/" + n).c_str(), &st) == 0 && st.st_mtime < fresh_after && st.st_ino == (*o)->inode()) {
+      if (lstat(("/dev/shm/" + n).c_str(), &st) == 0 && st.st_mtime < fresh_after && st.st_ino == (*o)->inode() &&
+          lock_holder(n, (*o)->inode(), kEngineLockByte) == LockHolder::kNone) {
         dead_sessions.emplace_back(n, (*o)->inode());
         continue;
       }
       return removed;
     }
     if (magic != proto::kSessionMagic) continue;
-    const bool alive = detail::process_alive(static_cast<pid_t>(h->creator_pid));
+    // By the creator's lock, not its pid: a sweep in another pid namespace (a daemon's container)
+    // saw the live engine's pid as nobody and swept its session, arenas and host pools.
+    const bool alive = detail::creator_liveness(**o).alive;
     if (alive && h->state.load(std::memory_order_acquire) != static_cast<std::uint32_t>(proto::SessionState::kClosed))
       live.insert(h->generation);
     else if (!alive)
@@ -182,6 +186,21 @@ std::vector<std::string> sweep_stale_objects_judged(const std::vector<std::strin
 }
 
 bool process_alive(pid_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno != ESRCH); }
+
+CreatorLiveness creator_liveness(const SharedObject& seg) {
+  if (seg.size() < sizeof(proto::SessionHeader)) return {};
+  const auto* h = reinterpret_cast<const proto::SessionHeader*>(seg.data());
+  const std::uint32_t pid = h->creator_pid;
+  const std::uint32_t version = h->layout_version;
+  const LockHolder lock = lock_holder(seg.name(), seg.inode(), kEngineLockByte);
+  const std::string in_its_namespace = "creator pid " + std::to_string(pid) + " in its own pid namespace";
+  if (lock == LockHolder::kHeld) return {true, "it holds its lock on the session; " + in_its_namespace};
+  // A complete header of this layout without the lock: its engine exited (in whatever namespace).
+  // A header still being written (version 0) has its creator's lock from before it is written.
+  if (lock == LockHolder::kNone && (version == proto::kSessionLayoutVersion || version == 0))
+    return {false, "its lock on the session is released; " + in_its_namespace};
+  return {process_alive(static_cast<pid_t>(pid)), "process " + std::to_string(pid)};
+}
 
 }  // namespace detail
 }  // namespace kvtd::ipc

@@ -1,5 +1,7 @@
 // The sweep of what dead engines left in /dev/shm (ipc::sweep_stale_objects) against engines that
 // come and go while it runs.
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -77,6 +79,46 @@ TEST(StaleSessions, ADeadSessionNobodyReplacedIsRemoved) {
     (void)ipc::sweep_stale_objects();
     return !ipc::SharedObject::open(name).ok();
   }, std::chrono::seconds(20)));
+}
+
+// Trust round 4: /dev/shm is world-writable and a session's name predictable; another user who
+// made kvtd_<uid>_<suffix> first stopped a non-root engine with "already exists", naming nobody.
+// The engine (uid 65534 here) now names the squatter's uid. Needs root to play both users.
+TEST(StaleSessions, ASessionNameAnotherUserTookIsRefusedNamingThatUser) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to run as two other users";
+  test::Watchdog dog(60);
+  const auto suffix = test::unique_suffix("squat");
+  const std::string name = "kvtd_65534_" + suffix;  // the engine's name, as uid 65534 makes it
+  const pid_t squatter = fork();
+  if (squatter == 0) {
+    if (setgid(65533) != 0 || setuid(65533) != 0) _exit(2);
+    const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    _exit(fd >= 0 && ftruncate(fd, 4096) == 0 ? 0 : 3);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(squatter, &status, 0), squatter);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << WEXITSTATUS(status);
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  const pid_t engine = fork();
+  if (engine == 0) {
+    close(pipe_fds[0]);
+    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(2);
+    engine::SessionOptions o;
+    o.suffix = suffix;
+    o.geometry = test::small_geometry(1);
+    auto s = engine::EngineSession::create(o);
+    const std::string said = s.ok() ? "created" : s.error().message;
+    _exit(write(pipe_fds[1], said.data(), said.size()) > 0 ? 0 : 4);
+  }
+  close(pipe_fds[1]);
+  char buf[1024] = {};
+  const ssize_t got = read(pipe_fds[0], buf, sizeof buf - 1);
+  close(pipe_fds[0]);
+  ASSERT_EQ(waitpid(engine, &status, 0), engine);
+  shm_unlink(name.c_str());
+  ASSERT_GT(got, 0);
+  EXPECT_NE(std::string(buf).find("belongs to uid 65533 (another user made it first"), std::string::npos) << buf;
 }
 
 }  // namespace

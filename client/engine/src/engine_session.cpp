@@ -1,5 +1,6 @@
 // The facade: create, publish, submit, poll and wait, teardown.
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <string>
 #include <thread>
 
+#include "kvtd/ipc/liveness_lock.h"
 #include "kvtd/ipc/populate.h"
 #include "kvtd/ipc/process.h"
 #include "kvtd/ipc/task_codec.h"
@@ -80,6 +82,31 @@ EngineSession::~EngineSession() {
   }
 }
 
+namespace {
+
+// The session's segment `name` of `bytes`. A leftover one is replaced only if its creator is gone
+// (`replace_stale`), by the creator's lock on it, which every pid namespace sees.
+Result<std::unique_ptr<SharedObject>, IpcErrc> create_segment(const std::string& name, std::uint64_t bytes,
+                                                              bool replace_stale) {
+  auto m = SharedObject::create(name, bytes);
+  if (m.ok() || m.error().code != IpcErrc::kInUse) return m;
+  // /dev/shm is everyone's: another user may have made the name first (and this one can neither
+  // open nor remove it). Named, not a bare "already exists".
+  struct stat st {};
+  if (lstat(("/dev/shm/" + name).c_str(), &st) == 0 && st.st_uid != getuid())
+    return make_error(IpcErrc::kInUse, "session " + name + " exists and belongs to uid " + std::to_string(st.st_uid) +
+                                           " (another user made it first; /dev/shm is shared): remove it as that "
+                                           "user or root, or choose another session suffix");
+  auto old = SharedObject::open(name);
+  const detail::CreatorLiveness creator = old.ok() ? detail::creator_liveness(**old) : detail::CreatorLiveness{};
+  if (creator.alive || !replace_stale)
+    return make_error(IpcErrc::kInUse, "session " + name + " is owned by a live engine (" + creator.who + ")");
+  SharedObject::remove(name);
+  return SharedObject::create(name, bytes);
+}
+
+}  // namespace
+
 Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const SessionOptions& o) {
   if (!proto::valid_session_suffix(o.suffix))
     return make_error(IpcErrc::kInvalidArgument, "session suffix '" + o.suffix + "' must be 1-64 of [A-Za-z0-9_.-]");
@@ -117,22 +144,16 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
   impl->groups = o.groups;
   const auto layout = detail::compute_layout(geometry, o.ring_bytes, o.completion_capacity);
 
-  auto m = SharedObject::create(impl->name, layout.total_bytes);
-  if (!m.ok() && m.error().code == IpcErrc::kInUse) {
-    // A leftover segment: replace it only if its creator is gone.
-    auto old = SharedObject::open(impl->name);
-    pid_t creator = 0;
-    if (old.ok() && (*old)->size() >= sizeof(proto::SessionHeader))
-      creator = static_cast<pid_t>(reinterpret_cast<proto::SessionHeader*>((*old)->data())->creator_pid);
-    const bool alive = detail::process_alive(creator);
-    if (alive || !o.replace_stale)
-      return make_error(IpcErrc::kInUse, "session " + impl->name + " is owned by live process " + std::to_string(creator));
-    SharedObject::remove(impl->name);
-    m = SharedObject::create(impl->name, layout.total_bytes);
-  }
+  auto m = create_segment(impl->name, layout.total_bytes, o.replace_stale);
   if (!m.ok()) return std::move(m).error();
   impl->mapping = std::move(m).value();
   impl->mapping->set_unlink_on_destroy(true);
+  // The lock says "its creator lives" to every pid namespace; taken before the magic makes the
+  // segment a session anyone reads.
+  auto lock = ipc::LivenessLock::take(impl->name, impl->mapping->inode(), ipc::kEngineLockByte);
+  if (!lock.ok()) return make_error(lock.error().code, "session " + impl->name + ": " + lock.error().message);
+  impl->liveness = std::move(lock).value();
+  impl->pid_namespace = ipc::own_pid_namespace();
 
   impl->view = detail::SessionView{impl->mapping->data(), layout, geometry.num_ranks, geometry.num_layers};
   impl->weight_version.store(o.weight_version);
@@ -141,6 +162,7 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
   impl->h->take_over_host_tier = o.adopt_host_tier ? 1 : 0;
   impl->h->served_ranks = o.only_rank ? 1u << *o.only_rank : 0;
   impl->h->kv_identity = o.kv_identity;
+  impl->h->engine_pid_namespace = impl->pid_namespace;
   impl->served = proto::ranks_served(impl->h->served_ranks, geometry.num_ranks);
   auto* h = impl->h;
 

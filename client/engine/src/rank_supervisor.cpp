@@ -12,6 +12,7 @@
 #include <string>
 #include <thread>
 
+#include "kvtd/ipc/liveness_lock.h"
 #include "kvtd/ipc/populate.h"
 #include "kvtd/ipc/process.h"
 #include "kvtd/ipc/task_codec.h"
@@ -28,6 +29,23 @@ void EngineSession::Impl::start_fence(std::uint32_t r, std::string why) {
   rank_state[r].why = std::move(why);
   fences_wanted.fetch_add(1, std::memory_order_release);
   bump_and_wake(h->space_word, &h->producer_waiters);  // its ring bytes are no longer reserved
+}
+
+FenceResult EngineSession::Impl::fence_across_namespaces(std::uint32_t r) const {
+  // A daemon in another pid namespace cannot be signalled from this one (a pidfd of it cannot be
+  // had here; its pid names nobody or someone else: SIGKILL would hit a stranger). Its lock on
+  // the segment tells whether it exited; if not, it may still write, and the engine must know.
+  switch (ipc::lock_holder(name, mapping->inode(), ipc::rank_lock_byte(r))) {
+    case ipc::LockHolder::kNone:
+      return {FenceOutcome::kFenced, "its daemon has exited (its lock on the session is released)"};
+    case ipc::LockHolder::kHeld:
+      return {FenceOutcome::kUnfenced,
+              "its daemon runs in another pid namespace and still holds its lock on the session (stopped or "
+              "hung): it cannot be signalled from here; share the engine's pid namespace with it "
+              "(shareProcessNamespace: true) for fencing"};
+    case ipc::LockHolder::kUnknown: break;
+  }
+  return {FenceOutcome::kUnfenced, "its daemon runs in another pid namespace and its lock cannot be read"};
 }
 
 void EngineSession::Impl::service(bool check_pids) {
@@ -56,6 +74,8 @@ void EngineSession::Impl::service(bool check_pids) {
         continue;
       }
       rank_state[r].owner = s.owner.load(std::memory_order_acquire);
+      const std::uint64_t ns = s.pid_namespace.load(std::memory_order_relaxed);
+      rank_state[r].same_pid_namespace = ns != 0 && ns == pid_namespace;
       rank_state[r].unfenced = false;
       s.consumed.store(h->ring_head.load(std::memory_order_relaxed), std::memory_order_relaxed);
       // The new epoch reads no task before the head, so it reads no agreement slot of one.
@@ -74,26 +94,35 @@ void EngineSession::Impl::service(bool check_pids) {
       bump_and_wake(h->space_word, &h->producer_waiters);
     } else if (age > opts.rank_timeout_ns) {
       start_fence(r, "rank " + std::to_string(r) + " heartbeat is " + std::to_string(age / 1'000'000) + " ms old");
-    } else if (check_pids) {
+    } else if (check_pids && rank_state[r].same_pid_namespace) {
       const auto pid = static_cast<pid_t>(s.pid.load(std::memory_order_relaxed));
       if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH)
         start_fence(r, "rank " + std::to_string(r) + " process " + std::to_string(pid) + " exited");
+    } else if (check_pids && ipc::lock_holder(name, mapping->inode(), ipc::rank_lock_byte(r)) == ipc::LockHolder::kNone) {
+      // Another pid namespace: its pid means nothing here; its lock on the segment does.
+      start_fence(r, "rank " + std::to_string(r) + "'s daemon exited (its lock on the session is released)");
     }
   }
 }
 
 void EngineSession::Impl::run_fences() {
   if (fences_wanted.load(std::memory_order_acquire) == 0) return;
-  std::vector<std::pair<std::uint32_t, std::uint64_t>> jobs;
+  struct Job {
+    std::uint32_t rank;
+    std::uint64_t owner;
+    bool same_pid_namespace;
+  };
+  std::vector<Job> jobs;
   {
     MutexLock g(mu);
     fences_wanted.store(0, std::memory_order_relaxed);
     for (std::uint32_t r = 0; r < geo.num_ranks; ++r)
-      if (rank_state[r].fencing) jobs.emplace_back(r, rank_state[r].owner);
+      if (rank_state[r].fencing) jobs.push_back({r, rank_state[r].owner, rank_state[r].same_pid_namespace});
   }
-  for (auto [r, owner] : jobs) {
-    const FenceResult f = opts.fencer ? opts.fencer(owner, opts.fence_timeout_ns)
-                                      : fence_process(owner, opts.fence_timeout_ns);
+  for (auto [r, owner, same_ns] : jobs) {
+    const FenceResult f = !same_ns  ? fence_across_namespaces(r)
+                          : opts.fencer ? opts.fencer(owner, opts.fence_timeout_ns)
+                                        : fence_process(owner, opts.fence_timeout_ns);
     MutexLock g(mu);
     auto& st = rank_state[r];
     if (f.outcome == FenceOutcome::kFenced) {

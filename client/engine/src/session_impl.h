@@ -26,6 +26,7 @@
 #include "completion_forecast.h"
 #include "completion_merger.h"
 #include "kvtd/engine/engine_session.h"
+#include "kvtd/ipc/liveness_lock.h"
 #include "kvtd/ipc/rings.h"
 #include "kvtd/ipc/segment.h"
 #include "kvtd/ipc/shared_object.h"
@@ -52,6 +53,10 @@ struct EngineSession::Impl {
   SessionOptions opts;
   const Clock* clock = nullptr;
   std::unique_ptr<SharedObject> mapping;
+  // This engine's lock on the segment (ipc/liveness_lock.h): how a sweep or a daemon in any pid
+  // namespace tells that the session's creator lives. Held for the session's lifetime.
+  ipc::LivenessLock liveness;
+  std::uint64_t pid_namespace = 0;     // this process's (ipc::own_pid_namespace)
   proto::SessionHeader* h = nullptr;   // for the atomics only
   detail::SessionView view;            // computed here, never read back from the header
   proto::CacheGeometry geo{};          // private copy of the geometry (a group session's envelope)
@@ -90,11 +95,18 @@ struct EngineSession::Impl {
   // Per rank, private: who was granted, and a fence in progress.
   struct RankState {
     std::uint64_t owner = 0;  // owner word of the granted daemon
+    // The granted daemon shares this engine's pid namespace: its pid and owner word name it
+    // here, so it can be signalled. Else liveness is its lock on the segment and it cannot be
+    // fenced from this side (ipc/liveness_lock.h).
+    bool same_pid_namespace = true;
     bool fencing = false;     // declared gone; tasks fail once the fence ends
     bool unfenced = false;    // its fence failed: the process may live on with the cache mapped
     std::string why;
   };
   std::vector<RankState> rank_state GUARDED_BY(mu);
+  // The fence of rank r's daemon when it runs in another pid namespace: by its lock on the
+  // segment, never a signal (ipc/liveness_lock.h).
+  ipc::FenceResult fence_across_namespaces(std::uint32_t r) const;
   std::atomic<std::uint32_t> fences_wanted{0};
 
   Mutex stop_mu ACQUIRED_BEFORE(mu);

@@ -11,6 +11,7 @@
 
 #include "kvtd/base/mutex.h"
 #include "kvtd/endpoint/rank_endpoint.h"
+#include "kvtd/ipc/liveness_lock.h"
 #include "kvtd/ipc/rings.h"
 #include "kvtd/ipc/segment.h"
 #include "kvtd/ipc/shared_object.h"
@@ -37,6 +38,13 @@ struct RankEndpoint::Impl {
   proto::CacheGroups groups{};        // private copy (num_groups 0: a single-shape session)
   std::uint64_t generation = 0;       // private copy
   std::uint32_t engine_pid = 0;       // private copy (SessionHeader::creator_pid)
+  // The engine runs in this daemon's pid namespace (SessionHeader::engine_pid_namespace): only then
+  // does engine_pid, or a /proc/<pid> path it registered, name it here.
+  bool engine_in_our_pid_namespace = false;
+  // This daemon's lock on the rank's byte of the segment (ipc/liveness_lock.h): taken before the
+  // claim, held while attached, so the engine and any newcomer see in every pid namespace that
+  // this rank's daemon lives (or, silent, is stopped rather than dead).
+  ipc::LivenessLock rank_lock;
   bool take_over_host_tier = false;  // private copy (proto::SessionHeader)
   // The ranks that agree on storage tasks: the session's served ranks (every rank by default).
   std::uint32_t agreeing_ranks = 0;

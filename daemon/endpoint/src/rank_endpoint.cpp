@@ -29,16 +29,21 @@ bool RankEndpoint::Impl::engine_alive() const {
 Status<IpcErrc> RankEndpoint::Impl::claim() {
   const std::uint64_t me = self_owner_word();
   auto& word = slot().owner;
-  for (;;) {
-    std::uint64_t cur = word.load(std::memory_order_acquire);
-    if (cur == me) break;
-    if (cur != 0 && owner_alive(cur))
+  // The rank's lock first: held by another process (a serving daemon, or one stopped) in any pid
+  // namespace, the rank is not ours. A pid would name nobody, or someone else, across namespaces.
+  auto lock = ipc::LivenessLock::take(mapping->name(), mapping->inode(), ipc::rank_lock_byte(opts.rank));
+  if (!lock.ok()) {
+    const std::uint64_t cur = word.load(std::memory_order_acquire);
+    if (lock.error().code == IpcErrc::kInUse)
       return make_error(IpcErrc::kInUse, "rank " + std::to_string(opts.rank) + " is already served by live kvtd pid " +
-                                             std::to_string(proto::owner_pid(cur)));
-    // The owner is gone (or there is none): take over. A racing newcomer loses the CAS, re-reads
-    // us as the live owner and is refused.
-    if (word.compare_exchange_strong(cur, me, std::memory_order_acq_rel)) break;
+                                             std::to_string(proto::owner_pid(cur)) +
+                                             " (a pid of its own pid namespace; it holds the rank's lock on the session)");
+    return std::move(lock).error();
   }
+  rank_lock = std::move(lock).value();
+  // Whoever the owner word names has exited (its lock is free): take over. A racing newcomer
+  // fails the lock above.
+  word.store(me, std::memory_order_release);
   owner = me;
   return {};
 }
@@ -49,6 +54,7 @@ bool RankEndpoint::Impl::request_grant() {
   if (next == 0) next = 1;
   epoch.store(next, std::memory_order_release);
   s.pid.store(static_cast<std::uint32_t>(getpid()));
+  s.pid_namespace.store(ipc::own_pid_namespace(), std::memory_order_relaxed);
   s.heartbeat_ns.store(monotonic_now_ns(), std::memory_order_release);
   s.attach_request.store(next, std::memory_order_release);
   const std::int64_t deadline = monotonic_now_ns() + opts.grant_timeout_ns;
@@ -172,6 +178,8 @@ std::unique_ptr<RankEndpoint::Impl> RankEndpoint::Impl::over(const EndpointOptio
   impl->groups = header.groups;
   impl->generation = header.generation;
   impl->engine_pid = header.creator_pid;
+  const std::uint64_t own_ns = ipc::own_pid_namespace();
+  impl->engine_in_our_pid_namespace = own_ns != 0 && header.engine_pid_namespace == own_ns;
   impl->take_over_host_tier = header.take_over_host_tier != 0;
   impl->agreeing_ranks = proto::ranks_served(header.served_ranks, header.geometry.num_ranks);  // validated
   impl->view.base = m->data();
@@ -345,6 +353,7 @@ const proto::CacheGroups& RankEndpoint::groups() const { return impl_->groups; }
 std::uint32_t RankEndpoint::rank() const { return impl_->opts.rank; }
 std::uint64_t RankEndpoint::generation() const { return impl_->generation; }
 std::uint32_t RankEndpoint::engine_pid() const { return impl_->engine_pid; }
+bool RankEndpoint::engine_in_our_pid_namespace() const { return impl_->engine_in_our_pid_namespace; }
 bool RankEndpoint::take_over_host_tier() const { return impl_->take_over_host_tier; }
 bool RankEndpoint::engine_closed() const {
   return impl_->h->state.load(std::memory_order_acquire) == static_cast<std::uint32_t>(proto::SessionState::kClosed);

@@ -66,6 +66,7 @@ struct HeaderCopy {
   std::uint64_t take_over_host_tier = 0;  // proto::SessionHeader::take_over_host_tier
   std::uint32_t served_ranks = 0;         // proto::SessionHeader::served_ranks
   proto::KvIdentity kv_identity{};        // proto::SessionHeader::kv_identity
+  std::uint64_t engine_pid_namespace = 0; // proto::SessionHeader::engine_pid_namespace
   proto::CacheGeometry geometry{};
   proto::CacheGroups groups{};
   std::uint64_t registry_offset = 0, registry_count = 0, task_ring_offset = 0, task_ring_bytes = 0;
@@ -124,6 +125,15 @@ using ipc::session_object_name;
 // Whether a session's creator (or any process `pid`) may still run: not only when it is known
 // gone (ESRCH). A pid of 0 or less is gone.
 bool process_alive(pid_t pid);
+// Whether the engine that created session segment `seg` lives, and who it is in words. Its
+// lock on the segment (ipc/liveness_lock.h) answers in every pid namespace; a segment of an
+// older layout, or one whose lock cannot be asked, falls back to its creator_pid in this
+// namespace. A segment too short for a header has no creator (not alive).
+struct CreatorLiveness {
+  bool alive = false;
+  std::string who = "no creator recorded";
+};
+CreatorLiveness creator_liveness(const SharedObject& seg);
 // sweep_stale_objects, calling `after_judging` (tests: a new engine taking a dead session's name
 // right there) between judging which sessions are dead and removing them.
 std::vector<std::string> sweep_stale_objects_judged(const std::vector<std::string>& object_dirs,

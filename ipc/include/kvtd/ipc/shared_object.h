@@ -53,7 +53,7 @@ class SharedObject {
   const std::string& dir() const { return dir_; }  // empty: /dev/shm
   uid_t owner_uid() const { return owner_uid_; }
   mode_t mode() const { return mode_; }
-  ino_t inode() const { return inode_; }  // of the object opened (open() only; 0 for create())
+  ino_t inode() const { return inode_; }  // of the object made or opened
   bool created() const { return created_; }  // made by this process (not opened)
   void set_unlink_on_destroy(bool v) { unlink_ = v; }
 

@@ -38,7 +38,8 @@ inline constexpr std::uint64_t kSessionMagic = 0x5353455344545640ULL;  // "@VTDS
 // 2: RankSlot::owner; 3: agreement region; 4: scale bytes, extra layers; 5: cache_state;
 // 6: ProgressControl::events_epoch; 7: RankSlot::agreement_left; 8: SessionHeader::groups;
 // 9: SessionHeader::take_over_host_tier (a flag the daemon acts on; was a dead generation);
-// 10: SessionHeader::served_ranks; 11: SessionHeader::kv_identity
+// 10: SessionHeader::served_ranks; 11: SessionHeader::kv_identity, engine_pid_namespace,
+// RankSlot::pid_namespace, liveness by locks on the segment (ipc/liveness_lock.h)
 inline constexpr std::uint32_t kSessionLayoutVersion = 11;
 
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
@@ -189,7 +190,12 @@ struct alignas(64) RankSlot {
   // (to the next seq: a new epoch never reads older tasks). A rank overwrites its slot for seq S
   // only once every live peer's value passed S - kAgreementSlots, the slot's previous task.
   std::atomic<std::uint64_t> agreement_left;
-  std::uint8_t pad0[64 - 48];
+  // The inode of the serving daemon's pid namespace (/proc/self/ns/pid; 0 unknown), written
+  // before its attach request: the engine signals it (liveness by pid, fencing by pidfd) only
+  // from the same namespace. Across namespaces liveness is the daemon's lock on the segment
+  // (ipc/liveness_lock.h) and a silent daemon that holds it is unfenced, not dead.
+  std::atomic<std::uint64_t> pid_namespace;
+  std::uint8_t pad0[64 - 56];
   // Task ring read cursor (bytes consumed): written by the daemon, reset by the engine on grant.
   alignas(64) std::atomic<std::uint64_t> consumed;
   std::uint8_t pad1[56];
@@ -199,6 +205,7 @@ static_assert(sizeof(RankSlot) == 128);
 static_assert(offsetof(RankSlot, consumed) == 64);
 static_assert(offsetof(RankSlot, owner) == 32);
 static_assert(offsetof(RankSlot, agreement_left) == 40);
+static_assert(offsetof(RankSlot, pid_namespace) == 48);
 
 // A process identity that survives pid reuse: the pid plus the low 32 bits of its start time
 // (clock ticks since boot, /proc/<pid>/stat field 22).
@@ -310,6 +317,10 @@ struct alignas(64) SessionHeader {
 
   alignas(64) std::atomic<std::int64_t> engine_heartbeat_ns;
   std::atomic<std::uint32_t> engine_pid;
+  // The inode of the engine's pid namespace (/proc/self/ns/pid; 0 unknown), written before
+  // publish: a pid the engine wrote (creator_pid, a /proc/<pid>/fd path) means that process only
+  // to a daemon of the same namespace.
+  std::uint64_t engine_pid_namespace;
 
   // Task ring producer side.
   alignas(64) std::atomic<std::uint64_t> ring_head;   // bytes published

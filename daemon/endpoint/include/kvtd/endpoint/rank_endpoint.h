@@ -141,6 +141,9 @@ class RankEndpoint {
   // The pid of the process that made the session (SessionHeader::creator_pid), read once at
   // attach: the only process whose own memory (/proc/<pid>/fd/<fd>) a tensor may name.
   std::uint32_t engine_pid() const;
+  // Whether the engine runs in this daemon's pid namespace: only then does engine_pid() (or a
+  // /proc/<pid> path the engine registered) name the engine here.
+  bool engine_in_our_pid_namespace() const;
   // Whether the engine asks this rank's daemon to take over the host pool it kept from this
   // suffix's dead previous session (proto::SessionHeader::take_over_host_tier). Read once at attach.
   bool take_over_host_tier() const;
