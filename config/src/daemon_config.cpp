@@ -100,10 +100,9 @@ Result<std::string, ConfigErrc> fastdeploy_key_prefix(const std::string& model_p
   const std::string& text = f.text;
   auto version = version_from_yaml(text);
   if (!version.ok()) return bad(version.error().message);
-  const std::string prefix = key_prefix_of_version(*version);
-  if (!proto::valid_session_suffix(prefix))
-    return bad("version prefix '" + prefix.substr(0, 64) + "' must be 1-64 characters of [A-Za-z0-9_.-]");
-  return prefix;
+  // FastDeploy uses the prefix as written; one a name cannot hold (a space, a '/', non-ASCII,
+  // over 64 characters) is encoded, not refused: a distinct name per distinct prefix.
+  return proto::name_of_text(key_prefix_of_version(*version), 64);
 }
 
 Result<std::vector<std::int64_t>, ConfigErrc> parse_shape(const std::string& text, const std::string& flag) {

@@ -369,9 +369,12 @@ Status<ConfigErrc> resolve_session(RawFlags& f, DaemonConfig& c) {
     std::string path = c.fastdeploy.model_path;
     while (path.size() > 1 && path.back() == '/') path.pop_back();
     const auto slash = path.rfind('/');
-    c.model_id = slash == std::string::npos ? path : path.substr(slash + 1);
-    if (c.model_id.empty() || c.model_id == "/")
+    const std::string dir = slash == std::string::npos ? path : path.substr(slash + 1);
+    if (dir.empty() || dir == "/")
       return bad("--model_path: '" + c.fastdeploy.model_path + "' names no model directory");
+    // FastDeploy serves any directory name (a space, 70 characters): one a model id cannot hold
+    // is encoded, a distinct id per distinct name.
+    c.model_id = proto::name_of_text(dir, 64);
   }
   return {};
 }

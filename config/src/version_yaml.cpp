@@ -20,7 +20,87 @@ std::string_view trim(std::string_view s) {
 struct Scalar {
   std::string text;
   bool quoted = false;
+  bool collection = false;  // a mapping, a list or a block scalar: skipped, never a version
 };
+
+// Scans `s` for flow collections' brackets from `*depth`, outside quoted scalars (a quote opens
+// one where a scalar starts: after [ { , : or at the start) and before a comment. Returns the
+// index just past the bracket that brought the depth back to 0 from above, or npos (then *depth
+// is the depth at the end of `s`).
+std::size_t scan_brackets(std::string_view s, int* depth) {
+  char quote = 0;
+  char last = ',';  // the previous non-blank character outside quotes
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    const char c = s[i];
+    if (quote != 0) {
+      if (quote == '"' && c == '\\') ++i;
+      else if (c == quote) quote = 0, last = c;
+      continue;
+    }
+    if ((c == '"' || c == '\'') && std::string_view("[{,:").find(last) != std::string_view::npos) {
+      quote = c;
+    } else if (c == '#' && (i == 0 || blank(s[i - 1]))) {
+      break;
+    } else if (c == '[' || c == '{') {
+      ++*depth;
+    } else if (c == ']' || c == '}') {
+      if (--*depth == 0) return i + 1;
+    }
+    if (!blank(c)) last = c;
+  }
+  return std::string_view::npos;
+}
+
+// `cp` as UTF-8. Each \u escape is one code point, a surrogate half included, as PyYAML reads JSON's
+// "\ud83d\ude00" (two characters): the bytes only ever become a name through
+// store_name_of, which encodes what a name cannot hold.
+void append_utf8(std::string* out, std::uint32_t cp) {
+  auto byte = [&](std::uint32_t b) { out->push_back(static_cast<char>(b)); };
+  if (cp < 0x80) {
+    byte(cp);
+  } else if (cp < 0x800) {
+    byte(0xC0 | (cp >> 6));
+    byte(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    byte(0xE0 | (cp >> 12));
+    byte(0x80 | ((cp >> 6) & 0x3F));
+    byte(0x80 | (cp & 0x3F));
+  } else {
+    byte(0xF0 | (cp >> 18));
+    byte(0x80 | ((cp >> 12) & 0x3F));
+    byte(0x80 | ((cp >> 6) & 0x3F));
+    byte(0x80 | (cp & 0x3F));
+  }
+}
+
+// The escape at s[*i] (just past the backslash) of a double-quoted scalar, YAML 1.1's set, which
+// is what json.dump (\uXXXX for any non-ASCII character by default) and yaml.safe_dump (\xXX,
+// \uXXXX) write; *i left on its last character.
+Status<ConfigErrc> escape(std::string_view s, std::size_t* i, std::string* out) {
+  const char e = s[*i];
+  static constexpr std::string_view kFrom = "0abtnvfre \"/\\N_LP";
+  static constexpr const char* kTo[] = {"\0", "\a", "\b", "\t", "\n", "\v", "\f", "\r", "\x1b", " ", "\"",
+                                        "/",   "\\", "\xC2\x85", "\xC2\xA0", "\xE2\x80\xA8", "\xE2\x80\xA9"};
+  if (const auto at = kFrom.find(e); at != std::string_view::npos) {
+    if (e == '0') out->push_back('\0');
+    else out->append(kTo[at]);
+    return {};
+  }
+  const std::size_t digits = e == 'x' ? 2 : e == 'u' ? 4 : e == 'U' ? 8 : 0;
+  if (digits == 0) return bad(std::string("the escape \\") + e + " in a double-quoted string");
+  if (*i + digits >= s.size()) return bad(std::string("a \\") + e + " escape without its " + std::to_string(digits) + " hex digits");
+  std::uint32_t cp = 0;
+  for (std::size_t k = 1; k <= digits; ++k) {
+    const char h = s[*i + k];
+    const int v = h >= '0' && h <= '9' ? h - '0' : h >= 'a' && h <= 'f' ? h - 'a' + 10 : h >= 'A' && h <= 'F' ? h - 'A' + 10 : -1;
+    if (v < 0) return bad(std::string("a \\") + e + " escape with a non-hex digit '" + h + "'");
+    cp = cp << 4 | static_cast<std::uint32_t>(v);
+  }
+  if (cp > 0x10FFFF) return bad("a \\U escape beyond Unicode");
+  append_utf8(out, cp);
+  *i += digits;
+  return {};
+}
 
 // Reads a quoted scalar starting at s[0] (' or "); *rest is what follows its closing quote.
 Result<Scalar, ConfigErrc> quoted(std::string_view s, std::string_view* rest) {
@@ -40,12 +120,7 @@ Result<Scalar, ConfigErrc> quoted(std::string_view s, std::string_view* rest) {
     if (q == '"' && c == '"') break;
     if (q == '"' && c == '\\') {
       if (++i >= s.size()) return bad("an escape at the end of a double-quoted string");
-      switch (s[i]) {
-        case '"': case '\\': case '/': out.text += s[i]; break;
-        case 't': out.text += '\t'; break;
-        case 'n': out.text += '\n'; break;
-        default: return bad(std::string("the escape \\") + s[i] + " in a double-quoted string");
-      }
+      KVTD_TRY(escape(s, &i, &out.text));
       continue;
     }
     out.text += c;
@@ -207,9 +282,18 @@ Status<ConfigErrc> flow_pairs(std::string_view s, std::vector<std::pair<Scalar, 
     if (!key.ok()) return std::move(key).error();
     rest = trim(rest);
     if (rest.empty() || rest.front() != ':') return bad("a flow mapping entry without ':'");
-    auto value = scalar(rest.substr(1), ",}", &rest);
-    if (!value.ok()) return std::move(value).error();
-    out->emplace_back(std::move(key).value(), std::move(value).value());
+    const std::string_view after = trim(rest.substr(1));
+    if (!after.empty() && (after.front() == '{' || after.front() == '[')) {  // a nested value: skipped
+      int depth = 0;
+      const std::size_t end = scan_brackets(after, &depth);
+      if (end == std::string_view::npos) return bad("a nested flow value that is not closed");
+      out->emplace_back(std::move(key).value(), Scalar{"", false, true});
+      rest = after.substr(end);
+    } else {
+      auto value = scalar(after, ",}", &rest);
+      if (!value.ok()) return std::move(value).error();
+      out->emplace_back(std::move(key).value(), std::move(value).value());
+    }
     rest = trim(rest);
     if (rest.empty()) return bad("a flow mapping that is not closed with '}'");
     if (rest.front() == ',') s = rest.substr(1);
@@ -219,13 +303,30 @@ Status<ConfigErrc> flow_pairs(std::string_view s, std::vector<std::pair<Scalar, 
   return {};
 }
 
+// What a value written as `v` (trimmed, not a plain or quoted scalar) is, for a message; "" when
+// it is a scalar. Flow collections, block scalars, anchors, aliases and tags.
+std::string_view not_a_scalar(std::string_view v) {
+  switch (v.empty() ? ' ' : v.front()) {
+    case '[': return "a flow list";
+    case '{': return "a flow mapping";
+    case '|': case '>': return "a block scalar";
+    case '&': return "an anchored value";
+    case '*': return "an alias";
+    case '!': return "a tagged value";
+    default: return "";
+  }
+}
+
 }  // namespace
 
 Result<std::string, ConfigErrc> version_from_yaml(std::string_view text) {
   if (text.substr(0, 3) == "\xEF\xBB\xBF") text.remove_prefix(3);  // a UTF-8 byte-order mark
   std::vector<std::pair<Scalar, Scalar>> pairs;
-  std::string flow;  // a flow mapping, gathered across its lines
-  bool in_flow = false, seen_content = false;
+  std::string flow;     // a top-level flow mapping (JSON), gathered across its lines
+  int flow_depth = 0;   // its brackets still open
+  int skip_depth = 0;   // brackets still open of another key's flow value spanning lines
+  bool seen_content = false;
+  bool sequence_may_follow = false;  // the last key's value was empty: its block list may follow at column 0
   std::size_t line_no = 0;
   while (!text.empty()) {
     const auto nl = text.find('\n');
@@ -233,10 +334,14 @@ Result<std::string, ConfigErrc> version_from_yaml(std::string_view text) {
     text = nl == std::string_view::npos ? std::string_view() : text.substr(nl + 1);
     ++line_no;
     const std::string at = "line " + std::to_string(line_no) + ": ";
-    if (in_flow) {
+    if (flow_depth > 0) {
       flow += ' ';
       flow += line;
-      if (flow.find('}') != std::string::npos) in_flow = false;
+      if (scan_brackets(line, &flow_depth) != std::string_view::npos) flow_depth = 0;
+      continue;
+    }
+    if (skip_depth > 0) {
+      if (scan_brackets(line, &skip_depth) != std::string_view::npos) skip_depth = 0;
       continue;
     }
     const std::string_view t = trim(line);
@@ -250,10 +355,14 @@ Result<std::string, ConfigErrc> version_from_yaml(std::string_view text) {
       if (!seen_content) return bad(at + "indented text before any key");
       continue;  // nested under a key that is not `version`, or that key's continuation (checked below)
     }
+    if (t.front() == '-' && (t.size() == 1 || blank(t[1]))) {  // a list item at column 0
+      if (!sequence_may_follow) return bad(at + "a list item where a key of the mapping belongs");
+      continue;  // yaml.safe_dump writes a key's list at the key's own column
+    }
     seen_content = true;
     if (t.front() == '{') {
       flow = std::string(t);
-      in_flow = flow.find('}') == std::string::npos;
+      if (scan_brackets(t, &flow_depth) != std::string_view::npos) flow_depth = 0;
       continue;
     }
     std::string_view rest;
@@ -261,12 +370,22 @@ Result<std::string, ConfigErrc> version_from_yaml(std::string_view text) {
     if (!key.ok()) return bad(at + key.error().message);
     if (rest.empty() || rest.front() != ':' || (rest.size() > 1 && !blank(rest[1])))
       return bad(at + "not a 'key: value' line of a mapping");
+    const bool is_version = key->text == "version";
     std::string_view value_text = rest.substr(1);
     Scalar value;
+    sequence_may_follow = false;
     if (only_comment(value_text)) {
-      value = Scalar{"", false};  // null, or a nested block (an error if it is the version)
-      if (key->text == "version" && !text.empty() && blank(text.front()) && !trim(text.substr(0, text.find('\n'))).empty())
-        return bad(at + "the version is a nested block or a multi-line value; it must be one string");
+      value = Scalar{"", false};  // null, or a nested block or list (an error if it is the version)
+      const std::string_view next = text.substr(0, text.find('\n'));
+      if (is_version && !trim(next).empty() && (blank(next.front()) || next.front() == '-'))
+        return bad(at + "the version is a nested block, a list or a multi-line value; it must be one string");
+      sequence_may_follow = true;
+    } else if (const std::string_view what = not_a_scalar(trim(value_text)); !what.empty()) {
+      if (is_version) return bad(at + "the version is " + std::string(what) + "; it must be one plain or quoted string");
+      const std::string_view v = trim(value_text);
+      if ((v.front() == '[' || v.front() == '{') && scan_brackets(v, &skip_depth) != std::string_view::npos)
+        skip_depth = 0;
+      value = Scalar{"", false, true};  // another key's: skipped (a block scalar's lines are indented)
     } else {
       auto v = scalar(value_text, "", &rest);
       if (!v.ok()) return bad(at + v.error().message);
@@ -275,7 +394,7 @@ Result<std::string, ConfigErrc> version_from_yaml(std::string_view text) {
     }
     pairs.emplace_back(std::move(key).value(), std::move(value));
   }
-  if (in_flow) return bad("a flow mapping that is not closed with '}'");
+  if (flow_depth > 0) return bad("a flow mapping that is not closed with '}'");
   if (!flow.empty()) {
     if (!pairs.empty()) return bad("a flow mapping beside block keys");
     KVTD_TRY(flow_pairs(flow, &pairs));
@@ -284,6 +403,7 @@ Result<std::string, ConfigErrc> version_from_yaml(std::string_view text) {
   for (const auto& [k, v] : pairs)
     if (k.text == "version") version = &v;  // a repeated key: the last wins, as in PyYAML
   if (version == nullptr) return bad("no top-level 'version' key");
+  if (version->collection) return bad("the version is a mapping or a list; it must be one string");
   if (!version->quoted) {
     if (auto kind = non_string_kind(version->text))
       return bad("'version: " + version->text + "' is " + *kind + ", not a string (FastDeploy's reader fails on it too)");

@@ -14,9 +14,11 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "kvtd/config/daemon_config.h"
 #include "kvtd/config/version_yaml.h"
+#include "kvtd/proto/names.h"
 
 namespace kvtd::config {
 namespace {
@@ -85,6 +87,39 @@ TEST(VersionYaml, AFifoADeviceOrAHugeFileIsRefusedAtOnce) {
   const auto none = fastdeploy_key_prefix(dir.string());  // no file: FastDeploy uses no prefix
   ASSERT_TRUE(none.ok());
   EXPECT_EQ(*none, "");
+  fs::remove_all(dir);
+}
+
+// Trust round 4: a prefix FastDeploy reads and uses as written ("my model-1", "org/model-1",
+// non-ASCII) made kvtd exit 2 ("must be 1-64 characters"), and so did a model directory FastDeploy
+// serves ("with space", a 70-character name). Each is encoded into a name now, one per text.
+TEST(VersionYaml, APrefixOrAModelDirectoryANameCannotHoldIsEncodedNotRefused) {
+  const fs::path dir = fs::path(::testing::TempDir()) / ("version_prefix_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string file = (dir / "version.yaml").string();
+  std::vector<std::string> names;
+  for (const char* text : {"version: my model-1-x\n", "version: my/model-1-x\n", "version: \"\\xE9t\\xE9-2-x\"\n",
+                           "version: RL-STEP1-x\n"}) {
+    std::ofstream(file) << text;
+    const auto prefix = fastdeploy_key_prefix(dir.string());
+    ASSERT_TRUE(prefix.ok()) << text << ": " << prefix.error().message;
+    EXPECT_TRUE(proto::valid_session_suffix(*prefix)) << *prefix;
+    names.push_back(*prefix);
+  }
+  EXPECT_EQ(names[3], "RL-STEP1") << "a prefix that is a name stays as it is";
+  EXPECT_EQ(names[0].rfind("my-model-1_h", 0), 0u) << names[0];
+  EXPECT_NE(names[0], names[1]) << "'my model' and 'my/model' differ only where a name cannot hold them";
+  const std::string long_dir = (fs::path(::testing::TempDir()) / std::string(70, 'm')).string();
+  for (const std::string& model : {(dir / "with space").string(), long_dir}) {
+    fs::create_directories(model);
+    const char* argv[] = {"kvtd", "--rank", "0", "--key-cache-shape", "10,1,16,64", "--session", "s",
+                          "--model_path", model.c_str()};
+    auto c = parse_daemon_flags(9, argv);
+    ASSERT_TRUE(c.ok()) << model << ": " << c.error().message;
+    EXPECT_TRUE(proto::valid_model_id(c->model_id)) << c->model_id;
+    fs::remove_all(model);
+  }
   fs::remove_all(dir);
 }
 

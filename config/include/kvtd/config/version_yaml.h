@@ -2,11 +2,13 @@
 // FastDeploy reads it (cache_transfer_manager.py get_key_prefix_from_version: PyYAML's
 // safe_load(f)["version"], then the first two '-'-separated parts). Every file that reader
 // accepts, kvtd accepts with the same answer: a byte-order mark, comments (whole-line and after
-// a value), quoted keys and values, a flow mapping ({version: ...}), a document marker, and
-// duplicate keys (the last wins, as in PyYAML). A value PyYAML does not read as a string (a
-// number, a boolean, null, a date) makes FastDeploy's reader fail; kvtd refuses it naming it.
-// YAML that needs more than this (anchors, tags, multi-line scalars as the version) is refused
-// with a message, never guessed.
+// a value), quoted keys and values with YAML's escapes (\xXX, \uXXXX: what json.dump and
+// yaml.safe_dump write for non-ASCII text), a flow mapping ({version: ...}, JSON, across lines), a
+// document marker, duplicate keys (the last wins, as in PyYAML), and other keys' values of any
+// form (nested mappings and lists, flow or block, block scalars, anchors, tags), which are skipped.
+// A value PyYAML does not read as a string (a number, a boolean, null, a date) makes FastDeploy's
+// reader fail; kvtd refuses it naming it. A version that needs more (anchors, tags, a block or
+// multi-line scalar, a collection) is refused with a message, never guessed.
 #pragma once
 
 #include <string>

@@ -23,6 +23,31 @@ constexpr bool valid_name(std::string_view s, std::size_t max_len, bool allow_co
   return true;
 }
 
+// `raw` as a name of at most `max_len` (at least 32) characters: `raw` itself when it is one
+// (valid_name); else the characters a name may hold (each other byte as '-'), cut to leave room,
+// then "_h" and 16 hex digits of the 64-bit FNV-1a hash of every byte of `raw`, so two texts that
+// differ only in what a name cannot hold never share a name. For names taken from what an
+// engine's operator wrote (FastDeploy's version.yaml prefix, a model directory's name).
+inline std::string name_of_text(std::string_view raw, std::size_t max_len) {
+  if (valid_name(raw, max_len)) return std::string(raw);
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (char c : raw) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 0x100000001b3ull;
+  }
+  std::string out;
+  for (char c : raw) {
+    if (out.size() + 18 >= max_len) break;
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
+                    c == '-' || c == '.';
+    out.push_back(ok ? c : '-');
+  }
+  out += "_h";
+  static constexpr char kHex[] = "0123456789abcdef";
+  for (int shift = 60; shift >= 0; shift -= 4) out.push_back(kHex[(h >> shift) & 0xF]);
+  return out;
+}
+
 // Session suffix (the engine's ipc_suffix): part of /dev/shm names.
 constexpr bool valid_session_suffix(std::string_view s) { return valid_name(s, 64); }
 // Model id: a directory name in the file store and part of every storage key.
