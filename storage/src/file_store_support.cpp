@@ -100,11 +100,24 @@ bool abandoned_temporary(const std::string& base, std::int64_t mtime_ns) {
   }
   const std::size_t start = base.rfind('-', end - 1);
   if (start == std::string::npos) return false;
-  const std::string pid_text = base.substr(start + 1, end - start - 1);
+  std::string pid_text = base.substr(start + 1, end - start - 1);
+  // "<pid>p<pid namespace>": a writer of another pid namespace (another container on this store)
+  // is nobody, or someone else, by its pid here: only its age can tell.
+  if (const auto p = pid_text.find('p'); p != std::string::npos) {
+    const std::string ns = pid_text.substr(p + 1);
+    if (ns.empty() || ns.find_first_not_of("0123456789") != std::string::npos || ns != std::to_string(own_pid_namespace()))
+      return false;
+    pid_text.resize(p);
+  }
   if (pid_text.empty() || pid_text.find_first_not_of("0123456789") != std::string::npos || pid_text.size() > 9)
     return false;
   const pid_t pid = static_cast<pid_t>(std::stol(pid_text));
   return pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH;
+}
+
+std::uint64_t own_pid_namespace() {
+  struct stat st {};
+  return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<std::uint64_t>(st.st_ino) : 0;
 }
 
 Status<StorageErrc> make_fanout(FileSystem& fs, const std::string& dir) {
@@ -137,7 +150,8 @@ std::optional<ObjectName> parse_stored_path(const std::string& root, const std::
 
 std::string unique_suffix() {
   static std::atomic<std::uint64_t> counter{0};
-  return std::to_string(::getpid()) + "-" + std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id())) +
+  static const std::uint64_t pid_namespace = own_pid_namespace();
+  return std::to_string(::getpid()) + "p" + std::to_string(pid_namespace) + "-" + std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id())) +
          "-" + std::to_string(counter.fetch_add(1));
 }
 

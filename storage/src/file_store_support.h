@@ -22,8 +22,12 @@ Status<StorageErrc> make_fanout(FileSystem& fs, const std::string& dir);
 // The parts of `path`, or nullopt for anything else (temporaries, stray files).
 std::optional<ObjectName> parse_stored_path(const std::string& root, const std::string& path, const std::string& suffix);
 
-// "<pid>-<thread>-<n>": a name no other writer of this process or another uses at once.
+// "<pid>p<pid namespace>-<thread>-<n>": a name no other writer of this process or another uses at
+// once, naming the pid namespace its pid belongs to (abandoned_temporary).
 std::string unique_suffix();
+
+// The inode of this process's pid namespace (/proc/self/ns/pid), or 0.
+std::uint64_t own_pid_namespace();
 
 // A file store's garbage collection walk over `root` (see ObjectStore::collect): removes what
 // `request` does not keep, calling forget(path) for each object gone (removed here or already
@@ -42,8 +46,9 @@ Status<StorageErrc> check_private_root(const std::string& root);
 // writable by others unless sticky: no other user can swap the root (called by check_private_root).
 Status<StorageErrc> check_ancestors(const std::string& root);
 
-// ".tmp-<key>-<pid>-<thread>-<n>": whether the writer of this temporary can no longer rename it
-// (its pid is gone, or the file is older than any write takes).
+// ".tmp-<key>-<pid>[p<pid namespace>]-<thread>-<n>": whether the writer of this temporary can no
+// longer rename it: the file is older than any write takes, or its writer, of this pid namespace,
+// is gone (a writer of another namespace is judged by age alone).
 bool abandoned_temporary(const std::string& base, std::int64_t mtime_ns);
 
 }  // namespace kvtd::storage::detail
