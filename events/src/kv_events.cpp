@@ -13,6 +13,7 @@ namespace kvtd::events {
 namespace {
 
 constexpr std::size_t kMaxEventsPerBatch = 1024;
+constexpr int kHandshakeMs = 2000;
 
 // vLLM's ZmqEventPublisher rule (kv_events.py, _socket_setup): bind a wildcard, ipc or inproc
 // endpoint, connect to anything else.
@@ -154,13 +155,18 @@ Result<std::unique_ptr<KvEventPublisher>, EventsErrc> KvEventPublisher::open(con
     impl->socket = zmq::socket_t(impl->context, zmq::socket_type::pub);
     impl->socket.set(zmq::sockopt::sndhwm, o.send_high_water_mark);
     impl->socket.set(zmq::sockopt::linger, 1000);  // the destructor waits at most this for sends
+    // A connection that has not finished ZeroMQ's handshake in 2 s is dropped by libzmq itself
+    // (its default, 30 s, let raw connections greeting a byte every 0.2 s hold every slot).
+    impl->socket.set(zmq::sockopt::handshake_ivl, kHandshakeMs);
     if (binds(o.endpoint)) {
       impl->socket.bind(o.endpoint);
       impl->endpoint = impl->socket.get(zmq::sockopt::last_endpoint);
       if (o.endpoint.rfind("tcp://", 0) == 0) {
         auto guard = listeners::ZmqListenerGuard::start(
             impl->context.handle(), impl->socket.handle(),
-            {"--kv-events-endpoint " + o.endpoint, o.max_subscribers, listeners::Evict::kNewest});
+            // The oldest goes when one too many connect: a router reconnecting after a blip gets
+            // in; idle holders (16 SUB sockets that never read) no longer keep it out.
+            {"--kv-events-endpoint " + o.endpoint, o.max_subscribers, listeners::Evict::kOldest});
         if (!guard.ok()) return make_error(EventsErrc::kSocket, guard.error().message);
         impl->guard = std::move(guard).value();
       }

@@ -3,6 +3,9 @@
 // subscriber decoding with python3-msgpack (tests/python/test_kv_events.py).
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 #include <zmq.hpp>
 
@@ -16,6 +19,7 @@
 #include "kvtd/events/kv_events.h"
 #include "kvtd/metrics/registry.h"
 #include "msgpack_writer.h"  // events/src: the encoder itself
+#include "test_support.h"
 
 namespace kvtd {
 namespace {
@@ -179,6 +183,73 @@ TEST(KvEvents, MsgpackWriterWritesTheSpecsFormats) {
   EXPECT_EQ(bytes([](auto& w) { w.array(15); }), "9f/1");                                // fixarray
   EXPECT_EQ(bytes([](auto& w) { w.array(16); }), "dc0010/3");                            // array 16
   EXPECT_EQ(bytes([](auto& w) { w.map(70000); }), "df000111/5");                         // map 32
+}
+
+// A TCP connection to 127.0.0.1:`port` that sends `bytes` (none: it only connects); -1 on failure.
+int raw_connection(std::uint16_t port, const std::string& bytes) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  if (!bytes.empty()) (void)!::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+  return fd;
+}
+
+// ZMTP 3.0 as a SUB peer speaks it up to READY (greeting with the NULL mechanism, READY naming the
+// socket type): libzmq then keeps the connection, though it never subscribes or reads.
+std::string zmtp_sub_handshake() {
+  std::string hello(64, '\0');
+  hello[0] = '\xff';
+  hello[9] = '\x7f';
+  hello[10] = 3;
+  hello.replace(12, 4, "NULL");
+  const std::string property = std::string("\x0bSocket-Type") + std::string("\0\0\0", 3) + '\x03' + "SUB";
+  const std::string ready = std::string("\x05READY") + property;
+  return hello + std::string("\x04") + static_cast<char>(ready.size()) + ready;
+}
+
+// Trust round 4: the events listener kept its 16 connections and shut the newest down, so 16 idle
+// SUB sockets of another user (or 40 raw connections greeting a byte every 0.2 s) kept a router out:
+// 0 of 40 batches reached it. Now the oldest goes and an unfinished handshake is dropped after 2 s:
+// behind 4 idle holders and 4 slow greeters, on a cap of 4, a router that connects gets events.
+TEST(KvEvents, IdleOrUnauthenticatedHoldersNeverKeepARouterOut) {
+  test::Watchdog dog(60);
+  const std::uint16_t port = test::free_tcp_port();
+  events::KvEventsOptions o;
+  o.endpoint = "tcp://*:" + std::to_string(port);  // bound (tcp://host:port would connect out)
+  o.medium = "DISK";
+  o.max_subscribers = 4;
+  auto p = events::KvEventPublisher::open(o);
+  ASSERT_TRUE(p.ok()) << p.error().message;
+  std::vector<int> held;
+  for (int i = 0; i < 4; ++i) held.push_back(raw_connection(port, zmtp_sub_handshake()));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  for (int i = 0; i < 4; ++i) held.push_back(raw_connection(port, std::string(1, '\xff')));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  zmq::context_t ctx;
+  zmq::socket_t router(ctx, zmq::socket_type::sub);
+  router.set(zmq::sockopt::subscribe, "");
+  router.set(zmq::sockopt::rcvtimeo, 100);
+  router.connect("tcp://127.0.0.1:" + std::to_string(port));
+  int received = 0;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  for (int i = 0; received == 0 && std::chrono::steady_clock::now() < end; ++i) {
+    (*p)->stored({"k" + std::to_string(i)});
+    for (int fd : held) (void)!::send(fd, "\x00", 1, MSG_NOSIGNAL);  // the slow greeters' next byte (a shut one: EPIPE)
+    zmq::message_t m;
+    while (router.recv(m, zmq::recv_flags::none)) {
+      ++received;
+      if (!m.more()) break;
+    }
+  }
+  EXPECT_GT(received, 0) << "the router got no batch past the holders";
+  for (int fd : held)
+    if (fd >= 0) ::close(fd);
 }
 
 }  // namespace

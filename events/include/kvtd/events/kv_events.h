@@ -53,7 +53,9 @@ struct KvEventsOptions {
   std::size_t max_queued_bytes = 32u << 20;  // keys' bytes in the queue
   int send_high_water_mark = 32;           // ZMQ_SNDHWM, in batches (each at most kMaxBatchBytes)
   // A bound tcp:// endpoint takes at most this many connections (anyone who can reach the port
-  // can connect): one more is shut down at once, the subscribers already there keep their place.
+  // can connect): one more shuts the oldest down, so a router that reconnects always gets in and
+  // idle holders cannot keep it out; one that has not finished ZeroMQ's handshake in 2 s is
+  // dropped whatever the count.
   std::size_t max_subscribers = 16;
 };
 

@@ -3,8 +3,9 @@
 // could hold connections until the daemon ran out of descriptors, and libzmq aborts the process
 // when it then cannot make one it needs. The guard watches the socket's monitor (connections
 // accepted and gone) and shuts down the connection its policy names once more than the cap are
-// open: the oldest (a control socket, whose operators' requests are short: a flood cannot hold
-// the slots) or the newest (a PUB socket, whose long-lived subscribers keep their slots).
+// open: the oldest (a control socket, whose operators' requests are short, and the KV events
+// PUB socket, where a reconnecting router must get past idle holders: a flood cannot hold the
+// slots) or the newest (the connections already there keep their place).
 //
 // A connection is shut down only after checking that its descriptor is still a connected TCP
 // socket on the guarded port (the number may have been closed by libzmq and reused meanwhile).
