@@ -6,6 +6,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -98,6 +101,23 @@ std::optional<std::pair<std::uint32_t, std::uint32_t>> parse_engine_fd(std::stri
   return std::pair{*pid, *fd};
 }
 
+// "" when the engine's own descriptor `pid_fd` is open read-write, else why not (from
+// /proc/<pid>/fdinfo/<fd>: the file description's flags, octal).
+std::string engine_fd_problem(std::pair<std::uint32_t, std::uint32_t> pid_fd) {
+  const std::string info = "/proc/" + std::to_string(pid_fd.first) + "/fdinfo/" + std::to_string(pid_fd.second);
+  std::FILE* f = std::fopen(info.c_str(), "re");
+  if (f == nullptr) return "cannot be checked: " + info + ": " + std::strerror(errno);
+  char line[256];
+  long flags = -1;
+  while (std::fgets(line, sizeof line, f) != nullptr)
+    if (std::strncmp(line, "flags:", 6) == 0) flags = std::strtol(line + 6, nullptr, 8);
+  std::fclose(f);
+  if (flags < 0) return "cannot be checked: " + info + " names no flags";
+  if ((flags & O_ACCMODE) != O_RDWR)
+    return "is open read-only in the engine: a daemon writes only what the engine itself may write";
+  return "";
+}
+
 // Opens and maps a "device" object read-write: a /dev/shm object by its name, or an engine's own
 // memory by /proc/<pid>/fd/<fd> (a memfd: sglang's host pool with "allocator": "shm",
 // mem_cache/storage/mmap/mmap_allocator.py:160-167 at v0.5.18). Only a non-empty regular file is
@@ -119,6 +139,20 @@ Result<Mapping, DeviceErrc> map_object(const std::string& name) {
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0) {
     ::close(fd);
     return make_error(DeviceErrc::kOpenFailed, what + " is not a non-empty memfd or file");
+  }
+  if (engine_fd) {
+    // The engine's descriptor grants what the engine may do, not what this daemon may: opened
+    // through /proc with the daemon's rights (root under systemd), a file the engine holds
+    // read-only came back writable. Its own open mode (fdinfo) must be read-write. And memory,
+    // never a disk file the engine happens to hold (someone's data): a memfd or a tmpfs file,
+    // the only files that answer F_GET_SEALS.
+    std::string why = engine_fd_problem(*parse_engine_fd(name));
+    if (why.empty() && fcntl(fd, F_GET_SEALS) < 0)
+      why = "is not shared memory (a memfd or a tmpfs file): a daemon maps no file of a disk";
+    if (!why.empty()) {
+      ::close(fd);
+      return make_error(DeviceErrc::kOpenFailed, what + " " + why);
+    }
   }
   const auto size = static_cast<std::size_t>(st.st_size);
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);

@@ -491,6 +491,48 @@ def test_a_daemon_maps_the_memory_of_its_own_engine_only(tmp_path, session_name)
             assert f"not the memory of the engine that made the session (pid {os.getpid()})" in d.logs(), d.logs()
 
 
+def _refused_memory(session_name, path, says):
+    """A session whose tensors name `path` (the engine's own /proc/<pid>/fd/<fd>): its daemon never
+    gets ready and its log says `says`."""
+    g = kvtd.Geometry(num_ranks=1, num_layers=1, key_shape=(4, 1, 4, 8), value_shape=(4, 1, 4, 8))
+    nbytes = g.block_bytes("key") * 4
+    with kvtd.Session(session_name, g) as s:
+        for kind in ("key", "value"):
+            s.register_tensor(0, 0, kind, path.encode().ljust(64, b"\0"), 0 if kind == "key" else nbytes, nbytes)
+        s.publish()
+        with kvtd.testing.Daemons(None, session_name, g) as d:
+            with pytest.raises(Exception):
+                s.wait_ready(3)
+            deadline = time.monotonic() + 10
+            while says not in d.logs() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert says in d.logs(), d.logs()
+
+
+@pytest.mark.parametrize("case", ["read_only", "disk_file"])
+def test_a_daemon_maps_only_what_the_engine_may_write_and_only_memory(tmp_path, session_name, case):
+    """Trust round 4: the daemon reopened /proc/<pid>/fd/<fd> with its own rights (root under
+    systemd), so a memfd the engine held read-only came back writable, and any file the engine held
+    (a disk file: someone's data) was mapped as KV. Now the engine's own open mode must be
+    read-write (its fdinfo) and the file shared memory (a memfd or tmpfs)."""
+    size = 4096
+    if case == "read_only":
+        mem = os.memfd_create("kvtd_test_ro")
+        os.ftruncate(mem, size)
+        fd = os.open(f"/proc/self/fd/{mem}", os.O_RDONLY)  # the same memfd, held read-only
+        says = "is open read-only in the engine"
+    else:
+        fd = os.open(tmp_path / "disk_file", os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, size)
+        says = "is not shared memory"
+    try:
+        _refused_memory(session_name, f"/proc/{os.getpid()}/fd/{fd}", says)
+    finally:
+        os.close(fd)
+        if case == "read_only":
+            os.close(mem)
+
+
 @pytest.mark.parametrize("mla", [False, True])
 def test_a_pipeline_stage_never_finds_or_loads_another_stages_layers(tmp_path, session_name, mla):
     """Trust round 4: two pipeline stages of one model (equal depth, so equal shapes) on two nodes
