@@ -29,6 +29,7 @@ OTHER_PROGRAMS_FLAGS = {
     "--forward",  # patch
     "--enable-hierarchical-cache", "--hicache-storage-backend", "--hicache-storage-backend-extra-config",  # sglang
     "--kv-transfer-config",  # vLLM
+    "--pid", "--fork", "--mount-proc",  # unshare
 }
 
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
