@@ -317,6 +317,32 @@ std::string_view not_a_scalar(std::string_view v) {
   }
 }
 
+// The value of a block mapping's key line (`value_text`, after its ':'; `next`, the line after it):
+// a scalar; for a key other than the version also anything else, skipped (*skip_depth: the flow
+// brackets it leaves open for the lines after; *sequence_may_follow: an empty value, whose block
+// list may follow at column 0).
+Result<Scalar, ConfigErrc> block_value(std::string_view value_text, bool is_version, std::string_view next,
+                                       int* skip_depth, bool* sequence_may_follow) {
+  *sequence_may_follow = false;
+  if (only_comment(value_text)) {  // null, or a nested block or list (an error if it is the version)
+    if (is_version && !trim(next).empty() && (blank(next.front()) || next.front() == '-'))
+      return bad("the version is a nested block, a list or a multi-line value; it must be one string");
+    *sequence_may_follow = true;
+    return Scalar{"", false};
+  }
+  const std::string_view v = trim(value_text);
+  if (const std::string_view what = not_a_scalar(v); !what.empty()) {
+    if (is_version) return bad("the version is " + std::string(what) + "; it must be one plain or quoted string");
+    if ((v.front() == '[' || v.front() == '{') && scan_brackets(v, skip_depth) != std::string_view::npos) *skip_depth = 0;
+    return Scalar{"", false, true};  // another key's: skipped (a block scalar's lines are indented)
+  }
+  std::string_view rest;
+  auto scalar_value = scalar(value_text, "", &rest);
+  if (!scalar_value.ok()) return std::move(scalar_value).error();
+  if (!only_comment(rest)) return bad("text after the value");
+  return scalar_value;
+}
+
 }  // namespace
 
 Result<std::string, ConfigErrc> version_from_yaml(std::string_view text) {
@@ -370,29 +396,10 @@ Result<std::string, ConfigErrc> version_from_yaml(std::string_view text) {
     if (!key.ok()) return bad(at + key.error().message);
     if (rest.empty() || rest.front() != ':' || (rest.size() > 1 && !blank(rest[1])))
       return bad(at + "not a 'key: value' line of a mapping");
-    const bool is_version = key->text == "version";
-    std::string_view value_text = rest.substr(1);
-    Scalar value;
-    sequence_may_follow = false;
-    if (only_comment(value_text)) {
-      value = Scalar{"", false};  // null, or a nested block or list (an error if it is the version)
-      const std::string_view next = text.substr(0, text.find('\n'));
-      if (is_version && !trim(next).empty() && (blank(next.front()) || next.front() == '-'))
-        return bad(at + "the version is a nested block, a list or a multi-line value; it must be one string");
-      sequence_may_follow = true;
-    } else if (const std::string_view what = not_a_scalar(trim(value_text)); !what.empty()) {
-      if (is_version) return bad(at + "the version is " + std::string(what) + "; it must be one plain or quoted string");
-      const std::string_view v = trim(value_text);
-      if ((v.front() == '[' || v.front() == '{') && scan_brackets(v, &skip_depth) != std::string_view::npos)
-        skip_depth = 0;
-      value = Scalar{"", false, true};  // another key's: skipped (a block scalar's lines are indented)
-    } else {
-      auto v = scalar(value_text, "", &rest);
-      if (!v.ok()) return bad(at + v.error().message);
-      if (!only_comment(rest)) return bad(at + "text after the value");
-      value = std::move(v).value();
-    }
-    pairs.emplace_back(std::move(key).value(), std::move(value));
+    auto value = block_value(rest.substr(1), key->text == "version", text.substr(0, text.find('\n')), &skip_depth,
+                             &sequence_may_follow);
+    if (!value.ok()) return bad(at + value.error().message);
+    pairs.emplace_back(std::move(key).value(), std::move(value).value());
   }
   if (flow_depth > 0) return bad("a flow mapping that is not closed with '}'");
   if (!flow.empty()) {
