@@ -133,21 +133,24 @@ int64_t kvtd_now_ns(void) {
 
 namespace {
 
-int create_session(const char* suffix, const kvtd_geometry* g, const kvtd_session_options& opts, kvtd_session** out,
-                   char* err, size_t err_len) {
+// `options` may be a caller's struct from before kv_identity (8 bytes): each field is read only
+// where its flag says it is there, never the struct whole.
+int create_session(const char* suffix, const kvtd_geometry* g, const kvtd_session_options* options,
+                   kvtd_session** out, char* err, size_t err_len) {
   return guarded(err, err_len, [&]() -> int {
     if (!suffix || !g || !out) return invalid(err, err_len, "suffix, geometry and out must not be null");
     *out = nullptr;
     constexpr std::uint32_t known = KVTD_SESSION_ADOPT_HOST_TIER | KVTD_SESSION_ONLY_RANK |
                                     KVTD_SESSION_NO_COMPLETION_FORECAST | KVTD_SESSION_KV_IDENTITY;
-    if ((opts.flags & ~known) != 0)
-      return invalid(err, err_len, "unknown session option flags " + std::to_string(opts.flags & ~known));
+    const std::uint32_t flags = options != nullptr ? options->flags : 0;
+    if ((flags & ~known) != 0)
+      return invalid(err, err_len, "unknown session option flags " + std::to_string(flags & ~known));
     kvtd::engine::SessionOptions o;
     o.suffix = suffix;
-    o.adopt_host_tier = (opts.flags & KVTD_SESSION_ADOPT_HOST_TIER) != 0;
-    if (opts.flags & KVTD_SESSION_ONLY_RANK) o.only_rank = opts.only_rank;
-    o.completion_forecast = (opts.flags & KVTD_SESSION_NO_COMPLETION_FORECAST) == 0;
-    if (opts.flags & KVTD_SESSION_KV_IDENTITY) std::memcpy(&o.kv_identity, &opts.kv_identity, sizeof o.kv_identity);
+    o.adopt_host_tier = (flags & KVTD_SESSION_ADOPT_HOST_TIER) != 0;
+    if (flags & KVTD_SESSION_ONLY_RANK) o.only_rank = options->only_rank;
+    o.completion_forecast = (flags & KVTD_SESSION_NO_COMPLETION_FORECAST) == 0;
+    if (flags & KVTD_SESSION_KV_IDENTITY) std::memcpy(&o.kv_identity, &options->kv_identity, sizeof o.kv_identity);
     std::memcpy(&o.geometry, g, sizeof o.geometry);  // same layout (static_assert above); validated by create
     auto s = kvtd::engine::EngineSession::create(o);
     if (!s.ok()) return report(s, err, err_len);
@@ -159,19 +162,19 @@ int create_session(const char* suffix, const kvtd_geometry* g, const kvtd_sessio
 }  // namespace
 
 int kvtd_session_create(const char* suffix, const kvtd_geometry* g, kvtd_session** out, char* err, size_t err_len) {
-  return create_session(suffix, g, kvtd_session_options{}, out, err, err_len);
+  return create_session(suffix, g, nullptr, out, err, err_len);
 }
 
 int kvtd_session_create_adopting(const char* suffix, const kvtd_geometry* g, kvtd_session** out, char* err,
                                  size_t err_len) {
   kvtd_session_options adopting{};
   adopting.flags = KVTD_SESSION_ADOPT_HOST_TIER;
-  return create_session(suffix, g, adopting, out, err, err_len);
+  return create_session(suffix, g, &adopting, out, err, err_len);
 }
 
 int kvtd_session_create_with(const char* suffix, const kvtd_geometry* g, const kvtd_session_options* options,
                              kvtd_session** out, char* err, size_t err_len) {
-  return create_session(suffix, g, options ? *options : kvtd_session_options{}, out, err, err_len);
+  return create_session(suffix, g, options, out, err, err_len);
 }
 
 int kvtd_session_create_groups(const char* suffix, const kvtd_cache_groups* groups, kvtd_session** out, char* err,

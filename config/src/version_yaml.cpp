@@ -34,6 +34,7 @@ std::size_t scan_brackets(std::string_view s, int* depth) {
     const char c = s[i];
     if (quote != 0) {
       if (quote == '"' && c == '\\') ++i;
+      else if (quote == '\'' && c == '\'' && i + 1 < s.size() && s[i + 1] == '\'') ++i;  // '' is one quote
       else if (c == quote) quote = 0, last = c;
       continue;
     }
@@ -53,7 +54,7 @@ std::size_t scan_brackets(std::string_view s, int* depth) {
 
 // `cp` as UTF-8. Each \u escape is one code point, a surrogate half included, as PyYAML reads JSON's
 // "\ud83d\ude00" (two characters): the bytes only ever become a name through
-// store_name_of, which encodes what a name cannot hold.
+// proto::name_of_text, which encodes what a name cannot hold.
 void append_utf8(std::string* out, std::uint32_t cp) {
   auto byte = [&](std::uint32_t b) { out->push_back(static_cast<char>(b)); };
   if (cp < 0x80) {
@@ -338,8 +339,17 @@ Result<Scalar, ConfigErrc> block_value(std::string_view value_text, bool is_vers
   }
   std::string_view rest;
   auto scalar_value = scalar(value_text, "", &rest);
-  if (!scalar_value.ok()) return std::move(scalar_value).error();
+  if (!scalar_value.ok()) {
+    // Another key's quoted string continued on the lines below (yaml.safe_dump folds long ones at
+    // 80 columns): its indented lines are skipped like any nested text.
+    if (!is_version && (v.front() == '\'' || v.front() == '"')) return Scalar{"", false, true};
+    return std::move(scalar_value).error();
+  }
   if (!only_comment(rest)) return bad("text after the value");
+  // PyYAML folds an indented line after a plain scalar into it: the version would be longer than
+  // this line says, and its prefix another. Refused, never cut short.
+  if (is_version && !next.empty() && blank(next.front()) && !trim(next).empty() && trim(next).front() != '#')
+    return bad("the version continues on the next line (a multi-line value); it must be one line");
   return scalar_value;
 }
 

@@ -101,18 +101,25 @@ std::optional<std::pair<std::uint32_t, std::uint32_t>> parse_engine_fd(std::stri
   return std::pair{*pid, *fd};
 }
 
-// "" when the engine's own descriptor `pid_fd` is open read-write, else why not (from
-// /proc/<pid>/fdinfo/<fd>: the file description's flags, octal).
-std::string engine_fd_problem(std::pair<std::uint32_t, std::uint32_t> pid_fd) {
+// "" when the engine's own descriptor `pid_fd` is open read-write on the file the daemon opened
+// (`opened`, fstat'd), else why not: from /proc/<pid>/fdinfo/<fd>, read after the daemon's open,
+// the description's flags (octal) and, where the kernel says it, its inode (the engine may have
+// put another file under the number between the two).
+std::string engine_fd_problem(std::pair<std::uint32_t, std::uint32_t> pid_fd, const struct stat& opened) {
   const std::string info = "/proc/" + std::to_string(pid_fd.first) + "/fdinfo/" + std::to_string(pid_fd.second);
   std::FILE* f = std::fopen(info.c_str(), "re");
   if (f == nullptr) return "cannot be checked: " + info + ": " + std::strerror(errno);
   char line[256];
   long flags = -1;
-  while (std::fgets(line, sizeof line, f) != nullptr)
+  long long inode = -1;
+  while (std::fgets(line, sizeof line, f) != nullptr) {
     if (std::strncmp(line, "flags:", 6) == 0) flags = std::strtol(line + 6, nullptr, 8);
+    if (std::strncmp(line, "ino:", 4) == 0) inode = std::strtoll(line + 4, nullptr, 10);
+  }
   std::fclose(f);
   if (flags < 0) return "cannot be checked: " + info + " names no flags";
+  if (inode >= 0 && static_cast<unsigned long long>(inode) != static_cast<unsigned long long>(opened.st_ino))
+    return "changed under the daemon while it was opened (another file under the same descriptor number)";
   if ((flags & O_ACCMODE) != O_RDWR)
     return "is open read-only in the engine: a daemon writes only what the engine itself may write";
   return "";
@@ -146,7 +153,7 @@ Result<Mapping, DeviceErrc> map_object(const std::string& name) {
     // read-only came back writable. Its own open mode (fdinfo) must be read-write. And memory,
     // never a disk file the engine happens to hold (someone's data): a memfd or a tmpfs file,
     // the only files that answer F_GET_SEALS.
-    std::string why = engine_fd_problem(*parse_engine_fd(name));
+    std::string why = engine_fd_problem(*parse_engine_fd(name), st);
     if (why.empty() && fcntl(fd, F_GET_SEALS) < 0)
       why = "is not shared memory (a memfd or a tmpfs file): a daemon maps no file of a disk";
     if (!why.empty()) {

@@ -2,16 +2,49 @@
 #include "kvtd/ipc/liveness_lock.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <mutex>
+#include <set>
 
 namespace kvtd::ipc {
 
 namespace {
+
+// Every descriptor a LivenessLock holds in this process. A child made by fork() without exec
+// shares their open file descriptions, so it would hold the locks on: a live child of a killed
+// engine would keep its session "alive". The child's copies are pointed at /dev/null at once
+// (the numbers stay valid for the LivenessLock objects the child inherited; the parent's locks
+// stay, as a lock goes only with the last descriptor of its description).
+std::mutex g_fds_mu;
+std::set<int>& held_fds() {
+  static std::set<int> fds;
+  return fds;
+}
+
+void drop_in_child() {
+  const int null = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (null < 0) return;
+  for (int fd : held_fds()) (void)::dup3(null, fd, O_CLOEXEC);
+  ::close(null);
+}
+
+void remember(int fd) {
+  static const bool registered = [] { return pthread_atfork(nullptr, nullptr, drop_in_child) == 0; }();
+  (void)registered;
+  std::lock_guard<std::mutex> g(g_fds_mu);
+  held_fds().insert(fd);
+}
+
+void forget(int fd) {
+  std::lock_guard<std::mutex> g(g_fds_mu);
+  held_fds().erase(fd);
+}
 
 // The object by name, if it is still the one of `inode`: -1 otherwise (errno ENOENT when replaced).
 int open_same(const std::string& name, ino_t inode) {
@@ -51,12 +84,16 @@ Result<LivenessLock, IpcErrc> LivenessLock::take(const std::string& name, ino_t 
       return make_error(IpcErrc::kInUse, "byte " + std::to_string(byte) + " of " + name + " is locked by a live process");
     return make_error(IpcErrc::kSystem, "liveness lock of " + name + ": " + std::strerror(e));
   }
+  remember(fd);
   return LivenessLock(fd);
 }
 
 LivenessLock& LivenessLock::operator=(LivenessLock&& o) noexcept {
   if (this != &o) {
-    if (fd_ >= 0) ::close(fd_);
+    if (fd_ >= 0) {
+      forget(fd_);
+      ::close(fd_);
+    }
     fd_ = o.fd_;
     o.fd_ = -1;
   }
@@ -64,7 +101,10 @@ LivenessLock& LivenessLock::operator=(LivenessLock&& o) noexcept {
 }
 
 LivenessLock::~LivenessLock() {
-  if (fd_ >= 0) ::close(fd_);
+  if (fd_ >= 0) {
+    forget(fd_);
+    ::close(fd_);
+  }
 }
 
 LockHolder lock_holder(const std::string& name, ino_t inode, std::uint64_t byte) {

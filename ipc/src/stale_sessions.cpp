@@ -96,7 +96,14 @@ bool remove_dead_session(const std::string& n, const std::string& prefix, ino_t 
   // '+' is in no session suffix and no generation: no engine or sweep takes this name for one.
   const std::string aside =
       "/dev/shm/" + prefix + "+swept_" + std::to_string(getpid()) + "_" + std::to_string(moves.fetch_add(1));
-  if (renameat2(AT_FDCWD, at.c_str(), AT_FDCWD, aside.c_str(), RENAME_NOREPLACE) != 0) return false;
+  if (renameat2(AT_FDCWD, at.c_str(), AT_FDCWD, aside.c_str(), RENAME_NOREPLACE) != 0) {
+    if (errno != EINVAL && errno != ENOSYS && errno != EPERM) return false;  // gone, or taken meanwhile
+    // No renameat2 here (an old kernel, a sandbox): check the inode right before the unlink, a
+    // window of one system call instead of the whole sweep's.
+    struct stat now {};
+    if (lstat(at.c_str(), &now) != 0 || now.st_ino != dead) return false;
+    return ::unlink(at.c_str()) == 0;
+  }
   struct stat st {};
   if (lstat(aside.c_str(), &st) == 0 && st.st_ino == dead) {
     ::unlink(aside.c_str());

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import hashlib
 from typing import List, Optional, Sequence
 
 from . import _native as n
@@ -52,7 +53,7 @@ class KvIdentity:
     def __post_init__(self):
         if self.layout not in KV_LAYOUTS:
             raise ValueError(f"kv layout {self.layout!r} is not one of per_rank, replicated")
-        if self.dtype and not (len(self.dtype) < 16 and all(c.isdigit() or c == "_" or "a" <= c <= "z"
+        if self.dtype and not (len(self.dtype) < 16 and all("0" <= c <= "9" or c == "_" or "a" <= c <= "z"
                                                                for c in self.dtype)):
             raise ValueError(f"kv dtype {self.dtype!r} must be 1-15 of [a-z0-9_]")
         for what, rank, size in (("pp", self.pp_rank, self.pp_size), ("cp", self.cp_rank, self.cp_size)):
@@ -75,9 +76,15 @@ class KvIdentity:
 
 
 def kv_dtype_name(dtype) -> str:
-    """The name a torch dtype (or a string naming one) goes by in a KvIdentity: "bfloat16",
-    "float8_e4m3fn", ... (torch's own, without "torch.")."""
-    return str(dtype).replace("torch.", "").lower()
+    """The name a torch dtype (or an engine's string naming one) goes by in a KvIdentity:
+    "bfloat16", "float8_e4m3fn", ... (torch's own, without "torch."). One that is not 1-15 of
+    [a-z0-9_] (a long engine-specific name) becomes its first 6 such characters, "_" and 8 hex
+    digits of its SHA-256: stable, and distinct per name."""
+    name = str(dtype).replace("torch.", "").lower()
+    if name and len(name) < 16 and all("0" <= c <= "9" or c == "_" or "a" <= c <= "z" for c in name):
+        return name
+    kept = "".join(c if ("0" <= c <= "9" or "a" <= c <= "z") else "_" for c in name)[:6]
+    return f"{kept}_{hashlib.sha256(name.encode()).hexdigest()[:8]}"
 
 
 @dataclasses.dataclass(frozen=True)

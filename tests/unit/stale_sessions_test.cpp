@@ -7,6 +7,8 @@
 
 #include <gtest/gtest.h>
 
+#include <csignal>
+#include <cstdlib>
 #include <optional>
 
 #include "kvtd/engine/engine_session.h"
@@ -79,6 +81,40 @@ TEST(StaleSessions, ADeadSessionNobodyReplacedIsRemoved) {
     (void)ipc::sweep_stale_objects();
     return !ipc::SharedObject::open(name).ok();
   }, std::chrono::seconds(20)));
+}
+
+// An engine's liveness lock went with its open file description into every child it forked
+// (Python's multiprocessing "fork"): a live child of a killed engine kept the session "alive", so
+// the restarted engine was refused and nothing of it was swept. The child's copy is dropped at
+// fork now. Fails without the fork handler in ipc/src/liveness_lock.cpp.
+TEST(StaleSessions, AForkedChildNeverKeepsADeadEnginesSessionAlive) {
+  test::Watchdog dog(60);
+  const auto suffix = test::unique_suffix("fork_child");
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  const pid_t engine = fork();
+  if (engine == 0) {
+    close(ready[0]);
+    auto s = engine_of(suffix);
+    const pid_t child = fork();  // outlives the engine
+    if (child == 0) {
+      ::sleep(30);
+      _exit(0);
+    }
+    const std::string said = std::to_string(child);
+    _exit(s && write(ready[1], said.data(), said.size()) > 0 ? 0 : 1);  // dies without closing
+  }
+  close(ready[1]);
+  char buf[32] = {};
+  ASSERT_GT(read(ready[0], buf, sizeof buf - 1), 0);
+  close(ready[0]);
+  const pid_t child = static_cast<pid_t>(std::atoi(buf));
+  int status = 0;
+  ASSERT_EQ(waitpid(engine, &status, 0), engine);
+  ASSERT_EQ(kill(child, 0), 0) << "the engine's child still runs";
+  auto restarted = engine_of(suffix);
+  EXPECT_TRUE(restarted) << "the dead engine's child kept its session alive";
+  kill(child, SIGKILL);
 }
 
 // Trust round 4: /dev/shm is world-writable and a session's name predictable; another user who

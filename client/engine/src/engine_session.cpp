@@ -99,10 +99,27 @@ Result<std::unique_ptr<SharedObject>, IpcErrc> create_segment(const std::string&
                                            "user or root, or choose another session suffix");
   auto old = SharedObject::open(name);
   const detail::CreatorLiveness creator = old.ok() ? detail::creator_liveness(**old) : detail::CreatorLiveness{};
-  if (creator.alive || !replace_stale)
+  if (creator.alive)
     return make_error(IpcErrc::kInUse, "session " + name + " is owned by a live engine (" + creator.who + ")");
+  if (!replace_stale)
+    return make_error(IpcErrc::kInUse, "session " + name + " exists; its engine has exited (" + creator.who +
+                                           ") and replace_stale is off");
   SharedObject::remove(name);
   return SharedObject::create(name, bytes);
+}
+
+// The engine's lock on its new segment `m`. A sweep moves a segment aside for a moment while it
+// checks it (ipc/src/stale_sessions.cpp): look again before concluding the name is another's, and
+// then leave the name alone (what it holds is not ours to unlink).
+Result<ipc::LivenessLock, IpcErrc> lock_new_segment(SharedObject& m) {
+  auto lock = ipc::LivenessLock::take(m.name(), m.inode(), ipc::kEngineLockByte);
+  for (int tries = 0; !lock.ok() && lock.error().code == IpcErrc::kNotFound && tries < 100; ++tries) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    lock = ipc::LivenessLock::take(m.name(), m.inode(), ipc::kEngineLockByte);
+  }
+  if (lock.ok()) return lock;
+  if (lock.error().code == IpcErrc::kNotFound) m.set_unlink_on_destroy(false);
+  return make_error(lock.error().code, "session " + m.name() + ": " + lock.error().message);
 }
 
 }  // namespace
@@ -150,8 +167,8 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
   impl->mapping->set_unlink_on_destroy(true);
   // The lock says "its creator lives" to every pid namespace; taken before the magic makes the
   // segment a session anyone reads.
-  auto lock = ipc::LivenessLock::take(impl->name, impl->mapping->inode(), ipc::kEngineLockByte);
-  if (!lock.ok()) return make_error(lock.error().code, "session " + impl->name + ": " + lock.error().message);
+  auto lock = lock_new_segment(*impl->mapping);
+  if (!lock.ok()) return std::move(lock).error();
   impl->liveness = std::move(lock).value();
   impl->pid_namespace = ipc::own_pid_namespace();
 

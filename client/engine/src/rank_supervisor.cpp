@@ -22,19 +22,22 @@
 
 namespace kvtd::engine {
 
-void EngineSession::Impl::start_fence(std::uint32_t r, std::string why) {
+void EngineSession::Impl::start_fence(std::uint32_t r, std::string why, bool replaced) {
   auto& s = h->ranks[r];
   s.attached.store(0, std::memory_order_release);
   rank_state[r].fencing = true;
+  rank_state[r].replaced = replaced;
   rank_state[r].why = std::move(why);
   fences_wanted.fetch_add(1, std::memory_order_release);
   bump_and_wake(h->space_word, &h->producer_waiters);  // its ring bytes are no longer reserved
 }
 
-FenceResult EngineSession::Impl::fence_across_namespaces(std::uint32_t r) const {
+FenceResult EngineSession::Impl::fence_across_namespaces(std::uint32_t r, bool replaced) const {
   // A daemon in another pid namespace cannot be signalled from this one (a pidfd of it cannot be
   // had here; its pid names nobody or someone else: SIGKILL would hit a stranger). Its lock on
   // the segment tells whether it exited; if not, it may still write, and the engine must know.
+  // Replaced: the lock the byte holds now is its successor's, taken only once it had let go.
+  if (replaced) return {FenceOutcome::kFenced, "its successor holds the rank's lock, so it has let go of it (exited)"};
   switch (ipc::lock_holder(name, mapping->inode(), ipc::rank_lock_byte(r))) {
     case ipc::LockHolder::kNone:
       return {FenceOutcome::kFenced, "its daemon has exited (its lock on the session is released)"};
@@ -70,7 +73,7 @@ void EngineSession::Impl::service(bool check_pids) {
       if (attached) {
         // A new epoch while the old one is attached: a restarted daemon. The old process must be
         // gone before its tasks fail and the new one is granted.
-        start_fence(r, "rank " + std::to_string(r) + " restarted");
+        start_fence(r, "rank " + std::to_string(r) + " restarted", /*replaced=*/true);
         continue;
       }
       rank_state[r].owner = s.owner.load(std::memory_order_acquire);
@@ -111,16 +114,18 @@ void EngineSession::Impl::run_fences() {
     std::uint32_t rank;
     std::uint64_t owner;
     bool same_pid_namespace;
+    bool replaced;
   };
   std::vector<Job> jobs;
   {
     MutexLock g(mu);
     fences_wanted.store(0, std::memory_order_relaxed);
     for (std::uint32_t r = 0; r < geo.num_ranks; ++r)
-      if (rank_state[r].fencing) jobs.push_back({r, rank_state[r].owner, rank_state[r].same_pid_namespace});
+      if (rank_state[r].fencing)
+        jobs.push_back({r, rank_state[r].owner, rank_state[r].same_pid_namespace, rank_state[r].replaced});
   }
-  for (auto [r, owner, same_ns] : jobs) {
-    const FenceResult f = !same_ns  ? fence_across_namespaces(r)
+  for (auto [r, owner, same_ns, replaced] : jobs) {
+    const FenceResult f = !same_ns  ? fence_across_namespaces(r, replaced)
                           : opts.fencer ? opts.fencer(owner, opts.fence_timeout_ns)
                                         : fence_process(owner, opts.fence_timeout_ns);
     MutexLock g(mu);

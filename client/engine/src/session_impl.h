@@ -52,10 +52,12 @@ struct Encoded {
 struct EngineSession::Impl {
   SessionOptions opts;
   const Clock* clock = nullptr;
-  std::unique_ptr<SharedObject> mapping;
   // This engine's lock on the segment (ipc/liveness_lock.h): how a sweep or a daemon in any pid
-  // namespace tells that the session's creator lives. Held for the session's lifetime.
+  // namespace tells that the session's creator lives. Held for the session's lifetime: declared
+  // before the mapping, so it is released only after the mapping unlinked the name (released
+  // first, another engine could take the name in between and lose its new segment to our unlink).
   ipc::LivenessLock liveness;
+  std::unique_ptr<SharedObject> mapping;
   std::uint64_t pid_namespace = 0;     // this process's (ipc::own_pid_namespace)
   proto::SessionHeader* h = nullptr;   // for the atomics only
   detail::SessionView view;            // computed here, never read back from the header
@@ -99,6 +101,9 @@ struct EngineSession::Impl {
     // here, so it can be signalled. Else liveness is its lock on the segment and it cannot be
     // fenced from this side (ipc/liveness_lock.h).
     bool same_pid_namespace = true;
+    // Its successor asked to attach while it was attached: the successor took the rank's lock,
+    // which only an exited (or detached) daemon lets go, so across namespaces it is fenced.
+    bool replaced = false;
     bool fencing = false;     // declared gone; tasks fail once the fence ends
     bool unfenced = false;    // its fence failed: the process may live on with the cache mapped
     std::string why;
@@ -106,7 +111,7 @@ struct EngineSession::Impl {
   std::vector<RankState> rank_state GUARDED_BY(mu);
   // The fence of rank r's daemon when it runs in another pid namespace: by its lock on the
   // segment, never a signal (ipc/liveness_lock.h).
-  ipc::FenceResult fence_across_namespaces(std::uint32_t r) const;
+  ipc::FenceResult fence_across_namespaces(std::uint32_t r, bool replaced) const;
   std::atomic<std::uint32_t> fences_wanted{0};
 
   Mutex stop_mu ACQUIRED_BEFORE(mu);
@@ -200,7 +205,7 @@ struct EngineSession::Impl {
   // Stops routing tasks to rank r and hands it to the service thread to fence: its
   // pending tasks fail only once it can no longer write (or, if it cannot be stopped, with
   // kRankUnfenced so the engine keeps their destination blocks out of use).
-  void start_fence(std::uint32_t r, std::string why) REQUIRES(mu);
+  void start_fence(std::uint32_t r, std::string why, bool replaced = false) REQUIRES(mu);
 
   // drain completions, grant attach requests, declare stale ranks gone.
   void service(bool check_pids) REQUIRES(mu);

@@ -229,7 +229,15 @@ Result<std::unique_ptr<RankEndpoint>, IpcErrc> RankEndpoint::attach(const Endpoi
       continue;
     }
     auto impl = Impl::over(o, std::move(m), (*published)->header, (*published)->layout);
-    if (auto st = impl->claim(); !st.ok()) return make_error(st.error().code, "session " + name + ": " + st.error().message);
+    if (auto st = impl->claim(); !st.ok()) {
+      // The name no longer held the segment we mapped (replaced by a new session, or moved aside
+      // for a moment by a sweep checking it): look again, never a reason to stop.
+      if (st.error().code == IpcErrc::kNotFound) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        continue;
+      }
+      return make_error(st.error().code, "session " + name + ": " + st.error().message);
+    }
     if (!impl->request_grant()) {
       // Give the claim back: we are not serving.
       std::uint64_t mine = impl->owner;

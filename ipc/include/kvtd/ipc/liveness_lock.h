@@ -14,8 +14,9 @@
 // only from its own pid namespace (or an ancestor); each side publishes the inode of its
 // /proc/self/ns/pid (own_pid_namespace) so the other can tell.
 //
-// Ownership: a LivenessLock owns its descriptor; the lock lives until it is destroyed. Movable,
-// not copyable. Thread-safety: the functions are reentrant; one LivenessLock is not shared.
+// Ownership: a LivenessLock owns its descriptor; the lock lives until it is destroyed, and never
+// in a child made by fork() (its copy of the descriptor is pointed at /dev/null in the child, so a
+// live child never keeps a dead parent's lock). Movable, not copyable. Thread-safety: the functions are reentrant; one LivenessLock is not shared.
 #pragma once
 
 #include <sys/types.h>
