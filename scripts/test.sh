@@ -7,39 +7,67 @@
 # KVTD_FUZZ_SECONDS each (default 20; KVTD_FUZZ_SECONDS=0 skips; scripts/fuzz.sh runs longer).
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
+
+# Each stage's wall time, printed as a table when the script ends (failed or not): CI has 90
+# minutes, and a stage that grows must show where.
+stage_names=() stage_secs=()
+stage_start=$SECONDS stage_name=""
+stage() {
+  if [ -n "$stage_name" ]; then stage_names+=("$stage_name") stage_secs+=($((SECONDS - stage_start))); fi
+  stage_name=$1 stage_start=$SECONDS
+  echo "== $1"
+}
+stage_table() {
+  local rc=$? i
+  if [ -n "$stage_name" ]; then
+    [ "$rc" = 0 ] || stage_name="$stage_name (failed, exit $rc)"
+    stage_names+=("$stage_name") stage_secs+=($((SECONDS - stage_start)))
+  fi
+  echo "== stage times (scripts/test.sh)"
+  for i in "${!stage_names[@]}"; do printf '%6d s  %s\n' "${stage_secs[$i]}" "${stage_names[$i]}"; done
+  printf '%6d s  total\n' "$SECONDS"
+  return "$rc"
+}
+trap stage_table EXIT
+
+stage "set-up (packages)"
 bash "$KVTD_ROOT/scripts/setup.sh"
+stage "build (gcc, CUDA)"
 kvtd_build
 
 # Every mutex-guarded field carries GUARDED_BY (kvtd/base/thread_annotations.h): clang checks each
 # access. The whole tree (tests and the CUDA backend against the stand-in included), as errors.
-echo "== clang thread-safety build (-Wthread-safety -Werror)"
-CC=clang-16 CXX=clang++-16 KVTD_BUILD_DIR=$KVTD_ROOT/build-clang kvtd_build -DKVTD_THREAD_SAFETY=ON -DKVTD_CUDA_SIM=ON
+# The same build is the CUDA runtime stand-in's (-DKVTD_CUDA_SIM=ON, see cudasim/README.md): no
+# machine of this project has a GPU, so the CUDA backend, its kernels, IPC handles and events run
+# against cudasim there; one clang build serves both (a separate gcc stand-in build cost CI a
+# whole build).
+stage "clang thread-safety + CUDA stand-in build (-Wthread-safety -Werror)"
+CC=clang-16 CXX=clang++-16 KVTD_BUILD_DIR=$KVTD_ROOT/build-sim kvtd_build -DKVTD_THREAD_SAFETY=ON -DKVTD_CUDA_SIM=ON
 
-echo "== tests (build: $KVTD_BUILD_DIR)"
+stage "tests (build: $KVTD_BUILD_DIR)"
 ctest --test-dir "$KVTD_BUILD_DIR" --output-on-failure -j 2 --timeout 900
 
-# No machine of this project has a GPU: the CUDA backend, its kernels, IPC handles and events run
-# against cudasim, the CUDA runtime stand-in (-DKVTD_CUDA_SIM=ON; see cudasim/README.md).
-echo "== the CUDA path on the CUDA runtime stand-in (label gpu)"
-KVTD_BUILD_DIR=$KVTD_ROOT/build-sim kvtd_build -DKVTD_CUDA_SIM=ON
+stage "the CUDA path on the CUDA runtime stand-in (label gpu)"
 ctest --test-dir "$KVTD_ROOT/build-sim" -L gpu --output-on-failure -j 2 --timeout 900
 # The one-command GPU check users run on a GPU, here on the stand-in so it cannot rot, and on a
 # staged copy of the build (one flat folder, as ../shared/gpu/stage.sh makes for a GPU machine).
-echo "== scripts/gpu-check.sh on the stand-in build, staged as for a GPU machine"
+stage "scripts/gpu-check.sh on the stand-in build, staged as for a GPU machine"
 bash "$KVTD_ROOT/tests/gpu/check_staged_gpu_check.sh" "$KVTD_ROOT/build-sim"
 
 if [ "${KVTD_SKIP_SANITIZERS:-0}" != 1 ]; then
-  echo "== tests under address,undefined sanitizers"
+  stage "address,undefined sanitizers: build"
   KVTD_BUILD_DIR=$KVTD_ROOT/build-asan kvtd_build -DKVTD_SANITIZE=address,undefined -DKVTD_WITH_CUDA=OFF
+  stage "address,undefined sanitizers: tests"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
     ctest --test-dir "$KVTD_ROOT/build-asan" --output-on-failure -j 2 --timeout 900
-  echo "== tests under the thread sanitizer"
+  stage "thread sanitizer: build"
   KVTD_BUILD_DIR=$KVTD_ROOT/build-tsan kvtd_build -DKVTD_SANITIZE=thread -DKVTD_WITH_CUDA=OFF
+  stage "thread sanitizer: tests"
   TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:suppressions=$KVTD_ROOT/tests/tsan.supp \
     ctest --test-dir "$KVTD_ROOT/build-tsan" --output-on-failure -j 2 --timeout 900
 fi
 
 if [ "${KVTD_FUZZ_SECONDS:-20}" != 0 ]; then
-  echo "== fuzz targets, ${KVTD_FUZZ_SECONDS:-20}s each"
+  stage "fuzz targets (build and ${KVTD_FUZZ_SECONDS:-20}s each)"
   bash "$KVTD_ROOT/scripts/fuzz.sh" "${KVTD_FUZZ_SECONDS:-20}"
 fi

@@ -497,7 +497,8 @@ TEST(TrustBinary, FullDevShmIsAnErrorAtStartNeverABusError) {
 
 // Case 7, second half: /dev/shm filled after attach. The session and the pool were allocated
 // whole at creation, so every later write lands in memory that exists: no SIGBUS, and the
-// engine (loadgen in verify mode) still gets every byte right.
+// engine (loadgen in verify mode) still gets every byte right. /dev/shm is filled only once the
+// daemon logs that it serves (a fixed sleep filled it before a slow machine's daemon made its pool).
 TEST(TrustBinary, DevShmFilledAfterAttachDoesNotStopServing) {
   test::Watchdog dog(120);
   if (geteuid() != 0 || std::system("unshare -m true 2>/dev/null") != 0)
@@ -512,7 +513,8 @@ TEST(TrustBinary, DevShmFilledAfterAttachDoesNotStopServing) {
                                  " --iterations 60000 --blocks-per-task 4";
   const std::string script =
       "mount -t tmpfs -o size=64m tmpfs /dev/shm && (" + daemon_cmd + " & d=$!; " + engine_cmd +
-      " & e=$!; sleep 0.3; dd if=/dev/zero of=/dev/shm/filler bs=1M 2>/dev/null; echo filled; df -h /dev/shm; wait $e; "
+      " & e=$!; i=0; until grep -q \"; serving\" " + log + " || [ $i -ge 400 ]; do sleep 0.05; i=$((i+1)); done; "
+      "dd if=/dev/zero of=/dev/shm/filler bs=1M 2>/dev/null; echo filled; df -h /dev/shm; wait $e; "
       "echo engine=$?; kill -TERM $d; wait $d; echo daemon=$?)";
   const std::string cmd = "unshare -m sh -c '" + script + "' >" + log + " 2>&1";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << test::read_file(log);

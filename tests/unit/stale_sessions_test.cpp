@@ -96,13 +96,17 @@ TEST(StaleSessions, AForkedChildNeverKeepsADeadEnginesSessionAlive) {
   if (engine == 0) {
     close(ready[0]);
     auto s = engine_of(suffix);
+    if (!s) _exit(1);
     const pid_t child = fork();  // outlives the engine
     if (child == 0) {
+      // Says so only here: the fork handler runs in the child, after the parent may have gone on
+      // (the engine saying it made the child was seen before the child dropped its copy).
+      const std::string said = std::to_string(getpid());
+      if (write(ready[1], said.data(), said.size()) <= 0) _exit(1);
       ::sleep(30);
       _exit(0);
     }
-    const std::string said = std::to_string(child);
-    _exit(s && write(ready[1], said.data(), said.size()) > 0 ? 0 : 1);  // dies without closing
+    _exit(0);  // dies without closing its session
   }
   close(ready[1]);
   char buf[32] = {};
