@@ -103,9 +103,20 @@ class KvtdCacheQueue:
         self.failures: List[tuple] = []       # (fastdeploy task, TaskResult) of every failed task
         self._pending: List[_Pending] = []   # put, not yet complete, in put order
         self._results: Deque[tuple] = collections.deque()  # complete, not yet handed out
+        # Threads: FastDeploy's (put, results), one per CTRL task, and the monitor. Each field's lock:
+        # _lock: _pending, _results, failures.
         self._lock = threading.Lock()
+        # _admit_lock: _paused is written, and a task is admitted (paused read, submitted, queued),
+        # under it, so a put that read "not paused" is queued before pause() drains (a put racing a
+        # pause was submitted after the drain had looked). Read alone it is a flag for the signals.
+        self._admit_lock = threading.Lock()
         self._paused = False
+        # _control_lock: one control action at a time (CTRL threads and the monitor's
+        # kv_cache_status): _cleared and the clear/restore it guards.
+        self._control_lock = threading.RLock()
         self._cleared = False
+        # _signals_lock: the opened signals, by name.
+        self._signals_lock = threading.Lock()
         self._signals = {}
         self._stop = threading.Event()
         self._refresh_key_prefix()
@@ -184,14 +195,15 @@ class KvtdCacheQueue:
         if name == "CTRL":
             threading.Thread(target=self._control, args=(item[1],), name="kvtd-fastdeploy-ctrl", daemon=True).start()
             return
-        if self._paused:
-            # FastDeploy's manager skips every non-CTRL task it reads while paused (do_data_transfer).
-            log.warning("transfer manager paused: %s task %s dropped, as FastDeploy's manager does", name,
-                        _task_id(item))
-            return
-        pending = self._submit(name, item)
-        with self._lock:
-            self._pending.append(pending)
+        with self._admit_lock:
+            if self._paused:
+                # FastDeploy's manager skips every non-CTRL task it reads while paused (do_data_transfer).
+                log.warning("transfer manager paused: %s task %s dropped, as FastDeploy's manager does", name,
+                            _task_id(item))
+                return
+            pending = self._submit(name, item)
+            with self._lock:
+                self._pending.append(pending)
 
     def _submit(self, name: str, item) -> _Pending:
         s = self.session
@@ -308,7 +320,8 @@ class KvtdCacheQueue:
             code, message = 400, f"Unknown control method: {method}"
         else:
             try:
-                handler()
+                with self._control_lock:
+                    handler()
             except Exception as e:  # answered, never raised into FastDeploy
                 code, message = 500, f"Failed to execute {method}: {e}"
         (log.info if code == 200 else log.error)("control %s (%s): %d %s", method,
@@ -319,13 +332,16 @@ class KvtdCacheQueue:
 
     def pause(self) -> None:
         """Stops taking transfer tasks and waits for those in flight (FastDeploy's pause)."""
-        self._paused = True
+        with self._admit_lock:  # a put past its check is queued by now, and the drain sees it
+            self._paused = True
         if not self._drain():
             raise TimeoutError(f"{self._in_flight()} transfer tasks still in flight after {self.drain_timeout} s")
 
     def resume(self) -> None:
-        self._refresh_key_prefix()
-        self._paused = False
+        with self._control_lock:
+            self._refresh_key_prefix()
+        with self._admit_lock:
+            self._paused = False
 
     def _refresh_key_prefix(self) -> None:
         if not self.model_path:
@@ -338,12 +354,14 @@ class KvtdCacheQueue:
 
     def sleep(self) -> None:
         """Offload: every rank releases the worker's tensors (FastDeploy's sleep)."""
-        self.pause()
-        self._clear()
+        with self._control_lock:
+            self.pause()
+            self._clear()
 
     def wakeup(self) -> None:
-        self._restore()
-        self.resume()
+        with self._control_lock:
+            self._restore()
+            self.resume()
 
     def _wait_cache_ready(self, want: int, what: str) -> None:
         ready = self._signal("cache_ready_signal")
@@ -394,12 +412,10 @@ class KvtdCacheQueue:
         status = int(sig.value[0])
         try:
             if status == fds.CLEARING:
-                self.pause()
-                self._clear()
+                self.sleep()
                 sig.value[0] = fds.CLEARED
             elif status == fds.UPDATING:
-                self._restore()
-                self.resume()
+                self.wakeup()
                 sig.value[0] = fds.NORMAL
         except Exception as e:
             log.error("kv_cache_status %d: %s", status, e)
@@ -410,12 +426,13 @@ class KvtdCacheQueue:
     def _signal(self, name: str, length: Optional[int] = None):
         if self.signal_suffix is None:
             return None
-        sig = self._signals.get(name)
-        if sig is None:
-            sig = fds.Signal.open(name, self.signal_suffix, length or self.tensor_parallel_size)
-            if sig is not None:
-                self._signals[name] = sig
-        return sig
+        with self._signals_lock:
+            sig = self._signals.get(name)
+            if sig is None:
+                sig = fds.Signal.open(name, self.signal_suffix, length or self.tensor_parallel_size)
+                if sig is not None:
+                    self._signals[name] = sig
+            return sig
 
     def _publish_signals(self) -> None:
         s = self.session
@@ -423,6 +440,8 @@ class KvtdCacheQueue:
         swap = self._signal("swap_space_ready_signal")
         inflight = self._signal("cache_task_inflight")
         paused = self._signal("cache_task_is_paused", 1)
+        with self._lock:
+            idle = not self._pending
         for r in range(self.tensor_parallel_size):
             bits = s.rank_ready(r)
             if inited is not None and bits & 3 == 3:
@@ -430,7 +449,7 @@ class KvtdCacheQueue:
             if swap is not None and s.geometry.num_host_blocks > 0:
                 swap.value[r] = 1 if bits & 2 else 0
             if inflight is not None:
-                inflight.value[r] = 0 if self._paused and not self._pending else 1
+                inflight.value[r] = 0 if self._paused and idle else 1
         if paused is not None:
             paused.value[0] = 1 if self._paused else 0
 

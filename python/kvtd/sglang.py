@@ -113,7 +113,11 @@ class KvtdHiCacheStorage(HiCacheStorage):
         self._weight_version = int(extra.get("kvtd_weight_version", 0))
         self._session: Optional[Session] = None
         self._plan: Optional[PoolPlan] = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # _stats; _session is set once at registration, taken once by close
+        # _version_lock: _weight_version and the session's copy of it, set together, so two clears
+        # at once are two versions and the session is left at the last (an unlocked += lost one,
+        # and the older value could be written to the session last).
+        self._version_lock = threading.Lock()
         self._stats = {k: 0 for k in ("exists_calls", "pages_hit", "pages_missed", "pages_loaded", "pages_load_failed",
                                       "pages_stored", "pages_store_failed", "calls_failed", "clears")}
         self._last_warning = 0.0
@@ -134,12 +138,13 @@ class KvtdHiCacheStorage(HiCacheStorage):
         try:
             for p in plan.pieces:
                 s.register_tensor(self._rank, p.layer, p.kind, handle, base + p.offset, p.nbytes)
-            s.set_weight_version(self._weight_version)
-            s.publish()
+            with self._version_lock:  # a clear during registration reaches the new session
+                s.set_weight_version(self._weight_version)
+                s.publish()
+                self._session, self._plan = s, plan
         except Exception:
             s.close()
             raise
-        self._session, self._plan = s, plan
         log.info("kvtd session %s for TP rank %d of %d (%s layout, %d pages of %d tokens); its daemon: %s",
                  self._suffix, self._rank, self._tp, mem_pool_host.layout, plan.pages, plan.page_size,
                  " ".join(daemon_command(plan, self._suffix, self._rank)))
@@ -258,24 +263,28 @@ class KvtdHiCacheStorage(HiCacheStorage):
 
     def clear(self) -> None:
         """Everything stored so far misses from now on (the next weight version)."""
-        s = self._session
-        self._weight_version += 1
         self._count("clears", 1)
-        if s is not None:
-            try:
-                s.set_weight_version(self._weight_version)
-            except Exception as e:  # noqa: BLE001
-                self._warn("clear", e)
+        with self._version_lock:
+            self._weight_version += 1
+            s = self._session
+            if s is not None:
+                try:
+                    s.set_weight_version(self._weight_version)
+                except Exception as e:  # noqa: BLE001
+                    self._warn("clear", e)
 
     def set_weight_version(self, version: int) -> None:
         """After a weight update: KV stored under other weights never loads."""
-        self._weight_version = int(version)
-        if self._session is not None:
-            self._session.set_weight_version(self._weight_version)
+        with self._version_lock:
+            self._weight_version = int(version)
+            s = self._session
+            if s is not None:
+                s.set_weight_version(self._weight_version)
 
     def get_stats(self):
         with self._lock:
             out = dict(self._stats)
-        out["weight_version"] = self._weight_version
+        with self._version_lock:
+            out["weight_version"] = self._weight_version
         out["session"] = self._suffix
         return out

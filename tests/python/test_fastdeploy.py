@@ -180,3 +180,51 @@ def test_kv_cache_status_ints_in_fastdeploys_shared_memory_signal(cluster):
         q.close()
         for sig in sigs.values():
             sig.clear()
+
+
+class _BlockingSession:
+    """Stands in for the daemons' session (this test is about the queue's threads, not bytes): a
+    swap's submission blocks until `release` is set, and a submitted task completes at once."""
+
+    class geometry:  # noqa: N801 - the attributes KvtdCacheQueue reads
+        num_ranks = 1
+        num_host_blocks = 4
+
+    weight_version = 0
+
+    def __init__(self):
+        import threading
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.submitted_at = None
+
+    def swap_to_host(self, gpu_ids, cpu_ids):
+        self.entered.set()
+        assert self.release.wait(10)
+        self.submitted_at = time.monotonic()
+        return 7
+
+    def poll(self, task_id, check=False):
+        from kvtd.session import TaskResult
+        return TaskResult(task_id, 0, "ok", -1, 1, 0, 0)
+
+
+def test_a_put_racing_pause_is_drained_before_pause_returns():
+    """Trust: a put that read "not paused" just before pause() was submitted after pause's drain had
+    looked (fastdeploy.py read _paused outside any lock): FastDeploy was told the manager was paused
+    while a swap still went to the daemons. Fails on that code (pause returned first)."""
+    import threading
+    s = _BlockingSession()
+    q = KvtdCacheQueue(s, monitor=False, drain_timeout=10)
+    put = threading.Thread(target=q.put_transfer_task, args=((CacheStatus.SWAP2CPU, "racing", [1], [1], [1]),))
+    put.start()
+    assert s.entered.wait(10)
+    paused_at = []
+    pause = threading.Thread(target=lambda: (q.pause(), paused_at.append(time.monotonic())))
+    pause.start()
+    time.sleep(0.2)  # pause() now runs beside the put still submitting
+    s.release.set()
+    put.join(10)
+    pause.join(10)
+    assert paused_at and s.submitted_at is not None
+    assert s.submitted_at < paused_at[0], "pause() returned before a put it raced had submitted its swap"
+    assert q.get_transfer_done_signal() == (CacheStatus.SWAP2CPU, "racing", [1], [1], [1])

@@ -179,6 +179,54 @@ def test_a_weight_update_misses_where_sglangs_file_backend_still_hits(tmp_path, 
         r.close()
 
 
+class _SlowVersionSession:
+    """Wraps the rank's real session: the first set_weight_version waits for `release`, so a second
+    clear runs while the first is between its count and its write (this test is about the backend's
+    threads; the daemons' session only records what it is told)."""
+
+    def __init__(self, real):
+        import threading
+        self.real, self.entered, self.release, self.told = real, threading.Event(), threading.Event(), []
+
+    def set_weight_version(self, v):
+        if not self.told:
+            self.told.append(None)
+            self.entered.set()
+            assert self.release.wait(10)
+        self.told.append(v)
+        self.real.set_weight_version(v)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_two_clears_at_once_are_two_weight_versions_and_the_session_keeps_the_last(tmp_path, session_name):
+    """Trust: clear() did `_weight_version += 1` outside any lock, then told the session; a second
+    clear while the first was telling it left the session at version 1 with the backend at 2 (KV
+    stored before the second clear would load). Fails on that code."""
+    import threading
+    r = Rank(tmp_path, "page_first", session_name, start_daemon=False)
+    real = r.backend._session
+    slow = _SlowVersionSession(real)
+    r.backend._session = slow
+    try:
+        first = threading.Thread(target=r.backend.clear)
+        first.start()
+        assert slow.entered.wait(10)
+        second = threading.Thread(target=r.backend.clear)
+        second.start()
+        time.sleep(0.2)  # the second clear runs beside the first
+        slow.release.set()
+        first.join(10)
+        second.join(10)
+        stats = r.backend.get_stats()
+        assert stats["clears"] == 2 and stats["weight_version"] == 2
+        assert slow.told[-1] == 2 and real.weight_version == 2, f"the session was told {slow.told[1:]}"
+    finally:
+        r.backend._session = real
+        r.close()
+
+
 def test_a_killed_daemon_gives_misses_and_failed_sets_never_an_exception_or_a_hang(tmp_path, session_name):
     r = Rank(tmp_path, "layer_first", session_name)
     try:
