@@ -21,7 +21,7 @@ _KIND_NAMES = {"key": KEY, "value": VALUE, "key_scale": KEY_SCALE, "value_scale"
 
 
 
-def _kind(kind) -> int:
+def kind_code(kind) -> int:
     if isinstance(kind, str):
         if kind not in _KIND_NAMES:
             raise ValueError(f"tensor kind {kind!r} is not one of {sorted(_KIND_NAMES)}")
@@ -157,7 +157,7 @@ class Geometry:
         shape = (ctypes.c_int64 * 4)()
         ndim, block_bytes, nbytes = ctypes.c_uint32(), ctypes.c_uint64(), ctypes.c_uint64()
         err = ctypes.create_string_buffer(_ERR_LEN)
-        if n.lib.kvtd_tensor_shape(ctypes.byref(self.to_native()), layer, _kind(kind), shape, ctypes.byref(ndim),
+        if n.lib.kvtd_tensor_shape(ctypes.byref(self.to_native()), layer, kind_code(kind), shape, ctypes.byref(ndim),
                                    ctypes.byref(block_bytes), ctypes.byref(nbytes), err, _ERR_LEN) != 0:
             raise ValueError(err.value.decode())
         return tuple(shape[:ndim.value]), block_bytes.value, nbytes.value
@@ -171,7 +171,7 @@ class Geometry:
     def tensor_shape(self, layer: int, kind) -> tuple:
         """Shape of one device tensor (the scale tensors drop head_dim). A cache described in 3-D
         keeps 3 dimensions (the library pads a 4th of 1)."""
-        k = _kind(kind)
+        k = kind_code(kind)
         shape = self._tensor(layer, k)[0]
         given = self.key_shape if k in (KEY, KEY_SCALE) else self.value_shape
         if k in (KEY, VALUE) and given is not None and len(given) == 3:

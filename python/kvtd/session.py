@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import mmap
-import dataclasses
 import threading
 from typing import Iterable, List, Optional, Sequence
 
 from . import _native as n
 from .geometry import (DTYPES, KEY, KEY_SCALE, VALUE, VALUE_SCALE, Geometry,  # noqa: F401 (re-exported)
-                       _kind)
+                       kind_code)
 from .errors import CacheControlFailed, KvtdError, TaskFailed, Timeout, raise_for
+from .places import mapping_of, shm_file_of  # noqa: F401 (mapping_of re-exported)
+from .task_args import TaskResult, block_ids, key_bytes, milliseconds, now_ns, u64  # noqa: F401 (re-exported)
 
 SWAP_TO_HOST = 1
 SWAP_TO_DEVICE = 2
@@ -40,116 +40,6 @@ CANCEL = 7
 
 _ERR_LEN = 1024
 _log = logging.getLogger("kvtd.session")
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskResult:
-    """The merged completion of a task: ok only if every rank succeeded; blocks_done is the MIN
-    over ranks; on failure, status/failed_rank/message are the lowest failing rank's."""
-
-    task_id: int
-    status: int
-    status_name: str
-    failed_rank: int
-    blocks_done: int
-    blocks_skipped: int
-    latency_ns: int
-    message: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 0
-
-    @staticmethod
-    def _from(c: n.Completion, message: str = "") -> "TaskResult":
-        return TaskResult(c.task_id, c.status, n.status_name(c.status), c.failed_rank, c.blocks_done,
-                          c.blocks_skipped, c.latency_ns, message)
-
-
-_ID_LIMIT = 2**31  # block ids are int32 on the wire
-
-
-def _ids(values: Optional[Iterable[int]], what: str, allow_none: bool = False):
-    """Block ids as an int32 array. One outside [0, 2**31) is refused: ctypes would wrap it onto
-    another block (2**32 + 5 is block 5) and the task would move that block and answer ok.
-    `allow_none`: -1 stands for no block (a group session's storage task)."""
-    if values is None:
-        return None, 0
-    seq = list(values)
-    if seq:
-        try:
-            lo, hi = min(seq), max(seq)
-        except TypeError:
-            lo = hi = None
-        if lo is None or lo < (-1 if allow_none else 0) or hi >= _ID_LIMIT:
-            for i, v in enumerate(seq):
-                if isinstance(v, float) or not ((allow_none and v == -1) or 0 <= v < _ID_LIMIT):
-                    raise ValueError(f"{what}[{i}] = {v!r} is not a block id in [0, 2**31)")
-    return (ctypes.c_int32 * len(seq))(*seq), len(seq)
-
-
-def _key_bytes(keys: Sequence) -> list:
-    """Keys as C strings. A key holding a NUL byte is refused: C would cut it there, so b"kx\0A"
-    and b"kx\0B" would name one stored object."""
-    out = []
-    for i, k in enumerate(keys):
-        b = k.encode() if isinstance(k, str) else bytes(k)
-        if b"\0" in b:
-            raise ValueError(f"key {i} ({b[:40]!r}) holds a NUL byte")
-        out.append(b)
-    return out
-
-
-_FOREVER_MS = 2**62  # the library saturates it to "forever"
-
-
-def _ms(seconds: Optional[float]) -> int:
-    """Seconds as the library's int64 milliseconds: None and inf wait forever, a huge value is
-    forever too (it used to wrap in ctypes' int64 and time out at once), NaN is refused."""
-    if seconds is None:
-        return _FOREVER_MS
-    seconds = float(seconds)
-    if math.isnan(seconds):
-        raise ValueError("a timeout must be a number of seconds (or None / inf for no limit), not NaN")
-    if seconds * 1000 >= _FOREVER_MS:
-        return _FOREVER_MS
-    return max(0, int(seconds * 1000))
-
-
-def _u64(value: int, what: str, limit: int = 2**62) -> int:
-    """A non-negative integer below `limit` (ctypes would wrap a negative or huge one silently)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value >= limit:
-        raise ValueError(f"{what} must be an integer in [0, {limit}), got {value!r}")
-    return value
-
-
-def now_ns() -> int:
-    """CLOCK_MONOTONIC in ns: the clock of `deadline_ns` (time.monotonic_ns() on Linux)."""
-    return n.lib.kvtd_now_ns()
-
-
-def mapping_of(address: int):
-    """(path, inode, offset of `address` in the file) of the file mapped at `address` in this
-    process (from /proc/self/maps: start-end perms offset dev inode path); path is "" for an
-    anonymous mapping. ValueError when nothing is mapped there."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            parts = line.split(None, 5)
-            if len(parts) < 5:
-                continue
-            start, end = (int(x, 16) for x in parts[0].split("-"))
-            if start <= address < end:
-                path = parts[5].strip() if len(parts) == 6 else ""
-                return path, int(parts[4]), address - start + int(parts[2], 16)
-    raise ValueError(f"address {address:#x} is not mapped")
-
-
-def _mapped_file(address: int):
-    """The shared-memory file mapped at `address` in this process and the address's offset in it."""
-    path, _, offset = mapping_of(address)
-    if path.endswith(" (deleted)") or not path.startswith("/dev/shm/"):
-        raise ValueError(f"address {address:#x} is not in a live shared-memory object ({path!r})")
-    return path, offset
 
 
 class Session:
@@ -257,9 +147,9 @@ class Session:
         clear_caches()."""
         if len(handle) != n.HANDLE_BYTES:
             raise ValueError(f"an IPC handle has {n.HANDLE_BYTES} bytes, got {len(handle)}")
-        offset, nbytes = _u64(offset, "offset"), _u64(nbytes, "nbytes")
+        offset, nbytes = u64(offset, "offset"), u64(nbytes, "nbytes")
         buf = (ctypes.c_uint8 * n.HANDLE_BYTES).from_buffer_copy(handle)
-        rc = n.lib.kvtd_register_tensor_on(self._handle(), rank, layer, _kind(kind), device_id,
+        rc = n.lib.kvtd_register_tensor_on(self._handle(), rank, layer, kind_code(kind), device_id,
                                            pci_bus_id.encode() if pci_bus_id else None, buf, offset, nbytes,
                                            self._errbuf(), _ERR_LEN)
         self._check(rc, f"register rank {rank} layer {layer} {kind}")
@@ -300,7 +190,7 @@ class Session:
         flags = n.CLEAR_DROP_HOST_TIER if drop_host_tier else 0
         if weight_version is not None:
             flags |= n.CLEAR_SET_WEIGHT_VERSION
-        rc = n.lib.kvtd_clear_caches(self._handle(), flags, weight_version or 0, _ms(timeout) or 1,
+        rc = n.lib.kvtd_clear_caches(self._handle(), flags, weight_version or 0, milliseconds(timeout) or 1,
                                      self._errbuf(), _ERR_LEN)
         self._check_cache_control(rc, "clear_caches")
 
@@ -308,7 +198,7 @@ class Session:
         """Every rank re-reads the tensor registry and maps the (new) tensors; returns once all
         serve again. Raises CacheControlFailed naming a rank that could not (the cache then stays
         cleared: clear_caches(), fix the registration, restore_caches())."""
-        rc = n.lib.kvtd_restore_caches(self._handle(), _ms(timeout) or 1, self._errbuf(), _ERR_LEN)
+        rc = n.lib.kvtd_restore_caches(self._handle(), milliseconds(timeout) or 1, self._errbuf(), _ERR_LEN)
         self._check_cache_control(rc, "restore_caches")
 
     @property
@@ -326,11 +216,11 @@ class Session:
         ours does). A view of the library's own mapping killed the interpreter when read after
         close()."""
         size = ctypes.c_uint64()
-        ptr = n.lib.kvtd_host_device_tensor(self._handle(), rank, layer, _kind(kind), ctypes.byref(size))
+        ptr = n.lib.kvtd_host_device_tensor(self._handle(), rank, layer, kind_code(kind), ctypes.byref(size))
         if not ptr:
             raise ValueError(f"no host device tensor for rank {rank} layer {layer} kind {kind} "
                              "(outside the geometry, or create_host_device_tensors() not called)")
-        path, offset = _mapped_file(ptr)
+        path, offset = shm_file_of(ptr)
         m = self._arena_maps.get(path)
         if m is None:
             with open(path, "r+b") as f:
@@ -351,7 +241,7 @@ class Session:
 
         from .tensors import torch_dtype
 
-        k = _kind(kind)
+        k = kind_code(kind)
         natural = torch_dtype(self.geometry, k)
         if dtype is None:
             dtype = natural
@@ -366,7 +256,7 @@ class Session:
 
     def wait_ready(self, timeout: Optional[float] = 30.0) -> None:
         """Waits until every rank daemon attached and is ready (TimeoutError-derived on timeout)."""
-        self._check(n.lib.kvtd_wait_ready(self._handle(), _ms(timeout), self._errbuf(), _ERR_LEN), "wait_ready")
+        self._check(n.lib.kvtd_wait_ready(self._handle(), milliseconds(timeout), self._errbuf(), _ERR_LEN), "wait_ready")
 
     # -- tasks ----------------------------------------------------------------------------
     def submit(self, kind: int, src=None, dst=None, *, keys: Optional[Sequence[str]] = None, blocks=None,
@@ -384,8 +274,8 @@ class Session:
         t.kind = kind
         t.flags = ((n.STORAGE_HOST_BLOCKS if host_blocks else 0) | (n.STORAGE_EVICT_BACKUP if evict_backup else 0)
                    | (n.TASK_LAYERWISE if layerwise else 0))
-        src_arr, ns = _ids(src, "src")
-        dst_arr, nd = _ids(dst, "dst")
+        src_arr, ns = block_ids(src, "src")
+        dst_arr, nd = block_ids(dst, "dst")
         if ns != nd:
             raise ValueError(f"src has {ns} ids, dst {nd}")
         t.src = ctypes.cast(src_arr, ctypes.POINTER(ctypes.c_int32)) if src_arr is not None else None
@@ -393,7 +283,7 @@ class Session:
         t.n = ns
         key_arr = None
         if keys is not None:
-            encoded = _key_bytes(keys)
+            encoded = key_bytes(keys)
             key_arr = (ctypes.c_char_p * len(encoded))(*encoded)
             t.keys = ctypes.cast(key_arr, ctypes.POINTER(ctypes.c_char_p))
             t.num_keys = len(encoded)
@@ -405,18 +295,18 @@ class Session:
             if blocks and isinstance(blocks[0], (list, tuple)):
                 blocks = self.groups.storage_blocks(blocks, host=host_blocks)
             per_key = len(self.groups.groups)
-        blk_arr, nb = _ids(blocks, "blocks", allow_none=self.groups is not None)
+        blk_arr, nb = block_ids(blocks, "blocks", allow_none=self.groups is not None)
         if blk_arr is not None:
             if nb != t.num_keys * per_key:
                 raise ValueError(f"{t.num_keys} keys for {nb} blocks"
                                  + (f" ({per_key} cache groups: a block per key and group)" if per_key > 1 else ""))
             t.blocks = ctypes.cast(blk_arr, ctypes.POINTER(ctypes.c_int32))
         # ctypes would wrap each of these silently (min_hits 2**32 + 1 is 1).
-        t.min_hits = _u64(min_hits, "min_hits", 2**32)
-        t.cancel_task_id = _u64(cancel_task_id, "cancel_task_id", 2**64)
-        t.after_task_id = _u64(after, "after", 2**64)
-        t.deadline_ns = _u64(deadline_ns, "deadline_ns", 2**63)
-        t.submit_timeout_ms = _ms(submit_timeout)
+        t.min_hits = u64(min_hits, "min_hits", 2**32)
+        t.cancel_task_id = u64(cancel_task_id, "cancel_task_id", 2**64)
+        t.after_task_id = u64(after, "after", 2**64)
+        t.deadline_ns = u64(deadline_ns, "deadline_ns", 2**63)
+        t.submit_timeout_ms = milliseconds(submit_timeout)
         tid = ctypes.c_uint64()
         if engine_events:
             handles = [bytes(e.ipc_handle()) if hasattr(e, "ipc_handle") else bytes(e) for e in engine_events]
@@ -495,7 +385,7 @@ class Session:
         """Waits for the merged result. A failed task raises TaskFailed (carrying the result)
         unless check=False. TimeoutError-derived Timeout if it does not complete in time."""
         c = n.Completion()
-        rc = n.lib.kvtd_wait(self._handle(), task_id, _ms(timeout), ctypes.byref(c), self._errbuf(), _ERR_LEN)
+        rc = n.lib.kvtd_wait(self._handle(), task_id, milliseconds(timeout), ctypes.byref(c), self._errbuf(), _ERR_LEN)
         return self._result(rc, c, check, f"wait for task {task_id}")
 
     def final_result(self, task_id: int, *, cancel: bool, timeout_each: float = 60.0) -> TaskResult:
@@ -529,7 +419,7 @@ class Session:
         st = {"done": n.LAYER_DONE, "enqueued": n.LAYER_ENQUEUED}.get(stage)
         if st is None:
             raise ValueError(f"stage {stage!r} is not 'done' or 'enqueued'")
-        rc = n.lib.kvtd_wait_layer(self._handle(), task_id, layer, _ms(timeout), st, self._errbuf(), _ERR_LEN)
+        rc = n.lib.kvtd_wait_layer(self._handle(), task_id, layer, milliseconds(timeout), st, self._errbuf(), _ERR_LEN)
         self._check(rc, f"wait for layer {layer} of task {task_id}")
 
     def layer_event_handle(self, rank: int, layer: int) -> Optional[bytes]:

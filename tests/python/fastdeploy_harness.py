@@ -41,7 +41,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from kvtd import fastdeploy_signals as fds
+from kvtd.engines.fastdeploy import signals as fds
 from reference_source import reference_source
 from reference_source import stand_in_module as _module
 

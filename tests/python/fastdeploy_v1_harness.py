@@ -10,7 +10,7 @@ Replaced by stand-ins because they cannot load here (none of them is cache logic
 * paddle: `full` allocates the "GPU" tensor in a /dev/shm object (kvtd's host backend opens
   device tensors by shared-memory name), as a torch tensor; get_default_dtype, empty_cache,
   is_compiled_with_cuda. No GPU here: with one, paddle's own tensors are registered by their
-  CUDA IPC handle (kvtd.fastdeploy_v1_support.tensor_location).
+  CUDA IPC handle (kvtd.places.tensor_location).
 * paddleformers.utils.log.logger and fastdeploy.utils.get_logger: loggers.
 * fastdeploy.cache_manager.ops: the custom ops (cuda_host_alloc, swap_cache_*), built from CUDA
   sources; each raises if called, which proves kvtd replaced every use.

@@ -16,7 +16,7 @@ import uuid
 import pytest
 
 import kvtd
-from kvtd.session import _ms
+from kvtd.task_args import milliseconds as _ms
 
 
 def test_close_while_another_thread_waits_raises_closed_in_it(cluster):

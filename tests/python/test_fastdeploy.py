@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from kvtd import fastdeploy_signals as fds
+from kvtd.engines.fastdeploy import signals as fds
 from kvtd.fastdeploy import KvtdCacheQueue
 from test_session import fill_random, snapshot
 

@@ -628,7 +628,7 @@ def test_a_pipeline_stage_never_finds_or_loads_another_stages_layers(tmp_path, s
 def test_every_one_byte_dtype_is_a_namespace_of_its_own():
     """sglang's fp8 pools (e4m3, e5m2) move as uint8 bytes; their dtype names still differ in the
     identity the session declares and the daemon's namespace takes (kvtd/proto/kv_identity.h)."""
-    from kvtd.sglang_layout import plan_pool
+    from kvtd.engines.sglang.layout import plan_pool
     plans = {name: plan_pool(layout="page_first", mla=False, layer_num=2, size=16, page_size=4, token_width=8,
                              dtype_name=name, itemsize=1, tp_size=1, buffer_bytes=2 * 2 * 16 * 8)
              for name in ("float8_e4m3fn", "float8_e5m2", "uint8")}

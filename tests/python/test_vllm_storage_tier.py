@@ -1,4 +1,4 @@
-"""kvtd.vllm_storage.StorageTier on its own: the scheduler's bookkeeping of the storage tier's
+"""kvtd.engines.vllm.storage.StorageTier on its own: the scheduler's bookkeeping of the storage tier's
 queries and promotions, answer by answer (the daemons' side runs in test_vllm_engine.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(vllm_harness.vllm_source() is None, reason=vllm_
 
 def tier(world=2):
     vllm_harness.import_vllm()
-    from kvtd.vllm_storage import StorageTier
+    from kvtd.engines.vllm.storage import StorageTier
     return StorageTier(world)
 
 

@@ -7,7 +7,12 @@ Fails naming each include that reaches sideways or up, or into another room's pr
 
 The floors below are the architecture (docs/architecture.md, "Where the code lives"); CMake links
 the same way, so a violation usually fails the build too, but this names the rule it breaks.
+
+The Python package (python/kvtd) has floors too, read from its imports: a module imports only
+modules of lower floors, or its own engine's package; no engine imports another; no `_private`
+name is imported from another module.
 """
+import ast
 import os
 import re
 import sys
@@ -85,6 +90,91 @@ def include_problems(root, rel, room, owners, prefix_owner):
     return problems
 
 
+# Python modules of python/kvtd and their floors. An engine's package (kvtd.engines.<engine>.*)
+# is floor 6 and a room of its own; the names engines' configs load (kvtd.sglang, ...) alias an
+# engine's module and sit on top with the package's __init__.
+PY_FLOORS = {
+    "kvtd._native": 0,
+    "kvtd.errors": 1, "kvtd.geometry": 1,
+    "kvtd.cache_groups": 2, "kvtd.tensors": 2, "kvtd.task_args": 2, "kvtd.control": 2,
+    "kvtd.places": 3, "kvtd.models": 3,
+    "kvtd.session": 4,
+    "kvtd.testing": 5, "kvtd.engines": 5, "kvtd.engines.rank": 5,
+    "kvtd": 7, "kvtd.fastdeploy": 7, "kvtd.fastdeploy_v1": 7, "kvtd.sglang": 7, "kvtd.vllm": 7,
+}
+ENGINE_FLOOR = 6
+
+
+def py_modules(root):
+    """{module name: path} of every module under python/kvtd."""
+    base = os.path.join(root, "python")
+    out = {}
+    for dirpath, dirs, files in os.walk(os.path.join(base, "kvtd")):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for f in files:
+            if f.endswith(".py"):
+                parts = os.path.relpath(os.path.join(dirpath, f), base)[:-3].split(os.sep)
+                out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = os.path.join(dirpath, f)
+    return out
+
+
+def py_room(mod):
+    """(floor, room) of a module: an engine's modules share the room kvtd.engines.<engine>."""
+    if mod in PY_FLOORS:
+        return PY_FLOORS[mod], mod
+    parts = mod.split(".")
+    if len(parts) >= 3 and parts[:2] == ["kvtd", "engines"]:
+        return ENGINE_FLOOR, ".".join(parts[:3])
+    return None, None
+
+
+def py_imports(mod, path, modules):
+    """(line, imported module, imported name or None) of each kvtd import in `mod`."""
+    package = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
+    tree = ast.parse(open(path, encoding="utf-8").read(), filename=path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "kvtd" or a.name.startswith("kvtd."):
+                    yield node.lineno, a.name, None
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not (target == "kvtd" or target.startswith("kvtd.")):
+                continue
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                yield (node.lineno, sub, None) if sub in modules else (node.lineno, target, a.name)
+
+
+def python_problems(root):
+    modules = py_modules(root)
+    problems = []
+    for mod, path in sorted(modules.items()):
+        floor, room = py_room(mod)
+        rel = os.path.relpath(path, root)
+        if floor is None:
+            problems.append(f"{rel}: module {mod} is on no floor of tests/scripts/rooms_test.py's PY_FLOORS")
+            continue
+        for line, target, name in py_imports(mod, path, modules):
+            where = f"{rel}:{line}: imports {target}" + (f".{name}" if name else "")
+            t_floor, t_room = py_room(target)
+            if name is not None and name.startswith("_") and target != mod:
+                problems.append(f"{where}: a private name of another module")
+            if t_floor is None:
+                problems.append(f"{where}: no module of the package")
+            elif t_room == room or target == mod:
+                continue
+            elif floor == ENGINE_FLOOR and t_floor == ENGINE_FLOOR:
+                problems.append(f"{where}: one engine ({room}) imports another ({t_room})")
+            elif t_floor >= floor:
+                problems.append(f"{where}: {room} (floor {floor}) leans on {t_room} (floor {t_floor}): only lower floors")
+    return problems, len(modules)
+
+
 def main():
     root = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else ".")
     owners = public_headers(root)
@@ -98,12 +188,15 @@ def main():
             problems.append(f"{rel}: in no room of tests/scripts/rooms_test.py's floors: add its folder")
         else:
             problems += include_problems(root, rel, room, owners, prefix_owner)
+    py_problems, py_count = python_problems(root)
+    problems += py_problems
     for p in problems:
         print(p)
     if problems:
-        print(f"rooms: {len(problems)} include(s) against the floors")
+        print(f"rooms: {len(problems)} include(s) or import(s) against the floors")
         return 1
-    print(f"rooms: every include leans on its own room or a lower floor ({len(FLOORS)} rooms)")
+    print(f"rooms: every include leans on its own room or a lower floor ({len(FLOORS)} rooms); "
+          f"every import of the {py_count} Python modules too")
     return 0
 
 

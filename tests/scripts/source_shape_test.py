@@ -7,8 +7,10 @@ function over 80. Fails naming each file and function over.
 Functions are found by braces: a '{' at namespace or class scope whose statement has a ')' before
 it (and is not a class, struct, enum, namespace or initialiser) opens a function body, which ends
 at its matching '}'. Comments, strings and character literals are blanked first, so their braces
-do not count.
+do not count. Python (the package under python/, the tools' and examples' scripts) is read by its
+own parser: a function's lines run from its `def` (or first decorator) to its last statement.
 """
+import ast
 import os
 import re
 import sys
@@ -18,6 +20,7 @@ MAX_FUNCTION_LINES = 80
 SOURCE_DIRS = ["base", "client", "config", "control", "cudasim", "daemon", "events", "ipc", "kernels",
                "listeners", "metrics", "proto", "storage", "tools"]
 EXTENSIONS = (".cpp", ".h", ".cu", ".cuh", ".c")
+PYTHON_DIRS = ["python", "tools", "examples"]
 SCOPE_WORDS = re.compile(r"\b(namespace|class|struct|union|enum)\b")
 
 
@@ -103,23 +106,47 @@ def long_functions(text):
     return found
 
 
+def long_python_functions(text, rel):
+    """(first line, length, head) of each Python function or method over MAX_FUNCTION_LINES."""
+    found = []
+    for node in ast.walk(ast.parse(text, filename=rel)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            length = node.end_lineno - first + 1
+            if length > MAX_FUNCTION_LINES:
+                found.append((first, length, f"def {node.name}"))
+    return found
+
+
+def sources(root, tops, extensions):
+    for top in tops:
+        for dirpath, dirs, files in os.walk(os.path.join(root, top)):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            for f in sorted(files):
+                if f.endswith(extensions):
+                    yield os.path.join(dirpath, f)
+
+
+def check(path, root, finder):
+    rel = os.path.relpath(path, root)
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        text = fh.read()
+    problems = []
+    lines = text.count("\n")
+    if lines > MAX_FILE_LINES:
+        problems.append(f"{rel}: {lines} lines (at most {MAX_FILE_LINES}: split it by idea)")
+    for first, length, head in finder(text, rel):
+        problems.append(f"{rel}:{first}: a function of {length} lines (at most {MAX_FUNCTION_LINES}): {head}")
+    return problems
+
+
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else "."
     problems = []
-    for top in SOURCE_DIRS:
-        for dirpath, _, files in os.walk(os.path.join(root, top)):
-            for f in files:
-                if not f.endswith(EXTENSIONS):
-                    continue
-                path = os.path.join(dirpath, f)
-                rel = os.path.relpath(path, root)
-                with open(path, encoding="utf-8", errors="replace") as fh:
-                    text = fh.read()
-                lines = text.count("\n")
-                if lines > MAX_FILE_LINES:
-                    problems.append(f"{rel}: {lines} lines (at most {MAX_FILE_LINES}: split it by idea)")
-                for first, length, head in long_functions(text):
-                    problems.append(f"{rel}:{first}: a function of {length} lines (at most {MAX_FUNCTION_LINES}): {head}")
+    for path in sources(root, SOURCE_DIRS, EXTENSIONS):
+        problems += check(path, root, lambda text, rel: long_functions(text))
+    for path in sources(root, PYTHON_DIRS, (".py",)):
+        problems += check(path, root, long_python_functions)
     for p in problems:
         print(p)
     if problems:

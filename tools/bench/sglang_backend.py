@@ -34,6 +34,46 @@ import kvtd.testing  # noqa: E402
 import sglang_harness  # noqa: E402
 
 
+def timed_round(a, backend, oracle, pool, batch: int, page_bytes: int, r: int) -> dict:
+    """GB/s of one round: kvtd's and HiCacheFile's backup of pages [0, pages), then their load of
+    the same keys into pages [pages, 2 pages)."""
+    src = list(range(a.pages))
+    dst = list(range(a.pages, 2 * a.pages))
+    keys = [f"r{r}p{p}" for p in src]
+
+    def idx(pages):
+        return torch.tensor([p * a.page_size + t for p in pages for t in range(a.page_size)], dtype=torch.int64)
+
+    def batches(pages):
+        for i in range(0, len(keys), batch):
+            yield keys[i:i + batch], pages[i:i + batch]
+
+    def kvtd_set():
+        for k, p in batches(src):
+            assert all(backend.batch_set_v1(k, idx(p)))
+
+    def file_set():
+        for k, p in batches(src):
+            assert oracle.batch_set(k, [pool.get_data_page(x * a.page_size) for x in p])
+
+    def kvtd_get():
+        for k, p in batches(dst):
+            assert all(backend.batch_get_v1(k, idx(p)))
+
+    def file_get():
+        for k, p in batches(dst):
+            pages = oracle.batch_get(k, [pool.get_dummy_flat_data_page() for _ in k])
+            for x, page in zip(p, pages):
+                pool.set_from_flat_data_page(x * a.page_size, page)
+
+    out = {}
+    for name, fn in (("kvtd set", kvtd_set), ("file set", file_set), ("kvtd get", kvtd_get), ("file get", file_get)):
+        t0 = time.perf_counter()
+        fn()
+        out[name] = a.pages * page_bytes / (time.perf_counter() - t0) / 1e9
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pages", type=int, default=128)
@@ -67,48 +107,13 @@ def main() -> int:
                                           "--model-id", "bench"]).start()
     raw = pool.kv_buffer.view(torch.int16)
     raw.copy_(torch.randint(-32768, 32767, raw.shape, dtype=torch.int16))
-    src = list(range(a.pages))
-    dst = list(range(a.pages, 2 * a.pages))
-
-    def idx(pages):
-        return torch.tensor([p * a.page_size + t for p in pages for t in range(a.page_size)], dtype=torch.int64)
-
-    def batches(pages, keys):
-        for i in range(0, len(keys), batch):
-            yield keys[i:i + batch], pages[i:i + batch]
-
-    def timed(fn):
-        t0 = time.perf_counter()
-        fn()
-        return a.pages * page_bytes / (time.perf_counter() - t0) / 1e9
 
     figures = {k: [] for k in ("kvtd set", "file set", "kvtd get", "file get")}
     try:
         backend._session.wait_ready(30)
         for r in range(a.rounds):
-            keys = [f"r{r}p{p}" for p in src]
-
-            def kvtd_set():
-                for k, p in batches(src, keys):
-                    assert all(backend.batch_set_v1(k, idx(p)))
-
-            def file_set():
-                for k, p in batches(src, keys):
-                    assert oracle.batch_set(k, [pool.get_data_page(x * a.page_size) for x in p])
-
-            def kvtd_get():
-                for k, p in batches(dst, keys):
-                    assert all(backend.batch_get_v1(k, idx(p)))
-
-            def file_get():
-                for k, p in batches(dst, keys):
-                    pages = oracle.batch_get(k, [pool.get_dummy_flat_data_page() for _ in k])
-                    for x, page in zip(p, pages):
-                        pool.set_from_flat_data_page(x * a.page_size, page)
-
-            for name, fn in (("kvtd set", kvtd_set), ("file set", file_set), ("kvtd get", kvtd_get),
-                             ("file get", file_get)):
-                figures[name].append(timed(fn))
+            for name, gbps in timed_round(a, backend, oracle, pool, batch, page_bytes, r).items():
+                figures[name].append(gbps)
         med = {k: statistics.median(v) for k, v in figures.items()}
         shape = (f"{a.pages} pages of {page_bytes / 2**20:.1f} MiB ({a.layout}, {a.layers} layers x {a.heads} heads x "
                  f"{a.head_dim} x {a.page_size} tokens), batches of {batch}, median of {a.rounds}")

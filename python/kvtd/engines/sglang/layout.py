@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional
 
-from .geometry import Geometry, KvIdentity, kv_dtype_name
+from ...geometry import Geometry, KvIdentity, kv_dtype_name
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 _DTYPES = {2: ("bfloat16", "float16"), 1: ("uint8",)}

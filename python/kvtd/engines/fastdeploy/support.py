@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 
-from .geometry import KvIdentity
-from .session import Geometry
+from ...geometry import KvIdentity
+from ...session import Geometry
 
 
 def key_prefix_of(model_path: str) -> str:

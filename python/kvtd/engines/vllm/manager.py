@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import Offlo
 from vllm.v1.kv_offload.base import LookupResult, OffloadingEvent, OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-from .vllm_storage import StorageTier, StorageWork, merge_answers
+from .storage import StorageTier, StorageWork, merge_answers
 
 
 @dataclasses.dataclass
@@ -71,7 +71,7 @@ class KvtdOffloadingManager(CPUOffloadingManager):
                     self.storage.pending_store_keys[b] = key
         return out
 
-    # --- the storage tier behind this one (kvtd/vllm_storage.py) ---
+    # --- the storage tier behind this one (storage.py) ---
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         result = super().lookup(key, req_context)

@@ -9,9 +9,9 @@ import mmap
 import os
 import re
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
-from .geometry import KEY, KEY_SCALE, VALUE, VALUE_SCALE, Geometry, KvIdentity
+from ...geometry import KEY, KEY_SCALE, VALUE, VALUE_SCALE, Geometry, KvIdentity
 
 SWITCH = "KVTD_FASTDEPLOY_V1"
 _NAME = re.compile(r"^(key|value)_cache(s|_scales)_(\d+)_rank(\d+)\.device(\d+)$")
@@ -69,36 +69,6 @@ def release_host(ptr: int) -> None:
 # -- tensors as FastDeploy hands them (paddle on a GPU, torch in tests) --------------------------
 def _dtype_name(tensor) -> str:
     return str(tensor.dtype).rsplit(".", 1)[-1].lower()
-
-
-def _on_gpu(tensor) -> Optional[int]:
-    """The CUDA device ordinal of a paddle or torch tensor, or None for host memory."""
-    place = getattr(tensor, "place", None)
-    if place is not None and hasattr(place, "is_gpu_place"):
-        return int(place.gpu_device_id()) if place.is_gpu_place() else None
-    if getattr(tensor, "is_cuda", False):
-        return int(tensor.device.index)
-    return None
-
-
-def tensor_location(tensor):
-    """(64-byte handle, byte offset, nbytes, device ordinal or -1) a daemon opens the tensor by:
-    the CUDA IPC handle of its allocation for GPU memory, the shared-memory object's name for
-    kvtd's host backend."""
-    from .session import _mapped_file
-    from .tensors import allocation_handle
-
-    nbytes = int(tensor.numel()) * int(tensor.element_size())
-    ptr = int(tensor.data_ptr())
-    device = _on_gpu(tensor)
-    if device is not None:
-        handle, offset = allocation_handle(ptr, nbytes, device)
-        return handle, offset, nbytes, device
-    path, offset = _mapped_file(ptr)
-    name = path[len("/dev/shm/"):].encode()
-    if len(name) >= 64:
-        raise ValueError(f"shared-memory object {path} has a name of 64 bytes or more")
-    return name.ljust(64, b"\0"), offset, nbytes, -1
 
 
 def parse_names(cache_kvs_map: Dict[str, Any]) -> Dict[tuple, Any]:

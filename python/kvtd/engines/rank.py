@@ -1,0 +1,56 @@
+"""The wing's shared rank layer: what every engine adapter does for one rank of its engine.
+
+- `open_rank_session`: one rank's session, its tensors registered, published; on any failure
+  closed again, so nothing half-made is left in /dev/shm for a daemon to attach to.
+- `daemon_command`: the command line of that rank's daemon, from the session's geometry (storage
+  and log flags are the operator's to add).
+
+The session's name is the adapter's to make: it must carry every rank coordinate its engine has
+(TP, and PP, CP or a DP group where the engine has them), or two ranks meet in one session.
+Tensors are named to the daemon by `kvtd.places` (a CUDA IPC handle, a /dev/shm object, a memfd).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, List, Optional
+
+from ..geometry import Geometry
+from ..session import Session
+
+
+@dataclasses.dataclass(frozen=True)
+class RankTensor:
+    """One tensor of a rank as the daemon opens it: layer and kind in the geometry, its place
+    (a 64-byte handle and byte offset, from kvtd.places), its size and CUDA device (-1: host)."""
+
+    layer: int
+    kind: object
+    handle: bytes
+    offset: int
+    nbytes: int
+    device: int = -1
+
+
+def open_rank_session(suffix: str, geometry: Geometry, rank: int, tensors: Iterable[RankTensor], *,
+                      weight_version: Optional[int] = None, **session_options) -> Session:
+    """A published session `suffix` holding rank `rank`'s tensors (session_options go to
+    Session: only_rank, adopt_host_tier). Raises, with the session closed, when any step fails."""
+    s = Session(suffix, geometry, **session_options)
+    try:
+        for t in tensors:
+            s.register_tensor(rank, t.layer, t.kind, t.handle, t.offset, t.nbytes, device_id=t.device)
+        if weight_version is not None:
+            s.set_weight_version(weight_version)
+        s.publish()
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def daemon_command(geometry: Geometry, suffix: str, rank: int, device: int = -1) -> List[str]:
+    """`kvtd` with the flags that make rank `rank`'s daemon agree with `geometry` and find session
+    `suffix`: the CUDA backend on `device`, or the host backend for device -1."""
+    backend = ["--device-backend", "cuda", "--device-id", str(device)] if device >= 0 else ["--device-backend", "host"]
+    return ["kvtd", "--session", suffix, "--rank", str(rank), *backend, *geometry.daemon_flags()]

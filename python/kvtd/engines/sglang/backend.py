@@ -1,0 +1,270 @@
+"""kvtd as sglang's HiCache L3 storage backend (sglang v0.5.18), loaded by sglang's own factory:
+
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config '{"backend_name": "kvtd",
+      "module_path": "kvtd.sglang", "class_name": "KvtdHiCacheStorage", "interface_v1": 1,
+      "allocator": "shm", "kvtd_session": "sglang"}'
+
+sglang runs one scheduler process per TP rank; each makes one backend (StorageBackendFactory
+`_create_dynamic_backend`, mem_cache/storage/backend_factory.py:114-150, calls
+`cls(storage_config, kwargs)`), which makes a kvtd session serving that rank alone
+(`<kvtd_session>_r<tp_rank>`, Session(only_rank=r)) for that rank's daemon; with pipeline or
+attention context parallelism `<kvtd_session>_pp<stage>_cp<slice>_r<tp_rank>` (session_suffix),
+and the stage, the slice and the pool's dtype are in the stored objects' namespace
+(kvtd.KvIdentity: the daemon is started with the same --pp-*, --cp-*, --kv-dtype, as the
+logged command line shows). With
+`"allocator": "shm"` sglang's host pool lives in a memfd (mmap_allocator.py:160-167; the fd is
+HostKVCache.fd, pool_host/base.py:175); the backend registers that memory with the session by the
+fd's /proc path, so the daemon maps the very pages sglang reads and writes, and loads and
+stores go straight between them and the store: this process never copies a page.
+
+Every call sglang makes is bounded and never raises into its threads (an exception kills the
+storage thread for the life of the process): a daemon that is down or does not answer within
+`kvtd_timeout_s` turns into misses and failed sets. A task given up on is cancelled and its final
+answer awaited before the call returns, so no daemon writes a page sglang was told failed (a
+daemon that dies ends its tasks; one whose copy never finishes exits on its own watchdog).
+
+Keys are sglang's strings, opaque to kvtd; kvtd namespaces them by the daemon's model id, the
+layout's fingerprint and the weight version. `clear()` (sglang's /clear_hicache_storage_backend,
+hiradix_cache.py:819-838) moves to the next weight version: everything stored before misses from
+then on, and `kvtd ctl storage gc --keep-weight-version` reclaims it. `"kvtd_weight_version"` in the extra config starts at
+a given version (a restart after a weight update).
+
+The extra config's own keys: kvtd_session (session prefix, default "sglang"), kvtd_timeout_s (per
+call, default 5), kvtd_weight_version (default 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+from ...errors import Timeout
+from .layout import PoolPlan, pages_of, plan_pool
+from ...places import memfd_place
+from ...session import Session, now_ns
+from ..rank import RankTensor, daemon_command, open_rank_session
+
+log = logging.getLogger("kvtd.sglang")
+
+
+def plan_for(host, tp_size: int, mla: bool, pp: tuple = (0, 1), cp: tuple = (0, 1)) -> PoolPlan:
+    """kvtd's geometry and tensors for sglang's HostKVCache `host` (MHA: head_num and head_dim;
+    MLA: kv_cache_dim), of pipeline stage `pp` and attention context-parallel slice `cp`, each
+    (rank, size)."""
+    buf = host.kv_buffer
+    width = int(host.kv_cache_dim) if mla else int(host.head_num) * int(host.head_dim)
+    return plan_pool(layout=host.layout, mla=mla, layer_num=int(host.layer_num), size=int(host.size),
+                     page_size=int(host.page_size), token_width=width,
+                     dtype_name=str(host.dtype).replace("torch.", ""), itemsize=int(buf.element_size()),
+                     tp_size=tp_size, buffer_bytes=int(buf.numel()) * int(buf.element_size()),
+                     head_dim=0 if mla else int(host.head_dim), pp=pp, cp=cp)
+
+
+def session_suffix(prefix: str, tp_rank: int, pp: tuple = (0, 1), cp: tuple = (0, 1)) -> str:
+    """`<prefix>[_pp<stage>][_cp<slice>]_r<tp_rank>`: every rank coordinate sglang gives a storage
+    backend (HiCacheStorageConfig), as its own HiCacheFile names files by them
+    (hicache_storage.py:382-388); a coordinate of size 1 is left out, so a deployment without
+    pipeline or context parallelism keeps `<prefix>_r<tp_rank>`."""
+    name = prefix
+    if pp[1] > 1:
+        name += f"_pp{pp[0]}"
+    if cp[1] > 1:
+        name += f"_cp{cp[0]}"
+    return f"{name}_r{tp_rank}"
+
+
+class KvtdHiCacheStorage(HiCacheStorage):
+    """One sglang rank's L3 through its kvtd daemon. Thread-safe: sglang calls it from its
+    scheduler, prefetch, prefetch-io and backup threads at once."""
+
+    def __init__(self, storage_config, kwargs: Optional[Dict[str, Any]] = None):
+        extra = dict(storage_config.extra_config or {})
+        if not int(extra.get("interface_v1", 0)):
+            raise ValueError('kvtd.sglang moves pages in place: set "interface_v1": 1 in the extra config '
+                             "(sglang's other path copies every page through a tensor)")
+        self._rank, self._tp = int(storage_config.tp_rank), int(storage_config.tp_size)
+        self._mla = bool(storage_config.is_mla_model)
+        # The pipeline stage and attention context-parallel slice (HiCacheStorageConfig): both in
+        # the session's name and the stored objects' namespace, or stage 1 loads stage 0's layers.
+        self._pp = (int(getattr(storage_config, "pp_rank", 0) or 0), int(getattr(storage_config, "pp_size", 1) or 1))
+        self._cp = (int(getattr(storage_config, "attn_cp_rank", 0) or 0),
+                    int(getattr(storage_config, "attn_cp_size", 1) or 1))
+        self._suffix = session_suffix(str(extra.get("kvtd_session", "sglang")), self._rank, self._pp, self._cp)
+        self._timeout = float(extra.get("kvtd_timeout_s", 5.0))
+        if self._timeout <= 0:
+            raise ValueError(f"kvtd_timeout_s must be positive, got {self._timeout}")
+        self._weight_version = int(extra.get("kvtd_weight_version", 0))
+        self._session: Optional[Session] = None
+        self._plan: Optional[PoolPlan] = None
+        self._lock = threading.Lock()  # _stats; _session is set once at registration, taken once by close
+        # _version_lock: _weight_version and the session's copy of it, set together, so two clears
+        # at once are two versions and the session is left at the last (an unlocked += lost one,
+        # and the older value could be written to the session last).
+        self._version_lock = threading.Lock()
+        self._stats = {k: 0 for k in ("exists_calls", "pages_hit", "pages_missed", "pages_loaded", "pages_load_failed",
+                                      "pages_stored", "pages_store_failed", "calls_failed", "clears")}
+        self._last_warning = 0.0
+
+    # -- sglang's registration ------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        """Registers the rank's host pool with a session of its own (cache_controller.py:496-498
+        calls it once, after construction). A pool not in shared memory is refused by name."""
+        super().register_mem_pool_host(mem_pool_host)
+        fd = getattr(mem_pool_host, "fd", None)
+        if fd is None:
+            raise ValueError('kvtd.sglang reads and writes the host pool in place: set "allocator": "shm" in the '
+                             "extra config (the pool then lives in a memfd its daemon can map)")
+        plan = plan_for(mem_pool_host, self._tp, self._mla, self._pp, self._cp)
+        handle, base = memfd_place(int(fd), int(mem_pool_host.kv_buffer.data_ptr()))
+        tensors = [RankTensor(p.layer, p.kind, handle, base + p.offset, p.nbytes) for p in plan.pieces]
+        with self._version_lock:  # a clear during registration reaches the new session
+            self._session = open_rank_session(self._suffix, plan.geometry, self._rank, tensors,
+                                              weight_version=self._weight_version, only_rank=self._rank)
+            self._plan = plan
+        log.info("kvtd session %s for TP rank %d of %d (%s layout, %d pages of %d tokens); its daemon: %s",
+                 self._suffix, self._rank, self._tp, mem_pool_host.layout, plan.pages, plan.page_size,
+                 " ".join(daemon_command(plan.geometry, self._suffix, self._rank)))
+
+    def close(self) -> None:
+        with self._lock:
+            s, self._session = self._session, None
+        if s is not None:
+            s.close()
+
+    # -- the bounded task -----------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._stats[name] += n
+
+    def _warn(self, what: str, why) -> None:
+        now = time.monotonic()
+        if now - self._last_warning >= 5.0:  # a dead daemon would otherwise log every call
+            self._last_warning = now
+            log.warning("kvtd %s on %s: %s (counted as a miss or failed set)", what, self._suffix, why)
+
+    def _run(self, what: str, submit):
+        """`submit(session, deadline_ns)` -> task id; its result when the task succeeded, else
+        None (the daemon down or late, the task failed, the call raised). Never raises."""
+        s = self._session
+        if s is None:
+            self._warn(what, "no host pool registered")
+            return None
+        try:
+            if not s.rank_alive(self._rank):
+                why = f"rank {self._rank}'s daemon is not attached"
+            else:
+                tid = submit(s, now_ns() + int(self._timeout * 1e9))
+                try:
+                    r = s.wait(tid, self._timeout, check=False)
+                except Timeout:  # cancelled, and its final answer awaited: then sglang may reuse the pages
+                    r = s.final_result(tid, cancel=True, timeout_each=self._timeout)
+                if r.ok:
+                    return r
+                why = f"{r.status_name}: {r.message}"
+        except Exception as e:  # noqa: BLE001 - sglang's threads must live on
+            why = e
+        self._count("calls_failed", 1)
+        self._warn(what, why)
+        return None
+
+    def _pages(self, keys, host_indices) -> Optional[List[int]]:
+        plan = self._plan
+        pages = None if plan is None else pages_of(host_indices, len(keys), plan.page_size)
+        if pages is None or any(p >= plan.pages for p in pages):
+            self._warn("page indices", "host indices do not name whole pages of the registered pool")
+            return None
+        return pages
+
+    # -- sglang's calls ---------------------------------------------------------------------
+    def batch_exists(self, keys: List[str], extra_info=None) -> int:
+        """How many leading keys the store holds for this rank (sglang MIN-reduces it across
+        ranks itself: cache_controller.py:1100-1106)."""
+        if not keys:
+            return 0
+        self._count("exists_calls", 1)
+        r = self._run("query", lambda s, dl: s.storage_query(list(keys), deadline_ns=dl))
+        hits = r.blocks_done if r is not None else 0
+        self._count("pages_hit", hits)
+        self._count("pages_missed", len(keys) - hits)
+        return hits
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_get_v1(self, keys: List[str], host_indices, extra_info=None) -> List[bool]:
+        """Loads each key's page into the host pool page sglang allocated for it, in place; True
+        for the leading pages that arrived (sglang stops at the first False: :963-978)."""
+        if not keys:
+            return []
+        pages = self._pages(keys, host_indices)
+        if pages is None:
+            return [False] * len(keys)
+        r = self._run("load", lambda s, dl: s.storage_read(list(keys), pages, deadline_ns=dl))
+        done = min(len(keys), r.blocks_done) if r is not None else 0
+        self._count("pages_loaded", done)
+        self._count("pages_load_failed", len(keys) - done)
+        return [i < done for i in range(len(keys))]
+
+    def batch_set_v1(self, keys: List[str], host_indices, extra_info=None) -> List[bool]:
+        """Stores each key's page from the host pool, in place."""
+        if not keys:
+            return []
+        pages = self._pages(keys, host_indices)
+        if pages is None:
+            return [False] * len(keys)
+        r = self._run("store", lambda s, dl: s.storage_write(list(keys), pages, deadline_ns=dl))
+        ok = r is not None
+        self._count("pages_stored" if ok else "pages_store_failed", len(keys))
+        return [ok] * len(keys)
+
+    # The page-at-a-time interface: `target_location` is the page's host indices, as for the
+    # batch calls (a tensor of the page's bytes would be a copy, which kvtd does not make).
+    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None):
+        if target_location is None or not self.batch_get_v1([key], target_location)[0]:
+            return None
+        return self.mem_pool_host.get_data_page(int(target_location[0]), flat=True)
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None):
+        if target_locations is None:
+            return [None] * len(keys)
+        return [self.get(k, loc) for k, loc in zip(keys, target_locations)]
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        return target_location is not None and self.batch_set_v1([key], target_location)[0]
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> bool:
+        return target_locations is not None and all(self.set(k, None, loc) for k, loc in zip(keys, target_locations))
+
+    def clear(self) -> None:
+        """Everything stored so far misses from now on (the next weight version)."""
+        self._count("clears", 1)
+        with self._version_lock:
+            self._weight_version += 1
+            s = self._session
+            if s is not None:
+                try:
+                    s.set_weight_version(self._weight_version)
+                except Exception as e:  # noqa: BLE001
+                    self._warn("clear", e)
+
+    def set_weight_version(self, version: int) -> None:
+        """After a weight update: KV stored under other weights never loads."""
+        with self._version_lock:
+            self._weight_version = int(version)
+            s = self._session
+            if s is not None:
+                s.set_weight_version(self._weight_version)
+
+    def get_stats(self):
+        with self._lock:
+            out = dict(self._stats)
+        with self._version_lock:
+            out["weight_version"] = self._weight_version
+        out["session"] = self._suffix
+        return out
