@@ -126,12 +126,12 @@ echo "== sglang HiCache through kvtd.sglang next to sglang's own HiCacheFile (to
 for layout in page_first layer_first; do
   KVTD_BINARY="$KVTD_BUILD_DIR/daemon/kvtd" KVTD_CLIENT_LIBRARY="$KVTD_BUILD_DIR/client/libkvtd_client.so" \
     PYTHONPATH="$KVTD_ROOT/python:$KVTD_ROOT/tests/python" /usr/bin/python3 "$KVTD_ROOT/tools/bench/sglang_backend.py" \
-    --layout "$layout" 2>/dev/null | grep '^FIGURE' || echo "(sglang backend bench: needs sglang's source, see tests/python/sglang_harness.py)"
+    --layout "$layout" 2>/dev/null | grep '^FIGURE' || echo "(sglang backend bench: needs sglang's source, see tests/python/sglang/sglang_harness.py)"
 done
 echo "== vLLM's offloading worker through kvtd.vllm next to vLLM's copy mechanism (tools/bench/vllm_offload.py)"
 KVTD_BINARY="$KVTD_BUILD_DIR/daemon/kvtd" KVTD_CLIENT_LIBRARY="$KVTD_BUILD_DIR/client/libkvtd_client.so" \
   PYTHONPATH="$KVTD_ROOT/python:$KVTD_ROOT/tests/python" /usr/bin/python3 "$KVTD_ROOT/tools/bench/vllm_offload.py" \
-  2>/dev/null | grep '^FIGURE' || echo "(vLLM offload bench: needs vLLM's source, see tests/python/vllm_harness.py)"
+  2>/dev/null | grep '^FIGURE' || echo "(vLLM offload bench: needs vLLM's source, see tests/python/vllm/vllm_harness.py)"
 echo "== swap throughput as above, page-first host pool (--host-layout page_first: the transform is in the copy)"
 daemon_extra=(--host-layout page_first)
 for ranks in 1 2; do

@@ -158,7 +158,7 @@ elif "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() el
   vllm_src=${KVTD_VLLM_SRC:-$root/../shared/reference/vllm}
   if [ -f "$vllm_src/vllm/v1/kv_offload/base.py" ]; then
     step "vLLM offloading worker (device tensors)" 600 env KVTD_VLLM_SRC="$vllm_src" KVTD_BINARY="$kvtd" \
-      KVTD_CLIENT_LIBRARY="$client" PYTHONPATH="$root/python:$root/tests/python" "$python" \
+      KVTD_CLIENT_LIBRARY="$client" PYTHONPATH="$root/python:$root/tests/python:$root/tests/python/vllm" "$python" \
       "$root/tools/bench/vllm_offload.py" --device cuda --blocks 1024 --page-kib 16
   else
     skip "vLLM offloading worker (device tensors)" "no vLLM source: set KVTD_VLLM_SRC"

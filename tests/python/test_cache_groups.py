@@ -12,7 +12,9 @@ tokens is TRAILING ceil(W / page_tokens).
 from __future__ import annotations
 
 import math
+import os
 import random
+import sys
 
 import pytest
 import torch
@@ -20,7 +22,9 @@ import torch
 import kvtd
 from kvtd.cache_groups import CacheGroup, CacheGroups
 
-import sglang_harness
+# sglang's own HiCacheFile is the oracle of two tests here: its harness lives with sglang's tests.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang"))
+import sglang_harness  # noqa: E402
 
 PAGE = 16
 

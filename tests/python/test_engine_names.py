@@ -20,10 +20,16 @@ import importlib
 import importlib.metadata
 from pathlib import Path
 
+import os
+import sys
+
 import pytest
 
-import sglang_harness
-import vllm_harness
+# The engines' harnesses live with each engine's tests.
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, "sglang"), os.path.join(HERE, "vllm")]
+import sglang_harness  # noqa: E402
+import vllm_harness  # noqa: E402
 
 
 def test_fastdeploy_v0_imports_the_queue_from_kvtd_fastdeploy():
@@ -36,7 +42,7 @@ def test_fastdeploy_v0_imports_the_queue_from_kvtd_fastdeploy():
 def test_fastdeploy_v1s_plugin_entry_point_loads_register():
     from kvtd.engines.fastdeploy_v1 import manager
 
-    dist_info = next((Path(__file__).resolve().parents[2] / "python").glob("kvtd-*.dist-info"))
+    dist_info = next((Path(HERE).parents[1] / "python").glob("kvtd-*.dist-info"))
     parser = configparser.ConfigParser()
     parser.read(dist_info / "entry_points.txt")
     value = parser["fastdeploy.model_register_plugins"]["kvtd"]

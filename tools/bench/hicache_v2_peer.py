@@ -20,7 +20,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "python"))
+sys.path[:0] = [os.path.join(HERE, "..", "..", "tests", "python"), os.path.join(HERE, "..", "..", "tests", "python", "sglang")]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

@@ -1,10 +1,10 @@
 """kvtd.sglang against sglang's own HiCacheFile, the same pages, the same calls the controller makes.
 
-    PYTHONPATH=python:tests/python KVTD_BINARY=build/daemon/kvtd KVTD_CLIENT_LIBRARY=... \\
+    PYTHONPATH=python KVTD_BINARY=build/daemon/kvtd KVTD_CLIENT_LIBRARY=... \\
       /usr/bin/python3 tools/bench/sglang_backend.py [--pages 128] [--layout page_first] [--rounds 3]
 
 One scheduler's host pool (sglang's HostKVCache base over its ShmHostTensorAllocator, the MHA
-stand-in of tests/python/sglang_harness.py; default 32 layers x 8 heads x 128 dims bf16, pages of
+stand-in of tests/python/sglang/sglang_harness.py; default 32 layers x 8 heads x 128 dims bf16, pages of
 32 tokens = 4 MiB), backed up and loaded in batches of sglang's STORAGE_BATCH_SIZE: kvtd through
 batch_set_v1 / batch_get_v1 (zero copy, cache_controller.py:963-978, 1144-1148) with its daemon's
 file store, HiCacheFile through batch_set of get_data_page and batch_get then
@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests" / "python")]
+sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests" / "python"), str(ROOT / "tests" / "python" / "sglang")]
 
 import torch  # noqa: E402
 

@@ -19,7 +19,7 @@ yaml = pytest.importorskip("yaml")
 
 from fastdeploy_harness import fastdeploy_source, skip_reason  # noqa: E402
 
-CASES = Path(__file__).resolve().parents[1] / "data" / "version_yaml_cases.json"
+CASES = Path(__file__).resolve().parents[2] / "data" / "version_yaml_cases.json"
 
 
 def fastdeploys_reader():

@@ -23,6 +23,8 @@ import signal
 import time
 import uuid
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -33,6 +35,7 @@ import sglang_harness
 
 pytestmark = pytest.mark.skipif(sglang_harness.sglang_source() is None, reason=sglang_harness.skip_reason())
 
+ROOT = Path(__file__).resolve().parents[3]
 PAGE = 4
 LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
 
@@ -264,7 +267,7 @@ def test_two_scheduler_processes_two_daemons_store_and_load_their_own_slices(tmp
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.join(here, "..", "..", "python"),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), str(ROOT / "python"),
                                                        os.environ.get("PYTHONPATH", "")]))
     store = tmp_path / "store"
     procs = [subprocess.Popen([sys.executable, os.path.join(here, "sglang_rank.py"), str(r), "2", session_name,
@@ -423,7 +426,7 @@ def test_two_scheduler_processes_agree_the_hit_count_through_sglangs_own_all_red
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.join(here, "..", "..", "python"),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), str(ROOT / "python"),
                                                        os.environ.get("PYTHONPATH", "")]))
     init = tmp_path / "gloo_init"
     procs = [subprocess.Popen([sys.executable, os.path.join(here, "sglang_rank_controller.py"), str(r), session_name,

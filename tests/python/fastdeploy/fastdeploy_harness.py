@@ -45,7 +45,7 @@ from kvtd.engines.fastdeploy import signals as fds
 from reference_source import reference_source
 from reference_source import stand_in_module as _module
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DIFF = ROOT / "docs" / "fastdeploy" / "launch_cache_manager.diff"
 
 

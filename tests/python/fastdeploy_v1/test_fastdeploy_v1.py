@@ -21,13 +21,13 @@ import fastdeploy_v1_harness as fh
 pytestmark = pytest.mark.skipif(fh.source() is None, reason=fh.skip_reason())
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+ROOT = HERE.parents[2]
 WATCHDOG_S = 120
 
 
 def run(scenario: str, tp: int) -> str:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), str(HERE), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
     env.setdefault("KVTD_BINARY", str(ROOT / "build" / "daemon" / "kvtd"))
     try:
         out = subprocess.run([sys.executable, str(HERE / "fastdeploy_v1_scenarios.py"), scenario, str(tp)],
