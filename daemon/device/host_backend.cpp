@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -17,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "bus_error_guard.h"
 #include "kvtd/daemon/device_backend.h"
 #include "kvtd/daemon/engine_memory.h"
 #include "kvtd/ipc/populate.h"
@@ -24,6 +26,26 @@
 #include "kvtd/ipc/shared_object.h"
 
 namespace kvtd::daemon {
+namespace {
+
+// The task's error when the engine shrank the memory under a copy (bus_error_guard.h).
+Error<DeviceErrc> shrunk_under_copy(const char* what, std::uintptr_t fault) {
+  char addr[32];
+  std::snprintf(addr, sizeof addr, "%#llx", static_cast<unsigned long long>(fault));
+  return make_error(DeviceErrc::kCopyFailed,
+                    std::string(what) + ": bus error at " + addr +
+                        ": the engine's memory shrank below what it registered (its file was truncated after "
+                        "attach); the copy stopped, nothing after the fault was written");
+}
+
+// Runs `copy` (plain memcpy loops over engine memory) and turns a bus error into a failed status.
+template <typename F>
+Status<DeviceErrc> guarded(const char* what, F&& copy) {
+  if (const auto fault = survive_bus_error(copy)) return shrunk_under_copy(what, *fault);
+  return {};
+}
+
+}  // namespace
 
 Result<std::vector<std::uint64_t>, DeviceErrc> CopyEngine::device_checksums(Direction dir,
                                                                             std::span<const kernels::CopyTarget> targets,
@@ -238,19 +260,20 @@ class HostBackend final : public DeviceBackend {
 
   Status<DeviceErrc> copy(Direction, const kernels::CopyPlan& plan,
                           std::span<const kernels::CopyTarget> targets) override {
-    kernels::copy_all_host(plan, targets);
-    return {};
+    return guarded("swap", [&] { kernels::copy_all_host(plan, targets); });
   }
 
   Status<DeviceErrc> copy_layerwise(Direction, const kernels::CopyPlan& plan,
                                     std::span<const kernels::CopyTarget> targets, std::size_t targets_per_layer,
                                     const LayerCallback& on_layer_enqueued, const LayerCallback& on_layer_done) override {
-    // memcpy is synchronous: a layer is queued and complete at the same moment.
-    kernels::copy_layerwise_host(plan, targets, targets_per_layer, [&](std::uint32_t layer) {
+    // memcpy is synchronous: a layer is queued and complete at the same moment. Layers reported
+    // before a bus error were copied whole; the task still fails.
+    const std::function<void(std::uint32_t)> each_layer = [&](std::uint32_t layer) {
       if (on_layer_enqueued) on_layer_enqueued(layer);
       if (on_layer_done) on_layer_done(layer);
-    });
-    return {};
+    };
+    return guarded("layer-by-layer swap",
+                   [&] { kernels::copy_layerwise_host(plan, targets, targets_per_layer, each_layer); });
   }
 
   Result<std::vector<std::array<std::uint8_t, proto::kHandleBytes>>, DeviceErrc> export_layer_events(
@@ -260,14 +283,12 @@ class HostBackend final : public DeviceBackend {
 
   Status<DeviceErrc> gather_to_staging(std::span<const kernels::LayerTensor> tensors,
                                        std::span<const std::int32_t> ids, std::byte* staging) override {
-    kernels::gather_to_staging_host(tensors, ids, staging);
-    return {};
+    return guarded("gather for storage", [&] { kernels::gather_to_staging_host(tensors, ids, staging); });
   }
 
   Status<DeviceErrc> scatter_from_staging(std::span<const kernels::LayerTensor> tensors,
                                           std::span<const std::int32_t> ids, const std::byte* staging) override {
-    kernels::scatter_from_staging_host(tensors, ids, staging);
-    return {};
+    return guarded("scatter from storage", [&] { kernels::scatter_from_staging_host(tensors, ids, staging); });
   }
 
   // A shared-memory object the other process opens by name, as the engine's arenas are.
@@ -292,13 +313,11 @@ class HostBackend final : public DeviceBackend {
   Result<std::byte*, DeviceErrc> alloc_device(std::size_t bytes) override { return alloc_host(bytes); }
 
   Status<DeviceErrc> write_device(std::byte* dst, const std::byte* src, std::size_t bytes) override {
-    std::memcpy(dst, src, bytes);
-    return {};
+    return guarded("write", [&] { std::memcpy(dst, src, bytes); });
   }
 
   Status<DeviceErrc> read_device(std::byte* dst, const std::byte* src, std::size_t bytes) override {
-    std::memcpy(dst, src, bytes);
-    return {};
+    return guarded("read", [&] { std::memcpy(dst, src, bytes); });
   }
 
  private:

@@ -2,7 +2,9 @@
 // tensors, the engine frees them and makes new ones, restore_caches() maps the new ones, and
 // swaps through them are byte exact. Real daemons; the host backend's "device" arenas are
 // shared-memory objects, so /proc/<pid>/maps shows exactly what each daemon has mapped.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cinttypes>
@@ -215,6 +217,32 @@ TEST_F(CacheClearTest, RestoreThatCannotOpenTheNewTensorsFailsNamingTheRankAndSt
   auto fixed = engine_->restore_caches();
   ASSERT_TRUE(fixed.ok()) << fixed.error().message;
   round_trip({1}, {2}, {3});
+}
+
+
+// Trust round 4: an engine that shrinks its memory after attach (a truncated /dev/shm arena here;
+// sglang's memfd pool the same) made the daemon's next copy a SIGBUS: the daemon died, and its
+// restart refused the smaller file, in a loop. The copy now fails its task naming the cause, and
+// the daemon serves on. Fails on the old code (rank 0's daemon killed by SIGBUS).
+TEST_F(CacheClearTest, MemoryTheEngineShrankFailsTheTaskAndTheDaemonServesOn) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  ASSERT_TRUE(run(TaskKind::kSwapToHost, {1}, {4}).ok());  // rank 0 maps its arena and copies from it
+  const int fd = shm_open(("/" + arena(0, 0)).c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0) << arena(0, 0);
+  ASSERT_EQ(ftruncate(fd, 0), 0);  // from here the test must not touch the engine's arenas either
+  close(fd);
+  // Out of the arena into free host blocks, then host block 4 (stored above) back into it.
+  const std::vector<std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>>> blocks{{{2, 3}, {5, 6}}, {{4}, {7}}};
+  for (const auto kind : {TaskKind::kSwapToHost, TaskKind::kSwapToDevice}) {
+    const auto& [src, dst] = blocks[kind == TaskKind::kSwapToHost ? 0 : 1];
+    const auto r = run(kind, src, dst);
+    EXPECT_EQ(r.status, TaskStatus::kDeviceError) << (r.failures.empty() ? "ok" : r.failures[0].message);
+    ASSERT_FALSE(r.failures.empty());
+    EXPECT_EQ(r.failures[0].rank, 0u);
+    EXPECT_NE(r.failures[0].message.find("memory shrank"), std::string::npos) << r.failures[0].message;
+  }
+  EXPECT_TRUE(daemons_[0].running()) << "rank 0's daemon died: " << test::read_file(log_path(0));
+  EXPECT_TRUE(engine_->rank_alive(0));
 }
 
 }  // namespace
