@@ -52,6 +52,41 @@ def import_hicache_storage():
     return hs
 
 
+def import_metrics_collector():
+    """sglang's observability/metrics_collector.py, loaded unmodified (PROVENANCE): StorageMetrics
+    and StorageMetricsCollector, where get_stats() goes with --enable-metrics. Stand-ins only for
+    what it imports from outside the vendored tree, each a name the storage collector never uses:
+    DisaggregationMode, ForwardMode and ServerArgs (other collectors' types), get_bool_env_var (one
+    test-only flag read at import); utils/gauge_histogram.py is vendored and loaded by its path,
+    since sglang.srt.utils is itself a stand-in here."""
+    import enum
+    import importlib.util
+    import os
+
+    from reference_source import stand_in_module
+
+    import_hicache_storage()
+    utils = sys.modules["sglang.srt.utils"]
+    if not hasattr(utils, "get_bool_env_var"):
+        utils.get_bool_env_var = lambda name, default="false": os.environ.get(name, default).lower() in ("1", "true")
+    name = "sglang.srt.utils.gauge_histogram"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, sglang_source() / "python/sglang/srt/utils/gauge_histogram.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        utils.gauge_histogram = module
+    for package in ("sglang.srt.disaggregation", "sglang.srt.model_executor"):
+        if package not in sys.modules:
+            stand_in_module(package)
+    if "sglang.srt.disaggregation.utils" not in sys.modules:
+        stand_in_module("sglang.srt.disaggregation.utils", DisaggregationMode=enum.Enum("DisaggregationMode", "NULL"))
+        stand_in_module("sglang.srt.model_executor.forward_batch_info", ForwardMode=enum.Enum("ForwardMode", "EXTEND"))
+        stand_in_module("sglang.srt.server_args", ServerArgs=type("ServerArgs", (), {}))
+    import sglang.srt.observability.metrics_collector as mc  # noqa: E402
+    return mc
+
+
 def _stand_in_for_host_pool_imports():
     """What pool_host/base.py imports beyond the vendored tree (PROVENANCE): sglang.srt.utils'
     device probes (a CPU machine: every one False) and memory_pool's KVCache (the device pool's
@@ -149,10 +184,10 @@ def mha_host_pool_class():
     return MHAHostPool
 
 
-def storage_config(tp_rank, tp_size, extra, mla=False, model="kvtd-test/model", pp=(0, 1), cp=(0, 1)):
+def storage_config(tp_rank, tp_size, extra, mla=False, model="kvtd-test/model", pp=(0, 1), cp=(0, 1), metrics=False):
     hs = import_hicache_storage()
     return hs.HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp[0], pp_size=pp[1], attn_cp_rank=cp[0],
-                                   attn_cp_size=cp[1], is_mla_model=mla, enable_storage_metrics=False,
+                                   attn_cp_size=cp[1], is_mla_model=mla, enable_storage_metrics=metrics,
                                    is_page_first_layout=False, model_name=model, extra_config=extra)
 
 

@@ -74,8 +74,9 @@ class Rank:
     """One sglang scheduler's storage side: its config, host pool, kvtd backend made by sglang's
     factory, and its daemon (file store at `store`)."""
 
-    def __init__(self, tmp_path, layout, session, tp_rank=0, tp_size=1, store=None, start_daemon=True, pp=(0, 1)):
-        self.config = sglang_harness.storage_config(tp_rank, tp_size, extra_config(session), pp=pp)
+    def __init__(self, tmp_path, layout, session, tp_rank=0, tp_size=1, store=None, start_daemon=True, pp=(0, 1),
+                 metrics=False):
+        self.config = sglang_harness.storage_config(tp_rank, tp_size, extra_config(session), pp=pp, metrics=metrics)
         self.pool = host_pool(layout)
         self.backend = sglang_harness.backend_factory().create_backend("dynamic", self.config, self.pool)
         self.backend.register_mem_pool_host(self.pool)
@@ -176,10 +177,51 @@ def test_a_weight_update_misses_where_sglangs_file_backend_still_hits(tmp_path, 
         assert r.backend.batch_exists(keys) == 0, "KV of the old weights must not hit"
         assert r.backend.batch_get_v1(keys, indices([3, 4])) == [False, False]
         assert oracle.batch_exists(keys) == 2, "sglang's own file backend still hits (sgl-project/sglang#26792)"
-        stats = r.backend.get_stats()
+        stats = r.backend.kvtd_stats()
         assert stats["clears"] == 1 and stats["weight_version"] == 1
     finally:
         r.close()
+
+
+def test_with_metrics_on_sglangs_collector_takes_every_round_of_stats(tmp_path, session_name):
+    """--enable-metrics: the scheduler hands get_stats() to sglang's StorageMetricsCollector every
+    event round (hiradix_cache.py:1547-1550), which asserts isinstance(..., StorageMetrics)
+    (observability/metrics_collector.py:1931-1935). kvtd returned a dict of its own counters: the
+    first round failed the assertion. It returns sglang's StorageMetrics now, the loads' and
+    stores' pages and GB/s since the last round, as sglang's own backends do (kvtd's counters:
+    kvtd_stats())."""
+    import functools
+
+    import prometheus_client
+
+    StorageMetricsCollector = sglang_harness.import_metrics_collector().StorageMetricsCollector
+    registry = prometheus_client.CollectorRegistry()
+
+    class Collector(StorageMetricsCollector):  # sglang's collector, on a registry of this test's
+        _counter_cls = functools.partial(prometheus_client.Counter, registry=registry)
+        _histogram_cls = functools.partial(prometheus_client.Histogram, registry=registry)
+
+    labels = {"tp_rank": "0"}
+    collector = Collector(labels=labels)
+    r = Rank(tmp_path, "page_first", session_name, metrics=True)
+    try:
+        fill_random(r.pool, 5)
+        assert all(r.backend.batch_set_v1(["a", "b", "c"], indices([1, 2, 3])))
+        assert all(r.backend.batch_get_v1(["a", "b"], indices([4, 5])))
+        collector.log_storage_metrics(r.backend.get_stats())
+        collector.log_storage_metrics(r.backend.get_stats())  # a round with nothing new adds nothing
+        value = functools.partial(registry.get_sample_value, labels=labels)
+        assert value("sglang:backup_pgs_count") == 1 and value("sglang:backup_pgs_sum") == 3
+        assert value("sglang:prefetch_pgs_count") == 1 and value("sglang:prefetch_pgs_sum") == 2
+        assert value("sglang:prefetch_bandwidth_sum") > 0 and value("sglang:backup_bandwidth_sum") > 0
+        assert r.backend.kvtd_stats()["pages_stored"] == 3
+    finally:
+        r.close()
+    quiet = Rank(tmp_path, "page_first", session_name + "q", start_daemon=False)
+    try:
+        assert quiet.backend.get_stats() is None, "without metrics: sglang's base answer, nothing kept"
+    finally:
+        quiet.close()
 
 
 class _SlowVersionSession:
@@ -222,7 +264,7 @@ def test_two_clears_at_once_are_two_weight_versions_and_the_session_keeps_the_la
         slow.release.set()
         first.join(10)
         second.join(10)
-        stats = r.backend.get_stats()
+        stats = r.backend.kvtd_stats()
         assert stats["clears"] == 2 and stats["weight_version"] == 2
         assert slow.told[-1] == 2 and real.weight_version == 2, f"the session was told {slow.told[1:]}"
     finally:
@@ -247,7 +289,7 @@ def test_a_killed_daemon_gives_misses_and_failed_sets_never_an_exception_or_a_ha
         # Bounded by the daemon's liveness (its heartbeat, --engine-timeout) and kvtd_timeout_s (2 s).
         assert took < 10, f"calls against a dead daemon took {took:.1f} s"
         assert same(r.pool.kv_buffer, before), "nothing may be written into the pool by a failed load"
-        assert r.backend.get_stats()["calls_failed"] >= 3
+        assert r.backend.kvtd_stats()["calls_failed"] >= 3
         # The daemon restarts (systemd's Restart=on-failure): the store still holds what was set.
         r.daemons.kill_and_restart(0)
         r.backend._session.wait_ready(30)

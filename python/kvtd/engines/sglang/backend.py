@@ -108,6 +108,11 @@ class KvtdHiCacheStorage(HiCacheStorage):
         self._stats = {k: 0 for k in ("exists_calls", "pages_hit", "pages_missed", "pages_loaded", "pages_load_failed",
                                       "pages_stored", "pages_store_failed", "calls_failed", "clears")}
         self._last_warning = 0.0
+        # --enable-metrics: each load's and store's pages and GB/s, handed to sglang's collector and
+        # forgotten at each get_stats() (as sglang's own backends keep them); kept only when sglang
+        # will ask, so nothing grows unread. Under _lock.
+        self._metrics_on = bool(getattr(storage_config, "enable_storage_metrics", False))
+        self._io = {k: [] for k in ("prefetch_pgs", "prefetch_bandwidth", "backup_pgs", "backup_bandwidth")}
 
     # -- sglang's registration ------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -203,8 +208,10 @@ class KvtdHiCacheStorage(HiCacheStorage):
         pages = self._pages(keys, host_indices)
         if pages is None:
             return [False] * len(keys)
+        start = time.monotonic()
         r = self._run("load", lambda s, dl: s.storage_read(list(keys), pages, deadline_ns=dl))
         done = min(len(keys), r.blocks_done) if r is not None else 0
+        self._record_io("prefetch", done, time.monotonic() - start)
         self._count("pages_loaded", done)
         self._count("pages_load_failed", len(keys) - done)
         return [i < done for i in range(len(keys))]
@@ -216,8 +223,10 @@ class KvtdHiCacheStorage(HiCacheStorage):
         pages = self._pages(keys, host_indices)
         if pages is None:
             return [False] * len(keys)
+        start = time.monotonic()
         r = self._run("store", lambda s, dl: s.storage_write(list(keys), pages, deadline_ns=dl))
         ok = r is not None
+        self._record_io("backup", len(keys) if ok else 0, time.monotonic() - start)
         self._count("pages_stored" if ok else "pages_store_failed", len(keys))
         return [ok] * len(keys)
 
@@ -261,7 +270,31 @@ class KvtdHiCacheStorage(HiCacheStorage):
             if s is not None:
                 s.set_weight_version(self._weight_version)
 
+    # -- metrics ---------------------------------------------------------------------------
+    def _record_io(self, what: str, pages: int, seconds: float) -> None:
+        """One call's pages moved and GB/s (GiB as sglang's gb_per_page counts them)."""
+        if not self._metrics_on or pages <= 0:
+            return
+        plan = self._plan
+        gbps = pages * (plan.buffer_bytes / plan.pages) / max(seconds, 1e-9) / (1 << 30)
+        with self._lock:
+            self._io[f"{what}_pgs"].append(pages)
+            self._io[f"{what}_bandwidth"].append(gbps)
+
     def get_stats(self):
+        """sglang's StorageMetrics for its collector (--enable-metrics: hiradix_cache.py calls this
+        every event round and the collector asserts the type), the calls since the last one;
+        None without metrics, as sglang's base backend answers."""
+        if not self._metrics_on:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        with self._lock:
+            io, self._io = self._io, {k: [] for k in self._io}
+        return StorageMetrics(**io)
+
+    def kvtd_stats(self) -> Dict[str, Any]:
+        """kvtd's own counters of this backend (calls, pages hit, loaded, stored, failed, clears)."""
         with self._lock:
             out = dict(self._stats)
         with self._version_lock:
