@@ -12,6 +12,7 @@ The workers' GPU tensors are shared-memory tensors on the host backend.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import types
 import uuid
@@ -475,3 +476,39 @@ def test_a_stopped_daemon_is_fenced_and_its_store_counts_failed():
         assert engine.ranks[1].daemons.procs[0].wait(30) is not None, "the stopped daemon was fenced (killed)"
     finally:
         close(engine)
+
+
+def test_with_metrics_on_vllms_prometheus_layer_takes_the_managers_stats():
+    """Metrics on: the scheduler's manager is vLLM's own CPUOffloadingManager underneath, whose
+    get_stats() sets vllm:kv_offload_cpu_cache_usage_perc and its read / write siblings and observes
+    the allocation sizes (cpu/manager.py:293-318); vLLM's OffloadPromMetrics defines only what the
+    spec class's build_metric_definitions returns and asserts each key it is handed is defined
+    (offloading/metrics.py:481-490). KvtdOffloadingSpec defined none: the first stats to reach
+    Prometheus failed that assertion. vLLM's own classes here, on a registry of the test's."""
+    import functools
+
+    import prometheus_client
+
+    vllm_harness.import_vllm()
+    # OffloadPromMetrics imports cpu/spec.py only for issubclass(spec, CPUOffloadingSpec)
+    # (offloading/metrics.py:332-334), which keeps vLLM's own CPU spec's deprecated metrics; that
+    # module does not import on torch 1.13 (PROVENANCE): a stand-in class answers the check.
+    from reference_source import stand_in_module
+
+    if "vllm.v1.kv_offload.cpu.spec" not in sys.modules:
+        stand_in_module("vllm.v1.kv_offload.cpu.spec", CPUOffloadingSpec=type("CPUOffloadingSpec", (), {}))
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
+
+    from kvtd.engines.vllm.manager import KvtdOffloadingManager
+
+    registry = prometheus_client.CollectorRegistry()
+    metric_types = {cls: functools.partial(cls, registry=registry)
+                    for cls in (prometheus_client.Gauge, prometheus_client.Counter, prometheus_client.Histogram)}
+    extra = {"spec_name": "KvtdOffloadingSpec", "spec_module_path": "kvtd.vllm", "kvtd_host_blocks": 8}
+    vllm_config = types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config=extra))
+    prom = OffloadPromMetrics(vllm_config, metric_types, ["model_name"], {0: ["m"]})
+    manager = KvtdOffloadingManager(num_blocks=8, cache_policy="lru", enable_events=False, storage_ranks=0)
+    assert manager.prepare_store([b"k1", b"k2"], None) is not None
+    prom.observe(manager.get_stats().data)
+    assert registry.get_sample_value("vllm:kv_offload_cpu_cache_usage_perc", {"model_name": "m"}) is not None
+    assert registry.get_sample_value("vllm:kv_offload_cpu_allocation_size_count", {"model_name": "m"}) == 1

@@ -13,7 +13,6 @@ the vendored offloading code is replaced.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import sys
@@ -68,7 +67,8 @@ _TYPE_ONLY_MODULES = [
     "vllm.v1.core.kv_cache_manager", "vllm.v1.core.sched", "vllm.v1.core.sched.output", "vllm.v1.attention",
     "vllm.v1.attention.backend", "vllm.triton_utils", "vllm.utils.torch_utils",
     "vllm.distributed.device_communicators", "vllm.distributed.device_communicators.shm_broadcast",
-    "vllm.distributed.kv_transfer.kv_connector.utils", "vllm.distributed.kv_transfer.kv_connector.v1.metrics",
+    "vllm.distributed.kv_transfer.kv_connector.utils", "vllm.config.kv_transfer", "vllm.utils.func_utils",
+    "vllm.distributed.kv_transfer.kv_connector.base",
     "vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector",
 ]
 
@@ -118,20 +118,12 @@ class _SpecKind(enum.Enum):
     FULL_ATTENTION = "full_attention"
 
 
-@dataclasses.dataclass
-class KVConnectorStats:
-    """kv_connector/v1/metrics.py's KVConnectorStats (not vendored): the dataclass holding `data`
-    that OffloadingConnectorStats (offloading/metrics.py) fills and aggregates itself."""
-    data: dict = dataclasses.field(default_factory=dict)
-
-
 def _engine_stand_ins():
     """Names the offloading scheduler imports from engine modules that are not vendored, each
     doing what the engine's does for a full-attention model: the request status, the scheduler
     output's walk, the KV-event spec kind (v1/kv_cache_interface.py) and block hashes as bytes
     (v1/core/kv_cache_utils.py: BlockHash is bytes; events carry it unconverted by default)."""
     sys.modules["vllm.v1.request"].RequestStatus = RequestStatus
-    sys.modules["vllm.distributed.kv_transfer.kv_connector.v1.metrics"].KVConnectorStats = KVConnectorStats
     sys.modules["vllm.distributed.kv_transfer.kv_connector.utils"].yield_req_data = yield_req_data
     kci = sys.modules["vllm.v1.kv_cache_interface"]
     kci.get_kv_cache_spec_kind = lambda spec: _SpecKind.FULL_ATTENTION

@@ -74,6 +74,27 @@ log = logging.getLogger("kvtd.vllm")
 class KvtdOffloadingSpec(OffloadingSpec):
     """The spec vLLM loads by `spec_name` / `spec_module_path`."""
 
+    @classmethod
+    def build_metric_definitions(cls, extra_config):
+        """What the scheduler's manager reports with metrics on: it is vLLM's CPUOffloadingManager
+        underneath (manager.py), whose get_stats() sets three gauges and observes one histogram
+        (cpu/manager.py:293-318); vLLM's Prometheus layer defines only these and asserts every
+        key it is handed is defined (offloading/metrics.py:481-490)."""
+        from vllm.v1.kv_offload.base import OffloadingGaugeMetadata, OffloadingHistogramMetadata
+        from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics as names
+
+        return {
+            names.CPU_CACHE_USAGE_PERC: OffloadingGaugeMetadata(
+                documentation="Share of kvtd's host blocks held by KV or by transfers in flight (0 to 1)."),
+            names.CPU_CACHE_WRITE_USAGE_PERC: OffloadingGaugeMetadata(
+                documentation="Share of kvtd's host blocks being written by stores not yet complete (0 to 1)."),
+            names.CPU_CACHE_READ_USAGE_PERC: OffloadingGaugeMetadata(
+                documentation="Share of kvtd's host blocks in use other than by pending stores (0 to 1)."),
+            names.CPU_ALLOCATION_SIZE: OffloadingHistogramMetadata(
+                documentation="Host blocks asked for by each prepare_store of the scheduler.",
+                buckets=tuple(float(4**i) for i in range(10))),
+        }
+
     def __init__(self, config):
         super().__init__(config)
         x = self.extra_config
