@@ -224,6 +224,26 @@ def test_with_metrics_on_sglangs_collector_takes_every_round_of_stats(tmp_path, 
         quiet.close()
 
 
+def test_page_data_in_the_copying_calls_never_loads_over_a_page_in_use(tmp_path, session_name):
+    """sglang's draft (speculative) path calls the page-copying interface: batch_get(keys, dummy
+    pages) and batch_set(keys, data pages) (cache_controller.py:1191-1214). kvtd read the dummy
+    page's values as host indices: zeros named page 0, and a key the store holds was loaded over
+    page 0, a page in use, reported as a hit. Page data is never read as indices now: those calls
+    miss (and store nothing), and the pool is untouched. Fails on the old code."""
+    r = Rank(tmp_path, "page_first", session_name)
+    try:
+        fill_random(r.pool, 9)
+        assert all(r.backend.batch_set_v1(["k.draft"], indices([1])))
+        before = r.pool.get_data_page(0).clone()
+        dummy = [r.pool.get_dummy_flat_data_page()]
+        assert r.backend.batch_get(["k.draft"], dummy) == [None]
+        assert same(r.pool.get_data_page(0), before), "page 0 was overwritten"
+        assert r.backend.batch_set(["x.draft"], [r.pool.get_data_page(2 * PAGE)]) is False
+        assert r.backend.batch_exists(["x.draft"]) == 0
+    finally:
+        r.close()
+
+
 class _SlowVersionSession:
     """Wraps the rank's real session: the first set_weight_version waits for `release`, so a second
     clear runs while the first is between its count and its write (this test is about the backend's

@@ -180,7 +180,8 @@ class KvtdHiCacheStorage(HiCacheStorage):
         plan = self._plan
         pages = None if plan is None else pages_of(host_indices, len(keys), plan.page_size)
         if pages is None or any(p >= plan.pages for p in pages):
-            self._warn("page indices", "host indices do not name whole pages of the registered pool")
+            self._warn("page indices", "host indices do not name whole pages of the registered pool (sglang's "
+                                       "page-copying calls, as for draft KV, pass page data: those pages miss)")
             return None
         return pages
 

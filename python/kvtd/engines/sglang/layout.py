@@ -117,16 +117,25 @@ def plan_pool(*, layout: str, mla: bool, layer_num: int, size: int, page_size: i
     return PoolPlan(g, pieces, page_size, pages, buffer_bytes)
 
 
+_INDEX_DTYPES = ("torch.int64", "torch.int32")
+
+
 def pages_of(host_indices, count: int, page_size: int) -> Optional[List[int]]:
     """The host pool page of each of `count` keys, from the token indices sglang passes
-    (cache_controller.py:1004-1006: `page_size` per key, the first of each the page's first
-    token), or None if they do not name whole pages."""
+    (cache_controller.py:1004-1006: `page_size` per key, each run the page's tokens in order), or
+    None if they are not whole pages' token indices. A tensor must be of an index dtype: sglang's
+    page-copying calls (its draft path, cache_controller.py:1191-1214) pass page data in the
+    same argument, and data read as indices would load a page over one in use."""
+    dtype = getattr(host_indices, "dtype", None)
+    if dtype is not None and str(dtype) not in _INDEX_DTYPES:
+        return None
     if len(host_indices) < count * page_size:
         return None
     out = []
     for i in range(count):
-        first = int(host_indices[i * page_size])
-        if first % page_size or first < 0:
+        run = [int(x) for x in host_indices[i * page_size:(i + 1) * page_size]]
+        first = run[0]
+        if first % page_size or first < 0 or run != list(range(first, first + page_size)):
             return None
         out.append(first // page_size)
     return out
