@@ -38,7 +38,7 @@ def vllm_modules():
     return base, config, factory, common, worker
 
 
-def offloading_config(rank, world, extra, blocks_per_chunk=1):
+def offloading_config(rank, world, extra, blocks_per_chunk=1, dp=(0, 1)):
     _, config, _, _, _ = vllm_modules()
     return config.OffloadingConfig(
         groups=(config.OffloadingGroupConfig(tokens_per_block=vllm_engine.TOKENS_PER_BLOCK,
@@ -48,7 +48,7 @@ def offloading_config(rank, world, extra, blocks_per_chunk=1):
         cache=config.OffloadingCacheConfig(tokens_per_hash=vllm_engine.TOKENS_PER_BLOCK,
                                            blocks_per_chunk=blocks_per_chunk),
         parallel=config.OffloadingParallelConfig(rank=rank, world_size=world, tp_size=world, pp_size=1, pcp_size=1,
-                                                 dcp_size=1, data_parallel_index=0, data_parallel_size=1,
+                                                 dcp_size=1, data_parallel_index=dp[0], data_parallel_size=dp[1],
                                                  data_parallel_rank_local=None, is_parallelism_agnostic=False))
 
 
@@ -87,7 +87,8 @@ class Rank:
     offloading_connector.py:51-53); else one tensor per layer's K and V, as register_kv_caches
     canonicalises FlashAttention's layers."""
 
-    def __init__(self, rank, world, extra, daemon_flags=(), cross_layer=False, start_daemon=True):
+    def __init__(self, rank, world, extra, daemon_flags=(), cross_layer=False, start_daemon=True, dp=(0, 1)):
+        self.dp = dp
         base, _, factory, _, worker = vllm_modules()
         self.rank, self.block_bytes = rank, 2 * LAYERS * PAGE
         self.path = f"/dev/shm/kvtd_vllm_test_{uuid.uuid4().hex[:8]}"
@@ -107,7 +108,7 @@ class Rank:
             raise
 
     def _start(self, rank, world, extra, base, factory, worker, cross_layer):
-        self.spec = factory.OffloadingSpecFactory.create_spec(offloading_config(rank, world, extra))
+        self.spec = factory.OffloadingSpecFactory.create_spec(offloading_config(rank, world, extra, dp=self.dp))
         if cross_layer:
             torch_2_untyped_storage()
             layer_spec = types.SimpleNamespace(page_size_bytes=2 * PAGE)  # one layer's K and V of a block
@@ -512,3 +513,20 @@ def test_with_metrics_on_vllms_prometheus_layer_takes_the_managers_stats():
     prom.observe(manager.get_stats().data)
     assert registry.get_sample_value("vllm:kv_offload_cpu_cache_usage_perc", {"model_name": "m"}) is not None
     assert registry.get_sample_value("vllm:kv_offload_cpu_allocation_size_count", {"model_name": "m"}) == 1
+
+
+def test_two_data_parallel_engines_on_one_node_each_make_their_own_sessions():
+    """The documented `"kvtd_session": "vllm"` is one extra config for every engine of a DP
+    deployment, and each DP engine's workers count their ranks from 0: both engines' rank 0 made
+    `vllm_r0`, and the second failed to start (its session name was taken). The DP index is in the
+    name now (`<kvtd_session>_dp<index>_r<rank>`, only with DP > 1). Fails on the old code."""
+    extra = extra_config()
+    ranks = []
+    try:
+        for dp_index in (0, 1):
+            ranks.append(Rank(0, 1, extra, start_daemon=False, dp=(dp_index, 2)))
+        names = [r.connector.worker.suffix for r in ranks]
+        assert names == [f"{extra['kvtd_session']}_dp0_r0", f"{extra['kvtd_session']}_dp1_r0"]
+    finally:
+        for r in ranks:
+            r.close()

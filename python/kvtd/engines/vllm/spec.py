@@ -5,7 +5,8 @@
       "kv_connector_extra_config": {"spec_name": "KvtdOffloadingSpec", "spec_module_path": "kvtd.vllm",
         "kvtd_host_blocks": 65536, "kvtd_session": "vllm"}}'
 
-with one kvtd daemon per rank serving session `<kvtd_session>_r<rank>` (README, "vLLM").
+with one kvtd daemon per rank serving session `<kvtd_session>_r<rank>` (README, "vLLM"); with data
+parallelism `<kvtd_session>_dp<index>_r<rank>` (session_suffix).
 
 vLLM constructs the spec in its scheduler process and in every worker process
 (OffloadingSpecFactory.create_spec, v1/kv_offload/factory.py:52-56; offloading_connector.py:61-82).
@@ -69,6 +70,14 @@ from .manager import KvtdOffloadingManager, KvtdWorkerMetadata
 from .storage import WorkerStorage, poll_task
 
 log = logging.getLogger("kvtd.vllm")
+
+
+def session_suffix(prefix: str, rank: int, dp_index: int = 0, dp_size: int = 1) -> str:
+    """`<prefix>[_dp<index>]_r<rank>`: a worker's session, named by every coordinate that tells
+    two of them apart on one node: its rank in its engine and, with data parallelism, its
+    engine's DP index (each DP engine's workers count their ranks from 0, so one
+    `"kvtd_session"` for every engine of a DP deployment made them meet in one name)."""
+    return f"{prefix}_dp{dp_index}_r{rank}" if dp_size > 1 else f"{prefix}_r{rank}"
 
 
 class KvtdOffloadingSpec(OffloadingSpec):
@@ -174,7 +183,8 @@ class KvtdOffloadingWorker(OffloadingWorker):
                                      replicated=bool(spec.config.replicated_layout), dtype=spec.config.model.dtype)
         self._block_bytes = self._geometry.block_bytes("key")
         self._tensors = len(kv_caches.tensors)
-        self.suffix = f"{spec.session_prefix}_r{self._rank}"
+        self.suffix = session_suffix(spec.session_prefix, self._rank, int(p.data_parallel_index),
+                                     int(p.data_parallel_size))
         tensors = []
         for i, t in enumerate(kv_caches.tensors):  # tensor i is layer i of the geometry
             handle, offset, nbytes, device = tensor_location(t.tensor)
