@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 import uuid
 
@@ -242,6 +243,31 @@ def test_page_data_in_the_copying_calls_never_loads_over_a_page_in_use(tmp_path,
         assert r.backend.batch_exists(["x.draft"]) == 0
     finally:
         r.close()
+
+
+def test_two_dp_attention_groups_on_one_node_each_make_their_own_session(tmp_path, session_name, monkeypatch):
+    """With DP attention sglang gives a backend the rank inside its attention group as tp_rank
+    (cache_controller.py:609-612), and every group counts from 0: two groups on one node both made
+    `<kvtd_session>_r0`, and the second server failed to start (its session name was taken). The
+    group is read as the controller reads it (sglang.srt.layers.dp_attention, cache_controller.py:
+    36-38; that module is not vendored: a stand-in answers its two calls) and named in the session
+    (`_dp<group>`), never in the stored objects (the groups serve one model's pages). Fails on
+    the old code."""
+    from reference_source import stand_in_module
+
+    group = {"rank": 0}
+    monkeypatch.setitem(sys.modules, "sglang.srt.layers.dp_attention", None)
+    stand_in_module("sglang.srt.layers.dp_attention", is_dp_attention_enabled=lambda: True,
+                    get_attention_dp_rank=lambda: group["rank"])
+    made = []
+    try:
+        for g in (0, 1):
+            group["rank"] = g
+            made.append(Rank(tmp_path, "page_first", session_name, start_daemon=False))
+        assert [r.backend._suffix for r in made] == [f"{session_name}_dp0_r0", f"{session_name}_dp1_r0"]
+    finally:
+        for r in made:
+            r.close()
 
 
 class _SlowVersionSession:

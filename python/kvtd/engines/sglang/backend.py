@@ -7,8 +7,8 @@
 sglang runs one scheduler process per TP rank; each makes one backend (StorageBackendFactory
 `_create_dynamic_backend`, mem_cache/storage/backend_factory.py:114-150, calls
 `cls(storage_config, kwargs)`), which makes a kvtd session serving that rank alone
-(`<kvtd_session>_r<tp_rank>`, Session(only_rank=r)) for that rank's daemon; with pipeline or
-attention context parallelism `<kvtd_session>_pp<stage>_cp<slice>_r<tp_rank>` (session_suffix),
+(`<kvtd_session>_r<tp_rank>`, Session(only_rank=r)) for that rank's daemon; with DP attention, pipeline or
+attention context parallelism `<kvtd_session>_dp<group>_pp<stage>_cp<slice>_r<tp_rank>` (session_suffix),
 and the stage, the slice and the pool's dtype are in the stored objects' namespace
 (kvtd.KvIdentity: the daemon is started with the same --pp-*, --cp-*, --kv-dtype, as the
 logged command line shows). With
@@ -64,17 +64,34 @@ def plan_for(host, tp_size: int, mla: bool, pp: tuple = (0, 1), cp: tuple = (0, 
                      head_dim=0 if mla else int(host.head_dim), pp=pp, cp=cp)
 
 
-def session_suffix(prefix: str, tp_rank: int, pp: tuple = (0, 1), cp: tuple = (0, 1)) -> str:
-    """`<prefix>[_pp<stage>][_cp<slice>]_r<tp_rank>`: every rank coordinate sglang gives a storage
-    backend (HiCacheStorageConfig), as its own HiCacheFile names files by them
-    (hicache_storage.py:382-388); a coordinate of size 1 is left out, so a deployment without
-    pipeline or context parallelism keeps `<prefix>_r<tp_rank>`."""
+def session_suffix(prefix: str, tp_rank: int, pp: tuple = (0, 1), cp: tuple = (0, 1), dp_group: int = -1) -> str:
+    """`<prefix>[_dp<group>][_pp<stage>][_cp<slice>]_r<tp_rank>`: every rank coordinate of a
+    scheduler. PP and CP come in HiCacheStorageConfig, as sglang's own HiCacheFile names files by
+    them (hicache_storage.py:382-388); a coordinate of size 1 is left out, so a deployment without
+    them keeps `<prefix>_r<tp_rank>`. With DP attention, tp_rank is the rank inside the attention
+    group (cache_controller.py:609-612) and every group counts from 0, so the group is named too
+    (`dp_group`, -1 without DP attention: attention_dp_group)."""
     name = prefix
+    if dp_group >= 0:
+        name += f"_dp{dp_group}"
     if pp[1] > 1:
         name += f"_pp{pp[0]}"
     if cp[1] > 1:
         name += f"_cp{cp[0]}"
     return f"{name}_r{tp_rank}"
+
+
+def attention_dp_group() -> int:
+    """This scheduler's DP-attention group, read as sglang's own HiCacheController reads it
+    (cache_controller.py:36-38, 609-616: sglang.srt.layers.dp_attention); -1 without DP attention,
+    where the group is not part of any name. Pages are the same model's in every group, so the
+    group names the session only, never the stored objects (HiCacheFile's names have no DP part
+    either)."""
+    try:
+        from sglang.srt.layers.dp_attention import get_attention_dp_rank, is_dp_attention_enabled
+    except ImportError:  # an sglang without DP attention
+        return -1
+    return int(get_attention_dp_rank()) if is_dp_attention_enabled() else -1
 
 
 class KvtdHiCacheStorage(HiCacheStorage):
@@ -93,7 +110,8 @@ class KvtdHiCacheStorage(HiCacheStorage):
         self._pp = (int(getattr(storage_config, "pp_rank", 0) or 0), int(getattr(storage_config, "pp_size", 1) or 1))
         self._cp = (int(getattr(storage_config, "attn_cp_rank", 0) or 0),
                     int(getattr(storage_config, "attn_cp_size", 1) or 1))
-        self._suffix = session_suffix(str(extra.get("kvtd_session", "sglang")), self._rank, self._pp, self._cp)
+        self._suffix = session_suffix(str(extra.get("kvtd_session", "sglang")), self._rank, self._pp, self._cp,
+                                      attention_dp_group())
         self._timeout = float(extra.get("kvtd_timeout_s", 5.0))
         if self._timeout <= 0:
             raise ValueError(f"kvtd_timeout_s must be positive, got {self._timeout}")
