@@ -502,17 +502,40 @@ def test_with_metrics_on_vllms_prometheus_layer_takes_the_managers_stats():
 
     from kvtd.engines.vllm.manager import KvtdOffloadingManager
 
-    registry = prometheus_client.CollectorRegistry()
-    metric_types = {cls: functools.partial(cls, registry=registry)
-                    for cls in (prometheus_client.Gauge, prometheus_client.Counter, prometheus_client.Histogram)}
-    extra = {"spec_name": "KvtdOffloadingSpec", "spec_module_path": "kvtd.vllm", "kvtd_host_blocks": 8}
-    vllm_config = types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config=extra))
-    prom = OffloadPromMetrics(vllm_config, metric_types, ["model_name"], {0: ["m"]})
-    manager = KvtdOffloadingManager(num_blocks=8, cache_policy="lru", enable_events=False, storage_ranks=0)
-    assert manager.prepare_store([b"k1", b"k2"], None) is not None
-    prom.observe(manager.get_stats().data)
-    assert registry.get_sample_value("vllm:kv_offload_cpu_cache_usage_perc", {"model_name": "m"}) is not None
-    assert registry.get_sample_value("vllm:kv_offload_cpu_allocation_size_count", {"model_name": "m"}) == 1
+    for store_threshold in (0, 2):  # 2: vLLM's manager also counts the stores it skipped
+        registry = prometheus_client.CollectorRegistry()
+        metric_types = {cls: functools.partial(cls, registry=registry)
+                        for cls in (prometheus_client.Gauge, prometheus_client.Counter, prometheus_client.Histogram)}
+        extra = {"spec_name": "KvtdOffloadingSpec", "spec_module_path": "kvtd.vllm", "kvtd_host_blocks": 8,
+                 "store_threshold": store_threshold}
+        vllm_config = types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config=extra))
+        prom = OffloadPromMetrics(vllm_config, metric_types, ["model_name"], {0: ["m"]})
+        manager = KvtdOffloadingManager(num_blocks=8, cache_policy="lru", enable_events=False, storage_ranks=0,
+                                        store_threshold=store_threshold)
+        for key in (b"k1", b"k2", b"k1", b"k2"):  # seen twice: past any threshold; b"k3" never seen
+            manager.lookup(key, None)
+        assert manager.prepare_store([b"k1", b"k2", b"k3"], None) is not None
+        prom.observe(manager.get_stats().data)
+        value = functools.partial(registry.get_sample_value, labels={"model_name": "m"})
+        assert value("vllm:kv_offload_cpu_cache_usage_perc") is not None
+        assert value("vllm:kv_offload_cpu_allocation_size_count") == 1
+        assert value("vllm:kv_offload_stores_skipped_total") == (1 if store_threshold else None)
+
+
+def test_vllms_cpu_spec_options_reach_vllms_own_manager():
+    """store_threshold, max_tracker_size and cache_policy_module_path (cpu/spec.py:123-141) were
+    dropped without a word: kvtd's manager is vLLM's CPUOffloadingManager underneath, so each is now
+    handed to it as vLLM's own CPU spec hands it. A threshold of 2: a block looked up once is not
+    stored (vLLM's own filter), one looked up twice is."""
+    base, _, factory, _, _ = vllm_modules()
+    extra = extra_config(store_threshold=2, max_tracker_size=123, eviction_policy="lru")
+    spec = factory.OffloadingSpecFactory.create_spec(offloading_config(0, 1, extra))
+    manager = spec.get_manager()
+    assert (manager.store_threshold, manager.max_tracker_size) == (2, 123)
+    manager.lookup(b"once", None)
+    for _ in range(2):
+        manager.lookup(b"twice", None)
+    assert manager.prepare_store([b"once", b"twice"], None).keys_to_store == [b"twice"]
 
 
 def test_two_data_parallel_engines_on_one_node_each_make_their_own_sessions():

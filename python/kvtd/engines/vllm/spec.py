@@ -89,10 +89,11 @@ class KvtdOffloadingSpec(OffloadingSpec):
         underneath (manager.py), whose get_stats() sets three gauges and observes one histogram
         (cpu/manager.py:293-318); vLLM's Prometheus layer defines only these and asserts every
         key it is handed is defined (offloading/metrics.py:481-490)."""
-        from vllm.v1.kv_offload.base import OffloadingGaugeMetadata, OffloadingHistogramMetadata
+        from vllm.v1.kv_offload.base import (OffloadingCounterMetadata, OffloadingGaugeMetadata,
+                                             OffloadingHistogramMetadata)
         from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics as names
 
-        return {
+        definitions = {
             names.CPU_CACHE_USAGE_PERC: OffloadingGaugeMetadata(
                 documentation="Share of kvtd's host blocks held by KV or by transfers in flight (0 to 1)."),
             names.CPU_CACHE_WRITE_USAGE_PERC: OffloadingGaugeMetadata(
@@ -103,6 +104,10 @@ class KvtdOffloadingSpec(OffloadingSpec):
                 documentation="Host blocks asked for by each prepare_store of the scheduler.",
                 buckets=tuple(float(4**i) for i in range(10))),
         }
+        if int(extra_config.get("store_threshold", 0)) >= 2:  # the manager counts skipped stores then
+            definitions[names.STORES_SKIPPED] = OffloadingCounterMetadata(
+                documentation="Stores the scheduler skipped: the block was not looked up store_threshold times.")
+        return definitions
 
     def __init__(self, config):
         super().__init__(config)
@@ -128,9 +133,15 @@ class KvtdOffloadingSpec(OffloadingSpec):
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
+            x = self.extra_config
+            # vLLM's CPU spec options, passed as its own get_manager passes them (cpu/spec.py:123-141):
+            # the manager underneath is vLLM's, so each means what it means there.
             self._manager = KvtdOffloadingManager(num_blocks=self.num_blocks,
-                                                 cache_policy=self.extra_config.get("eviction_policy", "lru"),
+                                                 cache_policy=x.get("eviction_policy", "lru"),
+                                                 cache_policy_module_path=x.get("cache_policy_module_path"),
                                                  enable_events=self.kv_events_config.enable_kv_cache_events,
+                                                 store_threshold=int(x.get("store_threshold", 0)),
+                                                 max_tracker_size=int(x.get("max_tracker_size", 64_000)),
                                                  storage_ranks=self.config.parallel.world_size if self.storage else 0)
         return self._manager
 
