@@ -18,12 +18,13 @@ and the same bytes in the host pool.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 import time
+import types
 import uuid
-
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,28 @@ def test_the_factory_loads_kvtd_as_an_hicache_storage_and_refuses_a_copying_conf
                 allocator_type="default")
     with pytest.raises(ValueError, match='"allocator": "shm"'):
         b.register_mem_pool_host(plain)
+
+
+def test_an_extra_config_from_a_file_asking_for_shm_is_told_why_its_pool_is_not_shared(tmp_path, session_name):
+    """sglang accepts the extra config as @file (hiradix_cache.py:697-717) but picks the host
+    pool's allocator from the flag's text parsed as inline JSON only (pool_host/common.py:102-117):
+    from a file, "allocator": "shm" never reaches it and the pool is ordinary memory. kvtd told
+    that user to set what they had set; it names the cause now. Fails on the old code."""
+    conf = tmp_path / "extra.json"
+    conf.write_text(json.dumps(extra_config(session_name)))
+    hs = sglang_harness.import_hicache_storage()
+    from sglang.srt.mem_cache.pool_host.common import get_allocator_type
+
+    args = types.SimpleNamespace(hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=f"@{conf}")
+    allocator = get_allocator_type(args)  # sglang's own choice for this flag
+    assert allocator == "dynamic"
+    b = sglang_harness.backend_factory().create_backend(
+        "dynamic", hs.HiCacheStorageConfig(**{**vars(sglang_harness.storage_config(0, 1, None)),
+                                             "extra_config": json.loads(conf.read_text())}), None)
+    cls = sglang_harness.mha_host_pool_class()
+    pool = cls(sglang_harness.DevicePool(torch.bfloat16, 64, 3, 2, 8), 2.0, PAGE, "layer_first", allocator_type=allocator)
+    with pytest.raises(ValueError, match="inline"):
+        b.register_mem_pool_host(pool)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

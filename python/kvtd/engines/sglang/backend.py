@@ -116,6 +116,7 @@ class KvtdHiCacheStorage(HiCacheStorage):
         if self._timeout <= 0:
             raise ValueError(f"kvtd_timeout_s must be positive, got {self._timeout}")
         self._weight_version = int(extra.get("kvtd_weight_version", 0))
+        self._asked_for_shm = extra.get("allocator") == "shm"
         self._session: Optional[Session] = None
         self._plan: Optional[PoolPlan] = None
         self._lock = threading.Lock()  # _stats; _session is set once at registration, taken once by close
@@ -138,6 +139,12 @@ class KvtdHiCacheStorage(HiCacheStorage):
         calls it once, after construction). A pool not in shared memory is refused by name."""
         super().register_mem_pool_host(mem_pool_host)
         fd = getattr(mem_pool_host, "fd", None)
+        if fd is None and self._asked_for_shm:
+            # sglang chose the pool's allocator from the extra config's text, read as inline JSON
+            # only (pool_host/common.py:102-117): given as @file, "allocator" is never seen there.
+            raise ValueError('the extra config says "allocator": "shm", but sglang made the host pool in ordinary '
+                             "memory: sglang reads \"allocator\" only from an extra config given inline as JSON "
+                             "(pool_host/common.py get_allocator_type), not from an @file; give it inline")
         if fd is None:
             raise ValueError('kvtd.sglang reads and writes the host pool in place: set "allocator": "shm" in the '
                              "extra config (the pool then lives in a memfd its daemon can map)")
