@@ -114,9 +114,10 @@ class DevicePool:
     """The attributes of sglang's MHA device pool (memory_pool.MHATokenToKVPool) the host pool
     reads: its dtype, token count, layers and heads."""
 
-    def __init__(self, dtype, size, layer_num, head_num, head_dim):
+    def __init__(self, dtype, size, layer_num, head_num, head_dim, v_head_dim=None):
         self.store_dtype, self.dtype, self.size = dtype, dtype, size
         self.layer_num, self.head_num, self.head_dim = layer_num, head_num, head_dim
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
         self.start_layer, self.end_layer = 0, layer_num
         self.device = "cpu"
 
@@ -182,6 +183,59 @@ def mha_host_pool_class():
             return torch.zeros(2 * self.layer_num * self.page_size * self.head_num * self.head_dim, dtype=self.dtype)
 
     return MHAHostPool
+
+
+def asymmetric_host_pool_class():
+    """A HostKVCache subclass standing in for AsymmetricMHATokenToKVPoolHost (mha.py:1009-1125,
+    torch >= 2.3 like its base): K and V of different head dims in two buffers, each allocated
+    through sglang's own ALLOC_MEMORY_FUNCS and allocator (so "shm" makes one memfd per buffer),
+    with mha.py's dims for page_first and page_first_direct (:1080-1103). sglang has no flat page
+    for it (:1142): `k_page` and `v_page` are the test's views of one page of each."""
+    HostKVCache, alloc_funcs = import_host_pool()
+    import torch
+
+    class AsymmetricHostPool(_PageViews, HostKVCache):
+        def __init__(self, device_pool, host_to_device_ratio, page_size, layout, allocator_type="shm"):
+            self.target_layer_num = device_pool.layer_num
+            self.mtp_draft_device_pools = ()
+            super().__init__(device_pool, host_to_device_ratio, 0, page_size, layout, False, "cpu", allocator_type)
+
+        def get_size_per_token(self):
+            d = self.device_pool
+            self.head_num, self.head_dim, self.v_head_dim = d.head_num, d.head_dim, d.v_head_dim
+            self.layer_num = self.target_layer_num
+            item = torch.empty([], dtype=self.dtype).element_size()
+            return (self.head_dim + self.v_head_dim) * self.head_num * self.layer_num * item
+
+        def init_kv_buffer(self):
+            def dims(dim):
+                if self.layout == "page_first":
+                    return (self.size, self.layer_num, self.head_num, dim)
+                if self.layout == "page_first_direct":
+                    return (self.page_num, self.layer_num, self.page_size, self.head_num, dim)
+                raise ValueError(f"Unsupported layout for models with head_dim != v_head_dim: {self.layout}")
+
+            alloc = alloc_funcs[self.device_pool.device]
+            return tuple(alloc(dims(d), dtype=self.dtype, device=self.device, pin_memory=False, allocator=self.allocator)
+                         for d in (self.head_dim, self.v_head_dim))
+
+        def _page(self, buf, page):
+            if self.layout == "page_first":
+                return buf[page * self.page_size:(page + 1) * self.page_size]
+            return buf[page:page + 1]
+
+        def get_data_page(self, index, flat=True):
+            raise NotImplementedError("no flat page for K and V of different head dims (mha.py:1142)")
+
+        get_dummy_flat_data_page = set_from_flat_data_page = get_data_page
+
+        def k_page(self, page):
+            return self._page(self.kv_buffer[0], page)
+
+        def v_page(self, page):
+            return self._page(self.kv_buffer[1], page)
+
+    return AsymmetricHostPool
 
 
 def storage_config(tp_rank, tp_size, extra, mla=False, model="kvtd-test/model", pp=(0, 1), cp=(0, 1), metrics=False):

@@ -293,6 +293,38 @@ def test_two_dp_attention_groups_on_one_node_each_make_their_own_session(tmp_pat
             r.close()
 
 
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_k_and_v_of_different_head_dims_store_and_load_every_byte(tmp_path, session_name, layout):
+    """Models whose V head dim differs from K's (MiMo-V2) get sglang's AsymmetricMHATokenToKVPoolHost:
+    `kv_buffer` is (k_buffer, v_buffer), two memfds (mha.py:1009-1125). kvtd read
+    kv_buffer.data_ptr() and failed at registration with an AttributeError. K and V are now two
+    tensors of their own widths, each registered from its own memfd: pages stored from one place
+    load into another byte for byte. Fails on the old code."""
+    cls = sglang_harness.asymmetric_host_pool_class()
+    pool = cls(sglang_harness.DevicePool(torch.bfloat16, 64, 3, 2, 16, v_head_dim=8), 2.0, PAGE, layout)
+    config = sglang_harness.storage_config(0, 1, extra_config(session_name))
+    backend = sglang_harness.backend_factory().create_backend("dynamic", config, pool)
+    backend.register_mem_pool_host(pool)
+    daemons = kvtd.testing.Daemons(None, backend._suffix, backend._plan.geometry, ranks=[0],
+                                   extra=["--storage-backend", "file", "--storage-path", str(tmp_path / "store"),
+                                          "--model-id", "sgl"]).start()
+    try:
+        backend._session.wait_ready(30)
+        g = torch.Generator().manual_seed(3)
+        for buf in pool.kv_buffer:
+            raw = buf.view(torch.int16)
+            raw.copy_(torch.randint(-32768, 32767, raw.shape, generator=g, dtype=torch.int16))
+        assert all(backend.batch_set_v1(["a", "b"], indices([1, 2])))
+        assert backend.batch_get_v1(["a", "b"], indices([5, 6])) == [True, True]
+        for src, dst in ((1, 5), (2, 6)):
+            assert same(pool.k_page(dst), pool.k_page(src)) and same(pool.v_page(dst), pool.v_page(src))
+        geometry = backend._plan.geometry
+        assert geometry.block_bytes("key") == 2 * geometry.block_bytes("value")  # head dims 16 and 8
+    finally:
+        daemons.stop()
+        backend.close()
+
+
 class _SlowVersionSession:
     """Wraps the rank's real session: the first set_weight_version waits for `release`, so a second
     clear runs while the first is between its count and its write (this test is about the backend's

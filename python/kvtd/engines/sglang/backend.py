@@ -54,14 +54,46 @@ log = logging.getLogger("kvtd.sglang")
 def plan_for(host, tp_size: int, mla: bool, pp: tuple = (0, 1), cp: tuple = (0, 1)) -> PoolPlan:
     """kvtd's geometry and tensors for sglang's HostKVCache `host` (MHA: head_num and head_dim;
     MLA: kv_cache_dim), of pipeline stage `pp` and attention context-parallel slice `cp`, each
-    (rank, size)."""
-    buf = host.kv_buffer
+    (rank, size). K and V of different head dims (AsymmetricMHATokenToKVPoolHost, mha.py:1009-1125)
+    are two buffers: `kv_buffer` is (k_buffer, v_buffer) and `v_head_dim` V's head dim."""
+    bufs = pool_buffers(host)
     width = int(host.kv_cache_dim) if mla else int(host.head_num) * int(host.head_dim)
+    nbytes = [int(b.numel()) * int(b.element_size()) for b in bufs]
+    two = len(bufs) == 2
     return plan_pool(layout=host.layout, mla=mla, layer_num=int(host.layer_num), size=int(host.size),
                      page_size=int(host.page_size), token_width=width,
-                     dtype_name=str(host.dtype).replace("torch.", ""), itemsize=int(buf.element_size()),
-                     tp_size=tp_size, buffer_bytes=int(buf.numel()) * int(buf.element_size()),
-                     head_dim=0 if mla else int(host.head_dim), pp=pp, cp=cp)
+                     dtype_name=str(host.dtype).replace("torch.", ""), itemsize=int(bufs[0].element_size()),
+                     tp_size=tp_size, buffer_bytes=nbytes[0], head_dim=0 if mla else int(host.head_dim), pp=pp,
+                     cp=cp, value_width=int(host.head_num) * int(host.v_head_dim) if two else 0,
+                     value_buffer_bytes=nbytes[1] if two else 0)
+
+
+def pool_buffers(host) -> tuple:
+    """The host pool's buffers: one, or (K, V) for a pool whose K and V are two (a tuple)."""
+    buf = host.kv_buffer
+    if isinstance(buf, (tuple, list)):
+        if len(buf) != 2:
+            raise ValueError(f"sglang host pool kv_buffer is a sequence of {len(buf)} buffers; kvtd knows (K, V)")
+        return tuple(buf)
+    return (buf,)
+
+
+def buffer_places(host, buffers) -> List[tuple]:
+    """(handle, base offset) of each buffer in the memfd sglang's shm allocator made for it: one fd
+    per allocation (ShmHostTensorAllocator.fds, pool_host/common.py:30-55), matched to a buffer
+    by the mapping's inode, never assumed by order."""
+    fds = list(getattr(getattr(host, "allocator", None), "fds", None) or [host.fd])
+    out = []
+    for b in buffers:
+        for fd in fds:
+            try:
+                out.append(memfd_place(int(fd), int(b.data_ptr())))
+                break
+            except ValueError:
+                continue
+        else:
+            raise ValueError(f"a host pool buffer at {int(b.data_ptr()):#x} is in none of its allocator's memfds {fds}")
+    return out
 
 
 def session_suffix(prefix: str, tp_rank: int, pp: tuple = (0, 1), cp: tuple = (0, 1), dp_group: int = -1) -> str:
@@ -149,8 +181,9 @@ class KvtdHiCacheStorage(HiCacheStorage):
             raise ValueError('kvtd.sglang reads and writes the host pool in place: set "allocator": "shm" in the '
                              "extra config (the pool then lives in a memfd its daemon can map)")
         plan = plan_for(mem_pool_host, self._tp, self._mla, self._pp, self._cp)
-        handle, base = memfd_place(int(fd), int(mem_pool_host.kv_buffer.data_ptr()))
-        tensors = [RankTensor(p.layer, p.kind, handle, base + p.offset, p.nbytes) for p in plan.pieces]
+        places = buffer_places(mem_pool_host, pool_buffers(mem_pool_host))
+        tensors = [RankTensor(p.layer, p.kind, places[p.buffer][0], places[p.buffer][1] + p.offset, p.nbytes)
+                   for p in plan.pieces]
         with self._version_lock:  # a clear during registration reaches the new session
             self._session = open_rank_session(self._suffix, plan.geometry, self._rank, tensors,
                                               weight_version=self._weight_version, only_rank=self._rank)

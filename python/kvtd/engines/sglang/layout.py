@@ -34,12 +34,14 @@ _DTYPES = {2: ("bfloat16", "float16"), 1: ("uint8",)}
 @dataclasses.dataclass(frozen=True)
 class PoolPiece:
     """One registered tensor: (layer, kind) of kvtd's geometry at `offset` bytes into the pool's
-    buffer, `nbytes` long (every page's piece of it, page by page)."""
+    buffer `buffer` (0; 1 for V of a pool whose K and V are two buffers), `nbytes` long (every
+    page's piece of it, page by page)."""
 
     layer: int
     kind: str
     offset: int
     nbytes: int
+    buffer: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +65,7 @@ def _kvtd_dtype(dtype_name: str, itemsize: int) -> str:
 
 def plan_pool(*, layout: str, mla: bool, layer_num: int, size: int, page_size: int, token_width: int,
               dtype_name: str, itemsize: int, tp_size: int, buffer_bytes: int, head_dim: int = 0,
-              pp: tuple = (0, 1), cp: tuple = (0, 1)) -> PoolPlan:
+              pp: tuple = (0, 1), cp: tuple = (0, 1), value_width: int = 0, value_buffer_bytes: int = 0) -> PoolPlan:
     """kvtd's geometry and tensors for one rank's sglang host pool. `token_width`: elements of
     one token in one layer (MHA: head_num * head_dim; MLA: kv_cache_dim); `head_dim` (MHA
     page_head: its pieces are heads outermost); `size`: tokens (a
@@ -72,7 +74,13 @@ def plan_pool(*, layout: str, mla: bool, layer_num: int, size: int, page_size: i
     context-parallel slice the pool holds. The geometry declares its identity (KvIdentity): MLA
     replicated, MHA per rank, the pool's own dtype by name (one-byte dtypes move as uint8 but
     e4m3 and e5m2 never share a namespace), the stage and the slice. Raises ValueError naming the
-    first problem."""
+    first problem. `value_width` > 0: K and V are two buffers, V's token `value_width` elements
+    wide (sglang's AsymmetricMHATokenToKVPoolHost, mha.py:1009-1125: head_dim != v_head_dim, as
+    MiMo-V2; `value_buffer_bytes` is V's buffer's length)."""
+    if value_width > 0:
+        return _plan_two_buffers(layout=layout, layer_num=layer_num, size=size, page_size=page_size,
+                                 widths=(token_width, value_width), dtype_name=dtype_name, itemsize=itemsize,
+                                 tp_size=tp_size, buffers=(buffer_bytes, value_buffer_bytes), pp=pp, cp=cp)
     if layout not in LAYOUTS or (mla and layout == "page_head"):
         allowed = [x for x in LAYOUTS if not (mla and x == "page_head")]
         raise ValueError(f"sglang host pool layout {layout!r} is not one kvtd reads in place ({', '.join(allowed)})")
@@ -110,11 +118,42 @@ def plan_pool(*, layout: str, mla: bool, layer_num: int, size: int, page_size: i
                  }[layout]
         for t, kind in enumerate(kinds):
             pieces.append(PoolPiece(0, kind, t * layer_num * size * token_bytes, layer_num * size * token_bytes))
-    identity = KvIdentity(layout="replicated" if mla else "per_rank", dtype=kv_dtype_name(dtype_name),
-                          pp_rank=int(pp[0]), pp_size=int(pp[1]), cp_rank=int(cp[0]), cp_size=int(cp[1]))
     g = Geometry(num_ranks=tp_size, num_layers=layers, key_shape=shape, value_shape=None if mla else shape,
-                 dtype=dtype, identity=identity)
+                 dtype=dtype, identity=_identity(mla, dtype_name, pp, cp))
     return PoolPlan(g, pieces, page_size, pages, buffer_bytes)
+
+
+def _identity(mla: bool, dtype_name: str, pp: tuple, cp: tuple) -> KvIdentity:
+    return KvIdentity(layout="replicated" if mla else "per_rank", dtype=kv_dtype_name(dtype_name),
+                      pp_rank=int(pp[0]), pp_size=int(pp[1]), cp_rank=int(cp[0]), cp_size=int(cp[1]))
+
+
+def _plan_two_buffers(*, layout: str, layer_num: int, size: int, page_size: int, widths: tuple, dtype_name: str,
+                      itemsize: int, tp_size: int, buffers: tuple, pp: tuple, cp: tuple) -> PoolPlan:
+    """K and V in two buffers of their own widths: sglang allows page_first ([token][layer][head]
+    [dim]) and page_first_direct ([page][layer][token][head][dim]) only (mha.py:1080-1103). A
+    page is one piece of each buffer; K's and V's shapes differ in their last dimension."""
+    if layout not in ("page_first", "page_first_direct"):
+        raise ValueError(f"sglang host pool with K and V of different head dims: layout {layout!r} is not one "
+                         "sglang makes for it (page_first, page_first_direct)")
+    for name, v in (("layer_num", layer_num), ("size", size), ("page_size", page_size), ("tp_size", tp_size),
+                    ("key token width", widths[0]), ("value token width", widths[1])):
+        if int(v) <= 0:
+            raise ValueError(f"sglang host pool {name} is {v}: must be positive")
+    if size % page_size:
+        raise ValueError(f"sglang host pool size {size} is not a multiple of its page size {page_size}")
+    pages = size // page_size
+    shapes, pieces = [], []
+    for i, (kind, width) in enumerate(zip(("key", "value"), widths)):
+        need = layer_num * size * width * itemsize
+        if buffers[i] < need:
+            raise ValueError(f"sglang host pool {kind} buffer holds {buffers[i]} bytes; its layout needs {need}")
+        shapes.append((pages, 1, page_size, layer_num * width) if layout == "page_first"
+                      else (pages, layer_num, page_size, width))
+        pieces.append(PoolPiece(0, kind, 0, need, buffer=i))
+    g = Geometry(num_ranks=tp_size, num_layers=1, key_shape=shapes[0], value_shape=shapes[1],
+                 dtype=_kvtd_dtype(dtype_name, itemsize), identity=_identity(False, dtype_name, pp, cp))
+    return PoolPlan(g, pieces, page_size, pages, buffers[0] + buffers[1])
 
 
 _INDEX_DTYPES = ("torch.int64", "torch.int32")
