@@ -28,6 +28,7 @@ OTHER_PROGRAMS_FLAGS = {
     "--now",  # systemctl enable --now
     "--forward",  # patch
     "--enable-hierarchical-cache", "--hicache-storage-backend", "--hicache-storage-backend-extra-config",  # sglang
+    "--enable-metrics",  # sglang
     "--kv-transfer-config",  # vLLM
     "--pid", "--fork", "--mount-proc",  # unshare
 }
