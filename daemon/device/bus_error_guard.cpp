@@ -48,8 +48,9 @@ std::optional<std::uintptr_t> survive_bus_error(void (*copy)(void*), void* arg) 
   install_once();
   Guard guard;
   Guard* const outer = tls_guard;
-  // sigsetjmp saves the signal mask (SIGBUS is blocked inside the handler without SA_NODEFER).
-  if (sigsetjmp(guard.env, 1) != 0) {
+  // The mask need not be saved (savemask 0: no sigprocmask call per copy): the handler runs with
+  // SA_NODEFER and an empty sa_mask, so leaving it by siglongjmp leaves the mask as it was.
+  if (sigsetjmp(guard.env, 0) != 0) {
     tls_guard = outer;
     return guard.fault;
   }

@@ -27,7 +27,7 @@ from . import _native as n
 from .geometry import (DTYPES, KEY, KEY_SCALE, VALUE, VALUE_SCALE, Geometry,  # noqa: F401 (re-exported)
                        kind_code)
 from .errors import CacheControlFailed, KvtdError, TaskFailed, Timeout, raise_for
-from .places import mapping_of, shm_file_of  # noqa: F401 (mapping_of re-exported)
+from .places import shm_file_of
 from .task_args import TaskResult, block_ids, key_bytes, milliseconds, now_ns, u64  # noqa: F401 (re-exported)
 
 SWAP_TO_HOST = 1
