@@ -1,8 +1,10 @@
 // Host device backend: "device" tensors are shared-memory objects created by the engine side, or an
-// engine's own memory named by its descriptor (/proc/<pid>/fd/<fd>: sglang's memfd host pool).
+// engine's own memory named by its descriptor (/proc/<pid>/fd/<fd>: sglang's memfd host pool),
+// taken from the engine with pidfd_getfd.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,6 +26,13 @@
 #include "kvtd/ipc/populate.h"
 #include "kvtd/kernels/checksum.h"
 #include "kvtd/ipc/shared_object.h"
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
 
 namespace kvtd::daemon {
 namespace {
@@ -51,12 +60,16 @@ Result<std::vector<std::uint64_t>, DeviceErrc> CopyEngine::device_checksums(Dire
                                                                             std::span<const kernels::CopyTarget> targets,
                                                                             std::span<const std::int32_t> ids) {
   std::vector<std::uint64_t> out;
-  out.reserve(targets.size() * ids.size());
-  for (const auto& t : targets) {
-    const std::byte* base = dir == Direction::kToHost ? t.src : t.dst;
-    const std::uint64_t stride = dir == Direction::kToHost ? t.src_stride : t.dst_stride;
-    for (auto id : ids) out.push_back(kernels::block_checksum(base + static_cast<std::uint64_t>(id) * stride, t.block_bytes));
-  }
+  out.reserve(targets.size() * ids.size());  // no allocation below: the guard may cut the loop short
+  auto st = guarded("checksums of the engine's blocks", [&] {
+    for (const auto& t : targets) {
+      const std::byte* base = dir == Direction::kToHost ? t.src : t.dst;
+      const std::uint64_t stride = dir == Direction::kToHost ? t.src_stride : t.dst_stride;
+      for (auto id : ids)
+        out.push_back(kernels::block_checksum(base + static_cast<std::uint64_t>(id) * stride, t.block_bytes));
+    }
+  });
+  if (!st.ok()) return std::move(st).error();
   return out;
 }
 
@@ -147,10 +160,67 @@ std::string engine_fd_problem(std::pair<std::uint32_t, std::uint32_t> pid_fd, co
   return "";
 }
 
+// The engine's descriptor `pid_fd` itself, duplicated into this process by pidfd_getfd: the very
+// open file description, so with the engine's access mode, whatever this daemon's rights. -1 with
+// errno when it cannot be taken (EPERM: no ptrace access to the engine, e.g. Yama's ptrace_scope 1
+// for a daemon that is not root; ENOSYS before Linux 5.6; EBADF: the engine has no such descriptor).
+int take_engine_descriptor(std::pair<std::uint32_t, std::uint32_t> pid_fd) {
+  const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(pid_fd.first), 0));
+  if (pidfd < 0) return -1;
+  const int fd = static_cast<int>(syscall(SYS_pidfd_getfd, pidfd, static_cast<int>(pid_fd.second), 0));
+  const int e = errno;
+  ::close(pidfd);
+  errno = e;
+  return fd;  // close-on-exec, as pidfd_getfd makes it
+}
+
+// Whether `fd` is a memfd: its name says so and, as only memory does, it answers F_GET_SEALS.
+bool is_memfd(int fd) {
+  char link[64] = {};
+  const std::string self = "/proc/self/fd/" + std::to_string(fd);
+  const ssize_t n = readlink(self.c_str(), link, sizeof link - 1);
+  return n > 0 && std::string_view(link, static_cast<std::size_t>(n)).substr(0, 7) == "/memfd:" &&
+         fcntl(fd, F_GET_SEALS) >= 0;
+}
+
+// The engine's memory /proc/<pid>/fd/<fd> opened for mapping: the engine's own descriptor taken
+// (take_engine_descriptor), or, where the kernel will not give it, the file reopened through /proc
+// and held to the engine's own open mode (engine_fd_problem). Then it must be a memfd: memory the
+// engine made, never a disk or tmpfs file it happens to hold (someone's data). -1 and `why`.
+int open_engine_memory(const std::string& name, std::string& why) {
+  const auto pid_fd = *parse_engine_fd(name);
+  int fd = take_engine_descriptor(pid_fd);
+  const bool taken = fd >= 0;
+  if (!taken && errno != EPERM && errno != ENOSYS) {
+    why = std::string("cannot take it from the engine: ") + std::strerror(errno);
+    return -1;
+  }
+  if (!taken) fd = ::open(name.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) {
+    why = std::string("cannot open it: ") + std::strerror(errno) +
+          (errno == EACCES ? " (the daemon must run as the engine's user)" : "");
+    return -1;
+  }
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0)
+    why = "is not a non-empty memfd or file";
+  else if (!taken)
+    why = engine_fd_problem(pid_fd, st);
+  else if ((fcntl(fd, F_GETFL) & O_ACCMODE) != O_RDWR)
+    why = "is open read-only in the engine: a daemon writes only what the engine itself may write";
+  if (why.empty() && !is_memfd(fd))
+    why = "is not shared memory the engine made (a memfd): a daemon maps no other file the engine holds";
+  if (!why.empty()) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
 // Opens and maps a "device" object read-write: a /dev/shm object by its name, or an engine's own
 // memory by /proc/<pid>/fd/<fd> (a memfd: sglang's host pool with "allocator": "shm",
-// mem_cache/storage/mmap/mmap_allocator.py:160-167 at v0.5.18). Only a non-empty regular file is
-// mapped (shm objects and memfds are); a name holding '/' past a leading one, or a malformed /proc
+// mem_cache/storage/mmap/mmap_allocator.py:160-167 at v0.5.18; open_engine_memory). Only a
+// non-empty regular file is mapped; a name holding '/' past a leading one, or a malformed /proc
 // form, is refused by name.
 Result<Mapping, DeviceErrc> map_object(const std::string& name) {
   const bool engine_fd = name.rfind("/proc/", 0) == 0;
@@ -158,30 +228,22 @@ Result<Mapping, DeviceErrc> map_object(const std::string& name) {
   if (engine_fd ? !parse_engine_fd(name) : bare.find('/') != std::string_view::npos)
     return make_error(DeviceErrc::kOpenFailed, "device tensor object " + name +
                                                    " is neither a shared-memory object name nor /proc/<pid>/fd/<fd>");
-  const std::string path = engine_fd ? name : "/dev/shm/" + std::string(bare);
   const std::string what = engine_fd ? "the engine's memory " + name : "device tensor object " + name;
-  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0)
-    return make_error(DeviceErrc::kOpenFailed, "cannot open " + what + ": " + std::strerror(errno) +
-                                                   (errno == EACCES ? " (the daemon must run as the engine's user)" : ""));
+  int fd = -1;
+  if (engine_fd) {
+    std::string why;
+    fd = open_engine_memory(name, why);
+    if (fd < 0) return make_error(DeviceErrc::kOpenFailed, what + " " + why);
+  } else {
+    fd = ::open(("/dev/shm/" + std::string(bare)).c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0)
+      return make_error(DeviceErrc::kOpenFailed, "cannot open " + what + ": " + std::strerror(errno) +
+                                                     (errno == EACCES ? " (the daemon must run as the engine's user)" : ""));
+  }
   struct stat st {};
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0) {
     ::close(fd);
     return make_error(DeviceErrc::kOpenFailed, what + " is not a non-empty memfd or file");
-  }
-  if (engine_fd) {
-    // The engine's descriptor grants what the engine may do, not what this daemon may: opened
-    // through /proc with the daemon's rights (root under systemd), a file the engine holds
-    // read-only came back writable. Its own open mode (fdinfo) must be read-write. And memory,
-    // never a disk file the engine happens to hold (someone's data): a memfd or a tmpfs file,
-    // the only files that answer F_GET_SEALS.
-    std::string why = engine_fd_problem(*parse_engine_fd(name), st);
-    if (why.empty() && fcntl(fd, F_GET_SEALS) < 0)
-      why = "is not shared memory (a memfd or a tmpfs file): a daemon maps no file of a disk";
-    if (!why.empty()) {
-      ::close(fd);
-      return make_error(DeviceErrc::kOpenFailed, what + " " + why);
-    }
   }
   const auto size = static_cast<std::size_t>(st.st_size);
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);

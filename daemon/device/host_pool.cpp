@@ -19,6 +19,7 @@
 #include <cstring>
 
 #include "kvtd/daemon/log.h"
+#include "kvtd/ipc/liveness_lock.h"
 #include "kvtd/ipc/shared_object.h"
 #include "kvtd/proto/checked.h"
 
@@ -260,6 +261,12 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend
 
   std::byte* base = pool->object_->data();
   pool_object::hold(base);
+  auto lock = ipc::LivenessLock::take(name, pool->object_->inode(), ipc::kPoolHolderLockByte, hugetlbfs_dir);
+  if (lock.ok())
+    pool->holder_lock_ = std::make_unique<ipc::LivenessLock>(std::move(lock).value());
+  else  // judged by this process's pid alone, as before the lock: a sweep in another pid namespace may take it
+    KVTD_WARN("host pool {}: no holder lock ({}); a sweep in another pid namespace may remove it", name,
+              lock.error().message);
   std::vector<detail::PinPiece> pieces;
   if (backend.pins_memory()) pieces = pin_pieces(g, l, base, pin);
   pool->pinner_ = std::make_unique<detail::PoolPinner>(backend, std::move(pieces), g.num_host_blocks, pin.on_progress);
@@ -285,6 +292,15 @@ Status<DeviceErrc> HostPool::wait_pinned(std::uint32_t end,
 HostPool::PinProgress HostPool::pin_progress() const { return pinner_->progress(); }
 
 HostPool::~HostPool() = default;
+
+std::unique_ptr<ipc::LivenessLock> HostPool::release_holder_lock() { return std::move(holder_lock_); }
+
+std::vector<std::unique_ptr<ipc::LivenessLock>> HostPools::release_holder_locks() {
+  std::vector<std::unique_ptr<ipc::LivenessLock>> locks;
+  for (auto& p : pools_)
+    if (auto l = p->release_holder_lock()) locks.push_back(std::move(l));
+  return locks;
+}
 
 const std::string& HostPool::name() const { return object_->name(); }
 

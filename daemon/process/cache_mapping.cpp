@@ -14,7 +14,8 @@
 namespace kvtd::daemon {
 
 std::optional<std::string> foreign_process_memory(const proto::TensorDesc& d, std::uint32_t engine_pid,
-                                                  bool engine_in_our_pid_namespace) {
+                                                  bool engine_in_our_pid_namespace,
+                                                  const std::function<bool(std::uint32_t)>& maps_session) {
   const auto* raw = reinterpret_cast<const char*>(d.handle);
   const std::string_view name(raw, strnlen(raw, sizeof d.handle));
   const auto pid = engine_memory_pid(name);
@@ -25,9 +26,16 @@ std::optional<std::string> foreign_process_memory(const proto::TensorDesc& d, st
     return "tensor object " + std::string(name) + " names a process by pid, and the engine runs in another pid " +
            "namespace, where /proc/" + std::to_string(*pid) + " is not the engine: run the daemon in the engine's " +
            "pid namespace (a pod with shareProcessNamespace: true) to map the engine's memory by its descriptor";
-  if (*pid == engine_pid) return std::nullopt;
-  return "tensor object " + std::string(name) + " is not the memory of the engine that made the session (pid " +
-         std::to_string(engine_pid) + "): a daemon maps no other process's memory";
+  if (*pid != engine_pid)
+    return "tensor object " + std::string(name) + " is not the memory of the engine that made the session (pid " +
+           std::to_string(engine_pid) + "): a daemon maps no other process's memory";
+  // The session's creator pid is what the engine wrote; the session's mapping in that process is
+  // what the kernel says.
+  if (!maps_session(*pid))
+    return "tensor object " + std::string(name) + " names process " + std::to_string(*pid) +
+           ", which does not map this session: the session's creator pid names another process than the engine, "
+           "and a daemon maps no other process's memory";
+  return std::nullopt;
 }
 
 bool registered_none(const endpoint::RankEndpoint& ep) {

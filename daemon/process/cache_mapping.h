@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -30,10 +31,13 @@ bool wait_for_fastdeploy_cache(const config::DaemonConfig& cfg, const endpoint::
                                const std::atomic<bool>& stop);
 
 // A tensor that names a process's own memory (/proc/<pid>/fd/<fd>, the host backend) must name
-// the engine's, the process that made the session: a daemon running with more rights than its
-// engine must not map another process's memory for it. The reason when it does not, else none.
+// the engine's: the process the session says made it (`engine_pid`, the engine's word) and that
+// maps the session (`maps_session(pid)`, which the daemon sees for itself). A daemon running with
+// more rights than its engine must not map another process's memory for it. The reason when it
+// does not, else none.
 std::optional<std::string> foreign_process_memory(const proto::TensorDesc& d, std::uint32_t engine_pid,
-                                                  bool engine_in_our_pid_namespace);
+                                                  bool engine_in_our_pid_namespace,
+                                                  const std::function<bool(std::uint32_t)>& maps_session);
 
 // Where this rank's tensors come from: the engine's registry; or, when the engine registered
 // none, FastDeploy's names. Borrows everything it is given; one mapping pass at a time.
@@ -60,7 +64,9 @@ class TensorSource {
     if (!d)
       return make_error(DeviceErrc::kOpenFailed, std::string(proto::tensor_kind_name(kind)) + " tensor of layer " +
                                                      std::to_string(l) + " is not registered");
-    if (auto why = foreign_process_memory(*d, ep_.engine_pid(), ep_.engine_in_our_pid_namespace())) return make_error(DeviceErrc::kOpenFailed, *why);
+    const auto maps_session = [this](std::uint32_t pid) { return ep_.mapped_by(pid); };
+    if (auto why = foreign_process_memory(*d, ep_.engine_pid(), ep_.engine_in_our_pid_namespace(), maps_session))
+      return make_error(DeviceErrc::kOpenFailed, *why);
     return backend_.open_tensor(*d);
   }
 

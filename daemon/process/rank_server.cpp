@@ -96,6 +96,7 @@ Result<HostPools, int> RankServer::open_pools(const RankEndpoint& ep) {
   // A dead engine's pools not taken over go first: the new ones may need their room.
   if (!ep.take_over_host_tier()) drop_kept_pools();
   const std::uint64_t take_over = kept_generation_;
+  kept_locks_.clear();  // a pool taken over is locked again by its HostPool (another description)
   const bool grouped = proto::is_group_session(s_.groups);
   const std::vector<PoolShape> shapes = PoolShape::of_session(s_.geometry, s_.groups);
   std::vector<std::unique_ptr<HostPool>> out;
@@ -128,9 +129,10 @@ void RankServer::drop_kept_pools() {
   for (std::uint32_t g = 0; g < pools; ++g)
     ipc::SharedObject::remove(ipc::session_object_name(kept_generation_, proto::host_pool_object(cfg_.rank, g)), dir);
   kept_generation_ = 0;
+  kept_locks_.clear();
 }
 
-void RankServer::release_pools(const Session& s) {
+void RankServer::release_pools(Session& s) {
   // A stopping daemon leaves the pools to its successor (a restart within the session re-maps
   // them). Else the session is over for us: nobody reads this pool again (a new session is a new
   // generation with a new pool) - unless its engine died rather than closed the session: its
@@ -140,6 +142,7 @@ void RankServer::release_pools(const Session& s) {
   if (s.why == TaskRunner::Exit::kSessionLost && !s.ep.engine_closed()) {
     drop_kept_pools();
     kept_generation_ = s.ep.generation();
+    kept_locks_ = s.pools.release_holder_locks();
     KVTD_INFO("engine gone without closing session {:016x}: keeping its host pool for the engine's restart",
               s.ep.generation());
     return;

@@ -25,6 +25,7 @@
 #include "kvtd/daemon/host_pool.h"
 #include "kvtd/daemon/task_runner.h"
 #include "kvtd/endpoint/rank_endpoint.h"
+#include "kvtd/ipc/liveness_lock.h"
 #include "fastdeploy_ipc.h"
 #include "heartbeat.h"
 #include "start_up.h"
@@ -82,7 +83,7 @@ class RankServer {
   void drop_kept_pools();
   // The session ended: its pools are removed, or kept when its engine died (not closed) for the
   // engine's restart to take over; this daemon stays their holder, so no sweep removes them.
-  void release_pools(const Session& s);
+  void release_pools(Session& s);
 
   const config::DaemonConfig& cfg_;
   Services& s_;
@@ -91,6 +92,9 @@ class RankServer {
   // are left for the next session of the suffix to take over (RankEndpoint::take_over_host_tier);
   // 0: none. Only the run() thread.
   std::uint64_t kept_generation_ = 0;
+  // The kept pools' holder locks (HostPools::release_holder_locks): this daemon is their live
+  // holder in every pid namespace until they are taken over or dropped.
+  std::vector<std::unique_ptr<ipc::LivenessLock>> kept_locks_;
 };
 
 }  // namespace kvtd::daemon

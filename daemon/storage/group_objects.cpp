@@ -116,7 +116,7 @@ std::optional<Outcome> ObjectMover::write_groups(const Prepared& p, std::byte* s
                                "host block " + std::to_string(*bad) + " of cache group " + std::to_string(run.group) +
                                    " holds no data written in this session; nothing stored");
   }
-  const bool in_place = t_.store->capabilities().writes_pieces && (host || copies_.tensors_host_accessible());
+  const bool in_place = stores_in_place(host);
   for (std::size_t r = 0; r < runs.size(); ++r) {
     const GroupRun& run = runs[r];
     if (revoked(w)) return std::nullopt;

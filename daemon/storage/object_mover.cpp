@@ -126,16 +126,17 @@ ObjectMover::Step ObjectMover::load_chunk(const ObjectTarget& target, bool host,
   // never counts as loaded (a host block stays invalid: marked before the load, valid only for
   // the loaded prefix; a device block lies past blocks_done, like a block after a miss).
   into.unverified_bytes_ok = true;
-  if (host || copies_.tensors_host_accessible()) {
-    // Blocks the CPU can write (host-pool blocks; device blocks of a backend whose tensors are
-    // host memory): each object goes straight into its block's pieces. A store that reads in
-    // place reads and verifies it there (one copy, from the kernel into place; on 2 cores the
-    // scratch copy this saves was a quarter of a warm read's CPU time, STORAGE_READ 6.4 -> 7.4
-    // GB/s, scripts/bench.sh); others copy each verified payload in.
+  if (host) {
+    // The daemon's own host-pool blocks: each object goes straight into its block's pieces. A
+    // store that reads in place reads and verifies it there (one copy, from the kernel into
+    // place; on 2 cores the scratch copy this saves was a quarter of a warm read's CPU time,
+    // STORAGE_READ 6.4 -> 7.4 GB/s, scripts/bench.sh); others copy each verified payload in.
+    // Never the engine's memory (stores_in_place).
     into.pieces = [&](std::size_t i) { return block_pieces(parts[i % n], ids[i / n]); };
   } else {
-    // Device memory (CUDA): each object is read into its slot of this worker's pinned staging and
-    // verified there, then its DMA goes from the slot on the store's I/O thread that read it,
+    // The engine's memory (CUDA; host-backend tensors, through the backend's guarded copy): each
+    // object is read into its slot of this worker's pinned staging and verified there, then its
+    // DMA (copy) goes from the slot on the store's I/O thread that read it,
     // while later objects are still being read. No CPU copy between the read and the DMA, and a
     // slot whose object fails is never copied to the device. An object after a miss on this rank
     // may land in its (reserved) block too; only the leading blocks_done are reported loaded.
@@ -217,7 +218,7 @@ std::optional<Outcome> ObjectMover::write(const Prepared& p, std::byte* slice) {
                                                             " holds no data written in this session; nothing stored");
   // One copy of a replicated slice is enough (MLA: rank 0; a head on several ranks: its first).
   const bool writer = t_.slicing.writer;
-  const bool in_place = t_.store->capabilities().writes_pieces && (host || copies_.tensors_host_accessible());
+  const bool in_place = stores_in_place(host);
   std::size_t written = skip;
   const std::size_t step = cancel_step();
   while (written < keys) {
@@ -267,8 +268,8 @@ std::optional<Outcome> ObjectMover::write_objects(const ObjectTarget& target, bo
   const std::uint64_t object_bytes = target.object_bytes;
   storage::WriteFrom source;
   if (in_place) {
-    // The blocks are readable where they are (host pool; host-backend tensors): each object is
-    // written straight from its pieces, no staging copy. Adjacent pieces merge, so a page-first
+    // The blocks are the daemon's host pool, readable where they are: each object is written
+    // straight from its pieces, no staging copy. Adjacent pieces merge, so a page-first
     // host block is one piece: the object exactly as it lies in the pool.
     source.pieces = [&](std::size_t i) -> std::optional<storage::ConstPieces> {
       const auto pieces = block_pieces(parts[i % n], chunk_ids[i / n]);
@@ -293,6 +294,8 @@ std::optional<Outcome> ObjectMover::write_objects(const ObjectTarget& target, bo
   if (auto e = gather_error.get(); !e.empty()) return Outcome::failed(TaskStatus::kDeviceError, e);
   return check_put(put, names.size(), object_bytes);
 }
+
+bool ObjectMover::stores_in_place(bool host) const { return host && t_.store->capabilities().writes_pieces; }
 
 std::optional<Outcome> ObjectMover::past_deadline(const StorageWork& w, std::size_t done, std::size_t of) const {
   if (w.header.deadline_ns == 0 || ipc::monotonic_now_ns() <= w.header.deadline_ns) return std::nullopt;

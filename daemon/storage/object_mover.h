@@ -114,6 +114,12 @@ class ObjectMover {
   // its backup_skipped outcome; nullopt otherwise.
   std::optional<proto::Outcome> stale_backup(const Prepared& p) const;
   std::optional<proto::Outcome> past_deadline(const StorageWork& w, std::size_t done, std::size_t of) const;
+  // Whether the store writes objects straight from the blocks (and loads read into them in place):
+  // for the daemon's own host pool only. The engine's memory, host memory included (host-backend
+  // tensors: sglang's memfd pool, a /dev/shm arena), goes through the backend's copies, which
+  // survive the engine shrinking its file under them (bus_error_guard.h); the store's hash or copy
+  // of a page past the new end would be a SIGBUS that kills the daemon.
+  bool stores_in_place(bool host) const;
   // The cause first, the store (whose name may hold a long path) last: completion messages are
   // cut at 167 characters.
   std::string unavailable(const std::string& what) const { return what + " (" + t_.store_name + ")"; }

@@ -47,8 +47,13 @@ void forget(int fd) {
 }
 
 // The object by name, if it is still the one of `inode`: -1 otherwise (errno ENOENT when replaced).
-int open_same(const std::string& name, ino_t inode) {
-  const int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0);
+int open_same(const std::string& name, ino_t inode, const std::string& dir) {
+  if (!dir.empty() && name.find('/') != std::string::npos) {
+    errno = EINVAL;
+    return -1;
+  }
+  const int fd = dir.empty() ? shm_open(name.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0)
+                             : ::open((dir + "/" + name).c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0) return -1;
   struct stat st {};
   if (fstat(fd, &st) != 0 || st.st_ino != inode) {
@@ -71,8 +76,9 @@ struct flock byte_lock(short type, std::uint64_t byte) {
 
 }  // namespace
 
-Result<LivenessLock, IpcErrc> LivenessLock::take(const std::string& name, ino_t inode, std::uint64_t byte) {
-  const int fd = open_same(name, inode);
+Result<LivenessLock, IpcErrc> LivenessLock::take(const std::string& name, ino_t inode, std::uint64_t byte,
+                                                 const std::string& dir) {
+  const int fd = open_same(name, inode, dir);
   if (fd < 0)
     return make_error(errno == ENOENT ? IpcErrc::kNotFound : IpcErrc::kSystem,
                       "liveness lock of " + name + ": " + std::strerror(errno));
@@ -107,8 +113,8 @@ LivenessLock::~LivenessLock() {
   }
 }
 
-LockHolder lock_holder(const std::string& name, ino_t inode, std::uint64_t byte) {
-  const int fd = open_same(name, inode);
+LockHolder lock_holder(const std::string& name, ino_t inode, std::uint64_t byte, const std::string& dir) {
+  const int fd = open_same(name, inode, dir);
   if (fd < 0) return LockHolder::kUnknown;
   struct flock l = byte_lock(F_WRLCK, byte);
   const int rc = fcntl(fd, F_OFD_GETLK, &l);

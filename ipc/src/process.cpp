@@ -11,6 +11,7 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <string_view>
 
 #include "kvtd/proto/session.h"
 
@@ -86,6 +87,26 @@ FenceResult fence_process(std::uint64_t word, std::int64_t timeout_ns) {
   close(fd);
   if (r == 1) return {FenceOutcome::kFenced, who + " was killed and has exited"};
   return {FenceOutcome::kUnfenced, who + " was sent SIGKILL but had not exited after " + std::to_string(ms) + " ms"};
+}
+
+bool process_maps_object(int pid, std::uint64_t inode, const std::string& name) {
+  if (pid <= 0) return false;
+  std::ifstream in("/proc/" + std::to_string(pid) + "/maps");
+  const std::string_view deleted = " (deleted)";
+  std::string line;
+  while (std::getline(in, line)) {
+    // start-end perms offset dev inode path
+    std::istringstream fields(line);
+    std::string range, perms, offset, dev;
+    std::uint64_t ino = 0;
+    if (!(fields >> range >> perms >> offset >> dev >> ino) || ino != inode) continue;
+    std::string_view path(line);
+    if (path.size() >= deleted.size() && path.substr(path.size() - deleted.size()) == deleted)
+      path.remove_suffix(deleted.size());
+    const auto slash = path.rfind('/');
+    if (slash != std::string_view::npos && path.substr(slash + 1) == name) return true;
+  }
+  return false;
 }
 
 }  // namespace kvtd::ipc

@@ -69,15 +69,22 @@ bool parse_session_object(const std::string& n, const std::string& prefix, std::
   return true;
 }
 
-// Whether the host pool file at `path` names a live daemon as its holder. Read with one pread, not
-// mapped: the header is another process's (hostile) memory; a short or incomplete header names
-// no holder.
-bool pool_holder_alive(const std::string& path) {
+// Whether the host pool file `name` in `dir` ("" for /dev/shm) has a live holder: a daemon holds
+// its lock (kPoolHolderLockByte: seen from any pid namespace, so a sweep in another container
+// never takes a live daemon's pool for a dead one's), or, failing that, the holder its header
+// names is a live process here (a daemon between giving up one lock and taking the next). The
+// header is read with one pread, not mapped (another process's, hostile, memory); a short or
+// incomplete one names no holder.
+bool pool_holder_alive(const std::string& dir, const std::string& name) {
+  const std::string path = (dir.empty() ? std::string("/dev/shm") : dir) + "/" + name;
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0) return false;
   proto::HostPoolPrefix prefix{};
   const ssize_t got = ::pread(fd, &prefix, sizeof prefix, 0);
+  struct stat st {};
+  const bool stat_ok = fstat(fd, &st) == 0;
   ::close(fd);
+  if (stat_ok && lock_holder(name, st.st_ino, kPoolHolderLockByte, dir) == LockHolder::kHeld) return true;
   return got == static_cast<ssize_t>(sizeof prefix) && prefix.magic == proto::kHostPoolMagic && prefix.holder != 0 &&
          owner_alive(prefix.holder);
 }
@@ -179,7 +186,7 @@ std::vector<std::string> sweep_stale_objects_judged(const std::vector<std::strin
         continue;
       // A dead engine's pool its daemon keeps for the engine's restart (or a pool of a session
       // whose daemon has not yet seen its engine die): the daemon removes or hands it on.
-      if (host_pool && pool_holder_alive(at + "/" + n)) continue;
+      if (host_pool && pool_holder_alive(dir, n)) continue;
       SharedObject::remove(n, dir);
       removed.push_back(dir.empty() ? n : dir + "/" + n);
     }

@@ -12,7 +12,10 @@
 #include <sstream>
 
 #include "daemon_fixture.h"
+#include "kvtd/ipc/liveness_lock.h"
 #include "kvtd/ipc/segment.h"
+#include "kvtd/ipc/shared_object.h"
+#include "kvtd/proto/names.h"
 
 namespace kvtd {
 namespace {
@@ -75,6 +78,11 @@ TEST_F(PidNamespaceTest, ADaemonStoppedInAnotherPidNamespaceIsUnfencedNeverDead)
   ASSERT_NO_FATAL_FAILURE(start_engine(1u << 16, 1'000'000'000));
   ASSERT_TRUE(engine_->wait_ready(20'000'000'000).ok()) << test::read_file(log_path(0));
   ASSERT_TRUE(run(TaskKind::kSwapToHost, {1, 2}, {3, 4}).ok());
+  // Its host pool says it has a live holder to a sweep of any namespace (stale_sessions_test).
+  const std::string pool = ipc::session_object_name(engine_->generation(), proto::host_pool_object(0, 0));
+  auto mapped = ipc::SharedObject::open(pool);
+  ASSERT_TRUE(mapped.ok()) << mapped.error().message;
+  EXPECT_EQ(ipc::lock_holder(pool, (*mapped)->inode(), ipc::kPoolHolderLockByte), ipc::LockHolder::kHeld);
   const pid_t daemon = child_of(daemons_[0].pid(), std::chrono::seconds(5));
   ASSERT_GT(daemon, 0);
   ASSERT_EQ(kill(daemon, SIGSTOP), 0);

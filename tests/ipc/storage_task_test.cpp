@@ -1,11 +1,15 @@
 // Storage tasks through real daemons: this process is the engine, ranks are kvtd
 // processes with the embedded file store (or Redis, started here on loopback). Every load is
 // checked byte for byte against the pattern the blocks were filled with.
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cinttypes>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -585,6 +589,33 @@ TEST_F(StorageTaskTest, StorageWriteFailureFailsTheTaskAndTearsNothing) {
   fs::remove(fp_dir);
   auto w2 = storage(TaskKind::kStorageWrite, make_keys("fail", 3), {2, 3, 4});
   EXPECT_TRUE(w2.ok()) << why(w2);
+}
+
+// Trust round 4: the store hashed and copied the engine's host memory in place (host-backend
+// tensors: sglang's memfd pool, a /dev/shm arena), so an engine that shrank its file after attach
+// killed its daemon with SIGBUS at the next storage write or load from it (old code: rank 0's
+// daemon dead here). The engine's memory now goes through the backend's guarded copies: the task
+// fails device_error naming the shrinking, and the daemon serves on.
+TEST_F(StorageTaskTest, MemoryTheEngineShrankFailsStorageTasksAndTheDaemonServesOn) {
+  ASSERT_NO_FATAL_FAILURE(start_all());
+  const auto stored = make_keys("shrunk", 2);
+  ASSERT_TRUE(storage(TaskKind::kStorageWrite, stored, {0, 1}).ok());
+  char arena[96];
+  std::snprintf(arena, sizeof arena, "/kvtd_%u_%016" PRIx64 "_dev0", static_cast<unsigned>(getuid()),
+                engine_->generation());
+  const int fd = shm_open(arena, O_RDWR, 0);
+  ASSERT_GE(fd, 0) << arena;
+  ASSERT_EQ(ftruncate(fd, 0), 0);  // from here the test must not touch the engine's arenas either
+  close(fd);
+  for (const auto kind : {TaskKind::kStorageWrite, TaskKind::kStorageRead}) {
+    const auto r = kind == TaskKind::kStorageWrite ? storage(kind, make_keys("after", 2), {2, 3})
+                                                   : storage(kind, stored, {5, 6});
+    EXPECT_EQ(r.status, TaskStatus::kDeviceError) << why(r);
+    ASSERT_FALSE(r.failures.empty());
+    EXPECT_NE(r.failures[0].message.find("memory shrank"), std::string::npos) << why(r);
+  }
+  EXPECT_TRUE(daemons_[0].running()) << "rank 0's daemon died: " << test::read_file(log_path(0));
+  EXPECT_TRUE(engine_->rank_alive(0));
 }
 
 TEST_F(StorageTaskTest, NoStorageBackendFailsStorageTasksNamingTheFlag) {

@@ -3,7 +3,9 @@
 // Each test is a reproduction that failed before the fix. This process is the engine; ranks are
 // real kvtd processes.
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -298,6 +300,62 @@ TEST_F(TrustTest, IdCountsThatWrap32BitsAreMalformed) {
   round_trip({1}, {2}, {3});
   for (auto& d : daemons_) EXPECT_TRUE(d.running());
   EXPECT_NE(test::read_file(log_path(0)).find("malformed"), std::string::npos);
+}
+
+// Trust round 4: the session's creator pid is the engine's word. An engine wrote another
+// process's pid there and named that process's memfd as its tensors: the daemon (root under
+// systemd) mapped it and would have written into it (ready, old code). The process a
+// /proc/<pid>/fd tensor names must now map the session itself, which the other process does not.
+TEST_F(TrustTest, ACreatorPidNamingAnotherProcessNeverMapsThatProcesssMemory) {
+  g_ = test::small_geometry(1);
+  std::vector<proto::TensorDesc> tensors;
+  for (std::uint32_t l = 0; l < g_.num_layers; ++l)
+    for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k)
+      if (const auto d = proto::expected_tensor(g_, proto::CacheGroups{}, 0, l, k); d.bytes != 0) tensors.push_back(d);
+  std::uint64_t total = 0;
+  for (const auto& d : tensors) total += d.bytes;
+  // The other process, forked before the session exists (it never maps it), holds a memfd.
+  int told[2];
+  ASSERT_EQ(pipe(told), 0);
+  const pid_t other = fork();
+  ASSERT_GE(other, 0);
+  if (other == 0) {
+    const int mem = memfd_create("kvtd_other_process", 0);
+    if (mem < 0 || ftruncate(mem, static_cast<off_t>(total)) != 0) _exit(1);
+    if (write(told[1], &mem, sizeof mem) != sizeof mem) _exit(1);
+    for (;;) pause();
+  }
+  int other_fd = -1;
+  ASSERT_EQ(read(told[0], &other_fd, sizeof other_fd), static_cast<ssize_t>(sizeof other_fd));
+  close(told[0]);
+  close(told[1]);
+  struct Reap {
+    pid_t pid;
+    ~Reap() { kill(pid, SIGKILL), waitpid(pid, nullptr, 0); }
+  } reap{other};
+
+  engine::SessionOptions o;
+  o.suffix = suffix_;
+  o.geometry = g_;
+  auto s = EngineSession::create(o);
+  ASSERT_TRUE(s.ok()) << s.error().message;
+  engine_ = std::move(s).value();
+  const std::string handle = "/proc/" + std::to_string(other) + "/fd/" + std::to_string(other_fd);
+  std::uint64_t offset = 0;
+  for (auto d : tensors) {
+    d.device_id = -1;
+    d.offset = offset;
+    offset += d.bytes;
+    std::memcpy(d.handle, handle.c_str(), handle.size() + 1);
+    ASSERT_TRUE(engine_->register_tensor(d).ok());
+  }
+  auto seg = map_segment();
+  reinterpret_cast<proto::SessionHeader*>(seg->data())->creator_pid = static_cast<std::uint32_t>(other);
+  ASSERT_TRUE(engine_->publish().ok());
+  Child d = start_daemon(0);
+  EXPECT_FALSE(engine_->wait_ready(5'000'000'000).ok()) << "the daemon mapped another process's memory";
+  const auto log = test::read_file(log_path(0));
+  EXPECT_NE(log.find("which does not map this session"), std::string::npos) << log;
 }
 
 // Case 5: header offsets are validated at attach, against the mapping.

@@ -3,6 +3,7 @@
 // which the engine names by its /proc/<pid>/fd/<fd> path. Nothing but that exact form is opened
 // that way, and only a non-empty regular file is mapped.
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -79,7 +80,32 @@ TEST_F(EngineMemory, OnlyTheExactProcFdFormIsOpenedAndOnlyARegularFile) {
   EXPECT_NE(t.error().message.find("not a non-empty memfd"), std::string::npos) << t.error().message;
   auto gone = b->open_tensor(desc("/proc/" + pid + "/fd/999999", 0, 16));
   ASSERT_FALSE(gone.ok());
-  EXPECT_NE(gone.error().message.find("cannot open the engine's memory"), std::string::npos) << gone.error().message;
+  EXPECT_NE(gone.error().message.find("cannot take it from the engine"), std::string::npos) << gone.error().message;
+}
+
+// Trust round 4: the daemon reopened /proc/<pid>/fd/<fd> with its own rights. It now takes the
+// engine's descriptor itself (pidfd_getfd), so the engine's access mode comes with it, and maps
+// only a memfd: a tmpfs file the engine holds read-write (someone's /dev/shm object) is refused.
+TEST_F(EngineMemory, TheEnginesDescriptorIsTakenWithItsModeAndOnlyAMemfdIsMapped) {
+  auto b = make_host_backend();
+  const std::string pid = std::to_string(getpid());
+  const int read_only = open(("/proc/self/fd/" + std::to_string(fd_)).c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(read_only, 0);
+  auto t = b->open_tensor(desc("/proc/" + pid + "/fd/" + std::to_string(read_only), 0, 16));
+  close(read_only);
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.error().message.find("is open read-only in the engine"), std::string::npos) << t.error().message;
+
+  const std::string shm = "/dev/shm/kvtd_engine_memory_test_" + pid;
+  const int tmpfs = open(shm.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  ASSERT_GE(tmpfs, 0);
+  unlink(shm.c_str());
+  ASSERT_EQ(ftruncate(tmpfs, 4096), 0);
+  auto u = b->open_tensor(desc("/proc/" + pid + "/fd/" + std::to_string(tmpfs), 0, 16));
+  close(tmpfs);
+  ASSERT_FALSE(u.ok());
+  EXPECT_NE(u.error().message.find("is not shared memory the engine made (a memfd)"), std::string::npos)
+      << u.error().message;
 }
 
 }  // namespace

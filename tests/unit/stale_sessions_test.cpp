@@ -2,18 +2,23 @@
 // come and go while it runs.
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
 #include <csignal>
+#include <cstring>
+#include <ctime>
 #include <cstdlib>
 #include <optional>
 
 #include "kvtd/engine/engine_session.h"
+#include "kvtd/ipc/liveness_lock.h"
 #include "kvtd/ipc/segment.h"
 #include "kvtd/ipc/shared_object.h"
+#include "kvtd/proto/names.h"
 #include "test_support.h"
 
 namespace kvtd {
@@ -119,6 +124,42 @@ TEST(StaleSessions, AForkedChildNeverKeepsADeadEnginesSessionAlive) {
   auto restarted = engine_of(suffix);
   EXPECT_TRUE(restarted) << "the dead engine's child kept its session alive";
   kill(child, SIGKILL);
+}
+
+// Trust round 4: the host pool a daemon keeps for its engine's restart was judged by its holder's
+// pid alone, so a sweep in another pid namespace (where that pid is nobody, or someone else)
+// removed a live daemon's pool. The holder's lock on the pool (ipc::kPoolHolderLockByte) now says
+// it lives, seen from any namespace. Here the header names a holder that is nobody, as a daemon of
+// another namespace is, and the lock is held: the sweep keeps the pool; once the lock goes, it is
+// removed (the sweep did judge it). Fails on the pid-only judgment.
+TEST(StaleSessions, APoolWhoseHolderLivesInAnotherPidNamespaceIsNotSwept) {
+  test::Watchdog dog(60);
+  const std::string name = ipc::session_object_name(0x7e57000000000000ull | static_cast<std::uint64_t>(getpid()), "host0");
+  auto pool = ipc::SharedObject::create(name, 4096);
+  ASSERT_TRUE(pool.ok()) << pool.error().message;
+  const pid_t gone = fork();
+  if (gone == 0) _exit(0);
+  ASSERT_EQ(waitpid(gone, nullptr, 0), gone);
+  proto::HostPoolPrefix prefix{};
+  prefix.magic = proto::kHostPoolMagic;
+  prefix.holder = proto::owner_word(static_cast<std::uint32_t>(gone), 1);  // nobody here
+  std::memcpy((*pool)->data(), &prefix, sizeof prefix);
+  const struct timespec old[2] = {{time(nullptr) - 120, 0}, {time(nullptr) - 120, 0}};  // past the 30 s grace
+  ASSERT_EQ(utimensat(AT_FDCWD, ("/dev/shm/" + name).c_str(), old, 0), 0);
+  auto lock = ipc::LivenessLock::take(name, (*pool)->inode(), ipc::kPoolHolderLockByte);
+  ASSERT_TRUE(lock.ok()) << lock.error().message;
+  bool judged = false;
+  EXPECT_TRUE(test::eventually([&] {
+    (void)ipc::detail::sweep_stale_objects_judged({}, [&] { judged = true; });
+    return judged;
+  }, std::chrono::seconds(20)));
+  EXPECT_TRUE(ipc::SharedObject::open(name).ok()) << "the sweep removed a pool whose holder holds its lock";
+  lock = ipc::LivenessLock();  // the holder exits
+  EXPECT_TRUE(test::eventually([&] {
+    (void)ipc::sweep_stale_objects();
+    return !ipc::SharedObject::open(name).ok();
+  }, std::chrono::seconds(20)));
+  ipc::SharedObject::remove(name);
 }
 
 // Trust round 4: /dev/shm is world-writable and a session's name predictable; another user who

@@ -361,6 +361,10 @@ const proto::CacheGroups& RankEndpoint::groups() const { return impl_->groups; }
 std::uint32_t RankEndpoint::rank() const { return impl_->opts.rank; }
 std::uint64_t RankEndpoint::generation() const { return impl_->generation; }
 std::uint32_t RankEndpoint::engine_pid() const { return impl_->engine_pid; }
+bool RankEndpoint::mapped_by(std::uint32_t pid) const {
+  const auto& m = *impl_->mapping;
+  return ipc::process_maps_object(static_cast<int>(pid), m.inode(), m.name());
+}
 bool RankEndpoint::engine_in_our_pid_namespace() const { return impl_->engine_in_our_pid_namespace; }
 bool RankEndpoint::take_over_host_tier() const { return impl_->take_over_host_tier; }
 bool RankEndpoint::engine_closed() const {

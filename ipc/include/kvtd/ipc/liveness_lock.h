@@ -10,6 +10,9 @@
 //   byte 0          the engine that created the session (EngineSession, for its lifetime)
 //   byte 1 + rank   the daemon serving that rank (RankEndpoint, while attached)
 //
+// A host pool object (kvtd_<uid>_<generation>_host<r>) carries one such lock too, at byte 0: its
+// holder's, so a sweep in another container never takes a live daemon's pool for a dead one's.
+//
 // Who may signal whom is a question of namespaces too: a process can be fenced through a pidfd
 // only from its own pid namespace (or an ancestor); each side publishes the inode of its
 // /proc/self/ns/pid (own_pid_namespace) so the other can tell.
@@ -34,10 +37,12 @@ constexpr std::uint64_t rank_lock_byte(std::uint32_t rank) { return 1 + std::uin
 
 class LivenessLock {
  public:
-  // Locks `byte` of /dev/shm object `name`, whose inode must be `inode` (the object the caller
-  // mapped, not one that replaced it under the name: kNotFound). kInUse when a live process holds
-  // it (any process, any namespace, this one through another descriptor included).
-  static Result<LivenessLock, IpcErrc> take(const std::string& name, ino_t inode, std::uint64_t byte);
+  // Locks `byte` of /dev/shm object `name` (of a file `name` in `dir` when not empty), whose inode
+  // must be `inode` (the object the caller mapped, not one that replaced it under the name:
+  // kNotFound). kInUse when a live process holds it (any process, any namespace, this one through
+  // another descriptor included).
+  static Result<LivenessLock, IpcErrc> take(const std::string& name, ino_t inode, std::uint64_t byte,
+                                            const std::string& dir = {});
   LivenessLock() = default;
   LivenessLock(LivenessLock&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
   LivenessLock& operator=(LivenessLock&& o) noexcept;
@@ -56,8 +61,13 @@ enum class LockHolder {
   kHeld,     // a process holds it (running or stopped; in any pid namespace)
   kUnknown,  // the object is gone, was replaced (another inode) or cannot be asked
 };
-// Who holds `byte` of /dev/shm object `name` (inode `inode`), asked without taking it.
-LockHolder lock_holder(const std::string& name, ino_t inode, std::uint64_t byte);
+// Who holds `byte` of /dev/shm object `name` (or of file `name` in `dir`; inode `inode`), asked
+// without taking it.
+LockHolder lock_holder(const std::string& name, ino_t inode, std::uint64_t byte, const std::string& dir = {});
+
+// The byte of a host pool object its holder (the daemon that maps it, or keeps it for its
+// engine's restart) locks: liveness of the holder in any pid namespace.
+inline constexpr std::uint64_t kPoolHolderLockByte = 0;
 
 // The inode of this process's pid namespace (/proc/self/ns/pid), or 0 when it cannot be read.
 std::uint64_t own_pid_namespace();

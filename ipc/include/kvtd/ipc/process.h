@@ -40,6 +40,12 @@ struct FenceResult {
 // Kills the process named by `owner_word` and waits up to timeout_ns for it to exit.
 FenceResult fence_process(std::uint64_t owner_word, std::int64_t timeout_ns);
 
+// Whether process `pid` maps the shared object file `name` whose inode is `inode`: from
+// /proc/<pid>/maps, by inode and file name (the directory a path shows there depends on whose
+// mounts the reader sees: containers differ), so `pid` is a process of this pid namespace. False
+// when there is no such process or its maps cannot be read.
+bool process_maps_object(int pid, std::uint64_t inode, const std::string& name);
+
 // The engine's fencing hook (tests inject failures through it).
 using Fencer = std::function<FenceResult(std::uint64_t owner_word, std::int64_t timeout_ns)>;
 

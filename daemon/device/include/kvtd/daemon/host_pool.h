@@ -42,6 +42,10 @@
 #include "kvtd/proto/geometry.h"
 
 namespace kvtd::ipc {
+class LivenessLock;
+}  // namespace kvtd::ipc
+
+namespace kvtd::ipc {
 class SharedObject;
 }
 
@@ -112,7 +116,8 @@ class HostPool {
   // kept (RankEndpoint::take_over_host_tier), taken over when this session has no pool yet and
   // that one is exactly ours but for the generation: renamed to this session's name, its blocks
   // kept; restored() is then true and adopted() names it. Every pool opened names this process
-  // its holder (proto::HostPoolPrefix), so no sweep removes it while we live.
+  // its holder (proto::HostPoolPrefix) and holds its lock (ipc::kPoolHolderLockByte), so no sweep
+  // removes it while we live, from whatever pid namespace it runs in.
   static Result<std::unique_ptr<HostPool>, DeviceErrc> open(HostMemory& backend, const PoolShape& shape,
                                                             std::uint64_t generation, std::uint32_t rank,
                                                             std::uint32_t group, HostLayout layout = HostLayout::kLayerFirst,
@@ -177,6 +182,10 @@ class HostPool {
 
   // Unlinks the object: the session is over and nobody will need these bytes again.
   void remove();
+  // Hands over this pool's holder lock (null when none was taken) to a caller that keeps the
+  // object for later (a dead engine's restart), so the object keeps a live holder after this
+  // HostPool is gone.
+  std::unique_ptr<ipc::LivenessLock> release_holder_lock();
 
   // The page size of the hugetlbfs mount `dir`, or an error naming what it is instead (checked
   // at start-up, so a wrong --hugetlbfs-dir fails before any engine attaches).
@@ -192,6 +201,7 @@ class HostPool {
   HostPool() = default;
   HostMemory* backend_ = nullptr;
   std::unique_ptr<ipc::SharedObject> object_;
+  std::unique_ptr<ipc::LivenessLock> holder_lock_;  // ipc::kPoolHolderLockByte of object_
   // Declared after object_: destroyed (threads stopped, pieces unpinned) before the unmapping.
   std::unique_ptr<detail::PoolPinner> pinner_;
   std::uint8_t* valid_ = nullptr;
@@ -226,6 +236,8 @@ class HostPools {
   void remove() {
     for (auto& p : pools_) p->remove();
   }
+  // Every pool's holder lock (HostPool::release_holder_lock), for objects kept after the pools.
+  std::vector<std::unique_ptr<ipc::LivenessLock>> release_holder_locks();
   std::size_t total_bytes() const {
     std::size_t n = 0;
     for (const auto& p : pools_) n += p->total_bytes();

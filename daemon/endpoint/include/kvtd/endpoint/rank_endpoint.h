@@ -141,6 +141,9 @@ class RankEndpoint {
   // The pid of the process that made the session (SessionHeader::creator_pid), read once at
   // attach: the only process whose own memory (/proc/<pid>/fd/<fd>) a tensor may name.
   std::uint32_t engine_pid() const;
+  // Whether process `pid` of this pid namespace maps this session's segment (the same file, by
+  // inode): the engine that made it does; a process the engine merely names does not.
+  bool mapped_by(std::uint32_t pid) const;
   // Whether the engine runs in this daemon's pid namespace: only then does engine_pid() (or a
   // /proc/<pid> path the engine registered) name the engine here.
   bool engine_in_our_pid_namespace() const;
