@@ -103,6 +103,7 @@ summary() {
   case $1 in
     selftest*) grep -E '^selftest' "$2" | tail -1 ;;
     through*) grep -E '^throughput' "$2" | tail -1 | grep -oE '[0-9]+ random blocks per task.*per rank \(' | sed 's/ (//' ;;
+    vLLM*) grep -E '^ORDERING|^FIGURE vllm (store|load)' "$2" | sed 's/;.*//' | paste -sd ' ' - ;;
     *) grep -E '^\[  PASSED  \]|passed|PASS ' "$2" | tail -1 ;;
   esac
 }
@@ -157,6 +158,7 @@ elif "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() el
   # 16 KiB pages: below THRESHOLD_BYTES, where vLLM loads with its Triton kernel (swap_blocks_triton.py).
   vllm_src=${KVTD_VLLM_SRC:-$root/../shared/reference/vllm}
   if [ -f "$vllm_src/vllm/v1/kv_offload/base.py" ]; then
+    # Then the ordering check: a store and a load submitted behind queued GPU work move the model's bytes.
     step "vLLM offloading worker (device tensors)" 600 env KVTD_VLLM_SRC="$vllm_src" KVTD_BINARY="$kvtd" \
       KVTD_CLIENT_LIBRARY="$client" PYTHONPATH="$root/python:$root/tests/python:$root/tests/python/vllm" "$python" \
       "$root/tools/bench/vllm_offload.py" --device cuda --blocks 1024 --page-kib 16

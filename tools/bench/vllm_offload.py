@@ -19,7 +19,7 @@ On the host backend the per-block peer pays a Python call per block and tensor t
 compiled swap_blocks does not: read its ratio as an upper bound, and kvtd's fraction of the
 ceiling (the same bytes copied whole, one contiguous copy per tensor) as the firmer figure.
 Prints FIGURE lines: GB/s each way and kvtd's ratio, the median of --rounds. Every loaded byte is
-compared once.
+compared once. With --device cuda it then checks the GPU ordering (ordering_check).
 """
 
 from __future__ import annotations
@@ -136,6 +136,34 @@ def contiguous(tensors, hosts, a):
         torch.cuda.synchronize()
 
 
+def ordering_check(worker, base, tensors, a) -> None:
+    """On a GPU: a store and a load submitted right behind the model's GPU work see its effect. Each
+    tensor's first blocks are rewritten on the current stream behind a long GPU sleep and the store
+    is submitted at once, with no synchronise (vLLM's worker submits as its step ends); then they
+    are zeroed behind another sleep and loaded back at once. Every byte must be the rewritten one:
+    the daemon's copies wait for the worker's event (kvtd.vllm records it as vLLM's CPU worker
+    waits on its compute stream, cpu/gpu_worker.py:636-641). Without it the H100 took the old
+    bytes in 0.4-2.5 ms."""
+    if a.device != "cuda":
+        return
+    blocks = list(range(min(64, a.blocks)))
+    job = [(blocks, blocks)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of the writes
+    for t in tensors:
+        t[blocks] = 7
+    run_kvtd(worker, base, job, True)
+    torch.cuda._sleep(200_000_000)
+    for t in tensors:
+        t[blocks] = 0
+    run_kvtd(worker, base, job, False)
+    torch.cuda.synchronize()
+    wrong = sum(int((t[blocks] != 7).any(dim=1).sum()) for t in tensors)
+    assert wrong == 0, f"{wrong} block-tensors of {len(blocks) * len(tensors)} hold bytes the model had not written"
+    print(f"ORDERING ok: a store and a load submitted behind 0.1 s of queued GPU work moved the model's bytes "
+          f"({len(blocks)} blocks x {len(tensors)} tensors)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -155,7 +183,8 @@ def main() -> int:
                                     group_data_refs=[[base.CanonicalKVCacheRef(i, page) for i in range(len(tensors))]])
     from kvtd.vllm import geometry_of
     extra = ["--device-backend", "cuda", "--device-id", str(torch.cuda.current_device())] if a.device == "cuda" else []
-    daemons = kvtd.testing.Daemons(None, f"{session}_r0", geometry_of(caches, 1, a.blocks), extra, ranks=[0]).start()
+    daemons = kvtd.testing.Daemons(None, f"{session}_r0", geometry_of(caches, 1, a.blocks, dtype="bfloat16"), extra,
+                                 ranks=[0]).start()  # the dtype config() declares
     hosts = [torch.empty((a.blocks, page), dtype=torch.int8, pin_memory=a.device == "cuda") for _ in tensors]
     kernel = triton_load() if a.device == "cuda" else None
     nbytes = a.blocks * page * len(tensors)
@@ -179,6 +208,7 @@ def main() -> int:
             t.zero_()
         run_kvtd(worker, base, jobs, False)
         assert all(torch.equal(x, y) for x, y in zip(tensors, before)), "a loaded byte differs"
+        ordering_check(worker, base, tensors, a)
         med = {k: statistics.median(v) for k, v in figures.items()}
         peer_load = "vLLM's Triton kernel" if kernel is not None else "a copy per block"
         shape = (f"{a.blocks} blocks x {len(tensors)} tensors x {a.page_kib} KiB = {nbytes / 2**30:.2f} GiB, jobs of "

@@ -182,6 +182,7 @@ class _Job:
     host_blocks: List[int]
     nbytes: int
     started: float
+    event: object = None  # the engine's ordering event, alive until the swap completed
 
 
 class KvtdOffloadingWorker(OffloadingWorker):
@@ -201,6 +202,7 @@ class KvtdOffloadingWorker(OffloadingWorker):
             handle, offset, nbytes, device = tensor_location(t.tensor)
             tensors.append(RankTensor(i, "key", handle, offset, nbytes, device))
         s = open_rank_session(self.suffix, self._geometry, self._rank, tensors, only_rank=self._rank)
+        self._device = device if device >= 0 else None  # CUDA ordinal of the KV tensors
         self.daemon_command = daemon_command(self._geometry, self.suffix, self._rank, device)
         log.info("kvtd session %s published; rank %d's daemon: %s", self.suffix, self._rank,
                  " ".join(self.daemon_command))
@@ -222,12 +224,31 @@ class KvtdOffloadingWorker(OffloadingWorker):
             log.warning("kvtd session %s: rank %d's daemon is not ready (%s); start it as: %s", self.suffix,
                         self._rank, e, " ".join(self.daemon_command))
 
+    def _ordering_event(self):
+        """(event, handles) that order this swap after the GPU work queued before it, or (None, None)
+        for host tensors. vLLM's own CPU worker makes its copy stream wait on the compute stream
+        before every transfer (cpu/gpu_worker.py:636-641: stores must wait for the model to finish
+        writing the KV they read; loads for pending writes to their destination): kvtd's daemon
+        waits on the GPU for an interprocess event recorded here on the current stream. The session
+        takes one handle per rank of its geometry; this worker's session is served by its own
+        rank's daemon only, so the other places hold zeros nobody reads."""
+        if self._device is None:
+            return None, None
+        import torch
+
+        event = torch.cuda.Event(interprocess=True)  # timing off, as interprocess events need
+        event.record(torch.cuda.current_stream(self._device))
+        handle = bytes(event.ipc_handle())
+        return event, [handle if r == self._rank else bytes(len(handle)) for r in range(self._world)]
+
     def _submit(self, job_id: int, is_load: bool, gpu: List[int], host: List[int]) -> bool:
         nbytes = len(gpu) * self._block_bytes * self._tensors
         keys = None if is_load else self.storage.keys_of_store(job_id)
+        event = None
         try:
-            tid = (self._session.swap_to_device(host, gpu) if is_load else
-                   self._session.swap_to_host(gpu, host, keys=keys))
+            event, handles = self._ordering_event()
+            tid = (self._session.swap_to_device(host, gpu, engine_events=handles) if is_load else
+                   self._session.swap_to_host(gpu, host, keys=keys, engine_events=handles))
             if keys is not None:
                 self.storage.backup_submitted(tid)
         except Exception as e:  # noqa: BLE001 - vLLM asserts the submit succeeded
@@ -235,7 +256,7 @@ class KvtdOffloadingWorker(OffloadingWorker):
             self._record_failure(is_load, gpu, host)
             self._done.append(TransferResult(job_id, False, nbytes, 0.0))
             return True
-        self._jobs[job_id] = _Job(tid, is_load, gpu, host, nbytes, time.monotonic())
+        self._jobs[job_id] = _Job(tid, is_load, gpu, host, nbytes, time.monotonic(), event)
         return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
