@@ -51,6 +51,7 @@ from typing import Any, Callable, Deque, List, Optional, Sequence
 
 from . import signals as fds
 from ...errors import KvtdError
+from ..rank import refused_outcome
 from .support import FmqControlResponder, geometry_from_fastdeploy, key_prefix_of, weight_version_of
 from ...session import Session, TaskResult, now_ns
 
@@ -236,7 +237,7 @@ class KvtdCacheQueue:
         try:
             return _Pending(run(), name, fd_task)
         except KvtdError as e:  # a rank not ready, the cache cleared, ...: a failed task, not a crash
-            return _Pending(None, name, fd_task, refused=TaskResult(0, -1, e.code_name, -1, 0, 0, 0, str(e)))
+            return _Pending(None, name, fd_task, refused=refused_outcome(e))
 
     # -- transfer manager -> engine ---------------------------------------------------------
     def get_transfer_done_signal(self):

@@ -61,7 +61,7 @@ from .support import SWITCH, geometry_of, parse_names, release_host, reserve_hos
 from ...geometry import KEY, VALUE
 from ...places import tensor_location
 from ...session import Session
-from ..rank import RankTensor, open_rank_session
+from ..rank import RankTensor, open_rank_session, task_outcome
 
 log = logging.getLogger("kvtd.fastdeploy_v1")
 
@@ -253,7 +253,7 @@ class KvtdCacheTransferManager:
 
     def _finish(self, s: Session, tid: int, cancel: bool):
         """The task's final result (a cancel first when the caller gives up waiting)."""
-        return s.final_result(tid, cancel=cancel, timeout_each=self._task_timeout)
+        return task_outcome(s, tid, cancel=cancel, log_every=self._task_timeout)
 
     def _swap(self, what: str, mode: int, device_ids, host_ids, move: Callable[[Session], Optional[str]]) -> bool:
         """Runs one swap: FastDeploy's refusals first, then `move(session)`, which returns None

@@ -42,11 +42,10 @@ from typing import Any, Dict, List, Optional
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from ...errors import Timeout
 from .layout import PoolPlan, pages_of, plan_pool
 from ...places import memfd_place
 from ...session import Session, now_ns
-from ..rank import RankTensor, daemon_command, open_rank_session
+from ..rank import RankTensor, daemon_command, open_rank_session, task_outcome
 
 log = logging.getLogger("kvtd.sglang")
 
@@ -221,10 +220,8 @@ class KvtdHiCacheStorage(HiCacheStorage):
                 why = f"rank {self._rank}'s daemon is not attached"
             else:
                 tid = submit(s, now_ns() + int(self._timeout * 1e9))
-                try:
-                    r = s.wait(tid, self._timeout, check=False)
-                except Timeout:  # cancelled, and its final answer awaited: then sglang may reuse the pages
-                    r = s.final_result(tid, cancel=True, timeout_each=self._timeout)
+                # past its time cancelled, and its final answer awaited: then sglang may reuse the pages
+                r = task_outcome(s, tid, timeout=self._timeout, log_every=self._timeout)
                 if r.ok:
                     return r
                 why = f"{r.status_name}: {r.message}"

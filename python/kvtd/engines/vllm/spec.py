@@ -65,9 +65,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 
 from ...places import tensor_location
 from ...geometry import Geometry, KvIdentity, kv_dtype_name
-from ..rank import RankTensor, daemon_command, open_rank_session
+from ..rank import RankTensor, daemon_command, open_rank_session, polled_outcome, task_outcome
 from .manager import KvtdOffloadingManager, KvtdWorkerMetadata
-from .storage import WorkerStorage, poll_task
+from .storage import WorkerStorage
 
 log = logging.getLogger("kvtd.vllm")
 
@@ -282,7 +282,7 @@ class KvtdOffloadingWorker(OffloadingWorker):
     def get_finished(self) -> List[TransferResult]:
         self.storage.poll()
         for job_id, job in list(self._jobs.items()):
-            r = poll_task(self._session, job.task_id)
+            r = polled_outcome(self._session, job.task_id)
             if r is None:
                 continue
             del self._jobs[job_id]
@@ -301,7 +301,7 @@ class KvtdOffloadingWorker(OffloadingWorker):
         for job_id in job_ids:
             job = self._jobs.pop(job_id, None)
             if job is not None:
-                self._finish(job_id, job, self._session.final_result(job.task_id, cancel=False))
+                self._finish(job_id, job, task_outcome(self._session, job.task_id))
 
     def wait_ready(self, timeout: float) -> None:
         """Until this rank's daemon is attached (after it was restarted, say)."""

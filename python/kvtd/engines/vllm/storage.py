@@ -27,6 +27,8 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey
 
+from ..rank import polled_outcome
+
 
 def key_name(key: OffloadKey) -> str:
     """The storage key of a vLLM offload key (block hash + group index): hex, a name every store takes."""
@@ -43,15 +45,6 @@ class StorageWork:
 
     def empty(self) -> bool:
         return not (self.store_keys or self.queries or self.prefetches)
-
-
-def poll_task(session, task_id: int):
-    """The task's merged result once every rank reported it, else None; a session that cannot be
-    polled (a dead daemon) answers with the task's final result, which ends with the daemon."""
-    try:
-        return session.poll(task_id, check=False)
-    except Exception:  # noqa: BLE001
-        return session.final_result(task_id, cancel=False)
 
 
 def merge_answers(a: Dict[int, Tuple[int, int]], b: Dict[int, Tuple[int, int]]) -> Dict[int, Tuple[int, int]]:
@@ -209,7 +202,7 @@ class WorkerStorage:
 
     def poll(self) -> None:
         for tid, (what, ident) in list(self._tasks.items()):
-            r = poll_task(self._session, tid)
+            r = polled_outcome(self._session, tid)
             if r is None:
                 continue
             del self._tasks[tid]
@@ -217,7 +210,7 @@ class WorkerStorage:
                 self._log.warning("kvtd storage %s %d failed: %s: %s", what, ident, r.status_name, r.message)
             self.answers[ident] = (int(r.blocks_done) if r.ok else 0, 1)
         for tid in list(self._backups):
-            r = poll_task(self._session, tid)
+            r = polled_outcome(self._session, tid)
             if r is not None:
                 self._backups.discard(tid)
                 if not r.ok and r.status_name != "backup_skipped":
