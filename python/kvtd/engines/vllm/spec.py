@@ -80,6 +80,28 @@ def session_suffix(prefix: str, rank: int, dp_index: int = 0, dp_size: int = 1) 
     return f"{prefix}_dp{dp_index}_r{rank}" if dp_size > 1 else f"{prefix}_r{rank}"
 
 
+def refused_option(config, extra_config) -> Optional[str]:
+    """Why an option of vLLM's offloading config cannot be served by kvtd (None: all can), named as
+    the user wrote it, so vLLM stops at start instead of running without what was asked.
+    - `canonical_layout` (offloading/config.py:138; vLLM's CPU worker then writes topology-free
+      pages, cpu/gpu_worker.py:264-324): kvtd moves each worker's pages as the worker holds them
+      and names its stored objects by the rank's layout (KvIdentity per_rank), so its pages are
+      not readable at another TP.
+    - `secondary_tiers` (tiering/spec.py:244): vLLM's SecondaryTierManager reads the primary tier
+      through a memoryview of vLLM's CPU region in the scheduler process (tiering/base.py:137-150);
+      with kvtd the host tier is each rank's daemon's pool, never in the scheduler. kvtd's own
+      storage tier is "kvtd_storage": true."""
+    if bool(getattr(config, "canonical_layout", False)) or bool(extra_config.get("canonical_layout", False)):
+        return ('kvtd.vllm does not serve "canonical_layout": it moves each worker\'s pages as the worker holds them '
+                "and stores them per rank (not readable at another TP); remove canonical_layout from "
+                "kv_connector_extra_config")
+    if extra_config.get("secondary_tiers"):
+        return ('kvtd.vllm does not take "secondary_tiers": vLLM\'s secondary tiers read its CPU tier in the '
+                "scheduler process, and kvtd's host tier is in its daemons; use kvtd's storage tier "
+                '("kvtd_storage": true and a store on each daemon) instead')
+    return None
+
+
 class KvtdOffloadingSpec(OffloadingSpec):
     """The spec vLLM loads by `spec_name` / `spec_module_path`."""
 
@@ -112,6 +134,9 @@ class KvtdOffloadingSpec(OffloadingSpec):
     def __init__(self, config):
         super().__init__(config)
         x = self.extra_config
+        refused = refused_option(config, x)
+        if refused:
+            raise ValueError(refused)
         if self.blocks_per_chunk != 1:
             raise ValueError(f"kvtd.vllm moves whole GPU blocks: blocks_per_chunk is {self.blocks_per_chunk}, "
                              "set the offloaded block size to the GPU block size")
