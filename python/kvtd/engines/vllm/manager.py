@@ -15,7 +15,7 @@ import dataclasses
 from typing import Collection, Dict, Optional, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
-from vllm.v1.kv_offload.base import LookupResult, OffloadingEvent, OffloadKey, ReqContext
+from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadingEvent, OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from .storage import StorageTier, StorageWork, merge_answers
@@ -30,6 +30,8 @@ class KvtdWorkerMetadata(OffloadingWorkerMetadata):
     failed_load_blocks: Set[int] = dataclasses.field(default_factory=set)
     # Storage queries' and prefetches' answers: {id: (MIN blocks_done, workers that answered)}.
     storage_answers: Dict[int, Tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # Store jobs' backups that ended: {job id: (MIN backed up, workers that said)}.
+    storage_backups: Dict[int, Tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     def aggregate(self, other):
         merged = super().aggregate(other)
@@ -37,7 +39,8 @@ class KvtdWorkerMetadata(OffloadingWorkerMetadata):
             completed_jobs=merged.completed_jobs, transfer_stats=merged.transfer_stats,
             failed_store_blocks=self.failed_store_blocks | getattr(other, "failed_store_blocks", set()),
             failed_load_blocks=self.failed_load_blocks | getattr(other, "failed_load_blocks", set()),
-            storage_answers=merge_answers(self.storage_answers, getattr(other, "storage_answers", {})))
+            storage_answers=merge_answers(self.storage_answers, getattr(other, "storage_answers", {})),
+            storage_backups=merge_answers(self.storage_backups, getattr(other, "storage_backups", {})))
 
 
 class KvtdOffloadingManager(CPUOffloadingManager):
@@ -108,6 +111,16 @@ class KvtdOffloadingManager(CPUOffloadingManager):
     def note_storage_answers(self, answers: Dict[int, Tuple[int, int]]) -> None:
         if self.storage is not None and answers:
             self.storage.note_answers(answers, lambda keys, ok: keys and self.complete_store(keys, None, ok))
+
+    def note_storage_backups(self, backups: Dict[int, Tuple[int, int]]) -> None:
+        """Store jobs every rank backed up into the storage tier become STORAGE stored events in
+        vLLM's own event path (CPUOffloadingManager's `events`, taken by take_events)."""
+        if self.storage is not None and backups:
+            self.storage.note_backups(backups, self._storage_stored)
+
+    def _storage_stored(self, keys) -> None:
+        if self.events is not None:
+            self.events.append(OffloadingEvent(keys=list(keys), medium=Medium.STORAGE, removed=False))
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         if success and self._failed_store_blocks:

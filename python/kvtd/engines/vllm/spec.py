@@ -275,7 +275,7 @@ class KvtdOffloadingWorker(OffloadingWorker):
             tid = (self._session.swap_to_device(host, gpu, engine_events=handles) if is_load else
                    self._session.swap_to_host(gpu, host, keys=keys, engine_events=handles))
             if keys is not None:
-                self.storage.backup_submitted(tid)
+                self.storage.backup_submitted(tid, job_id)
         except Exception as e:  # noqa: BLE001 - vLLM asserts the submit succeeded
             log.warning("kvtd %s of job %d not submitted: %s", "load" if is_load else "store", job_id, e)
             self._record_failure(is_load, gpu, host)
@@ -393,13 +393,14 @@ class KvtdOffloadingConnector(OffloadingConnector):
         if w is None:
             return meta
         stores, loads = w.take_failed_host_blocks()
-        answers = w.storage.take_answers()
-        if meta is None and not stores and not loads and not answers:
+        answers, backups = w.storage.take_answers(), w.storage.take_backups()
+        if meta is None and not stores and not loads and not answers and not backups:
             return None
         # Every worker hands out KvtdWorkerMetadata, so vLLM's pairwise aggregate keeps the failures.
         base = meta if meta is not None else OffloadingWorkerMetadata()
         return KvtdWorkerMetadata(completed_jobs=base.completed_jobs, transfer_stats=base.transfer_stats,
-                                  failed_store_blocks=stores, failed_load_blocks=loads, storage_answers=answers)
+                                  failed_store_blocks=stores, failed_load_blocks=loads, storage_answers=answers,
+                                  storage_backups=backups)
 
     # --- scheduler side ---
 
@@ -418,4 +419,5 @@ class KvtdOffloadingConnector(OffloadingConnector):
         if isinstance(meta, KvtdWorkerMetadata) and m is not None:
             m.note_failures(meta.failed_store_blocks, meta.failed_load_blocks)
             m.note_storage_answers(meta.storage_answers)
+            m.note_storage_backups(meta.storage_backups)
         super().update_connector_output(connector_output)

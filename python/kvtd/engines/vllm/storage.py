@@ -9,6 +9,10 @@ already has: scheduler -> workers in the connector metadata (StorageWork, as `me
   carries them, so its daemon backs the blocks up into the store (`--write-policy
   write_through`) in the order kvtd keeps for tasks on the same blocks (a later swap into a host
   block waits for the backup still reading it).
+- Each worker reports its backups' ends beside the answers; once every rank backed a store job
+  up, the scheduler's manager emits a STORAGE stored event of its keys into vLLM's own event path
+  (offloading/events.py turns it into BlockStored with the block hashes of the CPU tier's event
+  of the same keys, events.py:337-380), so a router joins a block's CPU and STORAGE events.
 - A key the CPU tier misses is asked of the store: lookup answers RETRY (vLLM asks again next
   step, offloading/scheduler.py:624-628), a STORAGE_QUERY of the request's missing keys runs on
   every rank, and the answer is the MIN of the ranks' leading hits (each daemon answers for its
@@ -77,6 +81,8 @@ class StorageTier:
         self._queries: Dict[int, Tuple[str, List[OffloadKey]]] = {}
         self._prefetches: Dict[int, Tuple[str, List[OffloadKey]]] = {}
         self._answers: Dict[int, Tuple[int, int]] = {}  # queries' and prefetches' ids share one counter
+        self._backing: Dict[int, List[OffloadKey]] = {}  # store job -> its keys, until every rank backed it up
+        self._backups: Dict[int, Tuple[int, int]] = {}  # store job -> (MIN backed up, ranks that said)
         self._outbox = StorageWork()
         self.pending_store_keys: Dict[int, OffloadKey] = {}  # host block -> key of a store in preparation
 
@@ -121,7 +127,20 @@ class StorageTier:
             keys = [self.pending_store_keys.pop(int(b), None) for b in job.dst_spec.block_ids.tolist()]
             if all(k is not None for k in keys):
                 work.store_keys[job_id] = [key_name(k) for k in keys]
+                self._backing[job_id] = keys
         return work
+
+    def note_backups(self, backups: Dict[int, Tuple[int, int]], stored) -> None:
+        """Workers' backup ends ({store job: (1 backed up or 0, ranks)}). `stored(keys)` is called
+        with a job's keys once every rank backed them up; a job a rank did not back up is dropped."""
+        self._backups = merge_answers(self._backups, backups)
+        for job_id, (ok, ranks) in list(self._backups.items()):
+            if ranks < self._world:
+                continue
+            del self._backups[job_id]
+            keys = self._backing.pop(job_id, None)
+            if ok and keys:
+                stored(keys)
 
     def note_answers(self, answers: Dict[int, Tuple[int, int]], complete) -> None:
         """Workers' answers; a query or prefetch is decided once every rank answered.
@@ -160,6 +179,8 @@ class StorageTier:
         self._queries.clear()
         self._prefetches.clear()
         self._answers.clear()
+        self._backing.clear()
+        self._backups.clear()
         self._outbox = StorageWork()
         self.pending_store_keys.clear()
 
@@ -172,8 +193,9 @@ class WorkerStorage:
         self._session, self._log = session, log
         self._store_keys: Dict[int, List[str]] = {}
         self._tasks: Dict[int, Tuple[str, int]] = {}  # kvtd task -> (what, query or prefetch id)
-        self._backups: Set[int] = set()
+        self._backups: Dict[int, int] = {}  # backup STORAGE_WRITE task -> its store job
         self.answers: Dict[int, Tuple[int, int]] = {}
+        self.backups: Dict[int, Tuple[int, int]] = {}  # store job -> (1 backed up or 0, 1 rank)
 
     def note_store_keys(self, work: Optional[StorageWork]) -> None:
         if work is not None:
@@ -182,8 +204,8 @@ class WorkerStorage:
     def keys_of_store(self, job_id: int) -> Optional[List[str]]:
         return self._store_keys.pop(job_id, None)
 
-    def backup_submitted(self, swap_task_id: int) -> None:
-        self._backups.add(swap_task_id + 1)  # the backup STORAGE_WRITE's id (storage.md, write policies)
+    def backup_submitted(self, swap_task_id: int, job_id: int) -> None:
+        self._backups[swap_task_id + 1] = job_id  # the backup STORAGE_WRITE's id (storage.md, write policies)
 
     def submit(self, work: Optional[StorageWork]) -> None:
         if work is None:
@@ -209,15 +231,20 @@ class WorkerStorage:
             if not r.ok:
                 self._log.warning("kvtd storage %s %d failed: %s: %s", what, ident, r.status_name, r.message)
             self.answers[ident] = (int(r.blocks_done) if r.ok else 0, 1)
-        for tid in list(self._backups):
+        for tid, job_id in list(self._backups.items()):
             r = polled_outcome(self._session, tid)
             if r is not None:
-                self._backups.discard(tid)
+                del self._backups[tid]
+                self.backups[job_id] = (1 if r.ok else 0, 1)
                 if not r.ok and r.status_name != "backup_skipped":
                     self._log.warning("kvtd backup %d: %s: %s", tid, r.status_name, r.message)
 
     def take_answers(self) -> Dict[int, Tuple[int, int]]:
         out, self.answers = self.answers, {}
+        return out
+
+    def take_backups(self) -> Dict[int, Tuple[int, int]]:
+        out, self.backups = self.backups, {}
         return out
 
     def busy(self) -> bool:
