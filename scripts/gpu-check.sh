@@ -148,7 +148,7 @@ elif "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() el
   # The GEMM's slowdown is the price of kernel mode (the copies use SMs): measured, not assumed.
   step "python client (torch CUDA), kernel mode" 600 env KVTD_BINARY="$kvtd" KVTD_CLIENT_LIBRARY="$client" \
     KVTD_SCATTER_MODE=kernel PYTHONPATH="$root/python" "$python" "$root/scripts/gpu/torch_check.py"
-  fdv1=${KVTD_FASTDEPLOY_V1_SRC:-$root/../shared/reference/fastdeploy-v1}
+  fdv1=${KVTD_FASTDEPLOY_V1_SRC:-${KVTD_REFERENCE_DIR:-$root/../shared/reference}/fastdeploy-v1}
   if [ -f "$fdv1/fastdeploy/cache_manager/v1/cache_controller.py" ]; then
     step "FastDeploy v1 (device tensors)" 600 env KVTD_FASTDEPLOY_V1_SRC="$fdv1" \
       "$root/scripts/gpu/fastdeploy_v1.sh" "$kvtd" "$client" "$python"
@@ -156,7 +156,7 @@ elif "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() el
     skip "FastDeploy v1 (device tensors)" "no FastDeploy v1 source: set KVTD_FASTDEPLOY_V1_SRC"
   fi
   # 16 KiB pages: below THRESHOLD_BYTES, where vLLM loads with its Triton kernel (swap_blocks_triton.py).
-  vllm_src=${KVTD_VLLM_SRC:-$root/../shared/reference/vllm}
+  vllm_src=${KVTD_VLLM_SRC:-${KVTD_REFERENCE_DIR:-$root/../shared/reference}/vllm}
   if [ -f "$vllm_src/vllm/v1/kv_offload/base.py" ]; then
     # Then the ordering check: a store and a load submitted behind queued GPU work move the model's bytes.
     step "vLLM offloading worker (device tensors)" 600 env KVTD_VLLM_SRC="$vllm_src" KVTD_BINARY="$kvtd" \

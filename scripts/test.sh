@@ -32,6 +32,11 @@ trap stage_table EXIT
 
 stage "set-up (packages)"
 bash "$KVTD_ROOT/scripts/setup.sh"
+# The engines' tests run their own code from these (tests/python/reference_source.py); without
+# them they skip, so say where they come from or that they are missing.
+reference=${KVTD_REFERENCE_DIR:-$KVTD_ROOT/../shared/reference}
+if [ -d "$reference" ]; then echo "engines' reference sources: $(cd "$reference" && pwd)"
+else echo "WARNING: no engines' reference sources at $reference (set KVTD_REFERENCE_DIR): the engine tests skip"; fi
 stage "build (gcc, CUDA)"
 kvtd_build
 

@@ -1,7 +1,10 @@
 """kvtd: the engine side of the KV-cache transfer daemon, for Python engines.
 
-Sessions, tasks and results over libkvtd_client.so (ctypes; waits release the GIL). See
-session.py for the API, fastdeploy.py for a drop-in for FastDeploy's cache task queue.
+Sessions, tasks and results over libkvtd_client.so (ctypes; waits release the GIL): session.py
+for the API, cache_groups.py for hybrid models' caches, places.py for naming a tensor to a daemon.
+The engines' adapters are under engines/ (FastDeploy v0 and cache manager v1, sglang's HiCache,
+vLLM's KV offloading), each loaded by its engine under the names kvtd.fastdeploy,
+kvtd.fastdeploy_v1, kvtd.sglang and kvtd.vllm (docs/engines.md).
 """
 
 from . import _native

@@ -1,6 +1,7 @@
-"""Where an engine's reference source is: $<env>, else ../shared/reference/<name> beside the checkout,
-else /work/shared/reference/<name> (where this project's machines keep them, for clones made
-elsewhere, as CI's). The first holding `marker` (a path inside it) wins; None when none does.
+"""Where an engine's reference source is: $<env> (one engine's), else $KVTD_REFERENCE_DIR/<name>
+(a folder of them), else ../shared/reference/<name> beside the checkout. The first holding `marker`
+(a path inside it) wins; None when none does. Where a machine keeps them for clones made elsewhere
+is that machine's to say (.ci/run sets KVTD_REFERENCE_DIR), never this file's.
 And stand_in_module, how a harness puts a stand-in for what cannot load in sys.modules."""
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def reference_source(env: str, name: str, marker: str) -> Optional[Path]:
     candidates = [Path(os.environ[env])] if os.environ.get(env) else []
-    candidates += [ROOT.parent / "shared" / "reference" / name, Path("/work/shared/reference") / name]
+    if os.environ.get("KVTD_REFERENCE_DIR"):
+        candidates.append(Path(os.environ["KVTD_REFERENCE_DIR"]) / name)
+    candidates.append(ROOT.parent / "shared" / "reference" / name)
     return next((c for c in candidates if (c / marker).exists()), None)
 
 

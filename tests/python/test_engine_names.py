@@ -4,7 +4,7 @@ that adapter's module itself (one module object, so classes and module state are
 
 - FastDeploy v0: `from kvtd.fastdeploy import KvtdCacheQueue` (docs/engines.md).
 - FastDeploy v1: the dist-info entry point `kvtd = kvtd.fastdeploy_v1:register` in
-  `fastdeploy.model_register_plugins` (python/kvtd-*.dist-info/entry_points.txt), loaded as
+  `fastdeploy.model_register_plugins` (python/dist-info/entry_points.txt, installed as kvtd-<version>.dist-info), loaded as
   importlib.metadata loads any entry point.
 - sglang: `module_path` "kvtd.sglang", class "KvtdHiCacheStorage", through sglang's own
   StorageBackendFactory (storage/backend_factory.py:114-150 imports module_path and checks
@@ -42,9 +42,8 @@ def test_fastdeploy_v0_imports_the_queue_from_kvtd_fastdeploy():
 def test_fastdeploy_v1s_plugin_entry_point_loads_register():
     from kvtd.engines.fastdeploy_v1 import manager
 
-    dist_info = next((Path(HERE).parents[1] / "python").glob("kvtd-*.dist-info"))
-    parser = configparser.ConfigParser()
-    parser.read(dist_info / "entry_points.txt")
+    parser = configparser.ConfigParser()  # the source of the installed kvtd-<version>.dist-info
+    parser.read(Path(HERE).parents[1] / "python" / "dist-info" / "entry_points.txt")
     value = parser["fastdeploy.model_register_plugins"]["kvtd"]
     ep = importlib.metadata.EntryPoint(name="kvtd", value=value, group="fastdeploy.model_register_plugins")
     assert ep.load() is manager.register
