@@ -4,7 +4,7 @@ Sessions, tasks and results over libkvtd_client.so (ctypes; waits release the GI
 for the API, cache_groups.py for hybrid models' caches, places.py for naming a tensor to a daemon.
 The engines' adapters are under engines/ (FastDeploy v0 and cache manager v1, sglang's HiCache,
 vLLM's KV offloading), each loaded by its engine under the names kvtd.fastdeploy,
-kvtd.fastdeploy_v1, kvtd.sglang and kvtd.vllm (docs/engines.md).
+kvtd.fastdeploy_v1, kvtd.sglang and kvtd.vllm (docs/engines/<engine>.md).
 """
 
 from . import _native

@@ -40,7 +40,8 @@ CTL = re.compile(r"kvtd ctl ([^`]*)")
 
 
 def documents(root: Path) -> list[Path]:
-    return [root / "README.md", *sorted((root / "docs").glob("*.md")), root / "cudasim" / "README.md"]
+    return [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted((root / "docs" / "engines").glob("*.md")),
+            root / "cudasim" / "README.md"]
 
 
 def slug(heading: str) -> str:

@@ -2,7 +2,7 @@
 each adapter into kvtd/engines/<engine>/: each resolves, as the engine's loader resolves it, to
 that adapter's module itself (one module object, so classes and module state are one).
 
-- FastDeploy v0: `from kvtd.fastdeploy import KvtdCacheQueue` (docs/engines.md).
+- FastDeploy v0: `from kvtd.fastdeploy import KvtdCacheQueue` (docs/engines/fastdeploy.md).
 - FastDeploy v1: the dist-info entry point `kvtd = kvtd.fastdeploy_v1:register` in
   `fastdeploy.model_register_plugins` (python/dist-info/entry_points.txt, installed as kvtd-<version>.dist-info), loaded as
   importlib.metadata loads any entry point.

@@ -2,7 +2,7 @@
 
 FastDeploy's engine side (fastdeploy/cache_manager/prefix_cache_manager.py and what it imports:
 envs, cache_data, cache_tasks, cache_metrics, inter_communicator's IPCSignal and EngineCacheQueue)
-is run unmodified, except for the diff of launch_cache_manager in docs/engines.md
+is run unmodified, except for the diff of launch_cache_manager in docs/engines/fastdeploy.md
 (docs/fastdeploy/launch_cache_manager.diff), applied here with patch(1) to a copy, so the tests
 prove that diff. The source is $KVTD_FASTDEPLOY_SRC, else ../shared/reference/fastdeploy beside the
 checkout, else /work/shared/reference/fastdeploy (upstream develop c1b7c083: see its PROVENANCE);
@@ -150,7 +150,7 @@ def load(work: Path) -> types.ModuleType:
     copy = work / "fastdeploy_src"
     shutil.copytree(src / "fastdeploy", copy / "fastdeploy")
     out = subprocess.run(["patch", "-p1", "--forward", "-i", str(DIFF)], cwd=copy, capture_output=True, text=True)
-    assert out.returncode == 0, f"the diff of docs/engines.md does not apply to {src}:\n{out.stdout}{out.stderr}"
+    assert out.returncode == 0, f"the diff of docs/engines/fastdeploy.md does not apply to {src}:\n{out.stdout}{out.stderr}"
 
     get_hash_str = _hash_function(src / "fastdeploy" / "utils.py")
     logger = logging.getLogger("fastdeploy")

@@ -1,7 +1,7 @@
-"""FastDeploy's own engine code drives real kvtd daemons, wired as docs/engines.md says.
+"""FastDeploy's own engine code drives real kvtd daemons, wired as docs/engines/fastdeploy.md says.
 
 FastDeploy's PrefixCacheManager (upstream develop c1b7c083, loaded by fastdeploy_harness with
-the launch_cache_manager diff of docs/engines.md applied) launches the kvtd daemons with its own command line,
+the launch_cache_manager diff of docs/engines/fastdeploy.md applied) launches the kvtd daemons with its own command line,
 builds the KvtdCacheQueue, and runs its own logic: eviction under GPU pressure swaps blocks to the
 host tier, a re-match swaps them back, finished requests are written to the file store and later
 prefetched from it, the prefix tree is reset, weights are updated through kv_cache_status, and

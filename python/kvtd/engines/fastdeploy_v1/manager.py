@@ -462,6 +462,6 @@ def register() -> None:
         return
     if os.environ.get("ENABLE_V1_KVCACHE_MANAGER", "0") in ("", "0"):
         log.warning("%s=1 but ENABLE_V1_KVCACHE_MANAGER is off: FastDeploy v0's transfer processes are "
-                     "replaced by kvtd.fastdeploy instead (docs/engines.md)", SWITCH)
+                     "replaced by kvtd.fastdeploy instead (docs/engines/fastdeploy.md)", SWITCH)
         return
     install()
