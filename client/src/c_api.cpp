@@ -189,15 +189,17 @@ int kvtd_session_create_groups_with(const char* suffix, const kvtd_cache_groups*
     if (!suffix || !groups || !out) return invalid(err, err_len, "suffix, groups and out must not be null");
     *out = nullptr;
     const std::uint32_t flags = options ? options->flags : 0;
-    // Adopting a host tier and serving one rank are defined for one geometry only.
-    constexpr std::uint32_t known = KVTD_SESSION_NO_COMPLETION_FORECAST | KVTD_SESSION_KV_IDENTITY;
+    // Adopting a host tier is defined for one geometry only (a kept pool is one shape's).
+    constexpr std::uint32_t known =
+        KVTD_SESSION_NO_COMPLETION_FORECAST | KVTD_SESSION_KV_IDENTITY | KVTD_SESSION_ONLY_RANK;
     if ((flags & ~known) != 0)
       return invalid(err, err_len,
                      "session option flags " + std::to_string(flags & ~known) +
-                         " do not apply to a session over cache groups (only KVTD_SESSION_NO_COMPLETION_FORECAST "
-                         "and KVTD_SESSION_KV_IDENTITY do)");
+                         " do not apply to a session over cache groups (only KVTD_SESSION_NO_COMPLETION_FORECAST, "
+                         "KVTD_SESSION_KV_IDENTITY and KVTD_SESSION_ONLY_RANK do)");
     kvtd::engine::SessionOptions o;
     o.suffix = suffix;
+    if (flags & KVTD_SESSION_ONLY_RANK) o.only_rank = options->only_rank;
     o.completion_forecast = (flags & KVTD_SESSION_NO_COMPLETION_FORECAST) == 0;
     if (flags & KVTD_SESSION_KV_IDENTITY) std::memcpy(&o.kv_identity, &options->kv_identity, sizeof o.kv_identity);
     std::memcpy(&o.groups, groups, sizeof o.groups);  // same layout (static_assert in c_api_geometry.cpp)

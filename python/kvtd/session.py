@@ -55,8 +55,8 @@ class Session:
         (geometry only): if this suffix's previous session's engine died (it did not close), each
         rank's daemon takes over the host pool it kept from it when that has the same shape, and
         the blocks written there stay loadable (an engine restarted beside the same daemons);
-        `host_tier_taken_over` says which ranks did, once they are ready. only_rank (geometry
-        only): serve that rank of geometry.num_ranks alone, for an engine with one process per TP
+        `host_tier_taken_over` says which ranks did, once they are ready. only_rank: serve that
+        rank of the geometry's (or the cache groups') num_ranks alone, for an engine with one process per TP
         rank, each making a session of its own (a suffix per rank); its daemon runs as that rank
         (--rank r --mp-num num_ranks), so it stores objects as that rank's slice.
         completion_forecast=False: wait() on a swap alone in flight in its direction does not poll
@@ -69,8 +69,12 @@ class Session:
         self._tls = threading.local()  # one error buffer per calling thread
         self._h = ctypes.c_void_p()
         self._close_lock = threading.Lock()
-        if groups is not None and (adopt_host_tier or only_rank is not None):
-            raise ValueError("adopt_host_tier and only_rank are for a session over one geometry, not cache groups")
+        if groups is not None and adopt_host_tier:
+            raise ValueError("adopt_host_tier is for a session over one geometry, not cache groups")
+        ranks = (geometry if geometry is not None else groups).num_ranks
+        if only_rank is not None and not 0 <= only_rank < ranks:
+            raise ValueError(f"only_rank {only_rank} is not a rank of the {ranks}-rank "
+                             + ("geometry" if geometry is not None else "cache groups"))
         opts = n.SessionOptions()
         if not completion_forecast:
             opts.flags |= n.SESSION_NO_COMPLETION_FORECAST
@@ -78,6 +82,9 @@ class Session:
         if identity is not None:  # the daemons' flags must say the same (Geometry.daemon_flags does)
             opts.flags |= n.SESSION_KV_IDENTITY
             opts.kv_identity = identity.to_native()
+        if only_rank is not None:
+            opts.flags |= n.SESSION_ONLY_RANK
+            opts.only_rank = only_rank
         if groups is not None:
             native = groups.to_native()
             rc = n.lib.kvtd_session_create_groups_with(suffix.encode(), ctypes.byref(native), ctypes.byref(opts),
@@ -86,11 +93,6 @@ class Session:
             native = geometry.to_native()
             if adopt_host_tier:
                 opts.flags |= n.SESSION_ADOPT_HOST_TIER
-            if only_rank is not None:
-                if not 0 <= only_rank < geometry.num_ranks:
-                    raise ValueError(f"only_rank {only_rank} is not a rank of the {geometry.num_ranks}-rank geometry")
-                opts.flags |= n.SESSION_ONLY_RANK
-                opts.only_rank = only_rank
             rc = n.lib.kvtd_session_create_with(suffix.encode(), ctypes.byref(native), ctypes.byref(opts),
                                                 ctypes.byref(self._h), self._errbuf(), _ERR_LEN)
         self._check(rc, "create session " + suffix)

@@ -113,6 +113,48 @@ def test_a_group_session_takes_completion_forecast_and_refuses_what_needs_one_ge
     assert s.forecast_waits()["waits"] == 0
     with pytest.raises(ValueError, match="not cache groups"):
         kvtd.Session("py_groups_adopt", groups=groups, adopt_host_tier=True)
+    with pytest.raises(ValueError, match="only_rank 2 is not a rank of the 2-rank cache groups"):
+        kvtd.Session("py_groups_rank", groups=groups, only_rank=2)
+
+
+def test_one_ranks_group_session_is_served_by_that_ranks_daemon_alone(tmp_path):
+    """An engine with one process per rank (vLLM's workers, sglang's schedulers) serving a hybrid
+    model: each process a group session of its own rank (before: refused, "only_rank is for a
+    session over one geometry"). Rank 1's session is served by rank 1's daemon alone; every
+    group's bytes go out to its host blocks and come back, and a storage write and read of every
+    group round-trips through a file store."""
+    groups = MODELS["gpt-oss-20b"]()
+    suffix = f"py_groups_r1_{tmp_path.name[-8:]}"
+    store = ["--storage-backend", "file", "--storage-path", str(tmp_path / "store"), "--model-id", "m"]
+    with kvtd.Session(suffix, groups=groups, only_rank=1) as s:
+        s.create_host_device_tensors()
+        with kvtd.testing.Daemons(None, suffix, groups, store, ranks=[1]):
+            s.publish()
+            s.wait_ready(30)
+            rng = np.random.default_rng(11)
+            layers = max(max(g.layers) for g in groups.groups) + 1
+            arrays = [(layer, slot, s.host_array(1, layer, slot)) for layer in range(layers)
+                      for slot in range(len(groups.slots(layer)))]
+            for _, _, a in arrays:
+                a[:] = rng.integers(0, 256, a.size, dtype=np.uint8)
+            before = [a.copy() for _, _, a in arrays]
+            bases = groups.id_bases()
+            src = [db + i for db, _ in bases for i in range(2)]
+            host = [hb + i for _, hb in bases for i in range(2)]
+            assert s.wait(s.swap_to_host(src, host)).blocks_done == len(src)
+            assert s.wait(s.storage_write(["k0", "k1"], [[0, 1] for _ in bases])).blocks_done == 2
+            for _, _, a in arrays:
+                a[:] = 0
+            assert s.wait(s.swap_to_device(host, src)).blocks_done == len(src)
+            back = [a.copy() for _, _, a in arrays]
+            for _, _, a in arrays:
+                a[:] = 0
+            assert s.wait(s.storage_read(["k0", "k1"], [[0, 1] for _ in bases])).blocks_done == 2
+            for (layer, slot, a), want, swapped in zip(arrays, before, back):
+                for view in (swapped, a):  # by swap, then by storage
+                    g, t = groups.slots(layer)[slot]
+                    bb = block_bytes(groups.groups[g].tensors[t])
+                    assert np.array_equal(view[:2 * bb], want[:2 * bb]), f"layer {layer} slot {slot}"
 
 
 def test_a_daemon_whose_groups_differ_from_the_session_refuses_it_naming_the_group(tmp_path):

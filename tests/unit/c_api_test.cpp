@@ -764,7 +764,16 @@ TEST(CApi, AGroupSessionTakesOnlyTheOptionsThatApplyToIt) {
             KVTD_OK)
       << err;
   kvtd_session_destroy(s);
-  for (const std::uint32_t flags : {std::uint32_t{KVTD_SESSION_ADOPT_HOST_TIER}, std::uint32_t{KVTD_SESSION_ONLY_RANK}, 1u << 9}) {
+  kvtd_session_options one_rank{};  // an engine with a process per rank (vLLM, sglang) and hybrid groups
+  one_rank.flags = KVTD_SESSION_ONLY_RANK;
+  one_rank.only_rank = gs.num_ranks - 1;
+  s = nullptr;
+  ASSERT_EQ(kvtd_session_create_groups_with(test::unique_suffix("cgroupsrank").c_str(), &gs, &one_rank, &s, err,
+                                            sizeof err),
+            KVTD_OK)
+      << err;
+  kvtd_session_destroy(s);
+  for (const std::uint32_t flags : {std::uint32_t{KVTD_SESSION_ADOPT_HOST_TIER}, 1u << 9}) {
     kvtd_session_options opts{};
     opts.flags = flags;
     s = nullptr;

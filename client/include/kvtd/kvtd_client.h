@@ -274,9 +274,10 @@ typedef struct kvtd_session_options {
 KVTD_API int kvtd_session_create_with(const char* suffix, const kvtd_geometry* geometry,
                                       const kvtd_session_options* options, kvtd_session** out, char* err,
                                       size_t err_len);
-/* Like kvtd_session_create_groups, with options: only KVTD_SESSION_NO_COMPLETION_FORECAST and
- * KVTD_SESSION_KV_IDENTITY (its layout UNDECLARED) apply to a session over cache groups; other flag
- * bits are refused (KVTD_E_INVALID). */
+/* Like kvtd_session_create_groups, with options: KVTD_SESSION_NO_COMPLETION_FORECAST,
+ * KVTD_SESSION_KV_IDENTITY (its layout UNDECLARED) and KVTD_SESSION_ONLY_RANK (an engine with one
+ * process per rank: vLLM's workers, sglang's schedulers) apply to a session over cache groups;
+ * other flag bits are refused (KVTD_E_INVALID). */
 KVTD_API int kvtd_session_create_groups_with(const char* suffix, const kvtd_cache_groups* groups,
                                              const kvtd_session_options* options, kvtd_session** out, char* err,
                                              size_t err_len);
