@@ -28,8 +28,8 @@ OTHER_PROGRAMS_FLAGS = {
     "--now",  # systemctl enable --now
     "--forward",  # patch
     "--enable-hierarchical-cache", "--hicache-storage-backend", "--hicache-storage-backend-extra-config",  # sglang
-    "--enable-metrics",  # sglang
-    "--kv-transfer-config",  # vLLM
+    "--enable-metrics", "--tp", "--dp", "--enable-dp-attention",  # sglang
+    "--kv-transfer-config", "--tensor-parallel-size", "--data-parallel-size",  # vLLM
     "--pid", "--fork", "--mount-proc",  # unshare
 }
 

@@ -110,6 +110,34 @@ def import_host_pool():
     return HostKVCache, ALLOC_MEMORY_FUNCS
 
 
+def import_host_pool_group():
+    """(HostPoolGroup, PoolEntry) from sglang's memory_pool_host, loaded unmodified. Stand-ins for
+    what it imports and cannot load here (PROVENANCE): the JIT kernels of sglang.kernels.ops.kvcache
+    (each raises if called: no test moves pages with them) and memory_pool's DSATokenToKVPool (a
+    name for isinstance checks)."""
+    from reference_source import stand_in_module
+
+    import_host_pool()
+
+    def kernel(name):
+        def refuse(*args, **kwargs):
+            raise RuntimeError(f"{name}: sglang's JIT kernel does not run here")
+        return refuse
+
+    for module, names in (("sglang.kernels", ()), ("sglang.kernels.ops", ()), ("sglang.kernels.ops.kvcache", ()),
+                          ("sglang.kernels.ops.kvcache.hicache",
+                           ("can_use_write_back_jit_kernel", "transfer_hicache_all_layer_mla_staged_lf_pf")),
+                          ("sglang.kernels.ops.kvcache.hisparse", ("transfer_cache_dsv4_mla",))):
+        if module not in sys.modules:
+            m = stand_in_module(module, **{n: kernel(n) for n in names})
+            m.__path__ = []
+    pool = sys.modules["sglang.srt.mem_cache.memory_pool"]
+    if not hasattr(pool, "DSATokenToKVPool"):
+        pool.DSATokenToKVPool = type("DSATokenToKVPool", (), {})
+    from sglang.srt.mem_cache.memory_pool_host import HostPoolGroup, PoolEntry  # noqa: E402
+    return HostPoolGroup, PoolEntry
+
+
 class DevicePool:
     """The attributes of sglang's MHA device pool (memory_pool.MHATokenToKVPool) the host pool
     reads: its dtype, token count, layers and heads."""

@@ -169,6 +169,13 @@ class KvtdHiCacheStorage(HiCacheStorage):
         """Registers the rank's host pool with a session of its own (cache_controller.py:496-498
         calls it once, after construction). A pool not in shared memory is refused by name."""
         super().register_mem_pool_host(mem_pool_host)
+        entries = getattr(mem_pool_host, "entries", None)
+        if entries is not None and hasattr(mem_pool_host, "anchor_entry"):  # memory_pool_host.HostPoolGroup
+            names = ", ".join(str(getattr(e.name, "value", e.name)) for e in entries)
+            raise ValueError(f"kvtd.sglang serves one host pool; sglang handed it a pool group ({names}): a hybrid "
+                             "model's pools, which sglang's HybridCacheController moves with the v2 calls "
+                             "(register_mem_host_pool_v2, batch_exists_v2 / batch_get_v2 / batch_set_v2) that "
+                             "kvtd.sglang does not implement yet")
         fd = getattr(mem_pool_host, "fd", None)
         if fd is None and self._asked_for_shm:
             # sglang chose the pool's allocator from the extra config's text, read as inline JSON
