@@ -13,7 +13,7 @@
 #include "kvtd/config/daemon_config.h"
 #include "kvtd/daemon/device_backend.h"
 #include "kvtd/daemon/host_pool.h"
-#include "kvtd/daemon/task_runner.h"
+#include "kvtd/daemon/attached_cache.h"
 #include "kvtd/endpoint/rank_endpoint.h"
 #include "fastdeploy_ipc.h"
 

@@ -3,7 +3,7 @@
 #include <thread>
 
 
-#include "kvtd/daemon/daemon_main.h"
+#include "kvtd/daemon/exit_codes.h"
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/notify.h"
 #include "kvtd/ipc/clock.h"

@@ -40,7 +40,7 @@ class RankServer {
   RankServer(const RankServer&) = delete;
   RankServer& operator=(const RankServer&) = delete;
 
-  // Serves sessions until stop; returns the process exit code (daemon_main.h).
+  // Serves sessions until stop; returns the process exit code (exit_codes.h).
   int run();
 
  private:

@@ -2,7 +2,7 @@
 
 #include <thread>
 
-#include "kvtd/daemon/daemon_main.h"
+#include "kvtd/daemon/exit_codes.h"
 #include "kvtd/daemon/host_pool.h"
 #include "kvtd/daemon/log.h"
 #include "kvtd/events/kv_events.h"

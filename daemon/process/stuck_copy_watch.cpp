@@ -4,7 +4,7 @@
 
 #include <chrono>
 
-#include "kvtd/daemon/daemon_main.h"
+#include "kvtd/daemon/exit_codes.h"
 #include "kvtd/daemon/log.h"
 #include "kvtd/ipc/clock.h"
 

@@ -19,6 +19,7 @@
 
 #include "block_tracker.h"
 #include "kvtd/base/mutex.h"
+#include "kvtd/daemon/attached_cache.h"
 #include "kvtd/daemon/task_runner.h"
 #include "work.h"
 

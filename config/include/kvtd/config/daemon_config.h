@@ -12,7 +12,7 @@
 #include <string_view>
 #include <vector>
 
-#include "kvtd/daemon/device_modes.h"
+#include "kvtd/device_modes.h"
 #include "kvtd/proto/expected.h"
 #include "kvtd/proto/cache_groups.h"
 #include "kvtd/proto/geometry.h"

@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "kvtd/daemon/device_modes.h"
+#include "kvtd/device_modes.h"
 #include "kvtd/kernels/copy_plan.h"
 #include "kvtd/kernels/host_copy.h"
 #include "kvtd/kernels/layout.h"

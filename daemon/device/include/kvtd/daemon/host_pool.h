@@ -36,7 +36,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "kvtd/daemon/device_modes.h"
+#include "kvtd/device_modes.h"
 #include "kvtd/daemon/device_backend.h"
 #include "kvtd/proto/cache_groups.h"
 #include "kvtd/proto/geometry.h"

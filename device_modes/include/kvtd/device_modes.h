@@ -1,4 +1,4 @@
-// kvtd/daemon/device_modes.h - the device room's choices that flags make: how the host pool lays
+// kvtd/device_modes.h - the device room's choices that flags make: how the host pool lays
 // out its blocks and how the CUDA backend moves scattered blocks. Header-only and free of any
 // dependency, so the flag parser (config) converts the flags' text into them.
 //
