@@ -9,9 +9,11 @@ compared per layer on every rank.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,9 +27,28 @@ ROOT = HERE.parents[2]
 WATCHDOG_S = 120
 
 
+@functools.lru_cache(maxsize=None)
+def dist_info_dir() -> Path:
+    """Where kvtd's dist-info (FastDeploy finds the plugin's entry point in it) is: the one the build
+    made from python/dist-info (ctest sets KVTD_DIST_INFO_DIR), else one made here from the same
+    templates as the build makes it (a run by hand)."""
+    if os.environ.get("KVTD_DIST_INFO_DIR"):
+        return Path(os.environ["KVTD_DIST_INFO_DIR"])
+    import kvtd
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvtd_dist_info_"))
+    made = tmp / f"kvtd-{kvtd.__version__}.dist-info"
+    made.mkdir(parents=True, exist_ok=True)
+    src = ROOT / "python" / "dist-info"
+    (made / "METADATA").write_text((src / "METADATA.in").read_text().replace("@PROJECT_VERSION@", kvtd.__version__))
+    (made / "entry_points.txt").write_text((src / "entry_points.txt").read_text())
+    return tmp
+
+
 def run(scenario: str, tp: int) -> str:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), str(dist_info_dir()), str(HERE), str(HERE.parent),
+                                         env.get("PYTHONPATH", "")])
     env.setdefault("KVTD_BINARY", str(ROOT / "build" / "daemon" / "kvtd"))
     try:
         out = subprocess.run([sys.executable, str(HERE / "fastdeploy_v1_scenarios.py"), scenario, str(tp)],
