@@ -277,21 +277,18 @@ Status<ConfigErrc> resolve_cache(RawFlags& f, DaemonConfig& c) {
                                    : "--key-cache-shape: required (or all four of FastDeploy 2.0's --num_gpu_blocks, "
                                      "--kv_num_head, --block_size, --head_dim)");
   }
-  auto ks = parse_shape(f.key_shape, "--key-cache-shape");
-  if (!ks.ok()) return std::move(ks).error();
-  for (int i = 0; i < 4; ++i) c.key_cache_shape[i] = (*ks)[static_cast<std::size_t>(i)];
+  KVTD_ASSIGN_OR_RETURN(const auto ks, parse_shape(f.key_shape, "--key-cache-shape"));
+  for (int i = 0; i < 4; ++i) c.key_cache_shape[i] = ks[static_cast<std::size_t>(i)];
   if (c.key_cache_shape[0] > INT32_MAX) return bad("--key-cache-shape: block count must be < 2^31");
   if (!f.value_shape.empty()) {
-    auto vs = parse_shape(f.value_shape, "--value-cache-shape");
-    if (!vs.ok()) return std::move(vs).error();
-    for (int i = 0; i < 4; ++i) c.value_cache_shape[i] = (*vs)[static_cast<std::size_t>(i)];
+    KVTD_ASSIGN_OR_RETURN(const auto vs, parse_shape(f.value_shape, "--value-cache-shape"));
+    for (int i = 0; i < 4; ++i) c.value_cache_shape[i] = vs[static_cast<std::size_t>(i)];
     if (c.value_cache_shape[0] != c.key_cache_shape[0])
       return bad("--value-cache-shape: block count " + std::to_string(c.value_cache_shape[0]) +
                  " differs from --key-cache-shape's " + std::to_string(c.key_cache_shape[0]));
   }
 
-  if (auto st_extra = extra_layers_from(f.speculative_json, f.extra_layers, f.extra_blocks, c.key_cache_shape[0], &c); !st_extra.ok())
-    return std::move(st_extra).error();
+  KVTD_TRY(extra_layers_from(f.speculative_json, f.extra_layers, f.extra_blocks, c.key_cache_shape[0], &c));
   if (c.num_layers + c.num_extra_layers > proto::kMaxLayers)
     return bad("--num-layers " + std::to_string(c.num_layers) + " plus " + std::to_string(c.num_extra_layers) +
                " extra layers exceed " + std::to_string(proto::kMaxLayers));

@@ -106,9 +106,7 @@ Status<ConfigErrc> resolve_storage(const RawFlags& f, DaemonConfig& c) {
     return bad("--model-id: required with a storage backend (or FastDeploy's --model_path): deployments that share "
                "a store under one id load each other's KV");
   if (st.backend != StorageBackendKind::kNone && !c.fastdeploy.model_path.empty()) {
-    auto prefix = fastdeploy_key_prefix(c.fastdeploy.model_path);
-    if (!prefix.ok()) return std::move(prefix).error();
-    st.key_prefix = std::move(prefix).value();
+    KVTD_ASSIGN_OR_RETURN(st.key_prefix, fastdeploy_key_prefix(c.fastdeploy.model_path));
     st.key_prefix_source = c.fastdeploy.model_path;
   }
   return {};

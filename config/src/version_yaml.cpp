@@ -279,8 +279,7 @@ Status<ConfigErrc> flow_pairs(std::string_view s, std::vector<std::pair<Scalar, 
     s = trim(s);
     if (!s.empty() && s.front() == '}') break;
     std::string_view rest;
-    auto key = scalar(s, ":,}", &rest);
-    if (!key.ok()) return std::move(key).error();
+    KVTD_ASSIGN_OR_RETURN(Scalar key, scalar(s, ":,}", &rest));
     rest = trim(rest);
     if (rest.empty() || rest.front() != ':') return bad("a flow mapping entry without ':'");
     const std::string_view after = trim(rest.substr(1));
@@ -288,12 +287,11 @@ Status<ConfigErrc> flow_pairs(std::string_view s, std::vector<std::pair<Scalar, 
       int depth = 0;
       const std::size_t end = scan_brackets(after, &depth);
       if (end == std::string_view::npos) return bad("a nested flow value that is not closed");
-      out->emplace_back(std::move(key).value(), Scalar{"", false, true});
+      out->emplace_back(std::move(key), Scalar{"", false, true});
       rest = after.substr(end);
     } else {
-      auto value = scalar(after, ",}", &rest);
-      if (!value.ok()) return std::move(value).error();
-      out->emplace_back(std::move(key).value(), std::move(value).value());
+      KVTD_ASSIGN_OR_RETURN(Scalar value, scalar(after, ",}", &rest));
+      out->emplace_back(std::move(key), std::move(value));
     }
     rest = trim(rest);
     if (rest.empty()) return bad("a flow mapping that is not closed with '}'");

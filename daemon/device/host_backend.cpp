@@ -76,7 +76,7 @@ Result<std::vector<std::uint64_t>, DeviceErrc> CopyEngine::device_checksums(Dire
 Result<std::vector<std::uint64_t>, DeviceErrc> CopyEngine::copy_with_checksums(Direction dir, const kernels::CopyPlan& plan,
                                                                                std::span<const kernels::CopyTarget> targets,
                                                                                std::span<const std::int32_t> ids) {
-  if (auto st = copy(dir, plan, targets); !st.ok()) return std::move(st).error();
+  KVTD_TRY(copy(dir, plan, targets));
   if (ids.empty()) return std::vector<std::uint64_t>{};
   return device_checksums(dir, targets, ids);
 }
@@ -282,10 +282,9 @@ class HostBackend final : public DeviceBackend {
     const std::string name(raw, len);
     auto it = maps_.find(name);
     if (it == maps_.end()) {
-      auto opened = map_object(name);
-      if (!opened.ok()) return std::move(opened).error();
-      ipc::populate_for_write(opened->addr, opened->size);
-      it = maps_.emplace(name, std::move(*opened)).first;
+      KVTD_ASSIGN_OR_RETURN(Mapping opened, map_object(name));
+      ipc::populate_for_write(opened.addr, opened.size);
+      it = maps_.emplace(name, std::move(opened)).first;
     }
     const Mapping& m = it->second;
     if (d.offset > m.size || d.bytes > m.size - d.offset)

@@ -232,9 +232,7 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend
     return make_error(DeviceErrc::kAllocFailed, "host pool size overflows");
   std::uint64_t page = 4096, mapped = l.total;  // hugetlbfs maps whole huge pages only
   if (!hugetlbfs_dir.empty()) {
-    auto huge = hugetlbfs_page_bytes(hugetlbfs_dir);
-    if (!huge.ok()) return std::move(huge).error();
-    page = *huge;
+    KVTD_ASSIGN_OR_RETURN(page, hugetlbfs_page_bytes(hugetlbfs_dir));
     mapped = (l.total + page - 1) / page * page;
   }
   const std::string name = ipc::session_object_name(generation, proto::host_pool_object(rank, group));
@@ -254,9 +252,7 @@ Result<std::unique_ptr<HostPool>, DeviceErrc> HostPool::open(HostMemory& backend
   pool->restored_ = pool->object_ != nullptr;
   if (!pool->object_) {
     KVTD_TRY(pool_object::check_room(hugetlbfs_dir, page, mapped, l.total, g.num_host_blocks));
-    auto created = pool_object::create(name, hugetlbfs_dir, want, numa_node);
-    if (!created.ok()) return std::move(created).error();
-    pool->object_ = std::move(created).value();
+    KVTD_ASSIGN_OR_RETURN(pool->object_, pool_object::create(name, hugetlbfs_dir, want, numa_node));
   }
 
   std::byte* base = pool->object_->data();

@@ -90,13 +90,12 @@ Result<AttachedCache, DeviceErrc> attach_single(const proto::CacheGeometry& g, T
   for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k)
     if (g.has_tensor(static_cast<proto::TensorKind>(k))) c.block_bytes.push_back(g.block_bytes(static_cast<proto::TensorKind>(k)));
   for (const auto [l, kind] : proto::tensors_of(g)) {
-    auto dev = source.open(l, kind);
-    if (!dev.ok()) return std::move(dev).error();
+    KVTD_ASSIGN_OR_RETURN(std::byte* const dev, source.open(l, kind));
     std::byte* host = pool.region(l, kind);
     const auto bb = g.block_bytes(kind);
-    add_target(c, *dev, host, bb, host == nullptr ? bb : pool.stride(kind));
-    out.storage.device_tensors.push_back(kernels::LayerTensor{*dev, bb, bb});
-    out.storage.host_tensors.push_back(kernels::LayerTensor{host == nullptr ? *dev : host, bb,
+    add_target(c, dev, host, bb, host == nullptr ? bb : pool.stride(kind));
+    out.storage.device_tensors.push_back(kernels::LayerTensor{dev, bb, bb});
+    out.storage.host_tensors.push_back(kernels::LayerTensor{host == nullptr ? dev : host, bb,
                                                             host == nullptr ? bb : pool.stride(kind)});
   }
   out.storage.object_bytes = g.bytes_per_block_all_layers();  // by rank; the server sets the slicing
@@ -140,14 +139,13 @@ Result<AttachedCache, DeviceErrc> attach_groups(const proto::CacheGroups& gs, Te
       for (std::uint32_t k = 0; k < proto::kTensorKinds; ++k) {
         const proto::GroupSlot at = proto::group_slot(gs, l, k);
         if (at.group != static_cast<std::int32_t>(g)) continue;
-        auto dev = source.open(l, static_cast<proto::TensorKind>(k));
-        if (!dev.ok()) return std::move(dev).error();
+        KVTD_ASSIGN_OR_RETURN(std::byte* const dev, source.open(l, static_cast<proto::TensorKind>(k)));
         const auto tensor = static_cast<proto::TensorKind>(at.tensor);
         std::byte* host = pool.region(local, tensor);
         const std::uint64_t bb = c.block_bytes[at.tensor];
-        add_target(c, *dev, host, bb, pool.stride(tensor));
-        stored.device_tensors.push_back(kernels::LayerTensor{*dev, bb, bb});
-        stored.host_tensors.push_back(host == nullptr ? kernels::LayerTensor{*dev, bb, bb}
+        add_target(c, dev, host, bb, pool.stride(tensor));
+        stored.device_tensors.push_back(kernels::LayerTensor{dev, bb, bb});
+        stored.host_tensors.push_back(host == nullptr ? kernels::LayerTensor{dev, bb, bb}
                                                       : kernels::LayerTensor{host, bb, pool.stride(tensor)});
       }
       ++local;

@@ -56,9 +56,7 @@ class TensorSource {
     const proto::TensorDesc* d = ep_.tensor(l, kind);
     proto::TensorDesc named{};
     if (by_names_) {
-      auto r = read_fastdeploy_tensor(ep_.geometry(), ep_.rank(), l, kind, device_id_);
-      if (!r.ok()) return std::move(r).error();
-      named = *r;
+      KVTD_ASSIGN_OR_RETURN(named, read_fastdeploy_tensor(ep_.geometry(), ep_.rank(), l, kind, device_id_));
       d = &named;
     }
     if (!d)

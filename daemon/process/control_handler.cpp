@@ -246,9 +246,7 @@ Result<std::unique_ptr<control::ControlServer>, control::ControlErrc> start_cont
   };
   std::string secret;
   if (!cfg.control_endpoint.empty()) {
-    auto s = control::read_secret_file(cfg.control_secret_file);
-    if (!s.ok()) return std::move(s).error();
-    secret = std::move(s).value();
+    KVTD_ASSIGN_OR_RETURN(secret, control::read_secret_file(cfg.control_secret_file));
   }
   return control::ControlServer::start(path, cfg.control_endpoint, secret, handler);
 }

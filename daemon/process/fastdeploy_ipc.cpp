@@ -89,12 +89,11 @@ Result<std::unique_ptr<FastDeployOwnedCache>, DeviceErrc> FastDeployOwnedCache::
   for (const auto [l, kind] : proto::tensors_of(g)) {
     const std::size_t i = std::size_t{l} * proto::kTensorKinds + static_cast<std::uint32_t>(kind);
     const auto bytes = proto::describe_tensor(g, rank, l, kind).bytes;
-    auto t = backend.create_exported(bytes, object_name(i));
-    if (!t.ok()) return std::move(t).error();
+    KVTD_ASSIGN_OR_RETURN(auto t, backend.create_exported(bytes, object_name(i)));
     const std::string name = fastdeploy_tensor_name(kind, l, rank, device_id);
-    KVTD_TRY(publish_name(name, t->handle));
+    KVTD_TRY(publish_name(name, t.handle));
     c->names_.push_back(name);
-    c->tensors_[i] = t->ptr;
+    c->tensors_[i] = t.ptr;
   }
   return c;
 }

@@ -126,6 +126,10 @@ ObjectMover::Step ObjectMover::load_chunk(const ObjectTarget& target, bool host,
   // never counts as loaded (a host block stays invalid: marked before the load, valid only for
   // the loaded prefix; a device block lies past blocks_done, like a block after a miss).
   into.unverified_bytes_ok = true;
+  // Object i's slot of this worker's staging. Declared here, not in the branch that uses it: the
+  // store calls the lambdas below after the branch has ended (a slot lambda local to the branch
+  // was read after its scope ended: the stand-in's CUDA daemon died of it in CI).
+  const auto slot = [slice, object_bytes](std::size_t i) { return slice + i * object_bytes; };
   if (host) {
     // The daemon's own host-pool blocks: each object goes straight into its block's pieces. A
     // store that reads in place reads and verifies it there (one copy, from the kernel into
@@ -140,7 +144,6 @@ ObjectMover::Step ObjectMover::load_chunk(const ObjectTarget& target, bool host,
     // while later objects are still being read. No CPU copy between the read and the DMA, and a
     // slot whose object fails is never copied to the device. An object after a miss on this rank
     // may land in its (reserved) block too; only the leading blocks_done are reported loaded.
-    auto slot = [&](std::size_t i) { return slice + i * object_bytes; };
     into.pieces = [&](std::size_t i) { return storage::Pieces{{slot(i), object_bytes}}; };
     into.on_verified = [&](std::size_t i) {
       if (auto s2 = copies_.scatter_from_staging(parts[i % n], ids.subspan(i / n, 1), slot(i)); !s2.ok())

@@ -24,11 +24,10 @@ Result<std::string, config::ConfigErrc> StoredNames::key_prefix_for(std::uint64_
   if (config_.key_prefix_source.empty()) return config_.key_prefix;
   MutexLock g(mu_);
   if (prefix_known_ && wv == prefix_wv_) return current_prefix_;
-  auto p = config::fastdeploy_key_prefix(config_.key_prefix_source);
-  if (!p.ok()) return std::move(p).error();
-  if (!prefix_known_ || *p != current_prefix_)
-    KVTD_INFO("storage key prefix '{}' (weight version {}, from {}/version.yaml)", *p, wv, config_.key_prefix_source);
-  current_prefix_ = *p;
+  KVTD_ASSIGN_OR_RETURN(const std::string p, config::fastdeploy_key_prefix(config_.key_prefix_source));
+  if (!prefix_known_ || p != current_prefix_)
+    KVTD_INFO("storage key prefix '{}' (weight version {}, from {}/version.yaml)", p, wv, config_.key_prefix_source);
+  current_prefix_ = p;
   prefix_wv_ = wv;
   prefix_known_ = true;
   return current_prefix_;

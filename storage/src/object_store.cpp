@@ -29,9 +29,8 @@ Result<std::vector<bool>, StorageErrc> presence(ObjectStore& store, std::span<co
   std::vector<bool> out(keys.size(), false);
   std::size_t at = 0;
   while (at < keys.size()) {
-    auto run = store.exists(keys.subspan(at));
-    if (!run.ok()) return std::move(run).error();
-    const std::size_t n = std::min(*run, keys.size() - at);
+    KVTD_ASSIGN_OR_RETURN(const std::size_t found, store.exists(keys.subspan(at)));
+    const std::size_t n = std::min(found, keys.size() - at);
     for (std::size_t i = 0; i < n; ++i) out[at + i] = true;
     at += n + 1;  // keys[at + n], if any, is the hole that ended the run
   }

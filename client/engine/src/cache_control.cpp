@@ -57,13 +57,11 @@ Result<TaskResult, IpcErrc> EngineSession::Impl::run_cache_control(proto::TaskKi
   records[0].hdr.flags = flags;
   records[0].hdr.format_version = proto::kTaskFormatVersion;
   const std::int64_t deadline = deadline_after(clock->now_ns(), timeout_ns);
-  auto id = submit_encoded(records, timeout_ns, true);
-  if (!id.ok()) return std::move(id).error();
-  if (*id == 0) return TaskResult{};  // no rank attached
+  KVTD_ASSIGN_OR_RETURN(const std::uint64_t id, submit_encoded(records, timeout_ns, true));
+  if (id == 0) return TaskResult{};  // no rank attached
   std::int64_t left = deadline - clock->now_ns();
-  auto r = wait_result(*id, left > 0 ? left : 0);
-  if (!r.ok()) return std::move(r).error();
-  for (const auto& f : r->failures)
+  KVTD_ASSIGN_OR_RETURN(TaskResult r, wait_result(id, left > 0 ? left : 0));
+  for (const auto& f : r.failures)
     if (f.status != TaskStatus::kRankDead)
       return make_error(IpcErrc::kTaskFailed, std::string(proto::task_kind_name(kind)) + " failed on rank " +
                                                   std::to_string(f.rank) + ": " + proto::task_status_name(f.status) +

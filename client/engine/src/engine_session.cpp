@@ -161,15 +161,11 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
   impl->groups = o.groups;
   const auto layout = detail::compute_layout(geometry, o.ring_bytes, o.completion_capacity);
 
-  auto m = create_segment(impl->name, layout.total_bytes, o.replace_stale);
-  if (!m.ok()) return std::move(m).error();
-  impl->mapping = std::move(m).value();
+  KVTD_ASSIGN_OR_RETURN(impl->mapping, create_segment(impl->name, layout.total_bytes, o.replace_stale));
   impl->mapping->set_unlink_on_destroy(true);
   // The lock says "its creator lives" to every pid namespace; taken before the magic makes the
   // segment a session anyone reads.
-  auto lock = lock_new_segment(*impl->mapping);
-  if (!lock.ok()) return std::move(lock).error();
-  impl->liveness = std::move(lock).value();
+  KVTD_ASSIGN_OR_RETURN(impl->liveness, lock_new_segment(*impl->mapping));
   impl->pid_namespace = ipc::own_pid_namespace();
 
   impl->view = detail::SessionView{impl->mapping->data(), layout, geometry.num_ranks, geometry.num_layers};

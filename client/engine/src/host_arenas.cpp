@@ -69,9 +69,8 @@ Status<IpcErrc> EngineSession::create_host_device_tensors() {
     const std::string arena =
         detail::session_object_name(impl_->generation, "dev" + std::to_string(incarnation * 1000 + r));
     SharedObject::remove(arena);
-    auto m = SharedObject::create(arena, total);
-    if (!m.ok()) return std::move(m).error();
-    (*m)->set_unlink_on_destroy(true);
+    KVTD_ASSIGN_OR_RETURN(auto m, SharedObject::create(arena, total));
+    m->set_unlink_on_destroy(true);
     std::uint64_t offset = 0;
     for (proto::TensorDesc d : tensors) {
       d.device_id = -1;
@@ -79,10 +78,10 @@ Status<IpcErrc> EngineSession::create_host_device_tensors() {
       std::memcpy(d.handle, arena.c_str(), arena.size() + 1);
       KVTD_TRY(impl_->register_tensor(d));
       impl_->arena_tensor[proto::registry_index(g, r, d.layer, static_cast<proto::TensorKind>(d.kind))] =
-          (*m)->data() + offset;
+          m->data() + offset;
       offset += (d.bytes + 255) / 256 * 256;
     }
-    impl_->arenas.push_back(std::move(m).value());
+    impl_->arenas.push_back(std::move(m));
   }
   return {};
 }

@@ -165,9 +165,8 @@ Result<std::uint64_t, IpcErrc> EngineSession::submit(const TaskRequest& req) {
                                  std::to_string(impl_->geo.num_ranks) + " ranks (one per rank, in rank order)"
                            : std::string("engine events are for swap tasks; ") + proto::task_kind_name(req.kind) +
                                  " takes none");
-  auto encoded = encode_request(req, impl_->weight_version.load(), groups().num_groups);
-  if (!encoded.ok()) return std::move(encoded).error();
-  return impl_->submit_encoded(*encoded, req.submit_timeout_ns, false);
+  KVTD_ASSIGN_OR_RETURN(auto encoded, encode_request(req, impl_->weight_version.load(), groups().num_groups));
+  return impl_->submit_encoded(encoded, req.submit_timeout_ns, false);
 }
 
 // Cache-control tasks (CLEAR_CACHE / RESTORE_CACHE) go to the ranks attached now: one that is

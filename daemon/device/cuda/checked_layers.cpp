@@ -46,9 +46,7 @@ Status<DeviceErrc> CudaBackend::copy_layerwise_checked_locked(Lane& lane, Direct
     fused->results = reinterpret_cast<const std::uint64_t*>(static_cast<std::byte*>(lane.ids.host) + at);
   } else {
     KVTD_TRY(stage_plan(lane, plan, targets));
-    auto s = stage_checksums(lane, dir, targets, ids);
-    if (!s.ok()) return std::move(s).error();
-    staged = *s;
+    KVTD_ASSIGN_OR_RETURN(staged, stage_checksums(lane, dir, targets, ids));
   }
   for (std::size_t l = 0; l < layers; ++l) {
     const std::size_t first = l * per_layer;

@@ -39,8 +39,7 @@ Status<DeviceErrc> CudaBackend::plain_copy(Lane& lane, std::byte* dst, const std
 
 Status<DeviceErrc> CudaBackend::copy(Direction dir, const kernels::CopyPlan& plan,
                         std::span<const kernels::CopyTarget> targets) {
-  auto done = run_with_checksums(dir, plan, targets, {}, /*copy_first=*/true);
-  if (!done.ok()) return std::move(done).error();
+  KVTD_TRY(run_with_checksums(dir, plan, targets, {}, /*copy_first=*/true));
   return {};
 }
 
@@ -189,10 +188,9 @@ Status<DeviceErrc> CudaBackend::enqueue_staged_checksums(Lane& lane, const Stage
 Result<const std::uint64_t*, DeviceErrc> CudaBackend::enqueue_checksums(Lane& lane, Direction dir,
                                                                        std::span<const kernels::CopyTarget> targets,
                                                                        std::span<const std::int32_t> ids) {
-  auto staged = stage_checksums(lane, dir, targets, ids);
-  if (!staged.ok()) return std::move(staged).error();
-  KVTD_TRY(enqueue_staged_checksums(lane, *staged, 0, targets.size()));
-  return staged->host_results;
+  KVTD_ASSIGN_OR_RETURN(const StagedChecksums staged, stage_checksums(lane, dir, targets, ids));
+  KVTD_TRY(enqueue_staged_checksums(lane, staged, 0, targets.size()));
+  return staged.host_results;
 }
 
 Result<std::vector<std::uint64_t>, DeviceErrc> CudaBackend::device_checksums(
@@ -257,10 +255,9 @@ Result<std::vector<std::uint64_t>, DeviceErrc> CudaBackend::run_with_checksums(
     // Kernel mode sums in the copy's own pass (a separate checksum pass cost full verification
     // 3.6-7.5% on an H100: a second read of every byte, two more launches, another upload).
     if (copy_first && !out.empty() && mode_ == ScatterMode::kKernelAllLayers) {
-      auto fused = enqueue_summing_copy(lane, dir, plan, targets, ids);
-      if (!fused.ok()) return std::move(fused).error();
-      if (fused->has_value()) {
-        const SummingCopy& c = **fused;
+      KVTD_ASSIGN_OR_RETURN(const auto fused, enqueue_summing_copy(lane, dir, plan, targets, ids));
+      if (fused.has_value()) {
+        const SummingCopy& c = *fused;
         KVTD_TRY(wait_lane(lane, bytes, enqueued));
         for (std::size_t t = 0; t < targets.size(); ++t)
           for (std::size_t k = 0; k < ids.size(); ++k) out[t * ids.size() + k] = c.results[t * c.pairs + c.pair_of_id[k]];
@@ -273,9 +270,7 @@ Result<std::vector<std::uint64_t>, DeviceErrc> CudaBackend::run_with_checksums(
     }
     const std::uint64_t* results = nullptr;
     if (!out.empty()) {
-      auto r = enqueue_checksums(lane, dir, targets, ids);
-      if (!r.ok()) return std::move(r).error();
-      results = *r;
+      KVTD_ASSIGN_OR_RETURN(results, enqueue_checksums(lane, dir, targets, ids));
     }
     KVTD_TRY(wait_lane(lane, bytes, enqueued));  // the copy and the sums: one wait
     if (results != nullptr) std::memcpy(out.data(), results, out.size() * sizeof(std::uint64_t));

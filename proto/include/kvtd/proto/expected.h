@@ -76,3 +76,16 @@ class [[nodiscard]] Status {
   do {                                                                                    \
     if (auto kvtd_try_ = (expr); !kvtd_try_.ok()) return std::move(kvtd_try_).error(); \
   } while (0)
+
+// Binds a Result's value or propagates its failure, in one statement:
+// `KVTD_ASSIGN_OR_RETURN(auto shape, parse_shape(s));` declares `shape` (the value, moved out)
+// when parse_shape succeeded, else returns its error from the calling function (whose Result or
+// Status has the same error code). `lhs` is a declaration or anything assignable; `expr` is
+// evaluated once.
+#define KVTD_ASSIGN_OR_RETURN(lhs, expr) KVTD_ASSIGN_OR_RETURN_(KVTD_AOR_NAME_(__LINE__), lhs, expr)
+#define KVTD_AOR_NAME_(line) KVTD_AOR_CAT_(kvtd_aor_, line)
+#define KVTD_AOR_CAT_(a, b) a##b
+#define KVTD_ASSIGN_OR_RETURN_(tmp, lhs, expr)  \
+  auto tmp = (expr);                            \
+  if (!tmp.ok()) return std::move(tmp).error(); \
+  lhs = std::move(tmp).value()

@@ -201,9 +201,8 @@ class HostBuffer {
  public:
   HostBuffer() = default;
   static Result<HostBuffer, DeviceErrc> allocate(HostMemory& backend, std::size_t bytes) {
-    auto p = backend.alloc_host(bytes);
-    if (!p.ok()) return std::move(p).error();
-    return HostBuffer(&backend, *p, bytes);
+    KVTD_ASSIGN_OR_RETURN(std::byte* p, backend.alloc_host(bytes));
+    return HostBuffer(&backend, p, bytes);
   }
   HostBuffer(HostBuffer&& o) noexcept : backend_(o.backend_), data_(o.data_), size_(o.size_) { o.data_ = nullptr; }
   HostBuffer& operator=(HostBuffer&& o) noexcept {
