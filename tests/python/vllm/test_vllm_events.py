@@ -51,3 +51,19 @@ def test_a_store_job_one_rank_did_not_back_up_is_no_storage_event():
     assert seen == [], "one rank of two said"
     tier.note_backups({7: (1, 1), 8: (0, 1)}, seen.append)
     assert seen == [[b"k7"]]
+
+
+def test_a_store_a_rank_refused_leaves_no_job_waiting_for_its_backup(tmp_path):
+    """A store job's keys wait in the scheduler until every rank says how its backup ended. A rank
+    whose daemon was down refused the store's swap at submit, and so never said: the keys waited
+    forever (one entry per such job). It says "not backed up" at once now; no STORAGE event."""
+    engine = engine_of(daemon_flags=store_flags(tmp_path), kvtd_storage=True)
+    try:
+        engine.ranks[1].kill_daemon()
+        tokens = prompt(43, 2)
+        engine.serve(Request("d1", tokens))
+        tier = engine.manager.storage
+        engine.idle_until(lambda: not tier._backing and not tier._backups, "every store job's backups answered")
+        assert stored_hashes(engine.events, "STORAGE") == set()
+    finally:
+        close(engine)

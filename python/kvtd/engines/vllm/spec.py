@@ -269,7 +269,6 @@ class KvtdOffloadingWorker(OffloadingWorker):
     def _submit(self, job_id: int, is_load: bool, gpu: List[int], host: List[int]) -> bool:
         nbytes = len(gpu) * self._block_bytes * self._tensors
         keys = None if is_load else self.storage.keys_of_store(job_id)
-        event = None
         try:
             event, handles = self._ordering_event()
             tid = (self._session.swap_to_device(host, gpu, engine_events=handles) if is_load else
@@ -278,6 +277,8 @@ class KvtdOffloadingWorker(OffloadingWorker):
                 self.storage.backup_submitted(tid, job_id)
         except Exception as e:  # noqa: BLE001 - vLLM asserts the submit succeeded
             log.warning("kvtd %s of job %d not submitted: %s", "load" if is_load else "store", job_id, e)
+            if keys is not None:
+                self.storage.backup_not_submitted(job_id)
             self._record_failure(is_load, gpu, host)
             self._done.append(TransferResult(job_id, False, nbytes, 0.0))
             return True

@@ -193,9 +193,9 @@ class WorkerStorage:
         self._session, self._log = session, log
         self._store_keys: Dict[int, List[str]] = {}
         self._tasks: Dict[int, Tuple[str, int]] = {}  # kvtd task -> (what, query or prefetch id)
-        self._backups: Dict[int, int] = {}  # backup STORAGE_WRITE task -> its store job
+        self._backup_tasks: Dict[int, int] = {}  # backup STORAGE_WRITE task -> its store job
         self.answers: Dict[int, Tuple[int, int]] = {}
-        self.backups: Dict[int, Tuple[int, int]] = {}  # store job -> (1 backed up or 0, 1 rank)
+        self.backup_ends: Dict[int, Tuple[int, int]] = {}  # store job -> (1 backed up or 0, 1 rank)
 
     def note_store_keys(self, work: Optional[StorageWork]) -> None:
         if work is not None:
@@ -205,7 +205,12 @@ class WorkerStorage:
         return self._store_keys.pop(job_id, None)
 
     def backup_submitted(self, swap_task_id: int, job_id: int) -> None:
-        self._backups[swap_task_id + 1] = job_id  # the backup STORAGE_WRITE's id (storage.md, write policies)
+        self._backup_tasks[swap_task_id + 1] = job_id  # the backup STORAGE_WRITE's id (storage.md, write policies)
+
+    def backup_not_submitted(self, job_id: int) -> None:
+        """The store job's swap (and so its backup) was refused: this rank says so at once, or the
+        scheduler would keep the job's keys waiting for this rank's answer forever."""
+        self.backup_ends[job_id] = (0, 1)
 
     def submit(self, work: Optional[StorageWork]) -> None:
         if work is None:
@@ -231,11 +236,11 @@ class WorkerStorage:
             if not r.ok:
                 self._log.warning("kvtd storage %s %d failed: %s: %s", what, ident, r.status_name, r.message)
             self.answers[ident] = (int(r.blocks_done) if r.ok else 0, 1)
-        for tid, job_id in list(self._backups.items()):
+        for tid, job_id in list(self._backup_tasks.items()):
             r = polled_outcome(self._session, tid)
             if r is not None:
-                del self._backups[tid]
-                self.backups[job_id] = (1 if r.ok else 0, 1)
+                del self._backup_tasks[tid]
+                self.backup_ends[job_id] = (1 if r.ok else 0, 1)
                 if not r.ok and r.status_name != "backup_skipped":
                     self._log.warning("kvtd backup %d: %s: %s", tid, r.status_name, r.message)
 
@@ -244,8 +249,8 @@ class WorkerStorage:
         return out
 
     def take_backups(self) -> Dict[int, Tuple[int, int]]:
-        out, self.backups = self.backups, {}
+        out, self.backup_ends = self.backup_ends, {}
         return out
 
     def busy(self) -> bool:
-        return bool(self._tasks or self._backups)
+        return bool(self._tasks or self._backup_tasks)
