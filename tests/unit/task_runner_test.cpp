@@ -16,6 +16,7 @@
 #include "kvtd/engine/engine_session.h"
 #include "kvtd/endpoint/rank_endpoint.h"
 #include "kvtd/storage/file_store.h"
+#include "endpoint_helpers.h"
 #include "forwarding_file_system.h"
 #include "test_support.h"
 
@@ -128,6 +129,7 @@ class HeldCopiesBackend final : public DeviceBackend {
 struct OneRankSession {
   Result<std::unique_ptr<engine::EngineSession>, ipc::IpcErrc> engine = make_error(ipc::IpcErrc::kNotReady, "");
   Result<std::unique_ptr<endpoint::RankEndpoint>, ipc::IpcErrc> ep = make_error(ipc::IpcErrc::kNotReady, "");
+  test::Heartbeats heartbeats;  // the daemon's serve loop: the grant outlives the rank timeout
   void start(const std::string& suffix, const proto::CacheGeometry& g, const proto::CacheGroups& groups = {}) {
     engine::SessionOptions o;
     o.suffix = suffix;
@@ -146,6 +148,7 @@ struct OneRankSession {
     eo.attach_timeout_ns = 5'000'000'000;
     ep = endpoint::RankEndpoint::attach(eo);
     ASSERT_TRUE(ep.ok()) << ep.error().message;
+    heartbeats.watch(**ep);
   }
 };
 
