@@ -7,7 +7,7 @@
 namespace kvtd::daemon {
 
 void TaskRunner::Impl::dispatch(Work&& w, std::int64_t now) {
-  const int lane = w.storage ? kStorageLane : lane_of(static_cast<TaskKind>(w.header.kind));
+  const Lane lane = w.storage ? Lane::kStorage : swap_lane_of(static_cast<TaskKind>(w.header.kind));
   if (parked.must_wait(w) || !tracker.try_admit(tracked_task(w), lane)) {
     parked.park(std::move(w), lane);
     park_poll_ns = kParkPollMinNs;
@@ -16,8 +16,8 @@ void TaskRunner::Impl::dispatch(Work&& w, std::int64_t now) {
   start(std::move(w), lane, now);
 }
 
-void TaskRunner::Impl::start(Work&& w, int lane, std::int64_t now) {
-  if (lane == kStorageLane) {
+void TaskRunner::Impl::start(Work&& w, Lane lane, std::int64_t now) {
+  if (lane == Lane::kStorage) {
     w.storage_work.epoch = w.epoch;
     const std::string not_stored = backup_pair_problem(w);
     if (storage) {
@@ -49,8 +49,8 @@ void TaskRunner::Impl::retry_parked(bool force) {
   parked_checked_at = generation;
   const std::int64_t now = ipc::monotonic_now_ns();
   const auto went = parked.release_ready(
-      [this](const Work& w, int lane) { return tracker.try_admit(tracked_task(w), lane); },
-      [this, now](Work&& w, int lane) { start(std::move(w), lane, now); });
+      [this](const Work& w, Lane lane) { return tracker.try_admit(tracked_task(w), lane); },
+      [this, now](Work&& w, Lane lane) { start(std::move(w), lane, now); });
   if (went != 0) park_poll_ns = kParkPollMinNs;
 }
 

@@ -19,25 +19,24 @@
 
 #include "kvtd/base/mutex.h"
 #include "block_counts.h"
+#include "lane.h"
 
 namespace kvtd::daemon {
 
 class BlockTracker {
  public:
-  static constexpr int kToHostLane = 0, kToDeviceLane = 1, kStorageLane = 2, kLanes = 3;
-
   // Ids must be within [0, host_blocks) and [0, device_blocks) (the decoder checked them).
   BlockTracker(std::int64_t host_blocks, std::int64_t device_blocks);
   BlockTracker(const BlockTracker&) = delete;
   BlockTracker& operator=(const BlockTracker&) = delete;
 
   // Records `t` in flight on `lane` unless it conflicts; false (nothing recorded) if it does.
-  bool try_admit(const TrackedTask& t, int lane) EXCLUDES(mu_);
+  bool try_admit(const TrackedTask& t, Lane lane) EXCLUDES(mu_);
   // Waits while `t` conflicts, then records it. The work it waits for always finishes, so this
   // ends; `slice_ns` only bounds each sleep.
-  void admit(const TrackedTask& t, int lane, std::int64_t slice_ns) EXCLUDES(mu_);
+  void admit(const TrackedTask& t, Lane lane, std::int64_t slice_ns) EXCLUDES(mu_);
   // `t` left `lane` (done or dropped): wakes the waiters.
-  void release(const TrackedTask& t, int lane) EXCLUDES(mu_);
+  void release(const TrackedTask& t, Lane lane) EXCLUDES(mu_);
   bool idle() const EXCLUDES(mu_);
   // Changes with every release: read it before a check, then wait_for_release(seen, ...) sleeps
   // only while nothing was released since (a release in between returns at once).
@@ -47,12 +46,12 @@ class BlockTracker {
   void wait_until_idle(std::int64_t slice_ns, const std::function<void()>& tick) EXCLUDES(mu_);
 
  private:
-  bool conflicts(const TrackedTask& t, int lane) const REQUIRES(mu_);
-  void track(const TrackedTask& t, int lane, int delta) REQUIRES(mu_);
+  bool conflicts(const TrackedTask& t, Lane lane) const REQUIRES(mu_);
+  void track(const TrackedTask& t, Lane lane, int delta) REQUIRES(mu_);
 
   mutable Mutex mu_;
   std::vector<BlockCounts> lanes_ GUARDED_BY(mu_);  // per lane: the blocks its tasks in flight read and write
-  std::unordered_map<std::uint64_t, int> inflight_tasks_ GUARDED_BY(mu_);  // task id -> lane
+  std::unordered_map<std::uint64_t, Lane> inflight_tasks_ GUARDED_BY(mu_);  // task id -> lane
   std::atomic<std::uint32_t> word_{0};
   std::atomic<std::uint32_t> waiters_{0};
 };

@@ -12,7 +12,7 @@ bool ParkedQueue::must_wait(const Work& w) const {
   return parked_.collides(tracked_task(w));
 }
 
-void ParkedQueue::park(Work&& w, int lane) {
+void ParkedQueue::park(Work&& w, Lane lane) {
   entries_.push_back(Entry{std::move(w), lane});
   const Entry& e = entries_.back();  // the views below point into the listed copy
   parked_.add(tracked_task(e.work));

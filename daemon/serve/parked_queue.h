@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "block_counts.h"
+#include "lane.h"
 #include "work.h"
 
 namespace kvtd::daemon {
@@ -37,13 +38,13 @@ class ParkedQueue {
 
   // Whether `w` must wait behind a parked task (the first two rules above).
   bool must_wait(const Work& w) const;
-  void park(Work&& w, int lane);
+  void park(Work&& w, Lane lane);
 
   // Offers each parked task, in ring order, that no task still parked ahead of it holds back to
   // `try_admit` (the block tracker); each admitted one is removed and handed to `go`. Returns how
   // many went.
-  using TryAdmit = std::function<bool(const Work&, int lane)>;
-  using Go = std::function<void(Work&&, int lane)>;
+  using TryAdmit = std::function<bool(const Work&, Lane lane)>;
+  using Go = std::function<void(Work&&, Lane lane)>;
   std::size_t release_ready(const TryAdmit& try_admit, const Go& go);
 
   // Cancels parked task `task_id` and returns its header, for the caller to complete it as
@@ -57,7 +58,7 @@ class ParkedQueue {
  private:
   struct Entry {
     Work work;
-    int lane = 0;
+    Lane lane = Lane::kToHost;
   };
   void forget(const Entry& e);
 

@@ -38,8 +38,6 @@ using proto::TaskStatus;
 // conflict with it, or it would be parked too), so the order of conflicting work is kept.
 constexpr std::uint64_t kInlineMaxBytes = 256 * 1024;
 
-constexpr int kStorageLane = BlockTracker::kStorageLane;  // storage tasks (run by the StorageExecutor)
-
 // The most tasks parked at once: past it the dispatcher waits for a release before it reads on
 // (a bound on memory; the ring's own capacity then pushes back on the engine).
 constexpr std::size_t kMaxParked = 4096;
@@ -78,16 +76,15 @@ struct TaskRunner::Impl final : StorageListener, SwapReports {
 
   Impl(endpoint::RankEndpoint& e, DeviceBackend& b, AttachedCache c);
 
-  static int lane_of(TaskKind k) { return SwapLanes::lane_of(k); }
 
   // SwapReports: the lanes' completions and figures.
   void swap_completed(const proto::TaskRecordHeader& h, const proto::Outcome& o, std::int64_t start_ns,
                       std::uint64_t bytes) override {
     complete(h, o, start_ns, bytes);
   }
-  void swap_moved(int lane, std::uint64_t bytes) override {
+  void swap_moved(Lane lane, std::uint64_t bytes) override {
     MutexLock g(stats_mu);
-    (lane == 0 ? stats.bytes_to_host : stats.bytes_to_device) += bytes;
+    (lane == Lane::kToHost ? stats.bytes_to_host : stats.bytes_to_device) += bytes;
   }
   void swaps_dropped(std::size_t n) override {
     MutexLock g(stats_mu);
@@ -148,7 +145,7 @@ struct TaskRunner::Impl final : StorageListener, SwapReports {
 
   // Hands an admitted task to the storage executor or its lane; a small swap runs inline when its
   // lane is idle.
-  void start(Work&& w, int lane, std::int64_t now);
+  void start(Work&& w, Lane lane, std::int64_t now);
 
   // Starts the parked tasks that may go now; skipped while nothing was released since the last
   // look (unless `force`).

@@ -27,7 +27,7 @@ SwapLanes::SwapLanes(endpoint::RankEndpoint& ep, CopyEngine& copies, const Attac
 }
 
 void SwapLanes::start() {
-  for (int d = 0; d < 2; ++d) lanes_[d].thread = std::thread([this, d] { lane_loop(d); });
+  for (const Lane lane : kSwapLanes) queue_of(lane).thread = std::thread([this, lane] { lane_loop(lane); });
 }
 
 void SwapLanes::close() {
@@ -41,23 +41,23 @@ void SwapLanes::close() {
 
 std::size_t SwapLanes::drop_queued() {
   std::size_t n = 0;
-  for (int lane = 0; lane < 2; ++lane) {
+  for (const Lane lane : kSwapLanes) {
     std::deque<Work> q;
     {
-      MutexLock g(lanes_[lane].mu);
-      q.swap(lanes_[lane].queue);
+      MutexLock g(queue_of(lane).mu);
+      q.swap(queue_of(lane).queue);
     }
     for (auto& w : q) {
       tracker_.release(tracked_task(w), lane);
-      lanes_[lane].outstanding.fetch_sub(1, std::memory_order_acq_rel);
+      queue_of(lane).outstanding.fetch_sub(1, std::memory_order_acq_rel);
       ++n;
     }
   }
   return n;
 }
 
-void SwapLanes::enqueue(Work&& w, int lane) {
-  auto& l = lanes_[lane];
+void SwapLanes::enqueue(Work&& w, Lane lane) {
+  auto& l = queue_of(lane);
   l.outstanding.fetch_add(1, std::memory_order_acq_rel);
   {
     MutexLock g(l.mu);
@@ -66,7 +66,7 @@ void SwapLanes::enqueue(Work&& w, int lane) {
   ipc::bump_and_wake(l.word, &l.waiters);
 }
 
-void SwapLanes::execute(Work& w, int lane) {
+void SwapLanes::execute(Work& w, Lane lane) {
   const auto& h = w.header;
   const std::int64_t start = ipc::monotonic_now_ns();
   if (auto failed = prepare_swap(w, lane, start)) {
@@ -93,7 +93,7 @@ void SwapLanes::execute(Work& w, int lane) {
   reports_.swap_moved(lane, task_bytes(w));
   if (cache_.metrics != nullptr && cache_.group_session)
     for (const SwapPart& p : w.parts)
-      cache_.metrics->group_swap_bytes(p.group, lane == 0 ? metrics::Direction::kToHost : metrics::Direction::kToDevice,
+      cache_.metrics->group_swap_bytes(p.group, lane == Lane::kToHost ? metrics::Direction::kToHost : metrics::Direction::kToDevice,
                                        group_block_bytes_[p.group] * static_cast<std::uint64_t>(p.plan.num_blocks));
   reports_.swap_completed(h, proto::Outcome::swapped(blocks, ep_.geometry().num_layers), start, task_bytes(w));
   if (!first_swap_noted_.load(std::memory_order_relaxed)) note_first_swap(ipc::monotonic_now_ns());
@@ -120,12 +120,12 @@ Status<DeviceErrc> SwapLanes::copy_groups_layerwise(const Work& w) {
   return {};
 }
 
-std::optional<SwapLanes::Failure> SwapLanes::move_part(const Work& w, const SwapPart& p, int lane, bool copied) {
+std::optional<SwapLanes::Failure> SwapLanes::move_part(const Work& w, const SwapPart& p, Lane lane, bool copied) {
   const GroupCache& g = cache_.groups[p.group];
-  const auto& targets = lane == 0 ? g.to_host : g.to_device;
+  const auto& targets = lane == Lane::kToHost ? g.to_host : g.to_device;
   const std::string in_group = cache_.groups.size() > 1 ? " (cache group " + std::to_string(p.group) + ")" : "";
   // --verify-swaps: the blocks whose checksums this swap takes (kept at swap-out, compared at swap-in).
-  const VerifiedBlocks verify = blocks_to_verify(p, lane == 1, targets.size());
+  const VerifiedBlocks verify = blocks_to_verify(p, lane == Lane::kToDevice, targets.size());
   auto moved = copied ? (verify.device.empty() ? Result<std::vector<std::uint64_t>, DeviceErrc>(std::vector<std::uint64_t>{})
                                                : copies_.device_checksums(Direction::kToDevice, targets, verify.device))
                       : copy_swap(w, p, lane, verify);
@@ -136,17 +136,17 @@ std::optional<SwapLanes::Failure> SwapLanes::move_part(const Work& w, const Swap
                                                         " checksums for " + std::to_string(verify.device.size()) +
                                                         " blocks x " + std::to_string(targets.size()) + " tensors" +
                                                         in_group);
-  if (lane == 0 && g.pool != nullptr) {
+  if (lane == Lane::kToHost && g.pool != nullptr) {
     // The checksums first: a block is valid only with what --verify-swaps checks it against.
     keep_checksums(p.group, verify, sums, targets.size());
     g.pool->mark_valid(p.host_ids);
   }
-  if (lane == 1 && g.pool != nullptr)
+  if (lane == Lane::kToDevice && g.pool != nullptr)
     if (auto bad = check_checksums(p.group, verify, sums, targets.size())) return bad;
   return std::nullopt;
 }
 
-std::optional<SwapLanes::Failure> SwapLanes::prepare_swap(Work& w, int lane, std::int64_t start) {
+std::optional<SwapLanes::Failure> SwapLanes::prepare_swap(Work& w, Lane lane, std::int64_t start) {
   const auto& h = w.header;
   if (h.deadline_ns != 0 && start > h.deadline_ns)
     return std::make_pair(TaskStatus::kDeadlineExceeded,
@@ -155,7 +155,7 @@ std::optional<SwapLanes::Failure> SwapLanes::prepare_swap(Work& w, int lane, std
     return std::make_pair(failed->first, failed->second + "; nothing was copied");
   for (const SwapPart& p : w.parts) {
     const GroupCache& g = cache_.groups[p.group];
-    if (lane != 1 || g.pool == nullptr) continue;
+    if (lane != Lane::kToDevice || g.pool == nullptr) continue;
     if (auto bad = g.pool->first_invalid(p.host_ids))
       return std::make_pair(TaskStatus::kHostTierLost,
                             "host block " + std::to_string(g.host_base + *bad) +
@@ -163,7 +163,7 @@ std::optional<SwapLanes::Failure> SwapLanes::prepare_swap(Work& w, int lane, std
                                 "or the write into it failed or never happened)");
   }
   for (const SwapPart& p : w.parts)
-    if (lane == 0 && cache_.groups[p.group].pool != nullptr) cache_.groups[p.group].pool->mark_invalid(p.host_ids);
+    if (lane == Lane::kToHost && cache_.groups[p.group].pool != nullptr) cache_.groups[p.group].pool->mark_invalid(p.host_ids);
   // The engine's GPU work on these blocks first: its event must have fired before a byte moves.
   if (w.engine_event) {
     const auto st = await_engine_event(w, start);
@@ -178,14 +178,14 @@ std::optional<SwapLanes::Failure> SwapLanes::prepare_swap(Work& w, int lane, std
   return std::nullopt;
 }
 
-Result<std::vector<std::uint64_t>, DeviceErrc> SwapLanes::copy_swap(const Work& w, const SwapPart& p, int lane,
+Result<std::vector<std::uint64_t>, DeviceErrc> SwapLanes::copy_swap(const Work& w, const SwapPart& p, Lane lane,
                                                                     const VerifiedBlocks& verify) {
   const auto& h = w.header;
   const GroupCache& g = cache_.groups[p.group];
-  const auto& targets = lane == 0 ? g.to_host : g.to_device;
+  const auto& targets = lane == Lane::kToHost ? g.to_host : g.to_device;
   if ((h.flags & proto::kTaskFlagLayerwise) == 0) {
     // The checksums ride behind the copy on its stream: one synchronisation for both.
-    return copies_.copy_with_checksums(lane == 0 ? Direction::kToHost : Direction::kToDevice, p.plan, targets,
+    return copies_.copy_with_checksums(lane == Lane::kToHost ? Direction::kToHost : Direction::kToDevice, p.plan, targets,
                                        verify.device);
   }
   // Layer by layer: the decoder admits it only with one group (a single-shape session), whose
@@ -228,13 +228,13 @@ Result<std::vector<std::uint64_t>, DeviceErrc> SwapLanes::copy_swap(const Work& 
   return sums;
 }
 
-std::optional<SwapLanes::Failure> SwapLanes::await_pinned(const Work& w, int lane, std::int64_t start) {
+std::optional<SwapLanes::Failure> SwapLanes::await_pinned(const Work& w, Lane lane, std::int64_t start) {
   for (const SwapPart& p : w.parts)
     if (auto failed = await_pinned_part(w, p, lane, start)) return failed;
   return std::nullopt;
 }
 
-std::optional<SwapLanes::Failure> SwapLanes::await_pinned_part(const Work& w, const SwapPart& p, int lane,
+std::optional<SwapLanes::Failure> SwapLanes::await_pinned_part(const Work& w, const SwapPart& p, Lane lane,
                                                                 std::int64_t start) {
   HostPool* const pool = cache_.groups[p.group].pool;
   // Once the whole pool is pinned (always, on a backend that pins nothing) there is nothing to look up.
@@ -258,7 +258,7 @@ std::optional<SwapLanes::Failure> SwapLanes::await_pinned_part(const Work& w, co
       late = true;
       return "the task's deadline passed after " + std::to_string((now - start) / 1'000'000) + " ms of waiting";
     }
-    if (lanes_[lane].closing.load(std::memory_order_acquire)) return std::string("the cache is being released");
+    if (queue_of(lane).closing.load(std::memory_order_acquire)) return std::string("the cache is being released");
     if (now - progress_at > kPinStallNs)
       return "pinning made no progress for " + std::to_string(kPinStallNs / 1'000'000'000) + " s";
     return std::nullopt;
@@ -295,15 +295,15 @@ Status<DeviceErrc> SwapLanes::await_engine_event(const Work& w, std::int64_t sta
       return "the task's deadline passed after " + std::to_string((now - start) / 1'000'000) + " ms of waiting";
     if (bound_ns > 0 && now - start > bound_ns)
       return "not within " + std::to_string(bound_ns / 1'000'000) + " ms (--engine-event-timeout) while the engine lives";
-    if (lanes_[lane_of(static_cast<TaskKind>(h.kind))].closing.load(std::memory_order_acquire))
+    if (queue_of(swap_lane_of(static_cast<TaskKind>(h.kind))).closing.load(std::memory_order_acquire))
       return "the daemon is stopping";
     return std::nullopt;
   });
 }
 
-void SwapLanes::lane_loop(int lane) {
-  start_copy_thread(lane == 0 ? "kvtd-lane0" : "kvtd-lane1", cache_.numa_node);
-  auto& l = lanes_[lane];
+void SwapLanes::lane_loop(Lane lane) {
+  start_copy_thread(lane == Lane::kToHost ? "kvtd-lane0" : "kvtd-lane1", cache_.numa_node);
+  auto& l = queue_of(lane);
   for (;;) {
     const std::uint32_t seen = l.word.load(std::memory_order_acquire);
     Work w;
@@ -329,7 +329,7 @@ void SwapLanes::lane_loop(int lane) {
   }
 }
 
-void SwapLanes::expect_next_swap(int lane) {
+void SwapLanes::expect_next_swap(Lane lane) {
   // With one task in flight and the direction alternating, the dispatcher and the other lane had
   // slept through the whole copy, and the next submit waited for two wake-ups: on the 2-core VM a
   // task reached its lane 40-84 us after the submit; with this 12-38 us (1-64 blocks a task).
@@ -338,11 +338,11 @@ void SwapLanes::expect_next_swap(int lane) {
   ep_.expect_task_soon(kWindowNs);
   for (std::size_t i = 0; i < std::size(lanes_); ++i) {
     lanes_[i].poll_until_ns.store(until, std::memory_order_relaxed);
-    if (static_cast<int>(i) != lane) ipc::bump_and_wake(lanes_[i].word, &lanes_[i].waiters);  // asleep: poll now
+    if (i != index_of(lane)) ipc::bump_and_wake(lanes_[i].word, &lanes_[i].waiters);  // asleep: poll now
   }
 }
 
-void SwapLanes::execute_and_release(Work& w, int lane) {
+void SwapLanes::execute_and_release(Work& w, Lane lane) {
   // Checked right before touching memory: once the engine revoked the epoch this work was read
   // under, it has failed the task and may reuse its blocks, so the work is dropped unrun.
   if (w.epoch != ep_.epoch() || !ep_.granted()) {

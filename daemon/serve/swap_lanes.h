@@ -33,8 +33,8 @@ class SwapReports {
   // `bytes`: what the swap moved (every group's blocks, each at its own size); 0 when it failed.
   virtual void swap_completed(const proto::TaskRecordHeader& h, const proto::Outcome& o, std::int64_t start_ns,
                               std::uint64_t bytes) = 0;
-  // `bytes` moved by a swap that completed ok on `lane` (0: to host, 1: to device).
-  virtual void swap_moved(int lane, std::uint64_t bytes) = 0;
+  // `bytes` moved by a swap that completed ok on `lane` (a swap lane).
+  virtual void swap_moved(Lane lane, std::uint64_t bytes) = 0;
   // `n` swaps of a revoked epoch dropped unrun (the engine has failed them already).
   virtual void swaps_dropped(std::size_t n) = 0;
 };
@@ -49,14 +49,13 @@ class SwapLanes {
   SwapLanes(const SwapLanes&) = delete;
   SwapLanes& operator=(const SwapLanes&) = delete;
 
-  static int lane_of(proto::TaskKind k) { return k == proto::TaskKind::kSwapToHost ? 0 : 1; }
   void start();  // the lane threads
   // Closes the lanes: each drains its queue, then its thread ends and is joined.
   void close();
-  void enqueue(Work&& w, int lane);
+  void enqueue(Work&& w, Lane lane);
   // Runs `w` on this thread and releases its blocks (unrun if its epoch was revoked).
-  void run_inline(Work& w, int lane) { execute_and_release(w, lane); }
-  bool idle(int lane) const { return lanes_[lane].outstanding.load(std::memory_order_acquire) == 0; }
+  void run_inline(Work& w, Lane lane) { execute_and_release(w, lane); }
+  bool idle(Lane lane) const { return queue_of(lane).outstanding.load(std::memory_order_acquire) == 0; }
   // What one block moves, every layer and tensor (of the first group: a session with several cache
   // groups reports each swap's exact bytes with its completion); and what a swap's blocks move.
   std::uint64_t block_bytes() const { return group_block_bytes_.empty() ? 0 : group_block_bytes_[0]; }
@@ -69,7 +68,7 @@ class SwapLanes {
   std::size_t drop_queued();
 
  private:
-  struct Lane {
+  struct LaneQueue {  // one swap lane's queue and thread
     Mutex mu;
     std::deque<Work> queue GUARDED_BY(mu);
     std::atomic<std::uint32_t> word{0};
@@ -85,32 +84,34 @@ class SwapLanes {
     std::vector<std::int32_t> device, host;
   };
   using Failure = std::pair<proto::TaskStatus, std::string>;
+  LaneQueue& queue_of(Lane lane) { return lanes_[index_of(lane)]; }
+  const LaneQueue& queue_of(Lane lane) const { return lanes_[index_of(lane)]; }
 
-  void lane_loop(int lane);
+  void lane_loop(Lane lane);
   // After a swap: the dispatcher and the other lanes poll for the next task for a while (a caller
   // with one task in flight submits right after the completion, often in the other direction),
   // so it does not wait for sleeping threads' wake-ups.
-  void expect_next_swap(int lane);
-  void execute_and_release(Work& w, int lane);
-  void execute(Work& w, int lane);
+  void expect_next_swap(Lane lane);
+  void execute_and_release(Work& w, Lane lane);
+  void execute(Work& w, Lane lane);
   // Why swap `w` cannot start, or nullopt: its deadline passed, its host blocks are not pinned
   // (after a bounded wait) or hold nothing valid (swap-in), or the engine's event never fired.
   // Marks a swap-out's host blocks invalid before the copy may touch them.
-  std::optional<Failure> prepare_swap(Work& w, int lane, std::int64_t start);
+  std::optional<Failure> prepare_swap(Work& w, Lane lane, std::int64_t start);
   // Waits until the host pool has pinned every host block of `w` (it pins in the background
   // after its first blocks), bounded by the deadline, the lane's closing and kPinStallNs without
   // progress; counted in the metrics when it had to wait.
-  std::optional<Failure> await_pinned(const Work& w, int lane, std::int64_t start);
-  std::optional<Failure> await_pinned_part(const Work& w, const SwapPart& p, int lane, std::int64_t start);
+  std::optional<Failure> await_pinned(const Work& w, Lane lane, std::int64_t start);
+  std::optional<Failure> await_pinned_part(const Work& w, const SwapPart& p, Lane lane, std::int64_t start);
   // Waits on the host for `w`'s engine event, bounded by the engine's liveness, the deadline,
   // cache.engine_event_timeout_ns and the lane's closing (kEventNotFired past them).
   Status<DeviceErrc> await_engine_event(const Work& w, std::int64_t start);
   // Runs part `p` of `w`'s copy and returns the checksums of `verify`'s device blocks taken after it.
-  Result<std::vector<std::uint64_t>, DeviceErrc> copy_swap(const Work& w, const SwapPart& p, int lane,
+  Result<std::vector<std::uint64_t>, DeviceErrc> copy_swap(const Work& w, const SwapPart& p, Lane lane,
                                                            const VerifiedBlocks& verify);
   // Copies part `p` and settles its host blocks: valid after a swap-out (with their checksums),
   // compared after a swap-in. The failure, or nullopt.
-  std::optional<Failure> move_part(const Work& w, const SwapPart& p, int lane, bool copied = false);
+  std::optional<Failure> move_part(const Work& w, const SwapPart& p, Lane lane, bool copied = false);
   // A layer-by-layer load naming several cache groups: for each of the session's layers in
   // order, that layer's tensors of every part, then its progress (queued and done at once: each
   // copy has completed when it returns, so no per-layer event is recorded; an engine waiting on
@@ -139,7 +140,7 @@ class SwapLanes {
   SwapReports& reports_;
   std::vector<std::uint64_t> group_block_bytes_;  // per group: one block, every layer and tensor
   std::atomic<bool> first_swap_noted_{false};
-  Lane lanes_[2];
+  LaneQueue lanes_[std::size(kSwapLanes)];  // by index_of(lane)
 };
 
 }  // namespace kvtd::daemon

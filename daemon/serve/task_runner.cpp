@@ -90,7 +90,7 @@ void TaskRunner::Impl::release_storage(const StorageWork& sw) {
   w.header = sw.header;
   // What the decoder tracked: a group session's -1 names no block.
   ((sw.header.flags & proto::kTaskFlagHostBlocks) ? w.host_ids : w.device_ids) = sw.named_blocks();
-  tracker.release(tracked_task(w), kStorageLane);
+  tracker.release(tracked_task(w), Lane::kStorage);
 }
 
 bool TaskRunner::Impl::decode(const std::vector<std::byte>& rec, Work& w) {

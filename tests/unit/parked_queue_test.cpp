@@ -12,8 +12,7 @@ namespace kvtd::daemon {
 namespace {
 
 using proto::TaskKind;
-constexpr int kToHost = BlockTracker::kToHostLane, kToDevice = BlockTracker::kToDeviceLane,
-              kStorage = BlockTracker::kStorageLane;
+constexpr Lane kToHost = Lane::kToHost, kToDevice = Lane::kToDevice, kStorage = Lane::kStorage;
 
 Work swap(std::uint64_t id, TaskKind kind, std::vector<std::int32_t> host, std::vector<std::int32_t> device) {
   Work w;
@@ -39,7 +38,7 @@ struct Fixture {
   std::vector<std::uint64_t> started;
 
   // What the dispatcher does with a decoded task: start it, or park it.
-  void offer(Work&& w, int lane) {
+  void offer(Work&& w, Lane lane) {
     if (parked.must_wait(w) || !tracker.try_admit(tracked_task(w), lane)) {
       parked.park(std::move(w), lane);
       return;
@@ -47,8 +46,8 @@ struct Fixture {
     started.push_back(w.header.task_id);
   }
   std::size_t retry() {
-    return parked.release_ready([&](const Work& w, int lane) { return tracker.try_admit(tracked_task(w), lane); },
-                                [&](Work&& w, int) { started.push_back(w.header.task_id); });
+    return parked.release_ready([&](const Work& w, Lane lane) { return tracker.try_admit(tracked_task(w), lane); },
+                                [&](Work&& w, Lane) { started.push_back(w.header.task_id); });
   }
 };
 
