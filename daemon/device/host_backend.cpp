@@ -4,7 +4,6 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,15 +23,9 @@
 #include "kvtd/daemon/device_backend.h"
 #include "kvtd/daemon/engine_memory.h"
 #include "kvtd/ipc/populate.h"
+#include "kvtd/ipc/process.h"
 #include "kvtd/kernels/checksum.h"
 #include "kvtd/ipc/shared_object.h"
-
-#ifndef SYS_pidfd_open
-#define SYS_pidfd_open 434
-#endif
-#ifndef SYS_pidfd_getfd
-#define SYS_pidfd_getfd 438
-#endif
 
 namespace kvtd::daemon {
 namespace {
@@ -160,20 +153,6 @@ std::string engine_fd_problem(std::pair<std::uint32_t, std::uint32_t> pid_fd, co
   return "";
 }
 
-// The engine's descriptor `pid_fd` itself, duplicated into this process by pidfd_getfd: the very
-// open file description, so with the engine's access mode, whatever this daemon's rights. -1 with
-// errno when it cannot be taken (EPERM: no ptrace access to the engine, e.g. Yama's ptrace_scope 1
-// for a daemon that is not root; ENOSYS before Linux 5.6; EBADF: the engine has no such descriptor).
-int take_engine_descriptor(std::pair<std::uint32_t, std::uint32_t> pid_fd) {
-  const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(pid_fd.first), 0));
-  if (pidfd < 0) return -1;
-  const int fd = static_cast<int>(syscall(SYS_pidfd_getfd, pidfd, static_cast<int>(pid_fd.second), 0));
-  const int e = errno;
-  ::close(pidfd);
-  errno = e;
-  return fd;  // close-on-exec, as pidfd_getfd makes it
-}
-
 // Whether `fd` is a memfd: its name says so and, as only memory does, it answers F_GET_SEALS.
 bool is_memfd(int fd) {
   char link[64] = {};
@@ -184,12 +163,14 @@ bool is_memfd(int fd) {
 }
 
 // The engine's memory /proc/<pid>/fd/<fd> opened for mapping: the engine's own descriptor taken
-// (take_engine_descriptor), or, where the kernel will not give it, the file reopened through /proc
+// (ipc::take_process_descriptor), or, where the kernel will not give it, the file reopened through /proc
 // and held to the engine's own open mode (engine_fd_problem). Then it must be a memfd: memory the
 // engine made, never a disk or tmpfs file it happens to hold (someone's data). -1 and `why`.
 int open_engine_memory(const std::string& name, std::string& why) {
   const auto pid_fd = *parse_engine_fd(name);
-  int fd = take_engine_descriptor(pid_fd);
+  // The engine's own descriptor (its access mode, whatever this daemon's rights); EPERM and ENOSYS
+  // (see ipc::take_process_descriptor) fall back to reopening it through /proc.
+  int fd = ipc::take_process_descriptor(static_cast<int>(pid_fd.first), static_cast<int>(pid_fd.second));
   const bool taken = fd >= 0;
   if (!taken && errno != EPERM && errno != ENOSYS) {
     why = std::string("cannot take it from the engine: ") + std::strerror(errno);

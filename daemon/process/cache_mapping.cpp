@@ -179,9 +179,9 @@ Result<std::unique_ptr<FastDeployOwnedCache>, DeviceErrc> make_fastdeploy_cache(
     return ipc::session_object_name(generation, "fdcache" + std::to_string(cfg.rank * 4096 + i));
   });
   if (!owned.ok() || cfg.fastdeploy.engine_worker_queue_port.empty()) return owned;
-  auto sig = FastDeploySignal::open("cache_ready_signal", cfg.fastdeploy.engine_worker_queue_port, cfg.rank + 1);
-  if (!sig.ok()) return std::move(sig).error();
-  sig->store(cfg.rank, 1);
+  KVTD_ASSIGN_OR_RETURN(auto sig,
+                        FastDeploySignal::open("cache_ready_signal", cfg.fastdeploy.engine_worker_queue_port, cfg.rank + 1));
+  sig.store(cfg.rank, 1);
   return owned;
 }
 

@@ -35,12 +35,11 @@ Result<storage::GcReport, storage::StorageErrc> collect_every(const std::vector<
                                                               const storage::GcRequest& request) {
   auto report = stores.front()->collect(request);
   for (std::size_t i = 1; report.ok() && i < stores.size() && !request.dry_run; ++i) {
-    auto more = stores[i]->collect(request);
-    if (!more.ok()) return std::move(more).error();
-    report->removed += more->removed;
-    report->removed_bytes += more->removed_bytes;
-    report->failed += more->failed;
-    report->complete = report->complete && more->complete;
+    KVTD_ASSIGN_OR_RETURN(const auto more, stores[i]->collect(request));
+    report->removed += more.removed;
+    report->removed_bytes += more.removed_bytes;
+    report->failed += more.failed;
+    report->complete = report->complete && more.complete;
   }
   return report;
 }

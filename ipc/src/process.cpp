@@ -18,6 +18,9 @@
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
 #endif
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
 #ifndef SYS_pidfd_send_signal
 #define SYS_pidfd_send_signal 424
 #endif
@@ -54,6 +57,16 @@ bool owner_alive(std::uint64_t word) {
   if (pid <= 0) return false;
   const auto start = process_start_ticks(pid);
   return start && static_cast<std::uint32_t>(*start) == proto::owner_start(word);
+}
+
+int take_process_descriptor(int pid, int fd) {
+  const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+  if (pidfd < 0) return -1;
+  const int taken = static_cast<int>(syscall(SYS_pidfd_getfd, pidfd, fd, 0));
+  const int e = errno;
+  close(pidfd);
+  errno = e;
+  return taken;
 }
 
 FenceResult fence_process(std::uint64_t word, std::int64_t timeout_ns) {

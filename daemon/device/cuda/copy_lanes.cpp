@@ -124,14 +124,13 @@ void CudaBackend::destroy_engine_events_locked() {
 Status<DeviceErrc> CudaBackend::await_engine_event(const std::array<std::uint8_t, proto::kEngineEventBytes>& handle,
                                                    const GiveUp& give_up) {
   KVTD_CUDA_TRY(cudaSetDevice(device_));
-  auto ev = engine_event(handle);
-  if (!ev.ok()) return std::move(ev).error();
+  KVTD_ASSIGN_OR_RETURN(const cudaEvent_t ev, engine_event(handle));
   // The engine records its event just before it submits, so it usually fired already or fires
   // within microseconds: spin first, then back off to a 1 ms poll. The poll costs one driver call;
   // a device-side wait would cost nothing, but could never be taken back (see the header).
   std::int64_t pause_ns = 0;
   for (int polls = 0;; ++polls) {
-    const cudaError_t e = cudaEventQuery(*ev);
+    const cudaError_t e = cudaEventQuery(ev);
     if (e == cudaSuccess) return {};
     if (e != cudaErrorNotReady)
       return make_error(errc_of(e), cuda_text("cudaEventQuery (the engine's event)", e));

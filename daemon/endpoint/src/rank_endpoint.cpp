@@ -222,13 +222,12 @@ Result<std::unique_ptr<RankEndpoint>, IpcErrc> RankEndpoint::attach(const Endpoi
     auto m = std::move(opened).value();
     KVTD_TRY(check_access(*m, name));
     int sleep_ms = 10;
-    auto published = read_published(*m, name, o, &waiting_for, &sleep_ms);
-    if (!published.ok()) return std::move(published).error();
-    if (!published->has_value()) {
+    KVTD_ASSIGN_OR_RETURN(const auto published, read_published(*m, name, o, &waiting_for, &sleep_ms));
+    if (!published.has_value()) {
       std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
       continue;
     }
-    auto impl = Impl::over(o, std::move(m), (*published)->header, (*published)->layout);
+    auto impl = Impl::over(o, std::move(m), published->header, published->layout);
     if (auto st = impl->claim(); !st.ok()) {
       // The name no longer held the segment we mapped (replaced by a new session, or moved aside
       // for a moment by a sweep checking it): look again, never a reason to stop.

@@ -37,6 +37,13 @@ struct FenceResult {
   std::string detail;  // what happened, for the failure message
 };
 
+// Process `pid`'s descriptor `fd` duplicated into this process by pidfd_getfd: the very open file
+// description, so with that process's access mode, whatever the caller's rights (close-on-exec).
+// -1 with errno when it cannot be taken: ESRCH (no such process), EPERM (no ptrace access to it,
+// e.g. Yama's ptrace_scope 1 for a caller that is not root), ENOSYS (before Linux 5.6), EBADF (it
+// has no such descriptor). The caller owns the descriptor.
+int take_process_descriptor(int pid, int fd);
+
 // Kills the process named by `owner_word` and waits up to timeout_ns for it to exit.
 FenceResult fence_process(std::uint64_t owner_word, std::int64_t timeout_ns);
 

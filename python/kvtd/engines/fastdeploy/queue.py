@@ -1,8 +1,8 @@
 """A drop-in for FastDeploy's cache transfer processes, driven by FastDeploy's own engine code.
 
-FastDeploy's PrefixCacheManager (fastdeploy/cache_manager/prefix_cache_manager.py, "pcm" below;
-upstream develop c1b7c083) talks to its per-rank cache_transfer_manager.py processes through an
-EngineCacheQueue and shared-memory IPCSignals. A deployment switches to kvtd by changing
+FastDeploy's PrefixCacheManager (fastdeploy/cache_manager/prefix_cache_manager.py, "pcm" below)
+talks to its per-rank cache_transfer_manager.py processes through an EngineCacheQueue and
+shared-memory IPCSignals. A deployment switches to kvtd by changing
 launch_cache_manager only (docs/engines/fastdeploy.md has the diff): it builds a
 KvtdCacheQueue (KvtdCacheQueue.for_fastdeploy) instead of the EngineCacheQueue client, and starts
 `kvtd` with FastDeploy's own launch flags instead of the Python manager. Its worker, scheduler

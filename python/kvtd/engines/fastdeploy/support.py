@@ -60,8 +60,9 @@ def geometry_from_fastdeploy(cache_config, tensor_parallel_size, key_cache_shape
                     value_shape=val, num_host_blocks=int(cache_config.num_cpu_blocks),
                     dtype=str(cache_config.cache_dtype), scale_bytes=4 if str(default_dtype) == "float32" else 2,
                     num_extra_layers=extra_layers, extra_device_blocks=extra_blocks,
-                    # FastDeploy's own reading, declared: no value cache is an MLA latent
-                    # (gpu_model_runner.py:1616-1629), as its launch line tells the daemons.
+                    # FastDeploy's own reading, declared: no value cache is an MLA latent (its
+                    # GPU worker makes no value cache then; see docs/engines/fastdeploy.md,
+                    # 'Upstream behaviour relied on'), as its launch line tells the daemons.
                     identity=KvIdentity(layout="per_rank" if val is not None else "replicated"))
 
 

@@ -1,46 +1,47 @@
 """kvtd as FastDeploy cache manager v1's transfer path (ENABLE_V1_KVCACHE_MANAGER=1).
 
 Under v1 FastDeploy starts no transfer process: each GPU worker's CacheController
-(fastdeploy/cache_manager/v1/cache_controller.py, upstream develop c1b7c083) swaps its own rank's
-blocks in-process through a CacheTransferManager (v1/transfer_manager.py). With KVTD_FASTDEPLOY_V1=1
-and this module's FastDeploy plugin (entry point `kvtd` in group
-fastdeploy.model_register_plugins, which FastDeploy loads in every process before it builds a
-model), each worker's controller gets a KvtdCacheTransferManager instead, and that worker's swaps
-are tasks of a one-rank kvtd session served by that rank's daemon:
+(fastdeploy/cache_manager/v1/cache_controller.py) swaps its own rank's blocks in-process through
+a CacheTransferManager (v1/transfer_manager.py). With KVTD_FASTDEPLOY_V1=1 and this module's
+FastDeploy plugin (entry point `kvtd` in group fastdeploy.model_register_plugins, which FastDeploy
+loads in every process before it builds a model), each worker's controller gets a
+KvtdCacheTransferManager instead, and that worker's swaps are tasks of a one-rank kvtd session
+served by that rank's daemon (the FastDeploy code each point below relies on is listed in
+docs/engines/fastdeploy_v1.md, 'Upstream behaviour relied on'):
 
 * set_cache_kvs_map(name -> device tensor) registers the tensors by the names the controller
-  made (cache_controller.py:216-238 names them with local_rank % tensor_parallel_size while
-  FastDeploy's own manager looks them up with the raw local rank, transfer_manager.py:173-176, so
-  a local rank >= the TP size finds nothing there; here the names are parsed, never rebuilt).
+  made (the controller names them with local_rank % tensor_parallel_size while FastDeploy's own
+  manager looks them up with the raw local rank, so a local rank >= the TP size finds nothing
+  there; here the names are parsed, never rebuilt).
 * The host blocks live in the daemon's host pool, not in the worker's private cuda_host_alloc
   memory: a restarted daemon maps the pool again, and a restarted worker's session takes over
   the pool its daemon kept when the dead predecessor's session ended (Session(adopt_host_tier=
   True); $KVTD_FDV1_ADOPT_HOST_TIER=0 turns it off), so the host blocks FastDeploy's CacheManager (in the engine process, alive
   across a worker restart) still names hold what it thinks they hold. The
-  controller's host allocations (cache_controller.py:617-631) get address space reserved with
+  controller's host allocations (its cuda_host_alloc calls) get address space reserved with
   no access and no memory behind it, so nothing can read a host block outside kvtd by mistake
   and no host memory is pinned twice.
 * evict_to_host_async returns once the bytes are in the host pool (or the copy failed): the
-  controller marks an eviction done when it returns (cache_controller.py:718-735) and waits for
-  pending evictions before the next submit and, under write_back, before the load
-  (cache_controller.py:142-162), so a load that reuses a host block follows the eviction into it.
+  controller marks an eviction done when the call returns and waits for pending evictions before
+  the next submit and, under write_back, before the load, so a load that reuses a host block
+  follows the eviction into it.
 * load_layers_to_device_async reports a layer (on_layer_complete) only once that layer is in
   device memory on this rank (kvtd's layer progress, stage "done"), and stops reporting at the
   first failure: FastDeploy's own manager calls on_layer_complete for every layer even after a
-  failed copy (transfer_manager.py:606-617), and its forward pass then reads stale KV.
-  record_input_stream_event returns None, so LayerDoneCounter.wait_for_layer relies on the
-  layer being reported (cache_utils.py:229-241): it is reported only when its bytes are there.
+  failed copy, and its forward pass then reads stale KV. record_input_stream_event returns None,
+  so LayerDoneCounter.wait_for_layer relies on the layer being reported (with no event it checks
+  the layer's done flag): it is reported only when its bytes are there.
 * A failed eviction answers at once: FastDeploy's controller never marks a failed (or empty)
-  eviction's counter done, so the next submit_swap_tasks waits 300 s in wait_all
-  (cache_controller.py:692-696, 718-733; cache_utils.py:270). install() replaces
-  CacheController.evict_device_to_host with one that marks the counter finished either way and
-  puts the outcome in the metadata (success, error_message). A failed eviction's host blocks
-  cannot be loaded afterwards: the daemon fails any load naming a host block whose write failed
-  or never happened (kHostTierLost), so no wrong byte reaches the device.
+  eviction's counter done, so the next submit_swap_tasks waits 300 s (wait_all's default
+  timeout). install() replaces CacheController.evict_device_to_host with one that marks the
+  counter finished either way and puts the outcome in the metadata (success, error_message).
+  A failed eviction's host blocks cannot be loaded afterwards: the daemon fails any load naming
+  a host block whose write failed or never happened (kHostTierLost), so no wrong byte reaches
+  the device.
 
-Left out, as FastDeploy v1 at c1b7c083 does too: MTP layers (its manager swaps only
-num_hidden_layers layers, transfer_manager.py:173) and the storage/transfer connectors (placeholders
-there).
+Left out, as FastDeploy v1 at the pinned revision (this package's __init__) does too: MTP layers
+(its manager swaps only num_hidden_layers layers) and the storage/transfer connectors
+(placeholders there).
 
 Thread-safety: every method may be called from the controller's 4 transfer threads at once.
 """
@@ -322,7 +323,7 @@ class KvtdCacheTransferManager:
 
     def record_input_stream_event(self) -> Any:
         """None: a layer is reported only once its bytes are on the device, so the controller's
-        LayerDoneCounter needs no event (it then checks the layer's done flag, cache_utils.py:239)."""
+        LayerDoneCounter needs no event (it then checks the layer's done flag)."""
         return None
 
     # -- what FastDeploy's manager also answers ------------------------------------------------
@@ -416,7 +417,7 @@ class KvtdCacheTransferManager:
 
 # -- the hook -------------------------------------------------------------------------------------
 def _evict_device_to_host(self, swap_metadata):
-    """CacheController.evict_device_to_host (cache_controller.py:826) with an answer on failure:
+    """CacheController.evict_device_to_host with an answer on failure:
     the counter is finished whether the eviction succeeded or not, the outcome is in the
     metadata. FastDeploy's leaves a failed or empty eviction's counter unfinished and the next
     submit waits 300 s for it."""

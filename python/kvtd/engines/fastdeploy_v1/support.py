@@ -109,6 +109,7 @@ def geometry_of(tensors: Dict[tuple, Any], num_layers: int, num_host_blocks: int
     return Geometry(num_ranks=1, num_layers=num_layers, key_shape=tuple(int(d) for d in key.shape),
                     value_shape=tuple(int(d) for d in value.shape) if value is not None else None,
                     num_host_blocks=num_host_blocks, dtype=dtype, scale_bytes=scale_bytes,
-                    # One rank per session: no value cache is FastDeploy's MLA latent
-                    # (gpu_model_runner.py:1616-1629), declared rather than left to be inferred.
+                    # One rank per session: no value cache is FastDeploy's MLA latent (its GPU
+                    # worker makes no value cache then; see docs/engines/fastdeploy_v1.md,
+                    # 'Upstream behaviour relied on'), declared rather than left to be inferred.
                     identity=KvIdentity(layout="per_rank" if value is not None else "replicated"))

@@ -1,21 +1,20 @@
-"""kvtd as sglang's HiCache L3 storage backend (sglang v0.5.18), loaded by sglang's own factory:
+"""kvtd as sglang's HiCache L3 storage backend, loaded by sglang's own factory:
 
     --hicache-storage-backend dynamic --hicache-storage-backend-extra-config '{"backend_name": "kvtd",
       "module_path": "kvtd.sglang", "class_name": "KvtdHiCacheStorage", "interface_v1": 1,
       "allocator": "shm", "kvtd_session": "sglang"}'
 
-sglang runs one scheduler process per TP rank; each makes one backend (StorageBackendFactory
-`_create_dynamic_backend`, mem_cache/storage/backend_factory.py:114-150, calls
-`cls(storage_config, kwargs)`), which makes a kvtd session serving that rank alone
-(`<kvtd_session>_r<tp_rank>`, Session(only_rank=r)) for that rank's daemon; with DP attention, pipeline or
-attention context parallelism `<kvtd_session>_dp<group>_pp<stage>_cp<slice>_r<tp_rank>` (session_suffix),
-and the stage, the slice and the pool's dtype are in the stored objects' namespace
-(kvtd.KvIdentity: the daemon is started with the same --pp-*, --cp-*, --kv-dtype, as the
-logged command line shows). With
-`"allocator": "shm"` sglang's host pool lives in a memfd (mmap_allocator.py:160-167; the fd is
-HostKVCache.fd, pool_host/base.py:175); the backend registers that memory with the session by the
-fd's /proc path, so the daemon maps the very pages sglang reads and writes, and loads and
-stores go straight between them and the store: this process never copies a page.
+sglang runs one scheduler process per TP rank; each makes one backend (StorageBackendFactory's
+`_create_dynamic_backend` calls `cls(storage_config, kwargs)`), which makes a kvtd session
+serving that rank alone (`<kvtd_session>_r<tp_rank>`, Session(only_rank=r)) for that rank's
+daemon; with DP attention, pipeline or attention context parallelism
+`<kvtd_session>_dp<group>_pp<stage>_cp<slice>_r<tp_rank>` (session_suffix), and the stage, the
+slice and the pool's dtype are in the stored objects' namespace (kvtd.KvIdentity: the daemon is
+started with the same --pp-*, --cp-*, --kv-dtype, as the logged command line shows). With
+`"allocator": "shm"` sglang's host pool lives in a memfd (the fd is HostKVCache.fd); the backend
+registers that memory with the session by the fd's /proc path, so the daemon maps the very pages
+sglang reads and writes, and loads and stores go straight between them and the store: this
+process never copies a page.
 
 Every call sglang makes is bounded and never raises into its threads (an exception kills the
 storage thread for the life of the process): a daemon that is down or does not answer within
@@ -24,13 +23,17 @@ answer awaited before the call returns, so no daemon writes a page sglang was to
 daemon that dies ends its tasks; one whose copy never finishes exits on its own watchdog).
 
 Keys are sglang's strings, opaque to kvtd; kvtd namespaces them by the daemon's model id, the
-layout's fingerprint and the weight version. `clear()` (sglang's /clear_hicache_storage_backend,
-hiradix_cache.py:819-838) moves to the next weight version: everything stored before misses from
-then on, and `kvtd ctl storage gc --keep-weight-version` reclaims it. `"kvtd_weight_version"` in the extra config starts at
-a given version (a restart after a weight update).
+layout's fingerprint and the weight version. `clear()` (what sglang's
+/clear_hicache_storage_backend calls) moves to the next weight version: everything stored before
+misses from then on, and `kvtd ctl storage gc --keep-weight-version` reclaims it.
+`"kvtd_weight_version"` in the extra config starts at a given version (a restart after a weight
+update).
 
 The extra config's own keys: kvtd_session (session prefix, default "sglang"), kvtd_timeout_s (per
 call, default 5), kvtd_weight_version (default 0).
+
+The sglang code this module relies on is listed in docs/engines/sglang.md, 'Upstream behaviour
+relied on'.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ log = logging.getLogger("kvtd.sglang")
 def plan_for(host, tp_size: int, mla: bool, pp: tuple = (0, 1), cp: tuple = (0, 1)) -> PoolPlan:
     """kvtd's geometry and tensors for sglang's HostKVCache `host` (MHA: head_num and head_dim;
     MLA: kv_cache_dim), of pipeline stage `pp` and attention context-parallel slice `cp`, each
-    (rank, size). K and V of different head dims (AsymmetricMHATokenToKVPoolHost, mha.py:1009-1125)
+    (rank, size). K and V of different head dims (sglang's AsymmetricMHATokenToKVPoolHost)
     are two buffers: `kv_buffer` is (k_buffer, v_buffer) and `v_head_dim` V's head dim."""
     bufs = pool_buffers(host)
     width = int(host.kv_cache_dim) if mla else int(host.head_num) * int(host.head_dim)
@@ -79,8 +82,8 @@ def pool_buffers(host) -> tuple:
 
 def buffer_places(host, buffers) -> List[tuple]:
     """(handle, base offset) of each buffer in the memfd sglang's shm allocator made for it: one fd
-    per allocation (ShmHostTensorAllocator.fds, pool_host/common.py:30-55), matched to a buffer
-    by the mapping's inode, never assumed by order."""
+    per allocation (ShmHostTensorAllocator.fds), matched to a buffer by the mapping's inode, never
+    assumed by order."""
     fds = list(getattr(getattr(host, "allocator", None), "fds", None) or [host.fd])
     out = []
     for b in buffers:
@@ -98,9 +101,9 @@ def buffer_places(host, buffers) -> List[tuple]:
 def session_suffix(prefix: str, tp_rank: int, pp: tuple = (0, 1), cp: tuple = (0, 1), dp_group: int = -1) -> str:
     """`<prefix>[_dp<group>][_pp<stage>][_cp<slice>]_r<tp_rank>`: every rank coordinate of a
     scheduler. PP and CP come in HiCacheStorageConfig, as sglang's own HiCacheFile names files by
-    them (hicache_storage.py:382-388); a coordinate of size 1 is left out, so a deployment without
-    them keeps `<prefix>_r<tp_rank>`. With DP attention, tp_rank is the rank inside the attention
-    group (cache_controller.py:609-612) and every group counts from 0, so the group is named too
+    them; a coordinate of size 1 is left out, so a deployment without them keeps
+    `<prefix>_r<tp_rank>`. With DP attention, tp_rank is the rank inside the attention group (as
+    sglang's HiCacheController sets it) and every group counts from 0, so the group is named too
     (`dp_group`, -1 without DP attention: attention_dp_group)."""
     name = prefix
     if dp_group >= 0:
@@ -114,7 +117,7 @@ def session_suffix(prefix: str, tp_rank: int, pp: tuple = (0, 1), cp: tuple = (0
 
 def attention_dp_group() -> int:
     """This scheduler's DP-attention group, read as sglang's own HiCacheController reads it
-    (cache_controller.py:36-38, 609-616: sglang.srt.layers.dp_attention); -1 without DP attention,
+    (from sglang.srt.layers.dp_attention); -1 without DP attention,
     where the group is not part of any name. Pages are the same model's in every group, so the
     group names the session only, never the stored objects (HiCacheFile's names have no DP part
     either)."""
@@ -166,8 +169,9 @@ class KvtdHiCacheStorage(HiCacheStorage):
 
     # -- sglang's registration ------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
-        """Registers the rank's host pool with a session of its own (cache_controller.py:496-498
-        calls it once, after construction). A pool not in shared memory is refused by name."""
+        """Registers the rank's host pool with a session of its own (sglang's HiCacheController
+        calls it once, right after making the backend). A pool not in shared memory is refused by
+        name."""
         super().register_mem_pool_host(mem_pool_host)
         entries = getattr(mem_pool_host, "entries", None)
         if entries is not None and hasattr(mem_pool_host, "anchor_entry"):  # memory_pool_host.HostPoolGroup
@@ -179,7 +183,7 @@ class KvtdHiCacheStorage(HiCacheStorage):
         fd = getattr(mem_pool_host, "fd", None)
         if fd is None and self._asked_for_shm:
             # sglang chose the pool's allocator from the extra config's text, read as inline JSON
-            # only (pool_host/common.py:102-117): given as @file, "allocator" is never seen there.
+            # only (pool_host/common.py get_allocator_type): given as @file, "allocator" is unseen.
             raise ValueError('the extra config says "allocator": "shm", but sglang made the host pool in ordinary '
                              "memory: sglang reads \"allocator\" only from an extra config given inline as JSON "
                              "(pool_host/common.py get_allocator_type), not from an @file; give it inline")
@@ -250,7 +254,7 @@ class KvtdHiCacheStorage(HiCacheStorage):
     # -- sglang's calls ---------------------------------------------------------------------
     def batch_exists(self, keys: List[str], extra_info=None) -> int:
         """How many leading keys the store holds for this rank (sglang MIN-reduces it across
-        ranks itself: cache_controller.py:1100-1106)."""
+        ranks itself)."""
         if not keys:
             return 0
         self._count("exists_calls", 1)
@@ -265,7 +269,7 @@ class KvtdHiCacheStorage(HiCacheStorage):
 
     def batch_get_v1(self, keys: List[str], host_indices, extra_info=None) -> List[bool]:
         """Loads each key's page into the host pool page sglang allocated for it, in place; True
-        for the leading pages that arrived (sglang stops at the first False: :963-978)."""
+        for the leading pages that arrived (sglang stops at the first False)."""
         if not keys:
             return []
         pages = self._pages(keys, host_indices)

@@ -1,13 +1,14 @@
 """Where sglang's host KV pool keeps each page, as kvtd's geometry and tensors.
 
-sglang (v0.5.18) keeps one rank's host pool in one buffer, `kv_buffer`, whose dims depend on
-`layout` (mem_cache/pool_host/mha.py:159-183 for MHA, mla.py:138-160 for MLA). Its zero-copy
-backends move a page as the pieces `get_page_buffer_meta` names (mha.py:605-665): with
-`layer_first`, one piece per layer and K/V of `page_size` tokens; with `page_first`,
-`page_first_direct` and `page_head`, one piece for K and one for V of every layer's `page_size`
-tokens, V `layer_num * size` tokens after K. This module describes the same pieces to kvtd: a
-piece is one block of one registered tensor, so a page is block `first token // page_size` of
-every tensor, and a daemon reads and writes those bytes in place.
+sglang keeps one rank's host pool in one buffer, `kv_buffer`, whose dims depend on `layout`
+(init_kv_buffer of its MHA and MLA host pools; the sglang code this module relies on is listed in
+docs/engines/sglang.md, 'Upstream behaviour relied on'). Its zero-copy backends move a page as
+the pieces `get_page_buffer_meta` names: with `layer_first`, one piece per layer and K/V of
+`page_size` tokens; with `page_first`, `page_first_direct` and `page_head`, one piece for K and
+one for V of every layer's `page_size` tokens, V `layer_num * size` tokens after K. This module
+describes the same pieces to kvtd: a piece is one block of one registered tensor, so a page is
+block `first token // page_size` of every tensor, and a daemon reads and writes those bytes in
+place.
 
 kvtd sees a piece's bytes in the order sglang keeps them, declared as kvtd's (heads, block size,
 head dim) outermost first: [token][layer][head][dim] for page_first, [layer][token][head][dim] for
@@ -68,15 +69,15 @@ def plan_pool(*, layout: str, mla: bool, layer_num: int, size: int, page_size: i
               pp: tuple = (0, 1), cp: tuple = (0, 1), value_width: int = 0, value_buffer_bytes: int = 0) -> PoolPlan:
     """kvtd's geometry and tensors for one rank's sglang host pool. `token_width`: elements of
     one token in one layer (MHA: head_num * head_dim; MLA: kv_cache_dim); `head_dim` (MHA
-    page_head: its pieces are heads outermost); `size`: tokens (a
-    multiple of page_size, base.py:121-123); `buffer_bytes`: the buffer's length, checked against
-    what the layout needs. `pp`, `cp`: (rank, size) of the pipeline stage and attention
-    context-parallel slice the pool holds. The geometry declares its identity (KvIdentity): MLA
+    page_head: its pieces are heads outermost); `size`: tokens (a multiple of page_size: sglang
+    aligns it up); `buffer_bytes`: the buffer's length, checked against what the layout needs.
+    `pp`, `cp`: (rank, size) of the pipeline stage and attention context-parallel slice the pool
+    holds. The geometry declares its identity (KvIdentity): MLA
     replicated, MHA per rank, the pool's own dtype by name (one-byte dtypes move as uint8 but
     e4m3 and e5m2 never share a namespace), the stage and the slice. Raises ValueError naming the
     first problem. `value_width` > 0: K and V are two buffers, V's token `value_width` elements
-    wide (sglang's AsymmetricMHATokenToKVPoolHost, mha.py:1009-1125: head_dim != v_head_dim, as
-    MiMo-V2; `value_buffer_bytes` is V's buffer's length)."""
+    wide (sglang's AsymmetricMHATokenToKVPoolHost: head_dim != v_head_dim, as MiMo-V2;
+    `value_buffer_bytes` is V's buffer's length)."""
     if value_width > 0:
         return _plan_two_buffers(layout=layout, layer_num=layer_num, size=size, page_size=page_size,
                                  widths=(token_width, value_width), dtype_name=dtype_name, itemsize=itemsize,
@@ -131,8 +132,8 @@ def _identity(mla: bool, dtype_name: str, pp: tuple, cp: tuple) -> KvIdentity:
 def _plan_two_buffers(*, layout: str, layer_num: int, size: int, page_size: int, widths: tuple, dtype_name: str,
                       itemsize: int, tp_size: int, buffers: tuple, pp: tuple, cp: tuple) -> PoolPlan:
     """K and V in two buffers of their own widths: sglang allows page_first ([token][layer][head]
-    [dim]) and page_first_direct ([page][layer][token][head][dim]) only (mha.py:1080-1103). A
-    page is one piece of each buffer; K's and V's shapes differ in their last dimension."""
+    [dim]) and page_first_direct ([page][layer][token][head][dim]) only. A page is one piece of
+    each buffer; K's and V's shapes differ in their last dimension."""
     if layout not in ("page_first", "page_first_direct"):
         raise ValueError(f"sglang host pool with K and V of different head dims: layout {layout!r} is not one "
                          "sglang makes for it (page_first, page_first_direct)")
@@ -161,10 +162,10 @@ _INDEX_DTYPES = ("torch.int64", "torch.int32")
 
 def pages_of(host_indices, count: int, page_size: int) -> Optional[List[int]]:
     """The host pool page of each of `count` keys, from the token indices sglang passes
-    (cache_controller.py:1004-1006: `page_size` per key, each run the page's tokens in order), or
-    None if they are not whole pages' token indices. A tensor must be of an index dtype: sglang's
-    page-copying calls (its draft path, cache_controller.py:1191-1214) pass page data in the
-    same argument, and data read as indices would load a page over one in use."""
+    (its HiCacheController's page transfer: `page_size` per key, each run the page's tokens in
+    order), or None if they are not whole pages' token indices. A tensor must be of an index
+    dtype: sglang's page-copying calls (its draft-pool path) pass page data in the same argument,
+    and data read as indices would load a page over one in use."""
     dtype = getattr(host_indices, "dtype", None)
     if dtype is not None and str(dtype) not in _INDEX_DTYPES:
         return None
