@@ -12,8 +12,7 @@
 namespace kvtd::daemon {
 namespace {
 
-constexpr int kToHost = BlockTracker::kToHostLane, kToDevice = BlockTracker::kToDeviceLane,
-              kStorage = BlockTracker::kStorageLane;
+constexpr Lane kToHost = Lane::kToHost, kToDevice = Lane::kToDevice, kStorage = Lane::kStorage;
 
 struct Task {
   std::uint64_t id;

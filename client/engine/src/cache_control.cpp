@@ -22,7 +22,7 @@ namespace kvtd::engine {
 
 bool EngineSession::Impl::registry_writable() const {
   return h->state.load() == static_cast<std::uint32_t>(proto::SessionState::kCreating) ||
-         (cache_cleared && clear_confirmed);
+         cache.confirmed();
 }
 
 Status<IpcErrc> EngineSession::Impl::registry_complete() const {
@@ -42,8 +42,7 @@ Status<IpcErrc> EngineSession::Impl::registry_complete() const {
 }
 
 void EngineSession::Impl::set_cache_state(bool cleared) {
-  cache_cleared = cleared;
-  if (!cleared) clear_confirmed = false;
+  cache.set(cleared);
   h->cache_state.store(static_cast<std::uint32_t>(cleared ? proto::CacheState::kCleared : proto::CacheState::kLive),
                        std::memory_order_release);
 }
@@ -78,7 +77,6 @@ Result<TaskResult, IpcErrc> EngineSession::clear_caches(const ClearOptions& opti
     if (impl->h->state.load() != static_cast<std::uint32_t>(proto::SessionState::kReady))
       return make_error(IpcErrc::kInvalidArgument, "clear_caches() needs a published session");
     impl->set_cache_state(true);
-    impl->clear_confirmed = false;
   }
   auto r = impl->run_cache_control(proto::TaskKind::kClearCache,
                                    options.drop_host_tier ? proto::kTaskFlagDropHostTier : 0, options.timeout_ns);
@@ -87,7 +85,7 @@ Result<TaskResult, IpcErrc> EngineSession::clear_caches(const ClearOptions& opti
   if (!r.ok()) return r;
   if (options.weight_version) impl->weight_version.store(*options.weight_version);
   MutexLock g(impl->mu);
-  if (impl->cache_cleared) impl->clear_confirmed = true;  // unless a restore raced us
+  impl->cache.confirm();  // unless a restore raced us
   return r;
 }
 
@@ -97,13 +95,13 @@ Result<TaskResult, IpcErrc> EngineSession::restore_caches(std::int64_t timeout_n
   auto* impl = impl_.get();
   {
     MutexLock g(impl->mu);
-    if (!impl->cache_cleared) return make_error(IpcErrc::kInvalidArgument, "the cache is not cleared: nothing to restore");
+    if (!impl->cache.cleared()) return make_error(IpcErrc::kInvalidArgument, "the cache is not cleared: nothing to restore");
     KVTD_TRY(impl->registry_complete());
     // Live in the header before RESTORE_CACHE is in the ring: a rank granted from now on maps
     // the new registry itself. Tasks stay refused here until RESTORE_CACHE is submitted, so none
     // lands in the ring before it.
     impl->h->cache_state.store(static_cast<std::uint32_t>(proto::CacheState::kLive), std::memory_order_release);
-    impl->clear_confirmed = false;
+    impl->cache.restore_begins();
   }
   std::vector<Encoded> records(1);
   records[0].hdr.kind = static_cast<std::uint16_t>(proto::TaskKind::kRestoreCache);
@@ -138,7 +136,7 @@ Result<TaskResult, IpcErrc> EngineSession::restore_caches(std::int64_t timeout_n
 
 bool EngineSession::cache_cleared() const {
   MutexLock g(impl_->mu);
-  return impl_->cache_cleared;
+  return impl_->cache.cleared();
 }
 
 }  // namespace kvtd::engine

@@ -187,7 +187,7 @@ Result<std::unique_ptr<EngineSession>, IpcErrc> EngineSession::create(const Sess
     MutexLock g(impl->mu);  // no other thread yet; the lock keeps the analysis whole
     impl->merger = CompletionMerger(o.max_uncollected_results);
     impl->arena_tensor.assign(layout.registry_count, nullptr);
-    impl->rank_state.assign(geometry.num_ranks, Impl::RankState{});
+    impl->roster = RankRoster(geometry.num_ranks);
   }
   auto* raw = impl.get();
   impl->service_thread = std::thread([raw] { raw->service_loop(); });
@@ -293,7 +293,7 @@ std::size_t EngineSession::in_flight() const {
 
 ForecastWaits EngineSession::forecast_waits() const {
   MutexLock g(impl_->mu);
-  return impl_->forecast_waits;
+  return impl_->swaps.waits();
 }
 
 const proto::CacheGeometry& EngineSession::geometry() const { return impl_->geo; }

@@ -25,9 +25,7 @@ namespace kvtd::engine {
 void EngineSession::Impl::start_fence(std::uint32_t r, std::string why, bool replaced) {
   auto& s = h->ranks[r];
   s.attached.store(0, std::memory_order_release);
-  rank_state[r].fencing = true;
-  rank_state[r].replaced = replaced;
-  rank_state[r].why = std::move(why);
+  roster.start_fence(r, std::move(why), replaced);
   fences_wanted.fetch_add(1, std::memory_order_release);
   bump_and_wake(h->space_word, &h->producer_waiters);  // its ring bytes are no longer reserved
 }
@@ -58,15 +56,11 @@ void EngineSession::Impl::service(bool check_pids) {
 
   const std::int64_t now = clock->now_ns();
   // A rank is dead after rank_timeout of heartbeat silence that this engine was awake to see.
-  // When the engine itself did not run for a while (its process or the machine stalled: every
-  // heartbeat then looks old at once), it watches afresh from now instead of fencing ranks
-  // that were merely not observed.
-  if (last_service_ns != 0 && now - last_service_ns > opts.rank_timeout_ns / 2) watch_from_ns = now;
-  last_service_ns = now;
+  const std::int64_t watch_from_ns = roster.watch_from(now, opts.rank_timeout_ns);
   for (std::uint32_t r = 0; r < geo.num_ranks; ++r) {
     auto& s = h->ranks[r];
     if (!serves(r)) continue;  // never granted: its daemon serves another process's session
-    if (rank_state[r].fencing) continue;  // no grant and no new verdict until the fence ends
+    if (roster[r].fencing) continue;  // no grant and no new verdict until the fence ends
     const std::uint32_t req = s.attach_request.load(std::memory_order_acquire);
     const bool attached = s.attached.load(std::memory_order_relaxed) != 0;
     if (req != 0 && req != s.attached_epoch.load(std::memory_order_relaxed)) {
@@ -76,10 +70,8 @@ void EngineSession::Impl::service(bool check_pids) {
         start_fence(r, "rank " + std::to_string(r) + " restarted", /*replaced=*/true);
         continue;
       }
-      rank_state[r].owner = s.owner.load(std::memory_order_acquire);
       const std::uint64_t ns = s.pid_namespace.load(std::memory_order_relaxed);
-      rank_state[r].same_pid_namespace = ns != 0 && ns == pid_namespace;
-      rank_state[r].unfenced = false;
+      roster.granted(r, s.owner.load(std::memory_order_acquire), ns != 0 && ns == pid_namespace);
       s.consumed.store(h->ring_head.load(std::memory_order_relaxed), std::memory_order_relaxed);
       // The new epoch reads no task before the head, so it reads no agreement slot of one.
       s.agreement_left.store(h->next_seq.load(std::memory_order_relaxed), std::memory_order_relaxed);
@@ -97,7 +89,7 @@ void EngineSession::Impl::service(bool check_pids) {
       bump_and_wake(h->space_word, &h->producer_waiters);
     } else if (age > opts.rank_timeout_ns) {
       start_fence(r, "rank " + std::to_string(r) + " heartbeat is " + std::to_string(age / 1'000'000) + " ms old");
-    } else if (check_pids && rank_state[r].same_pid_namespace) {
+    } else if (check_pids && roster[r].same_pid_namespace) {
       const auto pid = static_cast<pid_t>(s.pid.load(std::memory_order_relaxed));
       if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH)
         start_fence(r, "rank " + std::to_string(r) + " process " + std::to_string(pid) + " exited");
@@ -110,36 +102,25 @@ void EngineSession::Impl::service(bool check_pids) {
 
 void EngineSession::Impl::run_fences() {
   if (fences_wanted.load(std::memory_order_acquire) == 0) return;
-  struct Job {
-    std::uint32_t rank;
-    std::uint64_t owner;
-    bool same_pid_namespace;
-    bool replaced;
-  };
-  std::vector<Job> jobs;
+  std::vector<RankRoster::FenceJob> jobs;
   {
     MutexLock g(mu);
     fences_wanted.store(0, std::memory_order_relaxed);
-    for (std::uint32_t r = 0; r < geo.num_ranks; ++r)
-      if (rank_state[r].fencing)
-        jobs.push_back({r, rank_state[r].owner, rank_state[r].same_pid_namespace, rank_state[r].replaced});
+    jobs = roster.fence_jobs();
   }
-  for (auto [r, owner, same_ns, replaced] : jobs) {
-    const FenceResult f = !same_ns  ? fence_across_namespaces(r, replaced)
-                          : opts.fencer ? opts.fencer(owner, opts.fence_timeout_ns)
-                                        : fence_process(owner, opts.fence_timeout_ns);
+  for (const auto& job : jobs) {
+    const FenceResult f = !job.same_pid_namespace ? fence_across_namespaces(job.rank, job.replaced)
+                          : opts.fencer           ? opts.fencer(job.owner, opts.fence_timeout_ns)
+                                                  : fence_process(job.owner, opts.fence_timeout_ns);
     MutexLock g(mu);
-    auto& st = rank_state[r];
-    if (f.outcome == FenceOutcome::kFenced) {
-      fail_rank(r, TaskStatus::kRankDead, st.why + "; " + f.detail);
-    } else {
-      st.unfenced = true;
-      fail_rank(r, TaskStatus::kRankUnfenced,
-                st.why + "; it could not be stopped (" + f.detail +
+    const bool fenced = f.outcome == FenceOutcome::kFenced;
+    const std::string why = roster.fence_ended(job.rank, fenced);
+    if (fenced)
+      fail_rank(job.rank, TaskStatus::kRankDead, why + "; " + f.detail);
+    else
+      fail_rank(job.rank, TaskStatus::kRankUnfenced,
+                why + "; it could not be stopped (" + f.detail +
                     "), so it may still write this task's destination blocks: keep them out of use");
-    }
-    st.fencing = false;
-    st.owner = 0;
     bump_and_wake(h->publish_word, &h->consumer_waiters);  // a waiting successor may be granted now
   }
 }

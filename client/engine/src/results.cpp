@@ -11,50 +11,20 @@
 
 namespace kvtd::engine {
 
-
 void EngineSession::Impl::merge(const proto::CompletionRecord& rec) {
   if (rec.rank >= geo.num_ranks) return;
   std::string msg(rec.message, strnlen(rec.message, sizeof rec.message));
   merger.note_times(rec.task_id, rec.start_ns, rec.end_ns);
   if (merger.report(rec.task_id, rec.rank, static_cast<TaskStatus>(rec.status), rec.blocks_done, std::move(msg),
                     rec.blocks_skipped, clock->now_ns()))
-    swap_finished(rec.task_id);
+    swaps.finished(rec.task_id, merger.peek(rec.task_id));
 }
 
 void EngineSession::Impl::fail_rank(std::uint32_t rank, TaskStatus status, const std::string& why) {
   if (merger.fail_rank(rank, status, why, clock->now_ns()) == 0) return;
-  std::vector<std::uint64_t> failed;  // the swaps it ended
-  for (const auto& [id, shape] : swap_shapes)
-    if (!merger.pending(id)) failed.push_back(id);
-  for (const std::uint64_t id : failed) swap_finished(id);
+  for (const std::uint64_t id : swaps.ids())  // the swaps it ended
+    if (!merger.pending(id)) swaps.finished(id, merger.peek(id));
   wake_completion_waiters();
-}
-
-void EngineSession::Impl::swap_finished(std::uint64_t task_id) {
-  const auto it = swap_shapes.find(task_id);
-  if (it == swap_shapes.end()) return;
-  if (const TaskResult* r = merger.peek(task_id); r != nullptr && r->ok())
-    forecast.learn(it->second.kind, it->second.blocks, it->second.submit_ns, r->first_start_ns, r->last_end_ns);
-  --swaps_each_way[CompletionForecast::direction(it->second.kind)];
-  swap_shapes.erase(it);
-}
-
-std::optional<CompletionWait> EngineSession::Impl::completion_wait(std::uint64_t task_id) const {
-  const auto it = swap_shapes.find(task_id);
-  if (it == swap_shapes.end() || swaps_each_way[CompletionForecast::direction(it->second.kind)] != 1)
-    return std::nullopt;
-  const auto end = forecast.end_of(it->second.kind, it->second.blocks, it->second.submit_ns);
-  if (!end) return std::nullopt;
-  return plan_completion_wait(it->second.submit_ns, *end);
-}
-
-void EngineSession::Impl::count_forecast_wait(const CompletionWait& around, std::int64_t taken_ns) {
-  ++forecast_waits.waits;
-  switch (landing_of(around, taken_ns)) {
-    case WaitLanding::kBeforeWindow: ++forecast_waits.before_window; break;
-    case WaitLanding::kInWindow: ++forecast_waits.in_window; break;
-    case WaitLanding::kAfterWindow: ++forecast_waits.after_window; break;
-  }
 }
 
 Result<TaskResult, IpcErrc> EngineSession::Impl::wait_result(std::uint64_t task_id, std::int64_t timeout_ns) {
@@ -67,11 +37,11 @@ Result<TaskResult, IpcErrc> EngineSession::Impl::wait_result(std::uint64_t task_
     std::optional<CompletionWait> around;
     {
       MutexLock g(impl->mu);
-      around = impl->completion_wait(task_id);
+      around = impl->swaps.wait_for(task_id);
       if (around) planned = around;
       impl->service(false);
       if (auto r = impl->merger.take(task_id)) {
-        if (planned) impl->count_forecast_wait(*planned, impl->clock->now_ns());
+        if (planned) impl->swaps.count_wait(*planned, impl->clock->now_ns());
         return std::move(*r);
       }
       if (!impl->merger.pending(task_id))

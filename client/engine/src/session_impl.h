@@ -23,8 +23,10 @@
 #include <vector>
 
 #include "kvtd/base/mutex.h"
-#include "completion_forecast.h"
+#include "cache_state.h"
 #include "completion_merger.h"
+#include "pending_swaps.h"
+#include "rank_roster.h"
 #include "kvtd/engine/engine_session.h"
 #include "kvtd/ipc/liveness_lock.h"
 #include "kvtd/ipc/rings.h"
@@ -74,45 +76,17 @@ struct EngineSession::Impl {
   // Lock order: stop_mu before mu (the service loop takes mu inside stop_mu's scope).
   mutable Mutex mu;
   CompletionMerger merger GUARDED_BY(mu);  // pending tasks and their merged results
-  // Pending swaps (opts.completion_forecast): what the forecast needs when a caller waits for one.
-  struct SwapShape {
-    proto::TaskKind kind;
-    std::uint64_t blocks;
-    std::int64_t submit_ns;
-  };
-  std::unordered_map<std::uint64_t, SwapShape> swap_shapes GUARDED_BY(mu);
-  // Of them, how many go each way (device->host, host->device): a swap queued behind another of
-  // its direction ends later than its own forecast says, so only a lone one is forecast.
-  std::uint32_t swaps_each_way[2] GUARDED_BY(mu) = {0, 0};
-  CompletionForecast forecast GUARDED_BY(mu);  // learned from the swaps that completed ok
-  ForecastWaits forecast_waits GUARDED_BY(mu);  // where waiters took forecast swaps' results
+  PendingSwaps swaps GUARDED_BY(mu);  // swaps in flight and their forecast (opts.completion_forecast)
   std::uint64_t next_task_id GUARDED_BY(mu) = 1;
   std::atomic<std::uint64_t> weight_version{0};
-  // Weight updates (mirrored to h->cache_state): tasks are refused while cleared;
-  // tensors may be registered again once every rank confirmed the clear.
-  bool cache_cleared GUARDED_BY(mu) = false;
-  bool clear_confirmed GUARDED_BY(mu) = false;
+  CacheState cache GUARDED_BY(mu);  // across weight updates (mirrored to h->cache_state by set_cache_state)
   std::uint32_t arena_incarnation GUARDED_BY(mu) = 0;  // host-backend arenas made so far (new names after a clear)
 
-  // Per rank, private: who was granted, and a fence in progress.
-  struct RankState {
-    std::uint64_t owner = 0;  // owner word of the granted daemon
-    // The granted daemon shares this engine's pid namespace: its pid and owner word name it
-    // here, so it can be signalled. Else liveness is its lock on the segment and it cannot be
-    // fenced from this side (ipc/liveness_lock.h).
-    bool same_pid_namespace = true;
-    // Its successor asked to attach while it was attached: the successor took the rank's lock,
-    // which only an exited (or detached) daemon lets go, so across namespaces it is fenced.
-    bool replaced = false;
-    bool fencing = false;     // declared gone; tasks fail once the fence ends
-    bool unfenced = false;    // its fence failed: the process may live on with the cache mapped
-    std::string why;
-  };
-  std::vector<RankState> rank_state GUARDED_BY(mu);
+  RankRoster roster GUARDED_BY(mu);  // per rank, private: who was granted, a fence asked for or failed
   // The fence of rank r's daemon when it runs in another pid namespace: by its lock on the
   // segment, never a signal (ipc/liveness_lock.h).
   ipc::FenceResult fence_across_namespaces(std::uint32_t r, bool replaced) const;
-  std::atomic<std::uint32_t> fences_wanted{0};
+  std::atomic<std::uint32_t> fences_wanted{0};  // the service thread has fences to run (roster.fence_jobs)
 
   Mutex stop_mu ACQUIRED_BEFORE(mu);
   CondVar stop_cv;
@@ -123,8 +97,6 @@ struct EngineSession::Impl {
   // engine shutdown: a completion thread in wait(), the main thread closing) wakes that call
   // with kClosed and unmaps only once no call is inside. Both seq_cst: a call increments `calls`
   // then reads `closing`, the destructor sets `closing` then reads `calls`; one sees the other.
-  std::int64_t last_service_ns GUARDED_BY(mu) = 0;  // when service() last ran (any thread)
-  std::int64_t watch_from_ns GUARDED_BY(mu) = 0;    // heartbeat ages count from here at most
   std::atomic<std::uint32_t> calls{0};
   std::atomic<bool> closing{false};
   // The session belongs to the process that created it: a forked child shares the mapping but
@@ -194,13 +166,6 @@ struct EngineSession::Impl {
 
   // Fails every task still waiting for `rank`.
   void fail_rank(std::uint32_t rank, TaskStatus status, const std::string& why) REQUIRES(mu);
-
-  // Swap `task_id` finished (completed, failed or dropped): learned from when it completed ok.
-  void swap_finished(std::uint64_t task_id) REQUIRES(mu);
-  // How wait_result should wait for `task_id`: around its forecast end, when it has one.
-  std::optional<CompletionWait> completion_wait(std::uint64_t task_id) const REQUIRES(mu);
-  // A waiter took a result at `taken_ns` while waiting around `around`: counted.
-  void count_forecast_wait(const CompletionWait& around, std::int64_t taken_ns) REQUIRES(mu);
 
   // Stops routing tasks to rank r and hands it to the service thread to fence: its
   // pending tasks fail only once it can no longer write (or, if it cannot be stopped, with

@@ -198,16 +198,15 @@ Result<std::uint64_t, IpcErrc> EngineSession::Impl::submit_encoded(std::vector<E
       MutexLock g(impl->mu);
       impl->service(false);
       std::uint32_t expected = 0;
-      if (!cache_control && impl->cache_cleared)
+      if (!cache_control && impl->cache.cleared())
         return make_error(IpcErrc::kCacheCleared, "the KV cache of session " + impl->name +
                                                       " is cleared for a weight update: restore_caches() first");
       for (std::uint32_t r = 0; r < impl->geo.num_ranks; ++r) {
         if (!impl->serves(r)) continue;
-        if (cache_control && (impl->rank_state[r].fencing || impl->rank_state[r].unfenced))
-          return make_error(IpcErrc::kNotReady, "rank " + std::to_string(r) + " went silent and " +
-                                                    (impl->rank_state[r].fencing ? "is being stopped"
-                                                                                 : "could not be stopped") +
-                                                    ": it may still have the cache mapped");
+        if (cache_control) {
+          if (auto refusal = impl->roster.cache_control_refusal(r); !refusal.empty())
+            return make_error(IpcErrc::kNotReady, std::move(refusal));
+        }
         if (h->ranks[r].attached.load(std::memory_order_acquire)) expected |= 1u << r;
         else if (!cache_control)
           return make_error(IpcErrc::kNotReady, "rank " + std::to_string(r) + " is not attached to session " + impl->name);
@@ -260,10 +259,7 @@ std::optional<std::uint64_t> EngineSession::Impl::push_locked(proto::TaskRecordH
   ++next_task_id;
   merger.expect(hdr.task_id, seq, expected != 0 ? expected : all_ranks_mask(), hdr.submit_ns, cancels);
   const auto kind = static_cast<proto::TaskKind>(hdr.kind);
-  if (const int way = CompletionForecast::direction(kind); opts.completion_forecast && way >= 0) {
-    swap_shapes[hdr.task_id] = SwapShape{kind, src.size(), hdr.submit_ns};
-    ++swaps_each_way[way];
-  }
+  if (opts.completion_forecast) swaps.submitted(hdr.task_id, kind, src.size(), hdr.submit_ns);
   bump_and_wake(h->publish_word, &h->consumer_waiters);
   return hdr.task_id;
 }
