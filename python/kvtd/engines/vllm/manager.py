@@ -1,12 +1,13 @@
 """The scheduler side of kvtd.vllm: vLLM's own CPUOffloadingManager over the daemons' host blocks,
-told which of its blocks a daemon failed to store or load (vLLM main 017e9f44).
+told which of its blocks a daemon failed to store or load.
 
 The manager runs in vLLM's scheduler process; the daemons' results reach it as host block ids in
-KvtdWorkerMetadata, summed across workers by vLLM's own aggregation (offloading/common.py:75-100)
-and handed to the connector's update_connector_output before vLLM completes the jobs
-(offloading/scheduler.py:1507-1585 calls complete_store / complete_load once every worker
-acknowledged a job). Host block ids identify a job's blocks: the manager hands a block to one
-pending store at a time, and every rank's daemon pool uses the manager's ids.
+KvtdWorkerMetadata, summed across workers by vLLM's own aggregation (OffloadingWorkerMetadata)
+and handed to the connector's update_connector_output before vLLM completes the jobs (its
+update_connector_output calls complete_store / complete_load once every worker acknowledged a
+job; see docs/engines/vllm.md, 'Upstream behaviour relied on'). Host block ids identify a job's
+blocks: the manager hands a block to one pending store at a time, and every rank's daemon pool
+uses the manager's ids.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class KvtdOffloadingManager(CPUOffloadingManager):
     failed kvtd store as stored and forgets blocks a load could not read. Not thread-safe, like
     its base: vLLM calls it from the scheduler's thread only.
 
-    A failure noted for a job that vLLM has discarded (reset_cache, scheduler.py:1656-1695) can
+    A failure noted for a job that vLLM has discarded (its connector scheduler's reset_cache) can
     only make a later store of the same block id count as failed once: the safe direction (a
     miss, recomputed), and the note is cleared when the block is handed out again."""
 
@@ -145,7 +146,7 @@ class KvtdOffloadingManager(CPUOffloadingManager):
             block = self._policy.get(key)
             if block is None or block.block_id not in self._failed_load_blocks or block.ref_cnt != 0:
                 continue  # still read by another load: dropped when that one completes
-            # What CPUOffloadingManager does to an evicted block (manager.py:196-216): out of the
+            # What CPUOffloadingManager does to an evicted block (its prepare_store): out of the
             # policy, no longer evictable, back to the free list, a removal event.
             self._failed_load_blocks.discard(block.block_id)
             self._policy.remove(key)

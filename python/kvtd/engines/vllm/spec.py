@@ -1,4 +1,4 @@
-"""kvtd as vLLM's native KV offloading spec (vLLM main 017e9f44), loaded by vLLM's own factory:
+"""kvtd as vLLM's native KV offloading spec, loaded by vLLM's own factory:
 
     --kv-transfer-config '{"kv_connector": "KvtdOffloadingConnector", "kv_connector_module_path": "kvtd.vllm",
       "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -9,25 +9,26 @@ with one kvtd daemon per rank serving session `<kvtd_session>_r<rank>` (README, 
 parallelism `<kvtd_session>_dp<index>_r<rank>` (session_suffix).
 
 vLLM constructs the spec in its scheduler process and in every worker process
-(OffloadingSpecFactory.create_spec, v1/kv_offload/factory.py:52-56; offloading_connector.py:61-82).
+(OffloadingSpecFactory.create_spec, called by OffloadingConnector's constructor in each; the vLLM
+code this module relies on is listed in docs/engines/vllm.md, 'Upstream behaviour relied on').
 The scheduler side is vLLM's own CPUOffloadingManager over the daemons' host blocks (its LRU or
 ARC policy decides what lives there; kvtd only moves bytes). Each worker (one process per TP rank)
 makes a kvtd session serving its rank alone (`<kvtd_session>_r<rank>`, Session(only_rank=rank)),
 registers its canonical KV tensors (CUDA IPC handles on a GPU, shared memory on the host backend)
 and turns submit_store / submit_load into swaps on its rank's daemon; the host tier is that
-daemon's pool, so it outlives the worker. vLLM waits for every rank's acknowledgement of a job
-(scheduler.py:1549-1568), which is the cross-rank agreement.
+daemon's pool, so it outlives the worker. vLLM's connector scheduler waits for every rank's
+acknowledgement of a job, which is the cross-rank agreement.
 
 Failures. vLLM's worker asserts every job succeeded ("we currently do not support job
-failures", offloading/worker.py:313-330, 361), so a kvtd task that fails is reported finished
-(success=True) and its failure travels beside it, in the worker metadata vLLM already carries from
-every worker to the scheduler (KvtdWorkerMetadata; the model runner calls get_finished, then
-get_block_ids_with_load_errors, then build_connector_worker_meta, in that order, each step:
-vllm/v1/worker/kv_connector_model_runner_mixin.py:99-110, not vendored):
+failures"), so a kvtd task that fails is reported finished (success=True) and its failure travels
+beside it, in the worker metadata vLLM already carries from every worker to the scheduler
+(KvtdWorkerMetadata; the model runner calls get_finished, then get_block_ids_with_load_errors,
+then build_connector_worker_meta, in that order, each step, in vLLM's KV connector model-runner
+mixin):
 - a failed store: its host blocks reach the scheduler's KvtdOffloadingManager, which completes the
-  job's keys whose block failed on any rank with success=False (vLLM's own path for a failed store,
-  cpu/manager.py:239-265: the keys are removed and their blocks freed), so no lookup ever hits a
-  key some rank's daemon did not store;
+  job's keys whose block failed on any rank with success=False (vLLM's own path for a failed
+  store: the keys are removed and their blocks freed), so no lookup ever hits a key some rank's
+  daemon did not store;
 - a failed load: its GPU blocks are returned from get_block_ids_with_load_errors in the pass in
   which get_finished reports the request, so vLLM recomputes them instead of running on bytes that
   did not arrive (with vLLM's default `"kv_load_failure_policy": "fail"` the request fails
@@ -44,7 +45,7 @@ A storage tier behind the host tier: `"kvtd_storage": true` with daemons that ha
 
 Replicated layouts (MLA): the spec leaves `replicated_layout` False, so every rank stores its own
 copy into its own daemon's pool (vLLM's CPU spec lets rank 0 write one copy into a region the
-ranks share, worker.py:55-57; kvtd's pools are per rank). The storage tier follows vLLM's
+ranks share; kvtd's pools are per rank). The storage tier follows vLLM's
 OffloadingConfig.replicated_layout: set (a pure-MLA, TP-only deployment), rank 0's daemon stores
 one copy every rank reads; otherwise each rank stores and reads its own (the session and the
 daemon declare it: KvIdentity, `--kv-layout`, never inferred from the tensors).
@@ -83,14 +84,12 @@ def session_suffix(prefix: str, rank: int, dp_index: int = 0, dp_size: int = 1) 
 def refused_option(config, extra_config) -> Optional[str]:
     """Why an option of vLLM's offloading config cannot be served by kvtd (None: all can), named as
     the user wrote it, so vLLM stops at start instead of running without what was asked.
-    - `canonical_layout` (offloading/config.py:138; vLLM's CPU worker then writes topology-free
-      pages, cpu/gpu_worker.py:264-324): kvtd moves each worker's pages as the worker holds them
-      and names its stored objects by the rank's layout (KvIdentity per_rank), so its pages are
-      not readable at another TP.
-    - `secondary_tiers` (tiering/spec.py:244): vLLM's SecondaryTierManager reads the primary tier
-      through a memoryview of vLLM's CPU region in the scheduler process (tiering/base.py:137-150);
-      with kvtd the host tier is each rank's daemon's pool, never in the scheduler. kvtd's own
-      storage tier is "kvtd_storage": true."""
+    - `canonical_layout` (vLLM's CPU worker then writes topology-free pages): kvtd moves each
+      worker's pages as the worker holds them and names its stored objects by the rank's layout
+      (KvIdentity per_rank), so its pages are not readable at another TP.
+    - `secondary_tiers`: vLLM's SecondaryTierManager reads the primary tier through a memoryview
+      of vLLM's CPU region in the scheduler process; with kvtd the host tier is each rank's
+      daemon's pool, never in the scheduler. kvtd's own storage tier is "kvtd_storage": true."""
     if bool(getattr(config, "canonical_layout", False)) or bool(extra_config.get("canonical_layout", False)):
         return ('kvtd.vllm does not serve "canonical_layout": it moves each worker\'s pages as the worker holds them '
                 "and stores them per rank (not readable at another TP); remove canonical_layout from "
@@ -109,8 +108,8 @@ class KvtdOffloadingSpec(OffloadingSpec):
     def build_metric_definitions(cls, extra_config):
         """What the scheduler's manager reports with metrics on: it is vLLM's CPUOffloadingManager
         underneath (manager.py), whose get_stats() sets three gauges and observes one histogram
-        (cpu/manager.py:293-318); vLLM's Prometheus layer defines only these and asserts every
-        key it is handed is defined (offloading/metrics.py:481-490)."""
+        (and, with store_threshold >= 2, counts skipped stores); vLLM's Prometheus layer defines
+        only these and asserts every key it is handed is defined."""
         from vllm.v1.kv_offload.base import (OffloadingCounterMetadata, OffloadingGaugeMetadata,
                                              OffloadingHistogramMetadata)
         from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics as names
@@ -141,7 +140,7 @@ class KvtdOffloadingSpec(OffloadingSpec):
             raise ValueError(f"kvtd.vllm moves whole GPU blocks: blocks_per_chunk is {self.blocks_per_chunk}, "
                              "set the offloaded block size to the GPU block size")
         self.num_blocks = int(x.get("kvtd_host_blocks", 0))
-        if self.num_blocks <= 0:  # vLLM's meaning: the bytes of every worker's copy together (cpu/spec.py:86-103)
+        if self.num_blocks <= 0:  # vLLM's CPU spec's meaning: the bytes of every worker's copy together
             cpu_bytes = int(x.get("cpu_bytes_to_use", 0))
             per_block = int(config.worker_kv_bytes_per_block) * max(1, int(config.parallel.world_size))
             self.num_blocks = cpu_bytes // per_block if per_block > 0 else 0
@@ -159,7 +158,7 @@ class KvtdOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             x = self.extra_config
-            # vLLM's CPU spec options, passed as its own get_manager passes them (cpu/spec.py:123-141):
+            # vLLM's CPU spec options, passed as its own get_manager passes them:
             # the manager underneath is vLLM's, so each means what it means there.
             self._manager = KvtdOffloadingManager(num_blocks=self.num_blocks,
                                                  cache_policy=x.get("eviction_policy", "lru"),
@@ -179,11 +178,11 @@ def geometry_of(kv_caches: CanonicalKVCaches, world_size: int, host_blocks: int,
     """kvtd's geometry of a worker's canonical tensors: each (num_blocks, page bytes) tensor one
     layer of kvtd's, key only. vLLM's canonical tensors are a layer's K or V (FlashAttention's
     split), a layer's MLA latent, or one cross-layer slab (its default layout, `canonical_layout`
-    False: worker.py:245-290), and kvtd need not tell which: it moves every tensor's block. What
-    it must know is declared, never inferred from the tensor count: the layout is per rank unless
-    vLLM says every worker's bytes are identical (OffloadingConfig.replicated_layout: a pure-MLA,
-    TP-only deployment; offloading/config.py:118-135), and `dtype` is the cache's element type
-    (OffloadingConfig.model.dtype), which vLLM's byte-typed tensors do not carry."""
+    False), and kvtd need not tell which: it moves every tensor's block. What it must know is
+    declared, never inferred from the tensor count: the layout is per rank unless vLLM says every
+    worker's bytes are identical (OffloadingConfig.replicated_layout: a pure-MLA, TP-only
+    deployment), and `dtype` is the cache's element type (OffloadingConfig.model.dtype), which
+    vLLM's byte-typed tensors do not carry."""
     tensors = [t.tensor for t in kv_caches.tensors]
     if not tensors:
         raise ValueError("vLLM handed kvtd no KV cache tensors")
@@ -252,8 +251,8 @@ class KvtdOffloadingWorker(OffloadingWorker):
     def _ordering_event(self):
         """(event, handles) that order this swap after the GPU work queued before it, or (None, None)
         for host tensors. vLLM's own CPU worker makes its copy stream wait on the compute stream
-        before every transfer (cpu/gpu_worker.py:636-641: stores must wait for the model to finish
-        writing the KV they read; loads for pending writes to their destination): kvtd's daemon
+        before every transfer (stores must wait for the model to finish writing the KV they read;
+        loads for pending writes to their destination): kvtd's daemon
         waits on the GPU for an interprocess event recorded here on the current stream. The session
         takes one handle per rank of its geometry; this worker's session is served by its own
         rank's daemon only, so the other places hold zeros nobody reads."""
@@ -380,7 +379,7 @@ class KvtdOffloadingConnector(OffloadingConnector):
         w = self._kvtd_worker()
         if w is not None:
             w.failures_reach_vllm = True  # this connector carries them (below)
-            # vLLM queues this step's stores for the next step's start (worker.py:332-344).
+            # vLLM queues this step's stores for the next step's start.
             w.storage.note_store_keys(getattr(self._connector_metadata, "kvtd", None))
         return super().get_finished(finished_req_ids)
 

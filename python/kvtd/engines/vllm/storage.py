@@ -1,4 +1,4 @@
-"""kvtd's storage tier behind vLLM's CPU tier (vLLM main 017e9f44), routed through the connector.
+"""kvtd's storage tier behind vLLM's CPU tier, routed through the connector.
 
 vLLM's scheduler decides and the workers' daemons move; the scheduler has no session of its own
 (each rank's session has one producer, its worker), so the storage work rides the channels vLLM
@@ -12,15 +12,16 @@ already has: scheduler -> workers in the connector metadata (StorageWork, as `me
 - Each worker reports its backups' ends beside the answers; once every rank backed a store job
   up, the scheduler's manager emits a STORAGE stored event of its keys into vLLM's own event path
   (offloading/events.py turns it into BlockStored with the block hashes of the CPU tier's event
-  of the same keys, events.py:337-380), so a router joins a block's CPU and STORAGE events.
+  of the same keys), so a router joins a block's CPU and STORAGE events.
 - A key the CPU tier misses is asked of the store: lookup answers RETRY (vLLM asks again next
-  step, offloading/scheduler.py:624-628), a STORAGE_QUERY of the request's missing keys runs on
-  every rank, and the answer is the MIN of the ranks' leading hits (each daemon answers for its
-  rank's slice). Keys every rank holds are promoted: host blocks are allocated as for a store
-  (write-pending, HIT_PENDING) and a PREFETCH loads them on every rank; the keys every rank
-  loaded complete as stored (CPU HIT, then vLLM's own load to the GPU), the others as failed.
+  step), a STORAGE_QUERY of the request's missing keys runs on every rank, and the answer is the
+  MIN of the ranks' leading hits (each daemon answers for its rank's slice). Keys every rank holds
+  are promoted: host blocks are allocated as for a store (write-pending, HIT_PENDING) and a
+  PREFETCH loads them on every rank; the keys every rank loaded complete as stored (CPU HIT, then
+  vLLM's own load to the GPU), the others as failed.
 Objects are named by each daemon's --model-id, the geometry's layout and the weight version
-(`"kvtd_weight_version"`): vLLM's block hashes do not cover the weights.
+(`"kvtd_weight_version"`): vLLM's block hashes do not cover the weights. The vLLM code this
+module relies on is listed in docs/engines/vllm.md, 'Upstream behaviour relied on'.
 """
 
 from __future__ import annotations
