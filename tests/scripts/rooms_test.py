@@ -29,6 +29,10 @@ FLOORS = {
     "daemon/process": 7,
     "daemon": 8,  # the kvtd binary (daemon/main.cpp)
 }
+# The rooms libkvtd_client.so is made of, and the kernels nvcc compiles: no fmt or spdlog. The
+# client library is loaded into engine processes that carry fmt builds of their own, and needs only
+# libc and libstdc++ (the daemon's rooms use fmt, CMakeLists.txt).
+NO_FMT_ROOMS = {"base", "proto", "ipc", "client/engine", "client", "kernels", "cudasim"}
 TOP_FOLDERS = {room.split("/")[0] for room in FLOORS}  # what is walked (not tests/, build*/, ...)
 SOURCES = (".cpp", ".h", ".cu", ".cuh", ".c")
 
@@ -68,6 +72,11 @@ def include_problems(root, rel, room, owners, prefix_owner):
     problems = []
     with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as fh:
         text = fh.read()
+    if room in NO_FMT_ROOMS:
+        for m in re.finditer(r'^\s*#\s*include\s+<((?:fmt|spdlog)/[^>]+)>', text, re.M):
+            line = text.count(chr(10), 0, m.start()) + 1
+            problems.append(f"{rel}:{line}: #include <{m.group(1)}>: {room} is part of the client library or "
+                            "the kernels, which use no fmt (see NO_FMT_ROOMS)")
     for m in re.finditer(r'^\s*#\s*include\s+"([^"]+)"', text, re.M):
         inc = m.group(1)
         where = f"{rel}:{text.count(chr(10), 0, m.start()) + 1}: #include \"{inc}\""
