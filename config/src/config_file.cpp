@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <algorithm>
 #include <cstring>
+#include <fmt/format.h>
 #include <string>
 
 #include "flag_groups.h"
@@ -53,8 +54,8 @@ Status<ConfigErrc> check_config_file(const std::string& path) {
     const std::string line = text.substr(at, nl == std::string::npos ? std::string::npos : nl - at);
     ++line_no;
     if (nesting_of(line) > kMaxNesting)
-      return bad("line " + std::to_string(line_no) + " nests deeper than " + std::to_string(kMaxNesting) +
-                 " levels; kvtd's flags are flat (see kvtd.toml.example)");
+      return bad(fmt::format("line {} nests deeper than {} levels; kvtd's flags are flat (see kvtd.toml.example)",
+                             line_no, kMaxNesting));
     if (nl == std::string::npos) break;
     at = nl + 1;
   }

@@ -9,6 +9,7 @@
 #include "kvtd/base/version.h"
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <cerrno>
 #include <charconv>
@@ -122,8 +123,9 @@ Result<std::vector<std::int64_t>, ConfigErrc> parse_shape(const std::string& tex
     pos = comma + 1;
   }
   if (dims.size() != 3 && dims.size() != 4)
-    return make_error(ConfigErrc::kInvalidValue, flag + ": '" + text + "' has " + std::to_string(dims.size()) +
-                                                     " dimensions; expected blocks,kv_heads,block_size[,head_dim]");
+    return make_error(ConfigErrc::kInvalidValue,
+                      fmt::format("{}: '{}' has {} dimensions; expected blocks,kv_heads,block_size[,head_dim]", flag,
+                                  text, dims.size()));
   // A 3-D cache: the same bytes as head_dim 1 (a new vector: GCC 12 warns on push_back here).
   if (dims.size() == 3) return std::vector<std::int64_t>{dims[0], dims[1], dims[2], 1};
   return dims;

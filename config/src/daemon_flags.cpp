@@ -2,6 +2,7 @@
 // turned into a DaemonConfig group by group, each error naming its flag.
 #include <arpa/inet.h>
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <charconv>
@@ -53,7 +54,7 @@ Status<ConfigErrc> extra_layers_from(const std::string& json_text, std::int64_t 
   }
   const std::int64_t n = layers >= 0 ? layers : json_layers;
   if (n < 0 || n > static_cast<std::int64_t>(proto::kMaxLayers))
-    return bad("extra layers: " + std::to_string(n) + " must be in [0, " + std::to_string(proto::kMaxLayers) + "]");
+    return bad(fmt::format("extra layers: {} must be in [0, {}]", n, proto::kMaxLayers));
   c->num_extra_layers = static_cast<std::uint32_t>(n);
   if (n == 0) {
     if (blocks > 0) return bad("--extra-device-blocks needs --num-extra-layers");
@@ -64,11 +65,11 @@ Status<ConfigErrc> extra_layers_from(const std::string& json_text, std::int64_t 
   } else {
     // Written so that NaN and infinities fail.
     if (!(ratio > 0 && ratio <= 64))
-      return bad("--speculative_config: num_gpu_block_expand_ratio " + std::to_string(ratio) + " must be in (0, 64]");
+      return bad(fmt::format("--speculative_config: num_gpu_block_expand_ratio {:f} must be in (0, 64]", ratio));
     c->extra_device_blocks = static_cast<std::int64_t>(static_cast<double>(main_blocks) * ratio);
   }
   if (c->extra_device_blocks < 1 || c->extra_device_blocks > INT32_MAX)
-    return bad("extra layers' device blocks " + std::to_string(c->extra_device_blocks) + " must be in [1, 2^31)");
+    return bad(fmt::format("extra layers' device blocks {} must be in [1, 2^31)", c->extra_device_blocks));
   return {};
 }
 
@@ -219,17 +220,18 @@ Status<ConfigErrc> resolve_instance(RawFlags& f, DaemonConfig& c) {
 
 Status<ConfigErrc> resolve_ranks(RawFlags& f, DaemonConfig& c) {
   KVTD_TRY(resolve_instance(f, c));
-  if (f.mp_num < 1 || f.mp_num > 16) return bad("--mp-num: " + std::to_string(f.mp_num) + " must be in [1, 16]");
+  if (f.mp_num < 1 || f.mp_num > 16) return bad(fmt::format("--mp-num: {} must be in [1, 16]", f.mp_num));
   if (f.rank < 0 || f.rank >= f.mp_num)
-    return bad("--rank: " + std::to_string(f.rank) + " must be in [0, --mp-num=" + std::to_string(f.mp_num) + ")");
-  if (f.num_layers < 1 || f.num_layers > 512) return bad("--num-layers: " + std::to_string(f.num_layers) + " must be in [1, 512]");
+    return bad(fmt::format("--rank: {} must be in [0, --mp-num={})", f.rank, f.mp_num));
+  if (f.num_layers < 1 || f.num_layers > 512)
+    return bad(fmt::format("--num-layers: {} must be in [1, 512]", f.num_layers));
   if (f.host_blocks < 0 || f.host_blocks > INT32_MAX)
-    return bad("--num-host-blocks: " + std::to_string(f.host_blocks) + " must be in [0, 2^31)");
+    return bad(fmt::format("--num-host-blocks: {} must be in [0, 2^31)", f.host_blocks));
   const std::int64_t device_id = std::stoll(f.device_id);  // checked decimal by resolve_instance
   if (device_id < 0 || device_id > kMaxDeviceId)
-    return bad("--device-id: " + f.device_id + " must be in [0, " + std::to_string(kMaxDeviceId) + "]");
+    return bad(fmt::format("--device-id: {} must be in [0, {}]", f.device_id, kMaxDeviceId));
   if (f.dp_id < 0 || f.dp_id > 1023)
-    return bad("--local-data-parallel-id: " + std::to_string(f.dp_id) + " must be in [0, 1023]");
+    return bad(fmt::format("--local-data-parallel-id: {} must be in [0, 1023]", f.dp_id));
   c.data_parallel_id = static_cast<std::uint32_t>(f.dp_id);
   c.rank = static_cast<std::uint32_t>(f.rank);
   c.mp_num = static_cast<std::uint32_t>(f.mp_num);
@@ -269,8 +271,7 @@ Status<ConfigErrc> resolve_cache(RawFlags& f, DaemonConfig& c) {
   const std::size_t fd_shape_flags =
       f.fd_blocks_opt->count() + f.fd_heads_opt->count() + f.fd_bs_opt->count() + f.fd_hd_opt->count();
   if (f.key_shape.empty() && fd_shape_flags == 4) {
-    f.key_shape = std::to_string(f.fd_gpu_blocks) + "," + std::to_string(f.fd_kv_heads) + "," +
-                std::to_string(f.fd_block_size) + "," + std::to_string(f.fd_head_dim);
+    f.key_shape = fmt::format("{},{},{},{}", f.fd_gpu_blocks, f.fd_kv_heads, f.fd_block_size, f.fd_head_dim);
     if (f.value_shape.empty()) f.value_shape = f.key_shape;
   } else if (f.key_shape.empty()) {
     return bad(fd_shape_flags == 0 ? "--key-cache-shape: required"
@@ -284,14 +285,14 @@ Status<ConfigErrc> resolve_cache(RawFlags& f, DaemonConfig& c) {
     KVTD_ASSIGN_OR_RETURN(const auto vs, parse_shape(f.value_shape, "--value-cache-shape"));
     for (int i = 0; i < 4; ++i) c.value_cache_shape[i] = vs[static_cast<std::size_t>(i)];
     if (c.value_cache_shape[0] != c.key_cache_shape[0])
-      return bad("--value-cache-shape: block count " + std::to_string(c.value_cache_shape[0]) +
-                 " differs from --key-cache-shape's " + std::to_string(c.key_cache_shape[0]));
+      return bad(fmt::format("--value-cache-shape: block count {} differs from --key-cache-shape's {}",
+                             c.value_cache_shape[0], c.key_cache_shape[0]));
   }
 
   KVTD_TRY(extra_layers_from(f.speculative_json, f.extra_layers, f.extra_blocks, c.key_cache_shape[0], &c));
   if (c.num_layers + c.num_extra_layers > proto::kMaxLayers)
-    return bad("--num-layers " + std::to_string(c.num_layers) + " plus " + std::to_string(c.num_extra_layers) +
-               " extra layers exceed " + std::to_string(proto::kMaxLayers));
+    return bad(fmt::format("--num-layers {} plus {} extra layers exceed {}", c.num_layers, c.num_extra_layers,
+                           proto::kMaxLayers));
 
   if (f.dtype == "bfloat16") c.cache_dtype = proto::CacheDtype::kBFloat16;
   else if (f.dtype == "float16") c.cache_dtype = proto::CacheDtype::kFloat16;
@@ -395,7 +396,7 @@ Status<ConfigErrc> resolve_runtime(const RawFlags& f, DaemonConfig& c) {
     return bad("--control-endpoint: needs --control-secret-file (any local user can reach a TCP port; the ipc "
                "socket in the runtime directory is private to this user)");
   if (f.metrics_port < 0 || f.metrics_port > 65535)
-    return bad("--metrics-port: " + std::to_string(f.metrics_port) + " must be 0 (off) or a TCP port in [1, 65535]");
+    return bad(fmt::format("--metrics-port: {} must be 0 (off) or a TCP port in [1, 65535]", f.metrics_port));
   c.metrics_port = static_cast<std::uint16_t>(f.metrics_port);
   if (!is_ipv4_address(c.metrics_address))
     return bad("--metrics-address: '" + c.metrics_address + "' is not an IPv4 address (e.g. 127.0.0.1 or 0.0.0.0)");

@@ -1,6 +1,7 @@
 // Flags of running a fleet: --kv-events-* (where and how rank 0 publishes KV events,
 // kvtd/events/kv_events.h) and --redis-ttl-s (stored objects that expire on their own).
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 
 #include "flag_groups.h"
 
@@ -27,7 +28,7 @@ void declare_lifecycle_flags(CLI::App& app, DaemonConfig& c) {
 Status<ConfigErrc> resolve_lifecycle(const DaemonConfig& c) {
   if (c.storage.redis_ttl_s < 0 || c.storage.redis_ttl_s > 315'360'000)
     return make_error(ConfigErrc::kInvalidValue,
-                      "--redis-ttl-s: " + std::to_string(c.storage.redis_ttl_s) + " must be in [0, 315360000] (10 years)");
+                      fmt::format("--redis-ttl-s: {} must be in [0, 315360000] (10 years)", c.storage.redis_ttl_s));
   if (c.storage.redis_ttl_s > 0 && c.storage.backend != StorageBackendKind::kRedis)
     return make_error(ConfigErrc::kInvalidValue, "--redis-ttl-s: only the Redis store lets objects expire (--storage-backend redis)");
   return {};

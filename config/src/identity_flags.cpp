@@ -1,6 +1,7 @@
 // The KV identity flags (kvtd/proto/kv_identity.h): what the engine's KV is beyond its shape.
 // Each enters the storage namespace and must equal what the engine's session declares.
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 
 #include "flag_groups.h"
 #include "raw_flags.h"
@@ -37,10 +38,9 @@ Status<ConfigErrc> resolve_identity(const RawFlags& f, DaemonConfig& c) {
   auto stage = [](const char* name, std::int64_t rank, std::int64_t size, std::uint16_t* r,
                   std::uint16_t* s) -> Status<ConfigErrc> {
     if (size < 1 || size > 1024)
-      return bad(std::string("--") + name + "-size: " + std::to_string(size) + " must be in [1, 1024]");
+      return bad(fmt::format("--{}-size: {} must be in [1, 1024]", name, size));
     if (rank < 0 || rank >= size)
-      return bad(std::string("--") + name + "-rank: " + std::to_string(rank) + " is not a rank of --" + name +
-                 "-size " + std::to_string(size));
+      return bad(fmt::format("--{}-rank: {} is not a rank of --{}-size {}", name, rank, name, size));
     *r = static_cast<std::uint16_t>(rank);
     *s = static_cast<std::uint16_t>(size);
     return {};

@@ -1,6 +1,7 @@
 #include "instance.h"
 
 #include <charconv>
+#include <fmt/format.h>
 
 namespace kvtd::config {
 
@@ -68,8 +69,8 @@ Result<std::string, ConfigErrc> instance_config_file(int argc, const char* const
 Result<std::int64_t, ConfigErrc> resolve_device_id(const std::string& text, std::int64_t device_base,
                                                    std::int64_t rank) {
   if (device_base < 0 || device_base > kMaxDeviceId)
-    return make_error(ConfigErrc::kInvalidValue, "--device-base: " + std::to_string(device_base) + " must be in [0, " +
-                                                     std::to_string(kMaxDeviceId) + "]");
+    return make_error(ConfigErrc::kInvalidValue,
+                      fmt::format("--device-base: {} must be in [0, {}]", device_base, kMaxDeviceId));
   if (text == "auto") return device_base + rank;
   std::int64_t id = -1;
   const auto* end = text.data() + text.size();

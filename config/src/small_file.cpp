@@ -1,6 +1,7 @@
 #include "small_file.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -21,7 +22,7 @@ SmallFile read_small_regular_file(const std::string& path, long long max_bytes) 
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     out.problem = "not a regular file";
   } else if (st.st_size > max_bytes) {
-    out.problem = std::to_string(st.st_size) + " bytes; at most " + std::to_string(max_bytes) + " are read";
+    out.problem = fmt::format("{} bytes; at most {} are read", st.st_size, max_bytes);
   } else {
     out.text.resize(static_cast<std::size_t>(st.st_size));
     std::size_t got = 0;

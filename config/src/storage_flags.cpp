@@ -1,6 +1,7 @@
 // The storage tier's flags: declared, then checked and turned into DaemonConfig::storage, each
 // error naming its flag.
 #include <cstdlib>
+#include <fmt/format.h>
 #include <sstream>
 
 #include "flag_groups.h"
@@ -90,16 +91,17 @@ Status<ConfigErrc> resolve_storage(const RawFlags& f, DaemonConfig& c) {
   if (!(st.capacity_gib >= 0 && st.capacity_gib <= 1 << 20))
     return bad("--storage-capacity-gib: " + seconds(st.capacity_gib) + " must be in [0, 1048576]");
   if (st.io_threads > 64 || (st.io_threads == 0 && f.io_threads_opt->count() != 0))
-    return bad("--storage-io-threads: " + std::to_string(st.io_threads) + " must be in [1, 64]");
+    return bad(fmt::format("--storage-io-threads: {} must be in [1, 64]", st.io_threads));
   if (st.staging_mib < 1 || st.staging_mib > 65536)
-    return bad("--storage-staging-mib: " + std::to_string(st.staging_mib) + " must be in [1, 65536]");
+    return bad(fmt::format("--storage-staging-mib: {} must be in [1, 65536]", st.staging_mib));
   if (st.backup_queue_mib < 1 || st.backup_queue_mib > (1u << 20))
-    return bad("--storage-backup-queue-mib: " + std::to_string(st.backup_queue_mib) + " must be in [1, 1048576]");
+    return bad(fmt::format("--storage-backup-queue-mib: {} must be in [1, 1048576]", st.backup_queue_mib));
   if (st.backup_max_age_ms < 1 || st.backup_max_age_ms > 3'600'000)
-    return bad("--storage-backup-max-age-ms: " + std::to_string(st.backup_max_age_ms) + " must be in [1, 3600000]");
+    return bad(fmt::format("--storage-backup-max-age-ms: {} must be in [1, 3600000]", st.backup_max_age_ms));
   if (st.write_threshold < 1) return bad("--write-threshold: must be at least 1");
-  if (st.object_heads > 4096) return bad("--storage-object-heads: " + std::to_string(st.object_heads) + " must be in [0, 4096]");
-  if (st.kv_heads > 4096) return bad("--storage-kv-heads: " + std::to_string(st.kv_heads) + " must be in [0, 4096]");
+  if (st.object_heads > 4096)
+    return bad(fmt::format("--storage-object-heads: {} must be in [0, 4096]", st.object_heads));
+  if (st.kv_heads > 4096) return bad(fmt::format("--storage-kv-heads: {} must be in [0, 4096]", st.kv_heads));
   // Every deployment that shares a store must say which model its KV belongs to: two fine-tunes of
   // one shape under the default namespace would load each other's KV.
   if (st.backend != StorageBackendKind::kNone && f.model_id_opt->count() == 0 && c.fastdeploy.model_path.empty())

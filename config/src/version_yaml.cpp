@@ -1,5 +1,6 @@
 #include "kvtd/config/version_yaml.h"
 
+#include <fmt/format.h>
 #include <optional>
 #include <vector>
 
@@ -89,7 +90,7 @@ Status<ConfigErrc> escape(std::string_view s, std::size_t* i, std::string* out) 
   }
   const std::size_t digits = e == 'x' ? 2 : e == 'u' ? 4 : e == 'U' ? 8 : 0;
   if (digits == 0) return bad(std::string("the escape \\") + e + " in a double-quoted string");
-  if (*i + digits >= s.size()) return bad(std::string("a \\") + e + " escape without its " + std::to_string(digits) + " hex digits");
+  if (*i + digits >= s.size()) return bad(fmt::format("a \\{} escape without its {} hex digits", e, digits));
   std::uint32_t cp = 0;
   for (std::size_t k = 1; k <= digits; ++k) {
     const char h = s[*i + k];
@@ -367,7 +368,7 @@ Result<std::string, ConfigErrc> version_from_yaml(std::string_view text) {
     std::string_view line = text.substr(0, nl);
     text = nl == std::string_view::npos ? std::string_view() : text.substr(nl + 1);
     ++line_no;
-    const std::string at = "line " + std::to_string(line_no) + ": ";
+    const std::string at = fmt::format("line {}: ", line_no);
     if (flow_depth > 0) {
       flow += ' ';
       flow += line;

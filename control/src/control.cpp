@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fmt/format.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -51,7 +52,7 @@ Result<std::string, ControlErrc> private_dir(const std::string& dir) {
   }
   if (!S_ISDIR(st.st_mode)) return make_error(ControlErrc::kRuntimeDir, dir + " is not a directory");
   if (st.st_uid != getuid())
-    return make_error(ControlErrc::kRuntimeDir, dir + " belongs to uid " + std::to_string(st.st_uid) + ", not to us");
+    return make_error(ControlErrc::kRuntimeDir, fmt::format("{} belongs to uid {}, not to us", dir, st.st_uid));
   if ((st.st_mode & 077) != 0) {
     char mode[8];
     std::snprintf(mode, sizeof mode, "%03o", st.st_mode & 0777);
@@ -89,18 +90,17 @@ Result<std::string, ControlErrc> runtime_dir() {
   struct stat st {};
   if (lstat("/run/kvtd", &st) == 0 && S_ISDIR(st.st_mode) && st.st_uid == getuid()) return private_dir("/run/kvtd");
   if (const char* x = std::getenv("XDG_RUNTIME_DIR"); x && *x) return private_dir(std::string(x) + "/kvtd");
-  return private_dir("/tmp/kvtd-" + std::to_string(getuid()));
+  return private_dir(fmt::format("/tmp/kvtd-{}", getuid()));
 }
 
 std::string socket_path(const std::string& dir, const std::string& session, std::uint32_t dp, std::uint32_t rank) {
-  return dir + "/kvtd_" + std::to_string(getuid()) + "_" + session + "_dp" + std::to_string(dp) + "_r" +
-         std::to_string(rank) + ".sock";
+  return fmt::format("{}/kvtd_{}_{}_dp{}_r{}.sock", dir, getuid(), session, dp, rank);
 }
 
 std::vector<std::pair<std::uint32_t, std::string>> find_sockets(const std::string& dir, const std::string& session,
                                                                 std::uint32_t dp) {
   std::vector<std::pair<std::uint32_t, std::string>> out;
-  const std::string prefix = "kvtd_" + std::to_string(getuid()) + "_" + session + "_dp" + std::to_string(dp) + "_r";
+  const std::string prefix = fmt::format("kvtd_{}_{}_dp{}_r", getuid(), session, dp);
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
@@ -186,7 +186,7 @@ Result<std::string, ControlErrc> read_secret_file(const std::string& path) {
   struct stat st {};
   if (::lstat(path.c_str(), &st) != 0) return bad(std::strerror(errno));
   if (!S_ISREG(st.st_mode)) return bad("not a regular file (a symbolic link is refused)");
-  if (st.st_uid != ::geteuid()) return bad("owned by uid " + std::to_string(st.st_uid) + ", not this user");
+  if (st.st_uid != ::geteuid()) return bad(fmt::format("owned by uid {}, not this user", st.st_uid));
   if ((st.st_mode & 077) != 0) {
     char mode[8];
     std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
@@ -435,7 +435,7 @@ Result<std::string, ControlErrc> call(const std::string& endpoint, const Request
     zmq::message_t reply;
     if (!socket.recv(reply, zmq::recv_flags::none))
       return make_error(ControlErrc::kTimeout,
-                        "no daemon answered at " + endpoint + " within " + std::to_string(timeout_ms) + " ms");
+                        fmt::format("no daemon answered at {} within {} ms", endpoint, timeout_ms));
     return std::string(static_cast<const char*>(reply.data()), reply.size());
   } catch (const zmq::error_t& e) {
     return make_error(ControlErrc::kBadReply, endpoint + ": " + e.what());

@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <fmt/format.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 
 #include <filesystem>
@@ -15,7 +16,7 @@ namespace kvtd::daemon {
 
 bool init_logging(const std::string& log_dir, const std::string& group, std::uint32_t data_parallel_id,
                   std::uint32_t rank, const std::string& level, std::string* error) {
-  const std::string who = (group.empty() ? "" : group + "_") + "dp" + std::to_string(data_parallel_id) + "_rank" + std::to_string(rank);
+  const std::string who = fmt::format("{}{}dp{}_rank{}", group, group.empty() ? "" : "_", data_parallel_id, rank);
   try {
     std::vector<spdlog::sink_ptr> sinks;
     sinks.push_back(std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
@@ -41,8 +42,7 @@ bool init_logging(const std::string& log_dir, const std::string& group, std::uin
       sinks.push_back(std::make_shared<spdlog::sinks::rotating_file_sink_mt>(path, 64u << 20, 5, false, events));
     }
     auto logger = std::make_shared<spdlog::logger>("kvtd", sinks.begin(), sinks.end());
-    logger->set_pattern("%Y-%m-%dT%H:%M:%S.%e [dp " + std::to_string(data_parallel_id) + " rank " +
-                        std::to_string(rank) + "] [%l] %v");
+    logger->set_pattern(fmt::format("%Y-%m-%dT%H:%M:%S.%e [dp {} rank {}] [%l] %v", data_parallel_id, rank));
     logger->set_level(spdlog::level::from_str(level));
     logger->flush_on(spdlog::level::info);
     spdlog::set_default_logger(logger);

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fmt/format.h>
 #include <functional>
 #include <map>
 #include <optional>
@@ -134,7 +135,7 @@ std::optional<std::pair<std::uint32_t, std::uint32_t>> parse_engine_fd(std::stri
 // the description's flags (octal) and, where the kernel says it, its inode (the engine may have
 // put another file under the number between the two).
 std::string engine_fd_problem(std::pair<std::uint32_t, std::uint32_t> pid_fd, const struct stat& opened) {
-  const std::string info = "/proc/" + std::to_string(pid_fd.first) + "/fdinfo/" + std::to_string(pid_fd.second);
+  const std::string info = fmt::format("/proc/{}/fdinfo/{}", pid_fd.first, pid_fd.second);
   std::FILE* f = std::fopen(info.c_str(), "re");
   if (f == nullptr) return "cannot be checked: " + info + ": " + std::strerror(errno);
   char line[256];
@@ -156,7 +157,7 @@ std::string engine_fd_problem(std::pair<std::uint32_t, std::uint32_t> pid_fd, co
 // Whether `fd` is a memfd: its name says so and, as only memory does, it answers F_GET_SEALS.
 bool is_memfd(int fd) {
   char link[64] = {};
-  const std::string self = "/proc/self/fd/" + std::to_string(fd);
+  const std::string self = fmt::format("/proc/self/fd/{}", fd);
   const ssize_t n = readlink(self.c_str(), link, sizeof link - 1);
   return n > 0 && std::string_view(link, static_cast<std::size_t>(n)).substr(0, 7) == "/memfd:" &&
          fcntl(fd, F_GET_SEALS) >= 0;
@@ -231,8 +232,8 @@ Result<Mapping, DeviceErrc> map_object(const std::string& name) {
   const int mmap_errno = errno;
   ::close(fd);
   if (p == MAP_FAILED)
-    return make_error(DeviceErrc::kOpenFailed, "cannot map " + what + " (" + std::to_string(size) +
-                                                   " bytes): " + std::strerror(mmap_errno));
+    return make_error(DeviceErrc::kOpenFailed,
+                      fmt::format("cannot map {} ({} bytes): {}", what, size, std::strerror(mmap_errno)));
   return Mapping(p, size);
 }
 
@@ -269,9 +270,9 @@ class HostBackend final : public DeviceBackend {
     }
     const Mapping& m = it->second;
     if (d.offset > m.size || d.bytes > m.size - d.offset)
-      return make_error(DeviceErrc::kOpenFailed, "tensor at offset " + std::to_string(d.offset) + " of " +
-                                                     std::to_string(d.bytes) + " bytes exceeds object " + name +
-                                                     " of " + std::to_string(m.size) + " bytes");
+      return make_error(DeviceErrc::kOpenFailed,
+                        fmt::format("tensor at offset {} of {} bytes exceeds object {} of {} bytes", d.offset,
+                                    d.bytes, name, m.size));
     return static_cast<std::byte*>(m.addr) + d.offset;
   }
 
@@ -281,8 +282,8 @@ class HostBackend final : public DeviceBackend {
     if (bytes == 0) return static_cast<std::byte*>(nullptr);
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (p == MAP_FAILED)
-      return make_error(DeviceErrc::kAllocFailed, "cannot allocate " + std::to_string(bytes) +
-                                                      " bytes of host pool: " + std::strerror(errno));
+      return make_error(DeviceErrc::kAllocFailed,
+                        fmt::format("cannot allocate {} bytes of host pool: {}", bytes, std::strerror(errno)));
     host_.emplace_back(p, bytes);
     return static_cast<std::byte*>(p);
   }

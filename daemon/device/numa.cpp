@@ -9,6 +9,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cstring>
+#include <fmt/format.h>
 #include <mutex>
 #include <vector>
 
@@ -43,7 +44,7 @@ bool usable_node(int node, std::string* why) {
     return false;
   }
   if (node < 0 || node > numa_max_node()) {
-    if (why) *why = "NUMA node " + std::to_string(node) + " does not exist (max " + std::to_string(numa_max_node()) + ")";
+    if (why) *why = fmt::format("NUMA node {} does not exist (max {})", node, numa_max_node());
     return false;
   }
   return true;
@@ -83,7 +84,7 @@ int numa_node_of_gpu(const std::string& pci_bus_id, int ordinal, const std::stri
     }
   }
   if (ordinal >= 0) {
-    const fs::path file = cls / ("nvidia" + std::to_string(ordinal)) / "device/numa_node";
+    const fs::path file = cls / fmt::format("nvidia{}", ordinal) / "device/numa_node";
     const int n = read_node(file);
     if (n >= 0 && how) *how = file.string();
     return n;
@@ -119,7 +120,7 @@ bool bind_this_thread_to_numa_node(int node, std::string* why) {
     struct bitmask* cpus = numa_allocate_cpumask();
     if (numa_node_to_cpus(node, cpus) != 0) {
       numa_free_cpumask(cpus);
-      if (why) *why = "cannot read the CPUs of NUMA node " + std::to_string(node);
+      if (why) *why = fmt::format("cannot read the CPUs of NUMA node {}", node);
       return false;
     }
     for (unsigned c = 0; c < cpus->size && c < CPU_SETSIZE; ++c)
@@ -127,7 +128,7 @@ bool bind_this_thread_to_numa_node(int node, std::string* why) {
     numa_free_cpumask(cpus);
   }
   if (CPU_COUNT(&set) == 0) {
-    if (why) *why = "none of NUMA node " + std::to_string(node) + "'s CPUs is allowed for this process";
+    if (why) *why = fmt::format("none of NUMA node {}'s CPUs is allowed for this process", node);
     return false;
   }
   if (sched_setaffinity(0, sizeof set, &set) != 0) {  // 0: the calling thread

@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <fmt/format.h>
 #include <optional>
 
 #include "kvtd/daemon/log.h"
@@ -111,18 +112,17 @@ Status<DeviceErrc> check_room(const std::string& dir, std::uint64_t page, std::u
     const std::int64_t free_pages = ipc::free_huge_pages(page);
     if (free_pages >= 0 && static_cast<std::uint64_t>(free_pages) < mapped / page)
       return make_error(DeviceErrc::kAllocFailed,
-                        "--host-pool-hugepages: the host pool needs " + std::to_string(mapped / page) + " pages of " +
-                            std::to_string(page >> 10) + " kB (" + mib(total) + ", " + std::to_string(blocks) +
-                            " blocks) and the kernel has " + std::to_string(free_pages) +
-                            " free (HugePages_Free less HugePages_Rsvd in /proc/meminfo); reserve more (sysctl -w "
-                            "vm.nr_hugepages=...) or lower --num-host-blocks");
+                        fmt::format("--host-pool-hugepages: the host pool needs {} pages of {} kB ({}, {} blocks) and "
+                                    "the kernel has {} free (HugePages_Free less HugePages_Rsvd in /proc/meminfo); "
+                                    "reserve more (sysctl -w vm.nr_hugepages=...) or lower --num-host-blocks",
+                                    mapped / page, page >> 10, mib(total), blocks, free_pages));
     return {};
   }
   if (const std::int64_t free_now = ipc::shm_free_bytes(); free_now >= 0 && static_cast<std::uint64_t>(free_now) < total)
     return make_error(DeviceErrc::kAllocFailed,
-                      "host pool needs " + mib(total) + " (" + std::to_string(blocks) + " blocks) in /dev/shm, which has " +
-                          mib(static_cast<std::uint64_t>(free_now)) +
-                          " free; enlarge it (mount -o remount,size=... /dev/shm) or lower --num-host-blocks");
+                      fmt::format("host pool needs {} ({} blocks) in /dev/shm, which has {} free; enlarge it "
+                                  "(mount -o remount,size=... /dev/shm) or lower --num-host-blocks",
+                                  mib(total), blocks, mib(static_cast<std::uint64_t>(free_now))));
   return {};
 }
 

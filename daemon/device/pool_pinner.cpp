@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <fmt/format.h>
 
 #include "kvtd/daemon/log.h"
 #include "kvtd/ipc/clock.h"
@@ -72,8 +73,8 @@ PoolPinner::~PoolPinner() {
 }
 
 std::string PoolPinner::piece_text(std::size_t i) const {
-  return "piece " + std::to_string(i + 1) + " of " + std::to_string(pieces_.size()) + ", " +
-         size_text(pieces_[i].bytes) + " from block " + std::to_string(pieces_[i].first_block);
+  return fmt::format("piece {} of {}, {} from block {}", i + 1, pieces_.size(), size_text(pieces_[i].bytes),
+                     pieces_[i].first_block);
 }
 
 // Faulting a page of the MAP_SHARED pool into this process is most of what pinning it costs (H100
@@ -188,15 +189,15 @@ Status<DeviceErrc> PoolPinner::wait_pinned(std::uint32_t end,
                    [&]() REQUIRES(mu_) { return pinned_blocks() >= end || !error_.empty(); });
       if (pinned_blocks() >= end) break;
       if (!error_.empty()) {
-        out = make_error(DeviceErrc::kAllocFailed, "host block " + std::to_string(pinned_blocks()) +
-                                                       " and up are not pinned: " + error_);
+        out = make_error(DeviceErrc::kAllocFailed,
+                         fmt::format("host block {} and up are not pinned: {}", pinned_blocks(), error_));
         break;
       }
     }
     if (auto why = give_up()) {
-      out = make_error(DeviceErrc::kAllocFailed, "host blocks up to " + std::to_string(end - 1) +
-                                                     " were still being pinned (blocks below " +
-                                                     std::to_string(pinned_blocks()) + " are): " + *why);
+      out = make_error(DeviceErrc::kAllocFailed,
+                       fmt::format("host blocks up to {} were still being pinned (blocks below {} are): {}", end - 1,
+                                   pinned_blocks(), *why));
       break;
     }
   }

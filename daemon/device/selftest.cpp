@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <fmt/format.h>
 #include <map>
 #include <numeric>
 #include <random>
@@ -92,9 +93,9 @@ struct Fixture {
       auto& t = tensors[i];
       readback.resize(t.dev_mirror.size());
       if (auto st = backend.read_device(readback.data(), t.dev, readback.size()); !st.ok()) return st.error().message;
-      if (readback != t.dev_mirror) return "device tensor " + std::to_string(i) + " differs";
+      if (readback != t.dev_mirror) return fmt::format("device tensor {} differs", i);
       if (std::memcmp(t.host, t.host_mirror.data(), t.host_mirror.size()) != 0)
-        return "host tensor " + std::to_string(i) + " differs";
+        return fmt::format("host tensor {} differs", i);
     }
     return "";
   }

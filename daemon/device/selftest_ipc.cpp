@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <fmt/format.h>
 #include <numeric>
 #include <vector>
 
@@ -58,7 +59,7 @@ bool read_all(int fd, void* p, std::size_t n) {
 std::int32_t export_engine(DeviceBackend& b, int device_id, std::vector<std::byte*>& tensors, Exported& out) {
   std::vector<std::byte> bytes(kTensorBytes);
   for (std::uint32_t t = 0; t < kTensors; ++t) {
-    auto e = b.create_exported(kOffset + kTensorBytes, "kvtd-selftest-" + std::to_string(getpid()) + "-" + std::to_string(t));
+    auto e = b.create_exported(kOffset + kTensorBytes, fmt::format("kvtd-selftest-{}-{}", getpid(), t));
     if (!e.ok()) return 1;
     tensors.push_back(e->ptr + kOffset);
     for (std::uint64_t i = 0; i < kTensorBytes; ++i) bytes[i] = pattern(0, t, i);
@@ -138,7 +139,7 @@ void check_across_processes(DeviceBackend& b, EnginePeer& peer, Tally& tally) {
   Exported ex{};
   const bool got = read_all(peer.from_engine, &ex, sizeof ex) && ex.error == 0;
   tally.check(got, "engine process exported its tensors and event",
-              got ? "" : "engine failed at step " + std::to_string(ex.error));
+              got ? "" : fmt::format("engine failed at step {}", ex.error));
   std::vector<kernels::CopyTarget> to_host, to_dev;
   std::vector<std::vector<std::byte>> expect(kTensors);
   std::vector<std::byte*> host(kTensors);
@@ -148,7 +149,8 @@ void check_across_processes(DeviceBackend& b, EnginePeer& peer, Tally& tally) {
     auto h = b.alloc_host(kTensorBytes);
     opened = dev.ok() && h.ok();
     if (!opened) {
-      tally.check(false, "open the engine's tensor " + std::to_string(t), dev.ok() ? "host allocation" : dev.error().message);
+      tally.check(false, fmt::format("open the engine's tensor {}", t),
+                  dev.ok() ? "host allocation" : dev.error().message);
       break;
     }
     host[t] = *h;
@@ -177,7 +179,7 @@ void check_across_processes(DeviceBackend& b, EnginePeer& peer, Tally& tally) {
       for (std::uint64_t i = 0; i < kTensorBytes && diff.empty(); ++i) {
         const std::uint64_t block = i / kBlockBytes, within = i % kBlockBytes;
         if (host[t][(kBlocks - 1 - block) * kBlockBytes + within] != pattern(0, t, i))
-          diff = "tensor " + std::to_string(t) + " block " + std::to_string(block) + " differs";
+          diff = fmt::format("tensor {} block {} differs", t, block);
       }
     tally.check(diff.empty(), "swap the engine's blocks to host across processes", diff);
     // Back, in the engine's own order, with the second pattern: the engine checks it.
@@ -190,7 +192,8 @@ void check_across_processes(DeviceBackend& b, EnginePeer& peer, Tally& tally) {
   const char go = 1;
   std::int32_t bad = -1;
   if (opened && write_all(peer.to_engine, &go, 1) && read_all(peer.from_engine, &bad, sizeof bad))
-    tally.check(bad == 0, "the engine reads back every byte the daemon wrote", bad == 0 ? "" : "engine check " + std::to_string(bad));
+    tally.check(bad == 0, "the engine reads back every byte the daemon wrote",
+                bad == 0 ? "" : fmt::format("engine check {}", bad));
   b.close_tensors();
   close(peer.to_engine);
   close(peer.from_engine);

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <fmt/format.h>
 #include <thread>
 #include <vector>
 
@@ -53,7 +54,7 @@ double time_pin(HostMemory& backend, std::byte* p, std::size_t bytes, std::uint3
     if (results[i].ok()) backend.unpin_host(pieces[i].first);
     else if (error.empty()) error = results[i].error().message;
   }
-  tally.check(error.empty(), "pin " + std::to_string(bytes >> 20) + " MiB of " + what, error);
+  tally.check(error.empty(), fmt::format("pin {} MiB of {}", bytes >> 20, what), error);
   return error.empty() ? static_cast<double>(bytes) / secs / 1e9 : -1.0;
 }
 
@@ -67,7 +68,7 @@ void print(const std::string& what, std::size_t bytes, double gbps, double refer
 // A shared-memory object of `bytes` in `dir` (empty: /dev/shm), every page allocated, as the
 // host pool's; removed on return. Null after a SKIP line when it cannot be made.
 std::unique_ptr<ipc::SharedObject> pool_like_object(const std::string& dir, std::size_t bytes) {
-  const std::string name = "kvtd_" + std::to_string(getuid()) + "_selftest_pin_" + std::to_string(getpid());
+  const std::string name = fmt::format("kvtd_{}_selftest_pin_{}", getuid(), getpid());
   ipc::SharedObject::remove(name, dir);
   auto o = ipc::SharedObject::create(name, bytes, {}, dir);
   ipc::SharedObject::remove(name, dir);  // the mapping stays; nothing is left behind
@@ -87,7 +88,7 @@ void measure_pinning(HostMemory& backend, std::uint32_t mib, std::uint32_t threa
   double reference = -1;
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) {
-    tally.check(false, "pin " + std::to_string(mib) + " MiB", "mmap failed");
+    tally.check(false, fmt::format("pin {} MiB", mib), "mmap failed");
   } else {
     std::memset(p, 0, bytes);  // faulted in first, as the pool's pages are before it is pinned
     reference = time_pin(backend, static_cast<std::byte*>(p), bytes, 1, "private memory", tally);
@@ -121,7 +122,7 @@ void measure_pinning(HostMemory& backend, std::uint32_t mib, std::uint32_t threa
   }
   if (auto huge = pool_like_object(hugetlbfs_dir, huge_bytes)) {
     const double gbps = time_pin(backend, huge->data(), huge_bytes, 1, "huge pages", tally);
-    if (gbps > 0) print("hugetlbfs " + std::to_string(*page >> 10) + " kB pages, one call", huge_bytes, gbps, reference);
+    if (gbps > 0) print(fmt::format("hugetlbfs {} kB pages, one call", *page >> 10), huge_bytes, gbps, reference);
   }
 }
 

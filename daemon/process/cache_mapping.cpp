@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <fmt/format.h>
 #include <thread>
 
 #include "kvtd/daemon/engine_memory.h"
@@ -23,18 +24,20 @@ std::optional<std::string> foreign_process_memory(const proto::TensorDesc& d, st
   // A pid names the engine only in its own pid namespace: here /proc/<pid> is someone else (or
   // nobody), whatever the number says.
   if (!engine_in_our_pid_namespace)
-    return "tensor object " + std::string(name) + " names a process by pid, and the engine runs in another pid " +
-           "namespace, where /proc/" + std::to_string(*pid) + " is not the engine: run the daemon in the engine's " +
-           "pid namespace (a pod with shareProcessNamespace: true) to map the engine's memory by its descriptor";
+    return fmt::format("tensor object {} names a process by pid, and the engine runs in another pid namespace, where "
+                       "/proc/{} is not the engine: run the daemon in the engine's pid namespace (a pod with "
+                       "shareProcessNamespace: true) to map the engine's memory by its descriptor",
+                       name, *pid);
   if (*pid != engine_pid)
-    return "tensor object " + std::string(name) + " is not the memory of the engine that made the session (pid " +
-           std::to_string(engine_pid) + "): a daemon maps no other process's memory";
+    return fmt::format("tensor object {} is not the memory of the engine that made the session (pid {}): a daemon "
+                       "maps no other process's memory",
+                       name, engine_pid);
   // The session's creator pid is what the engine wrote; the session's mapping in that process is
   // what the kernel says.
   if (!maps_session(*pid))
-    return "tensor object " + std::string(name) + " names process " + std::to_string(*pid) +
-           ", which does not map this session: the session's creator pid names another process than the engine, "
-           "and a daemon maps no other process's memory";
+    return fmt::format("tensor object {} names process {}, which does not map this session: the session's creator "
+                       "pid names another process than the engine, and a daemon maps no other process's memory",
+                       name, *pid);
   return std::nullopt;
 }
 
@@ -57,7 +60,7 @@ bool wait_for_fastdeploy_cache(const config::DaemonConfig& cfg, const endpoint::
     const std::int64_t now = ipc::monotonic_now_ns();
     if (now >= next_log) {
       KVTD_INFO("waiting for FastDeploy's worker to publish its KV cache ({})",
-                sig.ok() ? sig->name() + "[" + std::to_string(cfg.rank) + "] is 0" : sig.error().message);
+                sig.ok() ? fmt::format("{}[{}] is 0", sig->name(), cfg.rank) : sig.error().message);
       next_log = now + 10'000'000'000;
     }
     if (stop.load() || !ep.engine_alive()) return false;
@@ -176,7 +179,7 @@ Result<std::unique_ptr<FastDeployOwnedCache>, DeviceErrc> make_fastdeploy_cache(
                                                                                TensorMapper& backend) {
   const auto generation = ep.generation();
   auto owned = FastDeployOwnedCache::create(backend, ep.geometry(), cfg.rank, cfg.device_id, [&](std::size_t i) {
-    return ipc::session_object_name(generation, "fdcache" + std::to_string(cfg.rank * 4096 + i));
+    return ipc::session_object_name(generation, fmt::format("fdcache{}", cfg.rank * 4096 + i));
   });
   if (!owned.ok() || cfg.fastdeploy.engine_worker_queue_port.empty()) return owned;
   KVTD_ASSIGN_OR_RETURN(auto sig,

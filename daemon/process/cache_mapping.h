@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <fmt/format.h>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -60,8 +61,8 @@ class TensorSource {
       d = &named;
     }
     if (!d)
-      return make_error(DeviceErrc::kOpenFailed, std::string(proto::tensor_kind_name(kind)) + " tensor of layer " +
-                                                     std::to_string(l) + " is not registered");
+      return make_error(DeviceErrc::kOpenFailed,
+                        fmt::format("{} tensor of layer {} is not registered", proto::tensor_kind_name(kind), l));
     const auto maps_session = [this](std::uint32_t pid) { return ep_.mapped_by(pid); };
     if (auto why = foreign_process_memory(*d, ep_.engine_pid(), ep_.engine_in_our_pid_namespace(), maps_session))
       return make_error(DeviceErrc::kOpenFailed, *why);
@@ -71,10 +72,12 @@ class TensorSource {
   std::string describe(std::size_t tensors) const {
     if (!by_names_) return "";
     const auto example = fastdeploy_tensor_name(proto::TensorKind::kKey, 0, ep_.rank(), device_id_);
-    return owned_ != nullptr ? "made the " + std::to_string(tensors) + " tensors of this rank's cache and published " +
-                                   "them by FastDeploy's names for its worker (e.g. " + example + ")"
-                             : "the engine registered no tensors: opened the " + std::to_string(tensors) +
-                                   " tensors FastDeploy's worker published by name (e.g. " + example + ")";
+    return owned_ != nullptr ? fmt::format("made the {} tensors of this rank's cache and published them by "
+                                           "FastDeploy's names for its worker (e.g. {})",
+                                           tensors, example)
+                             : fmt::format("the engine registered no tensors: opened the {} tensors FastDeploy's "
+                                           "worker published by name (e.g. {})",
+                                           tensors, example);
   }
 
  private:

@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "kvtd/daemon/log.h"
@@ -234,10 +235,12 @@ Result<std::unique_ptr<control::ControlServer>, control::ControlErrc> start_cont
         reply.error = waited == ControlState::Wait::kRefused
                           ? "not restored: the engine has cleared its cache; it restores it (restore_caches) once its "
                             "new tensors are registered"
-                      : clear ? "still clearing after " + std::to_string(kCacheWaitMs / 1000) +
-                                    " s: tasks in flight have not finished (see `kvtd ctl status`)"
-                              : "not restored after " + std::to_string(kCacheWaitMs / 1000) +
-                                    " s: the registry could not be re-opened (see the daemon's log)";
+                      : clear ? fmt::format("still clearing after {} s: tasks in flight have not finished (see "
+                                            "`kvtd ctl status`)",
+                                            kCacheWaitMs / 1000)
+                              : fmt::format("not restored after {} s: the registry could not be re-opened (see the "
+                                            "daemon's log)",
+                                            kCacheWaitMs / 1000);
         return reply;
       }
       reply.result_json = json{{"cache", cache_state_name(want)}}.dump();

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <fmt/format.h>
 
 #include "kvtd/proto/session.h"
 
@@ -32,8 +33,7 @@ std::string shm_path(const std::string& name) { return "/" + name; }
 
 std::string fastdeploy_tensor_name(proto::TensorKind kind, std::uint32_t layer, std::uint32_t rank,
                                    std::int32_t device_id) {
-  return std::string(fastdeploy_prefix(kind)) + std::to_string(layer) + "_rank" + std::to_string(rank) + ".device" +
-         std::to_string(device_id);
+  return fmt::format("{}{}_rank{}.device{}", fastdeploy_prefix(kind), layer, rank, device_id);
 }
 
 Result<proto::TensorDesc, DeviceErrc> read_fastdeploy_tensor(const proto::CacheGeometry& g, std::uint32_t rank,
@@ -51,9 +51,9 @@ Result<proto::TensorDesc, DeviceErrc> read_fastdeploy_tensor(const proto::CacheG
   const int err = errno;
   close(fd);
   if (!sized)
-    return make_error(DeviceErrc::kOpenFailed, "/dev/shm/" + name + " holds " + std::to_string(st.st_size) +
-                                                   " bytes; FastDeploy's set_data_ipc writes " +
-                                                   std::to_string(sizeof raw));
+    return make_error(DeviceErrc::kOpenFailed,
+                      fmt::format("/dev/shm/{} holds {} bytes; FastDeploy's set_data_ipc writes {}", name, st.st_size,
+                                  sizeof raw));
   if (got != static_cast<ssize_t>(sizeof raw))
     return make_error(DeviceErrc::kOpenFailed, "cannot read /dev/shm/" + name + ": " + std::strerror(err));
   proto::TensorDesc d = proto::describe_tensor(g, rank, layer, kind);
@@ -119,9 +119,9 @@ Result<FastDeploySignal, DeviceErrc> FastDeploySignal::open(const std::string& n
   const std::size_t need = min_elements * sizeof(std::int32_t);
   if (fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(need)) {
     close(fd);
-    return make_error(DeviceErrc::kOpenFailed, "FastDeploy signal /dev/shm/" + full + " holds " +
-                                                   std::to_string(st.st_size) + " bytes; " + std::to_string(need) +
-                                                   " expected (" + std::to_string(min_elements) + " int32)");
+    return make_error(DeviceErrc::kOpenFailed,
+                      fmt::format("FastDeploy signal /dev/shm/{} holds {} bytes; {} expected ({} int32)", full,
+                                  st.st_size, need, min_elements));
   }
   void* p = mmap(nullptr, need, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;

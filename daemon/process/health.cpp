@@ -1,5 +1,6 @@
 #include "health.h"
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <chrono>
@@ -62,7 +63,7 @@ metrics::HealthAnswer liveness(const HealthSources&) {
   const double idle_s = seconds_since(last_loop_turn_ns());
   const bool ok = idle_s * 1e9 < static_cast<double>(kLoopStaleNs);
   json j{{"live", ok}, {"loop_turned_s_ago", idle_s}, {"stale_after_s", static_cast<double>(kLoopStaleNs) / 1e9}};
-  if (!ok) j["reason"] = "the serving loop has not turned for " + std::to_string(static_cast<int>(idle_s)) + " s";
+  if (!ok) j["reason"] = fmt::format("the serving loop has not turned for {} s", static_cast<int>(idle_s));
   return {ok, j.dump()};
 }
 
@@ -79,8 +80,9 @@ metrics::HealthAnswer readiness(const HealthSources& s) {
   if (draining) reasons.push_back("draining: finishing work before it stops");
   const std::int64_t copy_ns = s.copies != nullptr ? StuckCopyWatch::running_ns(*s.copies) : 0;
   if (s.stuck_copy_ns > 0 && copy_ns >= s.stuck_copy_ns)
-    reasons.push_back("a device copy has run for " + std::to_string(copy_ns / 1'000'000) +
-                      " ms without finishing (stuck: the daemon exits 8 at twice --stuck-copy-timeout)");
+    reasons.push_back(fmt::format("a device copy has run for {} ms without finishing (stuck: the daemon exits 8 at "
+                                  "twice --stuck-copy-timeout)",
+                                  copy_ns / 1'000'000));
   json store{{"backend", s.store_name.empty() ? "none" : s.store_name}};
   if (s.store != nullptr) {
     const auto a = s.store->last();
@@ -93,7 +95,7 @@ metrics::HealthAnswer readiness(const HealthSources& s) {
     if (asking_ns >= kStoreProbeStuckNs) {
       store["reachable"] = false;
       store["unanswered_s"] = static_cast<double>(asking_ns) / 1e9;
-      reasons.push_back("the store has not answered a check for " + std::to_string(asking_ns / 1'000'000) + " ms");
+      reasons.push_back(fmt::format("the store has not answered a check for {} ms", asking_ns / 1'000'000));
     } else if (!a.checked) {
       reasons.push_back("the store has not been checked yet");
     } else if (!a.reachable) {

@@ -1,5 +1,6 @@
 #include "rank_server.h"
 
+#include <fmt/format.h>
 #include <thread>
 
 
@@ -105,7 +106,7 @@ Result<HostPools, int> RankServer::open_pools(const RankEndpoint& ep) {
     auto pool = HostPool::open(*s_.backend, shape, ep.generation(), cfg_.rank, g, cfg_.host_layout, s_.numa_node, pin,
                                cfg_.host_pool_hugepages ? cfg_.hugetlbfs_dir : std::string(), take_over);
     if (!pool.ok()) {
-      KVTD_ERROR("host pool{}: {}", grouped ? " of cache group " + std::to_string(g) : "", pool.error().message);
+      KVTD_ERROR("host pool{}: {}", grouped ? fmt::format(" of cache group {}", g) : "", pool.error().message);
       return make_error(kExitBackend, pool.error().message);
     }
     if ((*pool)->adopted() != 0)

@@ -1,5 +1,6 @@
 #include "start_up.h"
 
+#include <fmt/format.h>
 #include <thread>
 
 #include "kvtd/daemon/exit_codes.h"
@@ -78,7 +79,8 @@ Result<OpenedStore, config::ConfigErrc> open_store(const config::DaemonConfig& c
   auto probe = storage::open_redis_store(ro);
   if (!probe.ok()) return make_error(config::ConfigErrc::kInvalidValue, "--redis-endpoints: " + probe.error().message);
   out.probe = std::move(probe).value();
-  out.name = "redis " + sc.redis_endpoints.front() + (sc.redis_endpoints.size() > 1 ? " (+" + std::to_string(sc.redis_endpoints.size() - 1) + ")" : "");
+  out.name = fmt::format("redis {}{}", sc.redis_endpoints.front(),
+                         sc.redis_endpoints.size() > 1 ? fmt::format(" (+{})", sc.redis_endpoints.size() - 1) : "");
   return out;
 }
 
@@ -309,7 +311,7 @@ std::optional<int> start_up(const config::DaemonConfig& cfg, std::atomic<bool>& 
     s.stuck_copy_watch =
         std::make_unique<StuckCopyWatch>(*s.backend, static_cast<std::int64_t>(cfg.stuck_copy_timeout_s * 1e9));
   s.numa_node = cfg.numa_node == config::kNumaAuto ? s.backend->numa_node() : cfg.numa_node;
-  KVTD_INFO("NUMA: {}", s.numa_node >= 0 ? "host pool and copy threads on node " + std::to_string(s.numa_node)
+  KVTD_INFO("NUMA: {}", s.numa_node >= 0 ? fmt::format("host pool and copy threads on node {}", s.numa_node)
                                           : std::string("no node to bind to (--numa-node ") +
                                                 (cfg.numa_node == -1 ? "none)" : "auto, and the backend knows none)"));
   s.geometry = cfg.geometry();
@@ -332,8 +334,8 @@ std::optional<int> start_up(const config::DaemonConfig& cfg, std::atomic<bool>& 
               "threads, {} MiB staging, {} reads",
               s.store_name, cfg.model_id, layout_fingerprint(s.geometry, s.slicing, cfg.kv_identity), cfg.storage.weight_version,
               s.slicing.replicated ? "one copy for every TP size (replicated cache)"
-              : s.slicing.by_head  ? std::to_string(s.slicing.parts) + " objects of " +
-                                        std::to_string(s.slicing.heads_per_part) + " KV heads per block, any TP size"
+              : s.slicing.by_head  ? fmt::format("{} objects of {} KV heads per block, any TP size", s.slicing.parts,
+                                                 s.slicing.heads_per_part)
                                    : std::string("one object per rank's slice, this TP size only"),
               static_cast<int>(cfg.storage.write_policy),
               storage_io_threads(cfg.storage, s.geometry.bytes_per_block_all_layers(), std::thread::hardware_concurrency()),

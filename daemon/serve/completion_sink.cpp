@@ -1,5 +1,6 @@
 #include "kvtd/daemon/completion_sink.h"
 
+#include <fmt/format.h>
 #include <string>
 
 #include "kvtd/daemon/log.h"
@@ -20,8 +21,8 @@ void CompletionSink::report(const proto::TaskRecordHeader& h, const proto::Outco
                             std::uint64_t bytes) {
   const auto kind = static_cast<TaskKind>(h.kind);
   if (o.status != TaskStatus::kOk) {
-    std::string failed = "task " + std::to_string(h.task_id) + " (" + proto::task_kind_name(kind) +
-                         ") failed: " + proto::task_status_name(o.status) + ": " + o.message;
+    std::string failed = fmt::format("task {} ({}) failed: {}: {}", h.task_id, proto::task_kind_name(kind),
+                                     proto::task_status_name(o.status), o.message);
     KVTD_WARN("{}", failed);
     if (metrics_) metrics_->note_error(std::move(failed));
   }

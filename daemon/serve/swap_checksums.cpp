@@ -3,6 +3,7 @@
 // fails the swap-in (integrity), so the engine never runs on a byte that changed in host memory.
 #include <cinttypes>
 #include <cstdio>
+#include <fmt/format.h>
 
 #include "swap_lanes.h"
 
@@ -42,7 +43,7 @@ std::optional<SwapLanes::Failure> SwapLanes::check_checksums(std::uint32_t group
   const std::size_t n = v.device.size();
   if (n == 0) return std::nullopt;
   const std::size_t per_layer = g.num_layers == 0 ? 1 : std::max<std::size_t>(1, targets / g.num_layers);
-  const std::string layer_of = cache_.groups.size() > 1 ? "cache group " + std::to_string(group) + ", its layer " : "layer ";
+  const std::string layer_of = cache_.groups.size() > 1 ? fmt::format("cache group {}, its layer ", group) : "layer ";
   for (std::size_t i = 0; i < n; ++i) {
     const auto kept = g.pool->checksums(v.host[i]);  // one per target: blocks_to_verify chose it so
     for (std::size_t t = first; t < first + sums.size() / n; ++t) {
@@ -51,11 +52,10 @@ std::optional<SwapLanes::Failure> SwapLanes::check_checksums(std::uint32_t group
       char text[160];
       std::snprintf(text, sizeof text, "checksum %016" PRIx64 " after the copy, %016" PRIx64 " at swap-out", now, kept[t]);
       return std::pair{TaskStatus::kIntegrity,
-                       "rank " + std::to_string(ep_.rank()) + ", " + layer_of + std::to_string(t / per_layer) + " (tensor " +
-                           std::to_string(t % per_layer) + " of the layer), host block " +
-                           std::to_string(g.host_base + v.host[i]) + " -> device block " +
-                           std::to_string(g.device_base + v.device[i]) + ": " + text +
-                           ": the host copy changed after it was written; do not use these blocks"};
+                       fmt::format("rank {}, {}{} (tensor {} of the layer), host block {} -> device block {}: {}: "
+                                   "the host copy changed after it was written; do not use these blocks",
+                                   ep_.rank(), layer_of, t / per_layer, t % per_layer, g.host_base + v.host[i],
+                                   g.device_base + v.device[i], text)};
     }
   }
   return std::nullopt;

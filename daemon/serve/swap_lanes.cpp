@@ -1,6 +1,7 @@
 // The two swap lanes: queues, threads and the swaps they execute.
 #include <algorithm>
 #include <cstdio>
+#include <fmt/format.h>
 #include <string>
 
 #include "kvtd/daemon/log.h"
@@ -123,7 +124,7 @@ Status<DeviceErrc> SwapLanes::copy_groups_layerwise(const Work& w) {
 std::optional<SwapLanes::Failure> SwapLanes::move_part(const Work& w, const SwapPart& p, Lane lane, bool copied) {
   const GroupCache& g = cache_.groups[p.group];
   const auto& targets = lane == Lane::kToHost ? g.to_host : g.to_device;
-  const std::string in_group = cache_.groups.size() > 1 ? " (cache group " + std::to_string(p.group) + ")" : "";
+  const std::string in_group = cache_.groups.size() > 1 ? fmt::format(" (cache group {})", p.group) : "";
   // --verify-swaps: the blocks whose checksums this swap takes (kept at swap-out, compared at swap-in).
   const VerifiedBlocks verify = blocks_to_verify(p, lane == Lane::kToDevice, targets.size());
   auto moved = copied ? (verify.device.empty() ? Result<std::vector<std::uint64_t>, DeviceErrc>(std::vector<std::uint64_t>{})
@@ -132,10 +133,9 @@ std::optional<SwapLanes::Failure> SwapLanes::move_part(const Work& w, const Swap
   if (!moved.ok()) return std::make_pair(status_of(moved.error().code), moved.error().message + in_group);
   const std::vector<std::uint64_t>& sums = *moved;
   if (sums.size() != verify.device.size() * targets.size())
-    return std::make_pair(TaskStatus::kDeviceError, "--verify-swaps: the device returned " + std::to_string(sums.size()) +
-                                                        " checksums for " + std::to_string(verify.device.size()) +
-                                                        " blocks x " + std::to_string(targets.size()) + " tensors" +
-                                                        in_group);
+    return std::make_pair(TaskStatus::kDeviceError,
+                          fmt::format("--verify-swaps: the device returned {} checksums for {} blocks x {} tensors{}",
+                                      sums.size(), verify.device.size(), targets.size(), in_group));
   if (lane == Lane::kToHost && g.pool != nullptr) {
     // The checksums first: a block is valid only with what --verify-swaps checks it against.
     keep_checksums(p.group, verify, sums, targets.size());
@@ -150,7 +150,7 @@ std::optional<SwapLanes::Failure> SwapLanes::prepare_swap(Work& w, Lane lane, st
   const auto& h = w.header;
   if (h.deadline_ns != 0 && start > h.deadline_ns)
     return std::make_pair(TaskStatus::kDeadlineExceeded,
-                          "deadline passed " + std::to_string((start - h.deadline_ns) / 1000) + " us before execution");
+                          fmt::format("deadline passed {} us before execution", (start - h.deadline_ns) / 1000));
   if (auto failed = await_pinned(w, lane, start))
     return std::make_pair(failed->first, failed->second + "; nothing was copied");
   for (const SwapPart& p : w.parts) {
@@ -158,9 +158,9 @@ std::optional<SwapLanes::Failure> SwapLanes::prepare_swap(Work& w, Lane lane, st
     if (lane != Lane::kToDevice || g.pool == nullptr) continue;
     if (auto bad = g.pool->first_invalid(p.host_ids))
       return std::make_pair(TaskStatus::kHostTierLost,
-                            "host block " + std::to_string(g.host_base + *bad) +
-                                " holds no data written in this session (the host pool was lost with a daemon restart, "
-                                "or the write into it failed or never happened)");
+                            fmt::format("host block {} holds no data written in this session (the host pool was lost "
+                                        "with a daemon restart, or the write into it failed or never happened)",
+                                        g.host_base + *bad));
   }
   for (const SwapPart& p : w.parts)
     if (lane == Lane::kToHost && cache_.groups[p.group].pool != nullptr) cache_.groups[p.group].pool->mark_invalid(p.host_ids);
@@ -256,11 +256,11 @@ std::optional<SwapLanes::Failure> SwapLanes::await_pinned_part(const Work& w, co
     }
     if (h.deadline_ns != 0 && now > h.deadline_ns) {
       late = true;
-      return "the task's deadline passed after " + std::to_string((now - start) / 1'000'000) + " ms of waiting";
+      return fmt::format("the task's deadline passed after {} ms of waiting", (now - start) / 1'000'000);
     }
     if (queue_of(lane).closing.load(std::memory_order_acquire)) return std::string("the cache is being released");
     if (now - progress_at > kPinStallNs)
-      return "pinning made no progress for " + std::to_string(kPinStallNs / 1'000'000'000) + " s";
+      return fmt::format("pinning made no progress for {} s", kPinStallNs / 1'000'000'000);
     return std::nullopt;
   });
   if (cache_.metrics != nullptr) cache_.metrics->host_pool_pin_wait(ipc::monotonic_now_ns() - start);
@@ -292,9 +292,9 @@ Status<DeviceErrc> SwapLanes::await_engine_event(const Work& w, std::int64_t sta
     // A dead engine's pending record never completes (the exporter is gone): the heartbeat says so.
     if (!ep_.engine_alive()) return "the engine stopped heartbeating (it died or hangs) with its record still pending";
     if (h.deadline_ns != 0 && now > h.deadline_ns)
-      return "the task's deadline passed after " + std::to_string((now - start) / 1'000'000) + " ms of waiting";
+      return fmt::format("the task's deadline passed after {} ms of waiting", (now - start) / 1'000'000);
     if (bound_ns > 0 && now - start > bound_ns)
-      return "not within " + std::to_string(bound_ns / 1'000'000) + " ms (--engine-event-timeout) while the engine lives";
+      return fmt::format("not within {} ms (--engine-event-timeout) while the engine lives", bound_ns / 1'000'000);
     if (queue_of(swap_lane_of(static_cast<TaskKind>(h.kind))).closing.load(std::memory_order_acquire))
       return "the daemon is stopping";
     return std::nullopt;

@@ -2,6 +2,7 @@
 
 #include <array>
 #include <cstring>
+#include <fmt/format.h>
 #include <vector>
 
 #include "kvtd/ipc/task_codec.h"
@@ -32,7 +33,7 @@ DecodedRecord& fail(DecodedRecord& d, TaskStatus s, std::string message) {
 }
 
 std::string late(const proto::TaskRecordHeader& h, std::int64_t now) {
-  return "deadline passed " + std::to_string((now - h.deadline_ns) / 1000) + " us before dispatch";
+  return fmt::format("deadline passed {} us before dispatch", (now - h.deadline_ns) / 1000);
 }
 
 // A storage task's block ids (one per key, or a group session's per key and group): each in range
@@ -53,16 +54,15 @@ bool storage_ids_valid(std::span<const std::int32_t> ids, std::size_t keys, bool
       const GroupShape& x = shape.groups[g];
       lo = host ? x.host_base : x.device_base;
       hi = lo + (host ? x.host_blocks : x.device_blocks);
-      group = " (cache group " + std::to_string(g) + ", key " + std::to_string(i % keys) + ")";
+      group = fmt::format(" (cache group {}, key {})", g, i % keys);
     }
     if (ids[i] < lo || ids[i] >= hi) {
       fail(d, TaskStatus::kIdOutOfRange,
-           std::string(side) + " block id " + std::to_string(ids[i]) + " at position " + std::to_string(i) + group +
-               " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + ")");
+           fmt::format("{} block id {} at position {}{} is outside [{}, {})", side, ids[i], i, group, lo, hi));
       return false;
     }
     if (loads && seen[static_cast<std::size_t>(ids[i])]++) {
-      fail(d, TaskStatus::kDuplicateDestination, "block id " + std::to_string(ids[i]) + " is loaded twice");
+      fail(d, TaskStatus::kDuplicateDestination, fmt::format("block id {} is loaded twice", ids[i]));
       return false;
     }
   }
@@ -89,10 +89,10 @@ DecodedRecord& decode_storage(DecodedRecord& d, std::span<const std::int32_t> se
     if (!ids.empty()) return fail(d, TaskStatus::kMalformed, "STORAGE_QUERY carries keys only");
   } else if (ids.size() != sec->keys.size() * per_key) {
     return fail(d, TaskStatus::kLengthMismatch,
-                std::to_string(sec->keys.size()) + " keys for " + std::to_string(ids.size()) + " blocks" +
-                    (per_key == 1 ? std::string()
-                                  : " (a session of " + std::to_string(per_key) +
-                                        " cache groups names a block per key and group, group-major)"));
+                fmt::format("{} keys for {} blocks{}", sec->keys.size(), ids.size(),
+                            per_key == 1 ? std::string()
+                                         : fmt::format(" (a session of {} cache groups names a block per key and "
+                                                       "group, group-major)", per_key)));
   }
   const bool host = (h.flags & proto::kTaskFlagHostBlocks) != 0;
   if (kind == TaskKind::kPrefetch && !host) return fail(d, TaskStatus::kMalformed, "PREFETCH loads into host blocks only");
@@ -144,18 +144,20 @@ bool plan_parts(std::span<const std::int32_t> src, std::span<const std::int32_t>
   {
     if (src.size() != dst.size()) {
       fail(d, TaskStatus::kLengthMismatch,
-           std::to_string(src.size()) + " source and " + std::to_string(dst.size()) + " destination blocks" + side_note);
+           fmt::format("{} source and {} destination blocks{}", src.size(), dst.size(), side_note));
       return false;
     }
     for (std::size_t i = 0; i < src.size(); ++i) {
       const int g = group_of(shape, src[i], to_host);
       const int h = group_of(shape, dst[i], !to_host);
       if (g < 0 || g != h) {
-        auto where = [](int x) { return x < 0 ? std::string("outside every cache group") : "in cache group " + std::to_string(x); };
+        auto where = [](int x) {
+          return x < 0 ? std::string("outside every cache group") : fmt::format("in cache group {}", x);
+        };
         fail(d, TaskStatus::kIdOutOfRange,
-             "pair " + std::to_string(i) + ": source block " + std::to_string(src[i]) + " is " + where(g) +
-                 " and destination block " + std::to_string(dst[i]) + " is " + where(h) +
-                 "; a pair stays inside one group" + side_note);
+             fmt::format("pair {}: source block {} is {} and destination block {} is {}; "
+                         "a pair stays inside one group{}",
+                         i, src[i], where(g), dst[i], where(h), side_note));
         return false;
       }
       const GroupShape& x = shape.groups[static_cast<std::size_t>(g)];
@@ -170,7 +172,7 @@ bool plan_parts(std::span<const std::int32_t> src, std::span<const std::int32_t>
                                    to_host ? x.host_blocks : x.device_blocks, x.block_bytes);
     if (!plan.ok()) {
       fail(d, status_of(plan.error().code),
-           "cache group " + std::to_string(g) + " (its own block ids): " + plan.error().message + side_note);
+           fmt::format("cache group {} (its own block ids): {}{}", g, plan.error().message, side_note));
       return false;
     }
     SwapPart part;
@@ -208,7 +210,7 @@ DecodedRecord decode_record(std::span<const std::byte> record, const CacheShape&
     const std::size_t n = decoded->events.size() / proto::kEngineEventBytes;
     if (n != shape.num_ranks)
       return fail(d, TaskStatus::kMalformed,
-                  std::to_string(n) + " engine events for " + std::to_string(shape.num_ranks) + " ranks");
+                  fmt::format("{} engine events for {} ranks", n, shape.num_ranks));
     std::array<std::uint8_t, proto::kEngineEventBytes> ev{};  // private copy: never re-read the ring
     std::memcpy(ev.data(), decoded->events.data() + std::size_t{shape.rank} * proto::kEngineEventBytes, ev.size());
     d.work.engine_event = ev;

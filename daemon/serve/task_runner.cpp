@@ -2,6 +2,7 @@
 #include "kvtd/daemon/task_runner.h"
 
 #include <cstring>
+#include <fmt/format.h>
 #include <string>
 
 #include "kvtd/daemon/log.h"
@@ -149,9 +150,10 @@ std::string TaskRunner::Impl::backup_pair_problem(const Work& w) {
   const auto swap = swap_outcomes.take(w.backup_of_swap);
   if (swap == TaskStatus::kOk || w.storage_work.answered) return "";
   // Its host blocks hold what was there before (another prefix's KV): never stored under its keys.
-  return "backup skipped: its swap (task " + std::to_string(w.backup_of_swap) + ") " +
-         (swap ? std::string("ended ") + proto::task_status_name(*swap) : std::string("did not run on this rank")) +
-         ", so its host blocks do not hold these keys' KV";
+  return fmt::format("backup skipped: its swap (task {}) {}, so its host blocks do not hold these keys' KV",
+                     w.backup_of_swap,
+                     swap ? std::string("ended ") + proto::task_status_name(*swap)
+                          : std::string("did not run on this rank"));
 }
 
 TaskRunner::Exit TaskRunner::Impl::dispatch_loop(const std::atomic<bool>& stop, const std::atomic<bool>* clear_requested) {

@@ -1,5 +1,6 @@
 // Phase 1 of a storage task, on the agreement thread: checked, selected, asked of the store and
 // agreed across ranks (MIN); a task that fails here aborts its agreement so the peers stop waiting.
+#include <fmt/format.h>
 #include <numeric>
 
 #include "executor_impl.h"
@@ -33,8 +34,7 @@ bool StorageExecutor::Impl::may_agree(const StorageWork& w, std::int64_t start) 
   if (revoked(w)) return false;
   if (w.header.deadline_ns != 0 && start > w.header.deadline_ns) {
     fail_before_agreement(w, TaskStatus::kDeadlineExceeded, start,
-                          "deadline passed " + std::to_string((start - w.header.deadline_ns) / 1000) +
-                              " us before execution");
+                          fmt::format("deadline passed {} us before execution", (start - w.header.deadline_ns) / 1000));
     return false;
   }
   if (queues.is_cancelled(w.header.task_id)) {

@@ -14,6 +14,7 @@
 // answer is 0. That happens only when the ranks' stores differ (a write that failed or an
 // object evicted on one rank): a lost hit, never a wrong byte.
 #include <algorithm>
+#include <fmt/format.h>
 
 #include "executor_impl.h"
 #include "kvtd/daemon/log.h"
@@ -72,7 +73,7 @@ bool StorageExecutor::Impl::group_presence(const Prepared& p, const std::string&
     auto found = storage::presence(*t.groups[g].store, asked);
     if (!found.ok()) {
       fail_before_agreement(w, status_of(found.error().code, StoreCall::kLookup), p.start,
-                            unavailable("cache group " + std::to_string(g) + ": " + found.error().message));
+                            unavailable(fmt::format("cache group {}: {}", g, found.error().message)));
       return false;
     }
     for (std::size_t j = 0; j < at.size(); ++j) here[g][at[j]] = (*found)[j];

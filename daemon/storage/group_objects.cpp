@@ -7,6 +7,7 @@
 // 0 blocks (the engine's merge is then 0), never a shorter prefix whose trailing pages were not
 // loaded.
 #include <algorithm>
+#include <fmt/format.h>
 
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/status_of.h"
@@ -59,8 +60,8 @@ std::optional<Outcome> ObjectMover::load_groups(const Prepared& p, std::byte* sl
     if (auto late = past_deadline(w, run.from, total)) return late;
     if (!queues_.may_continue(w.header.task_id, r + 1 == runs.size()))
       return Outcome::stopped(TaskStatus::kCancelled, 0,
-                              "cancelled after " + std::to_string(run.from) + " of " + std::to_string(total) +
-                                  " objects; nothing is reported loaded");
+                              fmt::format("cancelled after {} of {} objects; nothing is reported loaded",
+                                          run.from, total));
     const auto ids = run_ids(p, run);
     if (revoked(w)) return std::nullopt;  // checked right before writing engine memory
     HostPool* const pool = t_.groups[run.group].pool;
@@ -89,7 +90,7 @@ std::optional<Outcome> ObjectMover::load_groups(const Prepared& p, std::byte* sl
     if (t_.metrics != nullptr) t_.metrics->group_storage_bytes(run.group, metrics::Direction::kStorageRead, read_bytes);
     if (first_bad == nullptr) continue;
     const std::string& key = w.section.keys[p.which[p.units[bad_at].key]];
-    const std::string what = "key " + key + " of cache group " + std::to_string(run.group);
+    const std::string what = fmt::format("key {} of cache group {}", key, run.group);
     const auto status = status_of(first_bad->result, StoreCall::kRead);
     if (status != TaskStatus::kOk)  // the store failed: not a miss
       return Outcome::stopped(status, 0, unavailable("the store failed reading " + what + ": " + first_bad->error));
@@ -113,8 +114,8 @@ std::optional<Outcome> ObjectMover::write_groups(const Prepared& p, std::byte* s
     if (HostPool* pool = t_.groups[run.group].pool; host && pool != nullptr)
       if (auto bad = pool->first_invalid(ids.back()))
         return Outcome::failed(TaskStatus::kHostTierLost,
-                               "host block " + std::to_string(*bad) + " of cache group " + std::to_string(run.group) +
-                                   " holds no data written in this session; nothing stored");
+                               fmt::format("host block {} of cache group {} holds no data written in this session; "
+                                           "nothing stored", *bad, run.group));
   }
   const bool in_place = stores_in_place(host);
   for (std::size_t r = 0; r < runs.size(); ++r) {
@@ -123,14 +124,13 @@ std::optional<Outcome> ObjectMover::write_groups(const Prepared& p, std::byte* s
     if (auto late = past_deadline(w, run.from, p.units.size())) return late;
     if (!queues_.may_continue(w.header.task_id, r + 1 == runs.size()))
       return Outcome::stopped(TaskStatus::kCancelled, 0,
-                              "cancelled after writing " + std::to_string(run.from) + " of " +
-                                  std::to_string(p.units.size()) + " objects")
+                              fmt::format("cancelled after writing {} of {} objects", run.from, p.units.size()))
           .with_skipped(skipped);
     // One copy of a replicated group is enough: rank 0's, under rank 0's name.
     if (t_.groups[run.group].replicated && ep_.rank() != 0) continue;
     if (auto ended = write_objects(group_target(run.group, host), host, ids[r],
                                    std::span(p.stored).subspan(run.from, run.to - run.from), in_place, slice)) {
-      ended->message = "cache group " + std::to_string(run.group) + ": " + ended->message;
+      ended->message = fmt::format("cache group {}: {}", run.group, ended->message);
       return ended;
     }
     if (t_.metrics != nullptr)

@@ -3,6 +3,7 @@
 #include "object_mover.h"
 
 #include <algorithm>
+#include <fmt/format.h>
 
 #include "kvtd/daemon/log.h"
 #include "kvtd/daemon/status_of.h"
@@ -107,8 +108,7 @@ std::optional<Outcome> ObjectMover::check_put(const storage::BatchResult& put, s
     }
   }
   if (failed != 0)  // each object is whole or absent (the stores write then rename); the others stand
-    return Outcome::failed(status, unavailable(std::to_string(failed) + " of " + std::to_string(c) +
-                                               " objects not written: " + cause));
+    return Outcome::failed(status, unavailable(fmt::format("{} of {} objects not written: {}", failed, c, cause)));
   MutexLock g(mu_);
   moved_.objects_written += c;
   moved_.bytes_written += c * object_bytes;
@@ -164,9 +164,8 @@ std::optional<Outcome> ObjectMover::failed_read(const Prepared& p, const storage
   // The store failed (a server that died, an I/O error), which is not a miss: the engine must be
   // able to tell "not stored" from "store down". The blocks before it are loaded.
   return Outcome::stopped(status, loaded,
-                          unavailable("the store failed reading key " + p.work.section.keys[p.which[loaded]] +
-                                      " after " + std::to_string(loaded) + " of " + std::to_string(of) +
-                                      " blocks: " + key.error));
+                          unavailable(fmt::format("the store failed reading key {} after {} of {} blocks: {}",
+                                                  p.work.section.keys[p.which[loaded]], loaded, of, key.error)));
 }
 
 std::optional<Outcome> ObjectMover::load(const Prepared& p, std::byte* slice) {
@@ -181,7 +180,7 @@ std::optional<Outcome> ObjectMover::load(const Prepared& p, std::byte* slice) {
     const std::size_t c = std::min(step, n - loaded);
     if (!queues_.may_continue(w.header.task_id, loaded + c == n))
       return Outcome::stopped(TaskStatus::kCancelled, loaded,
-                              "cancelled after " + std::to_string(loaded) + " of " + std::to_string(n) + " blocks");
+                              fmt::format("cancelled after {} of {} blocks", loaded, n));
     const auto ids = std::span(p.ids).subspan(loaded, c);
     if (revoked(w)) return std::nullopt;  // checked right before writing engine memory
     if (host && pool_ != nullptr) pool_->mark_invalid(ids);
@@ -217,8 +216,8 @@ std::optional<Outcome> ObjectMover::write(const Prepared& p, std::byte* slice) {
   if (auto late = stale_backup(p)) return late;
   if (host && pool_ != nullptr)
     if (auto bad = pool_->first_invalid(std::span(p.ids).subspan(skip)))
-      return Outcome::failed(TaskStatus::kHostTierLost, "host block " + std::to_string(*bad) +
-                                                            " holds no data written in this session; nothing stored");
+      return Outcome::failed(TaskStatus::kHostTierLost,
+                             fmt::format("host block {} holds no data written in this session; nothing stored", *bad));
   // One copy of a replicated slice is enough (MLA: rank 0; a head on several ranks: its first).
   const bool writer = t_.slicing.writer;
   const bool in_place = stores_in_place(host);
@@ -230,8 +229,7 @@ std::optional<Outcome> ObjectMover::write(const Prepared& p, std::byte* slice) {
     const std::size_t c = std::min(step, keys - written);
     if (!queues_.may_continue(w.header.task_id, written + c == keys))
       return Outcome::stopped(TaskStatus::kCancelled, written - skip,
-                              "cancelled after writing " + std::to_string(written - skip) + " of " +
-                                  std::to_string(keys - skip) + " blocks")
+                              fmt::format("cancelled after writing {} of {} blocks", written - skip, keys - skip))
           .with_skipped(skipped);
     if (writer)
       if (auto ended = write_chunk(p, written, c, in_place, slice)) return ended;
@@ -250,9 +248,9 @@ std::optional<Outcome> ObjectMover::stale_backup(const Prepared& p) const {
   // Agreed, but then waited for a write worker past its age: the workers are held by a slow store.
   const std::int64_t waited_ms = (ipc::monotonic_now_ns() - p.queued_ns) / 1'000'000;
   if (!is_backup(p.work) || waited_ms <= static_cast<std::int64_t>(t_.config.backup_max_age_ms)) return std::nullopt;
-  return Outcome::failed(TaskStatus::kBackupSkipped, "backup skipped: it waited " + std::to_string(waited_ms) +
-                                                         " ms for a write worker (--storage-backup-max-age-ms " +
-                                                         std::to_string(t_.config.backup_max_age_ms) + ")")
+  return Outcome::failed(TaskStatus::kBackupSkipped,
+                         fmt::format("backup skipped: it waited {} ms for a write worker "
+                                     "(--storage-backup-max-age-ms {})", waited_ms, t_.config.backup_max_age_ms))
       .with_skipped(p.work.section.keys.size());
 }
 
@@ -303,7 +301,7 @@ bool ObjectMover::stores_in_place(bool host) const { return host && t_.store->ca
 std::optional<Outcome> ObjectMover::past_deadline(const StorageWork& w, std::size_t done, std::size_t of) const {
   if (w.header.deadline_ns == 0 || ipc::monotonic_now_ns() <= w.header.deadline_ns) return std::nullopt;
   return Outcome::failed(TaskStatus::kDeadlineExceeded,
-                         "deadline passed after " + std::to_string(done) + " of " + std::to_string(of) + " blocks");
+                         fmt::format("deadline passed after {} of {} blocks", done, of));
 }
 
 }  // namespace kvtd::daemon

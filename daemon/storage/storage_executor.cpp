@@ -1,5 +1,6 @@
 // The storage executor: its facade and its threads (phase 1's agreement thread, phase 2's workers).
 #include <algorithm>
+#include <fmt/format.h>
 #include <thread>
 
 #include "executor_impl.h"
@@ -78,10 +79,10 @@ std::string staging_problem(const config::StorageConfig& c, std::uint64_t object
   const std::uint32_t threads = storage_io_threads(c, object_bytes, std::thread::hardware_concurrency());
   const std::uint64_t per_worker = (c.staging_mib << 20) / threads;
   if (object_bytes != 0 && per_worker >= object_bytes) return "";
-  return "--storage-staging-mib " + std::to_string(c.staging_mib) + " over " + std::to_string(threads) +
-         " --storage-io-threads gives each worker " + std::to_string(per_worker) +
-         " bytes, less than one block's stored objects (" + std::to_string(object_bytes) +
-         " bytes: one block, every layer); raise the staging or lower the threads";
+  return fmt::format("--storage-staging-mib {} over {} --storage-io-threads gives each worker {} bytes, "
+                     "less than one block's stored objects ({} bytes: one block, every layer); "
+                     "raise the staging or lower the threads",
+                     c.staging_mib, threads, per_worker, object_bytes);
 }
 
 void StorageExecutor::Impl::finish(const StorageWork& w, const proto::Outcome& o, std::int64_t start, bool new_task) {
@@ -96,8 +97,8 @@ void StorageExecutor::Impl::finish(const StorageWork& w, const proto::Outcome& o
 std::string StorageExecutor::Impl::backup_skip_reason(const StorageWork& w, std::int64_t now) {
   const std::int64_t age_ms = (now - w.header.submit_ns) / 1'000'000;
   if (age_ms > static_cast<std::int64_t>(t.config.backup_max_age_ms))
-    return "backup skipped: it waited " + std::to_string(age_ms) + " ms for the store (--storage-backup-max-age-ms " +
-           std::to_string(t.config.backup_max_age_ms) + ")";
+    return fmt::format("backup skipped: it waited {} ms for the store (--storage-backup-max-age-ms {})", age_ms,
+                       t.config.backup_max_age_ms);
   return queues.over_backup_bound(w.section.keys.size() * t.key_bytes());
 }
 
@@ -136,7 +137,7 @@ void StorageExecutor::Impl::agreement_loop() {
 }
 
 void StorageExecutor::Impl::worker_loop(std::size_t index) {
-  start_copy_thread(("kvtd-io" + std::to_string(index)).c_str(), t.numa_node);
+  start_copy_thread(fmt::format("kvtd-io{}", index).c_str(), t.numa_node);
   std::byte* slice = staging[index];
   while (auto job = queues.next_to_move()) {
     const auto& p = job->p;

@@ -1,6 +1,8 @@
 // The storage executor's queues and task sets.
 #include "task_queues.h"
 
+#include <fmt/format.h>
+
 #include "kvtd/ipc/clock.h"
 #include "kvtd/ipc/wait.h"
 
@@ -29,8 +31,9 @@ std::string TaskQueues::admit(StorageWork& w, std::optional<std::uint64_t> backu
       if (!agreeing_.empty() && (held_since == 0 || agreeing_.front().header.submit_ns < held_since))
         held_since = agreeing_.front().header.submit_ns;
       if (held_since != 0 && now - held_since > limits_.backup_max_age_ns)
-        return "backup skipped: the store has held storage tasks for " + std::to_string((now - held_since) / 1'000'000) +
-               " ms (--storage-backup-max-age-ms " + std::to_string(limits_.backup_max_age_ns / 1'000'000) + ")";
+        return fmt::format("backup skipped: the store has held storage tasks for {} ms "
+                           "(--storage-backup-max-age-ms {})",
+                           (now - held_since) / 1'000'000, limits_.backup_max_age_ns / 1'000'000);
       if (auto why = over_backup_bound_locked(*backup_bytes); !why.empty()) return why;
     }
     live_.insert(w.header.task_id);
@@ -76,8 +79,8 @@ std::string TaskQueues::over_backup_bound(std::uint64_t bytes) {
 std::string TaskQueues::over_backup_bound_locked(std::uint64_t bytes) {
   // One backup larger than the whole bound still goes when nothing else waits.
   if (backup_queued_ != 0 && backup_queued_ + bytes > limits_.backup_queue_bytes)
-    return "backup skipped: " + std::to_string(backup_queued_ >> 20) + " MiB of backups wait for the store " +
-           "(--storage-backup-queue-mib " + std::to_string(limits_.backup_queue_bytes >> 20) + ")";
+    return fmt::format("backup skipped: {} MiB of backups wait for the store (--storage-backup-queue-mib {})",
+                       backup_queued_ >> 20, limits_.backup_queue_bytes >> 20);
   return "";
 }
 

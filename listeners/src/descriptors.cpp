@@ -1,5 +1,6 @@
 #include "kvtd/listeners/descriptors.h"
 
+#include <fmt/format.h>
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -20,8 +21,8 @@ Result<DescriptorLimit, ListenErrc> raise_descriptor_limit() {
   if (r.rlim_cur != RLIM_INFINITY && r.rlim_cur < want) {
     r.rlim_cur = want;
     if (::setrlimit(RLIMIT_NOFILE, &r) != 0)
-      return make_error(ListenErrc::kSystem, "setrlimit(RLIMIT_NOFILE, " + std::to_string(want) +
-                                                 "): " + std::strerror(errno));
+      return make_error(ListenErrc::kSystem,
+                        fmt::format("setrlimit(RLIMIT_NOFILE, {}): {}", want, std::strerror(errno)));
   }
   out.now = r.rlim_cur;
   return out;

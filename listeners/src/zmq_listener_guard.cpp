@@ -1,5 +1,6 @@
 #include "kvtd/listeners/zmq_listener_guard.h"
 
+#include <fmt/format.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <zmq.h>
@@ -121,7 +122,7 @@ Result<std::unique_ptr<ZmqListenerGuard>, ListenErrc> ZmqListenerGuard::start(vo
   impl->ports = tcp_ports(last);
   if (impl->ports.empty()) return make_error(ListenErrc::kInvalidArgument, options.name + ": not bound to tcp://");
   impl->options = std::move(options);
-  const std::string inproc = "inproc://kvtd-listener-guard-" + std::to_string(g_next_monitor.fetch_add(1));
+  const std::string inproc = fmt::format("inproc://kvtd-listener-guard-{}", g_next_monitor.fetch_add(1));
   if (zmq_socket_monitor(socket, inproc.c_str(), ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_CLOSED) != 0)
     return make_error(ListenErrc::kSystem, impl->options.name + ": monitor: " + zmq_strerror(zmq_errno()));
   impl->monitor = zmq_socket(context, ZMQ_PAIR);

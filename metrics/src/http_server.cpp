@@ -4,6 +4,7 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <fmt/format.h>
 
 #include <atomic>
 #include <chrono>
@@ -203,8 +204,8 @@ Result<std::unique_ptr<MetricsServer>, MetricsErrc> MetricsServer::start(const M
   if (!ec) impl->acceptor.bind(ep, ec);
   if (!ec) impl->acceptor.listen(asio::socket_base::max_listen_connections, ec);
   if (ec)
-    return make_error(MetricsErrc::kBind, "--metrics-port " + std::to_string(port) + ": cannot listen on " + address +
-                                              ":" + std::to_string(port) + ": " + ec.message());
+    return make_error(MetricsErrc::kBind,
+                      fmt::format("--metrics-port {}: cannot listen on {}:{}: {}", port, address, port, ec.message()));
   impl->port = impl->acceptor.local_endpoint(ec).port();
   auto* raw = impl.get();
   raw->accept();

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <fmt/format.h>
 #include <new>
 
 #include "kvtd/storage/object_format.h"
@@ -88,7 +89,7 @@ int DirectObjectReader::read(std::span<const std::string> paths, std::span<const
 
 int DirectObjectReader::probe(const std::string& dir) {
   // A temporary's name: a crash between write and remove leaves it to the store's clean-up.
-  const std::string path = dir + "/.tmp-direct-probe-" + std::to_string(::getpid()) + "-0-0";
+  const std::string path = fmt::format("{}/.tmp-direct-probe-{}-0-0", dir, ::getpid());
   std::vector<std::byte> bytes(kDirectAlign, std::byte{0x5a});
   const std::span<const std::byte> part[1] = {bytes};
   if (const int e = fs_.write_file(path, part, false); e != 0) return e;

@@ -2,6 +2,7 @@
 
 #include "kvtd/storage/object_format.h"
 
+#include <fmt/format.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -36,9 +37,10 @@ Status<StorageErrc> check_private_root(const std::string& root) {
     return make_error(StorageErrc::kInvalidArgument, "store root " + root + " is a symbolic link; name the directory itself");
   if (!S_ISDIR(st.st_mode)) return make_error(StorageErrc::kInvalidArgument, "store root " + root + " is not a directory");
   if (st.st_uid != ::geteuid())
-    return make_error(StorageErrc::kInvalidArgument, "store root " + root + " is owned by uid " + std::to_string(st.st_uid) +
-                                                         ", not this daemon's (" + std::to_string(::geteuid()) +
-                                                         "): another user could plant KV in it");
+    return make_error(StorageErrc::kInvalidArgument,
+                      fmt::format("store root {} is owned by uid {}, not this daemon's ({}): another user could "
+                                  "plant KV in it",
+                                  root, st.st_uid, ::geteuid()));
   if ((st.st_mode & 077) != 0)
     return make_error(StorageErrc::kInvalidArgument, "store root " + root + " has mode " + mode +
                                                          ": other users can reach it (they could plant KV or list "
@@ -62,8 +64,9 @@ Status<StorageErrc> check_ancestors(const std::string& root) {
                                                 std::strerror(errno));
       if (st.st_uid != 0 && st.st_uid != me)
         return make_error(StorageErrc::kInvalidArgument,
-                          dir.string() + " (above store root " + root + ") belongs to uid " + std::to_string(st.st_uid) +
-                              ": that user could replace the root with a directory of their own");
+                          fmt::format("{} (above store root {}) belongs to uid {}: that user could replace the root "
+                                      "with a directory of their own",
+                                      dir.string(), root, st.st_uid));
       const bool others_write = (st.st_mode & 022) != 0 && !S_ISLNK(st.st_mode);
       if (others_write && (st.st_mode & S_ISVTX) == 0) {
         char mode[8];
@@ -151,8 +154,8 @@ std::optional<ObjectName> parse_stored_path(const std::string& root, const std::
 std::string unique_suffix() {
   static std::atomic<std::uint64_t> counter{0};
   static const std::uint64_t pid_namespace = own_pid_namespace();
-  return std::to_string(::getpid()) + "p" + std::to_string(pid_namespace) + "-" + std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id())) +
-         "-" + std::to_string(counter.fetch_add(1));
+  return fmt::format("{}p{}-{}-{}", ::getpid(), pid_namespace, std::hash<std::thread::id>{}(std::this_thread::get_id()),
+                     counter.fetch_add(1));
 }
 
 Result<GcReport, StorageErrc> collect_files(FileSystem& fs, const std::string& root, const std::string& suffix,

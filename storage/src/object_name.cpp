@@ -2,6 +2,7 @@
 #include "kvtd/storage/object_name.h"
 
 #include <cstdio>
+#include <fmt/format.h>
 
 #include "kvtd/proto/names.h"
 
@@ -28,8 +29,7 @@ constexpr std::size_t kMaxRankDigits = 4;
 std::string StoredName::encode() const {
   std::string out = key;
   if (!key_prefix.empty()) out += "." + key_prefix;
-  return out + ".w" + std::to_string(config_weight_version) + "-" + std::to_string(task_weight_version) +
-         (by_head ? ".h" : ".r") + std::to_string(rank);
+  return fmt::format("{}.w{}-{}{}{}", out, config_weight_version, task_weight_version, by_head ? ".h" : ".r", rank);
 }
 
 std::optional<StoredName> StoredName::parse(std::string_view text, std::string_view key_prefix) {

@@ -2,14 +2,15 @@
 #include "kvtd/storage/object_store.h"
 
 #include <algorithm>
+#include <fmt/format.h>
 
 namespace kvtd::storage {
 
 BatchResult read_to(ObjectStore& store, std::span<const std::string> keys, std::span<std::byte* const> destinations,
                     std::uint64_t object_bytes) {
   if (destinations.size() != keys.size())
-    return make_error(StorageErrc::kInvalidArgument, std::to_string(keys.size()) + " keys but " +
-                                                         std::to_string(destinations.size()) + " destinations");
+    return make_error(StorageErrc::kInvalidArgument,
+                      fmt::format("{} keys but {} destinations", keys.size(), destinations.size()));
   ReadInto into;
   into.pieces = [&](std::size_t i) { return Pieces{{destinations[i], object_bytes}}; };
   return store.read(keys, into);
@@ -19,7 +20,7 @@ BatchResult write_from(ObjectStore& store, std::span<const std::string> keys, st
                        std::uint64_t object_bytes) {
   if (sources.size() != keys.size())
     return make_error(StorageErrc::kInvalidArgument,
-                      std::to_string(keys.size()) + " keys but " + std::to_string(sources.size()) + " sources");
+                      fmt::format("{} keys but {} sources", keys.size(), sources.size()));
   WriteFrom from;
   from.pieces = [&](std::size_t i) { return std::optional<ConstPieces>(ConstPieces{{sources[i], object_bytes}}); };
   return store.write(keys, from);

@@ -1,4 +1,5 @@
 // The Redis store's zero-copy SET: header and payload pieces gathered into one sendmsg.
+#include <fmt/format.h>
 #include <hiredis/sds.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -19,11 +20,11 @@ bool send_set(redisContext* c, const std::string& key, const ObjectHeader& h, co
       if (redisBufferWrite(c, &done) != REDIS_OK) return false;
   }
   std::string prefix = asking ? "*1\r\n$6\r\nASKING\r\n" : "";
-  prefix += (ttl_s > 0 ? "*5\r\n$3\r\nSET\r\n$" : "*3\r\n$3\r\nSET\r\n$") + std::to_string(key.size()) + "\r\n" +
-            key + "\r\n$" + std::to_string(sizeof h + payload_bytes) + "\r\n";
+  prefix += fmt::format("{}{}\r\n{}\r\n${}\r\n", ttl_s > 0 ? "*5\r\n$3\r\nSET\r\n$" : "*3\r\n$3\r\nSET\r\n$",
+                        key.size(), key, sizeof h + payload_bytes);
   // The value's CRLF, then with a TTL "EX <seconds>" (the object expires on the server).
   const std::string ttl = std::to_string(ttl_s);
-  const std::string suffix = ttl_s > 0 ? "\r\n$2\r\nEX\r\n$" + std::to_string(ttl.size()) + "\r\n" + ttl + "\r\n" : "\r\n";
+  const std::string suffix = ttl_s > 0 ? fmt::format("\r\n$2\r\nEX\r\n${}\r\n{}\r\n", ttl.size(), ttl) : "\r\n";
   // One piece per part of the payload (a block's tensors, in place), at most a few hundred:
   // well under IOV_MAX (1024).
   std::vector<iovec> iov;

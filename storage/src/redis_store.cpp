@@ -1,6 +1,7 @@
 #include "kvtd/base/mutex.h"
 #include "kvtd/storage/redis_store.h"
 
+#include <fmt/format.h>
 #include <hiredis/hiredis.h>
 #include <hiredis/sds.h>
 #include <sys/socket.h>
@@ -194,9 +195,8 @@ class RedisStore final : public ObjectStore {
         auto next = c ? detail::gc_scan_step(c, cursor, request, o_.store.model_id, &report, &why) : std::nullopt;
         if (!next) {
           if (c) fail_connection(*n);
-          return make_error(StorageErrc::kUnavailable, "garbage collection: Redis " + n->host + ":" +
-                                                           std::to_string(n->port) + " did not answer: " +
-                                                           (why.empty() ? failure_ : why));
+          return make_error(StorageErrc::kUnavailable, fmt::format("garbage collection: Redis {}:{} did not answer: {}",
+                                                                   n->host, n->port, why.empty() ? failure_ : why));
         }
         cursor = *next;
       } while (cursor != 0);
@@ -208,7 +208,7 @@ class RedisStore final : public ObjectStore {
   Clock::time_point deadline() const { return Clock::now() + std::chrono::milliseconds(o_.timeout_ms); }
 
   Node* node(const std::string& host, int port) REQUIRES(mu_) {
-    const std::string id = host + ":" + std::to_string(port);
+    const std::string id = fmt::format("{}:{}", host, port);
     auto& n = nodes_[id];
     if (!n) {
       n = std::make_unique<Node>();
@@ -228,13 +228,13 @@ class RedisStore final : public ObjectStore {
     if (now < n.retry_at) {
       // Not tried: say so, rather than leave the failure of the call that armed the backoff as
       // this call's error.
-      failure_ = "not tried: " + n.host + ":" + std::to_string(n.port) + " is in its reconnect backoff for " +
-                    std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(n.retry_at - now).count()) +
-                    " ms more, after: " + n.failure;
+      failure_ = fmt::format("not tried: {}:{} is in its reconnect backoff for {} ms more, after: {}", n.host, n.port,
+                             std::chrono::duration_cast<std::chrono::milliseconds>(n.retry_at - now).count(),
+                             n.failure);
       return nullptr;
     }
     if (now >= deadline) {
-      failure_ = "no time left to connect to " + n.host + ":" + std::to_string(n.port) + " within the call's deadline";
+      failure_ = fmt::format("no time left to connect to {}:{} within the call's deadline", n.host, n.port);
       return nullptr;
     }
     const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - now).count();

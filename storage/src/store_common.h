@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <fmt/format.h>
 #include <span>
 #include <string>
 
@@ -41,8 +42,7 @@ template <typename Piece>
 std::string pieces_mismatch(std::size_t i, const std::vector<Piece>& pieces, std::uint64_t object_bytes) {
   const std::uint64_t n = bytes_in(pieces);
   if (n == object_bytes) return {};
-  return "object " + std::to_string(i) + "'s pieces hold " + std::to_string(n) + " bytes, not " +
-         std::to_string(object_bytes);
+  return fmt::format("object {}'s pieces hold {} bytes, not {}", i, n, object_bytes);
 }
 
 // Copies verified `payload` into object i's pieces; a key whose pieces do not add up to the payload

@@ -3,6 +3,7 @@
 // swaps through them are byte exact. Real daemons; the host backend's "device" arenas are
 // shared-memory objects, so /proc/<pid>/maps shows exactly what each daemon has mapped.
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -26,7 +27,7 @@ class CacheClearTest : public DaemonTest {
     return buf;
   }
   static bool maps(const Child& daemon, const std::string& object) {
-    return test::read_file("/proc/" + std::to_string(daemon.pid()) + "/maps").find("/" + object) != std::string::npos;
+    return test::read_file(fmt::format("/proc/{}/maps", daemon.pid())).find("/" + object) != std::string::npos;
   }
   // While cleared: the engine makes new tensors, rank 1's daemon starts again, attaches (host
   // pool ready, cache not) and maps none of them.

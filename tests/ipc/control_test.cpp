@@ -16,6 +16,7 @@
 #include <fstream>
 #include <thread>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "daemon_fixture.h"
@@ -80,7 +81,7 @@ TEST_F(ControlTest, TheTcpEndpointAnswersOnlyRequestsWithTheSecretAndTheIpcSocke
   std::ofstream(secret) << "correct-horse-battery-staple\n";
   ASSERT_EQ(::chmod(secret.c_str(), 0644), 0);
   const std::uint16_t port = test::free_tcp_port();
-  const std::string tcp = "tcp://127.0.0.1:" + std::to_string(port);
+  const std::string tcp = fmt::format("tcp://127.0.0.1:{}", port);
   extra_args_ = {"--control-endpoint", tcp, "--control-secret-file", secret};
   {  // a secret others can read is refused at start, naming the file and its mode
     Child d = start_daemon(0);
@@ -127,7 +128,7 @@ TEST_F(ControlTest, MalformedPacketsOnTheTcpEndpointCostOnlyTheirSendersRequests
   std::ofstream(secret_file) << secret << "\n";
   ASSERT_EQ(::chmod(secret_file.c_str(), 0600), 0);
   const std::uint16_t port = test::free_tcp_port();
-  const std::string tcp = "tcp://127.0.0.1:" + std::to_string(port);
+  const std::string tcp = fmt::format("tcp://127.0.0.1:{}", port);
   extra_args_ = {"--control-endpoint", tcp, "--control-secret-file", secret_file};
   ASSERT_NO_FATAL_FAILURE(start_all());
   std::atomic<bool> stop{false};
@@ -200,10 +201,10 @@ TEST_F(ControlTest, ADescriptorFloodOnTheTcpListenersStopsNothing) {
   ASSERT_EQ(::chmod(secret_file.c_str(), 0600), 0);
   const std::string store = ::testing::TempDir() + "/" + suffix_ + "_store";
   const std::uint16_t port = test::free_tcp_port(), events_port = test::free_tcp_port();
-  const std::string tcp = "tcp://127.0.0.1:" + std::to_string(port);
+  const std::string tcp = fmt::format("tcp://127.0.0.1:{}", port);
   extra_args_ = {"--control-endpoint", tcp, "--control-secret-file", secret_file, "--storage-backend", "file",
                  "--storage-path", store, "--model-id", "m", "--kv-events-endpoint",
-                 "tcp://*:" + std::to_string(events_port)};
+                 fmt::format("tcp://*:{}", events_port)};
   {  // the daemons start with systemd's default soft limit
     rlimit low = mine;
     low.rlim_cur = 1024;
@@ -248,7 +249,7 @@ TEST_F(ControlTest, ADescriptorFloodOnTheTcpListenersStopsNothing) {
   // The daemon holds a bounded number of descriptors, not one per connection.
   std::size_t fds = 0;
   for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(
-           "/proc/" + std::to_string(daemons_[0].pid()) + "/fd"))
+           fmt::format("/proc/{}/fd", daemons_[0].pid())))
     ++fds;
   std::printf("figure: the daemon holds %zu descriptors while %d connections are held to its listeners\n", fds,
               kFlood + kEventsFlood);
@@ -294,7 +295,7 @@ TEST_F(ControlTest, StatusIsAnsweredWhileAStorageGcRuns) {
     std::snprintf(sub, sizeof sub, "%02d", d);
     const std::string dir = store + "/m/00000000deadbeef/" + sub;
     std::filesystem::create_directories(dir);
-    for (int i = 0; i < 300; ++i) std::ofstream(dir + "/k" + std::to_string(i) + ".w0-0.r0.kvo") << "not kvtd's";
+    for (int i = 0; i < 300; ++i) std::ofstream(fmt::format("{}/k{}.w0-0.r0.kvo", dir, i)) << "not kvtd's";
   }
   std::atomic<bool> gc_done{false};
   std::atomic<bool> status_before_gc{false};

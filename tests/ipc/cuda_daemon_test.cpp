@@ -5,6 +5,7 @@
 // events the engine opens, and open FastDeploy's tensors by name. Faults and delays injected
 // through the stand-in are in cuda_faults_test.
 #include <filesystem>
+#include <fmt/format.h>
 
 #include "cuda_daemon_fixture.h"
 
@@ -58,13 +59,12 @@ class FastDeployCudaTest : public CudaDaemonTest {
     for (std::uint32_t r = 0; r < g_.num_ranks; ++r) daemons_.push_back(start_cuda_daemon(r, mode, 0, extra));
   }
   static std::string name_of(proto::TensorKind kind, std::uint32_t l, std::uint32_t r) {
-    return (kind == proto::TensorKind::kKey ? "key_caches_" : "value_caches_") + std::to_string(l) + "_rank" +
-           std::to_string(r) + ".device0";
+    return fmt::format("{}{}_rank{}.device0", kind == proto::TensorKind::kKey ? "key_caches_" : "value_caches_", l, r);
   }
 };
 
 TEST_F(FastDeployCudaTest, TheDaemonOpensTheTensorsFastDeploysWorkerPublishedByName) {
-  FastDeployWorker worker("kvtdsim" + std::to_string(getpid()), g_.num_ranks);
+  FastDeployWorker worker(fmt::format("kvtdsim{}", getpid()), g_.num_ranks);
   ASSERT_NO_FATAL_FAILURE(start_engine_and_daemons(worker, "batch"));
   // The daemons wait for FastDeploy's cache_ready_signal before opening any name.
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
@@ -93,7 +93,7 @@ TEST_F(FastDeployCudaTest, TheDaemonOpensTheTensorsFastDeploysWorkerPublishedByN
 // once cache_ready_signal says so (gpu_model_runner.py: share_external_data, which opens the
 // handle with cudaIpcOpenMemHandle at offset 0).
 TEST_F(FastDeployCudaTest, TheDaemonMakesTheCacheFastDeploysWorkerMapsWithCreateCacheTensor) {
-  FastDeployWorker worker("kvtdsimc" + std::to_string(getpid()), g_.num_ranks);
+  FastDeployWorker worker(fmt::format("kvtdsimc{}", getpid()), g_.num_ranks);
   ASSERT_NO_FATAL_FAILURE(start_engine_and_daemons(worker, "kernel", {"--create_cache_tensor"}));
   ASSERT_TRUE(engine_->wait_ready(30'000'000'000).ok()) << test::read_file(log_path(0));
   std::vector<void*> opened;

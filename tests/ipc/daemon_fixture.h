@@ -2,6 +2,7 @@
 // rank daemon is a real `kvtd` process (test::kvtd_binary(), programs.h) started under a watchdog.
 #pragma once
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -23,7 +24,7 @@ using proto::TaskStatus;
 using test::Child;
 
 std::string shape(const std::int64_t* s) {
-  return std::to_string(s[0]) + "," + std::to_string(s[1]) + "," + std::to_string(s[2]) + "," + std::to_string(s[3]);
+  return fmt::format("{},{},{},{}", s[0], s[1], s[2], s[3]);
 }
 
 class DaemonTest : public ::testing::Test {
@@ -43,7 +44,7 @@ class DaemonTest : public ::testing::Test {
   }
 
   std::string log_path(std::uint32_t rank, int incarnation = 0) const {
-    return ::testing::TempDir() + "/" + suffix_ + "_rank" + std::to_string(rank) + "_" + std::to_string(incarnation) + ".log";
+    return fmt::format("{}/{}_rank{}_{}.log", ::testing::TempDir(), suffix_, rank, incarnation);
   }
 
   std::vector<std::string> daemon_args(std::uint32_t rank, const proto::CacheGeometry& g) const {

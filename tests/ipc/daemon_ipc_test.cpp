@@ -1,4 +1,5 @@
 // Multi-process tests: this process is the engine; every rank daemon is a real `kvtd` process.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -71,7 +72,7 @@ TEST_F(DaemonTest, ExtraMtpLayersWithTheirOwnBlockCountAnd3dShapeRoundTrip) {
 // The affinity list of each thread of `pid` whose name starts with `prefix`.
 std::map<std::string, std::string> thread_cpus(pid_t pid, const std::string& prefix) {
   std::map<std::string, std::string> out;
-  const std::string dir = "/proc/" + std::to_string(pid) + "/task";
+  const std::string dir = fmt::format("/proc/{}/task", pid);
   for (const auto& t : std::filesystem::directory_iterator(dir)) {
     std::string comm = test::read_file(t.path().string() + "/comm");
     while (!comm.empty() && comm.back() == '\n') comm.pop_back();
@@ -131,7 +132,7 @@ TEST_F(DaemonTest, EveryTaskGetsADebugLineAndBusyPeriodsASummary) {
       },
       std::chrono::seconds(10)))
       << log;
-  EXPECT_NE(log.find("SWAP_TO_HOST ok: 3 blocks, " + std::to_string(bytes) + " bytes, queue wait "),
+  EXPECT_NE(log.find(fmt::format("SWAP_TO_HOST ok: 3 blocks, {} bytes, queue wait ", bytes)),
             std::string::npos)
       << log;
   EXPECT_NE(log.find("1 tasks ok, 0 failed"), std::string::npos) << log;

@@ -1,6 +1,7 @@
 // Health probes of a real daemon (--metrics-port): /healthz says the process's loop turns,
 // /readyz whether the rank can serve (attached, tensors mapped, host pool pinned, store
 // answering), both in JSON with 200 or 503 as Kubernetes probes read them.
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <chrono>
@@ -129,7 +130,7 @@ TEST_F(HealthTest, AStoreThatDoesNotAnswerMakesTheRankNotReadyButAlive) {
   const std::uint16_t port = test::free_tcp_port();
   const std::uint16_t nothing_there = test::free_tcp_port();  // no Redis listens here
   extra_args_ = {"--metrics-port", std::to_string(port), "--storage-backend", "redis", "--redis-endpoints",
-                 "127.0.0.1:" + std::to_string(nothing_there), "--redis-timeout", "0.5", "--model-id", "m"};
+                 fmt::format("127.0.0.1:{}", nothing_there), "--redis-timeout", "0.5", "--model-id", "m"};
   ASSERT_NO_FATAL_FAILURE(start_all());
   // The first 503 may still be the one before the attach (CI under TSan read attached: false):
   // wait for the attached rank's answer that names the store.

@@ -11,6 +11,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <fmt/format.h>
 #include <fstream>
 #include <string>
 
@@ -57,7 +58,7 @@ class HostPoolHugePagesTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (geteuid() != 0) GTEST_SKIP() << "needs root (a hugetlbfs mount and vm.nr_hugepages)";
-    dir_ = ::testing::TempDir() + "/kvtd_huge_" + std::to_string(getpid());
+    dir_ = fmt::format("{}/kvtd_huge_{}", ::testing::TempDir(), getpid());
     fs::create_directories(dir_);
     if (::mount("none", dir_.c_str(), "hugetlbfs", 0, "pagesize=2M") != 0) {
       fs::remove(dir_);
@@ -78,7 +79,7 @@ class HostPoolHugePagesTest : public ::testing::Test {
   }
   std::uint64_t generation() const { return 0x4e000000u + static_cast<std::uint64_t>(getpid()); }
   std::string file_of(std::uint32_t rank) const {
-    return dir_ + "/" + ipc::session_object_name(generation(), "host" + std::to_string(rank));
+    return dir_ + "/" + ipc::session_object_name(generation(), fmt::format("host{}", rank));
   }
 
   std::string dir_;
@@ -129,7 +130,7 @@ TEST_F(HostPoolHugePagesTest, TooFewFreeHugePagesIsRefusedNamingTheCounts) {
   const std::string& why = pool.error().message;
   EXPECT_NE(why.find("--host-pool-hugepages"), std::string::npos) << why;
   EXPECT_NE(why.find("pages of 2048 kB"), std::string::npos) << why;
-  EXPECT_NE(why.find("the kernel has " + std::to_string(have) + " free"), std::string::npos) << why;
+  EXPECT_NE(why.find(fmt::format("the kernel has {} free", have)), std::string::npos) << why;
   EXPECT_NE(why.find("vm.nr_hugepages"), std::string::npos) << why;
   EXPECT_FALSE(fs::exists(file_of(0)));
 }

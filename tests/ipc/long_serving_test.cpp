@@ -7,6 +7,7 @@
 #include <dirent.h>
 
 #include <filesystem>
+#include <fmt/format.h>
 #include <fstream>
 #include <string>
 
@@ -34,7 +35,7 @@ std::int64_t count_entries(const std::string& dir) {
 
 ProcessFootprint footprint(pid_t pid) {
   ProcessFootprint f;
-  const std::string proc = "/proc/" + std::to_string(pid);
+  const std::string proc = fmt::format("/proc/{}", pid);
   std::ifstream status(proc + "/status");
   for (std::string line; std::getline(status, line);)
     if (line.rfind("VmRSS:", 0) == 0) f.rss_kib = std::stoll(line.substr(6));
@@ -46,8 +47,7 @@ ProcessFootprint footprint(pid_t pid) {
 }
 
 std::string describe(const ProcessFootprint& f) {
-  return "RSS " + std::to_string(f.rss_kib) + " KiB, " + std::to_string(f.mappings) + " mappings, " +
-         std::to_string(f.fds) + " fds, " + std::to_string(f.threads) + " threads";
+  return fmt::format("RSS {} KiB, {} mappings, {} fds, {} threads", f.rss_kib, f.mappings, f.fds, f.threads);
 }
 
 class LongServingTest : public DaemonTest {
@@ -69,7 +69,7 @@ class LongServingTest : public DaemonTest {
 
   // One storage round trip, so the runner's staging is really used.
   void use_the_store(int i) {
-    const std::vector<std::string> keys = {"k" + std::to_string(i)};
+    const std::vector<std::string> keys = {fmt::format("k{}", i)};
     const std::vector<std::int32_t> blocks = {1};
     TaskRequest w;
     w.kind = TaskKind::kStorageWrite;
@@ -90,7 +90,7 @@ class LongServingTest : public DaemonTest {
   static constexpr std::int64_t kRssMarginKib = 8 * 1024, kMappingMargin = 4;
 #endif
   static void expect_flat(const ProcessFootprint& warm, const ProcessFootprint& end, int cycles) {
-    SCOPED_TRACE("after warm-up: " + describe(warm) + "; after " + std::to_string(cycles) + " more: " + describe(end));
+    SCOPED_TRACE(fmt::format("after warm-up: {}; after {} more: {}", describe(warm), cycles, describe(end)));
     EXPECT_LT(end.rss_kib - warm.rss_kib, kRssMarginKib);
     EXPECT_LE(end.mappings - warm.mappings, kMappingMargin);
     EXPECT_EQ(end.fds, warm.fds);

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <fmt/format.h>
 #include <fstream>
 
 #include "daemon_fixture.h"
@@ -39,8 +40,8 @@ TEST_F(MetricsTest, ExpositionCountsRealTasksAndPassesPromtool) {
        {std::string("kvtd_tasks_total{kind=\"SWAP_TO_HOST\",status=\"ok\"} 1\n"),
         std::string("kvtd_tasks_total{kind=\"SWAP_TO_DEVICE\",status=\"ok\"} 1\n"),
         std::string("kvtd_tasks_total{kind=\"SWAP_TO_HOST\",status=\"id_out_of_range\"} 1\n"),
-        "kvtd_bytes_total{direction=\"to_host\"} " + std::to_string(bytes) + "\n",
-        "kvtd_bytes_total{direction=\"to_device\"} " + std::to_string(bytes) + "\n",
+        fmt::format("kvtd_bytes_total{{direction=\"to_host\"}} {}\n", bytes),
+        fmt::format("kvtd_bytes_total{{direction=\"to_device\"}} {}\n", bytes),
         std::string("kvtd_task_seconds_count{kind=\"SWAP_TO_HOST\"} 2\n"),
         std::string("kvtd_task_queue_seconds_bucket{kind=\"SWAP_TO_DEVICE\",le=\"+Inf\"} 1\n"),
         std::string("kvtd_attached 1\n"), std::string("kvtd_epoch 1\n"), std::string("kvtd_ring_depth_bytes 0\n")})

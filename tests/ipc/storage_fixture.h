@@ -4,6 +4,7 @@
 #pragma once
 
 #include <filesystem>
+#include <fmt/format.h>
 #include <string>
 #include <vector>
 
@@ -21,7 +22,7 @@ inline std::vector<std::int32_t> iota_ids(std::int32_t first, std::size_t n) {
 
 inline std::vector<std::string> make_keys(const std::string& prefix, std::size_t n) {
   std::vector<std::string> k;
-  for (std::size_t i = 0; i < n; ++i) k.push_back(prefix + std::to_string(i));
+  for (std::size_t i = 0; i < n; ++i) k.push_back(fmt::format("{}{}", prefix, i));
   return k;
 }
 
@@ -81,7 +82,7 @@ class StorageTaskTest : public DaemonTest {
   static std::string why(const engine::TaskResult& r) {
     std::string s;
     for (const auto& f : r.failures)
-      s += "rank " + std::to_string(f.rank) + ": " + proto::task_status_name(f.status) + ": " + f.message + "\n";
+      s += fmt::format("rank {}: {}: {}\n", f.rank, proto::task_status_name(f.status), f.message);
     return s;
   }
 
@@ -112,7 +113,7 @@ class StorageTaskTest : public DaemonTest {
     std::vector<fs::path> out;
     if (!fs::exists(store_dir_)) return out;
     const std::string needle = key + ".w";
-    const std::string tail = ".r" + std::to_string(rank) + ".kvo";
+    const std::string tail = fmt::format(".r{}.kvo", rank);
     for (const auto& e : fs::recursive_directory_iterator(store_dir_)) {
       const std::string name = e.path().filename().string();
       if (e.is_regular_file() && name.rfind(needle, 0) == 0 && name.size() > tail.size() &&

@@ -11,6 +11,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <filesystem>
+#include <fmt/format.h>
 #include <fstream>
 #include <map>
 #include <thread>
@@ -110,7 +111,7 @@ TEST_F(StorageTaskTest, PageFirstHostPoolHoldsEachBlockContiguouslyAndStoresItIn
   const std::uint64_t object = g_.bytes_per_block_all_layers();
   const std::uint64_t data_offset = 2 * 4096;  // header page + one page of validity bytes (24 blocks)
   for (std::uint32_t r = 0; r < g_.num_ranks; ++r) {
-    auto pool = ipc::SharedObject::open(ipc::session_object_name(engine_->generation(), "host" + std::to_string(r)));
+    auto pool = ipc::SharedObject::open(ipc::session_object_name(engine_->generation(), fmt::format("host{}", r)));
     ASSERT_TRUE(pool.ok()) << pool.error().message;
     for (std::size_t h = 0; h < dev.size(); ++h) {
       std::uint64_t off = data_offset + h * object;
@@ -303,7 +304,7 @@ TEST_F(StorageTaskTest, ABackupOfAFailedSwapStoresNothing) {
   EXPECT_EQ(backup->status, TaskStatus::kBackupSkipped) << why(*backup);
   EXPECT_EQ(backup->blocks_done, 0u);
   ASSERT_FALSE(backup->failures.empty());
-  EXPECT_NE(backup->failures[0].message.find("its swap (task " + std::to_string(*id) + ") ended id_out_of_range"),
+  EXPECT_NE(backup->failures[0].message.find(fmt::format("its swap (task {}) ended id_out_of_range", *id)),
             std::string::npos)
       << why(*backup);
   auto rd = storage(TaskKind::kStorageRead, {"kx"}, {30});
@@ -367,7 +368,7 @@ TEST_F(StorageTaskTest, ReadsThatOvertakeAWriteOnOneRankNeverDeadlockTheAgreemen
     const std::int64_t deadline = ipc::monotonic_now_ns() + 20'000'000'000;
     TaskRequest w;
     w.kind = TaskKind::kStorageWrite;
-    const auto wkeys = make_keys("ow" + std::to_string(round) + "-", 4);
+    const auto wkeys = make_keys(fmt::format("ow{}-", round), 4);
     const auto wblocks = iota_ids(0, 4);
     w.keys = wkeys;
     w.blocks = wblocks;

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <thread>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "kvtd/control/control.h"
@@ -285,7 +286,7 @@ TEST_F(StoreStallTest, BackupsAreSkippedWhileTheStoreIsStoppedAndSwapsGoOn) {
   std::chrono::nanoseconds slowest{0};  // a figure printed, not a check (no timed tests)
   for (std::int32_t i = 0; i < 6; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    const auto id = with_keys(3 + i, 3 + i, "late" + std::to_string(i));
+    const auto id = with_keys(3 + i, 3 + i, fmt::format("late{}", i));
     auto sw = engine_->wait(id, 20'000'000'000);
     slowest = std::max(slowest, std::chrono::steady_clock::now() - t0);
     ASSERT_TRUE(sw.ok()) << sw.error().message;
@@ -338,7 +339,7 @@ TEST_F(StoreStallTest, SlowWritesNeverHoldALoadAndBackupsThatWaitForAWriterAreSk
   ASSERT_TRUE(engine_->wait(first, 20'000'000'000).ok());
   std::vector<std::uint64_t> later;
   for (std::int32_t i = 0; i < 4; ++i) {
-    later.push_back(with_keys(3 + i, 3 + i, "w" + std::to_string(i + 1)));
+    later.push_back(with_keys(3 + i, 3 + i, fmt::format("w{}", i + 1)));
     auto sw = engine_->wait(later.back(), 20'000'000'000);
     ASSERT_TRUE(sw.ok() && sw->ok());
   }
@@ -385,7 +386,7 @@ TEST_F(StoreStallTest, AFileStoreWhoseWritesStallNeverHoldsSwapsOrLoads) {
   };
   const auto first = with_keys(2, 2, "s0");
   std::vector<std::uint64_t> later;
-  for (std::int32_t i = 0; i < 3; ++i) later.push_back(with_keys(3 + i, 3 + i, "s" + std::to_string(i + 1)));
+  for (std::int32_t i = 0; i < 3; ++i) later.push_back(with_keys(3 + i, 3 + i, fmt::format("s{}", i + 1)));
   round_trip({20}, {20}, {21});
   wipe_device({24, 25});
   auto rd = storage(TaskKind::kStorageRead, {"f0", "f1"}, {24, 25});

@@ -10,6 +10,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <fmt/format.h>
 #include <fstream>
 
 #include "daemon_fixture.h"
@@ -28,7 +29,7 @@ class TrustTest : public DaemonTest {
 
   // The engine's session segment, mapped again: what a hostile or broken writer could touch.
   std::unique_ptr<ipc::SharedObject> map_segment() {
-    auto o = ipc::SharedObject::open("kvtd_" + std::to_string(getuid()) + "_" + suffix_);
+    auto o = ipc::SharedObject::open(fmt::format("kvtd_{}_{}", getuid(), suffix_));
     EXPECT_TRUE(o.ok());
     return o.ok() ? std::move(o).value() : nullptr;
   }
@@ -280,7 +281,7 @@ TEST_F(TrustTest, SecondDaemonForALiveRankIsRefusedNamingItsPid) {
   Child second = start_daemon(0, 1);
   EXPECT_EQ(second.wait_exit(std::chrono::seconds(20)), 3);
   const auto log = test::read_file(log_path(0, 1));
-  EXPECT_NE(log.find("already served by live kvtd pid " + std::to_string(daemons_[0].pid())), std::string::npos)
+  EXPECT_NE(log.find(fmt::format("already served by live kvtd pid {}", daemons_[0].pid())), std::string::npos)
       << log;
   round_trip({1, 2}, {3, 4}, {5, 6});
   // The owner dies: a newcomer takes the rank over.
@@ -354,7 +355,7 @@ TEST_F(TrustTest, ACreatorPidNamingAnotherProcessNeverMapsThatProcesssMemory) {
   auto s = EngineSession::create(o);
   ASSERT_TRUE(s.ok()) << s.error().message;
   engine_ = std::move(s).value();
-  const std::string handle = "/proc/" + std::to_string(other) + "/fd/" + std::to_string(other_fd);
+  const std::string handle = fmt::format("/proc/{}/fd/{}", other, other_fd);
   std::uint64_t offset = 0;
   for (auto d : tensors) {
     d.device_id = -1;

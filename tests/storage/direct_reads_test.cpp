@@ -3,6 +3,7 @@
 // swapped-name objects are misses that never reach the caller. Skipped where the test's temporary
 // directory refuses O_DIRECT (the refusal itself is tested through the FileSystem seam: tmpfs
 // takes O_DIRECT since Linux 6.6, so it cannot stand for a refusing file system).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -29,8 +30,9 @@ std::vector<std::byte> pattern(std::uint32_t seed) {
 
 class DirectReadsTest : public ::testing::Test {
  protected:
-  std::string root_ = (fs::path(::testing::TempDir()) / ("kvtd_direct_" + std::to_string(::getpid()) + "_" +
-                                                        ::testing::UnitTest::GetInstance()->current_test_info()->name()))
+  std::string root_ = (fs::path(::testing::TempDir()) /
+                       fmt::format("kvtd_direct_{}_{}", ::getpid(),
+                                   ::testing::UnitTest::GetInstance()->current_test_info()->name()))
                           .string();
   std::unique_ptr<ObjectStore> buffered_, direct_;
 
@@ -68,7 +70,7 @@ TEST_F(DirectReadsTest, EveryReadShapeReturnsTheVerifiedBytes) {
   std::vector<std::string> keys;
   std::vector<std::vector<std::byte>> want;
   for (std::uint32_t i = 0; i < 40; ++i) {  // more than one window of reads in flight
-    keys.push_back("k" + std::to_string(i));
+    keys.push_back(fmt::format("k{}", i));
     want.push_back(pattern(i));
     put(keys.back(), want.back());
   }
@@ -151,7 +153,7 @@ class NoDirectFileSystem final : public test::ForwardingFileSystem {
 TEST(DirectReadsRefused, AFileSystemThatRefusesODirectIsRefusedAtOpenNamingTheRootAndTheWayOut) {
   for (const int error : {EINVAL, 0}) {
     NoDirectFileSystem nfs(error);
-    const std::string root = ::testing::TempDir() + "/kvtd_direct_nofs_" + std::to_string(::getpid());
+    const std::string root = fmt::format("{}/kvtd_direct_nofs_{}", ::testing::TempDir(), ::getpid());
     FileStoreOptions o;
     o.store = StoreOptions{"m", 0x77, kObject};
     o.root = root;

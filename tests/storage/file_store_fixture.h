@@ -2,6 +2,7 @@
 // helpers to put and get one object (file_store_test, file_store_gc_test).
 #pragma once
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -54,8 +55,9 @@ class FaultyFileSystem final : public test::ForwardingFileSystem {
 
 class FileStoreTest : public ::testing::Test {
  protected:
-  std::string root_ = (fs::path(::testing::TempDir()) / ("kvtd_fs_" + std::to_string(::getpid()) + "_" +
-                                                        ::testing::UnitTest::GetInstance()->current_test_info()->name()))
+  std::string root_ = (fs::path(::testing::TempDir()) /
+                       fmt::format("kvtd_fs_{}_{}", ::getpid(),
+                                   ::testing::UnitTest::GetInstance()->current_test_info()->name()))
                           .string();
   void SetUp() override { fs::remove_all(root_); }
   void TearDown() override { fs::remove_all(root_); }

@@ -1,6 +1,7 @@
 // The file store's garbage collection on a real directory - other weight
 // versions, layouts and (when named) models removed, what is kept still loads, the capacity
 // accounting follows (also in a second store sharing the root), bounded by its deadline.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <time.h>
@@ -14,12 +15,12 @@ namespace kvtd::storage {
 namespace {
 
 // Names as the daemon makes them: <key>.w<deployment>-<engine weight version>.r<rank>.
-std::string name(int i, int weight_version) { return "k" + std::to_string(i) + ".w0-" + std::to_string(weight_version) + ".r0"; }
+std::string name(int i, int weight_version) { return fmt::format("k{}.w0-{}.r0", i, weight_version); }
 
 GcRequest keep_version(int weight_version, std::uint64_t fingerprint = 0xabcdef) {
   GcRequest r;
   r.keep_fingerprints = {fingerprint};
-  const std::string tail = "-" + std::to_string(weight_version) + ".r0";
+  const std::string tail = fmt::format("-{}.r0", weight_version);
   r.keep_name = [tail](const std::string& n) { return n.size() > tail.size() && n.compare(n.size() - tail.size(), tail.size(), tail) == 0; };
   return r;
 }

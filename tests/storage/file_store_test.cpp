@@ -1,5 +1,6 @@
 #include "kvtd/storage/file_store.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -28,7 +29,7 @@ TEST_F(FileStoreTest, BatchRoundTripAndLeadingExists) {
   std::vector<std::vector<std::byte>> data;
   std::vector<const std::byte*> srcs;
   for (std::uint32_t i = 0; i < 16; ++i) {
-    keys.push_back("blk" + std::to_string(i));
+    keys.push_back(fmt::format("blk{}", i));
     data.push_back(object(i));
   }
   for (auto& d : data) srcs.push_back(d.data());
@@ -237,10 +238,10 @@ TEST_F(FileStoreTest, AReadInPlaceLandsInTheDestinationsPiecesAndVerifiesThere) 
 TEST_F(FileStoreTest, EvictionNeverDeletesAnObjectAConcurrentPutJustWrote) {
   auto s = open(options(4 * (kObject + sizeof(ObjectHeader))));
   for (int round = 0; round < 200; ++round) {
-    const std::string hot = "hot" + std::to_string(round % 3);
+    const std::string hot = fmt::format("hot{}", round % 3);
     std::thread a([&] { put_one(*s, hot, object(static_cast<std::uint32_t>(round))); });
     std::thread b([&] {
-      for (int i = 0; i < 3; ++i) put_one(*s, "cold" + std::to_string(round) + "_" + std::to_string(i), object(9));
+      for (int i = 0; i < 3; ++i) put_one(*s, fmt::format("cold{}_{}", round, i), object(9));
     });
     a.join();
     b.join();
@@ -475,9 +476,9 @@ TEST_F(FileStoreTest, OpeningAStoreRemovesOnlyTemporariesOfWritersThatAreGone) {
   const pid_t dead = fork();
   if (dead == 0) _exit(0);
   ASSERT_EQ(waitpid(dead, nullptr, 0), dead);
-  const std::string live_tmp = ns + "/00/.tmp-key-a-" + std::to_string(::getpid()) + "-77-1";
-  const std::string dead_tmp = ns + "/00/.tmp-key-b-" + std::to_string(dead) + "-77-2";
-  const std::string old_tmp = ns + "/00/.tmp-key-c-" + std::to_string(::getpid()) + "-77-3";
+  const std::string live_tmp = fmt::format("{}/00/.tmp-key-a-{}-77-1", ns, ::getpid());
+  const std::string dead_tmp = fmt::format("{}/00/.tmp-key-b-{}-77-2", ns, dead);
+  const std::string old_tmp = fmt::format("{}/00/.tmp-key-c-{}-77-3", ns, ::getpid());
   for (const auto& p : {live_tmp, dead_tmp, old_tmp}) std::ofstream(p) << "partial";
   const timespec hour_ago[2] = {{::time(nullptr) - 3600, 0}, {::time(nullptr) - 3600, 0}};
   ASSERT_EQ(::utimensat(AT_FDCWD, old_tmp.c_str(), hour_ago, 0), 0);
@@ -506,8 +507,8 @@ TEST_F(FileStoreTest, ATemporaryOfAWriterInAnotherPidNamespaceIsNotJudgedByItsPi
   struct stat self {};
   ASSERT_EQ(::stat("/proc/self/ns/pid", &self), 0);
   const std::string here = std::to_string(self.st_ino), elsewhere = std::to_string(self.st_ino + 1);
-  const std::string foreign = ns + "/00/.tmp-key-f-" + std::to_string(dead) + "p" + elsewhere + "-77-1";
-  const std::string ours = ns + "/00/.tmp-key-g-" + std::to_string(dead) + "p" + here + "-77-2";
+  const std::string foreign = fmt::format("{}/00/.tmp-key-f-{}p{}-77-1", ns, dead, elsewhere);
+  const std::string ours = fmt::format("{}/00/.tmp-key-g-{}p{}-77-2", ns, dead, here);
   for (const auto& p : {foreign, ours}) std::ofstream(p) << "partial";
   auto second = open(options());
   ASSERT_NE(second, nullptr);

@@ -5,6 +5,7 @@
 // write whole) agree.
 #include "kvtd/storage/file_system.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -44,7 +45,7 @@ struct Stretch {
 
 class StreamedReadTest : public ::testing::Test {
  protected:
-  std::string path_ = (fs::path(::testing::TempDir()) / ("kvtd_streamed_" + std::to_string(::getpid()))).string();
+  std::string path_ = (fs::path(::testing::TempDir()) / fmt::format("kvtd_streamed_{}", ::getpid())).string();
   std::vector<std::byte> content_;
 
   void write_file(std::size_t bytes) {

@@ -2,6 +2,7 @@
 // and a three-master cluster made with `redis-cli --cluster create`, all started and stopped here.
 #include "kvtd/storage/redis_store.h"
 
+#include <fmt/format.h>
 #include <hiredis/hiredis.h>
 #include <gtest/gtest.h>
 
@@ -28,7 +29,7 @@ using test::RedisServer;
 constexpr std::uint64_t kObject = 64 * 1024;
 
 std::string temp_dir(const std::string& name) {
-  return (fs::path(::testing::TempDir()) / ("kvtd_redis_" + std::to_string(::getpid()) + "_" + name)).string();
+  return (fs::path(::testing::TempDir()) / fmt::format("kvtd_redis_{}_{}", ::getpid(), name)).string();
 }
 
 std::vector<std::byte> object(std::uint32_t seed) {
@@ -45,7 +46,7 @@ struct Batch {
   std::vector<std::byte*> dsts;
   explicit Batch(std::size_t n, const std::string& prefix = "blk") {
     for (std::size_t i = 0; i < n; ++i) {
-      keys.push_back(prefix + std::to_string(i));
+      keys.push_back(fmt::format("{}{}", prefix, i));
       data.push_back(object(static_cast<std::uint32_t>(i + 1)));
       back.emplace_back(kObject);
     }
@@ -263,7 +264,7 @@ TEST(RedisPassword, ComesFromAnEnvironmentVariableOrAFile) {
 GcRequest keep_version(int weight_version) {
   GcRequest r;
   r.keep_fingerprints = {0x1234};
-  const std::string tail = "-v" + std::to_string(weight_version);
+  const std::string tail = fmt::format("-v{}", weight_version);
   r.keep_name = [tail](const std::string& n) { return n.size() > tail.size() && n.compare(n.size() - tail.size(), tail.size(), tail) == 0; };
   return r;
 }
@@ -352,8 +353,8 @@ class RedisClusterTest : public ::testing::Test {
       const int port = base_port() + 2 + i;
       nodes_.push_back(std::make_unique<RedisServer>(
           port, std::vector<std::string>{"--cluster-enabled", "yes", "--cluster-config-file",
-                                         "nodes-" + std::to_string(port) + ".conf", "--cluster-node-timeout", "2000"},
-          dir_ + "/" + std::to_string(port)));
+                                         fmt::format("nodes-{}.conf", port), "--cluster-node-timeout", "2000"},
+          fmt::format("{}/{}", dir_, port)));
       ASSERT_TRUE(nodes_.back()->ready());
       create.push_back(nodes_.back()->endpoint());
     }

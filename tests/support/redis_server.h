@@ -2,6 +2,7 @@
 // per test process.
 #pragma once
 
+#include <fmt/format.h>
 #include <hiredis/hiredis.h>
 #include <sys/time.h>
 #include <unistd.h>
@@ -34,7 +35,7 @@ class RedisServer {
   }
   void start() {
     using namespace std::chrono_literals;
-    proc_ = Child(args_, dir_ + "/redis-" + std::to_string(port_) + ".log");
+    proc_ = Child(args_, fmt::format("{}/redis-{}.log", dir_, port_));
     ready_ = eventually([&] { return ping(); }, 10s);
   }
   void kill9() {
@@ -45,7 +46,7 @@ class RedisServer {
   void thaw() { proc_.signal(SIGCONT); }
   bool ready() const { return ready_; }
   int port() const { return port_; }
-  std::string endpoint() const { return "127.0.0.1:" + std::to_string(port_); }
+  std::string endpoint() const { return fmt::format("127.0.0.1:{}", port_); }
 
   // Runs one command (argv) and returns the reply as text ("" on connection failure).
   std::string command(const std::vector<std::string>& argv, const std::string& password = "") const {

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstring>
+#include <fmt/format.h>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -67,7 +68,7 @@ class ScriptedStore final : public storage::ObjectStore {
       if (auto f = fail_on_write.find(keys[i]); f != fail_on_write.end()) {
         out[i] = {storage::ObjectResult::kFailed, "write " + keys[i] + ": " + f->second};
       } else if (object.size() != bytes_) {
-        out[i] = {storage::ObjectResult::kFailed, "pieces hold " + std::to_string(object.size()) + " bytes"};
+        out[i] = {storage::ObjectResult::kFailed, fmt::format("pieces hold {} bytes", object.size())};
       } else {
         objects_[keys[i]] = std::move(object);
         out[i] = {storage::ObjectResult::kOk, {}};
@@ -108,7 +109,7 @@ class ScriptedStore final : public storage::ObjectStore {
     if (it == objects_.end()) return {storage::ObjectResult::kMissing, {}};
     std::size_t total = 0;
     for (auto piece : pieces) total += piece.size();
-    if (total != bytes_) return {storage::ObjectResult::kFailed, "pieces hold " + std::to_string(total) + " bytes"};
+    if (total != bytes_) return {storage::ObjectResult::kFailed, fmt::format("pieces hold {} bytes", total)};
     const bool corrupt = corrupt_on_read.count(key) != 0;
     if (corrupt && !in_place) return {storage::ObjectResult::kCorrupt, {}};
     std::size_t at = 0;

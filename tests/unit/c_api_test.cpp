@@ -2,6 +2,7 @@
 // loads: every entry point with good and hostile input, against an in-process rank.
 #include "kvtd/kvtd_client.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <chrono>
 #include <sys/wait.h>
@@ -296,7 +297,7 @@ TEST(CApi, TheCompletionForecastIsOnByDefaultAndAFlagTurnsItOff) {
 // missing; none at all is how a FastDeploy engine publishes (its worker publishes the tensors by
 // name and the daemons open those: daemon/process/fastdeploy_ipc.h).
 TEST(CApi, PublishTakesEveryTensorOrNoneButNotSome) {
-  const std::string suffix = "capi_partial_" + std::to_string(getpid());
+  const std::string suffix = fmt::format("capi_partial_{}", getpid());
   const kvtd_geometry g = c_geometry(2);
   char err[256] = {0};
   kvtd_session* some = nullptr;

@@ -2,6 +2,7 @@
 // GPU it runs in the stand-in build (-DKVTD_CUDA_SIM=ON: cudasim runs the backend's runtime
 // calls and its kernels on the CPU); in a plain build it skips unless a GPU is usable, and then
 // runs for real.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -99,7 +100,7 @@ TEST_P(CudaBackendTest, EveryModeMatchesTheHostExecutorByteForByte) {
   const std::int32_t blocks = 64;
   for (std::uint64_t bb : {std::uint64_t{16}, std::uint64_t{24}, std::uint64_t{3}, std::uint64_t{4096},
                           std::uint64_t{20488}, std::uint64_t{17003}}) {
-    SCOPED_TRACE(std::string(mode_name(GetParam())) + ", block bytes " + std::to_string(bb));
+    SCOPED_TRACE(fmt::format("{}, block bytes {}", mode_name(GetParam()), bb));
     const std::size_t bytes = static_cast<std::size_t>(blocks) * bb;
     std::vector<DeviceTensor> dev;
     std::vector<std::byte*> host;

@@ -2,6 +2,7 @@
 // with "allocator": "shm" is a memfd (mem_cache/storage/mmap/mmap_allocator.py:160-167 at v0.5.18),
 // which the engine names by its /proc/<pid>/fd/<fd> path. Nothing but that exact form is opened
 // that way, and only a non-empty regular file is mapped.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -39,7 +40,7 @@ class EngineMemory : public ::testing::Test {
     if (mine_) munmap(mine_, 1 << 16);
     if (fd_ >= 0) close(fd_);
   }
-  std::string path() const { return "/proc/" + std::to_string(getpid()) + "/fd/" + std::to_string(fd_); }
+  std::string path() const { return fmt::format("/proc/{}/fd/{}", getpid(), fd_); }
   int fd_ = -1;
   std::uint8_t* mine_ = nullptr;
 };
@@ -65,15 +66,16 @@ TEST_F(EngineMemory, ATensorPastTheEndOfTheMemfdIsRefusedNamingTheSizes) {
 TEST_F(EngineMemory, OnlyTheExactProcFdFormIsOpenedAndOnlyARegularFile) {
   auto b = make_host_backend();
   const std::string pid = std::to_string(getpid());
-  for (const std::string& bad : {"/proc/self/fd/" + std::to_string(fd_), "/proc/" + pid + "/fd/", "/proc/" + pid + "/fd/3x",
-                                "/proc/" + pid + "/environ", "/proc/" + pid + "/fd/../fd/" + std::to_string(fd_)}) {
+  for (const std::string& bad : {fmt::format("/proc/self/fd/{}", fd_), "/proc/" + pid + "/fd/",
+                                "/proc/" + pid + "/fd/3x", "/proc/" + pid + "/environ",
+                                fmt::format("/proc/{}/fd/../fd/{}", pid, fd_)}) {
     auto t = b->open_tensor(desc(bad, 0, 16));
     ASSERT_FALSE(t.ok()) << bad;
     EXPECT_NE(t.error().message.find("/proc/<pid>/fd/<fd>"), std::string::npos) << bad << ": " << t.error().message;
   }
   int pipe_fds[2];
   ASSERT_EQ(pipe(pipe_fds), 0);
-  auto t = b->open_tensor(desc("/proc/" + pid + "/fd/" + std::to_string(pipe_fds[0]), 0, 16));
+  auto t = b->open_tensor(desc(fmt::format("/proc/{}/fd/{}", pid, pipe_fds[0]), 0, 16));
   close(pipe_fds[0]);
   close(pipe_fds[1]);
   ASSERT_FALSE(t.ok());
@@ -89,9 +91,9 @@ TEST_F(EngineMemory, OnlyTheExactProcFdFormIsOpenedAndOnlyARegularFile) {
 TEST_F(EngineMemory, TheEnginesDescriptorIsTakenWithItsModeAndOnlyAMemfdIsMapped) {
   auto b = make_host_backend();
   const std::string pid = std::to_string(getpid());
-  const int read_only = open(("/proc/self/fd/" + std::to_string(fd_)).c_str(), O_RDONLY | O_CLOEXEC);
+  const int read_only = open(fmt::format("/proc/self/fd/{}", fd_).c_str(), O_RDONLY | O_CLOEXEC);
   ASSERT_GE(read_only, 0);
-  auto t = b->open_tensor(desc("/proc/" + pid + "/fd/" + std::to_string(read_only), 0, 16));
+  auto t = b->open_tensor(desc(fmt::format("/proc/{}/fd/{}", pid, read_only), 0, 16));
   close(read_only);
   ASSERT_FALSE(t.ok());
   EXPECT_NE(t.error().message.find("is open read-only in the engine"), std::string::npos) << t.error().message;
@@ -101,7 +103,7 @@ TEST_F(EngineMemory, TheEnginesDescriptorIsTakenWithItsModeAndOnlyAMemfdIsMapped
   ASSERT_GE(tmpfs, 0);
   unlink(shm.c_str());
   ASSERT_EQ(ftruncate(tmpfs, 4096), 0);
-  auto u = b->open_tensor(desc("/proc/" + pid + "/fd/" + std::to_string(tmpfs), 0, 16));
+  auto u = b->open_tensor(desc(fmt::format("/proc/{}/fd/{}", pid, tmpfs), 0, 16));
   close(tmpfs);
   ASSERT_FALSE(u.ok());
   EXPECT_NE(u.error().message.find("is not shared memory the engine made (a memfd)"), std::string::npos)

@@ -1,6 +1,7 @@
 // KV events: the publisher's refusals (the engine key an eviction reports is recovered by
 // storage::StoredName, tests/unit/object_name_test.cpp). The wire format itself is checked by a real
 // subscriber decoding with python3-msgpack (tests/python/test_kv_events.py).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <arpa/inet.h>
@@ -97,7 +98,7 @@ TEST(KvEvents, ASubscriberThatNeverReadsCostsBoundedMemory) {
   for (int r = 0; r < kRounds; ++r) {
     std::vector<std::string> keys;
     for (int i = 0; i < kPerRound; ++i) {
-      std::string k = "prefix-" + std::to_string(r) + "-" + std::to_string(i) + "-";
+      std::string k = fmt::format("prefix-{}-{}-", r, i);
       k.resize(122, 'x');
       keys.push_back(std::move(k));
     }
@@ -124,7 +125,7 @@ TEST(KvEvents, ASubscriberThatNeverReadsCostsBoundedMemory) {
 // objects), so a router kept keys that were gone. A lost removal is now followed by an
 // AllBlocksCleared after the events queued before it: the router forgets what it cannot trust.
 TEST(KvEvents, ALostRemovalIsFollowedByAClearTheRouterSees) {
-  const std::string endpoint = "ipc://" + ::testing::TempDir() + "/kv_events_lost_" + std::to_string(::getpid());
+  const std::string endpoint = fmt::format("ipc://{}/kv_events_lost_{}", ::testing::TempDir(), ::getpid());
   events::KvEventsOptions o;
   o.endpoint = endpoint;
   o.medium = "DISK";
@@ -164,7 +165,7 @@ TEST(KvEvents, MsgpackWriterWritesTheSpecsFormats) {
       std::snprintf(b, sizeof b, "%02x", c);
       hex += b;
     }
-    return hex + "/" + std::to_string(w.bytes().size());
+    return fmt::format("{}/{}", hex, w.bytes().size());
   };
   EXPECT_EQ(bytes([](auto& w) { w.str(std::string(31, 'a')); }), "bf616161/32");        // fixstr
   EXPECT_EQ(bytes([](auto& w) { w.str(std::string(40, 'a')); }), "d9286161/42");        // str 8
@@ -221,7 +222,7 @@ TEST(KvEvents, IdleOrUnauthenticatedHoldersNeverKeepARouterOut) {
   test::Watchdog dog(60);
   const std::uint16_t port = test::free_tcp_port();
   events::KvEventsOptions o;
-  o.endpoint = "tcp://*:" + std::to_string(port);  // bound (tcp://host:port would connect out)
+  o.endpoint = fmt::format("tcp://*:{}", port);  // bound (tcp://host:port would connect out)
   o.medium = "DISK";
   o.max_subscribers = 4;
   auto p = events::KvEventPublisher::open(o);
@@ -235,11 +236,11 @@ TEST(KvEvents, IdleOrUnauthenticatedHoldersNeverKeepARouterOut) {
   zmq::socket_t router(ctx, zmq::socket_type::sub);
   router.set(zmq::sockopt::subscribe, "");
   router.set(zmq::sockopt::rcvtimeo, 100);
-  router.connect("tcp://127.0.0.1:" + std::to_string(port));
+  router.connect(fmt::format("tcp://127.0.0.1:{}", port));
   int received = 0;
   const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   for (int i = 0; received == 0 && std::chrono::steady_clock::now() < end; ++i) {
-    (*p)->stored({"k" + std::to_string(i)});
+    (*p)->stored({fmt::format("k{}", i)});
     for (int fd : held) (void)!::send(fd, "\x00", 1, MSG_NOSIGNAL);  // the slow greeters' next byte (a shut one: EPIPE)
     zmq::message_t m;
     while (router.recv(m, zmq::recv_flags::none)) {

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <condition_variable>
@@ -141,7 +142,7 @@ TEST(Session, GeometriesWithBadScaleSizeOrExtraLayersAreRefusedAtCreate) {
 
 TEST(Session, RefusesAForeignObjectAndAnOpenMode) {
   const auto suffix = test::unique_suffix("foreign");
-  const std::string name = "/kvtd_" + std::to_string(getuid()) + "_" + suffix;
+  const std::string name = fmt::format("/kvtd_{}_{}", getuid(), suffix);
   int fd = shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
   ASSERT_GE(fd, 0);
   ASSERT_EQ(ftruncate(fd, 8192), 0);
@@ -443,7 +444,7 @@ TEST(Session, SweepRemovesObjectsOfDeadSessionsOnly) {
 // later sweep stop at once ("a session being created"), so no orphan was ever swept again. One
 // untouched for 30 s is now swept as a dead session's.
 TEST(Session, ASessionAbandonedMidCreationDoesNotStopTheSweep) {
-  const std::string abandoned = "kvtd_" + std::to_string(getuid()) + "_" + test::unique_suffix("halfmade");
+  const std::string abandoned = fmt::format("kvtd_{}_{}", getuid(), test::unique_suffix("halfmade"));
   const std::string orphan = session_object_name(0x0123456789abcd01ull, "dev0");
   for (const auto& n : {abandoned, orphan}) {
     ASSERT_TRUE(SharedObject::create(n, sizeof(proto::SessionHeader)).ok());  // zero-filled: no magic

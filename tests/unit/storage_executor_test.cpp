@@ -2,6 +2,7 @@
 // bytes; a load the store cut short is storage_unavailable, not a miss; a failed write names its
 // own key's cause; a CANCEL stops a write between small steps, and it answers truthfully whether
 // it will stop the task.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <condition_variable>
@@ -133,7 +134,7 @@ class StorageExecutorTest : public ::testing::Test {
   }
   static std::vector<std::string> keys(const std::string& prefix, int n) {
     std::vector<std::string> k;
-    for (int i = 0; i < n; ++i) k.push_back(prefix + std::to_string(i));
+    for (int i = 0; i < n; ++i) k.push_back(fmt::format("{}{}", prefix, i));
     return k;
   }
 };
@@ -186,7 +187,7 @@ TEST_F(StorageExecutorTest, ABackupSkippedInPhaseOneLeavesLaterBackupsStored) {
     w.header.flags = proto::kTaskFlagPolicyBackup;
     w.header.submit_ns = submit_ns;
     w.epoch = ep_->epoch();
-    w.section.keys = keys("g" + std::to_string(id) + "_", 2);
+    w.section.keys = keys(fmt::format("g{}_", id), 2);
     w.blocks = {0, 1};
     exec_->submit(std::move(w));
     return id;
@@ -272,7 +273,7 @@ TEST_P(StorePathTest, WritesAndLoadsMoveTheExactBytes) {
   const auto written = device_;
   ASSERT_EQ(wait(submit(TaskKind::kStorageWrite, 1, keys("x", 6))).status, TaskStatus::kOk);
   for (std::size_t b = 0; b < 6; ++b) {
-    const auto object = store_->stored("x" + std::to_string(b) + ".w0-0.r0");
+    const auto object = store_->stored(fmt::format("x{}.w0-0.r0", b));
     ASSERT_EQ(object.size(), kObject) << "block " << b;
     EXPECT_EQ(0, std::memcmp(object.data(), written.data() + b * kObject, kObject)) << "block " << b;
   }
@@ -314,7 +315,7 @@ TEST_F(PartsTest, EachPartHoldsItsShareAndAKeyLoadsOnlyWhole) {
   EXPECT_EQ(store_->size(), 7u);
   for (int k : {0, 2, 3})
     for (int part = 0; part < 2; ++part) {
-      const auto got = store_->stored("h" + std::to_string(k) + ".w0-0.h" + std::to_string(4 + part));
+      const auto got = store_->stored(fmt::format("h{}.w0-0.h{}", k, 4 + part));
       const auto* share = written.data() + k * kObject + part * (kObject / 2);
       ASSERT_EQ(got.size(), kObject / 2);
       EXPECT_EQ(std::memcmp(got.data(), share, got.size()), 0) << "key " << k << " part " << part;

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -60,7 +61,7 @@ TEST(VersionYaml, WhatItCannotReadIsRefusedNamingTheLine) {
 // A FIFO or a device as version.yaml hung start-up (a read that never ends, or never stops);
 // a huge file was read whole. Each is refused at once, naming the file.
 TEST(VersionYaml, AFifoADeviceOrAHugeFileIsRefusedAtOnce) {
-  const fs::path dir = fs::path(::testing::TempDir()) / ("version_yaml_" + std::to_string(::getpid()));
+  const fs::path dir = fs::path(::testing::TempDir()) / fmt::format("version_yaml_{}", ::getpid());
   fs::remove_all(dir);
   fs::create_directories(dir);
   const std::string file = (dir / "version.yaml").string();
@@ -96,7 +97,7 @@ TEST(VersionYaml, AFifoADeviceOrAHugeFileIsRefusedAtOnce) {
 // non-ASCII) made kvtd exit 2 ("must be 1-64 characters"), and so did a model directory FastDeploy
 // serves ("with space", a 70-character name). Each is encoded into a name now, one per text.
 TEST(VersionYaml, APrefixOrAModelDirectoryANameCannotHoldIsEncodedNotRefused) {
-  const fs::path dir = fs::path(::testing::TempDir()) / ("version_prefix_" + std::to_string(::getpid()));
+  const fs::path dir = fs::path(::testing::TempDir()) / fmt::format("version_prefix_{}", ::getpid());
   fs::remove_all(dir);
   fs::create_directories(dir);
   const std::string file = (dir / "version.yaml").string();
@@ -128,7 +129,7 @@ TEST(VersionYaml, APrefixOrAModelDirectoryANameCannotHoldIsEncodedNotRefused) {
 // A config file that is a FIFO hung start-up, and one with a table nested
 // thousands deep took 3.9 GB. Both are refused at once, naming the file; a flat one is read.
 TEST(ConfigFile, AFifoOrADeeplyNestedConfigIsRefusedAtOnce) {
-  const fs::path dir = fs::path(::testing::TempDir()) / ("config_file_" + std::to_string(::getpid()));
+  const fs::path dir = fs::path(::testing::TempDir()) / fmt::format("config_file_{}", ::getpid());
   fs::remove_all(dir);
   fs::create_directories(dir);
   const std::string file = (dir / "kvtd.toml").string();

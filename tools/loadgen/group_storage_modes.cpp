@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include "kvtd/proto/group_hits.h"
@@ -135,8 +136,8 @@ int run_group_storage_throughput(EngineSession& s, const Options& o) {
     if (!rules[i].state) room = std::min(room, bgs[i].device_blocks);
   const auto per_task = static_cast<std::size_t>(std::max<std::int64_t>(1, room));
   const std::size_t total = o.storage_blocks != 0 ? o.storage_blocks : 512;
-  const std::string prefix = o.key_prefix + "-" + std::to_string(::getpid()) + "-" +
-                             std::to_string(Clock::now().time_since_epoch().count() % 1000000007);
+  const std::string prefix =
+      fmt::format("{}-{}-{}", o.key_prefix, ::getpid(), Clock::now().time_since_epoch().count() % 1000000007);
   std::uint64_t wrote = 0, read = 0;  // bytes per rank: every named block written; what the rules load
   auto phase = [&](TaskKind kind, double* secs, std::uint64_t* bytes) -> bool {
     ::sync();

@@ -7,13 +7,14 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <fmt/format.h>
 #include <numeric>
 
 namespace kvtd::loadgen {
 
 std::vector<std::string> block_keys(const std::string& prefix, std::size_t first, std::size_t n) {
   std::vector<std::string> k;
-  for (std::size_t i = 0; i < n; ++i) k.push_back(prefix + "-" + std::to_string(first + i));
+  for (std::size_t i = 0; i < n; ++i) k.push_back(fmt::format("{}-{}", prefix, first + i));
   return k;
 }
 
@@ -200,8 +201,8 @@ int run_storage_throughput(EngineSession& s, const Options& o) {
   const std::size_t per_task = std::min<std::size_t>(o.blocks_per_task, static_cast<std::size_t>(g.num_device_blocks()));
   const std::size_t total = o.storage_blocks != 0 ? o.storage_blocks : 512;
   // Fresh keys per run: a write of keys that are stored already is skipped, not measured.
-  const std::string prefix = o.key_prefix + "-" + std::to_string(::getpid()) + "-" +
-                             std::to_string(Clock::now().time_since_epoch().count() % 1000000007);
+  const std::string prefix =
+      fmt::format("{}-{}-{}", o.key_prefix, ::getpid(), Clock::now().time_since_epoch().count() % 1000000007);
   const std::uint64_t object = g.bytes_per_block_all_layers();
   // Host-pool blocks: every one the tasks use holds data first (a swap-out of device blocks).
   const bool host = o.storage_host_blocks;

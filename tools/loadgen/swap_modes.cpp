@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <fmt/format.h>
 #include <numeric>
 #include <random>
 #include <string>
@@ -194,10 +195,10 @@ int run_verify(EngineSession& s, const Options& o) {
   const auto t0 = Clock::now();
   for (std::uint32_t it = 0; it < o.iterations; ++it) {
     if (!verify_round_trip(v, s, o, pick_round_trip(v, rng, o.blocks_per_task, (it % 2) == 1))) return 1;
-    bar.update(it + 1, std::to_string(2 * (it + 1)) + " tasks, " + std::to_string(v.verified >> 20) + " MiB verified");
+    bar.update(it + 1, fmt::format("{} tasks, {} MiB verified", 2 * (it + 1), v.verified >> 20));
   }
   const std::string per = v.groups.size() > 1 && proto::is_group_session(s.groups())
-                              ? " per cache group (" + std::to_string(v.groups.size()) + " groups in each task)"
+                              ? fmt::format(" per cache group ({} groups in each task)", v.groups.size())
                               : "";
   std::printf("verify: %u round trips of %u blocks%s on %u ranks, %.1f MiB verified byte for byte in %.2f s: OK\n",
               o.iterations, o.blocks_per_task, per.c_str(), g.num_ranks, static_cast<double>(v.verified) / (1 << 20),
@@ -335,13 +336,12 @@ void pick_task(const TaskShape& t, std::mt19937_64& rng, std::vector<std::int32_
 std::string describe(const EngineSession& s, const TaskShape& t, std::uint64_t chunk) {
   const auto& g = s.geometry();
   if (!proto::is_group_session(s.groups()))
-    return std::to_string(t.per_group[0]) + " random blocks per task, " + std::to_string(chunk) + "-byte blocks x " +
-           std::to_string(g.num_layers) + " layers x " + std::to_string((g.has_value() ? 2 : 1) + (g.has_scales() ? 2 : 0)) +
-           " tensors";
-  std::string out = std::to_string(t.groups.size()) + " cache groups in each task, random blocks of each:";
+    return fmt::format("{} random blocks per task, {}-byte blocks x {} layers x {} tensors", t.per_group[0], chunk,
+                       g.num_layers, (g.has_value() ? 2 : 1) + (g.has_scales() ? 2 : 0));
+  std::string out = fmt::format("{} cache groups in each task, random blocks of each:", t.groups.size());
   for (std::size_t i = 0; i < t.groups.size(); ++i)
-    out += " " + std::to_string(t.per_group[i]) + " x " + std::to_string(t.groups[i].block_bytes) + " B";
-  return out + " (" + std::to_string(t.bytes) + " bytes per task per rank)";
+    out += fmt::format(" {} x {} B", t.per_group[i], t.groups[i].block_bytes);
+  return fmt::format("{} ({} bytes per task per rank)", out, t.bytes);
 }
 
 // GB/s of a plain memcpy of `total` bytes in chunks of `chunk` between two buffers.

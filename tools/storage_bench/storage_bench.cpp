@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fmt/format.h>
 #include <random>
 #include <vector>
 
@@ -112,8 +113,7 @@ int main(int argc, char** argv) {
     std::vector<std::vector<std::string>> keys(static_cast<std::size_t>(batches));
     for (int i = 0; i < batches; ++i)
       for (int j = 0; j < batch; ++j)
-        keys[static_cast<std::size_t>(i)].push_back("r" + std::to_string(round) + "b" + std::to_string(i) + "_" +
-                                                    std::to_string(j));
+        keys[static_cast<std::size_t>(i)].push_back(fmt::format("r{}b{}_{}", round, i, j));
     ::sync();  // every timed phase starts with no dirty pages left by the previous one
     auto t0 = Clock::now();
     for (auto& k : keys) {

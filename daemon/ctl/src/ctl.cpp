@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 #include <cstdio>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "kvtd/control/control.h"
@@ -43,7 +44,7 @@ std::string storage_line(const json& st) {
   std::string out = st["backend"].get<std::string>();
   if (!st.contains("objects")) return out;
   out += " (" + st["objects"].get<std::string>();
-  if (st.contains("heads_per_object")) out += " " + std::to_string(st["heads_per_object"].get<unsigned>()) + " per object";
+  if (st.contains("heads_per_object")) out += fmt::format(" {} per object", st["heads_per_object"].get<unsigned>());
   return out + ", layout " + st["layout_fingerprint"].get<std::string>() + ")";
 }
 
@@ -155,9 +156,7 @@ std::optional<int> find_targets(const CtlArgs& a, std::vector<std::pair<std::uin
   }
   for (auto& [r, path] : control::find_sockets(*dir, a.session, a.dp)) targets->emplace_back(r, "ipc://" + path);
   if (targets->empty())
-    return fail("no daemon of session '" + a.session + "' (dp " + std::to_string(a.dp) +
-                    ") has a control socket in " + *dir,
-                1);
+    return fail(fmt::format("no daemon of session '{}' (dp {}) has a control socket in {}", a.session, a.dp, *dir), 1);
   return std::nullopt;
 }
 

@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <fmt/format.h>
 
 #include "cuda/footprint.h"
 #include "kvtd/daemon/log.h"
@@ -30,9 +31,10 @@ Status<DeviceErrc> CudaBackend::init() {
   }
   if (!host_pointers && (mode_ == ScatterMode::kKernelAllLayers || mode_ == ScatterMode::kKernelPerLayer))
     return make_error(DeviceErrc::kUnavailable,
-                      "device " + std::to_string(device_) +
-                          " cannot use host pointers of registered memory in kernels "
-                          "(cudaDevAttrCanUseHostPointerForRegisteredMem is 0): use --scatter-mode batch or memcpy");
+                      fmt::format("device {} cannot use host pointers of registered memory in kernels "
+                                  "(cudaDevAttrCanUseHostPointerForRegisteredMem is 0): use --scatter-mode batch or "
+                                  "memcpy",
+                                  device_));
   host_pointers_ = host_pointers != 0;
   if (int sms = 0; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_) == cudaSuccess && sms > 0)
     fill_warps_ = static_cast<std::uint64_t>(sms) * kFillWarpsPerSm;
@@ -100,14 +102,15 @@ Result<std::byte*, DeviceErrc> CudaBackend::open_tensor(const proto::TensorDesc&
   // CUDA_VISIBLE_DEVICES, so an equal ordinal can be another GPU and a different one the same.
   if (d.pci_bus_id != 0 && pci_bus_id_ != 0) {
     if (d.pci_bus_id != pci_bus_id_)
-      return make_error(DeviceErrc::kOpenFailed, "tensor is on the GPU at PCI " + proto::pci_bus_id_string(d.pci_bus_id) +
-                                                     " but this rank serves device " + std::to_string(device_) +
-                                                     " at PCI " + proto::pci_bus_id_string(pci_bus_id_));
+      return make_error(DeviceErrc::kOpenFailed,
+                        fmt::format("tensor is on the GPU at PCI {} but this rank serves device {} at PCI {}",
+                                    proto::pci_bus_id_string(d.pci_bus_id), device_,
+                                    proto::pci_bus_id_string(pci_bus_id_)));
   } else if (d.device_id != device_) {
-    return make_error(DeviceErrc::kOpenFailed, "tensor is on device " + std::to_string(d.device_id) +
-                                                   " but this rank serves device " + std::to_string(device_) +
-                                                   " (ordinals of the engine's process; register the PCI bus id "
-                                                   "when CUDA_VISIBLE_DEVICES differs)");
+    return make_error(DeviceErrc::kOpenFailed, fmt::format("tensor is on device {} but this rank serves device {} "
+                                                           "(ordinals of the engine's process; register the PCI bus id "
+                                                           "when CUDA_VISIBLE_DEVICES differs)",
+                                                           d.device_id, device_));
   }
   std::array<std::uint8_t, proto::kHandleBytes> key{};
   std::memcpy(key.data(), d.handle, key.size());
@@ -128,11 +131,11 @@ Result<std::byte*, DeviceErrc> CudaBackend::open_tensor(const proto::TensorDesc&
   const std::uint64_t size = it->second.bytes;
   if (size != 0 && (d.offset > size || d.bytes > size - d.offset))
     return make_error(DeviceErrc::kOpenFailed,
-                      "tensor (rank " + std::to_string(d.rank) + ", layer " + std::to_string(d.layer) + ", " +
-                          proto::tensor_kind_name(static_cast<proto::TensorKind>(d.kind)) + ") is registered at offset " +
-                          std::to_string(d.offset) + " with " + std::to_string(d.bytes) +
-                          " bytes, past the end of the allocation its IPC handle names (" + std::to_string(size) +
-                          " bytes): the engine registered the wrong handle, offset or size");
+                      fmt::format("tensor (rank {}, layer {}, {}) is registered at offset {} with {} bytes, past the "
+                                  "end of the allocation its IPC handle names ({} bytes): the engine registered the "
+                                  "wrong handle, offset or size",
+                                  d.rank, d.layer, proto::tensor_kind_name(static_cast<proto::TensorKind>(d.kind)),
+                                  d.offset, d.bytes, size));
   return static_cast<std::byte*>(it->second.base) + d.offset;
 }
 
@@ -320,8 +323,8 @@ Result<std::unique_ptr<DeviceBackend>, DeviceErrc> make_cuda_backend(int device_
   if (auto e = cudaGetDeviceCount(&count); e != cudaSuccess)
     return make_error(DeviceErrc::kUnavailable, cuda::cuda_text("no usable CUDA driver or device (cudaGetDeviceCount)", e));
   if (device_id < 0 || device_id >= count)
-    return make_error(DeviceErrc::kUnavailable, "--device-id " + std::to_string(device_id) + " but only " +
-                                                    std::to_string(count) + " CUDA devices are visible");
+    return make_error(DeviceErrc::kUnavailable,
+                      fmt::format("--device-id {} but only {} CUDA devices are visible", device_id, count));
   auto b = std::make_unique<cuda::CudaBackend>(device_id, mode, std::max<std::size_t>(copy_batch_max, 1),
                                                cuda::kernel_piece_bytes(), copy_wait_spin_us);
   KVTD_TRY(b->init());

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <fmt/format.h>
 #include <thread>
 
 #include "kvtd/ipc/clock.h"
@@ -32,7 +33,7 @@ Status<proto::TaskStatus> RankEndpoint::Impl::wait_slot_free(std::uint64_t seq, 
       if (!peer.attached.load(std::memory_order_acquire)) continue;  // a rank not live reads nothing
       // Acquire pairs with the peer's release in leave_agreements_below.
       if (peer.agreement_left.load(std::memory_order_acquire) <= previous)
-        behind += (behind.empty() ? "" : ",") + std::to_string(r);
+        behind += fmt::format("{}{}", behind.empty() ? "" : ",", r);
     }
     if (behind.empty()) return {};
     if (!granted() || !engine_alive())
@@ -40,8 +41,8 @@ Status<proto::TaskStatus> RankEndpoint::Impl::wait_slot_free(std::uint64_t seq, 
     const std::int64_t now = monotonic_now_ns();
     if (deadline_ns != 0 && now >= deadline_ns)
       return make_error(TaskStatus::kDeadlineExceeded,
-                        "deadline passed while rank(s) " + behind + " still had to read the agreement of the task " +
-                            std::to_string(proto::kAgreementSlots) + " ring records before this one");
+                        fmt::format("deadline passed while rank(s) {} still had to read the agreement of the task {} "
+                                    "ring records before this one", behind, proto::kAgreementSlots));
     // Short slices: peer liveness is re-checked at least every 5 ms.
     const std::int64_t slice = now + 5'000'000;
     (void)wait_on_word(ctrl->word, seen, deadline_ns != 0 ? std::min(deadline_ns, slice) : slice, &ctrl->waiters, 20'000);
@@ -95,8 +96,8 @@ Status<proto::TaskStatus> RankEndpoint::Impl::read_peer(std::uint32_t r, std::ui
       const auto why = static_cast<TaskStatus>(code);
       const bool known = code != 0 && code <= static_cast<std::uint32_t>(proto::kLastTaskStatus);
       return make_error(known ? why : TaskStatus::kAgreementFailed,
-                        "rank " + std::to_string(r) + " failed this task before the ranks agreed (" +
-                            proto::task_status_name(why) + ")");
+                        fmt::format("rank {} failed this task before the ranks agreed ({})", r,
+                                    proto::task_status_name(why)));
     }
     *agreed = std::min(*agreed, v);
     *pending_mask &= ~(1u << r);
@@ -104,13 +105,13 @@ Status<proto::TaskStatus> RankEndpoint::Impl::read_peer(std::uint32_t r, std::ui
   }
   // Newer (modulo 2^32) than ours: the slot was reused before we read it.
   if (static_cast<std::int32_t>(tag - want_tag) > 0)
-    return make_error(TaskStatus::kAgreementFailed, "rank " + std::to_string(r) +
-                                                        " reused the agreement slot of this task (more than " +
-                                                        std::to_string(proto::kAgreementSlots) + " storage tasks apart)");
+    return make_error(TaskStatus::kAgreementFailed,
+                      fmt::format("rank {} reused the agreement slot of this task (more than {} storage tasks "
+                                  "apart)", r, proto::kAgreementSlots));
   const auto& slot = h->ranks[r];
   if (!slot.attached.load(std::memory_order_acquire) || slot.attached_epoch.load(std::memory_order_acquire) != peer_epoch)
     return make_error(TaskStatus::kRankDead,
-                      "rank " + std::to_string(r) + " was declared dead by the engine while the ranks were agreeing");
+                      fmt::format("rank {} was declared dead by the engine while the ranks were agreeing", r));
   return {};  // not there yet
 }
 
@@ -164,7 +165,7 @@ Result<std::uint32_t, proto::TaskStatus> RankEndpoint::agree(std::uint64_t seq, 
     if (deadline_ns != 0 && now >= deadline_ns) {
       std::string who;
       for (std::uint32_t r = 0; r < n; ++r)
-        if (pending_mask & (1u << r)) who += (who.empty() ? "" : ",") + std::to_string(r);
+        if (pending_mask & (1u << r)) who += fmt::format("{}{}", who.empty() ? "" : ",", r);
       return make_error(TaskStatus::kDeadlineExceeded, "deadline passed while waiting for rank(s) " + who + " to agree");
     }
     // Short slices: peer liveness is re-checked at least every 5 ms.

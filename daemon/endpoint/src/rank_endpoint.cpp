@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <fmt/format.h>
 #include <thread>
 
 #include "kvtd/ipc/clock.h"
@@ -35,9 +36,10 @@ Status<IpcErrc> RankEndpoint::Impl::claim() {
   if (!lock.ok()) {
     const std::uint64_t cur = word.load(std::memory_order_acquire);
     if (lock.error().code == IpcErrc::kInUse)
-      return make_error(IpcErrc::kInUse, "rank " + std::to_string(opts.rank) + " is already served by live kvtd pid " +
-                                             std::to_string(proto::owner_pid(cur)) +
-                                             " (a pid of its own pid namespace; it holds the rank's lock on the session)");
+      return make_error(IpcErrc::kInUse,
+                        fmt::format("rank {} is already served by live kvtd pid {} (a pid of its own pid namespace; "
+                                    "it holds the rank's lock on the session)",
+                                    opts.rank, proto::owner_pid(cur)));
     return std::move(lock).error();
   }
   rank_lock = std::move(lock).value();
@@ -89,12 +91,12 @@ namespace {
 // A mapped segment this daemon may use: its owner and mode.
 Status<IpcErrc> check_access(const SharedObject& m, const std::string& name) {
   if (m.owner_uid() != getuid())
-    return make_error(IpcErrc::kPermission, "session " + name + " is owned by uid " + std::to_string(m.owner_uid()) +
-                                                ", not by this daemon's uid " + std::to_string(getuid()));
+    return make_error(IpcErrc::kPermission, fmt::format("session {} is owned by uid {}, not by this daemon's uid {}",
+                                                        name, m.owner_uid(), getuid()));
   if ((m.mode() & 077) != 0)
-    return make_error(IpcErrc::kPermission, "session " + name + " has mode 0" + std::to_string((m.mode() >> 6) & 7) +
-                                                std::to_string((m.mode() >> 3) & 7) + std::to_string(m.mode() & 7) +
-                                                "; it must not be accessible to group or others");
+    return make_error(IpcErrc::kPermission,
+                      fmt::format("session {} has mode 0{}{}{}; it must not be accessible to group or others", name,
+                                  (m.mode() >> 6) & 7, (m.mode() >> 3) & 7, m.mode() & 7));
   return {};
 }
 
@@ -127,9 +129,8 @@ Result<std::optional<Published>, IpcErrc> read_published(const SharedObject& m, 
     return make_error(IpcErrc::kBadMagic, "shared memory object " + name + " is not a kvtd session (bad magic)");
   const detail::HeaderCopy copy = detail::copy_header(*h);
   if (copy.layout_version != proto::kSessionLayoutVersion || copy.header_bytes != sizeof(proto::SessionHeader))
-    return make_error(IpcErrc::kBadVersion, "session " + name + " has layout version " +
-                                                std::to_string(copy.layout_version) + ", this daemon speaks " +
-                                                std::to_string(proto::kSessionLayoutVersion));
+    return make_error(IpcErrc::kBadVersion, fmt::format("session {} has layout version {}, this daemon speaks {}", name,
+                                                        copy.layout_version, proto::kSessionLayoutVersion));
   const auto state = static_cast<proto::SessionState>(h->state.load(std::memory_order_acquire));
   const bool stale = monotonic_now_ns() - h->engine_heartbeat_ns.load() > o.engine_timeout_ns;
   if (copy.generation == o.skip_generation || state == proto::SessionState::kClosed || stale) {
@@ -148,14 +149,14 @@ Result<std::optional<Published>, IpcErrc> read_published(const SharedObject& m, 
   if (!layout.ok()) return make_error(layout.error().code, "session " + name + ": " + layout.error().message);
   p.layout = *layout;
   if (o.rank >= p.header.geometry.num_ranks)
-    return make_error(IpcErrc::kGeometryMismatch, "rank: this daemon is rank " + std::to_string(o.rank) +
-                                                      " but the session has " +
-                                                      std::to_string(p.header.geometry.num_ranks) + " ranks");
+    return make_error(IpcErrc::kGeometryMismatch,
+                      fmt::format("rank: this daemon is rank {} but the session has {} ranks", o.rank,
+                                  p.header.geometry.num_ranks));
   if (p.header.served_ranks != 0 && (p.header.served_ranks & (1u << o.rank)) == 0)
     return make_error(IpcErrc::kGeometryMismatch,
-                      "rank: session " + name + " serves " + detail::ranks_text(p.header.served_ranks) +
-                          " only (an engine with one process per rank makes one session per rank) and this "
-                          "daemon is rank " + std::to_string(o.rank) + ": give it that rank's session");
+                      fmt::format("rank: session {} serves {} only (an engine with one process per rank makes one "
+                                  "session per rank) and this daemon is rank {}: give it that rank's session",
+                                  name, detail::ranks_text(p.header.served_ranks), o.rank));
   if (auto diff = detail::geometry_mismatch(p.header.geometry, o.expected); !diff.empty())
     return make_error(IpcErrc::kGeometryMismatch, "session " + name + " disagrees on " + diff);
   if (auto diff = detail::groups_mismatch(p.header.groups, o.expected_groups); !diff.empty())
@@ -206,8 +207,8 @@ Result<std::unique_ptr<RankEndpoint>, IpcErrc> RankEndpoint::attach(const Endpoi
     const std::int64_t now = monotonic_now_ns();
     if (o.stop && o.stop->load()) return make_error(IpcErrc::kClosed, "stopped while waiting for " + waiting_for);
     if (o.attach_timeout_ns > 0 && now - start >= o.attach_timeout_ns)
-      return make_error(IpcErrc::kTimeout, "gave up after " + std::to_string((now - start) / 1'000'000) +
-                                               " ms waiting for " + waiting_for);
+      return make_error(IpcErrc::kTimeout,
+                        fmt::format("gave up after {} ms waiting for {}", (now - start) / 1'000'000, waiting_for));
     if (o.on_poll) o.on_poll();
     if (o.on_waiting && now - last_note >= 5'000'000'000) {
       o.on_waiting("waiting for " + waiting_for);
@@ -246,8 +247,8 @@ Result<std::unique_ptr<RankEndpoint>, IpcErrc> RankEndpoint::attach(const Endpoi
         waiting_for = "a new session " + name + " (the engine left during attach)";
         continue;
       }
-      return make_error(IpcErrc::kTimeout, "engine did not grant rank " + std::to_string(o.rank) + " attach within " +
-                                               std::to_string(o.grant_timeout_ns / 1'000'000) + " ms");
+      return make_error(IpcErrc::kTimeout, fmt::format("engine did not grant rank {} attach within {} ms", o.rank,
+                                                       o.grant_timeout_ns / 1'000'000));
     }
     // The registry is read after the grant: from then on the engine tells this rank of every
     // clear and restore through the ring (see proto::CacheState).
@@ -303,8 +304,9 @@ Status<IpcErrc> RankEndpoint::complete(const proto::CompletionRecord& record) {
   {
     MutexLock g(impl_->complete_mu);
     if (!impl_->completions->try_push(record))
-      return make_error(IpcErrc::kRingFull, "completion ring of rank " + std::to_string(impl_->opts.rank) +
-                                                " is full: the engine is not draining it");
+      return make_error(IpcErrc::kRingFull,
+                        fmt::format("completion ring of rank {} is full: the engine is not draining it",
+                                    impl_->opts.rank));
   }
   bump_and_wake(impl_->h->completion_word, &impl_->h->completion_waiters);
   bump_and_wake(impl_->h->progress_word, &impl_->h->progress_waiters);  // ends wait_layer on failures too

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <fmt/format.h>
 #include <thread>
 
 #include "kvtd/ipc/clock.h"
@@ -43,16 +44,15 @@ Status<IpcErrc> RankEndpoint::Impl::copy_tensors() {
       std::memcpy(&d, &view.registry()[proto::registry_index(g, opts.rank, l, static_cast<proto::TensorKind>(k))],
                   sizeof d);
       if (!d.valid) continue;  // reported by the caller when it needs the tensor
-      const std::string what = proto::slot_name(groups, k) + " tensor of rank " + std::to_string(opts.rank) +
-                               " layer " + std::to_string(l);
+      const std::string what = fmt::format("{} tensor of rank {} layer {}", proto::slot_name(groups, k), opts.rank, l);
       if (d.rank != opts.rank || d.layer != l || d.kind != k)
-        return make_error(IpcErrc::kCorrupt, "registry entry of the " + what + " names rank " + std::to_string(d.rank) +
-                                                 " layer " + std::to_string(d.layer) + " kind " + std::to_string(d.kind));
+        return make_error(IpcErrc::kCorrupt, fmt::format("registry entry of the {} names rank {} layer {} kind {}",
+                                                         what, d.rank, d.layer, d.kind));
       std::uint64_t end = 0;
       if (d.bytes < want.bytes || !proto::checked_add(d.offset, d.bytes, &end))
-        return make_error(IpcErrc::kCorrupt, "registry entry of the " + what + " has " + std::to_string(d.bytes) +
-                                                 " bytes at offset " + std::to_string(d.offset) + "; the geometry needs " +
-                                                 std::to_string(want.bytes));
+        return make_error(IpcErrc::kCorrupt,
+                          fmt::format("registry entry of the {} has {} bytes at offset {}; the geometry needs {}", what,
+                                      d.bytes, d.offset, want.bytes));
       d.valid = 1;
       tensors[std::size_t{l} * proto::kTensorKinds + k] = d;
     }
