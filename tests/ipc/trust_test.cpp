@@ -571,7 +571,9 @@ TEST(TrustBinary, FullDevShmIsAnErrorAtStartNeverABusError) {
 // Case 7, second half: /dev/shm filled after attach. The session and the pool were allocated
 // whole at creation, so every later write lands in memory that exists: no SIGBUS, and the
 // engine (loadgen in verify mode) still gets every byte right. /dev/shm is filled only once the
-// daemon logs that it serves (a fixed sleep filled it before a slow machine's daemon made its pool).
+// daemon logs that it serves (a fixed sleep filled it before a slow machine's daemon made its pool),
+// and the engine must still be swapping once it is full (20000 round trips: about 5 s here, a
+// minute under ASan on a loaded machine; 60000 ran past the watchdog there).
 TEST(TrustBinary, DevShmFilledAfterAttachDoesNotStopServing) {
   test::Watchdog dog(120);
   if (geteuid() != 0 || std::system("unshare -m true 2>/dev/null") != 0)
@@ -583,16 +585,19 @@ TEST(TrustBinary, DevShmFilledAfterAttachDoesNotStopServing) {
                                  " --key-cache-shape 64,2,16,64 --value-cache-shape 64,2,16,64 --session " +
                                  suffix + " --attach-timeout 20";
   const std::string engine_cmd = test::loadgen_binary() + " --session " + suffix + " --ranks 1" + geo +
-                                 " --iterations 60000 --blocks-per-task 4";
+                                 " --iterations 20000 --blocks-per-task 4";
   const std::string script =
       "mount -t tmpfs -o size=64m tmpfs /dev/shm && (" + daemon_cmd + " & d=$!; " + engine_cmd +
       " & e=$!; i=0; until grep -q \"; serving\" " + log + " || [ $i -ge 400 ]; do sleep 0.05; i=$((i+1)); done; "
-      "dd if=/dev/zero of=/dev/shm/filler bs=1M 2>/dev/null; echo filled; df -h /dev/shm; wait $e; "
+      "dd if=/dev/zero of=/dev/shm/filler bs=1M 2>/dev/null; echo filled; "
+      "if kill -0 $e 2>/dev/null; then echo engine-swapping-when-full; fi; df -h /dev/shm; wait $e; "
       "echo engine=$?; kill -TERM $d; wait $d; echo daemon=$?)";
   const std::string cmd = "unshare -m sh -c '" + script + "' >" + log + " 2>&1";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << test::read_file(log);
   const auto out = test::read_file(log);
   EXPECT_NE(out.find("filled"), std::string::npos) << out;
+  EXPECT_NE(out.find("engine-swapping-when-full"), std::string::npos) << "the engine ended before /dev/shm was full\n"
+                                                                     << out;
   EXPECT_NE(out.find("engine=0"), std::string::npos) << out;
   EXPECT_NE(out.find("daemon=0"), std::string::npos) << out;
 }
