@@ -291,9 +291,7 @@ TEST_F(ControlTest, StatusIsAnsweredWhileAStorageGcRuns) {
   extra_args_ = {"--storage-backend", "file", "--storage-path", store, "--model-id", "m"};
   ASSERT_NO_FATAL_FAILURE(start_all());
   for (int d = 0; d < 100; ++d) {
-    char sub[3];
-    std::snprintf(sub, sizeof sub, "%02d", d);
-    const std::string dir = store + "/m/00000000deadbeef/" + sub;
+    const std::string dir = fmt::format("{}/m/00000000deadbeef/{:02d}", store, d);
     std::filesystem::create_directories(dir);
     for (int i = 0; i < 300; ++i) std::ofstream(fmt::format("{}/k{}.w0-0.r0.kvo", dir, i)) << "not kvtd's";
   }
