@@ -11,7 +11,7 @@ bash "$KVTD_ROOT/scripts/setup.sh"
 build=$KVTD_ROOT/build-fuzz
 if [ ! -f "$build/build.ninja" ]; then
   CC=clang-16 CXX=clang++-16 cmake -S "$KVTD_ROOT" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DKVTD_FUZZ=ON -DKVTD_WITH_CUDA=OFF -DKVTD_WARNINGS_AS_ERRORS=ON >/dev/null
+    -DKVTD_FUZZ=ON -DKVTD_WITH_CUDA=OFF -DKVTD_WARNINGS_AS_ERRORS=ON -DCMAKE_UNITY_BUILD=ON >/dev/null
 fi
 ninja -C "$build" -j "$(nproc)" | grep -v '^\[' || true
 # UBSan recovers by default: a finding would only be printed. Make it a crash the run fails on

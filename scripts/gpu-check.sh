@@ -29,21 +29,27 @@
 # KVTD_GPU_CHECK_LOGS=DIR keeps each step's whole output in DIR (otherwise a temporary folder).
 # --steps REGEX runs only the steps whose names match (grep -E, case-insensitive), the rest say
 # SKIP "not selected": a device call is limited to 10 minutes and a session to 15, so a whole
-# check may take two calls (say which steps each ran). --list prints the step names and exits.
+# check may take two calls (say which steps each ran). --list prints the step names and exits;
+# --ctest-names the ctest pattern of the tests its steps run.
 # KVTD_GPU_CHECK_STEP_LIMIT=SECONDS caps every step's deadline (one stuck step cannot eat a call).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bin=${KVTD_BUILD_DIR:-$root/build-sim}
 selected=''
 list_only=0
+# The CUDA tests run as steps (ctest's names), and the ctest of `kvtd selftest --device-backend cuda`,
+# which the selftest steps cover: --ctest-names prints them as a ctest -E pattern, so CI's gpu tier
+# does not run them a second time (scripts/test.sh).
+cuda_tests=(cudasim_test cuda_backend_test cuda_limits_test cuda_daemon_test cuda_faults_test)
 while [ $# -gt 0 ]; do
   case $1 in
     --bin) bin=$2; shift 2 ;;
     --steps) selected=$2; shift 2
       echo | grep -qE "$selected" 2>/dev/null; [ $? -le 1 ] || { echo "gpu-check: --steps '$selected' is not an extended regex" >&2; exit 2; } ;;
     --list) list_only=1; shift ;;
+    --ctest-names) (IFS='|'; echo "^(${cuda_tests[*]}|selftest_cuda)\$"); exit 0 ;;
     -h|--help) sed -n '2,/^set /p' "$0" | sed '$d'; exit 0 ;;
-    *) echo "gpu-check: unknown argument '$1' (usage: gpu-check.sh [--bin DIR] [--steps REGEX] [--list])" >&2; exit 2 ;;
+    *) echo "gpu-check: unknown argument '$1' (usage: gpu-check.sh [--bin DIR] [--steps REGEX] [--list] [--ctest-names])" >&2; exit 2 ;;
   esac
 done
 [ -d "$bin" ] || { echo "gpu-check: --bin $bin is not a directory" >&2; exit 2; }
@@ -108,7 +114,7 @@ summary() {
   esac
 }
 
-for t in cudasim_test cuda_backend_test cuda_limits_test cuda_daemon_test cuda_faults_test; do
+for t in "${cuda_tests[@]}"; do
   p=$(find_prog "$t")
   if [ -n "$p" ]; then step "$t" 600 "$p"; else skip "$t" "not in this build (stand-in builds only)"; fi
 done

@@ -7,7 +7,7 @@
 namespace kvtd::config {
 namespace {
 
-Error<ConfigErrc> bad(const std::string& why) { return make_error(ConfigErrc::kInvalidValue, why); }
+Error<ConfigErrc> yaml_error(const std::string& why) { return make_error(ConfigErrc::kInvalidValue, why); }
 
 bool blank(char c) { return c == ' ' || c == '\t'; }
 
@@ -89,16 +89,16 @@ Status<ConfigErrc> escape(std::string_view s, std::size_t* i, std::string* out) 
     return {};
   }
   const std::size_t digits = e == 'x' ? 2 : e == 'u' ? 4 : e == 'U' ? 8 : 0;
-  if (digits == 0) return bad(std::string("the escape \\") + e + " in a double-quoted string");
-  if (*i + digits >= s.size()) return bad(fmt::format("a \\{} escape without its {} hex digits", e, digits));
+  if (digits == 0) return yaml_error(std::string("the escape \\") + e + " in a double-quoted string");
+  if (*i + digits >= s.size()) return yaml_error(fmt::format("a \\{} escape without its {} hex digits", e, digits));
   std::uint32_t cp = 0;
   for (std::size_t k = 1; k <= digits; ++k) {
     const char h = s[*i + k];
     const int v = h >= '0' && h <= '9' ? h - '0' : h >= 'a' && h <= 'f' ? h - 'a' + 10 : h >= 'A' && h <= 'F' ? h - 'A' + 10 : -1;
-    if (v < 0) return bad(std::string("a \\") + e + " escape with a non-hex digit '" + h + "'");
+    if (v < 0) return yaml_error(std::string("a \\") + e + " escape with a non-hex digit '" + h + "'");
     cp = cp << 4 | static_cast<std::uint32_t>(v);
   }
-  if (cp > 0x10FFFF) return bad("a \\U escape beyond Unicode");
+  if (cp > 0x10FFFF) return yaml_error("a \\U escape beyond Unicode");
   append_utf8(out, cp);
   *i += digits;
   return {};
@@ -121,13 +121,13 @@ Result<Scalar, ConfigErrc> quoted(std::string_view s, std::string_view* rest) {
     }
     if (q == '"' && c == '"') break;
     if (q == '"' && c == '\\') {
-      if (++i >= s.size()) return bad("an escape at the end of a double-quoted string");
+      if (++i >= s.size()) return yaml_error("an escape at the end of a double-quoted string");
       KVTD_TRY(escape(s, &i, &out.text));
       continue;
     }
     out.text += c;
   }
-  if (i >= s.size()) return bad("a quoted string is not closed on its line");
+  if (i >= s.size()) return yaml_error("a quoted string is not closed on its line");
   *rest = s.substr(i + 1);
   return out;
 }
@@ -147,7 +147,7 @@ Result<Scalar, ConfigErrc> scalar(std::string_view s, std::string_view stops, st
   s = trim(s);
   if (!s.empty() && (s.front() == '"' || s.front() == '\'')) return quoted(s, rest);
   if (!s.empty() && std::string_view("&*!|>[{@`%").find(s.front()) != std::string_view::npos)
-    return bad(std::string("a value starting with '") + s.front() + "' (anchors, tags, block or flow values)");
+    return yaml_error(std::string("a value starting with '") + s.front() + "' (anchors, tags, block or flow values)");
   return plain(s, stops, rest);
 }
 
@@ -282,12 +282,12 @@ Status<ConfigErrc> flow_pairs(std::string_view s, std::vector<std::pair<Scalar, 
     std::string_view rest;
     KVTD_ASSIGN_OR_RETURN(Scalar key, scalar(s, ":,}", &rest));
     rest = trim(rest);
-    if (rest.empty() || rest.front() != ':') return bad("a flow mapping entry without ':'");
+    if (rest.empty() || rest.front() != ':') return yaml_error("a flow mapping entry without ':'");
     const std::string_view after = trim(rest.substr(1));
     if (!after.empty() && (after.front() == '{' || after.front() == '[')) {  // a nested value: skipped
       int depth = 0;
       const std::size_t end = scan_brackets(after, &depth);
-      if (end == std::string_view::npos) return bad("a nested flow value that is not closed");
+      if (end == std::string_view::npos) return yaml_error("a nested flow value that is not closed");
       out->emplace_back(std::move(key), Scalar{"", false, true});
       rest = after.substr(end);
     } else {
@@ -295,11 +295,11 @@ Status<ConfigErrc> flow_pairs(std::string_view s, std::vector<std::pair<Scalar, 
       out->emplace_back(std::move(key), std::move(value));
     }
     rest = trim(rest);
-    if (rest.empty()) return bad("a flow mapping that is not closed with '}'");
+    if (rest.empty()) return yaml_error("a flow mapping that is not closed with '}'");
     if (rest.front() == ',') s = rest.substr(1);
     else s = rest;
   }
-  if (!only_comment(trim(s).substr(1))) return bad("text after a flow mapping's '}'");
+  if (!only_comment(trim(s).substr(1))) return yaml_error("text after a flow mapping's '}'");
   return {};
 }
 
@@ -326,13 +326,13 @@ Result<Scalar, ConfigErrc> block_value(std::string_view value_text, bool is_vers
   *sequence_may_follow = false;
   if (only_comment(value_text)) {  // null, or a nested block or list (an error if it is the version)
     if (is_version && !trim(next).empty() && (blank(next.front()) || next.front() == '-'))
-      return bad("the version is a nested block, a list or a multi-line value; it must be one string");
+      return yaml_error("the version is a nested block, a list or a multi-line value; it must be one string");
     *sequence_may_follow = true;
     return Scalar{"", false};
   }
   const std::string_view v = trim(value_text);
   if (const std::string_view what = not_a_scalar(v); !what.empty()) {
-    if (is_version) return bad("the version is " + std::string(what) + "; it must be one plain or quoted string");
+    if (is_version) return yaml_error("the version is " + std::string(what) + "; it must be one plain or quoted string");
     if ((v.front() == '[' || v.front() == '{') && scan_brackets(v, skip_depth) != std::string_view::npos) *skip_depth = 0;
     return Scalar{"", false, true};  // another key's: skipped (a block scalar's lines are indented)
   }
@@ -344,11 +344,11 @@ Result<Scalar, ConfigErrc> block_value(std::string_view value_text, bool is_vers
     if (!is_version && (v.front() == '\'' || v.front() == '"')) return Scalar{"", false, true};
     return std::move(scalar_value).error();
   }
-  if (!only_comment(rest)) return bad("text after the value");
+  if (!only_comment(rest)) return yaml_error("text after the value");
   // PyYAML folds an indented line after a plain scalar into it: the version would be longer than
   // this line says, and its prefix another. Refused, never cut short.
   if (is_version && !next.empty() && blank(next.front()) && !trim(next).empty() && trim(next).front() != '#')
-    return bad("the version continues on the next line (a multi-line value); it must be one line");
+    return yaml_error("the version continues on the next line (a multi-line value); it must be one line");
   return scalar_value;
 }
 
@@ -382,16 +382,16 @@ Result<std::string, ConfigErrc> version_from_yaml(std::string_view text) {
     const std::string_view t = trim(line);
     if (t.empty() || t.front() == '#') continue;
     if (t == "---" || t.rfind("--- ", 0) == 0 || t.rfind("%", 0) == 0) {
-      if (seen_content && t.front() == '-') return bad(at + "a second YAML document");
+      if (seen_content && t.front() == '-') return yaml_error(at + "a second YAML document");
       continue;
     }
     if (t == "...") break;
     if (blank(line.front())) {
-      if (!seen_content) return bad(at + "indented text before any key");
+      if (!seen_content) return yaml_error(at + "indented text before any key");
       continue;  // nested under a key that is not `version`, or that key's continuation (checked below)
     }
     if (t.front() == '-' && (t.size() == 1 || blank(t[1]))) {  // a list item at column 0
-      if (!sequence_may_follow) return bad(at + "a list item where a key of the mapping belongs");
+      if (!sequence_may_follow) return yaml_error(at + "a list item where a key of the mapping belongs");
       continue;  // yaml.safe_dump writes a key's list at the key's own column
     }
     seen_content = true;
@@ -402,27 +402,27 @@ Result<std::string, ConfigErrc> version_from_yaml(std::string_view text) {
     }
     std::string_view rest;
     auto key = scalar(t, ":", &rest);
-    if (!key.ok()) return bad(at + key.error().message);
+    if (!key.ok()) return yaml_error(at + key.error().message);
     if (rest.empty() || rest.front() != ':' || (rest.size() > 1 && !blank(rest[1])))
-      return bad(at + "not a 'key: value' line of a mapping");
+      return yaml_error(at + "not a 'key: value' line of a mapping");
     auto value = block_value(rest.substr(1), key->text == "version", text.substr(0, text.find('\n')), &skip_depth,
                              &sequence_may_follow);
-    if (!value.ok()) return bad(at + value.error().message);
+    if (!value.ok()) return yaml_error(at + value.error().message);
     pairs.emplace_back(std::move(key).value(), std::move(value).value());
   }
-  if (flow_depth > 0) return bad("a flow mapping that is not closed with '}'");
+  if (flow_depth > 0) return yaml_error("a flow mapping that is not closed with '}'");
   if (!flow.empty()) {
-    if (!pairs.empty()) return bad("a flow mapping beside block keys");
+    if (!pairs.empty()) return yaml_error("a flow mapping beside block keys");
     KVTD_TRY(flow_pairs(flow, &pairs));
   }
   const Scalar* version = nullptr;
   for (const auto& [k, v] : pairs)
     if (k.text == "version") version = &v;  // a repeated key: the last wins, as in PyYAML
-  if (version == nullptr) return bad("no top-level 'version' key");
-  if (version->collection) return bad("the version is a mapping or a list; it must be one string");
+  if (version == nullptr) return yaml_error("no top-level 'version' key");
+  if (version->collection) return yaml_error("the version is a mapping or a list; it must be one string");
   if (!version->quoted) {
     if (auto kind = non_string_kind(version->text))
-      return bad("'version: " + version->text + "' is " + *kind + ", not a string (FastDeploy's reader fails on it too)");
+      return yaml_error("'version: " + version->text + "' is " + *kind + ", not a string (FastDeploy's reader fails on it too)");
   }
   return version->text;
 }

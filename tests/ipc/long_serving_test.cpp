@@ -12,6 +12,7 @@
 #include <string>
 
 #include "daemon_fixture.h"
+#include "sanitizer_build.h"
 
 namespace kvtd {
 namespace {
@@ -84,7 +85,7 @@ class LongServingTest : public DaemonTest {
   // Grows by more than the noise of a warm allocator and far less than one leaked slice per cycle
   // (4 MiB per cycle would be hundreds of MiB). Sanitizer builds hold freed memory back (ASan's
   // quarantine) and map their own: a wider margin there, still far below the leak.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if KVTD_SANITIZED_BUILD
   static constexpr std::int64_t kRssMarginKib = 96 * 1024, kMappingMargin = 32;
 #else
   static constexpr std::int64_t kRssMarginKib = 8 * 1024, kMappingMargin = 4;

@@ -18,6 +18,7 @@
 #include "kvtd/control/control.h"
 #include "kvtd/ipc/clock.h"
 #include "redis_server.h"
+#include "sanitizer_build.h"
 #include "storage_fixture.h"
 
 namespace kvtd {
@@ -365,7 +366,7 @@ TEST_F(StoreStallTest, SlowWritesNeverHoldALoadAndBackupsThatWaitForAWriterAreSk
 // first in the library list (the Redis tests above cover the same executor paths there). Left
 // out rather than skipped: ctest reports a binary with any skipped test as skipped, which would
 // hide the other tests' results.
-#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+#if !KVTD_SANITIZED_BUILD
 TEST_F(StoreStallTest, AFileStoreWhoseWritesStallNeverHoldsSwapsOrLoads) {
   const std::string gate = store_dir_ + "_gate";
   extra_args_.insert(extra_args_.end(), {"--write-policy", "write_through", "--storage-backup-max-age-ms", "500",
