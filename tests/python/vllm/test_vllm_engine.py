@@ -29,6 +29,8 @@ from vllm_engine import Engine, Request, chunk_bytes
 pytestmark = pytest.mark.skipif(vllm_harness.vllm_source() is None, reason=vllm_harness.skip_reason())
 
 LAYERS, GPU_BLOCKS, PAGE = 2, 40, 2048
+# A layer's attention shape: PAGE bytes of K (and of V) per block, bfloat16 (16 x 4 x 16 x 2 bytes).
+HEADS, HEAD_SIZE = 4, 16
 
 
 def vllm_modules():
@@ -79,27 +81,47 @@ def torch_2_untyped_storage():
         torch.Tensor.untyped_storage = lambda self: self.storage().untyped()
 
 
+def attention_spec():
+    """A layer's spec as vLLM's FlashAttention layers declare it (FullAttentionSpec: its page holds
+    the block's K and V, 2 * PAGE bytes)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    return FullAttentionSpec(block_size=vllm_engine.TOKENS_PER_BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE,
+                             dtype=torch.bfloat16)
+
+
+def worker_vllm_config(rank, world):
+    """What vLLM's derive_canonical_mappings reads of the VllmConfig (canonical_mapping.py:409-426):
+    a TP-only group of `world` ranks, every rank holding HEADS of the model's KV heads."""
+    parallel = types.SimpleNamespace(tensor_parallel_size=world, prefill_context_parallel_size=1,
+                                     decode_context_parallel_size=1, world_size=world, rank=rank,
+                                     cp_kv_cache_interleave_size=1)
+    model = types.SimpleNamespace(get_total_num_kv_heads=lambda: HEADS * world)
+    return types.SimpleNamespace(parallel_config=parallel, model_config=model)
+
+
 class Rank:
     """One vLLM worker process: its KV cache (shared memory, the host backend's "GPU"), its spec,
-    vLLM's OffloadingConnectorWorker over the spec's worker, and its rank's daemon. cross_layer:
-    the KV is one slab of every layer, registered by vLLM's own register_cross_layers_kv_cache
-    (vLLM's default: OffloadingConnector.prefer_cross_layer_blocks is `not canonical_layout`,
-    offloading_connector.py:51-53); else one tensor per layer's K and V, as register_kv_caches
-    canonicalises FlashAttention's layers."""
+    vLLM's OffloadingConnectorWorker over the spec's worker, and its rank's daemon. The KV cache is
+    registered by vLLM's own code: cross_layer, one slab of every layer through
+    register_cross_layers_kv_cache (vLLM's default: OffloadingConnector.prefer_cross_layer_blocks
+    is `not canonical_layout`, offloading_connector.py:51-53); else one FlashAttention tensor per
+    layer, (blocks, 2, block_size, heads, head_size) with the blocks outermost, through
+    register_kv_caches (worker.py:68-240; what vLLM uses where the cross-layer layout is not
+    available), which makes each layer one (blocks, page) tensor of its K and V and derives its
+    canonical page mapping."""
 
     def __init__(self, rank, world, extra, daemon_flags=(), cross_layer=False, start_daemon=True, dp=(0, 1)):
         self.dp = dp
-        base, _, factory, _, worker = vllm_modules()
         self.rank, self.block_bytes = rank, 2 * LAYERS * PAGE
         self.path = f"/dev/shm/kvtd_vllm_test_{uuid.uuid4().hex[:8]}"
         self.buffer = torch.from_file(self.path, shared=True, size=2 * LAYERS * GPU_BLOCKS * PAGE, dtype=torch.int8)
         if cross_layer:
             self.tensors = [self.buffer.view(GPU_BLOCKS, 2 * LAYERS * PAGE)]
         else:
-            self.tensors = [self.buffer[i * GPU_BLOCKS * PAGE:(i + 1) * GPU_BLOCKS * PAGE].view(GPU_BLOCKS, PAGE)
-                            for i in range(2 * LAYERS)]
+            self.tensors = [self.buffer[i * GPU_BLOCKS * 2 * PAGE:(i + 1) * GPU_BLOCKS * 2 * PAGE].view(GPU_BLOCKS, 2 * PAGE)
+                            for i in range(LAYERS)]
         try:
-            self._start(rank, world, extra, base, factory, worker, cross_layer)
+            self._start(rank, world, extra, cross_layer)
             self.daemons = None
             if start_daemon:
                 self.start_daemon(daemon_flags)
@@ -107,23 +129,20 @@ class Rank:
             os.unlink(self.path)
             raise
 
-    def _start(self, rank, world, extra, base, factory, worker, cross_layer):
+    def _start(self, rank, world, extra, cross_layer):
+        _, _, factory, _, worker = vllm_modules()
         self.spec = factory.OffloadingSpecFactory.create_spec(offloading_config(rank, world, extra, dp=self.dp))
+        torch_2_untyped_storage()
+        names = [f"l{i}" for i in range(LAYERS)]
+        kv_cache_config = vllm_engine.kv_cache_config(names, GPU_BLOCKS, attention_spec())
+        self.connector = worker.OffloadingConnectorWorker(self.spec, worker_vllm_config(rank, world), kv_cache_config)
         if cross_layer:
-            torch_2_untyped_storage()
-            layer_spec = types.SimpleNamespace(page_size_bytes=2 * PAGE)  # one layer's K and V of a block
-            kv_cache_config = types.SimpleNamespace(kv_cache_groups=[types.SimpleNamespace(
-                kv_cache_spec=layer_spec, layer_names=[f"l{i}" for i in range(LAYERS)])])
-            self.connector = worker.OffloadingConnectorWorker(self.spec, None, kv_cache_config)
-            register = lambda: self.connector.register_cross_layers_kv_cache(self.buffer, FlashAttentionStandIn)
+            self.connector.register_cross_layers_kv_cache(self.buffer, FlashAttentionStandIn)
         else:
-            caches = base.CanonicalKVCaches(
-                tensors=[base.CanonicalKVCacheTensor(t, PAGE) for t in self.tensors],
-                group_data_refs=[[base.CanonicalKVCacheRef(i, PAGE) for i in range(2 * LAYERS)]])
-            self.connector = worker.OffloadingConnectorWorker(self.spec, None, None)
-            # what register_kv_caches ends with (worker.py:66-67, 292)
-            register = lambda: self.connector._init_worker(caches)  # noqa: E731
-        register()  # the worker's session is published (ready_timeout 0: its daemon joins below)
+            layers = {n: t.view(torch.bfloat16).view(GPU_BLOCKS, 2, vllm_engine.TOKENS_PER_BLOCK, HEADS, HEAD_SIZE)
+                      for n, t in zip(names, self.tensors)}
+            self.connector.register_kv_caches(layers)
+        # the worker's session is published (ready_timeout 0: its daemon joins below)
         self.geometry = self.connector.worker._geometry
 
     def start_daemon(self, daemon_flags=()):

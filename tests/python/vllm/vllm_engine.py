@@ -100,12 +100,15 @@ def vllm_config(world: int):
                                                                        decode_context_parallel_size=1))
 
 
-def kv_cache_config(layer_names):
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-    spec = FullAttentionSpec()
-    spec.block_size = TOKENS_PER_BLOCK
-    group = types.SimpleNamespace(kv_cache_spec=spec, layer_names=list(layer_names), is_eagle_group=False)
-    return types.SimpleNamespace(kv_cache_groups=[group])
+def kv_cache_config(layer_names, num_blocks=0, spec=None):
+    """The scheduler's KVCacheConfig: one full-attention group of `layer_names` (vLLM's KV cache
+    interface stand-ins, vllm_kv_cache_specs.py)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    if spec is None:
+        spec = FullAttentionSpec(block_size=TOKENS_PER_BLOCK, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    tensors = [KVCacheTensor(size=num_blocks * spec.page_size_bytes, shared_by=[n]) for n in layer_names]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors,
+                         kv_cache_groups=[KVCacheGroupSpec(layer_names=list(layer_names), kv_cache_spec=spec)])
 
 
 class Engine:

@@ -20,6 +20,7 @@ import types
 from pathlib import Path
 from typing import Optional
 
+import vllm_kv_cache_specs
 from reference_source import reference_source, stand_in_module
 
 
@@ -126,6 +127,7 @@ def _engine_stand_ins():
     sys.modules["vllm.v1.request"].RequestStatus = RequestStatus
     sys.modules["vllm.distributed.kv_transfer.kv_connector.utils"].yield_req_data = yield_req_data
     kci = sys.modules["vllm.v1.kv_cache_interface"]
+    vllm_kv_cache_specs.install(kci)  # the specs and KVCacheConfig vLLM's worker registration reads
     kci.get_kv_cache_spec_kind = lambda spec: _SpecKind.FULL_ATTENTION
     kci.get_kv_cache_spec_sliding_window = lambda spec: None
     kcu = sys.modules["vllm.v1.core.kv_cache_utils"]
