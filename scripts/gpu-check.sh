@@ -18,7 +18,9 @@
 # its first swap (scripts/gpu/pool_start.sh); the Python client (real torch CUDA
 # tensors on a GPU, scripts/gpu/torch_check.py; the stand-in's driver on cudasim); FastDeploy
 # cache manager v1's own code swapping device tensors through kvtd (scripts/gpu/fastdeploy_v1.sh,
-# torch CUDA; its source from $KVTD_FASTDEPLOY_V1_SRC); memcheck of the kernels where
+# torch CUDA; its source from $KVTD_FASTDEPLOY_V1_SRC); kvtd.vllm's worker beside vLLM's own copy
+# mechanism with the ordering check, then with the KV registered by vLLM's own code, cross-layer and
+# per layer (tools/bench/vllm_offload.py; its source from $KVTD_VLLM_SRC); memcheck of the kernels where
 # compute-sanitizer exists. Exit status: 0 when nothing failed, 1 otherwise.
 #
 # Environment: KVTD_PYTHON, the python with torch (default /usr/bin/python3; on the GPU machines
@@ -171,6 +173,13 @@ elif "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() el
     step "vLLM offloading worker (device tensors)" 600 env KVTD_VLLM_SRC="$vllm_src" KVTD_BINARY="$kvtd" \
       KVTD_CLIENT_LIBRARY="$client" PYTHONPATH="$root/python:$root/tests/python:$root/tests/python/vllm" "$python" \
       "$root/tools/bench/vllm_offload.py" --device cuda --blocks 1024 --page-kib 16
+    # The KV registered by vLLM's own code: its default cross-layer slab, and a layer at a time
+    # (register_kv_caches: hybrid models, backends without the cross-layer layout); ordering included.
+    for reg in cross_layer per_layer; do
+      step "vLLM registration $reg (device tensors)" 600 env KVTD_VLLM_SRC="$vllm_src" KVTD_BINARY="$kvtd" \
+        KVTD_CLIENT_LIBRARY="$client" PYTHONPATH="$root/python:$root/tests/python:$root/tests/python/vllm" "$python" \
+        "$root/tools/bench/vllm_offload.py" --device cuda --blocks 512 --page-kib 16 --rounds 1 --registration "$reg"
+    done
   else
     skip "vLLM offloading worker (device tensors)" "no vLLM source: set KVTD_VLLM_SRC"
   fi

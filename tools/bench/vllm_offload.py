@@ -2,12 +2,15 @@
 
     PYTHONPATH=python:tests/python KVTD_BINARY=build/daemon/kvtd KVTD_CLIENT_LIBRARY=... \\
       /usr/bin/python3 tools/bench/vllm_offload.py [--device cpu|cuda] [--layers 32] [--page-kib 32] \\
-      [--blocks 1024] [--job-blocks 64] [--rounds 3]
+      [--blocks 1024] [--job-blocks 64] [--rounds 3] [--registration direct|per_layer|cross_layer]
 
 One worker's canonical KV tensors (2 x layers tensors of (blocks, page) bytes: vLLM's canonical
 layout, a K and a V row of `--page-kib` per layer and block), stored to host blocks and loaded back
 in jobs of `--job-blocks` random blocks, as vLLM's OffloadingConnectorWorker submits them
-(submit_store / submit_load, then get_finished until every job is done).
+(submit_store / submit_load, then get_finished until every job is done). --registration per_layer
+or cross_layer: the same bytes registered by vLLM's own code instead (a layer's K and V as one
+FlashAttention-shaped tensor through register_kv_caches, or one slab of every layer through
+register_cross_layers_kv_cache, vLLM's default layout).
 - kvtd: KvtdOffloadingWorker, its rank's daemon doing the copies (host backend with --device cpu:
   the "GPU" is a shared-memory tensor; --device cuda: CUDA tensors through IPC handles).
 - vLLM's mechanism in the same process, per tensor: CPU -> GPU with vLLM's own Triton kernel
@@ -41,14 +44,14 @@ import kvtd.testing  # noqa: E402
 import vllm_harness  # noqa: E402
 
 
-def config(a, session):
+def config(a, session, ready_timeout=60.0):
     from vllm.v1.kv_offload import config as c
     page = a.page_kib * 1024
     return c.OffloadingConfig(
         groups=(c.OffloadingGroupConfig(tokens_per_block=16, layer_names=tuple(f"l{i}" for i in range(a.layers))),),
         worker_kv_bytes_per_block=2 * a.layers * page, enable_kv_cache_events=False,
         extra_config={"spec_name": "KvtdOffloadingSpec", "spec_module_path": "kvtd.vllm",
-                      "kvtd_host_blocks": a.blocks, "kvtd_session": session, "kvtd_ready_timeout_s": 60},
+                      "kvtd_host_blocks": a.blocks, "kvtd_session": session, "kvtd_ready_timeout_s": ready_timeout},
         engine_id="bench", model=c.OffloadingModelConfig(name="m", dtype="bfloat16"),
         cache=c.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=c.OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
@@ -64,6 +67,45 @@ def device_tensors(a):
     buf = torch.from_file(path, shared=True, size=n * a.blocks * page, dtype=torch.int8)
     buf.copy_(torch.randint(-128, 127, buf.shape, dtype=torch.int8))
     return [buf[i * a.blocks * page:(i + 1) * a.blocks * page].view(a.blocks, page) for i in range(n)], path
+
+
+def kv_bytes(a, n):
+    """`n` bytes of KV: a CUDA tensor, or a shared-memory file's tensor (with its path) on the host."""
+    if a.device == "cuda":
+        return torch.randint(-128, 127, (n,), dtype=torch.int8, device="cuda"), None
+    path = f"/dev/shm/kvtd_vllm_bench_{uuid.uuid4().hex[:8]}"
+    buf = torch.from_file(path, shared=True, size=n, dtype=torch.int8)
+    buf.copy_(torch.randint(-128, 127, buf.shape, dtype=torch.int8))
+    return buf, path
+
+
+def registered_worker(a, session):
+    """The worker as vLLM's own registration makes it (offloading/worker.py): per_layer, one
+    FlashAttention-shaped layer of K and V a layer through register_kv_caches; cross_layer, one slab
+    of every layer through register_cross_layers_kv_cache (vLLM's default layout). The worker's
+    session is published first, then its daemon started on the geometry the worker logged."""
+    import vllm_engine
+    import vllm_registration
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import worker as connector_worker
+    from vllm.v1.kv_offload import factory
+    page, heads = a.page_kib * 1024, 4
+    head_size = page // (vllm_registration.TOKENS_PER_BLOCK * heads * 2)
+    buf, path = kv_bytes(a, 2 * a.layers * a.blocks * page)
+    names = [f"l{i}" for i in range(a.layers)]
+    spec = factory.OffloadingSpecFactory.create_spec(config(a, session, ready_timeout=0.01))
+    kv_cache_config = vllm_engine.kv_cache_config(names, a.blocks, vllm_registration.attention_spec(heads, head_size))
+    connector = connector_worker.OffloadingConnectorWorker(spec, vllm_registration.worker_vllm_config(0, 1, heads),
+                                                           kv_cache_config)
+    vllm_registration.torch_2_untyped_storage()
+    if a.registration == "cross_layer":
+        tensors = [buf.view(a.blocks, 2 * a.layers * page)]
+        connector.register_cross_layers_kv_cache(buf, vllm_registration.FlashAttentionStandIn)
+    else:
+        tensors = [buf[i * a.blocks * 2 * page:(i + 1) * a.blocks * 2 * page].view(a.blocks, 2 * page)
+                   for i in range(a.layers)]
+        connector.register_kv_caches({n: vllm_registration.attention_layer(t, heads, head_size)
+                                      for n, t in zip(names, tensors)})
+    return connector.worker, tensors, path
 
 
 def triton_load():
@@ -172,25 +214,36 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=512)
     ap.add_argument("--job-blocks", type=int, default=64)  # >= swap_blocks_triton.MIN_N (16)
     ap.add_argument("--rounds", type=int, default=3)
+    # direct: the canonical tensors handed to the spec's get_worker (2 x layers of `--page-kib`);
+    # per_layer / cross_layer: registered by vLLM's own register_kv_caches / register_cross_layers_kv_cache.
+    ap.add_argument("--registration", choices=["direct", "per_layer", "cross_layer"], default="direct")
     a = ap.parse_args()
     vllm_harness.import_vllm()
     from vllm.v1.kv_offload import base, factory
     session = f"vlb{uuid.uuid4().hex[:6]}"
-    spec = factory.OffloadingSpecFactory.create_spec(config(a, session))
-    tensors, path = device_tensors(a)
-    page = a.page_kib * 1024
-    caches = base.CanonicalKVCaches(tensors=[base.CanonicalKVCacheTensor(t, page) for t in tensors],
-                                    group_data_refs=[[base.CanonicalKVCacheRef(i, page) for i in range(len(tensors))]])
-    from kvtd.vllm import geometry_of
     extra = ["--device-backend", "cuda", "--device-id", str(torch.cuda.current_device())] if a.device == "cuda" else []
-    daemons = kvtd.testing.Daemons(None, f"{session}_r0", geometry_of(caches, 1, a.blocks, dtype="bfloat16"), extra,
-                                 ranks=[0]).start()  # the dtype config() declares
-    hosts = [torch.empty((a.blocks, page), dtype=torch.int8, pin_memory=a.device == "cuda") for _ in tensors]
+    worker = None
+    if a.registration == "direct":
+        spec = factory.OffloadingSpecFactory.create_spec(config(a, session))
+        tensors, path = device_tensors(a)
+        page = a.page_kib * 1024
+        caches = base.CanonicalKVCaches(tensors=[base.CanonicalKVCacheTensor(t, page) for t in tensors],
+                                        group_data_refs=[[base.CanonicalKVCacheRef(i, page) for i in range(len(tensors))]])
+        from kvtd.vllm import geometry_of
+        geometry = geometry_of(caches, 1, a.blocks, dtype="bfloat16")  # the dtype config() declares
+    else:
+        worker, tensors, path = registered_worker(a, session)
+        geometry = worker._geometry
+    daemons = kvtd.testing.Daemons(None, f"{session}_r0", geometry, extra, ranks=[0]).start()
+    hosts = [torch.empty(tuple(t.shape), dtype=torch.int8, pin_memory=a.device == "cuda") for t in tensors]
     kernel = triton_load() if a.device == "cuda" else None
-    nbytes = a.blocks * page * len(tensors)
+    nbytes = sum(t.numel() for t in tensors)  # int8: bytes
     figures = {k: [] for k in ("kvtd store", "peer store", "kvtd load", "peer load", "contiguous")}
     try:
-        worker = spec.get_worker(caches)
+        if worker is None:
+            worker = spec.get_worker(caches)
+        else:
+            worker._session.wait_ready(60)
         g = torch.Generator().manual_seed(0)
         for _ in range(a.rounds):
             jobs = jobs_of(a, g)
@@ -211,8 +264,9 @@ def main() -> int:
         ordering_check(worker, base, tensors, a)
         med = {k: statistics.median(v) for k, v in figures.items()}
         peer_load = "vLLM's Triton kernel" if kernel is not None else "a copy per block"
-        shape = (f"{a.blocks} blocks x {len(tensors)} tensors x {a.page_kib} KiB = {nbytes / 2**30:.2f} GiB, jobs of "
-                 f"{a.job_blocks} random blocks, {a.device}, median of {a.rounds}")
+        shape = (f"{a.blocks} blocks x {len(tensors)} tensors x {tensors[0].shape[1] // 1024} KiB = "
+                 f"{nbytes / 2**30:.2f} GiB ({a.registration}), jobs of {a.job_blocks} random blocks, {a.device}, "
+                 f"median of {a.rounds}")
         print(f"FIGURE vllm store (GPU -> host): kvtd {med['kvtd store']:.2f} GB/s, a copy per block "
               f"{med['peer store']:.2f} GB/s = {med['kvtd store'] / med['peer store']:.2f}x; {shape}")
         print(f"FIGURE vllm load (host -> GPU): kvtd {med['kvtd load']:.2f} GB/s, {peer_load} "

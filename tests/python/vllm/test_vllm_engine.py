@@ -24,6 +24,7 @@ import kvtd.testing
 
 import vllm_engine
 import vllm_harness
+import vllm_registration
 from vllm_engine import Engine, Request, chunk_bytes
 
 pytestmark = pytest.mark.skipif(vllm_harness.vllm_source() is None, reason=vllm_harness.skip_reason())
@@ -59,44 +60,12 @@ def extra_config(host_blocks=16, **more):
             "kvtd_session": f"vl{uuid.uuid4().hex[:6]}", "kvtd_ready_timeout_s": 0.01, **more}
 
 
-class FlashAttentionStandIn:
-    """The two class methods of an attention backend vLLM's register_cross_layers_kv_cache asks
-    (worker.py:248-258), answering as FlashAttention's NHD layout does (vllm/v1/attention/backends/
-    flash_attn.py, not vendored): a layer's cache is (2, num_blocks, block_size, heads, head_size),
-    and the cross-layer tensor's physical order puts the blocks first, (num_blocks, layers, 2, ...)."""
-
-    @staticmethod
-    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size):
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    @staticmethod
-    def get_kv_cache_stride_order(include_num_layers_dimension=False):
-        return (2, 0, 1, 3, 4, 5) if include_num_layers_dimension else (0, 1, 2, 3, 4)
-
-
-def torch_2_untyped_storage():
-    """Tensor.untyped_storage() is torch 2's; Debian's torch 1.13 spells it storage().untyped().
-    vLLM's register_cross_layers_kv_cache calls it (worker.py:265); nothing else of it is replaced."""
-    if not hasattr(torch.Tensor, "untyped_storage"):
-        torch.Tensor.untyped_storage = lambda self: self.storage().untyped()
-
-
 def attention_spec():
-    """A layer's spec as vLLM's FlashAttention layers declare it (FullAttentionSpec: its page holds
-    the block's K and V, 2 * PAGE bytes)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-    return FullAttentionSpec(block_size=vllm_engine.TOKENS_PER_BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE,
-                             dtype=torch.bfloat16)
+    return vllm_registration.attention_spec(HEADS, HEAD_SIZE)
 
 
 def worker_vllm_config(rank, world):
-    """What vLLM's derive_canonical_mappings reads of the VllmConfig (canonical_mapping.py:409-426):
-    a TP-only group of `world` ranks, every rank holding HEADS of the model's KV heads."""
-    parallel = types.SimpleNamespace(tensor_parallel_size=world, prefill_context_parallel_size=1,
-                                     decode_context_parallel_size=1, world_size=world, rank=rank,
-                                     cp_kv_cache_interleave_size=1)
-    model = types.SimpleNamespace(get_total_num_kv_heads=lambda: HEADS * world)
-    return types.SimpleNamespace(parallel_config=parallel, model_config=model)
+    return vllm_registration.worker_vllm_config(rank, world, HEADS)
 
 
 class Rank:
@@ -132,15 +101,14 @@ class Rank:
     def _start(self, rank, world, extra, cross_layer):
         _, _, factory, _, worker = vllm_modules()
         self.spec = factory.OffloadingSpecFactory.create_spec(offloading_config(rank, world, extra, dp=self.dp))
-        torch_2_untyped_storage()
+        vllm_registration.torch_2_untyped_storage()
         names = [f"l{i}" for i in range(LAYERS)]
         kv_cache_config = vllm_engine.kv_cache_config(names, GPU_BLOCKS, attention_spec())
         self.connector = worker.OffloadingConnectorWorker(self.spec, worker_vllm_config(rank, world), kv_cache_config)
         if cross_layer:
-            self.connector.register_cross_layers_kv_cache(self.buffer, FlashAttentionStandIn)
+            self.connector.register_cross_layers_kv_cache(self.buffer, vllm_registration.FlashAttentionStandIn)
         else:
-            layers = {n: t.view(torch.bfloat16).view(GPU_BLOCKS, 2, vllm_engine.TOKENS_PER_BLOCK, HEADS, HEAD_SIZE)
-                      for n, t in zip(names, self.tensors)}
+            layers = {n: vllm_registration.attention_layer(t, HEADS, HEAD_SIZE) for n, t in zip(names, self.tensors)}
             self.connector.register_kv_caches(layers)
         # the worker's session is published (ready_timeout 0: its daemon joins below)
         self.geometry = self.connector.worker._geometry

@@ -23,7 +23,8 @@ import kvtd.testing
 
 import vllm_engine
 import vllm_harness
-from test_vllm_engine import HEADS, HEAD_SIZE, extra_config, torch_2_untyped_storage, vllm_modules, worker_vllm_config
+import vllm_registration
+from test_vllm_engine import HEADS, HEAD_SIZE, extra_config, vllm_modules, worker_vllm_config
 
 pytestmark = pytest.mark.skipif(vllm_harness.vllm_source() is None, reason=vllm_harness.skip_reason())
 
@@ -77,14 +78,13 @@ class HybridRank:
         for rows, names in zip(self.rows, TENSORS):
             full, window, mamba = names
             for n in (full, window):
-                self.layers[n] = rows.view(torch.bfloat16).view(BLOCKS, 2, vllm_engine.TOKENS_PER_BLOCK, HEADS,
-                                                                 HEAD_SIZE)
+                self.layers[n] = vllm_registration.attention_layer(rows, HEADS, HEAD_SIZE)
             self.layers[mamba] = rows.view(-1)
         self.daemons = None
         try:
             _, _, factory, _, worker = vllm_modules()
             self.spec = factory.OffloadingSpecFactory.create_spec(offloading_config(extra_config(host_blocks=16)))
-            torch_2_untyped_storage()
+            vllm_registration.torch_2_untyped_storage()
             self.connector = worker.OffloadingConnectorWorker(self.spec, worker_vllm_config(0, 1), kv_cache_config())
             self.connector.register_kv_caches(self.layers)
             self.worker = self.connector.worker
