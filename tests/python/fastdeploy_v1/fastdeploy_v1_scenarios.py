@@ -433,6 +433,10 @@ def daemon_starts_late(tp: int) -> None:
         tm = d.controllers[0].transfer_manager
         assert not tm.evict_to_host_async([1], [2]), "an eviction with no daemon succeeded"
         assert "wait_ready" in tm.failures[-1] or "ready" in tm.failures[-1], list(tm.failures)
+        # The failure says how to start the missing daemon (the v1 page's operator had no line to copy).
+        line = tm.failures[-1].partition("start its daemon as: ")[2].split()
+        assert line[:3] == ["kvtd", "--session", d.controllers[0].transfer_manager._suffix], list(tm.failures)
+        assert "--num-layers" in line and "--num-host-blocks" in line, line
         d.daemons[0].start()
         deadline = time.monotonic() + 30
         while not tm.evict_to_host_async([1], [2]):

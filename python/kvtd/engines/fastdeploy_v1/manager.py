@@ -62,7 +62,7 @@ from .support import SWITCH, geometry_of, parse_names, release_host, reserve_hos
 from ...geometry import KEY, VALUE
 from ...places import tensor_location
 from ...session import Session
-from ..rank import RankTensor, open_rank_session, task_outcome
+from ..rank import RankTensor, daemon_command, open_rank_session, task_outcome
 
 log = logging.getLogger("kvtd.fastdeploy_v1")
 
@@ -156,6 +156,9 @@ class KvtdCacheTransferManager:
             # The one-rank session of the wing's rank layer: each FastDeploy worker process is
             # its own session (rank 0 of 1), named by its local rank (support.session_suffix).
             s = open_rank_session(self._suffix, g, 0, ranked, adopt_host_tier=self._adopt)
+            # The daemon's line, for whoever starts it (systemd unit, by hand): the worker's geometry.
+            command = " ".join(daemon_command(g, self._suffix, 0, ranked[0].device if ranked else -1))
+            log.info("kvtd session %s published for rank %d; its daemon: %s", self._suffix, self._local_rank, command)
             with self._lock:
                 if self._closed:
                     s.close()
@@ -168,7 +171,8 @@ class KvtdCacheTransferManager:
                 # restarting it) still serves this worker; each swap looks again.
                 with self._lock:
                     self._unready = None
-                    self._late, self._connect_error = s, f"kvtd session {self._suffix}: {e}"
+                    self._late = s
+                    self._connect_error = f"kvtd session {self._suffix}: {e}; start its daemon as: {command}"
                 if self._closed:
                     s.close()
                 log.error("%s; the worker waits on for its daemon", self._connect_error)
