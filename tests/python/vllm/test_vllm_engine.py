@@ -331,9 +331,22 @@ def test_under_vllms_plain_offloading_connector_a_failed_job_stops_vllm_instead_
 
 
 def store_flags(path):
-    """A file store behind every daemon, every swapped-out block backed up into it."""
+    """A file store behind every daemon, every swapped-out block backed up into it. A backup may
+    wait a minute before its daemon skips it: these tests check what finished backups serve, not
+    the backpressure of a loaded machine (under ctest -j 3 a backup was skipped and a lookup hit
+    two chunks of four)."""
     return ["--storage-backend", "file", "--storage-path", str(path), "--model-id", "m", "--write-policy",
-            "write_through"]
+            "write_through", "--storage-backup-max-age-ms", "60000"]
+
+
+def wait_stored(path, objects, timeout=60.0):
+    """Until the file store holds `objects` objects (<key>.<slice>.kvo; a write in progress is a
+    .tmp- file): a store job's backups run after the job completed, so a lookup made at once may
+    find only the first of them."""
+    deadline = time.monotonic() + timeout
+    while len(list(path.rglob("*.kvo"))) < objects:
+        assert time.monotonic() < deadline, f"{len(list(path.rglob('*.kvo')))} of {objects} objects stored"
+        time.sleep(0.05)
 
 
 def test_the_storage_tier_serves_what_the_host_tier_forgot_through_vllms_own_scheduler(tmp_path):
@@ -345,6 +358,7 @@ def test_the_storage_tier_serves_what_the_host_tier_forgot_through_vllms_own_sch
     try:
         p = prompt(31, 4)
         assert engine.serve(Request("s1", p)) == 0
+        wait_stored(tmp_path, 4 * 2)  # 4 chunks on 2 ranks
         engine.scheduler.connector_scheduler.reset_cache()
         hit = engine.serve(Request("s2", p))
         assert hit == 4 * 16
@@ -364,6 +378,7 @@ def test_vllms_default_cross_layer_slab_loads_each_ranks_own_bytes_from_the_stor
         assert all(r.geometry.identity.layout == "per_rank" for r in engine.ranks)
         p = prompt(37, 4)
         assert engine.serve(Request("x1", p)) == 0
+        wait_stored(tmp_path, 4 * 2)
         engine.scheduler.connector_scheduler.reset_cache()
         hit = engine.serve(Request("x2", p))
         assert hit == 4 * 16
@@ -407,8 +422,10 @@ def test_the_storage_tiers_hits_are_the_ranks_agreed_minimum(tmp_path):
     try:
         p = prompt(41, 4)
         assert engine.serve(Request("m1", p[:32])) == 0
+        wait_stored(tmp_path, 2 * 2)
         engine.ranks[1].kill_daemon()
         assert engine.serve(Request("m2", p)) == 2 * 16  # chunks 2, 3: stored on rank 0 only
+        wait_stored(tmp_path, 2 * 2 + 2)
         engine.ranks[1].restart_daemon()
         engine.ranks[1].connector.worker.wait_ready(30)
         engine.scheduler.connector_scheduler.reset_cache()
@@ -430,6 +447,7 @@ def test_a_new_weight_version_misses_what_the_old_weights_stored(tmp_path):
         engine = engine_of(daemon_flags=store_flags(tmp_path), kvtd_storage=True, kvtd_weight_version=version)
         try:
             assert engine.serve(Request("v", prompt(51, 4))) == expect, f"weights {version}"
+            wait_stored(tmp_path, 8 * version)  # 4 chunks on 2 ranks per weight version
         finally:
             close(engine)
 
