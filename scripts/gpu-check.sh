@@ -170,15 +170,14 @@ elif "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() el
   vllm_src=${KVTD_VLLM_SRC:-${KVTD_REFERENCE_DIR:-$root/../shared/reference}/vllm}
   if [ -f "$vllm_src/vllm/v1/kv_offload/base.py" ]; then
     # Then the ordering check: a store and a load submitted behind queued GPU work move the model's bytes.
-    step "vLLM offloading worker (device tensors)" 600 env KVTD_VLLM_SRC="$vllm_src" KVTD_BINARY="$kvtd" \
-      KVTD_CLIENT_LIBRARY="$client" PYTHONPATH="$root/python:$root/tests/python:$root/tests/python/vllm" "$python" \
-      "$root/tools/bench/vllm_offload.py" --device cuda --blocks 1024 --page-kib 16
+    vllm_bench=(env KVTD_VLLM_SRC="$vllm_src" KVTD_BINARY="$kvtd" KVTD_CLIENT_LIBRARY="$client"
+      PYTHONPATH="$root/python:$root/tests/python:$root/tests/python/vllm" "$python"
+      "$root/tools/bench/vllm_offload.py" --device cuda --page-kib 16)
+    step "vLLM offloading worker (device tensors)" 600 "${vllm_bench[@]}" --blocks 1024
     # The KV registered by vLLM's own code: its default cross-layer slab, and a layer at a time
     # (register_kv_caches: hybrid models, backends without the cross-layer layout); ordering included.
     for reg in cross_layer per_layer; do
-      step "vLLM registration $reg (device tensors)" 600 env KVTD_VLLM_SRC="$vllm_src" KVTD_BINARY="$kvtd" \
-        KVTD_CLIENT_LIBRARY="$client" PYTHONPATH="$root/python:$root/tests/python:$root/tests/python/vllm" "$python" \
-        "$root/tools/bench/vllm_offload.py" --device cuda --blocks 512 --page-kib 16 --rounds 1 --registration "$reg"
+      step "vLLM registration $reg (device tensors)" 600 "${vllm_bench[@]}" --blocks 512 --rounds 1 --registration "$reg"
     done
   else
     skip "vLLM offloading worker (device tensors)" "no vLLM source: set KVTD_VLLM_SRC"

@@ -59,16 +59,6 @@ def config(a, session, ready_timeout=60.0):
                                             data_parallel_rank_local=None, is_parallelism_agnostic=False))
 
 
-def device_tensors(a):
-    page, n = a.page_kib * 1024, 2 * a.layers
-    if a.device == "cuda":
-        return [torch.randint(-128, 127, (a.blocks, page), dtype=torch.int8, device="cuda") for _ in range(n)], None
-    path = f"/dev/shm/kvtd_vllm_bench_{uuid.uuid4().hex[:8]}"
-    buf = torch.from_file(path, shared=True, size=n * a.blocks * page, dtype=torch.int8)
-    buf.copy_(torch.randint(-128, 127, buf.shape, dtype=torch.int8))
-    return [buf[i * a.blocks * page:(i + 1) * a.blocks * page].view(a.blocks, page) for i in range(n)], path
-
-
 def kv_bytes(a, n):
     """`n` bytes of KV: a CUDA tensor, or a shared-memory file's tensor (with its path) on the host."""
     if a.device == "cuda":
@@ -77,6 +67,13 @@ def kv_bytes(a, n):
     buf = torch.from_file(path, shared=True, size=n, dtype=torch.int8)
     buf.copy_(torch.randint(-128, 127, buf.shape, dtype=torch.int8))
     return buf, path
+
+
+def device_tensors(a):
+    """vLLM's canonical tensors: 2 x layers (blocks, page) rows over one allocation."""
+    page, n = a.page_kib * 1024, 2 * a.layers
+    buf, path = kv_bytes(a, n * a.blocks * page)
+    return [buf[i * a.blocks * page:(i + 1) * a.blocks * page].view(a.blocks, page) for i in range(n)], path
 
 
 def registered_worker(a, session):
