@@ -89,6 +89,9 @@ struct StorageExecutor::Impl {
   // neither loaded nor written). False when a store failed: the task is completed.
   bool group_presence(const Prepared& p, const std::string& key_prefix,
                       std::vector<std::vector<std::string>>& group_names, std::vector<std::vector<bool>>& here);
+  // Per group, whether it takes part in `n`-key task of `kind` (group_agreement.cpp says which).
+  template <typename Block>
+  std::vector<bool> taking_part(TaskKind kind, std::uint32_t n, Block& block) const;
   template <typename Present, typename Block>
   std::uint32_t local_answer(TaskKind kind, std::uint32_t n, Present& present, Block& block,
                              const std::vector<std::vector<bool>>& here) const;

@@ -6,7 +6,9 @@
 // needs at the agreed point p and nothing else (kvtd/proto/group_hits.h: every page before p of
 // a full-attention, MLA or indexer group; the window's pages before p of a sliding-window group;
 // the state saved at p of a state group). A group's page is loadable only where the task names a
-// block for it and its object is stored.
+// block for it and its object is stored. A load that names no block of a group at any key leaves
+// that group out: it loads the other groups by their rules alone (sglang loads a hybrid model's
+// KV pool, then each state or window pool for the keys it chose, as separate calls).
 //
 // The ranks agree on the MIN of their loadable prefixes in one round. Each rank's answer is a
 // point where its every rule holds, but a trailing rule (window, state) need not hold on a rank
@@ -36,6 +38,26 @@ std::int32_t group_block(const StorageTargets& t, const StorageWork& w, std::uin
 }
 
 }  // namespace
+
+// Which groups take part in the task: for a load, those it names a block for at some key (an
+// engine loading one group at a time, as sglang's hybrid controller loads the KV pool and then
+// each state or window pool: the groups it leaves out are neither loaded nor asked to hold their
+// rule); a load naming no block at all, a query and a write: every group.
+template <typename Block>
+std::vector<bool> StorageExecutor::Impl::taking_part(TaskKind kind, std::uint32_t n, Block& block) const {
+  const auto num_groups = static_cast<std::uint32_t>(t.groups.size());
+  std::vector<bool> part(num_groups, true);
+  if (kind != TaskKind::kStorageRead && kind != TaskKind::kPrefetch) return part;
+  bool any = false;
+  for (std::uint32_t g = 0; g < num_groups; ++g) {
+    bool named = false;
+    for (std::uint32_t i = 0; i < n && !named; ++i) named = block(g, i) >= 0;
+    part[g] = named;
+    any = any || named;
+  }
+  if (!any) part.assign(num_groups, true);
+  return part;
+}
 
 // This rank's answer: for a write, the leading keys whose every named block is stored; else the
 // loadable prefix by the groups' rules.
@@ -92,8 +114,10 @@ bool StorageExecutor::Impl::agree_groups(Prepared& p, std::vector<std::size_t> w
   std::vector<std::vector<bool>> here(num_groups);
   if (!group_presence(p, key_prefix, group_names, here)) return false;
   auto block = [&](std::uint32_t g, std::uint32_t i) { return group_block(t, w, g, p.which[i]); };
-  // A load's page counts only where the task gives it a block: group_presence asked no other.
-  auto present = [&](std::uint32_t g, std::uint32_t i) { return here[g][i]; };
+  const std::vector<bool> part = taking_part(kind, n, block);
+  // A load's page counts only where the task gives it a block: group_presence asked no other. A
+  // group that takes no part in a load holds its rule everywhere.
+  auto present = [&](std::uint32_t g, std::uint32_t i) { return !part[g] || here[g][i]; };
   auto agreed = agree_on(w, local_answer(kind, n, present, block, here), p.start);
   if (!agreed) return false;
   p.agreed = *agreed;
@@ -134,6 +158,7 @@ bool StorageExecutor::Impl::agree_groups(Prepared& p, std::vector<std::size_t> w
     return false;
   }
   for (std::uint32_t g = 0; g < num_groups; ++g) {
+    if (!part[g]) continue;
     const std::uint32_t need = t.groups[g].trailing;
     for (std::uint32_t i = need == 0 ? 0 : p.agreed - std::min(need, p.agreed); i < p.agreed; ++i) add(g, i);
   }

@@ -142,6 +142,37 @@ def test_a_load_that_names_no_block_where_a_rule_needs_one_stops_before_that_poi
     assert s.wait(s.storage_read(keys, back)).blocks_done == 3
 
 
+def test_a_load_naming_one_group_only_loads_that_group_by_its_rule_alone(cluster, tmp_path):
+    """sglang's hybrid controller loads the KV pool (batch_get_v1), then the state pool at the
+    keys it chose (batch_get_v2), as two calls: a load that names no block of a group leaves
+    that group out (daemon/storage/group_agreement.cpp). Before, the left-out state group's rule
+    failed at every point and the KV load loaded nothing."""
+    groups = MODELS["qwen3-next-80b"]()  # full attention beside per-request state, 4 ranks
+    c = cluster(groups, storage_flags(tmp_path))
+    s = c.ready()
+    fill(s, groups, 11)
+    keys = [f"o{i}" for i in range(N)]
+    state = next(i for i, g in enumerate(groups.groups) if g.kind == "state")
+    full = 1 - state
+    assert s.wait(s.storage_write(keys, [[0, 1, 2, 3]] * 2)).blocks_done == N
+    before = {(r, g): [blocks_of(v, [0, 1, 2, 3]) for v in views(s, groups, r, g)]
+              for r in range(groups.num_ranks) for g in (full, state)}
+    zero(s, groups)
+    kv_only = [None, None]
+    kv_only[full], kv_only[state] = [4, 5, 6, 7], [None] * N
+    assert s.wait(s.storage_read(keys, kv_only)).blocks_done == N
+    state_only = [None, None]
+    state_only[full], state_only[state] = [None] * N, [None, None, None, 2]
+    assert s.wait(s.storage_read(keys, state_only)).blocks_done == N
+    for r in range(groups.num_ranks):
+        for v, want in zip(views(s, groups, r, full), before[(r, full)]):
+            assert np.array_equal(blocks_of(v, [4, 5, 6, 7]), want), f"rank {r} layer {v[0]}: KV pages"
+        for v, want in zip(views(s, groups, r, state), before[(r, state)]):
+            assert np.array_equal(blocks_of(v, [2])[0], want[3]), f"rank {r} layer {v[0]}: the state at key 3"
+            others = blocks_of(v, [b for b in range(groups.groups[state].device_blocks) if b != 2])
+            assert not np.any(others), f"rank {r} layer {v[0]}: a state slot no load named was written"
+
+
 def status(c):
     """`kvtd ctl --json status` of every rank."""
     ctl = [os.environ.get("KVTD_BINARY", kvtd.testing.find_binary()), "ctl", "--session", c.suffix]

@@ -36,11 +36,13 @@ class RankTensor:
     device: int = -1
 
 
-def open_rank_session(suffix: str, geometry: Geometry, rank: int, tensors: Iterable[RankTensor], *,
+def open_rank_session(suffix: str, geometry, rank: int, tensors: Iterable[RankTensor], *,
                       weight_version: Optional[int] = None, **session_options) -> Session:
-    """A published session `suffix` holding rank `rank`'s tensors (session_options go to
-    Session: only_rank, adopt_host_tier). Raises, with the session closed, when any step fails."""
-    s = Session(suffix, geometry, **session_options)
+    """A published session `suffix` over `geometry` (a Geometry, or CacheGroups: then a tensor's
+    kind is its registry slot) holding rank `rank`'s tensors (session_options go to Session:
+    only_rank, adopt_host_tier). Raises, with the session closed, when any step fails."""
+    s = (Session(suffix, geometry, **session_options) if isinstance(geometry, Geometry)
+         else Session(suffix, groups=geometry, **session_options))
     try:
         for t in tensors:
             s.register_tensor(rank, t.layer, t.kind, t.handle, t.offset, t.nbytes, device_id=t.device)
@@ -53,11 +55,15 @@ def open_rank_session(suffix: str, geometry: Geometry, rank: int, tensors: Itera
     return s
 
 
-def daemon_command(geometry: Geometry, suffix: str, rank: int, device: int = -1) -> List[str]:
-    """`kvtd` with the flags that make rank `rank`'s daemon agree with `geometry` and find session
-    `suffix`: the CUDA backend on `device`, or the host backend for device -1."""
+def daemon_command(geometry, suffix: str, rank: int, device: int = -1) -> List[str]:
+    """`kvtd` with the flags that make rank `rank`'s daemon agree with `geometry` (a Geometry or
+    CacheGroups) and find session `suffix`: the CUDA backend on `device`, or the host backend for
+    device -1."""
     backend = ["--device-backend", "cuda", "--device-id", str(device)] if device >= 0 else ["--device-backend", "host"]
-    return ["kvtd", "--session", suffix, "--rank", str(rank), *backend, *geometry.daemon_flags()]
+    flags = geometry.daemon_flags()
+    if "--mp-num" not in flags:  # cache groups name their groups only
+        flags = ["--mp-num", str(geometry.num_ranks), *flags]
+    return ["kvtd", "--session", suffix, "--rank", str(rank), *backend, *flags]
 
 
 def task_outcome(session: Session, task_id: int, *, timeout: Optional[float] = None, cancel: bool = False,

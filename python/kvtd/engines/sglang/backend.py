@@ -46,6 +46,8 @@ from typing import Any, Dict, List, Optional
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from .layout import PoolPlan, pages_of, plan_pool
+from .pools import HybridPlan, plan_group
+from .pool_calls import PoolGroupCalls
 from ...places import memfd_place
 from ...session import Session, now_ns
 from ..rank import RankTensor, daemon_command, open_rank_session, task_outcome
@@ -98,6 +100,20 @@ def buffer_places(host, buffers) -> List[tuple]:
     return out
 
 
+def _pool_tensors(host) -> List[object]:
+    """Every buffer of a host pool kvtd may register (KV pools' kv_buffer; a Mamba pool's
+    temporal and conv buffers; an indexer pool's buffer)."""
+    out = []
+    buf = getattr(host, "kv_buffer", None)
+    if buf is not None:
+        out += list(buf) if isinstance(buf, (tuple, list)) else [buf]
+    for name in ("temporal_buffer", "index_k_with_scale_buffer"):
+        if getattr(host, name, None) is not None:
+            out.append(getattr(host, name))
+    out += list(getattr(host, "conv_buffer", None) or [])
+    return out
+
+
 def session_suffix(prefix: str, tp_rank: int, pp: tuple = (0, 1), cp: tuple = (0, 1), dp_group: int = -1) -> str:
     """`<prefix>[_dp<group>][_pp<stage>][_cp<slice>]_r<tp_rank>`: every rank coordinate of a
     scheduler. PP and CP come in HiCacheStorageConfig, as sglang's own HiCacheFile names files by
@@ -128,9 +144,15 @@ def attention_dp_group() -> int:
     return int(get_attention_dp_rank()) if is_dp_attention_enabled() else -1
 
 
-class KvtdHiCacheStorage(HiCacheStorage):
+def pool_name(name) -> str:
+    """sglang's PoolName (a str enum) or its text, as the text ("kv", "mamba", ...)."""
+    return str(getattr(name, "value", name))
+
+
+class KvtdHiCacheStorage(PoolGroupCalls, HiCacheStorage):
     """One sglang rank's L3 through its kvtd daemon. Thread-safe: sglang calls it from its
-    scheduler, prefetch, prefetch-io and backup threads at once."""
+    scheduler, prefetch, prefetch-io and backup threads at once. A hybrid model's pool group is
+    one session of cache groups (pools.py; pool_calls.py has sglang's v2 calls)."""
 
     def __init__(self, storage_config, kwargs: Optional[Dict[str, Any]] = None):
         extra = dict(storage_config.extra_config or {})
@@ -151,8 +173,12 @@ class KvtdHiCacheStorage(HiCacheStorage):
             raise ValueError(f"kvtd_timeout_s must be positive, got {self._timeout}")
         self._weight_version = int(extra.get("kvtd_weight_version", 0))
         self._asked_for_shm = extra.get("allocator") == "shm"
+        self._swa_window = int(extra.get("kvtd_swa_window_tokens", 0))
         self._session: Optional[Session] = None
-        self._plan: Optional[PoolPlan] = None
+        self._plan: Optional[PoolPlan] = None  # one pool (v1)
+        self._hybrid: Optional[HybridPlan] = None  # a pool group: the KV pool is group 0
+        self._kv_page = (0, 0)  # the KV pool's (page size, pages)
+        self._page_bytes = 0
         self._lock = threading.Lock()  # _stats; _session is set once at registration, taken once by close
         # _version_lock: _weight_version and the session's copy of it, set together, so two clears
         # at once are two versions and the session is left at the last (an unlocked += lost one,
@@ -175,32 +201,73 @@ class KvtdHiCacheStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         entries = getattr(mem_pool_host, "entries", None)
         if entries is not None and hasattr(mem_pool_host, "anchor_entry"):  # memory_pool_host.HostPoolGroup
-            names = ", ".join(str(getattr(e.name, "value", e.name)) for e in entries)
-            raise ValueError(f"kvtd.sglang serves one host pool; sglang handed it a pool group ({names}): a hybrid "
-                             "model's pools, which sglang's HybridCacheController moves with the v2 calls "
-                             "(register_mem_host_pool_v2, batch_exists_v2 / batch_get_v2 / batch_set_v2) that "
-                             "kvtd.sglang does not implement yet")
-        fd = getattr(mem_pool_host, "fd", None)
-        if fd is None and self._asked_for_shm:
-            # sglang chose the pool's allocator from the extra config's text, read as inline JSON
-            # only (pool_host/common.py get_allocator_type): given as @file, "allocator" is unseen.
-            raise ValueError('the extra config says "allocator": "shm", but sglang made the host pool in ordinary '
-                             "memory: sglang reads \"allocator\" only from an extra config given inline as JSON "
-                             "(pool_host/common.py get_allocator_type), not from an @file; give it inline")
-        if fd is None:
-            raise ValueError('kvtd.sglang reads and writes the host pool in place: set "allocator": "shm" in the '
-                             "extra config (the pool then lives in a memfd its daemon can map)")
+            self._register_pool_group(mem_pool_host)
+            return
+        self._check_shm(mem_pool_host)
         plan = plan_for(mem_pool_host, self._tp, self._mla, self._pp, self._cp)
         places = buffer_places(mem_pool_host, pool_buffers(mem_pool_host))
         tensors = [RankTensor(p.layer, p.kind, places[p.buffer][0], places[p.buffer][1] + p.offset, p.nbytes)
                    for p in plan.pieces]
-        with self._version_lock:  # a clear during registration reaches the new session
-            self._session = open_rank_session(self._suffix, plan.geometry, self._rank, tensors,
-                                              weight_version=self._weight_version, only_rank=self._rank)
-            self._plan = plan
+        self._open(plan.geometry, tensors)
+        self._plan = plan
+        self._kv_page, self._page_bytes = (plan.page_size, plan.pages), plan.buffer_bytes // max(1, plan.pages)
         log.info("kvtd session %s for TP rank %d of %d (%s layout, %d pages of %d tokens); its daemon: %s",
                  self._suffix, self._rank, self._tp, mem_pool_host.layout, plan.pages, plan.page_size,
                  " ".join(daemon_command(plan.geometry, self._suffix, self._rank)))
+
+    def _register_pool_group(self, group) -> None:
+        """A hybrid model's HostPoolGroup (HybridCacheController registers it here, then each of
+        its pools by register_mem_host_pool_v2): every pool a cache group of one session."""
+        entries = sorted(group.entries, key=lambda e: pool_name(e.name) != "kv")  # the KV pool first
+        for e in entries:
+            self._check_shm(e.host_pool, pool_name(e.name))
+        plan = plan_group([(pool_name(e.name), e.host_pool) for e in entries], tp_size=self._tp, mla=self._mla,
+                          kv_plan=lambda host, mla: plan_for(host, self._tp, mla, self._pp, self._cp),
+                          kv_buffers=pool_buffers, pp=self._pp, cp=self._cp, window_tokens=self._swa_window)
+        hosts = {id(b): e.host_pool for e in entries for b in _pool_tensors(e.host_pool)}
+        tensors = []
+        for p in plan.pieces:
+            handle, base = buffer_places(hosts[id(p.buffer)], [p.buffer])[0]
+            tensors.append(RankTensor(p.layer, p.slot, handle, base + p.offset, p.nbytes))
+        self._open(plan.groups, tensors)
+        self._hybrid = plan
+        kv = plan.pools["kv"]
+        self._kv_page, self._page_bytes = (kv.index_unit, kv.blocks), plan.page_bytes
+        log.info("kvtd session %s for TP rank %d of %d: sglang's pools %s as cache groups (%d-token pages); its "
+                 "daemon: %s", self._suffix, self._rank, self._tp, ", ".join(plan.pools), plan.page_size,
+                 " ".join(daemon_command(plan.groups, self._suffix, self._rank)))
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """Each pool of the group, after register_mem_pool_host registered the group: it is in the
+        session already. A pool added later (a sidecar sglang registers at run time) is not: its
+        transfers fail, named, and the rest keep working."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = pool_name(host_pool_name)
+        if self._hybrid is None or name not in self._hybrid.pools:
+            log.error("kvtd session %s: sglang pool %r was registered after the session was made from the pool "
+                      "group; its pages are never stored or loaded (restart sglang with it in the group)",
+                      self._suffix, name)
+
+    def _check_shm(self, mem_pool_host, name: str = "") -> None:
+        """Refuses, by name, a pool the daemon cannot map (not in sglang's shm allocator)."""
+        what = f"host pool {name!r}" if name else "host pool"
+        fd = getattr(mem_pool_host, "fd", None)
+        if fd is None and getattr(getattr(mem_pool_host, "allocator", None), "fds", None):
+            fd = mem_pool_host.allocator.fds[0]  # a pool without HostKVCache's fd (Mamba's, the indexer's)
+        if fd is None and self._asked_for_shm:
+            # sglang chose the pool's allocator from the extra config's text, read as inline JSON
+            # only (pool_host/common.py get_allocator_type): given as @file, "allocator" is unseen.
+            raise ValueError(f'the extra config says "allocator": "shm", but sglang made the {what} in ordinary '
+                             "memory: sglang reads \"allocator\" only from an extra config given inline as JSON "
+                             "(pool_host/common.py get_allocator_type), not from an @file; give it inline")
+        if fd is None:
+            raise ValueError(f'kvtd.sglang reads and writes the {what} in place: set "allocator": "shm" in the '
+                             "extra config (the pool then lives in a memfd its daemon can map)")
+
+    def _open(self, layout, tensors) -> None:
+        with self._version_lock:  # a clear during registration reaches the new session
+            self._session = open_rank_session(self._suffix, layout, self._rank, tensors,
+                                              weight_version=self._weight_version, only_rank=self._rank)
 
     def close(self) -> None:
         with self._lock:
@@ -242,10 +309,12 @@ class KvtdHiCacheStorage(HiCacheStorage):
         self._warn(what, why)
         return None
 
-    def _pages(self, keys, host_indices) -> Optional[List[int]]:
-        plan = self._plan
-        pages = None if plan is None else pages_of(host_indices, len(keys), plan.page_size)
-        if pages is None or any(p >= plan.pages for p in pages):
+    def _pages(self, keys, host_indices, unit: int = 0, count: int = 0) -> Optional[List[int]]:
+        """The KV pool's page of each key (or, given `unit` and `count`, another pool's block:
+        `unit` indices per key, `count` blocks), None if the indices do not name whole ones."""
+        unit, count = (unit, count) if unit else self._kv_page
+        pages = None if unit == 0 else pages_of(host_indices, len(keys), unit)
+        if pages is None or any(p >= count for p in pages):
             self._warn("page indices", "host indices do not name whole pages of the registered pool (sglang's "
                                        "page-copying calls, as for draft KV, pass page data: those pages miss)")
             return None
@@ -276,7 +345,8 @@ class KvtdHiCacheStorage(HiCacheStorage):
         if pages is None:
             return [False] * len(keys)
         start = time.monotonic()
-        r = self._run("load", lambda s, dl: s.storage_read(list(keys), pages, deadline_ns=dl))
+        blocks = pages if self._hybrid is None else self._hybrid.blocks("kv", pages)
+        r = self._run("load", lambda s, dl: s.storage_read(list(keys), blocks, deadline_ns=dl))
         done = min(len(keys), r.blocks_done) if r is not None else 0
         self._record_io("prefetch", done, time.monotonic() - start)
         self._count("pages_loaded", done)
@@ -291,7 +361,8 @@ class KvtdHiCacheStorage(HiCacheStorage):
         if pages is None:
             return [False] * len(keys)
         start = time.monotonic()
-        r = self._run("store", lambda s, dl: s.storage_write(list(keys), pages, deadline_ns=dl))
+        blocks = pages if self._hybrid is None else self._hybrid.blocks("kv", pages)
+        r = self._run("store", lambda s, dl: s.storage_write(list(keys), blocks, deadline_ns=dl))
         ok = r is not None
         self._record_io("backup", len(keys) if ok else 0, time.monotonic() - start)
         self._count("pages_stored" if ok else "pages_store_failed", len(keys))
@@ -342,8 +413,7 @@ class KvtdHiCacheStorage(HiCacheStorage):
         """One call's pages moved and GB/s (GiB as sglang's gb_per_page counts them)."""
         if not self._metrics_on or pages <= 0:
             return
-        plan = self._plan
-        gbps = pages * (plan.buffer_bytes / plan.pages) / max(seconds, 1e-9) / (1 << 30)
+        gbps = pages * self._page_bytes / max(seconds, 1e-9) / (1 << 30)
         with self._lock:
             self._io[f"{what}_pgs"].append(pages)
             self._io[f"{what}_bandwidth"].append(gbps)
