@@ -128,6 +128,10 @@ for layout in page_first layer_first; do
     PYTHONPATH="$KVTD_ROOT/python:$KVTD_ROOT/tests/python" /usr/bin/python3 "$KVTD_ROOT/tools/bench/sglang_backend.py" \
     --layout "$layout" 2>/dev/null | grep '^FIGURE' || echo "(sglang backend bench: needs sglang's source, see tests/python/sglang/sglang_harness.py)"
 done
+echo "== sglang hybrid model (KV + Mamba pools, v2 calls) next to sglang's own HiCacheFile v2 (tools/bench/sglang_hybrid.py)"
+KVTD_BINARY="$KVTD_BUILD_DIR/daemon/kvtd" KVTD_CLIENT_LIBRARY="$KVTD_BUILD_DIR/client/libkvtd_client.so" \
+  PYTHONPATH="$KVTD_ROOT/python:$KVTD_ROOT/tests/python" /usr/bin/python3 "$KVTD_ROOT/tools/bench/sglang_hybrid.py" \
+  2>/dev/null | grep '^FIGURE' || echo "(sglang hybrid bench: needs sglang's source, see tests/python/sglang/sglang_harness.py)"
 echo "== vLLM's offloading worker through kvtd.vllm next to vLLM's copy mechanism (tools/bench/vllm_offload.py)"
 KVTD_BINARY="$KVTD_BUILD_DIR/daemon/kvtd" KVTD_CLIENT_LIBRARY="$KVTD_BUILD_DIR/client/libkvtd_client.so" \
   PYTHONPATH="$KVTD_ROOT/python:$KVTD_ROOT/tests/python" /usr/bin/python3 "$KVTD_ROOT/tools/bench/vllm_offload.py" \

@@ -35,24 +35,29 @@ def store_flags(path):
 
 class HybridRank:
     """One scheduler of a Qwen3-Next-shaped model (full attention KV beside Mamba state), a
-    gpt-oss-shaped one (KV beside a sliding window) or a DeepSeek-V3.2-shaped one (an MLA latent
-    beside its indexer keys, which take the latent's host indices): its pools, its
+    gpt-oss-shaped one (KV beside a sliding window), a DeepSeek-V3.2-shaped one (an MLA latent
+    beside its indexer keys, which take the latent's host indices) or a model with a speculative
+    draft pool in its group (PoolName.DRAFT, the KV pool's pages): its pools, its
     HybridCacheController with `backend`, and for kvtd its daemon."""
 
     def __init__(self, backend, tmp_path, sidecar="mamba", window_pages=2):
         _, _, _, _, self.hs = sh.import_hybrid()
         P = self.hs.PoolName
-        self.derived = sidecar == "indexer"
-        if self.derived:
+        self.derived = sidecar in ("indexer", "draft")
+        if sidecar == "indexer":
             self.kv_dev = sh.mla_device_pool()
             self.kv = sglang_harness.mla_host_pool_class()(self.kv_dev, 2.0, PAGE, "page_first")
         else:
             self.kv_dev = device_pool(layers=2)
             self.kv = host_pool("page_first", self.kv_dev)
-        if self.derived:
+        if sidecar == "indexer":
             self.side_dev = sh.IndexerDevicePool(self.kv_dev.layer_num)
             self.side = sh.indexer_host_pool(self.side_dev, self.kv)
             self.side_name, self.side_keys = P.INDEXER, 0
+        elif sidecar == "draft":  # a speculative draft model's KV: one layer, the target's pages
+            self.side_dev = device_pool(layers=1)
+            self.side = host_pool("page_first", self.side_dev)
+            self.side_name, self.side_keys = P.DRAFT, 0
         elif sidecar == "mamba":
             self.side_dev = sh.MambaDevicePool()
             self.side = sh.mamba_host_pool(self.side_dev)
@@ -82,7 +87,7 @@ class HybridRank:
     def side_buffers(self):
         if self.side_name == self.hs.PoolName.MAMBA:
             return [self.side.temporal_buffer, *self.side.conv_buffer]
-        if self.derived:
+        if self.side_name == self.hs.PoolName.INDEXER:
             return [self.side.index_k_with_scale_buffer]
         return [self.side.kv_buffer]
 
@@ -118,7 +123,7 @@ def scenario(rank):
     n = rank.side_keys
     step = rank.side.page_size
     original_kv = [rank.kv.get_data_page(int(kv_idx[i])).clone() for i in range(0, len(tokens), PAGE)]
-    if rank.derived:  # every page's indexer keys, at the latent's host indices
+    if rank.derived:  # every page's indexer keys (or draft KV), at the KV pool's host indices
         side_a = side_b = None
         original_side = {k: rank.side.get_data_page(int(kv_idx[j * PAGE])).clone() for j, k in enumerate(keys)}
     else:
@@ -127,7 +132,7 @@ def scenario(rank):
                          for idx, last in ((side_a, 3), (side_b, PAGES))
                          for j, k in enumerate(keys[last - n:last])}
     a = rank.sched.backup(kv_idx[:3 * PAGE], tokens[:3 * PAGE], [rank.transfer(keys[3 - n:3], side_a)])
-    if rank.derived:  # the indexer's keys of pages 3..5 are stored with the latent's
+    if rank.derived:  # the indexer's (draft's) pages 3..5 are stored with the KV pool's
         n = 0
     b = rank.sched.backup(kv_idx, tokens, [rank.transfer(keys[PAGES - n:], side_b)])
     backed = (a.completed_tokens, b.completed_tokens)
@@ -156,7 +161,7 @@ def scenario(rank):
     return out
 
 
-@pytest.mark.parametrize("sidecar", ["mamba", "swa", "indexer"])
+@pytest.mark.parametrize("sidecar", ["mamba", "swa", "indexer", "draft"])
 def test_a_hybrid_models_pools_load_back_as_sglangs_own_file_backend_loads_them(tmp_path, monkeypatch, sidecar):
     monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path / "hicache_file"))
     results = {}
@@ -171,7 +176,7 @@ def test_a_hybrid_models_pools_load_back_as_sglangs_own_file_backend_loads_them(
     assert kvtd_run["whole"]["hit"] == PAGES * PAGE
     # The trailing pools' pages at page 5 were never stored: the hit falls back to page 3. The
     # indexer's are every page's.
-    assert kvtd_run["five"]["hit"] == (5 if sidecar == "indexer" else 3) * PAGE
+    assert kvtd_run["five"]["hit"] == (5 if sidecar in ("indexer", "draft") else 3) * PAGE
     assert kvtd_run["none"]["hit"] == 0
     for name in ("whole", "five"):
         got = kvtd_run[name]
