@@ -182,6 +182,18 @@ elif "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() el
   else
     skip "vLLM offloading worker (device tensors)" "no vLLM source: set KVTD_VLLM_SRC"
   fi
+  # sglang's own pinned memfd host pools (KV, and its MambaPoolHost) beside CUDA device pools: the
+  # device's bytes backed up and loaded through a daemon, compared on the device.
+  sglang_src=${KVTD_SGLANG_SRC:-${KVTD_REFERENCE_DIR:-$root/../shared/reference}/sglang}
+  if [ ! -f "$sglang_src/python/sglang/srt/mem_cache/hicache_storage.py" ]; then
+    skip "sglang pinned pools (device copies)" "no sglang source: set KVTD_SGLANG_SRC"
+  elif ! "$python" -c "import psutil" 2>/dev/null; then
+    skip "sglang pinned pools (device copies)" "no psutil in $python (sglang's host pools import it)"
+  else
+    step "sglang pinned pools (device copies)" 300 env KVTD_SGLANG_SRC="$sglang_src" KVTD_BINARY="$kvtd" \
+      KVTD_CLIENT_LIBRARY="$client" PYTHONPATH="$root/python:$root/tests/python:$root/tests/python/sglang" \
+      "$python" "$root/scripts/gpu/sglang_pinned.py" --device cuda
+  fi
 else
   skip "python client (torch CUDA)" "no torch with CUDA in $python"
 fi
