@@ -13,6 +13,7 @@ group and layer, the Mamba state through its own (int8, padded) view, and no oth
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 
@@ -158,3 +159,98 @@ def test_a_hybrid_models_groups_round_trip_per_group_and_layer_through_vllms_reg
             assert torch.equal(rows[untouched], old[untouched]), "a block no job named changed"
     finally:
         rank.close()
+
+
+# Layers of one type but different widths (vLLM's UniformTypeKVCacheSpecs: one group, a spec per
+# layer, each layer its own tensor of its own page size, kv_cache_interface.py; registered by
+# offloading/worker.py:92-103): "w0" with 4 KV heads (4096-byte pages), "w1" and "w2" with 2 (2048).
+WIDE = (("w0", 4), ("w1", 2), ("w2", 2))
+
+
+def uniform_type_config():
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, UniformTypeKVCacheSpecs
+    per_layer = {n: vllm_registration.attention_spec(h, HEAD_SIZE) for n, h in WIDE}
+    return KVCacheConfig(num_blocks=BLOCKS,
+                         kv_cache_tensors=[KVCacheTensor(size=BLOCKS * s.page_size_bytes, shared_by=[n])
+                                           for n, s in per_layer.items()],
+                         kv_cache_groups=[KVCacheGroupSpec(layer_names=[n for n, _ in WIDE],
+                                                           kv_cache_spec=UniformTypeKVCacheSpecs(
+                                                               block_size=vllm_engine.TOKENS_PER_BLOCK,
+                                                               kv_cache_specs=per_layer))])
+
+
+class WidthsRank:
+    """One worker whose layers' pages differ in size, registered by vLLM's own register_kv_caches."""
+
+    def __init__(self, **extra):
+        self.path = f"/dev/shm/kvtd_vllm_widths_{uuid.uuid4().hex[:8]}"
+        pages = [2 * vllm_engine.TOKENS_PER_BLOCK * h * HEAD_SIZE * 2 for _, h in WIDE]
+        buffer = torch.from_file(self.path, shared=True, size=BLOCKS * sum(pages), dtype=torch.int8)
+        self.rows, at = [], 0
+        for page in pages:
+            self.rows.append(buffer[at:at + BLOCKS * page].view(BLOCKS, page))
+            at += BLOCKS * page
+        self.layers = {n: vllm_registration.attention_layer(r, h, HEAD_SIZE) for (n, h), r in zip(WIDE, self.rows)}
+        self.daemons = None
+        try:
+            _, config, factory, _, worker = vllm_modules()
+            offloading = offloading_config(extra_config(host_blocks=16, **extra))
+            offloading = dataclasses.replace(offloading, groups=(config.OffloadingGroupConfig(
+                tokens_per_block=vllm_engine.TOKENS_PER_BLOCK, layer_names=tuple(n for n, _ in WIDE)),),
+                worker_kv_bytes_per_block=sum(pages))
+            self.spec = factory.OffloadingSpecFactory.create_spec(offloading)
+            vllm_registration.torch_2_untyped_storage()
+            self.connector = worker.OffloadingConnectorWorker(self.spec, worker_vllm_config(0, 1), uniform_type_config())
+            self.connector.register_kv_caches(self.layers)
+            self.worker = self.connector.worker
+            self.daemons = kvtd.testing.Daemons(None, self.worker.suffix, self.worker._geometry, [], ranks=[0]).start()
+            self.worker._session.wait_ready(30)
+        except BaseException:
+            self.close()
+            raise
+
+    run = HybridRank.run
+
+    def close(self):
+        if self.daemons is not None:
+            self.daemons.stop()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def test_layers_whose_pages_differ_in_size_are_cache_groups_and_round_trip_byte_for_byte():
+    """Before, the worker refused tensors of different page sizes at start ("not yet: groups of
+    different page sizes"); now each page size is a cache group of kvtd's."""
+    base, _, _, _, _ = vllm_modules()
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    rank = WidthsRank()
+    try:
+        w = rank.worker
+        assert [len(g.layers) for g in w._geometry.groups] == [1, 2], "one group per page size"
+        g = torch.Generator().manual_seed(9)
+        for rows in rank.rows:
+            rows.copy_(torch.randint(-128, 128, rows.shape, generator=g, dtype=torch.int8))
+        before = [r.clone() for r in rank.rows]
+        stored, loaded = [2, 3, 5], [10, 11, 12]
+        want = [r[stored].clone() for r in rank.rows]
+        keys = [base.make_offload_key(bytes([i]) * 32, 0) for i in range(3)]
+        manager = rank.spec.get_manager()
+        out = manager.prepare_store(keys, None)
+        rank.run(1, lambda j: w.submit_store(j, base.GPULoadStoreSpec(stored, [3], [0]), out.store_spec))
+        manager.complete_store(keys, None)
+        for rows in rank.rows:
+            rows[stored] = 0
+        host = list(manager.prepare_load(keys, None).block_ids)
+        rank.run(2, lambda j: w.submit_load(j, CPULoadStoreSpec(host), base.GPULoadStoreSpec(loaded, [3], [0])))
+        untouched = [b for b in range(BLOCKS) if b not in stored + loaded]
+        for (name, _), rows, old, bytes_ in zip(WIDE, rank.rows, before, want):
+            assert torch.equal(rows[loaded], bytes_), f"layer {name}: the loaded blocks"
+            assert torch.equal(rows[untouched], old[untouched]), f"layer {name}: a block no job named changed"
+    finally:
+        rank.close()
+
+
+def test_the_storage_tier_over_pages_of_different_sizes_is_refused_at_start_naming_it():
+    with pytest.raises(ValueError, match="kvtd_storage"):
+        WidthsRank(kvtd_storage=True)

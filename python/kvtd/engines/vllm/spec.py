@@ -64,8 +64,9 @@ from vllm.v1.kv_offload.base import (CanonicalKVCaches, GPULoadStoreSpec, LoadSt
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
+from ...geometry import Geometry
 from ...places import tensor_location
-from ...geometry import Geometry, KvIdentity, kv_dtype_name
+from .layout import block_ids, bytes_per_block, geometry_of
 from ..rank import RankTensor, daemon_command, open_rank_session, polled_outcome, task_outcome
 from .manager import KvtdOffloadingManager, KvtdWorkerMetadata
 from .storage import WorkerStorage
@@ -173,31 +174,6 @@ class KvtdOffloadingSpec(OffloadingSpec):
         return KvtdOffloadingWorker(self, kv_caches)
 
 
-def geometry_of(kv_caches: CanonicalKVCaches, world_size: int, host_blocks: int, *, replicated: bool = False,
-                dtype: str = "") -> Geometry:
-    """kvtd's geometry of a worker's canonical tensors: each (num_blocks, page bytes) tensor one
-    layer of kvtd's, key only. vLLM's canonical tensors are a layer's K or V (FlashAttention's
-    split), a layer's MLA latent, or one cross-layer slab (its default layout, `canonical_layout`
-    False), and kvtd need not tell which: it moves every tensor's block. What it must know is
-    declared, never inferred from the tensor count: the layout is per rank unless vLLM says every
-    worker's bytes are identical (OffloadingConfig.replicated_layout: a pure-MLA, TP-only
-    deployment), and `dtype` is the cache's element type (OffloadingConfig.model.dtype), which
-    vLLM's byte-typed tensors do not carry."""
-    tensors = [t.tensor for t in kv_caches.tensors]
-    if not tensors:
-        raise ValueError("vLLM handed kvtd no KV cache tensors")
-    num_blocks = int(tensors[0].shape[0])
-    row = [int(t.numel()) * int(t.element_size()) // max(1, int(t.shape[0])) for t in tensors]
-    for i, t in enumerate(tensors):
-        if int(t.shape[0]) != num_blocks or row[i] != row[0] or not t.is_contiguous():
-            raise ValueError(f"canonical KV tensor {i} is {tuple(t.shape)} ({row[i]} bytes per block): kvtd needs "
-                             f"every tensor contiguous with {num_blocks} blocks of {row[0]} bytes (not yet: "
-                             "groups of different page sizes)")
-    identity = KvIdentity(layout="replicated" if replicated else "per_rank", dtype=kv_dtype_name(dtype) if dtype else "")
-    return Geometry(num_ranks=world_size, num_layers=len(tensors), key_shape=(num_blocks, 1, 1, row[0]),
-                    value_shape=None, dtype="uint8", num_host_blocks=host_blocks, identity=identity)
-
-
 @dataclasses.dataclass
 class _Job:
     task_id: int
@@ -215,16 +191,22 @@ class KvtdOffloadingWorker(OffloadingWorker):
     def __init__(self, spec: KvtdOffloadingSpec, kv_caches: CanonicalKVCaches):
         p = spec.config.parallel
         self._rank, self._world = int(p.rank), int(p.world_size)
+        groups = spec.config.groups
         self._geometry = geometry_of(kv_caches, self._world, spec.num_blocks,
-                                     replicated=bool(spec.config.replicated_layout), dtype=spec.config.model.dtype)
-        self._block_bytes = self._geometry.block_bytes("key")
-        self._tensors = len(kv_caches.tensors)
+                                     replicated=bool(spec.config.replicated_layout), dtype=spec.config.model.dtype,
+                                     block_tokens=int(groups[0].tokens_per_block) if groups else 16)
+        grouped = not isinstance(self._geometry, Geometry)
+        if grouped and spec.storage:
+            raise ValueError('"kvtd_storage" with KV tensors whose pages differ in size: kvtd\'s storage tier stores '
+                             "cache groups by their attention kinds, which vLLM's offloading spec does not say; serve "
+                             "this model with the host tier alone (remove kvtd_storage)")
+        self._bytes_per_block = bytes_per_block(self._geometry)
         self.suffix = session_suffix(spec.session_prefix, self._rank, int(p.data_parallel_index),
                                      int(p.data_parallel_size))
         tensors = []
-        for i, t in enumerate(kv_caches.tensors):  # tensor i is layer i of the geometry
+        for i, t in enumerate(kv_caches.tensors):  # tensor i is layer i of the geometry (slot 0 of its group's)
             handle, offset, nbytes, device = tensor_location(t.tensor)
-            tensors.append(RankTensor(i, "key", handle, offset, nbytes, device))
+            tensors.append(RankTensor(i, 0 if grouped else "key", handle, offset, nbytes, device))
         s = open_rank_session(self.suffix, self._geometry, self._rank, tensors, only_rank=self._rank)
         self._device = device if device >= 0 else None  # CUDA ordinal of the KV tensors
         self.daemon_command = daemon_command(self._geometry, self.suffix, self._rank, device)
@@ -266,12 +248,13 @@ class KvtdOffloadingWorker(OffloadingWorker):
         return event, [handle if r == self._rank else bytes(len(handle)) for r in range(self._world)]
 
     def _submit(self, job_id: int, is_load: bool, gpu: List[int], host: List[int]) -> bool:
-        nbytes = len(gpu) * self._block_bytes * self._tensors
+        nbytes = len(gpu) * self._bytes_per_block
         keys = None if is_load else self.storage.keys_of_store(job_id)
         try:
             event, handles = self._ordering_event()
-            tid = (self._session.swap_to_device(host, gpu, engine_events=handles) if is_load else
-                   self._session.swap_to_host(gpu, host, keys=keys, engine_events=handles))
+            g, h = block_ids(self._geometry, gpu, host=False), block_ids(self._geometry, host, host=True)
+            tid = (self._session.swap_to_device(h, g, engine_events=handles) if is_load else
+                   self._session.swap_to_host(g, h, keys=keys, engine_events=handles))
             if keys is not None:
                 self.storage.backup_submitted(tid, job_id)
         except Exception as e:  # noqa: BLE001 - vLLM asserts the submit succeeded
