@@ -88,7 +88,9 @@ def scheduler_output(new=(), finished=()):
     """SchedulerOutput (vllm/v1/core/sched/output.py): the new requests scheduled this step with
     their blocks and token counts, and the ids of requests that finished before it."""
     return types.SimpleNamespace(
-        scheduled_new_reqs=[types.SimpleNamespace(req_id=r.request_id, block_ids=(list(b),)) for r, b, _ in new],
+        scheduled_new_reqs=[types.SimpleNamespace(req_id=r.request_id,
+                                                  block_ids=tuple(b) if isinstance(b, tuple) else (list(b),))
+                            for r, b, _ in new],
         scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set()),
         num_scheduled_tokens={r.request_id: n for r, _, n in new}, finished_req_ids=set(finished),
         preempted_req_ids=set(), partial_tail_offloads=None)
@@ -102,7 +104,8 @@ def vllm_config(world: int):
 
 def kv_cache_config(layer_names, num_blocks=0, spec=None):
     """The scheduler's KVCacheConfig: one full-attention group of `layer_names` (vLLM's KV cache
-    interface stand-ins, vllm_kv_cache_specs.py)."""
+    interface stand-ins, vllm_kv_cache_specs.py). `new` blocks per request: a list (one group) or a
+    tuple of lists, one per KV cache group."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
     if spec is None:
         spec = FullAttentionSpec(block_size=TOKENS_PER_BLOCK, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
@@ -115,13 +118,15 @@ class Engine:
     """One engine over `ranks` (objects with .rank, .connector (vLLM's OffloadingConnectorWorker),
     .tensors (the rank's KV tensors, one row per GPU block)); `spec` is the scheduler process's."""
 
-    def __init__(self, spec, ranks, num_gpu_blocks: int, layer_names):
+    def __init__(self, spec, ranks, num_gpu_blocks: int, layer_names, config=None):
+        """`config`: the scheduler's KVCacheConfig (default: one full-attention group of
+        `layer_names`)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
         from kvtd.vllm import KvtdOffloadingConnector
         self.ranks = ranks
         self.scheduler = self._shell(KvtdOffloadingConnector)
         self.scheduler.connector_scheduler = OffloadingConnectorScheduler(spec, vllm_config(len(ranks)),
-                                                                          kv_cache_config(layer_names))
+                                                                          config or kv_cache_config(layer_names))
         self.workers = []
         for r in ranks:
             w = self._shell(KvtdOffloadingConnector)
@@ -182,36 +187,45 @@ class Engine:
             (step or self.step)()
             time.sleep(0.002)
 
-    def serve(self, req: Request) -> int:
-        """Runs `req` to completion as vLLM's scheduler does; returns the tokens loaded from the
-        offload tier (0 on a miss), recomputing any GPU block a load could not fill."""
+    def matched(self, req: Request):
+        """on_new_request, then get_num_new_matched_tokens until it settles: (hit tokens, async)."""
         sched = self.scheduler
         sched.on_new_request(req)
         # None: the connector needs more time; vLLM asks again in a later step.
         hit, load_async = sched.get_num_new_matched_tokens(req, 0)
         for _ in range(3000):
             if hit is not None:
-                break
+                return hit or 0, load_async
             self.step()
             time.sleep(0.002)
             hit, load_async = sched.get_num_new_matched_tokens(req, 0)
-        else:
-            raise TimeoutError(f"engine: the lookup of {req.request_id} never settled")
-        hit = hit or 0
+        raise TimeoutError(f"engine: the lookup of {req.request_id} never settled")
+
+    def wait_loaded(self, req: Request):
+        """Steps until every worker reported `req`'s load; returns the GPU blocks vLLM was told to
+        recompute (invalid_block_ids)."""
+        received, invalid = set(), set()
+
+        def step():
+            got, bad = self.step()
+            received.update(got)
+            invalid.update(bad)
+
+        self.idle_until(lambda: req.request_id in received, f"the load of {req.request_id}", step=step)
+        return invalid
+
+    def serve(self, req: Request) -> int:
+        """Runs `req` to completion as vLLM's scheduler does; returns the tokens loaded from the
+        offload tier (0 on a miss), recomputing any GPU block a load could not fill."""
+        sched = self.scheduler
+        hit, load_async = self.matched(req)
         n_blocks = -(-req.num_prompt_tokens // TOKENS_PER_BLOCK)
         blocks = [self.free_gpu.pop(0) for _ in range(n_blocks)]
         if hit:
             assert load_async
             sched.update_state_after_alloc(req, types.SimpleNamespace(blocks=([Block(b) for b in blocks],)), hit)
             req.status = vllm_harness.RequestStatus.WAITING_FOR_REMOTE_KVS
-            received, invalid = set(), set()
-
-            def step():
-                got, bad = self.step()
-                received.update(got)
-                invalid.update(bad)
-
-            self.idle_until(lambda: req.request_id in received, f"the load of {req.request_id}", step=step)
+            invalid = self.wait_loaded(req)
             # A whole-prompt hit still computes the last token (the engine scheduler's
             # _update_waiting_for_remote_kv), so that the step has logits to sample from.
             req.num_computed_tokens = min(hit, req.num_tokens - 1)

@@ -1,0 +1,130 @@
+"""A hybrid model (full attention beside a sliding window: gpt-oss, Gemma 3) served through vLLM's
+own OffloadingConnectorScheduler, with its per-group lookups (offloading/scheduler.py:697-868:
+a prefix for full attention, the window's run of hits for a sliding window), its per-group load
+(:993-1101) and store jobs, over kvtd's worker and a real daemon; the KV registered by vLLM's own
+register_kv_caches, two tensors each shared by one layer of each group (KVCacheTensor.shared_by).
+
+A second request of the same prompt loads what vLLM's manager found for each group: every chunk
+of the full-attention group, the window's chunks of the sliding-window group (vLLM's null block
+before them); every loaded block equal to what the model wrote for that chunk and group.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import torch
+
+import kvtd.testing
+
+import vllm_engine
+import vllm_harness
+import vllm_hybrid_engine
+import vllm_registration
+from test_vllm_engine import HEAD_SIZE, HEADS, extra_config, vllm_modules, worker_vllm_config
+
+pytestmark = pytest.mark.skipif(vllm_harness.vllm_source() is None, reason=vllm_harness.skip_reason())
+
+BLOCKS, PAGE = 64, 2 * vllm_engine.TOKENS_PER_BLOCK * HEADS * HEAD_SIZE * 2  # K and V, bfloat16
+WINDOW = 2 * vllm_engine.TOKENS_PER_BLOCK  # tokens
+GROUPS = (("f0", "f1"), ("s0", "s1"))  # full attention, sliding window
+TENSORS = (("f0", "s0"), ("f1", "s1"))  # KVCacheTensor.shared_by: one layer of each group
+
+
+def kv_cache_config():
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
+                                            SlidingWindowSpec)
+    attention = dict(block_size=vllm_engine.TOKENS_PER_BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE,
+                     dtype=torch.bfloat16)
+    specs = (FullAttentionSpec(**attention), SlidingWindowSpec(sliding_window=WINDOW, **attention))
+    return KVCacheConfig(num_blocks=BLOCKS,
+                         kv_cache_tensors=[KVCacheTensor(size=BLOCKS * PAGE, shared_by=list(t)) for t in TENSORS],
+                         kv_cache_groups=[KVCacheGroupSpec(layer_names=list(g), kv_cache_spec=s)
+                                          for g, s in zip(GROUPS, specs)])
+
+
+def offloading_config(extra):
+    _, config, _, _, _ = vllm_modules()
+    return config.OffloadingConfig(
+        groups=tuple(config.OffloadingGroupConfig(tokens_per_block=vllm_engine.TOKENS_PER_BLOCK, layer_names=g)
+                     for g in GROUPS),
+        worker_kv_bytes_per_block=len(TENSORS) * PAGE, enable_kv_cache_events=False, extra_config=extra,
+        engine_id="kvtdswa", model=config.OffloadingModelConfig(name="m", dtype="bfloat16"),
+        cache=config.OffloadingCacheConfig(tokens_per_hash=vllm_engine.TOKENS_PER_BLOCK, blocks_per_chunk=1),
+        parallel=config.OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                                                 data_parallel_index=0, data_parallel_size=1,
+                                                 data_parallel_rank_local=None, is_parallelism_agnostic=False))
+
+
+class SharedRank:
+    """One worker: two shared KV tensors, each layer's FlashAttention view of them registered by
+    vLLM's own register_kv_caches, kvtd's worker and its daemon. A block is row b of both."""
+
+    def __init__(self, extra):
+        self.rank, self.block_bytes = 0, len(TENSORS) * PAGE
+        self.path = f"/dev/shm/kvtd_vllm_swa_{uuid.uuid4().hex[:8]}"
+        buffer = torch.from_file(self.path, shared=True, size=len(TENSORS) * BLOCKS * PAGE, dtype=torch.int8)
+        self.rows = [buffer[i * BLOCKS * PAGE:(i + 1) * BLOCKS * PAGE].view(BLOCKS, PAGE) for i in range(len(TENSORS))]
+        layers = {n: vllm_registration.attention_layer(rows, HEADS, HEAD_SIZE)
+                  for rows, names in zip(self.rows, TENSORS) for n in names}
+        self.daemons = None
+        try:
+            _, _, factory, _, worker = vllm_modules()
+            self.spec = factory.OffloadingSpecFactory.create_spec(offloading_config(extra))
+            vllm_registration.torch_2_untyped_storage()
+            self.connector = worker.OffloadingConnectorWorker(self.spec, worker_vllm_config(0, 1), kv_cache_config())
+            self.connector.register_kv_caches(layers)
+            w = self.connector.worker
+            self.daemons = kvtd.testing.Daemons(None, w.suffix, w._geometry, [], ranks=[0]).start()
+            w._session.wait_ready(30)
+        except BaseException:
+            self.close()
+            raise
+
+    def write_block(self, b, data):
+        for i, rows in enumerate(self.rows):
+            rows[b].copy_(data[i * PAGE:(i + 1) * PAGE])
+
+    def block(self, b):
+        return torch.cat([rows[b].clone() for rows in self.rows])
+
+    def close(self):
+        if self.daemons is not None:
+            self.daemons.stop()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def test_a_sliding_window_model_hits_per_group_as_vllms_scheduler_counts_them_and_loads_each_groups_bytes():
+    extra = extra_config(host_blocks=48)
+    rank = SharedRank(extra)
+    try:
+        _, _, factory, _, _ = vllm_modules()
+        scheduler_spec = factory.OffloadingSpecFactory.create_spec(offloading_config(extra))
+        engine = vllm_hybrid_engine.HybridEngine(scheduler_spec, [rank], BLOCKS, kv_cache_config())
+        loads = []
+        submit = rank.connector.worker.submit_load
+        rank.connector.worker.submit_load = lambda j, src, dst: loads.append(list(dst.group_sizes)) or submit(j, src, dst)
+        prompt = list(range(6 * vllm_engine.TOKENS_PER_BLOCK))
+        assert engine.serve(vllm_engine.Request("first", prompt)) == 0
+        req = vllm_engine.Request("again", prompt)
+        hit = engine.serve(req)
+        # vLLM keeps the last token to compute (a sliding-window model needs its logits): the hit
+        # ends in the sixth block, whose chunk is not loaded whole.
+        assert hit == 6 * vllm_engine.TOKENS_PER_BLOCK - 1, hit
+        hit_blocks = -(-hit // vllm_engine.TOKENS_PER_BLOCK)
+        window = WINDOW // vllm_engine.TOKENS_PER_BLOCK
+        assert loads == [[hit_blocks, window]], f"blocks loaded per group: {loads}"
+        full, swa = engine.last_groups
+        for i in range(hit_blocks):
+            want_full = engine.group_bytes(rank, req.block_hashes[i], 0)
+            assert torch.equal(rank.block(full[i].block_id), want_full), f"full attention chunk {i}"
+            if swa[i].is_null:
+                assert i < hit_blocks - window, f"sliding-window chunk {i} was not given a block"
+                continue
+            want_swa = engine.group_bytes(rank, req.block_hashes[i], 1)
+            assert torch.equal(rank.block(swa[i].block_id), want_swa), f"sliding-window chunk {i}"
+    finally:
+        rank.close()
