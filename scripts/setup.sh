@@ -6,7 +6,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config ccache
   libboost-dev libcli11-dev libspdlog-dev libfmt-dev libzmq3-dev cppzmq-dev libsystemd-dev libnuma-dev
-  libxxhash-dev libhiredis-dev liburing-dev redis-server redis-tools nlohmann-json3-dev
+  libxxhash-dev libhiredis-dev liburing-dev libucx-dev ucx-utils iproute2 redis-server redis-tools nlohmann-json3-dev
   python3-numpy python3-pytest python3-torch python3-msgpack python3-zmq python3-yaml python3-prometheus-client prometheus gnuplot-nox lintian fakeroot help2man
   libgtest-dev libgmock-dev libbenchmark-dev
   clang-16 libfuzzer-16-dev libclang-rt-16-dev

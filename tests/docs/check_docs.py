@@ -29,6 +29,8 @@ OTHER_PROGRAMS_FLAGS = {
     "--forward",  # patch
     "--enable-hierarchical-cache", "--hicache-storage-backend", "--hicache-storage-backend-extra-config",  # sglang
     "--enable-metrics", "--tp", "--dp", "--enable-dp-attention",  # sglang
+    # sglang's ServerArgs fields as flags (model_path; hicache_mem_layout, read by hiradix_cache.py:93)
+    "--model-path", "--hicache-mem-layout",
     "--kv-transfer-config", "--tensor-parallel-size", "--data-parallel-size",  # vLLM
     "--pid", "--fork", "--mount-proc",  # unshare
 }

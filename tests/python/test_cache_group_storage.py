@@ -181,6 +181,19 @@ def status(c):
     return [r["result"] for r in json.loads(out.stdout)]
 
 
+def test_ctl_status_prints_a_group_sessions_store_readably(cluster, tmp_path):
+    """`kvtd ctl status` (the readable form) of a daemon of cache groups with a store: its storage
+    has no single layout fingerprint (one per group, on the groups' lines). It aborted on the
+    missing field (nlohmann type_error.302, exit 134) before."""
+    groups = MODELS["qwen3-next-80b"]()
+    c = cluster(groups, storage_flags(tmp_path))
+    c.ready()
+    ctl = [os.environ.get("KVTD_BINARY", kvtd.testing.find_binary()), "ctl", "--session", c.suffix, "status"]
+    out = subprocess.run(ctl, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "by_cache_group" in out.stdout and "group 1" in out.stdout, out.stdout
+
+
 def group_dirs(c, tmp_path):
     rank0 = status(c)[0]
     assert rank0["storage"]["objects"] == "by_cache_group"

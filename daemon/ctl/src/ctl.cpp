@@ -39,11 +39,13 @@ std::string gb(std::uint64_t bytes) {
 }
 
 // "file store /x (by_head 2 per object, layout 0123...)": the backend and, with a store, the
-// namespace its objects go to.
+// namespace its objects go to. A daemon of cache groups has a namespace per group, on the
+// groups' lines (print_status), and no layout of its own here.
 std::string storage_line(const json& st) {
   std::string out = st["backend"].get<std::string>();
   if (!st.contains("objects")) return out;
   out += " (" + st["objects"].get<std::string>();
+  if (!st.contains("layout_fingerprint")) return out + ": each group's layout below)";
   if (st.contains("heads_per_object")) out += fmt::format(" {} per object", st["heads_per_object"].get<unsigned>());
   return out + ", layout " + st["layout_fingerprint"].get<std::string>() + ")";
 }
@@ -68,13 +70,16 @@ void print_status(std::uint32_t rank, const json& r) {
               errors.empty() ? "" : ("\n         last error: " + errors.back().get<std::string>()).c_str());
   for (const auto& g : r.value("cache_groups", json::array()))  // a cache of several groups: one line each
     std::printf("         group %u %-14s %3u layers  %lld device / %u host blocks of %s  host pool %s  to host %s  "
-                "to device %s  stored read %s written %s\n",
+                "to device %s  stored read %s written %s%s\n",
                 g["group"].get<unsigned>(), g["kind"].get<std::string>().c_str(), g["layers"].get<unsigned>(),
                 g["device_blocks"].get<long long>(), g["host_blocks"].get<unsigned>(),
                 gb(g["block_bytes"].get<std::uint64_t>()).c_str(), gb(g["host_pool_bytes"].get<std::uint64_t>()).c_str(),
                 gb(g["bytes_to_host"].get<std::uint64_t>()).c_str(), gb(g["bytes_to_device"].get<std::uint64_t>()).c_str(),
                 gb(g.value("storage_bytes_read", std::uint64_t{0})).c_str(),
-                gb(g.value("storage_bytes_written", std::uint64_t{0})).c_str());
+                gb(g.value("storage_bytes_written", std::uint64_t{0})).c_str(),
+                g.contains("layout_fingerprint")
+                    ? ("  layout " + g["layout_fingerprint"].get<std::string>() + " " + g.value("stored", "")).c_str()
+                    : "");
 }
 
 // One line per rank for `storage gc`.
