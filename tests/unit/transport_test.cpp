@@ -9,6 +9,7 @@
 #include <random>
 
 #include "kvtd/transport/block_header.h"
+#include "kvtd/transport/head_plan.h"
 #include "kvtd/transport/link.h"
 
 namespace kvtd::transport {
@@ -39,6 +40,69 @@ TEST(BlockHeaderTest, RefusesWhatIsNotAHeaderNamingWhy) {
   bad = wire;
   bad[12] = std::byte{1};
   EXPECT_EQ(parse_block_header(bad).error().code, TransportErrc::kMalformed);
+}
+
+// Heterogeneous TP: which heads a decode rank reads from which prefill ranks.
+struct PlanCase {
+  HeadLayout from, to;
+  std::uint32_t dest;
+  std::vector<HeadRun> want;
+};
+
+bool same_runs(const std::vector<HeadRun>& a, const std::vector<HeadRun>& b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](const HeadRun& x, const HeadRun& y) {
+           return x.source_rank == y.source_rank && x.source_head == y.source_head && x.dest_head == y.dest_head &&
+                  x.heads == y.heads;
+         });
+}
+
+TEST(HeadPlanTest, SplitsAndMergesHeadsAcrossTpSizes) {
+  const std::vector<PlanCase> cases = {
+      {{2, 8}, {1, 8}, 0, {{0, 0, 0, 4}, {1, 0, 4, 4}}},         // TP 2 -> 1: merge
+      {{2, 8}, {4, 8}, 1, {{0, 2, 0, 2}}},                       // TP 2 -> 4: split
+      {{2, 8}, {4, 8}, 2, {{1, 0, 0, 2}}},
+      {{4, 8}, {2, 8}, 1, {{2, 0, 0, 2}, {3, 0, 2, 2}}},         // TP 4 -> 2
+      {{4, 2}, {1, 2}, 0, {{0, 0, 0, 1}, {2, 0, 1, 1}}},         // GQA, heads replicated at the source
+      {{1, 2}, {4, 2}, 3, {{0, 1, 0, 1}}},                       // and at the destination
+      {{2, 8, true}, {4, 8, true}, 3, {{1, 0, 0, 1}}},           // MLA: the whole latent, spread
+      {{2, 8, true}, {1, 8, true}, 0, {{0, 0, 0, 1}}},
+  };
+  for (const auto& c : cases) {
+    auto got = heads_from(c.from, c.to, c.dest);
+    ASSERT_TRUE(got.ok()) << got.error().message;
+    EXPECT_TRUE(same_runs(*got, c.want)) << "TP " << c.from.ranks << " -> " << c.to.ranks << " heads " << c.from.kv_heads
+                                         << " dest " << c.dest;
+  }
+}
+
+TEST(HeadPlanTest, EveryDestinationHeadComesOnceFromARankHoldingIt) {
+  for (std::uint32_t heads : {1u, 2u, 4u, 8u, 16u})
+    for (std::uint32_t p : {1u, 2u, 4u, 8u})
+      for (std::uint32_t d : {1u, 2u, 4u, 8u}) {
+        const HeadLayout from{p, heads}, to{d, heads};
+        for (std::uint32_t dest = 0; dest < d; ++dest) {
+          auto runs = heads_from(from, to, dest);
+          ASSERT_TRUE(runs.ok()) << runs.error().message;
+          std::vector<int> seen(heads_per_rank(to), 0);
+          const auto dest_first = heads >= d ? dest * (heads / d) : dest * heads / d;
+          for (const auto& r : *runs)
+            for (std::uint32_t i = 0; i < r.heads; ++i) {
+              ++seen.at(r.dest_head + i);
+              ASSERT_LT(r.source_head + i, heads_per_rank(from));
+              const auto src_global = heads >= p ? r.source_rank * (heads / p) + r.source_head + i
+                                                 : r.source_rank * heads / p;
+              EXPECT_EQ(src_global, dest_first + r.dest_head + i) << p << "->" << d << " heads " << heads;
+            }
+          EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }));
+        }
+      }
+}
+
+TEST(HeadPlanTest, RefusesLayoutsThatCannotMeetNamingWhy) {
+  EXPECT_NE(heads_from({4, 6}, {2, 6}, 0).error().message.find("6 KV heads on 4 ranks"), std::string::npos);
+  EXPECT_NE(heads_from({2, 8}, {2, 4}, 0).error().message.find("prefill has 8 KV heads, decode 4"), std::string::npos);
+  EXPECT_NE(heads_from({2, 8, true}, {2, 8}, 0).error().message.find("replicated"), std::string::npos);
+  EXPECT_NE(heads_from({2, 8}, {2, 8}, 2).error().message.find("decode rank 2 of 2"), std::string::npos);
 }
 
 // Two Links joined both ways, a clock the test moves, and a loop that progresses both.
