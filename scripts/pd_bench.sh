@@ -20,6 +20,7 @@ while [ $# -gt 0 ]; do
     --bytes) bytes=$2; shift 2 ;;
     --blocks-kib) blocks_kib=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
+    -h|--help) sed -n '2,/^set /p' "$0" | sed '$d'; exit 0 ;;
     -*) echo "pd_bench: unknown option $1" >&2; exit 2 ;;
     *) build=$1; shift ;;
   esac

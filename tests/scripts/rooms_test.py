@@ -23,7 +23,7 @@ FLOORS = {
     "proto": 1, "cudasim": 1, "device_modes": 1,
     "ipc": 2, "kernels": 2, "config": 2, "storage": 2, "transport": 2, "metrics": 2, "listeners": 2,
     "events": 3, "control": 3, "client/engine": 3, "daemon/endpoint": 3, "daemon/common": 3,
-    "client": 4, "daemon/device": 4, "daemon/ctl": 4, "tools/loadgen": 4, "tools/storage_bench": 4,
+    "client": 4, "daemon/device": 4, "daemon/ctl": 4, "tools/loadgen": 4, "tools/storage_bench": 4, "tools/pd_bench": 4,
     "daemon/storage": 5,
     "daemon/serve": 6,
     "daemon/process": 7,
