@@ -10,6 +10,7 @@
 
 #include "kvtd/transport/block_header.h"
 #include "kvtd/transport/head_plan.h"
+#include "kvtd/transport/leases.h"
 #include "kvtd/transport/link.h"
 
 namespace kvtd::transport {
@@ -103,6 +104,36 @@ TEST(HeadPlanTest, RefusesLayoutsThatCannotMeetNamingWhy) {
   EXPECT_NE(heads_from({2, 8}, {2, 4}, 0).error().message.find("prefill has 8 KV heads, decode 4"), std::string::npos);
   EXPECT_NE(heads_from({2, 8, true}, {2, 8}, 0).error().message.find("replicated"), std::string::npos);
   EXPECT_NE(heads_from({2, 8}, {2, 8}, 2).error().message.find("decode rank 2 of 2"), std::string::npos);
+}
+
+// The prefill side's leases: held until confirmed, extended by heartbeats, freed when they end,
+// never while a transfer of them is in flight; a dead peer's end at once.
+TEST(LeasesTest, HeldUntilConfirmedOrTheLeaseEndsAndNeverFreedUnderATransfer) {
+  Leases l(30'000);
+  ASSERT_TRUE(l.hold(1, 7, {4, 5}, 0).ok());
+  ASSERT_TRUE(l.hold(2, 7, {6}, 0).ok());
+  ASSERT_TRUE(l.hold(3, 8, {9}, 0).ok());
+  EXPECT_NE(l.hold(1, 7, {1}, 0).error().message.find("held already"), std::string::npos);
+  EXPECT_EQ(l.hold(4, 7, {}, 0).error().code, TransportErrc::kInvalidArgument);
+  EXPECT_EQ(l.release(2), (std::vector<std::int32_t>{6}));  // the decode side has it
+  EXPECT_TRUE(l.release(2).empty());
+  l.heartbeat(7, 25'000);  // peer 7 still waits: its lease lasts to 45 000
+  l.transfer_started(3);
+  EXPECT_TRUE(l.expire(29'999).empty());
+  EXPECT_TRUE(l.expire(30'000).empty()) << "peer 8's lease ended, but its transfer is in flight";
+  EXPECT_EQ(l.overdue(30'000), (std::vector<std::uint64_t>{3}));
+  l.transfer_ended(3);
+  auto freed = l.expire(30'000);
+  ASSERT_EQ(freed.size(), 1u);
+  EXPECT_EQ(freed[0].request, 3u);
+  EXPECT_TRUE(l.expire(44'999).empty());
+  freed = l.expire(45'000);
+  ASSERT_EQ(freed.size(), 1u);
+  EXPECT_EQ(freed[0].blocks, (std::vector<std::int32_t>{4, 5}));
+  ASSERT_TRUE(l.hold(5, 9, {1}, 50'000).ok());
+  l.peer_failed(9, 51'000);  // the decode daemon died: no waiting out the lease
+  EXPECT_EQ(l.expire(51'000).size(), 1u);
+  EXPECT_EQ(l.held(), 0u);
 }
 
 // Two Links joined both ways, a clock the test moves, and a loop that progresses both.
