@@ -148,6 +148,20 @@ def controller(pool, device_pool, *, tp_rank=0, tp_size=1, backend="dynamic", ex
                              storage_backend_extra_config=dict(extra) if extra else None)
 
 
+def next_from(queue, match, what, timeout=30.0):
+    """The first operation the controller puts on `queue` for which match(op) holds (others are
+    dropped, as the scheduler drains them); TimeoutError naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            op = queue.get(timeout=0.1)
+        except Empty:
+            continue
+        if match(op):
+            return op
+    raise TimeoutError(f"{what} did not come back")
+
+
 class Scheduler:
     """The scheduler thread's storage duties for one controller (hiradix_cache.py:608-683)."""
 
@@ -158,28 +172,12 @@ class Scheduler:
         """write_storage then the backup ack; returns the tokens the backup thread completed."""
         keys = get_hash_str(token_ids, None, self.cc.page_size)
         op_id = self.cc.write_storage(host_indices, token_ids, keys)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                op = self.cc.ack_backup_queue.get(timeout=0.1)
-            except Empty:
-                continue
-            if op.id == op_id:
-                return op.completed_tokens
-        raise TimeoutError("the backup was not acknowledged")
+        return next_from(self.cc.ack_backup_queue, lambda op: op.id == op_id, "the backup's ack", timeout).completed_tokens
 
     def prefetch_hits(self, request_id, token_ids, timeout=30.0):
         """prefetch() and the TP-agreed hit count from prefetch_hit_queue (the operation)."""
         self.cc.prefetch(request_id, token_ids)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                op = self.cc.prefetch_hit_queue.get(timeout=0.1)
-            except Empty:
-                continue
-            if op.request_id == request_id:
-                return op
-        raise TimeoutError("no hit count came back")
+        return next_from(self.cc.prefetch_hit_queue, lambda op: op.request_id == request_id, "the hit count", timeout)
 
     def load(self, op, timeout=30.0):
         """Allocates host memory for the hit count, hands it to the prefetch-io thread and waits

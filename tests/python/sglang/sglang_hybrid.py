@@ -26,13 +26,11 @@ import sys
 import threading
 import time
 import types
-from queue import Empty
 
 import torch
 
 import sglang_controller as sc
 import sglang_harness
-from reference_source import stand_in_module
 
 
 def _refusing_kernels(module):
@@ -191,27 +189,12 @@ class HybridScheduler:
 
     def backup(self, kv_host_indices, tokens, extra_pools, timeout=30.0):
         op_id = self.cc.write_storage(kv_host_indices, tokens, self.keys(tokens), extra_pools=extra_pools)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                op = self.cc.ack_backup_queue.get(timeout=0.1)
-            except Empty:
-                continue
-            if op.id == op_id:
-                return op
-        raise TimeoutError("the backup was not acknowledged")
+        return sc.next_from(self.cc.ack_backup_queue, lambda op: op.id == op_id, "the backup's ack", timeout)
 
     def prefetch(self, request_id, tokens, extra_pools, timeout=30.0):
         self.cc.prefetch(request_id, tokens, extra_pools=extra_pools)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                op = self.cc.prefetch_hit_queue.get(timeout=0.1)
-            except Empty:
-                continue
-            if op.request_id == request_id:
-                return op
-        raise TimeoutError("no hit count came back")
+        return sc.next_from(self.cc.prefetch_hit_queue, lambda op: op.request_id == request_id, "the hit count",
+                            timeout)
 
     def load(self, op, timeout=30.0):
         """Host memory for the hit in every pool (each transfer's keys, `page_size` indices per

@@ -16,7 +16,6 @@ from __future__ import annotations
 import uuid
 
 import pytest
-import torch
 
 import kvtd.testing
 

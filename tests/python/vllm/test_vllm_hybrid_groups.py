@@ -13,19 +13,17 @@ group and layer, the Mamba state through its own (int8, padded) view, and no oth
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import uuid
 
 import pytest
 import torch
 
-import kvtd.testing
 
 import vllm_engine
 import vllm_harness
 import vllm_registration
-from test_vllm_engine import HEADS, HEAD_SIZE, extra_config, vllm_modules, worker_vllm_config
+from test_vllm_engine import HEADS, HEAD_SIZE, extra_config, vllm_modules
 
 pytestmark = pytest.mark.skipif(vllm_harness.vllm_source() is None, reason=vllm_harness.skip_reason())
 
@@ -53,16 +51,7 @@ def kv_cache_config():
 
 
 def offloading_config(extra):
-    _, config, _, _, _ = vllm_modules()
-    return config.OffloadingConfig(
-        groups=tuple(config.OffloadingGroupConfig(tokens_per_block=vllm_engine.TOKENS_PER_BLOCK, layer_names=g)
-                     for g in GROUPS),
-        worker_kv_bytes_per_block=len(TENSORS) * PAGE, enable_kv_cache_events=False, extra_config=extra,
-        engine_id="kvtdhybrid", model=config.OffloadingModelConfig(name="m", dtype="bfloat16"),
-        cache=config.OffloadingCacheConfig(tokens_per_hash=vllm_engine.TOKENS_PER_BLOCK, blocks_per_chunk=1),
-        parallel=config.OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                                                 data_parallel_index=0, data_parallel_size=1,
-                                                 data_parallel_rank_local=None, is_parallelism_agnostic=False))
+    return vllm_registration.one_rank_offloading_config(extra, GROUPS, len(TENSORS) * PAGE)
 
 
 class HybridRank:
@@ -83,14 +72,10 @@ class HybridRank:
             self.layers[mamba] = rows.view(-1)
         self.daemons = None
         try:
-            _, _, factory, _, worker = vllm_modules()
-            self.spec = factory.OffloadingSpecFactory.create_spec(offloading_config(extra_config(host_blocks=16)))
-            vllm_registration.torch_2_untyped_storage()
-            self.connector = worker.OffloadingConnectorWorker(self.spec, worker_vllm_config(0, 1), kv_cache_config())
-            self.connector.register_kv_caches(self.layers)
+            vllm_modules()
+            self.spec, self.connector, self.daemons = vllm_registration.start_worker(
+                offloading_config(extra_config(host_blocks=16)), kv_cache_config(), self.layers, HEADS)
             self.worker = self.connector.worker
-            self.daemons = kvtd.testing.Daemons(None, self.worker.suffix, self.worker._geometry, [], ranks=[0]).start()
-            self.worker._session.wait_ready(30)
         except BaseException:
             self.close()
             raise
@@ -193,18 +178,12 @@ class WidthsRank:
         self.layers = {n: vllm_registration.attention_layer(r, h, HEAD_SIZE) for (n, h), r in zip(WIDE, self.rows)}
         self.daemons = None
         try:
-            _, config, factory, _, worker = vllm_modules()
-            offloading = offloading_config(extra_config(host_blocks=16, **extra))
-            offloading = dataclasses.replace(offloading, groups=(config.OffloadingGroupConfig(
-                tokens_per_block=vllm_engine.TOKENS_PER_BLOCK, layer_names=tuple(n for n, _ in WIDE)),),
-                worker_kv_bytes_per_block=sum(pages))
-            self.spec = factory.OffloadingSpecFactory.create_spec(offloading)
-            vllm_registration.torch_2_untyped_storage()
-            self.connector = worker.OffloadingConnectorWorker(self.spec, worker_vllm_config(0, 1), uniform_type_config())
-            self.connector.register_kv_caches(self.layers)
+            vllm_modules()
+            offloading = vllm_registration.one_rank_offloading_config(extra_config(host_blocks=16, **extra),
+                                                                      [[n for n, _ in WIDE]], sum(pages))
+            self.spec, self.connector, self.daemons = vllm_registration.start_worker(
+                offloading, uniform_type_config(), self.layers, HEADS)
             self.worker = self.connector.worker
-            self.daemons = kvtd.testing.Daemons(None, self.worker.suffix, self.worker._geometry, [], ranks=[0]).start()
-            self.worker._session.wait_ready(30)
         except BaseException:
             self.close()
             raise

@@ -17,13 +17,12 @@ import uuid
 import pytest
 import torch
 
-import kvtd.testing
 
 import vllm_engine
 import vllm_harness
 import vllm_hybrid_engine
 import vllm_registration
-from test_vllm_engine import HEAD_SIZE, HEADS, extra_config, vllm_modules, worker_vllm_config
+from test_vllm_engine import HEAD_SIZE, HEADS, extra_config, vllm_modules
 
 pytestmark = pytest.mark.skipif(vllm_harness.vllm_source() is None, reason=vllm_harness.skip_reason())
 
@@ -46,16 +45,7 @@ def kv_cache_config():
 
 
 def offloading_config(extra):
-    _, config, _, _, _ = vllm_modules()
-    return config.OffloadingConfig(
-        groups=tuple(config.OffloadingGroupConfig(tokens_per_block=vllm_engine.TOKENS_PER_BLOCK, layer_names=g)
-                     for g in GROUPS),
-        worker_kv_bytes_per_block=len(TENSORS) * PAGE, enable_kv_cache_events=False, extra_config=extra,
-        engine_id="kvtdswa", model=config.OffloadingModelConfig(name="m", dtype="bfloat16"),
-        cache=config.OffloadingCacheConfig(tokens_per_hash=vllm_engine.TOKENS_PER_BLOCK, blocks_per_chunk=1),
-        parallel=config.OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                                                 data_parallel_index=0, data_parallel_size=1,
-                                                 data_parallel_rank_local=None, is_parallelism_agnostic=False))
+    return vllm_registration.one_rank_offloading_config(extra, GROUPS, len(TENSORS) * PAGE, engine_id="kvtdswa")
 
 
 class SharedRank:
@@ -71,14 +61,9 @@ class SharedRank:
                   for rows, names in zip(self.rows, TENSORS) for n in names}
         self.daemons = None
         try:
-            _, _, factory, _, worker = vllm_modules()
-            self.spec = factory.OffloadingSpecFactory.create_spec(offloading_config(extra))
-            vllm_registration.torch_2_untyped_storage()
-            self.connector = worker.OffloadingConnectorWorker(self.spec, worker_vllm_config(0, 1), kv_cache_config())
-            self.connector.register_kv_caches(layers)
-            w = self.connector.worker
-            self.daemons = kvtd.testing.Daemons(None, w.suffix, w._geometry, [], ranks=[0]).start()
-            w._session.wait_ready(30)
+            vllm_modules()
+            self.spec, self.connector, self.daemons = vllm_registration.start_worker(
+                offloading_config(extra), kv_cache_config(), layers, HEADS)
         except BaseException:
             self.close()
             raise

@@ -57,3 +57,40 @@ def worker_vllm_config(rank, world, heads):
                                      cp_kv_cache_interleave_size=1)
     model = types.SimpleNamespace(get_total_num_kv_heads=lambda: heads * world)
     return types.SimpleNamespace(parallel_config=parallel, model_config=model)
+
+
+def one_rank_offloading_config(extra, groups, bytes_per_block, engine_id="kvtdhybrid"):
+    """The OffloadingConfig vLLM builds for a TP-1 worker whose KV cache groups are `groups`
+    (each a tuple of layer names, GPU blocks of TOKENS_PER_BLOCK tokens), `bytes_per_block`
+    of KV per block (offloading/config.py). vLLM's modules must be importable (vllm_harness)."""
+    from vllm.v1.kv_offload import config
+    return config.OffloadingConfig(
+        groups=tuple(config.OffloadingGroupConfig(tokens_per_block=TOKENS_PER_BLOCK, layer_names=tuple(g))
+                     for g in groups),
+        worker_kv_bytes_per_block=bytes_per_block, enable_kv_cache_events=False, extra_config=extra,
+        engine_id=engine_id, model=config.OffloadingModelConfig(name="m", dtype="bfloat16"),
+        cache=config.OffloadingCacheConfig(tokens_per_hash=TOKENS_PER_BLOCK, blocks_per_chunk=1),
+        parallel=config.OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                                                 data_parallel_index=0, data_parallel_size=1,
+                                                 data_parallel_rank_local=None, is_parallelism_agnostic=False))
+
+
+def start_worker(offloading, kv_cache_config, layers, heads):
+    """vLLM's OffloadingConnectorWorker over the spec vLLM's factory makes of `offloading`, the
+    KV `layers` registered by vLLM's own register_kv_caches, and its rank's daemon, attached:
+    (spec, connector, daemons). On failure nothing is left running."""
+    import kvtd.testing
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import worker
+    from vllm.v1.kv_offload import factory
+    spec = factory.OffloadingSpecFactory.create_spec(offloading)
+    torch_2_untyped_storage()
+    connector = worker.OffloadingConnectorWorker(spec, worker_vllm_config(0, 1, heads), kv_cache_config)
+    connector.register_kv_caches(layers)
+    w = connector.worker
+    daemons = kvtd.testing.Daemons(None, w.suffix, w._geometry, [], ranks=[0]).start()
+    try:
+        w._session.wait_ready(30)
+    except BaseException:
+        daemons.stop()
+        raise
+    return spec, connector, daemons
