@@ -1,12 +1,16 @@
-"""A hybrid model (full attention beside a sliding window: gpt-oss, Gemma 3) served through vLLM's
-own OffloadingConnectorScheduler, with its per-group lookups (offloading/scheduler.py:697-868:
-a prefix for full attention, the window's run of hits for a sliding window), its per-group load
-(:993-1101) and store jobs, over kvtd's worker and a real daemon; the KV registered by vLLM's own
-register_kv_caches, two tensors each shared by one layer of each group (KVCacheTensor.shared_by).
+"""A hybrid model (full attention beside a sliding window and a Mamba state: gpt-oss's and
+Qwen3-Next's groups in one) served through vLLM's own OffloadingConnectorScheduler, with its
+per-group lookups (offloading/scheduler.py:697-868: a prefix for full attention, the window's run
+of hits for a sliding window, one chunk for a Mamba state), its per-group load (:993-1101) and
+store jobs, over kvtd's worker and a real daemon; the KV registered by vLLM's own
+register_kv_caches, two tensors each shared by one layer of each group (KVCacheTensor.shared_by),
+the Mamba page padded to the attention page.
 
 A second request of the same prompt loads what vLLM's manager found for each group: every chunk
-of the full-attention group, the window's chunks of the sliding-window group (vLLM's null block
-before them); every loaded block equal to what the model wrote for that chunk and group.
+of the full-attention group, the window's chunks of the sliding-window group and the last chunk's
+state of the Mamba group (vLLM's null block before them); every loaded block, checked as the load
+completes (before the model recomputes the last token), equal to what the model wrote for that
+chunk and group.
 """
 
 from __future__ import annotations
@@ -28,16 +32,19 @@ pytestmark = pytest.mark.skipif(vllm_harness.vllm_source() is None, reason=vllm_
 
 BLOCKS, PAGE = 64, 2 * vllm_engine.TOKENS_PER_BLOCK * HEADS * HEAD_SIZE * 2  # K and V, bfloat16
 WINDOW = 2 * vllm_engine.TOKENS_PER_BLOCK  # tokens
-GROUPS = (("f0", "f1"), ("s0", "s1"))  # full attention, sliding window
-TENSORS = (("f0", "s0"), ("f1", "s1"))  # KVCacheTensor.shared_by: one layer of each group
+GROUPS = (("f0", "f1"), ("s0", "s1"), ("m0", "m1"))  # full attention, sliding window, Mamba
+TENSORS = (("f0", "s0", "m0"), ("f1", "s1", "m1"))  # KVCacheTensor.shared_by: one layer of each group
+MAMBA_SHAPES, MAMBA_DTYPES = ((3, 100), (7, 64)), (torch.float32, torch.bfloat16)  # 2096 bytes, padded
 
 
 def kv_cache_config():
     from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
-                                            SlidingWindowSpec)
+                                            MambaSpec, SlidingWindowSpec)
     attention = dict(block_size=vllm_engine.TOKENS_PER_BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE,
                      dtype=torch.bfloat16)
-    specs = (FullAttentionSpec(**attention), SlidingWindowSpec(sliding_window=WINDOW, **attention))
+    specs = (FullAttentionSpec(**attention), SlidingWindowSpec(sliding_window=WINDOW, **attention),
+             MambaSpec(block_size=vllm_engine.TOKENS_PER_BLOCK, shapes=MAMBA_SHAPES, dtypes=MAMBA_DTYPES,
+                       page_size_padded=PAGE))
     return KVCacheConfig(num_blocks=BLOCKS,
                          kv_cache_tensors=[KVCacheTensor(size=BLOCKS * PAGE, shared_by=list(t)) for t in TENSORS],
                          kv_cache_groups=[KVCacheGroupSpec(layer_names=list(g), kv_cache_spec=s)
@@ -57,8 +64,11 @@ class SharedRank:
         self.path = f"/dev/shm/kvtd_vllm_swa_{uuid.uuid4().hex[:8]}"
         buffer = torch.from_file(self.path, shared=True, size=len(TENSORS) * BLOCKS * PAGE, dtype=torch.int8)
         self.rows = [buffer[i * BLOCKS * PAGE:(i + 1) * BLOCKS * PAGE].view(BLOCKS, PAGE) for i in range(len(TENSORS))]
-        layers = {n: vllm_registration.attention_layer(rows, HEADS, HEAD_SIZE)
-                  for rows, names in zip(self.rows, TENSORS) for n in names}
+        layers = {}
+        for rows, (full, window, mamba) in zip(self.rows, TENSORS):
+            for n in (full, window):
+                layers[n] = vllm_registration.attention_layer(rows, HEADS, HEAD_SIZE)
+            layers[mamba] = rows.view(-1)  # a Mamba layer's state: the tensor's int8 bytes
         self.daemons = None
         try:
             vllm_modules()
@@ -82,7 +92,7 @@ class SharedRank:
             os.unlink(self.path)
 
 
-def test_a_sliding_window_model_hits_per_group_as_vllms_scheduler_counts_them_and_loads_each_groups_bytes():
+def test_a_hybrid_model_hits_per_group_as_vllms_scheduler_counts_them_and_loads_each_groups_bytes():
     extra = extra_config(host_blocks=48)
     rank = SharedRank(extra)
     try:
@@ -93,23 +103,27 @@ def test_a_sliding_window_model_hits_per_group_as_vllms_scheduler_counts_them_an
         submit = rank.connector.worker.submit_load
         rank.connector.worker.submit_load = lambda j, src, dst: loads.append(list(dst.group_sizes)) or submit(j, src, dst)
         prompt = list(range(6 * vllm_engine.TOKENS_PER_BLOCK))
+        checked = []
+
+        def check(req, groups, hit):  # the loaded blocks, before the model rewrites the last one
+            hit_blocks = -(-hit // vllm_engine.TOKENS_PER_BLOCK)
+            for g, blocks in enumerate(groups):
+                for i in range(hit_blocks):
+                    if blocks[i].is_null:
+                        assert g > 0 and i < hit_blocks - engine.windows[g], f"group {g} chunk {i} got no block"
+                        continue
+                    want = engine.group_bytes(rank, req.block_hashes[i], g)
+                    assert torch.equal(rank.block(blocks[i].block_id), want), f"group {g} chunk {i}"
+                    checked.append((g, i))
+
+        engine.on_loaded = check
         assert engine.serve(vllm_engine.Request("first", prompt)) == 0
-        req = vllm_engine.Request("again", prompt)
-        hit = engine.serve(req)
+        hit = engine.serve(vllm_engine.Request("again", prompt))
         # vLLM keeps the last token to compute (a sliding-window model needs its logits): the hit
-        # ends in the sixth block, whose chunk is not loaded whole.
+        # ends in the sixth block.
         assert hit == 6 * vllm_engine.TOKENS_PER_BLOCK - 1, hit
-        hit_blocks = -(-hit // vllm_engine.TOKENS_PER_BLOCK)
         window = WINDOW // vllm_engine.TOKENS_PER_BLOCK
-        assert loads == [[hit_blocks, window]], f"blocks loaded per group: {loads}"
-        full, swa = engine.last_groups
-        for i in range(hit_blocks):
-            want_full = engine.group_bytes(rank, req.block_hashes[i], 0)
-            assert torch.equal(rank.block(full[i].block_id), want_full), f"full attention chunk {i}"
-            if swa[i].is_null:
-                assert i < hit_blocks - window, f"sliding-window chunk {i} was not given a block"
-                continue
-            want_swa = engine.group_bytes(rank, req.block_hashes[i], 1)
-            assert torch.equal(rank.block(swa[i].block_id), want_swa), f"sliding-window chunk {i}"
+        assert loads == [[6, window, 1]], f"blocks loaded per group: {loads}"
+        assert sorted(checked) == sorted([(0, i) for i in range(6)] + [(1, 4), (1, 5), (2, 5)]), checked
     finally:
         rank.close()

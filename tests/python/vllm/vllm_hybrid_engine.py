@@ -4,8 +4,8 @@ the way vLLM's hybrid KV cache manager hands their blocks to the offloading conn
 What differs from one group (vllm/v1/core/single_type_kv_cache_manager.py, not vendored; the
 offloading scheduler's reading of it is in offloading/scheduler.py:993-1101):
 - every group gets its own GPU blocks from one block pool, so a block id is one group's;
-- on a hit, a sliding-window group's blocks before the window (at the hit's end) are vLLM's null
-  block (block id 0, is_null), which the connector skips; the scheduler asserts at most the
+- on a hit, a sliding-window group's blocks before the window (at the hit's end), and a Mamba
+  group's before its last, are vLLM's null block (block id 0, is_null), which the connector skips; the scheduler asserts at most the
   window's chunks plus one are loaded into it (scheduler.py:1043-1048);
 - SchedulerOutput names a request's blocks as one list per group.
 
@@ -23,13 +23,15 @@ from vllm_engine import TOKENS_PER_BLOCK, Block, Engine, Request, chunk_bytes
 
 
 def window_blocks(config) -> List[Optional[int]]:
-    """Per KV cache group of `config`: its sliding window in blocks (rounded up), None for full
-    attention."""
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    """Per KV cache group of `config`: the blocks a hit needs at its end, as the offloading
+    scheduler counts them (scheduler.py:109-127): a sliding window's (rounded up), a Mamba state's
+    one, None for full attention."""
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
     out = []
     for g in config.kv_cache_groups:
         spec = g.kv_cache_spec
-        out.append(-(-spec.sliding_window // TOKENS_PER_BLOCK) if isinstance(spec, SlidingWindowSpec) else None)
+        out.append(-(-spec.sliding_window // TOKENS_PER_BLOCK) if isinstance(spec, SlidingWindowSpec)
+                   else 1 if isinstance(spec, MambaSpec) else None)
     return out
 
 
@@ -40,13 +42,15 @@ class HybridEngine(Engine):
     def __init__(self, spec, ranks, num_gpu_blocks: int, config):
         super().__init__(spec, ranks, num_gpu_blocks, [], config=config)
         self.windows = window_blocks(config)
-        self.loads: List[List[int]] = []  # each load's blocks per group, as the scheduler asked
+        # Called with (request, blocks per group, hit tokens) once a load is in, before the model
+        # runs (which recomputes the hit's last token, rewriting its block).
+        self.on_loaded = None
 
     def group_bytes(self, rank, chunk_hash: bytes, group: int):
         return chunk_bytes(rank.rank, chunk_hash + bytes([group]), rank.block_bytes)
 
     def serve(self, req: Request) -> int:
-        """Runs `req` to completion; returns the hit tokens. Records the load's blocks per group."""
+        """Runs `req` to completion; returns the hit tokens."""
         sched = self.scheduler
         hit, load_async = self.matched(req)
         n_blocks = -(-req.num_prompt_tokens // TOKENS_PER_BLOCK)
@@ -64,6 +68,8 @@ class HybridEngine(Engine):
             req.status = vllm_harness.RequestStatus.WAITING_FOR_REMOTE_KVS
             invalid = self.wait_loaded(req)
             assert not invalid, f"loads failed into GPU blocks {sorted(invalid)}"
+            if self.on_loaded is not None:
+                self.on_loaded(req, groups, hit)
             req.num_computed_tokens = min(hit, req.num_tokens - 1)
         req.status = vllm_harness.RequestStatus.RUNNING
         first = req.num_computed_tokens // TOKENS_PER_BLOCK

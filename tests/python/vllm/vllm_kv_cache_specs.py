@@ -12,6 +12,8 @@ What is read, and where (vLLM main 017e9f44):
   offloading/config.py:26-28 is_kv_cache_tensor_packed).
 - canonical_mapping.py:255-330: spec.block_size, num_kv_heads, head_size, real_page_size_bytes,
   kv_quant_mode.is_per_token_head, and for MLA compress_ratio.
+- offloading/scheduler.py:109-127, 162, 265: SlidingWindowSpec.sliding_window, MambaSpec (a window
+  of one chunk) and its mamba_cache_mode ("none", "align" or "all").
 Sizes follow vLLM's definitions: an attention page holds K and V of block_size tokens (MLA: the
 latent once), a Mamba page the sum of its state tensors, each padded to page_size_padded if set.
 """
@@ -93,6 +95,7 @@ class MambaSpec(KVCacheSpec):
     shapes: Tuple[Tuple[int, ...], ...]
     dtypes: Tuple[torch.dtype, ...]
     page_size_padded: Optional[int] = None
+    mamba_cache_mode: str = "none"
 
     @property
     def page_size_bytes(self) -> int:
