@@ -4,9 +4,11 @@
 // revoked grant takes nothing; a closed peer fails its sender's sends.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <thread>
 #include <xxhash.h>
 
 #include "kvtd/transport/block_header.h"
@@ -258,11 +260,43 @@ TEST_F(LinkPair, AnExpiredOrRevokedGrantTakesNothing) {
   auto ev = run_until([&](const auto& e) { return count(e, Kind::kRejected) == 1 && sender_->sends_in_flight() == 0; });
   EXPECT_NE(ev.front().message.find("grant 11 has expired"), std::string::npos) << ev.front().message;
   ASSERT_TRUE(receiver_->grant(12, {d}, now_ + 1'000'000).ok());
-  receiver_->revoke(12);
+  ASSERT_TRUE(receiver_->revoke(12).ok());
   ASSERT_TRUE(sender_->send_block(peer_, 12, 0, src).ok());
   ev = run_until([&](const auto& e) { return count(e, Kind::kRejected) == 1 && sender_->sends_in_flight() == 0; });
   EXPECT_NE(ev.front().message.find("no live grant 12"), std::string::npos) << ev.front().message;
   EXPECT_TRUE(std::all_of(d.begin(), d.end(), [](std::byte b) { return b == std::byte{0}; }));
+}
+
+TEST_F(LinkPair, AfterRevokeReturnsNothingMoreIsWrittenIntoTheGrantsBlocks) {
+  std::vector<std::byte> d(8 << 20, std::byte{0});
+  ASSERT_TRUE(receiver_->grant(31, {d}, now_ + 1'000'000'000).ok());
+  const auto src = random_bytes(8 << 20, 11);
+  ASSERT_TRUE(sender_->send_block(peer_, 31, 0, src).ok());
+  std::vector<LinkEvent> ev;
+  // Until the receiver has taken the block and its pull is under way (or done).
+  for (int i = 0; i < 100'000 && receiver_->receives_in_flight() == 0 && receiver_->received(31) == 0; ++i) {
+    sender_->progress(ev);
+    receiver_->progress(ev);
+  }
+  // The sender is another process in a deployment: it goes on serving the pull while the
+  // receiver revokes (a Link is one thread's; the two Links are independent).
+  std::atomic<bool> revoking_done{false}, peer_done{false};
+  std::thread peer([&] {  // the sender's thread alone touches it from here until the join
+    std::vector<LinkEvent> mine;
+    for (int i = 0; i < 2'000'000 && (!revoking_done.load() || sender_->sends_in_flight() != 0); ++i)
+      sender_->progress(mine);
+    peer_done = true;
+  });
+  const auto revoked = receiver_->revoke(31);
+  revoking_done = true;
+  const auto at_revoke = d;
+  const auto left = receiver_->receives_in_flight();
+  while (!peer_done.load()) receiver_->progress(ev);  // the sender's send ends (failed or not)
+  peer.join();
+  ASSERT_TRUE(revoked.ok()) << revoked.error().message;
+  EXPECT_EQ(left, 0u);
+  EXPECT_EQ(d, at_revoke) << "bytes were written into a revoked grant's block";
+  EXPECT_EQ(receiver_->received(31), 0u) << "a revoked grant reports nothing received";
 }
 
 TEST_F(LinkPair, GrantsAreRefusedWhenTheyCannotBeHonoured) {

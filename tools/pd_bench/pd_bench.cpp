@@ -183,7 +183,7 @@ int decode(int port, std::uint64_t bytes, std::uint64_t block, int rounds, int l
     ch.put(link->received(grant));
     ch.put(cpu_seconds() - cpu0);
     for (auto t : layer_done) ch.put(t);
-    link->revoke(grant);
+    if (auto s = link->revoke(grant); !s.ok()) die(s.error().message);
   }
   return 0;
 }

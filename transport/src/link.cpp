@@ -38,6 +38,7 @@ struct Link::Impl {
     std::size_t received = 0;
     std::size_t in_flight = 0;  // rendezvous receives not yet complete
     bool revoked = false;
+    bool erase_when_drained = false;  // revoked with receives in flight: erased by the last one
   };
   struct Receive {
     Impl* impl;
@@ -169,13 +170,15 @@ void Link::Impl::on_received(void* request, ucs_status_t status, size_t /*length
   auto* r = static_cast<Receive*>(user_data);
   Impl* self = r->impl;
   ucp_request_free(request);
-  Grant& g = self->grants.at(r->grant);
+  const auto grant = r->grant;
+  Grant& g = self->grants.at(grant);
   --g.in_flight;
-  if (status == UCS_OK)
-    self->verify(r->grant, r->index, r->checksum);
+  if (status == UCS_OK && !g.revoked)
+    self->verify(grant, r->index, r->checksum);
   else
-    self->fail_receive(r->grant, r->index, status);
+    self->fail_receive(grant, r->index, status == UCS_OK ? UCS_ERR_CANCELED : status);
   self->receives.erase(r);
+  if (g.erase_when_drained && g.in_flight == 0) self->grants.erase(grant);
 }
 
 void Link::Impl::on_sent(void* request, ucs_status_t status, void* user_data) {
@@ -317,16 +320,26 @@ Status<TransportErrc> Link::grant(std::uint64_t grant, std::vector<std::span<std
   return {};
 }
 
-void Link::revoke(std::uint64_t grant) {
+Status<TransportErrc> Link::revoke(std::uint64_t grant) {
   const auto it = impl_->grants.find(grant);
-  if (it == impl_->grants.end()) return;
+  if (it == impl_->grants.end()) return {};
   it->second.revoked = true;  // no new block is accepted from here on
   for (auto& [r, owned] : impl_->receives)
     if (owned->grant == grant) ucp_request_cancel(impl_->worker, owned->request);
   const std::int64_t deadline = monotonic_ns() + kDrainNs;
   while (it->second.in_flight != 0 && monotonic_ns() < deadline) impl_->drive();
+  if (it->second.in_flight != 0) {  // the blocks may still be written: the grant stays until they end
+    it->second.erase_when_drained = true;
+    return make_error(TransportErrc::kUnavailable,
+                      fmt::format("grant {}: {} receives still in flight after revoke; its blocks may still be "
+                                  "written",
+                                  grant, it->second.in_flight));
+  }
   impl_->grants.erase(it);
+  return {};
 }
+
+std::size_t Link::receives_in_flight() const { return impl_->receives.size(); }
 
 std::size_t Link::received(std::uint64_t grant) const {
   const auto it = impl_->grants.find(grant);

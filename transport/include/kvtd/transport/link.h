@@ -81,9 +81,14 @@ class Link {
   // Lets peers write `blocks` (this process's memory, each one block) under `grant` until
   // `expires_ns` (now_ns's clock). kInvalidArgument for a grant id in use, 0, or no blocks.
   Status<TransportErrc> grant(std::uint64_t grant, std::vector<std::span<std::byte>> blocks, std::int64_t expires_ns);
-  // Ends `grant`: receives into it in flight are cancelled and waited for, so when revoke returns
-  // nothing more is written into its blocks. Unknown grants are ignored.
-  void revoke(std::uint64_t grant);
+  // Ends `grant`: no block is accepted for it any more, and receives into it in flight are
+  // cancelled and waited for (up to 5 s), so when revoke returns ok nothing more is written into
+  // its blocks. kUnavailable if some are still in flight then: the blocks may still be written
+  // and must not be reused until receives_in_flight() says none is left (the grant goes when the
+  // last one ends). Unknown grants are ignored.
+  Status<TransportErrc> revoke(std::uint64_t grant);
+  // Receives in flight into blocks of any grant, revoked ones included.
+  std::size_t receives_in_flight() const;
   // Blocks of `grant` received and verified so far (0 for an unknown grant).
   std::size_t received(std::uint64_t grant) const;
 
