@@ -19,15 +19,14 @@ backend: sglang's device<->host copies are its own). `--device cpu` runs the sam
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import torch
 
-import kvtd.testing
 import sglang_harness
 import sglang_hybrid as sh
 
@@ -56,19 +55,9 @@ def main() -> int:
     mamba = (mamba_cls(mamba_dev, 1.0, 0, pin_memory=True, device="cpu", allocator_type="shm", layout="page_first")
              if cuda else sh.mamba_host_pool(mamba_dev))
     group = sh.pool_group([(hs.PoolName.KV, kv, kv_dev), (hs.PoolName.MAMBA, mamba, mamba_dev)])
-    extra = {"backend_name": "kvtd", "module_path": "kvtd.sglang", "class_name": "KvtdHiCacheStorage",
-             "interface_v1": 1, "allocator": "shm", "kvtd_session": f"sglp{uuid.uuid4().hex[:6]}", "kvtd_timeout_s": 30}
-    backend = sglang_harness.backend_factory().create_backend("dynamic", sglang_harness.storage_config(0, 1, extra),
-                                                              group)
-    backend.register_mem_pool_host(group)
-    for e in group.entries:
-        backend.register_mem_host_pool_v2(e.host_pool, e.name)
     store = Path(tempfile.mkdtemp(prefix="kvtd_sglang_pinned_"))
-    daemons = kvtd.testing.Daemons(None, backend._suffix, backend._hybrid.groups, ranks=[0],
-                                   extra=["--storage-backend", "file", "--storage-path", str(store / "s"),
-                                          "--model-id", "gpu"]).start()
+    backend, daemons = sh.kvtd_backend(group, store / "s", model_id="gpu")
     try:
-        backend._session.wait_ready(60)
         dev = torch.device(a.device)
         n = a.pages * PAGE
         # The model's KV of pages [0, pages) on the device, in the host pool's dims (2, tokens, layers, heads, dim).
@@ -111,6 +100,7 @@ def main() -> int:
     finally:
         daemons.stop()
         backend.close()
+        shutil.rmtree(store, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +33,6 @@ sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests" / "python"), str(ROOT /
 
 import torch  # noqa: E402
 
-import kvtd.testing  # noqa: E402
 import sglang_harness  # noqa: E402
 import sglang_hybrid as sh  # noqa: E402
 
@@ -120,22 +118,11 @@ def main() -> int:
     os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(work / "hicache")
     kv, mamba = pools(a)
     group = sh.pool_group([(hs.PoolName.KV, kv, None), (hs.PoolName.MAMBA, mamba, None)])
-    extra = {"backend_name": "kvtd", "module_path": "kvtd.sglang", "class_name": "KvtdHiCacheStorage",
-             "interface_v1": 1, "allocator": "shm", "kvtd_session": f"sglh{uuid.uuid4().hex[:6]}",
-             "kvtd_timeout_s": 60}
-    backend = sglang_harness.backend_factory().create_backend("dynamic", sglang_harness.storage_config(0, 1, extra),
-                                                              group)
+    backend, daemons = sh.kvtd_backend(group, work / "store", model_id="bench", timeout_s=60)
     oracle = hs.HiCacheFile(sglang_harness.storage_config(0, 1, None))
-    for b in (backend, oracle):  # as HybridCacheController.attach_storage_backend registers them
-        b.register_mem_pool_host(group)
-        for e in group.entries:
-            b.register_mem_host_pool_v2(e.host_pool, e.name)
-    daemons = kvtd.testing.Daemons(None, backend._suffix, backend._hybrid.groups, ranks=[0],
-                                   extra=["--storage-backend", "file", "--storage-path", str(work / "store"),
-                                          "--model-id", "bench"]).start()
+    sh.register_as_controller(oracle, group)
     figures = {k: [] for k in ("kvtd set", "file set", "kvtd get", "file get")}
     try:
-        backend._session.wait_ready(30)
         for r in range(a.rounds):
             got, request_bytes = timed_round(a, hs, backend, oracle, kv, mamba, r)
             for name, gbps in got.items():

@@ -160,6 +160,43 @@ def pool_group(pools):
     return group_cls(entries)
 
 
+def register_as_controller(backend, group):
+    """register_mem_pool_host of the group, then register_mem_host_pool_v2 of each pool, as
+    HybridCacheController.attach_storage_backend registers a backend (hybrid_cache_controller.py:
+    154-170)."""
+    backend.register_mem_pool_host(group)
+    for e in group.entries:
+        backend.register_mem_host_pool_v2(e.host_pool, e.name)
+
+
+def kvtd_backend(group, store, *, model_id="sgl", timeout_s=30.0):
+    """kvtd.sglang for `group`, made by sglang's own factory and registered as the controller
+    registers it, with its rank's daemon over a file store at `store`, attached: (backend,
+    daemons). On failure nothing is left running."""
+    import uuid
+
+    import kvtd.testing
+
+    extra = {"backend_name": "kvtd", "module_path": "kvtd.sglang", "class_name": "KvtdHiCacheStorage",
+             "interface_v1": 1, "allocator": "shm", "kvtd_session": f"sglh{uuid.uuid4().hex[:6]}",
+             "kvtd_timeout_s": timeout_s}
+    backend = sglang_harness.backend_factory().create_backend("dynamic", sglang_harness.storage_config(0, 1, extra),
+                                                              group)
+    daemons = None
+    try:
+        register_as_controller(backend, group)
+        daemons = kvtd.testing.Daemons(None, backend._suffix, backend._hybrid.groups, ranks=[0],
+                                       extra=["--storage-backend", "file", "--storage-path", str(store),
+                                              "--model-id", model_id]).start()
+        backend._session.wait_ready(60)
+    except BaseException:
+        if daemons is not None:
+            daemons.stop()
+        backend.close()
+        raise
+    return backend, daemons
+
+
 def controller(group, kv_device_pool, extra, *, backend="dynamic", tp_rank=0, tp_size=1):
     """A HybridCacheController over `group` with storage `backend` attached at construction."""
     hybrid_cls, _, _, _, _ = import_hybrid()

@@ -46,7 +46,7 @@ from typing import Any, Dict, List, Optional
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from .layout import PoolPlan, pages_of, plan_pool
-from .pools import HybridPlan, plan_group
+from .pools import HybridPlan, plan_group, pool_name
 from .pool_calls import PoolGroupCalls
 from ...places import memfd_place
 from ...session import Session, now_ns
@@ -100,20 +100,6 @@ def buffer_places(host, buffers) -> List[tuple]:
     return out
 
 
-def _pool_tensors(host) -> List[object]:
-    """Every buffer of a host pool kvtd may register (KV pools' kv_buffer; a Mamba pool's
-    temporal and conv buffers; an indexer pool's buffer)."""
-    out = []
-    buf = getattr(host, "kv_buffer", None)
-    if buf is not None:
-        out += list(buf) if isinstance(buf, (tuple, list)) else [buf]
-    for name in ("temporal_buffer", "index_k_with_scale_buffer"):
-        if getattr(host, name, None) is not None:
-            out.append(getattr(host, name))
-    out += list(getattr(host, "conv_buffer", None) or [])
-    return out
-
-
 def session_suffix(prefix: str, tp_rank: int, pp: tuple = (0, 1), cp: tuple = (0, 1), dp_group: int = -1) -> str:
     """`<prefix>[_dp<group>][_pp<stage>][_cp<slice>]_r<tp_rank>`: every rank coordinate of a
     scheduler. PP and CP come in HiCacheStorageConfig, as sglang's own HiCacheFile names files by
@@ -142,11 +128,6 @@ def attention_dp_group() -> int:
     except ImportError:  # an sglang without DP attention
         return -1
     return int(get_attention_dp_rank()) if is_dp_attention_enabled() else -1
-
-
-def pool_name(name) -> str:
-    """sglang's PoolName (a str enum) or its text, as the text ("kv", "mamba", ...)."""
-    return str(getattr(name, "value", name))
 
 
 class KvtdHiCacheStorage(PoolGroupCalls, HiCacheStorage):
@@ -224,10 +205,9 @@ class KvtdHiCacheStorage(PoolGroupCalls, HiCacheStorage):
         plan = plan_group([(pool_name(e.name), e.host_pool) for e in entries], tp_size=self._tp, mla=self._mla,
                           kv_plan=lambda host, mla: plan_for(host, self._tp, mla, self._pp, self._cp),
                           kv_buffers=pool_buffers, pp=self._pp, cp=self._cp, window_tokens=self._swa_window)
-        hosts = {id(b): e.host_pool for e in entries for b in _pool_tensors(e.host_pool)}
         tensors = []
         for p in plan.pieces:
-            handle, base = buffer_places(hosts[id(p.buffer)], [p.buffer])[0]
+            handle, base = buffer_places(p.host, [p.buffer])[0]
             tensors.append(RankTensor(p.layer, p.slot, handle, base + p.offset, p.nbytes))
         self._open(plan.groups, tensors)
         self._hybrid = plan
@@ -320,6 +300,11 @@ class KvtdHiCacheStorage(PoolGroupCalls, HiCacheStorage):
             return None
         return pages
 
+    def _kv_blocks(self, pages: List[int]):
+        """A storage task's blocks for KV pool pages: the pages, or with a pool group the KV
+        group's lists, naming no other pool's block."""
+        return pages if self._hybrid is None else self._hybrid.blocks("kv", pages)
+
     # -- sglang's calls ---------------------------------------------------------------------
     def batch_exists(self, keys: List[str], extra_info=None) -> int:
         """How many leading keys the store holds for this rank (sglang MIN-reduces it across
@@ -345,7 +330,7 @@ class KvtdHiCacheStorage(PoolGroupCalls, HiCacheStorage):
         if pages is None:
             return [False] * len(keys)
         start = time.monotonic()
-        blocks = pages if self._hybrid is None else self._hybrid.blocks("kv", pages)
+        blocks = self._kv_blocks(pages)
         r = self._run("load", lambda s, dl: s.storage_read(list(keys), blocks, deadline_ns=dl))
         done = min(len(keys), r.blocks_done) if r is not None else 0
         self._record_io("prefetch", done, time.monotonic() - start)
@@ -361,7 +346,7 @@ class KvtdHiCacheStorage(PoolGroupCalls, HiCacheStorage):
         if pages is None:
             return [False] * len(keys)
         start = time.monotonic()
-        blocks = pages if self._hybrid is None else self._hybrid.blocks("kv", pages)
+        blocks = self._kv_blocks(pages)
         r = self._run("store", lambda s, dl: s.storage_write(list(keys), blocks, deadline_ns=dl))
         ok = r is not None
         self._record_io("backup", len(keys) if ok else 0, time.monotonic() - start)

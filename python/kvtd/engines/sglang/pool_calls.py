@@ -22,9 +22,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-
-def _name(pool) -> str:
-    return str(getattr(pool, "value", pool))
+from .pools import pool_name
 
 
 class PoolGroupCalls:
@@ -37,7 +35,7 @@ class PoolGroupCalls:
 
         transfers = list(pool_transfers or [])
         plan = self._hybrid
-        unknown = [_name(t.name) for t in transfers if plan is None or _name(t.name) not in plan.pools]
+        unknown = [pool_name(t.name) for t in transfers if plan is None or pool_name(t.name) not in plan.pools]
         if unknown:
             self._warn("lookup", f"sglang asked about pool(s) {', '.join(unknown)} that this session does not hold "
                                  f"(pools: {', '.join(plan.pools) if plan else 'kv'})")
@@ -59,7 +57,7 @@ class PoolGroupCalls:
         return {t.name: self._pool_io(t, load=False) for t in transfers}
 
     def _pool_io(self, transfer, *, load: bool) -> List[bool]:
-        name, keys = _name(transfer.name), list(transfer.keys or [])
+        name, keys = pool_name(transfer.name), list(transfer.keys or [])
         if not keys:
             return []
         plan = self._hybrid

@@ -37,13 +37,19 @@ from .layout import PoolPlan
 class GroupPiece:
     """One registered tensor: registry slot `slot` of `layer` (its group's tensors in the order
     CacheGroups.slots gives: the attention group's, then an indexer's), `nbytes` at `offset` into
-    `buffer` (a tensor of the pool's; the backend finds its memfd)."""
+    `buffer`, a tensor of host pool `host` (whose allocator holds the buffer's memfd)."""
 
     layer: int
     slot: int
     buffer: object
     offset: int
     nbytes: int
+    host: object = None
+
+
+def pool_name(name) -> str:
+    """sglang's PoolName (a str enum) or its text, as the text ("kv", "mamba", ...)."""
+    return str(getattr(name, "value", name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +92,8 @@ def _kv_group(plan: PoolPlan, kind: str, layer_base: int, itemsize: int, window_
     tensors = [(itemsize, tuple(int(v) for v in g.key_shape[1:]))]
     if g.value_shape is not None:
         tensors.append((itemsize, tuple(int(v) for v in g.value_shape[1:])))
-    group = CacheGroup(kind, list(range(layer_base, layer_base + g.num_layers)), tensors, device_blocks=plan.pages,
-                       block_tokens=plan.page_size, window_tokens=window_tokens)
-    return group
+    return CacheGroup(kind, list(range(layer_base, layer_base + g.num_layers)), tensors, device_blocks=plan.pages,
+                      block_tokens=plan.page_size, window_tokens=window_tokens)
 
 
 def _kv_pieces(plan: PoolPlan, buffers: Sequence[object], layer_base: int) -> List[GroupPiece]:
@@ -155,7 +160,7 @@ def plan_group(entries: Sequence[Tuple[str, object]], *, tp_size: int, mla: bool
         raise ValueError("sglang's pool group has no KV pool first (a logical anchor without KV, as DeepSeek-V4 "
                          "uses, is not served by kvtd)")
     groups: List[CacheGroup] = []
-    pieces: List[Tuple[int, GroupPiece]] = []  # (group, piece whose slot is the group's tensor index)
+    pieces: List[Tuple[int, object, GroupPiece]] = []  # (group, host, piece whose slot is the group's tensor)
     pools: Dict[str, PoolSlot] = {}
     kv_host = entries[0][1]
     page = int(kv_host.page_size)
@@ -180,25 +185,24 @@ def plan_group(entries: Sequence[Tuple[str, object]], *, tp_size: int, mla: bool
                                      '"kvtd_swa_window_tokens" in the extra config (the model\'s sliding window)')
                 kind, window = "sliding_window", int(window_tokens)
                 trailing = max(1, math.ceil(window / page))
-            group = _kv_group(plan, kind, next_layer, int(kv_buffers(host)[0].element_size()), window)
-            pieces += [(len(groups), p) for p in _kv_pieces(plan, kv_buffers(host), next_layer)]
+            buffers = kv_buffers(host)
+            group = _kv_group(plan, kind, next_layer, int(buffers[0].element_size()), window)
+            more = _kv_pieces(plan, buffers, next_layer)
             if name == "kv":
                 kv_group, kv_layout = group, host.layout
                 page_bytes = plan.buffer_bytes // max(1, plan.pages)
-            next_layer += len(group.layers)
         elif name == "mamba":
             group, more = _mamba(host, next_layer)
-            pieces += [(len(groups), p) for p in more]
             trailing = 1
-            next_layer += 1
-        elif name == "indexer":
+        elif name == "indexer":  # on the latent's layers
             if kv_group is None or kv_group.kind != "mla_latent":
                 raise ValueError("sglang's indexer pool needs the KV pool to be an MLA latent")
             group, more = _indexer(host, kv_group, kv_layout)
-            pieces += [(len(groups), p) for p in more]
         else:
             raise ValueError(f"sglang host pool {name!r} ({type(host).__name__}) is not one kvtd serves (KV, draft, SWA, "
                              "Mamba state, DSA indexer)")
+        pieces += [(len(groups), host, p) for p in more]
+        next_layer = max(next_layer, max(group.layers) + 1)
         pools[name] = PoolSlot(name, len(groups), 1 if name == "mamba" else page, group.device_blocks, trailing)
         groups.append(group)
     dtype = str(getattr(kv_host, "dtype", "")).replace("torch.", "")
@@ -206,5 +210,5 @@ def plan_group(entries: Sequence[Tuple[str, object]], *, tp_size: int, mla: bool
                           pp_size=int(pp[1]), cp_rank=int(cp[0]), cp_size=int(cp[1]))
     out = CacheGroups(num_ranks=tp_size, page_tokens=page, groups=groups, identity=identity)
     out.check()
-    placed = [dataclasses.replace(p, slot=out.slots(p.layer).index((g, p.slot))) for g, p in pieces]
+    placed = [dataclasses.replace(p, slot=out.slots(p.layer).index((g, p.slot)), host=host) for g, host, p in pieces]
     return HybridPlan(out, placed, pools, page, page_bytes)
